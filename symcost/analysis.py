@@ -1,0 +1,500 @@
+"""From probe recordings to one symbolic op graph of the training step, with costs and totals.
+
+``trace(model)`` records the training step at probe sizes (:mod:`symcost.record`), aligns the
+recordings op by op, rebuilds every size as a polynomial in the canonical symbols
+(:mod:`symcost.fit`), folds the L repeated blocks into one block with ``repeat = L``, applies the
+cost rules (:mod:`symcost.rules`) to the symbolic shapes, and checks the resulting totals against
+fresh recordings (other sizes, L = 3) that took no part in the fit.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import networkx as nx
+import sympy
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import rules
+from .errors import SymcostError
+from .fit import SYMS, Fitter, plan_probes, random_point
+from .models import SYMBOL_MEANINGS, ModelSpec, resolve
+from .record import IntRef, OpCall, Recording, TensorRef, record
+
+PHASES = ("forward", "backward")
+FIT_L = 2
+CHECK_L = 3
+
+
+@dataclass
+class SymOp:
+    """One op of the folded graph with symbolic shapes and costs."""
+
+    index: int
+    name: str
+    family: str
+    module: str
+    phase: str
+    repeat: Any  # 1, or the symbol L for ops of the repeated block
+    in_shapes: list[tuple]
+    in_dtypes: list[torch.dtype]
+    out_shapes: list[tuple]
+    out_dtypes: list[torch.dtype]
+    cost: rules.Cost
+    layer: int | None = None
+    attention: bool = False  # a matmul-class op with no parameter operand
+
+
+def _layer_of(module: str, container: str | None) -> int | None:
+    if not container:
+        return None
+    prefix = container + "."
+    if module.startswith(prefix):
+        head = module[len(prefix):].split(".", 1)[0]
+        if head.isdigit():
+            return int(head)
+    return None
+
+
+def _fold_name(module: str, container: str | None) -> str:
+    if container is None:
+        return module
+    return re.sub(rf"^{re.escape(container)}\.\d+", f"{container}.{{i}}", module)
+
+
+def _op_view(op: OpCall, in_shapes, out_shapes, ints) -> rules.OpView:
+    flat, spec = tree_flatten(op.args_tree, is_leaf=lambda x: isinstance(x, (TensorRef, IntRef)))
+    vals = []
+    for a in flat:
+        if isinstance(a, TensorRef):
+            vals.append(tuple(in_shapes[a.index]))
+        elif isinstance(a, IntRef):
+            vals.append(ints[a.index])
+        else:
+            vals.append(a)
+    args, kwargs = tree_unflatten(vals, spec)
+    return rules.OpView(
+        op.op, op.name, in_shapes, [t.dtype for t in op.inputs], out_shapes,
+        [t.dtype for t in op.outputs], tuple(args), dict(kwargs),
+    )
+
+
+def concrete_cost(op: OpCall) -> rules.Cost:
+    """Cost of a recorded op at its concrete sizes."""
+    return rules.cost(
+        _op_view(op, [t.shape for t in op.inputs], [t.shape for t in op.outputs], op.ints)
+    )
+
+
+def _matmul_params(rec: Recording) -> tuple[set[str], set[int]]:
+    """Parameters that reach a matmul-class op (through views) in the forward, and those ops."""
+    origin: dict[int, str] = {}
+    used: set[str] = set()
+    ops_with_param: set[int] = set()
+    for i, op in enumerate(rec.ops):
+        if op.phase != "forward":
+            break
+        srcs = set()
+        fam = rules.classify(op.op)
+        operands = op.inputs
+        if fam == "model":  # bias operands are not matmul weights (flop_counter ignores bias adds)
+            operands = [t for k, t in enumerate(op.inputs) if k not in rules.bias_positions(op.op)]
+        for t in operands:
+            if t.source and t.source.startswith("param:"):
+                srcs.add(t.source[6:])
+            elif t.tid in origin:
+                srcs.add(origin[t.tid])
+        if fam == "view" and srcs:
+            for t in op.outputs:
+                origin[t.tid] = next(iter(srcs))
+        if fam == "model" and srcs:
+            used |= srcs
+            ops_with_param.add(i)
+    return used, ops_with_param
+
+
+@dataclass(eq=False)
+class Analysis:
+    """The symbolic cost model of one training step (forward + backward) of a model.
+
+    Attributes:
+        model: the model name.
+        spec: its :class:`~symcost.models.ModelSpec`.
+        graph: ``networkx.DiGraph``; op nodes carry ``op``, ``family``, ``module``, ``phase``,
+            ``repeat`` (1 or L), ``in_shapes``/``out_shapes`` (sympy), ``dtypes``, ``flops``,
+            ``flops_all``, ``bytes`` and ``intensity`` (FLOP/byte); edges carry the tensor's
+            ``shape`` and ``bytes``. Parameter and input nodes have ``kind`` "param"/"input".
+        ops: the folded op list in execution order.
+        symbols: the free symbols (name -> meaning).
+        param_shapes: parameter name (folded) -> (shape, dtype, repeat).
+        unsupported: aten op name -> number of executions (per training step, symbolic).
+        saved: activations saved for backward: list of (module, nbytes expr, dtype, repeat).
+    """
+
+    model: str
+    spec: ModelSpec
+    graph: nx.DiGraph
+    ops: list[SymOp]
+    symbols: dict[str, str]
+    param_shapes: dict[str, tuple]
+    matmul_params: set[str]
+    unsupported: dict[str, Any]
+    saved: list[tuple] = field(default_factory=list)
+    layer_container: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    # -- totals ---------------------------------------------------------------------------------
+    def _sum(self, attr: str, phase: str) -> sympy.Expr:
+        phases = PHASES if phase == "train" else (phase,)
+        if phase not in ("forward", "backward", "train"):
+            raise SymcostError(f"unknown phase {phase!r}; accepted: forward, backward, train")
+        return sympy.expand(
+            sympy.Add(*[op.repeat * getattr(op.cost, attr) for op in self.ops if op.phase in phases])
+        )
+
+    @functools.cache
+    def flops(self, phase: str = "train", kind: str = "model") -> sympy.Expr:
+        """Total FLOPs of ``phase`` (forward|backward|train) as a polynomial in the symbols.
+
+        ``kind="model"``: matmul-class FLOPs, FlopCounterMode's convention (torch/utils/
+        flop_counter.py); ``kind="all"``: plus the per-element counts of :mod:`symcost.rules`.
+        """
+        if kind not in ("model", "all"):
+            raise SymcostError(f"unknown FLOP kind {kind!r}; accepted: model, all")
+        return self._sum("flops" if kind == "model" else "flops_all", phase)
+
+    @functools.cache
+    def bytes(self, phase: str = "train") -> sympy.Expr:
+        """Bytes read + written by all ops of ``phase`` (unfused lower bound), a polynomial."""
+        return self._sum("bytes", phase)
+
+    def _param_total(self, names) -> sympy.Expr:
+        return sympy.expand(sympy.Add(*[
+            rep * rules.numel(shape) for n, (shape, _, rep) in self.param_shapes.items() if n in names
+        ]))
+
+    @functools.cached_property
+    def params(self) -> sympy.Expr:
+        """Parameter count (tied parameters once), a polynomial in the symbols."""
+        return self._param_total(set(self.param_shapes))
+
+    @functools.cached_property
+    def params_matmul(self) -> sympy.Expr:
+        """P of 6·N·P: parameters used as a matmul operand in the forward (tied weights once)."""
+        return self._param_total(self.matmul_params)
+
+    @functools.cached_property
+    def attention_flops(self) -> sympy.Expr:
+        """Model FLOPs (train) of matmul-class ops with no parameter operand (attention)."""
+        return sympy.expand(sympy.Add(*[
+            op.repeat * op.cost.flops for op in self.ops if op.attention
+        ]))
+
+    def train_simplified(self) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+        """``(P, remainder, unevaluated 6*B*S*P + remainder)`` with remainder exact."""
+        P = self.params_matmul
+        B, S = SYMS["B"], SYMS["S"]
+        rem = sympy.expand(self.flops("train") - 6 * B * S * P)
+        form = sympy.Add(sympy.Mul(6, B, S, sympy.factor_terms(P), evaluate=False),
+                         sympy.factor_terms(rem), evaluate=False)
+        return P, rem, form
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def bind(self, **sizes: int) -> dict[sympy.Symbol, int]:
+        """Symbol values: the given ``sizes`` over the model's defaults; tied symbols follow.
+
+        Raises:
+            SymcostError: a symbol the model does not have, or a non-positive / non-integer value.
+        """
+        values = {s: self.spec.defaults[s] for s in self.symbols if s in self.spec.defaults}
+        for k, v in sizes.items():
+            if k not in self.symbols:
+                known = ", ".join(self.symbols)
+                raise SymcostError(f"unknown symbol {k!r} for {self.model}; accepted: {known}")
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise SymcostError(f"{k} must be a positive integer, got {v!r}")
+            values[k] = v
+        missing = [s for s in self.symbols if s not in values]
+        if missing:
+            raise SymcostError(f"no value for {', '.join(missing)}; set it with --set")
+        msg = self.spec.check(values)
+        if msg:
+            raise SymcostError(msg)
+        return {SYMS[k]: v for k, v in values.items()}
+
+    def subs(self, **sizes: int) -> dict[str, int]:
+        """Every total as an integer at the given sizes (others at the model's defaults)."""
+        env = self.bind(**sizes)
+        ev = lambda e: int(sympy.sympify(e).subs(env))  # noqa: E731
+        out = {"params": ev(self.params), "params_matmul": ev(self.params_matmul)}
+        for ph in PHASES + ("train",):
+            out[f"flops.{ph}"] = ev(self.flops(ph))
+            out[f"flops_all.{ph}"] = ev(self.flops(ph, "all"))
+            out[f"bytes.{ph}"] = ev(self.bytes(ph))
+        return out
+
+    def __repr__(self) -> str:
+        P, rem, form = self.train_simplified()
+        return (
+            f"<symcost.Analysis {self.model}: {len(self.ops)} ops "
+            f"({self.graph.number_of_nodes()} graph nodes), symbols {','.join(self.symbols)}\n"
+            f"  params = {self.params}\n  flops.train = {form}>"
+        )
+
+    def _repr_latex_(self) -> str:
+        P, rem, form = self.train_simplified()
+        return (
+            r"$\mathrm{FLOPs}_{train} = " + sympy.latex(form) + r"$"
+            + r"<br>$P = " + sympy.latex(P) + "$"
+        )
+
+    def write(self, path: str) -> None:
+        """Write the graph as GraphML (``.graphml``) or node-link JSON (``.json``).
+
+        Sympy values are written as strings that ``sympy.sympify`` parses.
+        """
+        g = nx.DiGraph()
+        for n, d in self.graph.nodes(data=True):
+            g.add_node(str(n), **{k: str(v) for k, v in d.items()})
+        for u, v, d in self.graph.edges(data=True):
+            g.add_edge(str(u), str(v), **{k: str(x) for k, x in d.items()})
+        if path.endswith(".graphml"):
+            nx.write_graphml(g, path)
+        elif path.endswith(".json"):
+            import json
+
+            with open(path, "w") as f:
+                json.dump(nx.node_link_data(g, edges="edges"), f, indent=1)
+        else:
+            raise SymcostError(f"unknown graph format for {path!r}; accepted: .graphml, .json")
+
+
+def _align(recs: list[Recording], spec: ModelSpec) -> None:
+    ref = recs[0]
+    for r in recs[1:]:
+        if len(r.ops) != len(ref.ops) or any(a.name != b.name for a, b in zip(r.ops, ref.ops)):
+            i = next((i for i, (a, b) in enumerate(zip(r.ops, ref.ops)) if a.name != b.name),
+                     min(len(r.ops), len(ref.ops)))
+            a = ref.ops[i].name if i < len(ref.ops) else "<end>"
+            b = r.ops[i].name if i < len(r.ops) else "<end>"
+            raise SymcostError(
+                f"{spec.name}: the ops it runs change with the sizes ({a} at {ref.values} but {b} "
+                f"at {r.values}, op #{i}); size-dependent control flow cannot get one formula"
+            )
+        if len(r.saved) != len(ref.saved) or set(r.params) != set(ref.params):
+            raise SymcostError(f"{spec.name}: saved tensors or parameters change with the sizes")
+
+
+def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None = None,
+          attention: str = "eager", sizes: Mapping[str, int] | None = None,
+          n_random: int = 8, seed: int = 0) -> Analysis:
+    """Trace a model's training step into a symbolic cost graph.
+
+    Args:
+        model: a built-in name (``cs336-lm``, ``gpt2``, ``mlp``, ``megatron-gpt``),
+            ``hf:MODEL_TYPE``, ``path/to/file.py:factory``, or a :class:`ModelSpec`.
+        config: ``hf:`` config overrides (key -> value string).
+        attention: ``eager`` or ``sdpa`` for ``hf:`` models.
+        sizes: values the formulas will be used at; only their *regime* matters for tracing
+            (e.g. K == H selects multi-head attention, K < H grouped-query).
+        n_random: random probes in the fit (besides base and one per symbol).
+        seed: probe sampling seed.
+
+    Returns:
+        An :class:`Analysis` whose totals were checked against two fresh recordings at sizes
+        not used in the fit (with L = 3 where L is a symbol).
+
+    Raises:
+        SymcostError: bad model/config, untraceable model, or sizes that no polynomial in the
+            declared symbols reproduces.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
+    if sizes and "K" in sizes and "H" in spec.symbols and "K" in spec.symbols:
+        h = sizes.get("H", spec.defaults.get("H"))
+        if sizes["K"] == h and "K" not in spec.tied:
+            spec.tied = dict(spec.tied, K="H")
+    symbols = spec.all_symbols
+    fixed = {"L": FIT_L} if "L" in symbols else {}
+    plan = plan_probes(symbols, spec.check, n_random=n_random, seed=seed, fixed=fixed)
+    recs = [record(spec, p) for p in plan.points]
+    t1 = time.perf_counter()
+    _align(recs, spec)
+    fitter = Fitter(plan)
+    ref = recs[0]
+    container = ref.layer_container if "L" in symbols else None
+
+    def fit_shape(getter, what):
+        shapes0 = getter(ref)
+        return [
+            tuple(fitter(tuple(getter(r)[k][d] for r in recs), what) for d in range(len(s)))
+            for k, s in enumerate(shapes0)
+        ]
+
+    # parameters
+    L = SYMS["L"]
+    param_shapes: dict[str, tuple] = {}
+    for name, (shape, dtype) in ref.params.items():
+        layer = _layer_of(name.rpartition(".")[0], container)
+        if layer is not None and layer > 0:
+            continue
+        sym = tuple(fitter(tuple(r.params[name][0][d] for r in recs), f"size of {name}") for d in range(len(shape)))
+        param_shapes[_fold_name(name, container)] = (sym, dtype, L if layer == 0 else 1)
+    used, ops_with_param = _matmul_params(ref)
+    matmul_params = {_fold_name(n, container) for n in used}
+
+    # ops
+    layer_seq: dict[int, list[str]] = {}
+    ops: list[SymOp] = []
+    unsupported: dict[str, Any] = {}
+    cost_cache: dict = {}
+    for i, op in enumerate(ref.ops):
+        layer = _layer_of(op.module, container)
+        if layer is not None:
+            layer_seq.setdefault(layer, []).append(op.name)
+            if layer > 0:
+                continue
+        in_shapes = [
+            tuple(fitter(tuple(r.ops[i].inputs[k].shape[d] for r in recs), f"dimension of {op.name}")
+                  for d in range(len(t.shape)))
+            for k, t in enumerate(op.inputs)
+        ]
+        out_shapes = [
+            tuple(fitter(tuple(r.ops[i].outputs[k].shape[d] for r in recs), f"dimension of {op.name}")
+                  for d in range(len(t.shape)))
+            for k, t in enumerate(op.outputs)
+        ]
+        ints = [fitter(tuple(r.ops[i].ints[k] for r in recs), f"size argument of {op.name}")
+                for k in range(len(op.ints))]
+        family = rules.classify(op.op)
+        key = (op.name, tuple(in_shapes), tuple(out_shapes), tuple(ints),
+               tuple(t.dtype for t in op.inputs + op.outputs))
+        c = cost_cache.get(key)
+        if c is None:
+            try:
+                c = rules.cost(_op_view(op, in_shapes, out_shapes, ints), family)
+                c = rules.Cost(*(rules.expand_flops(x) for x in (c.flops, c.flops_all, c.bytes)))
+            except (AssertionError, TypeError, ValueError):
+                # A registry formula that cannot take symbols (e.g. asserts H % K == 0): fit
+                # its concrete values at the probes instead.
+                cs = [concrete_cost(r.ops[i]) for r in recs]
+                c = rules.Cost(*(fitter(tuple(int(getattr(x, a)) for x in cs), f"cost of {op.name}")
+                                 for a in ("flops", "flops_all", "bytes")))
+            cost_cache[key] = c
+        repeat = L if layer == 0 else sympy.Integer(1)
+        if family == "unsupported":
+            unsupported[op.name] = unsupported.get(op.name, 0) + repeat
+        ops.append(SymOp(
+            index=i, name=op.name, family=family, module=_fold_name(op.module, container),
+            phase=op.phase, repeat=repeat, in_shapes=in_shapes,
+            in_dtypes=[t.dtype for t in op.inputs], out_shapes=out_shapes,
+            out_dtypes=[t.dtype for t in op.outputs], cost=c, layer=layer,
+            attention=family == "model" and op.phase == "forward" and i not in ops_with_param,
+        ))
+    if container and len(layer_seq) >= 2 and any(seq != layer_seq[0] for seq in layer_seq.values()):
+        raise SymcostError(f"{spec.name}: the blocks of {container} do not run the same ops; cannot fold L")
+    # Backward attention matmuls: those of the backward with no parameter gradient involved are
+    # hard to tell apart generically; attribute by module: a module whose forward model op is
+    # attention marks its backward model ops as attention only if it holds no parameter.
+    attn_modules = {op.module for op in ops if op.attention}
+    param_modules = {_fold_name(n.rpartition(".")[0], container) for n in param_shapes}
+    for op in ops:
+        if op.phase == "backward" and op.family == "model" and op.module in attn_modules \
+                and op.module not in param_modules:
+            op.attention = True
+
+    # saved activations
+    saved = []
+    for k, s in enumerate(ref.saved):
+        layer = _layer_of(s.module, container)
+        if layer is not None and layer > 0:
+            continue
+        nb = fitter(tuple(r.saved[k].nbytes for r in recs), f"saved tensor of {s.module or 'the root'}")
+        saved.append((_fold_name(s.module, container), nb, s.dtype, L if layer == 0 else sympy.Integer(1)))
+
+    t2 = time.perf_counter()
+    graph = _build_graph(ref, ops, container)
+    syms = {s: SYMBOL_MEANINGS[s] for s in symbols}
+    an = Analysis(
+        model=spec.name, spec=spec, graph=graph, ops=ops, symbols=syms, param_shapes=param_shapes,
+        matmul_params=matmul_params, unsupported=unsupported, saved=saved, layer_container=container,
+    )
+    _validate(an, spec, symbols, seed)
+    an.timings = {"record": t1 - t0, "fit": t2 - t1, "check": time.perf_counter() - t2}
+    return an
+
+
+def concrete_totals(rec: Recording) -> dict[str, int]:
+    """Totals of one concrete recording by the same rules: the oracle for the symbolic fit."""
+    out = {f"{k}.{p}": 0 for k in ("flops", "flops_all", "bytes") for p in PHASES}
+    for op in rec.ops:
+        c = concrete_cost(op)
+        out[f"flops.{op.phase}"] += int(c.flops)
+        out[f"flops_all.{op.phase}"] += int(c.flops_all)
+        out[f"bytes.{op.phase}"] += int(c.bytes)
+    out["params"] = sum(rules.numel(s) for s, _ in rec.params.values())
+    out["saved"] = sum(s.nbytes for s in rec.saved)
+    return out
+
+
+def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int) -> None:
+    import random
+
+    rng = random.Random(seed + 1000)
+    fixed = {"L": CHECK_L} if "L" in symbols else {}
+    for _ in range(2):
+        p = random_point(symbols, spec.check, rng, fixed)
+        rec = record(spec, p)
+        want = concrete_totals(rec)
+        env = {SYMS[k]: v for k, v in p.items() if k in symbols}
+        got = {f"{k}.{ph}": None for k in ("flops", "flops_all", "bytes") for ph in PHASES}
+        for ph in PHASES:
+            got[f"flops.{ph}"] = an.flops(ph).subs(env)
+            got[f"flops_all.{ph}"] = an.flops(ph, "all").subs(env)
+            got[f"bytes.{ph}"] = an.bytes(ph).subs(env)
+        got["params"] = an.params.subs(env)
+        got["saved"] = sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]).subs(env)
+        bad = {k: (int(got[k]), want[k]) for k in want if int(got[k]) != want[k]}
+        if bad:
+            k, (g, w) = next(iter(bad.items()))
+            raise SymcostError(
+                f"{spec.name}: the recovered formula for {k} gives {g} but a fresh trace at {p} "
+                f"measures {w}; the model's costs are not polynomial in {', '.join(symbols)}"
+            )
+
+
+def _build_graph(ref: Recording, ops: list[SymOp], container: str | None) -> nx.DiGraph:
+    g = nx.DiGraph()
+    producer: dict[int, tuple[int, int]] = {}
+    kept = {op.index: op for op in ops}
+    for i, op in enumerate(ref.ops):
+        sop = kept.get(i)
+        for k, t in enumerate(op.outputs):
+            producer[t.tid] = (i, k)
+        if sop is None:
+            continue
+        g.add_node(
+            i, kind="op", op=op.name, family=sop.family, module=sop.module, phase=sop.phase,
+            repeat=sop.repeat, in_shapes=sop.in_shapes, out_shapes=sop.out_shapes,
+            dtypes=[str(d).removeprefix("torch.") for d in sop.out_dtypes],
+            flops=sop.cost.flops, flops_all=sop.cost.flops_all, bytes=sop.cost.bytes,
+            intensity=(sympy.cancel(sop.cost.flops_all / sop.cost.bytes) if sop.cost.bytes != 0 else 0),
+        )
+        for k, t in enumerate(op.inputs):
+            shape = sop.in_shapes[k]
+            nbytes = rules.nbytes(shape, t.dtype)
+            if t.source:
+                kind, _, name = t.source.partition(":")
+                src = f"{kind}:{_fold_name(name, container)}"
+                if src not in g:
+                    g.add_node(src, kind=src.split(":")[0], shape=shape,
+                               dtypes=[str(t.dtype).removeprefix("torch.")])
+                g.add_edge(src, i, shape=shape, bytes=nbytes)
+            elif t.tid in producer and producer[t.tid][0] in kept:
+                g.add_edge(producer[t.tid][0], i, shape=shape, bytes=nbytes)
+    return g

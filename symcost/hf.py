@@ -1,0 +1,439 @@
+"""``hf:MODEL_TYPE``: a Hugging Face ``transformers`` causal LM built from its default config.
+
+Nothing is downloaded: the config is ``transformers.AutoConfig.for_model(MODEL_TYPE)`` (the
+library's built-in defaults), changed by the user's ``--config key=value`` overrides, and the model
+is ``AutoModelForCausalLM.from_config`` on whatever device the caller has made current (``meta``
+for tracing). Symbol binding (shared/conventions.md):
+
+====== ===========================================================================================
+symbol config attribute
+====== ===========================================================================================
+H      ``num_attention_heads``
+D      ``head_dim`` where the config has one (not None), else ``hidden_size / num_attention_heads``;
+       ``hidden_size`` is always built as ``H*D``
+L      ``num_hidden_layers``
+V      ``vocab_size``
+F      ``intermediate_size`` (``ffn_dim`` for opt, ``n_inner`` for gpt2/gptj when set) when the
+       config sets it on its own; a width the config derives from ``hidden_size`` (gpt2's
+       ``n_inner=None``, falcon's ``ffn_hidden_size``) is no symbol: it comes out of the trace
+K      ``num_key_value_heads`` where the config has it; tied to H (``tied={"K": "H"}``) when the
+       config's K equals H (multi-head attention), free otherwise (grouped-query attention)
+====== ===========================================================================================
+
+Every build re-runs the config class's constructor with the overrides and the symbol values, so
+attributes the config derives from the sizes (falcon's ``ffn_hidden_size``, opt's
+``word_embed_proj_dim``, qwen's per-layer ``layer_types``) follow the symbols the way they would
+for a user writing ``LlamaConfig(hidden_size=...)``.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+from typing import Any, Mapping
+
+import torch
+
+from .errors import SymcostError
+from .models import ModelSpec
+
+#: Decoder architectures checked to build, run forward + loss + backward with real CPU tensors and
+#: under ``FakeTensorMode`` (built on ``meta``), and trace the same number of aten ops at two size
+#: tuples with the same L, with eager and sdpa attention (transformers 5.24, torch 2.13).
+VERIFIED = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gpt2",
+    "gpt_neox",
+    "opt",
+    "olmo",
+    "olmo2",
+    "stablelm",
+    "falcon",
+    "granite",
+    "starcoder2",
+    "gptj",
+)
+
+#: Dotted path of the ModuleList holding the L blocks, for the architectures we know.
+_LAYERS = {
+    "llama": "model.layers",
+    "mistral": "model.layers",
+    "qwen2": "model.layers",
+    "qwen3": "model.layers",
+    "phi3": "model.layers",
+    "gemma": "model.layers",
+    "olmo": "model.layers",
+    "olmo2": "model.layers",
+    "stablelm": "model.layers",
+    "granite": "model.layers",
+    "starcoder2": "model.layers",
+    "gpt2": "transformer.h",
+    "gptj": "transformer.h",
+    "falcon": "transformer.h",
+    "bloom": "transformer.h",
+    "gpt_neox": "gpt_neox.layers",
+    "opt": "model.decoder.layers",
+}
+
+ATTENTION = ("eager", "sdpa")
+
+#: Config attributes that may set the feed-forward width F, first present and not None wins.
+_F_ATTRS = ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size")
+#: Token ids that must lie inside the vocabulary (pad_token_id becomes the embedding's padding_idx).
+_TOKEN_ATTRS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+_NEED_TRANSFORMERS = (
+    "hf: models need the optional dependency transformers; install it with: pip install 'symcost[hf]'"
+)
+
+
+def parse_value(text: str) -> Any:
+    """Parse one ``--config`` value without eval: int, then float, then true/false/none, else str.
+
+    ``"8"`` -> 8, ``"1e-5"`` -> 1e-05, ``"True"`` -> True, ``"none"``/``"null"`` -> None,
+    ``"silu"`` -> ``"silu"``. Raises nothing.
+    """
+    s = text.strip()
+    try:
+        return int(s)
+    except ValueError:
+        pass
+    try:
+        return float(s)
+    except ValueError:
+        pass
+    low = s.lower()
+    if low == "true":
+        return True
+    if low == "false":
+        return False
+    if low in ("none", "null"):
+        return None
+    return text
+
+
+def _import_transformers():
+    try:
+        import transformers  # noqa: F401
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError as e:
+        raise SymcostError(_NEED_TRANSFORMERS) from e
+    return AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def _config_keys(cfg) -> set[str]:
+    """Names a ``--config`` key may take: the config class's fields and its attribute_map aliases."""
+    keys = set(getattr(type(cfg), "attribute_map", {}) or {})
+    if dataclasses.is_dataclass(cfg):
+        keys |= {f.name for f in dataclasses.fields(cfg)}
+    keys |= {k for k in cfg.to_dict() if not k.startswith("_")}
+    keys -= {"model_type", "transformers_version", "architectures"}
+    return keys
+
+
+def _field_name(cfg, key: str) -> str:
+    """The constructor field behind a standard name (gpt2: ``num_attention_heads`` -> ``n_head``)."""
+    return (getattr(type(cfg), "attribute_map", {}) or {}).get(key, key)
+
+
+def _is_field(cfg, key: str) -> bool:
+    return dataclasses.is_dataclass(cfg) and key in {f.name for f in dataclasses.fields(cfg)}
+
+
+def _make_config(AutoConfig, model_type: str, kwargs: Mapping[str, Any]):
+    try:
+        return AutoConfig.for_model(model_type, **kwargs)
+    except Exception as e:  # noqa: BLE001 - config constructors validate with any exception type
+        shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise SymcostError(f"hf:{model_type}: the config rejected {shown}: {type(e).__name__}: {e}") from e
+
+
+def _apply_overrides(AutoConfig, model_type: str, base, overrides: Mapping[str, str]) -> dict[str, Any]:
+    """Turn ``key=value`` strings into constructor kwargs (field names), validating every key.
+
+    ``parent.key=value`` sets one entry of a dict-valued attribute (e.g.
+    ``rope_parameters.partial_rotary_factor=0.5``).
+    """
+    known = _config_keys(base)
+    kwargs: dict[str, Any] = {}
+    for key, text in overrides.items():
+        key = key.strip()
+        value = parse_value(text)
+        if "." in key:
+            parent, _, sub = key.partition(".")
+            current = getattr(base, parent, None) if parent in known else None
+            if not isinstance(current, dict):
+                raise SymcostError(
+                    f"hf:{model_type}: unknown config key {key!r}: {parent!r} is not a dict-valued "
+                    f"attribute of {type(base).__name__}"
+                )
+            merged = dict(kwargs.get(parent, current))
+            merged[sub] = value
+            kwargs[parent] = merged
+            continue
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            nested = [k for k, v in base.to_dict().items() if isinstance(v, dict) and key in v]
+            if nested:
+                hint = f"; it is inside {nested[0]!r}: use --config {nested[0]}.{key}={text}"
+            raise SymcostError(f"hf:{model_type}: unknown config key {key!r} for {type(base).__name__}{hint}")
+        kwargs[_field_name(base, key)] = value
+    cfg = _make_config(AutoConfig, model_type, kwargs)
+    for key, value in kwargs.items():
+        if "." not in key and getattr(cfg, key, value) != value and not isinstance(value, dict):
+            raise SymcostError(
+                f"hf:{model_type}: --config {key}={value!r} did not take effect "
+                f"({type(cfg).__name__} made it {getattr(cfg, key)!r})"
+            )
+    return kwargs
+
+
+def _rope(cfg) -> tuple[bool, float | None, int | None]:
+    """(uses rotary embeddings, partial_rotary_factor or None, fixed rotary_dim or None)."""
+    rp = getattr(cfg, "rope_parameters", None)
+    rotary_dim = getattr(cfg, "rotary_dim", None)
+    if getattr(cfg, "alibi", False) or (rp is None and rotary_dim is None):
+        return False, None, None
+    factor = None
+    if isinstance(rp, dict):
+        factor = rp.get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(cfg, "partial_rotary_factor", None)
+    if factor is not None and float(factor) == 1.0:
+        factor = None
+    return True, factor, rotary_dim
+
+
+def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str = "eager") -> ModelSpec:
+    """Build the :class:`~symcost.models.ModelSpec` of ``hf:MODEL_TYPE`` from its default config.
+
+    Args:
+        model_type: a ``transformers`` model type with a causal-LM head (``llama``, ``gpt2``, ...);
+            see :data:`VERIFIED` for those checked to trace.
+        overrides: ``--config key=value`` strings applied to the default config (values parsed as
+            int, float, true/false/none, else string; never evaluated). Standard names
+            (``hidden_size``) and the config's own (``n_embd``) are both accepted;
+            ``parent.key=value`` sets an entry of a dict attribute such as ``rope_parameters``.
+        attention: ``"eager"`` or ``"sdpa"``, the ``attn_implementation`` the model is built with.
+
+    The spec's ``build(values)`` returns the model in train mode with hidden_size = H*D;
+    ``make_inputs(values, device)`` gives ``input_ids`` and ``labels``, both int64 ``[B, S]``
+    (the model shifts the labels itself); ``loss`` is the model's mean next-token cross entropy.
+
+    Raises:
+        SymcostError: transformers missing; unknown or non-causal-LM model type; bad attention;
+            unknown or rejected config key; a config symcost cannot bind (no heads, or
+            hidden_size != num_attention_heads*head_dim, as in gemma's default).
+    """
+    AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING, CAUSAL = _import_transformers()
+    overrides = dict(overrides or {})
+    if attention not in ATTENTION:
+        raise SymcostError(f"unknown attention implementation {attention!r}; accepted: {', '.join(ATTENTION)}")
+    name = model_type
+    if model_type not in CONFIG_MAPPING and model_type.replace("-", "_") in CONFIG_MAPPING:
+        model_type = model_type.replace("-", "_")
+    if model_type not in CONFIG_MAPPING:
+        raise SymcostError(
+            f"unknown Hugging Face model type {name!r}; verified decoder models: {', '.join(VERIFIED)} "
+            "(other transformers causal-LM model types may work too)"
+        )
+    if model_type not in CAUSAL:
+        raise SymcostError(
+            f"hf:{model_type} has no causal-LM head in transformers (AutoModelForCausalLM); "
+            f"verified decoder models: {', '.join(VERIFIED)}"
+        )
+    base = _make_config(AutoConfig, model_type, {})
+    ov = _apply_overrides(AutoConfig, model_type, base, overrides)
+    cfg = _make_config(AutoConfig, model_type, ov)
+    cls = type(cfg).__name__
+
+    def attr(key):
+        return getattr(cfg, key, None)
+
+    H, hidden = attr("num_attention_heads"), attr("hidden_size")
+    L, V = attr("num_hidden_layers"), attr("vocab_size")
+    for key, v in (("num_attention_heads", H), ("hidden_size", hidden), ("num_hidden_layers", L), ("vocab_size", V)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise SymcostError(
+                f"hf:{model_type}: {cls} has no usable {key} ({v!r}); symcost binds H, D, L, V to "
+                "num_attention_heads, head_dim, num_hidden_layers, vocab_size"
+            )
+    head_dim = attr("head_dim")
+    if head_dim is not None:
+        D = head_dim
+        if H * D != hidden:
+            raise SymcostError(
+                f"hf:{model_type}: the config has hidden_size={hidden} but num_attention_heads*head_dim="
+                f"{H}*{D}={H * D}; symcost models hidden_size = H*D, so make them agree, e.g. "
+                f"--config head_dim={hidden // H if hidden % H == 0 else '...'} or "
+                f"--config hidden_size={H * D}"
+            )
+    else:
+        if hidden % H:
+            raise SymcostError(
+                f"hf:{model_type}: hidden_size={hidden} is not a multiple of num_attention_heads={H}; "
+                "symcost models hidden_size = H*D: set --config hidden_size=... or num_attention_heads=..."
+            )
+        D = hidden // H
+    settable_head_dim = _is_field(cfg, "head_dim")
+
+    # F: the first feed-forward width attribute that is set, unless the config derives it from the
+    # width (then it follows H*D through the trace and is no symbol).
+    f_attr, F = None, None
+    for key in _F_ATTRS:
+        if attr(key) is not None:
+            f_attr, F = key, attr(key)
+            break
+    if f_attr is not None and f_attr not in ov:
+        probe = dict(ov)
+        probe[_field_name(cfg, "hidden_size")] = 2 * hidden
+        if settable_head_dim:
+            probe["head_dim"] = 2 * D
+        if getattr(_make_config(AutoConfig, model_type, probe), f_attr, None) != F:
+            f_attr, F = None, None
+
+    has_k = hasattr(cfg, "num_key_value_heads")
+    K = attr("num_key_value_heads") if has_k else None
+    tied: dict[str, str] = {}
+    if has_k and (K is None or K == H):
+        tied = {"K": "H"}
+        K = H
+
+    symbols = tuple(s for s, present in (("H", 1), ("D", 1), ("L", 1), ("V", 1), ("F", f_attr), ("K", has_k)) if present)
+    maxpos = attr("max_position_embeddings") or attr("n_positions")
+    defaults = {"B": 1, "S": min(2048, maxpos) if maxpos else 2048, "H": H, "D": D, "L": L, "V": V}
+    if f_attr:
+        defaults["F"] = F
+    if has_k:
+        defaults["K"] = K
+
+    uses_rope, rope_factor, rotary_dim = _rope(cfg)
+    window = attr("sliding_window") if attr("use_sliding_window") is not False else None
+    alibi = model_type == "bloom" or bool(attr("alibi"))
+
+    def check(values: Mapping[str, int]) -> str | None:
+        for s in ("B", "S", *symbols):
+            v = values.get(s)
+            if not isinstance(v, int) or v < 1:
+                return f"{s} must be a positive integer (got {v!r})"
+        h, d, s = values["H"], values["D"], values["S"]
+        if has_k and not tied:
+            k = values["K"]
+            if h % k:
+                return f"K must divide H (got K={k}, H={h})"
+            if k == h:
+                return (
+                    f"K must be less than H here: hf:{model_type} is configured for grouped-query "
+                    "attention (num_key_value_heads < num_attention_heads) and K = H traces other "
+                    "ops; for multi-head attention set --config num_key_value_heads equal to "
+                    "num_attention_heads (K then follows H)"
+                )
+        if uses_rope and d % 2:
+            return f"D must be even: hf:{model_type} uses rotary position embeddings (got D={d})"
+        if rope_factor is not None:
+            r = d * float(rope_factor)
+            if abs(r - round(r)) > 1e-9 or round(r) % 2:
+                return (
+                    f"D*partial_rotary_factor must be an even integer (D={d}, factor={rope_factor}); "
+                    f"use a multiple of {_multiple(rope_factor)} for D"
+                )
+        if rotary_dim is not None and d < rotary_dim:
+            return (
+                f"D must be at least rotary_dim={rotary_dim} (got D={d}); lower it with "
+                "--config rotary_dim=..."
+            )
+        if alibi and h & (h - 1):
+            return f"H must be a power of two: ALiBi slopes of other head counts trace other ops (got H={h})"
+        if maxpos and s > maxpos:
+            return (
+                f"S={s} exceeds max_position_embeddings={maxpos}; raise it with "
+                f"--config max_position_embeddings={s}"
+            )
+        if window is not None and s > window:
+            return (
+                f"S={s} exceeds the sliding window {window}, which traces other mask ops; "
+                f"use --config sliding_window={s} (or none)"
+            )
+        return None
+
+    def config_for(values: Mapping[str, int]):
+        h, d = values["H"], values["D"]
+        kw = dict(ov)
+        kw[_field_name(cfg, "num_attention_heads")] = h
+        kw[_field_name(cfg, "hidden_size")] = h * d
+        if settable_head_dim:
+            kw["head_dim"] = d
+        kw[_field_name(cfg, "num_hidden_layers")] = values["L"]
+        kw[_field_name(cfg, "vocab_size")] = values["V"]
+        if f_attr:
+            kw[_field_name(cfg, f_attr)] = values["F"]
+        if has_k:
+            kw[_field_name(cfg, "num_key_value_heads")] = h if tied else values["K"]
+        kw["use_cache"] = False
+        for key in _TOKEN_ATTRS:  # ids outside a small probe vocabulary would break the embedding
+            t = kw.get(key, attr(key))
+            ids = t if isinstance(t, (list, tuple)) else [t]
+            if any(isinstance(i, int) and i >= values["V"] for i in ids):
+                kw[key] = None
+        c = _make_config(AutoConfig, model_type, kw)
+        c._attn_implementation = attention
+        return c
+
+    def build(values: Mapping[str, int]) -> torch.nn.Module:
+        why = check(values)
+        if why:
+            raise SymcostError(f"hf:{model_type}: {why}")
+        c = config_for(values)
+        try:
+            model = AutoModelForCausalLM.from_config(c, attn_implementation=attention)
+        except Exception as e:  # noqa: BLE001 - transformers raises many types
+            raise SymcostError(f"hf:{model_type}: building the model failed: {type(e).__name__}: {e}") from e
+        return model.train()
+
+    def make_inputs(values: Mapping[str, int], device) -> tuple[tuple, dict]:
+        ids = torch.randint(0, values["V"], (values["B"], values["S"]), dtype=torch.long, device=device)
+        return (), {"input_ids": ids, "labels": ids}
+
+    def loss(out, inputs) -> torch.Tensor:
+        return out.loss
+
+    extra = {
+        "config_class": cls,
+        "model_type": model_type,
+        "attention": attention,
+        "hidden_size_note": "hidden_size = H*D" + (" (head_dim = D)" if settable_head_dim else ""),
+        "tie_word_embeddings": bool(attr("tie_word_embeddings")),
+        "config": copy.deepcopy(cfg.to_dict()),
+    }
+    if f_attr:
+        extra["F_attribute"] = f_attr
+    if model_type not in VERIFIED:
+        extra["unverified"] = f"hf:{model_type} is not among the verified architectures ({', '.join(VERIFIED)})"
+    return ModelSpec(
+        name=f"hf:{name}",
+        symbols=symbols,
+        defaults=defaults,
+        build=build,
+        make_inputs=make_inputs,
+        loss=loss,
+        check=check,
+        tied=tied,
+        layers=_LAYERS.get(model_type),
+        extra=extra,
+    )
+
+
+def _multiple(factor: float) -> int:
+    """Smallest D for which D*factor is an even integer."""
+    for d in range(1, 1025):
+        r = d * float(factor)
+        if abs(r - round(r)) < 1e-9 and round(r) % 2 == 0 and round(r) > 0:
+            return d
+    return 2

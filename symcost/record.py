@@ -1,0 +1,300 @@
+"""Record one training step at concrete sizes, without allocating memory.
+
+The model is built on the meta device and materialised as ``FakeTensor``s on the CPU device
+(``torch._subclasses.fake_tensor.FakeTensorMode``), so PyTorch picks the same kernels it would
+pick for real CPU tensors (e.g. the CPU flash-attention kernel behind
+``F.scaled_dot_product_attention``) while no storage is allocated: a 70B configuration records
+on a laptop. A ``TorchDispatchMode`` sees every aten op that runs, forward and the backward ops
+autograd really executes; module forward hooks and labels on autograd nodes tell which module each
+op came from (backward ops inherit the module of the forward op whose autograd node runs them).
+A ``saved_tensors_hooks`` pair records what autograd saves for backward.
+
+The recording is concrete; :mod:`symcost.fit` turns several recordings at different sizes into
+symbolic shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .errors import SymcostError
+from .models import ModelSpec
+
+_META_KEY = "symcost_module"
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Placeholder for the i-th tensor input of an op inside its recorded argument tree."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class IntRef:
+    """Placeholder for the i-th integer argument of an op (sizes fitted like tensor dims)."""
+
+    index: int
+
+
+@dataclass
+class TensorInfo:
+    """One tensor an op reads or writes: concrete shape, dtype, producer (op index or source)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tid: int  # recording-wide tensor id
+    source: str | None = None  # "param:<name>", "buffer:<name>", "input:<i>" for leaf tensors
+
+
+@dataclass
+class OpCall:
+    """One aten op call of the training step, as recorded."""
+
+    op: Any  # torch._ops.OpOverload
+    name: str  # e.g. "aten.mm.default"
+    module: str  # dotted module path ("" for the root)
+    phase: str  # "forward" | "backward"
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    ints: list[int]  # integer scalar arguments, in order (bools excluded)
+    args_tree: Any  # (args, kwargs) with TensorRef / IntRef placeholders
+
+
+@dataclass
+class SavedTensor:
+    """A storage autograd saved for backward (parameters and buffers excluded)."""
+
+    nbytes: int
+    dtype: torch.dtype
+    module: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Recording:
+    """Everything recorded of one training step at one set of concrete sizes."""
+
+    values: dict[str, int]
+    ops: list[OpCall]
+    params: dict[str, tuple[tuple[int, ...], torch.dtype]]  # unique parameters by name
+    param_module: dict[str, str]
+    saved: list[SavedTensor] = field(default_factory=list)
+    layer_container: str | None = None
+
+
+def _module_names(model: nn.Module) -> dict[int, str]:
+    return {id(m): name for name, m in model.named_modules()}
+
+
+def _label_graph(root_fn, label: str) -> None:
+    """Label every not-yet-labelled autograd node reachable from ``root_fn``."""
+    stack = [root_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None:
+            continue
+        md = fn.metadata
+        if _META_KEY in md:
+            continue
+        md[_META_KEY] = label
+        stack.extend(nf for nf, _ in fn.next_functions)
+
+
+def _grad_fns(obj) -> list:
+    leaves, _ = tree_flatten(obj)
+    out = []
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            out.append(t.grad_fn)
+    return out
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, names_of_leaves: dict[int, str]):
+        super().__init__()
+        self.ops: list[OpCall] = []
+        self.phase = "forward"
+        self.module_stack: list[str] = [""]
+        self._tid: dict[int, int] = {}
+        self._keep: list[torch.Tensor] = []  # keeps ids unique for the recording's lifetime
+        self._leaf_names = names_of_leaves
+        self.param_module: dict[str, str] = {}
+
+    def tensor_id(self, t: torch.Tensor) -> int:
+        key = id(t)
+        if key not in self._tid:
+            self._tid[key] = len(self._tid)
+            self._keep.append(t)
+        return self._tid[key]
+
+    def current_module(self) -> str:
+        if self.phase == "forward":
+            return self.module_stack[-1]
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return ""
+        md = node.metadata
+        if _META_KEY in md:
+            return md[_META_KEY]
+        var = getattr(node, "variable", None)  # AccumulateGrad
+        if var is not None:
+            name = self._leaf_names.get(id(var), "")
+            return self.param_module.get(name.partition(":")[2], "")
+        return ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "prim":
+            return out
+        flat, spec = tree_flatten((args, kwargs))
+        inputs, ints, tree = [], [], []
+        for a in flat:
+            if isinstance(a, torch.Tensor):
+                tree.append(TensorRef(len(inputs)))
+                inputs.append(
+                    TensorInfo(tuple(a.shape), a.dtype, self.tensor_id(a), self._leaf_names.get(id(a)))
+                )
+            elif isinstance(a, int) and not isinstance(a, bool):
+                tree.append(IntRef(len(ints)))
+                ints.append(a)
+            elif isinstance(a, torch.SymInt):
+                raise SymcostError("symbolic ints reached the recorder; trace with concrete sizes")
+            else:
+                tree.append(a)
+        outs = [
+            TensorInfo(tuple(t.shape), t.dtype, self.tensor_id(t))
+            for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor)
+        ]
+        self.ops.append(
+            OpCall(
+                op=func,
+                name=str(func),
+                module=self.current_module(),
+                phase=self.phase,
+                inputs=inputs,
+                outputs=outs,
+                ints=ints,
+                args_tree=tree_unflatten(tree, spec),
+            )
+        )
+        return out
+
+
+def find_layer_container(model: nn.Module, n_layers: int) -> str | None:
+    """Dotted path of the ``nn.ModuleList``/``nn.Sequential`` holding ``n_layers`` blocks, if any."""
+    found = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) == n_layers and name
+    ]
+    return found[0] if len(found) == 1 else (found[0] if found else None)
+
+
+def record(spec: ModelSpec, values: Mapping[str, int]) -> Recording:
+    """Record one forward + loss + backward step of ``spec`` at concrete ``values``.
+
+    Args:
+        spec: the model.
+        values: a concrete int for B, S and every config symbol of the model.
+
+    Returns:
+        The :class:`Recording`: ops in execution order with shapes and dtypes, unique
+        parameters (tied ones once), and the storages autograd saved for backward.
+
+    Raises:
+        SymcostError: the model cannot be built or run at these sizes, or its control flow
+            depends on tensor data (which cannot be traced without data).
+    """
+    values = dict(values)
+    for a, b in spec.tied.items():
+        values[a] = values[b]
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with torch.device("meta"):
+            model = spec.build(values)
+    except SymcostError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise SymcostError(f"building {spec.name} failed at {values}: {type(e).__name__}: {e}") from e
+    model.train()
+    names = _module_names(model)
+    layers = spec.layers or (find_layer_container(model, values["L"]) if "L" in values else None)
+
+    with fake:
+        model.to_empty(device="cpu")
+        leaf_names: dict[int, str] = {}
+        params: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        param_module: dict[str, str] = {}
+        for name, p in model.named_parameters():  # remove_duplicate=True: tied weights once
+            leaf_names[id(p)] = f"param:{name}"
+            params[name] = (tuple(p.shape), p.dtype)
+            param_module[name] = name.rpartition(".")[0]
+        for name, b in model.named_buffers():
+            leaf_names[id(b)] = f"buffer:{name}"
+        static_storages = {
+            StorageWeakRef(t.untyped_storage()).cdata
+            for t in list(model.parameters()) + list(model.buffers())
+        }
+        args, kwargs = spec.make_inputs(values, torch.device("cpu"))
+        for i, t in enumerate(tree_flatten((args, kwargs))[0]):
+            if isinstance(t, torch.Tensor):
+                leaf_names[id(t)] = f"input:{i}"
+
+        rec = _Recorder(leaf_names)
+        rec.param_module = param_module
+        saved: list[SavedTensor] = []
+        seen_storages: set[int] = set()
+
+        def pack(t: torch.Tensor):
+            st = t.untyped_storage()
+            key = StorageWeakRef(st).cdata
+            if key not in static_storages and key not in seen_storages:
+                seen_storages.add(key)
+                saved.append(SavedTensor(st.nbytes(), t.dtype, rec.module_stack[-1], tuple(t.shape)))
+            return t
+
+        def pre_hook(module, inputs):
+            for fn in _grad_fns(inputs):
+                _label_graph(fn, rec.module_stack[-1])
+            rec.module_stack.append(names.get(id(module), rec.module_stack[-1]))
+
+        def post_hook(module, inputs, output):
+            label = rec.module_stack.pop()
+            for fn in _grad_fns(output):
+                _label_graph(fn, label)
+
+        h1 = nn.modules.module.register_module_forward_pre_hook(pre_hook)
+        h2 = nn.modules.module.register_module_forward_hook(post_hook)
+        try:
+            with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = model(*args, **kwargs)
+                loss = spec.loss(out, (args, kwargs))
+            for fn in _grad_fns(loss):
+                _label_graph(fn, "")
+            rec.phase = "backward"
+            with rec:
+                loss.backward()
+        except SymcostError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            if "data-dependent" in str(e) or "DataDependent" in type(e).__name__:
+                raise SymcostError(
+                    f"{spec.name}: control flow depends on tensor values ({type(e).__name__}); symcost "
+                    "traces shapes without data, so such models cannot be traced"
+                ) from e
+            raise SymcostError(f"running {spec.name} at {values} failed: {type(e).__name__}: {msg}") from e
+        finally:
+            h1.remove()
+            h2.remove()
+    return Recording(values, rec.ops, params, param_module, saved, layers)
