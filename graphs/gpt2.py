@@ -81,13 +81,6 @@ class GPT2(nn.Module):
         self.apply(self._init_weights)
         self.lm_head.weight = self.wte.weight  # tied: one Parameter
 
-    def _apply(self, fn, recurse=True):
-        # Conversions that make new Parameters (``to_empty`` into a FakeTensorMode, or with
-        # overwrite_module_params_on_conversion) would untie lm_head from wte; tie them again.
-        super()._apply(fn, recurse)
-        self.lm_head.weight = self.wte.weight
-        return self
-
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):

@@ -107,7 +107,7 @@ def _matmul_params(rec: Recording) -> tuple[set[str], set[int]]:
                 srcs.add(t.source[6:])
             elif t.tid in origin:
                 srcs.add(origin[t.tid])
-        if fam == "view" and srcs:
+        if (fam == "view" or str(op.op.overloadpacket) in rules.PASS_THROUGH) and srcs:
             for t in op.outputs:
                 origin[t.tid] = next(iter(srcs))
         if fam == "model" and srcs:
@@ -145,6 +145,37 @@ class Analysis:
     saved: list[tuple] = field(default_factory=list)
     layer_container: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    precision: str = "fp32"
+    tied: dict[str, list[str]] = field(default_factory=dict)
+    recordings: list = field(default_factory=list, repr=False)  # probe recordings (for passes)
+    plan: Any = None
+
+    def params_not_in_P(self) -> dict[str, list[str]]:
+        """Parameters outside P, grouped by why: embedding lookups, biases, norms/elementwise."""
+        out: dict[str, list[str]] = {}
+        g = self.graph
+        for name in self.param_shapes:
+            if name in self.matmul_params:
+                continue
+            node = f"param:{name}"
+            why = "other (unused in the forward)"
+            frontier = list(g.successors(node)) if node in g else []
+            while frontier:
+                n = frontier.pop(0)
+                d = g.nodes[n]
+                if d.get("phase") != "forward":
+                    continue
+                if d.get("family") == "view" or d.get("op", "").rsplit(".", 1)[0] in rules.PASS_THROUGH:
+                    frontier.extend(g.successors(n))
+                    continue
+                op = d.get("op", "")
+                why = ("embedding lookups" if "embedding" in op else
+                       "biases" if d.get("family") == "model" else "norms and elementwise scales")
+                break
+            out.setdefault(why, []).append(name)
+        if self.tied:
+            out["tied (counted once)"] = [f"{a} = {', '.join(b)}" for a, b in self.tied.items()]
+        return out
 
     # -- totals ---------------------------------------------------------------------------------
     def _sum(self, attr: str, phase: str) -> sympy.Expr:
@@ -272,6 +303,60 @@ class Analysis:
             raise SymcostError(f"unknown graph format for {path!r}; accepted: .graphml, .json")
 
 
+def _layer_roles(spec: ModelSpec, ref: Recording, container: str | None, precision: str):
+    """How each layer of the L=2 fit recordings folds: ``role(module, name=None)``.
+
+    Returns a function giving ``(keep, repeat, folded_name)`` for a module path (and an optional
+    parameter name). When both blocks run the same ops, block 0 stands for all L. When they
+    differ (the first block needs no input gradient, say), one more recording at L = 3 tells
+    which end block is special: it is kept with repeat 1 and the other stands for the L - 1
+    generic blocks.
+
+    Raises:
+        SymcostError: both end blocks differ from the middle one.
+    """
+    L = SYMS["L"]
+    one = sympy.Integer(1)
+
+    def seqs(rec):
+        out: dict[int, list[str]] = {}
+        for op in rec.ops:
+            layer = _layer_of(op.module, container)
+            if layer is not None:
+                out.setdefault(layer, []).append(op.name)
+        return out
+
+    generic, special, repeat = 0, None, L
+    if container:
+        s2 = seqs(ref)
+        if len(s2) >= 2 and s2[0] != s2[1]:
+            s3 = seqs(record(spec, dict(ref.values, L=FIT_L + 1), precision))
+            if s3[1] == s3[2] and s3[0] != s3[1]:
+                generic, special = 1, 0
+            elif s3[0] == s3[1] and s3[2] != s3[1]:
+                generic, special = 0, 1
+            else:
+                raise SymcostError(
+                    f"{spec.name}: the blocks of {container} run different ops; cannot fold L"
+                )
+            repeat = L - 1
+
+    def role(module: str, name: str | None = None):
+        layer = _layer_of(module, container)
+        full = module if name is None else name
+        if layer is None:
+            return True, one, full
+        if layer == generic:
+            return True, repeat, _fold_name(full, container)
+        if layer == special:
+            if special == 0:
+                return True, one, full
+            return True, one, re.sub(rf"^{re.escape(container)}\.\d+", f"{container}.{{L-1}}", full)
+        return False, one, full
+
+    return role
+
+
 def _align(recs: list[Recording], spec: ModelSpec) -> None:
     ref = recs[0]
     for r in recs[1:]:
@@ -290,7 +375,7 @@ def _align(recs: list[Recording], spec: ModelSpec) -> None:
 
 def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None = None,
           attention: str = "eager", sizes: Mapping[str, int] | None = None,
-          n_random: int = 8, seed: int = 0) -> Analysis:
+          precision: str = "bf16-mixed", n_random: int = 6, seed: int = 0) -> Analysis:
     """Trace a model's training step into a symbolic cost graph.
 
     Args:
@@ -300,6 +385,8 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         attention: ``eager`` or ``sdpa`` for ``hf:`` models.
         sizes: values the formulas will be used at; only their *regime* matters for tracing
             (e.g. K == H selects multi-head attention, K < H grouped-query).
+        precision: ``fp32``, ``bf16`` (model cast), ``bf16-mixed`` (autocast; the default),
+            ``bf16-mixed-master``, ``fp16-mixed``; decides dtypes, hence bytes and activations.
         n_random: random probes in the fit (besides base and one per symbol).
         seed: probe sampling seed.
 
@@ -322,7 +409,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     symbols = spec.all_symbols
     fixed = {"L": FIT_L} if "L" in symbols else {}
     plan = plan_probes(symbols, spec.check, n_random=n_random, seed=seed, fixed=fixed)
-    recs = [record(spec, p) for p in plan.points]
+    recs = [record(spec, p, precision) for p in plan.points]
     t1 = time.perf_counter()
     _align(recs, spec)
     fitter = Fitter(plan)
@@ -336,29 +423,30 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             for k, s in enumerate(shapes0)
         ]
 
+    role = _layer_roles(spec, ref, container, precision)
+
     # parameters
-    L = SYMS["L"]
     param_shapes: dict[str, tuple] = {}
+    folded_name: dict[str, str] = {}
     for name, (shape, dtype) in ref.params.items():
-        layer = _layer_of(name.rpartition(".")[0], container)
-        if layer is not None and layer > 0:
+        keep, repeat, fname = role(name.rpartition(".")[0], name)
+        if not keep:
             continue
         sym = tuple(fitter(tuple(r.params[name][0][d] for r in recs), f"size of {name}") for d in range(len(shape)))
-        param_shapes[_fold_name(name, container)] = (sym, dtype, L if layer == 0 else 1)
+        param_shapes[fname] = (sym, dtype, repeat)
+        folded_name[name] = fname
     used, ops_with_param = _matmul_params(ref)
-    matmul_params = {_fold_name(n, container) for n in used}
+    matmul_params = {folded_name[n] for n in used if n in folded_name}
 
     # ops
-    layer_seq: dict[int, list[str]] = {}
     ops: list[SymOp] = []
     unsupported: dict[str, Any] = {}
     cost_cache: dict = {}
     for i, op in enumerate(ref.ops):
+        keep, repeat, module = role(op.module)
+        if not keep:
+            continue
         layer = _layer_of(op.module, container)
-        if layer is not None:
-            layer_seq.setdefault(layer, []).append(op.name)
-            if layer > 0:
-                continue
         in_shapes = [
             tuple(fitter(tuple(r.ops[i].inputs[k].shape[d] for r in recs), f"dimension of {op.name}")
                   for d in range(len(t.shape)))
@@ -386,23 +474,20 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
                 c = rules.Cost(*(fitter(tuple(int(getattr(x, a)) for x in cs), f"cost of {op.name}")
                                  for a in ("flops", "flops_all", "bytes")))
             cost_cache[key] = c
-        repeat = L if layer == 0 else sympy.Integer(1)
         if family == "unsupported":
             unsupported[op.name] = unsupported.get(op.name, 0) + repeat
         ops.append(SymOp(
-            index=i, name=op.name, family=family, module=_fold_name(op.module, container),
+            index=i, name=op.name, family=family, module=module,
             phase=op.phase, repeat=repeat, in_shapes=in_shapes,
             in_dtypes=[t.dtype for t in op.inputs], out_shapes=out_shapes,
             out_dtypes=[t.dtype for t in op.outputs], cost=c, layer=layer,
             attention=family == "model" and op.phase == "forward" and i not in ops_with_param,
         ))
-    if container and len(layer_seq) >= 2 and any(seq != layer_seq[0] for seq in layer_seq.values()):
-        raise SymcostError(f"{spec.name}: the blocks of {container} do not run the same ops; cannot fold L")
     # Backward attention matmuls: those of the backward with no parameter gradient involved are
     # hard to tell apart generically; attribute by module: a module whose forward model op is
     # attention marks its backward model ops as attention only if it holds no parameter.
     attn_modules = {op.module for op in ops if op.attention}
-    param_modules = {_fold_name(n.rpartition(".")[0], container) for n in param_shapes}
+    param_modules = {n.rpartition(".")[0] for n in param_shapes}
     for op in ops:
         if op.phase == "backward" and op.family == "model" and op.module in attn_modules \
                 and op.module not in param_modules:
@@ -411,18 +496,20 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     # saved activations
     saved = []
     for k, s in enumerate(ref.saved):
-        layer = _layer_of(s.module, container)
-        if layer is not None and layer > 0:
+        keep, repeat, module = role(s.module)
+        if not keep:
             continue
         nb = fitter(tuple(r.saved[k].nbytes for r in recs), f"saved tensor of {s.module or 'the root'}")
-        saved.append((_fold_name(s.module, container), nb, s.dtype, L if layer == 0 else sympy.Integer(1)))
+        saved.append((module, nb, s.dtype, repeat))
 
     t2 = time.perf_counter()
-    graph = _build_graph(ref, ops, container)
+    graph = _build_graph(ref, ops, role)
     syms = {s: SYMBOL_MEANINGS[s] for s in symbols}
     an = Analysis(
         model=spec.name, spec=spec, graph=graph, ops=ops, symbols=syms, param_shapes=param_shapes,
         matmul_params=matmul_params, unsupported=unsupported, saved=saved, layer_container=container,
+        precision=precision, tied={folded_name.get(k, k): v for k, v in ref.tied.items()},
+        recordings=recs, plan=plan,
     )
     _validate(an, spec, symbols, seed)
     an.timings = {"record": t1 - t0, "fit": t2 - t1, "check": time.perf_counter() - t2}
@@ -449,7 +536,7 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int) -> None:
     fixed = {"L": CHECK_L} if "L" in symbols else {}
     for _ in range(2):
         p = random_point(symbols, spec.check, rng, fixed)
-        rec = record(spec, p)
+        rec = record(spec, p, an.precision)
         want = concrete_totals(rec)
         env = {SYMS[k]: v for k, v in p.items() if k in symbols}
         got = {f"{k}.{ph}": None for k in ("flops", "flops_all", "bytes") for ph in PHASES}
@@ -468,7 +555,7 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int) -> None:
             )
 
 
-def _build_graph(ref: Recording, ops: list[SymOp], container: str | None) -> nx.DiGraph:
+def _build_graph(ref: Recording, ops: list[SymOp], role) -> nx.DiGraph:
     g = nx.DiGraph()
     producer: dict[int, tuple[int, int]] = {}
     kept = {op.index: op for op in ops}
@@ -490,7 +577,7 @@ def _build_graph(ref: Recording, ops: list[SymOp], container: str | None) -> nx.
             nbytes = rules.nbytes(shape, t.dtype)
             if t.source:
                 kind, _, name = t.source.partition(":")
-                src = f"{kind}:{_fold_name(name, container)}"
+                src = f"{kind}:{role(name.rpartition('.')[0], name)[2]}"
                 if src not in g:
                     g.add_node(src, kind=src.split(":")[0], shape=shape,
                                dtypes=[str(t.dtype).removeprefix("torch.")])

@@ -17,7 +17,8 @@ F      ``intermediate_size`` (``ffn_dim`` for opt, ``n_inner`` for gpt2/gptj whe
        config sets it on its own; a width the config derives from ``hidden_size`` (gpt2's
        ``n_inner=None``, falcon's ``ffn_hidden_size``) is no symbol: it comes out of the trace
 K      ``num_key_value_heads`` where the config has it; tied to H (``tied={"K": "H"}``) when the
-       config's K equals H (multi-head attention), free otherwise (grouped-query attention)
+       config's K equals H (multi-head attention), no symbol when it is 1 (multi-query attention,
+       kept at 1), free otherwise (grouped-query attention, ``check`` keeps 1 < K < H, K | H)
 ====== ===========================================================================================
 
 Every build re-runs the config class's constructor with the overrides and the symbol values, so
@@ -27,9 +28,9 @@ for a user writing ``LlamaConfig(hidden_size=...)``.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
+import operator
 from typing import Any, Mapping
 
 import torch
@@ -37,9 +38,11 @@ import torch
 from .errors import SymcostError
 from .models import ModelSpec
 
-#: Decoder architectures checked to build, run forward + loss + backward with real CPU tensors and
-#: under ``FakeTensorMode`` (built on ``meta``), and trace the same number of aten ops at two size
-#: tuples with the same L, with eager and sdpa attention (transformers 5.24, torch 2.13).
+#: Decoder architectures checked (transformers 5.24, torch 2.13) to build from their default config,
+#: run forward + loss + backward with real CPU tensors and under ``FakeTensorMode`` (built on
+#: ``meta``), and trace the same aten op sequence at two size tuples with the same L, with eager and
+#: sdpa attention (bloom: eager only, transformers has no sdpa for it). gemma passes too once its
+#: default hidden_size is made H*head_dim (``--config head_dim=192``), so it is not listed.
 VERIFIED = (
     "llama",
     "mistral",
@@ -56,6 +59,7 @@ VERIFIED = (
     "granite",
     "starcoder2",
     "gptj",
+    "bloom",
 )
 
 #: Dotted path of the ModuleList holding the L blocks, for the architectures we know.
@@ -151,7 +155,8 @@ def _make_config(AutoConfig, model_type: str, kwargs: Mapping[str, Any]):
         return AutoConfig.for_model(model_type, **kwargs)
     except Exception as e:  # noqa: BLE001 - config constructors validate with any exception type
         shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        raise SymcostError(f"hf:{model_type}: the config rejected {shown}: {type(e).__name__}: {e}") from e
+        why = " ".join(str(e).split())  # one line: config validators print multi-line messages
+        raise SymcostError(f"hf:{model_type}: the config rejected {shown}: {type(e).__name__}: {why}") from e
 
 
 def _apply_overrides(AutoConfig, model_type: str, base, overrides: Mapping[str, str]) -> dict[str, Any]:
@@ -187,7 +192,8 @@ def _apply_overrides(AutoConfig, model_type: str, base, overrides: Mapping[str, 
         kwargs[_field_name(base, key)] = value
     cfg = _make_config(AutoConfig, model_type, kwargs)
     for key, value in kwargs.items():
-        if "." not in key and getattr(cfg, key, value) != value and not isinstance(value, dict):
+        got = getattr(cfg, key, value)
+        if got != value and not isinstance(value, dict) and str(got).rpartition(".")[2] != str(value):
             raise SymcostError(
                 f"hf:{model_type}: --config {key}={value!r} did not take effect "
                 f"({type(cfg).__name__} made it {getattr(cfg, key)!r})"
@@ -249,6 +255,18 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
             f"hf:{model_type} has no causal-LM head in transformers (AutoModelForCausalLM); "
             f"verified decoder models: {', '.join(VERIFIED)}"
         )
+    if attention == "sdpa":
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        try:
+            model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]
+        except Exception:  # noqa: BLE001 - a mapping that cannot load its class: let build report it
+            model_cls = None
+        if model_cls is not None and not getattr(model_cls, "_supports_sdpa", True):
+            raise SymcostError(
+                f"hf:{model_type} ({model_cls.__name__}) has no sdpa attention in transformers; "
+                "use --attention eager"
+            )
     base = _make_config(AutoConfig, model_type, {})
     ov = _apply_overrides(AutoConfig, model_type, base, overrides)
     cfg = _make_config(AutoConfig, model_type, ov)
@@ -291,7 +309,7 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         if attr(key) is not None:
             f_attr, F = key, attr(key)
             break
-    if f_attr is not None and f_attr not in ov:
+    if f_attr is not None and _field_name(cfg, f_attr) not in ov:
         probe = dict(ov)
         probe[_field_name(cfg, "hidden_size")] = 2 * hidden
         if settable_head_dim:
@@ -299,12 +317,18 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         if getattr(_make_config(AutoConfig, model_type, probe), f_attr, None) != F:
             f_attr, F = None, None
 
+    # K's regime, fixed by the (overridden) default config: K = H is multi-head attention (K tied
+    # to H), K = 1 multi-query attention (no K symbol: the build keeps one key/value head), and
+    # 1 < K < H grouped-query attention (K free). Each regime traces its own ops (repeat_kv is
+    # skipped at K = H; at K = 1 some reshapes of [B, K, S, D] become views), so a spec stays in one.
     has_k = hasattr(cfg, "num_key_value_heads")
     K = attr("num_key_value_heads") if has_k else None
     tied: dict[str, str] = {}
     if has_k and (K is None or K == H):
         tied = {"K": "H"}
         K = H
+    elif has_k and K == 1:
+        has_k = False
 
     symbols = tuple(s for s, present in (("H", 1), ("D", 1), ("L", 1), ("V", 1), ("F", f_attr), ("K", has_k)) if present)
     maxpos = attr("max_position_embeddings") or attr("n_positions")
@@ -315,19 +339,29 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         defaults["K"] = K
 
     uses_rope, rope_factor, rotary_dim = _rope(cfg)
-    window = attr("sliding_window") if attr("use_sliding_window") is not False else None
     alibi = model_type == "bloom" or bool(attr("alibi"))
 
     def check(values: Mapping[str, int]) -> str | None:
-        for s in ("B", "S", *symbols):
-            v = values.get(s)
-            if not isinstance(v, int) or v < 1:
-                return f"{s} must be a positive integer (got {v!r})"
-        h, d, s = values["H"], values["D"], values["S"]
+        """Why ``values`` (B, S and this spec's symbols) cannot be built or traced alike, or None."""
+        for sym in ("B", "S", *symbols):
+            if sym in tied:
+                continue
+            try:
+                v = operator.index(values.get(sym))
+            except TypeError:
+                return f"{sym} must be a positive integer (got {values.get(sym)!r})"
+            if v < 1:
+                return f"{sym} must be a positive integer (got {v})"
+        h, d, s = (operator.index(values[k]) for k in ("H", "D", "S"))
         if has_k and not tied:
-            k = values["K"]
+            k = operator.index(values["K"])
             if h % k:
                 return f"K must divide H (got K={k}, H={h})"
+            if k == 1:
+                return (
+                    f"K must be at least 2 here: K = 1 (multi-query attention) traces other ops than "
+                    f"1 < K < H; for multi-query attention use --config num_key_value_heads=1"
+                )
             if k == h:
                 return (
                     f"K must be less than H here: hf:{model_type} is configured for grouped-query "
@@ -344,10 +378,10 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
                     f"D*partial_rotary_factor must be an even integer (D={d}, factor={rope_factor}); "
                     f"use a multiple of {_multiple(rope_factor)} for D"
                 )
-        if rotary_dim is not None and d < rotary_dim:
+        if rotary_dim is not None and d <= rotary_dim:
             return (
-                f"D must be at least rotary_dim={rotary_dim} (got D={d}); lower it with "
-                "--config rotary_dim=..."
+                f"D must exceed rotary_dim={rotary_dim} (got D={d}; D = rotary_dim traces other ops); "
+                "lower it with --config rotary_dim=..."
             )
         if alibi and h & (h - 1):
             return f"H must be a power of two: ALiBi slopes of other head counts trace other ops (got H={h})"
@@ -356,14 +390,10 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
                 f"S={s} exceeds max_position_embeddings={maxpos}; raise it with "
                 f"--config max_position_embeddings={s}"
             )
-        if window is not None and s > window:
-            return (
-                f"S={s} exceeds the sliding window {window}, which traces other mask ops; "
-                f"use --config sliding_window={s} (or none)"
-            )
         return None
 
     def config_for(values: Mapping[str, int]):
+        values = {k: operator.index(v) for k, v in values.items() if k in ("B", "S", *symbols)}
         h, d = values["H"], values["D"]
         kw = dict(ov)
         kw[_field_name(cfg, "num_attention_heads")] = h
@@ -387,6 +417,10 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         return c
 
     def build(values: Mapping[str, int]) -> torch.nn.Module:
+        """The causal LM for these symbol values, in train mode, on the current default device.
+
+        Raises SymcostError when ``check`` rejects the values or transformers cannot build it.
+        """
         why = check(values)
         if why:
             raise SymcostError(f"hf:{model_type}: {why}")
@@ -394,14 +428,18 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         try:
             model = AutoModelForCausalLM.from_config(c, attn_implementation=attention)
         except Exception as e:  # noqa: BLE001 - transformers raises many types
-            raise SymcostError(f"hf:{model_type}: building the model failed: {type(e).__name__}: {e}") from e
+            why = " ".join(str(e).split())
+            raise SymcostError(f"hf:{model_type}: building the model failed: {type(e).__name__}: {why}") from e
         return model.train()
 
     def make_inputs(values: Mapping[str, int], device) -> tuple[tuple, dict]:
-        ids = torch.randint(0, values["V"], (values["B"], values["S"]), dtype=torch.long, device=device)
+        """``((), {"input_ids": ids, "labels": ids})``, ids int64 ``[B, S]`` in ``[0, V)``."""
+        shape = (operator.index(values["B"]), operator.index(values["S"]))
+        ids = torch.randint(0, operator.index(values["V"]), shape, dtype=torch.long, device=device)
         return (), {"input_ids": ids, "labels": ids}
 
     def loss(out, inputs) -> torch.Tensor:
+        """The model's own loss: mean cross entropy of logits[:, :-1] against labels[:, 1:]."""
         return out.loss
 
     extra = {
@@ -410,10 +448,16 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         "attention": attention,
         "hidden_size_note": "hidden_size = H*D" + (" (head_dim = D)" if settable_head_dim else ""),
         "tie_word_embeddings": bool(attr("tie_word_embeddings")),
-        "config": copy.deepcopy(cfg.to_dict()),
+        "config_overrides": {k: (v if isinstance(v, (int, float, bool, str, type(None))) else repr(v)) for k, v in ov.items()},
     }
     if f_attr:
         extra["F_attribute"] = f_attr
+    if hasattr(cfg, "num_key_value_heads"):
+        extra["kv_heads"] = (
+            "K = H (multi-head attention)" if tied
+            else "K free, 1 < K < H (grouped-query attention)" if has_k
+            else "K = 1 (multi-query attention)"
+        )
     if model_type not in VERIFIED:
         extra["unverified"] = f"hf:{model_type} is not among the verified architectures ({', '.join(VERIFIED)})"
     return ModelSpec(

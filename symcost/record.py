@@ -14,6 +14,8 @@ symbolic shapes.
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -22,7 +24,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .errors import SymcostError
 from .models import ModelSpec
@@ -79,6 +81,19 @@ class SavedTensor:
 
 
 @dataclass
+class MemoryEvent:
+    """A storage allocated (``nbytes`` > 0) or freed (< 0) just before op ``index`` ran.
+
+    An allocation is stamped with the op that created the storage; a free with the number of
+    ops recorded when the last tensor viewing the storage died (so it belongs before that op).
+    """
+
+    index: int
+    nbytes: int
+    storage: int
+
+
+@dataclass
 class Recording:
     """Everything recorded of one training step at one set of concrete sizes."""
 
@@ -88,6 +103,11 @@ class Recording:
     param_module: dict[str, str]
     saved: list[SavedTensor] = field(default_factory=list)
     layer_container: str | None = None
+    events: list[MemoryEvent] = field(default_factory=list)  # storages of non-leaf tensors
+    n_forward: int = 0  # ops[:n_forward] are the forward (with the loss)
+    n_backward: int = 0  # then the backward; the rest is the optimizer step
+    precision: str = "fp32"
+    tied: dict[str, list[str]] = field(default_factory=dict)  # parameter -> its tied aliases
 
 
 def _module_names(model: nn.Module) -> dict[int, str]:
@@ -124,20 +144,46 @@ class _Recorder(TorchDispatchMode):
         self.phase = "forward"
         self.module_stack: list[str] = [""]
         self._tid: dict[int, int] = {}
-        self._keep: list[torch.Tensor] = []  # keeps ids unique for the recording's lifetime
+        self._n_tid = 0
         self._leaf_names = names_of_leaves
         self.param_module: dict[str, str] = {}
+        # storage liveness: storage key -> [live tensor objects, nbytes]
+        self._storages: dict[int, list] = {}
+        self.events: list[MemoryEvent] = []
 
     def tensor_id(self, t: torch.Tensor) -> int:
         key = id(t)
         if key not in self._tid:
-            self._tid[key] = len(self._tid)
-            self._keep.append(t)
+            self._tid[key] = self._n_tid
+            self._n_tid += 1
+            weakref.finalize(t, self._tid.pop, key, None)  # ids may be reused once t is gone
         return self._tid[key]
+
+    def track(self, t: torch.Tensor, op_index: int) -> None:
+        """Count ``t`` as a reference to its storage; a new storage is an allocation event."""
+        st = t.untyped_storage()
+        key = StorageWeakRef(st).cdata
+        entry = self._storages.get(key)
+        if entry is None:
+            entry = self._storages[key] = [0, st.nbytes()]
+            self.events.append(MemoryEvent(op_index, st.nbytes(), key))
+        entry[0] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        entry = self._storages.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._storages[key]
+            self.events.append(MemoryEvent(len(self.ops), -entry[1], key))
 
     def current_module(self) -> str:
         if self.phase == "forward":
             return self.module_stack[-1]
+        if self.phase == "optimizer":
+            return ""
         node = torch._C._current_autograd_node()
         if node is None:
             return ""
@@ -170,11 +216,13 @@ class _Recorder(TorchDispatchMode):
                 raise SymcostError("symbolic ints reached the recorder; trace with concrete sizes")
             else:
                 tree.append(a)
-        outs = [
-            TensorInfo(tuple(t.shape), t.dtype, self.tensor_id(t))
-            for t in tree_flatten(out)[0]
-            if isinstance(t, torch.Tensor)
-        ]
+        outs = []
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                known = id(t) in self._tid
+                outs.append(TensorInfo(tuple(t.shape), t.dtype, self.tensor_id(t)))
+                if not known:
+                    self.track(t, len(self.ops))
         self.ops.append(
             OpCall(
                 op=func,
@@ -190,6 +238,29 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+    """Like ``model.to_empty(device)``, but tied parameters stay tied (one new tensor each).
+
+    Floating-point parameters and buffers become ``dtype`` (as ``model.to(dtype)`` would).
+
+    Inside a ``FakeTensorMode`` the new tensors are fake: shapes and dtypes, no storage.
+    """
+    memo: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in memo:
+                    new = torch.empty_like(
+                        t, device=device, dtype=dtype if t.is_floating_point() else t.dtype
+                    )
+                    if isinstance(t, nn.Parameter):
+                        new = nn.Parameter(new, requires_grad=t.requires_grad)
+                    memo[id(t)] = new
+                table[name] = memo[id(t)]
+
+
 def find_layer_container(model: nn.Module, n_layers: int) -> str | None:
     """Dotted path of the ``nn.ModuleList``/``nn.Sequential`` holding ``n_layers`` blocks, if any."""
     found = [
@@ -200,12 +271,38 @@ def find_layer_container(model: nn.Module, n_layers: int) -> str | None:
     return found[0] if len(found) == 1 else (found[0] if found else None)
 
 
-def record(spec: ModelSpec, values: Mapping[str, int]) -> Recording:
+PRECISIONS = ("fp32", "bf16", "bf16-mixed", "bf16-mixed-master", "fp16-mixed")
+
+
+def precision_context(precision: str):
+    """``(parameter dtype, autocast context factory)`` of a precision policy.
+
+    fp32: fp32 model. bf16: the model cast to bf16 (``model.to(torch.bfloat16)``).
+    bf16-mixed / bf16-mixed-master / fp16-mixed: fp32 model run under
+    ``torch.autocast("cpu", dtype=bf16 or fp16)`` (what autocast saves, its low-precision copies of
+    the weights included, is what the recording sees).
+    """
+    if precision == "fp32":
+        return torch.float32, contextlib.nullcontext
+    if precision == "bf16":
+        return torch.bfloat16, contextlib.nullcontext
+    if precision in ("bf16-mixed", "bf16-mixed-master"):
+        return torch.float32, lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    if precision == "fp16-mixed":
+        return torch.float32, lambda: torch.autocast("cpu", dtype=torch.float16)
+    raise SymcostError(f"unknown precision {precision!r}; accepted: {', '.join(PRECISIONS)}")
+
+
+def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
+           optimizer=None) -> Recording:
     """Record one forward + loss + backward step of ``spec`` at concrete ``values``.
 
     Args:
         spec: the model.
         values: a concrete int for B, S and every config symbol of the model.
+        precision: one of :data:`PRECISIONS` (see :func:`precision_context`).
+        optimizer: optional ``callable(params) -> torch.optim.Optimizer``; its ``step()`` runs
+            after the backward (phase ``"optimizer"``).
 
     Returns:
         The :class:`Recording`: ops in execution order with shapes and dtypes, unique
@@ -230,12 +327,17 @@ def record(spec: ModelSpec, values: Mapping[str, int]) -> Recording:
     names = _module_names(model)
     layers = spec.layers or (find_layer_container(model, values["L"]) if "L" in values else None)
 
+    param_dtype, autocast = precision_context(precision)
     with fake:
-        model.to_empty(device="cpu")
+        materialize(model, torch.device("cpu"), param_dtype)
         leaf_names: dict[int, str] = {}
         params: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         param_module: dict[str, str] = {}
-        for name, p in model.named_parameters():  # remove_duplicate=True: tied weights once
+        tied: dict[str, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in leaf_names:  # a tied alias: counted once, under its first name
+                tied.setdefault(leaf_names[id(p)][6:], []).append(name)
+                continue
             leaf_names[id(p)] = f"param:{name}"
             params[name] = (tuple(p.shape), p.dtype)
             param_module[name] = name.rpartition(".")[0]
@@ -246,6 +348,11 @@ def record(spec: ModelSpec, values: Mapping[str, int]) -> Recording:
             for t in list(model.parameters()) + list(model.buffers())
         }
         args, kwargs = spec.make_inputs(values, torch.device("cpu"))
+        if param_dtype != torch.float32:
+            args, kwargs = tree_map(
+                lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                (args, kwargs),
+            )
         for i, t in enumerate(tree_flatten((args, kwargs))[0]):
             if isinstance(t, torch.Tensor):
                 leaf_names[id(t)] = f"input:{i}"
@@ -277,13 +384,23 @@ def record(spec: ModelSpec, values: Mapping[str, int]) -> Recording:
         h2 = nn.modules.module.register_module_forward_hook(post_hook)
         try:
             with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = model(*args, **kwargs)
-                loss = spec.loss(out, (args, kwargs))
+                with autocast():
+                    out = model(*args, **kwargs)
+                    loss = spec.loss(out, (args, kwargs))
+                del out
             for fn in _grad_fns(loss):
                 _label_graph(fn, "")
+            n_forward = len(rec.ops)
             rec.phase = "backward"
             with rec:
                 loss.backward()
+                del loss
+            n_backward = len(rec.ops) - n_forward
+            if optimizer is not None:
+                opt = optimizer([p for p in model.parameters() if p.requires_grad])
+                rec.phase = "optimizer"
+                with rec:
+                    opt.step()
         except SymcostError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -297,4 +414,5 @@ def record(spec: ModelSpec, values: Mapping[str, int]) -> Recording:
         finally:
             h1.remove()
             h2.remove()
-    return Recording(values, rec.ops, params, param_module, saved, layers)
+    return Recording(values, rec.ops, params, param_module, saved, layers, rec.events,
+                     n_forward, n_backward, precision, tied)

@@ -154,6 +154,8 @@ MOVE_OPS = {
     "aten.lift_fresh_copy", "aten.expand_copy", "aten.scatter_reduce", "aten.sort", "aten.topk",
     "aten.cumsum", "aten.new_tensor", "aten._local_scalar_dense", "aten.unsqueeze_copy",
 }
+#: Ops through which a parameter stays "the same weight" (dtype casts by autocast, copies).
+PASS_THROUGH = {"aten._to_copy", "aten.clone", "aten.contiguous", "aten.expand", "aten._unsafe_view"}
 OVERWRITE_OPS = {"aten.copy_", "aten.fill_", "aten.zero_"}
 PER_ELEMENT_OUT = {  # FLOPs per element of the first output
     "aten._softmax": 5, "aten._log_softmax": 5, "aten._softmax_backward_data": 4,

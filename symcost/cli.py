@@ -1,0 +1,200 @@
+"""The ``symcost`` command: report, formulas, eval (and max-batch, see symcost.memory).
+
+Every command traces the model (:func:`symcost.trace`) and renders what the passes return; bad
+input is one line on stderr and exit code 2 (``--debug`` shows the traceback).
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import traceback
+
+import click
+
+from .errors import SymcostError
+from .models import SYMBOL_MEANINGS
+
+_MULTI = ("--set", "--config")
+_PAIR = re.compile(r"^[A-Za-z_][\w.]*=")
+
+
+def _expand_multi(argv: list[str]) -> list[str]:
+    """Let ``--set B=8 S=1024`` mean ``--set B=8 --set S=1024`` (same for --config)."""
+    out, current = [], None
+    for tok in argv:
+        if tok in _MULTI:
+            current = tok
+            continue
+        if current and _PAIR.match(tok):
+            out += [current, tok]
+            continue
+        if current and not out[-1:] == [tok]:
+            if out and out[-2:-1] == [current] and not _PAIR.match(tok):
+                pass
+        current = None if tok.startswith("-") or not _PAIR.match(tok) else current
+        out.append(tok)
+    if current and (not out or out[-1] == current):
+        out.append(current)  # "--set" with nothing after: let click complain
+    return out
+
+
+def parse_sizes(pairs: tuple[str, ...]) -> dict[str, int]:
+    """``("B=8", "S=1024")`` -> ``{"B": 8, "S": 1024}``; values are positive integers.
+
+    Raises:
+        SymcostError: malformed pair, unknown symbol, non-integer or non-positive value.
+    """
+    sizes: dict[str, int] = {}
+    for pair in pairs:
+        key, eq, val = pair.partition("=")
+        key = key.strip()
+        if not eq:
+            raise SymcostError(f"--set takes SYMBOL=INTEGER, got {pair!r}")
+        if key not in SYMBOL_MEANINGS:
+            raise SymcostError(f"unknown symbol {key!r} in --set; accepted: {', '.join(SYMBOL_MEANINGS)}")
+        val = val.strip().replace("_", "")
+        if not re.fullmatch(r"[+-]?\d+", val):
+            raise SymcostError(f"{key} must be a positive integer, got {val!r}")
+        n = int(val)
+        if n <= 0:
+            raise SymcostError(f"{key} must be a positive integer, got {n}")
+        sizes[key] = n
+    return sizes
+
+
+def parse_config(pairs: tuple[str, ...]) -> dict[str, str]:
+    """``("rope_theta=10000",)`` -> ``{"rope_theta": "10000"}`` (values parsed by the hf loader)."""
+    out = {}
+    for pair in pairs:
+        key, eq, val = pair.partition("=")
+        if not eq or not key.strip():
+            raise SymcostError(f"--config takes KEY=VALUE, got {pair!r}")
+        out[key.strip()] = val.strip()
+    return out
+
+
+class _Group(click.Group):
+    def main(self, args=None, **kwargs):  # noqa: D401 - click hook
+        args = list(sys.argv[1:] if args is None else args)
+        debug = "--debug" in args
+        try:
+            return super().main(_expand_multi(args), standalone_mode=False, **kwargs)
+        except SymcostError as e:
+            if debug:
+                traceback.print_exc()
+            click.echo(f"symcost: error: {e}", err=True)
+            sys.exit(2)
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(2)
+        except click.exceptions.Abort:
+            click.echo("symcost: aborted", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            sys.exit(130)
+        except Exception as e:  # noqa: BLE001
+            if debug:
+                traceback.print_exc()
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            click.echo(f"symcost: internal error: {type(e).__name__}: {msg} (rerun with --debug for the traceback)",
+                       err=True)
+            sys.exit(1)
+
+
+def _common(f):
+    f = click.option("--debug", is_flag=True, help="show tracebacks")(f)
+    f = click.option("--precision", default="bf16-mixed", show_default=True,
+                     help="fp32, bf16, bf16-mixed, bf16-mixed-master, fp16-mixed")(f)
+    f = click.option("--attention", type=click.Choice(["eager", "sdpa"]), default="eager",
+                     help="attention implementation for hf: models")(f)
+    f = click.option("--config", "config", multiple=True, metavar="KEY=VALUE",
+                     help="hf: config override (repeatable: --config a=1 b=2)")(f)
+    f = click.option("--set", "sets", multiple=True, metavar="SYM=INT",
+                     help="symbol value, e.g. --set B=8 S=1024")(f)
+    return f
+
+
+def _trace(model, sets, config, attention, precision="bf16-mixed"):
+    from .analysis import trace
+    from .record import PRECISIONS
+
+    sizes = parse_sizes(sets)
+    if precision not in PRECISIONS:
+        raise SymcostError(f"unknown precision {precision!r}; accepted: {', '.join(PRECISIONS)}")
+    an = trace(model, parse_config(config), attention, sizes=sizes, precision=precision)
+    an.bind(**sizes)  # validate before rendering
+    return an, sizes
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="symcost")
+def main():
+    """symcost: closed-form FLOPs, bytes and memory of a PyTorch training step."""
+
+
+@main.command()
+@click.argument("model", default="cs336-lm")
+@_common
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.option("--memory", "memory", default="80GiB", show_default=True,
+              help="memory cap for the largest-batch line (bytes, or 80GiB / 80GB)")
+@click.option("--optimizer", default="adamw", show_default=True, help="adamw, adam, sgd, adafactor")
+def report(model, sets, config, attention, precision, debug, as_json, memory, optimizer):
+    """The main job: symbols, per-module costs, totals as formulas and the 6·N·P form.
+
+    MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
+    """
+    from . import report as rep
+
+    an, sizes = _trace(model, sets, config, attention, precision)
+    mem = rep.memory_section(an, sizes, memory, precision, optimizer)
+    if as_json:
+        click.echo(json.dumps(rep.to_json(an, sizes if sizes else None, memory=mem), indent=1))
+    else:
+        rep.render(an, sizes, memory=mem)
+
+
+@main.command()
+@click.argument("model")
+@_common
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def formulas(model, sets, config, attention, precision, debug, as_json):
+    """Closed-form totals of MODEL as formulas in the canonical symbols."""
+    from . import report as rep
+
+    an, _ = _trace(model, sets, config, attention, precision)
+    if as_json:
+        click.echo(json.dumps(rep.to_json(an, None), indent=1))
+    else:
+        rep.render(an, {}, table=False)
+
+
+@main.command(name="eval")
+@click.argument("model")
+@_common
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def eval_(model, sets, config, attention, precision, debug, as_json):
+    """Totals of MODEL as integers at --set sizes (others at the model's defaults)."""
+    from . import report as rep
+
+    an, sizes = _trace(model, sets, config, attention, precision)
+    if as_json:
+        click.echo(json.dumps(rep.to_json(an, sizes), indent=1))
+    else:
+        rep.render_values(an, sizes)
+
+
+def _register_memory_commands():
+    try:
+        from . import memory_cli  # noqa: F401  (adds max-batch when the memory pass exists)
+    except ImportError:
+        pass
+
+
+_register_memory_commands()
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
