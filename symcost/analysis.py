@@ -148,7 +148,9 @@ class Analysis:
     precision: str = "fp32"
     tied: dict[str, list[str]] = field(default_factory=dict)
     recordings: list = field(default_factory=list, repr=False)  # probe recordings (for passes)
-    plan: Any = None
+    plan: Any = None  # the fit's ProbePlan: recordings[i] was taken at plan.points[i]
+    fitter: Any = None  # fit.Fitter over those probes: signature (one int per probe) -> polynomial
+    role: Any = None  # role(module, name=None) -> (keep, repeat, folded name), see _layer_roles
 
     def params_not_in_P(self) -> dict[str, list[str]]:
         """Parameters outside P, grouped by why: embedding lookups, biases, norms/elementwise."""
@@ -266,6 +268,36 @@ class Analysis:
             out[f"flops_all.{ph}"] = ev(self.flops(ph, "all"))
             out[f"bytes.{ph}"] = ev(self.bytes(ph))
         return out
+
+    def quantity(self, name: str) -> sympy.Expr:
+        """A total by its JSON name: ``params``, ``params_matmul``, ``flops.<phase>``,
+        ``flops_all.<phase>``, ``bytes.<phase>``, ``attention_flops``."""
+        if name in ("params", "params_matmul", "attention_flops"):
+            return getattr(self, name)
+        kind, _, phase = name.partition(".")
+        if kind == "flops":
+            return self.flops(phase)
+        if kind == "flops_all":
+            return self.flops(phase, "all")
+        if kind == "bytes":
+            return self.bytes(phase)
+        raise SymcostError(f"unknown quantity {name!r}")
+
+    def lambdify(self, *names: str):
+        """A fast numpy function of the symbols for the named totals (vectorised over arrays).
+
+        ``f = an.lambdify("flops.train"); f(B=np.array([...]), S=..., ...)`` returns an array per
+        name (float64; exact below 2**53). Symbols not passed take the model's defaults.
+        """
+        syms = [SYMS[s] for s in self.symbols]
+        fn = sympy.lambdify(syms, [self.quantity(n) for n in names], modules="numpy")
+        defaults = {str(k): v for k, v in self.bind().items()}
+
+        def f(**sizes):
+            args = [sizes.get(s, defaults.get(s)) for s in self.symbols]
+            return fn(*args)
+
+        return f
 
     def __repr__(self) -> str:
         P, rem, form = self.train_simplified()
@@ -509,7 +541,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         model=spec.name, spec=spec, graph=graph, ops=ops, symbols=syms, param_shapes=param_shapes,
         matmul_params=matmul_params, unsupported=unsupported, saved=saved, layer_container=container,
         precision=precision, tied={folded_name.get(k, k): v for k, v in ref.tied.items()},
-        recordings=recs, plan=plan,
+        recordings=recs, plan=plan, fitter=fitter, role=role,
     )
     _validate(an, spec, symbols, seed)
     an.timings = {"record": t1 - t0, "fit": t2 - t1, "check": time.perf_counter() - t2}
