@@ -294,7 +294,9 @@ class Analysis:
         defaults = {str(k): v for k, v in self.bind().items()}
 
         def f(**sizes):
-            args = [sizes.get(s, defaults.get(s)) for s in self.symbols]
+            import numpy as np
+
+            args = [np.asarray(sizes.get(s, defaults.get(s)), dtype=np.float64) for s in self.symbols]
             return fn(*args)
 
         return f

@@ -1,0 +1,42 @@
+"""Shared fixtures: traces are slow (seconds), so each (model, options) is traced once per session."""
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+
+import symcost
+
+
+@functools.lru_cache(maxsize=None)
+def _trace(model: str, precision: str = "fp32", attention: str = "eager", config: tuple = (),
+           sizes: tuple = ()):
+    return symcost.trace(model, dict(config), attention, sizes=dict(sizes), precision=precision)
+
+
+@pytest.fixture(scope="session")
+def traced():
+    """``traced(model, precision="fp32", attention="eager", config=(), sizes=())`` -> Analysis (cached)."""
+    return _trace
+
+
+def random_sizes(an, rng: random.Random, n: int = 5, big: bool = False) -> list[dict[str, int]]:
+    """``n`` random size tuples for the symbols of ``an``, valid for its model, never the fit's.
+
+    Values are small (real CPU tensors are built at them) and differ from every probe point.
+    """
+    probes = {tuple(sorted(p.items())) for p in an.plan.points}
+    out = []
+    while len(out) < n:
+        v = {
+            "B": rng.randint(1, 4), "S": rng.randint(3, 24), "H": rng.choice((2, 4, 6, 8)),
+            "D": rng.choice((4, 6, 8, 12, 16)), "L": rng.randint(1, 4), "V": rng.randint(17, 130),
+            "F": rng.randint(8, 70),
+        }
+        v["K"] = rng.choice([k for k in (1, 2, 3, 4) if v["H"] % k == 0 and k < v["H"]])
+        v = {s: v[s] for s in an.symbols}
+        if tuple(sorted(v.items())) in probes or an.spec.check({**v, **{a: v[b] for a, b in an.spec.tied.items()}}):
+            continue
+        out.append(v)
+    return out
