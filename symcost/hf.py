@@ -151,12 +151,20 @@ def _is_field(cfg, key: str) -> bool:
 
 
 def _make_config(AutoConfig, model_type: str, kwargs: Mapping[str, Any]):
+    """``AutoConfig.for_model(model_type, **kwargs)``, its log warnings silenced (starcoder2's own
+    defaults warn that bos/eos ids lie outside its vocabulary); failures become SymcostError."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         return AutoConfig.for_model(model_type, **kwargs)
     except Exception as e:  # noqa: BLE001 - config constructors validate with any exception type
         shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         why = " ".join(str(e).split())  # one line: config validators print multi-line messages
         raise SymcostError(f"hf:{model_type}: the config rejected {shown}: {type(e).__name__}: {why}") from e
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _apply_overrides(AutoConfig, model_type: str, base, overrides: Mapping[str, str]) -> dict[str, Any]:
