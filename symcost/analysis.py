@@ -151,6 +151,7 @@ class Analysis:
     plan: Any = None  # the fit's ProbePlan: recordings[i] was taken at plan.points[i]
     fitter: Any = None  # fit.Fitter over those probes: signature (one int per probe) -> polynomial
     role: Any = None  # role(module, name=None) -> (keep, repeat, folded name), see _layer_roles
+    pinned: dict[str, int] = field(default_factory=dict)  # sizes fixed at 1 (not symbols)
 
     def params_not_in_P(self) -> dict[str, list[str]]:
         """Parameters outside P, grouped by why: embedding lookups, biases, norms/elementwise."""
@@ -229,9 +230,10 @@ class Analysis:
     def train_simplified(self) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
         """``(P, remainder, unevaluated 6*B*S*P + remainder)`` with remainder exact."""
         P = self.params_matmul
-        B, S = SYMS["B"], SYMS["S"]
+        B, S = (sympy.Integer(self.pinned[n]) if n in self.pinned else SYMS[n] for n in ("B", "S"))
         rem = sympy.expand(self.flops("train") - 6 * B * S * P)
-        form = sympy.Add(sympy.Mul(6, B, S, sympy.factor_terms(P), evaluate=False),
+        factors = [f for f in (sympy.Integer(6), B, S, sympy.factor_terms(P)) if f != 1]
+        form = sympy.Add(sympy.Mul(*factors, evaluate=False),
                          sympy.factor_terms(rem), evaluate=False)
         return P, rem, form
 
@@ -244,12 +246,17 @@ class Analysis:
         """
         values = {s: self.spec.defaults[s] for s in self.symbols if s in self.spec.defaults}
         for k, v in sizes.items():
+            if k in self.pinned and v == self.pinned[k]:
+                continue
+            if k in self.pinned:
+                raise SymcostError(f"{k} was traced pinned to {self.pinned[k]}; trace again for {k}={v}")
             if k not in self.symbols:
                 known = ", ".join(self.symbols)
                 raise SymcostError(f"unknown symbol {k!r} for {self.model}; accepted: {known}")
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise SymcostError(f"{k} must be a positive integer, got {v!r}")
             values[k] = v
+        values.update(self.pinned)
         missing = [s for s in self.symbols if s not in values]
         if missing:
             raise SymcostError(f"no value for {', '.join(missing)}; set it with --set")
@@ -440,8 +447,11 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         h = sizes.get("H", spec.defaults.get("H"))
         if sizes["K"] == h and "K" not in spec.tied:
             spec.tied = dict(spec.tied, K="H")
-    symbols = spec.all_symbols
-    fixed = {"L": FIT_L} if "L" in symbols else {}
+    # Size 1 is its own regime (PyTorch turns some copies into views at B = 1 or S = 1): a size
+    # the user sets to 1 is pinned in every probe instead of being a symbol.
+    pinned = {s: 1 for s in ("B", "S") if sizes and sizes.get(s) == 1}
+    symbols = tuple(s for s in spec.all_symbols if s not in pinned)
+    fixed = dict(pinned, **({"L": FIT_L} if "L" in symbols else {}))
     plan = plan_probes(symbols, spec.check, n_random=n_random, seed=seed, fixed=fixed)
     recs = [record(spec, p, precision) for p in plan.points]
     t1 = time.perf_counter()
@@ -531,6 +541,9 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     saved = []
     for k, s in enumerate(ref.saved):
         keep, repeat, module = role(s.module)
+        layers = {_layer_of(m, container) for m in s.also | {s.module}}
+        if len(layers) > 1:  # one storage saved by several blocks (e.g. rotary cos/sin): once
+            keep, repeat, module = True, sympy.Integer(1), "(shared by blocks)"
         if not keep:
             continue
         nb = fitter(tuple(r.saved[k].nbytes for r in recs), f"saved tensor of {s.module or 'the root'}")
@@ -545,7 +558,8 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         precision=precision, tied={folded_name.get(k, k): v for k, v in ref.tied.items()},
         recordings=recs, plan=plan, fitter=fitter, role=role,
     )
-    _validate(an, spec, symbols, seed)
+    an.pinned = pinned
+    _validate(an, spec, symbols, seed, pinned)
     an.timings = {"record": t1 - t0, "fit": t2 - t1, "check": time.perf_counter() - t2}
     return an
 
@@ -563,11 +577,11 @@ def concrete_totals(rec: Recording) -> dict[str, int]:
     return out
 
 
-def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int) -> None:
+def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping[str, int]) -> None:
     import random
 
     rng = random.Random(seed + 1000)
-    fixed = {"L": CHECK_L} if "L" in symbols else {}
+    fixed = dict(pinned, **({"L": CHECK_L} if "L" in symbols else {}))
     for _ in range(2):
         p = random_point(symbols, spec.check, rng, fixed)
         rec = record(spec, p, an.precision)

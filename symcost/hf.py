@@ -393,7 +393,7 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
             )
         if alibi and h & (h - 1):
             return f"H must be a power of two: ALiBi slopes of other head counts trace other ops (got H={h})"
-        if maxpos and s > maxpos:
+        if maxpos and s > maxpos and not uses_rope and not alibi:  # a learned position table
             return (
                 f"S={s} exceeds max_position_embeddings={maxpos}; raise it with "
                 f"--config max_position_embeddings={s}"

@@ -76,8 +76,9 @@ class SavedTensor:
 
     nbytes: int
     dtype: torch.dtype
-    module: str
+    module: str  # the module that saved it first
     shape: tuple[int, ...]
+    also: set[str] = field(default_factory=set)  # other modules that saved the same storage
 
 
 @dataclass
@@ -360,14 +361,19 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
         rec = _Recorder(leaf_names)
         rec.param_module = param_module
         saved: list[SavedTensor] = []
-        seen_storages: set[int] = set()
+
+        seen_saved: dict[int, SavedTensor] = {}
 
         def pack(t: torch.Tensor):
             st = t.untyped_storage()
             key = StorageWeakRef(st).cdata
-            if key not in static_storages and key not in seen_storages:
-                seen_storages.add(key)
-                saved.append(SavedTensor(st.nbytes(), t.dtype, rec.module_stack[-1], tuple(t.shape)))
+            if key in static_storages:
+                return t
+            if key not in seen_saved:
+                seen_saved[key] = SavedTensor(st.nbytes(), t.dtype, rec.module_stack[-1], tuple(t.shape))
+                saved.append(seen_saved[key])
+            else:
+                seen_saved[key].also.add(rec.module_stack[-1])
             return t
 
         def pre_hook(module, inputs):

@@ -102,6 +102,8 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
         st.add_row(s, meaning, f"{v}{mark}")
     for a, b in an.spec.tied.items():
         st.add_row(a, f"tied: {a} = {b} in this configuration", "")
+    for a, v in an.pinned.items():
+        st.add_row(a, f"pinned: {a} = {v} (size 1 traces other kernels, so it is not a symbol here)", str(v))
     c.print(st)
 
     if table:
@@ -150,7 +152,7 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     c.print(f"  flops.train = {fmt(form)}")
     attn = an.attention_flops
     if env:
-        N = _value(SYMS["B"] * SYMS["S"], env)
+        N = _value(SYMS["B"] * SYMS["S"], {**env, **{SYMS[k]: v for k, v in an.pinned.items()}})
         total = _value(an.flops("train"), env)
         sixnp = 6 * N * _value(P, env)
         fwd, bwd = _value(an.flops("forward"), env), _value(an.flops("backward"), env)
@@ -215,6 +217,7 @@ def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None =
         "precision": an.precision,
         "symbols": symbols,
         "tied_symbols": dict(an.spec.tied),
+        "pinned_symbols": dict(an.pinned),
         "params": out(an.params),
         "params_matmul": out(P),
         "flops": {ph: out(an.flops(ph)) for ph in PHASES + ("train",)},
