@@ -49,9 +49,10 @@ class SymOp:
 
 
 def _layer_of(module: str, container: str | None) -> int | None:
-    if not container:
+    """Index of the block a module path lies in (``container`` "" is the root), else None."""
+    if container is None:
         return None
-    prefix = container + "."
+    prefix = container + "." if container else ""
     if module.startswith(prefix):
         head = module[len(prefix):].split(".", 1)[0]
         if head.isdigit():
@@ -59,10 +60,15 @@ def _layer_of(module: str, container: str | None) -> int | None:
     return None
 
 
-def _fold_name(module: str, container: str | None) -> str:
+def _rename_block(path: str, container: str | None, label: str) -> str:
     if container is None:
-        return module
-    return re.sub(rf"^{re.escape(container)}\.\d+", f"{container}.{{i}}", module)
+        return path
+    prefix = re.escape(container + ".") if container else ""
+    return re.sub(rf"^{prefix}\d+", (container + "." if container else "") + label, path)
+
+
+def _fold_name(module: str, container: str | None) -> str:
+    return _rename_block(module, container, "{i}")
 
 
 def _op_view(op: OpCall, in_shapes, out_shapes, ints) -> rules.OpView:
@@ -368,7 +374,7 @@ def _layer_roles(spec: ModelSpec, ref: Recording, container: str | None, precisi
         return out
 
     generic, special, repeat = 0, None, L
-    if container:
+    if container is not None:
         s2 = seqs(ref)
         if len(s2) >= 2 and s2[0] != s2[1]:
             s3 = seqs(record(spec, dict(ref.values, L=FIT_L + 1), precision))
@@ -392,7 +398,7 @@ def _layer_roles(spec: ModelSpec, ref: Recording, container: str | None, precisi
         if layer == special:
             if special == 0:
                 return True, one, full
-            return True, one, re.sub(rf"^{re.escape(container)}\.\d+", f"{container}.{{L-1}}", full)
+            return True, one, _rename_block(full, container, "{L-1}")
         return False, one, full
 
     return role
@@ -458,7 +464,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     _align(recs, spec)
     fitter = Fitter(plan)
     ref = recs[0]
-    container = ref.layer_container if "L" in symbols else None
+    container = ref.layer_container
 
     def fit_shape(getter, what):
         shapes0 = getter(ref)

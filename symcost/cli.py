@@ -6,6 +6,7 @@ input is one line on stderr and exit code 2 (``--debug`` shows the traceback).
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import traceback
@@ -78,6 +79,7 @@ class _Group(click.Group):
     def main(self, args=None, **kwargs):  # noqa: D401 - click hook
         args = list(sys.argv[1:] if args is None else args)
         debug = "--debug" in args
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # keep the output to symcost's
         try:
             return super().main(_expand_multi(args), standalone_mode=False, **kwargs)
         except SymcostError as e:

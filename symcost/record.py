@@ -109,6 +109,12 @@ class Recording:
     n_backward: int = 0  # then the backward; the rest is the optimizer step
     precision: str = "fp32"
     tied: dict[str, list[str]] = field(default_factory=dict)  # parameter -> its tied aliases
+    # unique buffers by storage (first name), and the bytes of the step's input tensors (unique
+    # storages), both allocated before the step runs, so not in ``events``
+    buffers: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    input_nbytes: int = 0
+    # len(events) when the step ended: later events are frees at teardown (grads, ...), not the step
+    events_end: int = -1
 
 
 def _module_names(model: nn.Module) -> dict[int, str]:
@@ -262,23 +268,45 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype = tor
                 table[name] = memo[id(t)]
 
 
-def find_layer_container(model: nn.Module, n_layers: int) -> str | None:
-    """Dotted path of the ``nn.ModuleList``/``nn.Sequential`` holding ``n_layers`` blocks, if any."""
-    found = [
-        name
-        for name, m in model.named_modules()
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) == n_layers and name
-    ]
-    return found[0] if len(found) == 1 else (found[0] if found else None)
+def _containers(model: nn.Module) -> dict[str, int]:
+    return {
+        name: len(m) for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
+    }
 
 
-PRECISIONS = ("fp32", "bf16", "bf16-mixed", "bf16-mixed-master", "fp16-mixed")
+def find_layer_container(spec: ModelSpec, model: nn.Module, values: Mapping[str, int]) -> str | None:
+    """Dotted path ("" for the root) of the ``nn.ModuleList``/``nn.Sequential`` of the L blocks.
+
+    It is the container whose length is L in ``model`` and L + 1 in the same model built (on the
+    meta device) with L + 1.
+
+    Raises:
+        SymcostError: no container, or several, follow L.
+    """
+    n = values["L"]
+    here = {k for k, v in _containers(model).items() if v == n}
+    if not here:
+        found = set()
+    else:
+        with torch.device("meta"):
+            other = _containers(spec.build(dict(values, L=n + 1)))
+        found = {k for k in here if other.get(k) == n + 1}
+    if len(found) == 1:
+        return found.pop()
+    what = "no nn.ModuleList or nn.Sequential" if not found else f"several containers ({', '.join(sorted(found))})"
+    raise SymcostError(
+        f"{spec.name}: {what} has length L, so the L repeated blocks cannot be found; "
+        "set ModelSpec.layers to the blocks' container"
+    )
+
+
+PRECISIONS = ("fp32", "bf16", "bf16-mixed", "bf16-mixed-master", "fp16-mixed", "fp16")
 
 
 def precision_context(precision: str):
     """``(parameter dtype, autocast context factory)`` of a precision policy.
 
-    fp32: fp32 model. bf16: the model cast to bf16 (``model.to(torch.bfloat16)``).
+    fp32: fp32 model. bf16 / fp16: the model cast to bf16 / fp16 (``model.to(dtype)``).
     bf16-mixed / bf16-mixed-master / fp16-mixed: fp32 model run under
     ``torch.autocast("cpu", dtype=bf16 or fp16)`` (what autocast saves, its low-precision copies of
     the weights included, is what the recording sees).
@@ -287,6 +315,8 @@ def precision_context(precision: str):
         return torch.float32, contextlib.nullcontext
     if precision == "bf16":
         return torch.bfloat16, contextlib.nullcontext
+    if precision == "fp16":
+        return torch.float16, contextlib.nullcontext
     if precision in ("bf16-mixed", "bf16-mixed-master"):
         return torch.float32, lambda: torch.autocast("cpu", dtype=torch.bfloat16)
     if precision == "fp16-mixed":
@@ -326,7 +356,9 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
         raise SymcostError(f"building {spec.name} failed at {values}: {type(e).__name__}: {e}") from e
     model.train()
     names = _module_names(model)
-    layers = spec.layers or (find_layer_container(model, values["L"]) if "L" in values else None)
+    layers = spec.layers
+    if layers is None and "L" in spec.symbols:
+        layers = find_layer_container(spec, model, values)
 
     param_dtype, autocast = precision_context(precision)
     with fake:
@@ -342,8 +374,14 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
             leaf_names[id(p)] = f"param:{name}"
             params[name] = (tuple(p.shape), p.dtype)
             param_module[name] = name.rpartition(".")[0]
+        buffers: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        buffer_storages: set[int] = set()
         for name, b in model.named_buffers():
             leaf_names[id(b)] = f"buffer:{name}"
+            bkey = StorageWeakRef(b.untyped_storage()).cdata
+            if bkey not in buffer_storages:
+                buffer_storages.add(bkey)
+                buffers[name] = (tuple(b.shape), b.dtype)
         static_storages = {
             StorageWeakRef(t.untyped_storage()).cdata
             for t in list(model.parameters()) + list(model.buffers())
@@ -354,9 +392,12 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
                 lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                 (args, kwargs),
             )
+        input_storages: dict[int, int] = {}
         for i, t in enumerate(tree_flatten((args, kwargs))[0]):
             if isinstance(t, torch.Tensor):
                 leaf_names[id(t)] = f"input:{i}"
+                st = t.untyped_storage()
+                input_storages[StorageWeakRef(st).cdata] = st.nbytes()
 
         rec = _Recorder(leaf_names)
         rec.param_module = param_module
@@ -407,6 +448,7 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
                 rec.phase = "optimizer"
                 with rec:
                     opt.step()
+            events_end = len(rec.events)
         except SymcostError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -421,4 +463,5 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
             h1.remove()
             h2.remove()
     return Recording(values, rec.ops, params, param_module, saved, layers, rec.events,
-                     n_forward, n_backward, precision, tied)
+                     n_forward, n_backward, precision, tied, buffers, sum(input_storages.values()),
+                     events_end)

@@ -52,8 +52,8 @@ def module_group(module: str, container: str | None) -> str:
     if not module:
         return "(loss / top level)"
     parts = module.split(".")
-    if container:
-        cparts = container.split(".")
+    if container is not None:
+        cparts = container.split(".") if container else []
         n = len(cparts)
         if parts[:n] == cparts and len(parts) > n:
             return ".".join(parts[: n + 2])
