@@ -256,6 +256,14 @@ class Analysis:
                 continue
             if k in self.pinned:
                 raise SymcostError(f"{k} was traced pinned to {self.pinned[k]}; trace again for {k}={v}")
+            if k in self.spec.tied:
+                other = self.spec.tied[k]
+                if v == sizes.get(other, self.spec.defaults.get(other)):
+                    continue
+                raise SymcostError(
+                    f"{k} is tied to {other} in this configuration of {self.model}; to trace {k} on its "
+                    f"own change the model's configuration (for hf: models, --config num_key_value_heads={v})"
+                )
             if k not in self.symbols:
                 known = ", ".join(self.symbols)
                 raise SymcostError(f"unknown symbol {k!r} for {self.model}; accepted: {known}")
@@ -449,10 +457,6 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
 
     t0 = time.perf_counter()
     spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
-    if sizes and "K" in sizes and "H" in spec.symbols and "K" in spec.symbols:
-        h = sizes.get("H", spec.defaults.get("H"))
-        if sizes["K"] == h and "K" not in spec.tied:
-            spec.tied = dict(spec.tied, K="H")
     # Size 1 is its own regime (PyTorch turns some copies into views at B = 1 or S = 1): a size
     # the user sets to 1 is pinned in every probe instead of being a symbol.
     pinned = {s: 1 for s in ("B", "S") if sizes and sizes.get(s) == 1}
