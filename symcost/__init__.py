@@ -6,7 +6,8 @@ FLOPs, bytes and arithmetic intensity per op and in total.
 """
 from .analysis import Analysis, trace
 from .errors import SymcostError
+from .fit import SYMS, parse_formula
 from .models import ModelSpec, resolve
 
-__all__ = ["Analysis", "ModelSpec", "SymcostError", "resolve", "trace"]
+__all__ = ["Analysis", "ModelSpec", "SYMS", "SymcostError", "parse_formula", "resolve", "trace"]
 __version__ = "0.1.0"

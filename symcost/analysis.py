@@ -178,7 +178,8 @@ class Analysis:
                     frontier.extend(g.successors(n))
                     continue
                 op = d.get("op", "")
-                why = ("embedding lookups" if "embedding" in op else
+                lookup = any(k in op for k in ("embedding", "aten.index", "index_select", "gather"))
+                why = ("embedding lookups" if lookup else
                        "biases" if d.get("family") == "model" else "norms and elementwise scales")
                 break
             out.setdefault(why, []).append(name)
@@ -232,6 +233,21 @@ class Analysis:
         return sympy.expand(sympy.Add(*[
             op.repeat * op.cost.flops for op in self.ops if op.attention
         ]))
+
+    def train_simplified_str(self) -> str:
+        """``"6*B*S*(P) + remainder"`` as text, 6·N·P first (sympy would reorder the terms).
+
+        Parses with :func:`symcost.parse_formula` (or ``sympy.sympify`` with those locals) to
+        ``flops("train")``.
+        """
+        P, rem, _ = self.train_simplified()
+        n = "*".join(str(x) for x in ("B", "S") if x not in self.pinned)
+        head = f"6*{n}*({P})" if n else f"6*({P})"
+        if rem == 0:
+            return head
+        text = str(rem)
+        return f"{head} - {text[1:]}" if text.startswith("-") and "+" not in text and " - " not in text \
+            else f"{head} + {text}"
 
     def train_simplified(self) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
         """``(P, remainder, unevaluated 6*B*S*P + remainder)`` with remainder exact."""
@@ -340,7 +356,7 @@ class Analysis:
     def write(self, path: str) -> None:
         """Write the graph as GraphML (``.graphml``) or node-link JSON (``.json``).
 
-        Sympy values are written as strings that ``sympy.sympify`` parses.
+        Sympy values are written as strings that :func:`symcost.parse_formula` parses.
         """
         g = nx.DiGraph()
         for n, d in self.graph.nodes(data=True):

@@ -21,22 +21,25 @@ _PAIR = re.compile(r"^[A-Za-z_][\w.]*=")
 
 
 def _expand_multi(argv: list[str]) -> list[str]:
-    """Let ``--set B=8 S=1024`` mean ``--set B=8 --set S=1024`` (same for --config)."""
-    out, current = [], None
+    """Let ``--set B=8 S=1024`` mean ``--set B=8 --set S=1024`` (same for --config).
+
+    The token right after ``--set`` is always its value (so ``--set B`` reaches parse_sizes and
+    gets its error); later tokens belong to it while they look like ``KEY=VALUE``.
+    """
+    out: list[str] = []
+    current, first = None, False
     for tok in argv:
         if tok in _MULTI:
-            current = tok
+            current, first = tok, True
             continue
-        if current and _PAIR.match(tok):
+        if current and (first or _PAIR.match(tok)):
             out += [current, tok]
+            first = False
             continue
-        if current and not out[-1:] == [tok]:
-            if out and out[-2:-1] == [current] and not _PAIR.match(tok):
-                pass
-        current = None if tok.startswith("-") or not _PAIR.match(tok) else current
+        current = None
         out.append(tok)
-    if current and (not out or out[-1] == current):
-        out.append(current)  # "--set" with nothing after: let click complain
+    if current and first:
+        out.append(current)  # "--set" with nothing after: click says it needs a value
     return out
 
 
@@ -54,9 +57,10 @@ def parse_sizes(pairs: tuple[str, ...]) -> dict[str, int]:
             raise SymcostError(f"--set takes SYMBOL=INTEGER, got {pair!r}")
         if key not in SYMBOL_MEANINGS:
             raise SymcostError(f"unknown symbol {key!r} in --set; accepted: {', '.join(SYMBOL_MEANINGS)}")
-        val = val.strip().replace("_", "")
+        raw = val.strip()
+        val = raw.replace("_", "")
         if not re.fullmatch(r"[+-]?\d+", val):
-            raise SymcostError(f"{key} must be a positive integer, got {val!r}")
+            raise SymcostError(f"{key} must be a positive integer, got {raw!r}")
         n = int(val)
         if n <= 0:
             raise SymcostError(f"{key} must be a positive integer, got {n}")
@@ -90,7 +94,7 @@ class _Group(click.Group):
         except click.exceptions.Exit as e:
             sys.exit(e.exit_code)
         except click.ClickException as e:
-            e.show()
+            click.echo(f"symcost: error: {e.format_message()} (see symcost --help)", err=True)
             sys.exit(2)
         except click.exceptions.Abort:
             click.echo("symcost: aborted", err=True)
@@ -109,7 +113,7 @@ class _Group(click.Group):
 def _common(f):
     f = click.option("--debug", is_flag=True, help="show tracebacks")(f)
     f = click.option("--precision", default="bf16-mixed", show_default=True,
-                     help="fp32, bf16, bf16-mixed, bf16-mixed-master, fp16-mixed")(f)
+                     help="fp32, bf16, bf16-mixed, bf16-mixed-master, fp16-mixed, fp16")(f)
     f = click.option("--attention", type=click.Choice(["eager", "sdpa"]), default="eager",
                      help="attention implementation for hf: models")(f)
     f = click.option("--config", "config", multiple=True, metavar="KEY=VALUE",
@@ -163,30 +167,34 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
 @click.argument("model")
 @_common
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def formulas(model, sets, config, attention, precision, debug, as_json):
+@click.option("--optimizer", default="adamw", show_default=True, help="adamw, adam, sgd, sgd-nomomentum, adafactor")
+def formulas(model, sets, config, attention, precision, debug, as_json, optimizer):
     """Closed-form totals of MODEL as formulas in the canonical symbols."""
     from . import report as rep
 
-    an, _ = _trace(model, sets, config, attention, precision)
+    an, sizes = _trace(model, sets, config, attention, precision)
+    mem = rep.memory_section(an, sizes, "80GiB", precision, optimizer, evaluate=False)
     if as_json:
-        click.echo(json.dumps(rep.to_json(an, None), indent=1))
+        click.echo(json.dumps(rep.to_json(an, None, memory=mem), indent=1))
     else:
-        rep.render(an, {}, table=False)
+        rep.render(an, {}, table=False, memory=mem)
 
 
 @main.command(name="eval")
 @click.argument("model")
 @_common
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def eval_(model, sets, config, attention, precision, debug, as_json):
+@click.option("--optimizer", default="adamw", show_default=True, help="adamw, adam, sgd, sgd-nomomentum, adafactor")
+def eval_(model, sets, config, attention, precision, debug, as_json, optimizer):
     """Totals of MODEL as integers at --set sizes (others at the model's defaults)."""
     from . import report as rep
 
     an, sizes = _trace(model, sets, config, attention, precision)
+    mem = rep.memory_section(an, sizes, "80GiB", precision, optimizer, evaluate=True)
     if as_json:
-        click.echo(json.dumps(rep.to_json(an, sizes), indent=1))
+        click.echo(json.dumps(rep.to_json(an, sizes, memory=mem), indent=1))
     else:
-        rep.render_values(an, sizes)
+        rep.render_values(an, sizes, memory=mem)
 
 
 def _register_memory_commands():

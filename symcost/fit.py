@@ -31,6 +31,16 @@ from .errors import SymcostError
 
 SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in "BSHDLVFKN"}
 
+
+def parse_formula(text: str) -> sympy.Expr:
+    """Parse a formula string of symcost's JSON into a sympy expression in the canonical symbols.
+
+    Plain ``sympy.sympify("B*S")`` reads ``S`` as ``sympy.S`` and ``N`` as ``sympy.N``; this
+    passes the canonical symbols as locals. Only use it on symcost's own output: sympify
+    evaluates code.
+    """
+    return sympy.sympify(text, locals=dict(SYMS))
+
 # Base probe values and one alternate per symbol. L is fixed while fitting (layers fold).
 BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2}
 ALTS = {

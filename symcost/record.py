@@ -157,6 +157,9 @@ class _Recorder(TorchDispatchMode):
         # storage liveness: storage key -> [live tensor objects, nbytes]
         self._storages: dict[int, list] = {}
         self.events: list[MemoryEvent] = []
+        # storages that exist before the step (parameters, buffers, inputs): a view of one is no
+        # allocation
+        self.preexisting: set[int] = set()
 
     def tensor_id(self, t: torch.Tensor) -> int:
         key = id(t)
@@ -170,6 +173,8 @@ class _Recorder(TorchDispatchMode):
         """Count ``t`` as a reference to its storage; a new storage is an allocation event."""
         st = t.untyped_storage()
         key = StorageWeakRef(st).cdata
+        if key in self.preexisting:
+            return
         entry = self._storages.get(key)
         if entry is None:
             entry = self._storages[key] = [0, st.nbytes()]
@@ -401,6 +406,7 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
 
         rec = _Recorder(leaf_names)
         rec.param_module = param_module
+        rec.preexisting = static_storages | set(input_storages)
         saved: list[SavedTensor] = []
 
         seen_saved: dict[int, SavedTensor] = {}

@@ -149,7 +149,7 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     for why, names in an.params_not_in_P().items():
         c.print(f"    not in P, {why}: {', '.join(names)}")
     c.print(f"  remainder = {fmt(rem)}")
-    c.print(f"  flops.train = {fmt(form)}")
+    c.print(f"  flops.train = {an.train_simplified_str()}")
     attn = an.attention_flops
     if env:
         N = _value(SYMS["B"] * SYMS["S"], {**env, **{SYMS[k]: v for k, v in an.pinned.items()}})
@@ -183,7 +183,7 @@ def render_memory(memory: dict) -> None:
         c.print(line)
 
 
-def render_values(an: Analysis, sizes: Mapping[str, int]) -> None:
+def render_values(an: Analysis, sizes: Mapping[str, int], memory: dict | None = None) -> None:
     """Print the totals as integers (``symcost eval`` without --json)."""
     c = console()
     vals = an.subs(**sizes)
@@ -192,6 +192,11 @@ def render_values(an: Analysis, sizes: Mapping[str, int]) -> None:
     for k, v in vals.items():
         unit = "FLOP" if k.startswith("flops") else ("B" if k.startswith("bytes") else "")
         c.print(f"  {k:<18} {v:>24,}" + (f"   ({human(v, unit)})" if unit else ""))
+    if memory and "json" in memory:
+        for k, v in memory["json"].items():
+            if isinstance(v, int) and not isinstance(v, bool):
+                unit = "" if k in ("max_batch", "bytes_per_param") else "B"
+                c.print(f"  memory.{k:<14} {v:>21,}" + (f"   ({human(v, unit)})" if unit else ""))
 
 
 def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None = None) -> dict:
@@ -226,17 +231,21 @@ def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None =
         "attention_flops": out(an.attention_flops),
         "unsupported_ops": {k: out(v) for k, v in an.unsupported.items()},
     }
-    res["flops"]["train_simplified"] = out(form) if env is not None else str(form)
+    res["flops"]["train_simplified"] = out(form) if env is not None else an.train_simplified_str()
     res["flops"]["remainder"] = out(rem)
     if memory and "json" in memory:
         res["memory"] = memory["json"]
     return res
 
 
-def memory_section(an: Analysis, sizes, cap: str, precision: str, optimizer: str) -> dict | None:
-    """The memory section of the report, when the memory pass is available (else None)."""
+def memory_section(an: Analysis, sizes, cap: str, precision: str, optimizer: str, **options) -> dict | None:
+    """The memory section of the report, when the memory pass is available (else None).
+
+    ``options`` go to ``symcost.memory.report_section`` (e.g. ``evaluate=True``: integers even
+    without sizes, at the model's defaults).
+    """
     try:
         from . import memory as mem
     except ImportError:
         return None
-    return mem.report_section(an, sizes, cap, precision, optimizer)
+    return mem.report_section(an, sizes, cap, precision, optimizer, **options)

@@ -117,6 +117,21 @@ def _registry_rule(v: OpView) -> Cost:
     return Cost(f, f, _traffic(v))
 
 
+@rule("aten.convolution_backward")
+def _conv_backward(v: OpView) -> Cost:
+    """The registry's ``conv_backward_flop``, with the op's outputs put back in their positions.
+
+    The op returns ``(grad_input, grad_weight, grad_bias)`` with ``None`` where ``output_mask`` is
+    False (e.g. no grad_input for a first layer fed the data batch); the recording keeps tensors
+    only, but the registry formula reads ``out_shape[1]`` as grad_weight's shape.
+    """
+    mask = v.args[10] if len(v.args) > 10 else v.kwargs["output_mask"]
+    shapes = iter(v.out_shapes)
+    out = tuple(next(shapes) if m else None for m in mask)
+    f = flop_registry[v.op.overloadpacket](*v.args, out_val=out, **v.kwargs)
+    return Cost(f, f, _traffic(v))
+
+
 @rule("aten._scaled_dot_product_flash_attention_for_cpu")
 def _sdpa_cpu(v: OpView) -> Cost:
     """CPU flash attention (missing from FlopCounterMode): 4*B*H*S_q*S_k*D, as sdpa_flop_count."""
