@@ -155,6 +155,13 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
     """
     from . import report as rep
 
+    try:
+        from .memory import optimizer as _check_optimizer, parse_memory
+    except ImportError:
+        pass
+    else:  # bad --memory / --optimizer: say so before tracing
+        parse_memory(memory)
+        _check_optimizer(optimizer)
     an, sizes = _trace(model, sets, config, attention, precision)
     mem = rep.memory_section(an, sizes, memory, precision, optimizer)
     if as_json:

@@ -196,7 +196,7 @@ def render_values(an: Analysis, sizes: Mapping[str, int], memory: dict | None = 
         for k, v in memory["json"].items():
             if isinstance(v, int) and not isinstance(v, bool):
                 unit = "" if k in ("max_batch", "bytes_per_param") else "B"
-                c.print(f"  memory.{k:<14} {v:>21,}" + (f"   ({human(v, unit)})" if unit else ""))
+                c.print(f"  memory.{k:<22} {v:>17,}" + (f"   ({human(v, unit)})" if unit else ""))
 
 
 def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None = None) -> dict:

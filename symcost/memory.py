@@ -1,0 +1,1148 @@
+"""Memory of one training step: static memory by precision policy, activations, peak, max batch.
+
+Everything here is derived from a traced :class:`~symcost.analysis.Analysis`; nothing is typed in
+per architecture. The accounting (see docs/memory.md and ../shared/conventions.md):
+
+* **Static memory** (bytes, live for the whole step): parameters, optimizer state and master
+  weights, each ``bytes per element x elements`` of the precision policy (:data:`POLICIES`) and
+  the optimizer (:data:`OPTIMIZERS`), over the parameters of the trace (tied ones once), plus the
+  model's buffers and the step's input tensors. Gradients follow the same policy; they are static
+  in the sense of the JSON contract (``memory.grads``) but in the peak they are allocated where
+  the backward really allocates them (``optimizer.zero_grad(set_to_none=True)`` between steps).
+* **Activations**: what autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``),
+  parameters and buffers excluded, deduplicated by storage: ``Analysis.saved`` fitted and folded.
+* **Peak** of a *steady-state* step (optimizer state already allocated, gradients set to None by
+  the previous ``zero_grad``): static memory plus the largest live set over the traced schedule:
+  every storage the forward and the backward allocate and free, in the order they did (the
+  recording's memory events), folded to any L (block 0, then L-1 blocks like block 1 in forward;
+  L-1 blocks like block 1, then block 0 in backward), then the optimizer step's transient buffers.
+  The candidates for the maximum are polynomials; those dominated for all sizes are dropped, so
+  the peak is one polynomial where the maximiser does not depend on the sizes, else ``Max(...)``
+  of the few that can win (``Piecewise`` on L = 1 when a candidate needs two blocks).
+
+Public entry points: :func:`parse_memory`, :func:`memory_model` (-> :class:`MemoryModel` with
+``peak``, ``solve``, ``plan_accumulation``), :func:`report_section`.
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+import weakref
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Mapping
+
+import sympy
+
+from .errors import SymcostError
+from .fit import SYMS
+
+GiB = 2**30
+
+# --------------------------------------------------------------------------------------------
+# memory caps
+# --------------------------------------------------------------------------------------------
+
+_UNITS = {
+    "B": 1,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+}
+_CAP_RE = re.compile(r"^\s*([+-]?)(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_memory(text: str | int) -> int:
+    """A memory cap in bytes: ``"85899345920"``, ``"80GiB"``, ``"80GB"``, ``"1.5 TiB"``.
+
+    Units: KiB, MiB, GiB, TiB are binary (2**10 ...), KB, MB, GB, TB decimal (10**3 ...), B bytes;
+    unit letters are case-insensitive. A fractional result is rounded down to whole bytes.
+
+    Raises:
+        SymcostError: an unknown unit (``80XB``), a number without a unit that is not an
+            integer, a negative or zero cap, or anything else that is not a size.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise SymcostError(f"memory cap must be positive, got {text}")
+        return text
+    s = str(text)
+    m = _CAP_RE.match(s)
+    accepted = "bytes as an integer, or a number with a unit: KiB, MiB, GiB, TiB (binary) or KB, MB, GB, TB (decimal), e.g. 80GiB"
+    if not m:
+        raise SymcostError(f"bad memory cap {s!r}: expected {accepted}")
+    sign, num, unit = m.groups()
+    if unit and unit.upper() not in _UNITS:
+        raise SymcostError(f"bad memory cap {s!r}: unknown unit {unit!r}; expected {accepted}")
+    if not unit and "." in num:
+        raise SymcostError(f"bad memory cap {s!r}: a number without a unit must be whole bytes; expected {accepted}")
+    value = Fraction(num) * _UNITS[unit.upper() if unit else "B"]
+    if sign == "-" or value <= 0:
+        raise SymcostError(f"memory cap must be positive, got {s.strip()!r}")
+    out = math.floor(value)
+    if out <= 0:
+        raise SymcostError(f"memory cap {s.strip()!r} is less than one byte")
+    return out
+
+
+def dominant_text(name: str, nbytes: int, cap: int) -> str:
+    """Name what dominates: 'optimizer state alone is 84.000 GiB' when it exceeds ``cap``, else
+    'the largest part is ...'."""
+    if nbytes > cap:
+        return f"{name} alone is {gib(nbytes)}"
+    return f"the largest part is {name}, {gib(nbytes)}"
+
+
+def gib(nbytes: int | float) -> str:
+    """``nbytes`` in GiB with three decimals (binary units, as the conventions ask)."""
+    return f"{nbytes / GiB:.3f} GiB"
+
+
+# --------------------------------------------------------------------------------------------
+# policies and optimizers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Bytes per element of each static component under a precision policy.
+
+    Attributes:
+        name: the policy (= the ``--precision`` the model is traced with).
+        param: bytes per parameter of the weights the forward reads.
+        grad: bytes per gradient element.
+        state: bytes per element of optimizer state (moments, momentum, factored variance).
+        master: bytes per parameter of master weights (0: no master copy).
+        note: one line on what the policy is.
+    """
+
+    name: str
+    param: int
+    grad: int
+    state: int
+    master: int
+    note: str
+
+
+#: The precision policies (conventions.md "Memory of a training step"). Activations always come
+#: from the trace at the same precision: a model cast to the low precision for ``bf16``/``fp16``,
+#: an fp32 model under ``torch.autocast`` for the ``-mixed`` policies.
+POLICIES: dict[str, Policy] = {
+    "fp32": Policy("fp32", 4, 4, 4, 0, "fp32 weights, gradients and optimizer state"),
+    "bf16": Policy("bf16", 2, 2, 2, 0, "pure bf16: weights, gradients and optimizer state in bf16"),
+    "bf16-mixed": Policy("bf16-mixed", 2, 2, 4, 0,
+                         "bf16 weights and gradients, fp32 optimizer state, no master copy (the seed's 12P)"),
+    "bf16-mixed-master": Policy("bf16-mixed-master", 2, 2, 4, 4,
+                                "bf16 weights and gradients, fp32 master weights and optimizer state (16P)"),
+    "fp16-mixed": Policy("fp16-mixed", 2, 2, 4, 4,
+                         "fp16 weights and gradients, fp32 master weights and optimizer state (16P)"),
+    "fp16": Policy("fp16", 2, 2, 2, 0, "pure fp16: weights, gradients and optimizer state in fp16"),
+}
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """The state an optimizer keeps per parameter tensor (as torch.optim 2.x does).
+
+    Attributes:
+        name: ``adamw``, ``adam``, ``sgd``, ``sgd-nomomentum`` or ``adafactor``.
+        full: state tensors of the parameter's full shape (Adam: exp_avg, exp_avg_sq; SGD with
+            momentum: momentum_buffer).
+        factored: Adafactor's factored second moment: for a tensor of >= 2 dims, ``row_var``
+            (last dim reduced to 1) plus ``col_var`` (second-to-last dim reduced to 1); for a
+            vector, one full ``variance``.
+        step: a 0-d fp32 ``step`` tensor per parameter tensor (4 bytes; torch's Adam, AdamW and
+            Adafactor keep it on the CPU unless ``capturable``/``fused``).
+        torch: the class it models.
+    """
+
+    name: str
+    full: int
+    factored: bool
+    step: bool
+    torch: str
+
+
+OPTIMIZERS: dict[str, Optimizer] = {
+    "adamw": Optimizer("adamw", 2, False, True, "torch.optim.AdamW"),
+    "adam": Optimizer("adam", 2, False, True, "torch.optim.Adam"),
+    "sgd": Optimizer("sgd", 1, False, False, "torch.optim.SGD(momentum>0)"),
+    "sgd-nomomentum": Optimizer("sgd-nomomentum", 0, False, False, "torch.optim.SGD(momentum=0)"),
+    "adafactor": Optimizer("adafactor", 0, True, True, "torch.optim.Adafactor"),
+}
+
+#: How the optimizer step runs: PyTorch's default on CUDA is ``foreach`` (one list op per
+#: update, temporaries for all tensors at once), on the CPU ``for-loop``; ``fused`` keeps no
+#: temporaries.
+IMPLS = ("foreach", "for-loop", "fused")
+STEP_BYTES = 4  # torch.tensor(0.0, dtype=_get_scalar_dtype()): fp32, 0-d
+
+
+def policy(name: str) -> Policy:
+    """The :class:`Policy` called ``name``.
+
+    Raises:
+        SymcostError: unknown policy.
+    """
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise SymcostError(f"unknown precision {name!r}; accepted: {', '.join(POLICIES)}") from None
+
+
+def optimizer(name: str) -> Optimizer:
+    """The :class:`Optimizer` called ``name`` (case-insensitive).
+
+    Raises:
+        SymcostError: unknown optimizer.
+    """
+    try:
+        return OPTIMIZERS[str(name).lower()]
+    except KeyError:
+        raise SymcostError(f"unknown optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# small exact polynomial algebra (dict: exponent tuple -> int/Fraction) for the candidates
+# --------------------------------------------------------------------------------------------
+
+Poly = dict  # {(e_1, ..., e_n): coefficient}
+
+
+def _padd(a: Poly, b: Poly, k=1) -> Poly:
+    out = dict(a)
+    for m, c in b.items():
+        v = out.get(m, 0) + k * c
+        if v:
+            out[m] = v
+        else:
+            out.pop(m, None)
+    return out
+
+
+def _pscale(a: Poly, k) -> Poly:
+    return {m: c * k for m, c in a.items()} if k else {}
+
+
+def _pmul(a: Poly, b: Poly) -> Poly:
+    out: Poly = {}
+    for m1, c1 in a.items():
+        for m2, c2 in b.items():
+            m = tuple(x + y for x, y in zip(m1, m2))
+            v = out.get(m, 0) + c1 * c2
+            if v:
+                out[m] = v
+            else:
+                out.pop(m, None)
+    return out
+
+
+def _shift(a: Poly) -> Poly:
+    """``a(x + 1)``: coefficients of a polynomial in y = x - 1 (>= 0 for positive integers x)."""
+    out: Poly = {}
+    for m, c in a.items():
+        terms = {(): c}
+        for e in m:
+            new = {}
+            for pre, v in terms.items():
+                for k in range(e + 1):
+                    new[pre + (k,)] = v * math.comb(e, k)
+            terms = new
+        for mm, v in terms.items():
+            out[mm] = out.get(mm, 0) + v
+    return {m: c for m, c in out.items() if c}
+
+
+def _rat(c) -> sympy.Rational:
+    return sympy.Rational(c.numerator, c.denominator) if isinstance(c, Fraction) else sympy.Integer(c)
+
+
+def _nonneg(a: Poly) -> bool:
+    return all(c >= 0 for c in a.values())
+
+
+def _peval(a: Poly, values: tuple) -> int | Fraction:
+    tot = 0
+    for m, c in a.items():
+        t = c
+        for v, e in zip(values, m):
+            if e:
+                t *= v**e
+        tot += t
+    return tot
+
+
+def _sign(a: Poly) -> int:
+    """+1 if ``a >= 0`` for all positive integer symbols, -1 if ``<= 0``, 0 if it depends."""
+    s = _shift(a)
+    if _nonneg(s):
+        return 1
+    if all(c <= 0 for c in s.values()):
+        return -1
+    return 0
+
+
+@dataclass
+class Candidate:
+    """One point of the schedule where the live set may peak: ``poly`` bytes (dynamic part)."""
+
+    poly: Poly
+    shifted: Poly
+    min_L: int  # valid for L >= min_L only (needs that many blocks)
+    label: str
+
+
+def _pareto(cands: list[Candidate]) -> list[Candidate]:
+    """Drop candidates that another one dominates for every positive integer size."""
+    kept: list[Candidate] = []
+    for c in cands:
+        if any(k.min_L <= c.min_L and _nonneg(_padd(k.shifted, c.shifted, -1)) for k in kept):
+            continue
+        kept = [k for k in kept if not (c.min_L <= k.min_L and _nonneg(_padd(c.shifted, k.shifted, -1)))]
+        kept.append(c)
+    return kept
+
+
+def _feasible_sup(p: sympy.Expr, X: sympy.Symbol):
+    """Supremum of the interval of ``{X >= 1 : p(X) <= 0}`` that starts at 1 (0 when p(1) > 0).
+
+    The real roots of the polynomial come from sympy exactly (radicals or ``CRootOf``); the sign
+    of ``p`` between consecutive roots decides where the interval ends (``oo`` if never).
+    """
+    poly = sympy.Poly(p, X)
+    if poly.eval(1) > 0:
+        return sympy.Integer(0)
+    roots = sorted({r for r in poly.real_roots() if r >= 1}, key=lambda r: sympy.N(r, 30))
+    for i, r in enumerate(roots):
+        after = (roots[i + 1] + r) / 2 if i + 1 < len(roots) else r + 1
+        if poly.eval(sympy.nsimplify(sympy.N(after, 40), rational=True)) > 0:
+            return r
+    return sympy.oo
+
+
+# --------------------------------------------------------------------------------------------
+# the memory model
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Solution:
+    """The largest ``var`` (B or S) whose peak fits under ``cap`` at the other sizes.
+
+    ``value`` is 0 when even ``var = 1`` does not fit (``dominant`` then names the component
+    that dominates at 1). ``memory_at`` / ``memory_next`` are M(value) and M(value + 1) in bytes,
+    ``bound`` the real root sympy found (the inequality's supremum), ``limited_by`` a reason
+    other than memory that capped the value (the model's own limits, e.g. S <= n_positions).
+    """
+
+    var: str
+    value: int
+    cap: int
+    memory_at: int | None
+    memory_next: int | None
+    sizes: dict[str, int]
+    bound: Any = None
+    inequality: str = ""
+    dominant: tuple[str, int] | None = None
+    limited_by: str | None = None
+    seconds: float = 0.0
+    checked: bool = False
+    adjusted: int = 0
+
+
+@dataclass
+class AccumulationPlan:
+    """Gradient accumulation: B_global = micro_batch x accumulation_steps x devices.
+
+    Memory is the peak per device; FLOPs are model FLOPs (forward + backward) per device per
+    optimizer step. ``exact`` is False when no divisor of the per-device batch is as large as the
+    largest micro-batch that fits (``note`` says what was done).
+    """
+
+    global_batch: int
+    devices: int
+    per_device_batch: int
+    micro_batch: int
+    accumulation_steps: int
+    max_micro_batch: int
+    exact: bool
+    memory: int
+    memory_without: int
+    flops_per_device: int
+    flops_total: int
+    cap: int
+    note: str = ""
+
+
+_CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def memory_model(an, precision: str | None = None, optimizer_name: str = "adamw",
+                 impl: str = "foreach") -> "MemoryModel":
+    """The :class:`MemoryModel` of a traced step (cached per analysis and options).
+
+    Args:
+        an: a :class:`~symcost.analysis.Analysis`.
+        precision: the policy (default: the precision ``an`` was traced with; another one
+            changes the static bytes and the gradients, the activations stay the trace's).
+        optimizer_name: one of :data:`OPTIMIZERS`.
+        impl: how the optimizer step runs, one of :data:`IMPLS` (decides its temporaries).
+
+    Raises:
+        SymcostError: unknown policy / optimizer / impl; a trace whose memory events differ
+            between probes (then no formula exists).
+    """
+    pol = policy(precision or an.precision)
+    opt = optimizer(optimizer_name)
+    if impl not in IMPLS:
+        raise SymcostError(f"unknown optimizer implementation {impl!r}; accepted: {', '.join(IMPLS)}")
+    per = _CACHE.setdefault(an, {})
+    key = (pol.name, opt.name, impl)
+    if key not in per:
+        per[key] = MemoryModel(an, pol, opt, impl)
+    return per[key]
+
+
+@dataclass
+class _Ev:
+    index: int  # op index (as MemoryEvent.index)
+    nbytes: int  # > 0 allocation, < 0 free
+    alloc: int  # position of the allocation this event frees (its own position if an allocation)
+
+
+def _normalized(rec) -> list[tuple[int, int, int]]:
+    """The step's memory events as ``(op index, signed bytes, position of the allocation)``.
+
+    Frees that happen together (between the same two allocations, stamped with the same op) may
+    come in an order that depends on addresses (e.g. autocast's cast cache is a hash map); they
+    are sorted by the position of the allocation they free, which is the same at every size.
+    Their order does not change any live set seen at an allocation.
+    """
+    n = rec.events_end if rec.events_end >= 0 else len(rec.events)
+    pos: dict[int, int] = {}
+    out: list[tuple[int, int, int]] = []
+    run: list[tuple[int, int, int]] = []
+
+    def flush():
+        run.sort(key=lambda t: (t[0], t[2]))
+        out.extend(run)
+        run.clear()
+
+    for e in rec.events[:n]:
+        if e.nbytes > 0:
+            flush()
+            pos[e.storage] = len(out)
+            out.append((e.index, e.nbytes, len(out)))
+        else:
+            run.append((e.index, e.nbytes, pos.pop(e.storage)))
+    flush()
+    return out
+
+
+class MemoryModel:
+    """Training memory of a traced step under a precision policy and an optimizer.
+
+    Attributes (sympy polynomials in the model's symbols, bytes):
+        params: ``policy.param * P`` (P: all parameters, tied ones once).
+        grads: ``policy.grad * P``.
+        optimizer: the optimizer's state: ``full * policy.state * P`` plus, for Adafactor,
+            ``policy.state * sum(rows + cols)`` over tensors of >= 2 dims and ``numel`` over
+            vectors (the shapes of the trace), plus 4 bytes per parameter tensor for a ``step``.
+        master_weights: ``policy.master * P``.
+        buffers: the model's buffers (their traced dtypes, shared storages once).
+        inputs: the step's input tensors (e.g. token ids and labels, int64).
+        activations: bytes autograd saves for backward (``Analysis.saved``, folded over L).
+        activations_per_layer: those of one generic block (None without repeated blocks).
+        static: params + optimizer + master_weights + buffers + inputs (live all step).
+        candidates: the :class:`Candidate` live sets (bytes on top of ``static``) of a normal
+            step; ``candidates_accum`` those of an accumulation micro-step (gradients live from
+            the start, each new gradient a transient).
+    """
+
+    def __init__(self, an, pol: Policy, opt: Optimizer, impl: str):
+        self.an, self.policy, self.opt, self.impl = an, pol, opt, impl
+        self.gens = tuple(an.symbols)
+        self._syms = [SYMS[s] for s in self.gens]
+        self._pcache: dict = {}
+        self.has_L = "L" in self.gens
+        P = an.params
+        self.P = P
+        self.params = sympy.expand(pol.param * P)
+        self.grads = sympy.expand(pol.grad * P)
+        self.master_weights = sympy.expand(pol.master * P)
+        self.n_tensors = sympy.expand(sympy.Add(*[rep for _, (_, _, rep) in an.param_shapes.items()]))
+        self.optimizer = self._optimizer_state()
+        self.buffers, self.inputs = self._buffers_inputs()
+        self.activations = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
+        per_layer = [nb for _, nb, _, rep in an.saved if rep != 1 and sympy.sympify(rep).has(SYMS["L"])]
+        self.activations_per_layer = sympy.expand(sympy.Add(*per_layer)) if per_layer else None
+        self.static = sympy.expand(self.params + self.optimizer + self.master_weights + self.buffers
+                                   + self.inputs)
+        self._build_schedule()
+
+    # -- static ----------------------------------------------------------------------------------
+    def _optimizer_state(self) -> sympy.Expr:
+        an, pol, opt = self.an, self.policy, self.opt
+        total = opt.full * pol.state * self.P
+        if opt.factored:
+            fac = []
+            for _, (shape, _, rep) in an.param_shapes.items():
+                if len(shape) >= 2:
+                    rows = sympy.Mul(*shape[:-1])
+                    cols = sympy.Mul(*shape[:-2]) * shape[-1]
+                    fac.append(rep * (rows + cols))
+                else:
+                    fac.append(rep * sympy.Mul(*shape))
+            total += pol.state * sympy.Add(*fac)
+        if opt.step:
+            total += STEP_BYTES * self.n_tensors
+        return sympy.expand(total)
+
+    def _buffers_inputs(self) -> tuple[sympy.Expr, sympy.Expr]:
+        an = self.an
+        recs, fitter, ref = an.recordings, an.fitter, an.recordings[0]
+        buf = []
+        for name in ref.buffers:
+            keep, rep, _ = an.role(name.rpartition(".")[0], name)
+            if not keep:
+                continue
+            sig = tuple(math.prod(r.buffers[name][0]) * r.buffers[name][1].itemsize for r in recs)
+            buf.append(rep * fitter(sig, f"size of buffer {name}"))
+        inputs = fitter(tuple(r.input_nbytes for r in recs), "size of the inputs")
+        return sympy.expand(sympy.Add(*buf)), sympy.expand(inputs)
+
+    def bytes_per_param(self) -> int:
+        """params + grads + full-size optimizer state + master weights, bytes per parameter
+        (the "12" of 12P for bf16-mixed Adam). Adafactor's factored state and Adam's 4-byte step
+        counters are not per parameter and are listed apart."""
+        p = self.policy
+        return p.param + p.grad + self.opt.full * p.state + p.master
+
+    # -- polynomials -------------------------------------------------------------------------------
+    def _poly(self, expr) -> Poly:
+        expr = sympy.sympify(expr)
+        key = expr
+        got = self._pcache.get(key)
+        if got is None:
+            if expr == 0:
+                got = {}
+            else:
+                pd = sympy.Poly(expr, *self._syms).as_dict()
+                got = {}
+                for m, c in pd.items():
+                    c = sympy.Rational(c)
+                    got[m] = int(c) if c.q == 1 else Fraction(int(c.p), int(c.q))
+            self._pcache[key] = got
+        return got
+
+    def _expr(self, p: Poly) -> sympy.Expr:
+        return sympy.Add(*[_rat(c) * sympy.Mul(*[s**e for s, e in zip(self._syms, m) if e])
+                           for m, c in p.items()])
+
+    # -- schedule ----------------------------------------------------------------------------------
+    def _build_schedule(self) -> None:
+        """Fit every memory event of the probe recordings and fold the schedule over L."""
+        from .analysis import _layer_of, _rename_block
+
+        an = self.an
+        recs, ref = an.recordings, an.recordings[0]
+        norm = [_normalized(r) for r in recs]
+        n = len(norm[0])
+        for r in norm[1:]:
+            if len(r) != n or any((a[0] != b[0] or (a[1] > 0) != (b[1] > 0) or a[2] != b[2])
+                                  for a, b in zip(r, norm[0])):
+                raise SymcostError(
+                    f"{an.model}: the storages allocated and freed change order with the sizes; the "
+                    "peak memory has no single formula"
+                )
+        events = [_Ev(i, nb, pos) for i, nb, pos in norm[0]]
+        self._events = events
+        # gradients: storages the backward allocates that are still live when the step ends
+        live: dict[int, int] = {}
+        for k, e in enumerate(events):
+            if e.nbytes > 0:
+                live[k] = k
+            else:
+                live.pop(e.alloc, None)
+        n_ops = len(ref.ops)
+        grad_events = {k for k in live.values() if ref.ops[min(events[k].index, n_ops - 1)].phase != "forward"}
+        self.leftover_events = {k for k in live.values()} - grad_events
+        pdtypes = {d for _, d in ref.params.values() if d.is_floating_point}
+        trace_grad_bytes = max((d.itemsize for d in pdtypes), default=self.policy.grad)
+        grad_ratio = Fraction(self.policy.grad, trace_grad_bytes)
+
+        # one polynomial per event (bytes, signed)
+        evpolys: list[Poly] = []
+        for k, e in enumerate(events):
+            sig = tuple(abs(r[k][1]) for r in norm)
+            p = self._poly(an.fitter(sig, "storage size"))
+            if k in grad_events and grad_ratio != 1:
+                p = _pscale(p, grad_ratio)
+                p = {m: (int(c) if isinstance(c, Fraction) and c.denominator == 1 else c) for m, c in p.items()}
+            evpolys.append(p if e.nbytes > 0 else _pscale(p, -1))
+
+        def where(e):
+            i = e.index if e.nbytes > 0 else e.index - 1
+            op = ref.ops[max(0, min(i, n_ops - 1))]
+            return op, _layer_of(op.module, container)
+
+        container = an.layer_container if self.has_L else None
+        info = [where(e) for e in events]
+        items = list(range(len(events)))
+        units: list[tuple[list[int], Any, int, str]] = []  # (event ids, repeat, min_L, label)
+        folded = False
+        if container is not None:
+            spans = {}
+            for k in items:
+                op, layer = info[k]
+                if layer is None:
+                    continue
+                key = (op.phase if op.phase == "forward" else "backward", layer)
+                a, b = spans.get(key, (k, k))
+                spans[key] = (min(a, k), max(b, k))
+            need = [("forward", 0), ("forward", 1), ("backward", 1), ("backward", 0)]
+            if all(k in spans for k in need) and len(spans) == 4:
+                f0, f1, b1, b0 = (spans[k] for k in need)
+                if f0[1] < f1[0] and f1[1] < b1[0] and b1[1] < b0[0]:
+                    folded = True
+                    rng = lambda a, b: list(range(a, b))  # noqa: E731
+                    pre = rng(0, f0[0])
+                    F0 = rng(f0[0], f0[1] + 1)
+                    gapf = rng(f0[1] + 1, f1[0])
+                    F1 = rng(f1[0], f1[1] + 1)
+                    mid = rng(f1[1] + 1, b1[0])
+                    B1 = rng(b1[0], b1[1] + 1)
+                    gapb = rng(b1[1] + 1, b0[0])
+                    B0 = rng(b0[0], b0[1] + 1)
+                    post = rng(b0[1] + 1, len(events))
+                    L = SYMS["L"]
+                    _, special = self._special()
+                    # (block repeated in the fold, its sibling) per phase
+                    siblings = [(F0, F1), (B0, B1)] if special == 1 else [(F1, F0), (B1, B0)]
+                    if special == 1:  # the last block differs: blocks 0..L-2 are like block 0
+                        units = [(pre, 1, 1, "forward, before the blocks"),
+                                 (F0 + gapf, L - 1, 2, "forward, block"),
+                                 (F1, 1, 1, "forward, last block"),
+                                 (mid, 1, 1, "end of forward / start of backward"),
+                                 (B1, 1, 1, "backward, last block"),
+                                 (gapb + B0, L - 1, 2, "backward, block"),
+                                 (post, 1, 1, "backward, after the blocks")]
+                    else:
+                        units = [(pre, 1, 1, "forward, before the blocks"),
+                                 (F0, 1, 1, "forward, first block"),
+                                 (gapf + F1, L - 1, 2, "forward, block"),
+                                 (mid, 1, 1, "end of forward / start of backward"),
+                                 (B1 + gapb, L - 1, 2, "backward, block"),
+                                 (B0, 1, 1, "backward, first block"),
+                                 (post, 1, 1, "backward, after the blocks")]
+        if container is not None and not folded:
+            raise SymcostError(
+                f"{an.model}: the memory events of the blocks of {container} interleave; the peak "
+                "cannot be folded over L"
+            )
+        if not units:
+            units = [(items, 1, 1, "step")]
+            siblings = []
+        # A storage allocated in every pass of a repeated block and freed once for all of them,
+        # outside (e.g. autocast's cast cache, emptied when the forward leaves autocast), is
+        # freed repeat times there. It is told apart from a storage of the last pass only (the
+        # last block's output, freed by the head) by its sibling: the storage the other block of
+        # the L = 2 trace allocated at the same place is freed at the same place too.
+        unit_of = {}
+        for u, (ids, _, _, _) in enumerate(units):
+            for k in ids:
+                unit_of[k] = u
+        freed_in = {e.alloc: unit_of[k] for k, e in enumerate(events) if e.nbytes < 0}
+        sibling_of: dict[int, int] = {}
+        def key(k):  # what an allocation is, wherever its block is
+            op, _ = info[k]
+            return op.name, _rename_block(op.module, container, "#"), tuple(sorted(evpolys[k].items()))
+
+        for rep_ids, sib_ids in siblings:
+            # match the repeated block's allocations, in order, to the sibling's (greedy: the
+            # sibling may have a few more, e.g. block 0 casting the model's input)
+            sa = [k for k in sib_ids if events[k].nbytes > 0]
+            j = 0
+            for a in (k for k in rep_ids if events[k].nbytes > 0):
+                ka = key(a)
+                for jj in range(j, len(sa)):
+                    if key(sa[jj]) == ka:
+                        sibling_of[a] = sa[jj]
+                        j = jj + 1
+                        break
+        for k, e in enumerate(events):
+            if e.nbytes < 0:
+                ua, uf = unit_of[e.alloc], unit_of[k]
+                rep_a = units[ua][1]
+                sib = sibling_of.get(e.alloc)
+                if (ua != uf and rep_a != 1 and units[uf][1] == 1 and sib is not None
+                        and freed_in.get(sib) == uf):
+                    evpolys[k] = _pmul(evpolys[k], self._poly(rep_a))
+        self.units = units
+        self.grad_events = grad_events
+        self._evpolys = evpolys
+        self._info = info
+        self.candidates = self._candidates(accumulate=False)
+        self.candidates_accum = self._candidates(accumulate=True)
+
+    def _special(self):
+        """(generic, special) block of the fold, as Analysis.role decided it."""
+        an = self.an
+        c = an.layer_container
+        pre = f"{c}." if c else ""
+        _, rep0, _ = an.role(f"{pre}0")
+        _, rep1, _ = an.role(f"{pre}1")
+        if rep0 == 1 and rep1 != 1:
+            return 1, 0
+        if rep1 == 1 and rep0 != 1:
+            return 0, 1
+        return 0, None
+
+    def _label(self, k: int, unit_label: str) -> str:
+        op, _ = self._info[k]
+        _, _, module = self.an.role(op.module)
+        return f"{unit_label}: {module or '(top level)'} {op.name.removeprefix('aten.')}"
+
+    def _candidates(self, accumulate: bool) -> list[Candidate]:
+        """Live sets at each allocation along the folded schedule (+ the optimizer step)."""
+        L_idx = self.gens.index("L") if self.has_L else None
+        base: Poly = {}
+        grads_total = self._poly(self.grads)
+        if accumulate:
+            base = dict(grads_total)
+        out: list[Candidate] = []
+        for ids, rep, min_L, ulabel in self.units:
+            # prefix sums within one pass of the unit; only allocations can raise the maximum
+            local: list[tuple[Poly, int]] = []
+            pre: Poly = {}
+            for k in ids:
+                p = self._evpolys[k]
+                if accumulate and k in self.grad_events:
+                    local.append((_padd(pre, p), k))  # a new gradient, added in place, then freed
+                    continue
+                pre = _padd(pre, p)
+                if self._is_alloc(k):
+                    local.append((dict(pre), k))
+            delta = pre
+            locs = _pareto([Candidate(q, _shift(q), 1, str(k)) for q, k in local])
+            if rep == 1:
+                offsets = [(base, 1)]
+            else:
+                L = self._unit_poly(L_idx)
+                s = _sign(delta)
+                offsets = []
+                if s >= 0:  # the last pass can be the highest: base + (L-2)·delta
+                    offsets.append((_padd(base, _pmul(_padd(L, {self._zero(): 2}, -1), delta)), min_L))
+                if s <= 0:  # the first pass can be the highest
+                    offsets.append((base, min_L))
+            for off, mL in offsets:
+                for c in locs:
+                    q = _padd(off, c.poly)
+                    out.append(Candidate(q, _shift(q), mL, self._label(int(c.label), ulabel)))
+            if rep == 1:
+                base = _padd(base, delta)
+            else:
+                base = _padd(base, _pmul(_padd(self._unit_poly(L_idx), {self._zero(): 1}, -1), delta))
+        # optimizer step: gradients (and whatever else is live) plus its temporaries
+        for t, what in self._optimizer_transients():
+            q = _padd(base, t)
+            out.append(Candidate(q, _shift(q), 1, f"optimizer step ({what})"))
+        if not out:
+            out.append(Candidate({}, {}, 1, "step"))
+        self.end_live = base
+        return _pareto(out)
+
+    def _zero(self) -> tuple:
+        return (0,) * len(self.gens)
+
+    def _unit_poly(self, idx: int) -> Poly:
+        m = [0] * len(self.gens)
+        m[idx] = 1
+        return {tuple(m): 1}
+
+    def _is_alloc(self, k: int) -> bool:
+        return self._events[k].nbytes > 0
+
+    def _param_numels(self) -> list[tuple[Poly, Poly]]:
+        """(elements, Adafactor's rows + columns) of the parameter tensors in the optimizer's
+        order (that of the L = 2 trace, which has every kind of neighbour)."""
+        an = self.an
+        recs, ref = an.recordings, an.recordings[0]
+        out = []
+        for name, (shape, _) in ref.params.items():
+            numel = self._poly(an.fitter(tuple(math.prod(r.params[name][0]) for r in recs), f"size of {name}"))
+            if len(shape) >= 2:
+                sig = tuple(math.prod(r.params[name][0][:-1]) + math.prod(r.params[name][0][:-2]) * r.params[name][0][-1]
+                            for r in recs)
+                fac = self._poly(an.fitter(sig, f"factored size of {name}"))
+            else:
+                fac = {}
+            out.append((numel, fac))
+        return out
+
+    def _optimizer_transients(self) -> list[tuple[Poly, str]]:
+        """Temporaries of one optimizer step (bytes), modelled on torch.optim 2.x's code.
+
+        Adam/AdamW: foreach ``exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs)`` (a state-sized copy
+        of every tensor); for-loop ``denom = (exp_avg_sq.sqrt() / bc).add_(eps)`` (two
+        temporaries of the tensor while the previous tensor's ``denom`` is still referenced).
+        Adafactor: foreach ``var_estimates`` of every tensor; for-loop ``var_estimate`` (row_var @
+        col_var, plus row and column means; ``grad * grad`` and a clone for vectors) while the
+        previous tensor's is still referenced. SGD updates in place; fused kernels keep none.
+        """
+        opt, st, impl = self.opt, self.policy.state, self.impl
+        if impl == "fused" or opt.name in ("sgd", "sgd-nomomentum"):
+            return []
+        if impl == "foreach":
+            return [(_pscale(self._poly(self.P), st), "foreach temporaries of all tensors")]
+        out = []
+        prev: Poly = {}
+        for numel, fac in self._param_numels():
+            if opt.name == "adafactor":
+                cur = _padd(numel, fac) if fac else _pscale(numel, 2)
+                out.append((_pscale(_padd(prev, cur), st), "for-loop temporaries"))
+                prev = cur
+            else:
+                out.append((_pscale(_padd(prev, _pscale(numel, 2)), st), "for-loop temporaries"))
+                prev = numel
+        return [(c.poly, c.label) for c in _pareto([Candidate(q, _shift(q), 1, w) for q, w in out])]
+
+    # -- evaluation ------------------------------------------------------------------------------------
+    def _values(self, env: Mapping) -> tuple:
+        return tuple(int(env[s]) for s in self._syms)
+
+    def _env(self, sizes: Mapping[str, int]) -> dict:
+        return self.an.bind(**dict(sizes))
+
+    def _cands(self, L: int | None, accumulate: bool) -> list[Candidate]:
+        cs = self.candidates_accum + self.candidates if accumulate else self.candidates
+        return [c for c in cs if L is None or c.min_L <= L]
+
+    def peak(self, accumulate: bool = False, **sizes: int) -> int:
+        """Peak bytes of a steady-state step at ``sizes`` (others at the model's defaults).
+
+        ``accumulate=True``: a gradient-accumulation micro-step (gradients live from the start).
+
+        Raises:
+            SymcostError: bad sizes (see ``Analysis.bind``).
+        """
+        env = self._env(sizes)
+        vals = self._values(env)
+        L = env.get(SYMS["L"])
+        dyn = max(_peval(c.poly, vals) for c in self._cands(L, accumulate))
+        return int(sympy.sympify(self.static).subs(env)) + int(dyn)
+
+    def peak_where(self, **sizes: int) -> str:
+        """Where in the schedule the peak is reached at ``sizes`` (a label)."""
+        env = self._env(sizes)
+        vals = self._values(env)
+        L = env.get(SYMS["L"])
+        return max(self._cands(L, False), key=lambda c: _peval(c.poly, vals)).label
+
+    def peak_terms(self, accumulate: bool = False) -> list[tuple[sympy.Expr, int, str]]:
+        """The live sets that can be the largest at some sizes: ``(bytes on top of static,
+        valid for L >= min_L, where in the step)``; the peak is static + the largest valid one."""
+        return [(self._expr(c.poly), c.min_L, c.label) for c in _pareto(self._cands(None, accumulate))]
+
+    def peak_expr(self, accumulate: bool = False) -> sympy.Expr:
+        """The peak as a formula: static + the live set's polynomial, or ``Max`` of those that
+        can win at some sizes; ``Piecewise`` on L where some need two blocks."""
+        cs = self._cands(None, accumulate)
+
+        def mx(cands):
+            exprs = [self._expr(c.poly) for c in _pareto(cands)]
+            inner = exprs[0] if len(exprs) == 1 else sympy.Max(*exprs, evaluate=False)
+            return sympy.Add(self.static, inner, evaluate=False) if self.static != 0 else inner
+
+        if self.has_L and any(c.min_L > 1 for c in cs):
+            one = [c for c in cs if c.min_L <= 1]
+            return sympy.Piecewise((mx(cs), SYMS["L"] >= 2), (mx(one), True))
+        return mx(cs)
+
+    def components(self, **sizes: int) -> dict[str, int]:
+        """Every component in bytes at ``sizes`` (JSON names: params, grads, optimizer,
+        master_weights, buffers, inputs, activations, peak)."""
+        env = self._env(sizes)
+        ev = lambda e: int(sympy.sympify(e).subs(env))  # noqa: E731
+        out = {k: ev(getattr(self, k)) for k in
+               ("params", "grads", "optimizer", "master_weights", "buffers", "inputs", "activations")}
+        if self.activations_per_layer is not None:
+            out["activations_per_layer"] = ev(self.activations_per_layer)
+        out["peak"] = self.peak(**sizes)
+        return out
+
+    # -- solving -------------------------------------------------------------------------------------
+    def solve(self, cap: int | str, var: str = "B", accumulate: bool = False, **sizes: int) -> Solution:
+        """Largest integer ``var`` (``B`` or ``S``) with peak <= ``cap`` at the other ``sizes``.
+
+        Each candidate live set, with the other sizes substituted, is a polynomial in ``var``
+        (non-decreasing: a sum of storage sizes); sympy solves ``static + c(var) <= cap`` for each
+        that can win (``solve_univariate_inequality``) and the answer is the floor of the smallest
+        supremum. Then M(value) <= cap < M(value + 1) is checked by exact integer evaluation.
+
+        Raises:
+            SymcostError: ``var`` not a symbol of the model, or set in ``sizes``; bad sizes/cap.
+        """
+        t0 = time.perf_counter()
+        cap = parse_memory(cap)
+        if var not in self.gens:
+            raise SymcostError(f"cannot solve for {var!r}: not a symbol of {self.an.model} "
+                               f"(symbols: {', '.join(self.gens)})")
+        sizes = dict(sizes)
+        if var in sizes:
+            raise SymcostError(f"--set {var}=... conflicts with solving for {var}")
+        env = self._env({**sizes, var: 1})
+        fixed = {s: env[s] for s in self._syms if str(s) != var}
+        L = fixed.get(SYMS["L"])
+        X = sympy.Symbol(var, positive=True)
+        vi = self.gens.index(var)
+
+        def univariate(p: Poly) -> dict[int, Any]:
+            out: dict[int, Any] = {}
+            for m, c in p.items():
+                t = c
+                for j, (s, e) in enumerate(zip(self._syms, m)):
+                    if j != vi and e:
+                        t *= int(fixed[s]) ** e
+                out[m[vi]] = out.get(m[vi], 0) + t
+            return {e: c for e, c in out.items() if c}
+
+        static_u = univariate(self._poly(self.static))
+        cands = [_padd(univariate(c.poly), static_u) for c in self._cands(L, accumulate)]
+        # univariate dominance on var >= 1
+        sh = [(_shift({(e,): c for e, c in u.items()}), u) for u in cands]
+        kept = []
+        for s_, u in sh:
+            if any(_nonneg(_padd(k[0], s_, -1)) for k in kept):
+                continue
+            kept = [k for k in kept if not _nonneg(_padd(s_, k[0], -1))]
+            kept.append((s_, u))
+
+        def M(x: int) -> int:
+            return int(max(sum(c * x**e for e, c in u.items()) for u in cands))
+
+        bounds = []
+        ineqs = []
+        for _, u in kept:
+            expr = sympy.Add(*[_rat(c) * X**e for e, c in u.items()])
+            ineqs.append(expr)
+            if not expr.has(X):
+                bounds.append(sympy.oo if expr <= cap else sympy.Integer(0))
+                continue
+            bounds.append(_feasible_sup(expr - cap, X))
+        sup = min(bounds, key=lambda b: float("inf") if b is sympy.oo else float(b)) if bounds else sympy.oo
+        shown = " and ".join(f"{sympy.sstr(e)} <= {cap}" for e in ineqs[:3]) + (" ..." if len(ineqs) > 3 else "")
+        limited_by = None
+        if sup is sympy.oo:
+            raise SymcostError(f"the peak memory of {self.an.model} does not grow with {var}; no largest {var}")
+        value = int(sympy.floor(sup))
+        # exact integer check (the floor of an exact root needs no mending; if it ever did, the
+        # mending is counted in Solution.adjusted)
+        adjusted = 0
+        while value >= 1 and M(value) > cap:
+            value -= 1
+            adjusted += 1
+        while M(value + 1) <= cap:
+            value += 1
+            adjusted += 1
+        # the model's own limits (e.g. S <= n_positions)
+        check = self.an.spec.check
+        tied = self.an.spec.tied
+        def valid(x):
+            vals = {str(s): int(v) for s, v in fixed.items()}
+            vals[var] = x
+            vals.update({a: vals[b] for a, b in tied.items() if b in vals})
+            return check(vals)
+        if value >= 1 and valid(value):
+            lo, hi = 0, value
+            why = valid(value)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if valid(mid) is None:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            limited_by = f"{why}; memory alone would allow {var} = {value}"
+            value = lo
+        sol = Solution(var=var, value=value, cap=cap,
+                       memory_at=M(value) if value >= 1 else None,
+                       memory_next=M(value + 1),
+                       sizes={**dict(getattr(self.an, "pinned", {}) or {}), **{str(s): int(v) for s, v in fixed.items()}},
+                       bound=sup, inequality=shown, limited_by=limited_by, adjusted=adjusted)
+        sol.checked = (value == 0 or sol.memory_at <= cap) and (limited_by is not None or sol.memory_next > cap)
+        if value == 0:
+            sol.dominant = self.dominant(**{**{str(s): int(v) for s, v in fixed.items()}, var: 1})
+        sol.seconds = time.perf_counter() - t0
+        return sol
+
+    def dominant(self, **sizes: int) -> tuple[str, int]:
+        """The largest component at ``sizes``: (name, bytes)."""
+        comp = self.components(**sizes)
+        names = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
+                 "master_weights": "master weights", "activations": "activations"}
+        name = max(names, key=lambda k: comp[k])
+        return names[name], comp[name]
+
+    def plan_accumulation(self, global_batch: int, devices: int, cap: int | str,
+                          **sizes: int) -> AccumulationPlan:
+        """Micro-batch and accumulation steps K for ``global_batch`` over ``devices``.
+
+        B_global = B_micro x K x N_devices (conventions.md), with B_micro the largest divisor of
+        the per-device batch whose accumulation micro-step fits under ``cap`` (K = 1 if the whole
+        per-device batch fits without accumulation).
+
+        Raises:
+            SymcostError: non-positive numbers, ``global_batch`` not divisible by ``devices``,
+                B set in ``sizes``, or not even B = 1 fits (the message names the dominant part).
+        """
+        cap = parse_memory(cap)
+        for what, v in (("global batch", global_batch), ("devices", devices)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise SymcostError(f"{what} must be a positive integer, got {v!r}")
+        if global_batch % devices:
+            raise SymcostError(
+                f"global batch {global_batch} is not divisible by {devices} devices "
+                f"(B_global = B_micro x K x N_devices); use a multiple of {devices}"
+            )
+        b = global_batch // devices
+        sizes = dict(sizes)
+        sizes.pop("B", None)
+        full = self.peak(B=b, **sizes)
+        F = lambda B: int(sympy.sympify(self.an.flops("train")).subs(self._env({**sizes, "B": B})))  # noqa: E731
+        if full <= cap:
+            return AccumulationPlan(global_batch, devices, b, b, 1, b, True, full, full, F(b),
+                                    F(b) * devices, cap, "the per-device batch fits without accumulation")
+        sol = self.solve(cap, "B", accumulate=True, **sizes)
+        if sol.value < 1:
+            name, nbytes = sol.dominant
+            raise SymcostError(
+                f"not even a micro-batch of 1 fits under {gib(cap)} (peak {gib(sol.memory_next)}); "
+                f"{dominant_text(name, nbytes, cap)}"
+            )
+        bmax = min(sol.value, b)
+        micro = max(d for d in range(1, bmax + 1) if b % d == 0)
+        K = b // micro
+        exact = micro == bmax
+        note = ""
+        if not exact:
+            k2 = -(-b // bmax)
+            note = (f"no exact split of the per-device batch {b} uses the largest micro-batch that fits "
+                    f"({bmax}); using its largest divisor {micro} (K = {K}); the nearest inexact split is "
+                    f"{k2} x {bmax} = {k2 * bmax} per device")
+        mem = self.peak(accumulate=True, B=micro, **sizes)
+        return AccumulationPlan(global_batch, devices, b, micro, K, sol.value, exact, mem, full,
+                                K * F(micro), K * F(micro) * devices, cap, note)
+
+
+# --------------------------------------------------------------------------------------------
+# report section
+# --------------------------------------------------------------------------------------------
+
+
+def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB",
+                   precision: str | None = None, optimizer_name: str = "adamw",
+                   impl: str = "foreach", evaluate: bool | None = None) -> dict:
+    """The memory section of ``symcost report`` (and of ``formulas``/``eval`` JSON).
+
+    Returns ``{"title", "rows": [(label, formula, value)], "lines": [...], "json": {...}}``. The
+    JSON carries ``params``, ``grads``, ``optimizer``, ``master_weights``, ``buffers``,
+    ``inputs``, ``activations``, ``activations_per_layer``, ``peak`` (bytes: formula strings that
+    ``sympy.sympify`` parses when ``evaluate`` is false, integers at ``sizes`` when true; by
+    default integers exactly when sizes are given) and ``max_batch``, ``memory_at_max``,
+    ``memory_cap`` (integers, at the sizes or the model's defaults).
+
+    Raises:
+        SymcostError: bad cap, policy, optimizer or sizes.
+    """
+    sizes = dict(sizes or {})
+    capb = parse_memory(cap)
+    mm = memory_model(an, precision, optimizer_name, impl)
+    evaluate = bool(sizes) if evaluate is None else evaluate
+    vsizes = {k: v for k, v in sizes.items()}
+    comp = mm.components(**vsizes)
+    pol, opt = mm.policy, mm.opt
+    peak_f = mm.peak_expr()
+    rows = []
+    label = {
+        "params": f"parameters ({pol.param} B each)",
+        "grads": f"gradients ({pol.grad} B each)",
+        "optimizer": f"optimizer state ({opt.name}" + (f", {opt.full}×{pol.state} B each" if opt.full else "")
+                     + (", factored" if opt.factored else "") + (", 4 B step per tensor" if opt.step else "") + ")",
+        "master_weights": f"master weights ({pol.master} B each)",
+        "buffers": "buffers",
+        "inputs": "inputs",
+        "activations": "activations (saved for backward)",
+        "activations_per_layer": "  per layer (one block)",
+        "peak": "peak (steady-state step)",
+    }
+    formulas = {
+        "params": mm.params, "grads": mm.grads, "optimizer": mm.optimizer,
+        "master_weights": mm.master_weights, "buffers": mm.buffers, "inputs": mm.inputs,
+        "activations": mm.activations, "activations_per_layer": mm.activations_per_layer,
+        "peak": peak_f,
+    }
+    terms = mm.peak_terms()
+    env = mm._env(vsizes)
+    L = env.get(SYMS["L"])
+    win = max((t for t in terms if L is None or t[1] <= L), key=lambda t: int(t[0].xreplace(env)))
+    for k, f in formulas.items():
+        if f is None:
+            continue
+        shown = str(f)
+        if k == "peak" and len(terms) > 1:
+            shown = (f"static + the largest of {len(terms)} live sets (Max; memory.peak in --json); "
+                     f"{'here' if sizes else 'at the defaults'} static + {win[0]}")
+        rows.append((label[k], shown, gib(comp[k])))
+    bpp = mm.bytes_per_param()
+    parts = [f"{pol.param} (params)", f"{pol.grad} (grads)"]
+    if opt.full:
+        parts.append(f"{opt.full}×{pol.state} ({opt.name} state)")
+    if pol.master:
+        parts.append(f"{pol.master} (master)")
+    lines = [
+        f"static per parameter: {' + '.join(parts)} = {bpp} bytes → {bpp}·P = {sympy.expand(bpp * mm.P)} bytes"
+        f" (P = {mm.P} from the trace; precision {pol.name}: {pol.note})"
+    ]
+    if opt.step:
+        lines.append(f"  + {STEP_BYTES} bytes of {opt.torch} step counter per parameter tensor × {mm.n_tensors} tensors")
+    if opt.factored:
+        lines.append("  + Adafactor's factored second moment (rows + columns per matrix, full vectors), in the optimizer row")
+    where = mm.peak_where(**vsizes)
+    at = "at the sizes above" if sizes else "at the model's defaults"
+    lines.append(f"peak {at}: {gib(comp['peak'])}, reached at {where}")
+    if "B" not in mm.gens:
+        sol = None
+        lines.append(f"B is pinned to {an.pinned.get('B', 1)} in this trace: run max-batch without --set B to solve for it")
+    else:
+        sol = mm.solve(capb, "B", **{s: v for s, v in vsizes.items() if s != "B"})
+    if sol is None:
+        pass
+    elif sol.value >= 1:
+        lines.append(
+            f"largest batch under {gib(capb)}: B = {sol.value}   (check: M({sol.value}) = {gib(sol.memory_at)} ≤ cap < "
+            f"M({sol.value + 1}) = {gib(sol.memory_next)})" + (f"; {sol.limited_by}" if sol.limited_by else "")
+        )
+    else:
+        name, nb = sol.dominant
+        lines.append(f"not even B = 1 fits under {gib(capb)} (M(1) = {gib(sol.memory_next)}); "
+                     f"{dominant_text(name, nb, capb)}")
+    js: dict[str, Any] = {}
+    for k, f in formulas.items():
+        if f is None:
+            continue
+        js[k] = comp[k] if evaluate else str(f)
+    js["static"] = int(mm.static.xreplace(env)) if evaluate else str(mm.static)
+    if not evaluate:
+        js["peak_terms"] = [{"formula": str(e), "min_L": m, "where": w} for e, m, w in terms]
+    js["bytes_per_param"] = bpp
+    js["max_batch"] = sol.value if sol else None
+    js["memory_at_max"] = sol.memory_at if sol else None
+    js["memory_cap"] = capb
+    js["optimizer_name"] = opt.name
+    return {
+        "title": f"Memory: precision {pol.name}, optimizer {opt.name} ({impl}), steady-state step "
+                 f"(values {at})",
+        "rows": rows,
+        "lines": lines,
+        "json": js,
+    }

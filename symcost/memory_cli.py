@@ -1,0 +1,172 @@
+"""``symcost max-batch``: the largest batch (or sequence) under a memory cap, and accumulation plans.
+
+Registered on :data:`symcost.cli.main` when imported (``symcost.cli`` imports it). The solving is
+:meth:`symcost.memory.MemoryModel.solve` (sympy, on the symbolic peak) and
+:meth:`~symcost.memory.MemoryModel.plan_accumulation`; this module parses and prints.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import click
+import sympy
+
+from . import memory as mem
+from .cli import _common, _trace, main
+from .errors import SymcostError
+from .report import console, human
+
+
+def _solution_json(an, sol: mem.Solution, mm: mem.MemoryModel, seconds: float) -> dict:
+    out = {
+        "model": an.model,
+        "precision": mm.policy.name,
+        "optimizer": mm.opt.name,
+        "optimizer_impl": mm.impl,
+        "solve": sol.var,
+        "sizes": sol.sizes,
+        "memory_cap": sol.cap,
+        "max": sol.value,
+        "memory_at_max": sol.memory_at,
+        "memory_at_next": sol.memory_next,
+        "check": sol.checked,
+        "seconds": round(seconds, 4),
+    }
+    if sol.var == "B":
+        out["max_batch"] = sol.value
+    else:
+        out[f"max_{sol.var}"] = sol.value
+    if sol.limited_by:
+        out["limited_by"] = sol.limited_by
+    if sol.dominant:
+        out["dominant"] = {"component": sol.dominant[0], "bytes": sol.dominant[1]}
+    return out
+
+
+@main.command(name="max-batch")
+@click.argument("model", default="cs336-lm")
+@_common
+@click.option("--memory", "memory", default="80GiB", show_default=True,
+              help="memory cap per device: bytes, or a number with KiB/MiB/GiB/TiB (binary) or KB/MB/GB/TB")
+@click.option("--optimizer", default="adamw", show_default=True,
+              help="adamw, adam, sgd (momentum), sgd-nomomentum, adafactor")
+@click.option("--optimizer-impl", "impl", default="foreach", show_default=True,
+              help="foreach (PyTorch's CUDA default), for-loop (its CPU default), fused")
+@click.option("--solve", "var", default="B", show_default=True, help="B (largest batch) or S (longest sequence at --set B)")
+@click.option("--global-batch", type=int, default=None, help="plan gradient accumulation for this global batch")
+@click.option("--devices", type=int, default=1, show_default=True, help="data-parallel devices (with --global-batch)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def max_batch(model, sets, config, attention, precision, debug, memory, optimizer, impl, var, global_batch,
+              devices, as_json):
+    """Largest B with peak memory <= --memory, solved from the symbolic peak with sympy.
+
+    MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
+    The peak is that of a steady-state training step (see docs/memory.md). With --global-batch
+    and --devices: the micro-batch and accumulation steps K, B_global = B_micro x K x N_devices.
+    """
+    cap = mem.parse_memory(memory)
+    mem.optimizer(optimizer)
+    if impl not in mem.IMPLS:
+        raise SymcostError(f"unknown optimizer implementation {impl!r}; accepted: {', '.join(mem.IMPLS)}")
+    if var not in ("B", "S"):
+        raise SymcostError(f"--solve takes B or S, got {var!r}")
+    if global_batch is not None:
+        if global_batch <= 0 or devices <= 0:
+            raise SymcostError("--global-batch and --devices must be positive integers")
+        if global_batch % devices:
+            raise SymcostError(
+                f"global batch {global_batch} is not divisible by {devices} devices "
+                f"(B_global = B_micro x K x N_devices); use a multiple of {devices}"
+            )
+        if var != "B":
+            raise SymcostError("--global-batch plans the batch; it cannot be combined with --solve S")
+    elif devices != 1:
+        raise SymcostError("--devices applies with --global-batch")
+    sets_b = [s for s in sets if s.partition("=")[0].strip() == var]
+    if sets_b:
+        raise SymcostError(f"--set {sets_b[0]} conflicts with solving for {var}; leave {var} out")
+    an, sizes = _trace(model, sets, config, attention, precision)
+    t0 = time.perf_counter()
+    mm = mem.memory_model(an, precision, optimizer, impl)
+    if global_batch is not None:
+        plan = mm.plan_accumulation(global_batch, devices, cap, **sizes)
+        seconds = time.perf_counter() - t0
+        _print_plan(an, mm, plan, seconds, as_json, sizes)
+        return
+    sol = mm.solve(cap, var, **sizes)
+    seconds = time.perf_counter() - t0
+    if as_json:
+        click.echo(json.dumps(_solution_json(an, sol, mm, seconds), indent=1))
+        return
+    _print_solution(an, mm, sol, seconds, sizes)
+
+
+def _sizes_line(sol_sizes: dict, given: dict) -> str:
+    return ", ".join(f"{k}={v}" + ("" if k in given else " (default)") for k, v in sol_sizes.items())
+
+
+def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, given: dict) -> None:
+    from rich.table import Table
+
+    c = console()
+    v = sol.var
+    c.print(f"[bold]symcost max-batch[/bold] {an.model}: precision {mm.policy.name}, optimizer {mm.opt.name} "
+            f"({mm.impl}), steady-state step (traced in {sum(an.timings.values()):.1f} s)")
+    c.print(f"  sizes: {_sizes_line(sol.sizes, given)}")
+    c.print(f"  memory cap: {human(sol.cap, 'B')} ({sol.cap:,} bytes)")
+    c.print(f"  solved with sympy: {sol.inequality}  →  {v} ≤ {sympy.N(sol.bound, 12) if sol.bound is not None else '-'}")
+    if sol.value >= 1:
+        c.print(f"[bold]  largest {v} = {sol.value}[/bold]")
+        ok = "✓" if sol.checked else "✗ (check failed)"
+        nxt = f"< M({sol.value + 1}) = {human(sol.memory_next, 'B')}" if not sol.limited_by else ""
+        c.print(f"  check: M({sol.value}) = {human(sol.memory_at, 'B')} ({sol.memory_at:,} B) ≤ cap {nxt} {ok}")
+        if sol.limited_by:
+            c.print(f"  limited by the model: {sol.limited_by}")
+        comp = mm.components(**{**sol.sizes, v: sol.value})
+        t = Table(title=f"At {v} = {sol.value}", title_justify="left")
+        t.add_column("component")
+        t.add_column("bytes", justify="right")
+        t.add_column("")
+        for k in ("params", "grads", "optimizer", "master_weights", "buffers", "inputs", "activations", "peak"):
+            t.add_row(k, f"{comp[k]:,}", human(comp[k], "B"))
+        c.print(t)
+        c.print(f"  peak reached at: {mm.peak_where(**{**sol.sizes, v: sol.value})}")
+    else:
+        name, nbytes = sol.dominant
+        c.print(f"[bold red]  even {v} = 1 does not fit[/bold red]: M(1) = {human(sol.memory_next, 'B')} > cap; "
+                f"{mem.dominant_text(name, nbytes, sol.cap)}")
+    c.print(f"  solved in {seconds:.3f} s after tracing")
+
+
+def _print_plan(an, mm, plan: mem.AccumulationPlan, seconds: float, as_json: bool, sizes) -> None:
+    if as_json:
+        click.echo(json.dumps({
+            "model": an.model, "precision": mm.policy.name, "optimizer": mm.opt.name,
+            "optimizer_impl": mm.impl, "memory_cap": plan.cap,
+            "global_batch": plan.global_batch, "devices": plan.devices,
+            "per_device_batch": plan.per_device_batch, "micro_batch": plan.micro_batch,
+            "accumulation_steps": plan.accumulation_steps, "max_micro_batch": plan.max_micro_batch,
+            "exact_split": plan.exact, "note": plan.note,
+            "memory_per_device": plan.memory, "memory_without_accumulation": plan.memory_without,
+            "memory_saved": plan.memory_without - plan.memory,
+            "flops_per_device_per_step": plan.flops_per_device, "flops_per_step": plan.flops_total,
+            "seconds": round(seconds, 4),
+        }, indent=1))
+        return
+    c = console()
+    c.print(f"[bold]symcost max-batch[/bold] {an.model}: accumulation plan, precision {mm.policy.name}, "
+            f"optimizer {mm.opt.name} ({mm.impl})")
+    c.print(f"  global batch {plan.global_batch} over {plan.devices} device(s): {plan.per_device_batch} per device; "
+            f"memory cap {human(plan.cap, 'B')}")
+    c.print(f"[bold]  micro-batch B_micro = {plan.micro_batch}, accumulation steps K = {plan.accumulation_steps}[/bold]"
+            f"   ({plan.micro_batch} × {plan.accumulation_steps} × {plan.devices} = "
+            f"{plan.micro_batch * plan.accumulation_steps * plan.devices})")
+    if plan.note:
+        c.print(f"  {plan.note}")
+    c.print(f"  peak per device: {human(plan.memory, 'B')} (without accumulation, B = {plan.per_device_batch}: "
+            f"{human(plan.memory_without, 'B')}; saved {human(plan.memory_without - plan.memory, 'B')})")
+    c.print(f"  model FLOPs per optimizer step: {human(plan.flops_per_device, 'FLOP')} per device, "
+            f"{human(plan.flops_total, 'FLOP')} in all (the same as without accumulation: K micro-steps of "
+            f"B_micro = one step of B_micro·K)")
+    c.print(f"  solved in {seconds:.3f} s after tracing")

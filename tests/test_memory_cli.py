@@ -1,0 +1,101 @@
+"""``symcost max-batch`` and the memory section of report / formulas / eval (issue 3)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from symcost.cli import main
+from symcost.fit import SYMS, parse_formula
+
+
+def run(*args):
+    r = CliRunner().invoke(main, list(args))
+    return r.exit_code, r.output, r.stderr if hasattr(r, "stderr") else ""
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["max-batch", "mlp", "--memory", "80XB"], "unknown unit"),
+    (["max-batch", "mlp", "--memory", "-5GiB"], "must be positive"),
+    (["max-batch", "mlp", "--memory", "-1"], "must be positive"),
+    (["max-batch", "mlp", "--global-batch", "1000", "--devices", "7"], "not divisible by 7 devices"),
+    (["max-batch", "mlp", "--optimizer", "lion"], "unknown optimizer 'lion'"),
+    (["max-batch", "mlp", "--solve", "V"], "--solve takes B or S"),
+    (["max-batch", "mlp", "--set", "B=8"], "conflicts with solving for B"),
+    (["report", "mlp", "--memory", "80XB"], "unknown unit"),
+])
+def test_bad_input_one_line_exit_2(args, needle):
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2, r.output
+    err = r.stderr.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_max_batch_json(traced):
+    traced("mlp", "fp32")
+    code, out, _ = run("max-batch", "mlp", "--precision", "fp32", "--memory", "2GiB", "--set", "S=64", "--json")
+    assert code == 0, out
+    js = json.loads(out)
+    for k in ("max_batch", "memory_at_max", "memory_cap"):
+        assert isinstance(js[k], int)
+    assert js["memory_cap"] == 2 * 2**30
+    assert js["memory_at_max"] <= js["memory_cap"] < js["memory_at_next"]
+    assert js["check"] is True
+
+
+def test_max_batch_text_and_b1(traced):
+    code, out, _ = run("max-batch", "mlp", "--precision", "fp32", "--memory", "1MiB")
+    assert code == 0
+    assert "does not fit" in out and "alone is" in out
+    code, out, _ = run("max-batch", "mlp", "--precision", "fp32", "--memory", "80GiB")
+    assert code == 0 and "largest B" in out and "check: M(" in out and "✓" in out
+
+
+def test_max_batch_solve_S_json():
+    code, out, _ = run("max-batch", "mlp", "--precision", "fp32", "--memory", "1GiB", "--solve", "S",
+                       "--set", "B=4", "--json")
+    assert code == 0, out
+    js = json.loads(out)
+    assert js["solve"] == "S" and js["max_S"] >= 1 and js["memory_at_max"] <= js["memory_cap"]
+
+
+def test_accumulation_json():
+    code, out, _ = run("max-batch", "mlp", "--precision", "fp32", "--memory", "256MiB", "--global-batch", "1024",
+                       "--devices", "8", "--set", "S=512", "--json")
+    assert code == 0, out
+    js = json.loads(out)
+    assert js["micro_batch"] * js["accumulation_steps"] * 8 == 1024
+    assert js["memory_per_device"] <= js["memory_cap"]
+    assert js["memory_saved"] == js["memory_without_accumulation"] - js["memory_per_device"]
+
+
+MEM_KEYS = ("params", "grads", "optimizer", "master_weights", "activations", "peak")
+
+
+def test_report_json_memory_formulas_and_values():
+    code, out, _ = run("formulas", "mlp", "--precision", "fp32", "--json")
+    assert code == 0, out
+    f = json.loads(out)
+    code, out, _ = run("eval", "mlp", "--precision", "fp32", "--set", "B=3", "S=17", "D=24", "L=5", "--json")
+    assert code == 0, out
+    v = json.loads(out)
+    env = {SYMS[k]: x for k, x in {"B": 3, "S": 17, "D": 24, "L": 5}.items()}
+    for k in MEM_KEYS:
+        assert isinstance(f["memory"][k], str) and isinstance(v["memory"][k], int)
+        assert int(parse_formula(f["memory"][k]).xreplace(env)) == v["memory"][k], k
+    # the peak's terms: static + the largest valid one
+    terms = [int(parse_formula(t["formula"]).xreplace(env)) for t in f["memory"]["peak_terms"] if t["min_L"] <= 5]
+    assert int(parse_formula(f["memory"]["static"]).xreplace(env)) + max(terms) == v["memory"]["peak"]
+    for k in ("params", "flops", "bytes"):  # the existing keys are still there
+        assert k in f and k in v
+
+
+def test_report_memory_section():
+    code, out, _ = run("report", "mlp", "--precision", "bf16-mixed", "--set", "B=4", "S=64", "--memory", "24GiB")
+    assert code == 0, out
+    assert "Memory" in out and "= 12 bytes → 12·P" in out and "largest batch under 24.000 GiB" in out
+    code, out, _ = run("report", "mlp", "--precision", "bf16-mixed", "--json")
+    js = json.loads(out)
+    assert js["memory"]["bytes_per_param"] == 12 and js["memory"]["memory_cap"] == 80 * 2**30
+    assert isinstance(js["memory"]["max_batch"], int)
