@@ -170,38 +170,32 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
         rep.render(an, sizes, memory=mem)
 
 
-@main.command()
-@click.argument("model")
-@_common
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-@click.option("--optimizer", default="adamw", show_default=True, help="adamw, adam, sgd, sgd-nomomentum, adafactor")
-def formulas(model, sets, config, attention, precision, debug, as_json, optimizer):
-    """Closed-form totals of MODEL as formulas in the canonical symbols."""
-    from . import report as rep
+def _totals_command(name: str, evaluate: bool, doc: str):
+    """``formulas`` (evaluate=False) and ``eval`` (True): the same totals as formulas or integers."""
 
-    an, sizes = _trace(model, sets, config, attention, precision)
-    mem = rep.memory_section(an, sizes, "80GiB", precision, optimizer, evaluate=False)
-    if as_json:
-        click.echo(json.dumps(rep.to_json(an, None, memory=mem), indent=1))
-    else:
-        rep.render(an, {}, table=False, memory=mem)
+    @main.command(name=name, help=doc)
+    @click.argument("model")
+    @_common
+    @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+    @click.option("--optimizer", default="adamw", show_default=True,
+                  help="adamw, adam, sgd, sgd-nomomentum, adafactor")
+    def command(model, sets, config, attention, precision, debug, as_json, optimizer):
+        from . import report as rep
+
+        an, sizes = _trace(model, sets, config, attention, precision)
+        mem = rep.memory_section(an, sizes, "80GiB", precision, optimizer, evaluate=evaluate)
+        if as_json:
+            click.echo(json.dumps(rep.to_json(an, sizes if evaluate else None, memory=mem), indent=1))
+        elif evaluate:
+            rep.render_values(an, sizes, memory=mem)
+        else:
+            rep.render(an, {}, table=False, memory=mem)
+
+    return command
 
 
-@main.command(name="eval")
-@click.argument("model")
-@_common
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-@click.option("--optimizer", default="adamw", show_default=True, help="adamw, adam, sgd, sgd-nomomentum, adafactor")
-def eval_(model, sets, config, attention, precision, debug, as_json, optimizer):
-    """Totals of MODEL as integers at --set sizes (others at the model's defaults)."""
-    from . import report as rep
-
-    an, sizes = _trace(model, sets, config, attention, precision)
-    mem = rep.memory_section(an, sizes, "80GiB", precision, optimizer, evaluate=True)
-    if as_json:
-        click.echo(json.dumps(rep.to_json(an, sizes, memory=mem), indent=1))
-    else:
-        rep.render_values(an, sizes, memory=mem)
+formulas = _totals_command("formulas", False, "Closed-form totals of MODEL as formulas in the canonical symbols.")
+eval_ = _totals_command("eval", True, "Totals of MODEL as integers at --set sizes (others at the model's defaults).")
 
 
 def _register_memory_commands():
