@@ -578,6 +578,8 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     t2 = time.perf_counter()
     graph = _build_graph(ref, ops, role)
     syms = {s: SYMBOL_MEANINGS[s] for s in symbols}
+    if "D" in syms and "H" not in syms and "H" not in spec.tied:
+        syms["D"] = "model width (the model has no attention heads)"
     an = Analysis(
         model=spec.name, spec=spec, graph=graph, ops=ops, symbols=syms, param_shapes=param_shapes,
         matmul_params=matmul_params, unsupported=unsupported, saved=saved, layer_container=container,

@@ -6,8 +6,9 @@ sparse polynomial with exact rational coefficients:
 
 1. dependence: the base probe and one probe per symbol that changes only that symbol show which
    symbols the size depends on;
-2. sparse fit: monomials in those symbols (exponent <= 2 each) are tried as supports of 1, 2, 3,
-   ... terms; the coefficients are solved in floating point, rationalised, and accepted only if the
+2. sparse fit: monomials in those symbols (exponents in {0, 1}, then {-1, 0, 1} for ratios such as
+   H/K, then up to 3; never above what the probes' distinct values can pin down) are tried as
+   supports of 1, 2, 3, ... terms; the coefficients are solved in floating point, rationalised, and accepted only if the
    polynomial reproduces *every* probe exactly in integer arithmetic, with at least two probes to
    spare;
 3. a signature that no such polynomial reproduces is reported, never guessed.
@@ -59,7 +60,7 @@ POOLS = {
     "D": range(4, 17, 2),
     "V": range(31, 98),
     "F": range(20, 73),
-    "K": range(2, 7),
+    "K": range(2, 9),
 }
 
 
@@ -125,9 +126,15 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
     return ProbePlan(tuple(symbols), points, axis)
 
 
-def _monomials(deps: Sequence[str], max_exp: int):
-    for exps in itertools.product(range(max_exp + 1), repeat=len(deps)):
-        yield dict(zip(deps, exps))
+#: Exponent sets tried in turn: multilinear first, then ratios (H/K: query heads per key/value
+#: head), squares, cubes. A symbol only gets exponent e where the probes hold at least |e| + 2
+#: distinct values of it, so a fit can never just interpolate a handful of points.
+EXPONENT_STAGES = ((0, 1), (-1, 0, 1), (0, 1, 2), (-1, 0, 1, 2), (0, 1, 2, 3))
+
+
+def _monomials(deps: Sequence[str], exps: Sequence[int]):
+    for combo in itertools.product(exps, repeat=len(deps)):
+        yield dict(zip(deps, combo))
 
 
 class Fitter:
@@ -138,7 +145,8 @@ class Fitter:
         self.cache: dict[tuple[int, ...], sympy.Expr] = {}
         syms = plan.symbols
         self.X = {s: np.array([p[s] for p in plan.points], dtype=np.float64) for s in syms}
-        self.Xi = {s: [p[s] for p in plan.points] for s in syms}
+        self.Xi = {s: [Fraction(p[s]) for p in plan.points] for s in syms}
+        self.distinct = {s: len(set(self.Xi[s])) for s in syms}
 
     def __call__(self, sig: tuple[int, ...], what: str = "size") -> sympy.Expr:
         if sig not in self.cache:
@@ -154,8 +162,11 @@ class Fitter:
             deps = list(self.plan.axis)
         y = np.array(sig, dtype=np.float64)
         n = len(sig)
-        for max_exp in (1, 2, 3):
-            monos = [m for m in _monomials(deps, max_exp) if max(m.values(), default=0) <= max_exp]
+        for exps in EXPONENT_STAGES:
+            monos = [
+                m for m in _monomials(deps, exps)
+                if all(abs(e) + 2 <= self.distinct[s] for s, e in m.items())  # no over-fitting
+            ]
             cols = [self._column(m) for m in monos]
             max_terms = 4 if len(monos) <= 16 else (3 if len(monos) <= 64 else 2)
             for k in range(1, max_terms + 1):
@@ -186,7 +197,7 @@ class Fitter:
             for p, v in list(zip(self.plan.points, sig))[:4]
         )
         raise SymcostError(
-            f"a {what} cannot be expressed as a polynomial in {', '.join(self.plan.symbols)} "
+            f"a {what} cannot be expressed as a (Laurent) polynomial in {', '.join(self.plan.symbols)} "
             f"(probes: {pts}, ...); symcost will not guess it"
         )
 

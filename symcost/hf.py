@@ -58,7 +58,6 @@ VERIFIED = (
     "falcon",
     "granite",
     "starcoder2",
-    "gptj",
     "bloom",
 )
 

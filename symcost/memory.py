@@ -131,7 +131,7 @@ POLICIES: dict[str, Policy] = {
     "fp32": Policy("fp32", 4, 4, 4, 0, "fp32 weights, gradients and optimizer state"),
     "bf16": Policy("bf16", 2, 2, 2, 0, "pure bf16: weights, gradients and optimizer state in bf16"),
     "bf16-mixed": Policy("bf16-mixed", 2, 2, 4, 0,
-                         "bf16 weights and gradients, fp32 optimizer state, no master copy (the seed's 12P)"),
+                         "bf16 weights and gradients, fp32 optimizer state, no master copy: the conventions' 12P"),
     "bf16-mixed-master": Policy("bf16-mixed-master", 2, 2, 4, 4,
                                 "bf16 weights and gradients, fp32 master weights and optimizer state (16P)"),
     "fp16-mixed": Policy("fp16-mixed", 2, 2, 4, 4,
@@ -433,8 +433,10 @@ def _normalized(rec) -> list[tuple[int, int, int]]:
             flush()
             pos[e.storage] = len(out)
             out.append((e.index, e.nbytes, len(out)))
-        else:
+        elif e.storage in pos:
             run.append((e.index, e.nbytes, pos.pop(e.storage)))
+        # else: a free whose allocation was not seen as one (a storage swapped under a tensor,
+        # e.g. by set_); it cannot be placed, so it is left out (the peak errs high)
     flush()
     return out
 
@@ -1100,8 +1102,8 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     if pol.master:
         parts.append(f"{pol.master} (master)")
     lines = [
-        f"static per parameter: {' + '.join(parts)} = {bpp} bytes → {bpp}·P = {sympy.expand(bpp * mm.P)} bytes"
-        f" (P = {mm.P} from the trace; precision {pol.name}: {pol.note})"
+        f"static per parameter: {' + '.join(parts)} = {bpp} bytes → {bpp}·P_total = {sympy.expand(bpp * mm.P)} bytes"
+        f" (P_total = {mm.P} from the trace; precision {pol.name}: {pol.note})"
     ]
     if opt.step:
         lines.append(f"  + {STEP_BYTES} bytes of {opt.torch} step counter per parameter tensor × {mm.n_tensors} tensors")

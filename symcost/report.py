@@ -22,7 +22,7 @@ def console() -> Console:
     """The rich console used for text output (wide enough for formulas)."""
     global _console
     if _console is None:
-        _console = Console(width=160, highlight=False)
+        _console = Console(width=160, highlight=False, emoji=False)
     return _console
 
 
@@ -109,7 +109,7 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     if table:
         mt = Table(title="Per module (training step, forward + backward)" + (" at the sizes above" if env else ""),
                    title_justify="left")
-        for col in ("module", "×", "model FLOPs fwd", "model FLOPs bwd", "all FLOPs", "bytes", "FLOP/byte"):
+        for col in ("module", "× (summed in)", "model FLOPs fwd", "model FLOPs bwd", "all FLOPs", "bytes", "FLOP/byte"):
             mt.add_column(col, overflow="fold")
         for row in module_rows(an):
             fa, by = row["flops_all"], row["bytes"]

@@ -30,11 +30,11 @@ def random_sizes(an, rng: random.Random, n: int = 5, big: bool = False) -> list[
     out = []
     while len(out) < n:
         v = {
-            "B": rng.randint(1, 4), "S": rng.randint(3, 24), "H": rng.choice((2, 4, 6, 8)),
+            "B": rng.randint(1, 4), "S": rng.randint(3, 24), "H": rng.choice((2, 4, 6, 8, 12, 16)),
             "D": rng.choice((4, 6, 8, 12, 16)), "L": rng.randint(1, 4), "V": rng.randint(17, 130),
             "F": rng.randint(8, 70),
         }
-        v["K"] = rng.choice([k for k in (1, 2, 3, 4) if v["H"] % k == 0 and k < v["H"]])
+        v["K"] = rng.choice([k for k in (1, 2, 3, 4, 6, 8) if v["H"] % k == 0 and k < v["H"]])
         v = {s: v[s] for s in an.symbols}
         if tuple(sorted(v.items())) in probes or an.spec.check({**v, **{a: v[b] for a, b in an.spec.tied.items()}}):
             continue
