@@ -126,14 +126,17 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
     return ProbePlan(tuple(symbols), points, axis)
 
 
-#: Exponent sets tried in turn: multilinear first, then ratios (H/K: query heads per key/value
-#: head), squares, cubes. A symbol only gets exponent e where the probes hold at least |e| + 2
-#: distinct values of it, so a fit can never just interpolate a handful of points.
+#: Exponent sets tried in turn: multilinear first, then the ratio H/K (query heads per key/value
+#: head: K is the one symbol that divides another, so only K may take exponent -1), squares,
+#: cubes. A symbol only gets exponent e where the probes hold at least |e| + 1 distinct values
+#: of it (enough to determine it; the exact check on every probe, with two to spare, verifies).
 EXPONENT_STAGES = ((0, 1), (-1, 0, 1), (0, 1, 2), (-1, 0, 1, 2), (0, 1, 2, 3))
+DIVISORS = ("K",)
 
 
 def _monomials(deps: Sequence[str], exps: Sequence[int]):
-    for combo in itertools.product(exps, repeat=len(deps)):
+    choices = [[e for e in exps if e >= 0 or s in DIVISORS] for s in deps]
+    for combo in itertools.product(*choices):
         yield dict(zip(deps, combo))
 
 
@@ -165,7 +168,7 @@ class Fitter:
         for exps in EXPONENT_STAGES:
             monos = [
                 m for m in _monomials(deps, exps)
-                if all(abs(e) + 2 <= self.distinct[s] for s, e in m.items())  # no over-fitting
+                if all(abs(e) + 1 <= self.distinct[s] for s, e in m.items())  # determinable
             ]
             cols = [self._column(m) for m in monos]
             max_terms = 4 if len(monos) <= 16 else (3 if len(monos) <= 64 else 2)
