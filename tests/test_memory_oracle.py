@@ -85,56 +85,56 @@ def saved_bytes(spec, sizes, precision) -> int:
     return sum(seen.values())
 
 
-class _Fp32State:
+class _Wrapped:
+    """A real torch optimizer stepping fp32 tensors ``self.fp32`` on behalf of low-precision
+    ``self.params`` (whose gradients are set to None by ``zero_grad``)."""
+
+    def __init__(self, params, make, fp32):
+        self.params = list(params)
+        self.fp32 = fp32
+        self.opt = make(self.fp32)
+
+    @property
+    def state(self):
+        return self.opt.state
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+class _Fp32State(_Wrapped):
     """bf16/fp16 weights and gradients with fp32 optimizer state and no master copy (12P with
     Adam): each step runs a real torch optimizer on fp32 temporaries of the weights and their
     gradients, and writes the result back; only its state persists."""
 
     def __init__(self, params, make):
-        self.params = [p for p in params]
-        self.shadow = [torch.nn.Parameter(torch.empty(0)) for _ in self.params]
-        self.opt = make(self.shadow)
-
-    @property
-    def state(self):
-        return self.opt.state
-
-    def zero_grad(self, set_to_none=True):
-        for p in self.params:
-            p.grad = None
+        params = list(params)
+        super().__init__(params, make, [torch.nn.Parameter(torch.empty(0)) for _ in params])
 
     def step(self):
-        for p, s in zip(self.params, self.shadow):
+        for p, s in zip(self.params, self.fp32):
             s.data = p.detach().float()
             s.grad = p.grad.float()
         self.opt.step()
-        for p, s in zip(self.params, self.shadow):
+        for p, s in zip(self.params, self.fp32):
             p.data.copy_(s.data)
             s.data = torch.empty(0)
             s.grad = None
 
 
-class _MasterWeights:
+class _MasterWeights(_Wrapped):
     """Low-precision weights and gradients, fp32 master weights updated by a real torch optimizer."""
 
     def __init__(self, params, make):
-        self.params = [p for p in params]
-        self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
-        self.opt = make(self.master)
-
-    @property
-    def state(self):
-        return self.opt.state
-
-    def zero_grad(self, set_to_none=True):
-        for p in self.params:
-            p.grad = None
+        params = list(params)
+        super().__init__(params, make, [torch.nn.Parameter(p.detach().float().clone()) for p in params])
 
     def step(self):
-        for p, m in zip(self.params, self.master):
+        for p, m in zip(self.params, self.fp32):
             m.grad = p.grad.float()
         self.opt.step()
-        for p, m in zip(self.params, self.master):
+        for p, m in zip(self.params, self.fp32):
             p.data.copy_(m.data)
             m.grad = None
 
@@ -179,7 +179,7 @@ def static_bytes(spec, sizes, precision, optimizer) -> dict[str, int]:
     opt.step()
     params = list(model.parameters())
     state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    masters = getattr(opt, "master", [])
+    masters = opt.fp32 if isinstance(opt, _MasterWeights) else []
     return {
         "params": sum(_storages(params).values()),
         "grads": sum(_storages([p.grad for p in params if p.grad is not None]).values()),
