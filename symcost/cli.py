@@ -125,12 +125,23 @@ def _common(f):
 
 def _trace(model, sets, config, attention, precision="bf16-mixed"):
     from .analysis import trace
+    from .models import resolve
     from .record import PRECISIONS
 
     sizes = parse_sizes(sets)
     if precision not in PRECISIONS:
         raise SymcostError(f"unknown precision {precision!r}; accepted: {', '.join(PRECISIONS)}")
-    an = trace(model, parse_config(config), attention, sizes=sizes, precision=precision)
+    spec = resolve(model, parse_config(config), attention)
+    # reject sizes the model cannot take before the (seconds-long) trace
+    unknown = [k for k in sizes if k not in spec.all_symbols and k not in spec.tied]
+    if unknown:
+        raise SymcostError(f"unknown symbol {unknown[0]!r} for {spec.name}; accepted: {', '.join(spec.all_symbols)}")
+    values = {**spec.defaults, **sizes}
+    values.update({a: values.get(b) for a, b in spec.tied.items()})
+    msg = spec.check(values)
+    if msg:
+        raise SymcostError(msg)
+    an = trace(spec, sizes=sizes, precision=precision)
     an.bind(**sizes)  # validate before rendering
     return an, sizes
 
