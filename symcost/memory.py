@@ -702,7 +702,11 @@ class MemoryModel:
 
     def _label(self, k: int, unit_label: str) -> str:
         op, _ = self._info[k]
-        _, _, module = self.an.role(op.module)
+        keep, _, module = self.an.role(op.module)
+        if not keep:  # a probe block that stands for the generic one: name it as folded
+            from .analysis import _rename_block
+
+            module = _rename_block(op.module, self.an.layer_container, "{i}")
         return f"{unit_label}: {module or '(top level)'} {op.name.removeprefix('aten.')}"
 
     def _candidates(self, accumulate: bool) -> list[Candidate]:
