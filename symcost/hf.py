@@ -36,7 +36,7 @@ from typing import Any, Mapping
 import torch
 
 from .errors import SymcostError
-from .models import ModelSpec
+from .spec import ModelSpec
 
 #: Decoder architectures checked (transformers 5.24, torch 2.13) to build from their default config,
 #: run forward + loss + backward with real CPU tensors and under ``FakeTensorMode`` (built on

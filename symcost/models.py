@@ -13,70 +13,14 @@ import importlib
 import importlib.util
 import inspect
 import os
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
 
 from .errors import SymcostError
 
-#: Canonical symbols and their meaning (shared/conventions.md).
-SYMBOL_MEANINGS: dict[str, str] = {
-    "B": "micro-batch size (sequences per device per step)",
-    "S": "sequence length (tokens per sequence)",
-    "H": "attention heads (query heads)",
-    "D": "per-head dimension (d_model = H*D)",
-    "L": "number of transformer layers (blocks)",
-    "V": "vocabulary size",
-    "F": "feed-forward hidden width",
-    "K": "key/value heads (grouped-query attention)",
-}
-SYMBOL_ORDER = tuple(SYMBOL_MEANINGS)
-INPUT_SYMBOLS = ("B", "S")
-
-Inputs = tuple[tuple, dict]
-
-
-@dataclass
-class ModelSpec:
-    """How to build and run one training step of a model for given symbol values.
-
-    Attributes:
-        name: the name the user typed (``cs336-lm``, ``hf:llama``, ``file.py:factory``).
-        symbols: config symbols the model binds, a subset of ``("H","D","L","V","F","K")``.
-        defaults: default value of every config symbol (and of B, S) used when the user sets none.
-        build: ``build(values) -> nn.Module`` for a mapping symbol -> int. Called under
-            ``torch.device("meta")``; it must not read weights from anywhere.
-        make_inputs: ``make_inputs(values, device) -> (args, kwargs)`` for one micro-batch of
-            ``values["B"]`` sequences of ``values["S"]`` tokens.
-        loss: ``loss(output, (args, kwargs)) -> scalar Tensor`` whose ``backward()`` is the
-            training step's backward.
-        check: ``check(values) -> str | None``: why these values are invalid (e.g. "K must
-            divide H"), or None.
-        tied: symbols that equal another in this configuration's regime (e.g. ``{"K": "H"}``
-            for multi-head attention), so probes keep them equal and formulas use the other.
-        layers: dotted path of the ``nn.ModuleList`` holding the L repeated blocks (``None``
-            lets the tracer find it).
-        extra: free-form facts for the report (e.g. the config class).
-    """
-
-    name: str
-    symbols: tuple[str, ...]
-    defaults: dict[str, int]
-    build: Callable[[Mapping[str, int]], nn.Module]
-    make_inputs: Callable[[Mapping[str, int], torch.device], Inputs]
-    loss: Callable[[Any, Inputs], torch.Tensor]
-    check: Callable[[Mapping[str, int]], str | None] = lambda values: None
-    tied: dict[str, str] = field(default_factory=dict)
-    layers: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def all_symbols(self) -> tuple[str, ...]:
-        """B, S and the config symbols, in canonical order, without tied ones."""
-        syms = set(INPUT_SYMBOLS) | set(self.symbols)
-        return tuple(s for s in SYMBOL_ORDER if s in syms and s not in self.tied)
+from .spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, SYMBOL_ORDER, Inputs, ModelSpec  # noqa: F401
 
 
 BUILTINS = {

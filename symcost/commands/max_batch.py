@@ -1,6 +1,6 @@
 """``symcost max-batch``: the largest batch (or sequence) under a memory cap, and accumulation plans.
 
-Registered on :data:`symcost.cli.main` when imported (``symcost.cli`` imports it). The solving is
+Registered in :data:`symcost.cli.COMMANDS`. The solving is
 :meth:`symcost.memory.MemoryModel.solve` (sympy, on the symbolic peak) and
 :meth:`~symcost.memory.MemoryModel.plan_accumulation`; this module parses and prints.
 """
@@ -12,10 +12,10 @@ import time
 import click
 import sympy
 
-from . import memory as mem
-from .cli import _common, _trace, main
-from .errors import SymcostError
-from .report import console, human
+from .. import memory as mem
+from ..errors import SymcostError
+from ..report import console, human
+from ._options import common, trace_model
 
 
 def _solution_json(an, sol: mem.Solution, mm: mem.MemoryModel, seconds: float) -> dict:
@@ -44,9 +44,9 @@ def _solution_json(an, sol: mem.Solution, mm: mem.MemoryModel, seconds: float) -
     return out
 
 
-@main.command(name="max-batch")
+@click.command(name="max-batch")
 @click.argument("model", default="cs336-lm")
-@_common
+@common
 @click.option("--memory", "memory", default="80GiB", show_default=True,
               help="memory cap per device: bytes, or a number with KiB/MiB/GiB/TiB (binary) or KB/MB/GB/TB")
 @click.option("--optimizer", default="adamw", show_default=True,
@@ -86,7 +86,7 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     sets_b = [s for s in sets if s.partition("=")[0].strip() == var]
     if sets_b:
         raise SymcostError(f"--set {sets_b[0]} conflicts with solving for {var}; leave {var} out")
-    an, sizes = _trace(model, sets, config, attention, precision)
+    an, sizes = trace_model(model, sets, config, attention, precision)
     t0 = time.perf_counter()
     mm = mem.memory_model(an, precision, optimizer, impl)
     if global_batch is not None:

@@ -1,0 +1,1 @@
+"""One module per ``symcost`` command; :data:`symcost.cli.COMMANDS` registers them."""
