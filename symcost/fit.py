@@ -30,7 +30,7 @@ import sympy
 
 from .errors import SymcostError
 
-SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in "BSHDLVFKN"}
+SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in "BSHDLVFKMERN"}
 
 
 def parse_formula(text: str) -> sympy.Expr:
@@ -43,7 +43,7 @@ def parse_formula(text: str) -> sympy.Expr:
     return sympy.sympify(text, locals=dict(SYMS))
 
 # Base probe values and one alternate per symbol. L is fixed while fitting (layers fold).
-BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2}
+BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 5, "R": 2}
 ALTS = {
     "B": (5, 4, 2),
     "S": (11, 9, 5),
@@ -52,6 +52,9 @@ ALTS = {
     "V": (61, 47, 59),
     "F": (44, 52, 36),
     "K": (3, 1),
+    "M": (44, 28, 52),
+    "E": (7, 4, 6),
+    "R": (3, 4),
 }
 POOLS = {
     "B": range(2, 10),
@@ -61,6 +64,9 @@ POOLS = {
     "V": range(31, 98),
     "F": range(20, 73),
     "K": range(2, 9),
+    "M": range(20, 65, 4),
+    "E": range(3, 10),
+    "R": range(2, 5),
 }
 
 
@@ -127,11 +133,11 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
 
 
 #: Exponent sets tried in turn: multilinear first, then the ratio H/K (query heads per key/value
-#: head: K is the one symbol that divides another, so only K may take exponent -1), squares,
+#: head: K and E are the symbols that divide another (H/K, N·R/E), so only they may take exponent -1), squares,
 #: cubes. A symbol only gets exponent e where the probes hold at least |e| + 1 distinct values
 #: of it (enough to determine it; the exact check on every probe, with two to spare, verifies).
 EXPONENT_STAGES = ((0, 1), (-1, 0, 1), (0, 1, 2), (-1, 0, 1, 2), (0, 1, 2, 3))
-DIVISORS = ("K",)
+DIVISORS = ("K", "E")  # H/K (query heads per kv head), N·R/E (token slots per expert)
 
 
 def _monomials(deps: Sequence[str], exps: Sequence[int]):

@@ -23,6 +23,9 @@ SYMBOL_MEANINGS: dict[str, str] = {
     "V": "vocabulary size",
     "F": "feed-forward hidden width",
     "K": "key/value heads (grouped-query attention)",
+    "M": "model width d_model (hidden_size), where the config sets it apart from H*D",
+    "E": "routed experts of a mixture-of-experts layer",
+    "R": "experts each token is routed to (top-k)",
 }
 SYMBOL_ORDER = tuple(SYMBOL_MEANINGS)
 INPUT_SYMBOLS = ("B", "S")
