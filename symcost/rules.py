@@ -112,24 +112,80 @@ def _model_flops(v: OpView):
     return fn(*v.args, out_val=out, **v.kwargs)
 
 
+def _arg(v: OpView, name: str, default=None):
+    """The argument called ``name`` in the op's schema (positional or keyword), else ``default``."""
+    for i, a in enumerate(v.op._schema.arguments):
+        if a.name == name:
+            if i < len(v.args):
+                return v.args[i]
+            return v.kwargs.get(name, default)
+    return default
+
+
+def bias_adds(v: OpView):
+    """All-FLOPs of the bias of a matmul-class op, which model FLOPs leave out (FlopCounterMode).
+
+    ``addmm``/``baddbmm`` compute ``beta·self + alpha·(a @ b)``: one add per output element when
+    ``beta`` ≠ 0, one more multiply per element for ``alpha`` ≠ 1 and for ``beta`` ∉ {0, 1} — what
+    the same math written as ``a @ b`` then ``+ self`` costs under the pointwise rule (1 FLOP per
+    output element per op), so ``nn.Linear`` and ``x @ W.T + b`` get the same all-FLOPs.
+    Convolutions with a ``bias``: one add per output element. Other ops: 0.
+    """
+    packet = str(v.op.overloadpacket)
+    out = numel(v.out_shapes[0]) if v.out_shapes else 0
+    if packet in ("aten.addmm", "aten.baddbmm"):
+        beta, alpha = _arg(v, "beta", 1), _arg(v, "alpha", 1)
+        n = (beta != 0) + (alpha != 1) + (beta not in (0, 1))
+        return n * out
+    if "conv" in packet and "backward" not in packet and _arg(v, "bias") is not None:
+        return out
+    return 0
+
+
 def _registry_rule(v: OpView) -> Cost:
     f = _model_flops(v)
-    return Cost(f, f, _traffic(v))
+    return Cost(f, f + bias_adds(v), _traffic(v))
 
 
 @rule("aten.convolution_backward")
 def _conv_backward(v: OpView) -> Cost:
-    """The registry's ``conv_backward_flop``, with the op's outputs put back in their positions.
+    """The registry's ``conv_backward_flop``, with the weight gradient of a grouped convolution
+    divided by ``groups`` (the true work), and the op's outputs put back in their positions.
 
     The op returns ``(grad_input, grad_weight, grad_bias)`` with ``None`` where ``output_mask`` is
     False (e.g. no grad_input for a first layer fed the data batch); the recording keeps tensors
     only, but the registry formula reads ``out_shape[1]`` as grad_weight's shape.
+
+    Divergence from FlopCounterMode (torch/utils/flop_counter.py ``conv_backward_flop``): its
+    grad_weight term, ``conv_flop_count(t(x), t(grad_out), t(grad_weight))``, pairs every input
+    channel with every output channel, ignoring ``groups``; each output channel of a grouped
+    convolution only meets its group's ``C_in/groups`` input channels, so the true count is that
+    term divided by ``groups`` — what FlopCounterMode itself counts when the convolution is split
+    into ``groups`` separate ones. grad_input (a transposed convolution with the grouped weight) is
+    right in the registry and kept. All-FLOPs add grad_bias, a sum over every element of
+    ``grad_out`` (1 per element, as the reduction rule counts ``nn.Linear``'s bias gradient).
     """
     mask = v.args[10] if len(v.args) > 10 else v.kwargs["output_mask"]
+    groups = _arg(v, "groups", 1)
     shapes = iter(v.out_shapes)
     out = tuple(next(shapes) if m else None for m in mask)
-    f = flop_registry[v.op.overloadpacket](*v.args, out_val=out, **v.kwargs)
-    return Cost(f, f, _traffic(v))
+    fn = flop_registry[v.op.overloadpacket]
+    args = list(v.args[:10])
+    kwargs = {k: x for k, x in v.kwargs.items() if k != "output_mask"}
+
+    def part(k):
+        if not mask[k]:
+            return 0
+        only = [j == k for j in range(3)]
+        return fn(*args, only, out_val=out, **kwargs)
+
+    grad_weight = part(1)
+    if groups != 1:
+        grad_weight = grad_weight // groups if isinstance(grad_weight, int) and isinstance(groups, int) \
+            else sympy.expand(grad_weight / groups)
+    f = part(0) + grad_weight
+    grad_bias = numel(v.args[0]) if mask[2] else 0
+    return Cost(f, f + grad_bias, _traffic(v))
 
 
 @rule("aten._scaled_dot_product_flash_attention_for_cpu")
@@ -146,6 +202,120 @@ def _sdpa_cpu_bwd(v: OpView) -> Cost:
     grad_out, q, k, val = v.in_shapes[:4]
     f = sdpa_backward_flop_count(grad_out, q, k, val)
     return Cost(f, f, _traffic(v))
+
+
+def _bshd(shape):
+    """(batch, seq, heads, dim) -> (batch, heads, seq, dim): the layout ``sdpa_flop_count`` reads."""
+    b, s, h, d = shape
+    return (b, h, s, d)
+
+
+def _raw_attention_shapes(v: OpView, names: tuple[str, str, str], cu: str, max_q: str, max_k: str,
+                          grad: str | None = None):
+    """``(count, q, k, v, grad_out)`` in BHSD for the raw kernels, whose tensors are BSHD.
+
+    ``_flash_attention_*`` take ``(batch, seq, heads, dim)`` and ``_efficient_attention_*`` BMHK
+    (the same order). With cumulative sequence offsets (``cu``, nested/varlen inputs of ``total``
+    tokens) there are ``len(offsets) - 1`` sequences; their lengths are data, so each is counted at
+    the maximum length — the worst case FlopCounterMode also takes on fake tensors.
+    """
+    q, k, val = (_arg(v, n) for n in names)
+    go = _arg(v, grad) if grad else None
+    offsets = _arg(v, cu)
+    if offsets is None:
+        return 1, _bshd(q), _bshd(k), _bshd(val), go and _bshd(go)
+    n = offsets[0] - 1
+    mq, mk = _arg(v, max_q), _arg(v, max_k)
+    h_q, d_q = q[-2:]
+    h_k, d_k = k[-2:]
+    h_v, d_v = val[-2:]
+    qs, ks, vs = (1, h_q, mq, d_q), (1, h_k, mk, d_k), (1, h_v, mk, d_v)
+    return n, qs, ks, vs, go and (1, h_q, mq, d_v)
+
+
+@rule("aten._flash_attention_forward")
+def _flash_fwd(v: OpView) -> Cost:
+    """Raw flash attention forward (BSHD): ``sdpa_flop_count`` on BHSD, 4·B·H·S_q·S_k·D.
+
+    FlopCounterMode's registry entry hands the BSHD shapes to ``sdpa_flop_count`` as if they were
+    BHSD, i.e. swaps S and H (4·B·S·H²·D); symcost counts the layout the kernel takes.
+    """
+    n, q, k, val, _ = _raw_attention_shapes(v, ("query", "key", "value"), "cum_seq_q", "max_q", "max_k")
+    f = n * sdpa_flop_count(q, k, val)
+    return Cost(f, f, _traffic(v))
+
+
+@rule("aten._efficient_attention_forward")
+def _efficient_fwd(v: OpView) -> Cost:
+    """Raw memory-efficient attention forward (BMHK = BSHD): 4·B·H·S_q·S_k·D, as above."""
+    n, q, k, val, _ = _raw_attention_shapes(v, ("query", "key", "value"), "cu_seqlens_q", "max_seqlen_q",
+                                            "max_seqlen_k")
+    f = n * sdpa_flop_count(q, k, val)
+    return Cost(f, f, _traffic(v))
+
+
+@rule("aten._flash_attention_backward")
+def _flash_bwd(v: OpView) -> Cost:
+    """Raw flash attention backward (BSHD): ``sdpa_backward_flop_count``, 10·B·H·S_q·S_k·D."""
+    n, q, k, val, go = _raw_attention_shapes(v, ("query", "key", "value"), "cum_seq_q", "max_q", "max_k",
+                                             "grad_out")
+    f = n * sdpa_backward_flop_count(go, q, k, val)
+    return Cost(f, f, _traffic(v))
+
+
+@rule("aten._efficient_attention_backward")
+def _efficient_bwd(v: OpView) -> Cost:
+    """Raw memory-efficient attention backward (BMHK): 10·B·H·S_q·S_k·D."""
+    n, q, k, val, go = _raw_attention_shapes(v, ("query", "key", "value"), "cu_seqlens_q", "max_seqlen_q",
+                                             "max_seqlen_k", "grad_out_")
+    f = n * sdpa_backward_flop_count(go, q, k, val)
+    return Cost(f, f, _traffic(v))
+
+
+#: pointwise FLOPs per hidden element and time step of a fused recurrent layer, after the gate
+#: matmuls, by ``mode`` (cuDNN/oneDNN numbering: 0 RNN-ReLU, 1 RNN-tanh, 2 LSTM, 3 GRU)
+RNN_STATE_UPDATE = {0: 0, 1: 0, 2: 5, 3: 4}
+
+
+def _rnn_layer_flops(v: OpView, w_ih: str, w_hh: str):
+    """``(model FLOPs, pointwise FLOPs)`` of one forward pass of a fused recurrent layer.
+
+    Gate matmuls (Elman 1990 / Hochreiter & Schmidhuber 1997; PyTorch's ``nn.LSTM`` docs): at each
+    of the S steps, for each of the B sequences, ``W_ih·x_t`` and ``W_hh·h_{t-1}`` with weights
+    [G·Hd, I] and [G·Hd, Hd] (G gates: 4 LSTM, 3 GRU, 1 RNN): 2·S·B·G·Hd·(I + Hd) FLOPs.
+    Pointwise, per hidden element and step: G adds (the two products), 2·G bias adds when the
+    layer has biases, G gate activations, then the state update (LSTM 5: c = f·c + i·g is 3,
+    h = o·tanh(c) 2; GRU 4; RNN 0).
+    """
+    x, wi, wh = _arg(v, "input"), _arg(v, w_ih), _arg(v, w_hh)
+    gh, i_size = wi
+    hd = _arg(v, "hidden_size")
+    rows = numel(x[:-1])  # S·B, whatever the batch_first layout
+    model = 2 * rows * gh * (i_size + wh[1])
+    per_hidden = RNN_STATE_UPDATE.get(_arg(v, "mode"), 0)
+    gates = gh // hd if isinstance(gh, int) and isinstance(hd, int) else sympy.cancel(gh / hd)
+    point = rows * hd * (2 * gates + 2 * gates * bool(_arg(v, "has_biases")) + per_hidden)
+    return model, point
+
+
+@rule("aten.mkldnn_rnn_layer")
+def _mkldnn_rnn(v: OpView) -> Cost:
+    """One layer and direction of ``nn.LSTM`` on the CPU (oneDNN), which FlopCounterMode counts as
+    0: 2·S·B·G·Hd·(I + Hd) model FLOPs (``nn.LSTM(10, 20)`` on (5, 3, 10): 72,000), plus the
+    pointwise gate work in all-FLOPs (see :func:`_rnn_layer_flops`)."""
+    model, point = _rnn_layer_flops(v, "weight0", "weight1")
+    return Cost(model, model + point, _traffic(v))
+
+
+@rule("aten.mkldnn_rnn_layer_backward")
+def _mkldnn_rnn_bwd(v: OpView) -> Cost:
+    """Its backward: the oneDNN backward primitive computes every gradient (input, h0/c0, both
+    weights, bias) whatever ``requires_grad`` says, so the gate matmuls run twice over — the data
+    gradients ``dgates·W`` and the weight gradients ``dgatesᵀ·[x, h]``: 2 × forward =
+    4·S·B·G·Hd·(I + Hd). All-FLOPs add twice the forward's pointwise count (the convention of
+    the normalisation backward rules)."""
+    model, point = _rnn_layer_flops(v, "weight1", "weight2")
+    return Cost(2 * model, 2 * (model + point), _traffic(v))
 
 
 VIEW_OPS = {
@@ -173,7 +343,7 @@ MOVE_OPS = {
 PASS_THROUGH = {"aten._to_copy", "aten.clone", "aten.contiguous", "aten.expand", "aten._unsafe_view"}
 OVERWRITE_OPS = {"aten.copy_", "aten.fill_", "aten.zero_"}
 PER_ELEMENT_OUT = {  # FLOPs per element of the first output
-    "aten._softmax": 5, "aten._log_softmax": 5, "aten._softmax_backward_data": 4,
+    "aten._softmax": 5, "aten._log_softmax": 5, "aten._safe_softmax": 5, "aten._softmax_backward_data": 4,
     "aten._log_softmax_backward_data": 4, "aten.native_dropout": 2,
 }
 PER_ELEMENT_IN = {  # FLOPs per element of the first input
@@ -193,6 +363,8 @@ def bias_positions(op) -> tuple[int, ...]:
         return (0,)
     if "convolution" in packet and "backward" not in packet:
         return (2,)
+    if packet == "aten.mkldnn_rnn_layer":
+        return (3, 4)
     return ()
 
 

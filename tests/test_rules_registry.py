@@ -66,7 +66,8 @@ def test_convolution_backward():
     grad_input = 2 * N * cout * (cin // g) * kk * 17  # conv_transpose(grad_out, w): output-grad pixels
     # grad_weight: conv_flop_count(t(x)=[cin, N, 19], t(grad_out)=[cout, N, 17], t(gw)=[cin/g, cout, k])
     # = 2 · cin · cout · N · 17 · k. It does not divide by the groups (the true grouped work is g
-    # times less); that is the published formula, pinned here as it is.
+    # times less); that is the published formula, pinned here as it is. symcost's rule divides
+    # this term by the groups (docs/conventions.md, divergences; tests/test_kernels.py).
     grad_weight = 2 * cin * cout * N * 17 * kk
     assert bwd([True, True, True], (gi, gw, gb)) == grad_input + grad_weight, REVIEW.format("convolution_backward")
     assert bwd([True, False, False], (gi, None, None)) == grad_input, REVIEW.format("convolution_backward")
@@ -97,6 +98,25 @@ def test_attention_kernels():
                    aten._scaled_dot_product_flash_attention_backward,
                    aten._scaled_dot_product_cudnn_attention_backward):
         assert reg(packet, go, q, kk, v) == bwd, REVIEW.format(packet)
+
+
+def test_raw_attention_kernels_read_bshd_as_bhsd():
+    """The raw kernels (registered get_raw=True: they receive tensors) take [B, S, H, D] (BMHK for
+    the efficient one), but the registry hands those shapes to sdpa_flop_count, which reads
+    [B, H, S, D]: S and H swap, 4·B·S·H²·D instead of 4·B·H·S²·D. symcost counts the layout the
+    kernel takes (rules._raw_attention_shapes); if torch fixes this, the divergence entry in
+    docs/conventions.md goes and this pin changes."""
+    Bv, Sv, Hv, Dv = 2, 7, 3, 5
+    q = torch.empty(Bv, Sv, Hv, Dv, device="meta")
+    swapped = 4 * Bv * Sv * Hv**2 * Dv
+    assert flop_registry[aten._flash_attention_forward](q, q, q, None, None, Sv, Sv) == swapped, \
+        REVIEW.format("_flash_attention_forward")
+    assert flop_registry[aten._efficient_attention_forward](q, q, q, None, None, None, None, None) == swapped, \
+        REVIEW.format("_efficient_attention_forward")
+    assert flop_registry[aten._flash_attention_backward](q, q, q, q, q, None, None, None, Sv, Sv) == swapped * 10 // 4, \
+        REVIEW.format("_flash_attention_backward")
+    assert flop_registry[aten._efficient_attention_backward](q, q, q, q, None, q, None, None, Sv, Sv) == \
+        swapped * 10 // 4, REVIEW.format("_efficient_attention_backward")
 
 
 def test_registry_takes_sympy_shapes():
