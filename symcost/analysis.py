@@ -234,6 +234,129 @@ class Analysis:
             op.repeat * op.cost.flops for op in self.ops if op.attention
         ]))
 
+    # -- quantities papers use (issue 6, item 9) ------------------------------------------------
+    #: how attention matmuls are counted: "full" (S_q·S_k score pairs, FlopCounterMode) or
+    #: "causal" (S·(S+1)/2 pairs); see :meth:`with_attention_flops`
+    attention_count = "full"
+
+    def _param_sources(self, node) -> set[str]:
+        """Folded names of the parameters feeding op ``node`` directly or through views/casts."""
+        g = self.graph
+        out, stack, seen = set(), list(g.predecessors(node)), set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            d = g.nodes[n]
+            if d.get("kind") == "param":
+                out.add(str(n).partition(":")[2])
+            elif d.get("family") == "view" or d.get("op", "").rsplit(".", 1)[0] in rules.PASS_THROUGH:
+                stack.extend(g.predecessors(n))
+        return out
+
+    @functools.cached_property
+    def embedding_params(self) -> dict[str, str]:
+        """Parameters Kaplan et al. (2020, "Scaling Laws for Neural Language Models", section 2.1)
+        leave out of N, by folded name -> why, derived from the traced forward graph:
+
+        - ``"lookup"``: read by an embedding lookup (``embedding``, ``index_select``, ``index``,
+          ``gather``, through views and dtype casts): token, position and token-type tables;
+        - ``"output projection"``: an operand (weight or bias) of a forward matmul-class op whose
+          output has the vocabulary V in its last dimension — the final projection to the
+          vocabulary (the "de-embedding"); when it is tied to the token table it is that table,
+          counted once.
+
+        Models without V (``mlp``) have no output projection; models without a lookup have none.
+        """
+        g = self.graph
+        out: dict[str, str] = {}
+        lookups = ("aten.embedding", "aten.index_select", "aten.index", "aten.gather", "aten._embedding_bag")
+        V = SYMS["V"]
+        for n, d in g.nodes(data=True):
+            if d.get("kind") != "op" or d.get("phase") != "forward":
+                continue
+            packet = d["op"].rsplit(".", 1)[0]
+            if packet in lookups:
+                for name in self._param_sources(n):
+                    out.setdefault(name, "lookup")
+            elif d.get("family") == "model" and d["out_shapes"] and d["out_shapes"][0]:
+                last = d["out_shapes"][0][-1]
+                if isinstance(last, sympy.Basic) and V in last.free_symbols:
+                    for name in self._param_sources(n):
+                        out.setdefault(name, "output projection")
+        return {k: out[k] for k in self.param_shapes if k in out}
+
+    @functools.cached_property
+    def params_embedding(self) -> sympy.Expr:
+        """Embedding parameters (see :attr:`embedding_params`), tied ones once, a polynomial."""
+        return self._param_total(set(self.embedding_params))
+
+    @functools.cached_property
+    def params_nonembedding(self) -> sympy.Expr:
+        """Kaplan et al.'s N: every parameter (tied once) but the embedding ones — the blocks'
+        weights, biases and norms and the final norm (Kaplan's 12·n_layer·d_model² leaves biases
+        and norms out as small; this count keeps them, exactly)."""
+        return sympy.expand(self.params - self.params_embedding)
+
+    def causal_attention_cost(self, op: "SymOp") -> rules.Cost | None:
+        """The causal count of one attention matmul, or None when it does not apply.
+
+        An attention op (``op.attention``, or a fused attention kernel) whose model FLOPs are
+        ``a·S²`` — S queries against S keys, S_q·S_k = S² score pairs — costs ``a·S·(S+1)/2``
+        under a causal mask: query i meets keys 0..i, S·(S+1)/2 pairs in all, for every product
+        over the score matrix (Q·Kᵀ, P·V and their gradients; the recomputed scores of a fused
+        backward). The formula is derived from the op's own formula, never typed per model.
+        All-FLOPs drop by the same amount; bytes stay (the unfused lower bound moves the full
+        score matrix). Ops whose FLOPs are not of that form (S pinned, cross-attention with other
+        key lengths) keep their count.
+        """
+        fused = op.family == "model" and "attention" in op.name
+        if not (op.attention or fused) or "S" in self.pinned:
+            return None
+        S = SYMS["S"]
+        f = sympy.expand(op.cost.flops)
+        if not isinstance(f, sympy.Basic) or S not in f.free_symbols:
+            return None
+        poly = sympy.Poly(f, S)
+        if poly.monoms() != [(2,)]:
+            return None
+        causal = sympy.expand(poly.coeffs()[0] * S * (S + 1) / 2)
+        return rules.Cost(causal, sympy.expand(op.cost.flops_all - f + causal), op.cost.bytes)
+
+    def with_attention_flops(self, count: str = "full") -> "Analysis":
+        """This analysis with the attention matmuls counted ``"full"`` (S_q·S_k score pairs, as
+        FlopCounterMode; the default) or ``"causal"`` (S·(S+1)/2 pairs, see
+        :meth:`causal_attention_cost`). Only those ops change; ``attention_count`` says which.
+
+        Raises:
+            SymcostError: ``count`` is neither "full" nor "causal".
+        """
+        import dataclasses
+
+        if count not in ("full", "causal"):
+            raise SymcostError(f"unknown attention FLOP count {count!r}; accepted: full, causal")
+        if count == self.attention_count:
+            return self
+        base = getattr(self, "_full", self)
+        if count == "full":
+            return base
+        ops, graph = [], base.graph.copy()
+        for op in base.ops:
+            c = base.causal_attention_cost(op)
+            if c is not None:
+                op = dataclasses.replace(op, cost=c)
+                if op.index in graph:
+                    graph.nodes[op.index].update(flops=c.flops, flops_all=c.flops_all, intensity=(
+                        sympy.cancel(c.flops_all / c.bytes) if c.bytes != 0 else 0))
+            ops.append(op)
+        new = dataclasses.replace(base, ops=ops, graph=graph)
+        new.pinned = dict(base.pinned)
+        new.timings = dict(base.timings)
+        new.attention_count = count
+        new._full = base
+        return new
+
     def train_simplified_str(self) -> str:
         """``"6*B*S*(P) + remainder"`` as text, 6·N·P first (sympy would reorder the terms).
 

@@ -16,6 +16,9 @@ from .analysis import PHASES, Analysis
 from .fit import SYMS
 
 _console = None
+#: the label of every text output whose attention matmuls were counted causally
+CAUSAL_LABEL = ("attention FLOPs: causal count (S*(S+1)/2 score pairs per attention matmul, "
+                "--attention-flops causal; FlopCounterMode counts S^2)")
 
 
 def console() -> Console:
@@ -91,6 +94,8 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     env = an.bind(**sizes) if sizes else None
     c.print(f"[bold]symcost report[/bold]: {an.model}   precision {an.precision}   "
             f"(traced in {sum(an.timings.values()):.1f} s)")
+    if getattr(an, "attention_count", "full") == "causal":
+        c.print(CAUSAL_LABEL)
     st = Table(title="Symbols", title_justify="left")
     st.add_column("symbol")
     st.add_column("meaning")
@@ -189,6 +194,8 @@ def render_values(an: Analysis, sizes: Mapping[str, int], memory: dict | None = 
     vals = an.subs(**sizes)
     env = an.bind(**sizes)
     c.print(f"{an.model} at " + ", ".join(f"{k}={v}" for k, v in sorted((str(k), v) for k, v in env.items())))
+    if getattr(an, "attention_count", "full") == "causal":
+        c.print(CAUSAL_LABEL)
     for k, v in vals.items():
         unit = "FLOP" if k.startswith("flops") else ("B" if k.startswith("bytes") else "")
         c.print(f"  {k:<18} {v:>24,}" + (f"   ({human(v, unit)})" if unit else ""))
@@ -202,9 +209,11 @@ def render_values(an: Analysis, sizes: Mapping[str, int], memory: dict | None = 
 def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None = None) -> dict:
     """The JSON contract: formulas (strings sympify parses) without sizes, integers with them.
 
-    Keys: model, precision, symbols, params, params_matmul, flops.{forward,backward,train,
-    train_simplified}, flops_all.*, bytes.*, attention_flops, unsupported_ops (and memory.* when
-    the memory pass ran).
+    Keys: model, precision, symbols, params, params_matmul, params_embedding,
+    params_nonembedding (Kaplan et al. 2020's N), flops.{forward,backward,train,
+    train_simplified}, flops_all.*, bytes.*, attention_flops, attention_flops_count ("full" or
+    "causal": how the attention matmuls were counted), unsupported_ops (and memory.* when the
+    memory pass ran).
     """
     env = an.bind(**sizes) if sizes is not None else None
 
@@ -225,10 +234,13 @@ def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None =
         "pinned_symbols": dict(an.pinned),
         "params": out(an.params),
         "params_matmul": out(P),
+        "params_embedding": out(an.params_embedding),
+        "params_nonembedding": out(an.params_nonembedding),
         "flops": {ph: out(an.flops(ph)) for ph in PHASES + ("train",)},
         "flops_all": {ph: out(an.flops(ph, "all")) for ph in PHASES + ("train",)},
         "bytes": {ph: out(an.bytes(ph)) for ph in PHASES + ("train",)},
         "attention_flops": out(an.attention_flops),
+        "attention_flops_count": getattr(an, "attention_count", "full"),
         "unsupported_ops": {k: out(v) for k, v in an.unsupported.items()},
     }
     res["flops"]["train_simplified"] = out(form) if env is not None else an.train_simplified_str()

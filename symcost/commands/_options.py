@@ -76,7 +76,18 @@ def parse_config(pairs: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def _store_attention_flops(ctx, param, value):
+    ctx.meta["symcost.attention_flops"] = value
+    return value
+
+
 def common(f):
+    # --attention-flops reaches trace_model through the click context (no command signature
+    # changes): every command that traces a model honours it
+    f = click.option("--attention-flops", type=click.Choice(["full", "causal"]), default="full",
+                     show_default=True, expose_value=False, callback=_store_attention_flops,
+                     help="count attention matmuls over all S_q*S_k score pairs (full, as "
+                          "FlopCounterMode) or over the S*(S+1)/2 of a causal mask (causal)")(f)
     f = click.option("--debug", is_flag=True, help="show tracebacks")(f)
     f = click.option("--precision", default="bf16-mixed", show_default=True,
                      help="fp32, bf16, bf16-mixed, bf16-mixed-master, fp16-mixed, fp16")(f)
@@ -108,5 +119,7 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed"):
     if msg:
         raise SymcostError(msg)
     an = trace(spec, sizes=sizes, precision=precision)
+    ctx = click.get_current_context(silent=True)
+    an = an.with_attention_flops(ctx.meta.get("symcost.attention_flops", "full") if ctx else "full")
     an.bind(**sizes)  # validate before rendering
     return an, sizes
