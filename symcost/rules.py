@@ -6,9 +6,14 @@ handed symbolic shapes and a count when handed concrete ones.
 
 Model FLOPs reuse ``torch.utils.flop_counter.flop_registry`` (mm, addmm, bmm, baddbmm, the
 convolutions and their backward, the fused attention kernels): the same formulas as
-``FlopCounterMode``, by construction. Rules are added only where that registry has none: the CPU
+``FlopCounterMode``, by construction. Rules are added where that registry has none: the CPU
 flash-attention kernel ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward,
-counted with the registry's own ``sdpa_flop_count`` / ``sdpa_backward_flop_count``.
+counted with the registry's own ``sdpa_flop_count`` / ``sdpa_backward_flop_count``, and the
+oneDNN recurrent layer ``aten.mkldnn_rnn_layer`` (``nn.LSTM`` on CPU) and its backward. Rules
+replace the registry's where it counts wrong (docs/conventions.md, "Divergences"): the raw
+``_flash_attention_*`` / ``_efficient_attention_*`` kernels (registered ``get_raw=True``, they
+expect tensors, and read the kernels' [B, S, H, D] layout as [B, H, S, D]) and the weight
+gradient of a grouped ``convolution_backward`` (the registry ignores ``groups``).
 
 All-op FLOPs add the per-element counts below (one FLOP = one add or multiply, see
 docs/conventions.md):
@@ -18,7 +23,8 @@ op family                                     FLOPs
 ============================================  ===========================================
 pointwise (``torch.Tag.pointwise``)           1 per output element
 reduction (``torch.Tag.reduction``)           1 per input element
-``_softmax`` / ``_log_softmax``               5 per element (max, subtract, exp, sum, divide/log)
+bias of ``addmm``/``baddbmm``/convolution     1 per output element (see :func:`bias_adds`)
+``_softmax`` / ``_log_softmax`` / ``_safe_``  5 per element (max, subtract, exp, sum, divide/log)
 ``_softmax_backward_data`` / log-softmax bwd  4 per element
 ``native_layer_norm``                         7 per element (mean 1, centre 1, square 1,
                                               variance 1, normalise 1, affine 2)
@@ -26,6 +32,8 @@ reduction (``torch.Tag.reduction``)           1 per input element
 ``native_dropout``                            2 per element (compare, scale)
 ``nll_loss_forward`` / backward               1 per target element
 ``embedding_dense_backward``                  1 per gradient element (scatter-add)
+``mkldnn_rnn_layer`` (+ its gate matmuls)     per hidden element and step: 2·G (+ 2·G biases)
+                                              + state update (LSTM 5); backward twice that
 data movement (copy, cat, index, embedding)   0
 views (``view``, ``t``, ``expand``, ...)       0 FLOPs and 0 bytes
 ============================================  ===========================================
