@@ -144,6 +144,33 @@ def _grad_fns(obj) -> list:
     return out
 
 
+#: ops whose meta kernel returns one tensor twice where the real kernel returns two tensors
+#: (``mkldnn_rnn_layer_backward``: the LSTM's bias gradient, once per bias)
+_META_ALIASED_OUTPUTS = {torch.ops.aten.mkldnn_rnn_layer_backward.default}
+
+
+def _dispatch_unaliased(func, args, kwargs):
+    """Run ``func``; where its meta kernel aliases two outputs that the real kernel keeps apart,
+    give the later one its own storage, as the real kernel does.
+
+    FakeTensorMode runs the meta kernel on a cache miss (aliased outputs) but rebuilds the outputs
+    one by one on a cache hit (separate), so without this AccumulateGrad would copy or steal the
+    gradient depending on the cache's history and the op sequence would change between probes.
+    """
+    out = func(*args, **kwargs)
+    if func in _META_ALIASED_OUTPUTS and isinstance(out, (tuple, list)):
+        seen: set[int] = set()
+        fixed = []
+        for t in out:
+            if isinstance(t, torch.Tensor) and id(t) in seen:
+                t = t.clone()
+            elif isinstance(t, torch.Tensor):
+                seen.add(id(t))
+            fixed.append(t)
+        out = type(out)(fixed)
+    return out
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, names_of_leaves: dict[int, str]):
         super().__init__()
@@ -210,7 +237,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = _dispatch_unaliased(func, args, kwargs)
         if func.namespace == "prim":
             return out
         flat, spec = tree_flatten((args, kwargs))

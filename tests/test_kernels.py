@@ -289,6 +289,33 @@ def test_lstm_issue_example():
     assert not an.unsupported
 
 
+def test_stacked_bidirectional_lstm_symbolic():
+    """2 layers, both directions, batch_first, F inputs, D hidden: per direction 2·S·B·4D·(I + D)
+    with I = F then 2D: 16·S·B·D·(F + D) + 48·S·B·D² = 16·B·D·S·(F + 4·D) forward, the backward
+    twice that, at random sizes equal to FlopCounterMode on the unrolled cells. Traced twice: the
+    meta kernel of mkldnn_rnn_layer_backward returns the bias gradient twice where the CPU
+    kernel returns two tensors, and FakeTensorMode's cache hides that on a hit; the recording must
+    run the same ops (as the CPU kernel, no AccumulateGrad copy) whatever the cache holds."""
+    spec = symcost.ModelSpec(
+        name="lstm2", symbols=("D", "F"), defaults={"B": 3, "S": 5, "D": 20, "F": 10},
+        build=lambda v: Recurrent(nn.LSTM, v["F"], v["D"], 2, True, True),
+        make_inputs=lambda v, device: ((torch.randn(v["B"], v["S"], v["F"], device=device),), {}),
+        loss=lambda out, inputs: out.float().pow(2).mean())
+    for seed in (0, 1):
+        an = symcost.trace(spec, precision="fp32", seed=seed)
+        assert sympy.expand(an.flops("forward") - 16 * B * D * S * (Fs + 4 * D)) == 0
+        assert sympy.expand(an.flops("backward") - 2 * an.flops("forward")) == 0
+    assert "aten.new_empty_strided.default" not in [op.name for op in an.ops]
+    rng = random.Random("lstm2")
+    for _ in range(2):
+        v = {"B": rng.randint(1, 4), "S": rng.randint(2, 7), "D": rng.randint(2, 9), "F": rng.randint(2, 9)}
+        rnn = Recurrent(nn.LSTM, v["F"], v["D"], 2, True, False).rnn
+        x = torch.randn(v["S"], v["B"], v["F"], requires_grad=True)
+        h0 = [torch.randn(4, v["B"], v["D"], requires_grad=True) for _ in range(2)]
+        got = an.subs(**v)
+        assert (got["flops.forward"], got["flops.backward"]) == measure(Unrolled(rnn), x, h0), v
+
+
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
 def test_recurrent_layers_against_unrolled_cells(cls):
     """At random sizes (layers, direction, batch_first drawn too), what the CPU dispatches for
