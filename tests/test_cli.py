@@ -203,10 +203,11 @@ def _get(d: dict, dotted: str):
     return d
 
 
-CONTRACT = ["model", "symbols", "params", "flops.forward", "flops.backward", "flops.train",
-            "flops.train_simplified", "flops_all.forward", "flops_all.backward", "flops_all.train",
-            "bytes.forward", "bytes.backward", "bytes.train", "unsupported_ops"]
-QUANTITIES = [k for k in CONTRACT if k not in ("model", "symbols", "unsupported_ops")]
+CONTRACT = ["model", "symbols", "params", "params_embedding", "params_nonembedding", "flops.forward",
+            "flops.backward", "flops.train", "flops.train_simplified", "flops_all.forward", "flops_all.backward",
+            "flops_all.train", "bytes.forward", "bytes.backward", "bytes.train", "attention_flops_count",
+            "unsupported_ops"]
+QUANTITIES = [k for k in CONTRACT if k not in ("model", "symbols", "unsupported_ops", "attention_flops_count")]
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +232,7 @@ def test_json_contract_keys(gpt2_json):
         assert set(doc["symbols"]) == {"B", "S", "H", "D", "L", "V"}
         assert all(isinstance(s["meaning"], str) and s["meaning"] for s in doc["symbols"].values())
     assert {k: s["value"] for k, s in values["symbols"].items()} == sizes
+    assert formulas["attention_flops_count"] == values["attention_flops_count"] == "full"  # the default
     for key in QUANTITIES:
         assert isinstance(_get(formulas, key), str), key
         v = _get(values, key)
