@@ -208,6 +208,34 @@ def test_safe_softmax_gets_the_softmax_rule():
     assert sympy.expand(c.flops_all - 5 * B * H * S**2) == 0 and c.flops == 0
 
 
+class MaskedDropoutSDPA(nn.Module):
+    """SDPA with a boolean mask and dropout: on CPU the math path, whose softmax is _safe_softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        q = x * self.scale
+        mask = torch.ones(x.shape[-2], x.shape[-2], dtype=torch.bool, device=x.device).tril()
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask, dropout_p=0.1)
+
+
+def test_sdpa_math_path_safe_softmax_traced():
+    spec = symcost.ModelSpec(
+        name="sdpa-math", symbols=("H", "D"), defaults={"B": 2, "S": 8, "H": 4, "D": 8},
+        build=lambda v: MaskedDropoutSDPA(),
+        make_inputs=lambda v, device: ((torch.randn(v["B"], v["H"], v["S"], v["D"], device=device),), {}),
+        loss=lambda out, inputs: out.sum())
+    an = symcost.trace(spec, precision="fp32")
+    assert not an.unsupported, an.unsupported
+    soft = [op for op in an.ops if op.name == "aten._safe_softmax.default"]
+    assert len(soft) == 1 and sympy.expand(soft[0].cost.flops_all - 5 * B * H * S**2) == 0
+    # the math path's two bmm forward (Q·Kᵀ, P·V) and four backward: 2·B·H·S²·D each
+    assert sympy.expand(an.flops("forward") - 4 * B * H * S**2 * D) == 0
+    assert sympy.expand(an.flops("backward") - 8 * B * H * S**2 * D) == 0
+
+
 # ------------------------------------------------------------------------------------------------
 # recurrent layers
 class Recurrent(nn.Module):
