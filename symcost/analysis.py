@@ -262,6 +262,8 @@ class Analysis:
 
         - ``"lookup"``: read by an embedding lookup (``embedding``, ``index_select``, ``index``,
           ``gather``, through views and dtype casts): token, position and token-type tables;
+        - ``"position slice"``: a table of fixed size sliced to the sequence length (``slice`` or
+          ``narrow`` whose output has S where the parameter has none: ``x + pos[:S]``);
         - ``"output projection"``: an operand (weight or bias) of a forward matmul-class op whose
           output has the vocabulary V in its last dimension — the final projection to the
           vocabulary (the "de-embedding"); when it is tied to the token table it is that table,
@@ -280,6 +282,13 @@ class Analysis:
             if packet in lookups:
                 for name in self._param_sources(n):
                     out.setdefault(name, "lookup")
+            elif packet in ("aten.slice", "aten.narrow") and d["out_shapes"]:
+                cut = {str(x) for e in d["out_shapes"][0] if isinstance(e, sympy.Basic) for x in e.free_symbols}
+                for name in self._param_sources(n):
+                    own = {str(x) for e in self.param_shapes[name][0] if isinstance(e, sympy.Basic)
+                           for x in e.free_symbols}
+                    if "S" in cut and "S" not in own:
+                        out.setdefault(name, "position slice")
             elif d.get("family") == "model" and d["out_shapes"] and d["out_shapes"][0]:
                 last = d["out_shapes"][0][-1]
                 if isinstance(last, sympy.Basic) and V in last.free_symbols:

@@ -79,6 +79,48 @@ def test_untied_output_projection_is_embedding(traced):
     assert at(an.params_nonembedding, v) == sum(p.numel() for p in named.values()) - emb
 
 
+SLICED_POSITIONS = """
+import torch
+from torch import nn
+from symcost import ModelSpec
+
+class LM(nn.Module):
+    # token table [V, D] looked up, position table [64, D] sliced to S and added, a D x D block,
+    # an untied head with a bias [D -> V]
+    def __init__(self, v, d):
+        super().__init__()
+        self.tok = nn.Embedding(v, d)
+        self.pos = nn.Parameter(torch.zeros(64, d))
+        self.block = nn.Linear(d, d)
+        self.head = nn.Linear(d, v)
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.block(self.tok(ids) + self.pos[: ids.shape[1]])))
+
+def spec():
+    return ModelSpec(
+        name="sliced", symbols=("D", "V"), defaults={"B": 2, "S": 8, "D": 6, "V": 23},
+        build=lambda v: LM(v["V"], v["D"]),
+        make_inputs=lambda v, device: ((torch.randint(0, v["V"], (v["B"], v["S"]), device=device),), {}),
+        loss=lambda out, inputs: out.pow(2).mean(),
+    )
+"""
+
+
+def test_sliced_position_table_and_head_bias(tmp_path):
+    """A position table read by slicing (not a lookup) and an output projection with a bias: both
+    out of N; N is the block's D² + D."""
+    import symcost
+
+    path = tmp_path / "sliced.py"
+    path.write_text(textwrap.dedent(SLICED_POSITIONS))
+    an = symcost.trace(f"{path}:spec", precision="fp32")
+    assert an.embedding_params == {"tok.weight": "lookup", "pos": "position slice",
+                                   "head.weight": "output projection", "head.bias": "output projection"}
+    assert sympy.expand(an.params_embedding - (V * D + 64 * D + D * V + V)) == 0
+    assert sympy.expand(an.params_nonembedding - (D**2 + D)) == 0
+
+
 def test_no_vocabulary_no_embedding(traced):
     an = traced("mlp", "fp32", "eager")
     assert an.params_embedding == 0 and sympy.expand(an.params_nonembedding - an.params) == 0
