@@ -151,6 +151,8 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     c.print("[bold]Training model FLOPs = 6·N·P + remainder[/bold]   (N = B·S tokens per step)")
     c.print(f"  P (parameters used as matmul operands) = {fmt(P)}")
     c.print(f"  P_total (all parameters, tied once)    = {fmt(an.params)}")
+    c.print(f"  N (non-embedding, Kaplan et al. 2020)  = {fmt(an.params_nonembedding)}"
+            + (f"   (embedding: {', '.join(an.embedding_params)})" if an.embedding_params else ""))
     for why, names in an.params_not_in_P().items():
         c.print(f"    not in P, {why}: {', '.join(names)}")
     c.print(f"  remainder = {fmt(rem)}")
