@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 
 import sympy
 import torch
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import bmm_flop, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 aten = torch.ops.aten
 
@@ -196,11 +196,42 @@ def _conv_backward(v: OpView) -> Cost:
     return Cost(f, f + grad_bias, _traffic(v))
 
 
+def _symbolic(*shapes) -> bool:
+    return any(isinstance(x, sympy.Basic) and not x.is_Integer for sh in shapes for x in sh)
+
+
+def sdpa_count(q, k, v):
+    """``torch.utils.flop_counter.sdpa_flop_count`` (BHSD shapes): 2·B·H_q·S_q·S_k·(D_q + D_v).
+
+    On symbolic shapes its own two ``bmm_flop`` terms without its shape checks: with K key/value
+    heads, ``H % K != 0`` is a question sympy cannot decide (grouped-query attention is counted
+    over the H query heads either way).
+    """
+    if not _symbolic(q, k, v):
+        return sdpa_flop_count(q, k, v)
+    b, h_q, s_q, d_q = q
+    s_k, d_v = k[2], v[3]
+    return bmm_flop((b * h_q, s_q, d_q), (b * h_q, d_q, s_k)) + bmm_flop((b * h_q, s_q, s_k), (b * h_q, s_k, d_v))
+
+
+def sdpa_backward_count(go, q, k, v):
+    """``sdpa_backward_flop_count``: its five ``bmm_flop`` terms (without its checks on symbolic
+    shapes): recomputed scores, dP = dO·Vᵀ, dV = Pᵀ·dO, dQ = dS·K, dK = dSᵀ·Q."""
+    if not _symbolic(go, q, k, v):
+        return sdpa_backward_flop_count(go, q, k, v)
+    b, h_q, s_q, d_q = q
+    s_k, d_v = k[2], v[3]
+    bh = b * h_q
+    return (bmm_flop((bh, s_q, d_q), (bh, d_q, s_k)) + bmm_flop((bh, s_q, d_v), (bh, d_v, s_k))
+            + bmm_flop((bh, s_k, s_q), (bh, s_q, d_v)) + bmm_flop((bh, s_q, s_k), (bh, s_k, d_q))
+            + bmm_flop((bh, d_q, s_q), (bh, s_q, s_k)))
+
+
 @rule("aten._scaled_dot_product_flash_attention_for_cpu")
 def _sdpa_cpu(v: OpView) -> Cost:
     """CPU flash attention (missing from FlopCounterMode): 4*B*H*S_q*S_k*D, as sdpa_flop_count."""
     q, k, val = v.in_shapes[:3]
-    f = sdpa_flop_count(q, k, val)
+    f = sdpa_count(q, k, val)
     return Cost(f, f, _traffic(v))
 
 
@@ -208,7 +239,7 @@ def _sdpa_cpu(v: OpView) -> Cost:
 def _sdpa_cpu_bwd(v: OpView) -> Cost:
     """Its backward: recompute + 4 matmuls = 10*B*H*S_q*S_k*D, as sdpa_backward_flop_count."""
     grad_out, q, k, val = v.in_shapes[:4]
-    f = sdpa_backward_flop_count(grad_out, q, k, val)
+    f = sdpa_backward_count(grad_out, q, k, val)
     return Cost(f, f, _traffic(v))
 
 
@@ -249,7 +280,7 @@ def _flash_fwd(v: OpView) -> Cost:
     BHSD, i.e. swaps S and H (4·B·S·H²·D); symcost counts the layout the kernel takes.
     """
     n, q, k, val, _ = _raw_attention_shapes(v, ("query", "key", "value"), "cum_seq_q", "max_q", "max_k")
-    f = n * sdpa_flop_count(q, k, val)
+    f = n * sdpa_count(q, k, val)
     return Cost(f, f, _traffic(v))
 
 
@@ -258,7 +289,7 @@ def _efficient_fwd(v: OpView) -> Cost:
     """Raw memory-efficient attention forward (BMHK = BSHD): 4·B·H·S_q·S_k·D, as above."""
     n, q, k, val, _ = _raw_attention_shapes(v, ("query", "key", "value"), "cu_seqlens_q", "max_seqlen_q",
                                             "max_seqlen_k")
-    f = n * sdpa_flop_count(q, k, val)
+    f = n * sdpa_count(q, k, val)
     return Cost(f, f, _traffic(v))
 
 
@@ -267,7 +298,7 @@ def _flash_bwd(v: OpView) -> Cost:
     """Raw flash attention backward (BSHD): ``sdpa_backward_flop_count``, 10·B·H·S_q·S_k·D."""
     n, q, k, val, go = _raw_attention_shapes(v, ("query", "key", "value"), "cum_seq_q", "max_q", "max_k",
                                              "grad_out")
-    f = n * sdpa_backward_flop_count(go, q, k, val)
+    f = n * sdpa_backward_count(go, q, k, val)
     return Cost(f, f, _traffic(v))
 
 
@@ -276,7 +307,7 @@ def _efficient_bwd(v: OpView) -> Cost:
     """Raw memory-efficient attention backward (BMHK): 10·B·H·S_q·S_k·D."""
     n, q, k, val, go = _raw_attention_shapes(v, ("query", "key", "value"), "cu_seqlens_q", "max_seqlen_q",
                                              "max_seqlen_k", "grad_out_")
-    f = n * sdpa_backward_flop_count(go, q, k, val)
+    f = n * sdpa_backward_count(go, q, k, val)
     return Cost(f, f, _traffic(v))
 
 

@@ -179,6 +179,40 @@ def test_raw_kernels_grouped_query_and_varlen_by_hand():
     assert f == n * 4 * h * mq * mk * d
 
 
+class GroupedRaw(nn.Module):
+    """x [B, S, H, D] -> q = x·w, k = v = its first K heads -> a raw kernel (BSHD) with GQA."""
+
+    def __init__(self, k, kind):
+        super().__init__()
+        self.k, self.kind = k, kind
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        q = x * self.w
+        kv = q[:, :, : self.k]
+        if self.kind == "flash":
+            return aten._flash_attention_forward(q, kv, kv, None, None, q.shape[1], q.shape[1], 0.0, False, False)[0]
+        return aten._efficient_attention_forward(q, kv, kv, None, None, None, None, None, 0.0, 0, True)[0]
+
+
+@pytest.mark.parametrize("kind", ["flash", "efficient"])
+def test_raw_kernels_grouped_query_symbolic(kind):
+    """With K key/value heads as a symbol, the count stays 4·B·H·S²·D / 10·B·H·S²·D (over the H
+    query heads) and is derived on the symbols (the registry's check H % K == 0 is skipped)."""
+    spec = symcost.ModelSpec(
+        name=f"gqa-{kind}", symbols=("H", "D", "K"), defaults={"B": 2, "S": 8, "H": 4, "D": 8, "K": 2},
+        build=lambda v: GroupedRaw(v["K"], kind),
+        make_inputs=lambda v, device: ((torch.randn(v["B"], v["S"], v["H"], v["D"], device=device),), {}),
+        loss=lambda out, inputs: out.sum(),
+        constraints=(symcost.spec.Constraint("divides", "K", "H", "K must divide H"),))
+    an = symcost.trace(spec, precision="fp32", sizes={"H": 4, "K": 2})
+    assert "K" in an.symbols
+    assert sympy.expand(an.flops("forward") - 4 * B * H * S**2 * D) == 0
+    assert sympy.expand(an.flops("backward") - 10 * B * H * S**2 * D) == 0
+    v = {"B": 2, "S": 1024, "H": 16, "D": 64, "K": 4}
+    assert an.subs(**v)["flops.forward"] == EXAMPLE_FWD
+
+
 def test_flex_attention_training_on_cpu_is_one_line():
     from torch.nn.attention.flex_attention import flex_attention
 
