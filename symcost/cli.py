@@ -23,6 +23,12 @@ COMMANDS: dict[str, str] = {
     "formulas": "symcost.commands.totals:formulas",
     "eval": "symcost.commands.totals:eval_",
     "max-batch": "symcost.commands.max_batch:max_batch",
+    "devices": "symcost.commands.devices:devices",
+    "calibrate": "symcost.commands.calibrate:calibrate",
+    "roofline": "symcost.commands.roofline:roofline",
+    "mfu": "symcost.commands.mfu:mfu",
+    "time": "symcost.commands.time:time_",
+    "validate": "symcost.commands.validate:validate",
 }
 
 

@@ -1,0 +1,151 @@
+"""Calibrate this machine: peak matmul FLOP/s and memory bandwidth, measured with compiled kernels.
+
+Every kernel is compiled with ``torch.compile`` (inductor) and timed with
+``torch.utils.benchmark.Timer.blocked_autorange``; a kernel's time is the fastest block mean
+(the least disturbed by other processes on a shared machine). Peaks are the best over several
+kernels:
+
+- peak FLOP/s per precision: large square matmuls, 2·n³ FLOPs each
+  (``torch.utils.flop_counter``'s mm formula);
+- bandwidth: large element-wise kernels (scale, add) and a full reduction (sum), bytes as
+  symcost counts them (inputs read + outputs written, docs/conventions.md), on tensors several
+  times the last-level cache. The reduction reads only, so the best of the three is the
+  machine's streaming-read bandwidth; kernels that also write reach less of it in symcost's
+  accounting (a CPU write first reads the line: write-allocate), which keeps the roofline a bound.
+
+The result is a device entry (:func:`symcost.devices.write_file` writes it as JSON) that every
+``--devices-file`` option accepts.
+"""
+from __future__ import annotations
+
+import platform
+import time
+from typing import Any, Callable
+
+from .errors import SymcostError
+
+
+def measure(fn: Callable, *args, min_run_time: float = 0.3, warmup: int = 1) -> dict:
+    """Time ``fn(*args)`` (already compiled or not) with ``torch.utils.benchmark``.
+
+    Returns:
+        ``{"min": s, "median": s, "runs": n}``: the fastest and median block mean in seconds
+        (``Measurement.times``), over blocks of ``blocked_autorange(min_run_time)``.
+    """
+    import statistics
+
+    import torch
+    from torch.utils import benchmark
+
+    for _ in range(warmup):
+        fn(*args)
+    sync = torch.cuda.synchronize if any(getattr(a, "is_cuda", False) for a in args) else (lambda: None)
+    sync()
+    timer = benchmark.Timer(stmt="fn(*args); sync()", globals={"fn": fn, "args": args, "sync": sync})
+    m = timer.blocked_autorange(min_run_time=min_run_time)
+    times = list(m.times)
+    return {"min": min(times), "median": statistics.median(times), "runs": m.number_per_run * len(times)}
+
+
+def steady_allocator() -> bool:
+    """Keep freed large blocks in the process heap (glibc ``mallopt``: mmap and trim thresholds at
+    1 GiB), so a kernel's output allocation reuses memory as a training loop's caching allocator
+    would, instead of mapping and faulting in fresh pages on every call (which costs more than a
+    64 MiB copy). Returns False where glibc is not there (the timing then includes page faults)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, 1 << 30)) and bool(libc.mallopt(-1, 1 << 31))  # M_MMAP_/M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+def compiled(fn: Callable) -> Callable:
+    """``torch.compile(fn)`` with inductor (dynamic shapes off: one kernel per size)."""
+    import torch
+
+    return torch.compile(fn, dynamic=False)
+
+
+def _device(name: str):
+    import torch
+
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise SymcostError("--device cuda: no CUDA device is available here; use --device cpu")
+        return torch.device("cuda")
+    raise SymcostError(f"calibrate --device takes cpu or cuda, got {name!r}")
+
+
+def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.3,
+              log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure this machine's peak matmul FLOP/s and memory bandwidth.
+
+    Args:
+        device: ``cpu`` or ``cuda``.
+        quick: smaller kernels (a CI-sized calibration, a few seconds after compiling).
+        min_run_time: seconds each kernel is timed for.
+        log: called with a line per kernel measured.
+
+    Returns:
+        A device entry: ``name``, ``fp32`` (and ``bf16`` where measured) peak FLOP/s,
+        ``bandwidth`` (byte/s), ``source`` ("measured by symcost calibrate"), ``date``, and
+        ``measured``: every kernel with its FLOPs, bytes, seconds and rate.
+
+    Raises:
+        SymcostError: an unknown or unavailable device.
+    """
+    import torch
+
+    dev = _device(device)
+    log = log or (lambda s: None)
+    steady_allocator()
+    kernels: list[dict] = []
+    gpu = dev.type == "cuda"
+    mm_sizes = ((4096, 8192) if gpu else (512, 1024, 2048)) if not quick else ((2048,) if gpu else (512, 1024))
+    precisions = {"fp32": torch.float32, "bf16": torch.bfloat16} if (gpu or not quick) else {"fp32": torch.float32}
+    if gpu:
+        precisions["fp16"] = torch.float16
+    peak: dict[str, float] = {}
+    mm = compiled(lambda a, b: a @ b)
+    for key, dt in precisions.items():
+        for n in mm_sizes:
+            a = torch.randn(n, n, device=dev, dtype=dt)
+            b = torch.randn(n, n, device=dev, dtype=dt)
+            t = measure(mm, a, b, min_run_time=min_run_time)
+            flops = 2 * n ** 3
+            rate = flops / t["min"]
+            kernels.append({"kernel": f"matmul {n}x{n} {key}", "flops": flops, "bytes": 3 * n * n * dt.itemsize,
+                            "seconds": t["min"], "median": t["median"], "flop_per_s": rate})
+            log(f"matmul {n}x{n} {key}: {rate / 1e9:.1f} GFLOP/s")
+            peak[key] = max(peak.get(key, 0.0), rate)
+    numel = (1 << 26 if gpu else 1 << 24) if not quick else (1 << 24 if gpu else 1 << 24)
+    x = torch.randn(numel, device=dev)
+    y = torch.randn(numel, device=dev)
+    item = x.element_size()
+    streams = [
+        ("scale (x*2)", compiled(lambda a: a * 2.0), (x,), 2 * numel * item),
+        ("add (x+y)", compiled(lambda a, b: a + b), (x, y), 3 * numel * item),
+        ("sum (reduction)", compiled(lambda a: a.sum()), (x,), numel * item + item),
+    ]
+    bw = 0.0
+    for name, fn, args, nbytes in streams:
+        t = measure(fn, *args, min_run_time=min_run_time)
+        rate = nbytes / t["min"]
+        kernels.append({"kernel": f"{name} {numel} fp32", "flops": numel, "bytes": nbytes, "seconds": t["min"],
+                        "median": t["median"], "byte_per_s": rate})
+        log(f"{name} on {numel * item / 2**20:.0f} MiB: {rate / 1e9:.2f} GB/s")
+        bw = max(bw, rate)
+    name = torch.cuda.get_device_name(dev) if gpu else (platform.processor() or platform.machine() or "cpu")
+    return {
+        "name": f"{name} ({torch.get_num_threads()} threads, measured)" if not gpu else f"{name} (measured)",
+        **peak,
+        "bandwidth": bw,
+        "source": "measured by symcost calibrate (torch.compile + torch.utils.benchmark)",
+        "date": time.strftime("%Y-%m-%d"),
+        "measured": {"kernels": kernels, "torch": torch.__version__, "threads": torch.get_num_threads()},
+    }

@@ -1,0 +1,37 @@
+"""``symcost calibrate``: measure this machine's peak matmul FLOP/s and bandwidth (a device entry)."""
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command()
+@click.option("--device", "device", default="cpu", show_default=True, help="cpu or cuda")
+@click.option("--out", default=None, metavar="FILE", help="write the entry as a --devices-file (JSON)")
+@click.option("--name", default="this-machine", show_default=True, help="the entry's key (--device NAME)")
+@click.option("--quick", is_flag=True, help="smaller kernels (seconds, less accurate)")
+@click.option("--json", "as_json", is_flag=True, help="print the entry as JSON")
+@click.option("--debug", is_flag=True, help="show tracebacks")
+def calibrate(device, out, name, quick, as_json, debug):
+    """Measure peak matmul FLOP/s (large square matmuls) and memory bandwidth (large copies,
+    element-wise ops and a reduction), each compiled with torch.compile and timed with
+    torch.utils.benchmark; print them and optionally write a device entry the other commands
+    take with --devices-file FILE --device NAME."""
+    from .. import calibrate as cal
+    from ..devices import write_file
+    from ..report import console
+
+    log = (lambda s: None) if as_json else (lambda s: console().print("  " + s))
+    entry = cal.calibrate(device, quick=quick, log=log)
+    if out:
+        write_file({name: entry}, out)
+    if as_json:
+        click.echo(json.dumps({name: entry}, indent=1))
+        return
+    c = console()
+    peaks = ", ".join(f"{k} {entry[k] / 1e9:.1f} GFLOP/s" for k in ("fp32", "bf16", "fp16") if k in entry)
+    c.print(f"[bold]{name}[/bold] ({entry['name']}): {peaks}; bandwidth {entry['bandwidth'] / 1e9:.2f} GB/s; "
+            f"ridge {entry['fp32'] / entry['bandwidth']:.2f} FLOP/byte (fp32)")
+    if out:
+        c.print(f"written to {out}: use --devices-file {out} --device {name}")

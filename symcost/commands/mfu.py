@@ -1,0 +1,72 @@
+"""``symcost mfu``: model FLOPs utilization of a measured throughput (PaLM's definition)."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from ._device import device_options, resolve_device
+from ._options import common, trace_model
+
+
+@click.command()
+@click.argument("model", default="cs336-lm")
+@common
+@device_options
+@click.option("--tokens-per-second", "tps", required=True, metavar="R", help="measured training throughput, all devices")
+@click.option("--devices", "n_devices", default=1, show_default=True, type=int, help="devices the throughput is over")
+@click.option("--recompute", default="none", show_default=True, type=click.Choice(["none", "full"]),
+              help="activation recomputation: full adds a forward per step to the hardware FLOPs (HFU)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def mfu(model, sets, config, attention, precision, debug, device_name, devices_file, peak_flops, bandwidth,
+        tps, n_devices, recompute, as_json):
+    """MFU = model FLOPs per token x tokens/s / (devices x peak at the training precision).
+
+    Model FLOPs per token come from the traced step (forward + backward, no recompute) at --set
+    sizes (B is the micro-batch per device). An implied MFU above 100% or an implied memory
+    traffic above the device's bandwidth is an error.
+    """
+    from .. import roofline as rl
+    from ..errors import SymcostError
+    from ..fusion import estimate
+    from ..report import console
+
+    dev = resolve_device(device_name, devices_file, peak_flops, bandwidth)
+    R = float(rl.parse_count(tps, "--tokens-per-second")) if "." not in str(tps) else float(tps)
+    if not R > 0:
+        raise SymcostError("--tokens-per-second must be positive")
+    if n_devices <= 0:
+        raise SymcostError("--devices must be a positive integer")
+    an, sizes = trace_model(model, sets, config, attention, precision)
+    tc = rl.tokens_compute(an, sizes)
+    key = rl.training_precision(an)
+    peak, _ = dev.peak_for(key)
+    u = rl.mfu(float(tc["flops.per_token"]), R, n_devices, peak)
+    env = an.bind(**sizes)
+    fused = int(estimate(an).total(an).subs(env))
+    steps_per_s = R / (n_devices * tc["tokens_per_step"])
+    implied_bw = fused * steps_per_s
+    if implied_bw > dev.bandwidth:
+        raise SymcostError(
+            f"implied memory traffic {implied_bw / 1e12:.3g} TB/s per device ({fused:.4g} bytes per step at "
+            f"{steps_per_s:.4g} steps/s) exceeds {dev.key}'s {dev.bandwidth / 1e12:.3g} TB/s; "
+            "check --tokens-per-second, --devices and the micro-batch --set B")
+    out = {"model": an.model, "device": dev.to_json(), "precision": key, "peak_flops": peak,
+           "tokens_per_second": R, "devices": n_devices, **tc, "mfu": u,
+           "implied_bandwidth": implied_bw, "bytes.fused_per_step": fused}
+    if recompute == "full":
+        tr = rl.tokens_compute(an, sizes, recompute="full")
+        out["hfu"] = float(tr["flops.per_token"]) * R / (n_devices * peak)
+        out["flops.per_token_hardware"] = tr["flops.per_token"]
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return
+    c = console()
+    c.print(f"[bold]symcost mfu[/bold]: {an.model} on {n_devices} x {dev.name} ({key} peak {peak / 1e12:.4g} TFLOP/s)")
+    c.print(f"model FLOPs per token: {float(tc['flops.per_token']):.6g}  = {tc['flops.per_token_formula']}  "
+            f"(6·P = {tc['flops.per_token_6P']:.6g})")
+    c.print(f"MFU: {100 * u:.2f}%   at {R:.6g} tokens/s")
+    if "hfu" in out:
+        c.print(f"HFU with full recomputation: {100 * out['hfu']:.2f}%")
+    c.print(f"implied memory traffic per device: {implied_bw / 1e9:.4g} GB/s of {dev.bandwidth / 1e9:.4g} GB/s "
+            "(fused bytes of a step)")

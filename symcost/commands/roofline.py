@@ -1,0 +1,98 @@
+"""``symcost roofline``: per-op roofline on a device, step-time lower bound, MFU ceiling, crossings."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from ._device import device_options, resolve_device
+from ._options import common, trace_model
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.3f} s"
+
+
+@click.command()
+@click.argument("model", default="cs336-lm")
+@common
+@device_options
+@click.option("--unfused", is_flag=True, help="time ops with unfused bytes (eager PyTorch) instead of fused (compiled)")
+@click.option("--crossing", "crossing_symbol", default=None, metavar="SYM",
+              help="solve, per matmul, the value of SYM at which it becomes compute-bound (e.g. B, S)")
+@click.option("--tokens", default=None, metavar="N", help="token budget: also print compute.total (e.g. 300e9)")
+@click.option("--top", default=15, show_default=True, help="ops listed in the text table (by time)")
+@click.option("--plot", default=None, metavar="FILE.png", help="draw the roofline with every op (needs matplotlib)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def roofline(model, sets, config, attention, precision, debug, device_name, devices_file, peak_flops, bandwidth,
+             unfused, crossing_symbol, tokens, top, plot, as_json):
+    """Roofline of every op of MODEL's training step on a device: intensity, ridge, bound, time.
+
+    Step-time lower bound (sum over ops of max(FLOPs/peak, bytes/bandwidth)), the MFU ceiling it
+    implies, per phase and per module; --crossing B solves where each matmul crosses the ridge.
+    """
+    from .. import roofline as rl
+    from ..errors import SymcostError
+    from ..report import console, human
+
+    dev = resolve_device(device_name, devices_file, peak_flops, bandwidth)
+    n_tokens = rl.parse_count(tokens, "--tokens") if tokens is not None else None
+    if top < 0:
+        raise SymcostError("--top must be a non-negative integer")
+    if plot:
+        from ..plots import require_matplotlib
+
+        require_matplotlib()
+    an, sizes = trace_model(model, sets, config, attention, precision)
+    r = rl.roofline(an, dev, sizes, fused=not unfused, crossing_symbol=crossing_symbol)
+    tc = rl.tokens_compute(an, sizes, n_tokens)
+    if plot:
+        from ..plots import roofline_plot
+
+        roofline_plot(r, plot, title=f"{an.model} on {dev.key}")
+    if as_json:
+        out = {"model": an.model, "precision": an.precision, "device": r["device"],
+               "roofline": {k: v for k, v in r.items() if k != "device"}, **tc}
+        click.echo(json.dumps(out, indent=1, default=str))
+        return
+    c = console()
+    from rich.table import Table
+
+    c.print(f"[bold]symcost roofline[/bold]: {an.model} on {dev.name}   precision {an.precision} "
+            f"({r['precision']} peak {dev.peak_for(r['precision'])[0] / 1e12:.4g} TFLOP/s, "
+            f"bandwidth {dev.bandwidth / 1e12:.4g} TB/s, ridge {dev.ridge(r['precision']):.1f} FLOP/byte)")
+    c.print("sizes: " + " ".join(f"{k}={v}" for k, v in r["sizes"].items()))
+    c.print(f"step time lower bound: {_fmt_s(r['step_seconds_fused'])} fused (compiled), "
+            f"{_fmt_s(r['step_seconds_unfused'])} unfused (eager); used: {'unfused' if unfused else 'fused'}")
+    c.print(f"MFU ceiling: {100 * r['mfu_ceiling']:.1f}%  (model FLOPs {human(r['model_flops'], 'FLOP')} per step)")
+    c.print(f"flops.per_token: {tc['flops.per_token']:.6g} = {tc['flops.per_token_formula']}")
+    if n_tokens:
+        c.print(f"compute.total for {n_tokens:.4g} tokens: {float(tc['compute.total']):.4g} FLOP "
+                f"(6·P·tokens: {float(tc['compute.6NP']):.4g})")
+    pt = Table(title="Per phase", title_justify="left")
+    for col in ("phase", "time bound", "memory-bound share", "all FLOPs", "bytes", "fused bytes"):
+        pt.add_column(col)
+    for ph, d in r["per_phase"].items():
+        pt.add_row(ph, _fmt_s(d["seconds"]), f"{100 * d['memory_bound_seconds'] / d['seconds']:.0f}%" if d["seconds"] else "-",
+                   human(d["flops"], "FLOP"), human(d["bytes"], "B"), human(d["fused_bytes"], "B"))
+    c.print(pt)
+    nt = Table(title=f"Top {top} ops by time bound", title_justify="left")
+    for col in ("op", "module", "phase", "x", "FLOPs", "bytes", "fused", "FLOP/byte", "bound", "time", "share"):
+        nt.add_column(col, overflow="fold")
+    for n in sorted(r["nodes"], key=lambda n: -n["seconds"])[:top]:
+        nt.add_row(n["op"].removeprefix("aten."), n["module"] or "(top)", n["phase"][:3], str(n["repeat"]),
+                   human(n["flops"], "FLOP"), human(n["bytes"], "B"), human(n["fused_bytes"], "B"),
+                   f"{n['intensity']:.3g}", n["bound"], _fmt_s(n["seconds"]), f"{100 * n['share']:.1f}%")
+    c.print(nt)
+    if crossing_symbol:
+        ct = Table(title=f"Ridge crossings in {crossing_symbol} (others at the sizes above)", title_justify="left")
+        for col in ("op", "module", "phase", "FLOP/byte", "crossing", "compute-bound when"):
+            ct.add_column(col, overflow="fold")
+        for x in r["crossings"]:
+            ct.add_row(x["op"].removeprefix("aten."), x["module"], x["phase"][:3], x["intensity_formula"],
+                       " or ".join(x["solution"]) if x["solution"] else "-", x["compute_bound"])
+        c.print(ct)
+    for note in r["notes"]:
+        c.print(f"note: {note}")
+    if plot:
+        c.print(f"plot written to {plot}")

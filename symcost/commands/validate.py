@@ -1,0 +1,75 @@
+"""``symcost validate``: the roofline against compiled kernels timed on this machine."""
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command()
+@click.option("--devices-file", default=None, metavar="FILE",
+              help="a calibrated entry (symcost calibrate --out FILE); default: calibrate now")
+@click.option("--device", "device_name", default=None, metavar="NAME", help="the entry's name in --devices-file")
+@click.option("--quick", is_flag=True, help="the CI-sized sweep (smaller kernels and models)")
+@click.option("--attempts", default=3, show_default=True, help="rounds of re-timing failing kernels (noisy machines)")
+@click.option("--plot", default=None, metavar="FILE.png", help="draw measured vs predicted (needs matplotlib)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.option("--debug", is_flag=True, help="show tracebacks")
+def validate(devices_file, device_name, quick, attempts, plot, as_json, debug):
+    """Compile and time a sweep of kernels (square and skinny matmuls, matrix-vector, add, GELU,
+    softmax, a Linear+GELU block) and the training steps of mlp and cs336-lm on this CPU; print
+    per kernel FLOPs, bytes, intensity, predicted bound and time, measured time and FLOP/s, the
+    ratio; exit 1 when a check fails (see docs/roofline.md)."""
+    import sys
+
+    from .. import validate as val
+    from ..devices import get_device
+    from ..errors import SymcostError
+    from ..report import console, human
+
+    if attempts < 1:
+        raise SymcostError("--attempts must be a positive integer")
+    if plot:
+        from ..plots import require_matplotlib
+
+        require_matplotlib()
+    dev = get_device(device_name, devices_file) if devices_file else None
+    if device_name and not devices_file:
+        raise SymcostError("validate measures this machine: --device names an entry of --devices-file "
+                           "(symcost calibrate --out FILE writes one)")
+    log = (lambda s: None) if as_json else (lambda s: console().print("  " + s))
+    v = val.validate(dev, quick=quick, attempts=attempts, log=log)
+    if plot:
+        from ..plots import validation_plot
+
+        validation_plot(v.rows, plot, title=f"measured vs predicted on {v.device.name}")
+    if as_json:
+        click.echo(json.dumps(v.to_json(), indent=1, default=str))
+    else:
+        from rich.table import Table
+
+        c = console()
+        d = v.device
+        c.print(f"[bold]symcost validate[/bold] on {d.name}: fp32 peak {d.peak['fp32'] / 1e9:.1f} GFLOP/s, "
+                f"bandwidth {d.bandwidth / 1e9:.2f} GB/s, ridge {d.ridge('fp32'):.2f} FLOP/byte "
+                "(no GPU figure is measured here)")
+        t = Table(title_justify="left")
+        for col in ("kernel", "FLOPs", "bytes", "FLOP/byte", "bound", "predicted", "measured", "GFLOP/s", "GB/s",
+                    "measured/predicted"):
+            t.add_column(col, overflow="fold")
+        for r in v.rows:
+            t.add_row(r["kernel"], human(r["flops"], "FLOP"), human(r["bytes"], "B"), f"{r['intensity']:.3g}",
+                      r["bound"], f"{r['predicted'] * 1e3:.3f} ms", f"{r['measured'] * 1e3:.3f} ms",
+                      f"{r['flop_per_s'] / 1e9:.2f}", f"{r['byte_per_s'] / 1e9:.2f}", f"{r['ratio']:.2f}")
+        c.print(t)
+        for s in v.scaling:
+            verdict = {True: "agrees", False: "DISAGREES", None: "n/a (FLOPs and bytes grow alike)"}[s["agrees"]]
+            c.print(f"scaling {s['family']}: {s['from']} -> {s['to']}: time x{s['time_ratio']:.2f}, predicted "
+                    f"x{s['predicted_ratio']:.2f} ({s['bound']}-bound): {verdict}")
+        c.print(f"{len(v.failures)} failed check(s) after {v.attempts} round(s)")
+        for f in v.failures:
+            c.print(f"FAILED: {f}")
+        if plot:
+            c.print(f"plot written to {plot}")
+    if v.failures:
+        sys.exit(1)

@@ -1,0 +1,284 @@
+"""Devices: peak FLOP/s per precision, memory bandwidth and capacity, from data files.
+
+The catalogue is ``symcost/devices.toml`` (package data, every figure with its datasheet URL and
+date; see that file and docs/roofline.md). Users add devices with a file of the same shape (TOML
+or JSON, ``--devices-file``; ``symcost calibrate`` writes one) or with ``--peak-flops`` and
+``--bandwidth``.
+
+A device's ridge point at a precision is peak FLOP/s / bandwidth (FLOP/byte): an op whose
+arithmetic intensity lies below it is memory-bound there (Williams, Waterman & Patterson,
+"Roofline", CACM 52(4), 2009).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Mapping
+
+from .errors import SymcostError
+
+#: Precision keys of a device entry, in the catalogue's order.
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+#: Where a device lists no figure for a precision, the next key tried (first listed wins).
+FALLBACK = {
+    "fp32": ("fp32", "tf32", "bf16"),
+    "tf32": ("tf32", "fp32", "bf16"),
+    "bf16": ("bf16", "fp16", "fp32"),
+    "fp16": ("fp16", "bf16", "fp32"),
+    "fp8": ("fp8", "bf16", "fp16", "fp32"),
+}
+#: symcost's training precisions (``--precision``) -> the device precision of their matmuls.
+TRAINING_PRECISION = {
+    "fp32": "fp32", "bf16": "bf16", "bf16-mixed": "bf16", "bf16-mixed-master": "bf16",
+    "fp16": "fp16", "fp16-mixed": "fp16",
+}
+_DTYPE_KEY = {
+    "float32": "fp32", "float": "fp32", "float64": "fp32", "double": "fp32", "bfloat16": "bf16",
+    "float16": "fp16", "half": "fp16", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+    "float8_e4m3fnuz": "fp8", "float8_e5m2fnuz": "fp8",
+}
+
+
+def dtype_key(dtype: Any) -> str | None:
+    """The device precision key of a torch dtype (or its name): ``torch.bfloat16`` -> ``"bf16"``;
+    None for integer and boolean dtypes (they take the training precision)."""
+    return _DTYPE_KEY.get(str(dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device.
+
+    Attributes:
+        key: catalogue key (``h100-sxm``).
+        name: readable name.
+        peak: precision key -> dense peak FLOP/s.
+        bandwidth: memory bandwidth, byte/s.
+        memory: capacity in bytes (None if unknown).
+        source, date: where the figures come from.
+        aliases: other names accepted by ``--device``.
+        notes: free text (e.g. how dense figures were derived).
+    """
+
+    key: str
+    name: str
+    peak: Mapping[str, float]
+    bandwidth: float
+    memory: float | None = None
+    source: str = ""
+    date: str = ""
+    aliases: tuple[str, ...] = ()
+    notes: str = ""
+    measured: Mapping[str, Any] = field(default_factory=dict)
+
+    def peak_for(self, precision: str) -> tuple[float, str]:
+        """``(peak FLOP/s, key used)`` at ``precision`` (a key of :data:`PRECISIONS`).
+
+        Falls back along :data:`FALLBACK` where the device lists no figure (a TPU's fp32 work at
+        its bf16 figure); the key used tells which.
+
+        Raises:
+            SymcostError: unknown precision, or none of the fallbacks listed.
+        """
+        if precision not in FALLBACK:
+            raise SymcostError(f"unknown precision {precision!r}; accepted: {', '.join(PRECISIONS)}")
+        for k in FALLBACK[precision]:
+            if k in self.peak:
+                return float(self.peak[k]), k
+        raise SymcostError(f"device {self.key} lists no peak FLOP/s for {precision}; add one or pass --peak-flops")
+
+    def ridge(self, precision: str) -> float:
+        """Ridge point at ``precision``: peak FLOP/s / bandwidth, in FLOP/byte."""
+        return self.peak_for(precision)[0] / self.bandwidth
+
+    def to_json(self) -> dict:
+        """Plain data: key, name, peak (FLOP/s per precision), bandwidth (byte/s), memory (bytes),
+        ridge (FLOP/byte per precision), source, date."""
+        out = {
+            "key": self.key, "name": self.name, "peak_flops": dict(self.peak), "bandwidth": self.bandwidth,
+            "memory": self.memory, "ridge": {k: v / self.bandwidth for k, v in self.peak.items()},
+            "source": self.source, "date": self.date,
+        }
+        if self.notes:
+            out["notes"] = self.notes
+        if self.measured:
+            out["measured"] = dict(self.measured)
+        return out
+
+
+# -- parsing ------------------------------------------------------------------------------------
+_SI = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGTPE]?)\s*(flop/?s|flops|b/s|byte/s|bytes/s)?\s*$",
+                   re.IGNORECASE)
+
+
+def parse_rate(text: str | float, what: str) -> float:
+    """``"989e12"``, ``"989T"``, ``"3.35TB/s"``, ``"989 TFLOP/s"`` -> a positive float (decimal SI
+    prefixes k, M, G, T, P, E).
+
+    Raises:
+        SymcostError: not a positive number with an optional prefix.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = _RATE.match(str(text))
+        if not m:
+            raise SymcostError(f"{what} takes a positive number with an optional k/M/G/T/P prefix "
+                               f"(e.g. 989e12, 989T, 3.35TB/s), got {text!r}")
+        value = float(m.group(1)) * _SI[m.group(2)]
+    if not value > 0 or value == float("inf"):
+        raise SymcostError(f"{what} must be positive, got {text!r}")
+    return value
+
+
+def _number(entry: Mapping, key: str, where: str) -> float:
+    v = entry[key]
+    if isinstance(v, str):
+        return parse_rate(v, f"{where}: {key}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise SymcostError(f"{where}: {key} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _device(key: str, entry: Mapping, where: str) -> Device:
+    if not isinstance(entry, Mapping):
+        raise SymcostError(f"{where}: device {key!r} must be a table of figures")
+    peak = {p: _number(entry, p, f"{where} [{key}]") for p in PRECISIONS if p in entry}
+    if not peak:
+        raise SymcostError(f"{where} [{key}]: no peak FLOP/s; give at least one of {', '.join(PRECISIONS)}")
+    if "bandwidth" not in entry:
+        raise SymcostError(f"{where} [{key}]: no bandwidth (byte/s)")
+    known = set(PRECISIONS) | {"name", "bandwidth", "memory", "source", "date", "notes", "aliases", "measured"}
+    unknown = sorted(set(entry) - known)
+    if unknown:
+        raise SymcostError(f"{where} [{key}]: unknown field {unknown[0]!r}; accepted: {', '.join(sorted(known))}")
+    return Device(
+        key=key, name=str(entry.get("name", key)), peak=peak,
+        bandwidth=_number(entry, "bandwidth", f"{where} [{key}]"),
+        memory=_number(entry, "memory", f"{where} [{key}]") if "memory" in entry else None,
+        source=str(entry.get("source", "")), date=str(entry.get("date", "")),
+        aliases=tuple(entry.get("aliases", ())), notes=str(entry.get("notes", "")),
+        measured=dict(entry.get("measured", {})),
+    )
+
+
+def _load_toml(text: str, where: str) -> dict:
+    try:
+        import tomllib  # Python >= 3.11
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SymcostError(f"{where} is not valid TOML: {e}") from e
+
+
+def parse_devices(text: str, where: str, fmt: str = "toml") -> dict[str, Device]:
+    """Devices from the text of a TOML or JSON file: ``{key: {fp32: ..., bandwidth: ...}}``.
+
+    Raises:
+        SymcostError: malformed file, missing or non-positive figures, unknown fields.
+    """
+    if fmt == "json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SymcostError(f"{where} is not valid JSON: {e}") from e
+    else:
+        data = _load_toml(text, where)
+    if not isinstance(data, dict) or not data:
+        raise SymcostError(f"{where}: expected a table of devices {{name: {{bf16: ..., bandwidth: ...}}}}")
+    return {k: _device(k, v, where) for k, v in data.items()}
+
+
+_CATALOGUE: dict[str, Device] | None = None
+
+
+def catalogue() -> dict[str, Device]:
+    """The built-in devices (``symcost/devices.toml``), key -> :class:`Device`."""
+    global _CATALOGUE
+    if _CATALOGUE is None:
+        text = resources.files("symcost").joinpath("devices.toml").read_text(encoding="utf-8")
+        _CATALOGUE = parse_devices(text, "symcost/devices.toml")
+    return _CATALOGUE
+
+
+#: Short names accepted by --device besides the catalogue keys.
+ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h200-sxm": "h200", "tpu-v5": "tpu-v5p",
+           "v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p"}
+
+
+def load_file(path: str) -> dict[str, Device]:
+    """Devices of a user file (``.toml`` or ``.json``, same shape as the catalogue).
+
+    Raises:
+        SymcostError: missing file or malformed content.
+    """
+    if not os.path.isfile(path):
+        raise SymcostError(f"devices file {path!r} not found")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    fmt = "json" if path.endswith(".json") or text.lstrip().startswith("{") else "toml"
+    return parse_devices(text, path, fmt)
+
+
+def get_device(name: str | None = None, devices_file: str | None = None, peak_flops: str | float | None = None,
+               bandwidth: str | float | None = None) -> Device:
+    """The device the user asked for.
+
+    Args:
+        name: a catalogue key or alias, or a key of ``devices_file``; with only one device in the
+            file, None picks it.
+        devices_file: a TOML/JSON file of extra devices (they win over the catalogue).
+        peak_flops: FLOP/s; replaces the device's peak at every precision (alone, with
+            ``bandwidth``, it defines a device "custom").
+        bandwidth: byte/s; replaces the device's bandwidth.
+
+    Raises:
+        SymcostError: unknown name (the accepted ones listed), or a custom device missing a figure.
+    """
+    devices = dict(catalogue())
+    extra = load_file(devices_file) if devices_file else {}
+    devices.update(extra)
+    if name is None and len(extra) == 1:
+        name = next(iter(extra))
+    if name is None:
+        if peak_flops is None or bandwidth is None:
+            raise SymcostError("no device: pass --device NAME (see `symcost devices`), --devices-file, "
+                               "or both --peak-flops and --bandwidth")
+        dev = Device(key="custom", name="custom (--peak-flops, --bandwidth)",
+                     peak={p: parse_rate(peak_flops, "--peak-flops") for p in PRECISIONS},
+                     bandwidth=parse_rate(bandwidth, "--bandwidth"), source="command line")
+        return dev
+    key = name.lower()
+    if key not in devices:
+        key = ALIASES.get(key, key)
+    if key not in devices:
+        for d in devices.values():
+            if name.lower() in (a.lower() for a in d.aliases):
+                key = d.key
+                break
+    if key not in devices:
+        raise SymcostError(f"unknown device {name!r}; accepted: {', '.join(devices)} "
+                           f"(aliases {', '.join(ALIASES)}), or --devices-file / --peak-flops with --bandwidth")
+    dev = devices[key]
+    if peak_flops is not None or bandwidth is not None:
+        dev = Device(
+            key=dev.key, name=dev.name + " (overridden)",
+            peak={p: parse_rate(peak_flops, "--peak-flops") for p in PRECISIONS} if peak_flops is not None else dev.peak,
+            bandwidth=parse_rate(bandwidth, "--bandwidth") if bandwidth is not None else dev.bandwidth,
+            memory=dev.memory, source=dev.source + " + command line", date=dev.date, notes=dev.notes,
+        )
+    return dev
+
+
+def write_file(devices: Mapping[str, Mapping[str, Any]], path: str) -> None:
+    """Write device entries (plain dicts in the catalogue's shape) as JSON that :func:`load_file`
+    reads back."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(dict(devices), f, indent=1)
+        f.write("\n")
