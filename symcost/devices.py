@@ -58,6 +58,8 @@ class Device:
         peak: precision key -> dense peak FLOP/s.
         bandwidth: memory bandwidth, byte/s.
         memory: capacity in bytes (None if unknown).
+        write_bandwidth: byte/s for bytes written, where it differs from reading (a calibrated
+            CPU: a written cache line is first read, write-allocate); None: ``bandwidth``.
         source, date: where the figures come from.
         aliases: other names accepted by ``--device``.
         notes: free text (e.g. how dense figures were derived).
@@ -73,6 +75,12 @@ class Device:
     aliases: tuple[str, ...] = ()
     notes: str = ""
     measured: Mapping[str, Any] = field(default_factory=dict)
+    write_bandwidth: float | None = None
+
+    def memory_seconds(self, read: float, written: float) -> float:
+        """Seconds to move ``read`` + ``written`` bytes: read / bandwidth + written /
+        write_bandwidth (= (read + written) / bandwidth for a device with one bandwidth)."""
+        return read / self.bandwidth + written / (self.write_bandwidth or self.bandwidth)
 
     def peak_for(self, precision: str) -> tuple[float, str]:
         """``(peak FLOP/s, key used)`` at ``precision`` (a key of :data:`PRECISIONS`).
@@ -102,6 +110,8 @@ class Device:
             "memory": self.memory, "ridge": {k: v / self.bandwidth for k, v in self.peak.items()},
             "source": self.source, "date": self.date,
         }
+        if self.write_bandwidth:
+            out["write_bandwidth"] = self.write_bandwidth
         if self.notes:
             out["notes"] = self.notes
         if self.measured:
@@ -152,7 +162,8 @@ def _device(key: str, entry: Mapping, where: str) -> Device:
         raise SymcostError(f"{where} [{key}]: no peak FLOP/s; give at least one of {', '.join(PRECISIONS)}")
     if "bandwidth" not in entry:
         raise SymcostError(f"{where} [{key}]: no bandwidth (byte/s)")
-    known = set(PRECISIONS) | {"name", "bandwidth", "memory", "source", "date", "notes", "aliases", "measured"}
+    known = set(PRECISIONS) | {"name", "bandwidth", "write_bandwidth", "memory", "source", "date", "notes", "aliases",
+                               "measured"}
     unknown = sorted(set(entry) - known)
     if unknown:
         raise SymcostError(f"{where} [{key}]: unknown field {unknown[0]!r}; accepted: {', '.join(sorted(known))}")
@@ -163,6 +174,7 @@ def _device(key: str, entry: Mapping, where: str) -> Device:
         source=str(entry.get("source", "")), date=str(entry.get("date", "")),
         aliases=tuple(entry.get("aliases", ())), notes=str(entry.get("notes", "")),
         measured=dict(entry.get("measured", {})),
+        write_bandwidth=_number(entry, "write_bandwidth", f"{where} [{key}]") if "write_bandwidth" in entry else None,
     )
 
 
@@ -272,6 +284,7 @@ def get_device(name: str | None = None, devices_file: str | None = None, peak_fl
             peak={p: parse_rate(peak_flops, "--peak-flops") for p in PRECISIONS} if peak_flops is not None else dev.peak,
             bandwidth=parse_rate(bandwidth, "--bandwidth") if bandwidth is not None else dev.bandwidth,
             memory=dev.memory, source=dev.source + " + command line", date=dev.date, notes=dev.notes,
+            write_bandwidth=None if bandwidth is not None else dev.write_bandwidth,
         )
     return dev
 

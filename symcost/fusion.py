@@ -43,11 +43,13 @@ class FusionEstimate:
 
     Attributes:
         node_bytes: op index (``SymOp.index``) -> fused bytes of one execution (sympy).
+        node_written: op index -> the part of ``node_bytes`` that is written.
         region_of: op index -> region id (fusible ops only).
         regions: region id -> op indices of the folded graph in it (execution order).
     """
 
     node_bytes: dict[int, Any]
+    node_written: dict[int, Any]
     region_of: dict[int, int]
     regions: dict[int, list[int]]
 
@@ -56,6 +58,14 @@ class FusionEstimate:
         phases = ("forward", "backward") if phase == "train" else (phase,)
         return sympy.expand(sympy.Add(*[
             op.repeat * self.node_bytes[op.index] for op in an.ops if op.phase in phases]))
+
+
+def written_bytes(op) -> Any:
+    """Bytes an op writes in the unfused count of :mod:`symcost.rules`: its outputs (0 for an op
+    that moves nothing: views, allocations)."""
+    if op.cost.bytes == 0:
+        return sympy.Integer(0)
+    return sympy.expand(sum((rules.nbytes(s, d) for s, d in zip(op.out_shapes, op.out_dtypes)), sympy.Integer(0)))
 
 
 def estimate(an) -> FusionEstimate:
@@ -106,6 +116,7 @@ def estimate(an) -> FusionEstimate:
             region_of[i] = rid
 
     node_bytes: dict[int, Any] = {}
+    node_written: dict[int, Any] = {}
     charged: set[tuple[int, Any]] = set()  # (region, outside tensor) already read in that region
     for i, op in enumerate(ref.ops):
         sop = kept.get(i)
@@ -114,9 +125,10 @@ def estimate(an) -> FusionEstimate:
         fam = families[i]
         if fam not in FUSIBLE:
             node_bytes[i] = sop.cost.bytes
+            node_written[i] = written_bytes(sop)
             continue
         if fam == "alloc" or sop.cost.bytes == 0:
-            node_bytes[i] = sympy.Integer(0)
+            node_bytes[i] = node_written[i] = sympy.Integer(0)
             continue
         rid = region_of[i]
         total = sympy.Integer(0)
@@ -131,15 +143,17 @@ def estimate(an) -> FusionEstimate:
                 continue
             charged.add(key)
             total += rules.nbytes(sop.in_shapes[k], sop.in_dtypes[k])
+        written = sympy.Integer(0)
         for k in range(len(op.outputs)):
             users = consumers.get((i, k), set())
             if users and all(region_of.get(u) == rid for u in users):
                 continue
-            total += rules.nbytes(sop.out_shapes[k], sop.out_dtypes[k])
-        node_bytes[i] = sympy.expand(total)
+            written += rules.nbytes(sop.out_shapes[k], sop.out_dtypes[k])
+        node_bytes[i] = sympy.expand(total + written)
+        node_written[i] = sympy.expand(written)
     regions: dict[int, list[int]] = {}
     for i in sorted(region_of):
         if i in kept:
             regions.setdefault(region_of[i], []).append(i)
-    return FusionEstimate(node_bytes=node_bytes, region_of={i: r for i, r in region_of.items() if i in kept},
+    return FusionEstimate(node_bytes=node_bytes, node_written=node_written, region_of={i: r for i, r in region_of.items() if i in kept},
                           regions=regions)

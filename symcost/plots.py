@@ -30,7 +30,7 @@ def roofline_plot(r: dict, path: str, title: str = "", label_top: int = 8) -> li
     Log-log axes: x = arithmetic intensity (FLOP/byte), y = attainable FLOP/s
     (min(peak, bandwidth x I)), one roof per precision used; every op with FLOPs is a point
     coloured by phase, the ``label_top`` slowest labelled by module. Ops with no FLOPs (pure data
-    movement) have no place on a log x axis and are left out.
+    movement) or no bytes (fused away entirely) have no place on a log x axis and are left out.
 
     Returns:
         The (intensity, attainable FLOP/s) points drawn, in ``r["nodes"]`` order.
@@ -40,7 +40,7 @@ def roofline_plot(r: dict, path: str, title: str = "", label_top: int = 8) -> li
     plt = require_matplotlib()
     dev = r["device"]
     bw = dev["bandwidth"]
-    pts = [(n["intensity"], n["attainable"], n) for n in r["nodes"] if n["flops"] > 0 and np.isfinite(n["intensity"])]
+    pts = [(n["intensity"], n["attainable"], n) for n in r["nodes"] if n["flops"] > 0 and n["intensity"] is not None]
     fig, ax = plt.subplots(figsize=(9, 6))
     xs = [p[0] for p in pts] or [1.0]
     lo, hi = min(xs) / 4, max(max(xs), *dev["ridge"].values()) * 4

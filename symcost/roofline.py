@@ -53,24 +53,32 @@ def training_precision(an) -> str:
     return TRAINING_PRECISION.get(an.precision, "fp32")
 
 
-def bound_of(flops: float, nbytes: float, peak: float, bandwidth: float) -> dict:
+def bound_of(flops: float, nbytes: float, peak: float, bandwidth: float, written: float = 0,
+             write_bandwidth: float | None = None) -> dict:
     """Roofline of one op execution.
 
     Args:
-        flops: FLOPs; nbytes: bytes moved; peak: FLOP/s; bandwidth: byte/s.
+        flops: FLOPs; nbytes: bytes moved (read + written); peak: FLOP/s; bandwidth: byte/s;
+        written: the part of ``nbytes`` written, timed at ``write_bandwidth`` (byte/s) where the
+            device has one (a calibrated CPU), else at ``bandwidth``.
 
     Returns:
-        ``intensity`` (FLOP/byte; inf for 0 bytes), ``ridge`` (FLOP/byte), ``bound``
-        ("compute" when intensity >= ridge, else "memory"), ``attainable`` (FLOP/s =
-        min(peak, bandwidth x intensity)), ``seconds`` (max(flops/peak, bytes/bandwidth)).
+        ``intensity`` (FLOP/byte; None for an op that moves no bytes, e.g. one fused entirely
+        into its region), ``ridge`` (peak / bandwidth, FLOP/byte), ``bound`` ("compute" when
+        FLOPs / peak >= memory time, i.e. intensity >= ridge on a one-bandwidth device, else
+        "memory"), ``attainable`` (FLOP/s = min(peak, FLOPs / memory time) = min(peak,
+        bandwidth x intensity) on a one-bandwidth device), ``seconds`` (max(FLOPs / peak, memory
+        time)).
     """
     ridge = peak / bandwidth
-    intensity = flops / nbytes if nbytes else math.inf
+    t_mem = (nbytes - written) / bandwidth + written / (write_bandwidth or bandwidth)
+    t_cmp = flops / peak
+    intensity = flops / nbytes if nbytes else None
     return {
         "intensity": intensity, "ridge": ridge,
-        "bound": "compute" if intensity >= ridge else "memory",
-        "attainable": min(peak, bandwidth * intensity),
-        "seconds": max(flops / peak, nbytes / bandwidth),
+        "bound": "compute" if t_cmp >= t_mem else "memory",
+        "attainable": peak if t_mem == 0 else min(peak, flops / t_mem),
+        "seconds": max(t_cmp, t_mem),
     }
 
 
@@ -120,8 +128,10 @@ def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: 
         Fm = _num(op.cost.flops, env)
         Bu = _num(op.cost.bytes, env)
         Bf = _num(fe.node_bytes[op.index], env)
-        rf = bound_of(F, Bf, peak, bw)
-        ru = bound_of(F, Bu, peak, bw)
+        Wf = _num(fe.node_written[op.index], env)
+        Wu = _num(fusion.written_bytes(op), env)
+        rf = bound_of(F, Bf, peak, bw, Wf, device.write_bandwidth)
+        ru = bound_of(F, Bu, peak, bw, Wu, device.write_bandwidth)
         r = rf if fused else ru
         t_fused += rep * rf["seconds"]
         t_unfused += rep * ru["seconds"]
@@ -174,7 +184,8 @@ def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: 
 
 def formulas(an, device: Device, fe=None, fused: bool = True) -> dict:
     """Symbolic forms: step-time lower bound (seconds) as a sum of ``Max(FLOPs/peak,
-    bytes/bandwidth)`` over ops, and the ridge points (FLOP/byte) per precision."""
+    bytes/bandwidth)`` over ops (read and written bytes apart where the device has a write
+    bandwidth), and the ridge points (FLOP/byte) per precision."""
     from . import fusion
 
     fe = fe or fusion.estimate(an)
@@ -185,8 +196,9 @@ def formulas(an, device: Device, fe=None, fused: bool = True) -> dict:
         if b == 0 and op.cost.flops_all == 0:
             continue
         peak, _ = device.peak_for(op_precision(op, train_key))
-        terms.append(op.repeat * sympy.Max(sympy.Rational(1) * op.cost.flops_all / sympy.Float(peak, 6),
-                                           b / sympy.Float(device.bandwidth, 6)))
+        w = fe.node_written[op.index] if fused else fusion.written_bytes(op)
+        t_mem = (b - w) / sympy.Float(device.bandwidth, 6) + w / sympy.Float(device.write_bandwidth or device.bandwidth, 6)
+        terms.append(op.repeat * sympy.Max(sympy.Rational(1) * op.cost.flops_all / sympy.Float(peak, 6), t_mem))
     return {
         "step_seconds": str(sympy.Add(*terms)),
         "ridge": {k: v / device.bandwidth for k, v in device.peak.items()},

@@ -31,7 +31,8 @@ from .devices import Device, dtype_key
 # -- FLOPs and bytes of a kernel, by symcost's rules ---------------------------------------------
 def kernel_costs(fn: Callable, *args) -> list[dict]:
     """The aten ops ``fn(*args)`` runs (eagerly), each costed by :func:`symcost.rules.cost` at its
-    concrete shapes: ``[{"op", "flops" (all FLOPs), "model_flops", "bytes", "precision"}]``."""
+    concrete shapes: ``[{"op", "flops" (all FLOPs), "model_flops", "bytes", "written" (the
+    outputs' part of bytes), "precision"}]``."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten, tree_map
@@ -52,8 +53,9 @@ def kernel_costs(fn: Callable, *args) -> list[dict]:
                                 [tuple(x.shape) for x in outs], [x.dtype for x in outs], tuple(sa), dict(skw))
             c = rules.cost(view)
             prec = next((dtype_key(x.dtype) for x in outs + ins if dtype_key(x.dtype)), "fp32")
+            written = sum(x.numel() * x.element_size() for x in outs) if c.bytes else 0
             out.append({"op": str(func), "flops": int(c.flops_all), "model_flops": int(c.flops),
-                        "bytes": int(c.bytes), "precision": prec})
+                        "bytes": int(c.bytes), "written": int(written), "precision": prec})
             return res
 
     with torch.no_grad(), _Rec():
@@ -62,14 +64,15 @@ def kernel_costs(fn: Callable, *args) -> list[dict]:
 
 
 def predict(costs: list[dict], device: Device) -> dict:
-    """Roofline bound of a sequence of ops: sum of max(FLOPs/peak, bytes/bandwidth) (seconds),
-    with totals of FLOPs and bytes and the binding resource of the whole."""
+    """Roofline bound of a sequence of ops: sum of max(FLOPs/peak, memory time) (seconds; memory
+    time = read/bandwidth + written/write bandwidth), with totals of FLOPs and bytes and the
+    binding resource of the whole."""
     t = 0.0
     F = B = 0
     t_compute = t_memory = 0.0
     for c in costs:
         peak, _ = device.peak_for(c["precision"])
-        tc, tm = c["flops"] / peak, c["bytes"] / device.bandwidth
+        tc, tm = c["flops"] / peak, device.memory_seconds(c["bytes"] - c["written"], c["written"])
         t += max(tc, tm)
         t_compute += tc
         t_memory += tm
@@ -302,8 +305,10 @@ def _merge(old: Device | None, entry: Mapping[str, Any]) -> Device:
     if old is None:
         return new
     peak = {k: max(old.peak.get(k, 0.0), new.peak.get(k, 0.0)) for k in set(old.peak) | set(new.peak)}
-    return Device(key=new.key, name=new.name, peak=peak, bandwidth=max(old.bandwidth, new.bandwidth),
-                  source=new.source, date=new.date, measured=new.measured)
+    bw = max(old.bandwidth, new.bandwidth)
+    wbw = max(old.write_bandwidth or old.bandwidth, new.write_bandwidth or new.bandwidth)
+    return Device(key=new.key, name=new.name, peak=peak, bandwidth=bw, source=new.source, date=new.date,
+                  measured=new.measured, write_bandwidth=wbw if wbw < bw else None)
 
 
 def validate(device: Device | None = None, quick: bool = False,

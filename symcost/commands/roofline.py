@@ -82,7 +82,7 @@ def roofline(model, sets, config, attention, precision, debug, device_name, devi
     for n in sorted(r["nodes"], key=lambda n: -n["seconds"])[:top]:
         nt.add_row(n["op"].removeprefix("aten."), n["module"] or "(top)", n["phase"][:3], str(n["repeat"]),
                    human(n["flops"], "FLOP"), human(n["bytes"], "B"), human(n["fused_bytes"], "B"),
-                   f"{n['intensity']:.3g}", n["bound"], _fmt_s(n["seconds"]), f"{100 * n['share']:.1f}%")
+                   f"{n['intensity']:.3g}" if n["intensity"] is not None else "-", n["bound"], _fmt_s(n["seconds"]), f"{100 * n['share']:.1f}%")
     c.print(nt)
     if crossing_symbol:
         ct = Table(title=f"Ridge crossings in {crossing_symbol} (others at the sizes above)", title_justify="left")
