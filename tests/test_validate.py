@@ -1,0 +1,63 @@
+"""Validation with compiled kernels on this CPU (issue 9's acceptance), CI-sized, and the checks'
+own logic on hand-made rows."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from symcost import validate as val
+
+
+def _row(kernel, family, flops, nbytes, predicted, measured, bound, large=True):
+    return {"kernel": kernel, "family": family, "flops": flops, "bytes": nbytes, "predicted": predicted,
+            "measured": measured, "bound": bound, "large": large, "ratio": measured / predicted}
+
+
+def test_check_logic():
+    ok = [_row("mm 1", "square", 2e9, 1.2e7, 0.02, 0.021, "compute"),
+          _row("mm 2", "square", 1.6e10, 4.8e7, 0.16, 0.17, "compute")]
+    assert val.check(ok) == ([], val.check(ok)[1])
+    assert val.check(ok)[1][0]["agrees"] is True
+    # time that follows bytes (x4) instead of FLOPs (x8) for a compute-bound pair
+    bad = [ok[0], _row("mm 2", "square", 1.6e10, 4.8e7, 0.16, 0.084, "compute")]
+    fails, _ = val.check(bad)
+    assert any("follows bytes" in f for f in fails) and any("below the predicted bound" in f for f in fails)
+    slow = [_row("add", "add", 1e7, 1.2e8, 0.01, 0.03, "memory")]
+    assert any("< 50%" in f for f in val.check(slow)[0])
+    assert val.check([_row("add", "add", 1e7, 1.2e8, 0.01, 0.03, "memory", large=False)])[0] == []
+    step = [_row("mlp step", "training step", 1e10, 1e8, 0.1, 0.25, "compute")]
+    assert any("not within 2x" in f for f in val.check(step)[0])
+
+
+def _busy() -> bool:
+    return os.getloadavg()[0] > 1.5 * (os.cpu_count() or 1)
+
+
+@pytest.mark.heavy
+def test_quick_sweep_on_this_cpu():
+    """Calibrate, then compile and time the CI-sized sweep and the training steps of mlp and
+    cs336-lm. Always: every kernel measured, none faster than its predicted bound by more than
+    10%. The checks of how close kernels come to their bound (large kernels >= 50%, training steps
+    within 2x, time scaling with the predicted resource) are timing-quality claims: they are
+    asserted when the machine was not oversubscribed during the sweep (load average at most 1.5x
+    the cores, as on CI), and reported otherwise."""
+    busy_before = _busy()
+    v = val.validate(None, quick=True, attempts=2, min_run_time=0.2)
+    busy = busy_before or _busy()
+    rows = {r["kernel"]: r for r in v.rows}
+    assert {"square matmul", "skinny matmul", "matrix-vector", "add", "gelu", "softmax", "mlp block",
+            "training step"} <= {r["family"] for r in v.rows}
+    assert sum(1 for r in v.rows if r["family"] == "training step") == 2
+    for r in v.rows:
+        assert r["measured"] > 0 and r["predicted"] > 0 and r["bound"] in ("compute", "memory")
+    below = [f for f in v.failures if "below the predicted bound" in f]
+    assert not below, below
+    steps = [r for r in v.rows if r["family"] == "training step"]
+    assert all(r["measured"] >= 0.05 for r in steps), [(r["kernel"], r["measured"]) for r in steps]
+    report = "\n".join(f"{k}: predicted {r['predicted'] * 1e3:.2f} ms measured {r['measured'] * 1e3:.2f} ms"
+                       for k, r in rows.items())
+    if busy:
+        pytest.skip(f"machine oversubscribed (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): "
+                    f"closeness checks not asserted; failures: {v.failures}\n{report}")
+    assert not v.failures, "\n".join(v.failures) + "\n" + report
