@@ -121,8 +121,8 @@ class Device:
 
 # -- parsing ------------------------------------------------------------------------------------
 _SI = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGTPE]?)\s*(flop/?s|flops|b/s|byte/s|bytes/s)?\s*$",
-                   re.IGNORECASE)
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGTPE]?)\s*"
+                   r"(flop/?s|flops|b/s|byte/s|bytes/s|tokens/s)?\s*$", re.IGNORECASE)
 
 
 def parse_rate(text: str | float, what: str) -> float:

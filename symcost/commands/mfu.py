@@ -27,14 +27,13 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
     traffic above the device's bandwidth is an error.
     """
     from .. import roofline as rl
+    from ..devices import parse_rate
     from ..errors import SymcostError
     from ..fusion import estimate
     from ..report import console
 
     dev = resolve_device(device_name, devices_file, peak_flops, bandwidth)
-    R = float(rl.parse_count(tps, "--tokens-per-second")) if "." not in str(tps) else float(tps)
-    if not R > 0:
-        raise SymcostError("--tokens-per-second must be positive")
+    R = parse_rate(tps, "--tokens-per-second")
     if n_devices <= 0:
         raise SymcostError("--devices must be a positive integer")
     an, sizes = trace_model(model, sets, config, attention, precision)
