@@ -243,6 +243,50 @@ FULL_STEPS = {"mlp": {"B": 8, "S": 128, "D": 1024, "L": 4},
               "cs336-lm": {"B": 8, "S": 256, "H": 8, "D": 64, "L": 4, "V": 4096, "F": 1344}}
 
 
+def _cpu_times() -> tuple[float, float, float] | None:
+    """(machine busy CPU-seconds, machine total CPU-seconds, this process's CPU-seconds), from
+    /proc/stat and os.times(); None where /proc/stat is missing."""
+    import os
+
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    t = os.times()
+    return (sum(vals[:8]) - idle) / tick, sum(vals[:8]) / tick, t.user + t.system
+
+
+class Contention:
+    """The share of the machine's CPU time that other processes used while kernels were timed
+    (0: the machine was ours; 0.75: others held three quarters of it)."""
+
+    def __init__(self):
+        self.busy = self.total = self.own = 0.0
+        self.known = True
+
+    def __enter__(self):
+        self._start = _cpu_times()
+        return self
+
+    def __exit__(self, *exc):
+        end = _cpu_times()
+        if self._start is None or end is None:
+            self.known = False
+            return
+        self.busy += end[0] - self._start[0]
+        self.total += end[1] - self._start[1]
+        self.own += end[2] - self._start[2]
+
+    @property
+    def share(self) -> float | None:
+        if not self.known or self.total <= 0:
+            return None
+        return max(0.0, min(1.0, (self.busy - self.own) / self.total))
+
+
 @dataclass
 class Validation:
     """Result of :func:`validate`: the device used, one row per kernel, the failed checks."""
@@ -252,11 +296,12 @@ class Validation:
     failures: list[str] = field(default_factory=list)
     scaling: list[dict] = field(default_factory=list)
     attempts: int = 1
+    contention: float | None = None  # share of the CPU other processes used while timing
 
     def to_json(self) -> dict:
         return {"device": self.device.to_json(), "kernels": self.rows, "scaling": self.scaling,
                 "failures": self.failures, "ok": not self.failures,
-                "attempts": self.attempts}
+                "attempts": self.attempts, "contention": self.contention}
 
 
 def check(rows: list[dict], tolerance: float = 0.10) -> tuple[list[str], list[dict]]:
@@ -326,6 +371,11 @@ def validate(device: Device | None = None, quick: bool = False,
             and, when this call calibrated, the machine is calibrated again (keeping the best
             rates), up to ``attempts`` rounds in all. Each round is reported.
 
+    Returns:
+        A :class:`Validation`; its ``contention`` is the share of the CPU other processes used
+        while kernels were timed (from /proc/stat), so a reader can tell a slow machine from a
+        busy one.
+
     Raises:
         SymcostError: a model of ``steps`` that symcost cannot build.
     """
@@ -351,10 +401,12 @@ def validate(device: Device | None = None, quick: bool = False,
     best: dict[str, dict] = {}
     v = Validation(device)
     todo = list(range(len(cases)))
+    contention = Contention()
     for attempt in range(max(1, attempts)):
         for i in todo:
             fam, label, large, costs, run = cases[i]
-            t = run()
+            with contention:
+                t = run()
             if label in best:
                 t = {"min": min(t["min"], best[label]["min"]), "median": min(t["median"], best[label]["median"])}
             best[label] = t
@@ -365,6 +417,7 @@ def validate(device: Device | None = None, quick: bool = False,
         failures, scaling = check(rows)
         v = Validation(device, rows, failures, scaling)
         v.attempts = attempt + 1
+        v.contention = contention.share
         for r in rows if attempt == 0 else [rows[i] for i in todo]:
             log(f"[round {attempt + 1}] {r['kernel']}: predicted {r['predicted'] * 1e3:.3f} ms ({r['bound']}), "
                 f"measured {r['measured'] * 1e3:.3f} ms, ratio {r['ratio']:.2f}")

@@ -2,8 +2,6 @@
 own logic on hand-made rows."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from symcost import validate as val
@@ -30,21 +28,17 @@ def test_check_logic():
     assert any("not within 2x" in f for f in val.check(step)[0])
 
 
-def _busy() -> bool:
-    return os.getloadavg()[0] > 1.5 * (os.cpu_count() or 1)
-
-
 @pytest.mark.heavy
 def test_quick_sweep_on_this_cpu():
     """Calibrate, then compile and time the CI-sized sweep and the training steps of mlp and
     cs336-lm. Always: every kernel measured, none faster than its predicted bound by more than
     10%. The checks of how close kernels come to their bound (large kernels >= 50%, training steps
     within 2x, time scaling with the predicted resource) are timing-quality claims: they are
-    asserted when the machine was not oversubscribed during the sweep (load average at most 1.5x
-    the cores, as on CI), and reported otherwise."""
-    busy_before = _busy()
+    asserted when other processes used at most a quarter of the machine's CPU while kernels were
+    timed (as on CI, where the tests run alone), and reported otherwise."""
     v = val.validate(None, quick=True, attempts=2, min_run_time=0.2)
-    busy = busy_before or _busy()
+    assert v.contention is not None  # /proc/stat is readable on the machines this runs on
+    busy = v.contention > 0.25
     rows = {r["kernel"]: r for r in v.rows}
     assert {"square matmul", "skinny matmul", "matrix-vector", "add", "gelu", "softmax", "mlp block",
             "training step"} <= {r["family"] for r in v.rows}
@@ -58,6 +52,6 @@ def test_quick_sweep_on_this_cpu():
     report = "\n".join(f"{k}: predicted {r['predicted'] * 1e3:.2f} ms measured {r['measured'] * 1e3:.2f} ms"
                        for k, r in rows.items())
     if busy:
-        pytest.skip(f"machine oversubscribed (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): "
+        pytest.skip(f"other processes used {100 * v.contention:.0f}% of the CPU while kernels were timed: "
                     f"closeness checks not asserted; failures: {v.failures}\n{report}")
     assert not v.failures, "\n".join(v.failures) + "\n" + report

@@ -66,6 +66,8 @@ def validate(devices_file, device_name, quick, attempts, plot, as_json, debug):
             verdict = {True: "agrees", False: "DISAGREES", None: "n/a (FLOPs and bytes grow alike)"}[s["agrees"]]
             c.print(f"scaling {s['family']}: {s['from']} -> {s['to']}: time x{s['time_ratio']:.2f}, predicted "
                     f"x{s['predicted_ratio']:.2f} ({s['bound']}-bound): {verdict}")
+        if v.contention is not None:
+            c.print(f"other processes used {100 * v.contention:.0f}% of this machine's CPU while kernels were timed")
         c.print(f"{len(v.failures)} failed check(s) after {v.attempts} round(s)")
         for f in v.failures:
             c.print(f"FAILED: {f}")
