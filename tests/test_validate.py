@@ -55,3 +55,14 @@ def test_quick_sweep_on_this_cpu():
         pytest.skip(f"other processes used {100 * v.contention:.0f}% of the CPU while kernels were timed: "
                     f"closeness checks not asserted; failures: {v.failures}\n{report}")
     assert not v.failures, "\n".join(v.failures) + "\n" + report
+
+
+def test_validation_plot_points_are_the_rows(tmp_path):
+    from symcost.plots import validation_plot
+
+    rows = [_row("mm 1", "square", 2e9, 1.2e7, 0.02, 0.021, "compute"),
+            _row("add", "add", 1e7, 1.2e8, 0.01, 0.013, "memory")]
+    png = tmp_path / "v.png"
+    pts = validation_plot(rows, str(png))
+    assert png.exists() and png.stat().st_size > 1000
+    assert pts == [(r["predicted"], r["measured"]) for r in rows]
