@@ -46,12 +46,14 @@ class FusionEstimate:
         node_written: op index -> the part of ``node_bytes`` that is written.
         region_of: op index -> region id (fusible ops only).
         regions: region id -> op indices of the folded graph in it (execution order).
+        exact: False when the Analysis had no probe recordings: node_bytes are then unfused.
     """
 
     node_bytes: dict[int, Any]
     node_written: dict[int, Any]
     region_of: dict[int, int]
     regions: dict[int, list[int]]
+    exact: bool = True  # False: no recordings to fuse over, node_bytes are the unfused bytes
 
     def total(self, an, phase: str = "train") -> sympy.Expr:
         """Fused bytes of ``phase`` (forward|backward|train) with repeats folded in, a polynomial."""
@@ -75,8 +77,14 @@ def estimate(an) -> FusionEstimate:
         an: an :class:`~symcost.analysis.Analysis` (needs its probe recordings).
 
     Returns:
-        A :class:`FusionEstimate`; ``node_bytes[i] <= bytes of op i`` for every i.
+        A :class:`FusionEstimate`; ``node_bytes[i] <= bytes of op i`` for every i. An Analysis
+        without its probe recordings (e.g. rebuilt from saved data) gets the unfused bytes and
+        ``exact = False``.
     """
+    if not getattr(an, "recordings", None):
+        return FusionEstimate(node_bytes={op.index: op.cost.bytes for op in an.ops},
+                              node_written={op.index: written_bytes(op) for op in an.ops},
+                              region_of={}, regions={}, exact=False)
     ref = an.recordings[0]
     kept = {op.index: op for op in an.ops}
     families = [rules.classify(op.op) for op in ref.ops]

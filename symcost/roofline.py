@@ -114,6 +114,8 @@ def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: 
     train_key = training_precision(an)
     bw = device.bandwidth
     notes: set[str] = set()
+    if not fe.exact:
+        notes.add("this Analysis has no probe recordings: fused bytes are the unfused bytes")
     nodes = []
     t_fused = t_unfused = 0.0
     for op in an.ops:

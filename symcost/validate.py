@@ -391,11 +391,13 @@ def validate(device: Device | None = None, quick: bool = False,
     for k in sweep_kernels(quick):
         fn, args = k.make()
         cf = compiled(fn)
+        cf(*args)  # compile now: compiler workers would count as other processes while timing
         cases.append((k.family, k.label, k.large, kernel_costs(fn, *args),
                       lambda cf=cf, args=args: measure(cf, *args, min_run_time=min_run_time)))
     for model, sizes in (steps if steps is not None else (QUICK_STEPS if quick else FULL_STEPS)).items():
         an = trace(model, sizes=dict(sizes), precision="fp32")
         step, _ = train_step(model, sizes)
+        step()
         cases.append(("training step", _step_label(model, sizes), True, (an, sizes),
                       lambda step=step: measure(step, min_run_time=max(1.0, min_run_time))))
     best: dict[str, dict] = {}
