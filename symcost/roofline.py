@@ -323,7 +323,7 @@ def tokens_compute(an, sizes: Mapping[str, int] | None, tokens: int | None = Non
     P = _num(an.params_matmul, env)
     k = 8 if recompute == "full" else 6
     Bs, Ss = (sympy.Integer(an.pinned[n]) if n in an.pinned else SYMS[n] for n in ("B", "S"))
-    per_token_formula = sympy.simplify(sympy.expand(train) / (Bs * Ss))
+    per_token_formula = sympy.factor_terms(sympy.cancel(sympy.expand(train) / (Bs * Ss)))
     out: dict[str, Any] = {
         "flops.per_token": _exact(Fraction(step_flops, B * S)),
         "flops.per_token_formula": str(per_token_formula),
