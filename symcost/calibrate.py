@@ -78,7 +78,7 @@ def _device(name: str):
         return torch.device("cpu")
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise SymcostError("--device cuda: no CUDA device is available here; use --device cpu")
+            raise SymcostError("cuda: no CUDA device is available here (torch.cuda.is_available() is False); use cpu")
         return torch.device("cuda")
     raise SymcostError(f"calibrate --device takes cpu or cuda, got {name!r}")
 

@@ -94,40 +94,47 @@ class Kernel:
     large: bool = False
 
 
-def sweep_kernels(quick: bool = False) -> list[Kernel]:
-    """The kernels of the sweep (``quick``: the CI-sized subset). Element-wise and matrix-vector
-    operands are at least 64 MiB, twice this machine class's last-level cache, so they stream
-    from memory as the roofline assumes."""
+def sweep_kernels(quick: bool = False, hardware: str = "cpu") -> list[Kernel]:
+    """The kernels of the sweep (``quick``: the CI-sized subset) on ``hardware`` (``cpu`` or
+    ``cuda``: the same families at sizes a GPU needs to leave launch overhead behind). On the CPU,
+    element-wise and matrix-vector operands are at least 64 MiB, twice this machine class's
+    last-level cache, so they stream from memory as the roofline assumes."""
     import torch
 
+    gpu = hardware == "cuda"
+    dev = torch.device(hardware)
+
     def randn(*s):
-        return torch.randn(*s)
+        return torch.randn(*s, device=dev)
 
     ks: list[Kernel] = []
-    for n in ((512, 1024) if quick else (512, 1024, 2048)):
+    squares = ((4096, 8192) if quick else (2048, 4096, 8192)) if gpu else ((512, 1024) if quick else (512, 1024, 2048))
+    for n in squares:
         ks.append(Kernel("square matmul", f"[{n},{n}]x[{n},{n}]", lambda n=n: (lambda a, b: a @ b, (randn(n, n), randn(n, n))),
-                         large=n >= 1024))
-    # Skinny GEMMs are not held to the 50% check (large=False): MKL packs the [4096, 4096]
+                         large=n >= squares[1]))
+    # Skinny GEMMs are not held to the 50% check on a CPU (large=False): MKL packs the big
     # operand into a buffer before multiplying, so it moves the weight about three times, not once.
-    for m in ((4, 64) if quick else (4, 16, 64)):
-        ks.append(Kernel("skinny matmul", f"[{m},4096]x[4096,4096]",
-                         lambda m=m: (lambda a, b: a @ b, (randn(m, 4096), randn(4096, 4096)))))
+    w = 8192 if gpu else 4096
+    for m in ((8, 256) if quick else (8, 64, 256)) if gpu else ((4, 64) if quick else (4, 16, 64)):
+        ks.append(Kernel("skinny matmul", f"[{m},{w}]x[{w},{w}]",
+                         lambda m=m: (lambda a, b: a @ b, (randn(m, w), randn(w, w))), large=gpu))
     # matrix-vector as [n, n] x [n, 1] (aten.mm): symcost's rules have no aten.mv rule
-    for n in ((4096,) if quick else (4096, 8192)):
+    for n in ((16384,) if quick else (16384, 32768)) if gpu else ((4096,) if quick else (4096, 8192)):
         ks.append(Kernel("matrix-vector", f"[{n},{n}]x[{n},1]",
                          lambda n=n: (lambda a, v: a @ v, (randn(n, n), randn(n, 1))), large=True))
-    N = 1 << 24
+    N = 1 << (28 if gpu else 24)
     ks.append(Kernel("add", f"[{N}]+[{N}]", lambda: (lambda a, b: a + b, (randn(N), randn(N))), large=True))
     ks.append(Kernel("gelu", f"gelu[{N}]", lambda: (torch.nn.functional.gelu, (randn(N),)), large=True))
     if not quick:
         ks.append(Kernel("add", f"[{2 * N}]+[{2 * N}]", lambda: (lambda a, b: a + b, (randn(2 * N), randn(2 * N))),
                          large=True))
-    ks.append(Kernel("softmax", "softmax[4096,4096]", lambda: (lambda a: torch.softmax(a, -1), (randn(4096, 4096),)),
+    r = 16384 if gpu else 4096
+    ks.append(Kernel("softmax", f"softmax[{r},{r}]", lambda: (lambda a: torch.softmax(a, -1), (randn(r, r),)),
                      large=True))
-    rows = 1024 if quick else 2048
-    ks.append(Kernel("mlp block", f"gelu(Linear(1024,4096)) on [{rows},1024]",
+    rows, d_in, d_out = (8192, 4096, 16384) if gpu else ((1024 if quick else 2048), 1024, 4096)
+    ks.append(Kernel("mlp block", f"gelu(Linear({d_in},{d_out})) on [{rows},{d_in}]",
                      lambda: (lambda x, w, b: torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b)),
-                              (randn(rows, 1024), randn(4096, 1024), randn(4096))), large=True))
+                              (randn(rows, d_in), randn(d_out, d_in), randn(d_out))), large=True))
     return ks
 
 
@@ -147,7 +154,7 @@ def run_kernel(k: Kernel, device: Device, min_run_time: float = 0.3) -> dict:
 
 
 # -- compiled training steps ------------------------------------------------------------------------
-def _build(model: str, sizes: Mapping[str, int]):
+def _build(model: str, sizes: Mapping[str, int], hardware: str = "cpu"):
     import torch
 
     from .models import resolve
@@ -156,25 +163,30 @@ def _build(model: str, sizes: Mapping[str, int]):
     values = {**spec.defaults, **sizes}
     values.update({a: values[b] for a, b in spec.tied.items()})
     torch.manual_seed(0)
-    m = spec.build(values)
-    args, kwargs = spec.make_inputs(values, torch.device("cpu"))
+    m = spec.build(values).to(hardware)
+    args, kwargs = spec.make_inputs(values, torch.device(hardware))
     return spec, m, args, kwargs
 
 
-def train_step(model: str, sizes: Mapping[str, int]) -> tuple[Callable, Any]:
+def train_step(model: str, sizes: Mapping[str, int], hardware: str = "cpu") -> tuple[Callable, Any]:
     """A compiled fp32 training step (forward, loss, backward; gradients reset to None first, so
-    no accumulation) of a built-in model at ``sizes``: ``(step, module)``."""
-    spec, m, args, kwargs = _build(model, sizes)
+    no accumulation) of a built-in model at ``sizes`` on ``hardware`` (cpu or cuda; on cuda the
+    step waits for the GPU): ``(step, module)``."""
+    import torch
+
+    spec, m, args, kwargs = _build(model, sizes, hardware)
 
     def fwd(*a, **kw):
         return spec.loss(m(*a, **kw), (a, kw))
 
     cf = compiled(fwd)
+    sync = torch.cuda.synchronize if hardware == "cuda" else (lambda: None)
 
     def step():
         for p in m.parameters():
             p.grad = None
         cf(*args, **kwargs).backward()
+        sync()
 
     return step, m
 
@@ -241,6 +253,8 @@ QUICK_STEPS = {"mlp": {"B": 8, "S": 128, "D": 768, "L": 2},
                "cs336-lm": {"B": 4, "S": 128, "H": 8, "D": 64, "L": 2, "V": 2048, "F": 1344}}
 FULL_STEPS = {"mlp": {"B": 8, "S": 128, "D": 1024, "L": 4},
               "cs336-lm": {"B": 8, "S": 256, "H": 8, "D": 64, "L": 4, "V": 4096, "F": 1344}}
+GPU_STEPS = {"mlp": {"B": 16, "S": 512, "D": 4096, "L": 4},
+             "cs336-lm": {"B": 8, "S": 1024, "H": 16, "D": 64, "L": 4, "V": 32000, "F": 2816}}
 
 
 def _cpu_times() -> tuple[float, float, float] | None:
@@ -358,14 +372,16 @@ def _merge(old: Device | None, entry: Mapping[str, Any]) -> Device:
 
 def validate(device: Device | None = None, quick: bool = False,
              steps: Mapping[str, Mapping[str, int]] | None = None, min_run_time: float = 0.3,
-             attempts: int = 3, log: Callable[[str], None] | None = None) -> Validation:
-    """Run the sweep and the compiled training steps on this CPU and check them (:func:`check`).
+             attempts: int = 3, log: Callable[[str], None] | None = None, hardware: str = "cpu") -> Validation:
+    """Run the sweep and the compiled training steps on this machine and check them (:func:`check`).
 
     Args:
         device: a calibrated device; None: calibrate first (:func:`symcost.calibrate.calibrate`).
         quick: the CI-sized sweep.
         steps: model -> sizes of the training steps (default :data:`QUICK_STEPS` /
-            :data:`FULL_STEPS`).
+            :data:`FULL_STEPS`, :data:`GPU_STEPS` on cuda).
+        hardware: ``cpu`` or ``cuda`` (where the kernels run; the GPU path has not run yet in
+            this project: no GPU was lent when it was written).
         attempts: on a shared machine a busy moment slows a kernel or the calibration. While
             checks fail, the failing kernels are timed again (keeping each kernel's fastest time)
             and, when this call calibrated, the machine is calibrated again (keeping the best
@@ -377,26 +393,30 @@ def validate(device: Device | None = None, quick: bool = False,
         busy one.
 
     Raises:
-        SymcostError: a model of ``steps`` that symcost cannot build.
+        SymcostError: a model of ``steps`` that symcost cannot build; cuda asked where there is
+            none.
     """
     from .analysis import trace
-    from .calibrate import calibrate, steady_allocator
+    from .calibrate import _device, calibrate, steady_allocator
 
+    _device(hardware)  # cpu, or cuda where one is available
     log = log or (lambda s: None)
-    steady_allocator()
+    if hardware == "cpu":
+        steady_allocator()
     own = device is None
     if own:
-        device = _merge(None, calibrate("cpu", quick=quick, min_run_time=min_run_time, log=log))
+        device = _merge(None, calibrate(hardware, quick=quick, min_run_time=min_run_time, log=log))
     cases = []  # (family, label, large, costs or (an, sizes), measure-callable)
-    for k in sweep_kernels(quick):
+    for k in sweep_kernels(quick, hardware):
         fn, args = k.make()
         cf = compiled(fn)
         cf(*args)  # compile now: compiler workers would count as other processes while timing
         cases.append((k.family, k.label, k.large, kernel_costs(fn, *args),
                       lambda cf=cf, args=args: measure(cf, *args, min_run_time=min_run_time)))
-    for model, sizes in (steps if steps is not None else (QUICK_STEPS if quick else FULL_STEPS)).items():
+    default_steps = GPU_STEPS if hardware == "cuda" else (QUICK_STEPS if quick else FULL_STEPS)
+    for model, sizes in (steps if steps is not None else default_steps).items():
         an = trace(model, sizes=dict(sizes), precision="fp32")
-        step, _ = train_step(model, sizes)
+        step, _ = train_step(model, sizes, hardware)
         step()
         cases.append(("training step", _step_label(model, sizes), True, (an, sizes),
                       lambda step=step: measure(step, min_run_time=max(1.0, min_run_time))))
@@ -419,7 +439,7 @@ def validate(device: Device | None = None, quick: bool = False,
         failures, scaling = check(rows)
         v = Validation(device, rows, failures, scaling)
         v.attempts = attempt + 1
-        v.contention = contention.share
+        v.contention = contention.share if hardware == "cpu" else None
         for r in rows if attempt == 0 else [rows[i] for i in todo]:
             log(f"[round {attempt + 1}] {r['kernel']}: predicted {r['predicted'] * 1e3:.3f} ms ({r['bound']}), "
                 f"measured {r['measured'] * 1e3:.3f} ms, ratio {r['ratio']:.2f}")
@@ -430,7 +450,7 @@ def validate(device: Device | None = None, quick: bool = False,
         log(f"{len(failures)} check(s) failed; timing {len(todo)} kernel(s) again"
             + (" after calibrating again" if own else ""))
         if own:
-            device = _merge(device, calibrate("cpu", quick=quick, min_run_time=min_run_time, log=log))
+            device = _merge(device, calibrate(hardware, quick=quick, min_run_time=min_run_time, log=log))
     return v
 
 

@@ -11,15 +11,18 @@ import click
               help="a calibrated entry (symcost calibrate --out FILE); default: calibrate now")
 @click.option("--device", "device_name", default=None, metavar="NAME", help="the entry's name in --devices-file")
 @click.option("--quick", is_flag=True, help="the CI-sized sweep (smaller kernels and models)")
+@click.option("--hardware", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
+              help="where the kernels run (cuda: GPU-sized kernels and steps)")
 @click.option("--attempts", default=3, show_default=True, help="rounds of re-timing failing kernels (noisy machines)")
 @click.option("--plot", default=None, metavar="FILE.png", help="draw measured vs predicted (needs matplotlib)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--debug", is_flag=True, help="show tracebacks")
-def validate(devices_file, device_name, quick, attempts, plot, as_json, debug):
+def validate(devices_file, device_name, quick, hardware, attempts, plot, as_json, debug):
     """Compile and time a sweep of kernels (square and skinny matmuls, matrix-vector, add, GELU,
     softmax, a Linear+GELU block) and the training steps of mlp and cs336-lm on this CPU; print
     per kernel FLOPs, bytes, intensity, predicted bound and time, measured time and FLOP/s, the
-    ratio; exit 1 when a check fails (see docs/roofline.md)."""
+    ratio; exit 1 when a check fails (see docs/roofline.md). --hardware cuda runs GPU-sized
+    kernels on the GPU."""
     import sys
 
     from .. import validate as val
@@ -38,7 +41,7 @@ def validate(devices_file, device_name, quick, attempts, plot, as_json, debug):
         raise SymcostError("validate measures this machine: --device names an entry of --devices-file "
                            "(symcost calibrate --out FILE writes one)")
     log = (lambda s: None) if as_json else (lambda s: console().print("  " + s))
-    v = val.validate(dev, quick=quick, attempts=attempts, log=log)
+    v = val.validate(dev, quick=quick, attempts=attempts, log=log, hardware=hardware)
     if plot:
         from ..plots import validation_plot
 
@@ -50,9 +53,8 @@ def validate(devices_file, device_name, quick, attempts, plot, as_json, debug):
 
         c = console()
         d = v.device
-        c.print(f"[bold]symcost validate[/bold] on {d.name}: fp32 peak {d.peak['fp32'] / 1e9:.1f} GFLOP/s, "
-                f"bandwidth {d.bandwidth / 1e9:.2f} GB/s, ridge {d.ridge('fp32'):.2f} FLOP/byte "
-                "(no GPU figure is measured here)")
+        c.print(f"[bold]symcost validate[/bold] on {d.name}: fp32 peak {d.peak_for('fp32')[0] / 1e9:.1f} GFLOP/s, "
+                f"bandwidth {d.bandwidth / 1e9:.2f} GB/s, ridge {d.ridge('fp32'):.2f} FLOP/byte ({hardware})")
         t = Table(title_justify="left")
         for col in ("kernel", "FLOPs", "bytes", "FLOP/byte", "bound", "predicted", "measured", "GFLOP/s", "GB/s",
                     "measured/predicted"):
