@@ -108,7 +108,7 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
     steady_allocator()
     kernels: list[dict] = []
     gpu = dev.type == "cuda"
-    mm_sizes = ((4096, 8192) if gpu else (512, 1024, 2048)) if not quick else ((2048,) if gpu else (512, 1024))
+    mm_sizes = (4096, 8192) if gpu else ((512, 1024) if quick else (512, 1024, 2048))
     precisions = {"fp32": torch.float32, "bf16": torch.bfloat16} if (gpu or not quick) else {"fp32": torch.float32}
     if gpu:
         precisions["fp16"] = torch.float16
@@ -125,7 +125,7 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
                             "seconds": t["min"], "median": t["median"], "flop_per_s": rate})
             log(f"matmul {n}x{n} {key}: {rate / 1e9:.1f} GFLOP/s")
             peak[key] = max(peak.get(key, 0.0), rate)
-    numel = (1 << 26 if gpu else 1 << 24) if not quick else (1 << 24 if gpu else 1 << 24)
+    numel = 1 << 28 if gpu else 1 << 24  # 1 GiB on a GPU (far beyond its L2), 64 MiB on a CPU
     x = torch.randn(numel, device=dev)
     y = torch.randn(numel, device=dev)
     item = x.element_size()
