@@ -50,8 +50,9 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
             f"implied memory traffic {implied_bw / 1e12:.3g} TB/s per device ({fused:.4g} bytes per step at "
             f"{steps_per_s:.4g} steps/s) exceeds {dev.key}'s {dev.bandwidth / 1e12:.3g} TB/s; "
             "check --tokens-per-second, --devices and the micro-batch --set B")
+    ceiling = rl.roofline(an, dev, sizes)["mfu_ceiling"]
     out = {"model": an.model, "device": dev.to_json(), "precision": key, "peak_flops": peak,
-           "tokens_per_second": R, "devices": n_devices, **tc, "mfu": u,
+           "tokens_per_second": R, "devices": n_devices, **tc, "mfu": u, "mfu_ceiling": ceiling,
            "implied_bandwidth": implied_bw, "bytes.fused_per_step": fused}
     if recompute == "full":
         tr = rl.tokens_compute(an, sizes, recompute="full")
@@ -64,7 +65,10 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
     c.print(f"[bold]symcost mfu[/bold]: {an.model} on {n_devices} x {dev.name} ({key} peak {peak / 1e12:.4g} TFLOP/s)")
     c.print(f"model FLOPs per token: {float(tc['flops.per_token']):.6g}  = {tc['flops.per_token_formula']}  "
             f"(6·P = {tc['flops.per_token_6P']:.6g})")
-    c.print(f"MFU: {100 * u:.2f}%   at {R:.6g} tokens/s")
+    c.print(f"MFU: {100 * u:.2f}%   at {R:.6g} tokens/s   (roofline ceiling at these sizes: {100 * ceiling:.1f}%)")
+    if u > ceiling:
+        c.print("note: above the roofline ceiling of a step at these sizes on this device: the per-op bound "
+                "(fused bytes) says no run can reach it; check the micro-batch --set B and the throughput")
     if "hfu" in out:
         c.print(f"HFU with full recomputation: {100 * out['hfu']:.2f}%")
     c.print(f"implied memory traffic per device: {implied_bw / 1e9:.4g} GB/s of {dev.bandwidth / 1e9:.4g} GB/s "

@@ -10,6 +10,8 @@ from ._options import common, trace_model
 
 
 def _fmt_s(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.2f} us"
     return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.3f} s"
 
 
@@ -76,6 +78,15 @@ def roofline(model, sets, config, attention, precision, debug, device_name, devi
         pt.add_row(ph, _fmt_s(d["seconds"]), f"{100 * d['memory_bound_seconds'] / d['seconds']:.0f}%" if d["seconds"] else "-",
                    human(d["flops"], "FLOP"), human(d["bytes"], "B"), human(d["fused_bytes"], "B"))
     c.print(pt)
+    mt = Table(title="Per module (largest time bounds)", title_justify="left")
+    for col in ("module", "time bound", "share", "memory-bound share", "all FLOPs", "fused bytes"):
+        mt.add_column(col)
+    mods = sorted(r["per_module"].items(), key=lambda kv: -kv[1]["seconds"])
+    for mod, d in mods[:max(top, 1)]:
+        mt.add_row(mod, _fmt_s(d["seconds"]), f"{100 * d['seconds'] / r['step_seconds']:.1f}%" if r["step_seconds"] else "-",
+                   f"{100 * d['memory_bound_seconds'] / d['seconds']:.0f}%" if d["seconds"] else "-",
+                   human(d["flops"], "FLOP"), human(d["fused_bytes"], "B"))
+    c.print(mt)
     nt = Table(title=f"Top {top} ops by time bound", title_justify="left")
     for col in ("op", "module", "phase", "x", "FLOPs", "bytes", "fused", "FLOP/byte", "bound", "time", "share"):
         nt.add_column(col, overflow="fold")
