@@ -4,7 +4,6 @@ FlopCounterMode, and the CLI's JSON contract, plots and errors."""
 from __future__ import annotations
 
 import json
-import math
 import random
 from fractions import Fraction
 
