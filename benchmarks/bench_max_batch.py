@@ -2,7 +2,7 @@
 
 The binary search is what one does without symcost: run a real training step (real CPU tensors,
 forward + backward + AdamW step, steady state) at a batch size, read the peak from
-``torch.profiler``'s memory events (tests/test_memory_oracle.py), double B until it no longer fits,
+``torch.profiler``'s memory events (tests/memory_oracle.py), double B until it no longer fits,
 then bisect. symcost solves ``peak(B) <= cap`` with sympy on the traced formula instead.
 
 Usage: ``python benchmarks/bench_max_batch.py [--model cs336-lm] [--cap-batch 48] [--precision fp32]``
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import symcost  # noqa: E402
 from symcost import memory  # noqa: E402
-from test_memory_oracle import step_peak  # noqa: E402
+from memory_oracle import step_peak  # noqa: E402
 
 SIZES = {
     "cs336-lm": {"S": 64, "H": 4, "D": 16, "L": 2, "V": 512, "F": 128},
@@ -56,7 +56,7 @@ def binary_search(spec, sizes, precision, cap) -> tuple[int, int, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="cs336-lm", choices=sorted(SIZES))
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16-true"])
     ap.add_argument("--cap-batch", type=int, default=48, help="the cap is the measured peak at this B, plus 0.5 %%")
     args = ap.parse_args()
     sizes = SIZES[args.model]

@@ -577,7 +577,7 @@ def _align(recs: list[Recording], spec: ModelSpec) -> None:
 
 
 def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None = None,
-          attention: str = "eager", sizes: Mapping[str, int] | None = None,
+          attention: str | None = None, sizes: Mapping[str, int] | None = None,
           precision: str = "bf16-mixed", n_random: int = 6, seed: int = 0) -> Analysis:
     """Trace a model's training step into a symbolic cost graph.
 
@@ -585,11 +585,14 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         model: a built-in name (``cs336-lm``, ``gpt2``, ``mlp``, ``megatron-gpt``),
             ``hf:MODEL_TYPE``, ``path/to/file.py:factory``, or a :class:`ModelSpec`.
         config: ``hf:`` config overrides (key -> value string).
-        attention: ``eager`` or ``sdpa`` for ``hf:`` models.
+        attention: ``eager`` or ``sdpa`` for ``hf:`` models (None: transformers' default, sdpa
+            where the model has it); other models refuse it.
         sizes: values the formulas will be used at; only their *regime* matters for tracing
             (e.g. K == H selects multi-head attention, K < H grouped-query).
-        precision: ``fp32``, ``bf16`` (model cast), ``bf16-mixed`` (autocast; the default),
-            ``bf16-mixed-master``, ``fp16-mixed``; decides dtypes, hence bytes and activations.
+        precision: a name of :data:`symcost.precision.PRECISIONS`: ``bf16-mixed`` (autocast
+            over fp32 weights; the default), ``fp16-mixed``, ``fp32``, ``bf16-true``,
+            ``fp16-true`` (model cast), ``bf16-true-fp32-state``, ``bf16-true-fp32-master``;
+            decides dtypes, hence bytes and activations.
         n_random: random probes in the fit (besides base and one per symbol).
         seed: probe sampling seed.
 

@@ -224,7 +224,7 @@ def _rope(cfg) -> tuple[bool, float | None, int | None]:
     return True, factor, rotary_dim
 
 
-def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str = "eager") -> ModelSpec:
+def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str | None = None) -> ModelSpec:
     """Build the :class:`~symcost.models.ModelSpec` of ``hf:MODEL_TYPE`` from its default config.
 
     Args:
@@ -234,7 +234,9 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
             int, float, true/false/none, else string; never evaluated). Standard names
             (``hidden_size``) and the config's own (``n_embd``) are both accepted;
             ``parent.key=value`` sets an entry of a dict attribute such as ``rope_parameters``.
-        attention: ``"eager"`` or ``"sdpa"``, the ``attn_implementation`` the model is built with.
+        attention: ``"eager"`` or ``"sdpa"``, the ``attn_implementation`` the model is built with;
+            ``None`` (the default) is what ``transformers`` picks by default: sdpa where the
+            model class supports it, else eager.
 
     The spec's ``build(values)`` returns the model in train mode with hidden_size = H*D;
     ``make_inputs(values, device)`` gives ``input_ids`` and ``labels``, both int64 ``[B, S]``
@@ -247,7 +249,7 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
     """
     AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING, CAUSAL = _import_transformers()
     overrides = dict(overrides or {})
-    if attention not in ATTENTION:
+    if attention is not None and attention not in ATTENTION:
         raise SymcostError(f"unknown attention implementation {attention!r}; accepted: {', '.join(ATTENTION)}")
     name = model_type
     if model_type not in CONFIG_MAPPING and model_type.replace("-", "_") in CONFIG_MAPPING:
@@ -262,14 +264,17 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
             f"hf:{model_type} has no causal-LM head in transformers (AutoModelForCausalLM); "
             f"verified decoder models: {', '.join(VERIFIED)}"
         )
-    if attention == "sdpa":
+    if attention in (None, "sdpa"):
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
         try:
             model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]
         except Exception:  # noqa: BLE001 - a mapping that cannot load its class: let build report it
             model_cls = None
-        if model_cls is not None and not getattr(model_cls, "_supports_sdpa", True):
+        sdpa_ok = model_cls is None or getattr(model_cls, "_supports_sdpa", True)
+        if attention is None:  # transformers' own default
+            attention = "sdpa" if sdpa_ok else "eager"
+        elif not sdpa_ok:
             raise SymcostError(
                 f"hf:{model_type} ({model_cls.__name__}) has no sdpa attention in transformers; "
                 "use --attention eager"

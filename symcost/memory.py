@@ -124,19 +124,26 @@ class Policy:
     note: str
 
 
-#: The precision policies (conventions.md "Memory of a training step"). Activations always come
-#: from the trace at the same precision: a model cast to the low precision for ``bf16``/``fp16``,
-#: an fp32 model under ``torch.autocast`` for the ``-mixed`` policies.
+#: The precision policies (conventions.md "Memory of a training step"; names and what is traced in
+#: :mod:`symcost.precision`). Activations always come from the trace at the same precision: the
+#: model cast to bf16/fp16 for ``*-true`` and ``bf16-true-fp32-*``, the fp32 model under
+#: ``torch.autocast`` for ``*-mixed`` (whose bf16/fp16 weight copies are activations, not static).
 POLICIES: dict[str, Policy] = {
     "fp32": Policy("fp32", 4, 4, 4, 0, "fp32 weights, gradients and optimizer state"),
-    "bf16": Policy("bf16", 2, 2, 2, 0, "pure bf16: weights, gradients and optimizer state in bf16"),
-    "bf16-mixed": Policy("bf16-mixed", 2, 2, 4, 0,
-                         "bf16 weights and gradients, fp32 optimizer state, no master copy: the conventions' 12P"),
-    "bf16-mixed-master": Policy("bf16-mixed-master", 2, 2, 4, 4,
-                                "bf16 weights and gradients, fp32 master weights and optimizer state (16P)"),
-    "fp16-mixed": Policy("fp16-mixed", 2, 2, 4, 4,
-                         "fp16 weights and gradients, fp32 master weights and optimizer state (16P)"),
-    "fp16": Policy("fp16", 2, 2, 2, 0, "pure fp16: weights, gradients and optimizer state in fp16"),
+    "bf16-mixed": Policy("bf16-mixed", 4, 4, 4, 0,
+                         "autocast over fp32 weights (Lightning/Accelerate bf16-mixed): fp32 weights, "
+                         "gradients and optimizer state"),
+    "fp16-mixed": Policy("fp16-mixed", 4, 4, 4, 0,
+                         "autocast over fp32 weights (Lightning 16-mixed): fp32 weights, gradients and "
+                         "optimizer state"),
+    "bf16-true": Policy("bf16-true", 2, 2, 2, 0, "every tensor bf16: weights, gradients and optimizer state"),
+    "fp16-true": Policy("fp16-true", 2, 2, 2, 0, "every tensor fp16: weights, gradients and optimizer state"),
+    "bf16-true-fp32-state": Policy("bf16-true-fp32-state", 2, 2, 4, 0,
+                                   "bf16 weights and gradients, fp32 optimizer state, no master copy "
+                                   "(the conventions' 12P)"),
+    "bf16-true-fp32-master": Policy("bf16-true-fp32-master", 2, 2, 4, 4,
+                                    "bf16 weights and gradients, fp32 master weights and optimizer state "
+                                    "(Megatron-LM / DeepSpeed bf16; 16P)"),
 }
 
 
@@ -182,12 +189,11 @@ def policy(name: str) -> Policy:
     """The :class:`Policy` called ``name``.
 
     Raises:
-        SymcostError: unknown policy.
+        SymcostError: unknown or renamed policy (the message names the new one).
     """
-    try:
-        return POLICIES[name]
-    except KeyError:
-        raise SymcostError(f"unknown precision {name!r}; accepted: {', '.join(POLICIES)}") from None
+    from .precision import check_precision
+
+    return POLICIES[check_precision(name)]
 
 
 def optimizer(name: str) -> Optimizer:
@@ -323,6 +329,11 @@ def _feasible_sup(p: sympy.Expr, X: sympy.Symbol):
 # --------------------------------------------------------------------------------------------
 # the memory model
 # --------------------------------------------------------------------------------------------
+
+
+class NothingFits(SymcostError):
+    """Not even a batch (micro-batch) of 1 fits under the cap: an answer, not bad input (the CLI
+    exits with status 3)."""
 
 
 @dataclass
@@ -820,6 +831,14 @@ class MemoryModel:
     def _env(self, sizes: Mapping[str, int]) -> dict:
         return self.an.bind(**dict(sizes))
 
+    def full_values(self, sizes: Mapping[str, int]) -> dict[str, int]:
+        """Every value a check of the model needs, by name: the model's defaults, ``sizes`` over
+        them, the pinned symbols (B = 1, S = 1) and the tied ones (K = H). No check raises."""
+        an = self.an
+        vals = {**an.spec.defaults, **dict(getattr(an, "pinned", {}) or {}), **{k: int(v) for k, v in sizes.items()}}
+        vals.update({a: vals[b] for a, b in an.spec.tied.items() if b in vals})
+        return vals
+
     def _cands(self, L: int | None, accumulate: bool) -> list[Candidate]:
         cs = self.candidates_accum + self.candidates if accumulate else self.candidates
         return [c for c in cs if L is None or c.min_L <= L]
@@ -951,14 +970,11 @@ class MemoryModel:
         while M(value + 1) <= cap:
             value += 1
             adjusted += 1
-        # the model's own limits (e.g. S <= n_positions)
+        # the model's own limits (e.g. S <= n_positions), checked on the full set of values:
+        # pinned (B = 1), defaulted and tied symbols included
         check = self.an.spec.check
-        tied = self.an.spec.tied
         def valid(x):
-            vals = {str(s): int(v) for s, v in fixed.items()}
-            vals[var] = x
-            vals.update({a: vals[b] for a, b in tied.items() if b in vals})
-            return check(vals)
+            return check(self.full_values({**{str(s): int(v) for s, v in fixed.items()}, var: x}))
         if value >= 1 and valid(value):
             lo, hi = 0, value
             why = valid(value)
@@ -1021,7 +1037,7 @@ class MemoryModel:
         sol = self.solve(cap, "B", accumulate=True, **sizes)
         if sol.value < 1:
             name, nbytes = sol.dominant
-            raise SymcostError(
+            raise NothingFits(
                 f"not even a micro-batch of 1 fits under {gib(cap)} (peak {gib(sol.memory_next)}); "
                 f"{dominant_text(name, nbytes, cap)}"
             )
@@ -1033,8 +1049,8 @@ class MemoryModel:
         if not exact:
             k2 = -(-b // bmax)
             note = (f"no exact split of the per-device batch {b} uses the largest micro-batch that fits "
-                    f"({bmax}); using its largest divisor {micro} (K = {K}); the nearest inexact split is "
-                    f"{k2} x {bmax} = {k2 * bmax} per device")
+                    f"({bmax}); using its largest divisor B_micro = {micro} (K = {K}); the nearest inexact "
+                    f"split is B_micro × K × N_devices = {bmax} × {k2} × {devices} = {bmax * k2 * devices}")
         mem = self.peak(accumulate=True, B=micro, **sizes)
         return AccumulationPlan(global_batch, devices, b, micro, K, sol.value, exact, mem, full,
                                 K * F(micro), K * F(micro) * devices, cap, note)

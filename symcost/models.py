@@ -31,16 +31,23 @@ BUILTINS = {
 }
 
 
-def resolve(model: str, config: Mapping[str, str] | None = None, attention: str = "eager") -> ModelSpec:
+def resolve(model: str, config: Mapping[str, str] | None = None, attention: str | None = None) -> ModelSpec:
     """Return the :class:`ModelSpec` for a model name.
 
     Accepted: a built-in name (``cs336-lm``, ``gpt2``, ``mlp``, ``megatron-gpt``),
-    ``hf:MODEL_TYPE`` (needs ``transformers``), or ``path/to/file.py:factory``.
+    ``hf:MODEL_TYPE`` (needs ``transformers``), or ``path/to/file.py:factory``. ``attention``
+    (``eager`` or ``sdpa``) applies to ``hf:`` models only; ``None`` is what ``transformers``
+    uses by default (sdpa where the model has it).
 
     Raises:
-        SymcostError: unknown name, missing optional dependency, bad factory.
+        SymcostError: unknown name, missing optional dependency, bad factory, an attention
+            implementation for a model that is not ``hf:`` (its attention is its own code).
     """
     config = dict(config or {})
+    if attention is not None and not model.startswith("hf:"):
+        raise SymcostError(
+            f"--attention applies to hf: models only; {model} runs its own attention code (leave --attention out)"
+        )
     if model in BUILTINS:
         if config:
             raise SymcostError(f"--config applies to hf: models only; set sizes of {model!r} with --set")

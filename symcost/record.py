@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .errors import SymcostError
 from .models import ModelSpec
+from .precision import PRECISIONS, check_precision
 
 _META_KEY = "symcost_module"
 
@@ -332,28 +333,22 @@ def find_layer_container(spec: ModelSpec, model: nn.Module, values: Mapping[str,
     )
 
 
-PRECISIONS = ("fp32", "bf16", "bf16-mixed", "bf16-mixed-master", "fp16-mixed", "fp16")
-
-
 def precision_context(precision: str):
-    """``(parameter dtype, autocast context factory)`` of a precision policy.
+    """``(parameter dtype, autocast context factory)`` of a precision (:data:`PRECISIONS`).
 
-    fp32: fp32 model. bf16 / fp16: the model cast to bf16 / fp16 (``model.to(dtype)``).
-    bf16-mixed / bf16-mixed-master / fp16-mixed: fp32 model run under
-    ``torch.autocast("cpu", dtype=bf16 or fp16)`` (what autocast saves, its low-precision copies of
-    the weights included, is what the recording sees).
+    ``*-true`` and ``bf16-true-fp32-*``: the model cast to bf16 / fp16 (``model.to(dtype)``);
+    ``*-mixed``: the fp32 model run under ``torch.autocast("cpu", dtype=bf16 or fp16)`` (what
+    autocast saves, its low-precision copies of the weights included, is what the recording sees);
+    ``fp32``: the fp32 model.
+
+    Raises:
+        SymcostError: an unknown or renamed precision.
     """
-    if precision == "fp32":
-        return torch.float32, contextlib.nullcontext
-    if precision == "bf16":
-        return torch.bfloat16, contextlib.nullcontext
-    if precision == "fp16":
-        return torch.float16, contextlib.nullcontext
-    if precision in ("bf16-mixed", "bf16-mixed-master"):
-        return torch.float32, lambda: torch.autocast("cpu", dtype=torch.bfloat16)
-    if precision == "fp16-mixed":
-        return torch.float32, lambda: torch.autocast("cpu", dtype=torch.float16)
-    raise SymcostError(f"unknown precision {precision!r}; accepted: {', '.join(PRECISIONS)}")
+    weights, cast, _ = PRECISIONS[check_precision(precision)]
+    dtype = getattr(torch, weights)
+    if cast is None:
+        return dtype, contextlib.nullcontext
+    return dtype, lambda: torch.autocast("cpu", dtype=getattr(torch, cast))
 
 
 def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",

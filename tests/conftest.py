@@ -12,6 +12,8 @@ import symcost
 @functools.lru_cache(maxsize=None)
 def _trace(model: str, precision: str = "fp32", attention: str = "eager", config: tuple = (),
            sizes: tuple = ()):
+    # eager by default for hf: models (FlopCounterMode cannot see CPU sdpa); other models take none
+    attention = attention if str(model).startswith("hf:") else None
     return symcost.trace(model, dict(config), attention, sizes=dict(sizes), precision=precision)
 
 

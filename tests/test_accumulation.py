@@ -13,7 +13,7 @@ import torch
 from conftest import random_sizes
 from symcost import memory
 from symcost.errors import SymcostError
-from test_memory_oracle import accumulation_peak, build
+from memory_oracle import accumulation_peak, build
 
 
 def _grads(model):

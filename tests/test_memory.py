@@ -1,6 +1,6 @@
 """symcost.memory against PyTorch's own measurements (issue 3).
 
-Every comparison is with an independent measurement on real CPU tensors (tests/test_memory_oracle.py:
+Every comparison is with an independent measurement on real CPU tensors (tests/memory_oracle.py:
 ``saved_tensors_hooks``, the real optimizer's state after ``step()``, ``torch.profiler`` memory
 events) at random small sizes that took no part in the fit, or with a fresh recording at sizes
 and L the fit never saw; never with numbers copied from symcost's output.
@@ -24,7 +24,7 @@ from symcost import memory
 from symcost.errors import SymcostError
 from symcost.fit import SYMS
 from symcost.record import record
-from test_memory_oracle import full_values, saved_bytes, static_bytes, step_peak
+from memory_oracle import full_values, saved_bytes, static_bytes, step_peak
 
 BUILTINS = ["cs336-lm", "gpt2", "mlp"]
 HF_MAIN = ["hf:gpt2", "hf:llama"]
@@ -67,13 +67,15 @@ def test_parse_memory_rejects(text):
 
 
 def test_policy_bytes_per_parameter(traced):
-    """The conventions' 12P (bf16-mixed Adam), 16P (with master weights; fp32 Adam), derived."""
+    """The conventions' 12P (bf16 weights, fp32 Adam state), 16P (with master weights; fp32 Adam;
+    autocast over fp32 weights), derived."""
     an = traced("mlp")
-    assert memory.memory_model(an, "bf16-mixed", "adamw").bytes_per_param() == 12
-    assert memory.memory_model(an, "bf16-mixed-master", "adamw").bytes_per_param() == 16
+    assert memory.memory_model(an, "bf16-true-fp32-state", "adamw").bytes_per_param() == 12
+    assert memory.memory_model(an, "bf16-true-fp32-master", "adamw").bytes_per_param() == 16
+    assert memory.memory_model(an, "bf16-mixed", "adamw").bytes_per_param() == 16
     assert memory.memory_model(an, "fp32", "adamw").bytes_per_param() == 16
     P = an.params
-    mm = memory.memory_model(an, "bf16-mixed", "adamw")
+    mm = memory.memory_model(an, "bf16-true-fp32-state", "adamw")
     assert sympy.expand(mm.params + mm.grads + mm.optimizer - 12 * P - 4 * mm.n_tensors) == 0
 
 
@@ -91,7 +93,7 @@ def _check_activations(traced, model, precision, seed=11):
         assert got == want, f"{model} {precision} at {sz}: symcost {got} B, saved_tensors_hooks {want} B"
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-true", "bf16-mixed"])
 @pytest.mark.parametrize("model", BUILTINS)
 def test_activations_builtin(traced, model, precision):
     _check_activations(traced, model, precision)
@@ -99,7 +101,7 @@ def test_activations_builtin(traced, model, precision):
 
 @needs_hf
 @pytest.mark.heavy
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-true", "bf16-mixed"])
 @pytest.mark.parametrize("model", HF_MAIN)
 def test_activations_hf(traced, model, precision):
     _check_activations(traced, model, precision)
@@ -125,8 +127,9 @@ def test_activations_per_layer_is_the_block(traced):
 # static memory: the real optimizer's state after one step()
 # ---------------------------------------------------------------------------------------------
 
-STATIC_CASES = [(p, o) for p in ("fp32", "bf16", "fp16") for o in memory.OPTIMIZERS] + [
-    (p, o) for p in ("bf16-mixed", "bf16-mixed-master", "fp16-mixed") for o in ("adamw", "sgd", "adafactor")]
+STATIC_CASES = [(p, o) for p in ("fp32", "bf16-true", "fp16-true") for o in memory.OPTIMIZERS] + [
+    (p, o) for p in ("bf16-mixed", "bf16-true-fp32-state", "bf16-true-fp32-master", "fp16-mixed")
+    for o in ("adamw", "sgd", "adafactor")]
 
 
 @pytest.mark.parametrize("model", ["cs336-lm", "gpt2"])
@@ -166,7 +169,7 @@ def _check_peak(an, mm, precision, opt, foreach, seed=5, n=3):
             f"{mm.peak_where(**sz)}")
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-true"])
 @pytest.mark.parametrize("model", BUILTINS + ["megatron-gpt"])
 def test_peak_builtin(traced, model, precision):
     an = traced(model, precision)
@@ -175,7 +178,7 @@ def test_peak_builtin(traced, model, precision):
 
 @needs_hf
 @pytest.mark.heavy
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-true"])
 @pytest.mark.parametrize("model", HF_MAIN)
 def test_peak_hf(traced, model, precision):
     an = traced(model, precision)
@@ -193,8 +196,7 @@ def test_peak_autocast(traced):
     """The autocast trace's schedule against a real autocast step (fp32 weights and AdamW, i.e.
     PyTorch AMP as it runs: the static part is fp32, the activations bf16 where autocast casts)."""
     an = traced("cs336-lm", "bf16-mixed")
-    amp = memory.Policy("amp", 4, 4, 4, 0, "fp32 weights under autocast")
-    _check_peak(an, memory.MemoryModel(an, amp, memory.optimizer("adamw"), "foreach"), "bf16-mixed", "adamw", True)
+    _check_peak(an, memory.memory_model(an, "bf16-mixed", "adamw", "foreach"), "bf16-mixed", "adamw", True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +204,7 @@ def test_peak_autocast(traced):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model,precision", [("cs336-lm", "fp32"), ("mlp", "bf16-mixed"), ("gpt2", "bf16"),
+@pytest.mark.parametrize("model,precision", [("cs336-lm", "fp32"), ("mlp", "bf16-mixed"), ("gpt2", "bf16-true"),
                                              ("megatron-gpt", "fp32")])
 def test_schedule_folds_over_L(traced, model, precision):
     """Max live bytes and the bytes live at the end of a fresh recording (L = 1, 3, 4, other
@@ -235,7 +237,7 @@ def test_korthikanti_per_layer(traced):
     """Megatron-style layer, fp16 activations, 1-byte dropout masks, no recomputation: the leading
     terms of the traced per-layer activation formula are s·b·h·(34 + 5·a·s/h) (Sec. 4.1); what
     remains has no factor h or a (docs/memory.md lists it: LayerNorm mean and rstd)."""
-    an = traced("megatron-gpt", "fp16")
+    an = traced("megatron-gpt", "fp16-true")
     mm = memory.memory_model(an)
     B, S, H, D = (SYMS[k] for k in "BSHD")
     s, b, h, a = S, B, H * D, H
@@ -246,8 +248,8 @@ def test_korthikanti_per_layer(traced):
         assert sympy.degree(term, S) <= 1 and sympy.degree(term, B) <= 1
     # and the traced block is what real fp16 tensors save: one layer more, per-layer bytes more
     sz = {"B": 2, "S": 9, "H": 4, "D": 6, "V": 37}
-    one = saved_bytes(an.spec, {**sz, "L": 1}, "fp16")
-    two = saved_bytes(an.spec, {**sz, "L": 2}, "fp16")
+    one = saved_bytes(an.spec, {**sz, "L": 1}, "fp16-true")
+    two = saved_bytes(an.spec, {**sz, "L": 2}, "fp16-true")
     assert two - one == int(mm.activations_per_layer.subs(an.bind(**sz, L=1)))
 
 
@@ -304,9 +306,9 @@ def test_max_batch_under_one_second(traced):
     """Building the memory model and solving take under 1 s after tracing."""
     import time
 
-    an = traced("gpt2", "bf16")  # a trace no other test builds a memory model for first
+    an = traced("gpt2", "bf16-true")  # a trace no other test builds a memory model for first
     t0 = time.perf_counter()
-    mm = memory.memory_model(an, "bf16", "adam", "for-loop")
+    mm = memory.memory_model(an, "bf16-true", "adam", "for-loop")
     sol = mm.solve("80GiB", "B", S=1024)
     solS = mm.solve("24GiB", "S", B=8)
     dt = time.perf_counter() - t0

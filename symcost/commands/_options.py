@@ -25,8 +25,13 @@ def expand_multi(argv: list[str]) -> list[str]:
     """
     out: list[str] = []
     current, first = None, False
-    for tok in argv:
+    for i, tok in enumerate(argv):
         if tok in _MULTI:
+            nxt, after = argv[i + 1: i + 2], argv[i + 2: i + 3]
+            if nxt and "=" not in nxt[0] and not nxt[0].startswith("-") and after and "=" not in after[0] \
+                    and (after[0].replace("_", "").isdigit() if tok == "--set" else not after[0].startswith("-")):
+                what = "SYMBOL=INTEGER" if tok == "--set" else "KEY=VALUE"
+                raise SymcostError(f"{tok} takes {what}: write {tok} {nxt[0]}={after[0]}, not {tok} {nxt[0]} {after[0]}")
             current, first = tok, True
             continue
         if current and (first or _PAIR.match(tok)):
@@ -90,9 +95,10 @@ def common(f):
                           "FlopCounterMode) or over the S*(S+1)/2 of a causal mask (causal)")(f)
     f = click.option("--debug", is_flag=True, help="show tracebacks")(f)
     f = click.option("--precision", default="bf16-mixed", show_default=True,
-                     help="fp32, bf16, bf16-mixed, bf16-mixed-master, fp16-mixed, fp16")(f)
-    f = click.option("--attention", type=click.Choice(["eager", "sdpa"]), default="eager",
-                     help="attention implementation for hf: models")(f)
+                     help="bf16-mixed (autocast over fp32 weights), fp16-mixed, fp32, bf16-true, fp16-true, "
+                          "bf16-true-fp32-state (12P), bf16-true-fp32-master; see docs/memory.md")(f)
+    f = click.option("--attention", type=click.Choice(["eager", "sdpa"]), default=None,
+                     help="hf: models only: attention implementation [default: sdpa, as transformers]")(f)
     f = click.option("--config", "config", multiple=True, metavar="KEY=VALUE",
                      help="hf: config override (repeatable: --config a=1 b=2)")(f)
     f = click.option("--set", "sets", multiple=True, metavar="SYM=INT",
@@ -100,26 +106,161 @@ def common(f):
     return f
 
 
-def trace_model(model, sets, config, attention, precision="bf16-mixed"):
-    from ..analysis import trace
-    from ..models import resolve
-    from ..record import PRECISIONS
+def optimizer_option(f):
+    return click.option("--optimizer", default="adamw", show_default=True,
+                        help="adamw, adam, sgd (momentum), sgd-nomomentum, adafactor")(f)
+
+
+def memory_options(f):
+    """``--memory`` (the cap of the largest-batch line) and ``--optimizer``."""
+    f = optimizer_option(f)
+    return click.option("--memory", "memory", default="80GiB", show_default=True,
+                        help="memory cap per device for the largest-batch line: bytes, or a number "
+                             "with KiB/MiB/GiB/TiB (binary) or KB/MB/GB/TB")(f)
+
+
+def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=False):
+    """Trace ``model`` for a command: check every option first (one line, before seconds of
+    tracing), then trace, showing progress on stderr when it is a terminal (not when ``quiet``,
+    e.g. with ``--json``).
+
+    Returns:
+        ``(Analysis, sizes)`` with ``sizes`` the ``--set`` values.
+
+    Raises:
+        SymcostError: bad sizes, precision, config or attention; ``--set`` and ``--config``
+            giving one symbol two values; a model that cannot be traced.
+    """
+    from ..precision import check_precision
 
     sizes = parse_sizes(sets)
-    if precision not in PRECISIONS:
-        raise SymcostError(f"unknown precision {precision!r}; accepted: {', '.join(PRECISIONS)}")
-    spec = resolve(model, parse_config(config), attention)
-    # reject sizes the model cannot take before the (seconds-long) trace
-    unknown = [k for k in sizes if k not in spec.all_symbols and k not in spec.tied]
-    if unknown:
-        raise SymcostError(f"unknown symbol {unknown[0]!r} for {spec.name}; accepted: {', '.join(spec.all_symbols)}")
-    values = {**spec.defaults, **sizes}
-    values.update({a: values.get(b) for a, b in spec.tied.items()})
-    msg = spec.check(values)
-    if msg:
-        raise SymcostError(msg)
-    an = trace(spec, sizes=sizes, precision=precision)
+    check_precision(precision)
+    cfg = parse_config(config)
+    if attention is not None and not str(model).startswith("hf:"):  # before importing torch
+        raise SymcostError(
+            f"--attention applies to hf: models only; {model} runs its own attention code (leave --attention out)")
+    with progress(f"resolving {model}", quiet) as status:
+        from ..models import resolve
+
+        spec = resolve(model, cfg, attention)
+        # reject sizes the model cannot take before the (seconds-long) trace
+        unknown = [k for k in sizes if k not in spec.all_symbols and k not in spec.tied]
+        if unknown:
+            raise SymcostError(f"unknown symbol {unknown[0]!r} for {spec.name}; accepted: {', '.join(spec.all_symbols)}")
+        _check_set_vs_config(model, spec, sizes, cfg, attention)
+        values = {**spec.defaults, **sizes}
+        values.update({a: values.get(b) for a, b in spec.tied.items()})
+        msg = spec.check(values)
+        if msg:
+            raise SymcostError(msg)
+        status(f"tracing {spec.name} (a training step at several probe sizes)")
+        from ..analysis import trace
+
+        try:
+            an = trace(spec, sizes=sizes, precision=precision)
+        except SymcostError as e:
+            raise _with_probe_hint(e, spec) from e
     ctx = click.get_current_context(silent=True)
     an = an.with_attention_flops(ctx.meta.get("symcost.attention_flops", "full") if ctx else "full")
     an.bind(**sizes)  # validate before rendering
     return an, sizes
+
+
+#: small sizes like the tracer's probes, to say why none could be found
+_SMALL = {"B": 2, "S": 8, "H": 4, "D": 8, "L": 2, "V": 64, "F": 32, "K": 2, "M": 32, "E": 4, "R": 2}
+
+
+def _with_probe_hint(e: SymcostError, spec) -> SymcostError:
+    """When the tracer found no probe sizes, say which of the model's own constraints small
+    sizes break (e.g. a config value that forces a large D), with the check's hint."""
+    if not str(e).startswith("could not find probe sizes"):
+        return e
+    small = {s: _SMALL.get(s, 4) for s in spec.all_symbols}
+    small.update({a: small.get(b) for a, b in spec.tied.items()})
+    why = spec.check(small)
+    return SymcostError(f"{e}: the tracer probes small sizes (e.g. {', '.join(f'{k}={v}' for k, v in small.items())}), "
+                        f"where {why}" if why else str(e))
+
+
+#: the ``transformers`` config keys that set each symbol of an ``hf:`` model (symcost.hf binds
+#: them the same way); a config's own aliases (gpt2's ``n_layer``) come from its attribute_map
+_CONFIG_KEYS = {
+    "H": ("num_attention_heads",), "D": ("head_dim",), "L": ("num_hidden_layers",), "V": ("vocab_size",),
+    "F": ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size"), "K": ("num_key_value_heads",),
+    "M": ("hidden_size",),
+}
+
+
+def _check_set_vs_config(model, spec, sizes, cfg, attention) -> None:
+    """``--set L=4`` with ``--config num_hidden_layers=8`` names one quantity twice: an error
+    when the two values differ (so that neither is silently ignored). Where d_model = H·D,
+    ``--config hidden_size`` must equal H·D of the ``--set`` values.
+
+    Raises:
+        SymcostError: the first such pair.
+    """
+    if not cfg or not sizes or not str(model).startswith("hf:"):
+        return
+    amap = {}
+    try:
+        from transformers import CONFIG_MAPPING
+
+        amap = dict(getattr(CONFIG_MAPPING[spec.extra.get("model_type")], "attribute_map", {}) or {})
+    except Exception:  # noqa: BLE001 - no alias table: the standard names still work
+        pass
+
+    def given(key):
+        for k in (key, amap.get(key)):
+            if k and k in cfg:
+                try:
+                    return k, int(str(cfg[k]).replace("_", ""))
+                except ValueError:
+                    return None
+        return None
+
+    values = {**spec.defaults, **sizes}
+    values.update({a: values.get(b) for a, b in spec.tied.items()})
+    for sym, keys in _CONFIG_KEYS.items():
+        for key in keys:
+            got = given(key)
+            if got is None:
+                continue
+            ckey, cval = got
+            if sym == "M" and "M" not in spec.all_symbols:  # d_model = H·D here
+                if ("H" in sizes or "D" in sizes) and values.get("H") and values.get("D") \
+                        and values["H"] * values["D"] != cval:
+                    raise SymcostError(
+                        f"--config {ckey}={cval} conflicts with --set H·D = {values['H']}·{values['D']} = "
+                        f"{values['H'] * values['D']} (d_model = H·D for {spec.name}); give the width once")
+            elif sym in sizes and sizes[sym] != cval:
+                raise SymcostError(
+                    f"--set {sym}={sizes[sym]} conflicts with --config {ckey}={cval} (both set {sym}); "
+                    f"give {sym} once")
+
+
+class progress:
+    """A rich status line on stderr while tracing, when stderr is a terminal and not ``quiet``
+    (silent otherwise). ``with progress("text") as status: status("next step")``."""
+
+    def __init__(self, text: str, quiet: bool = False):
+        import sys
+
+        self.text, self._status = text, None
+        self.live = not quiet and sys.stderr.isatty()
+
+    def __enter__(self):
+        if self.live:
+            from rich.console import Console
+
+            self._status = Console(stderr=True).status(self.text)
+            self._status.__enter__()
+        return self.update
+
+    def update(self, text: str) -> None:
+        if self._status is not None:
+            self._status.update(text)
+
+    def __exit__(self, *exc):
+        if self._status is not None:
+            self._status.__exit__(*exc)
+        return False

@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import time
 
-import click
-import sympy
+from typing import TYPE_CHECKING
 
-from .. import memory as mem
+import click
+
 from ..errors import SymcostError
-from ..report import console, human
 from ._options import common, trace_model
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only; sympy and torch load with the trace
+    from .. import memory as mem
 
 
 def _solution_json(an, sol: mem.Solution, mm: mem.MemoryModel, seconds: float) -> dict:
@@ -44,6 +46,11 @@ def _solution_json(an, sol: mem.Solution, mm: mem.MemoryModel, seconds: float) -
     return out
 
 
+#: exit status when not even B = 1 (S = 1, a micro-batch of 1) fits under the cap; the output says
+#: what dominates (bad input exits with 2)
+NOTHING_FITS = 3
+
+
 @click.command(name="max-batch")
 @click.argument("model", default="cs336-lm")
 @common
@@ -64,7 +71,13 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
     The peak is that of a steady-state training step (see docs/memory.md). With --global-batch
     and --devices: the micro-batch and accumulation steps K, B_global = B_micro x K x N_devices.
+    Exit status 3 when not even 1 fits under --memory (the output names what dominates).
     """
+    from ..precision import check_precision
+
+    check_precision(precision)  # the cheap checks first: they need neither sympy nor torch
+    from .. import memory as mem
+
     cap = mem.parse_memory(memory)
     mem.optimizer(optimizer)
     if impl not in mem.IMPLS:
@@ -86,11 +99,15 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     sets_b = [s for s in sets if s.partition("=")[0].strip() == var]
     if sets_b:
         raise SymcostError(f"--set {sets_b[0]} conflicts with solving for {var}; leave {var} out")
-    an, sizes = trace_model(model, sets, config, attention, precision)
+    an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
     t0 = time.perf_counter()
     mm = mem.memory_model(an, precision, optimizer, impl)
     if global_batch is not None:
-        plan = mm.plan_accumulation(global_batch, devices, cap, **sizes)
+        try:
+            plan = mm.plan_accumulation(global_batch, devices, cap, **sizes)
+        except mem.NothingFits as e:
+            click.echo(f"symcost: {e}", err=True)
+            raise SystemExit(NOTHING_FITS) from None
         seconds = time.perf_counter() - t0
         _print_plan(an, mm, plan, seconds, as_json, sizes)
         return
@@ -98,8 +115,10 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     seconds = time.perf_counter() - t0
     if as_json:
         click.echo(json.dumps(_solution_json(an, sol, mm, seconds), indent=1))
-        return
-    _print_solution(an, mm, sol, seconds, sizes)
+    else:
+        _print_solution(an, mm, sol, seconds, sizes)
+    if sol.value < 1:
+        raise SystemExit(NOTHING_FITS)
 
 
 def _sizes_line(sol_sizes: dict, given: dict) -> str:
@@ -107,12 +126,21 @@ def _sizes_line(sol_sizes: dict, given: dict) -> str:
 
 
 def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, given: dict) -> None:
+    import sympy
     from rich.table import Table
+
+    from .. import memory as mem
+    from ..report import console, human
 
     c = console()
     v = sol.var
-    c.print(f"[bold]symcost max-batch[/bold] {an.model}: precision {mm.policy.name}, optimizer {mm.opt.name} "
-            f"({mm.impl}), steady-state step (traced in {sum(an.timings.values()):.1f} s)")
+    att = an.spec.extra.get("attention")
+    c.print(f"[bold]symcost max-batch[/bold] {an.model}: precision {mm.policy.name} ({mm.bytes_per_param()} "
+            f"bytes/param), optimizer {mm.opt.name} ({mm.impl})" + (f", attention {att}" if att else "")
+            + f", steady-state step (traced in {sum(an.timings.values()):.1f} s)")
+    pinned = getattr(an, "pinned", {}) or {}
+    if pinned:
+        c.print("  pinned: " + ", ".join(f"{k} = {v} (size 1 runs other kernels)" for k, v in pinned.items()))
     c.print(f"  sizes: {_sizes_line(sol.sizes, given)}")
     c.print(f"  memory cap: {human(sol.cap, 'B')} ({sol.cap:,} bytes)")
     c.print(f"  solved with sympy: {sol.inequality}  →  {v} ≤ {sympy.N(sol.bound, 12) if sol.bound is not None else '-'}")
@@ -140,6 +168,8 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
 
 
 def _print_plan(an, mm, plan: mem.AccumulationPlan, seconds: float, as_json: bool, sizes) -> None:
+    from ..report import console, human
+
     if as_json:
         click.echo(json.dumps({
             "model": an.model, "precision": mm.policy.name, "optimizer": mm.opt.name,
@@ -159,14 +189,24 @@ def _print_plan(an, mm, plan: mem.AccumulationPlan, seconds: float, as_json: boo
             f"optimizer {mm.opt.name} ({mm.impl})")
     c.print(f"  global batch {plan.global_batch} over {plan.devices} device(s): {plan.per_device_batch} per device; "
             f"memory cap {human(plan.cap, 'B')}")
-    c.print(f"[bold]  micro-batch B_micro = {plan.micro_batch}, accumulation steps K = {plan.accumulation_steps}[/bold]"
-            f"   ({plan.micro_batch} × {plan.accumulation_steps} × {plan.devices} = "
-            f"{plan.micro_batch * plan.accumulation_steps * plan.devices})")
+    c.print(f"[bold]  B_global = B_micro × K × N_devices = {plan.micro_batch} × {plan.accumulation_steps} × "
+            f"{plan.devices} = {plan.micro_batch * plan.accumulation_steps * plan.devices}[/bold]   "
+            f"(micro-batch B_micro = {plan.micro_batch}, accumulation steps K = {plan.accumulation_steps})")
+    if plan.accumulation_steps > 1:
+        plain = mm.solve(plan.cap, "B", **{k: v for k, v in sizes.items() if k != "B"}).value
+        if plain > plan.max_micro_batch:
+            b = plan.max_micro_batch + 1
+            extra = mm.peak(accumulate=True, B=b, **sizes) - mm.peak(B=b, **sizes)
+            grads = mm.components(B=b, **sizes)["grads"]
+            c.print(f"  the largest micro-batch under accumulation is {plan.max_micro_batch}, one step alone fits "
+                    f"B = {plain} (max-batch): the gradient buffers ({human(grads, 'B')}) stay live across the "
+                    f"K micro-batches, so at B = {b} a micro-step needs {human(extra, 'B')} more than a plain "
+                    f"step and passes the cap")
     if plan.note:
         c.print(f"  {plan.note}")
     c.print(f"  peak per device: {human(plan.memory, 'B')} (without accumulation, B = {plan.per_device_batch}: "
             f"{human(plan.memory_without, 'B')}; saved {human(plan.memory_without - plan.memory, 'B')})")
     c.print(f"  model FLOPs per optimizer step: {human(plan.flops_per_device, 'FLOP')} per device, "
             f"{human(plan.flops_total, 'FLOP')} in all (the same as without accumulation: K micro-steps of "
-            f"B_micro = one step of B_micro·K)")
+            f"B_micro = one step of B_micro × K)")
     c.print(f"  solved in {seconds:.3f} s after tracing")

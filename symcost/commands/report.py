@@ -1,32 +1,34 @@
-"""``symcost report``: the main job (symbols, per-module costs, totals, 6·N·P form, memory)."""
+"""``symcost report``: the main job (what it assumed, symbols, per-module costs, totals, the 6·N·P
+form, memory and the precision policies)."""
 from __future__ import annotations
 
 import json
 
 import click
 
-from ._options import common, trace_model
+from ._options import common, memory_options, trace_model
 
 
 @click.command()
 @click.argument("model", default="cs336-lm")
 @common
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-@click.option("--memory", "memory", default="80GiB", show_default=True,
-              help="memory cap for the largest-batch line (bytes, or 80GiB / 80GB)")
-@click.option("--optimizer", default="adamw", show_default=True, help="adamw, adam, sgd, adafactor")
+@memory_options
 def report(model, sets, config, attention, precision, debug, as_json, memory, optimizer):
-    """The main job: symbols, per-module costs, totals as formulas and the 6·N·P form.
+    """The main job: symbols, per-module costs, totals as formulas and the 6·N·P form, memory.
 
     MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
     """
-    from .. import report as rep
+    from ..precision import check_precision
 
+    check_precision(precision)  # the cheap checks first: they need neither sympy nor torch
     from ..memory import optimizer as check_optimizer, parse_memory
 
     parse_memory(memory)  # bad --memory / --optimizer: say so before tracing
     check_optimizer(optimizer)
-    an, sizes = trace_model(model, sets, config, attention, precision)
+    an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
+    from .. import report as rep
+
     mem = rep.memory_section(an, sizes, memory, precision, optimizer)
     if as_json:
         click.echo(json.dumps(rep.to_json(an, sizes if sizes else None, memory=mem), indent=1))

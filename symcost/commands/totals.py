@@ -1,6 +1,9 @@
 """``symcost formulas`` and ``symcost eval``: the same totals as formulas or as integers.
 
-The two commands differ only in evaluating; :func:`totals_command` builds both.
+The two commands differ only in evaluating; :func:`totals_command` builds both. ``eval`` takes
+``--memory`` and ``--optimizer`` (its memory section has the largest batch under that cap);
+``formulas`` prints formulas only, the memory formulas under ``--optimizer`` included, and no
+number evaluated at default sizes.
 """
 from __future__ import annotations
 
@@ -8,7 +11,10 @@ import json
 
 import click
 
-from ._options import common, trace_model
+from ._options import common, memory_options, optimizer_option, trace_model
+
+#: memory JSON keys that are numbers at some sizes, not formulas (left out of ``formulas``)
+EVALUATED_KEYS = ("max_batch", "memory_at_max", "memory_cap")
 
 
 def totals_command(name: str, evaluate: bool, doc: str):
@@ -18,13 +24,22 @@ def totals_command(name: str, evaluate: bool, doc: str):
     @click.argument("model")
     @common
     @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-    @click.option("--optimizer", default="adamw", show_default=True,
-                  help="adamw, adam, sgd, sgd-nomomentum, adafactor")
-    def command(model, sets, config, attention, precision, debug, as_json, optimizer):
+    @(memory_options if evaluate else optimizer_option)
+    def command(model, sets, config, attention, precision, debug, as_json, optimizer, memory=None):
+        from ..precision import check_precision
+
+        check_precision(precision)  # the cheap checks first: they need neither sympy nor torch
+        from ..memory import optimizer as check_optimizer, parse_memory
+
+        if memory is not None:
+            parse_memory(memory)
+        check_optimizer(optimizer)
+        an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
         from .. import report as rep
 
-        an, sizes = trace_model(model, sets, config, attention, precision)
-        mem = rep.memory_section(an, sizes, "80GiB", precision, optimizer, evaluate=evaluate)
+        mem = rep.memory_section(an, sizes, memory or "80GiB", precision, optimizer, evaluate=evaluate)
+        if mem is not None and not evaluate:
+            mem = formulas_only(mem)
         if as_json:
             click.echo(json.dumps(rep.to_json(an, sizes if evaluate else None, memory=mem), indent=1))
         elif evaluate:
@@ -33,6 +48,16 @@ def totals_command(name: str, evaluate: bool, doc: str):
             rep.render(an, {}, table=False, memory=mem)
 
     return command
+
+
+def formulas_only(mem: dict) -> dict:
+    """The memory section without what is a number at some sizes (the largest batch under a cap,
+    the peak's value at the defaults): ``formulas`` prints formulas."""
+    js = {k: v for k, v in mem.get("json", {}).items() if k not in EVALUATED_KEYS}
+    lines = [ln for ln in mem.get("lines", []) if not ln.startswith(("largest batch", "not even B", "peak at"))]
+    rows = [(label, formula, "") for label, formula, _ in mem.get("rows", [])]
+    title = mem.get("title", "Memory").replace(" (values at the model's defaults)", "")
+    return {**mem, "json": js, "lines": lines, "rows": rows, "title": title}
 
 
 formulas = totals_command("formulas", False, "Closed-form totals of MODEL as formulas in the canonical symbols.")

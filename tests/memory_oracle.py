@@ -19,8 +19,10 @@ import contextlib
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-AUTOCAST = {"bf16-mixed": torch.bfloat16, "bf16-mixed-master": torch.bfloat16, "fp16-mixed": torch.float16}
+#: precision -> the dtype of the model's weights (``model.to(dtype)``), and the autocast ones
+DTYPES = {"fp32": torch.float32, "bf16-true": torch.bfloat16, "fp16-true": torch.float16,
+          "bf16-true-fp32-state": torch.bfloat16, "bf16-true-fp32-master": torch.bfloat16}
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
 def full_values(spec, sizes):
@@ -150,32 +152,28 @@ def make_optimizer(name, params, precision, foreach=None):
         "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-3, foreach=foreach),
     }
     make = kinds[name]
-    if precision in ("bf16-mixed-master", "fp16-mixed"):
+    if precision == "bf16-true-fp32-master":
         return _MasterWeights(params, make)
-    if precision == "bf16-mixed":
+    if precision == "bf16-true-fp32-state":
         return _Fp32State(params, make)
-    return make(params)
-
-
-def _low_precision(model, precision):
-    if precision in ("bf16-mixed", "bf16-mixed-master"):
-        model.to(torch.bfloat16)
-    elif precision == "fp16-mixed":
-        model.to(torch.float16)
+    return make(params)  # fp32, *-true, and *-mixed (autocast: a plain optimizer on fp32 weights)
 
 
 def static_bytes(spec, sizes, precision, optimizer) -> dict[str, int]:
     """Bytes of parameters, gradients, optimizer state and master weights after one real step.
 
-    ``precision`` picks the realisation: fp32 / bf16 / fp16 models with a torch optimizer; the
-    mixed policies with bf16 (fp16) weights and gradients and fp32 optimizer state, through fp32
-    master weights (``-master``, ``fp16-mixed``) or fp32 temporaries (``bf16-mixed``).
+    ``precision`` picks the realisation: fp32 / bf16-true / fp16-true models with a torch
+    optimizer; ``*-mixed``: the fp32 model and a torch optimizer, the step under
+    ``torch.autocast`` (as Lightning and Accelerate run it); ``bf16-true-fp32-*``: bf16 weights
+    and gradients and fp32 optimizer state, through fp32 master weights (``-master``) or fp32
+    temporaries (``-state``).
     """
-    model, args, kwargs, _ = build(spec, sizes, precision if precision in DTYPES else "fp32")
-    _low_precision(model, precision)
+    model, args, kwargs, ctx = build(spec, sizes, precision)
     opt = make_optimizer(optimizer, model.parameters(), precision)
-    out = model(*args, **kwargs)
-    spec.loss(out, (args, kwargs)).backward()
+    with ctx():
+        out = model(*args, **kwargs)
+        loss = spec.loss(out, (args, kwargs))
+    loss.backward()
     opt.step()
     params = list(model.parameters())
     state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
