@@ -31,9 +31,9 @@ FALLBACK = {
     "fp8": ("fp8", "bf16", "fp16", "fp32"),
 }
 #: symcost's training precisions (``--precision``) -> the device precision of their matmuls.
-TRAINING_PRECISION = {
-    "fp32": "fp32", "bf16": "bf16", "bf16-mixed": "bf16", "bf16-mixed-master": "bf16",
-    "fp16": "fp16", "fp16-mixed": "fp16",
+TRAINING_PRECISION = {  # every --precision of symcost.precision.PRECISIONS
+    "fp32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "bf16-true-fp32-state": "bf16",
+    "bf16-true-fp32-master": "bf16", "fp16-mixed": "fp16", "fp16-true": "fp16",
 }
 _DTYPE_KEY = {
     "float32": "fp32", "float": "fp32", "float64": "fp32", "double": "fp32", "bfloat16": "bf16",

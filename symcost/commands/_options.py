@@ -119,6 +119,24 @@ def memory_options(f):
                              "with KiB/MiB/GiB/TiB (binary) or KB/MB/GB/TB")(f)
 
 
+def early_checks(model, sets, config, attention, precision) -> None:
+    """The checks that need neither sympy nor torch (a command runs them first, so argument
+    errors answer at once): sizes, precision, config syntax, --attention for a model that is not
+    ``hf:``.
+
+    Raises:
+        SymcostError: the first problem found.
+    """
+    from ..precision import check_precision
+
+    parse_sizes(sets)
+    check_precision(precision)
+    parse_config(config)
+    if attention is not None and not str(model).startswith("hf:"):
+        raise SymcostError(
+            f"--attention applies to hf: models only; {model} runs its own attention code (leave --attention out)")
+
+
 def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=False):
     """Trace ``model`` for a command: check every option first (one line, before seconds of
     tracing), then trace, showing progress on stderr when it is a terminal (not when ``quiet``,
@@ -131,14 +149,11 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
         SymcostError: bad sizes, precision, config or attention; ``--set`` and ``--config``
             giving one symbol two values; a model that cannot be traced.
     """
-    from ..precision import check_precision
-
+    early_checks(model, sets, config, attention, precision)  # before importing torch
+    ctx = click.get_current_context(silent=True)
+    quiet = quiet or bool(ctx and ctx.params.get("as_json"))  # --json: no progress line either
     sizes = parse_sizes(sets)
-    check_precision(precision)
     cfg = parse_config(config)
-    if attention is not None and not str(model).startswith("hf:"):  # before importing torch
-        raise SymcostError(
-            f"--attention applies to hf: models only; {model} runs its own attention code (leave --attention out)")
     with progress(f"resolving {model}", quiet) as status:
         from ..models import resolve
 
@@ -160,7 +175,6 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
             an = trace(spec, sizes=sizes, precision=precision)
         except SymcostError as e:
             raise _with_probe_hint(e, spec) from e
-    ctx = click.get_current_context(silent=True)
     an = an.with_attention_flops(ctx.meta.get("symcost.attention_flops", "full") if ctx else "full")
     an.bind(**sizes)  # validate before rendering
     return an, sizes

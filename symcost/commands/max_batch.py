@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ..errors import SymcostError
-from ._options import common, trace_model
+from ._options import common, early_checks, trace_model
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only; sympy and torch load with the trace
     from .. import memory as mem
@@ -73,9 +73,7 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     and --devices: the micro-batch and accumulation steps K, B_global = B_micro x K x N_devices.
     Exit status 3 when not even 1 fits under --memory (the output names what dominates).
     """
-    from ..precision import check_precision
-
-    check_precision(precision)  # the cheap checks first: they need neither sympy nor torch
+    early_checks(model, sets, config, attention, precision)  # no sympy or torch needed: answers at once
     from .. import memory as mem
 
     cap = mem.parse_memory(memory)

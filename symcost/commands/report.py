@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ._options import common, memory_options, trace_model
+from ._options import common, early_checks, memory_options, trace_model
 
 
 @click.command()
@@ -19,9 +19,7 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
 
     MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
     """
-    from ..precision import check_precision
-
-    check_precision(precision)  # the cheap checks first: they need neither sympy nor torch
+    early_checks(model, sets, config, attention, precision)  # no sympy or torch needed: answers at once
     from ..memory import optimizer as check_optimizer, parse_memory
 
     parse_memory(memory)  # bad --memory / --optimizer: say so before tracing

@@ -11,7 +11,7 @@ import json
 
 import click
 
-from ._options import common, memory_options, optimizer_option, trace_model
+from ._options import common, early_checks, memory_options, optimizer_option, trace_model
 
 #: memory JSON keys that are numbers at some sizes, not formulas (left out of ``formulas``)
 EVALUATED_KEYS = ("max_batch", "memory_at_max", "memory_cap")
@@ -26,9 +26,7 @@ def totals_command(name: str, evaluate: bool, doc: str):
     @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
     @(memory_options if evaluate else optimizer_option)
     def command(model, sets, config, attention, precision, debug, as_json, optimizer, memory=None):
-        from ..precision import check_precision
-
-        check_precision(precision)  # the cheap checks first: they need neither sympy nor torch
+        early_checks(model, sets, config, attention, precision)  # no sympy or torch needed: answers at once
         from ..memory import optimizer as check_optimizer, parse_memory
 
         if memory is not None:
