@@ -20,8 +20,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import rules
 from .errors import SymcostError
-from .fit import SYMS, Fitter, plan_probes, random_point
+from .fit import SYMS, Fitter, FitError, Unvariable, find_base, plan_probes, probe_pool, random_point
 from .models import SYMBOL_MEANINGS, ModelSpec, resolve
+from .spec import INPUT_SYMBOLS, request_facts
 from .record import IntRef, OpCall, Recording, TensorRef, record
 
 PHASES = ("forward", "backward")
@@ -157,7 +158,14 @@ class Analysis:
     plan: Any = None  # the fit's ProbePlan: recordings[i] was taken at plan.points[i]
     fitter: Any = None  # fit.Fitter over those probes: signature (one int per probe) -> polynomial
     role: Any = None  # role(module, name=None) -> (keep, repeat, folded name), see _layer_roles
-    pinned: dict[str, int] = field(default_factory=dict)  # sizes fixed at 1 (not symbols)
+    pinned: dict[str, int] = field(default_factory=dict)  # sizes fixed at the requested value (not symbols)
+    # the regime it was traced for (plain data; see trace()): request_facts of the request, the
+    # symbols tied to another (follower -> leader), why each pinned symbol is pinned, and the
+    # residue classes (symbol -> [modulus, residue]) the formulas hold in
+    request_facts: dict = field(default_factory=dict)
+    regime_ties: dict[str, str] = field(default_factory=dict)
+    pin_reasons: dict[str, str] = field(default_factory=dict)
+    residues: dict[str, list] = field(default_factory=dict)
 
     def params_not_in_P(self) -> dict[str, list[str]]:
         """Parameters outside P, grouped by why: embedding lookups, biases, norms/elementwise."""
@@ -403,20 +411,28 @@ class Analysis:
             if k in self.pinned and v == self.pinned[k]:
                 continue
             if k in self.pinned:
-                raise SymcostError(f"{k} was traced pinned to {self.pinned[k]}; trace again for {k}={v}")
+                raise SymcostError(
+                    f"{k} was traced pinned to {self.pinned[k]} ({self.pin_reasons.get(k, 'its regime')}); "
+                    f"trace again for {k}={v} (symcost.trace(..., sizes={{{k!r}: {v}}}) or --set {k}={v})")
             if k in self.spec.tied:
                 other = self.spec.tied[k]
                 if v == sizes.get(other, self.spec.defaults.get(other)):
                     continue
-                raise SymcostError(
-                    f"{k} is tied to {other} in this configuration of {self.model}; to trace {k} on its "
-                    f"own change the model's configuration (for hf: models, --config num_key_value_heads={v})"
-                )
+                if k in self.regime_ties:
+                    raise SymcostError(
+                        f"{k} was traced equal to {other} (that regime runs other ops in {self.model}); "
+                        f"trace again for {k}={v} (symcost.trace(..., sizes={{{k!r}: {v}}}) or --set {k}={v})")
+                raise SymcostError(f"{k} is tied to {other} in {self.model}; it cannot be set on its own")
             if k not in self.symbols:
                 known = ", ".join(self.symbols)
                 raise SymcostError(f"unknown symbol {k!r} for {self.model}; accepted: {known}")
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise SymcostError(f"{k} must be a positive integer, got {v!r}")
+            if k in self.residues and v % self.residues[k][0] != self.residues[k][1]:
+                m, r = self.residues[k]
+                raise SymcostError(
+                    f"{k}={v} lies outside the regime {k} = {r} mod {m} this trace holds for (its sizes are "
+                    f"polynomial in {k} only there); trace again for {k}={v} (--set {k}={v})")
             values[k] = v
         values.update(self.pinned)
         missing = [s for s in self.symbols if s not in values]
@@ -576,19 +592,41 @@ def _align(recs: list[Recording], spec: ModelSpec) -> None:
             raise SymcostError(f"{spec.name}: saved tensors or parameters change with the sizes")
 
 
+def regime_signature(rec: Recording) -> tuple:
+    """What a regime is made of: the aten op sequence, the number of storages autograd saves,
+    and the number of storages the step allocates (copies that became views change it)."""
+    return (tuple(op.name for op in rec.ops), len(rec.saved), sum(1 for e in rec.events if e.nbytes > 0))
+
+
 def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None = None,
           attention: str | None = None, sizes: Mapping[str, int] | None = None,
           precision: str = "bf16-mixed", n_random: int = 6, seed: int = 0) -> Analysis:
-    """Trace a model's training step into a symbolic cost graph.
+    """Trace a model's training step into a symbolic cost graph, in the regime of ``sizes``.
+
+    The regime follows the request (shared/conventions.md, "Regimes"). The requested values are
+    the model's config defaults with ``sizes`` on top (B and S count only where ``sizes`` sets
+    them). Then:
+
+    * a symbol requested as 1 is pinned at 1 (size 1 turns copies into views; K = 1 is
+      multi-query attention);
+    * for each pair of symbols requested equal (``spec.request_facts``: K = H, ...), one probe
+      breaks the equality: if that changes the ops (:func:`regime_signature`), the pair is tied
+      in this trace (K follows H), else the two are independent symbols;
+    * every probe must run the ops of the request itself (recorded at its own sizes with L = 2):
+      a probe that does not is redrawn, and a symbol that cannot vary without leaving the regime,
+      or whose sizes no polynomial fits there (ALiBi slopes of a head count that is not a power of
+      two, ...), is pinned at the requested value; the formulas are in the other symbols;
+    * the formulas are checked at the requested sizes themselves (L = 2) and at two random
+      probes with L = 3.
 
     Args:
         model: a built-in name (``cs336-lm``, ``gpt2``, ``mlp``, ``megatron-gpt``),
-            ``hf:MODEL_TYPE``, ``path/to/file.py:factory``, or a :class:`ModelSpec`.
+            ``hf:MODEL_TYPE``, ``hf:ORG/NAME``, ``path/config.json``, ``path/to/file.py:factory``,
+            or a :class:`ModelSpec`.
         config: ``hf:`` config overrides (key -> value string).
         attention: ``eager`` or ``sdpa`` for ``hf:`` models (None: transformers' default, sdpa
             where the model has it); other models refuse it.
-        sizes: values the formulas will be used at; only their *regime* matters for tracing
-            (e.g. K == H selects multi-head attention, K < H grouped-query).
+        sizes: the values the formulas will be used at; they choose the regime traced.
         precision: a name of :data:`symcost.precision.PRECISIONS`: ``bf16-mixed`` (autocast
             over fp32 weights; the default), ``fp16-mixed``, ``fp32``, ``bf16-true``,
             ``fp16-true`` (model cast), ``bf16-true-fp32-state``, ``bf16-true-fp32-master``;
@@ -597,24 +635,103 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         seed: probe sampling seed.
 
     Returns:
-        An :class:`Analysis` whose totals were checked against two fresh recordings at sizes
-        not used in the fit (with L = 3 where L is a symbol).
+        An :class:`Analysis` (``pinned``, ``pin_reasons``, ``regime_ties``, ``request_facts``,
+        ``residues`` say which regime) whose totals were checked against fresh recordings at
+        sizes not used in the fit.
 
     Raises:
-        SymcostError: bad model/config, untraceable model, or sizes that no polynomial in the
-            declared symbols reproduces.
+        SymcostError: bad model/config, sizes PyTorch rejects (the spec's constraints), an
+            untraceable model.
     """
+    spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
+    sizes = dict(sizes or {})
+    values = {k: v for k, v in spec.defaults.items() if k not in INPUT_SYMBOLS}
+    values.update(sizes)
+    for a, b in spec.tied.items():
+        if b in values:
+            values[a] = values[b]
+    why = spec.check({k: v for k, v in values.items() if k in spec.symbols or k in INPUT_SYMBOLS})
+    if why:
+        raise SymcostError(f"{spec.name}: {why}")
+    facts = request_facts(values, spec.all_symbols)
+    pins = {s: 1 for s in facts["ones"]}
+    reasons = {s: "size 1 runs other kernels (copies become views)" for s in pins}
+    recordings: dict = {}
+    for _ in range(len(SYMS) + 1):
+        try:
+            return _trace_regime(spec, values, facts, pins, reasons, precision, n_random, seed, recordings)
+        except Unvariable as e:
+            if e.symbol in pins or e.symbol not in values:
+                raise
+            pins[e.symbol] = values[e.symbol]
+            reasons[e.symbol] = "no other value of it runs the same ops as the requested one"
+        except FitError as e:
+            deps = [d for d in e.deps if d not in pins and d in values]
+            new = [d for d in deps if d not in INPUT_SYMBOLS] or deps
+            if not new:
+                raise
+            for d in new:
+                pins[d] = values[d]
+                reasons[d] = "no polynomial in it fits the sizes of its regime"
+    raise SymcostError(f"{spec.name}: could not find a regime to trace {values} in")
+
+
+def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins: Mapping[str, int],
+                  reasons: Mapping[str, str], precision: str, n_random: int, seed: int,
+                  recordings: dict) -> Analysis:
+    """One attempt of :func:`trace` with ``pins`` fixed; raises Unvariable / FitError to pin more."""
+    import dataclasses
     import time
 
     t0 = time.perf_counter()
-    spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
-    # Size 1 is its own regime (PyTorch turns some copies into views at B = 1 or S = 1): a size
-    # the user sets to 1 is pinned in every probe instead of being a symbol.
-    pinned = {s: 1 for s in ("B", "S") if sizes and sizes.get(s) == 1}
-    symbols = tuple(s for s in spec.all_symbols if s not in pinned)
-    fixed = dict(pinned, **({"L": FIT_L} if "L" in symbols else {}))
-    plan = plan_probes(symbols, spec.check, n_random=n_random, seed=seed, fixed=fixed)
-    recs = [record(spec, p, precision) for p in plan.points]
+    pinned = dict(pins)
+    base_syms = tuple(s for s in spec.all_symbols if s not in pinned)
+    fixed = dict(pinned, **({"L": FIT_L} if "L" in base_syms else {}))
+    request = {**{k: v for k, v in values.items() if k in spec.all_symbols or k in spec.tied},
+               **{s: v for s, v in fixed.items()}}
+    for s in INPUT_SYMBOLS:  # B, S not requested: the regime of any size other than 1
+        request.setdefault(s, {"B": 2, "S": 16}[s])
+
+    def rec_at(p):
+        key = tuple(sorted(p.items()))
+        if key not in recordings:
+            try:
+                recordings[key] = record(spec, p, precision)
+            except SymcostError as e:
+                recordings[key] = e
+        return recordings[key]
+
+    req = rec_at(request)
+    if isinstance(req, SymcostError):  # PyTorch itself rejects the requested sizes
+        raise SymcostError(f"{req} (at the requested sizes, before any probe)") from req
+    want_sig = regime_signature(req)
+
+    def accept(p):
+        r = rec_at(p)
+        return not isinstance(r, SymcostError) and regime_signature(r) == want_sig
+
+    moduli = {s: m for s, m in spec.moduli.items() if s in base_syms}
+    # equal pairs: tied while a probe that breaks the equality runs other ops
+    ties: dict[str, str] = {}
+    for a, b in facts["equal"]:
+        if a in base_syms and b in base_syms and b not in ties and a not in ties and b not in ties.values():
+            ties[b] = a
+    syms = tuple(s for s in base_syms if s not in ties)
+    base = find_base(syms, spec.check, seed, fixed, accept=accept, request=request, ties=ties, moduli=moduli)
+    for follower, leader in list(ties.items()):
+        for v in probe_pool(follower, request.get(follower), moduli.get(follower))[:8]:
+            p = dict(base, **{follower: v})
+            if v != base[leader] and spec.check(p) is None:
+                if accept(p):
+                    del ties[follower]
+                break
+    syms = tuple(s for s in base_syms if s not in ties)
+    plan = plan_probes(syms, spec.check, n_random=n_random, seed=seed, fixed=fixed, accept=accept,
+                       request=request, ties=ties, moduli=moduli, base=base)
+    symbols = syms
+    user_tied = dict(spec.tied)
+    spec = dataclasses.replace(spec, tied={**spec.tied, **ties})
+    recs = [rec_at(p) for p in plan.points]
     t1 = time.perf_counter()
     _align(recs, spec)
     fitter = Fitter(plan)
@@ -722,7 +839,12 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         recordings=recs, plan=plan, fitter=fitter, role=role,
     )
     an.pinned = pinned
-    _validate(an, spec, symbols, seed, pinned)
+    an.pin_reasons = {k: reasons[k] for k in pinned}
+    an.regime_ties = dict(ties)
+    an.request_facts = facts
+    an.residues = {s: [m, values[s] % m] for s, m in moduli.items() if s in symbols and s in values}
+    pools = {s: probe_pool(s, request.get(s), moduli.get(s)) for s in symbols if s not in fixed}
+    _validate(an, spec, symbols, seed, pinned, pools=pools, ties=ties, accept=accept, request=(request, req))
     an.timings = {"record": t1 - t0, "fit": t2 - t1, "check": time.perf_counter() - t2}
     return an
 
@@ -740,14 +862,21 @@ def concrete_totals(rec: Recording) -> dict[str, int]:
     return out
 
 
-def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping[str, int]) -> None:
+def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping[str, int],
+              pools=None, ties=None, accept=None, request=None) -> None:
+    """Check the formulas against fresh recordings: two random probes (L = 3) of the regime and,
+    given ``request = (values, recording)``, the requested sizes themselves.
+
+    Raises:
+        FitError: a formula disagrees with a recording in the regime (the caller pins symbols).
+    """
     import random
 
     rng = random.Random(seed + 1000)
     fixed = dict(pinned, **({"L": CHECK_L} if "L" in symbols else {}))
-    for _ in range(2):
-        p = random_point(symbols, spec.check, rng, fixed)
-        rec = record(spec, p, an.precision)
+    config_syms = [s for s in symbols if s not in INPUT_SYMBOLS and s != "L"]
+
+    def compare(p, rec):
         want = concrete_totals(rec)
         env = {SYMS[k]: v for k, v in p.items() if k in symbols}
         got = {f"{k}.{ph}": None for k in ("flops", "flops_all", "bytes") for ph in PHASES}
@@ -760,10 +889,31 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
         bad = {k: (int(got[k]), want[k]) for k in want if int(got[k]) != want[k]}
         if bad:
             k, (g, w) = next(iter(bad.items()))
-            raise SymcostError(
-                f"{spec.name}: the recovered formula for {k} gives {g} but a fresh trace at {p} "
-                f"measures {w}; the model's costs are not polynomial in {', '.join(symbols)}"
-            )
+            return (f"{spec.name}: the recovered formula for {k} gives {g} but a fresh trace at {p} "
+                    f"measures {w}; the model's costs are not polynomial in {', '.join(symbols)}")
+        return None
+
+    if request is not None:
+        msg = compare(*request)
+        if msg:
+            raise FitError(msg + " at the requested sizes", config_syms or symbols)
+    checked = 0
+    for _ in range(6):
+        p = random_point(symbols, spec.check, rng, fixed, pools, ties)
+        try:
+            rec = record(spec, p, an.precision)
+        except SymcostError:
+            continue
+        msg = compare(p, rec)
+        if msg and accept is not None and "L" in p and not accept(dict(p, L=FIT_L)):
+            continue  # the random point left the regime: draw another
+        if msg:
+            raise FitError(msg, config_syms or symbols)
+        checked += 1
+        if checked == 2:
+            return
+    if checked == 0:
+        raise SymcostError(f"{spec.name}: no fresh probe of this regime could be recorded to check the formulas")
 
 
 def _build_graph(ref: Recording, ops: list[SymOp], role) -> nx.DiGraph:

@@ -14,8 +14,10 @@ sparse polynomial with exact rational coefficients:
 3. a signature that no such polynomial reproduces is reported, never guessed.
 
 Probes keep symbols apart (distinct values, none 0 or 1, so PyTorch cannot specialise or merge
-them) and respect the model's constraints (K divides H and K < H, D even, ...). The caller checks
-the rebuilt formulas again at fresh probes that took no part in the fit.
+them), respect the model's constraints (K divides H, D even, ...) and stay in the regime of the
+requested sizes (``plan_probes``'s ``accept``: the caller records a probe and compares the ops it
+runs with the request's). The caller checks the rebuilt formulas again at fresh probes that took
+no part in the fit.
 """
 from __future__ import annotations
 
@@ -72,29 +74,89 @@ POOLS = {
 
 @dataclass
 class ProbePlan:
-    """Probe configurations: ``points[0]`` is the base, ``axis[s]`` the index of s's probe."""
+    """Probe configurations: ``points[0]`` is the base, ``axis[s]`` the index of s's probe.
+
+    Every point holds a value for each of ``symbols``, the fixed (pinned) ones, and the tied
+    followers (equal to their leader), so a point can be recorded as it is.
+    """
 
     symbols: tuple[str, ...]
     points: list[dict[str, int]]
     axis: dict[str, int]
 
 
+class Unvariable(SymcostError):
+    """No probe varies ``symbol`` alone while staying in the request's regime: pin it."""
+
+    def __init__(self, symbol: str, msg: str):
+        super().__init__(msg)
+        self.symbol = symbol
+
+
+class FitError(SymcostError):
+    """A signature no polynomial reproduces; ``deps`` are the symbols it changes with."""
+
+    def __init__(self, msg: str, deps: Sequence[str]):
+        super().__init__(msg)
+        self.deps = tuple(deps)
+
+
+def _complete(values: Mapping[str, int], ties: Mapping[str, str]) -> dict[str, int]:
+    """``values`` with every tied follower set to its leader's value."""
+    out = dict(values)
+    for follower, leader in ties.items():
+        if leader in out:
+            out[follower] = out[leader]
+    return out
+
+
 def _ok(values: Mapping[str, int], check: Callable[[Mapping[str, int]], str | None]) -> bool:
-    if "K" in values and "H" in values and (values["H"] % values["K"] or values["K"] >= values["H"]):
-        return False
     return check(values) is None
 
 
-def random_point(symbols, check, rng: random.Random, fixed: Mapping[str, int]) -> dict[str, int]:
-    """A random probe respecting ``check``, with distinct values where it can."""
+def probe_pool(symbol: str, request: int | None = None, modulus: int | None = None) -> list[int]:
+    """Probe values for ``symbol``, in the order they are tried: the small alternates and pool,
+    then values around the requested one (for a symbol whose small values leave the regime or
+    break a constraint, e.g. D at least a rotary dimension of 64). With ``modulus`` m, only
+    values in the request's residue class mod m (a partial rotary dimension int(D*f) is
+    polynomial there). Never 0 or 1 (PyTorch specialises those)."""
+    small = list(dict.fromkeys(ALTS.get(symbol, ()) + tuple(POOLS[symbol])))
+    near: list[int] = []
+    if request is not None:
+        step = modulus or 1
+        for k in range(1, 9):
+            near += [request + k * step, request - k * step]
+    if modulus:
+        r = (request or BASE[symbol]) % modulus
+        small = [r + modulus * k for k in range(12)]
+    vals = [v for v in small + near if v > 1]
+    return list(dict.fromkeys(vals))
+
+
+def _nearest(pool: Sequence[int], target: int) -> int:
+    return target if target in pool else min(pool[:12] or pool, key=lambda v: (abs(v - target), v))
+
+
+def random_point(symbols, check, rng: random.Random, fixed: Mapping[str, int],
+                 pools: Mapping[str, Sequence[int]] | None = None,
+                 ties: Mapping[str, str] | None = None) -> dict[str, int]:
+    """A random probe respecting ``check``, with distinct values where it can.
+
+    ``pools`` (symbol -> values) default to the small probe pools; ``ties`` (follower -> leader)
+    set followers equal to their leaders. Where K and H are both free and untied, H is drawn as a
+    multiple 2..4 of K (K divides H, K < H: grouped-query attention, the common regime).
+    """
+    ties = dict(ties or {})
     for attempt in range(2000):
         v = dict(fixed)
         for s in symbols:
             if s in fixed:
                 continue
-            v[s] = rng.choice(POOLS[s])
-        if "K" in v and "H" in v and "H" not in fixed:
+            pool = (pools or {}).get(s) or POOLS[s]
+            v[s] = rng.choice(list(pool)[:24])
+        if "K" in v and "H" in v and "H" not in fixed and "K" not in fixed and "K" not in ties:
             v["H"] = v["K"] * rng.choice((2, 3, 4))
+        v = _complete(v, ties)
         free = [v[s] for s in symbols if s not in fixed]
         if attempt < 1500 and len(set(free)) < len(free):
             continue
@@ -103,32 +165,110 @@ def random_point(symbols, check, rng: random.Random, fixed: Mapping[str, int]) -
     raise SymcostError(f"could not find probe sizes for {symbols} that satisfy the model's constraints")
 
 
-def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
-                fixed: Mapping[str, int] | None = None) -> ProbePlan:
-    """Base probe, one single-symbol change per symbol, and ``n_random`` random probes."""
+def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, int] | None = None, *,
+              accept=None, request: Mapping[str, int] | None = None, ties: Mapping[str, str] | None = None,
+              moduli: Mapping[str, int] | None = None) -> dict[str, int]:
+    """The base probe: the small :data:`BASE` sizes if they pass ``check`` and ``accept``, else a
+    random small point, else the request itself walked towards the small sizes one symbol at a
+    time (each step kept only if it stays in the regime). Arguments as :func:`plan_probes`.
+
+    Raises:
+        SymcostError: not even the request passes ``check`` and ``accept``.
+    """
     fixed = dict(fixed or {})
-    base = {s: BASE[s] for s in symbols}
-    base.update(fixed)
-    if not _ok(base, check):
-        base = random_point(symbols, check, random.Random(seed + 99), fixed)
+    ties = dict(ties or {})
+    request = dict(request or {})
+    moduli = dict(moduli or {})
+    accept = accept or (lambda p: True)
+    free = [s for s in symbols if s not in fixed]
+    pools = {s: probe_pool(s, request.get(s), moduli.get(s)) for s in free}
+
+    def good(p):
+        return _ok(p, check) and accept(p)
+
+    base = _complete({**{s: _nearest(pools[s], BASE[s]) for s in free}, **fixed}, ties)
+    if good(base):
+        return base
+    rng = random.Random(seed + 99)
+    for _ in range(2):
+        try:
+            p = random_point(symbols, check, rng, fixed, pools, ties)
+        except SymcostError:
+            break
+        if accept(p):
+            return p
+    if request and all(s in request for s in free):
+        # walk from the request itself (in its regime by definition) towards small sizes
+        cur = _complete({**{s: request[s] for s in free}, **fixed}, ties)
+        if good(cur):
+            for s in free:
+                trial = _complete(dict(cur, **{s: base[s]}), ties)
+                if trial != cur and good(trial):
+                    cur = trial
+            return cur
+    raise SymcostError(f"no probe sizes for {', '.join(free)} stay in the regime of the requested sizes")
+
+
+def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
+                fixed: Mapping[str, int] | None = None, *, accept=None,
+                request: Mapping[str, int] | None = None, ties: Mapping[str, str] | None = None,
+                moduli: Mapping[str, int] | None = None, tries: int = 4,
+                base: Mapping[str, int] | None = None) -> ProbePlan:
+    """Base probe, one single-symbol change per symbol, and ``n_random`` random probes.
+
+    Args:
+        symbols: the symbols to fit (fixed ones included, they keep their value).
+        check: ``check(values) -> reason | None``, the model's constraints (cheap).
+        fixed: symbol -> value held in every probe (L while fitting, pinned symbols).
+        accept: ``accept(point) -> bool``, whether a probe stays in the request's regime (the
+            caller records it and compares the ops it runs); default: every point.
+        request: the requested values: probes of a symbol whose small values all leave the regime
+            are drawn around them, and ``moduli`` residues are taken from them.
+        ties: follower -> leader, equal in every probe (the follower is no symbol).
+        moduli: symbol -> m: probes keep the request's residue mod m.
+        tries: probes recorded per symbol (``accept`` calls) before giving up on varying it.
+        base: the base probe (default: :func:`find_base`).
+
+    Raises:
+        Unvariable: no probe changes one symbol alone and stays in the regime (pin it).
+        SymcostError: no base probe at all.
+    """
+    fixed = dict(fixed or {})
+    ties = dict(ties or {})
+    request = dict(request or {})
+    moduli = dict(moduli or {})
+    accept = accept or (lambda p: True)
+    free = [s for s in symbols if s not in fixed]
+    pools = {s: probe_pool(s, request.get(s), moduli.get(s)) for s in free}
+    ok = lambda p: _ok(p, check)  # noqa: E731
+    if base is None:
+        base = find_base(symbols, check, seed, fixed, accept=accept, request=request, ties=ties, moduli=moduli)
     points = [base]
     axis = {}
-    for s in symbols:
-        if s in fixed:
-            continue
-        for alt in ALTS[s] + tuple(POOLS[s]):
+    for s in free:
+        n = 0
+        for alt in pools[s]:
             if alt == base[s]:
                 continue
-            p = dict(base, **{s: alt})
-            if _ok(p, check):
+            p = _complete(dict(base, **{s: alt}), ties)
+            if not ok(p):
+                continue
+            n += 1
+            if accept(p):
                 axis[s] = len(points)
                 points.append(p)
                 break
-        else:
-            raise SymcostError(f"could not vary {s} alone from {base} within the model's constraints")
+            if n >= tries:
+                break
+        if s not in axis:
+            raise Unvariable(s, f"could not vary {s} alone from {base} within the model's constraints and regime")
     rng = random.Random(seed)
     for _ in range(n_random):
-        points.append(random_point(symbols, check, rng, fixed))
+        for _attempt in range(3):
+            p = random_point(symbols, check, rng, fixed, pools, ties)
+            if accept(p):
+                points.append(p)
+                break
     return ProbePlan(tuple(symbols), points, axis)
 
 
@@ -205,9 +345,9 @@ class Fitter:
             f"{{{', '.join(f'{s}={p[s]}' for s in self.plan.symbols)}}}->{v}"
             for p, v in list(zip(self.plan.points, sig))[:4]
         )
-        raise SymcostError(
+        raise FitError(
             f"a {what} cannot be expressed as a (Laurent) polynomial in {', '.join(self.plan.symbols)} "
-            f"(probes: {pts}, ...); symcost will not guess it"
+            f"(probes: {pts}, ...); symcost will not guess it", deps
         )
 
     def _column(self, mono: dict[str, int]) -> np.ndarray:

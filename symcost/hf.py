@@ -1,25 +1,36 @@
-"""``hf:MODEL_TYPE``: a Hugging Face ``transformers`` causal LM built from its default config.
+"""``hf:MODEL_TYPE``, ``hf:ORG/NAME`` and ``path/config.json``: a Hugging Face ``transformers``
+causal LM built from a config.
 
-Nothing is downloaded: the config is ``transformers.AutoConfig.for_model(MODEL_TYPE)`` (the
-library's built-in defaults), changed by the user's ``--config key=value`` overrides, and the model
-is ``AutoModelForCausalLM.from_config`` on whatever device the caller has made current (``meta``
-for tracing). Symbol binding (shared/conventions.md):
+Nothing is downloaded: ``hf:MODEL_TYPE`` starts from ``transformers.AutoConfig.for_model(MODEL_TYPE)``
+(the library's built-in defaults), a ``config.json`` file (``symcost report path/config.json``) or
+``hf:ORG/NAME`` (the ``config.json`` of that repository in the local Hugging Face cache, never the
+network) from the values in the file, whose sizes become the defaults. The user's
+``--config key=value`` overrides come on top, and the model is ``AutoModelForCausalLM.from_config``
+on whatever device the caller has made current (``meta`` for tracing). Symbol binding
+(shared/conventions.md):
 
 ====== ===========================================================================================
 symbol config attribute
 ====== ===========================================================================================
 H      ``num_attention_heads``
-D      ``head_dim`` where the config has one (not None), else ``hidden_size / num_attention_heads``;
-       ``hidden_size`` is always built as ``H*D``
+D      ``head_dim`` where the config has one (not None), else ``hidden_size / num_attention_heads``
+M      ``hidden_size``, a symbol only where the config sets it apart from ``head_dim`` (a
+       settable ``head_dim`` that does not follow ``hidden_size``: qwen3, gemma, a file or
+       ``--config`` giving ``head_dim``); elsewhere ``hidden_size`` is built as ``H*D``
 L      ``num_hidden_layers``
 V      ``vocab_size``
 F      ``intermediate_size`` (``ffn_dim`` for opt, ``n_inner`` for gpt2/gptj when set) when the
        config sets it on its own; a width the config derives from ``hidden_size`` (gpt2's
        ``n_inner=None``, falcon's ``ffn_hidden_size``) is no symbol: it comes out of the trace
-K      ``num_key_value_heads`` where the config has it; tied to H (``tied={"K": "H"}``) when the
-       config's K equals H (multi-head attention), no symbol when it is 1 (multi-query attention,
-       kept at 1), free otherwise (grouped-query attention, ``check`` keeps 1 < K < H, K | H)
+K      ``num_key_value_heads`` wherever the config has it (None counts as H). Its regime
+       (K = 1, 1 < K < H, K = H) is not fixed here: ``symcost.trace`` traces the one the
+       requested sizes are in (K = H ties K to H where that changes the ops; K = 1 pins K)
 ====== ===========================================================================================
+
+Sizes PyTorch rejects are :class:`~symcost.spec.Constraint` s (K divides H; an even rotary
+dimension; D at least a fixed ``rotary_dim``; S within a learned position table), checked before
+tracing. Sizes that only change which ops run (K = H, K = 1, ALiBi slopes of a head count that is
+not a power of two, D equal to ``rotary_dim``) are regimes, not errors.
 
 Every build re-runs the config class's constructor with the overrides and the symbol values, so
 attributes the config derives from the sizes (falcon's ``ffn_hidden_size``, opt's
@@ -36,7 +47,7 @@ from typing import Any, Mapping
 import torch
 
 from .errors import SymcostError
-from .spec import ModelSpec
+from .spec import Constraint, ModelSpec, check_constraints
 
 #: Decoder architectures checked (transformers 5.24, torch 2.13) to build from their default config,
 #: run forward + loss + backward with real CPU tensors and under ``FakeTensorMode`` (built on
@@ -166,14 +177,16 @@ def _make_config(AutoConfig, model_type: str, kwargs: Mapping[str, Any]):
         hf_logging.set_verbosity(level)
 
 
-def _apply_overrides(AutoConfig, model_type: str, base, overrides: Mapping[str, str]) -> dict[str, Any]:
+def _apply_overrides(AutoConfig, model_type: str, base, overrides: Mapping[str, str],
+                     base_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Turn ``key=value`` strings into constructor kwargs (field names), validating every key.
 
     ``parent.key=value`` sets one entry of a dict-valued attribute (e.g.
-    ``rope_parameters.partial_rotary_factor=0.5``).
+    ``rope_parameters.partial_rotary_factor=0.5``). ``base_kwargs`` (a config file's values) come
+    first; the result holds them with the overrides on top.
     """
     known = _config_keys(base)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(base_kwargs or {})
     for key, text in overrides.items():
         key = key.strip()
         value = parse_value(text)
@@ -224,39 +237,102 @@ def _rope(cfg) -> tuple[bool, float | None, int | None]:
     return True, factor, rotary_dim
 
 
-def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str | None = None) -> ModelSpec:
-    """Build the :class:`~symcost.models.ModelSpec` of ``hf:MODEL_TYPE`` from its default config.
+#: Keys of a config.json that describe the file, not the model.
+_FILE_META = ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype",
+              "auto_map", "model_type", "task_specific_params", "_commit_hash")
+
+
+def read_config_file(path: str) -> tuple[str, dict[str, Any]]:
+    """``(model_type, constructor kwargs)`` of a ``transformers`` ``config.json`` file.
+
+    Raises:
+        SymcostError: the file is missing, is not a JSON object, or has no ``model_type``.
+    """
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError as e:
+        raise SymcostError(f"config file {path!r} not found") from e
+    except (OSError, ValueError) as e:
+        raise SymcostError(f"config file {path!r} is not readable JSON: {' '.join(str(e).split())}") from e
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise SymcostError(
+            f"config file {path!r} has no \"model_type\"; symcost reads transformers config.json files "
+            "(e.g. {\"model_type\": \"llama\", \"hidden_size\": 4096, ...})"
+        )
+    return data["model_type"], {k: v for k, v in data.items() if k not in _FILE_META}
+
+
+def cached_config_path(repo: str) -> str:
+    """Path of ``config.json`` of Hugging Face repository ``ORG/NAME`` in the local cache.
+
+    Never uses the network (``huggingface_hub.try_to_load_from_cache``).
+
+    Raises:
+        SymcostError: not in the cache (with how to get it), or huggingface_hub missing.
+    """
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.constants import HF_HUB_CACHE
+    except ImportError as e:
+        raise SymcostError(_NEED_TRANSFORMERS) from e
+    path = try_to_load_from_cache(repo, "config.json")
+    if not isinstance(path, str):
+        raise SymcostError(
+            f"hf:{repo}: no config.json of {repo!r} in the local Hugging Face cache ({HF_HUB_CACHE}); "
+            f"symcost never downloads: fetch it with `huggingface-cli download {repo} config.json` "
+            "or pass the path of a config.json file"
+        )
+    return path
+
+
+def spec_from_file(path: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
+                   name: str | None = None) -> ModelSpec:
+    """The :class:`ModelSpec` of the causal LM a ``config.json`` file describes (its sizes are the
+    defaults); see :func:`spec`. Raises SymcostError as :func:`read_config_file` and :func:`spec`."""
+    model_type, kwargs = read_config_file(path)
+    return spec(model_type, overrides, attention, base_kwargs=kwargs, name=name or path)
+
+
+def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
+         base_kwargs: Mapping[str, Any] | None = None, name: str | None = None) -> ModelSpec:
+    """Build the :class:`~symcost.spec.ModelSpec` of ``hf:MODEL_TYPE`` from its default config.
 
     Args:
         model_type: a ``transformers`` model type with a causal-LM head (``llama``, ``gpt2``, ...);
             see :data:`VERIFIED` for those checked to trace.
-        overrides: ``--config key=value`` strings applied to the default config (values parsed as
+        overrides: ``--config key=value`` strings applied to the config (values parsed as
             int, float, true/false/none, else string; never evaluated). Standard names
             (``hidden_size``) and the config's own (``n_embd``) are both accepted;
             ``parent.key=value`` sets an entry of a dict attribute such as ``rope_parameters``.
         attention: ``"eager"`` or ``"sdpa"``, the ``attn_implementation`` the model is built with;
             ``None`` (the default) is what ``transformers`` picks by default: sdpa where the
             model class supports it, else eager.
+        base_kwargs: a config file's values (constructor kwargs), under the overrides.
+        name: the model's name in the output (default ``hf:MODEL_TYPE``).
 
-    The spec's ``build(values)`` returns the model in train mode with hidden_size = H*D;
-    ``make_inputs(values, device)`` gives ``input_ids`` and ``labels``, both int64 ``[B, S]``
-    (the model shifts the labels itself); ``loss`` is the model's mean next-token cross entropy.
+    The spec's ``build(values)`` returns the model in train mode with hidden_size = M (or H*D where
+    M is no symbol); ``make_inputs(values, device)`` gives ``input_ids`` and ``labels``, both int64
+    ``[B, S]`` (the model shifts the labels itself); ``loss`` is the model's mean next-token cross
+    entropy.
 
     Raises:
         SymcostError: transformers missing; unknown or non-causal-LM model type; bad attention;
-            unknown or rejected config key; a config symcost cannot bind (no heads, or
-            hidden_size != num_attention_heads*head_dim, as in gemma's default).
+            unknown or rejected config key; a config symcost cannot bind (no heads, or a
+            hidden_size that is no multiple of the heads and no head_dim).
     """
     AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING, CAUSAL = _import_transformers()
     overrides = dict(overrides or {})
     if attention is not None and attention not in ATTENTION:
         raise SymcostError(f"unknown attention implementation {attention!r}; accepted: {', '.join(ATTENTION)}")
-    name = model_type
+    shown_name = name or f"hf:{model_type}"
     if model_type not in CONFIG_MAPPING and model_type.replace("-", "_") in CONFIG_MAPPING:
         model_type = model_type.replace("-", "_")
     if model_type not in CONFIG_MAPPING:
         raise SymcostError(
-            f"unknown Hugging Face model type {name!r}; verified decoder models: {', '.join(VERIFIED)} "
+            f"unknown Hugging Face model type {model_type!r}; verified decoder models: {', '.join(VERIFIED)} "
             "(other transformers causal-LM model types may work too)"
         )
     if model_type not in CAUSAL:
@@ -279,8 +355,9 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
                 f"hf:{model_type} ({model_cls.__name__}) has no sdpa attention in transformers; "
                 "use --attention eager"
             )
-    base = _make_config(AutoConfig, model_type, {})
-    ov = _apply_overrides(AutoConfig, model_type, base, overrides)
+    base_kwargs = dict(base_kwargs or {})
+    base = _make_config(AutoConfig, model_type, base_kwargs)
+    ov = _apply_overrides(AutoConfig, model_type, base, overrides, base_kwargs)
     cfg = _make_config(AutoConfig, model_type, ov)
     cls = type(cfg).__name__
 
@@ -295,121 +372,84 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
                 f"hf:{model_type}: {cls} has no usable {key} ({v!r}); symcost binds H, D, L, V to "
                 "num_attention_heads, head_dim, num_hidden_layers, vocab_size"
             )
-    head_dim = attr("head_dim")
-    if head_dim is not None:
+    settable_head_dim = _is_field(cfg, "head_dim")
+    head_dim = attr("head_dim") if settable_head_dim else None
+    wide = dict(ov)
+    wide[_field_name(cfg, "hidden_size")] = 2 * hidden
+    # M = d_model is a symbol where head_dim is set on its own: it does not follow hidden_size
+    has_m = head_dim is not None and getattr(_make_config(AutoConfig, model_type, wide), "head_dim", None) == head_dim
+    if has_m:
         D = head_dim
-        if H * D != hidden:
-            raise SymcostError(
-                f"hf:{model_type}: the config has hidden_size={hidden} but num_attention_heads*head_dim="
-                f"{H}*{D}={H * D}; symcost models hidden_size = H*D, so make them agree, e.g. "
-                f"--config head_dim={hidden // H if hidden % H == 0 else '...'} or "
-                f"--config hidden_size={H * D}"
-            )
     else:
         if hidden % H:
             raise SymcostError(
-                f"hf:{model_type}: hidden_size={hidden} is not a multiple of num_attention_heads={H}; "
-                "symcost models hidden_size = H*D: set --config hidden_size=... or num_attention_heads=..."
+                f"hf:{model_type}: hidden_size={hidden} is not a multiple of num_attention_heads={H} and "
+                "the config has no head_dim; set --config hidden_size=... or num_attention_heads=..."
             )
         D = hidden // H
-    settable_head_dim = _is_field(cfg, "head_dim")
 
     # F: the first feed-forward width attribute that is set, unless the config derives it from the
-    # width (then it follows H*D through the trace and is no symbol).
+    # width (then it follows the width through the trace and is no symbol).
     f_attr, F = None, None
     for key in _F_ATTRS:
         if attr(key) is not None:
             f_attr, F = key, attr(key)
             break
     if f_attr is not None and _field_name(cfg, f_attr) not in ov:
-        probe = dict(ov)
-        probe[_field_name(cfg, "hidden_size")] = 2 * hidden
-        if settable_head_dim:
+        probe = dict(wide)
+        if settable_head_dim and not has_m:
             probe["head_dim"] = 2 * D
         if getattr(_make_config(AutoConfig, model_type, probe), f_attr, None) != F:
             f_attr, F = None, None
 
-    # K's regime, fixed by the (overridden) default config: K = H is multi-head attention (K tied
-    # to H), K = 1 multi-query attention (no K symbol: the build keeps one key/value head), and
-    # 1 < K < H grouped-query attention (K free). Each regime traces its own ops (repeat_kv is
-    # skipped at K = H; at K = 1 some reshapes of [B, K, S, D] become views), so a spec stays in one.
+    # K: a symbol wherever the config has num_key_value_heads; the trace picks its regime.
     has_k = hasattr(cfg, "num_key_value_heads")
     K = attr("num_key_value_heads") if has_k else None
-    tied: dict[str, str] = {}
-    if has_k and (K is None or K == H):
-        tied = {"K": "H"}
+    if has_k and K is None:
         K = H
-    elif has_k and K == 1:
-        has_k = False
 
-    symbols = tuple(s for s, present in (("H", 1), ("D", 1), ("L", 1), ("V", 1), ("F", f_attr), ("K", has_k)) if present)
+    symbols = tuple(s for s, present in (("H", 1), ("D", 1), ("L", 1), ("V", 1), ("F", f_attr), ("K", has_k),
+                                         ("M", has_m)) if present)
     maxpos = attr("max_position_embeddings") or attr("n_positions")
     defaults = {"B": 1, "S": min(2048, maxpos) if maxpos else 2048, "H": H, "D": D, "L": L, "V": V}
     if f_attr:
         defaults["F"] = F
     if has_k:
         defaults["K"] = K
+    if has_m:
+        defaults["M"] = hidden
 
     uses_rope, rope_factor, rotary_dim = _rope(cfg)
     alibi = model_type == "bloom" or bool(attr("alibi"))
-
-    def check(values: Mapping[str, int]) -> str | None:
-        """Why ``values`` (B, S and this spec's symbols) cannot be built or traced alike, or None."""
-        for sym in ("B", "S", *symbols):
-            if sym in tied:
-                continue
-            try:
-                v = operator.index(values.get(sym))
-            except TypeError:
-                return f"{sym} must be a positive integer (got {values.get(sym)!r})"
-            if v < 1:
-                return f"{sym} must be a positive integer (got {v})"
-        h, d, s = (operator.index(values[k]) for k in ("H", "D", "S"))
-        if has_k and not tied:
-            k = operator.index(values["K"])
-            if h % k:
-                return f"K must divide H (got K={k}, H={h})"
-            if k == 1:
-                return (
-                    f"K must be at least 2 here: K = 1 (multi-query attention) traces other ops than "
-                    f"1 < K < H; for multi-query attention use --config num_key_value_heads=1"
-                )
-            if k == h:
-                return (
-                    f"K must be less than H here: hf:{model_type} is configured for grouped-query "
-                    "attention (num_key_value_heads < num_attention_heads) and K = H traces other "
-                    "ops; for multi-head attention set --config num_key_value_heads equal to "
-                    "num_attention_heads (K then follows H)"
-                )
-        if uses_rope and d % 2:
-            return f"D must be even: hf:{model_type} uses rotary position embeddings (got D={d})"
-        if rope_factor is not None:
-            r = d * float(rope_factor)
-            if abs(r - round(r)) > 1e-9 or round(r) % 2:
-                return (
-                    f"D*partial_rotary_factor must be an even integer (D={d}, factor={rope_factor}); "
-                    f"use a multiple of {_multiple(rope_factor)} for D"
-                )
-        if rotary_dim is not None and d <= rotary_dim:
-            return (
-                f"D must exceed rotary_dim={rotary_dim} (got D={d}; D = rotary_dim traces other ops); "
-                "lower it with --config rotary_dim=..."
-            )
-        if alibi and h & (h - 1):
-            return f"H must be a power of two: ALiBi slopes of other head counts trace other ops (got H={h})"
-        if maxpos and s > maxpos and not uses_rope and not alibi:  # a learned position table
-            return (
-                f"S={s} exceeds max_position_embeddings={maxpos}; raise it with "
-                f"--config max_position_embeddings={s}"
-            )
-        return None
+    constraints: list[Constraint] = []
+    moduli: dict[str, int] = {}
+    if has_k:
+        constraints.append(Constraint(
+            "divides", "K", "H", "K must divide H: each of the K key/value heads serves H/K query heads"))
+    if rotary_dim is not None:
+        constraints.append(Constraint(
+            "min", "D", int(rotary_dim),
+            f"D must be at least rotary_dim={rotary_dim} (PyTorch cannot apply a wider rotation to a "
+            "narrower head); lower it with --config rotary_dim=..."))
+    elif rope_factor is not None:
+        # the rotary part int(D*f) is linear in D within a residue class of D (whether an odd
+        # part runs is the model's business: PyTorch rejects it for phi, not for gpt_neox)
+        moduli["D"] = _multiple(rope_factor)
+    elif uses_rope:
+        constraints.append(Constraint(
+            "multiple", "D", 2, f"D must be even: hf:{model_type} uses rotary position embeddings, which rotate pairs"))
+    if maxpos and not uses_rope and not alibi:  # a learned position table
+        constraints.append(Constraint(
+            "max", "S", int(maxpos),
+            f"S must be at most max_position_embeddings={maxpos} (a learned position table); raise it "
+            f"with --config max_position_embeddings=..."))
 
     def config_for(values: Mapping[str, int]):
         values = {k: operator.index(v) for k, v in values.items() if k in ("B", "S", *symbols)}
         h, d = values["H"], values["D"]
         kw = dict(ov)
         kw[_field_name(cfg, "num_attention_heads")] = h
-        kw[_field_name(cfg, "hidden_size")] = h * d
+        kw[_field_name(cfg, "hidden_size")] = values["M"] if has_m else h * d
         if settable_head_dim:
             kw["head_dim"] = d
         kw[_field_name(cfg, "num_hidden_layers")] = values["L"]
@@ -417,7 +457,7 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         if f_attr:
             kw[_field_name(cfg, f_attr)] = values["F"]
         if has_k:
-            kw[_field_name(cfg, "num_key_value_heads")] = h if tied else values["K"]
+            kw[_field_name(cfg, "num_key_value_heads")] = values["K"]
         kw["use_cache"] = False
         for key in _TOKEN_ATTRS:  # ids outside a small probe vocabulary would break the embedding
             t = kw.get(key, attr(key))
@@ -431,17 +471,17 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
     def build(values: Mapping[str, int]) -> torch.nn.Module:
         """The causal LM for these symbol values, in train mode, on the current default device.
 
-        Raises SymcostError when ``check`` rejects the values or transformers cannot build it.
+        Raises SymcostError when a constraint rejects the values or transformers cannot build it.
         """
-        why = check(values)
+        why = check_constraints(constraints, {k: values.get(k) for k in ("B", "S", *symbols)})
         if why:
-            raise SymcostError(f"hf:{model_type}: {why}")
+            raise SymcostError(f"{shown_name}: {why}")
         c = config_for(values)
         try:
             model = AutoModelForCausalLM.from_config(c, attn_implementation=attention)
         except Exception as e:  # noqa: BLE001 - transformers raises many types
             why = " ".join(str(e).split())
-            raise SymcostError(f"hf:{model_type}: building the model failed: {type(e).__name__}: {why}") from e
+            raise SymcostError(f"{shown_name}: building the model failed: {type(e).__name__}: {why}") from e
         return model.train()
 
     def make_inputs(values: Mapping[str, int], device) -> tuple[tuple, dict]:
@@ -458,29 +498,29 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         "config_class": cls,
         "model_type": model_type,
         "attention": attention,
-        "hidden_size_note": "hidden_size = H*D" + (" (head_dim = D)" if settable_head_dim else ""),
+        "hidden_size_note": ("hidden_size = M, apart from H*D (head_dim = D)" if has_m
+                             else "hidden_size = H*D" + (" (head_dim = D)" if settable_head_dim else "")),
         "tie_word_embeddings": bool(attr("tie_word_embeddings")),
-        "config_overrides": {k: (v if isinstance(v, (int, float, bool, str, type(None))) else repr(v)) for k, v in ov.items()},
+        "config_overrides": {k: (v if isinstance(v, (int, float, bool, str, type(None))) else repr(v))
+                             for k, v in ov.items() if k not in base_kwargs or base_kwargs[k] != v},
     }
+    if base_kwargs:
+        extra["config_file"] = shown_name
     if f_attr:
         extra["F_attribute"] = f_attr
-    if hasattr(cfg, "num_key_value_heads"):
-        extra["kv_heads"] = (
-            "K = H (multi-head attention)" if tied
-            else "K free, 1 < K < H (grouped-query attention)" if has_k
-            else "K = 1 (multi-query attention)"
-        )
+    if has_k:
+        extra["kv_heads"] = "K = num_key_value_heads (regime from the requested K: K = 1, 1 < K < H or K = H)"
     if model_type not in VERIFIED:
         extra["unverified"] = f"hf:{model_type} is not among the verified architectures ({', '.join(VERIFIED)})"
     return ModelSpec(
-        name=f"hf:{name}",
+        name=shown_name,
         symbols=symbols,
         defaults=defaults,
         build=build,
         make_inputs=make_inputs,
         loss=loss,
-        check=check,
-        tied=tied,
+        constraints=tuple(constraints),
+        moduli=moduli,
         layers=_LAYERS.get(model_type),
         extra=extra,
     )

@@ -35,8 +35,10 @@ def resolve(model: str, config: Mapping[str, str] | None = None, attention: str 
     """Return the :class:`ModelSpec` for a model name.
 
     Accepted: a built-in name (``cs336-lm``, ``gpt2``, ``mlp``, ``megatron-gpt``),
-    ``hf:MODEL_TYPE`` (needs ``transformers``), or ``path/to/file.py:factory``. ``attention``
-    (``eager`` or ``sdpa``) applies to ``hf:`` models only; ``None`` is what ``transformers``
+    ``hf:MODEL_TYPE``, ``hf:ORG/NAME`` (a ``config.json`` in the local Hugging Face cache, never
+    downloaded), ``path/to/config.json`` (a ``transformers`` config with its ``model_type``; all
+    three need ``transformers``), or ``path/to/file.py:factory``. ``attention`` (``eager`` or
+    ``sdpa``) applies to ``hf:`` models and config files only; ``None`` is what ``transformers``
     uses by default (sdpa where the model has it).
 
     Raises:
@@ -44,7 +46,7 @@ def resolve(model: str, config: Mapping[str, str] | None = None, attention: str 
             implementation for a model that is not ``hf:`` (its attention is its own code).
     """
     config = dict(config or {})
-    if attention is not None and not model.startswith("hf:"):
+    if attention is not None and not model.startswith("hf:") and not model.endswith(".json"):
         raise SymcostError(
             f"--attention applies to hf: models only; {model} runs its own attention code (leave --attention out)"
         )
@@ -53,17 +55,25 @@ def resolve(model: str, config: Mapping[str, str] | None = None, attention: str 
             raise SymcostError(f"--config applies to hf: models only; set sizes of {model!r} with --set")
         mod = importlib.import_module(f"symcost.graphs.{BUILTINS[model]}")
         return mod.spec()
+    if model.startswith("hf:") and "/" in model:  # hf:ORG/NAME from the local Hugging Face cache
+        from . import hf
+
+        return hf.spec_from_file(hf.cached_config_path(model[3:]), config, attention, name=model)
     if model.startswith("hf:"):
         from . import hf
 
         return hf.spec(model[3:], config, attention)
+    if model.endswith(".json"):
+        from . import hf
+
+        return hf.spec_from_file(model, config, attention)
     if ".py:" in model:
         if config:
             raise SymcostError("--config applies to hf: models only")
         return _file_spec(model)
     raise SymcostError(
         f"unknown model {model!r}; accepted: {', '.join(BUILTINS)}, hf:MODEL_TYPE (e.g. hf:llama), "
-        "or path/to/file.py:factory"
+        "hf:ORG/NAME (local Hugging Face cache), path/to/config.json or path/to/file.py:factory"
     )
 
 

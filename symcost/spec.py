@@ -18,7 +18,7 @@ SYMBOL_MEANINGS: dict[str, str] = {
     "B": "micro-batch size (sequences per device per step)",
     "S": "sequence length (tokens per sequence)",
     "H": "attention heads (query heads)",
-    "D": "per-head dimension (d_model = H*D)",
+    "D": "per-head dimension (d_model = H*D where M is no symbol)",
     "L": "number of transformer layers (blocks)",
     "V": "vocabulary size",
     "F": "feed-forward hidden width",
@@ -41,7 +41,8 @@ class Constraint:
 
     - ``("divides", a, b)``: a divides b (key/value heads divide the query heads);
     - ``("multiple", a, n)``: a is a multiple of n (an even rotary dimension);
-    - ``("max", a, n)``: a <= n (a learned position table of n rows).
+    - ``("max", a, n)``: a <= n (a learned position table of n rows);
+    - ``("min", a, n)``: a >= n (a per-head dimension that holds a fixed rotary dimension n).
 
     ``why`` is the one-line reason shown to the user, with a hint to what is accepted.
     """
@@ -57,7 +58,12 @@ class Constraint:
         y = values.get(self.b) if isinstance(self.b, str) else self.b
         if x is None or y is None:
             return None
-        bad = {"divides": lambda: y % x != 0, "multiple": lambda: x % y != 0, "max": lambda: x > y}[self.kind]()
+        bad = {
+            "divides": lambda: y % x != 0,
+            "multiple": lambda: x % y != 0,
+            "max": lambda: x > y,
+            "min": lambda: x < y,
+        }[self.kind]()
         return f"{self.why} (got {self.a}={x}" + (f", {self.b}={y})" if isinstance(self.b, str) else ")") if bad else None
 
 
@@ -95,7 +101,7 @@ class ModelSpec:
 
     Attributes:
         name: the name the user typed (``cs336-lm``, ``hf:llama``, ``file.py:factory``).
-        symbols: config symbols the model binds, a subset of ``("H","D","L","V","F","K")``.
+        symbols: config symbols the model binds, a subset of ``("H","D","L","V","F","K","M",...)``.
         defaults: default value of every config symbol (and of B, S) used when the user sets none.
         build: ``build(values) -> "nn.Module"`` for a mapping symbol -> int. Called under
             ``torch.device("meta")``; it must not read weights from anywhere.
@@ -107,8 +113,12 @@ class ModelSpec:
             divide H"), or None. Leave it out to check ``constraints`` (prefer constraints:
             they are data, so a cached trace can check sizes without building the model).
         constraints: the :class:`Constraint` list that PyTorch imposes on the values.
-        tied: symbols that equal another in this configuration's regime (e.g. ``{"K": "H"}``
-            for multi-head attention), so probes keep them equal and formulas use the other.
+        tied: symbols that always equal another in this model (follower -> leader), so probes
+            keep them equal and formulas use the leader. ``symcost.trace`` adds the ties of a
+            request's regime (K = H where that changes the ops) to the spec it returns.
+        moduli: symbol -> m where the model's sizes are polynomial in that symbol only within a
+            residue class mod m (a partial rotary dimension ``int(D*f)``): probes then keep the
+            request's residue, and the formulas hold for values in that class.
         layers: dotted path of the ``nn.ModuleList`` holding the L repeated blocks (``None``
             lets the tracer find it).
         extra: free-form facts for the report (e.g. the config class).
@@ -123,6 +133,7 @@ class ModelSpec:
     check: Callable[[Mapping[str, int]], str | None] | None = None
     constraints: tuple[Constraint, ...] = ()
     tied: dict[str, str] = field(default_factory=dict)
+    moduli: dict[str, int] = field(default_factory=dict)
     layers: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
