@@ -212,6 +212,8 @@ def _apply_overrides(AutoConfig, model_type: str, base, overrides: Mapping[str, 
         kwargs[_field_name(base, key)] = value
     cfg = _make_config(AutoConfig, model_type, kwargs)
     for key, value in kwargs.items():
+        if base_kwargs and key in base_kwargs and base_kwargs[key] is value:
+            continue  # a config file's own value: the config class may normalise it (rope_scaling)
         got = getattr(cfg, key, value)
         if got != value and not isinstance(value, dict) and str(got).rpartition(".")[2] != str(value):
             raise SymcostError(

@@ -251,7 +251,8 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     for a, b in an.spec.tied.items():
         st.add_row(a, f"tied: {a} = {b} in this configuration", "")
     for a, v in an.pinned.items():
-        st.add_row(a, f"pinned: {a} = {v} (size 1 traces other kernels)", str(v))
+        why = getattr(an, "pin_reasons", {}).get(a, "size 1 traces other kernels")
+        st.add_row(a, f"pinned: {a} = {v} ({why})", str(v))
     c.print(st)
 
     if table:

@@ -132,7 +132,7 @@ def early_checks(model, sets, config, attention, precision) -> None:
     parse_sizes(sets)
     check_precision(precision)
     parse_config(config)
-    if attention is not None and not str(model).startswith("hf:"):
+    if attention is not None and not str(model).startswith("hf:") and not str(model).endswith(".json"):
         raise SymcostError(
             f"--attention applies to hf: models only; {model} runs its own attention code (leave --attention out)")
 
@@ -163,16 +163,18 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
         if unknown:
             raise SymcostError(f"unknown symbol {unknown[0]!r} for {spec.name}; accepted: {', '.join(spec.all_symbols)}")
         _check_set_vs_config(model, spec, sizes, cfg, attention)
-        values = {**spec.defaults, **sizes}
-        values.update({a: values.get(b) for a, b in spec.tied.items()})
-        msg = spec.check(values)
+        tied = [k for k in sizes if k in spec.tied and sizes[k] != sizes.get(spec.tied[k], spec.defaults.get(spec.tied[k]))]
+        if tied:
+            raise SymcostError(f"{tied[0]} is tied to {spec.tied[tied[0]]} in {spec.name}; it cannot be set on its own")
+        values = spec.values(sizes)
+        msg = spec.check(values)  # the constraints PyTorch imposes (K divides H, ...): before tracing
         if msg:
-            raise SymcostError(msg)
+            raise SymcostError(f"{spec.name}: {msg}")
         status(f"tracing {spec.name} (a training step at several probe sizes)")
         from ..analysis import trace
 
         try:
-            an = trace(spec, sizes=sizes, precision=precision)
+            an = trace(spec, sizes=sizes, precision=precision)  # the regime of these sizes
         except SymcostError as e:
             raise _with_probe_hint(e, spec) from e
     an = an.with_attention_flops(ctx.meta.get("symcost.attention_flops", "full") if ctx else "full")

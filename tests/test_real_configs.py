@@ -1,0 +1,111 @@
+"""Real published configs (issue 6, item 3): ``symcost`` reads a transformers ``config.json``.
+
+Twelve configs in ``tests/data/configs/`` are written out from the values their model cards
+publish. For each: the parameter count equals ``sum(p.numel())`` of the model built from that
+file on the meta device, model FLOPs (forward, backward, train) at two sizes equal
+``torch.utils.flop_counter.FlopCounterMode`` run on fake tensors at the file's full width (eager
+attention, small B, S and L: fake tensors allocate nothing), and ``symcost report`` runs on it.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import symcost
+
+HERE = os.path.dirname(__file__)
+CONFIGS = sorted(glob.glob(os.path.join(HERE, "data", "configs", "*.json")))
+# (B, S, L) of the two FLOP checks: the regime of B, S > 1 (traced with the first)
+SIZES = ({"B": 2, "S": 16, "L": 2}, {"B": 3, "S": 24, "L": 3})
+
+
+def fake_flops(spec, values: dict[str, int]) -> dict[str, int]:
+    """FlopCounterMode's forward (forward + the model's loss) and backward totals for the model
+    ``spec`` builds at ``values``, run on fake CPU tensors (no memory: full-width configs fit)."""
+    with torch.device("meta"):
+        model = spec.build(values)
+    model.train()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = model.to_empty(device="cpu")
+        ids = torch.randint(0, values["V"], (values["B"], values["S"]))
+        with FlopCounterMode(display=False) as fwd:
+            loss = model(input_ids=ids, labels=ids).loss
+        with FlopCounterMode(display=False) as bwd:
+            loss.backward()
+    f, b = fwd.get_total_flops(), bwd.get_total_flops()
+    return {"flops.forward": f, "flops.backward": b, "flops.train": f + b}
+
+
+def test_twelve_configs_present():
+    assert len(CONFIGS) == 12
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p)[:-5] for p in CONFIGS])
+def test_real_config(path):
+    t0 = time.perf_counter()
+    an = symcost.trace(path, sizes=SIZES[0], precision="fp32", attention="eager")
+    spec = an.spec
+    full = dict(spec.defaults)
+    full.update({a: full[b] for a, b in spec.tied.items()})
+    with torch.device("meta"):
+        model = spec.build(full)
+    assert an.subs()["params"] == sum(p.numel() for p in model.parameters())
+    for sizes in SIZES:
+        values = {**full, **sizes}
+        got = an.subs(**sizes)
+        want = fake_flops(spec, values)
+        assert want["flops.forward"] > 0
+        assert {k: got[k] for k in want} == want, (path, sizes)
+    assert time.perf_counter() - t0 < 60  # the issue asks < 30 s cold on an idle 2-core machine
+
+
+def test_report_runs_on_a_config_file():
+    path = os.path.join(HERE, "data", "configs", "qwen3-4b.json")
+    res = subprocess.run([sys.executable, "-m", "symcost.cli", "report", path, "--set", "B=2", "S=64",
+                          "--precision", "fp32"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "qwen3-4b.json" in res.stdout and "6·N·P" in res.stdout
+    assert "M" in res.stdout  # d_model apart from H*D is its own symbol
+
+
+def test_hub_name_not_in_cache_is_one_line(tmp_path):
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path), HF_HUB_OFFLINE="1")
+    res = subprocess.run([sys.executable, "-m", "symcost.cli", "eval", "hf:nosuch-org/nosuch-model"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "local Hugging Face cache" in lines[0] and "never downloads" in lines[0]
+
+
+def test_hub_name_from_local_cache(tmp_path):
+    """``hf:ORG/NAME`` reads the config.json a local Hugging Face cache holds (no network)."""
+    repo = tmp_path / "models--acme--tiny-llama"
+    snap = repo / "snapshots" / "0123456789abcdef"
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123456789abcdef")
+    with open(os.path.join(HERE, "data", "configs", "llama-3-8b.json")) as f:
+        (snap / "config.json").write_text(f.read())
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path), HF_HUB_OFFLINE="1")
+    code = ("import symcost; s = symcost.resolve('hf:acme/tiny-llama'); "
+            "print(s.name, s.defaults['H'], s.defaults['K'], s.defaults['V'])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["hf:acme/tiny-llama", "32", "8", "128256"]
+
+
+def test_bad_config_file_is_one_line(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text('{"hidden_size": 8}')
+    res = subprocess.run([sys.executable, "-m", "symcost.cli", "eval", str(bad)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "model_type" in res.stderr and len(res.stderr.strip().splitlines()) == 1
