@@ -5,6 +5,7 @@ publish. For each: the parameter count equals ``sum(p.numel())`` of the model bu
 file on the meta device, model FLOPs (forward, backward, train) at two sizes equal
 ``torch.utils.flop_counter.FlopCounterMode`` run on fake tensors at the file's full width (eager
 attention, small B, S and L: fake tensors allocate nothing), and ``symcost report`` runs on it.
+How long each takes cold is benchmarks/bench_real_configs.py's business, not a timed test.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import glob
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -51,7 +51,6 @@ def test_twelve_configs_present():
 @pytest.mark.heavy
 @pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p)[:-5] for p in CONFIGS])
 def test_real_config(path):
-    t0 = time.perf_counter()
     an = symcost.trace(path, sizes=SIZES[0], precision="fp32", attention="eager")
     spec = an.spec
     full = dict(spec.defaults)
@@ -65,7 +64,6 @@ def test_real_config(path):
         want = fake_flops(spec, values)
         assert want["flops.forward"] > 0
         assert {k: got[k] for k in want} == want, (path, sizes)
-    assert time.perf_counter() - t0 < 60  # the issue asks < 30 s cold on an idle 2-core machine
 
 
 def test_report_runs_on_a_config_file():
