@@ -166,6 +166,29 @@ class Analysis:
     regime_ties: dict[str, str] = field(default_factory=dict)
     pin_reasons: dict[str, str] = field(default_factory=dict)
     residues: dict[str, list] = field(default_factory=dict)
+    signature: str = ""  # sha256 of regime_signature() of the request's recording
+
+    def in_regime(self, **sizes: int) -> bool:
+        """Whether ``sizes`` (others at the defaults) run the ops this trace's request ran: the
+        cheap facts (pinned values, ties, residues, constraints: :meth:`bind`) and then one
+        recording at those sizes with L = 2 whose :func:`regime_signature` must match (a BLOOM
+        trace at a power-of-two H does not hold at H = 12). About one probe recording of time.
+        """
+        try:
+            env = self.bind(**sizes)
+        except SymcostError:
+            return False
+        values = {str(k): int(v) for k, v in env.items()}
+        for s in ("B", "S"):  # not requested: the regime of any size other than 1
+            values[s] = sizes.get(s, self.pinned.get(s, {"B": 2, "S": 16}[s]))
+        if "L" in values and "L" not in self.pinned:
+            values["L"] = FIT_L
+        values.update({a: values[b] for a, b in self.spec.tied.items() if b in values})
+        try:
+            rec = record(self.spec, values, self.precision)
+        except SymcostError:
+            return False
+        return _digest(regime_signature(rec)) == self.signature
 
     def params_not_in_P(self) -> dict[str, list[str]]:
         """Parameters outside P, grouped by why: embedding lookups, biases, norms/elementwise."""
@@ -555,9 +578,11 @@ def _layer_roles(spec: ModelSpec, ref: Recording, container: str | None, precisi
             elif s3[0] == s3[1] and s3[2] != s3[1]:
                 generic, special = 0, 1
             else:
-                raise SymcostError(
-                    f"{spec.name}: the blocks of {container} run different ops; cannot fold L"
-                )
+                differ = sorted(i for i in s3 if s3[i] != s3[0])
+                raise Unvariable("L", (
+                    f"the blocks of {container} run different ops (block{'s' if len(differ) > 1 else ''} "
+                    f"{', '.join(map(str, differ))} of 3 differ{'s' if len(differ) == 1 else ''} from block 0), "
+                    "so L is not folded"))
             repeat = L - 1
 
     def role(module: str, name: str | None = None):
@@ -590,6 +615,12 @@ def _align(recs: list[Recording], spec: ModelSpec) -> None:
             )
         if len(r.saved) != len(ref.saved) or set(r.params) != set(ref.params):
             raise SymcostError(f"{spec.name}: saved tensors or parameters change with the sizes")
+
+
+def _digest(sig: tuple) -> str:
+    import hashlib
+
+    return hashlib.sha256(repr(sig).encode()).hexdigest()
 
 
 def regime_signature(rec: Recording) -> tuple:
@@ -664,7 +695,8 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             if e.symbol in pins or e.symbol not in values:
                 raise
             pins[e.symbol] = values[e.symbol]
-            reasons[e.symbol] = "no other value of it runs the same ops as the requested one"
+            reasons[e.symbol] = ("no other value of it runs the same ops as the requested one"
+                                 if e.symbol != "L" else str(e))
         except FitError as e:
             deps = [d for d in e.deps if d not in pins and d in values]
             new = [d for d in deps if d not in INPUT_SYMBOLS] or deps
@@ -745,7 +777,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
             for k, s in enumerate(shapes0)
         ]
 
-    role = _layer_roles(spec, ref, container, precision)
+    # with L pinned (blocks that differ), every block is traced on its own: nothing is folded
+    role = _layer_roles(spec, ref, None if "L" in pinned else container, precision)
 
     # parameters
     param_shapes: dict[str, tuple] = {}
@@ -843,6 +876,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     an.regime_ties = dict(ties)
     an.request_facts = facts
     an.residues = {s: [m, values[s] % m] for s, m in moduli.items() if s in symbols and s in values}
+    an.signature = _digest(want_sig)
     pools = {s: probe_pool(s, request.get(s), moduli.get(s)) for s in symbols if s not in fixed}
     _validate(an, spec, symbols, seed, pinned, pools=pools, ties=ties, accept=accept, request=(request, req))
     an.timings = {"record": t1 - t0, "fit": t2 - t1, "check": time.perf_counter() - t2}

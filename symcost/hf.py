@@ -52,8 +52,9 @@ from .spec import Constraint, ModelSpec, check_constraints
 #: Decoder architectures checked (transformers 5.24, torch 2.13) to build from their default config,
 #: run forward + loss + backward with real CPU tensors and under ``FakeTensorMode`` (built on
 #: ``meta``), and trace the same aten op sequence at two size tuples with the same L, with eager and
-#: sdpa attention (bloom: eager only, transformers has no sdpa for it). gemma passes too once its
-#: default hidden_size is made H*head_dim (``--config head_dim=192``), so it is not listed.
+#: sdpa attention (bloom: eager only, transformers has no sdpa for it); phi, gemma (d_model apart
+#: from H*D: the symbol M) and gptj (a fixed rotary_dim) with eager attention. tests/test_regimes.py
+#: checks each at random sizes in every regime against PyTorch's own measurements.
 VERIFIED = (
     "llama",
     "mistral",
@@ -70,11 +71,15 @@ VERIFIED = (
     "granite",
     "starcoder2",
     "bloom",
+    "phi",
+    "gemma",
+    "gptj",
 )
 
 #: Dotted path of the ModuleList holding the L blocks, for the architectures we know.
 _LAYERS = {
     "llama": "model.layers",
+    "phi": "model.layers",
     "mistral": "model.layers",
     "qwen2": "model.layers",
     "qwen3": "model.layers",

@@ -40,5 +40,7 @@ def random_sizes(an, rng: random.Random, n: int = 5, big: bool = False) -> list[
         v = {s: v[s] for s in an.symbols}
         if tuple(sorted(v.items())) in probes or an.spec.check({**v, **{a: v[b] for a, b in an.spec.tied.items()}}):
             continue
+        if any(s in v and v[s] % m != r for s, (m, r) in an.residues.items()):
+            continue  # outside the residue class the trace holds in (partial rotary D): another regime
         out.append(v)
     return out

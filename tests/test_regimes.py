@@ -19,6 +19,7 @@ import random
 import pytest
 
 import symcost
+import symcost.analysis
 from symcost import hf
 from symcost.cli import main
 from test_flops_exact import measure
@@ -43,6 +44,8 @@ def draw(model_type: str, k_regime: str, rng: random.Random) -> tuple[dict[str, 
     if "K" in spec.symbols:
         if k_regime == "1":
             v["K"] = 1
+            if model_type == "olmo2":  # multi-query from the config as well as from --set
+                config["num_key_value_heads"] = "1"
         elif k_regime == "H":
             v["K"] = v["H"]
         else:
@@ -108,3 +111,67 @@ def test_eval_answers_every_regime_exactly(capsys, model_type, k_regime):
     answered.update(out["pinned_symbols"])
     answered.update({a: answered[b] for a, b in out["tied_symbols"].items() if b in answered})
     assert {s: answered[s] for s in sizes} == sizes
+
+
+def test_k_not_dividing_h_is_refused_before_tracing(capsys, monkeypatch):
+    """The one refusal left for K: sizes PyTorch rejects (a Constraint), before any recording."""
+    import symcost.record
+
+    def no_recording(*a, **k):
+        raise AssertionError("recorded before refusing")
+
+    monkeypatch.setattr(symcost.record, "record", no_recording)
+    monkeypatch.setattr(symcost.analysis, "record", no_recording)
+    code = 0
+    try:
+        main(["eval", "hf:llama", "--set", "H=6", "K=4"])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "K must divide H" in err and "K=4" in err and "H=6" in err
+
+
+BLOCKS = """
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, D, L):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(D, D), nn.ReLU() if i % 2 == 0 else nn.GELU()) for i in range(L))
+
+    def forward(self, x):
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+def build(D: int = 8, L: int = 4):
+    return Net(D, L)
+"""
+
+
+def test_blocks_that_differ_pin_L(tmp_path):
+    """Blocks alternating ReLU / GELU do not fold: L is pinned at the request, the rest answers."""
+    path = tmp_path / "alternating.py"
+    path.write_text(BLOCKS)
+    rng = random.Random("regimes:alternating")
+    sizes = {"B": rng.randint(2, 4), "S": rng.randint(2, 9), "D": rng.randint(2, 12), "L": rng.randint(3, 6)}
+    an = symcost.trace(f"{path}:build", sizes=sizes, precision="fp32")
+    assert an.pinned == {"L": sizes["L"]} and "differ" in an.pin_reasons["L"]
+    spec = an.spec
+    want = measure(spec, sizes)
+    got = an.subs(**sizes)
+    assert {k: got[k] for k in want} == want
+    assert an.subs(**dict(sizes, D=sizes["D"] + 1))["params"] == sizes["L"] * ((sizes["D"] + 1) ** 2 + sizes["D"] + 1)
+
+
+@pytest.mark.heavy
+def test_in_regime_tells_a_power_of_two_head_count_apart():
+    """A bloom trace at a power-of-two H holds for other powers of two, not for H = 12 (ALiBi
+    slopes of a head count that is not a power of two run other ops): ``in_regime`` says so."""
+    an = symcost.trace("hf:bloom", sizes={"H": 8, "D": 4, "L": 2, "V": 40, "B": 2, "S": 5}, precision="fp32")
+    assert "H" in an.symbols and not an.pinned
+    assert an.in_regime(H=4, D=6) and not an.in_regime(H=12)
