@@ -761,7 +761,6 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     plan = plan_probes(syms, spec.check, n_random=n_random, seed=seed, fixed=fixed, accept=accept,
                        request=request, ties=ties, moduli=moduli, base=base)
     symbols = syms
-    user_tied = dict(spec.tied)
     spec = dataclasses.replace(spec, tied={**spec.tied, **ties})
     recs = [rec_at(p) for p in plan.points]
     t1 = time.perf_counter()

@@ -175,3 +175,24 @@ def test_in_regime_tells_a_power_of_two_head_count_apart():
     an = symcost.trace("hf:bloom", sizes={"H": 8, "D": 4, "L": 2, "V": 40, "B": 2, "S": 5}, precision="fp32")
     assert "H" in an.symbols and not an.pinned
     assert an.in_regime(H=4, D=6) and not an.in_regime(H=12)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("model_type,config", [
+    ("gemma2", {}),  # sliding-window and global layers alternate (layer_types, period 2)
+    ("qwen2", {"use_sliding_window": "true", "max_window_layers": "1", "sliding_window": "3"}),
+], ids=["gemma2", "qwen2-window"])
+def test_layer_type_patterns_fold(capsys, model_type, config):
+    """Per-layer attention patterns change a block's mask, not its ops: L folds, and the
+    answer at random sizes is PyTorch's."""
+    rng = random.Random(f"patterns:{model_type}")
+    sizes, _ = draw(model_type, rng.choice(K_REGIMES), rng)
+    spec = symcost.resolve(f"hf:{model_type}", config)
+    want = measure(spec, sizes)
+    want["activations"] = saved_bytes(spec, sizes, "fp32")
+    out = cli_eval(capsys, f"hf:{model_type}", sizes, config)
+    assert "L" in out["symbols"] and "L" not in out["pinned_symbols"]
+    got = {"flops.forward": out["flops"]["forward"], "flops.backward": out["flops"]["backward"],
+           "flops.train": out["flops"]["train"], "params": out["params"],
+           "activations": out["memory"]["activations"]}
+    assert got == want, (model_type, sizes)
