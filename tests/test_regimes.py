@@ -87,30 +87,38 @@ def test_every_k_regime_is_drawn():
     assert len(with_k) >= 6 and {K_REGIMES[i % 3] for i in range(len(with_k))} == set(K_REGIMES)
 
 
-@pytest.mark.parametrize("model_type,k_regime", _cases())
-def test_eval_answers_every_regime_exactly(capsys, model_type, k_regime):
-    rng = random.Random(f"regimes:{model_type}")
+def draw_runnable(model_type: str, k_regime: str, rng: random.Random, config: dict | None = None):
+    """``(sizes, config, spec, PyTorch's measurement)``: sizes drawn until PyTorch (or the config
+    class's own validation) accepts them; sizes it cannot run are no request."""
     for _ in range(20):
-        sizes, config = draw(model_type, k_regime, rng)
-        spec = symcost.resolve(f"hf:{model_type}", config)
+        sizes, cfg = draw(model_type, k_regime, rng)
+        cfg = {**cfg, **(config or {})}
+        spec = symcost.resolve(f"hf:{model_type}", cfg)
         try:
             want = measure(spec, sizes)  # PyTorch on real CPU tensors
-        except RuntimeError:
-            continue  # sizes PyTorch itself cannot run are no request
-        break
-    else:
-        pytest.fail(f"no size tuple of hf:{model_type} that PyTorch runs")
-    want["activations"] = saved_bytes(spec, sizes, "fp32")
+        except (RuntimeError, symcost.SymcostError):
+            continue
+        want["activations"] = saved_bytes(spec, sizes, "fp32")
+        return sizes, cfg, spec, want
+    pytest.fail(f"no size tuple of hf:{model_type} that PyTorch runs")
+
+
+def answered(out: dict) -> dict:
+    return {"flops.forward": out["flops"]["forward"], "flops.backward": out["flops"]["backward"],
+            "flops.train": out["flops"]["train"], "params": out["params"],
+            "activations": out["memory"]["activations"]}
+
+
+@pytest.mark.parametrize("model_type,k_regime", _cases())
+def test_eval_answers_every_regime_exactly(capsys, model_type, k_regime):
+    sizes, config, spec, want = draw_runnable(model_type, k_regime, random.Random(f"regimes:{model_type}"))
     out = cli_eval(capsys, f"hf:{model_type}", sizes, config)
-    got = {"flops.forward": out["flops"]["forward"], "flops.backward": out["flops"]["backward"],
-           "flops.train": out["flops"]["train"], "params": out["params"],
-           "activations": out["memory"]["activations"]}
-    assert got == want, (model_type, sizes, config, out.get("pinned_symbols"))
+    assert answered(out) == want, (model_type, sizes, config, out.get("pinned_symbols"))
     # the sizes asked for are the sizes answered: a symbol is either evaluated or pinned at it
-    answered = {s: d["value"] for s, d in out["symbols"].items()}
-    answered.update(out["pinned_symbols"])
-    answered.update({a: answered[b] for a, b in out["tied_symbols"].items() if b in answered})
-    assert {s: answered[s] for s in sizes} == sizes
+    values = {s: d["value"] for s, d in out["symbols"].items()}
+    values.update(out["pinned_symbols"])
+    values.update({a: values[b] for a, b in out["tied_symbols"].items() if b in values})
+    assert {s: values[s] for s in sizes} == sizes
 
 
 def test_k_not_dividing_h_is_refused_before_tracing(capsys, monkeypatch):
@@ -186,13 +194,7 @@ def test_layer_type_patterns_fold(capsys, model_type, config):
     """Per-layer attention patterns change a block's mask, not its ops: L folds, and the
     answer at random sizes is PyTorch's."""
     rng = random.Random(f"patterns:{model_type}")
-    sizes, _ = draw(model_type, rng.choice(K_REGIMES), rng)
-    spec = symcost.resolve(f"hf:{model_type}", config)
-    want = measure(spec, sizes)
-    want["activations"] = saved_bytes(spec, sizes, "fp32")
+    sizes, config, spec, want = draw_runnable(model_type, rng.choice(K_REGIMES), rng, config)
     out = cli_eval(capsys, f"hf:{model_type}", sizes, config)
     assert "L" in out["symbols"] and "L" not in out["pinned_symbols"]
-    got = {"flops.forward": out["flops"]["forward"], "flops.backward": out["flops"]["backward"],
-           "flops.train": out["flops"]["train"], "params": out["params"],
-           "activations": out["memory"]["activations"]}
-    assert got == want, (model_type, sizes)
+    assert answered(out) == want, (model_type, sizes)
