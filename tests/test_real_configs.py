@@ -50,7 +50,7 @@ def test_twelve_configs_present():
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p)[:-5] for p in CONFIGS])
-def test_real_config(path):
+def test_real_config(path, capsys):
     an = symcost.trace(path, sizes=SIZES[0], precision="fp32", attention="eager")
     spec = an.spec
     full = dict(spec.defaults)
@@ -64,6 +64,13 @@ def test_real_config(path):
         want = fake_flops(spec, values)
         assert want["flops.forward"] > 0
         assert {k: got[k] for k in want} == want, (path, sizes)
+    # the report renders (what `symcost report CONFIG --set B=2 S=16` prints, on this trace)
+    from symcost import report as rep
+
+    sizes = {k: v for k, v in SIZES[0].items() if k != "L"}
+    rep.render(an, sizes, memory=rep.memory_section(an, sizes, "80GiB", "fp32", "adamw"))
+    out = capsys.readouterr().out
+    assert "6·N·P" in out and os.path.basename(path) in out
 
 
 def test_report_runs_on_a_config_file():
