@@ -457,6 +457,9 @@ class Analysis:
                     f"{k}={v} lies outside the regime {k} = {r} mod {m} this trace holds for (its sizes are "
                     f"polynomial in {k} only there); trace again for {k}={v} (--set {k}={v})")
             values[k] = v
+        for a, b in self.spec.follows.items():  # K = H where the config leaves K unset
+            if a not in sizes and a in values and b in values:
+                values[a] = values[b]
         values.update(self.pinned)
         missing = [s for s in self.symbols if s not in values]
         if missing:
@@ -676,11 +679,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     """
     spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
     sizes = dict(sizes or {})
-    values = {k: v for k, v in spec.defaults.items() if k not in INPUT_SYMBOLS}
-    values.update(sizes)
-    for a, b in spec.tied.items():
-        if b in values:
-            values[a] = values[b]
+    values = spec.values(sizes, inputs=False)
     why = spec.check({k: v for k, v in values.items() if k in spec.symbols or k in INPUT_SYMBOLS})
     if why:
         raise SymcostError(f"{spec.name}: {why}")

@@ -414,6 +414,16 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
     K = attr("num_key_value_heads") if has_k else None
     if has_k and K is None:
         K = H
+    follows: dict[str, str] = {}
+    if has_k and _field_name(cfg, "num_key_value_heads") not in ov:
+        more = dict(ov)
+        more[_field_name(cfg, "num_attention_heads")] = 2 * H
+        more[_field_name(cfg, "hidden_size")] = 2 * hidden
+        try:
+            if getattr(_make_config(AutoConfig, model_type, more), "num_key_value_heads", None) in (None, 2 * H):
+                follows["K"] = "H"  # the config leaves K unset: K = H unless the user sets K
+        except SymcostError:
+            pass
 
     symbols = tuple(s for s, present in (("H", 1), ("D", 1), ("L", 1), ("V", 1), ("F", f_attr), ("K", has_k),
                                          ("M", has_m)) if present)
@@ -528,6 +538,7 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         loss=loss,
         constraints=tuple(constraints),
         moduli=moduli,
+        follows=follows,
         layers=_LAYERS.get(model_type),
         extra=extra,
     )

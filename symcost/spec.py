@@ -116,6 +116,9 @@ class ModelSpec:
         tied: symbols that always equal another in this model (follower -> leader), so probes
             keep them equal and formulas use the leader. ``symcost.trace`` adds the ties of a
             request's regime (K = H where that changes the ops) to the spec it returns.
+        follows: symbol -> symbol whose value it takes when the user does not set it (a config
+            that leaves ``num_key_value_heads`` unset means K = H: ``--set H=16`` then asks for
+            K = 16); unlike ``tied`` it can be set on its own.
         moduli: symbol -> m where the model's sizes are polynomial in that symbol only within a
             residue class mod m (a partial rotary dimension ``int(D*f)``): probes then keep the
             request's residue, and the formulas hold for values in that class.
@@ -134,12 +137,26 @@ class ModelSpec:
     constraints: tuple[Constraint, ...] = ()
     tied: dict[str, str] = field(default_factory=dict)
     moduli: dict[str, int] = field(default_factory=dict)
+    follows: dict[str, str] = field(default_factory=dict)
     layers: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.check is None:
             self.check = lambda values: check_constraints(self.constraints, values)
+
+    def values(self, sizes: Mapping[str, int], inputs: bool = True) -> dict[str, int]:
+        """The requested values: the defaults (without B and S unless ``inputs``), ``sizes`` on
+        top, then followers not in ``sizes`` and tied symbols take their leader's value."""
+        out = {k: v for k, v in self.defaults.items() if inputs or k not in INPUT_SYMBOLS}
+        out.update(sizes)
+        for a, b in self.follows.items():
+            if a not in sizes and b in out:
+                out[a] = out[b]
+        for a, b in self.tied.items():
+            if b in out:
+                out[a] = out[b]
+        return out
 
     @property
     def all_symbols(self) -> tuple[str, ...]:
