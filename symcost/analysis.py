@@ -139,6 +139,9 @@ class Analysis:
         param_shapes: parameter name (folded) -> (shape, dtype, repeat).
         unsupported: aten op name -> number of executions (per training step, symbolic).
         saved: activations saved for backward: list of (module, nbytes expr, dtype, repeat).
+        pinned: symbols fixed at the requested value in this trace (not symbols of the formulas),
+            with ``pin_reasons``; ``regime_ties`` (follower -> leader), ``request_facts`` and
+            ``residues`` complete the regime it was traced for (see :func:`trace`).
     """
 
     model: str
@@ -861,7 +864,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     t2 = time.perf_counter()
     graph = _build_graph(ref, ops, role)
     syms = {s: SYMBOL_MEANINGS[s] for s in symbols}
-    if "D" in syms and "H" not in syms and "H" not in spec.tied:
+    if "D" in syms and "H" not in syms and "H" not in spec.tied and "H" not in pinned:
         syms["D"] = "model width (the model has no attention heads)"
     an = Analysis(
         model=spec.name, spec=spec, graph=graph, ops=ops, symbols=syms, param_shapes=param_shapes,
