@@ -20,7 +20,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import rules
 from .errors import SymcostError
-from .fit import SYMS, Fitter, FitError, Unvariable, find_base, plan_probes, probe_pool, random_point
+from .fit import (SYMS, Fitter, FitError, Unvariable, find_base, plan_probes, probe_pool, random_point,
+                  random_pools)
 from .models import SYMBOL_MEANINGS, ModelSpec, resolve
 from .spec import INPUT_SYMBOLS, request_facts
 from .record import IntRef, OpCall, Recording, TensorRef, record
@@ -878,7 +879,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     an.request_facts = facts
     an.residues = {s: [m, values[s] % m] for s, m in moduli.items() if s in symbols and s in values}
     an.signature = _digest(want_sig)
-    pools = {s: probe_pool(s, request.get(s), moduli.get(s)) for s in symbols if s not in fixed}
+    pools = random_pools([s for s in symbols if s not in fixed], plan.points[0], request, moduli)
     _validate(an, spec, symbols, seed, pinned, pools=pools, ties=ties, accept=accept, request=(request, req))
     an.timings = {"record": t1 - t0, "fit": t2 - t1, "check": time.perf_counter() - t2}
     return an

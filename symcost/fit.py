@@ -122,8 +122,8 @@ def probe_pool(symbol: str, request: int | None = None, modulus: int | None = No
     polynomial there). Never 0 or 1 (PyTorch specialises those)."""
     small = list(dict.fromkeys(ALTS.get(symbol, ()) + tuple(POOLS[symbol])))
     near: list[int] = []
-    if request is not None:
-        step = modulus or 1
+    if request is not None:  # keep the request's parity where the small pool keeps one (D)
+        step = modulus or (2 if all(v % 2 == 0 for v in POOLS[symbol]) else 1)
         for k in range(1, 9):
             near += [request + k * step, request - k * step]
     if modulus:
@@ -131,6 +131,21 @@ def probe_pool(symbol: str, request: int | None = None, modulus: int | None = No
         small = [r + modulus * k for k in range(12)]
     vals = [v for v in small + near if v > 1]
     return list(dict.fromkeys(vals))
+
+
+def random_pools(symbols, base: Mapping[str, int], request: Mapping[str, int] | None = None,
+                 moduli: Mapping[str, int] | None = None) -> dict[str, list[int]]:
+    """Values random probes draw from: the small pool where the base probe's value is in it, else
+    the values around the request (where the base had to go); never a mix of both, so a size
+    that depends on a symbol's parity or range (rfft's D//2 + 1) is not fitted across them."""
+    request, moduli = dict(request or {}), dict(moduli or {})
+    out = {}
+    for s in symbols:
+        small = probe_pool(s, None, moduli.get(s))
+        every = probe_pool(s, request.get(s), moduli.get(s))
+        near = [v for v in every if v not in small]
+        out[s] = small if (base.get(s) in small or not near) else near
+    return out
 
 
 def _nearest(pool: Sequence[int], target: int) -> int:
@@ -263,9 +278,10 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
         if s not in axis:
             raise Unvariable(s, f"could not vary {s} alone from {base} within the model's constraints and regime")
     rng = random.Random(seed)
+    rpools = random_pools(free, base, request, moduli)
     for _ in range(n_random):
         for _attempt in range(3):
-            p = random_point(symbols, check, rng, fixed, pools, ties)
+            p = random_point(symbols, check, rng, fixed, rpools, ties)
             if accept(p):
                 points.append(p)
                 break
