@@ -22,7 +22,8 @@ V      ``vocab_size``
 F      ``intermediate_size`` (``ffn_dim`` for opt, ``n_inner`` for gpt2/gptj when set) when the
        config sets it on its own; a width the config derives from ``hidden_size`` (gpt2's
        ``n_inner=None``, falcon's ``ffn_hidden_size``) is no symbol: it comes out of the trace
-K      ``num_key_value_heads`` wherever the config has it (None counts as H). Its regime
+K      ``num_key_value_heads`` wherever the config has it; where the config leaves it unset (None:
+       multi-head attention) K follows H unless the user sets K (``ModelSpec.follows``). Its regime
        (K = 1, 1 < K < H, K = H) is not fixed here: ``symcost.trace`` traces the one the
        requested sizes are in (K = H ties K to H where that changes the ops; K = 1 pins K)
 ====== ===========================================================================================
