@@ -198,3 +198,37 @@ def test_layer_type_patterns_fold(capsys, model_type, config):
     out = cli_eval(capsys, f"hf:{model_type}", sizes, config)
     assert "L" in out["symbols"] and "L" not in out["pinned_symbols"]
     assert answered(out) == want, (model_type, sizes)
+
+
+# ------------------------------------------------------------------------------------------------
+# the probe planner on its own (no model): probes obey the regime predicate it is given
+def test_probes_stay_in_the_regime_they_are_given():
+    from symcost.fit import plan_probes
+
+    rng = random.Random("planner:regime")
+    H = rng.choice((3, 5, 6, 7, 9, 10, 12))  # a head count that is not a power of two
+    in_regime = lambda p: p["H"] & (p["H"] - 1) != 0  # noqa: E731 - the "ALiBi" regime
+    plan = plan_probes(("B", "S", "H", "D"), lambda v: None, n_random=6, seed=rng.randint(0, 99),
+                       accept=in_regime, request={"B": 2, "S": 9, "H": H, "D": 8})
+    assert len(plan.points) >= 5 + 4 and all(in_regime(p) for p in plan.points)
+    assert len({p["H"] for p in plan.points}) >= 3
+
+
+def test_a_symbol_no_probe_can_vary_is_unvariable():
+    from symcost.fit import Unvariable, plan_probes
+
+    D = random.Random("planner:pin").choice((64, 96, 128))
+    with pytest.raises(Unvariable) as e:
+        plan_probes(("B", "S", "H", "D"), lambda v: "D below the rotary dimension" if v["D"] < D else None,
+                    n_random=2, accept=lambda p: p["D"] == D, request={"B": 2, "S": 9, "H": 4, "D": D})
+    assert e.value.symbol == "D"
+
+
+def test_probes_keep_the_request_residue():
+    from symcost.fit import plan_probes
+
+    rng = random.Random("planner:residue")
+    D = rng.choice((4, 12, 20, 28, 36))  # D = 4 mod 8: a partial rotary int(D/4) that is odd
+    plan = plan_probes(("B", "S", "D"), lambda v: None, n_random=6, moduli={"D": 8},
+                       request={"B": 2, "S": 9, "D": D})
+    assert all(p["D"] % 8 == 4 for p in plan.points) and len({p["D"] for p in plan.points}) >= 3
