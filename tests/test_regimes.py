@@ -8,7 +8,7 @@ is not a power of two), D equal to the rotary dimension for gptj. ``symcost eval
 real model at those sizes with real CPU tensors and the model's own loss (``labels=input_ids``):
 FlopCounterMode's forward / backward / train FLOPs, ``sum(p.numel())``, and the bytes autograd
 saves (``saved_tensors_hooks``, each storage once) for ``memory.activations``. The oracles are
-those of test_flops_exact.py and test_memory_oracle.py. A size tuple that PyTorch itself cannot
+those of test_flops_exact.py and memory_oracle.py. A size tuple that PyTorch itself cannot
 run (phi rotates an odd number of dimensions at D = 6) is not a request: it is drawn again.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import symcost.analysis
 from symcost import hf
 from symcost.cli import main
 from test_flops_exact import measure
-from test_memory_oracle import saved_bytes
+from memory_oracle import saved_bytes
 
 NAMED = ("phi", "gemma", "gptj")  # named in the issue's "Why" besides the verified ones
 ARCHS = tuple(dict.fromkeys(hf.VERIFIED + NAMED))
