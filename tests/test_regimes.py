@@ -36,7 +36,7 @@ def _has_k(model_type: str) -> bool:
 
 def draw(model_type: str, k_regime: str, rng: random.Random) -> tuple[dict[str, int], dict[str, str]]:
     """``(sizes for --set, --config overrides)`` at random, each size drawn on its own."""
-    spec = symcost.resolve(f"hf:{model_type}")
+    spec = symcost.resolve(f"hf:{model_type}", attention="eager")
     v = {"B": rng.randint(1, 3), "S": rng.randint(3, 14), "H": rng.randint(2, 9),
          "D": rng.choice((4, 6, 8, 10, 12, 14, 16)), "L": rng.randint(1, 3), "V": rng.randint(17, 97),
          "F": rng.randint(8, 40), "M": rng.randint(8, 48)}
@@ -93,7 +93,7 @@ def draw_runnable(model_type: str, k_regime: str, rng: random.Random, config: di
     for _ in range(20):
         sizes, cfg = draw(model_type, k_regime, rng)
         cfg = {**cfg, **(config or {})}
-        spec = symcost.resolve(f"hf:{model_type}", cfg)
+        spec = symcost.resolve(f"hf:{model_type}", cfg, "eager")
         try:
             want = measure(spec, sizes)  # PyTorch on real CPU tensors
         except (RuntimeError, symcost.SymcostError):
