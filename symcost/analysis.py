@@ -641,7 +641,7 @@ class Analysis:
     def subs(self, **sizes: int) -> dict[str, int]:
         """Every total as an integer at the given sizes (others at the model's defaults)."""
         env = self.bind(**sizes)
-        ev = lambda e: int(sympy.sympify(e).subs(env))  # noqa: E731
+        ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731  (xreplace: no re-simplifying)
         out = {"params": ev(self.params), "params_matmul": ev(self.params_matmul)}
         for ph in PHASES + ("train",):
             out[f"flops.{ph}"] = ev(self.flops(ph))

@@ -34,7 +34,7 @@ from fractions import Fraction
 from typing import Any, Mapping
 
 import sympy
-from sympy.polys.domains import QQ
+from sympy.polys.domains import QQ, ZZ
 from sympy.polys.rings import ring as _ring
 
 from .errors import SymcostError
@@ -252,18 +252,26 @@ def optimizer(name: str) -> Optimizer:
 Terms = list
 
 
-class Algebra:
-    """The polynomial ring ``QQ[gens]`` (``sympy.polys.rings.ring``) of a model's symbols.
+class NotIntegral(ValueError):
+    """A coefficient that the integer ring ``ZZ`` cannot hold (use ``QQ``)."""
 
-    Elements are ``PolyElement``s (exact rational coefficients, fast arithmetic); besides the
-    ring's own operations this gives the conversions to and from sympy expressions and plain
+
+class Algebra:
+    """The polynomial ring ``ZZ[gens]`` or ``QQ[gens]`` (``sympy.polys.rings.ring``) of a
+    model's symbols.
+
+    Elements are ``PolyElement``s (exact coefficients; with ``ZZ``, the usual case of byte
+    counts, plain Python integers, which keeps the arithmetic fast); besides the ring's own
+    operations this gives the conversions to and from sympy expressions and plain
     :data:`Terms`, and the shift ``p(x) -> p(x + 1)`` that decides signs over positive integers.
+    Converting a non-integer coefficient into ``ZZ`` raises :class:`NotIntegral`.
     """
 
-    def __init__(self, gens: tuple[str, ...]):
+    def __init__(self, gens: tuple[str, ...], domain=QQ):
         self.gens = tuple(gens)
+        self.domain = domain
         syms = [SYMS[g] for g in self.gens] or [sympy.Symbol("_one")]
-        self.R, *self.x = _ring(syms, QQ)
+        self.R, *self.x = _ring(syms, domain)
         self.n = len(syms)
         self._shifted: dict[tuple, Any] = {}
         self._from_expr: dict = {}
@@ -275,16 +283,24 @@ class Algebra:
         """A sympy polynomial in the symbols (or a number) as a ring element."""
         got = self._from_expr.get(expr)
         if got is None:
-            got = self._from_expr[expr] = self.R(sympy.sympify(expr))
+            try:
+                got = self._from_expr[expr] = self.R(sympy.sympify(expr))
+            except ValueError as e:  # a rational coefficient in ZZ
+                raise NotIntegral(str(e)) from e
         return got
 
     def from_terms(self, terms: Terms):
         d = {}
         for t in terms:
-            f = Fraction(t[-1])
-            m = tuple(t[:-1]) if self.gens else (0,)
-            d[m] = QQ(f.numerator, f.denominator)
+            d[tuple(t[:-1]) if self.gens else (0,)] = self._coeff(Fraction(t[-1]))
         return self.R.from_dict(d) if d else self.R.zero
+
+    def _coeff(self, f: Fraction):
+        if self.domain == ZZ:
+            if f.denominator != 1:
+                raise NotIntegral(f"{f} is not an integer")
+            return int(f)
+        return QQ(f.numerator, f.denominator)
 
     def terms(self, p) -> Terms:
         out = []
@@ -298,6 +314,8 @@ class Algebra:
     def scale(self, p, k):
         """``k * p`` for a rational ``k`` (int or Fraction)."""
         k = Fraction(k)
+        if self.domain == ZZ:
+            return self.R.from_dict({m: self._coeff(Fraction(int(c)) * k) for m, c in p.items()}) if p else p
         return p * QQ(k.numerator, k.denominator)
 
     def shift(self, p):
@@ -314,6 +332,12 @@ class Algebra:
                 self._shifted[m] = s
             out += s * c
         return out
+
+
+def terms_expr(gens, terms: Terms) -> sympy.Expr:
+    """:data:`Terms` in the symbols ``gens`` as a sympy expression."""
+    return sympy.Add(*[sympy.Rational(str(t[-1])) * sympy.Mul(*[SYMS[g] ** e for g, e in zip(gens, t[:-1]) if e])
+                       for t in terms])
 
 
 def _nonneg(p) -> bool:
@@ -783,7 +807,6 @@ class MemoryModel:
         self.impl, self.device = resolve_impl(impl, device), device
         self.gens = tuple(an.symbols)
         self._syms = [SYMS[s] for s in self.gens]
-        self.alg = Algebra(self.gens)
         self.schedule: MemorySchedule = an.schedule
         if self.schedule is None:
             raise SymcostError(f"{an.model}: this analysis has no memory schedule (trace it with symcost.trace)")
@@ -801,7 +824,13 @@ class MemoryModel:
         self.activations_per_layer = sympy.expand(sympy.Add(*per_layer)) if per_layer else None
         self.static = sympy.expand(self.params + self.optimizer + self.master_weights + self.buffers
                                    + self.inputs)
-        self._load_schedule()
+        for domain in (ZZ, QQ):  # integer coefficients (fast) unless a size needs fractions
+            self.alg = Algebra(self.gens, domain)
+            try:
+                self._load_schedule()
+                break
+            except NotIntegral:
+                continue
 
     # -- static ----------------------------------------------------------------------------------
     def _optimizer_state(self) -> sympy.Expr:
@@ -823,8 +852,7 @@ class MemoryModel:
 
     def _buffers_inputs(self) -> tuple[sympy.Expr, sympy.Expr]:
         sched = self.schedule
-        return (sympy.expand(self.alg.expr(self.alg.from_terms(sched.buffers))),
-                sympy.expand(self.alg.expr(self.alg.from_terms(sched.inputs))))
+        return terms_expr(sched.gens, sched.buffers), terms_expr(sched.gens, sched.inputs)
 
     def bytes_per_param(self) -> int:
         """params + grads + full-size optimizer state + master weights, bytes per parameter
@@ -866,6 +894,7 @@ class MemoryModel:
         self.grad_events = {k for k, e in enumerate(sched.events) if e.grad}
         self.units = [(range(u.start, u.stop), alg.from_expr(parse_formula(u.repeat)), u.min_L, u.label)
                       for u in sched.units]
+        self._poly(self.static)  # (in the same ring: raises NotIntegral here, not in solve)
         self.candidates = self._candidates(accumulate=False)
         self.candidates_accum = self._candidates(accumulate=True)
 
@@ -993,7 +1022,7 @@ class MemoryModel:
         vals = self._values(env)
         L = env.get(SYMS["L"])
         dyn = max(_peval(c.poly, vals) for c in self._cands(L, accumulate))
-        return int(sympy.sympify(self.static).subs(env)) + int(dyn)
+        return int(sympy.sympify(self.static).xreplace(env)) + int(dyn)
 
     def peak_where(self, **sizes: int) -> str:
         """Where in the schedule the peak is reached at ``sizes`` (a label)."""
@@ -1026,7 +1055,7 @@ class MemoryModel:
         """Every component in bytes at ``sizes`` (JSON names: params, grads, optimizer,
         master_weights, buffers, inputs, activations, peak)."""
         env = self._env(sizes)
-        ev = lambda e: int(sympy.sympify(e).subs(env))  # noqa: E731
+        ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731
         out = {k: ev(getattr(self, k)) for k in
                ("params", "grads", "optimizer", "master_weights", "buffers", "inputs", "activations")}
         if self.activations_per_layer is not None:
@@ -1172,7 +1201,7 @@ class MemoryModel:
         sizes = dict(sizes)
         sizes.pop("B", None)
         full = self.peak(B=b, **sizes)
-        F = lambda B: int(sympy.sympify(self.an.flops("train")).subs(self._env({**sizes, "B": B})))  # noqa: E731
+        F = lambda B: int(sympy.sympify(self.an.flops("train")).xreplace(self._env({**sizes, "B": B})))  # noqa: E731
         if full <= cap:
             return AccumulationPlan(global_batch, devices, b, b, 1, b, True, full, full, F(b),
                                     F(b) * devices, cap, "the per-device batch fits without accumulation")
@@ -1203,6 +1232,25 @@ class MemoryModel:
 # --------------------------------------------------------------------------------------------
 
 
+class _Text:
+    """A row's formula text, printed on first use (sympy's printer takes a while on long
+    formulas, and ``eval`` never shows them); ``str()`` and rich both render it."""
+
+    def __init__(self, fn, arg):
+        self._fn, self._arg, self._s = fn, arg, None
+
+    def __str__(self) -> str:
+        if self._s is None:
+            self._s = self._fn(self._arg)
+        return self._s
+
+    def __rich__(self) -> str:
+        return str(self)
+
+    def __repr__(self) -> str:
+        return repr(str(self))
+
+
 def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB",
                    precision: str | None = None, optimizer_name: str = "adamw",
                    impl: str = "default", evaluate: bool | None = None, device: str = "cuda") -> dict:
@@ -1225,7 +1273,7 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     vsizes = {k: v for k, v in sizes.items()}
     comp = mm.components(**vsizes)
     pol, opt = mm.policy, mm.opt
-    peak_f = mm.peak_expr()
+    peak_f = _Text(lambda _: str(mm.peak_expr()), None)  # built only when shown
     rows = []
     label = {
         "params": f"parameters ({pol.param} B each)",
@@ -1252,10 +1300,10 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     for k, f in formulas.items():
         if f is None:
             continue
-        shown = str(f)
+        shown = f if isinstance(f, _Text) else _Text(str, f)
         if k == "peak" and len(terms) > 1:
-            shown = (f"static + the largest of {len(terms)} live sets (Max; memory.peak in --json); "
-                     f"{'here' if sizes else 'at the defaults'} static + {win[0]}")
+            shown = _Text(lambda w: (f"static + the largest of {len(terms)} live sets (Max; memory.peak in "
+                                     f"--json); {'here' if sizes else 'at the defaults'} static + {w}"), win[0])
         rows.append((label[k], shown, gib(comp[k])))
     bpp = mm.bytes_per_param()
     parts = [f"{pol.param} (params)", f"{pol.grad} (grads)"]

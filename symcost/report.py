@@ -138,7 +138,7 @@ def module_rows(an: Analysis) -> list[dict[str, Any]]:
 
 
 def _value(expr, env):
-    return int(sympy.sympify(expr).subs(env))
+    return int(sympy.sympify(expr).xreplace(env))
 
 
 def module_classes(an: Analysis) -> dict[str, str]:
