@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .errors import SymcostError
-from .spec import request_facts
+from .spec import INPUT_SYMBOLS, request_facts
 
 #: Bumped when the entry layout changes (with ``Analysis.FORMAT``).
 FORMAT = 1
@@ -118,9 +118,13 @@ def key(model: str, config: Mapping[str, str], attention: str, precision: str) -
 
 
 def _request_values(meta: Mapping, sizes: Mapping[str, int]) -> dict[str, int]:
-    values = {**meta["defaults"], **sizes}
+    """The values a request asks for, as the tracer reads them: the config defaults (not B and
+    S, which count only where the request sets them), the request's sizes, and the model's own
+    ties (a follower takes its leader's value)."""
+    values = {k: v for k, v in meta["defaults"].items() if k not in INPUT_SYMBOLS}
+    values.update(sizes)
     for a, b in meta["tied"].items():
-        if a not in sizes and b in values:
+        if b in values:
             values[a] = values[b]
     return values
 
@@ -189,8 +193,11 @@ def store(k: dict, sizes: Mapping[str, int], an) -> Path | None:
     except SymcostError:
         return None
     spec = an.spec
-    all_symbols = sorted(set(spec.all_symbols) | set(spec.tied) | set(an.pinned))
-    meta: dict[str, Any] = {"key": k, "defaults": dict(spec.defaults), "tied": dict(spec.tied),
+    # the model's own ties, not those the trace added for the request's regime (K = H)
+    regime_ties = getattr(an, "regime_ties", {}) or {}
+    tied = {a: b for a, b in spec.tied.items() if a not in regime_ties}
+    all_symbols = sorted((set(INPUT_SYMBOLS) | set(spec.symbols) | set(an.pinned)) - set(tied))
+    meta: dict[str, Any] = {"key": k, "defaults": dict(spec.defaults), "tied": tied,
                             "all_symbols": all_symbols, "pinned": dict(an.pinned)}
     meta["facts"] = _facts(meta, sizes)
     regime = _digest(json.dumps([meta["facts"], meta["pinned"]], sort_keys=True).encode())[:16]
