@@ -8,6 +8,7 @@ fresh recordings (other sizes, L = 3) that took no part in the fit.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass, field
@@ -357,6 +358,11 @@ class Analysis:
                          constraints=tuple(Constraint(*c) for c in sd["constraints"]),
                          tied=dict(sd["tied"]), layers=sd["layers"], extra=dict(sd["extra"]), **more)
         an = cls.__new__(cls)
+        for f in dataclasses.fields(cls):  # every field with a default first (fields added later too)
+            if f.default is not dataclasses.MISSING:
+                an.__dict__[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                an.__dict__[f.name] = f.default_factory()
         plan = d.get("plan")
         an.__dict__.update(
             model=d["model"], spec=spec, symbols=dict(d["symbols"]),
