@@ -54,6 +54,8 @@ def test_cached_equals_fresh(traced, cache_dir, model, precision):
     json.loads(path.read_text())  # plain JSON
     cached = cache.load(k, {})
     assert isinstance(cached, Analysis) and cached is not fresh
+    # the memory pass runs on the analysis' data alone: no probe recordings, fitter or fold function
+    assert cached.recordings == [] and cached.fitter is None and cached.role is None
     _same(fresh, cached, random.Random(sum(map(ord, model))))
 
 
