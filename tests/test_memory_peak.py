@@ -55,7 +55,7 @@ def _check(an, sz, device, foreach):
 @pytest.mark.heavy
 def test_opt_issue_case(traced):
     """The issue's case: AdamW(params) on the CPU (for-loop), and the foreach step CUDA runs."""
-    an = traced("hf:opt")
+    an = traced("hf:opt", "fp32")  # positional, as tests/test_memory.py calls it: one shared trace
     sz = {"B": 2, "S": 20, "H": 4, "D": 16, "L": 4, "V": 253}
     cpu = _check(an, sz, "cpu", None)
     cuda = _check(an, sz, "cuda", True)  # what torch.optim runs with CUDA tensors
@@ -68,7 +68,7 @@ def test_opt_issue_case(traced):
 def test_peak_within_5_percent(traced, model):
     """PyTorch's default AdamW on the CPU (for-loop) and the foreach step (CUDA's default), at
     random sizes: within 5 % of torch.profiler's peak."""
-    an = traced(model)
+    an = traced(model, "fp32")
     rng = random.Random(100 + ARCHS.index(model))
     cpu, cuda = random_sizes(an, rng, n=2)
     _check(an, cpu, "cpu", None)
