@@ -231,6 +231,9 @@ class Analysis:
 
     def params_not_in_P(self) -> dict[str, list[str]]:
         """Parameters outside P, grouped by why: embedding lookups, biases, norms/elementwise."""
+        pre = self.__dict__.get("_params_not_in_P")
+        if pre is not None:  # read back with the analysis (from_dict)
+            return {k: list(v) for k, v in pre.items()}
         out: dict[str, list[str]] = {}
         g = self.graph
         for name in self.param_shapes:
@@ -324,7 +327,7 @@ class Analysis:
             "plan": None if plan is None else {"symbols": list(plan.symbols), "points": plan.points,
                                                "axis": plan.axis},
             "schedule": None if self.schedule is None else self.schedule.to_dict(),
-            "totals": totals, "ops": ops, "graph": graph,
+            "totals": totals, "ops": ops, "graph": graph, "params_not_in_P": self.params_not_in_P(),
             # the regime's data (plain dicts), where the tracer records it
             "regime": {k: _jsonable(getattr(self, k)) for k in _REGIME_FIELDS if hasattr(self, k)},
         }
@@ -381,6 +384,8 @@ class Analysis:
         for k, v in d.get("regime", {}).items():
             if k in _REGIME_FIELDS:
                 an.__dict__[k] = v
+        if isinstance(d.get("params_not_in_P"), dict):
+            an.__dict__["_params_not_in_P"] = d["params_not_in_P"]
         tot = {k: P(v) for k, v in d["totals"].items()}
         an.__dict__["_formulas"] = tot
         for k in _CACHED_TOTALS:  # functools.cached_property slots
