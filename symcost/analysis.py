@@ -328,6 +328,7 @@ class Analysis:
                                                "axis": plan.axis},
             "schedule": None if self.schedule is None else self.schedule.to_dict(),
             "totals": totals, "ops": ops, "graph": graph, "params_not_in_P": self.params_not_in_P(),
+            "embedding_params": dict(self.embedding_params) if hasattr(type(self), "embedding_params") else None,
             # the regime's data (plain dicts), where the tracer records it
             "regime": {k: _jsonable(getattr(self, k)) for k in _REGIME_FIELDS if hasattr(self, k)},
         }
