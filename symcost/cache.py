@@ -18,8 +18,8 @@ entry when its request facts equal the entry's and it asks the entry's pinned sy
 pinned values.
 
 **Robustness.** An entry that cannot be read (corrupt JSON, another format, missing fields) is
-deleted and the model traced afresh; a stale one (other versions or sources) has another key and
-is never read. Writes go to a temporary file renamed into place. A model whose spec checks sizes
+deleted and the model traced afresh; a stale one (other versions or sources) has another key, is
+never read, and is deleted when the same model and options are cached again. Writes go to a temporary file renamed into place. A model whose spec checks sizes
 with code rather than declarative constraints is not cached (its check could not run from data);
 nor are ``hf:ORG/NAME`` checkpoints (their config lives outside symcost's view).
 """
@@ -185,6 +185,34 @@ def _write(path: Path, text: str) -> None:
         raise
 
 
+def _prune_stale(k: dict, keep: Path) -> None:
+    """Delete the entries of the same model and options written by other versions or sources
+    (they can never match again)."""
+    same = {f: k[f] for f in ("source", "precision", "attention")}
+    root = cache_dir()
+    if not root.is_dir():
+        return
+    for folder in root.iterdir():
+        if folder == keep or not folder.is_dir():
+            continue
+        for meta_path in folder.glob("*.meta.json"):
+            try:
+                old = json.loads(meta_path.read_text())["key"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if isinstance(old, dict) and {f: old.get(f) for f in same} == same and old != k:
+                for p in folder.glob("*.json"):
+                    try:
+                        p.unlink()
+                    except OSError:
+                        pass
+                try:
+                    folder.rmdir()
+                except OSError:
+                    pass
+            break
+
+
 def store(k: dict, sizes: Mapping[str, int], an) -> Path | None:
     """Write ``an`` (traced for a request of ``sizes``) under key ``k``; None if it cannot be
     kept as data (a spec that checks sizes with code) or the cache folder is not writable."""
@@ -202,6 +230,7 @@ def store(k: dict, sizes: Mapping[str, int], an) -> Path | None:
     meta["facts"] = _facts(meta, sizes)
     regime = _digest(json.dumps([meta["facts"], meta["pinned"]], sort_keys=True).encode())[:16]
     folder = _folder(k)
+    _prune_stale(k, folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         _write(folder / f"{regime}.json", json.dumps(data, separators=(",", ":")))

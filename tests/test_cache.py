@@ -105,6 +105,10 @@ def test_regime_and_key(cache_dir):
     assert cache.key("mlp", {}, "eager", "fp32") != cache.key("gpt2", {}, "eager", "fp32")
     stale = dict(k, symcost_sources="0" * 64)
     assert cache.load(stale, {"B": 4}) is None
+    cache.store(stale, {"B": 4}, many)  # as an older symcost would have written it
+    assert cache.load(stale, {"B": 4}) is not None
+    cache.store(k, {"B": 4}, many)  # caching the same model again deletes the stale entry
+    assert cache.load(stale, {"B": 4}) is None and cache.load(k, {"B": 4}) is not None
     assert cache.key("hf:meta-llama/Llama-3-8B", {}, "eager", "fp32") is None  # not keyed: not cached
 
 
