@@ -20,8 +20,14 @@ per architecture. The accounting (see docs/memory.md and ../shared/conventions.m
   the peak is one polynomial where the maximiser does not depend on the sizes, else ``Max(...)``
   of the few that can win (``Piecewise`` on L = 1 when a candidate needs two blocks).
 
+The schedule is fitted once, at trace time (:func:`fit_schedule` -> ``Analysis.schedule``, a
+:class:`MemorySchedule` of plain data), so the pass needs the analysis only, not the probe
+recordings (a cached analysis has none). Polynomials are elements of sympy's sparse polynomial
+rings (``sympy.polys.rings``, exact ``ZZ``/``QQ`` coefficients).
+
 Public entry points: :func:`parse_memory`, :func:`memory_model` (-> :class:`MemoryModel` with
-``peak``, ``solve``, ``plan_accumulation``), :func:`report_section`.
+``peak``, ``solve``, ``plan_accumulation``), :func:`report_section`, :func:`default_impl`,
+:func:`fit_schedule`.
 """
 from __future__ import annotations
 
@@ -800,6 +806,10 @@ class MemoryModel:
         candidates: the :class:`Candidate` live sets (bytes on top of ``static``) of a normal
             step; ``candidates_accum`` those of an accumulation micro-step (gradients live from
             the start, each new gradient a transient).
+        schedule: the analysis' :class:`MemorySchedule` (all the pass reads besides the
+            parameter shapes and saved tensors); ``alg`` the polynomial ring of its candidates.
+        impl, device: the optimizer implementation assumed (``impl="default"`` resolved by
+            :func:`default_impl` for ``device``).
     """
 
     def __init__(self, an, pol: Policy, opt: Optimizer, impl: str = "default", device: str = "cuda"):
