@@ -329,9 +329,28 @@ class Analysis:
             "schedule": None if self.schedule is None else self.schedule.to_dict(),
             "totals": totals, "ops": ops, "graph": graph, "params_not_in_P": self.params_not_in_P(),
             "embedding_params": dict(self.embedding_params) if hasattr(type(self), "embedding_params") else None,
+            "fusion": self._fusion_data(),
             # the regime's data (plain dicts), where the tracer records it
             "regime": {k: _jsonable(getattr(self, k)) for k in _REGIME_FIELDS if hasattr(self, k)},
         }
+
+    def _fusion_data(self) -> dict | None:
+        """The fused-bytes estimate (:func:`symcost.fusion.estimate`, which needs the probe
+        recordings) as data, so a cached analysis gives the same fused bytes; None without
+        recordings."""
+        if "_fusion_data" in self.__dict__:
+            return self.__dict__["_fusion_data"]
+        if not self.recordings:
+            return None
+        try:
+            from . import fusion
+        except ImportError:
+            return None
+        fe = fusion.estimate(self)
+        return {"node_bytes": [[i, str(v)] for i, v in fe.node_bytes.items()],
+                "node_written": [[i, str(v)] for i, v in fe.node_written.items()],
+                "region_of": [[i, r] for i, r in fe.region_of.items()],
+                "regions": [[r, list(ids)] for r, ids in fe.regions.items()], "exact": bool(fe.exact)}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Analysis":
@@ -385,6 +404,8 @@ class Analysis:
         for k, v in d.get("regime", {}).items():
             if k in _REGIME_FIELDS:
                 an.__dict__[k] = v
+        if isinstance(d.get("fusion"), dict):
+            an.__dict__["_fusion_data"] = d["fusion"]
         if isinstance(d.get("params_not_in_P"), dict):
             an.__dict__["_params_not_in_P"] = d["params_not_in_P"]
         tot = {k: P(v) for k, v in d["totals"].items()}
@@ -754,15 +775,31 @@ _GRAPH_FORMULAS = {"repeat", "flops", "flops_all", "bytes", "intensity"}
 _GRAPH_SHAPES = {"in_shapes", "out_shapes", "shape"}
 
 
+class _Dtypes(list):
+    """A list of dtype names (``"float32"``) that reads as torch dtypes: torch is imported on the
+    first read, so a cached analysis' ops load without it."""
+
+    @staticmethod
+    def _dtype(x):
+        return getattr(torch, x) if isinstance(x, str) else x
+
+    def __iter__(self):
+        return (self._dtype(x) for x in list.__iter__(self))
+
+    def __getitem__(self, i):
+        v = list.__getitem__(self, i)
+        return [self._dtype(x) for x in v] if isinstance(i, slice) else self._dtype(v)
+
+
 def _load_ops(rows) -> list:
-    """SymOps from :meth:`Analysis.to_dict` rows (dtypes stay their names, e.g. ``"float32"``)."""
+    """SymOps from :meth:`Analysis.to_dict` rows (dtypes read as torch dtypes, see _Dtypes)."""
     import sys
 
     P = functools.lru_cache(maxsize=None)(parse_formula)
     Cost = rules.Cost if "symcost.rules" in sys.modules else _Cost
     return [SymOp(index=i, name=name, family=fam, module=mod, phase=ph, repeat=P(rep),
-                  in_shapes=[tuple(P(x) for x in sh) for sh in ins], in_dtypes=list(ind),
-                  out_shapes=[tuple(P(x) for x in sh) for sh in outs], out_dtypes=list(outd),
+                  in_shapes=[tuple(P(x) for x in sh) for sh in ins], in_dtypes=_Dtypes(ind),
+                  out_shapes=[tuple(P(x) for x in sh) for sh in outs], out_dtypes=_Dtypes(outd),
                   cost=Cost(*(P(c) for c in cost)), layer=layer, attention=attn)
             for i, name, fam, mod, ph, rep, ins, ind, outs, outd, cost, layer, attn in rows]
 

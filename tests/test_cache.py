@@ -33,6 +33,10 @@ def _same(fresh, cached, rng, n=4):
     assert cached.params_not_in_P() == fresh.params_not_in_P()
     for q in ("params", "params_matmul", "attention_flops", "flops.train", "bytes.backward"):
         assert sympy.expand(cached.quantity(q) - fresh.quantity(q)) == 0, q
+    from symcost import fusion
+
+    ff, fc = fusion.estimate(fresh), fusion.estimate(cached)  # fused bytes need the recordings: kept as data
+    assert fc.exact == ff.exact and sympy.expand(fc.total(cached) - ff.total(fresh)) == 0
     mf, mc = memory.memory_model(fresh, None, "adamw"), memory.memory_model(cached, None, "adamw")
     assert sympy.expand(mf.static - mc.static) == 0
     assert [str(t) for t in mf.peak_terms()] == [str(t) for t in mc.peak_terms()]
