@@ -597,6 +597,8 @@ class Analysis:
         new.timings = dict(base.timings)
         new.attention_count = count
         new._full = base
+        if base.__dict__.get("_fusion_data") is not None:  # fused bytes do not change with the count
+            new.__dict__["_fusion_data"] = base.__dict__["_fusion_data"]
         return new
 
     def train_simplified_str(self) -> str:
