@@ -330,9 +330,21 @@ class Analysis:
             "totals": totals, "ops": ops, "graph": graph, "params_not_in_P": self.params_not_in_P(),
             "embedding_params": dict(self.embedding_params) if hasattr(type(self), "embedding_params") else None,
             "fusion": self._fusion_data(),
+            "module_classes": self._module_classes(),
             # the regime's data (plain dicts), where the tracer records it
             "regime": {k: _jsonable(getattr(self, k)) for k in _REGIME_FIELDS if hasattr(self, k)},
         }
+
+    def _module_classes(self) -> dict | None:
+        """Module path -> class name (:func:`symcost.report.module_classes`), kept for the report
+        of a cached analysis; None when unavailable."""
+        if "_module_classes" in self.__dict__:
+            return self.__dict__["_module_classes"]
+        try:
+            from .report import module_classes
+        except ImportError:
+            return None
+        return module_classes(self) or None
 
     def _fusion_data(self) -> dict | None:
         """The fused-bytes estimate (:func:`symcost.fusion.estimate`, which needs the probe
@@ -404,6 +416,8 @@ class Analysis:
         for k, v in d.get("regime", {}).items():
             if k in _REGIME_FIELDS:
                 an.__dict__[k] = v
+        if isinstance(d.get("module_classes"), dict):
+            an.__dict__["_module_classes"] = d["module_classes"]
         if isinstance(d.get("fusion"), dict):
             an.__dict__["_fusion_data"] = d["fusion"]
         if isinstance(d.get("params_not_in_P"), dict):

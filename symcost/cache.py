@@ -161,7 +161,9 @@ def load(k: dict, sizes: Mapping[str, int]):
             if meta.get("key") != k or not _matches(meta, sizes):
                 continue
             entry = json.loads(data_path.read_text())
-            return Analysis.from_dict(entry)
+            an = Analysis.from_dict(entry)
+            an.__dict__["cached_from"] = str(data_path)  # the report says where it came from
+            return an
         except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, SymcostError):
             for p in (meta_path, data_path):
                 try:
