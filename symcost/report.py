@@ -216,8 +216,8 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
               + (f": {SUMMARY[an.precision]}" if an.precision in SUMMARY else ""))
     if opt:
         impl, dev = js.get("optimizer_impl"), js.get("device")
-        g.add_row("optimizer", opt + (f" ({impl} step on {dev}, see --torch-device)" if impl and dev else "")
-                  + (f"; memory cap {human(cap, 'B')}" if cap else ""))
+        g.add_row("optimizer", opt + (f"; memory cap {human(cap, 'B')}" if cap else "")
+                  + (f"; {impl} step on {dev}" if impl and dev else ""))
     att = an.spec.extra.get("attention")
     if an.model.startswith("hf:") and att:
         g.add_row("attention", att + (" (transformers' default; --attention eager: explicit matmuls)"
