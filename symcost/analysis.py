@@ -316,6 +316,7 @@ class Analysis:
             "model": self.model, "precision": self.precision, "symbols": dict(self.symbols),
             "spec": {"name": spec.name, "symbols": list(spec.symbols), "defaults": dict(spec.defaults),
                      "tied": dict(spec.tied), "layers": spec.layers, "moduli": dict(getattr(spec, "moduli", {})),
+                     "follows": dict(getattr(spec, "follows", {})),
                      "constraints": [[c.kind, c.a, c.b, c.why] for c in spec.constraints],
                      "extra": _jsonable(spec.extra)},
             "param_shapes": {n: [[s(x) for x in sh], dt(d), s(rep)] for n, (sh, d, rep) in self.param_shapes.items()},
@@ -387,7 +388,7 @@ class Analysis:
             raise SymcostError(f"{sd['name']}: this analysis was read from the trace cache and cannot "
                                "build the model; trace it again (symcost --no-cache, or symcost.trace)")
 
-        more = {"moduli": dict(sd["moduli"])} if sd.get("moduli") and "moduli" in ModelSpec.__dataclass_fields__ else {}
+        more = {k: dict(sd[k]) for k in ("moduli", "follows") if sd.get(k) and k in ModelSpec.__dataclass_fields__}
         spec = ModelSpec(name=sd["name"], symbols=tuple(sd["symbols"]), defaults=dict(sd["defaults"]),
                          build=_gone, make_inputs=_gone, loss=_gone,
                          constraints=tuple(Constraint(*c) for c in sd["constraints"]),

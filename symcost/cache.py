@@ -118,11 +118,15 @@ def key(model: str, config: Mapping[str, str], attention: str, precision: str) -
 
 
 def _request_values(meta: Mapping, sizes: Mapping[str, int]) -> dict[str, int]:
-    """The values a request asks for, as the tracer reads them: the config defaults (not B and
-    S, which count only where the request sets them), the request's sizes, and the model's own
-    ties (a follower takes its leader's value)."""
+    """The values a request asks for, as the tracer reads them (``ModelSpec.values(sizes,
+    inputs=False)`` of the model's own spec): the config defaults (not B and S, which count only
+    where the request sets them), the request's sizes, then followers the request leaves unset
+    (K follows H) and the model's own ties take their leader's value."""
     values = {k: v for k, v in meta["defaults"].items() if k not in INPUT_SYMBOLS}
     values.update(sizes)
+    for a, b in meta.get("follows", {}).items():
+        if a not in sizes and b in values:
+            values[a] = values[b]
     for a, b in meta["tied"].items():
         if b in values:
             values[a] = values[b]
@@ -228,8 +232,12 @@ def store(k: dict, sizes: Mapping[str, int], an) -> Path | None:
     tied = {a: b for a, b in spec.tied.items() if a not in regime_ties}
     all_symbols = sorted((set(INPUT_SYMBOLS) | set(spec.symbols) | set(an.pinned)) - set(tied))
     meta: dict[str, Any] = {"key": k, "defaults": dict(spec.defaults), "tied": tied,
+                            "follows": dict(getattr(spec, "follows", {}) or {}),
                             "all_symbols": all_symbols, "pinned": dict(an.pinned)}
     meta["facts"] = _facts(meta, sizes)
+    traced = getattr(an, "request_facts", None)
+    if traced and json.loads(json.dumps(traced)) != meta["facts"]:
+        return None  # the tracer read this request otherwise: do not guess which requests match
     regime = _digest(json.dumps([meta["facts"], meta["pinned"]], sort_keys=True).encode())[:16]
     folder = _folder(k)
     _prune_stale(k, folder)

@@ -48,11 +48,12 @@ def _same(fresh, cached, rng, n=4):
         assert mc.solve(cap, "B", **other).value == mf.solve(cap, "B", **other).value, (sz, cap)
 
 
-@pytest.mark.parametrize("model,precision", [("cs336-lm", "fp32"), ("gpt2", "fp32"), ("mlp", "bf16-mixed")])
+@pytest.mark.parametrize("model,precision", [("cs336-lm", "fp32"), ("gpt2", "fp32"), ("mlp", "bf16-mixed"),
+                                             pytest.param("hf:llama", "fp32", marks=pytest.mark.hf)])
 def test_cached_equals_fresh(traced, cache_dir, model, precision):
     """Written, read back from disk (JSON only), the analysis gives a fresh trace's numbers."""
     fresh = traced(model, precision)
-    k = cache.key(model, {}, "eager", precision)
+    k = cache.key(model, {}, None, precision)
     path = cache.store(k, {}, fresh)
     assert path is not None and path.exists()
     json.loads(path.read_text())  # plain JSON
@@ -61,6 +62,9 @@ def test_cached_equals_fresh(traced, cache_dir, model, precision):
     # the memory pass runs on the analysis' data alone: no probe recordings, fitter or fold function
     assert cached.recordings == [] and cached.fitter is None and cached.role is None
     _same(fresh, cached, random.Random(sum(map(ord, model))))
+    if model == "hf:llama":  # traced for the config's K = H (multi-head): not the regime of K = 2
+        assert fresh.spec.tied.get("K") == "H"
+        assert cache.load(k, {"K": 2}) is None and cache.load(k, {"H": 16}) is not None
 
 
 def test_corrupt_entry_is_rebuilt(cache_dir):
