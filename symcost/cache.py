@@ -14,8 +14,9 @@ digest of symcost's own sources (a changed tracer never reads an old entry). Ent
 key live in one folder, one per traced **regime**: the sizes the user asks for choose the regime
 (``symcost.spec.request_facts``: symbols set to 1, equal config-symbol pairs such as K = H), and
 the trace may pin symbols at the requested value (``Analysis.pinned``). A request matches an
-entry when its request facts equal the entry's and it asks the entry's pinned symbols at their
-pinned values.
+entry when its request facts equal the entry's, it asks the entry's pinned symbols at their
+pinned values, and its config sizes (all but B, S and L, see :data:`FREE`) are the entry's: a
+loop over batch sizes, sequence lengths or depths reads one entry, another head count traces.
 
 **Robustness.** An entry that cannot be read (corrupt JSON, another format, missing fields) is
 deleted and the model traced afresh; a stale one (other versions or sources) has another key, is
@@ -137,8 +138,20 @@ def _facts(meta: Mapping, sizes: Mapping[str, int]) -> dict:
     return request_facts(_request_values(meta, sizes), meta["all_symbols"])
 
 
+#: Symbols a cached regime serves at any value (with the same request facts and pins): the
+#: batch, the sequence length and the number of blocks. A config size (H, D, K, V, F, M, E, R) is
+#: matched by value: a regime can depend on it in ways the request facts do not show (BLOOM's
+#: ALiBi slopes run other ops when H is not a power of two), and only a recording would tell.
+FREE = ("B", "S", "L")
+
+
+def _config_values(meta: Mapping, sizes: Mapping[str, int]) -> dict[str, int]:
+    values = _request_values(meta, sizes)
+    return {s: values[s] for s in sorted(values) if s not in FREE}
+
+
 def _matches(meta: Mapping, sizes: Mapping[str, int]) -> bool:
-    if _facts(meta, sizes) != meta["facts"]:
+    if _facts(meta, sizes) != meta["facts"] or _config_values(meta, sizes) != meta["config_values"]:
         return False
     values = _request_values(meta, sizes)
     return all(values.get(s) == v for s, v in meta["pinned"].items())
@@ -235,10 +248,11 @@ def store(k: dict, sizes: Mapping[str, int], an) -> Path | None:
                             "follows": dict(getattr(spec, "follows", {}) or {}),
                             "all_symbols": all_symbols, "pinned": dict(an.pinned)}
     meta["facts"] = _facts(meta, sizes)
+    meta["config_values"] = _config_values(meta, sizes)
     traced = getattr(an, "request_facts", None)
     if traced and json.loads(json.dumps(traced)) != meta["facts"]:
         return None  # the tracer read this request otherwise: do not guess which requests match
-    regime = _digest(json.dumps([meta["facts"], meta["pinned"]], sort_keys=True).encode())[:16]
+    regime = _digest(json.dumps([meta["facts"], meta["pinned"], meta["config_values"]], sort_keys=True).encode())[:16]
     folder = _folder(k)
     _prune_stale(k, folder)
     try:
