@@ -20,6 +20,7 @@ from einops import einsum, rearrange
 from torch import nn
 
 from symcost.models import ModelSpec
+from symcost.spec import Constraint
 
 MAX_SEQ_LEN = 4096
 
@@ -173,12 +174,11 @@ def lm_loss(logits: torch.Tensor, inputs) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), tokens.roll(-1, dims=1).flatten())
 
 
-def _check(values) -> str | None:
-    if values.get("D", 0) % 2:
-        return f"RoPE needs an even head dimension D (got D={values['D']})"
-    if values.get("S", 0) > MAX_SEQ_LEN:
-        return f"S={values['S']} exceeds the RoPE table of {MAX_SEQ_LEN} positions"
-    return None
+#: Sizes the model cannot take (data, so a cached trace checks them without building the model).
+CONSTRAINTS = (
+    Constraint("multiple", "D", 2, "RoPE needs an even head dimension D"),
+    Constraint("max", "S", MAX_SEQ_LEN, f"S exceeds the RoPE table of {MAX_SEQ_LEN} positions"),
+)
 
 
 def spec() -> ModelSpec:
@@ -191,6 +191,6 @@ def spec() -> ModelSpec:
         make_inputs=lambda v, device: (
             (torch.randint(0, v["V"], (v["B"], v["S"]), device=device),), {}),
         loss=lm_loss,
-        check=_check,
+        constraints=CONSTRAINTS,
         layers="layers",
     )

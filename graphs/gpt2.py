@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from symcost.models import ModelSpec
+from symcost.spec import Constraint
 
 N_POSITIONS = 1024
 
@@ -104,10 +105,8 @@ def lm_loss(logits: torch.Tensor, inputs) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), tokens.roll(-1, dims=1).flatten())
 
 
-def _check(values) -> str | None:
-    if values.get("S", 0) > N_POSITIONS:
-        return f"S={values['S']} exceeds GPT-2's {N_POSITIONS} learned positions"
-    return None
+#: Sizes the model cannot take (data, so a cached trace checks them without building the model).
+CONSTRAINTS = (Constraint("max", "S", N_POSITIONS, f"S exceeds GPT-2's {N_POSITIONS} learned positions"),)
 
 
 def spec() -> ModelSpec:
@@ -120,7 +119,7 @@ def spec() -> ModelSpec:
         make_inputs=lambda v, device: (
             (torch.randint(0, v["V"], (v["B"], v["S"]), device=device),), {}),
         loss=lm_loss,
-        check=_check,
+        constraints=CONSTRAINTS,
         layers="h",
         extra={"tied_embeddings": True, "n_positions": N_POSITIONS},
     )

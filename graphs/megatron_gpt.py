@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from symcost.models import ModelSpec
+from symcost.spec import Constraint
 
 N_POSITIONS = 2048
 DROPOUT = 0.1
@@ -122,10 +123,8 @@ def lm_loss(logits: torch.Tensor, inputs) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), tokens.roll(-1, dims=1).flatten())
 
 
-def _check(values) -> str | None:
-    if values.get("S", 0) > N_POSITIONS:
-        return f"S={values['S']} exceeds the {N_POSITIONS} learned positions"
-    return None
+#: Sizes the model cannot take (data, so a cached trace checks them without building the model).
+CONSTRAINTS = (Constraint("max", "S", N_POSITIONS, f"S exceeds the {N_POSITIONS} learned positions"),)
 
 
 def spec() -> ModelSpec:
@@ -138,7 +137,7 @@ def spec() -> ModelSpec:
         make_inputs=lambda v, device: (
             (torch.randint(0, v["V"], (v["B"], v["S"]), device=device),), {}),
         loss=lm_loss,
-        check=_check,
+        constraints=CONSTRAINTS,
         layers="layers",
         extra={"reference": "Korthikanti et al. 2022, Sec. 4.1: activations per layer "
                             "s*b*h*(34 + 5*a*s/h) bytes with 16-bit activations"},

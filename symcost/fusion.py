@@ -81,6 +81,15 @@ def estimate(an) -> FusionEstimate:
         without its probe recordings (e.g. rebuilt from saved data) gets the unfused bytes and
         ``exact = False``.
     """
+    stored = getattr(an, "__dict__", {}).get("_fusion_data")  # kept with a cached analysis
+    if stored is not None and not getattr(an, "recordings", None):
+        from .fit import parse_formula as P
+
+        return FusionEstimate(node_bytes={int(i): P(v) for i, v in stored["node_bytes"]},
+                              node_written={int(i): P(v) for i, v in stored["node_written"]},
+                              region_of={int(i): int(r) for i, r in stored["region_of"]},
+                              regions={int(r): list(ids) for r, ids in stored["regions"]},
+                              exact=bool(stored["exact"]))
     if not getattr(an, "recordings", None):
         return FusionEstimate(node_bytes={op.index: op.cost.bytes for op in an.ops},
                               node_written={op.index: written_bytes(op) for op in an.ops},

@@ -20,8 +20,14 @@ per architecture. The accounting (see docs/memory.md and ../shared/conventions.m
   the peak is one polynomial where the maximiser does not depend on the sizes, else ``Max(...)``
   of the few that can win (``Piecewise`` on L = 1 when a candidate needs two blocks).
 
+The schedule is fitted once, at trace time (:func:`fit_schedule` -> ``Analysis.schedule``, a
+:class:`MemorySchedule` of plain data), so the pass needs the analysis only, not the probe
+recordings (a cached analysis has none). Polynomials are elements of sympy's sparse polynomial
+rings (``sympy.polys.rings``, exact ``ZZ``/``QQ`` coefficients).
+
 Public entry points: :func:`parse_memory`, :func:`memory_model` (-> :class:`MemoryModel` with
-``peak``, ``solve``, ``plan_accumulation``), :func:`report_section`.
+``peak``, ``solve``, ``plan_accumulation``), :func:`report_section`, :func:`default_impl`,
+:func:`fit_schedule`.
 """
 from __future__ import annotations
 
@@ -29,14 +35,16 @@ import math
 import re
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Mapping
 
 import sympy
+from sympy.polys.domains import QQ, ZZ
+from sympy.polys.rings import ring as _ring
 
 from .errors import SymcostError
-from .fit import SYMS
+from .fit import SYMS, parse_formula
 
 GiB = 2**30
 
@@ -178,11 +186,44 @@ OPTIMIZERS: dict[str, Optimizer] = {
     "adafactor": Optimizer("adafactor", 0, True, True, "torch.optim.Adafactor"),
 }
 
-#: How the optimizer step runs: PyTorch's default on CUDA is ``foreach`` (one list op per
-#: update, temporaries for all tensors at once), on the CPU ``for-loop``; ``fused`` keeps no
-#: temporaries.
-IMPLS = ("foreach", "for-loop", "fused")
+#: How the optimizer step runs: ``foreach`` (one list op per update, temporaries for all tensors
+#: at once), ``for-loop`` (one tensor at a time), ``fused`` (no temporaries), or ``default``:
+#: what ``torch.optim`` picks itself when ``foreach`` is left None, which depends on the device
+#: (:func:`default_impl`).
+IMPLS = ("default", "foreach", "for-loop", "fused")
+#: Devices the step may run on, for ``impl="default"``.
+DEVICES = ("cuda", "cpu", "xpu", "mtia")
+#: torch/utils/_foreach_utils.py ``_get_foreach_kernels_supported_devices()`` (torch 2.x): the
+#: device types whose tensors ``torch.optim`` steps with foreach kernels by default.
+FOREACH_DEVICES = ("cuda", "xpu", "mtia")
 STEP_BYTES = 4  # torch.tensor(0.0, dtype=_get_scalar_dtype()): fp32, 0-d
+
+
+def default_impl(device: str = "cuda") -> str:
+    """The optimizer implementation ``torch.optim`` runs when ``foreach`` is left None.
+
+    torch/optim/optimizer.py ``_default_to_fused_or_foreach``: foreach when every parameter lies
+    on a device with foreach kernels (CUDA, XPU, MTIA), else the per-tensor for-loop (the CPU);
+    fused only when asked for. So the same ``AdamW(params)`` keeps a state-sized temporary of
+    every tensor at once on a GPU and two temporaries of one tensor at a time on the CPU.
+
+    Raises:
+        SymcostError: unknown device.
+    """
+    if device not in DEVICES:
+        raise SymcostError(f"unknown device {device!r}; accepted: {', '.join(DEVICES)}")
+    return "foreach" if device in FOREACH_DEVICES else "for-loop"
+
+
+def resolve_impl(impl: str, device: str = "cuda") -> str:
+    """``impl`` itself, or for ``"default"`` what ``torch.optim`` picks on ``device``.
+
+    Raises:
+        SymcostError: unknown implementation or device.
+    """
+    if impl not in IMPLS:
+        raise SymcostError(f"unknown optimizer implementation {impl!r}; accepted: {', '.join(IMPLS)}")
+    return default_impl(device) if impl == "default" else impl
 
 
 def policy(name: str) -> Policy:
@@ -209,78 +250,132 @@ def optimizer(name: str) -> Optimizer:
 
 
 # --------------------------------------------------------------------------------------------
-# small exact polynomial algebra (dict: exponent tuple -> int/Fraction) for the candidates
+# polynomials: sympy's polynomial rings over QQ (exact), plus what the peak needs
 # --------------------------------------------------------------------------------------------
 
-Poly = dict  # {(e_1, ..., e_n): coefficient}
+#: A polynomial as plain data (JSON): ``[[e_1, ..., e_n, "p/q"], ...]``, exponents in the order
+#: of the symbols it is written in (``MemorySchedule.gens``).
+Terms = list
 
 
-def _padd(a: Poly, b: Poly, k=1) -> Poly:
-    out = dict(a)
+class NotIntegral(ValueError):
+    """A coefficient that the integer ring ``ZZ`` cannot hold (use ``QQ``)."""
+
+
+class Algebra:
+    """The polynomial ring ``ZZ[gens]`` or ``QQ[gens]`` (``sympy.polys.rings.ring``) of a
+    model's symbols.
+
+    Elements are ``PolyElement``s (exact coefficients; with ``ZZ``, the usual case of byte
+    counts, plain Python integers, which keeps the arithmetic fast); besides the ring's own
+    operations this gives the conversions to and from sympy expressions and plain
+    :data:`Terms`, and the shift ``p(x) -> p(x + 1)`` that decides signs over positive integers.
+    Converting a non-integer coefficient into ``ZZ`` raises :class:`NotIntegral`.
+    """
+
+    def __init__(self, gens: tuple[str, ...], domain=QQ):
+        self.gens = tuple(gens)
+        self.domain = domain
+        syms = [SYMS[g] for g in self.gens] or [sympy.Symbol("_one")]
+        self.R, *self.x = _ring(syms, domain)
+        self.n = len(syms)
+        self._shifted: dict[tuple, Any] = {}
+        self._from_expr: dict = {}
+
+    def gen(self, name: str):
+        return self.x[self.gens.index(name)]
+
+    def from_expr(self, expr):
+        """A sympy polynomial in the symbols (or a number) as a ring element."""
+        got = self._from_expr.get(expr)
+        if got is None:
+            try:
+                got = self._from_expr[expr] = self.R(sympy.sympify(expr))
+            except ValueError as e:  # a rational coefficient in ZZ
+                raise NotIntegral(str(e)) from e
+        return got
+
+    def from_terms(self, terms: Terms):
+        d = {}
+        for t in terms:
+            d[tuple(t[:-1]) if self.gens else (0,)] = self._coeff(Fraction(t[-1]))
+        return self.R.from_dict(d) if d else self.R.zero
+
+    def _coeff(self, f: Fraction):
+        if self.domain == ZZ:
+            if f.denominator != 1:
+                raise NotIntegral(f"{f} is not an integer")
+            return int(f)
+        return QQ(f.numerator, f.denominator)
+
+    def terms(self, p) -> Terms:
+        out = []
+        for m, c in sorted(p.items()):
+            out.append([*(m if self.gens else ()), str(c)])
+        return out
+
+    def expr(self, p) -> sympy.Expr:
+        return p.as_expr() if self.gens else sympy.Rational(str(p.coeff(1)) if p else 0)
+
+    def scale(self, p, k):
+        """``k * p`` for a rational ``k`` (int or Fraction)."""
+        k = Fraction(k)
+        if self.domain == ZZ:
+            return self.R.from_dict({m: self._coeff(Fraction(int(c)) * k) for m, c in p.items()}) if p else p
+        return p * QQ(k.numerator, k.denominator)
+
+    def shift(self, p):
+        """``p(x + 1)``, a polynomial in y = x - 1 >= 0: when all its coefficients are >= 0, p >= 0
+        at every positive integer point (a sufficient test). Shifted monomials are cached."""
+        out = self.R.zero
+        for m, c in p.items():
+            s = self._shifted.get(m)
+            if s is None:
+                s = self.R.one
+                for x, e in zip(self.x, m):
+                    if e:
+                        s = s * (x + 1) ** e
+                self._shifted[m] = s
+            out += s * c
+        return out
+
+
+def terms_expr(gens, terms: Terms) -> sympy.Expr:
+    """:data:`Terms` in the symbols ``gens`` as a sympy expression."""
+    return sympy.Add(*[sympy.Rational(str(t[-1])) * sympy.Mul(*[SYMS[g] ** e for g, e in zip(gens, t[:-1]) if e])
+                       for t in terms])
+
+
+def _nonneg(p) -> bool:
+    return all(c >= 0 for c in p.values())
+
+
+def _geq(a, b) -> bool:
+    """Every coefficient of ``a - b`` is >= 0 (without building ``a - b``)."""
     for m, c in b.items():
-        v = out.get(m, 0) + k * c
-        if v:
-            out[m] = v
-        else:
-            out.pop(m, None)
-    return out
+        if a.get(m, 0) < c:
+            return False
+    return all(c >= 0 or m in b for m, c in a.items())
 
 
-def _pscale(a: Poly, k) -> Poly:
-    return {m: c * k for m, c in a.items()} if k else {}
-
-
-def _pmul(a: Poly, b: Poly) -> Poly:
-    out: Poly = {}
-    for m1, c1 in a.items():
-        for m2, c2 in b.items():
-            m = tuple(x + y for x, y in zip(m1, m2))
-            v = out.get(m, 0) + c1 * c2
-            if v:
-                out[m] = v
-            else:
-                out.pop(m, None)
-    return out
-
-
-def _shift(a: Poly) -> Poly:
-    """``a(x + 1)``: coefficients of a polynomial in y = x - 1 (>= 0 for positive integers x)."""
-    out: Poly = {}
-    for m, c in a.items():
-        terms = {(): c}
-        for e in m:
-            new = {}
-            for pre, v in terms.items():
-                for k in range(e + 1):
-                    new[pre + (k,)] = v * math.comb(e, k)
-            terms = new
-        for mm, v in terms.items():
-            out[mm] = out.get(mm, 0) + v
-    return {m: c for m, c in out.items() if c}
-
-
-def _rat(c) -> sympy.Rational:
-    return sympy.Rational(c.numerator, c.denominator) if isinstance(c, Fraction) else sympy.Integer(c)
-
-
-def _nonneg(a: Poly) -> bool:
-    return all(c >= 0 for c in a.values())
-
-
-def _peval(a: Poly, values: tuple) -> int | Fraction:
+def _peval(p, values: tuple) -> int | Fraction:
+    """``p`` at integer ``values`` (in the ring's symbol order), exactly."""
     tot = 0
-    for m, c in a.items():
+    for m, c in p.items():
         t = c
         for v, e in zip(values, m):
             if e:
                 t *= v**e
         tot += t
-    return tot
+    if isinstance(tot, int):
+        return tot
+    return int(tot.numerator) if tot.denominator == 1 else Fraction(int(tot.numerator), int(tot.denominator))
 
 
-def _sign(a: Poly) -> int:
-    """+1 if ``a >= 0`` for all positive integer symbols, -1 if ``<= 0``, 0 if it depends."""
-    s = _shift(a)
+def _sign(alg: Algebra, p) -> int:
+    """+1 if ``p >= 0`` for all positive integer symbols, -1 if ``<= 0``, 0 if it depends (or the
+    shift cannot tell)."""
+    s = alg.shift(p)
     if _nonneg(s):
         return 1
     if all(c <= 0 for c in s.values()):
@@ -290,10 +385,11 @@ def _sign(a: Poly) -> int:
 
 @dataclass
 class Candidate:
-    """One point of the schedule where the live set may peak: ``poly`` bytes (dynamic part)."""
+    """One point of the schedule where the live set may peak: ``poly`` bytes (dynamic part) as a
+    ring element, ``shifted`` = ``poly(x + 1)``."""
 
-    poly: Poly
-    shifted: Poly
+    poly: Any
+    shifted: Any
     min_L: int  # valid for L >= min_L only (needs that many blocks)
     label: str
 
@@ -302,12 +398,11 @@ def _pareto(cands: list[Candidate]) -> list[Candidate]:
     """Drop candidates that another one dominates for every positive integer size."""
     kept: list[Candidate] = []
     for c in cands:
-        if any(k.min_L <= c.min_L and _nonneg(_padd(k.shifted, c.shifted, -1)) for k in kept):
+        if any(k.min_L <= c.min_L and _geq(k.shifted, c.shifted) for k in kept):
             continue
-        kept = [k for k in kept if not (c.min_L <= k.min_L and _nonneg(_padd(c.shifted, k.shifted, -1)))]
+        kept = [k for k in kept if not (c.min_L <= k.min_L and _geq(c.shifted, k.shifted))]
         kept.append(c)
     return kept
-
 
 def _feasible_sup(p: sympy.Expr, X: sympy.Symbol):
     """Supremum of the interval of ``{X >= 1 : p(X) <= 0}`` that starts at 1 (0 when p(1) > 0).
@@ -321,7 +416,7 @@ def _feasible_sup(p: sympy.Expr, X: sympy.Symbol):
     roots = sorted({r for r in poly.real_roots() if r >= 1}, key=lambda r: sympy.N(r, 30))
     for i, r in enumerate(roots):
         after = (roots[i + 1] + r) / 2 if i + 1 < len(roots) else r + 1
-        if poly.eval(sympy.nsimplify(sympy.N(after, 40), rational=True)) > 0:
+        if poly.eval(sympy.Rational(sympy.N(after, 40))) > 0:  # an exact rational near ``after``
             return r
     return sympy.oo
 
@@ -389,7 +484,7 @@ _CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 def memory_model(an, precision: str | None = None, optimizer_name: str = "adamw",
-                 impl: str = "foreach") -> "MemoryModel":
+                 impl: str = "default", device: str = "cuda") -> "MemoryModel":
     """The :class:`MemoryModel` of a traced step (cached per analysis and options).
 
     Args:
@@ -397,7 +492,9 @@ def memory_model(an, precision: str | None = None, optimizer_name: str = "adamw"
         precision: the policy (default: the precision ``an`` was traced with; another one
             changes the static bytes and the gradients, the activations stay the trace's).
         optimizer_name: one of :data:`OPTIMIZERS`.
-        impl: how the optimizer step runs, one of :data:`IMPLS` (decides its temporaries).
+        impl: how the optimizer step runs, one of :data:`IMPLS` (decides its temporaries);
+            ``default`` is what ``torch.optim`` runs on ``device`` (:func:`default_impl`).
+        device: the device the step runs on (only decides ``impl="default"``).
 
     Raises:
         SymcostError: unknown policy / optimizer / impl; a trace whose memory events differ
@@ -405,8 +502,7 @@ def memory_model(an, precision: str | None = None, optimizer_name: str = "adamw"
     """
     pol = policy(precision or an.precision)
     opt = optimizer(optimizer_name)
-    if impl not in IMPLS:
-        raise SymcostError(f"unknown optimizer implementation {impl!r}; accepted: {', '.join(IMPLS)}")
+    impl = resolve_impl(impl, device)
     per = _CACHE.setdefault(an, {})
     key = (pol.name, opt.name, impl)
     if key not in per:
@@ -415,10 +511,73 @@ def memory_model(an, precision: str | None = None, optimizer_name: str = "adamw"
 
 
 @dataclass
-class _Ev:
-    index: int  # op index (as MemoryEvent.index)
-    nbytes: int  # > 0 allocation, < 0 free
-    alloc: int  # position of the allocation this event frees (its own position if an allocation)
+class ScheduleEvent:
+    """One storage allocated (``bytes`` > 0) or freed (< 0) during the traced step.
+
+    ``bytes``: signed size as :data:`Terms` in ``MemorySchedule.gens`` (a free of a storage every
+    pass of a repeated block allocates but that is freed once for all passes carries that
+    repeat); ``alloc``: position of the allocation it frees (its own position if an
+    allocation); ``grad``: a gradient (allocated by the backward, live at the end of the step);
+    ``op``, ``module`` (folded: ``layers.{i}``), ``phase``: the op that allocated it, or the op
+    before which it was freed.
+    """
+
+    bytes: Terms
+    alloc: int
+    grad: bool
+    op: str
+    module: str
+    phase: str
+
+
+@dataclass
+class ScheduleUnit:
+    """Events ``[start, stop)`` of the schedule, run ``repeat`` times (``"1"``, ``"L - 1"``: a
+    formula string) in a row; valid only for ``L >= min_L``."""
+
+    start: int
+    stop: int
+    repeat: str
+    min_L: int
+    label: str
+
+
+@dataclass
+class MemorySchedule:
+    """The step's storage schedule as plain data, fitted at trace time (:func:`fit_schedule`).
+
+    Everything the memory pass (and the checkpointing pass) needs without the probe
+    recordings: the events in order with symbolic sizes, the fold over L as units, gradient
+    element size, parameter sizes in the optimizer's order (elements and Adafactor's rows +
+    columns), buffers and the step's inputs (bytes). ``error``: why the schedule has no formula
+    (then only the peak is unavailable; static memory and activations still are).
+    """
+
+    gens: list[str]
+    events: list[ScheduleEvent] = field(default_factory=list)
+    units: list[ScheduleUnit] = field(default_factory=list)
+    grad_itemsize: int = 4
+    params: list[tuple[Terms, Terms]] = field(default_factory=list)
+    buffers: Terms = field(default_factory=list)
+    inputs: Terms = field(default_factory=list)
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        """JSON-ready data (:meth:`from_dict` reads it back)."""
+        return {
+            "gens": list(self.gens), "grad_itemsize": self.grad_itemsize, "error": self.error,
+            "events": [[e.bytes, e.alloc, e.grad, e.op, e.module, e.phase] for e in self.events],
+            "units": [[u.start, u.stop, u.repeat, u.min_L, u.label] for u in self.units],
+            "params": [[a, b] for a, b in self.params], "buffers": self.buffers, "inputs": self.inputs,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "MemorySchedule":
+        return cls(
+            gens=list(d["gens"]), grad_itemsize=int(d["grad_itemsize"]), error=d.get("error"),
+            events=[ScheduleEvent(*e) for e in d["events"]], units=[ScheduleUnit(*u) for u in d["units"]],
+            params=[(a, b) for a, b in d["params"]], buffers=d["buffers"], inputs=d["inputs"],
+        )
 
 
 def _normalized(rec) -> list[tuple[int, int, int]]:
@@ -452,6 +611,183 @@ def _normalized(rec) -> list[tuple[int, int, int]]:
     return out
 
 
+def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...], name: str) -> MemorySchedule:
+    """Fit the probe recordings' memory events into a :class:`MemorySchedule` (at trace time).
+
+    Args:
+        recs: the probe recordings (``symcost.record.Recording``), aligned op by op.
+        fitter: ``symcost.fit.Fitter`` over those probes.
+        role: ``role(module, name=None) -> (keep, repeat, folded name)`` of the L = 2 fold.
+        container: the blocks' container (None without repeated blocks).
+        gens: the symbols of the trace, in order.
+        name: the model's name (for messages).
+
+    Each event's size is fitted across the probes (a polynomial); the schedule is cut into units
+    folded over L (docs/memory.md, "Folding over L"). A schedule whose events change order with
+    the sizes, or whose blocks interleave, gets ``error`` set instead of raising: FLOPs and
+    activations do not need it.
+    """
+    from .analysis import _layer_of, _rename_block
+
+    alg = Algebra(gens)
+    has_L = "L" in gens
+    ref = recs[0]
+    sched = MemorySchedule(gens=list(gens))
+    # buffers, inputs, parameter sizes (static memory)
+    buf = alg.R.zero
+    for bname in ref.buffers:
+        keep, rep, _ = role(bname.rpartition(".")[0], bname)
+        if not keep:
+            continue
+        sig = tuple(math.prod(r.buffers[bname][0]) * r.buffers[bname][1].itemsize for r in recs)
+        buf += alg.from_expr(rep) * alg.from_expr(fitter(sig, f"size of buffer {bname}"))
+    sched.buffers = alg.terms(buf)
+    sched.inputs = alg.terms(alg.from_expr(fitter(tuple(r.input_nbytes for r in recs), "size of the inputs")))
+    for pname, (shape, _) in ref.params.items():
+        numel = fitter(tuple(math.prod(r.params[pname][0]) for r in recs), f"size of {pname}")
+        fac = sympy.Integer(0)
+        if len(shape) >= 2:
+            sig = tuple(math.prod(r.params[pname][0][:-1]) + math.prod(r.params[pname][0][:-2]) * r.params[pname][0][-1]
+                        for r in recs)
+            fac = fitter(sig, f"factored size of {pname}")
+        sched.params.append((alg.terms(alg.from_expr(numel)), alg.terms(alg.from_expr(fac))))
+    pdtypes = {d for _, d in ref.params.values() if d.is_floating_point}
+    sched.grad_itemsize = max((d.itemsize for d in pdtypes), default=4)
+    try:
+        _fit_events(sched, alg, recs, fitter, role, container if has_L else None, name, _layer_of, _rename_block)
+    except SymcostError as e:
+        sched.events, sched.units, sched.error = [], [], str(e)
+    return sched
+
+
+def _fit_events(sched, alg, recs, fitter, role, container, name, _layer_of, _rename_block) -> None:
+    ref = recs[0]
+    norm = [_normalized(r) for r in recs]
+    n = len(norm[0])
+    for r in norm[1:]:
+        if len(r) != n or any((a[0] != b[0] or (a[1] > 0) != (b[1] > 0) or a[2] != b[2])
+                              for a, b in zip(r, norm[0])):
+            raise SymcostError(
+                f"{name}: the storages allocated and freed change order with the sizes; the "
+                "peak memory has no single formula"
+            )
+    events = norm[0]  # (op index, signed bytes, alloc position)
+    # gradients: storages the backward allocates that are still live when the step ends
+    live: dict[int, int] = {}
+    for k, (_, nb, pos) in enumerate(events):
+        if nb > 0:
+            live[k] = k
+        else:
+            live.pop(pos, None)
+    n_ops = len(ref.ops)
+    grad_events = {k for k in live.values() if ref.ops[min(events[k][0], n_ops - 1)].phase != "forward"}
+    # one polynomial per event (bytes, signed)
+    evpolys = []
+    for k, (_, nb, _) in enumerate(events):
+        p = alg.from_expr(fitter(tuple(abs(r[k][1]) for r in norm), "storage size"))
+        evpolys.append(p if nb > 0 else -p)
+
+    def where(k):
+        i, nb, _ = events[k]
+        i = i if nb > 0 else i - 1
+        op = ref.ops[max(0, min(i, n_ops - 1))]
+        return op, _layer_of(op.module, container)
+
+    info = [where(k) for k in range(n)]
+    units: list[tuple[int, int, Any, int, str]] = []  # (start, stop, repeat, min_L, label)
+    siblings: list[tuple[range, range]] = []
+    if container is not None:
+        spans = {}
+        for k in range(n):
+            op, layer = info[k]
+            if layer is None:
+                continue
+            key = (op.phase if op.phase == "forward" else "backward", layer)
+            a, b = spans.get(key, (k, k))
+            spans[key] = (min(a, k), max(b, k))
+        need = [("forward", 0), ("forward", 1), ("backward", 1), ("backward", 0)]
+        ok = all(k in spans for k in need) and len(spans) == 4
+        if ok:
+            f0, f1, b1, b0 = (spans[k] for k in need)
+            ok = f0[1] < f1[0] and f1[1] < b1[0] and b1[1] < b0[0]
+        if not ok:
+            raise SymcostError(
+                f"{name}: the memory events of the blocks of {container} interleave; the peak "
+                "cannot be folded over L"
+            )
+        pre = f"{container}." if container else ""
+        rep0, rep1 = role(f"{pre}0")[1], role(f"{pre}1")[1]
+        special = 0 if (rep0 == 1 and rep1 != 1) else 1 if (rep1 == 1 and rep0 != 1) else None
+        F0, F1 = range(f0[0], f0[1] + 1), range(f1[0], f1[1] + 1)
+        B1, B0 = range(b1[0], b1[1] + 1), range(b0[0], b0[1] + 1)
+        if special == 1:  # the last block differs: blocks 0..L-2 are like block 0
+            siblings = [(F0, F1), (B0, B1)]
+            units = [(0, f0[0], 1, 1, "forward, before the blocks"),
+                     (f0[0], f1[0], "L - 1", 2, "forward, block"),
+                     (f1[0], f1[1] + 1, 1, 1, "forward, last block"),
+                     (f1[1] + 1, b1[0], 1, 1, "end of forward / start of backward"),
+                     (b1[0], b1[1] + 1, 1, 1, "backward, last block"),
+                     (b1[1] + 1, b0[1] + 1, "L - 1", 2, "backward, block"),
+                     (b0[1] + 1, n, 1, 1, "backward, after the blocks")]
+        else:
+            siblings = [(F1, F0), (B1, B0)]
+            units = [(0, f0[0], 1, 1, "forward, before the blocks"),
+                     (f0[0], f0[1] + 1, 1, 1, "forward, first block"),
+                     (f0[1] + 1, f1[1] + 1, "L - 1", 2, "forward, block"),
+                     (f1[1] + 1, b1[0], 1, 1, "end of forward / start of backward"),
+                     (b1[0], b0[0], "L - 1", 2, "backward, block"),
+                     (b0[0], b0[1] + 1, 1, 1, "backward, first block"),
+                     (b0[1] + 1, n, 1, 1, "backward, after the blocks")]
+    else:
+        units = [(0, n, 1, 1, "step")]
+    # A storage allocated in every pass of a repeated block and freed once for all of them,
+    # outside (e.g. autocast's cast cache, emptied when the forward leaves autocast), is freed
+    # repeat times there. It is told apart from a storage of the last pass only (the last block's
+    # output, freed by the head) by its sibling: the storage the other block of the L = 2 trace
+    # allocated at the same place is freed at the same place too.
+    unit_of = {}
+    for u, (a, b, _, _, _) in enumerate(units):
+        for k in range(a, b):
+            unit_of[k] = u
+    freed_in = {events[k][2]: unit_of[k] for k in range(n) if events[k][1] < 0}
+    sibling_of: dict[int, int] = {}
+
+    def key(k):  # what an allocation is, wherever its block is
+        op, _ = info[k]
+        return op.name, _rename_block(op.module, container, "#"), tuple(sorted(evpolys[k].items()))
+
+    for rep_ids, sib_ids in siblings:
+        # match the repeated block's allocations, in order, to the sibling's (greedy: the
+        # sibling may have a few more, e.g. block 0 casting the model's input)
+        sa = [k for k in sib_ids if events[k][1] > 0]
+        j = 0
+        for a in (k for k in rep_ids if events[k][1] > 0):
+            ka = key(a)
+            for jj in range(j, len(sa)):
+                if key(sa[jj]) == ka:
+                    sibling_of[a] = sa[jj]
+                    j = jj + 1
+                    break
+    L = SYMS["L"]
+    for k in range(n):
+        if events[k][1] < 0:
+            ua, uf = unit_of[events[k][2]], unit_of[k]
+            rep_a = units[ua][2]
+            sib = sibling_of.get(events[k][2])
+            if (ua != uf and rep_a != 1 and units[uf][2] == 1 and sib is not None
+                    and freed_in.get(sib) == uf):
+                evpolys[k] = evpolys[k] * alg.from_expr(L - 1)
+    for k in range(n):
+        op, _ = info[k]
+        keep, _, module = role(op.module)
+        if not keep:  # a probe block that stands for the generic one: name it as folded
+            module = _rename_block(op.module, container, "{i}")
+        sched.events.append(ScheduleEvent(
+            alg.terms(evpolys[k]), events[k][2], k in grad_events, op.name.removeprefix("aten."),
+            module, op.phase))
+    sched.units = [ScheduleUnit(a, b, str(rep), mL, label) for a, b, rep, mL, label in units]
+
+
 class MemoryModel:
     """Training memory of a traced step under a precision policy and an optimizer.
 
@@ -470,13 +806,20 @@ class MemoryModel:
         candidates: the :class:`Candidate` live sets (bytes on top of ``static``) of a normal
             step; ``candidates_accum`` those of an accumulation micro-step (gradients live from
             the start, each new gradient a transient).
+        schedule: the analysis' :class:`MemorySchedule` (all the pass reads besides the
+            parameter shapes and saved tensors); ``alg`` the polynomial ring of its candidates.
+        impl, device: the optimizer implementation assumed (``impl="default"`` resolved by
+            :func:`default_impl` for ``device``).
     """
 
-    def __init__(self, an, pol: Policy, opt: Optimizer, impl: str):
-        self.an, self.policy, self.opt, self.impl = an, pol, opt, impl
+    def __init__(self, an, pol: Policy, opt: Optimizer, impl: str = "default", device: str = "cuda"):
+        self.an, self.policy, self.opt = an, pol, opt
+        self.impl, self.device = resolve_impl(impl, device), device
         self.gens = tuple(an.symbols)
         self._syms = [SYMS[s] for s in self.gens]
-        self._pcache: dict = {}
+        self.schedule: MemorySchedule = an.schedule
+        if self.schedule is None:
+            raise SymcostError(f"{an.model}: this analysis has no memory schedule (trace it with symcost.trace)")
         self.has_L = "L" in self.gens
         P = an.params
         self.P = P
@@ -491,7 +834,13 @@ class MemoryModel:
         self.activations_per_layer = sympy.expand(sympy.Add(*per_layer)) if per_layer else None
         self.static = sympy.expand(self.params + self.optimizer + self.master_weights + self.buffers
                                    + self.inputs)
-        self._build_schedule()
+        for domain in (ZZ, QQ):  # integer coefficients (fast) unless a size needs fractions
+            self.alg = Algebra(self.gens, domain)
+            try:
+                self._load_schedule()
+                break
+            except NotIntegral:
+                continue
 
     # -- static ----------------------------------------------------------------------------------
     def _optimizer_state(self) -> sympy.Expr:
@@ -512,17 +861,8 @@ class MemoryModel:
         return sympy.expand(total)
 
     def _buffers_inputs(self) -> tuple[sympy.Expr, sympy.Expr]:
-        an = self.an
-        recs, fitter, ref = an.recordings, an.fitter, an.recordings[0]
-        buf = []
-        for name in ref.buffers:
-            keep, rep, _ = an.role(name.rpartition(".")[0], name)
-            if not keep:
-                continue
-            sig = tuple(math.prod(r.buffers[name][0]) * r.buffers[name][1].itemsize for r in recs)
-            buf.append(rep * fitter(sig, f"size of buffer {name}"))
-        inputs = fitter(tuple(r.input_nbytes for r in recs), "size of the inputs")
-        return sympy.expand(sympy.Add(*buf)), sympy.expand(inputs)
+        sched = self.schedule
+        return terms_expr(sched.gens, sched.buffers), terms_expr(sched.gens, sched.inputs)
 
     def bytes_per_param(self) -> int:
         """params + grads + full-size optimizer state + master weights, bytes per parameter
@@ -532,272 +872,109 @@ class MemoryModel:
         return p.param + p.grad + self.opt.full * p.state + p.master
 
     # -- polynomials -------------------------------------------------------------------------------
-    def _poly(self, expr) -> Poly:
-        expr = sympy.sympify(expr)
-        key = expr
-        got = self._pcache.get(key)
-        if got is None:
-            if expr == 0:
-                got = {}
-            else:
-                pd = sympy.Poly(expr, *self._syms).as_dict()
-                got = {}
-                for m, c in pd.items():
-                    c = sympy.Rational(c)
-                    got[m] = int(c) if c.q == 1 else Fraction(int(c.p), int(c.q))
-            self._pcache[key] = got
-        return got
+    def _poly(self, expr):
+        """A sympy polynomial in the symbols as an element of the ring ``self.alg.R``."""
+        return self.alg.from_expr(expr)
 
-    def _expr(self, p: Poly) -> sympy.Expr:
-        return sympy.Add(*[_rat(c) * sympy.Mul(*[s**e for s, e in zip(self._syms, m) if e])
-                           for m, c in p.items()])
+    def _expr(self, p) -> sympy.Expr:
+        return self.alg.expr(p)
 
     # -- schedule ----------------------------------------------------------------------------------
-    def _build_schedule(self) -> None:
-        """Fit every memory event of the probe recordings and fold the schedule over L."""
-        from .analysis import _layer_of, _rename_block
-
-        an = self.an
-        recs, ref = an.recordings, an.recordings[0]
-        norm = [_normalized(r) for r in recs]
-        n = len(norm[0])
-        for r in norm[1:]:
-            if len(r) != n or any((a[0] != b[0] or (a[1] > 0) != (b[1] > 0) or a[2] != b[2])
-                                  for a, b in zip(r, norm[0])):
-                raise SymcostError(
-                    f"{an.model}: the storages allocated and freed change order with the sizes; the "
-                    "peak memory has no single formula"
-                )
-        events = [_Ev(i, nb, pos) for i, nb, pos in norm[0]]
-        self._events = events
-        # gradients: storages the backward allocates that are still live when the step ends
-        live: dict[int, int] = {}
-        for k, e in enumerate(events):
-            if e.nbytes > 0:
-                live[k] = k
-            else:
-                live.pop(e.alloc, None)
-        n_ops = len(ref.ops)
-        grad_events = {k for k in live.values() if ref.ops[min(events[k].index, n_ops - 1)].phase != "forward"}
-        self.leftover_events = {k for k in live.values()} - grad_events
-        pdtypes = {d for _, d in ref.params.values() if d.is_floating_point}
-        trace_grad_bytes = max((d.itemsize for d in pdtypes), default=self.policy.grad)
-        grad_ratio = Fraction(self.policy.grad, trace_grad_bytes)
-
-        # one polynomial per event (bytes, signed)
-        evpolys: list[Poly] = []
-        for k, e in enumerate(events):
-            sig = tuple(abs(r[k][1]) for r in norm)
-            p = self._poly(an.fitter(sig, "storage size"))
-            if k in grad_events and grad_ratio != 1:
-                p = _pscale(p, grad_ratio)
-                p = {m: (int(c) if isinstance(c, Fraction) and c.denominator == 1 else c) for m, c in p.items()}
-            evpolys.append(p if e.nbytes > 0 else _pscale(p, -1))
-
-        def where(e):
-            i = e.index if e.nbytes > 0 else e.index - 1
-            op = ref.ops[max(0, min(i, n_ops - 1))]
-            return op, _layer_of(op.module, container)
-
-        container = an.layer_container if self.has_L else None
-        info = [where(e) for e in events]
-        items = list(range(len(events)))
-        units: list[tuple[list[int], Any, int, str]] = []  # (event ids, repeat, min_L, label)
-        folded = False
-        if container is not None:
-            spans = {}
-            for k in items:
-                op, layer = info[k]
-                if layer is None:
-                    continue
-                key = (op.phase if op.phase == "forward" else "backward", layer)
-                a, b = spans.get(key, (k, k))
-                spans[key] = (min(a, k), max(b, k))
-            need = [("forward", 0), ("forward", 1), ("backward", 1), ("backward", 0)]
-            if all(k in spans for k in need) and len(spans) == 4:
-                f0, f1, b1, b0 = (spans[k] for k in need)
-                if f0[1] < f1[0] and f1[1] < b1[0] and b1[1] < b0[0]:
-                    folded = True
-                    rng = lambda a, b: list(range(a, b))  # noqa: E731
-                    pre = rng(0, f0[0])
-                    F0 = rng(f0[0], f0[1] + 1)
-                    gapf = rng(f0[1] + 1, f1[0])
-                    F1 = rng(f1[0], f1[1] + 1)
-                    mid = rng(f1[1] + 1, b1[0])
-                    B1 = rng(b1[0], b1[1] + 1)
-                    gapb = rng(b1[1] + 1, b0[0])
-                    B0 = rng(b0[0], b0[1] + 1)
-                    post = rng(b0[1] + 1, len(events))
-                    L = SYMS["L"]
-                    _, special = self._special()
-                    # (block repeated in the fold, its sibling) per phase
-                    siblings = [(F0, F1), (B0, B1)] if special == 1 else [(F1, F0), (B1, B0)]
-                    if special == 1:  # the last block differs: blocks 0..L-2 are like block 0
-                        units = [(pre, 1, 1, "forward, before the blocks"),
-                                 (F0 + gapf, L - 1, 2, "forward, block"),
-                                 (F1, 1, 1, "forward, last block"),
-                                 (mid, 1, 1, "end of forward / start of backward"),
-                                 (B1, 1, 1, "backward, last block"),
-                                 (gapb + B0, L - 1, 2, "backward, block"),
-                                 (post, 1, 1, "backward, after the blocks")]
-                    else:
-                        units = [(pre, 1, 1, "forward, before the blocks"),
-                                 (F0, 1, 1, "forward, first block"),
-                                 (gapf + F1, L - 1, 2, "forward, block"),
-                                 (mid, 1, 1, "end of forward / start of backward"),
-                                 (B1 + gapb, L - 1, 2, "backward, block"),
-                                 (B0, 1, 1, "backward, first block"),
-                                 (post, 1, 1, "backward, after the blocks")]
-        if container is not None and not folded:
-            raise SymcostError(
-                f"{an.model}: the memory events of the blocks of {container} interleave; the peak "
-                "cannot be folded over L"
-            )
-        if not units:
-            units = [(items, 1, 1, "step")]
-            siblings = []
-        # A storage allocated in every pass of a repeated block and freed once for all of them,
-        # outside (e.g. autocast's cast cache, emptied when the forward leaves autocast), is
-        # freed repeat times there. It is told apart from a storage of the last pass only (the
-        # last block's output, freed by the head) by its sibling: the storage the other block of
-        # the L = 2 trace allocated at the same place is freed at the same place too.
-        unit_of = {}
-        for u, (ids, _, _, _) in enumerate(units):
-            for k in ids:
-                unit_of[k] = u
-        freed_in = {e.alloc: unit_of[k] for k, e in enumerate(events) if e.nbytes < 0}
-        sibling_of: dict[int, int] = {}
-        def key(k):  # what an allocation is, wherever its block is
-            op, _ = info[k]
-            return op.name, _rename_block(op.module, container, "#"), tuple(sorted(evpolys[k].items()))
-
-        for rep_ids, sib_ids in siblings:
-            # match the repeated block's allocations, in order, to the sibling's (greedy: the
-            # sibling may have a few more, e.g. block 0 casting the model's input)
-            sa = [k for k in sib_ids if events[k].nbytes > 0]
-            j = 0
-            for a in (k for k in rep_ids if events[k].nbytes > 0):
-                ka = key(a)
-                for jj in range(j, len(sa)):
-                    if key(sa[jj]) == ka:
-                        sibling_of[a] = sa[jj]
-                        j = jj + 1
-                        break
-        for k, e in enumerate(events):
-            if e.nbytes < 0:
-                ua, uf = unit_of[e.alloc], unit_of[k]
-                rep_a = units[ua][1]
-                sib = sibling_of.get(e.alloc)
-                if (ua != uf and rep_a != 1 and units[uf][1] == 1 and sib is not None
-                        and freed_in.get(sib) == uf):
-                    evpolys[k] = _pmul(evpolys[k], self._poly(rep_a))
-        self.units = units
-        self.grad_events = grad_events
+    def _load_schedule(self) -> None:
+        """The trace's :class:`MemorySchedule` as ring elements, gradients in the policy's bytes."""
+        sched, alg = self.schedule, self.alg
+        if sched.error:
+            raise SymcostError(sched.error)
+        if tuple(sched.gens) != self.gens:
+            raise SymcostError(f"{self.an.model}: the memory schedule's symbols {sched.gens} are not the "
+                               f"trace's {list(self.gens)}")
+        grad_ratio = Fraction(self.policy.grad, sched.grad_itemsize)
+        cache: dict = {}
+        evpolys = []
+        for e in sched.events:
+            key = (tuple(map(tuple, e.bytes)), e.grad)
+            p = cache.get(key)
+            if p is None:
+                p = alg.from_terms(e.bytes)
+                if e.grad and grad_ratio != 1:
+                    p = alg.scale(p, grad_ratio)
+                cache[key] = p
+            evpolys.append(p)
         self._evpolys = evpolys
-        self._info = info
+        self.grad_events = {k for k, e in enumerate(sched.events) if e.grad}
+        self.units = [(range(u.start, u.stop), alg.from_expr(parse_formula(u.repeat)), u.min_L, u.label)
+                      for u in sched.units]
+        self._poly(self.static)  # (in the same ring: raises NotIntegral here, not in solve)
         self.candidates = self._candidates(accumulate=False)
         self.candidates_accum = self._candidates(accumulate=True)
 
-    def _special(self):
-        """(generic, special) block of the fold, as Analysis.role decided it."""
-        an = self.an
-        c = an.layer_container
-        pre = f"{c}." if c else ""
-        _, rep0, _ = an.role(f"{pre}0")
-        _, rep1, _ = an.role(f"{pre}1")
-        if rep0 == 1 and rep1 != 1:
-            return 1, 0
-        if rep1 == 1 and rep0 != 1:
-            return 0, 1
-        return 0, None
-
     def _label(self, k: int, unit_label: str) -> str:
-        op, _ = self._info[k]
-        keep, _, module = self.an.role(op.module)
-        if not keep:  # a probe block that stands for the generic one: name it as folded
-            from .analysis import _rename_block
-
-            module = _rename_block(op.module, self.an.layer_container, "{i}")
-        return f"{unit_label}: {module or '(top level)'} {op.name.removeprefix('aten.')}"
+        e = self.schedule.events[k]
+        return f"{unit_label}: {e.module or '(top level)'} {e.op}"
 
     def _candidates(self, accumulate: bool) -> list[Candidate]:
-        """Live sets at each allocation along the folded schedule (+ the optimizer step)."""
-        L_idx = self.gens.index("L") if self.has_L else None
-        base: Poly = {}
-        grads_total = self._poly(self.grads)
-        if accumulate:
-            base = dict(grads_total)
+        """Live sets at each allocation along the folded schedule (+ the optimizer step).
+
+        Within one pass of a unit the live set after each allocation is a prefix sum of the
+        events; its shift (x -> x + 1, for the dominance test) is the same prefix sum of the
+        events' shifts, so both are accumulated together.
+        """
+        alg = self.alg
+        R = alg.R
+        base = self._poly(self.grads) if accumulate else R.zero
         out: list[Candidate] = []
+        shifted = {}
+
+        def sh(k):
+            s = shifted.get(k)
+            if s is None:
+                s = shifted[k] = alg.shift(self._evpolys[k])
+            return s
+
         for ids, rep, min_L, ulabel in self.units:
             # prefix sums within one pass of the unit; only allocations can raise the maximum
-            local: list[tuple[Poly, int]] = []
-            pre: Poly = {}
+            local: list[Candidate] = []
+            pre, pre_s = R.zero, R.zero
             for k in ids:
                 p = self._evpolys[k]
                 if accumulate and k in self.grad_events:
-                    local.append((_padd(pre, p), k))  # a new gradient, added in place, then freed
+                    # a new gradient, added in place, then freed
+                    local.append(Candidate(pre + p, pre_s + sh(k), 1, str(k)))
                     continue
-                pre = _padd(pre, p)
-                if self._is_alloc(k):
-                    local.append((dict(pre), k))
+                pre, pre_s = pre + p, pre_s + sh(k)
+                if self.schedule.events[k].alloc == k:
+                    local.append(Candidate(pre, pre_s, 1, str(k)))
             delta = pre
-            locs = _pareto([Candidate(q, _shift(q), 1, str(k)) for q, k in local])
+            locs = _pareto(local)
             if rep == 1:
                 offsets = [(base, 1)]
             else:
-                L = self._unit_poly(L_idx)
-                s = _sign(delta)
+                s = _sign(alg, delta)
                 offsets = []
-                if s >= 0:  # the last pass can be the highest: base + (L-2)·delta
-                    offsets.append((_padd(base, _pmul(_padd(L, {self._zero(): 2}, -1), delta)), min_L))
+                if s >= 0:  # the last pass can be the highest: base + (rep - 1)·delta
+                    offsets.append((base + (rep - 1) * delta, min_L))
                 if s <= 0:  # the first pass can be the highest
                     offsets.append((base, min_L))
             for off, mL in offsets:
+                off_s = alg.shift(off)
                 for c in locs:
-                    q = _padd(off, c.poly)
-                    out.append(Candidate(q, _shift(q), mL, self._label(int(c.label), ulabel)))
-            if rep == 1:
-                base = _padd(base, delta)
-            else:
-                base = _padd(base, _pmul(_padd(self._unit_poly(L_idx), {self._zero(): 1}, -1), delta))
+                    out.append(Candidate(off + c.poly, off_s + c.shifted, mL, self._label(int(c.label), ulabel)))
+            base = base + rep * delta
         # optimizer step: gradients (and whatever else is live) plus its temporaries
+        base_s = alg.shift(base)
         for t, what in self._optimizer_transients():
-            q = _padd(base, t)
-            out.append(Candidate(q, _shift(q), 1, f"optimizer step ({what})"))
+            out.append(Candidate(base + t, base_s + alg.shift(t), 1, f"optimizer step ({what})"))
         if not out:
-            out.append(Candidate({}, {}, 1, "step"))
+            out.append(Candidate(R.zero, R.zero, 1, "step"))
         self.end_live = base
         return _pareto(out)
 
-    def _zero(self) -> tuple:
-        return (0,) * len(self.gens)
-
-    def _unit_poly(self, idx: int) -> Poly:
-        m = [0] * len(self.gens)
-        m[idx] = 1
-        return {tuple(m): 1}
-
-    def _is_alloc(self, k: int) -> bool:
-        return self._events[k].nbytes > 0
-
-    def _param_numels(self) -> list[tuple[Poly, Poly]]:
+    def _param_numels(self) -> list[tuple[Any, Any]]:
         """(elements, Adafactor's rows + columns) of the parameter tensors in the optimizer's
-        order (that of the L = 2 trace, which has every kind of neighbour)."""
-        an = self.an
-        recs, ref = an.recordings, an.recordings[0]
-        out = []
-        for name, (shape, _) in ref.params.items():
-            numel = self._poly(an.fitter(tuple(math.prod(r.params[name][0]) for r in recs), f"size of {name}"))
-            if len(shape) >= 2:
-                sig = tuple(math.prod(r.params[name][0][:-1]) + math.prod(r.params[name][0][:-2]) * r.params[name][0][-1]
-                            for r in recs)
-                fac = self._poly(an.fitter(sig, f"factored size of {name}"))
-            else:
-                fac = {}
-            out.append((numel, fac))
-        return out
+        order (that of the L = 2 trace, which has every kind of neighbour), ring elements."""
+        return [(self.alg.from_terms(a), self.alg.from_terms(b)) for a, b in self.schedule.params]
 
-    def _optimizer_transients(self) -> list[tuple[Poly, str]]:
+    def _optimizer_transients(self) -> list[tuple[Any, str]]:
         """Temporaries of one optimizer step (bytes), modelled on torch.optim 2.x's code.
 
         Adam/AdamW: foreach ``exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs)`` (a state-sized copy
@@ -807,26 +984,26 @@ class MemoryModel:
         col_var, plus row and column means; ``grad * grad`` and a clone for vectors) while the
         previous tensor's is still referenced. SGD updates in place; fused kernels keep none.
         """
-        opt, st, impl = self.opt, self.policy.state, self.impl
+        opt, st, impl, alg = self.opt, self.policy.state, self.impl, self.alg
         if impl == "fused" or opt.name in ("sgd", "sgd-nomomentum"):
             return []
         if impl == "foreach":
-            return [(_pscale(self._poly(self.P), st), "foreach temporaries of all tensors")]
+            return [(self._poly(self.P) * st, "foreach temporaries of all tensors")]
         out = []
-        prev: Poly = {}
+        prev = alg.R.zero
         for numel, fac in self._param_numels():
             if opt.name == "adafactor":
-                cur = _padd(numel, fac) if fac else _pscale(numel, 2)
-                out.append((_pscale(_padd(prev, cur), st), "for-loop temporaries"))
-                prev = cur
+                cur = numel + fac if fac else numel * 2
             else:
-                out.append((_pscale(_padd(prev, _pscale(numel, 2)), st), "for-loop temporaries"))
-                prev = numel
-        return [(c.poly, c.label) for c in _pareto([Candidate(q, _shift(q), 1, w) for q, w in out])]
+                cur = numel * 2
+            q = (prev + cur) * st
+            out.append(Candidate(q, alg.shift(q), 1, "for-loop temporaries"))
+            prev = cur if opt.name == "adafactor" else numel
+        return [(c.poly, c.label) for c in _pareto(out)]
 
     # -- evaluation ------------------------------------------------------------------------------------
     def _values(self, env: Mapping) -> tuple:
-        return tuple(int(env[s]) for s in self._syms)
+        return tuple(int(env[s]) for s in self._syms) if self._syms else (1,)
 
     def _env(self, sizes: Mapping[str, int]) -> dict:
         return self.an.bind(**dict(sizes))
@@ -855,7 +1032,7 @@ class MemoryModel:
         vals = self._values(env)
         L = env.get(SYMS["L"])
         dyn = max(_peval(c.poly, vals) for c in self._cands(L, accumulate))
-        return int(sympy.sympify(self.static).subs(env)) + int(dyn)
+        return int(sympy.sympify(self.static).xreplace(env)) + int(dyn)
 
     def peak_where(self, **sizes: int) -> str:
         """Where in the schedule the peak is reached at ``sizes`` (a label)."""
@@ -888,7 +1065,7 @@ class MemoryModel:
         """Every component in bytes at ``sizes`` (JSON names: params, grads, optimizer,
         master_weights, buffers, inputs, activations, peak)."""
         env = self._env(sizes)
-        ev = lambda e: int(sympy.sympify(e).subs(env))  # noqa: E731
+        ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731
         out = {k: ev(getattr(self, k)) for k in
                ("params", "grads", "optimizer", "master_weights", "buffers", "inputs", "activations")}
         if self.activations_per_layer is not None:
@@ -922,34 +1099,38 @@ class MemoryModel:
         X = sympy.Symbol(var, positive=True)
         vi = self.gens.index(var)
 
-        def univariate(p: Poly) -> dict[int, Any]:
-            out: dict[int, Any] = {}
+        Ru, xu = _ring([X], QQ)
+        vals = [int(fixed[sy]) if j != vi else None for j, sy in enumerate(self._syms)]
+
+        def univariate(p):
+            """``p`` with the other sizes substituted: a polynomial in ``var`` (ring ``Ru``)."""
+            out: dict = {}
             for m, c in p.items():
                 t = c
-                for j, (s, e) in enumerate(zip(self._syms, m)):
+                for j, e in enumerate(m):
                     if j != vi and e:
-                        t *= int(fixed[s]) ** e
-                out[m[vi]] = out.get(m[vi], 0) + t
-            return {e: c for e, c in out.items() if c}
+                        t *= vals[j] ** e
+                out[(m[vi],)] = out.get((m[vi],), 0) + t
+            return Ru.from_dict({k: v for k, v in out.items() if v})
 
         static_u = univariate(self._poly(self.static))
-        cands = [_padd(univariate(c.poly), static_u) for c in self._cands(L, accumulate)]
+        cands = [univariate(c.poly) + static_u for c in self._cands(L, accumulate)]
         # univariate dominance on var >= 1
-        sh = [(_shift({(e,): c for e, c in u.items()}), u) for u in cands]
+        sh = [(u.compose(xu, xu + 1), u) for u in cands]
         kept = []
         for s_, u in sh:
-            if any(_nonneg(_padd(k[0], s_, -1)) for k in kept):
+            if any(_geq(k[0], s_) for k in kept):
                 continue
-            kept = [k for k in kept if not _nonneg(_padd(s_, k[0], -1))]
+            kept = [k for k in kept if not _geq(s_, k[0])]
             kept.append((s_, u))
 
         def M(x: int) -> int:
-            return int(max(sum(c * x**e for e, c in u.items()) for u in cands))
+            return int(max(_peval(u, (x,)) for u in cands))
 
         bounds = []
         ineqs = []
         for _, u in kept:
-            expr = sympy.Add(*[_rat(c) * X**e for e, c in u.items()])
+            expr = u.as_expr()
             ineqs.append(expr)
             if not expr.has(X):
                 bounds.append(sympy.oo if expr <= cap else sympy.Integer(0))
@@ -1030,7 +1211,7 @@ class MemoryModel:
         sizes = dict(sizes)
         sizes.pop("B", None)
         full = self.peak(B=b, **sizes)
-        F = lambda B: int(sympy.sympify(self.an.flops("train")).subs(self._env({**sizes, "B": B})))  # noqa: E731
+        F = lambda B: int(sympy.sympify(self.an.flops("train")).xreplace(self._env({**sizes, "B": B})))  # noqa: E731
         if full <= cap:
             return AccumulationPlan(global_batch, devices, b, b, 1, b, True, full, full, F(b),
                                     F(b) * devices, cap, "the per-device batch fits without accumulation")
@@ -1061,9 +1242,28 @@ class MemoryModel:
 # --------------------------------------------------------------------------------------------
 
 
+class _Text:
+    """A row's formula text, printed on first use (sympy's printer takes a while on long
+    formulas, and ``eval`` never shows them); ``str()`` and rich both render it."""
+
+    def __init__(self, fn, arg):
+        self._fn, self._arg, self._s = fn, arg, None
+
+    def __str__(self) -> str:
+        if self._s is None:
+            self._s = self._fn(self._arg)
+        return self._s
+
+    def __rich__(self) -> str:
+        return str(self)
+
+    def __repr__(self) -> str:
+        return repr(str(self))
+
+
 def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB",
                    precision: str | None = None, optimizer_name: str = "adamw",
-                   impl: str = "foreach", evaluate: bool | None = None) -> dict:
+                   impl: str = "default", evaluate: bool | None = None, device: str = "cuda") -> dict:
     """The memory section of ``symcost report`` (and of ``formulas``/``eval`` JSON).
 
     Returns ``{"title", "rows": [(label, formula, value)], "lines": [...], "json": {...}}``. The
@@ -1078,12 +1278,12 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     """
     sizes = dict(sizes or {})
     capb = parse_memory(cap)
-    mm = memory_model(an, precision, optimizer_name, impl)
+    mm = memory_model(an, precision, optimizer_name, impl, device)
     evaluate = bool(sizes) if evaluate is None else evaluate
     vsizes = {k: v for k, v in sizes.items()}
     comp = mm.components(**vsizes)
     pol, opt = mm.policy, mm.opt
-    peak_f = mm.peak_expr()
+    peak_f = _Text(lambda _: str(mm.peak_expr()), None)  # built only when shown
     rows = []
     label = {
         "params": f"parameters ({pol.param} B each)",
@@ -1110,10 +1310,10 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     for k, f in formulas.items():
         if f is None:
             continue
-        shown = str(f)
+        shown = f if isinstance(f, _Text) else _Text(str, f)
         if k == "peak" and len(terms) > 1:
-            shown = (f"static + the largest of {len(terms)} live sets (Max; memory.peak in --json); "
-                     f"{'here' if sizes else 'at the defaults'} static + {win[0]}")
+            shown = _Text(lambda w: (f"static + the largest of {len(terms)} live sets (Max; memory.peak in "
+                                     f"--json); {'here' if sizes else 'at the defaults'} static + {w}"), win[0])
         rows.append((label[k], shown, gib(comp[k])))
     bpp = mm.bytes_per_param()
     parts = [f"{pol.param} (params)", f"{pol.grad} (grads)"]
@@ -1161,8 +1361,11 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     js["memory_at_max"] = sol.memory_at if sol else None
     js["memory_cap"] = capb
     js["optimizer_name"] = opt.name
+    js["optimizer_impl"] = mm.impl
+    js["device"] = device
     return {
-        "title": f"Memory: precision {pol.name}, optimizer {opt.name} ({impl}), steady-state step "
+        "title": f"Memory: precision {pol.name}, optimizer {opt.name} ({mm.impl}"
+                 + (f", torch.optim's default on {device}" if impl == "default" else "") + "), steady-state step "
                  f"(values {at})",
         "rows": rows,
         "lines": lines,

@@ -138,13 +138,17 @@ def module_rows(an: Analysis) -> list[dict[str, Any]]:
 
 
 def _value(expr, env):
-    return int(sympy.sympify(expr).subs(env))
+    return int(sympy.sympify(expr).xreplace(env))
 
 
 def module_classes(an: Analysis) -> dict[str, str]:
     """Class name of every module of the traced model, by its name in the report (blocks of the
     layer container as ``{i}``): the model is built again on the meta device at the first probe's
-    sizes (no memory, milliseconds for small probes). Empty if that fails."""
+    sizes (no memory, milliseconds for small probes). Empty if that fails. An analysis read back
+    from the trace cache carries them (it cannot build the model)."""
+    stored = an.__dict__.get("_module_classes")
+    if stored is not None:
+        return dict(stored)
     try:
         import torch
 
@@ -202,7 +206,8 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
     js = (memory or {}).get("json", {})
     cls = an.spec.extra.get("config_class")
     first = f"[bold]{title}[/bold] {an.model}" + (f" ({cls})" if cls else "") + \
-        f", traced in {sum(an.timings.values()):.1f} s"
+        f", traced in {sum(an.timings.values()):.1f} s" + \
+        (" (read back from the trace cache; --no-cache traces afresh)" if an.__dict__.get("cached_from") else "")
     g = Table.grid(padding=(0, 2))
     g.add_column(no_wrap=True, style="bold")
     g.add_column()
@@ -210,7 +215,9 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
     g.add_row("precision", f"{an.precision}" + (f", {bpp} bytes/param with {opt}" if bpp else "")
               + (f": {SUMMARY[an.precision]}" if an.precision in SUMMARY else ""))
     if opt:
-        g.add_row("optimizer", opt + (f"; memory cap {human(cap, 'B')}" if cap else ""))
+        impl, dev = js.get("optimizer_impl"), js.get("device")
+        g.add_row("optimizer", opt + (f"; memory cap {human(cap, 'B')}" if cap else "")
+                  + (f"; {impl} step on {dev}" if impl and dev else ""))
     att = an.spec.extra.get("attention")
     if an.model.startswith("hf:") and att:
         g.add_row("attention", att + (" (transformers' default; --attention eager: explicit matmuls)"

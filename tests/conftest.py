@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import functools
+import os
 import random
+import tempfile
 
 import pytest
 
 import symcost
+
+# The CLI caches traces on disk (symcost.cache): the tests use a fresh folder of their own.
+os.environ["SYMCOST_CACHE_DIR"] = tempfile.mkdtemp(prefix="symcost-test-cache-")
 
 
 @functools.lru_cache(maxsize=None)

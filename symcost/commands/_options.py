@@ -86,13 +86,20 @@ def _store_attention_flops(ctx, param, value):
     return value
 
 
+def _no_cache(ctx, param, value):
+    if value:
+        ctx.meta["symcost.no_cache"] = True
+
+
 def common(f):
-    # --attention-flops reaches trace_model through the click context (no command signature
-    # changes): every command that traces a model honours it
+    # --attention-flops and --no-cache reach trace_model through the click context (no command
+    # signature changes): every command that traces a model honours them
     f = click.option("--attention-flops", type=click.Choice(["full", "causal"]), default="full",
                      show_default=True, expose_value=False, callback=_store_attention_flops,
                      help="count attention matmuls over all S_q*S_k score pairs (full, as "
                           "FlopCounterMode) or over the S*(S+1)/2 of a causal mask (causal)")(f)
+    f = click.option("--no-cache", is_flag=True, expose_value=False, callback=_no_cache,
+                     help="trace afresh: neither read nor write the trace cache (see symcost.cache)")(f)
     f = click.option("--debug", is_flag=True, help="show tracebacks")(f)
     f = click.option("--precision", default="bf16-mixed", show_default=True,
                      help="bf16-mixed (autocast over fp32 weights), fp16-mixed, fp32, bf16-true, fp16-true, "
@@ -107,6 +114,10 @@ def common(f):
 
 
 def optimizer_option(f):
+    """``--optimizer`` and ``--torch-device`` (the memory pass's optimizer step)."""
+    f = click.option("--torch-device", "device", default="cuda", show_default=True,
+                        help="cuda, cpu, xpu, mtia: the device type the step runs on (decides the optimizer "
+                             "implementation torch.optim runs by default, hence the memory peak)")(f)
     return click.option("--optimizer", default="adamw", show_default=True,
                         help="adamw, adam, sgd (momentum), sgd-nomomentum, adafactor")(f)
 
@@ -139,8 +150,9 @@ def early_checks(model, sets, config, attention, precision) -> None:
 
 def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=False):
     """Trace ``model`` for a command: check every option first (one line, before seconds of
-    tracing), then trace, showing progress on stderr when it is a terminal (not when ``quiet``,
-    e.g. with ``--json``).
+    tracing), then read the analysis from the trace cache (:mod:`symcost.cache`; no torch
+    imported) when an entry matches the request, else trace, showing progress on stderr when it
+    is a terminal (not when ``quiet``, e.g. with ``--json``). ``--no-cache`` traces afresh.
 
     Returns:
         ``(Analysis, sizes)`` with ``sizes`` the ``--set`` values.
@@ -154,6 +166,19 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
     quiet = quiet or bool(ctx and ctx.params.get("as_json"))  # --json: no progress line either
     sizes = parse_sizes(sets)
     cfg = parse_config(config)
+    from ..cache import cached_trace
+
+    use_cache = not (ctx is not None and ctx.find_root().meta.get("symcost.no_cache"))
+    an = cached_trace(model, cfg, attention, precision, sizes,
+                      lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet), use_cache)
+    _check_set_vs_config(model, an.spec, sizes, cfg, attention)  # (again for a cached analysis)
+    an = an.with_attention_flops(ctx.meta.get("symcost.attention_flops", "full") if ctx else "full")
+    an.bind(**sizes)  # validate before rendering
+    return an, sizes
+
+
+def _trace_fresh(model, cfg, attention, precision, sizes, quiet):
+    """Resolve and trace ``model`` (the cache's miss path), with the progress line."""
     with progress(f"resolving {model}", quiet) as status:
         from ..models import resolve
 
@@ -174,12 +199,9 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
         from ..analysis import trace
 
         try:
-            an = trace(spec, sizes=sizes, precision=precision)  # the regime of these sizes
+            return trace(spec, sizes=sizes, precision=precision)  # the regime of these sizes
         except SymcostError as e:
             raise _with_probe_hint(e, spec) from e
-    an = an.with_attention_flops(ctx.meta.get("symcost.attention_flops", "full") if ctx else "full")
-    an.bind(**sizes)  # validate before rendering
-    return an, sizes
 
 
 #: small sizes like the tracer's probes, to say why none could be found

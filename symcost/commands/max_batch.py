@@ -58,14 +58,16 @@ NOTHING_FITS = 3
               help="memory cap per device: bytes, or a number with KiB/MiB/GiB/TiB (binary) or KB/MB/GB/TB")
 @click.option("--optimizer", default="adamw", show_default=True,
               help="adamw, adam, sgd (momentum), sgd-nomomentum, adafactor")
-@click.option("--optimizer-impl", "impl", default="foreach", show_default=True,
-              help="foreach (PyTorch's CUDA default), for-loop (its CPU default), fused")
+@click.option("--optimizer-impl", "impl", default="default", show_default=True,
+              help="default (what torch.optim picks on --torch-device), foreach, for-loop, fused")
+@click.option("--torch-device", "device", default="cuda", show_default=True,
+              help="cuda, cpu, xpu, mtia: the device type the step runs on (decides the default optimizer implementation)")
 @click.option("--solve", "var", default="B", show_default=True, help="B (largest batch) or S (longest sequence at --set B)")
 @click.option("--global-batch", type=int, default=None, help="plan gradient accumulation for this global batch")
 @click.option("--devices", type=int, default=1, show_default=True, help="data-parallel devices (with --global-batch)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def max_batch(model, sets, config, attention, precision, debug, memory, optimizer, impl, var, global_batch,
-              devices, as_json):
+def max_batch(model, sets, config, attention, precision, debug, memory, optimizer, impl, device, var,
+              global_batch, devices, as_json):
     """Largest B with peak memory <= --memory, solved from the symbolic peak with sympy.
 
     MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
@@ -78,8 +80,7 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
 
     cap = mem.parse_memory(memory)
     mem.optimizer(optimizer)
-    if impl not in mem.IMPLS:
-        raise SymcostError(f"unknown optimizer implementation {impl!r}; accepted: {', '.join(mem.IMPLS)}")
+    mem.resolve_impl(impl, device)
     if var not in ("B", "S"):
         raise SymcostError(f"--solve takes B or S, got {var!r}")
     if global_batch is not None:
@@ -99,7 +100,7 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
         raise SymcostError(f"--set {sets_b[0]} conflicts with solving for {var}; leave {var} out")
     an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
     t0 = time.perf_counter()
-    mm = mem.memory_model(an, precision, optimizer, impl)
+    mm = mem.memory_model(an, precision, optimizer, impl, device)
     if global_batch is not None:
         try:
             plan = mm.plan_accumulation(global_batch, devices, cap, **sizes)

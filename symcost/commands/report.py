@@ -14,20 +14,21 @@ from ._options import common, early_checks, memory_options, trace_model
 @common
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @memory_options
-def report(model, sets, config, attention, precision, debug, as_json, memory, optimizer):
+def report(model, sets, config, attention, precision, debug, as_json, memory, optimizer, device):
     """The main job: symbols, per-module costs, totals as formulas and the 6·N·P form, memory.
 
     MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
     """
     early_checks(model, sets, config, attention, precision)  # no sympy or torch needed: answers at once
-    from ..memory import optimizer as check_optimizer, parse_memory
+    from ..memory import default_impl, optimizer as check_optimizer, parse_memory
 
-    parse_memory(memory)  # bad --memory / --optimizer: say so before tracing
+    parse_memory(memory)  # bad --memory / --optimizer / --torch-device: say so before tracing
     check_optimizer(optimizer)
+    default_impl(device)
     an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
     from .. import report as rep
 
-    mem = rep.memory_section(an, sizes, memory, precision, optimizer)
+    mem = rep.memory_section(an, sizes, memory, precision, optimizer, device=device)
     if as_json:
         click.echo(json.dumps(rep.to_json(an, sizes if sizes else None, memory=mem), indent=1))
     else:

@@ -25,17 +25,19 @@ def totals_command(name: str, evaluate: bool, doc: str):
     @common
     @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
     @(memory_options if evaluate else optimizer_option)
-    def command(model, sets, config, attention, precision, debug, as_json, optimizer, memory=None):
+    def command(model, sets, config, attention, precision, debug, as_json, optimizer, device, memory=None):
         early_checks(model, sets, config, attention, precision)  # no sympy or torch needed: answers at once
-        from ..memory import optimizer as check_optimizer, parse_memory
+        from ..memory import default_impl, optimizer as check_optimizer, parse_memory
 
         if memory is not None:
             parse_memory(memory)
         check_optimizer(optimizer)
+        default_impl(device)
         an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
         from .. import report as rep
 
-        mem = rep.memory_section(an, sizes, memory or "80GiB", precision, optimizer, evaluate=evaluate)
+        mem = rep.memory_section(an, sizes, memory or "80GiB", precision, optimizer, evaluate=evaluate,
+                                 device=device)
         if mem is not None and not evaluate:
             mem = formulas_only(mem)
         if as_json:

@@ -1,0 +1,147 @@
+"""The trace cache (symcost.cache): entries as data, matched by regime, rebuilt when corrupt.
+
+The oracle for a cached analysis is a fresh trace of the same model: every total, every memory
+component, the peak and the largest batch must agree at random sizes (drawn as
+conftest.random_sizes draws them, away from the probes). Each test uses its own cache folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import sympy
+
+from conftest import random_sizes
+from symcost import cache, memory
+from symcost.analysis import Analysis
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SYMCOST_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _same(fresh, cached, rng, n=4):
+    """Fresh and cached analyses give the same numbers at ``n`` random sizes."""
+    assert cached.symbols == fresh.symbols and cached.pinned == fresh.pinned
+    assert cached.train_simplified_str() == fresh.train_simplified_str()
+    assert cached.params_not_in_P() == fresh.params_not_in_P()
+    for q in ("params", "params_matmul", "attention_flops", "flops.train", "bytes.backward"):
+        assert sympy.expand(cached.quantity(q) - fresh.quantity(q)) == 0, q
+    from symcost import fusion
+
+    ff, fc = fusion.estimate(fresh), fusion.estimate(cached)  # fused bytes need the recordings: kept as data
+    assert fc.exact == ff.exact and sympy.expand(fc.total(cached) - ff.total(fresh)) == 0
+    mf, mc = memory.memory_model(fresh, None, "adamw"), memory.memory_model(cached, None, "adamw")
+    assert sympy.expand(mf.static - mc.static) == 0
+    assert [str(t) for t in mf.peak_terms()] == [str(t) for t in mc.peak_terms()]
+    for sz in random_sizes(fresh, rng, n=n):
+        assert cached.subs(**sz) == fresh.subs(**sz), sz
+        assert mc.components(**sz) == mf.components(**sz), sz
+        other = {k: v for k, v in sz.items() if k != "B"}
+        cap = rng.randint(2**24, 2**34)
+        assert mc.solve(cap, "B", **other).value == mf.solve(cap, "B", **other).value, (sz, cap)
+
+
+@pytest.mark.parametrize("model,precision", [("cs336-lm", "fp32"), ("gpt2", "fp32"), ("mlp", "bf16-mixed"),
+                                             pytest.param("hf:llama", "fp32", marks=pytest.mark.hf)])
+def test_cached_equals_fresh(traced, cache_dir, model, precision):
+    """Written, read back from disk (JSON only), the analysis gives a fresh trace's numbers."""
+    fresh = traced(model, precision)
+    k = cache.key(model, {}, None, precision)
+    path = cache.store(k, {}, fresh)
+    assert path is not None and path.exists()
+    json.loads(path.read_text())  # plain JSON
+    cached = cache.load(k, {})
+    assert isinstance(cached, Analysis) and cached is not fresh
+    # the memory pass runs on the analysis' data alone: no probe recordings, fitter or fold function
+    assert cached.recordings == [] and cached.fitter is None and cached.role is None
+    _same(fresh, cached, random.Random(sum(map(ord, model))))
+    if model == "hf:llama":  # traced for the config's K = H (multi-head): not the regime of K = 2
+        assert fresh.spec.tied.get("K") == "H"
+        assert cache.load(k, {"K": 2}) is None  # grouped-query attention: another regime
+        assert cache.load(k, {"B": 3, "S": 77, "L": 5}) is not None  # batch, sequence, depth: served
+        assert cache.load(k, {"H": 2 * fresh.spec.defaults["H"]}) is None  # a config size: traced again
+
+
+def test_corrupt_entry_is_rebuilt(cache_dir):
+    """A corrupt entry (garbage, truncated JSON, a field missing) is deleted and traced again."""
+    calls = []
+
+    def tracer():
+        import symcost
+
+        calls.append(1)
+        return symcost.trace("mlp", precision="fp32")
+
+    args = ("mlp", {}, "eager", "fp32", {"B": 3})
+    first = cache.cached_trace(*args, tracer)
+    assert len(calls) == 1
+    again = cache.cached_trace(*args, tracer)
+    assert len(calls) == 1 and again.subs(B=3) == first.subs(B=3)  # read from the cache
+    (entry,) = [p for p in cache_dir.rglob("*.json") if not p.name.endswith(".meta.json")]
+    good = entry.read_text()
+    for bad in ("not json at all {", good[: len(good) // 2], json.dumps({**json.loads(good), "ops": None}),
+                json.dumps({k: v for k, v in json.loads(good).items() if k != "totals"})):
+        entry.write_text(bad)
+        n = len(calls)
+        rebuilt = cache.cached_trace(*args, tracer)
+        assert len(calls) == n + 1, "a corrupt entry must be traced again"
+        assert rebuilt.subs(B=3) == first.subs(B=3)
+        assert json.loads(entry.read_text())["format"] == Analysis.FORMAT  # written anew
+        rebuilt.ops, rebuilt.graph  # noqa: B018 - a fresh trace, nothing lazy left broken
+
+
+def test_regime_and_key(cache_dir):
+    """B = 1 is its own regime (pinned), other sizes share one; precision is part of the key; a
+    stale entry (another source digest) is never read."""
+    import symcost
+
+    k = cache.key("mlp", {}, "eager", "fp32")
+    one = symcost.trace("mlp", sizes={"B": 1}, precision="fp32")
+    assert one.pinned == {"B": 1}
+    cache.store(k, {"B": 1}, one)
+    assert cache.load(k, {"B": 1}) is not None
+    assert cache.load(k, {"B": 4}) is None  # B = 4 is not the B = 1 regime
+    many = symcost.trace("mlp", sizes={"B": 4}, precision="fp32")
+    cache.store(k, {"B": 4}, many)
+    assert cache.load(k, {"B": 7}).pinned == {} and cache.load(k, {"B": 1}).pinned == {"B": 1}
+    assert cache.load(cache.key("mlp", {}, "eager", "bf16-true"), {"B": 4}) is None
+    assert cache.key("mlp", {}, "eager", "fp32") != cache.key("gpt2", {}, "eager", "fp32")
+    stale = dict(k, symcost_sources="0" * 64)
+    assert cache.load(stale, {"B": 4}) is None
+    cache.store(stale, {"B": 4}, many)  # as an older symcost would have written it
+    assert cache.load(stale, {"B": 4}) is not None
+    cache.store(k, {"B": 4}, many)  # caching the same model again deletes the stale entry
+    assert cache.load(stale, {"B": 4}) is None and cache.load(k, {"B": 4}) is not None
+    assert cache.key("hf:meta-llama/Llama-3-8B", {}, "eager", "fp32") is None  # not keyed: not cached
+
+
+def test_warm_cli_without_torch(cache_dir):
+    """The second `symcost eval` reads the entry, prints the same numbers and never imports torch;
+    --no-cache traces afresh and writes nothing."""
+    env = dict(os.environ, SYMCOST_CACHE_DIR=str(cache_dir))
+    cmd = ["eval", "mlp", "--set", "B=3", "D=24", "--precision", "fp32", "--json"]
+    probe = ("import sys, runpy; sys.argv = ['symcost'] + sys.argv[1:]\n"
+             "try:\n    runpy.run_module('symcost.cli', run_name='__main__')\n"
+             "except SystemExit as e:\n    assert not e.code, e.code\n"
+             "print('torch' in sys.modules, file=sys.stderr)")
+
+    def run(*args):
+        out = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout, out.stderr.strip().splitlines()[-1]
+
+    cold, cold_torch = run(*cmd)
+    warm, warm_torch = run(*cmd)
+    assert cold_torch == "True" and warm_torch == "False"
+    assert json.loads(warm) == json.loads(cold)
+    entries = sorted(cache_dir.rglob("*.json"))
+    nocache, torch_used = run(*cmd[:2], "--no-cache", *cmd[2:])
+    assert torch_used == "True" and json.loads(nocache) == json.loads(cold)
+    assert sorted(cache_dir.rglob("*.json")) == entries
