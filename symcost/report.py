@@ -284,7 +284,7 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     moe_facts = _moe_summary(an)
     if moe_facts is not None:
         c.print(f"  mixture of experts, routing {moe_facts['routing']['description']}")
-        c.print(f"    P above counts R of the E experts (P_active); all parameters: {fmt(an.params_matmul)}"
+        c.print(f"    P above counts R of the E experts (P_active); with all E experts: {fmt(an.params_matmul)}"
                 f"; P_active (all kinds) = {fmt(an.params_active)}; memory holds all of P_total")
         if moe_facts["slots_per_expert"] is not None:
             c.print(f"    token slots per expert (the busiest expert's load) C = {fmt(moe_facts['slots_per_expert'])}"

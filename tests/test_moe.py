@@ -56,7 +56,9 @@ def _capacity_trace(factor: str):
 
 
 def _trace(traced, model):
-    return traced(model, "fp32", "eager", MODELS[model][0])
+    config = MODELS[model][0]
+    # the same cache key as other test files' traced(model, "fp32", "eager")
+    return traced(model, "fp32", "eager", config) if config else traced(model, "fp32", "eager")
 
 
 @contextlib.contextmanager
@@ -259,7 +261,7 @@ def test_capacity_factor_scales_the_expert_part(traced):
 
 
 def test_dense_model_active_equals_all(traced):
-    an = traced("cs336-lm", "fp32")
+    an = traced("cs336-lm", "fp32", "eager")
     assert an.params_active == an.params and an.params_active_matmul == an.params_matmul
     assert an.train_simplified()[0] == an.params_matmul
     js = report.to_json(an, None)
