@@ -176,6 +176,15 @@ def test_activations_equal_saved_bytes(traced, model):
     assert mm.components(**v)["activations"] == want, (model, v)
 
 
+def test_activations_bf16_mixed(traced):
+    """The dispatch under autocast (bf16 matmuls on fp32 token states), graphs/moe.py."""
+    an = traced("moe", "bf16-mixed")
+    v = sizes_for(an, random.Random("moe-mem-bf16"), 1)[0]
+    with balanced_router():
+        want = oracle.saved_bytes(an.spec, v, "bf16-mixed")
+    assert memory_model(an, "bf16-mixed").components(**v)["activations"] == want, v
+
+
 def test_slots_per_expert_from_the_graph(traced):
     an = _trace(traced, "moe")
     B, S, R, E = (SYMS[s] for s in "BSRE")
