@@ -244,6 +244,10 @@ def test_capacity_factor_scales_the_expert_part(traced):
     fb, fc = base.subs(**v), cap.subs(**v)
     assert fc["flops.train"] - fb["flops.train"] == extra_slots * 18 * v["F"] * M * v["L"]
     assert fc["params"] == fb["params"] and fc["params_active"] == fb["params_active"]
+    # the step-time bound max(FLOPs / peak FLOP/s, bytes / bandwidth) of any device grows with c
+    # (the numbers: one H100 SXM, 989 TFLOP/s dense bf16, 3.35 TB/s, for scale only)
+    bound = lambda r: max(r["flops.train"] / 989e12, r["bytes.train"] / 3.35e12)  # noqa: E731
+    assert fc["bytes.train"] > fb["bytes.train"] and bound(fc) > bound(fb)
     mb, mc = memory_model(base, "fp32"), memory_model(cap, "fp32")
     act_b, act_c = mb.components(**v)["activations"], mc.components(**v)["activations"]
     assert act_c - act_b == extra_slots * 4 * (M + 4 * v["F"]) * v["L"]
