@@ -199,8 +199,11 @@ def test_slots_per_expert_from_the_graph(traced):
 def test_mixtral_8x7b_published_shape(traced):
     """Mixtral-8x7B (Jiang et al. 2024, Table 1): hidden 4096, FFN 14336, 32 layers, 32 heads of
     128, 8 key/value heads, 8 experts, top-2, vocabulary 32000; 46.7 B parameters, 12.9 B active.
-    hf:mixtral's default config is that shape."""
-    an = _trace(traced, "hf:mixtral")
+    hf:mixtral's default config is that shape. One sequence of 1024 tokens: B = 1 is its own
+    regime, traced with B pinned (as ``symcost report --set B=1`` does); its probes need E to
+    divide S·R."""
+    an = traced("hf:mixtral", "fp32", "eager", (), (("B", 1),))
+    assert an.pinned == {"B": 1}
     v = dict(H=32, D=128, K=8, L=32, V=32000, F=14336, E=8, R=2, B=1, S=1024)
     assert {k: an.spec.defaults[k] for k in v if k not in ("B", "S")} == {k: x for k, x in v.items() if k not in ("B", "S")}
     M, L, N = v["H"] * v["D"], v["L"], v["B"] * v["S"]
@@ -225,6 +228,10 @@ def test_mixtral_8x7b_published_shape(traced):
     assert 3.4 < (6 * N * (p_total - v["V"] * M) + attention) / got["flops.train"] < 3.8
     P, rem, _ = an.train_simplified()
     assert sympy.expand(rem.subs({SYMS[k]: x for k, x in v.items()}) - attention) == 0
+    # the same count from the trace with B a symbol (B >= 2 regime) at 2 × 512 tokens
+    b2 = dict(v, B=2, S=512)
+    attention2 = 12 * L * 2 * v["H"] * 512 ** 2 * v["D"]
+    assert _trace(traced, "hf:mixtral").subs(**b2)["flops.train"] == 6 * N * p_matmul + attention2
 
 
 def test_capacity_factor_scales_the_expert_part(traced):
