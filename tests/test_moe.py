@@ -312,3 +312,22 @@ def test_cli_routing_errors(capsys):
             cli_main(args)
         err = capsys.readouterr().err
         assert e.value.code == 2 and msg in err and "Traceback" not in err, err
+
+
+def test_cli_routing_reaches_the_trace(capsys, monkeypatch):
+    """``--routing`` changes the spec that is traced (checked without tracing: the stub reports
+    the spec it was given) and its models' experts modules dispatch under it."""
+    import symcost.analysis
+    from symcost.cli import main as cli_main
+
+    def stub(spec, **kw):
+        model = spec.build({**spec.defaults, "L": 1, "V": 17, "H": 2, "D": 4, "F": 6})
+        routings = {moe.routing_of(m).name for m in model.modules() if hasattr(m, moe.ROUTING_ATTR)}
+        raise SymcostError(f"traced {spec.name} routing={spec.extra['routing']} experts={sorted(routings)}")
+
+    monkeypatch.setattr(symcost.analysis, "trace", stub)
+    for args, want in ((["eval", "moe", "--routing", "capacity=1.5"], "routing=capacity=1.5 experts=['capacity=1.5']"),
+                       (["eval", "moe"], "routing=balanced experts=['balanced']")):
+        with pytest.raises(SystemExit):
+            cli_main(args)
+        assert want in capsys.readouterr().err
