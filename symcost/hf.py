@@ -546,7 +546,7 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
     if moe_b is not None:
         extra.update(routing=moe.BALANCED.name, routing_description=moe.BALANCED.describe(),
                      moe_attributes=f"E={moe_b.e_attr}, R={moe_b.r_attr}, F={moe_b.f_attr}")
-    if model_type not in VERIFIED:
+    if model_type not in VERIFIED and model_type not in moe.VERIFIED_HF:
         extra["unverified"] = f"hf:{model_type} is not among the verified architectures ({', '.join(VERIFIED)})"
     return ModelSpec(
         name=shown_name,

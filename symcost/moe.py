@@ -303,6 +303,9 @@ def routing_of_spec(spec) -> Routing | None:
 
 # -- Hugging Face configs ------------------------------------------------------------------------
 
+#: MoE model types checked (transformers 5.24, torch 2.13; tests/test_moe.py) to trace with eager
+#: and sdpa attention and to match FlopCounterMode of transformers' own experts loop.
+VERIFIED_HF = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe")
 #: Config attributes naming the routed experts E, first present (not None) wins.
 E_ATTRS = ("num_local_experts", "num_experts", "n_routed_experts")
 #: Config attributes naming the experts per token R.
