@@ -183,6 +183,8 @@ def test_activations_bf16_mixed(traced):
     with balanced_router():
         want = oracle.saved_bytes(an.spec, v, "bf16-mixed")
     assert memory_model(an, "bf16-mixed").components(**v)["activations"] == want, v
+    # autocast's bf16 copies of the expert weights do not hide which parameters are routed
+    assert an.params_active == _trace(traced, "moe").params_active != an.params
 
 
 def test_slots_per_expert_from_the_graph(traced):
