@@ -217,6 +217,8 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
                                       if att == "sdpa" else " (explicit matmuls)"))
     else:
         g.add_row("attention", "the model's own code")
+    if an.spec.extra.get("routing_description"):  # mixture of experts (symcost.moe)
+        g.add_row("routing", an.spec.extra["routing_description"] + " (--routing)")
     regime = [f"{a} = {v} pinned (size 1 runs other kernels)" for a, v in an.pinned.items()]
     regime += [f"{a} tied to {b}" for a, b in an.spec.tied.items()]
     g.add_row("regime", "; ".join(regime) if regime else "no pinned or tied symbols")

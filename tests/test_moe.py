@@ -34,7 +34,7 @@ from symcost.errors import SymcostError
 from symcost.fit import SYMS
 from symcost.memory import memory_model
 
-import test_memory_oracle as oracle
+import memory_oracle as oracle
 
 # model -> (config overrides, heavy)
 MODELS = {
