@@ -779,6 +779,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
             if v != base[leader] and spec.probe_ok(p) is None:
                 if accept(p):
                     del ties[follower]
+                    base = p  # the untied pair keeps distinct values in the base probe
                 break
     syms = tuple(s for s in base_syms if s not in ties)
     plan = plan_probes(syms, spec.probe_ok, n_random=n_random, seed=seed, fixed=fixed, accept=accept,
