@@ -476,6 +476,22 @@ class Analysis:
         return self._param_total(self.matmul_params)
 
     @functools.cached_property
+    def params_active(self) -> sympy.Expr:
+        """Parameters one token uses (:func:`symcost.moe.params_active`): ``params`` with each
+        stack of E routed experts counted R/E; equal to ``params`` for a dense model."""
+        from .moe import params_active
+
+        return params_active(self)
+
+    @functools.cached_property
+    def params_active_matmul(self) -> sympy.Expr:
+        """P_active of 6·N·P_active: ``params_matmul`` with routed expert stacks counted R/E
+        (:func:`symcost.moe.params_active_matmul`); equal to ``params_matmul`` for a dense model."""
+        from .moe import params_active_matmul
+
+        return params_active_matmul(self)
+
+    @functools.cached_property
     def attention_flops(self) -> sympy.Expr:
         """Model FLOPs (train) of matmul-class ops with no parameter operand (attention)."""
         return sympy.expand(sympy.Add(*[
@@ -632,8 +648,11 @@ class Analysis:
             else f"{head} + {text}"
 
     def train_simplified(self) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
-        """``(P, remainder, unevaluated 6*B*S*P + remainder)`` with remainder exact."""
-        P = self.params_matmul
+        """``(P, remainder, unevaluated 6*B*S*P + remainder)`` with remainder exact.
+
+        P is ``params_active_matmul``: for a mixture of experts the parameters one token uses
+        (R of E experts), else ``params_matmul``."""
+        P = self.params_active_matmul
         B, S = (sympy.Integer(self.pinned[n]) if n in self.pinned else SYMS[n] for n in ("B", "S"))
         rem = sympy.expand(self.flops("train") - 6 * B * S * P)
         factors = [f for f in (sympy.Integer(6), B, S, sympy.factor_terms(P)) if f != 1]
@@ -693,6 +712,7 @@ class Analysis:
         env = self.bind(**sizes)
         ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731  (xreplace: no re-simplifying)
         out = {"params": ev(self.params), "params_matmul": ev(self.params_matmul)}
+        out["params_active"] = ev(self.params_active)
         for ph in PHASES + ("train",):
             out[f"flops.{ph}"] = ev(self.flops(ph))
             out[f"flops_all.{ph}"] = ev(self.flops(ph, "all"))
@@ -702,7 +722,7 @@ class Analysis:
     def quantity(self, name: str) -> sympy.Expr:
         """A total by its JSON name: ``params``, ``params_matmul``, ``flops.<phase>``,
         ``flops_all.<phase>``, ``bytes.<phase>``, ``attention_flops``."""
-        if name in ("params", "params_matmul", "attention_flops"):
+        if name in ("params", "params_matmul", "attention_flops", "params_active", "params_active_matmul"):
             return getattr(self, name)
         kind, _, phase = name.partition(".")
         if kind == "flops":
@@ -1053,16 +1073,17 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         if a in base_syms and b in base_syms and b not in ties and a not in ties and b not in ties.values():
             ties[b] = a
     syms = tuple(s for s in base_syms if s not in ties)
-    base = find_base(syms, spec.check, seed, fixed, accept=accept, request=request, ties=ties, moduli=moduli)
+    base = find_base(syms, spec.probe_ok, seed, fixed, accept=accept, request=request, ties=ties, moduli=moduli)
     for follower, leader in list(ties.items()):
         for v in probe_pool(follower, request.get(follower), moduli.get(follower))[:8]:
             p = dict(base, **{follower: v})
-            if v != base[leader] and spec.check(p) is None:
+            if v != base[leader] and spec.probe_ok(p) is None:
                 if accept(p):
                     del ties[follower]
+                    base = p  # the untied pair keeps distinct values in the base probe
                 break
     syms = tuple(s for s in base_syms if s not in ties)
-    plan = plan_probes(syms, spec.check, n_random=n_random, seed=seed, fixed=fixed, accept=accept,
+    plan = plan_probes(syms, spec.probe_ok, n_random=n_random, seed=seed, fixed=fixed, accept=accept,
                        request=request, ties=ties, moduli=moduli, base=base)
     symbols = syms
     spec = dataclasses.replace(spec, tied={**spec.tied, **ties})
@@ -1182,7 +1203,10 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     an.residues = {s: [m, values[s] % m] for s, m in moduli.items() if s in symbols and s in values}
     an.signature = _digest(want_sig)
     pools = random_pools([s for s in symbols if s not in fixed], plan.points[0], request, moduli)
-    _validate(an, spec, symbols, seed, pinned, pools=pools, ties=ties, accept=accept, request=(request, req))
+    # sizes that are no probe (an MoE's fractional N·R/E slots per expert) are answered by the
+    # formulas, not recorded exactly: they are checked at the probes only
+    _validate(an, spec, symbols, seed, pinned, pools=pools, ties=ties, accept=accept,
+              request=(request, req) if spec.probe_ok(request) is None else None)
     an.timings = {"record": t1 - t0, "fit": t2 - t1, "check": time.perf_counter() - t2}
     return an
 
@@ -1237,7 +1261,7 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
             raise FitError(msg + " at the requested sizes", config_syms or symbols)
     checked = 0
     for _ in range(6):
-        p = random_point(symbols, spec.check, rng, fixed, pools, ties)
+        p = random_point(symbols, spec.probe_ok, rng, fixed, pools, ties)
         try:
             rec = record(spec, p, an.precision)
         except SymcostError:

@@ -45,7 +45,7 @@ def parse_formula(text: str) -> sympy.Expr:
     return sympy.sympify(text, locals=dict(SYMS))
 
 # Base probe values and one alternate per symbol. L is fixed while fitting (layers fold).
-BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 5, "R": 2}
+BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 7, "R": 2}
 ALTS = {
     "B": (5, 4, 2),
     "S": (11, 9, 5),
@@ -284,6 +284,23 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
             p = random_point(symbols, check, rng, fixed, rpools, ties)
             if accept(p):
                 points.append(p)
+                break
+    # On two distinct values a ratio (K or E with exponent -1: H/K, N·R/E) and a linear term fit
+    # alike: give each divisor symbol a third value (one more single-symbol probe) if it lacks one.
+    for s in DIVISORS:
+        seen = {p[s] for p in points} if s in axis else set()
+        if s not in axis or len(seen) >= 3:
+            continue
+        n = 0
+        for alt in pools[s]:
+            p = _complete(dict(base, **{s: alt}), ties)
+            if alt in seen or not ok(p):
+                continue
+            n += 1
+            if accept(p):
+                points.append(p)
+                break
+            if n >= tries:
                 break
     return ProbePlan(tuple(symbols), points, axis)
 

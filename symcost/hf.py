@@ -47,6 +47,7 @@ from typing import Any, Mapping
 
 import torch
 
+from . import moe
 from .errors import SymcostError
 from .spec import Constraint, ModelSpec, check_constraints
 
@@ -410,6 +411,12 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         if getattr(_make_config(AutoConfig, model_type, probe), f_attr, None) != F:
             f_attr, F = None, None
 
+    # Mixture of experts (symcost.moe): E, R and the routed experts' width F, traced under a
+    # routing model (balanced by default) with symcost's static-shaped experts implementation.
+    moe_b = moe.hf_binding(cfg)
+    if moe_b is not None:
+        f_attr, F = moe_b.f_attr, moe_b.F
+
     # K: a symbol wherever the config has num_key_value_heads; the trace picks its regime.
     has_k = hasattr(cfg, "num_key_value_heads")
     K = attr("num_key_value_heads") if has_k else None
@@ -427,7 +434,7 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
             pass
 
     symbols = tuple(s for s, present in (("H", 1), ("D", 1), ("L", 1), ("V", 1), ("F", f_attr), ("K", has_k),
-                                         ("M", has_m)) if present)
+                                         ("M", has_m), ("E", moe_b), ("R", moe_b)) if present)
     maxpos = attr("max_position_embeddings") or attr("n_positions")
     defaults = {"B": 1, "S": min(2048, maxpos) if maxpos else 2048, "H": H, "D": D, "L": L, "V": V}
     if f_attr:
@@ -436,6 +443,8 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         defaults["K"] = K
     if has_m:
         defaults["M"] = hidden
+    if moe_b is not None:
+        defaults.update(E=moe_b.E, R=moe_b.R)
 
     uses_rope, rope_factor, rotary_dim = _rope(cfg)
     alibi = model_type == "bloom" or bool(attr("alibi"))
@@ -456,6 +465,8 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
     elif uses_rope:
         constraints.append(Constraint(
             "multiple", "D", 2, f"D must be even: hf:{model_type} uses rotary position embeddings, which rotate pairs"))
+    if moe_b is not None:
+        constraints.append(Constraint("max", "R", "E", "R (experts per token) must not exceed E (experts)"))
     if maxpos and not uses_rope and not alibi:  # a learned position table
         constraints.append(Constraint(
             "max", "S", int(maxpos),
@@ -477,6 +488,8 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         if has_k:
             kw[_field_name(cfg, "num_key_value_heads")] = values["K"]
         kw["use_cache"] = False
+        if moe_b is not None:
+            kw.update(moe_b.config_kwargs(values, lambda k: _field_name(cfg, k)))
         for key in _TOKEN_ATTRS:  # ids outside a small probe vocabulary would break the embedding
             t = kw.get(key, attr(key))
             ids = t if isinstance(t, (list, tuple)) else [t]
@@ -484,6 +497,8 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
                 kw[key] = None
         c = _make_config(AutoConfig, model_type, kw)
         c._attn_implementation = attention
+        if moe_b is not None:
+            c._experts_implementation = moe.HF_IMPLEMENTATION
         return c
 
     def build(values: Mapping[str, int]) -> torch.nn.Module:
@@ -528,7 +543,10 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         extra["F_attribute"] = f_attr
     if has_k:
         extra["kv_heads"] = "K = num_key_value_heads (regime from the requested K: K = 1, 1 < K < H or K = H)"
-    if model_type not in VERIFIED:
+    if moe_b is not None:
+        extra.update(routing=moe.BALANCED.name, routing_description=moe.BALANCED.describe(),
+                     moe_attributes=f"E={moe_b.e_attr}, R={moe_b.r_attr}, F={moe_b.f_attr}")
+    if model_type not in VERIFIED and model_type not in moe.VERIFIED_HF:
         extra["unverified"] = f"hf:{model_type} is not among the verified architectures ({', '.join(VERIFIED)})"
     return ModelSpec(
         name=shown_name,
@@ -542,6 +560,7 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         follows=follows,
         layers=_LAYERS.get(model_type),
         extra=extra,
+        probe_check=moe.probe_check if moe_b is not None else None,
     )
 
 

@@ -28,6 +28,7 @@ BUILTINS = {
     "gpt2": "gpt2",
     "mlp": "mlp",
     "megatron-gpt": "megatron_gpt",
+    "moe": "moe",
 }
 
 

@@ -224,6 +224,8 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
                                       if att == "sdpa" else " (explicit matmuls)"))
     else:
         g.add_row("attention", "the model's own code")
+    if an.spec.extra.get("routing_description"):  # mixture of experts (symcost.moe)
+        g.add_row("routing", an.spec.extra["routing_description"] + " (--routing)")
     regime = [f"{a} = {v} pinned (size 1 runs other kernels)" for a, v in an.pinned.items()]
     regime += [f"{a} tied to {b}" for a, b in an.spec.tied.items()]
     g.add_row("regime", "; ".join(regime) if regime else "no pinned or tied symbols")
@@ -288,6 +290,14 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     c.print(f"  P_total (all parameters, tied once)    = {fmt(an.params)}")
     c.print(f"  N (non-embedding, Kaplan et al. 2020)  = {fmt(an.params_nonembedding)}"
             + (f"   (embedding: {', '.join(an.embedding_params)})" if an.embedding_params else ""))
+    moe_facts = _moe_summary(an)
+    if moe_facts is not None:
+        c.print(f"  mixture of experts, routing {moe_facts['routing']['description']}")
+        c.print(f"    P above counts R of the E experts (P_active); with all E experts: {fmt(an.params_matmul)}"
+                f"; P_active (all kinds) = {fmt(an.params_active)}; memory holds all of P_total")
+        if moe_facts["slots_per_expert"] is not None:
+            c.print(f"    token slots per expert (the busiest expert's load) C = {fmt(moe_facts['slots_per_expert'])}"
+                    + (f" = {_slots(moe_facts['slots_per_expert'], env)}" if env else ""))
     for why, names in an.params_not_in_P().items():
         c.print(f"    not in P, {why}: {', '.join(names)}")
     c.print(f"  remainder = {fmt(rem)}")
@@ -446,7 +456,10 @@ def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None =
     symbols, params, params_matmul, params_embedding, params_nonembedding (Kaplan et al. 2020's
     N), flops.{forward,backward,train, train_simplified}, flops_all.*, bytes.*, attention_flops,
     attention_flops_count ("full" or "causal": how the attention matmuls were counted),
-    unsupported_ops (and memory.* when the memory pass ran).
+    unsupported_ops (and memory.* when the memory pass ran); params_active (equal to params for a
+    dense model) and moe (null for a dense model, else ``routing`` {model, capacity_factor,
+    description}, ``slots_per_expert`` C (the busiest expert's token slots) and
+    ``params_active_matmul``, the P of 6·N·P_active).
     """
     env = an.bind(**sizes) if sizes is not None else None
 
@@ -479,9 +492,32 @@ def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None =
     }
     res["flops"]["train_simplified"] = out(form) if env is not None else an.train_simplified_str()
     res["flops"]["remainder"] = out(rem)
+    res["params_active"] = out(an.params_active)
+    moe_facts = _moe_summary(an)
+    res["moe"] = None if moe_facts is None else {
+        "routing": moe_facts["routing"],
+        "slots_per_expert": None if moe_facts["slots_per_expert"] is None else _slots(moe_facts["slots_per_expert"], env),
+        "params_active_matmul": out(moe_facts["params_active_matmul"]),
+    }
     if memory and "json" in memory:
         res["memory"] = memory["json"]
     return res
+
+
+def _slots(expr, env):
+    """Slots per expert: the formula without sizes; an int at sizes, a float where N·R/E is
+    fractional (the balanced average)."""
+    if env is None:
+        return fmt(expr)
+    v = sympy.sympify(expr).subs(env)
+    return int(v) if v.is_integer else float(v)
+
+
+def _moe_summary(an: Analysis) -> dict | None:
+    """:func:`symcost.moe.summary` (None for a dense model)."""
+    from .moe import summary
+
+    return summary(an)
 
 
 def memory_section(an: Analysis, sizes, cap: str, precision: str, optimizer: str, **options) -> dict | None:

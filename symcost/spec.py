@@ -125,6 +125,11 @@ class ModelSpec:
         layers: dotted path of the ``nn.ModuleList`` holding the L repeated blocks (``None``
             lets the tracer find it).
         extra: free-form facts for the report (e.g. the config class).
+        probe_check: ``probe_check(values) -> str | None``: an extra condition on the *probe*
+            sizes only (never on a request), where a model's traced sizes are exact polynomials
+            only at some points: an MoE layer under a routing model needs an integer number of
+            token slots per expert, c·B·S·R/E (symcost.moe). Formulas fitted there answer any
+            size.
     """
 
     name: str
@@ -140,6 +145,7 @@ class ModelSpec:
     follows: dict[str, str] = field(default_factory=dict)
     layers: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    probe_check: Callable[[Mapping[str, int]], str | None] | None = None
 
     def __post_init__(self):
         if self.check is None:
@@ -157,6 +163,10 @@ class ModelSpec:
             if b in out:
                 out[a] = out[b]
         return out
+
+    def probe_ok(self, values: Mapping[str, int]) -> str | None:
+        """Why ``values`` cannot be a probe: ``check``, then ``probe_check``; None if they can."""
+        return self.check(values) or (self.probe_check(values) if self.probe_check else None)
 
     @property
     def all_symbols(self) -> tuple[str, ...]:

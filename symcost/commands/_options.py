@@ -89,6 +89,13 @@ def _store_attention_flops(ctx, param, value):
 def _no_cache(ctx, param, value):
     if value:
         ctx.meta["symcost.no_cache"] = True
+    return value
+
+
+def _keep_routing(ctx, param, value):
+    if value is not None:
+        ctx.meta["symcost_routing"] = value
+    return value
 
 
 def common(f):
@@ -101,6 +108,8 @@ def common(f):
     f = click.option("--no-cache", is_flag=True, expose_value=False, callback=_no_cache,
                      help="trace afresh: neither read nor write the trace cache (see symcost.cache)")(f)
     f = click.option("--debug", is_flag=True, help="show tracebacks")(f)
+    f = click.option("--routing", default=None, expose_value=False, callback=_keep_routing, metavar="MODEL",
+                     help="mixture-of-experts routing model: balanced (default) or capacity=C, C >= 1")(f)
     f = click.option("--precision", default="bf16-mixed", show_default=True,
                      help="bf16-mixed (autocast over fp32 weights), fp16-mixed, fp32, bf16-true, fp16-true, "
                           "bf16-true-fp32-state (12P), bf16-true-fp32-master; see docs/memory.md")(f)
@@ -183,6 +192,11 @@ def _trace_fresh(model, cfg, attention, precision, sizes, quiet):
         from ..models import resolve
 
         spec = resolve(model, cfg, attention)
+        routing = ctx.meta.get("symcost_routing") if ctx is not None else None
+        if routing is not None:  # MoE layers traced under this routing model (symcost.moe)
+            from ..moe import with_routing
+
+            spec = with_routing(spec, routing)
         # reject sizes the model cannot take before the (seconds-long) trace
         unknown = [k for k in sizes if k not in spec.all_symbols and k not in spec.tied]
         if unknown:
