@@ -212,7 +212,7 @@ def sequential_default(L: int, segments: int) -> list[tuple[int, int]]:
 
 
 def plan_cost(segments: Sequence[tuple[int, int]], a: Sequence[int], x: Sequence[int],
-              f: Sequence[int], head: int = 0) -> tuple[int, int]:
+              f: Sequence[int], head: int = 0, fr: Sequence[int] | None = None) -> tuple[int, int]:
     """(activation peak in bytes, recompute FLOPs) of checkpointing ``segments`` of a block chain.
 
     The model (Chen et al. 2016, Sec. 4; the order of the backward as in Griewank & Walther's
@@ -222,8 +222,12 @@ def plan_cost(segments: Sequence[tuple[int, int]], a: Sequence[int], x: Sequence
     forward + ``head``, max over segments of kept-before-s + x_s + Σ a over s). ``head`` is
     what the step holds at the end of the forward besides the blocks' activations (the model's
     output, the loss and its first gradients: from the memory pass of the plain trace).
-    Recompute = Σ f over checkpointed blocks (each recomputed once).
+    Recompute = Σ f over checkpointed blocks (each recomputed once), except that the last block
+    of a segment costs ``fr`` (default ``f``): a non-reentrant checkpoint stops recomputing as
+    soon as every tensor the backward needs is back (``torch.utils.checkpoint``'s early stop,
+    on by default), so the ops after the segment's last saved tensor never rerun.
     """
+    fr = f if fr is None else fr
     segs = sorted(segments)
     starts = {s: e for s, e in segs}
     kept = peak = rec = 0
@@ -233,7 +237,7 @@ def plan_cost(segments: Sequence[tuple[int, int]], a: Sequence[int], x: Sequence
             e = starts[i]
             peak = max(peak, kept + x[i] + sum(a[i:e]))
             kept += x[i]
-            rec += sum(f[i:e])
+            rec += sum(f[i:e - 1]) + fr[e - 1]
             i = e
         else:
             kept += a[i]
@@ -242,7 +246,7 @@ def plan_cost(segments: Sequence[tuple[int, int]], a: Sequence[int], x: Sequence
 
 
 def optimal_segments(a: Sequence[int], x: Sequence[int], f: Sequence[int],
-                     budget: int | None = None, head: int = 0) -> tuple[list[tuple[int, int]], int, int]:
+                     budget: int | None = None, head: int = 0, fr: Sequence[int] | None = None) -> tuple[list[tuple[int, int]], int, int]:
     """Exact optimum over every segmentation of the block chain, by dynamic programming.
 
     Without ``budget``: the least activation peak (:func:`plan_cost` with ``head``), ties to the least
@@ -257,6 +261,7 @@ def optimal_segments(a: Sequence[int], x: Sequence[int], f: Sequence[int],
         SymcostError: no segmentation fits ``budget``.
     """
     n = len(a)
+    fr = f if fr is None else fr
     pa = [0]
     pf = [0]
     for i in range(n):
@@ -282,11 +287,11 @@ def optimal_segments(a: Sequence[int], x: Sequence[int], f: Sequence[int],
                 new_pk = max(pk, kept + x[i] + pa[j] - pa[i])
                 if budget is not None and new_pk > budget:
                     break
-                add(j, (kept + x[i], new_pk), rec + pf[j] - pf[i], (i, kept, pk, j))
+                add(j, (kept + x[i], new_pk), rec + pf[j - 1] - pf[i] + fr[j - 1], (i, kept, pk, j))
     end = fronts[n]
     if not end:
         raise SymcostError(f"no checkpoint plan keeps the activations under {budget} bytes "
-                           f"(the least possible is {optimal_segments(a, x, f, head=head)[1]} bytes)")
+                           f"(the least possible is {optimal_segments(a, x, f, head=head, fr=fr)[1]} bytes)")
     top = lambda kk: max(kk[0] + head, kk[1])  # noqa: E731
     if budget is None:
         key = min(end, key=lambda kk: (top(kk), end[kk][0]))
@@ -344,7 +349,7 @@ class Plan:
         pre = f"{self.container}." if self.container else ""
         return [f"{pre}{s}" if e - s == 1 else f"{pre}{s}..{pre}{e - 1}" for s, e in self.segments]
 
-    def apply(self, model):
+    def apply(self, model, _traced: bool = False):
         """Checkpoint the plan's segments of ``model`` in place and return it.
 
         Each segment's first block runs the whole segment inside
@@ -383,7 +388,8 @@ class Plan:
                     if _state["inside"]:
                         return _orig(*args, **kwargs)
                     if i == 0:
-                        out = checkpoint(_run, *args, use_reentrant=False, **kwargs)
+                        out = (traced_checkpoint if _traced else checkpoint)(
+                            _run, *args, use_reentrant=False, **kwargs)
                         if _n > 1:
                             _state["out"] = out
                         return out
@@ -408,19 +414,21 @@ class Chain:
     f: list[int]
     head: int
     costs: BlockCosts
+    fr: list[int] | None = None  # recompute of a block that ends its segment (early stop)
 
     def cost(self, segments) -> tuple[int, int]:
         """(activation peak bytes, recompute FLOPs) of ``segments`` (:func:`plan_cost`)."""
-        return plan_cost(segments, self.a, self.x, self.f, self.head)
+        return plan_cost(segments, self.a, self.x, self.f, self.head, self.fr)
 
     def optimal(self, budget: int | None = None):
         """:func:`optimal_segments` on this chain."""
-        return optimal_segments(self.a, self.x, self.f, budget, self.head)
+        return optimal_segments(self.a, self.x, self.f, budget, self.head, self.fr)
 
 
 def chain(an, L: int, env: Mapping, optimizer: str = "adamw", impl: str = "foreach") -> Chain:
     """The :class:`Chain` of ``an``'s blocks at ``L`` and sizes ``env`` (symbol -> int).
 
+    ``x`` is the block input plus the RNG state a checkpoint stashes (:func:`rng_state_bytes`).
     ``head`` is the largest live set of the plain step that is not the optimizer step
     (``memory_model(an).peak_terms()``, docs/memory.md) less the blocks' activations: the
     model's output, the loss, its first gradients and what is saved outside the blocks.
@@ -429,11 +437,44 @@ def chain(an, L: int, env: Mapping, optimizer: str = "adamw", impl: str = "forea
 
     bc = block_costs(an)
     a, x, f = bc.sequence(L, env)
+    x = [v + rng_state_bytes() for v in x]  # a checkpoint keeps its input and the RNG state
     mm = memory_model(an, an.precision, optimizer, impl)
     terms = [int(e.xreplace(env)) for e, min_L, where in mm.peak_terms()
              if min_L <= L and not where.startswith("optimizer step")]
     head = max(0, max(terms, default=0) - sum(a))
-    return Chain(a, x, f, head, bc)
+    fr = list(f)
+    g, sp = recompute_last(an)
+    if g is not None:
+        fr = [int(g.xreplace(env))] * L
+        if bc.special:
+            fr[0 if bc.special == "first" else L - 1] = int(sp.xreplace(env))
+    return Chain(a, x, f, head, bc, fr)
+
+
+def recompute_last(an) -> tuple[sympy.Expr | None, sympy.Expr | None]:
+    """Recompute FLOPs of a block checkpointed on its own (generic, special end block), from the
+    step traced with every block checkpointed (:func:`uniform_spec` with k = 1): its train FLOPs
+    less the plain step's, per block. Less than the block's forward where ops after its last
+    saved tensor are skipped by the checkpoint's early stop."""
+    L = SYMS["L"]
+    sub = _uniform_trace(an, 1)
+    diff = sympy.expand(sub.flops("train") - an.flops("train"))
+    g = diff.coeff(L, 1)
+    if g.has(L):
+        return None, None
+    return sympy.expand(g), sympy.expand(diff.subs(L, 1))
+
+
+def _uniform_trace(an, k: int):
+    from .analysis import trace
+
+    key = (id(an.spec), an.precision, "uniform", k)
+    sub = _TRACES.get(key)
+    if sub is None:
+        spec = uniform_spec(an.spec, an.layer_container or "", k)
+        sub = trace(spec, sizes={s: 1 for s, v in an.pinned.items()}, precision=an.precision)
+        _TRACES[key] = sub
+    return sub
 
 
 def make_plan(an, kind: str, L: int, env: Mapping | None = None, budget: int | None = None,
@@ -475,6 +516,75 @@ def make_plan(an, kind: str, L: int, env: Mapping | None = None, budget: int | N
 # --------------------------------------------------------------------------------------------
 
 
+_RNG_BYTES: list[int] = []
+
+
+def rng_state_bytes() -> int:
+    """Bytes of the CPU generator's state, ``torch.get_rng_state()`` (5056 for mt19937): what a
+    checkpoint with ``preserve_rng_state=True`` (the default) stashes per call
+    (torch/utils/checkpoint.py, ``_get_device_module``/``get_rng_state`` in the frame)."""
+    if not _RNG_BYTES:
+        import torch
+
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            _RNG_BYTES.append(torch.get_rng_state().nbytes)
+    return _RNG_BYTES[0]
+
+
+def traced_checkpoint(fn, *args, **kwargs):
+    """``torch.utils.checkpoint.checkpoint`` as symcost traces it: the same call, plus a
+    placeholder storage of :func:`rng_state_bytes` held as long as the real checkpoint holds its
+    RNG state (from the forward until the backward has passed the segment's input; until the
+    backward reaches its output when no input needs grad). The RNG state is a CPU tensor made
+    outside the dispatcher, so a recording would not see it otherwise."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    hold = torch.empty(rng_state_bytes(), dtype=torch.uint8)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    args = list(args)
+    grad_in = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    if grad_in:
+        args[grad_in[0]] = _Hold.apply(args[grad_in[0]], hold)
+        return checkpoint(fn, *args, **kwargs)
+    del tensors
+    out = checkpoint(fn, *args, **kwargs)
+    if isinstance(out, torch.Tensor) and out.requires_grad:
+        return _Hold.apply(out, hold)
+    return out
+
+
+def _hold_class():
+    import torch
+
+    class Hold(torch.autograd.Function):
+        """Identity whose node keeps a placeholder storage alive until its backward runs."""
+
+        @staticmethod
+        def forward(ctx, x, hold):
+            ctx.hold = hold
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            ctx.hold = None
+            return g, None
+
+    return Hold
+
+
+class _LazyHold:
+    _cls = None
+
+    def apply(self, *args):
+        if _LazyHold._cls is None:
+            _LazyHold._cls = _hold_class()
+        return _LazyHold._cls.apply(*args)
+
+
+_Hold = _LazyHold()
+
+
 def uniform_spec(spec, container: str, k: int):
     """A :class:`~symcost.spec.ModelSpec` of ``spec`` with every k consecutive blocks grouped into
     one checkpointed segment (non-reentrant), its ``L`` counting segments: traced by symcost it
@@ -496,7 +606,7 @@ def uniform_spec(spec, container: str, k: int):
             return out
 
         def forward(self, *args, **kwargs):
-            return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
+            return traced_checkpoint(self._run, *args, use_reentrant=False, **kwargs)
 
     def build(values):
         model = spec.build(dict(values, L=values["L"] * k))
@@ -512,59 +622,93 @@ def uniform_spec(spec, container: str, k: int):
         check=(lambda v: spec.check(dict(v, L=v.get("L", 1) * k))) if spec.check else None)
 
 
-def pinned_spec(spec, plan: Plan):
-    """``spec`` at the plan's ``L`` (L no longer a symbol) with ``plan.apply`` on every model
-    built: any plan, traced exactly at that L."""
+def pinned_spec(spec, plan: Plan, config: Mapping[str, int]):
+    """``spec`` at the plan's ``L`` and the given config sizes (only B and S stay symbols) with
+    ``plan.apply`` on every model built: any plan, traced exactly at those sizes."""
     L = plan.L
+    config = {k: v for k, v in config.items() if k not in ("B", "S")}
+    fixed = dict(config, L=L)
 
     def build(values):
-        return plan.apply(spec.build(dict(values, L=L)))
+        return plan.apply(spec.build({**values, **fixed}), _traced=True)
 
-    symbols = tuple(s for s in spec.symbols if s != "L")
-    defaults = {k: v for k, v in spec.defaults.items() if k != "L"}
+    def make_inputs(values, device):
+        return spec.make_inputs({**values, **fixed}, device)
+
     return dataclasses.replace(
-        spec, name=f"{spec.name} [{plan.kind} checkpoint, L={L}]", symbols=symbols, defaults=defaults,
-        build=build, layers=None, check=lambda v: spec.check(dict(v, L=L)))
+        spec, name=f"{spec.name} [{plan.kind} checkpoint, L={L}]", symbols=(), tied={},
+        defaults={k: v for k, v in spec.defaults.items() if k in ("B", "S")}, build=build,
+        make_inputs=make_inputs, layers=None, constraints=(),
+        check=lambda v: spec.check({**v, **fixed}))
 
 
 _TRACES: dict = {}
 
 
+def is_uniform(plan: Plan) -> bool:
+    """Segments of k blocks, k dividing L, covering every block (traced folded over L/k)."""
+    k = plan.interval
+    return k is not None and plan.L % k == 0 and plan.segments == uniform_segments(plan.L, k)
+
+
 def exact(an, plan: Plan, sizes: Mapping[str, int], optimizer: str = "adamw",
-          impl: str = "foreach") -> dict:
-    """The plan's step traced by symcost: ``{"peak", "train_flops", "saved", "seconds",
+          impl: str = "foreach", trace_any: bool = False) -> dict:
+    """The plan's predicted peak and FLOPs: ``{"peak", "peak_source", "train_flops", "seconds",
     "memory_model", "analysis", "L_arg"}`` (bytes, FLOPs) at ``sizes``.
 
-    A uniform plan (segments of k, k dividing L) is traced once per k with L as a symbol (the
-    number of segments); any other plan is traced at its L. Either way the recording sees the
-    checkpoints' recomputed forward and what they keep, and the memory pass
-    (:func:`symcost.memory.memory_model`) gives the peak of the steady-state step.
+    ``peak_source`` ``"traced"``: the applied plan's step traced by symcost — no checkpointing
+    (the plain trace), a uniform plan (segments of k, k dividing L: traced once per k with L
+    the number of segments, formulas in all symbols), or with ``trace_any`` any plan (traced at
+    its L and config sizes, B and S symbols; slow for deep models). The recording sees the
+    checkpoints' recomputed forward and what they keep; the memory pass
+    (:func:`symcost.memory.memory_model`) gives the steady-state peak.
+
+    ``"model"`` (other plans without ``trace_any``): static memory + the larger of the segment
+    model's activation peak (:func:`plan_cost`) plus the residual that model leaves at the
+    traced every-layer plan, and the optimizer step's live set of the plain trace. The FLOPs are
+    exact either way (per-block forward and early-stopped recompute from the traces).
     """
     from .analysis import trace
     from .memory import memory_model
 
     t0 = time.perf_counter()
     sizes = {k: v for k, v in sizes.items() if k != "L"}
+    mm = None
     if not plan.segments:
         sub, L_arg = an, {"L": plan.L}
-    else:
-        k = plan.interval
-        uniform = k is not None and plan.L % k == 0 and plan.segments == uniform_segments(plan.L, k)
-        key = (id(an.spec), an.precision, "uniform", k) if uniform else \
-            (id(an.spec), an.precision, tuple(plan.segments), plan.L)
+    elif is_uniform(plan):
+        sub, L_arg = _uniform_trace(an, plan.interval), {"L": plan.L // plan.interval}
+    elif trace_any:
+        config = {str(k): int(v) for k, v in an.bind(**sizes, L=plan.L).items()}
+        key = (id(an.spec), an.precision, tuple(plan.segments), tuple(sorted(config.items())))
         sub = _TRACES.get(key)
         if sub is None:
-            spec = uniform_spec(an.spec, plan.container, k) if uniform else pinned_spec(an.spec, plan)
-            sub = trace(spec, sizes=sizes, precision=an.precision)
+            sub = trace(pinned_spec(an.spec, plan, config), sizes={s: 1 for s in an.pinned},
+                        precision=an.precision, n_random=3)
             _TRACES[key] = sub
-        L_arg = {"L": plan.L // k} if uniform else {}
+        L_arg = {}
+        sizes = {k: v for k, v in sizes.items() if k in ("B", "S")}
+    else:
+        env = an.bind(**sizes, L=plan.L)
+        ch = chain(an, plan.L, env, optimizer, impl)
+        every = Plan(plan.container, plan.L, uniform_segments(plan.L, 1), "every-layer")
+        ev = exact(an, every, sizes, optimizer, impl)
+        base = memory_model(an, an.precision, optimizer, impl)
+        static = int(base.static.xreplace(env))
+        resid = ev["peak"] - static - ch.cost(every.segments)[0]
+        opt = max((int(e.xreplace(env)) for e, m, w in base.peak_terms()
+                   if m <= plan.L and w.startswith("optimizer step")), default=0)
+        return {
+            "peak": static + max(ch.cost(plan.segments)[0] + resid, opt), "peak_source": "model",
+            "train_flops": int(an.flops("train").xreplace(env)) + ch.cost(plan.segments)[1],
+            "seconds": time.perf_counter() - t0, "memory_model": None, "analysis": None, "L_arg": None,
+        }
     mm = memory_model(sub, an.precision, optimizer, impl)
     at = {**sizes, **L_arg}
     env = sub.bind(**at)
     return {
-        "peak": mm.peak(**at),
+        "peak": mm.peak(**at), "peak_source": "traced",
         "train_flops": int(sub.flops("train").xreplace(env)),
-        "saved": int(mm.activations.xreplace(env)),
         "seconds": time.perf_counter() - t0,
         "memory_model": mm, "analysis": sub, "L_arg": L_arg,
     }
@@ -637,6 +781,7 @@ def analyse(an, sizes: Mapping[str, int] | None = None, memory: int | None = Non
     if exact_peak:
         ex = exact(an, plan, sizes, optimizer, impl)
         out["peak"] = ex["peak"]
+        out["peak_source"] = ex["peak_source"]
         out["train_flops_traced"] = ex["train_flops"]
         out["trace_seconds"] = ex["seconds"]
     out["tradeoff"] = tradeoff(ch, L)
@@ -687,3 +832,37 @@ def tradeoff(ch: Chain, L: int) -> list[dict]:
         act, rec = ch.cost(segs)
         rows.append({"k": k, "segments": len(segs), "activations": act, "recompute_flops": rec})
     return rows
+
+
+def plan_memory(an, kind: str, sizes: Mapping[str, int], optimizer: str = "adamw",
+                impl: str = "foreach", at: Mapping[str, int] | None = None):
+    """``(plan, memory model, sizes for it)`` of the step checkpointed by ``kind`` (one of
+    :data:`KINDS`): the plan chosen at ``at`` (default: ``sizes`` with B = 1 where B is free),
+    traced by symcost (:func:`exact`), so the memory model's ``peak``/``solve``/
+    ``plan_accumulation`` are those of the checkpointed step. The returned sizes replace L by
+    the number of segments of a uniform plan's trace, or drop it for a plan traced at its L.
+
+    Raises:
+        SymcostError: unknown kind, no repeated blocks, bad sizes.
+    """
+    from .memory import memory_model
+
+    if kind not in KINDS:
+        raise SymcostError(f"unknown checkpoint plan {kind!r}; accepted: {', '.join(KINDS)}")
+    sizes = dict(sizes)
+    if kind == "none":
+        return None, memory_model(an, an.precision, optimizer, impl), sizes
+    at = dict(at if at is not None else sizes)
+    if "B" in an.symbols and "B" not in at:
+        at["B"] = 1
+    if "S" in an.symbols and "S" not in at:
+        at["S"] = an.spec.defaults.get("S", 1)
+    env = an.bind(**at)
+    if SYMS["L"] not in env or an.layer_container is None:
+        raise SymcostError(f"{an.model} has no repeated blocks (no symbol L); nothing to checkpoint")
+    L = int(env[SYMS["L"]])
+    plan = make_plan(an, kind, L, env, ch=chain(an, L, env, optimizer, impl))
+    ex = exact(an, plan, at, optimizer, impl, trace_any=True)
+    out_sizes = {k: v for k, v in sizes.items() if k != "L" and k in ex["analysis"].symbols}
+    out_sizes.update(ex["L_arg"])
+    return plan, ex["memory_model"], out_sizes
