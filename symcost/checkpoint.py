@@ -532,57 +532,20 @@ def rng_state_bytes() -> int:
 
 
 def traced_checkpoint(fn, *args, **kwargs):
-    """``torch.utils.checkpoint.checkpoint`` as symcost traces it: the same call, plus a
-    placeholder storage of :func:`rng_state_bytes` held as long as the real checkpoint holds its
-    RNG state (from the forward until the backward has passed the segment's input; until the
-    backward reaches its output when no input needs grad). The RNG state is a CPU tensor made
-    outside the dispatcher, so a recording would not see it otherwise."""
+    """``torch.utils.checkpoint.checkpoint`` as symcost traces it: the same call, given one more
+    (ignored) input, a placeholder storage of :func:`rng_state_bytes`, which the checkpoint's
+    frame keeps exactly as long as it keeps its RNG state (its inputs and the state live in the
+    same frame). The RNG state is a CPU tensor made outside the dispatcher, so a recording would
+    not see it otherwise."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
     hold = torch.empty(rng_state_bytes(), dtype=torch.uint8)
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    args = list(args)
-    grad_in = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-    if grad_in:
-        args[grad_in[0]] = _Hold.apply(args[grad_in[0]], hold)
-        return checkpoint(fn, *args, **kwargs)
-    del tensors
-    out = checkpoint(fn, *args, **kwargs)
-    if isinstance(out, torch.Tensor) and out.requires_grad:
-        return _Hold.apply(out, hold)
-    return out
 
+    def run(_hold, *a, **k):
+        return fn(*a, **k)
 
-def _hold_class():
-    import torch
-
-    class Hold(torch.autograd.Function):
-        """Identity whose node keeps a placeholder storage alive until its backward runs."""
-
-        @staticmethod
-        def forward(ctx, x, hold):
-            ctx.hold = hold
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            ctx.hold = None
-            return g, None
-
-    return Hold
-
-
-class _LazyHold:
-    _cls = None
-
-    def apply(self, *args):
-        if _LazyHold._cls is None:
-            _LazyHold._cls = _hold_class()
-        return _LazyHold._cls.apply(*args)
-
-
-_Hold = _LazyHold()
+    return checkpoint(run, hold, *args, **kwargs)
 
 
 def uniform_spec(spec, container: str, k: int):
@@ -642,6 +605,26 @@ def pinned_spec(spec, plan: Plan, config: Mapping[str, int]):
         check=lambda v: spec.check({**v, **fixed}))
 
 
+def peak_model(an, ch: "Chain", L: int, sizes: Mapping[str, int], optimizer: str = "adamw",
+               impl: str = "foreach"):
+    """``segments -> peak bytes`` by the segment model: static memory + the larger of the plan's
+    activation peak (:func:`plan_cost`) plus the residual the model leaves at the traced
+    every-layer plan (gradients of segment outputs, parameter gradients allocated so far), and
+    the plain trace's optimizer-step live set (the same under any plan)."""
+    from .memory import memory_model
+
+    sizes = {k: v for k, v in sizes.items() if k != "L"}
+    env = an.bind(**sizes, L=L)
+    every = Plan(ch.costs.container, L, uniform_segments(L, 1), "every-layer")
+    ev = exact(an, every, sizes, optimizer, impl)
+    base = memory_model(an, an.precision, optimizer, impl)
+    static = int(base.static.xreplace(env))
+    resid = ev["peak"] - static - ch.cost(every.segments)[0]
+    opt = max((int(e.xreplace(env)) for e, m, w in base.peak_terms()
+               if m <= L and w.startswith("optimizer step")), default=0)
+    return lambda segments: static + max(ch.cost(segments)[0] + resid, opt)
+
+
 _TRACES: dict = {}
 
 
@@ -691,15 +674,8 @@ def exact(an, plan: Plan, sizes: Mapping[str, int], optimizer: str = "adamw",
     else:
         env = an.bind(**sizes, L=plan.L)
         ch = chain(an, plan.L, env, optimizer, impl)
-        every = Plan(plan.container, plan.L, uniform_segments(plan.L, 1), "every-layer")
-        ev = exact(an, every, sizes, optimizer, impl)
-        base = memory_model(an, an.precision, optimizer, impl)
-        static = int(base.static.xreplace(env))
-        resid = ev["peak"] - static - ch.cost(every.segments)[0]
-        opt = max((int(e.xreplace(env)) for e, m, w in base.peak_terms()
-                   if m <= plan.L and w.startswith("optimizer step")), default=0)
         return {
-            "peak": static + max(ch.cost(plan.segments)[0] + resid, opt), "peak_source": "model",
+            "peak": peak_model(an, ch, plan.L, sizes, optimizer, impl)(plan.segments), "peak_source": "model",
             "train_flops": int(an.flops("train").xreplace(env)) + ch.cost(plan.segments)[1],
             "seconds": time.perf_counter() - t0, "memory_model": None, "analysis": None, "L_arg": None,
         }
@@ -784,7 +760,7 @@ def analyse(an, sizes: Mapping[str, int] | None = None, memory: int | None = Non
         out["peak_source"] = ex["peak_source"]
         out["train_flops_traced"] = ex["train_flops"]
         out["trace_seconds"] = ex["seconds"]
-    out["tradeoff"] = tradeoff(ch, L)
+    out["tradeoff"] = tradeoff(ch, L, peak_model(an, ch, L, sizes, optimizer, impl))
     out["law"] = {k: str(v) for k, v in lw.items() if k not in ("k", "j")}
     out["k_star"] = float(lw["k_star"].xreplace(env))
     out["k_best"] = integer_k(lw, env, L, ch.head)
@@ -822,15 +798,26 @@ def _fit_memory(an, ch: Chain, L, sizes, cap, optimizer, impl) -> Plan:
     return best
 
 
-def tradeoff(ch: Chain, L: int) -> list[dict]:
-    """The trade-off table: for no checkpointing and every interval k = 1..L (⌈L/k⌉ segments),
-    the activation peak (bytes) and recompute FLOPs of :func:`plan_cost`."""
-    act, rec = ch.cost([])
-    rows = [{"k": None, "segments": 0, "activations": act, "recompute_flops": rec}]
-    for k in range(1, L + 1):
-        segs = uniform_segments(L, k)
+def tradeoff(ch: Chain, L: int, peak=None) -> list[dict]:
+    """The trade-off table: no checkpointing, every interval k = 1..L (⌈L/k⌉ segments), then
+    activation budgets 0.9, 0.8, ... of the activations without checkpointing (the DP's least
+    recompute within each): activation peak and ``peak`` (bytes; ``peak(segments)``, e.g.
+    :func:`peak_model`) and recompute FLOPs."""
+    def row(segs, **key):
         act, rec = ch.cost(segs)
-        rows.append({"k": k, "segments": len(segs), "activations": act, "recompute_flops": rec})
+        return {**key, "segments": len(segs), "activations": act,
+                "peak": peak(segs) if peak else None, "recompute_flops": rec}
+
+    rows = [row([], k=None)]
+    for k in range(1, L + 1):
+        rows.append(row(uniform_segments(L, k), k=k))
+    plain = ch.cost([])[0]
+    least = ch.optimal()[1]
+    for tenth in range(9, 0, -1):
+        cap = plain * tenth // 10
+        if cap < least:
+            break
+        rows.append(row(ch.optimal(cap)[0], budget=tenth / 10))
     return rows
 
 

@@ -67,7 +67,10 @@ def test_apply_equals_original(model):
     sizes = {k: v for k, v in small.items() if k in spec.all_symbols}
     L = sizes["L"]
     ref = run_step(spec, sizes)
-    for name, segs in _plans(L, rng).items():
+    plans = _plans(L, rng)
+    if model != "mlp":
+        plans = {k: plans[k] for k in ("sqrt-L", "mixed")}
+    for name, segs in plans.items():
         for input_grad in ((False, True) if model == "mlp" else (False,)):
             got = run_step(applied(spec, lambda n: ck.Plan(spec.layers, n, segs, name)), sizes,
                            input_grad=input_grad)
@@ -123,3 +126,168 @@ def test_dp_is_exact_against_brute_force():
         segs, pk2, rec2 = ck.optimal_segments(a, x, f, budget, head, fr)
         assert pk2 <= budget and ck.plan_cost(segs, a, x, f, head, fr) == (pk2, rec2)
         assert (rec2, pk2) == _brute(a, x, f, head, fr, budget)
+
+
+def measured(spec, plan, sizes, precision="fp32"):
+    """Profiler peak of the applied plan's steady-state step, and FlopCounterMode's FLOPs of
+    forward + loss + backward (the recomputed forward included)."""
+    sp = applied(spec, lambda n: plan)
+    m = step_peak(sp, sizes, precision)
+    model, args, kwargs, ctx = build(sp, sizes, precision)
+    with FlopCounterMode(display=False) as fc:
+        with ctx():
+            out = model(*args, **kwargs)
+            loss = sp.loss(out, (args, kwargs))
+        del out
+        loss.backward()
+    return m, fc.get_total_flops()
+
+
+@pytest.mark.heavy
+def test_cs336_peak_and_flops_against_pytorch(traced):
+    """cs336-lm at L in {4, 9, 16, 25, 36}: the optimal plan applied, its measured peak (profiler,
+    steady-state step) within 5 % of the prediction, FlopCounterMode's FLOPs equal train_flops."""
+    an = traced("cs336-lm", "fp32")
+    rng = random.Random(11)
+    for L in (4, 9, 16, 25, 36):
+        sizes = {"B": rng.randint(2, 3), "S": rng.randint(8, 16), "H": 2, "D": rng.choice((4, 8)),
+                 "V": rng.randint(40, 90), "F": rng.randint(12, 32), "L": L}
+        r = ck.analyse(an, sizes)
+        m, flops = measured(an.spec, r["plan_object"], sizes)
+        err = abs(m["peak"] - r["peak"]) / m["peak"]
+        print(f"L={L} plan {r['segments']} ({r['peak_source']}): predicted {r['peak']} measured {m['peak']} "
+              f"({err:.4%}); FLOPs {r['train_flops']} vs FlopCounterMode {flops}")
+        assert err <= 0.05, (L, r["peak"], m["peak"])
+        assert flops == r["train_flops"], (L, flops, r["train_flops"])
+
+
+def _slope(xs, ys):
+    return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
+
+
+def test_mlp_sqrt_law_measured(traced):
+    """On the deep uniform chain mlp, measured activation memory (profiler peak above the bytes
+    live before the step) under segments of ceil(sqrt L) blocks grows as sqrt L: log-log slope in
+    0.4-0.6; without checkpointing about 1. The traced prediction matches the measurement."""
+    an = traced("mlp", "fp32")
+    rng = random.Random(5)
+    base = {"B": 2, "S": rng.randint(96, 160), "D": rng.choice((6, 8, 10))}
+    Ls = (16, 36, 64, 100, 144)
+    act = {"sqrt": [], "none": []}
+    for L in Ls:
+        sizes = dict(base, L=L)
+        for kind in act:
+            plan = ck.make_plan(an, "sqrt-L" if kind == "sqrt" else "none", L)
+            m = step_peak(applied(an.spec, lambda n, p=plan: p), sizes, "fp32")
+            if L in (16, 64):
+                pred = ck.exact(an, plan, sizes)
+                assert abs(m["peak"] - pred["peak"]) <= 0.01 * m["peak"], (L, kind, pred["peak"], m["peak"])
+            act[kind].append(m["peak"] - m["baseline"])
+    s_sqrt, s_none = _slope(Ls, act["sqrt"]), _slope(Ls, act["none"])
+    print(f"log-log slope of measured activation memory vs L: sqrt-L plan {s_sqrt:.3f}, none {s_none:.3f}")
+    assert 0.4 <= s_sqrt <= 0.6
+    assert 0.9 <= s_none <= 1.1
+
+
+def test_budget_sweep_is_monotone(traced):
+    """As the activation budget falls, predicted activations and peak and the measured peak never
+    rise, and the recompute never falls (mlp, random sizes)."""
+    an = traced("mlp", "fp32")
+    rng = random.Random(3)
+    sizes = {"B": 2, "S": rng.randint(40, 80), "D": rng.choice((8, 12)), "L": rng.randint(10, 14)}
+    prev = None
+    for budget in (1.0, 0.8, 0.6, 0.45, 0.35):
+        try:
+            r = ck.analyse(an, sizes, budget=budget)
+        except SymcostError:
+            break
+        m = step_peak(applied(an.spec, lambda n, p=r["plan_object"]: p), sizes, "fp32")
+        row = (r["activations"], r["peak"], m["peak"], r["recompute_flops"])
+        print(budget, r["segments"], row)
+        if prev is not None:
+            assert row[0] <= prev[0] and row[1] <= prev[1] and row[2] <= prev[2], (prev, row)
+            assert row[3] >= prev[3], (prev, row)
+        prev = row
+    assert prev is not None and prev[3] > 0
+
+
+@pytest.mark.parametrize("model", ["cs336-lm", "mlp"])
+def test_optimum_never_worse_than_uniform_or_sequential(traced, model):
+    """The DP's least peak is at most uniform sqrt-L's and checkpoint_sequential's default split's
+    (sqrt L segments), and at their memory its recompute is at most theirs; L up to 32."""
+    an = traced(model, "fp32")
+    rng = random.Random(hash(model) % 97)
+    for L in (8, 17, 32):
+        sizes = {"B": rng.randint(2, 8), "S": rng.randint(16, 512), "H": rng.choice((4, 8, 16)),
+                 "D": rng.choice((16, 32, 64)), "V": rng.randint(1000, 50000), "F": rng.randint(256, 4096), "L": L}
+        sizes = {k: v for k, v in sizes.items() if k in an.symbols}
+        ch = ck.chain(an, L, an.bind(**sizes))
+        best_pk = ch.optimal()[1]
+        for other in (ck.uniform_segments(L, math.ceil(math.sqrt(L))), ck.sequential_default(L, math.ceil(math.sqrt(L)))):
+            pk, rec = ch.cost(other)
+            assert best_pk <= pk
+            segs, pk2, rec2 = ch.optimal(pk)
+            assert pk2 <= pk and rec2 <= rec, (L, other, (pk, rec), segs, (pk2, rec2))
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+@pytest.mark.parametrize("args, says", [
+    (("checkpoint", "mlp", "--budget", "1.5"), "--budget"),
+    (("checkpoint", "mlp", "--budget", "0.5", "--memory", "1GiB"), "not both"),
+    (("checkpoint", "mlp", "--plan", "half"), "--plan"),
+    (("checkpoint", "mlp", "--memory", "12XB"), "unit"),
+    (("max-batch", "mlp", "--checkpoint", "half"), "--checkpoint"),
+])
+def test_cli_bad_input_is_one_line(args, says):
+    res = subprocess.run([sys.executable, "-m", "symcost.cli", *args], capture_output=True, text=True)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("symcost: error:") and says in lines[0], res.stderr
+
+
+def test_cli_json_contract(traced):
+    """``symcost checkpoint --json``: the contract's keys, integers in base units, the plan's
+    train FLOPs = the plain step's + recompute, the trade-off rows."""
+    traced("mlp", "fp32")
+    res = _cli("checkpoint", "mlp", "--set", "L=9", "B=2", "S=32", "D=8", "--precision", "fp32", "--json")
+    assert res.exit_code == 0, res.output
+    js = json.loads(res.output)["checkpoint"]
+    for k in ("plan", "interval", "segments", "activations", "peak", "recompute_flops", "train_flops", "tradeoff"):
+        assert k in js
+    assert isinstance(js["peak"], int) and isinstance(js["train_flops"], int)
+    assert js["train_flops"] == js["train_flops_none"] + js["recompute_flops"]
+    assert js["activations"] <= js["activations_none"] and js["peak"] <= js["peak_none"]
+    assert [row["k"] for row in js["tradeoff"] if "k" in row][:3] == [None, 1, 2]
+    for row in js["tradeoff"]:
+        assert {"activations", "peak", "recompute_flops"} <= set(row)
+    text = _cli("checkpoint", "mlp", "--set", "L=9", "B=2", "S=32", "D=8", "--precision", "fp32")
+    assert text.exit_code == 0 and "k* =" in text.output and "Trade-off" in text.output
+
+
+def test_max_batch_checkpoint_exact_at_the_boundary(traced):
+    """``max-batch --checkpoint optimal`` on a small mlp: the plan's measured peak at B_max fits
+    the cap and at B_max + 1 does not (random caps between predicted M(b) and M(b + 1))."""
+    an = traced("mlp", "fp32")
+    rng = random.Random(21)
+    sizes = {"S": rng.randint(16, 40), "D": rng.choice((8, 12)), "L": rng.randint(6, 10)}
+    plan, mm, at = ck.plan_memory(an, "optimal", sizes)
+    b = rng.randint(2, 5)
+    lo, hi = mm.peak(**at, B=b), mm.peak(**at, B=b + 1)
+    cap = rng.randint(lo, hi - 1)
+    res = _cli("max-batch", "mlp", "--set", *[f"{k}={v}" for k, v in sizes.items()], "--precision", "fp32",
+               "--memory", str(cap), "--checkpoint", "optimal", "--json")
+    assert res.exit_code == 0, res.output
+    js = json.loads(res.output)
+    assert js["max_batch"] == b and js["checkpoint"]["segments"] == [list(s) for s in plan.segments]
+    sp = applied(an.spec, lambda n: plan)
+    at_b = step_peak(sp, {**sizes, "B": b}, "fp32")["peak"]
+    at_next = step_peak(sp, {**sizes, "B": b + 1}, "fp32")["peak"]
+    print(f"cap {cap}: measured M({b}) = {at_b}, M({b + 1}) = {at_next}; predicted {lo}, {hi}")
+    assert at_b <= cap < at_next

@@ -102,15 +102,26 @@ def _print(an, r: dict, sizes: dict, cap, budget) -> None:
     tt = Table(title="Trade-off: checkpoint every k blocks (⌈L/k⌉ segments)", title_justify="left")
     for col in ("k", "segments", "activations", "recompute FLOPs", "extra vs. step"):
         tt.add_column(col, justify="right")
-    rows = r["tradeoff"]
+    rows = [row for row in r["tradeoff"] if "k" in row]
     if len(rows) > 40:
         keep = {1, 2, 3, r["k_best"], r["k_best"] - 1, r["k_best"] + 1, r["L"]}
         step = max(1, r["L"] // 12)
         rows = [rows[0]] + [row for row in rows[1:] if row["k"] in keep or row["k"] % step == 0]
+    rows = [row for row in rows if "k" in row]
     for row in rows:
         tt.add_row("none" if row["k"] is None else str(row["k"]), str(row["segments"]),
                    human(row["activations"], "B"), human(row["recompute_flops"], "FLOP"),
                    f"{row['recompute_flops'] / r['train_flops_none']:.1%}")
     c.print(tt)
+    bt = Table(title="Trade-off: activation budget (the DP's least recompute within it; peak by the segment model)",
+               title_justify="left")
+    for col in ("budget", "segments", "activations", "peak", "recompute FLOPs", "extra vs. step"):
+        bt.add_column(col, justify="right")
+    for row in r["tradeoff"]:
+        if "budget" in row:
+            bt.add_row(f"{row['budget']:.1f}", str(row["segments"]), human(row["activations"], "B"),
+                       human(row["peak"], "B"), human(row["recompute_flops"], "FLOP"),
+                       f"{row['recompute_flops'] / r['train_flops_none']:.1%}")
+    c.print(bt)
     c.print(f"  solved in {r['solve_seconds']:.3f} s after tracing"
             + (f"; the plan's step traced in {r['trace_seconds']:.1f} s" if "trace_seconds" in r else ""))
