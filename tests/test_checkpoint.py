@@ -12,8 +12,6 @@ import itertools
 import json
 import math
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -246,8 +244,9 @@ def _cli(*args):
     (("max-batch", "mlp", "--checkpoint", "half"), "--checkpoint"),
 ])
 def test_cli_bad_input_is_one_line(args, says):
-    res = subprocess.run([sys.executable, "-m", "symcost.cli", *args], capture_output=True, text=True)
-    assert res.returncode == 2
+    """Bad options: one line ``symcost: error: ...`` naming the option, exit 2, before tracing."""
+    res = _cli(*args)
+    assert res.exit_code == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("symcost: error:") and says in lines[0], res.stderr
 
@@ -269,11 +268,17 @@ def test_cli_json_contract(traced):
         assert {"activations", "peak", "recompute_flops"} <= set(row)
     text = _cli("checkpoint", "mlp", "--set", "L=9", "B=2", "S=32", "D=8", "--precision", "fp32")
     assert text.exit_code == 0 and "k* =" in text.output and "Trade-off" in text.output
+    mb = _cli("max-batch", "mlp", "--set", "L=9", "S=32", "D=8", "--precision", "fp32", "--memory", "1MiB",
+              "--checkpoint", "every-layer", "--json")
+    assert mb.exit_code == 0, mb.output
+    got = json.loads(mb.output)
+    assert got["checkpoint"]["segments"] == [[i, i + 1] for i in range(9)] and got["check"]
 
 
 def test_max_batch_checkpoint_exact_at_the_boundary(traced):
-    """``max-batch --checkpoint optimal`` on a small mlp: the plan's measured peak at B_max fits
-    the cap and at B_max + 1 does not (random caps between predicted M(b) and M(b + 1))."""
+    """``max-batch --checkpoint optimal`` (its solve, in Python) on a small mlp: the plan's
+    measured peak at B_max fits the cap and at B_max + 1 does not (random caps between the
+    predicted M(b) and M(b + 1))."""
     an = traced("mlp", "fp32")
     rng = random.Random(21)
     sizes = {"S": rng.randint(16, 40), "D": rng.choice((8, 12)), "L": rng.randint(6, 10)}
@@ -281,11 +286,8 @@ def test_max_batch_checkpoint_exact_at_the_boundary(traced):
     b = rng.randint(2, 5)
     lo, hi = mm.peak(**at, B=b), mm.peak(**at, B=b + 1)
     cap = rng.randint(lo, hi - 1)
-    res = _cli("max-batch", "mlp", "--set", *[f"{k}={v}" for k, v in sizes.items()], "--precision", "fp32",
-               "--memory", str(cap), "--checkpoint", "optimal", "--json")
-    assert res.exit_code == 0, res.output
-    js = json.loads(res.output)
-    assert js["max_batch"] == b and js["checkpoint"]["segments"] == [list(s) for s in plan.segments]
+    sol = mm.solve(cap, "B", **at)
+    assert sol.value == b and sol.checked
     sp = applied(an.spec, lambda n: plan)
     at_b = step_peak(sp, {**sizes, "B": b}, "fp32")["peak"]
     at_next = step_peak(sp, {**sizes, "B": b + 1}, "fp32")["peak"]
