@@ -154,7 +154,7 @@ def law(bc: BlockCosts) -> dict:
     of the blocks, for any k < L), and the same one level down (``op_*``): the chain of the
     L·m forward ops of the blocks (m ops per block, the residual stream x between them, a/m
     bytes saved per op on average) checkpointed every j ops: M(j) = (L·m/j)·x + j·a/m,
-    j* = m·sqrt(L·x/a)·... as sympy finds it.
+    j* = m·sqrt(L·x/a), M(j*) = 2·sqrt(L·a·x) again, now reachable where k* < 1 (docs/checkpoint.md).
     """
     L, k, j = SYMS["L"], sympy.Symbol("k", positive=True), sympy.Symbol("j", positive=True)
     a, x, f = bc.a, bc.x, bc.f
@@ -482,11 +482,11 @@ def make_plan(an, kind: str, L: int, env: Mapping | None = None, budget: int | N
     """A :class:`Plan` of ``kind`` for ``L`` blocks at sizes ``env`` (symbol -> int).
 
     ``none``; ``every-layer`` (each block its own segment, Hugging Face's
-    ``gradient_checkpointing_enable``); ``sqrt`` (uniform segments of the integer k nearest the
-    law's k*, here ``round(sqrt(L))`` blocks when a ≈ x... in general :func:`integer_k`; see
-    ``sqrt-L`` for exactly ⌈√L⌉); ``sqrt-L`` (segments of ⌈√L⌉ blocks); ``optimal`` (DP, least
-    peak); ``budget`` (DP, least recompute with activation peak ≤ ``budget`` bytes);
-    ``sequential`` (``checkpoint_sequential``'s default split with ⌈√L⌉ segments).
+    ``gradient_checkpointing_enable``); ``sqrt`` (uniform segments of the best integer k next to
+    the law's k* = sqrt(L·x/a), :func:`integer_k`); ``sqrt-L`` (segments of ⌈√L⌉ blocks, the
+    textbook choice); ``optimal`` (DP, least peak); ``budget`` (DP, least recompute with
+    activation peak ≤ ``budget`` bytes); ``sequential`` (``checkpoint_sequential``'s default split
+    with ⌈√L⌉ segments).
 
     Raises:
         SymcostError: unknown kind.
@@ -607,10 +607,11 @@ def pinned_spec(spec, plan: Plan, config: Mapping[str, int]):
 
 def peak_model(an, ch: "Chain", L: int, sizes: Mapping[str, int], optimizer: str = "adamw",
                impl: str = "foreach"):
-    """``segments -> peak bytes`` by the segment model: static memory + the larger of the plan's
-    activation peak (:func:`plan_cost`) plus the residual the model leaves at the traced
-    every-layer plan (gradients of segment outputs, parameter gradients allocated so far), and
-    the plain trace's optimizer-step live set (the same under any plan)."""
+    """``segments -> peak bytes`` by the segment model: static memory + the largest of the end of
+    the forward (kept bytes + ``head``), the segments' recomputation peak (:func:`plan_cost`)
+    plus the residual the model leaves at the traced every-layer plan (gradients of segment
+    outputs, parameter gradients allocated so far), and the plain trace's optimizer-step live set
+    (the same under any plan)."""
     from .memory import memory_model
 
     sizes = {k: v for k, v in sizes.items() if k != "L"}
@@ -622,7 +623,14 @@ def peak_model(an, ch: "Chain", L: int, sizes: Mapping[str, int], optimizer: str
     resid = ev["peak"] - static - ch.cost(every.segments)[0]
     opt = max((int(e.xreplace(env)) for e, m, w in base.peak_terms()
                if m <= L and w.startswith("optimizer step")), default=0)
-    return lambda segments: static + max(ch.cost(segments)[0] + resid, opt)
+
+    def peak(segments):
+        inside = {i for s, e in segments for i in range(s, e)}
+        end = sum(a for i, a in enumerate(ch.a) if i not in inside) + sum(ch.x[s] for s, _ in segments) + ch.head
+        seg = plan_cost(segments, ch.a, ch.x, ch.f, -end, ch.fr)[0] if segments else 0
+        return static + max(end, seg + resid, opt)
+
+    return peak
 
 
 _TRACES: dict = {}
