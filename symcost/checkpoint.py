@@ -705,14 +705,15 @@ def exact(an, plan: Plan, sizes: Mapping[str, int], optimizer: str = "adamw",
 
 def analyse(an, sizes: Mapping[str, int] | None = None, memory: int | None = None,
             budget: float | None = None, kind: str = "optimal", optimizer: str = "adamw",
-            impl: str = "foreach", exact_peak: bool = True) -> dict:
+            impl: str = "foreach", exact_peak: bool = True, table: bool = True) -> dict:
     """The checkpoint plan of a traced model at ``sizes`` (plain data; JSON keys of
     ``symcost checkpoint``).
 
     ``memory`` (bytes): the least recompute whose exactly traced step peak fits. ``budget``
     (0..1): the least recompute whose activation peak is at most that fraction of the
     activations without checkpointing (as torch.compile's ``activation_memory_budget``).
-    Otherwise ``kind`` (default ``optimal``: the least activation peak).
+    Otherwise ``kind`` (default ``optimal``: the least activation peak). ``table=False`` leaves
+    the trade-off table out (it solves the DP once per budget row).
 
     Returns ``{"plan", "interval", "segments", "activations", "peak", "recompute_flops",
     "train_flops", "tradeoff", "law", ...}``: bytes, FLOPs; ``law`` formula strings. ``peak``
@@ -768,7 +769,7 @@ def analyse(an, sizes: Mapping[str, int] | None = None, memory: int | None = Non
         out["peak_source"] = ex["peak_source"]
         out["train_flops_traced"] = ex["train_flops"]
         out["trace_seconds"] = ex["seconds"]
-    out["tradeoff"] = tradeoff(ch, L, peak_model(an, ch, L, sizes, optimizer, impl))
+    out["tradeoff"] = tradeoff(ch, L, peak_model(an, ch, L, sizes, optimizer, impl)) if table else []
     out["law"] = {k: str(v) for k, v in lw.items() if k not in ("k", "j")}
     out["k_star"] = float(lw["k_star"].xreplace(env))
     out["k_best"] = integer_k(lw, env, L, ch.head)

@@ -150,7 +150,7 @@ def test_cs336_peak_and_flops_against_pytorch(traced):
     for L in (4, 9, 16, 25, 36):
         sizes = {"B": rng.randint(2, 3), "S": rng.randint(8, 16), "H": 2, "D": rng.choice((4, 8)),
                  "V": rng.randint(40, 90), "F": rng.randint(12, 32), "L": L}
-        r = ck.analyse(an, sizes)
+        r = ck.analyse(an, sizes, table=False)
         m, flops = measured(an.spec, r["plan_object"], sizes)
         err = abs(m["peak"] - r["peak"]) / m["peak"]
         print(f"L={L} plan {r['segments']} ({r['peak_source']}): predicted {r['peak']} measured {m['peak']} "
@@ -196,7 +196,7 @@ def test_budget_sweep_is_monotone(traced):
     prev = None
     for budget in (1.0, 0.8, 0.6, 0.45, 0.35):
         try:
-            r = ck.analyse(an, sizes, budget=budget)
+            r = ck.analyse(an, sizes, budget=budget, table=False)
         except SymcostError:
             break
         m = step_peak(applied(an.spec, lambda n, p=r["plan_object"]: p), sizes, "fp32")
