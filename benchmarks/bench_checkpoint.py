@@ -6,7 +6,7 @@ split (⌈√L⌉ segments, the last one plain), uniform segments of ⌈√L⌉ 
 (least peak), symcost's least recompute within the budget of each of the others, and
 ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` set to the optimum's
 activation fraction. Each row: symcost's predicted peak, the measured peak (``torch.profiler``
-memory timeline of a steady-state step, tests/test_memory_oracle.py), the predicted train FLOPs
+memory timeline of a steady-state step, tests/memory_oracle.py), the predicted train FLOPs
 and FlopCounterMode's count of the step (it sees the recomputed forward; for torch.compile it
 counts what the compiled graphs report). Then the solve time of a 32-layer plan after tracing,
 as a ratio against one measured training step of the same model.
@@ -29,7 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 import symcost  # noqa: E402
 from symcost import checkpoint as ck  # noqa: E402
-from test_memory_oracle import build, step_peak  # noqa: E402
+from memory_oracle import build, step_peak  # noqa: E402
 
 SIZES = {
     "cs336-lm": {"B": 4, "S": 64, "H": 4, "D": 16, "V": 256, "F": 128},

@@ -1,7 +1,7 @@
 """Activation checkpointing (symcost.checkpoint, ``symcost checkpoint``), against PyTorch.
 
 Oracles: the applied plan run on real CPU tensors — outputs and gradients against the plain
-model's; ``torch.profiler``'s memory timeline of a steady-state step (tests/test_memory_oracle.py)
+model's; ``torch.profiler``'s memory timeline of a steady-state step (tests/memory_oracle.py)
 against the predicted peak; ``FlopCounterMode`` (which sees the recomputed forward) against
 ``checkpoint.train_flops``; a brute-force search over every segmentation against the DP.
 """
@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from symcost import checkpoint as ck
 from symcost.errors import SymcostError
 from symcost.models import resolve
-from test_memory_oracle import build, step_peak
+from memory_oracle import build, step_peak
 
 
 def applied(spec, plan_fn):

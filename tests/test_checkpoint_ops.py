@@ -18,7 +18,7 @@ def test_korthikanti_selective_point(traced):
     the s²-sized tensors and reruns only the attention core (QK^T, scale, softmax, dropout):
     2·b·s²·h model FLOPs; with attention over V, which Korthikanti et al. count as recomputed,
     4·b·s²·h per layer, 2.7 % of the forward (their Sec. 5)."""
-    an = traced("megatron-gpt", "fp16")
+    an = traced("megatron-gpt", "fp16-true")
     b, s, a, d, L = 1, 2048, 96, 128, 96
     h = a * d
     env = an.bind(B=b, S=s, H=a, D=d, L=L, V=51200)

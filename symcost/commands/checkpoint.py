@@ -10,7 +10,7 @@ import json
 import click
 
 from ..errors import SymcostError
-from ._options import common, trace_model
+from ._options import common, early_checks, trace_model
 
 PLANS = ("optimal", "none", "every-layer", "sqrt", "sqrt-L", "sequential")
 
@@ -47,18 +47,19 @@ def checkpoint(model, sets, config, attention, precision, debug, memory, budget,
     (dynamic programming over the blocks), its peak (the checkpointed step traced), recompute
     FLOPs and the trade-off table. See docs/checkpoint.md.
     """
+    early_checks(model, sets, config, attention, precision)  # before sympy and torch
+    if memory is not None and budget is not None:
+        raise SymcostError("give --memory or --budget, not both")
     from .. import checkpoint as ckpt
     from ..memory import optimizer as check_optimizer, parse_memory
 
-    if memory is not None and budget is not None:
-        raise SymcostError("give --memory or --budget, not both")
     cap = parse_memory(memory) if memory is not None else None
     if budget is not None and not (0 < budget <= 1):
         raise SymcostError(f"--budget takes a fraction in (0, 1] of the activations without checkpointing, got {budget}")
     if kind not in PLANS:
         raise SymcostError(f"unknown --plan {kind!r}; accepted: {', '.join(PLANS)}")
     check_optimizer(optimizer)
-    an, sizes = trace_model(model, sets, config, attention, precision)
+    an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
     r = ckpt.analyse(an, sizes, memory=cap, budget=budget, kind=kind, optimizer=optimizer)
     if as_json:
         click.echo(json.dumps(_json(an, r, sizes), indent=1))

@@ -111,6 +111,8 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     if ckpt != "none":  # the checkpointed step, traced: its memory model replaces the plain one
         ck_plan, mm, sizes = plan_memory(an, ckpt, sizes, optimizer, impl)
         if not as_json:
+            from ..report import console
+
             console().print(f"  checkpoint {ckpt}: {len(ck_plan.segments)} segment(s) of L = {ck_plan.L} blocks: "
                             f"{', '.join(ck_plan.modules()) or 'none'}")
     if global_batch is not None:
