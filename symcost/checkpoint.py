@@ -773,7 +773,8 @@ def analyse(an, sizes: Mapping[str, int] | None = None, memory: int | None = Non
     out["law"] = {k: str(v) for k, v in lw.items() if k not in ("k", "j")}
     out["k_star"] = float(lw["k_star"].xreplace(env))
     out["k_best"] = integer_k(lw, env, L, ch.head)
-    out["block"] = {"a": ch.a[-1], "x": ch.x[-1], "f": ch.f[-1], "ops": ch.costs.n_ops, "head": ch.head}
+    out["block"] = {"a": ch.a[-1], "x": ch.x[-1] - rng_state_bytes(), "rng_state": rng_state_bytes(),
+                    "f": ch.f[-1], "f_last": ch.fr[-1], "ops": ch.costs.n_ops, "head": ch.head}
     out["plan_object"] = plan
     return out
 

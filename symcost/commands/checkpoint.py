@@ -77,7 +77,9 @@ def _print(an, r: dict, sizes: dict, cap, budget) -> None:
     c.print(f"[bold]symcost checkpoint[/bold] {an.model}: L = {r['L']} blocks, precision {an.precision}")
     c.print("  per block, from the trace: a (saved inside) = "
             f"{law['a']} = {human(r['block']['a'], 'B')};  x (block input kept) = {law['x']} = "
-            f"{human(r['block']['x'], 'B')};  f (forward) = {law['f']} = {human(r['block']['f'], 'FLOP')}")
+            f"{human(r['block']['x'], 'B')} (+ {r['block']['rng_state']} B of RNG state per checkpoint);  "
+            f"f (forward) = {law['f']} = {human(r['block']['f'], 'FLOP')} (rerun up to the last saved tensor: "
+            f"{human(r['block']['f_last'], 'FLOP')})")
     c.print(f"  law (Chen et al. 2016): M(k) = {law['memory']}   (checkpoint every k blocks)")
     c.print(f"    k* = {law['k_star']} = {r['k_star']:.3f}   segments L/k* = {law['segments_star']};  "
             f"M(k*) = {law['memory_star']};  recompute = {law['recompute']} (one forward of the blocks)")
