@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import sympy
@@ -791,7 +791,6 @@ def _fit_memory(an, ch: Chain, L, sizes, cap, optimizer, impl) -> Plan:
         raise SymcostError(f"no checkpoint plan fits under {cap} bytes: the least peak of a step is "
                            f"{pk} bytes ({pk / 2**30:.3f} GiB)")
     budget = cap - (pk - best_act)
-    none_pk = None
     for _ in range(4):
         if budget >= ch.cost([])[0]:
             from .memory import memory_model

@@ -26,8 +26,7 @@ overload and their occurrence in the block's forward, as the trace recorded them
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np

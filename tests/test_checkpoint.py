@@ -293,3 +293,20 @@ def test_max_batch_checkpoint_exact_at_the_boundary(traced):
     at_next = step_peak(sp, {**sizes, "B": b + 1}, "fp32")["peak"]
     print(f"cap {cap}: measured M({b}) = {at_b}, M({b + 1}) = {at_next}; predicted {lo}, {hi}")
     assert at_b <= cap < at_next
+
+
+def test_memory_cap_plan(traced):
+    """``--memory CAP``: a plan whose predicted peak fits, recomputing no more than the least-peak
+    plan, measured within 5 % of its prediction; a cap under the least peak is one clear error."""
+    an = traced("mlp", "fp32")
+    rng = random.Random(17)
+    sizes = {"B": 2, "S": rng.randint(40, 80), "D": 8, "L": rng.randint(9, 12)}
+    best = ck.analyse(an, sizes, table=False)
+    none = best["peak_none"]
+    cap = rng.randint(best["peak"], (best["peak"] + none) // 2)
+    r = ck.analyse(an, sizes, memory=cap, table=False)
+    assert r["peak"] <= cap and r["recompute_flops"] <= best["recompute_flops"]
+    m = step_peak(applied(an.spec, lambda n: r["plan_object"]), sizes, "fp32")
+    assert abs(m["peak"] - r["peak"]) <= 0.05 * m["peak"]
+    with pytest.raises(SymcostError, match="least peak"):
+        ck.analyse(an, sizes, memory=best["peak"] // 2, table=False)
