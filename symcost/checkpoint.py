@@ -770,6 +770,14 @@ def analyse(an, sizes: Mapping[str, int] | None = None, memory: int | None = Non
         out["train_flops_traced"] = ex["train_flops"]
         out["trace_seconds"] = ex["seconds"]
     out["tradeoff"] = tradeoff(ch, L, peak_model(an, ch, L, sizes, optimizer, impl)) if table else []
+    out["op_tradeoff"] = []
+    if table:  # one level down: which tensors inside a block to keep (symcost.checkpoint_ops)
+        from . import checkpoint_ops
+
+        try:
+            out["op_tradeoff"] = checkpoint_ops.tradeoff(an, env)
+        except SymcostError:
+            pass
     out["law"] = {k: str(v) for k, v in lw.items() if k not in ("k", "j")}
     out["k_star"] = float(lw["k_star"].xreplace(env))
     out["k_best"] = integer_k(lw, env, L, ch.head)

@@ -23,6 +23,7 @@ def _json(an, r: dict, sizes: dict) -> dict:
         "activations_none": r["activations_none"], "peak_none": r["peak_none"],
         "train_flops_none": r["train_flops_none"], "k_star": r["k_star"], "k_best": r["k_best"],
         "block": r["block"], "law": r["law"], "solve_seconds": round(r["solve_seconds"], 4),
+        "op_tradeoff": r["op_tradeoff"],
     })
     return {"model": an.model, "precision": an.precision, "sizes": {**sizes}, "checkpoint": ck}
 
@@ -126,5 +127,14 @@ def _print(an, r: dict, sizes: dict, cap, budget) -> None:
                        human(row["peak"], "B"), human(row["recompute_flops"], "FLOP"),
                        f"{row['recompute_flops'] / r['train_flops_none']:.1%}")
     c.print(bt)
+    if r["op_tradeoff"]:
+        ot = Table(title="One level down, per block: tensors kept vs. ops rerun (ILP, scipy milp)", title_justify="left")
+        for col in ("budget per block", "kept", "recompute (all FLOPs)", "model FLOPs", "ops rerun"):
+            ot.add_column(col, justify="right")
+        for row in r["op_tradeoff"]:
+            ops = ", ".join(sorted({o.split(".")[0] for o in row["recompute_ops"]}))
+            ot.add_row(human(row["budget"], "B"), human(row["saved_bytes"], "B"), human(row["recompute_flops"], "FLOP"),
+                       human(row["recompute_model_flops"], "FLOP"), ops)
+        c.print(ot)
     c.print(f"  solved in {r['solve_seconds']:.3f} s after tracing"
             + (f"; the plan's step traced in {r['trace_seconds']:.1f} s" if "trace_seconds" in r else ""))
