@@ -106,13 +106,17 @@ def model_source(model: str, config: Mapping[str, str]) -> dict | None:
     return {"kind": "builtin", "name": model, "graphs": h.hexdigest(), "config": config}
 
 
-def key(model: str, config: Mapping[str, str], attention: str, precision: str) -> dict | None:
-    """Everything but the regime that an analysis depends on (None: not cacheable)."""
+def key(model: str, config: Mapping[str, str], attention: str, precision: str,
+        options: Mapping[str, Any] | None = None) -> dict | None:
+    """Everything but the regime that an analysis depends on (None: not cacheable).
+
+    ``options``: other tracing choices that change the analysis (e.g. the MoE routing model)."""
     src = model_source(model, config)
     if src is None:
         return None
     return {
         "format": FORMAT, "source": src, "precision": precision, "attention": attention,
+        "options": dict(options or {}),
         "symcost": _version("symcost"), "symcost_sources": _source_digest(),
         "torch": _version("torch"), "transformers": _version("transformers"),
     }
@@ -265,10 +269,12 @@ def store(k: dict, sizes: Mapping[str, int], an) -> Path | None:
 
 
 def cached_trace(model: str, config: Mapping[str, str], attention: str, precision: str,
-                 sizes: Mapping[str, int], trace: Callable[[], Any], use_cache: bool = True):
+                 sizes: Mapping[str, int], trace: Callable[[], Any], use_cache: bool = True,
+                 options: Mapping[str, Any] | None = None):
     """The analysis of ``model`` for a request of ``sizes``: read from the cache when an entry
-    matches, else ``trace()`` (and written to the cache). ``use_cache=False`` bypasses it."""
-    k = key(model, config, attention, precision) if use_cache else None
+    matches, else ``trace()`` (and written to the cache). ``use_cache=False`` bypasses it;
+    ``options`` (e.g. ``{"routing": "capacity=1.25"}``) are part of the key."""
+    k = key(model, config, attention, precision, options) if use_cache else None
     if k is not None:
         an = load(k, sizes)
         if an is not None:

@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "mfu": "symcost.commands.mfu:mfu",
     "time": "symcost.commands.time:time_",
     "validate": "symcost.commands.validate:validate",
+    "checkpoint": "symcost.commands.checkpoint:checkpoint",
 }
 
 

@@ -94,7 +94,7 @@ def _no_cache(ctx, param, value):
 
 def _keep_routing(ctx, param, value):
     if value is not None:
-        ctx.meta["symcost_routing"] = value
+        ctx.meta["symcost.routing"] = value
     return value
 
 
@@ -178,21 +178,22 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
     from ..cache import cached_trace
 
     use_cache = not (ctx is not None and ctx.find_root().meta.get("symcost.no_cache"))
+    routing = ctx.meta.get("symcost.routing") if ctx is not None else None
     an = cached_trace(model, cfg, attention, precision, sizes,
-                      lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet), use_cache)
+                      lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing), use_cache,
+                      options={"routing": routing} if routing is not None else None)
     _check_set_vs_config(model, an.spec, sizes, cfg, attention)  # (again for a cached analysis)
     an = an.with_attention_flops(ctx.meta.get("symcost.attention_flops", "full") if ctx else "full")
     an.bind(**sizes)  # validate before rendering
     return an, sizes
 
 
-def _trace_fresh(model, cfg, attention, precision, sizes, quiet):
+def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None):
     """Resolve and trace ``model`` (the cache's miss path), with the progress line."""
     with progress(f"resolving {model}", quiet) as status:
         from ..models import resolve
 
         spec = resolve(model, cfg, attention)
-        routing = ctx.meta.get("symcost_routing") if ctx is not None else None
         if routing is not None:  # MoE layers traced under this routing model (symcost.moe)
             from ..moe import with_routing
 

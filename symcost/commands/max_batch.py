@@ -65,9 +65,12 @@ NOTHING_FITS = 3
 @click.option("--solve", "var", default="B", show_default=True, help="B (largest batch) or S (longest sequence at --set B)")
 @click.option("--global-batch", type=int, default=None, help="plan gradient accumulation for this global batch")
 @click.option("--devices", type=int, default=1, show_default=True, help="data-parallel devices (with --global-batch)")
+@click.option("--checkpoint", "ckpt", default="none", show_default=True,
+              help="activation checkpointing: none, every-layer, sqrt, optimal (the step is traced with "
+                   "the plan applied; see docs/checkpoint.md)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def max_batch(model, sets, config, attention, precision, debug, memory, optimizer, impl, device, var,
-              global_batch, devices, as_json):
+              global_batch, devices, ckpt, as_json):
     """Largest B with peak memory <= --memory, solved from the symbolic peak with sympy.
 
     MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
@@ -95,12 +98,24 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
             raise SymcostError("--global-batch plans the batch; it cannot be combined with --solve S")
     elif devices != 1:
         raise SymcostError("--devices applies with --global-batch")
+    from ..checkpoint import KINDS, plan_memory
+
+    if ckpt not in KINDS:
+        raise SymcostError(f"unknown --checkpoint {ckpt!r}; accepted: {', '.join(KINDS)}")
     sets_b = [s for s in sets if s.partition("=")[0].strip() == var]
     if sets_b:
         raise SymcostError(f"--set {sets_b[0]} conflicts with solving for {var}; leave {var} out")
     an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
     t0 = time.perf_counter()
     mm = mem.memory_model(an, precision, optimizer, impl, device)
+    ck_plan = None
+    if ckpt != "none":  # the checkpointed step, traced: its memory model replaces the plain one
+        ck_plan, mm, sizes = plan_memory(an, ckpt, sizes, optimizer, impl)
+        if not as_json:
+            from ..report import console
+
+            console().print(f"  checkpoint {ckpt}: {len(ck_plan.segments)} segment(s) of L = {ck_plan.L} blocks: "
+                            f"{', '.join(ck_plan.modules()) or 'none'}")
     if global_batch is not None:
         try:
             plan = mm.plan_accumulation(global_batch, devices, cap, **sizes)
@@ -113,7 +128,11 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     sol = mm.solve(cap, var, **sizes)
     seconds = time.perf_counter() - t0
     if as_json:
-        click.echo(json.dumps(_solution_json(an, sol, mm, seconds), indent=1))
+        js = _solution_json(an, sol, mm, seconds)
+        if ck_plan is not None:
+            js["checkpoint"] = {"kind": ckpt, "plan": ck_plan.modules(), "L": ck_plan.L,
+                                "segments": [list(x) for x in ck_plan.segments]}
+        click.echo(json.dumps(js, indent=1))
     else:
         _print_solution(an, mm, sol, seconds, sizes)
     if sol.value < 1:

@@ -1,0 +1,140 @@
+"""``symcost checkpoint``: the activation-checkpoint plan of a model, its law and its trade-off.
+
+Registered in :data:`symcost.cli.COMMANDS`. The pass is :func:`symcost.checkpoint.analyse`; this
+module parses and prints.
+"""
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..errors import SymcostError
+from ._options import common, early_checks, trace_model
+
+PLANS = ("optimal", "none", "every-layer", "sqrt", "sqrt-L", "sequential")
+
+
+def _json(an, r: dict, sizes: dict) -> dict:
+    ck = {k: r[k] for k in ("plan", "interval", "segments", "activations", "peak", "recompute_flops",
+                            "train_flops", "tradeoff")}
+    ck.update({
+        "kind": r["kind"], "L": r["L"], "n_segments": r["n_segments"],
+        "activations_none": r["activations_none"], "peak_none": r["peak_none"],
+        "train_flops_none": r["train_flops_none"], "k_star": r["k_star"], "k_best": r["k_best"],
+        "block": r["block"], "law": r["law"], "solve_seconds": round(r["solve_seconds"], 4),
+        "op_tradeoff": r["op_tradeoff"],
+    })
+    return {"model": an.model, "precision": an.precision, "sizes": {**sizes}, "checkpoint": ck}
+
+
+@click.command(name="checkpoint")
+@click.argument("model", default="cs336-lm")
+@common
+@click.option("--memory", "memory", default=None,
+              help="memory cap per device (bytes, or 80GiB / 80GB): the least recompute that fits")
+@click.option("--budget", type=float, default=None,
+              help="activation budget, a fraction in (0, 1] of the activations without checkpointing: "
+                   "the least recompute within it")
+@click.option("--plan", "kind", default="optimal", show_default=True,
+              help="without --memory/--budget: optimal (least peak), none, every-layer, sqrt (uniform, "
+                   "the integer k nearest k*), sqrt-L (segments of ceil(sqrt L)), sequential "
+                   "(checkpoint_sequential's default split)")
+@click.option("--optimizer", default="adamw", show_default=True,
+              help="adamw, adam, sgd, sgd-nomomentum, adafactor")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def checkpoint(model, sets, config, attention, precision, debug, memory, budget, kind, optimizer, as_json):
+    """Activation checkpointing of MODEL: the √L law from the traced graph, the exact optimum
+    (dynamic programming over the blocks), its peak (the checkpointed step traced), recompute
+    FLOPs and the trade-off table. See docs/checkpoint.md.
+    """
+    early_checks(model, sets, config, attention, precision)  # before sympy and torch
+    if memory is not None and budget is not None:
+        raise SymcostError("give --memory or --budget, not both")
+    from .. import checkpoint as ckpt
+    from ..memory import optimizer as check_optimizer, parse_memory
+
+    cap = parse_memory(memory) if memory is not None else None
+    if budget is not None and not (0 < budget <= 1):
+        raise SymcostError(f"--budget takes a fraction in (0, 1] of the activations without checkpointing, got {budget}")
+    if kind not in PLANS:
+        raise SymcostError(f"unknown --plan {kind!r}; accepted: {', '.join(PLANS)}")
+    check_optimizer(optimizer)
+    an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
+    r = ckpt.analyse(an, sizes, memory=cap, budget=budget, kind=kind, optimizer=optimizer)
+    if as_json:
+        click.echo(json.dumps(_json(an, r, sizes), indent=1))
+        return
+    _print(an, r, sizes, cap, budget)
+
+
+def _print(an, r: dict, sizes: dict, cap, budget) -> None:
+    from rich.table import Table
+
+    from ..report import console, human
+
+    c = console()
+    law = r["law"]
+    c.print(f"[bold]symcost checkpoint[/bold] {an.model}: L = {r['L']} blocks, precision {an.precision}")
+    c.print("  per block, from the trace: a (saved inside) = "
+            f"{law['a']} = {human(r['block']['a'], 'B')};  x (block input kept) = {law['x']} = "
+            f"{human(r['block']['x'], 'B')} (+ {r['block']['rng_state']} B of RNG state per checkpoint);  "
+            f"f (forward) = {law['f']} = {human(r['block']['f'], 'FLOP')} (rerun up to the last saved tensor: "
+            f"{human(r['block']['f_last'], 'FLOP')})")
+    c.print(f"  law (Chen et al. 2016): M(k) = {law['memory']}   (checkpoint every k blocks)")
+    c.print(f"    k* = {law['k_star']} = {r['k_star']:.3f}   segments L/k* = {law['segments_star']};  "
+            f"M(k*) = {law['memory_star']};  recompute = {law['recompute']} (one forward of the blocks)")
+    if r["k_star"] < 1:
+        c.print("    k* < 1: a block's input is much smaller than what it saves inside, so checkpointing "
+                "every block is the least-memory uniform plan (as Megatron and Hugging Face do)")
+    c.print(f"  one level down, over the chain of the {law['ops_per_block']} forward ops per block: "
+            f"M(j) = {law['op_memory']};  j* = {law['op_j_star']} ops;  M(j*) = {law['op_memory_star']}")
+    how = (f"least recompute with peak ≤ {human(cap, 'B')}" if cap is not None else
+           f"least recompute with activations ≤ {budget} × those without checkpointing" if budget is not None
+           else f"plan {r['kind']}")
+    c.print(f"[bold]  plan ({how}):[/bold] {len(r['plan'])} checkpointed segment(s)"
+            + (f", every {r['interval']} block(s)" if r["interval"] else ""))
+    c.print("    " + (", ".join(r["plan"]) if r["plan"] else "(nothing checkpointed)"))
+    t = Table(title="Predicted (peak: the checkpointed step traced by symcost, steady state)", title_justify="left")
+    for col in ("", "no checkpointing", "this plan"):
+        t.add_column(col, justify="right")
+    t.add_row("activations (segment model)", human(r["activations_none"], "B"), human(r["activations"], "B"))
+    t.add_row("peak of the step", human(r["peak_none"], "B"), human(r["peak"], "B") if r["peak"] is not None else "-")
+    t.add_row("recompute FLOPs", "0", human(r["recompute_flops"], "FLOP"))
+    t.add_row("train FLOPs", human(r["train_flops_none"], "FLOP"), human(r["train_flops"], "FLOP"))
+    c.print(t)
+    tt = Table(title="Trade-off: checkpoint every k blocks (⌈L/k⌉ segments)", title_justify="left")
+    for col in ("k", "segments", "activations", "recompute FLOPs", "extra vs. step"):
+        tt.add_column(col, justify="right")
+    rows = [row for row in r["tradeoff"] if "k" in row]
+    if len(rows) > 40:
+        keep = {1, 2, 3, r["k_best"], r["k_best"] - 1, r["k_best"] + 1, r["L"]}
+        step = max(1, r["L"] // 12)
+        rows = [rows[0]] + [row for row in rows[1:] if row["k"] in keep or row["k"] % step == 0]
+    rows = [row for row in rows if "k" in row]
+    for row in rows:
+        tt.add_row("none" if row["k"] is None else str(row["k"]), str(row["segments"]),
+                   human(row["activations"], "B"), human(row["recompute_flops"], "FLOP"),
+                   f"{row['recompute_flops'] / r['train_flops_none']:.1%}")
+    c.print(tt)
+    bt = Table(title="Trade-off: activation budget (the DP's least recompute within it; peak by the segment model)",
+               title_justify="left")
+    for col in ("budget", "segments", "activations", "peak", "recompute FLOPs", "extra vs. step"):
+        bt.add_column(col, justify="right")
+    for row in r["tradeoff"]:
+        if "budget" in row:
+            bt.add_row(f"{row['budget']:.1f}", str(row["segments"]), human(row["activations"], "B"),
+                       human(row["peak"], "B"), human(row["recompute_flops"], "FLOP"),
+                       f"{row['recompute_flops'] / r['train_flops_none']:.1%}")
+    c.print(bt)
+    if r["op_tradeoff"]:
+        ot = Table(title="One level down, per block: tensors kept vs. ops rerun (ILP, scipy milp)", title_justify="left")
+        for col in ("budget per block", "kept", "recompute (all FLOPs)", "model FLOPs", "ops rerun"):
+            ot.add_column(col, justify="right")
+        for row in r["op_tradeoff"]:
+            ops = ", ".join(sorted({o.split(".")[0] for o in row["recompute_ops"]}))
+            ot.add_row(human(row["budget"], "B"), human(row["saved_bytes"], "B"), human(row["recompute_flops"], "FLOP"),
+                       human(row["recompute_model_flops"], "FLOP"), ops)
+        c.print(ot)
+    c.print(f"  solved in {r['solve_seconds']:.3f} s after tracing"
+            + (f"; the plan's step traced in {r['trace_seconds']:.1f} s" if "trace_seconds" in r else ""))

@@ -1,0 +1,312 @@
+"""Activation checkpointing (symcost.checkpoint, ``symcost checkpoint``), against PyTorch.
+
+Oracles: the applied plan run on real CPU tensors — outputs and gradients against the plain
+model's; ``torch.profiler``'s memory timeline of a steady-state step (tests/memory_oracle.py)
+against the predicted peak; ``FlopCounterMode`` (which sees the recomputed forward) against
+``checkpoint.train_flops``; a brute-force search over every segmentation against the DP.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from symcost import checkpoint as ck
+from symcost.errors import SymcostError
+from symcost.models import resolve
+from memory_oracle import build, step_peak
+
+
+def applied(spec, plan_fn):
+    """``spec`` whose every built model gets ``plan_fn(L).apply``."""
+    return dataclasses.replace(spec, build=lambda v: plan_fn(v["L"]).apply(spec.build(v)))
+
+
+def run_step(spec, sizes, seed=0, input_grad=False):
+    """Output, input gradient and parameter gradients of forward + loss + backward (fp32, CPU)."""
+    model, args, kwargs, _ = build(spec, sizes, "fp32", seed=seed)
+    if input_grad:
+        args = tuple(a.detach().requires_grad_() if a.is_floating_point() else a for a in args)
+    torch.manual_seed(1)
+    out = model(*args, **kwargs)
+    spec.loss(out, (args, kwargs)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    gin = [a.grad for a in args if isinstance(a, torch.Tensor) and a.grad is not None]
+    return out.detach(), gin, grads
+
+
+def _plans(L, rng):
+    cuts = sorted(rng.sample(range(1, L), min(2, L - 1)))
+    bounds = [0] + cuts + [L]
+    mixed = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1) if i != 1]  # one segment left plain
+    return {
+        "every-layer": ck.uniform_segments(L, 1),
+        "sqrt-L": ck.uniform_segments(L, math.ceil(math.sqrt(L))),
+        "mixed": mixed,
+        "sequential": ck.sequential_default(L, 2),
+    }
+
+
+@pytest.mark.parametrize("model", ["mlp", "cs336-lm", "gpt2"])
+def test_apply_equals_original(model):
+    """Outputs and gradients of every applied plan equal the original's, with and without an
+    input that requires grad (mlp's float input; the LMs take token ids, which never do)."""
+    rng = random.Random(hash(model) % 1000)
+    spec = resolve(model)
+    small = {"B": 2, "S": rng.randint(5, 12), "H": 2, "D": rng.choice((4, 8)), "V": rng.randint(30, 60),
+             "F": rng.randint(8, 24), "L": rng.randint(4, 7)}
+    sizes = {k: v for k, v in small.items() if k in spec.all_symbols}
+    L = sizes["L"]
+    ref = run_step(spec, sizes)
+    plans = _plans(L, rng)
+    if model != "mlp":
+        plans = {k: plans[k] for k in ("sqrt-L", "mixed")}
+    for name, segs in plans.items():
+        for input_grad in ((False, True) if model == "mlp" else (False,)):
+            got = run_step(applied(spec, lambda n: ck.Plan(spec.layers, n, segs, name)), sizes,
+                           input_grad=input_grad)
+            want = run_step(spec, sizes, input_grad=input_grad) if input_grad else ref
+            torch.testing.assert_close(got[0], want[0], msg=f"{model} {name}: output")
+            assert got[2].keys() == want[2].keys()
+            for n in want[2]:
+                torch.testing.assert_close(got[2][n], want[2][n], msg=f"{model} {name}: grad of {n}")
+            assert len(got[1]) == len(want[1])
+            for g, w in zip(got[1], want[1]):
+                torch.testing.assert_close(g, w)
+
+
+def test_apply_rejects_wrong_depth():
+    spec = resolve("mlp")
+    with torch.device("meta"):
+        model = spec.build({"D": 4, "L": 3})
+    with pytest.raises(SymcostError, match="3"):
+        ck.Plan("layers", 5, [(0, 5)]).apply(model)
+
+
+def _brute(a, x, f, head, fr, budget=None):
+    """Every segmentation of the chain, every segment checkpointed or not: the best (peak, rec)."""
+    n = len(a)
+    best = None
+    for mask in range(1 << (n - 1)):
+        bounds = [0] + [i + 1 for i in range(n - 1) if mask >> i & 1] + [n]
+        segs = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+        for flags in itertools.product((0, 1), repeat=len(segs)):
+            chosen = [s for s, fl in zip(segs, flags) if fl]
+            pk, rec = ck.plan_cost(chosen, a, x, f, head, fr)
+            if budget is not None and pk > budget:
+                continue
+            key = (pk, rec) if budget is None else (rec, pk)
+            best = key if best is None or key < best else best
+    return best
+
+
+def test_dp_is_exact_against_brute_force():
+    """The DP's optimum equals an exhaustive search over every segmentation (random chains)."""
+    rng = random.Random(7)
+    for _ in range(25):
+        n = rng.randint(1, 7)
+        a = [rng.randint(1, 50) for _ in range(n)]
+        x = [rng.randint(1, 20) for _ in range(n)]
+        f = [rng.randint(1, 30) for _ in range(n)]
+        fr = [rng.randint(1, v) for v in f]
+        head = rng.randint(0, 40)
+        segs, pk, rec = ck.optimal_segments(a, x, f, head=head, fr=fr)
+        assert ck.plan_cost(segs, a, x, f, head, fr) == (pk, rec)
+        assert (pk, rec) == _brute(a, x, f, head, fr)
+        budget = rng.randint(pk, ck.plan_cost([], a, x, f, head, fr)[0])
+        segs, pk2, rec2 = ck.optimal_segments(a, x, f, budget, head, fr)
+        assert pk2 <= budget and ck.plan_cost(segs, a, x, f, head, fr) == (pk2, rec2)
+        assert (rec2, pk2) == _brute(a, x, f, head, fr, budget)
+
+
+def measured(spec, plan, sizes, precision="fp32"):
+    """Profiler peak of the applied plan's steady-state step, and FlopCounterMode's FLOPs of
+    forward + loss + backward (the recomputed forward included)."""
+    sp = applied(spec, lambda n: plan)
+    m = step_peak(sp, sizes, precision)
+    model, args, kwargs, ctx = build(sp, sizes, precision)
+    with FlopCounterMode(display=False) as fc:
+        with ctx():
+            out = model(*args, **kwargs)
+            loss = sp.loss(out, (args, kwargs))
+        del out
+        loss.backward()
+    return m, fc.get_total_flops()
+
+
+@pytest.mark.heavy
+def test_cs336_peak_and_flops_against_pytorch(traced):
+    """cs336-lm at L in {4, 9, 16, 25, 36}: the optimal plan applied, its measured peak (profiler,
+    steady-state step) within 5 % of the prediction, FlopCounterMode's FLOPs equal train_flops."""
+    an = traced("cs336-lm", "fp32")
+    rng = random.Random(11)
+    for L in (4, 9, 16, 25, 36):
+        sizes = {"B": rng.randint(2, 3), "S": rng.randint(8, 16), "H": 2, "D": rng.choice((4, 8)),
+                 "V": rng.randint(40, 90), "F": rng.randint(12, 32), "L": L}
+        r = ck.analyse(an, sizes, table=False)
+        m, flops = measured(an.spec, r["plan_object"], sizes)
+        err = abs(m["peak"] - r["peak"]) / m["peak"]
+        print(f"L={L} plan {r['segments']} ({r['peak_source']}): predicted {r['peak']} measured {m['peak']} "
+              f"({err:.4%}); FLOPs {r['train_flops']} vs FlopCounterMode {flops}")
+        assert err <= 0.05, (L, r["peak"], m["peak"])
+        assert flops == r["train_flops"], (L, flops, r["train_flops"])
+
+
+def _slope(xs, ys):
+    return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
+
+
+def test_mlp_sqrt_law_measured(traced):
+    """On the deep uniform chain mlp, measured activation memory (profiler peak above the bytes
+    live before the step) under segments of ceil(sqrt L) blocks grows as sqrt L: log-log slope in
+    0.4-0.6; without checkpointing about 1. The traced prediction matches the measurement."""
+    an = traced("mlp", "fp32")
+    rng = random.Random(5)
+    base = {"B": 2, "S": rng.randint(96, 160), "D": rng.choice((6, 8, 10))}
+    Ls = (16, 36, 64, 100, 144)
+    act = {"sqrt": [], "none": []}
+    for L in Ls:
+        sizes = dict(base, L=L)
+        for kind in act:
+            plan = ck.make_plan(an, "sqrt-L" if kind == "sqrt" else "none", L)
+            m = step_peak(applied(an.spec, lambda n, p=plan: p), sizes, "fp32")
+            if L in (16, 64):
+                pred = ck.exact(an, plan, sizes)
+                assert abs(m["peak"] - pred["peak"]) <= 0.01 * m["peak"], (L, kind, pred["peak"], m["peak"])
+            act[kind].append(m["peak"] - m["baseline"])
+    s_sqrt, s_none = _slope(Ls, act["sqrt"]), _slope(Ls, act["none"])
+    print(f"log-log slope of measured activation memory vs L: sqrt-L plan {s_sqrt:.3f}, none {s_none:.3f}")
+    assert 0.4 <= s_sqrt <= 0.6
+    assert 0.9 <= s_none <= 1.1
+
+
+def test_budget_sweep_is_monotone(traced):
+    """As the activation budget falls, predicted activations and peak and the measured peak never
+    rise, and the recompute never falls (mlp, random sizes)."""
+    an = traced("mlp", "fp32")
+    rng = random.Random(3)
+    sizes = {"B": 2, "S": rng.randint(40, 80), "D": rng.choice((8, 12)), "L": rng.randint(10, 14)}
+    prev = None
+    for budget in (1.0, 0.8, 0.6, 0.45, 0.35):
+        try:
+            r = ck.analyse(an, sizes, budget=budget, table=False)
+        except SymcostError:
+            break
+        m = step_peak(applied(an.spec, lambda n, p=r["plan_object"]: p), sizes, "fp32")
+        row = (r["activations"], r["peak"], m["peak"], r["recompute_flops"])
+        print(budget, r["segments"], row)
+        if prev is not None:
+            assert row[0] <= prev[0] and row[1] <= prev[1] and row[2] <= prev[2], (prev, row)
+            assert row[3] >= prev[3], (prev, row)
+        prev = row
+    assert prev is not None and prev[3] > 0
+
+
+@pytest.mark.parametrize("model", ["cs336-lm", "mlp"])
+def test_optimum_never_worse_than_uniform_or_sequential(traced, model):
+    """The DP's least peak is at most uniform sqrt-L's and checkpoint_sequential's default split's
+    (sqrt L segments), and at their memory its recompute is at most theirs; L up to 32."""
+    an = traced(model, "fp32")
+    rng = random.Random(hash(model) % 97)
+    for L in (8, 17, 32):
+        sizes = {"B": rng.randint(2, 8), "S": rng.randint(16, 512), "H": rng.choice((4, 8, 16)),
+                 "D": rng.choice((16, 32, 64)), "V": rng.randint(1000, 50000), "F": rng.randint(256, 4096), "L": L}
+        sizes = {k: v for k, v in sizes.items() if k in an.symbols}
+        ch = ck.chain(an, L, an.bind(**sizes))
+        best_pk = ch.optimal()[1]
+        for other in (ck.uniform_segments(L, math.ceil(math.sqrt(L))), ck.sequential_default(L, math.ceil(math.sqrt(L)))):
+            pk, rec = ch.cost(other)
+            assert best_pk <= pk
+            segs, pk2, rec2 = ch.optimal(pk)
+            assert pk2 <= pk and rec2 <= rec, (L, other, (pk, rec), segs, (pk2, rec2))
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+@pytest.mark.parametrize("args, says", [
+    (("checkpoint", "mlp", "--budget", "1.5"), "--budget"),
+    (("checkpoint", "mlp", "--budget", "0.5", "--memory", "1GiB"), "not both"),
+    (("checkpoint", "mlp", "--plan", "half"), "--plan"),
+    (("checkpoint", "mlp", "--memory", "12XB"), "unit"),
+    (("max-batch", "mlp", "--checkpoint", "half"), "--checkpoint"),
+])
+def test_cli_bad_input_is_one_line(args, says):
+    """Bad options: one line ``symcost: error: ...`` naming the option, exit 2, before tracing."""
+    res = _cli(*args)
+    assert res.exit_code == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("symcost: error:") and says in lines[0], res.stderr
+
+
+def test_cli_json_contract(traced):
+    """``symcost checkpoint --json``: the contract's keys, integers in base units, the plan's
+    train FLOPs = the plain step's + recompute, the trade-off rows."""
+    traced("mlp", "fp32")
+    res = _cli("checkpoint", "mlp", "--set", "L=9", "B=2", "S=32", "D=8", "--precision", "fp32", "--json")
+    assert res.exit_code == 0, res.output
+    js = json.loads(res.output)["checkpoint"]
+    for k in ("plan", "interval", "segments", "activations", "peak", "recompute_flops", "train_flops", "tradeoff"):
+        assert k in js
+    assert isinstance(js["peak"], int) and isinstance(js["train_flops"], int)
+    assert js["train_flops"] == js["train_flops_none"] + js["recompute_flops"]
+    assert js["activations"] <= js["activations_none"] and js["peak"] <= js["peak_none"]
+    assert [row["k"] for row in js["tradeoff"] if "k" in row][:3] == [None, 1, 2]
+    for row in js["tradeoff"]:
+        assert {"activations", "peak", "recompute_flops"} <= set(row)
+    text = _cli("checkpoint", "mlp", "--set", "L=9", "B=2", "S=32", "D=8", "--precision", "fp32")
+    assert text.exit_code == 0 and "k* =" in text.output and "Trade-off" in text.output
+    mb = _cli("max-batch", "mlp", "--set", "L=9", "S=32", "D=8", "--precision", "fp32", "--memory", "1MiB",
+              "--checkpoint", "every-layer", "--json")
+    assert mb.exit_code == 0, mb.output
+    got = json.loads(mb.output)
+    assert got["checkpoint"]["segments"] == [[i, i + 1] for i in range(9)] and got["check"]
+
+
+def test_max_batch_checkpoint_exact_at_the_boundary(traced):
+    """``max-batch --checkpoint optimal`` (its solve, in Python) on a small mlp: the plan's
+    measured peak at B_max fits the cap and at B_max + 1 does not (random caps between the
+    predicted M(b) and M(b + 1))."""
+    an = traced("mlp", "fp32")
+    rng = random.Random(21)
+    sizes = {"S": rng.randint(16, 40), "D": rng.choice((8, 12)), "L": rng.randint(6, 10)}
+    plan, mm, at = ck.plan_memory(an, "optimal", sizes)
+    b = rng.randint(2, 5)
+    lo, hi = mm.peak(**at, B=b), mm.peak(**at, B=b + 1)
+    cap = rng.randint(lo, hi - 1)
+    sol = mm.solve(cap, "B", **at)
+    assert sol.value == b and sol.checked
+    sp = applied(an.spec, lambda n: plan)
+    at_b = step_peak(sp, {**sizes, "B": b}, "fp32")["peak"]
+    at_next = step_peak(sp, {**sizes, "B": b + 1}, "fp32")["peak"]
+    print(f"cap {cap}: measured M({b}) = {at_b}, M({b + 1}) = {at_next}; predicted {lo}, {hi}")
+    assert at_b <= cap < at_next
+
+
+def test_memory_cap_plan(traced):
+    """``--memory CAP``: a plan whose predicted peak fits, recomputing no more than the least-peak
+    plan, measured within 5 % of its prediction; a cap under the least peak is one clear error."""
+    an = traced("mlp", "fp32")
+    rng = random.Random(17)
+    sizes = {"B": 2, "S": rng.randint(40, 80), "D": 8, "L": rng.randint(9, 12)}
+    best = ck.analyse(an, sizes, table=False)
+    none = best["peak_none"]
+    cap = rng.randint(best["peak"], (best["peak"] + none) // 2)
+    r = ck.analyse(an, sizes, memory=cap, table=False)
+    assert r["peak"] <= cap and r["recompute_flops"] <= best["recompute_flops"]
+    m = step_peak(applied(an.spec, lambda n: r["plan_object"]), sizes, "fp32")
+    assert abs(m["peak"] - r["peak"]) <= 0.05 * m["peak"]
+    with pytest.raises(SymcostError, match="least peak"):
+        ck.analyse(an, sizes, memory=best["peak"] // 2, table=False)
