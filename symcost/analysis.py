@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import sympy
 
 from ._lazy import LazyModule
+from . import opsets
 from .errors import SymcostError
 from .fit import (SYMS, Fitter, FitError, ProbePlan, Unvariable, find_base, parse_formula, plan_probes,
                   probe_pool, random_point, random_pools)
@@ -247,7 +248,7 @@ class Analysis:
                 d = g.nodes[n]
                 if d.get("phase") != "forward":
                     continue
-                if d.get("family") == "view" or d.get("op", "").rsplit(".", 1)[0] in rules.PASS_THROUGH:
+                if d.get("family") == "view" or d.get("op", "").rsplit(".", 1)[0] in opsets.PASS_THROUGH:
                     frontier.extend(g.successors(n))
                     continue
                 op = d.get("op", "")
@@ -515,7 +516,7 @@ class Analysis:
             d = g.nodes[n]
             if d.get("kind") == "param":
                 out.add(str(n).partition(":")[2])
-            elif d.get("family") == "view" or d.get("op", "").rsplit(".", 1)[0] in rules.PASS_THROUGH:
+            elif d.get("family") == "view" or d.get("op", "").rsplit(".", 1)[0] in opsets.PASS_THROUGH:
                 stack.extend(g.predecessors(n))
         return out
 

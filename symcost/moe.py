@@ -366,8 +366,8 @@ def is_routed(an, name: str) -> bool:
     """
     import sympy
 
-    from . import rules
     from .fit import SYMS
+    from .opsets import PASS_THROUGH
 
     shape = an.param_shapes[name][0]
     if not shape or sympy.sympify(shape[0]) != SYMS["E"]:
@@ -385,7 +385,7 @@ def is_routed(an, name: str) -> bool:
         d = g.nodes[n]
         if d.get("phase") != "forward":
             continue
-        if d.get("family") == "view" or d.get("op", "").rsplit(".", 1)[0] in rules.PASS_THROUGH:
+        if d.get("family") == "view" or d.get("op", "").rsplit(".", 1)[0] in PASS_THROUGH:
             frontier.extend(g.successors(n))
             continue
         outs = d.get("out_shapes") or []
@@ -408,10 +408,10 @@ def params_active(an):
     if not routed:
         return an.params
     scale = SYMS["R"] / SYMS["E"]
-    from . import rules
+    from .opsets import numel
 
     total = sympy.Add(*[
-        rep * rules.numel(shape) * (scale if n in routed else 1)
+        rep * numel(shape) * (scale if n in routed else 1)
         for n, (shape, _, rep) in an.param_shapes.items()
     ])
     return sympy.expand(total)
@@ -421,15 +421,15 @@ def params_active_matmul(an):
     """P_active of 6·N·P_active: matmul-operand parameters, routed expert stacks counted R/E."""
     import sympy
 
-    from . import rules
     from .fit import SYMS
+    from .opsets import numel
 
     routed = {n for n in an.matmul_params if is_routed(an, n)}
     if not routed:
         return an.params_matmul
     scale = SYMS["R"] / SYMS["E"]
     return sympy.expand(sympy.Add(*[
-        rep * rules.numel(shape) * (scale if n in routed else 1)
+        rep * numel(shape) * (scale if n in routed else 1)
         for n, (shape, _, rep) in an.param_shapes.items() if n in an.matmul_params
     ]))
 

@@ -51,6 +51,8 @@ import sympy
 import torch
 from torch.utils.flop_counter import bmm_flop, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from .opsets import PASS_THROUGH, numel  # noqa: F401  (re-exported: torch-free facts)
+
 aten = torch.ops.aten
 
 Shape = tuple  # of sympy.Expr or int
@@ -81,11 +83,6 @@ class Cost:
     flops: Any = 0  # model FLOPs (matmul class), FlopCounterMode's convention
     flops_all: Any = 0  # model FLOPs + elementwise/reduction/normalisation FLOPs
     bytes: Any = 0  # bytes read + written
-
-
-def numel(shape: Shape):
-    """Number of elements of a shape (1 for a 0-d tensor)."""
-    return math.prod(shape) if shape else 1
 
 
 def nbytes(shape: Shape, dtype: torch.dtype):
@@ -379,7 +376,6 @@ MOVE_OPS = {
     "aten.cumsum", "aten.new_tensor", "aten._local_scalar_dense", "aten.unsqueeze_copy",
 }
 #: Ops through which a parameter stays "the same weight" (dtype casts by autocast, copies).
-PASS_THROUGH = {"aten._to_copy", "aten.clone", "aten.contiguous", "aten.expand", "aten._unsafe_view"}
 OVERWRITE_OPS = {"aten.copy_", "aten.fill_", "aten.zero_"}
 PER_ELEMENT_OUT = {  # FLOPs per element of the first output
     "aten._softmax": 5, "aten._log_softmax": 5, "aten._safe_softmax": 5, "aten._softmax_backward_data": 4,
