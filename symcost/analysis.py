@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import sympy
 
 from ._lazy import LazyModule
 from . import opsets
+from .modules import _fold_name, _layer_of, _rename_block  # noqa: F401  (re-exported)
 from .errors import SymcostError
 from .fit import (SYMS, Fitter, FitError, ProbePlan, Unvariable, find_base, parse_formula, plan_probes,
                   probe_pool, random_point, random_pools)
 from .memory import MemorySchedule, fit_schedule
 from .spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, Constraint, ModelSpec, request_facts
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .record import OpCall, Recording
 
 # torch, the recorder and the cost rules load on first use: a cached Analysis
 # (symcost.cache) is evaluated without them.
@@ -78,29 +81,6 @@ class SymOp:
     cost: rules.Cost
     layer: int | None = None
     attention: bool = False  # a matmul-class op with no parameter operand
-
-
-def _layer_of(module: str, container: str | None) -> int | None:
-    """Index of the block a module path lies in (``container`` "" is the root), else None."""
-    if container is None:
-        return None
-    prefix = container + "." if container else ""
-    if module.startswith(prefix):
-        head = module[len(prefix):].split(".", 1)[0]
-        if head.isdigit():
-            return int(head)
-    return None
-
-
-def _rename_block(path: str, container: str | None, label: str) -> str:
-    if container is None:
-        return path
-    prefix = re.escape(container + ".") if container else ""
-    return re.sub(rf"^{prefix}\d+", (container + "." if container else "") + label, path)
-
-
-def _fold_name(module: str, container: str | None) -> str:
-    return _rename_block(module, container, "{i}")
 
 
 def _op_view(op: OpCall, in_shapes, out_shapes, ints) -> rules.OpView:
@@ -338,14 +318,12 @@ class Analysis:
         }
 
     def _module_classes(self) -> dict | None:
-        """Module path -> class name (:func:`symcost.report.module_classes`), kept for the report
+        """Module path -> class name (:func:`symcost.modules.module_classes`), kept for the report
         of a cached analysis; None when unavailable."""
         if "_module_classes" in self.__dict__:
             return self.__dict__["_module_classes"]
-        try:
-            from .report import module_classes
-        except ImportError:
-            return None
+        from .modules import module_classes
+
         return module_classes(self) or None
 
     def _fusion_data(self) -> dict | None:

@@ -627,7 +627,7 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
     the sizes, or whose blocks interleave, gets ``error`` set instead of raising: FLOPs and
     activations do not need it.
     """
-    from .analysis import _layer_of, _rename_block
+    from .modules import _layer_of, _rename_block
 
     alg = Algebra(gens)
     has_L = "L" in gens

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .analysis import PHASES, Analysis
+from .modules import module_classes
 from .fit import SYMS
 
 #: the label of every text output whose attention matmuls were counted causally
@@ -139,33 +140,6 @@ def module_rows(an: Analysis) -> list[dict[str, Any]]:
 
 def _value(expr, env):
     return int(sympy.sympify(expr).xreplace(env))
-
-
-def module_classes(an: Analysis) -> dict[str, str]:
-    """Class name of every module of the traced model, by its name in the report (blocks of the
-    layer container as ``{i}``): the model is built again on the meta device at the first probe's
-    sizes (no memory, milliseconds for small probes). Empty if that fails. An analysis read back
-    from the trace cache carries them (it cannot build the model)."""
-    stored = an.__dict__.get("_module_classes")
-    if stored is not None:
-        return dict(stored)
-    try:
-        import torch
-
-        values = dict(an.recordings[0].values) if an.recordings else dict(an.spec.defaults)
-        with torch.device("meta"):
-            model = an.spec.build(values)
-        c = an.layer_container
-        pre = f"{c}." if c else ""
-        out = {}
-        for name, mod in model.named_modules():
-            out.setdefault(name, type(mod).__name__)
-            if c is not None and name.startswith(pre) and name[len(pre):].split(".")[0].isdigit():
-                rest = name[len(pre):].split(".", 1)
-                out.setdefault(pre + "{i}" + (f".{rest[1]}" if len(rest) > 1 else ""), type(mod).__name__)
-        return out
-    except Exception:  # noqa: BLE001 - names are a nicety; the numbers do not depend on them
-        return {}
 
 
 def _row_label(key: str, classes: Mapping[str, str], parent: str = "") -> str:

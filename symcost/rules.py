@@ -43,7 +43,6 @@ Bytes: inputs read plus outputs written, each once (the unfused lower bound); th
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
