@@ -309,7 +309,8 @@ class Analysis:
             "plan": None if plan is None else {"symbols": list(plan.symbols), "points": plan.points,
                                                "axis": plan.axis},
             "schedule": None if self.schedule is None else self.schedule.to_dict(),
-            "totals": totals, "ops": ops, "graph": graph, "params_not_in_P": self.params_not_in_P(),
+            "totals": totals, "totals_terms": _totals_terms(self.symbols, totals),
+            "ops": ops, "graph": graph, "params_not_in_P": self.params_not_in_P(),
             "embedding_params": dict(self.embedding_params) if hasattr(type(self), "embedding_params") else None,
             "fusion": self._fusion_data(),
             "module_classes": self._module_classes(),
@@ -402,7 +403,7 @@ class Analysis:
             an.__dict__["_fusion_data"] = d["fusion"]
         if isinstance(d.get("params_not_in_P"), dict):
             an.__dict__["_params_not_in_P"] = d["params_not_in_P"]
-        tot = {k: P(v) for k, v in d["totals"].items()}
+        tot = _load_totals(d.get("symbols", {}), d["totals"], d.get("totals_terms") or {}, P)
         an.__dict__["_formulas"] = tot
         for k in _CACHED_TOTALS:  # functools.cached_property slots
             if k in tot and hasattr(cls, k):
@@ -764,6 +765,32 @@ class Analysis:
                 json.dump(nx.node_link_data(g, edges="edges"), f, indent=1)
         else:
             raise SymcostError(f"unknown graph format for {path!r}; accepted: .graphml, .json")
+
+
+def _totals_terms(symbols, totals: Mapping[str, str]) -> dict:
+    """The totals that are polynomials in the symbols as ``memory.Terms`` (read back about ten
+    times faster than parsing their text); others (a ratio such as H/K) are left to the text."""
+    from .memory import Algebra
+
+    alg = Algebra(tuple(symbols))
+    out = {}
+    for k, text in totals.items():
+        try:
+            out[k] = alg.terms(alg.from_expr(parse_formula(text)))
+        except Exception:  # noqa: BLE001 - not a polynomial in the symbols: kept as text only
+            continue
+    return out
+
+
+def _load_totals(symbols, totals: Mapping[str, str], terms: Mapping[str, list], parse) -> dict:
+    """Totals from :meth:`Analysis.to_dict`: from their terms where kept, else parsed."""
+    from .memory import Algebra
+
+    alg = Algebra(tuple(symbols))
+    out = {}
+    for k, text in totals.items():
+        out[k] = alg.expr(alg.from_terms(terms[k])) if k in terms else parse(text)
+    return out
 
 
 def _data(v):

@@ -1303,17 +1303,19 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
         "activations": mm.activations, "activations_per_layer": mm.activations_per_layer,
         "peak": peak_f,
     }
-    terms = mm.peak_terms()
+    live_sets = _pareto(mm._cands(None, False))  # what peak_terms() lists, as ring elements
     env = mm._env(vsizes)
     L = env.get(SYMS["L"])
-    win = max((t for t in terms if L is None or t[1] <= L), key=lambda t: int(t[0].xreplace(env)))
+    vals = mm._values(env)
+    win = max((c for c in live_sets if L is None or c.min_L <= L), key=lambda c: _peval(c.poly, vals))
     for k, f in formulas.items():
         if f is None:
             continue
         shown = f if isinstance(f, _Text) else _Text(str, f)
-        if k == "peak" and len(terms) > 1:
-            shown = _Text(lambda w: (f"static + the largest of {len(terms)} live sets (Max; memory.peak in "
-                                     f"--json); {'here' if sizes else 'at the defaults'} static + {w}"), win[0])
+        if k == "peak" and len(live_sets) > 1:
+            shown = _Text(lambda w: (f"static + the largest of {len(live_sets)} live sets (Max; memory.peak in "
+                                     f"--json); {'here' if sizes else 'at the defaults'} static + {mm._expr(w)}"),
+                          win.poly)
         rows.append((label[k], shown, gib(comp[k])))
     bpp = mm.bytes_per_param()
     parts = [f"{pol.param} (params)", f"{pol.grad} (grads)"]
@@ -1355,7 +1357,7 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
         js[k] = comp[k] if evaluate else str(f)
     js["static"] = int(mm.static.xreplace(env)) if evaluate else str(mm.static)
     if not evaluate:
-        js["peak_terms"] = [{"formula": str(e), "min_L": m, "where": w} for e, m, w in terms]
+        js["peak_terms"] = [{"formula": str(e), "min_L": m, "where": w} for e, m, w in mm.peak_terms()]
     js["bytes_per_param"] = bpp
     js["max_batch"] = sol.value if sol else None
     js["memory_at_max"] = sol.memory_at if sol else None
