@@ -145,3 +145,31 @@ def test_warm_cli_without_torch(cache_dir):
     nocache, torch_used = run(*cmd[:2], "--no-cache", *cmd[2:])
     assert torch_used == "True" and json.loads(nocache) == json.loads(cold)
     assert sorted(cache_dir.rglob("*.json")) == entries
+
+
+def test_commands_that_retrace_the_model_never_read_a_cached_analysis(cache_dir):
+    """A cached analysis is data (no model to build): ``checkpoint`` and ``max-batch
+    --checkpoint`` apply a plan and trace the result, so they trace afresh even when the cache
+    holds the model's regime; their answers equal those of a run with an empty cache."""
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    def run(*args):
+        r = CliRunner().invoke(main, list(args))
+        assert r.exit_code == 0, (args, r.output, getattr(r, "stderr", ""))
+        return json.loads(r.output)
+
+    ck = ("checkpoint", "mlp", "--set", "L=4", "B=2", "S=8", "D=8", "--precision", "fp32", "--json")
+    mb = ("max-batch", "mlp", "--set", "L=4", "S=8", "D=8", "--precision", "fp32", "--memory", "1MiB",
+          "--checkpoint", "sqrt", "--json")
+    before = run(*ck), run(*mb)
+    run("eval", "mlp", "--set", "L=4", "B=2", "S=8", "D=8", "--precision", "fp32", "--json")  # fills the cache
+    assert list(cache_dir.rglob("*.json")), "the eval call should have written a cache entry"
+    after = run(*ck), run(*mb)
+    for d in before + after:  # timings differ run to run
+        for part in (d, d.get("checkpoint", {})):
+            for k in [k for k in part if k.endswith("seconds")]:
+                part.pop(k)
+    assert after[0]["checkpoint"] == before[0]["checkpoint"]
+    assert after[1]["max_batch"] == before[1]["max_batch"]

@@ -157,11 +157,14 @@ def early_checks(model, sets, config, attention, precision) -> None:
             f"--attention applies to hf: models only; {model} runs its own attention code (leave --attention out)")
 
 
-def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=False):
+def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=False, needs_model=False):
     """Trace ``model`` for a command: check every option first (one line, before seconds of
     tracing), then read the analysis from the trace cache (:mod:`symcost.cache`; no torch
     imported) when an entry matches the request, else trace, showing progress on stderr when it
-    is a terminal (not when ``quiet``, e.g. with ``--json``). ``--no-cache`` traces afresh.
+    is a terminal (not when ``quiet``, e.g. with ``--json``). ``--no-cache`` traces afresh, and so
+    does ``needs_model=True``: a pass that builds or re-traces the model (activation
+    checkpointing applies its plan and traces the result) needs the live trace, which a cached
+    analysis (data only) does not carry.
 
     Returns:
         ``(Analysis, sizes)`` with ``sizes`` the ``--set`` values.
@@ -177,7 +180,7 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
     cfg = parse_config(config)
     from ..cache import cached_trace
 
-    use_cache = not (ctx is not None and ctx.find_root().meta.get("symcost.no_cache"))
+    use_cache = not needs_model and not (ctx is not None and ctx.find_root().meta.get("symcost.no_cache"))
     routing = ctx.meta.get("symcost.routing") if ctx is not None else None
     an = cached_trace(model, cfg, attention, precision, sizes,
                       lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing), use_cache,

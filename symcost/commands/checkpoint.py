@@ -60,7 +60,7 @@ def checkpoint(model, sets, config, attention, precision, debug, memory, budget,
     if kind not in PLANS:
         raise SymcostError(f"unknown --plan {kind!r}; accepted: {', '.join(PLANS)}")
     check_optimizer(optimizer)
-    an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
+    an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json, needs_model=True)
     r = ckpt.analyse(an, sizes, memory=cap, budget=budget, kind=kind, optimizer=optimizer)
     if as_json:
         click.echo(json.dumps(_json(an, r, sizes), indent=1))

@@ -105,7 +105,8 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     sets_b = [s for s in sets if s.partition("=")[0].strip() == var]
     if sets_b:
         raise SymcostError(f"--set {sets_b[0]} conflicts with solving for {var}; leave {var} out")
-    an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
+    an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json,
+                            needs_model=ckpt != "none")
     t0 = time.perf_counter()
     mm = mem.memory_model(an, precision, optimizer, impl, device)
     ck_plan = None
