@@ -49,3 +49,16 @@ def random_sizes(an, rng: random.Random, n: int = 5, big: bool = False) -> list[
             continue  # outside the residue class the trace holds in (partial rotary D): another regime
         out.append(v)
     return out
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """Run ``symcost ARGS`` in-process: (exit code, stdout, stderr), the output captured."""
+    from symcost.cli import main as cli_main
+
+    code = 0
+    try:
+        cli_main(list(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -21,7 +21,7 @@ import pytest
 import sympy
 
 import symcost
-from symcost.cli import main as cli_main
+from conftest import run_cli as run
 
 CANONICAL = {"B", "S", "H", "D", "L", "V", "F", "K"}
 # Parsing needs the canonical names as locals: bare sympy.sympify("B*S") reads S as sympy.S (the
@@ -34,14 +34,6 @@ def parse(text: str, **kw) -> sympy.Expr:
     return sympy.sympify(text, locals=LOCALS, **kw)
 
 
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    code = 0
-    try:
-        cli_main(list(args))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def assert_one_line_error(code: int, out: str, err: str, *needles: str) -> str:

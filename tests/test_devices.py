@@ -7,7 +7,7 @@ import re
 import pytest
 
 from symcost import devices as dv
-from symcost.cli import main as cli_main
+from conftest import run_cli as cli
 from symcost.errors import SymcostError
 
 ISSUE_DEVICES = {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "mi300x", "tpu-v4",
@@ -86,15 +86,6 @@ def test_devices_file_json_and_toml(tmp_path):
         dv.get_device("x", str(tmp_path / "missing.toml"))
 
 
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    """Run ``symcost ARGS`` in-process: (exit code, stdout, stderr)."""
-    code = 0
-    try:
-        cli_main(list(args))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_devices_lists_catalogue_and_errors_are_one_line(tmp_path, capsys):

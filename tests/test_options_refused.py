@@ -14,17 +14,9 @@ import textwrap
 import pytest
 import sympy
 
-from symcost.cli import main as cli_main
+from conftest import run_cli as run
 
 
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    code = 0
-    try:
-        cli_main(list(args))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def refused(capsys, *args: str, needles=()) -> str:

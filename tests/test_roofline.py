@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from symcost import devices as dv
 from symcost import roofline as rl
 from symcost import rules
+from conftest import run_cli as cli
 from symcost.cli import main as cli_main
 from symcost.errors import SymcostError
 from symcost.fit import SYMS
@@ -237,14 +238,6 @@ def test_gpt3_175b_training_time_narayanan(capsys):
 
 
 # -- CLI: JSON contract, plots, sanity errors ----------------------------------------------------
-def cli(capsys, *args):
-    code = 0
-    try:
-        cli_main(list(args))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_roofline_json_contract_and_plot(capsys, tmp_path):
