@@ -310,7 +310,9 @@ def test_max_batch_solves_exactly_at_the_boundary(traced):
     for var, cap, sizes in (("B", 80 * 2**30, {"S": 1024}), ("S", 24 * 2**30, {"B": 8})):
         sol = mm.solve(cap, var, **sizes)
         assert sol.checked and sol.value >= 1
-        assert mm.peak(**{**sizes, var: sol.value}) <= cap < mm.peak(**{**sizes, var: sol.value + 1})
+        assert mm.peak(**{**sizes, var: sol.value}) <= cap
+        if sol.limited_by is None:  # else the model's own limit (gpt2's position table) binds first
+            assert cap < mm.peak(**{**sizes, var: sol.value + 1})
 
 
 def test_b1_does_not_fit_names_the_component(traced):
