@@ -128,9 +128,13 @@ def sweep_kernels(quick: bool = False, hardware: str = "cpu") -> list[Kernel]:
     if not quick:
         ks.append(Kernel("add", f"[{2 * N}]+[{2 * N}]", lambda: (lambda a, b: a + b, (randn(2 * N), randn(2 * N))),
                          large=True))
+    # The softmax is not held to the 50% check on a CPU (large=False): the conventions count 5
+    # FLOPs per element, but an exponential costs a CPU many vector instructions, so the kernel is
+    # bound by its exp throughput, not by memory (measured at ~33% of the memory bound whatever
+    # the load; docs/roofline.md). It is still timed, checked against its bound and for scaling.
     r = 16384 if gpu else 4096
     ks.append(Kernel("softmax", f"softmax[{r},{r}]", lambda: (lambda a: torch.softmax(a, -1), (randn(r, r),)),
-                     large=True))
+                     large=gpu))
     rows, d_in, d_out = (8192, 4096, 16384) if gpu else ((1024 if quick else 2048), 1024, 4096)
     ks.append(Kernel("mlp block", f"gelu(Linear({d_in},{d_out})) on [{rows},{d_in}]",
                      lambda: (lambda x, w, b: torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b)),
