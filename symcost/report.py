@@ -262,7 +262,7 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     c.print("[bold]Training model FLOPs = 6·N·P + remainder[/bold]   (N = B·S tokens per step)")
     c.print(f"  P (parameters used as matmul operands) = {fmt(P)}")
     c.print(f"  P_total (all parameters, tied once)    = {fmt(an.params)}")
-    c.print(f"  N (non-embedding, Kaplan et al. 2020)  = {fmt(an.params_nonembedding)}"
+    c.print(f"  non-embedding params (Kaplan et al. 2020's N) = {fmt(an.params_nonembedding)}"
             + (f"   (embedding: {', '.join(an.embedding_params)})" if an.embedding_params else ""))
     moe_facts = _moe_summary(an)
     if moe_facts is not None:
