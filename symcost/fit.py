@@ -180,6 +180,14 @@ def random_point(symbols, check, rng: random.Random, fixed: Mapping[str, int],
     raise SymcostError(f"could not find probe sizes for {symbols} that satisfy the model's constraints")
 
 
+def _probe_setup(symbols, fixed, ties, request, moduli, accept):
+    """The probe planners' arguments with their defaults, the free symbols and their pools."""
+    fixed, ties, request, moduli = (dict(x or {}) for x in (fixed, ties, request, moduli))
+    free = [s for s in symbols if s not in fixed]
+    pools = {s: probe_pool(s, request.get(s), moduli.get(s)) for s in free}
+    return fixed, ties, request, moduli, accept or (lambda p: True), free, pools
+
+
 def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, int] | None = None, *,
               accept=None, request: Mapping[str, int] | None = None, ties: Mapping[str, str] | None = None,
               moduli: Mapping[str, int] | None = None) -> dict[str, int]:
@@ -190,13 +198,7 @@ def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, 
     Raises:
         SymcostError: not even the request passes ``check`` and ``accept``.
     """
-    fixed = dict(fixed or {})
-    ties = dict(ties or {})
-    request = dict(request or {})
-    moduli = dict(moduli or {})
-    accept = accept or (lambda p: True)
-    free = [s for s in symbols if s not in fixed]
-    pools = {s: probe_pool(s, request.get(s), moduli.get(s)) for s in free}
+    fixed, ties, request, moduli, accept, free, pools = _probe_setup(symbols, fixed, ties, request, moduli, accept)
 
     def good(p):
         return _ok(p, check) and accept(p)
@@ -248,13 +250,7 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
         Unvariable: no probe changes one symbol alone and stays in the regime (pin it).
         SymcostError: no base probe at all.
     """
-    fixed = dict(fixed or {})
-    ties = dict(ties or {})
-    request = dict(request or {})
-    moduli = dict(moduli or {})
-    accept = accept or (lambda p: True)
-    free = [s for s in symbols if s not in fixed]
-    pools = {s: probe_pool(s, request.get(s), moduli.get(s)) for s in free}
+    fixed, ties, request, moduli, accept, free, pools = _probe_setup(symbols, fixed, ties, request, moduli, accept)
     ok = lambda p: _ok(p, check)  # noqa: E731
     if base is None:
         base = find_base(symbols, check, seed, fixed, accept=accept, request=request, ties=ties, moduli=moduli)
