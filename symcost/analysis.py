@@ -228,7 +228,7 @@ class Analysis:
                 d = g.nodes[n]
                 if d.get("phase") != "forward":
                     continue
-                if d.get("family") == "view" or d.get("op", "").rsplit(".", 1)[0] in opsets.PASS_THROUGH:
+                if opsets.same_tensor(d):
                     frontier.extend(g.successors(n))
                     continue
                 op = d.get("op", "")
@@ -495,7 +495,7 @@ class Analysis:
             d = g.nodes[n]
             if d.get("kind") == "param":
                 out.add(str(n).partition(":")[2])
-            elif d.get("family") == "view" or d.get("op", "").rsplit(".", 1)[0] in opsets.PASS_THROUGH:
+            elif opsets.same_tensor(d):
                 stack.extend(g.predecessors(n))
         return out
 

@@ -367,7 +367,7 @@ def is_routed(an, name: str) -> bool:
     import sympy
 
     from .fit import SYMS
-    from .opsets import PASS_THROUGH
+    from .opsets import same_tensor
 
     shape = an.param_shapes[name][0]
     if not shape or sympy.sympify(shape[0]) != SYMS["E"]:
@@ -385,7 +385,7 @@ def is_routed(an, name: str) -> bool:
         d = g.nodes[n]
         if d.get("phase") != "forward":
             continue
-        if d.get("family") == "view" or d.get("op", "").rsplit(".", 1)[0] in PASS_THROUGH:
+        if same_tensor(d):
             frontier.extend(g.successors(n))
             continue
         outs = d.get("out_shapes") or []

@@ -14,3 +14,10 @@ PASS_THROUGH = {"aten._to_copy", "aten.clone", "aten.contiguous", "aten.expand",
 def numel(shape) -> int:
     """Number of elements of a shape (a tuple of ints or sympy expressions; 1 for a 0-d tensor)."""
     return math.prod(shape) if shape else 1
+
+
+def same_tensor(node: dict) -> bool:
+    """Whether an op node of the Analysis graph passes its input through as "the same tensor"
+    (a view, or a cast/copy in :data:`PASS_THROUGH`): walks from a parameter to the ops that
+    really use it look through such nodes."""
+    return node.get("family") == "view" or node.get("op", "").rsplit(".", 1)[0] in PASS_THROUGH
