@@ -277,12 +277,14 @@ class Analysis:
         totals = {f"{k}.{ph}": s(self.flops(ph, "all" if k == "flops_all" else "model") if k != "bytes"
                                  else self.bytes(ph))
                   for k in ("flops", "flops_all", "bytes") for ph in PHASES + ("train",)}
+        totals.update({f"transcendental_total.{ph}": s(self.transcendentals(ph)) for ph in PHASES + ("train",)})
         totals.update({k: s(getattr(self, k)) for k in _CACHED_TOTALS if hasattr(type(self), k)})
         dt = lambda d: str(d).removeprefix("torch.")  # noqa: E731
         ops = [[op.index, op.name, op.family, op.module, op.phase, s(op.repeat),
                 [[s(x) for x in sh] for sh in op.in_shapes], [dt(d) for d in op.in_dtypes],
                 [[s(x) for x in sh] for sh in op.out_shapes], [dt(d) for d in op.out_dtypes],
-                [s(op.cost.flops), s(op.cost.flops_all), s(op.cost.bytes)], op.layer, op.attention]
+                [s(op.cost.flops), s(op.cost.flops_all), s(op.cost.bytes),
+                 {k: s(n) for k, n in op.cost.transcendentals.items()}], op.layer, op.attention]
                for op in self.ops]
         g = self.graph
         graph = {
@@ -436,6 +438,12 @@ class Analysis:
         return self._sum("flops" if kind == "model" else "flops_all", phase)
 
     @functools.cache
+    def transcendentals(self, phase: str = "train") -> sympy.Expr:
+        """Transcendental function evaluations (exp, log, erf, tanh, sin, sqrt, all together)
+        of ``phase``, a polynomial: XLA's ``transcendentals`` count (:func:`symcost.rules.transcendentals`)."""
+        return self._sum("transcendental_total", phase)
+
+    @functools.cache
     def bytes(self, phase: str = "train") -> sympy.Expr:
         """Bytes read + written by all ops of ``phase`` (unfused lower bound), a polynomial."""
         return self._sum("bytes", phase)
@@ -575,7 +583,8 @@ class Analysis:
         if poly.monoms() != [(2,)]:
             return None
         causal = sympy.expand(poly.coeffs()[0] * S * (S + 1) / 2)
-        return rules.Cost(causal, sympy.expand(op.cost.flops_all - f + causal), op.cost.bytes)
+        return rules.Cost(causal, sympy.expand(op.cost.flops_all - f + causal), op.cost.bytes,
+                          op.cost.transcendentals)
 
     def with_attention_flops(self, count: str = "full") -> "Analysis":
         """This analysis with the attention matmuls counted ``"full"`` (S_q·S_k score pairs, as
@@ -697,6 +706,7 @@ class Analysis:
             out[f"flops.{ph}"] = ev(self.flops(ph))
             out[f"flops_all.{ph}"] = ev(self.flops(ph, "all"))
             out[f"bytes.{ph}"] = ev(self.bytes(ph))
+            out[f"transcendentals.{ph}"] = ev(self.transcendentals(ph))
         return out
 
     def quantity(self, name: str) -> sympy.Expr:
@@ -711,6 +721,8 @@ class Analysis:
             return self.flops(phase, "all")
         if kind == "bytes":
             return self.bytes(phase)
+        if kind == "transcendentals":
+            return self.transcendentals(phase)
         raise SymcostError(f"unknown quantity {name!r}")
 
     def lambdify(self, *names: str):
@@ -843,7 +855,9 @@ def _load_ops(rows) -> list:
     return [SymOp(index=i, name=name, family=fam, module=mod, phase=ph, repeat=P(rep),
                   in_shapes=[tuple(P(x) for x in sh) for sh in ins], in_dtypes=_Dtypes(ind),
                   out_shapes=[tuple(P(x) for x in sh) for sh in outs], out_dtypes=_Dtypes(outd),
-                  cost=Cost(*(P(c) for c in cost)), layer=layer, attention=attn)
+                  cost=Cost(*(P(c) for c in cost[:3]),
+                            {k: P(n) for k, n in (cost[3] if len(cost) > 3 else {}).items()}),
+                  layer=layer, attention=attn)
             for i, name, fam, mod, ph, rep, ins, ind, outs, outd, cost, layer, attn in rows]
 
 
@@ -876,6 +890,11 @@ class _Cost:
     flops: Any = 0
     flops_all: Any = 0
     bytes: Any = 0
+    transcendentals: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def transcendental_total(self):
+        return sum(self.transcendentals.values())
 
 
 
@@ -1151,13 +1170,16 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         if c is None:
             try:
                 c = rules.cost(_op_view(op, in_shapes, out_shapes, ints), family)
-                c = rules.Cost(*(rules.expand_flops(x) for x in (c.flops, c.flops_all, c.bytes)))
+                c = rules.Cost(*(rules.expand_flops(x) for x in (c.flops, c.flops_all, c.bytes)),
+                               c.transcendentals)
             except (AssertionError, TypeError, ValueError):
                 # A registry formula that cannot take symbols (e.g. asserts H % K == 0): fit
                 # its concrete values at the probes instead.
                 cs = [concrete_cost(r.ops[i]) for r in recs]
                 c = rules.Cost(*(fitter(tuple(int(getattr(x, a)) for x in cs), f"cost of {op.name}")
-                                 for a in ("flops", "flops_all", "bytes")))
+                                 for a in ("flops", "flops_all", "bytes")),
+                               {k: fitter(tuple(int(x.transcendentals.get(k, 0)) for x in cs), f"cost of {op.name}")
+                                for k in sorted({k for x in cs for k in x.transcendentals})})
             cost_cache[key] = c
         if family == "unsupported":
             unsupported[op.name] = unsupported.get(op.name, 0) + repeat
@@ -1219,12 +1241,13 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
 
 def concrete_totals(rec: Recording) -> dict[str, int]:
     """Totals of one concrete recording by the same rules: the oracle for the symbolic fit."""
-    out = {f"{k}.{p}": 0 for k in ("flops", "flops_all", "bytes") for p in PHASES}
+    out = {f"{k}.{p}": 0 for k in ("flops", "flops_all", "bytes", "transcendentals") for p in PHASES}
     for op in rec.ops:
         c = concrete_cost(op)
         out[f"flops.{op.phase}"] += int(c.flops)
         out[f"flops_all.{op.phase}"] += int(c.flops_all)
         out[f"bytes.{op.phase}"] += int(c.bytes)
+        out[f"transcendentals.{op.phase}"] += int(c.transcendental_total)
     out["params"] = sum(rules.numel(s) for s, _ in rec.params.values())
     out["saved"] = sum(s.nbytes for s in rec.saved)
     return out
@@ -1252,6 +1275,7 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
             got[f"flops.{ph}"] = an.flops(ph).subs(env)
             got[f"flops_all.{ph}"] = an.flops(ph, "all").subs(env)
             got[f"bytes.{ph}"] = an.bytes(ph).subs(env)
+            got[f"transcendentals.{ph}"] = an.transcendentals(ph).subs(env)
         got["params"] = an.params.subs(env)
         got["saved"] = sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]).subs(env)
         bad = {k: (int(got[k]), want[k]) for k in want if int(got[k]) != want[k]}

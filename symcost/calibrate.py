@@ -15,6 +15,15 @@ kernels:
   ``write_bandwidth`` (entered only where it is at least 5% below the read figure); the
   roofline then times read bytes at ``bandwidth`` and written bytes at ``write_bandwidth``.
 
+- transcendental rate per function class (exp, log, erf, tanh, sin, sqrt): a kernel that
+  evaluates the function k times per element it reads (``sum_i f(x·(1 + i/100))``) on a tensor
+  that stays in cache, timed at two k; the extra evaluations over the extra time is the rate
+  (evaluations/s; each carries a multiply and an add, so the rate is slightly low, and an op's
+  predicted time slightly high rather than low). On a CPU these are vectorised polynomial
+  approximations (SLEEF, in ATen's ``Vectorized``), several FMA pipeline passes per element: an
+  exponential costs tens of times a multiply, an erf or tanh more, so a softmax or a GELU is
+  bound by them rather than by memory.
+
 The result is a device entry (:func:`symcost.devices.write_file` writes it as JSON) that every
 ``--devices-file`` option accepts.
 """
@@ -83,6 +92,51 @@ def _device(name: str):
     raise SymcostError(f"calibrate --device takes cpu or cuda, got {name!r}")
 
 
+#: function class -> the torch function timed for it (inputs in [0.5, 1.6): every one is defined)
+TRANSCENDENTAL_KERNELS = {"exp": "exp", "log": "log", "erf": "erf", "tanh": "tanh", "sin": "sin", "sqrt": "rsqrt"}
+
+
+def transcendental_rates(dev, quick: bool = False, min_run_time: float = 0.3, kernels: list | None = None,
+                         log: Callable[[str], None] | None = None) -> dict[str, float]:
+    """Evaluations per second of each transcendental class on ``dev`` (a ``torch.device``).
+
+    For each class, ``sum_{i<k} f(x * (1 + i/100))`` is compiled for two k (1 and 9; 1 and 5
+    with ``quick``) over a tensor that stays in cache (2^20 fp32 on a CPU, 2^26 on a GPU), so
+    memory time is the same for both; rate = (k2 - k1) · numel / (t2 - t1).
+
+    Returns:
+        ``{class: evaluations/s}`` for the classes of :data:`TRANSCENDENTAL_KERNELS`; each
+        kernel measured is appended to ``kernels`` (when given).
+    """
+    import torch
+
+    log = log or (lambda s: None)
+    n = 1 << (26 if dev.type == "cuda" else 20)
+    x = torch.rand(n, device=dev) + 0.5
+    ks = (1, 5) if quick else (1, 9)
+    rates = {}
+    for cls, name in TRANSCENDENTAL_KERNELS.items():
+        f = getattr(torch, name)
+        ts = []
+        for k in ks:
+            def g(a, f=f, k=k):
+                out = f(a)
+                for i in range(1, k):
+                    out = out + f(a * (1 + 0.01 * i))
+                return out
+            torch._dynamo.reset()  # one compiled kernel per (class, k): stay below dynamo's recompile limit
+            ts.append(measure(compiled(g), x, min_run_time=min_run_time)["min"])
+        extra = (ks[1] - ks[0]) * n
+        dt = ts[1] - ts[0]
+        rate = extra / dt if dt > 0 else extra / ts[1]
+        rates[cls] = rate
+        if kernels is not None:
+            kernels.append({"kernel": f"{name} x{ks[1]} - x{ks[0]} on {n} fp32", "transcendentals": extra,
+                            "seconds": dt, "transcendental_per_s": rate})
+        log(f"{name} ({cls}): {rate / 1e9:.2f} G/s")
+    return rates
+
+
 def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.3,
               log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure this machine's peak matmul FLOP/s and memory bandwidth.
@@ -95,7 +149,8 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
 
     Returns:
         A device entry: ``name``, ``fp32`` (and ``bf16`` where measured) peak FLOP/s,
-        ``bandwidth`` (byte/s), ``source`` ("measured by symcost calibrate"), ``date``, and
+        ``bandwidth`` (byte/s), ``write_bandwidth`` (where lower), ``transcendentals``
+        (evaluations/s per class, :func:`transcendental_rates`), ``source`` ("measured by symcost calibrate"), ``date``, and
         ``measured``: every kernel with its FLOPs, bytes, seconds and rate.
 
     Raises:
@@ -142,6 +197,7 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
         kernels.append({"kernel": f"{name} {numel} fp32", "flops": numel, "bytes": rd + wr, "written": wr,
                         "seconds": t["min"], "median": t["median"], "byte_per_s": rate})
         log(f"{name} on {numel * item / 2**20:.0f} MiB: {rate / 1e9:.2f} GB/s")
+    rates = transcendental_rates(dev, quick=quick, min_run_time=min_run_time, kernels=kernels, log=log)
     bw = max((rd + wr) / t for t, rd, wr in times.values())
     # written bytes: what the write-heavy kernels take beyond reading their inputs at ``bw``
     wbw = max((wr / (t - rd / bw) if t > rd / bw else bw) for t, rd, wr in times.values() if wr > item)
@@ -153,6 +209,9 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
         **peak,
         "bandwidth": bw,
         **({"write_bandwidth": wbw} if wbw < 0.95 * bw else {}),
+        "transcendentals": rates,
+        # a CPU core works through a row-normalising op's rows one at a time (docs/roofline.md)
+        **({"serial_passes": True} if not gpu else {}),
         "source": "measured by symcost calibrate (torch.compile + torch.utils.benchmark)",
         "date": time.strftime("%Y-%m-%d"),
         "measured": {"kernels": kernels, "torch": torch.__version__, "threads": torch.get_num_threads()},

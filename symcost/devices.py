@@ -42,6 +42,28 @@ _DTYPE_KEY = {
 }
 
 
+def op_time(t_compute: float, t_memory: float, t_transcendental: float = 0.0,
+            serial: bool = False) -> tuple[float, str]:
+    """``(seconds, resource)``: the roofline time bound of one op from its three times — FLOPs /
+    peak, memory time, transcendental evaluations / rate — and the resource that binds
+    (``compute``, ``memory`` or ``transcendental``: the largest term; ties go to compute, then
+    memory).
+
+    The bound is the largest of the three (they overlap: Williams, Waterman & Patterson,
+    "Roofline", CACM 52(4), 2009, with the special-function units as one more ceiling). With
+    ``serial`` (a row-normalising op on a ``serial_passes`` device) it is the memory time plus
+    the larger of the other two: the op's read-and-reduce pass and its evaluate-and-write pass
+    run one after the other on a core (the non-overlapping transfer time of the
+    Execution-Cache-Memory model: Treibig & Hager 2010, "Introducing a performance model for
+    bandwidth-limited loop kernels", PPAM 2009, LNCS 6067).
+    """
+    t_in = max(t_compute, t_transcendental)
+    inner = "compute" if t_compute >= t_transcendental else "transcendental"
+    if serial:
+        return t_memory + t_in, ("memory" if t_memory > t_in else inner)
+    return max(t_memory, t_in), ("memory" if t_memory > t_in else inner)
+
+
 def dtype_key(dtype: Any) -> str | None:
     """The device precision key of a torch dtype (or its name): ``torch.bfloat16`` -> ``"bf16"``;
     None for integer and boolean dtypes (they take the training precision)."""
@@ -63,6 +85,15 @@ class Device:
         source, date: where the figures come from.
         aliases: other names accepted by ``--device``.
         notes: free text (e.g. how dense figures were derived).
+        transcendental_rate: transcendental function evaluations per second by function class
+            (``exp``, ``log``, ``erf``, ``tanh``, ``sin``, ``sqrt``; :data:`TRANSCENDENTAL_CLASSES`),
+            ``all`` for a figure that holds for every class (a GPU's special-function units);
+            empty: the device gives none, and transcendental work is not timed on it.
+        serial_passes: the device works through the rows of a row-normalising op (softmax, norms;
+            :data:`symcost.opsets.ROW_NORMALISING`) one at a time, so its dependent passes (read
+            and reduce, then evaluate and write) do not overlap: memory time and compute time add
+            up for those ops (a CPU core; ``symcost calibrate`` sets it on a CPU). False: rows in
+            flight hide one another, the roofline's max (a GPU).
     """
 
     key: str
@@ -76,6 +107,29 @@ class Device:
     notes: str = ""
     measured: Mapping[str, Any] = field(default_factory=dict)
     write_bandwidth: float | None = None
+    transcendental_rate: Mapping[str, float] = field(default_factory=dict)
+    serial_passes: bool = False
+
+    def op_seconds(self, flops_seconds: float, read: float, written: float, transcendental_seconds: float = 0.0,
+                   row_normalising: bool = False) -> tuple[float, str]:
+        """``(time bound in seconds, binding resource)`` of one op execution on this device:
+        :func:`op_time` of compute (``flops_seconds`` = FLOPs / peak), memory
+        (:meth:`memory_seconds` of ``read`` and ``written`` bytes) and transcendental time, serial
+        for a ``row_normalising`` op when the device has ``serial_passes``."""
+        return op_time(flops_seconds, self.memory_seconds(read, written), transcendental_seconds,
+                       row_normalising and self.serial_passes)
+
+    def transcendental_seconds(self, counts: Mapping[str, float]) -> float:
+        """Seconds the device's special-function throughput needs for ``counts`` (``{class:
+        evaluations}``, :func:`symcost.rules.transcendentals`): the sum of count / rate over the
+        classes (a class without its own rate takes ``all``; none at all: 0, not timed)."""
+        rates = self.transcendental_rate
+        t = 0.0
+        for k, n in counts.items():
+            r = rates.get(k, rates.get("all"))
+            if r and n:
+                t += float(n) / r
+        return t
 
     def memory_seconds(self, read: float, written: float) -> float:
         """Seconds to move ``read`` + ``written`` bytes: read / bandwidth + written /
@@ -112,6 +166,10 @@ class Device:
         }
         if self.write_bandwidth:
             out["write_bandwidth"] = self.write_bandwidth
+        if self.transcendental_rate:
+            out["transcendentals"] = dict(self.transcendental_rate)
+        if self.serial_passes:
+            out["serial_passes"] = True
         if self.notes:
             out["notes"] = self.notes
         if self.measured:
@@ -163,7 +221,7 @@ def _device(key: str, entry: Mapping, where: str) -> Device:
     if "bandwidth" not in entry:
         raise SymcostError(f"{where} [{key}]: no bandwidth (byte/s)")
     known = set(PRECISIONS) | {"name", "bandwidth", "write_bandwidth", "memory", "source", "date", "notes", "aliases",
-                               "measured"}
+                               "measured", "transcendentals", "serial_passes"}
     unknown = sorted(set(entry) - known)
     if unknown:
         raise SymcostError(f"{where} [{key}]: unknown field {unknown[0]!r}; accepted: {', '.join(sorted(known))}")
@@ -175,7 +233,34 @@ def _device(key: str, entry: Mapping, where: str) -> Device:
         aliases=tuple(entry.get("aliases", ())), notes=str(entry.get("notes", "")),
         measured=dict(entry.get("measured", {})),
         write_bandwidth=_number(entry, "write_bandwidth", f"{where} [{key}]") if "write_bandwidth" in entry else None,
+        transcendental_rate=_transcendentals(entry.get("transcendentals"), f"{where} [{key}]"),
+        serial_passes=_flag(entry, "serial_passes", f"{where} [{key}]"),
     )
+
+
+def _flag(entry: Mapping, key: str, where: str) -> bool:
+    v = entry.get(key, False)
+    if not isinstance(v, bool):
+        raise SymcostError(f"{where}: {key} must be true or false, got {v!r}")
+    return v
+
+
+#: Function classes of transcendental rates (see :data:`symcost.rules.TRANSCENDENTAL_OUT`).
+TRANSCENDENTAL_CLASSES = ("exp", "log", "erf", "tanh", "sin", "sqrt")
+
+
+def _transcendentals(value, where: str) -> dict[str, float]:
+    """``transcendentals = 3.9e12`` (every class) or a table ``{exp = ..., erf = ..., all = ...}``
+    (evaluations per second) -> ``{class: rate}``; absent -> ``{}``."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        return {"all": _number({"transcendentals": value}, "transcendentals", where)}
+    accepted = TRANSCENDENTAL_CLASSES + ("all",)
+    bad = sorted(set(value) - set(accepted))
+    if bad:
+        raise SymcostError(f"{where}: unknown transcendental class {bad[0]!r}; accepted: {', '.join(accepted)}")
+    return {k: _number(value, k, f"{where} transcendentals") for k in value}
 
 
 def _load_toml(text: str, where: str) -> dict:
@@ -285,6 +370,7 @@ def get_device(name: str | None = None, devices_file: str | None = None, peak_fl
             bandwidth=parse_rate(bandwidth, "--bandwidth") if bandwidth is not None else dev.bandwidth,
             memory=dev.memory, source=dev.source + " + command line", date=dev.date, notes=dev.notes,
             write_bandwidth=None if bandwidth is not None else dev.write_bandwidth,
+            transcendental_rate=dev.transcendental_rate, serial_passes=dev.serial_passes,
         )
     return dev
 

@@ -10,6 +10,18 @@ import math
 #: Ops through which a parameter stays "the same weight" (dtype casts by autocast, copies).
 PASS_THROUGH = {"aten._to_copy", "aten.clone", "aten.contiguous", "aten.expand", "aten._unsafe_view"}
 
+#: Row-normalising ops: each output row needs a reduction over its input row first (max and sum
+#: of exps; mean and variance), so a kernel runs them in dependent passes over a row — read and
+#: reduce, then evaluate and write. Where a device works through rows one at a time (a CPU core:
+#: ``devices.Device.serial_passes``) those passes do not overlap, and the op's memory time and its
+#: compute (or transcendental) time add up instead of hiding one another (symcost.roofline).
+ROW_NORMALISING = {
+    "aten._softmax", "aten._safe_softmax", "aten._log_softmax", "aten._softmax_backward_data",
+    "aten._log_softmax_backward_data", "aten.native_layer_norm", "aten.native_layer_norm_backward",
+    "aten._fused_rms_norm", "aten._fused_rms_norm_backward", "aten.native_group_norm",
+    "aten.native_group_norm_backward",
+}
+
 
 def numel(shape) -> int:
     """Number of elements of a shape (a tuple of ints or sympy expressions; 1 for a 0-d tensor)."""

@@ -29,9 +29,10 @@ from typing import Any, Mapping
 
 import sympy
 
-from .devices import TRAINING_PRECISION, Device, dtype_key
+from .devices import TRAINING_PRECISION, Device, dtype_key, op_time
 from .errors import SymcostError
 from .fit import SYMS
+from .opsets import ROW_NORMALISING
 
 
 def _num(x, env) -> int:
@@ -54,31 +55,39 @@ def training_precision(an) -> str:
 
 
 def bound_of(flops: float, nbytes: float, peak: float, bandwidth: float, written: float = 0,
-             write_bandwidth: float | None = None) -> dict:
+             write_bandwidth: float | None = None, transcendental_seconds: float = 0.0,
+             serial: bool = False) -> dict:
     """Roofline of one op execution.
 
     Args:
         flops: FLOPs; nbytes: bytes moved (read + written); peak: FLOP/s; bandwidth: byte/s;
         written: the part of ``nbytes`` written, timed at ``write_bandwidth`` (byte/s) where the
             device has one (a calibrated CPU), else at ``bandwidth``.
+        transcendental_seconds: the time the device's special-function throughput needs for the
+            op's transcendental evaluations (:meth:`Device.transcendental_seconds`), a third
+            ceiling beside FLOP/s and bandwidth (0: none, or not timed on the device).
+        serial: the op's memory and compute times add up (a row-normalising op on a device with
+            ``serial_passes``: :meth:`symcost.devices.Device.op_seconds`).
 
     Returns:
         ``intensity`` (FLOP/byte; None for an op that moves no bytes, e.g. one fused entirely
         into its region), ``ridge`` (peak / bandwidth, FLOP/byte), ``bound`` ("compute" when
-        FLOPs / peak >= memory time, i.e. intensity >= ridge on a one-bandwidth device, else
-        "memory"), ``attainable`` (FLOP/s = min(peak, FLOPs / memory time) = min(peak,
-        bandwidth x intensity) on a one-bandwidth device), ``seconds`` (max(FLOPs / peak, memory
-        time)).
+        FLOPs / peak is the largest of the three times, i.e. intensity >= ridge on a
+        one-bandwidth device; "memory" when the memory time is; "transcendental" when the
+        special functions are: compute-bound on the special-function units), ``attainable``
+        (FLOP/s = min(peak, FLOPs / memory time, FLOPs / transcendental time) = min(peak,
+        bandwidth x intensity) for an op without transcendentals on a one-bandwidth device),
+        ``seconds`` (max of the three times).
     """
     ridge = peak / bandwidth
     t_mem = (nbytes - written) / bandwidth + written / (write_bandwidth or bandwidth)
     t_cmp = flops / peak
     intensity = flops / nbytes if nbytes else None
+    t, bound = op_time(t_cmp, t_mem, transcendental_seconds, serial)
     return {
-        "intensity": intensity, "ridge": ridge,
-        "bound": "compute" if t_cmp >= t_mem else "memory",
-        "attainable": peak if t_mem == 0 else min(peak, flops / t_mem),
-        "seconds": max(t_cmp, t_mem),
+        "intensity": intensity, "ridge": ridge, "bound": bound,
+        "attainable": peak if t == t_cmp else (flops / t if t else peak),
+        "seconds": t,
     }
 
 
@@ -132,14 +141,20 @@ def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: 
         Bf = _num(fe.node_bytes[op.index], env)
         Wf = _num(fe.node_written[op.index], env)
         Wu = _num(fusion.written_bytes(op), env)
-        rf = bound_of(F, Bf, peak, bw, Wf, device.write_bandwidth)
-        ru = bound_of(F, Bu, peak, bw, Wu, device.write_bandwidth)
+        T = {k: _num(n, env) for k, n in op.cost.transcendentals.items()}
+        t_tr = device.transcendental_seconds(T)
+        if T and not t_tr:
+            notes.add(f"{device.key} gives no transcendental rate: exp/log/erf/tanh/sin/sqrt are not timed")
+        serial = device.serial_passes and op.name.rsplit(".", 1)[0] in ROW_NORMALISING
+        rf = bound_of(F, Bf, peak, bw, Wf, device.write_bandwidth, t_tr, serial)
+        ru = bound_of(F, Bu, peak, bw, Wu, device.write_bandwidth, t_tr, serial)
         r = rf if fused else ru
         t_fused += rep * rf["seconds"]
         t_unfused += rep * ru["seconds"]
         nodes.append({
             "index": op.index, "op": op.name, "module": op.module, "phase": op.phase, "repeat": rep,
             "precision": key, "flops": F, "model_flops": Fm, "bytes": Bu, "fused_bytes": Bf,
+            "transcendentals": sum(T.values()), "transcendental_seconds": rep * t_tr,
             "intensity": r["intensity"], "ridge": r["ridge"], "bound": r["bound"],
             "attainable": r["attainable"], "seconds": rep * r["seconds"],
             "intensity_formula": str(sympy.cancel(op.cost.flops_all / (fe.node_bytes[op.index] if fused else op.cost.bytes)))
@@ -186,8 +201,9 @@ def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: 
 
 def formulas(an, device: Device, fe=None, fused: bool = True) -> dict:
     """Symbolic forms: step-time lower bound (seconds) as a sum of ``Max(FLOPs/peak,
-    bytes/bandwidth)`` over ops (read and written bytes apart where the device has a write
-    bandwidth), and the ridge points (FLOP/byte) per precision."""
+    bytes/bandwidth, transcendentals/rate)`` over ops (read and written bytes apart where the
+    device has a write bandwidth; the transcendental term where the op has any and the device a
+    rate), and the ridge points (FLOP/byte) per precision."""
     from . import fusion
 
     fe = fe or fusion.estimate(an)
@@ -200,7 +216,13 @@ def formulas(an, device: Device, fe=None, fused: bool = True) -> dict:
         peak, _ = device.peak_for(op_precision(op, train_key))
         w = fe.node_written[op.index] if fused else fusion.written_bytes(op)
         t_mem = (b - w) / sympy.Float(device.bandwidth, 6) + w / sympy.Float(device.write_bandwidth or device.bandwidth, 6)
-        terms.append(op.repeat * sympy.Max(sympy.Rational(1) * op.cost.flops_all / sympy.Float(peak, 6), t_mem))
+        t_tr = sympy.Add(*[n / sympy.Float(r, 6) for k, n in op.cost.transcendentals.items()
+                           if (r := device.transcendental_rate.get(k, device.transcendental_rate.get("all")))])
+        t_cmp = sympy.Rational(1) * op.cost.flops_all / sympy.Float(peak, 6)
+        if device.serial_passes and op.name.rsplit(".", 1)[0] in ROW_NORMALISING:
+            terms.append(op.repeat * (t_mem + sympy.Max(t_cmp, t_tr)))
+        else:
+            terms.append(op.repeat * sympy.Max(t_cmp, t_mem, *([t_tr] if t_tr != 0 else [])))
     return {
         "step_seconds": str(sympy.Add(*terms)),
         "ridge": {k: v / device.bandwidth for k, v in device.peak.items()},

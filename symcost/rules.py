@@ -43,14 +43,14 @@ Bytes: inputs read plus outputs written, each once (the unfused lower bound); th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import sympy
 import torch
 from torch.utils.flop_counter import bmm_flop, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from .opsets import PASS_THROUGH, numel  # noqa: F401  (re-exported: torch-free facts)
+from .opsets import PASS_THROUGH, ROW_NORMALISING, numel  # noqa: F401  (re-exported: torch-free facts)
 
 aten = torch.ops.aten
 
@@ -77,11 +77,19 @@ class OpView:
 
 @dataclass
 class Cost:
-    """FLOPs (model and all) and bytes of one op execution."""
+    """FLOPs (model and all), bytes and transcendental function evaluations of one op execution."""
 
     flops: Any = 0  # model FLOPs (matmul class), FlopCounterMode's convention
     flops_all: Any = 0  # model FLOPs + elementwise/reduction/normalisation FLOPs
     bytes: Any = 0  # bytes read + written
+    #: transcendental function evaluations by function class (``exp``, ``log``, ``erf``,
+    #: ``tanh``, ``sin``, ``sqrt``; see :data:`TRANSCENDENTAL_OUT`), e.g. ``{"exp": B*H*S**2}``
+    transcendentals: dict = field(default_factory=dict)
+
+    @property
+    def transcendental_total(self):
+        """All transcendental evaluations of the op (XLA's ``transcendentals`` count)."""
+        return sum(self.transcendentals.values())
 
 
 def nbytes(shape: Shape, dtype: torch.dtype):
@@ -389,6 +397,103 @@ PER_ELEMENT_IN = {  # FLOPs per element of the first input
     "aten.embedding_dense_backward": 1,
 }
 
+#: Transcendental function evaluations per output element, by function class. A roofline device
+#: may give one rate for them all (a GPU's special-function units) or a rate per class (a CPU,
+#: where ``symcost calibrate`` measures each: an erf or a tanh costs several exps there). The
+#: count is the operator's mathematics, as XLA's ``HloCostAnalysis`` counts ``transcendentals``
+#: (xla/service/hlo_cost_analysis.cc: exp, expm1, log, log1p, logistic, erf, tanh, sin, cos,
+#: tan, atan2, sqrt, rsqrt, cbrt, pow): ``sigmoid``/``silu`` are one exp, the exact GELU one erf
+#: (its backward an erf and an exp: Φ(x) + x·φ(x)), the softmax one exp per element.
+TRANSCENDENTAL_OUT: dict[str, dict[str, int]] = {
+    **{f"aten.{n}": {"exp": 1} for n in (
+        "exp", "exp2", "expm1", "sigmoid", "silu", "silu_backward", "elu", "celu", "selu",
+        "_softmax", "_safe_softmax", "_log_softmax", "_log_softmax_backward_data", "softplus_backward")},
+    **{f"aten.{n}": {"log": 1} for n in ("log", "log2", "log10", "log1p", "logit", "xlogy")},
+    **{f"aten.{n}": {"erf": 1} for n in ("erf", "erfc", "erfinv")},
+    **{f"aten.{n}": {"tanh": 1} for n in ("tanh",)},
+    **{f"aten.{n}": {"sin": 1} for n in (
+        "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh")},
+    **{f"aten.{n}": {"sqrt": 1} for n in ("sqrt", "rsqrt")},
+    "aten.softplus": {"exp": 1, "log": 1}, "aten.logaddexp": {"exp": 1, "log": 1},
+    "aten.mish": {"exp": 1, "log": 1, "tanh": 1},
+}
+#: ops with one reciprocal square root per normalised group: the position of their rstd output
+RSTD_OUTPUT = {"aten.native_layer_norm": 2, "aten._fused_rms_norm": 1, "aten.native_group_norm": 2,
+               "aten.native_batch_norm": 2, "aten._native_batch_norm_legit": 2}
+#: exps of the fused attention kernels: one per attention score, forward and backward (which
+#: recomputes P = exp(S - logsumexp); Dao et al. 2022, FlashAttention, Alg. 1 and 4)
+ATTENTION_KERNELS = {
+    "aten._scaled_dot_product_flash_attention_for_cpu": ("query", "key", False),
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward": ("query", "key", False),
+    "aten._scaled_dot_product_flash_attention": ("query", "key", False),
+    "aten._scaled_dot_product_flash_attention_backward": ("query", "key", False),
+    "aten._scaled_dot_product_efficient_attention": ("query", "key", False),
+    "aten._scaled_dot_product_efficient_attention_backward": ("query", "key", False),
+    "aten._scaled_dot_product_cudnn_attention": ("query", "key", False),
+    "aten._scaled_dot_product_cudnn_attention_backward": ("query", "key", False),
+    "aten._flash_attention_forward": ("query", "key", True),
+    "aten._flash_attention_backward": ("query", "key", True),
+    "aten._efficient_attention_forward": ("query", "key", True),
+    "aten._efficient_attention_backward": ("query", "key", True),
+}
+#: per hidden element and time step of a fused recurrent layer (mode as RNN_STATE_UPDATE): LSTM
+#: three sigmoid gates, a tanh gate and tanh(c); GRU two sigmoids and a tanh; RNN-tanh one tanh
+RNN_TRANSCENDENTALS = {0: {}, 1: {"tanh": 1}, 2: {"exp": 3, "tanh": 2}, 3: {"exp": 2, "tanh": 1}}
+
+
+def transcendentals(v: OpView, family: str | None = None) -> dict:
+    """Transcendental function evaluations of one op, ``{class: count}`` (symbolic or concrete).
+
+    Per output element from :data:`TRANSCENDENTAL_OUT`; GELU by its ``approximate`` argument
+    (``"none"``: erf, backward erf + exp; ``"tanh"``: tanh); ``pow`` by its exponent (an integer
+    exponent is multiplies, 0.5 / -0.5 a (reciprocal) square root, any other an exp and a log);
+    ``_log_softmax`` adds one log per row; normalisations one rsqrt per group (their rstd
+    output); fused attention kernels one exp per score, B·H·S_q·S_k (nested inputs counted at the
+    maximum length, as their FLOPs); the oneDNN LSTM layer its gate activations. Other ops: none.
+    """
+    packet = str(v.op.overloadpacket)
+    out = numel(v.out_shapes[0]) if v.out_shapes else 0
+    if packet in ("aten.gelu", "aten.gelu_backward"):
+        if _arg(v, "approximate", "none") == "tanh":
+            return {"tanh": out}
+        return {"erf": out} if packet == "aten.gelu" else {"erf": out, "exp": out}
+    if packet == "aten.pow":
+        e = _arg(v, "exponent")
+        if isinstance(e, sympy.Basic) and e.is_number:
+            e = float(e)
+        if isinstance(e, (int, float)) and not isinstance(e, bool):
+            if float(e).is_integer():
+                return {}
+            if abs(e) == 0.5:
+                return {"sqrt": out}
+        return {"exp": out, "log": out}
+    per = TRANSCENDENTAL_OUT.get(packet)
+    if per:
+        res = {k: n * out for k, n in per.items()}
+        if packet == "aten._log_softmax" and v.out_shapes and v.out_shapes[0]:
+            dim = _arg(v, "dim", -1)
+            shape = v.out_shapes[0]
+            size = shape[dim]
+            res["log"] = out // size if isinstance(out, int) and isinstance(size, int) else sympy.cancel(out / size)
+        return res
+    if packet in RSTD_OUTPUT:
+        i = RSTD_OUTPUT[packet]
+        return {"sqrt": numel(v.out_shapes[i])} if len(v.out_shapes) > i else {}
+    if packet in ATTENTION_KERNELS:
+        qn, kn, raw = ATTENTION_KERNELS[packet]
+        if raw:
+            n, q, k, _, _ = _raw_attention_shapes(
+                v, (qn, kn, "value"), *(("cum_seq_q", "max_q", "max_k") if "flash" in packet
+                                        else ("cu_seqlens_q", "max_seqlen_q", "max_seqlen_k")))
+        else:
+            n, q, k = 1, _arg(v, qn), _arg(v, kn)
+        b, h, s_q, _ = q
+        return {"exp": n * b * h * s_q * k[2]}
+    if packet == "aten.mkldnn_rnn_layer":
+        rows = numel(_arg(v, "input")[:-1])
+        return {fn: c * rows * _arg(v, "hidden_size") for fn, c in RNN_TRANSCENDENTALS.get(_arg(v, "mode"), {}).items()}
+    return {}
+
 
 def bias_positions(op) -> tuple[int, ...]:
     """Tensor-input positions of a matmul-class op that hold a bias, not a matmul operand."""
@@ -426,6 +531,20 @@ def classify(op) -> str:
 
 
 def cost(v: OpView, family: str | None = None) -> Cost:
+    """The :class:`Cost` of one op: :func:`flop_cost` with :func:`transcendentals`.
+
+    Args:
+        v: the op's shapes (symbolic or concrete) and arguments.
+        family: ``classify(v.op)``, if already known.
+    """
+    family = family or classify(v.op)
+    c = flop_cost(v, family)
+    if family not in ("view", "alloc", "unsupported"):
+        c.transcendentals = {k: expand_flops(n) for k, n in transcendentals(v, family).items() if n != 0}
+    return c
+
+
+def flop_cost(v: OpView, family: str | None = None) -> Cost:
     """The :class:`Cost` of one op.
 
     Args:

@@ -26,13 +26,14 @@ from typing import Any, Callable, Mapping
 from . import rules
 from .calibrate import compiled, measure
 from .devices import Device, dtype_key
+from .opsets import ROW_NORMALISING
 
 
 # -- FLOPs and bytes of a kernel, by symcost's rules ---------------------------------------------
 def kernel_costs(fn: Callable, *args) -> list[dict]:
     """The aten ops ``fn(*args)`` runs (eagerly), each costed by :func:`symcost.rules.cost` at its
     concrete shapes: ``[{"op", "flops" (all FLOPs), "model_flops", "bytes", "written" (the
-    outputs' part of bytes), "precision"}]``."""
+    outputs' part of bytes), "precision", "transcendentals" ({class: evaluations})}]``."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten, tree_map
@@ -55,7 +56,8 @@ def kernel_costs(fn: Callable, *args) -> list[dict]:
             prec = next((dtype_key(x.dtype) for x in outs + ins if dtype_key(x.dtype)), "fp32")
             written = sum(x.numel() * x.element_size() for x in outs) if c.bytes else 0
             out.append({"op": str(func), "flops": int(c.flops_all), "model_flops": int(c.flops),
-                        "bytes": int(c.bytes), "written": int(written), "precision": prec})
+                        "bytes": int(c.bytes), "written": int(written), "precision": prec,
+                        "transcendentals": {k: int(n) for k, n in c.transcendentals.items()}})
             return res
 
     with torch.no_grad(), _Rec():
@@ -64,23 +66,30 @@ def kernel_costs(fn: Callable, *args) -> list[dict]:
 
 
 def predict(costs: list[dict], device: Device) -> dict:
-    """Roofline bound of a sequence of ops: sum of max(FLOPs/peak, memory time) (seconds; memory
-    time = read/bandwidth + written/write bandwidth), with totals of FLOPs and bytes and the
-    binding resource of the whole."""
+    """Roofline bound of a sequence of ops: sum of max(FLOPs/peak, memory time, transcendental
+    time) (:meth:`Device.op_seconds`: memory time plus the larger of the others for a
+    row-normalising op on a ``serial_passes`` device) (seconds; memory time = read/bandwidth + written/write bandwidth; transcendental time
+    :meth:`Device.transcendental_seconds`), with totals of FLOPs, bytes and transcendental
+    evaluations and the binding resource of the whole (``compute``, ``memory`` or
+    ``transcendental``)."""
     t = 0.0
-    F = B = 0
-    t_compute = t_memory = 0.0
+    F = B = T = 0
+    times = {"compute": 0.0, "memory": 0.0, "transcendental": 0.0}
     for c in costs:
         peak, _ = device.peak_for(c["precision"])
         tc, tm = c["flops"] / peak, device.memory_seconds(c["bytes"] - c["written"], c["written"])
-        t += max(tc, tm)
-        t_compute += tc
-        t_memory += tm
+        tt = device.transcendental_seconds(c.get("transcendentals", {}))
+        t += device.op_seconds(tc, c["bytes"] - c["written"], c["written"], tt,
+                               c["op"].rsplit(".", 1)[0] in ROW_NORMALISING)[0]
+        times["compute"] += tc
+        times["memory"] += tm
+        times["transcendental"] += tt
         F += c["flops"]
         B += c["bytes"]
-    return {"flops": F, "bytes": B, "seconds": t, "t_compute": t_compute, "t_memory": t_memory,
-            "bound": "compute" if t_compute >= t_memory else "memory",
-            "intensity": F / B if B else math.inf}
+        T += sum(c.get("transcendentals", {}).values())
+    return {"flops": F, "bytes": B, "transcendentals": T, "seconds": t, "t_compute": times["compute"],
+            "t_memory": times["memory"], "t_transcendental": times["transcendental"],
+            "bound": max(times, key=times.get), "intensity": F / B if B else math.inf}
 
 
 # -- the sweep --------------------------------------------------------------------------------------
@@ -124,19 +133,16 @@ def sweep_kernels(quick: bool = False, hardware: str = "cpu") -> list[Kernel]:
                          lambda n=n: (lambda a, v: a @ v, (randn(n, n), randn(n, 1))), large=True))
     N = 1 << (28 if gpu else 24)
     ks.append(Kernel("add", f"[{N}]+[{N}]", lambda: (lambda a, b: a + b, (randn(N), randn(N))), large=True))
-    # GELU (erf), like the softmax below, is not held to the 50% check on a CPU: its transcendental
-    # function, not memory, binds it there (44% of the memory bound on an idle 2-core machine).
-    ks.append(Kernel("gelu", f"gelu[{N}]", lambda: (torch.nn.functional.gelu, (randn(N),)), large=gpu))
+    # GELU: on a CPU its erf, not memory, binds it (the transcendental ceiling, calibrated per class)
+    ks.append(Kernel("gelu", f"gelu[{N}]", lambda: (torch.nn.functional.gelu, (randn(N),)), large=True))
     if not quick:
         ks.append(Kernel("add", f"[{2 * N}]+[{2 * N}]", lambda: (lambda a, b: a + b, (randn(2 * N), randn(2 * N))),
                          large=True))
-    # The softmax is not held to the 50% check on a CPU (large=False): the conventions count 5
-    # FLOPs per element, but an exponential costs a CPU many vector instructions, so the kernel is
-    # bound by its exp throughput, not by memory (measured at ~33% of the memory bound whatever
-    # the load; docs/roofline.md). It is still timed, checked against its bound and for scaling.
+    # The softmax: one exp per element (transcendental ceiling) and, on a CPU, dependent passes
+    # over each row whose memory and exp times add up (serial_passes; docs/roofline.md)
     r = 16384 if gpu else 4096
     ks.append(Kernel("softmax", f"softmax[{r},{r}]", lambda: (lambda a: torch.softmax(a, -1), (randn(r, r),)),
-                     large=gpu))
+                     large=True))
     rows, d_in, d_out = (8192, 4096, 16384) if gpu else ((1024 if quick else 2048), 1024, 4096)
     ks.append(Kernel("mlp block", f"gelu(Linear({d_in},{d_out})) on [{rows},{d_in}]",
                      lambda: (lambda x, w, b: torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b)),
@@ -234,11 +240,13 @@ def predict_step(an, sizes: Mapping[str, int], device: Device) -> dict:
     r = roofline(an, device, sizes, fused=True)
     F = sum(n["repeat"] * n["flops"] for n in r["nodes"])
     B = sum(n["repeat"] * n["fused_bytes"] for n in r["nodes"])
-    tc = sum(n["seconds"] for n in r["nodes"] if n["bound"] == "compute")
+    times = {b: sum(n["seconds"] for n in r["nodes"] if n["bound"] == b)
+             for b in ("compute", "memory", "transcendental")}
     return {"flops": F, "bytes": B, "bytes_unfused": sum(n["repeat"] * n["bytes"] for n in r["nodes"]),
+            "transcendentals": sum(n["repeat"] * n["transcendentals"] for n in r["nodes"]),
             "seconds": r["step_seconds"], "predicted_unfused": r["step_seconds_unfused"],
-            "t_compute": tc, "t_memory": r["step_seconds"] - tc,
-            "bound": "compute" if tc >= r["step_seconds"] / 2 else "memory", "intensity": F / B if B else math.inf}
+            "t_compute": times["compute"], "t_memory": times["memory"], "t_transcendental": times["transcendental"],
+            "bound": max(times, key=times.get), "intensity": F / B if B else math.inf}
 
 
 def run_train_step(model: str, sizes: Mapping[str, int], device: Device, min_run_time: float = 1.0) -> dict:
@@ -347,7 +355,7 @@ def check(rows: list[dict], tolerance: float = 0.10) -> tuple[list[str], list[di
         for a, b in zip(rs, rs[1:]):
             lt = math.log(b["measured"] / a["measured"])
             lp = math.log(b["predicted"] / a["predicted"])
-            other = "bytes" if b["bound"] == "compute" else "flops"
+            other = "flops" if b["bound"] == "memory" else "bytes"  # compute- or transcendental-bound
             lo = math.log(b[other] / a[other])
             entry = {"family": fam, "from": a["kernel"], "to": b["kernel"], "time_ratio": math.exp(lt),
                      "predicted_ratio": math.exp(lp), f"{other}_ratio": math.exp(lo), "bound": b["bound"]}
@@ -372,8 +380,11 @@ def _merge(old: Device | None, entry: Mapping[str, Any]) -> Device:
     peak = {k: max(old.peak.get(k, 0.0), new.peak.get(k, 0.0)) for k in set(old.peak) | set(new.peak)}
     bw = max(old.bandwidth, new.bandwidth)
     wbw = max(old.write_bandwidth or old.bandwidth, new.write_bandwidth or new.bandwidth)
+    tr = {k: max(old.transcendental_rate.get(k, 0.0), new.transcendental_rate.get(k, 0.0))
+          for k in set(old.transcendental_rate) | set(new.transcendental_rate)}
     return Device(key=new.key, name=new.name, peak=peak, bandwidth=bw, source=new.source, date=new.date,
-                  measured=new.measured, write_bandwidth=wbw if wbw < bw else None)
+                  measured=new.measured, write_bandwidth=wbw if wbw < bw else None, transcendental_rate=tr,
+                  serial_passes=new.serial_passes)
 
 
 def validate(device: Device | None = None, quick: bool = False,
