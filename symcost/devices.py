@@ -43,24 +43,28 @@ _DTYPE_KEY = {
 
 
 def op_time(t_compute: float, t_memory: float, t_transcendental: float = 0.0,
-            serial: bool = False) -> tuple[float, str]:
+            serial: bool = False, pack_seconds: float = 0.0) -> tuple[float, str]:
     """``(seconds, resource)``: the roofline time bound of one op from its three times — FLOPs /
     peak, memory time, transcendental evaluations / rate — and the resource that binds
     (``compute``, ``memory`` or ``transcendental``: the largest term; ties go to compute, then
     memory).
 
     The bound is the largest of the three (they overlap: Williams, Waterman & Patterson,
-    "Roofline", CACM 52(4), 2009, with the special-function units as one more ceiling). With
-    ``serial`` (a row-normalising op on a ``serial_passes`` device) it is the memory time plus
-    the larger of the other two: the op's read-and-reduce pass and its evaluate-and-write pass
-    run one after the other on a core (the non-overlapping transfer time of the
-    Execution-Cache-Memory model: Treibig & Hager 2010, "Introducing a performance model for
-    bandwidth-limited loop kernels", PPAM 2009, LNCS 6067).
+    "Roofline", CACM 52(4), 2009, with the special-function units as one more ceiling). Two
+    passes that do not overlap on a CPU core (a device with ``serial_passes``) add up instead —
+    the non-overlapping transfer time of the Execution-Cache-Memory model (Treibig & Hager,
+    "Introducing a performance model for bandwidth-limited loop kernels", PPAM 2009, LNCS 6067):
+
+    - ``serial`` (a row-normalising op): memory time + max(compute, transcendental);
+    - ``pack_seconds`` (a GEMM's packing of its [k, n] operand, :func:`symcost.rules.packed_operand`:
+      reading and writing it once): max(memory time, compute + packing).
     """
     t_in = max(t_compute, t_transcendental)
     inner = "compute" if t_compute >= t_transcendental else "transcendental"
     if serial:
         return t_memory + t_in, ("memory" if t_memory > t_in else inner)
+    if pack_seconds:
+        t_in += pack_seconds
     return max(t_memory, t_in), ("memory" if t_memory > t_in else inner)
 
 
@@ -89,11 +93,12 @@ class Device:
             (``exp``, ``log``, ``erf``, ``tanh``, ``sin``, ``sqrt``; :data:`TRANSCENDENTAL_CLASSES`),
             ``all`` for a figure that holds for every class (a GPU's special-function units);
             empty: the device gives none, and transcendental work is not timed on it.
-        serial_passes: the device works through the rows of a row-normalising op (softmax, norms;
-            :data:`symcost.opsets.ROW_NORMALISING`) one at a time, so its dependent passes (read
-            and reduce, then evaluate and write) do not overlap: memory time and compute time add
-            up for those ops (a CPU core; ``symcost calibrate`` sets it on a CPU). False: rows in
-            flight hide one another, the roofline's max (a GPU).
+        serial_passes: passes of one op that a CPU core runs one after the other add up: the
+            dependent passes of a row-normalising op (softmax, norms;
+            :data:`symcost.opsets.ROW_NORMALISING`: read and reduce, then evaluate and write) and
+            a BLAS GEMM's packing of its [k, n] operand before the multiply (``symcost
+            calibrate`` sets it on a CPU). False: work in flight hides one another, the
+            roofline's max (a GPU).
     """
 
     key: str
@@ -111,13 +116,15 @@ class Device:
     serial_passes: bool = False
 
     def op_seconds(self, flops_seconds: float, read: float, written: float, transcendental_seconds: float = 0.0,
-                   row_normalising: bool = False) -> tuple[float, str]:
+                   row_normalising: bool = False, packed_bytes: float = 0.0) -> tuple[float, str]:
         """``(time bound in seconds, binding resource)`` of one op execution on this device:
         :func:`op_time` of compute (``flops_seconds`` = FLOPs / peak), memory
-        (:meth:`memory_seconds` of ``read`` and ``written`` bytes) and transcendental time, serial
-        for a ``row_normalising`` op when the device has ``serial_passes``."""
+        (:meth:`memory_seconds` of ``read`` and ``written`` bytes) and transcendental time; on a
+        device with ``serial_passes``, serial for a ``row_normalising`` op and with the packing
+        of ``packed_bytes`` (a GEMM's [k, n] operand, read and written once) before a GEMM."""
+        pack = self.memory_seconds(packed_bytes, packed_bytes) if self.serial_passes and packed_bytes else 0.0
         return op_time(flops_seconds, self.memory_seconds(read, written), transcendental_seconds,
-                       row_normalising and self.serial_passes)
+                       row_normalising and self.serial_passes, pack)
 
     def transcendental_seconds(self, counts: Mapping[str, float]) -> float:
         """Seconds the device's special-function throughput needs for ``counts`` (``{class:

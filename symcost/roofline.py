@@ -11,9 +11,12 @@ CACM 52(4), 2009):
   traffic (unfused, or fused by :mod:`symcost.fusion` for a compiled step);
 - ridge point of the device at the op's precision: peak FLOP/s / bandwidth;
 - attainable FLOP/s = min(peak, bandwidth x I); the op is compute-bound when I >= ridge;
-- time bound of one execution = max(FLOPs / peak, bytes / bandwidth), in seconds; the step's
-  lower bound is the sum over ops (times their repeat), since ops of one stream run one after
-  the other;
+- time bound of one execution = max(FLOPs / peak, bytes / bandwidth, transcendental
+  evaluations / the device's special-function rate), in seconds (the third ceiling:
+  FlashAttention-3, Shah et al. 2024, sec. 3; :func:`symcost.devices.op_time`); on a device with
+  ``serial_passes`` (a CPU) a row-normalising op's memory time adds to the larger of the other
+  two instead; the step's lower bound is the sum over ops (times their repeat), since ops of one
+  stream run one after the other;
 - MFU ceiling = model FLOPs of the step / (step lower bound x peak at the training precision):
   no run of that step on that device can exceed it (PaLM's MFU, Chowdhery et al. 2022, App. B).
 
@@ -56,7 +59,7 @@ def training_precision(an) -> str:
 
 def bound_of(flops: float, nbytes: float, peak: float, bandwidth: float, written: float = 0,
              write_bandwidth: float | None = None, transcendental_seconds: float = 0.0,
-             serial: bool = False) -> dict:
+             serial: bool = False, pack_seconds: float = 0.0) -> dict:
     """Roofline of one op execution.
 
     Args:
@@ -68,6 +71,8 @@ def bound_of(flops: float, nbytes: float, peak: float, bandwidth: float, written
             ceiling beside FLOP/s and bandwidth (0: none, or not timed on the device).
         serial: the op's memory and compute times add up (a row-normalising op on a device with
             ``serial_passes``: :meth:`symcost.devices.Device.op_seconds`).
+        pack_seconds: a GEMM's packing pass before its multiply on such a device (reading and
+            writing its [k, n] operand once), added to its compute time.
 
     Returns:
         ``intensity`` (FLOP/byte; None for an op that moves no bytes, e.g. one fused entirely
@@ -83,12 +88,30 @@ def bound_of(flops: float, nbytes: float, peak: float, bandwidth: float, written
     t_mem = (nbytes - written) / bandwidth + written / (write_bandwidth or bandwidth)
     t_cmp = flops / peak
     intensity = flops / nbytes if nbytes else None
-    t, bound = op_time(t_cmp, t_mem, transcendental_seconds, serial)
+    t, bound = op_time(t_cmp, t_mem, transcendental_seconds, serial, pack_seconds)
     return {
         "intensity": intensity, "ridge": ridge, "bound": bound,
         "attainable": peak if t == t_cmp else (flops / t if t else peak),
         "seconds": t,
     }
+
+
+def pack_seconds(op, device: Device, env: Mapping) -> float:
+    """Seconds a CPU BLAS spends packing a GEMM's [k, n] operand before the multiply (reading and
+    writing it once, :meth:`Device.memory_seconds`) on a device with ``serial_passes``; 0 for other
+    ops, matrix-vector products (m or n = 1 at ``env``) and other devices."""
+    from . import rules
+
+    if not device.serial_passes:
+        return 0.0
+    pk = rules.packed_operand(op.name, op.in_shapes, op.in_dtypes, op.out_shapes)
+    if pk is None:
+        return 0.0
+    b, m, n = pk
+    if _num(m, env) <= 1 or _num(n, env) <= 1:
+        return 0.0
+    b = _num(b, env)
+    return device.memory_seconds(b, b)
 
 
 def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bool = True,
@@ -146,8 +169,9 @@ def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: 
         if T and not t_tr:
             notes.add(f"{device.key} gives no transcendental rate: exp/log/erf/tanh/sin/sqrt are not timed")
         serial = device.serial_passes and op.name.rsplit(".", 1)[0] in ROW_NORMALISING
-        rf = bound_of(F, Bf, peak, bw, Wf, device.write_bandwidth, t_tr, serial)
-        ru = bound_of(F, Bu, peak, bw, Wu, device.write_bandwidth, t_tr, serial)
+        t_pack = pack_seconds(op, device, env)
+        rf = bound_of(F, Bf, peak, bw, Wf, device.write_bandwidth, t_tr, serial, t_pack)
+        ru = bound_of(F, Bu, peak, bw, Wu, device.write_bandwidth, t_tr, serial, t_pack)
         r = rf if fused else ru
         t_fused += rep * rf["seconds"]
         t_unfused += rep * ru["seconds"]
@@ -203,8 +227,9 @@ def formulas(an, device: Device, fe=None, fused: bool = True) -> dict:
     """Symbolic forms: step-time lower bound (seconds) as a sum of ``Max(FLOPs/peak,
     bytes/bandwidth, transcendentals/rate)`` over ops (read and written bytes apart where the
     device has a write bandwidth; the transcendental term where the op has any and the device a
-    rate), and the ridge points (FLOP/byte) per precision."""
-    from . import fusion
+    rate; on a ``serial_passes`` device the serial forms of :func:`symcost.devices.op_time`, GEMMs
+    taken with m, n > 1), and the ridge points (FLOP/byte) per precision."""
+    from . import fusion, rules
 
     fe = fe or fusion.estimate(an)
     train_key = training_precision(an)
@@ -219,8 +244,12 @@ def formulas(an, device: Device, fe=None, fused: bool = True) -> dict:
         t_tr = sympy.Add(*[n / sympy.Float(r, 6) for k, n in op.cost.transcendentals.items()
                            if (r := device.transcendental_rate.get(k, device.transcendental_rate.get("all")))])
         t_cmp = sympy.Rational(1) * op.cost.flops_all / sympy.Float(peak, 6)
+        pk = rules.packed_operand(op.name, op.in_shapes, op.in_dtypes, op.out_shapes) if device.serial_passes else None
         if device.serial_passes and op.name.rsplit(".", 1)[0] in ROW_NORMALISING:
             terms.append(op.repeat * (t_mem + sympy.Max(t_cmp, t_tr)))
+        elif pk is not None:  # a GEMM on a CPU (m, n > 1): packing, then the multiply
+            pack = pk[0] / sympy.Float(device.bandwidth, 6) + pk[0] / sympy.Float(device.write_bandwidth or device.bandwidth, 6)
+            terms.append(op.repeat * sympy.Max(t_mem, t_cmp + pack))
         else:
             terms.append(op.repeat * sympy.Max(t_cmp, t_mem, *([t_tr] if t_tr != 0 else [])))
     return {

@@ -495,6 +495,24 @@ def transcendentals(v: OpView, family: str | None = None) -> dict:
     return {}
 
 
+#: BLAS GEMMs and the input position of their [k, n] operand: the one a CPU BLAS copies into
+#: contiguous panels before its micro-kernel runs (Goto & van de Geijn, "Anatomy of
+#: high-performance matrix multiplication", ACM TOMS 34(3), 2008, sec. 4-5: "packing" B)
+GEMM_PACKED_OPERAND = {"aten.mm": 1, "aten.addmm": 2, "aten.bmm": 1, "aten.baddbmm": 2}
+
+
+def packed_operand(name: str, in_shapes, in_dtypes, out_shapes):
+    """``(bytes of B, m, n)`` for a GEMM ``C[..., m, n] = A[..., m, k] · B[..., k, n]`` of
+    :data:`GEMM_PACKED_OPERAND` (symbolic or concrete), else None. With m = 1 or n = 1 the op is a
+    matrix-vector product (BLAS gemv), which packs nothing: the caller checks m and n at sizes."""
+    packet = name.rsplit(".", 1)[0] if name.count(".") >= 2 else name
+    i = GEMM_PACKED_OPERAND.get(packet)
+    if i is None or len(in_shapes) <= i or not out_shapes or len(out_shapes[0]) < 2:
+        return None
+    m, n = out_shapes[0][-2], out_shapes[0][-1]
+    return nbytes(in_shapes[i], in_dtypes[i]), m, n
+
+
 def bias_positions(op) -> tuple[int, ...]:
     """Tensor-input positions of a matmul-class op that hold a bias, not a matmul operand."""
     packet = str(op.overloadpacket)

@@ -33,7 +33,8 @@ from .opsets import ROW_NORMALISING
 def kernel_costs(fn: Callable, *args) -> list[dict]:
     """The aten ops ``fn(*args)`` runs (eagerly), each costed by :func:`symcost.rules.cost` at its
     concrete shapes: ``[{"op", "flops" (all FLOPs), "model_flops", "bytes", "written" (the
-    outputs' part of bytes), "precision", "transcendentals" ({class: evaluations})}]``."""
+    outputs' part of bytes), "precision", "transcendentals" ({class: evaluations}), "packed"
+    (bytes of a GEMM's [k, n] operand, :func:`symcost.rules.packed_operand`; 0 otherwise)}]``."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten, tree_map
@@ -53,11 +54,14 @@ def kernel_costs(fn: Callable, *args) -> list[dict]:
             view = rules.OpView(func, str(func), [tuple(x.shape) for x in ins], [x.dtype for x in ins],
                                 [tuple(x.shape) for x in outs], [x.dtype for x in outs], tuple(sa), dict(skw))
             c = rules.cost(view)
+            pk = rules.packed_operand(str(func), view.in_shapes, view.in_dtypes, view.out_shapes)
+            packed = int(pk[0]) if pk and pk[1] > 1 and pk[2] > 1 else 0
             prec = next((dtype_key(x.dtype) for x in outs + ins if dtype_key(x.dtype)), "fp32")
             written = sum(x.numel() * x.element_size() for x in outs) if c.bytes else 0
             out.append({"op": str(func), "flops": int(c.flops_all), "model_flops": int(c.flops),
                         "bytes": int(c.bytes), "written": int(written), "precision": prec,
-                        "transcendentals": {k: int(n) for k, n in c.transcendentals.items()}})
+                        "transcendentals": {k: int(n) for k, n in c.transcendentals.items()},
+                        "packed": packed})
             return res
 
     with torch.no_grad(), _Rec():
@@ -67,29 +71,32 @@ def kernel_costs(fn: Callable, *args) -> list[dict]:
 
 def predict(costs: list[dict], device: Device) -> dict:
     """Roofline bound of a sequence of ops: sum of max(FLOPs/peak, memory time, transcendental
-    time) (:meth:`Device.op_seconds`: memory time plus the larger of the others for a
-    row-normalising op on a ``serial_passes`` device) (seconds; memory time = read/bandwidth + written/write bandwidth; transcendental time
+    time) (:meth:`Device.op_seconds`, with its serial passes on a ``serial_passes`` device)
+    (seconds; memory time = read/bandwidth + written/write bandwidth; transcendental time
     :meth:`Device.transcendental_seconds`), with totals of FLOPs, bytes and transcendental
     evaluations and the binding resource of the whole (``compute``, ``memory`` or
     ``transcendental``)."""
     t = 0.0
     F = B = T = 0
-    times = {"compute": 0.0, "memory": 0.0, "transcendental": 0.0}
+    raw = {"compute": 0.0, "memory": 0.0, "transcendental": 0.0}  # each resource's time, all ops
+    bound = {"compute": 0.0, "memory": 0.0, "transcendental": 0.0}  # op bounds by binding resource
     for c in costs:
         peak, _ = device.peak_for(c["precision"])
         tc, tm = c["flops"] / peak, device.memory_seconds(c["bytes"] - c["written"], c["written"])
         tt = device.transcendental_seconds(c.get("transcendentals", {}))
-        t += device.op_seconds(tc, c["bytes"] - c["written"], c["written"], tt,
-                               c["op"].rsplit(".", 1)[0] in ROW_NORMALISING)[0]
-        times["compute"] += tc
-        times["memory"] += tm
-        times["transcendental"] += tt
+        t_op, res = device.op_seconds(tc, c["bytes"] - c["written"], c["written"], tt,
+                                      c["op"].rsplit(".", 1)[0] in ROW_NORMALISING, c.get("packed", 0))
+        t += t_op
+        bound[res] += t_op
+        raw["compute"] += tc
+        raw["memory"] += tm
+        raw["transcendental"] += tt
         F += c["flops"]
         B += c["bytes"]
         T += sum(c.get("transcendentals", {}).values())
-    return {"flops": F, "bytes": B, "transcendentals": T, "seconds": t, "t_compute": times["compute"],
-            "t_memory": times["memory"], "t_transcendental": times["transcendental"],
-            "bound": max(times, key=times.get), "intensity": F / B if B else math.inf}
+    return {"flops": F, "bytes": B, "transcendentals": T, "seconds": t, "t_compute": raw["compute"],
+            "t_memory": raw["memory"], "t_transcendental": raw["transcendental"],
+            "bound": max(bound, key=bound.get), "intensity": F / B if B else math.inf}
 
 
 # -- the sweep --------------------------------------------------------------------------------------
@@ -121,12 +128,12 @@ def sweep_kernels(quick: bool = False, hardware: str = "cpu") -> list[Kernel]:
     for n in squares:
         ks.append(Kernel("square matmul", f"[{n},{n}]x[{n},{n}]", lambda n=n: (lambda a, b: a @ b, (randn(n, n), randn(n, n))),
                          large=n >= squares[1]))
-    # Skinny GEMMs are not held to the 50% check on a CPU (large=False): MKL packs the big
-    # operand into a buffer before multiplying, so it moves the weight about three times, not once.
+    # Skinny GEMMs: on a CPU the BLAS packs the [4096, 4096] operand before multiplying, a pass
+    # the roofline of a serial_passes device adds to the multiply (docs/roofline.md)
     w = 8192 if gpu else 4096
     for m in ((8, 256) if quick else (8, 64, 256)) if gpu else ((4, 64) if quick else (4, 16, 64)):
         ks.append(Kernel("skinny matmul", f"[{m},{w}]x[{w},{w}]",
-                         lambda m=m: (lambda a, b: a @ b, (randn(m, w), randn(w, w))), large=gpu))
+                         lambda m=m: (lambda a, b: a @ b, (randn(m, w), randn(w, w))), large=True))
     # matrix-vector as [n, n] x [n, 1] (aten.mm): symcost's rules have no aten.mv rule
     for n in ((16384,) if quick else (16384, 32768)) if gpu else ((4096,) if quick else (4096, 8192)):
         ks.append(Kernel("matrix-vector", f"[{n},{n}]x[{n},1]",
