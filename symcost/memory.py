@@ -106,6 +106,15 @@ def gib(nbytes: int | float) -> str:
     return f"{nbytes / GiB:.3f} GiB"
 
 
+def binary(nbytes: int | float) -> str:
+    """``nbytes`` in the largest binary unit it reaches (GiB, MiB, KiB), three decimals; plain
+    bytes below 1 KiB (``1.000 MiB`` where :func:`gib` would print ``0.001 GiB``)."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.3f} {unit}"
+    return f"{int(nbytes)} bytes"
+
+
 # --------------------------------------------------------------------------------------------
 # policies and optimizers
 # --------------------------------------------------------------------------------------------
@@ -1186,6 +1195,35 @@ class MemoryModel:
         name = max(names, key=lambda k: comp[k])
         return names[name], comp[name]
 
+    def no_fit_reason(self, sol: Solution, **sizes: int) -> str | None:
+        """Why no ``sol.var`` fits under ``sol.cap`` (None when one does), with the numbers in
+        bytes: the model's own limit (``sol.limited_by``); else the static memory at ``var = 1``
+        (parameters + optimizer state + master weights + buffers + inputs, as :attr:`static`)
+        when it alone exceeds the cap; else the peak at ``var = 1``, static + its largest live
+        set (activations, gradients, temporaries). ``sizes``: the other sizes, as given to
+        :meth:`solve`.
+        """
+        if sol.value >= 1:
+            return None
+        v = sol.var
+        if sol.limited_by:
+            return f"no {v} >= 1 is valid: {sol.limited_by}"
+        at1 = {**{k: x for k, x in sizes.items() if k != v}, v: 1}
+        comp = self.components(**at1)
+        parts = {"parameters": comp["params"], "optimizer state": comp["optimizer"],
+                 "master weights": comp["master_weights"], "buffers": comp["buffers"], "inputs": comp["inputs"]}
+        static = sum(parts.values())
+        cap = f"the cap {sol.cap:,} bytes ({binary(sol.cap)})"
+        if static > sol.cap:
+            shown = " + ".join(f"{name} {b:,}" for name, b in parts.items() if b or name == "parameters")
+            return (f"the static memory alone exceeds {cap}: {shown} = {static:,} bytes ({binary(static)}) "
+                    f"at {v} = 1")
+        peak = comp["peak"]
+        name, nbytes = self.dominant(**at1)
+        return (f"the peak at {v} = 1, {peak:,} bytes ({binary(peak)}), exceeds {cap}: static memory "
+                f"{static:,} bytes + the largest live set {peak - static:,} bytes (activations, gradients, "
+                f"temporaries); {dominant_text(name, nbytes, sol.cap)}")
+
     def plan_accumulation(self, global_batch: int, devices: int, cap: int | str,
                           **sizes: int) -> AccumulationPlan:
         """Micro-batch and accumulation steps K for ``global_batch`` over ``devices``.
@@ -1271,7 +1309,8 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     ``inputs``, ``activations``, ``activations_per_layer``, ``peak`` (bytes: formula strings that
     ``sympy.sympify`` parses when ``evaluate`` is false, integers at ``sizes`` when true; by
     default integers exactly when sizes are given) and ``max_batch``, ``memory_at_max``,
-    ``memory_cap`` (integers, at the sizes or the model's defaults).
+    ``memory_cap`` (integers, at the sizes or the model's defaults), ``max_batch_reason`` (why
+    ``max_batch`` is 0: :meth:`MemoryModel.no_fit_reason`; None otherwise).
 
     Raises:
         SymcostError: bad cap, policy, optimizer or sizes.
@@ -1339,6 +1378,7 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
         lines.append(f"B is pinned to {an.pinned.get('B', 1)} in this trace: run max-batch without --set B to solve for it")
     else:
         sol = mm.solve(capb, "B", **{s: v for s, v in vsizes.items() if s != "B"})
+    reason = None
     if sol is None:
         pass
     elif sol.value >= 1:
@@ -1347,9 +1387,8 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
             f"M({sol.value + 1}) = {gib(sol.memory_next)})" + (f"; {sol.limited_by}" if sol.limited_by else "")
         )
     else:
-        name, nb = sol.dominant
-        lines.append(f"not even B = 1 fits under {gib(capb)} (M(1) = {gib(sol.memory_next)}); "
-                     f"{dominant_text(name, nb, capb)}")
+        reason = mm.no_fit_reason(sol, **vsizes)
+        lines.append(f"largest batch under {gib(capb)}: none (max_batch 0): {reason}")
     js: dict[str, Any] = {}
     for k, f in formulas.items():
         if f is None:
@@ -1360,6 +1399,7 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
         js["peak_terms"] = [{"formula": str(e), "min_L": m, "where": w} for e, m, w in mm.peak_terms()]
     js["bytes_per_param"] = bpp
     js["max_batch"] = sol.value if sol else None
+    js["max_batch_reason"] = reason  # why max_batch is 0 (None when a batch fits or B is pinned)
     js["memory_at_max"] = sol.memory_at if sol else None
     js["memory_cap"] = capb
     js["optimizer_name"] = opt.name

@@ -14,7 +14,7 @@ import click
 from ._options import common, early_checks, memory_options, optimizer_option, trace_model
 
 #: memory JSON keys that are numbers at some sizes, not formulas (left out of ``formulas``)
-EVALUATED_KEYS = ("max_batch", "memory_at_max", "memory_cap")
+EVALUATED_KEYS = ("max_batch", "max_batch_reason", "memory_at_max", "memory_cap")
 
 
 def totals_command(name: str, evaluate: bool, doc: str):
