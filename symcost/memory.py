@@ -1299,6 +1299,10 @@ class _Text:
         return repr(str(self))
 
 
+#: The memory table's row of :attr:`MemoryModel.static` (what the peak row adds its live set to).
+STATIC_LABEL = "static (parameters + optimizer state + master weights + buffers + inputs; no gradients)"
+
+
 def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB",
                    precision: str | None = None, optimizer_name: str = "adamw",
                    impl: str = "default", evaluate: bool | None = None, device: str = "cuda") -> dict:
@@ -1344,6 +1348,7 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     }
     live_sets = _pareto(mm._cands(None, False))  # what peak_terms() lists, as ring elements
     env = mm._env(vsizes)
+    static_v = int(mm.static.xreplace(env))
     L = env.get(SYMS["L"])
     vals = mm._values(env)
     win = max((c for c in live_sets if L is None or c.min_L <= L), key=lambda c: _peval(c.poly, vals))
@@ -1356,22 +1361,29 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
                                      f"--json); {'here' if sizes else 'at the defaults'} static + {mm._expr(w)}"),
                           win.poly)
         rows.append((label[k], shown, gib(comp[k])))
+        if k == "inputs":  # what the peak row calls static: every part live all step, not gradients
+            rows.append((STATIC_LABEL, _Text(str, mm.static), gib(static_v)))
     bpp = mm.bytes_per_param()
     parts = [f"{pol.param} (params)", f"{pol.grad} (grads)"]
     if opt.full:
         parts.append(f"{opt.full}×{pol.state} ({opt.name} state)")
     if pol.master:
         parts.append(f"{pol.master} (master)")
+    named = "parameters + gradients + optimizer state" + (" + master weights" if pol.master else "")
     lines = [
-        f"static per parameter: {' + '.join(parts)} = {bpp} bytes → {bpp}·P_total = {sympy.expand(bpp * mm.P)} bytes"
+        f"{named} per parameter: {' + '.join(parts)} = {bpp} bytes → {bpp}·P_total = {sympy.expand(bpp * mm.P)} bytes"
         f" (P_total = {mm.P} from the trace; precision {pol.name}: {pol.note})"
     ]
     if opt.step:
         lines.append(f"  + {STEP_BYTES} bytes of {opt.torch} step counter per parameter tensor × {mm.n_tensors} tensors")
     if opt.factored:
         lines.append("  + Adafactor's factored second moment (rows + columns per matrix, full vectors), in the optimizer row")
-    where = mm.peak_where(**vsizes)
     at = "at the sizes above" if sizes else "at the model's defaults"
+    keys = ("params", "grads", "optimizer") + (("master_weights",) if pol.master else ())
+    lines.append(f"{named} {at}: {' + '.join(f'{comp[k]:,}' for k in keys)} = {sum(comp[k] for k in keys):,} bytes "
+                 f"({gib(sum(comp[k] for k in keys))}); the static row leaves the gradients out (the backward "
+                 "allocates them: the peak counts them in its live sets)")
+    where = mm.peak_where(**vsizes)
     lines.append(f"peak {at}: {gib(comp['peak'])}, reached at {where}")
     if "B" not in mm.gens:
         sol = None
@@ -1394,7 +1406,7 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
         if f is None:
             continue
         js[k] = comp[k] if evaluate else str(f)
-    js["static"] = int(mm.static.xreplace(env)) if evaluate else str(mm.static)
+    js["static"] = static_v if evaluate else str(mm.static)
     if not evaluate:
         js["peak_terms"] = [{"formula": str(e), "min_L": m, "where": w} for e, m, w in mm.peak_terms()]
     js["bytes_per_param"] = bpp
