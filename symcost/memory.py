@@ -1371,7 +1371,7 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
         parts.append(f"{pol.master} (master)")
     named = "parameters + gradients + optimizer state" + (" + master weights" if pol.master else "")
     lines = [
-        f"{named} per parameter: {' + '.join(parts)} = {bpp} bytes → {bpp}·P_total = {sympy.expand(bpp * mm.P)} bytes"
+        f"per parameter: {' + '.join(parts)} = {bpp} bytes → {bpp}·P_total = {sympy.expand(bpp * mm.P)} bytes"
         f" (P_total = {mm.P} from the trace; precision {pol.name}: {pol.note})"
     ]
     if opt.step:
