@@ -11,6 +11,8 @@ from ._options import common, trace_model
 
 #: phase names in the narrow top-ops table
 _PHASE = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+#: bound names shortened in that table ("transcendental" would widen it by half a name)
+_BOUND = {"transcendental": "transc"}
 
 
 def _fmt_s(s: float) -> str:
@@ -118,7 +120,8 @@ def render_text(c, an, dev, r: dict, tc: dict, n_tokens=None, top: int = 15, unf
                pad_edge=False, collapse_padding=True,
                caption=f"module: op (aten, .default left out); ×: runs per step; FLOP and bytes ({used}, "
                        "those timed): one run, in k/M/G (10³…) and Ki/Mi/Gi (2¹⁰…); time and share: all runs; "
-                       "bound: which roof the op is under at the ridge", caption_justify="left")
+                       "bound: the ceiling that binds (memory, compute, or transc: the transcendental "
+                       "units)", caption_justify="left")
     nt.add_column("module: op", overflow="fold")  # the one column that wraps
     for col in ("ph", "×", "FLOP", "bytes", "FLOP/B", "bound", "time", "share"):
         nt.add_column(col, justify="left" if col in ("ph", "bound") else "right", no_wrap=True)
@@ -126,7 +129,8 @@ def render_text(c, an, dev, r: dict, tc: dict, n_tokens=None, top: int = 15, unf
         op = n["op"].removeprefix("aten.").removesuffix(".default")
         nt.add_row(f"{n['module'] or '(top)'}: {op}", _PHASE.get(n["phase"], n["phase"][:3]), str(n["repeat"]),
                    short(n["flops"], "FLOP"), short(n["fused_bytes" if not unfused else "bytes"], "B"),
-                   f"{n['intensity']:.3g}" if n["intensity"] is not None else "-", n["bound"], _fmt_s(n["seconds"]),
+                   f"{n['intensity']:.3g}" if n["intensity"] is not None else "-", _BOUND.get(n["bound"], n["bound"]),
+                   _fmt_s(n["seconds"]),
                    f"{100 * n['share']:.1f}%")
     c.print(nt)
     if crossing_symbol:
