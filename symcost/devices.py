@@ -165,7 +165,8 @@ class Device:
 
     def to_json(self) -> dict:
         """Plain data: key, name, peak (FLOP/s per precision), bandwidth (byte/s), memory (bytes),
-        ridge (FLOP/byte per precision), source, date."""
+        ridge (FLOP/byte per precision), source, date; where set: write_bandwidth (byte/s),
+        transcendentals, serial_passes, aliases, notes, measured."""
         out = {
             "key": self.key, "name": self.name, "peak_flops": dict(self.peak), "bandwidth": self.bandwidth,
             "memory": self.memory, "ridge": {k: v / self.bandwidth for k, v in self.peak.items()},
@@ -177,6 +178,8 @@ class Device:
             out["transcendentals"] = dict(self.transcendental_rate)
         if self.serial_passes:
             out["serial_passes"] = True
+        if self.aliases:
+            out["aliases"] = list(self.aliases)
         if self.notes:
             out["notes"] = self.notes
         if self.measured:

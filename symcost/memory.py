@@ -106,6 +106,15 @@ def gib(nbytes: int | float) -> str:
     return f"{nbytes / GiB:.3f} GiB"
 
 
+def binary(nbytes: int | float) -> str:
+    """``nbytes`` in the largest binary unit it reaches (GiB, MiB, KiB), three decimals; plain
+    bytes below 1 KiB (``1.000 MiB`` where :func:`gib` would print ``0.001 GiB``)."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.3f} {unit}"
+    return f"{int(nbytes)} bytes"
+
+
 # --------------------------------------------------------------------------------------------
 # policies and optimizers
 # --------------------------------------------------------------------------------------------
@@ -1186,6 +1195,35 @@ class MemoryModel:
         name = max(names, key=lambda k: comp[k])
         return names[name], comp[name]
 
+    def no_fit_reason(self, sol: Solution, **sizes: int) -> str | None:
+        """Why no ``sol.var`` fits under ``sol.cap`` (None when one does), with the numbers in
+        bytes: the model's own limit (``sol.limited_by``); else the static memory at ``var = 1``
+        (parameters + optimizer state + master weights + buffers + inputs, as :attr:`static`)
+        when it alone exceeds the cap; else the peak at ``var = 1``, static + its largest live
+        set (activations, gradients, temporaries). ``sizes``: the other sizes, as given to
+        :meth:`solve`.
+        """
+        if sol.value >= 1:
+            return None
+        v = sol.var
+        if sol.limited_by:
+            return f"no {v} >= 1 is valid: {sol.limited_by}"
+        at1 = {**{k: x for k, x in sizes.items() if k != v}, v: 1}
+        comp = self.components(**at1)
+        parts = {"parameters": comp["params"], "optimizer state": comp["optimizer"],
+                 "master weights": comp["master_weights"], "buffers": comp["buffers"], "inputs": comp["inputs"]}
+        static = sum(parts.values())
+        cap = f"the cap {sol.cap:,} bytes ({binary(sol.cap)})"
+        if static > sol.cap:
+            shown = " + ".join(f"{name} {b:,}" for name, b in parts.items() if b or name == "parameters")
+            return (f"the static memory alone exceeds {cap}: {shown} = {static:,} bytes ({binary(static)}) "
+                    f"at {v} = 1")
+        peak = comp["peak"]
+        name, nbytes = self.dominant(**at1)
+        return (f"the peak at {v} = 1, {peak:,} bytes ({binary(peak)}), exceeds {cap}: static memory "
+                f"{static:,} bytes + the largest live set {peak - static:,} bytes (activations, gradients, "
+                f"temporaries); {dominant_text(name, nbytes, sol.cap)}")
+
     def plan_accumulation(self, global_batch: int, devices: int, cap: int | str,
                           **sizes: int) -> AccumulationPlan:
         """Micro-batch and accumulation steps K for ``global_batch`` over ``devices``.
@@ -1261,6 +1299,10 @@ class _Text:
         return repr(str(self))
 
 
+#: The memory table's row of :attr:`MemoryModel.static` (what the peak row adds its live set to).
+STATIC_LABEL = "static (parameters + optimizer state + master weights + buffers + inputs; no gradients)"
+
+
 def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB",
                    precision: str | None = None, optimizer_name: str = "adamw",
                    impl: str = "default", evaluate: bool | None = None, device: str = "cuda") -> dict:
@@ -1271,7 +1313,8 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     ``inputs``, ``activations``, ``activations_per_layer``, ``peak`` (bytes: formula strings that
     ``sympy.sympify`` parses when ``evaluate`` is false, integers at ``sizes`` when true; by
     default integers exactly when sizes are given) and ``max_batch``, ``memory_at_max``,
-    ``memory_cap`` (integers, at the sizes or the model's defaults).
+    ``memory_cap`` (integers, at the sizes or the model's defaults), ``max_batch_reason`` (why
+    ``max_batch`` is 0: :meth:`MemoryModel.no_fit_reason`; None otherwise).
 
     Raises:
         SymcostError: bad cap, policy, optimizer or sizes.
@@ -1305,6 +1348,7 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     }
     live_sets = _pareto(mm._cands(None, False))  # what peak_terms() lists, as ring elements
     env = mm._env(vsizes)
+    static_v = int(mm.static.xreplace(env))
     L = env.get(SYMS["L"])
     vals = mm._values(env)
     win = max((c for c in live_sets if L is None or c.min_L <= L), key=lambda c: _peval(c.poly, vals))
@@ -1317,28 +1361,36 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
                                      f"--json); {'here' if sizes else 'at the defaults'} static + {mm._expr(w)}"),
                           win.poly)
         rows.append((label[k], shown, gib(comp[k])))
+        if k == "inputs":  # what the peak row calls static: every part live all step, not gradients
+            rows.append((STATIC_LABEL, _Text(str, mm.static), gib(static_v)))
     bpp = mm.bytes_per_param()
     parts = [f"{pol.param} (params)", f"{pol.grad} (grads)"]
     if opt.full:
         parts.append(f"{opt.full}×{pol.state} ({opt.name} state)")
     if pol.master:
         parts.append(f"{pol.master} (master)")
+    named = "parameters + gradients + optimizer state" + (" + master weights" if pol.master else "")
     lines = [
-        f"static per parameter: {' + '.join(parts)} = {bpp} bytes → {bpp}·P_total = {sympy.expand(bpp * mm.P)} bytes"
+        f"per parameter: {' + '.join(parts)} = {bpp} bytes → {bpp}·P_total = {sympy.expand(bpp * mm.P)} bytes"
         f" (P_total = {mm.P} from the trace; precision {pol.name}: {pol.note})"
     ]
     if opt.step:
         lines.append(f"  + {STEP_BYTES} bytes of {opt.torch} step counter per parameter tensor × {mm.n_tensors} tensors")
     if opt.factored:
         lines.append("  + Adafactor's factored second moment (rows + columns per matrix, full vectors), in the optimizer row")
-    where = mm.peak_where(**vsizes)
     at = "at the sizes above" if sizes else "at the model's defaults"
+    keys = ("params", "grads", "optimizer") + (("master_weights",) if pol.master else ())
+    lines.append(f"{named} {at}: {' + '.join(f'{comp[k]:,}' for k in keys)} = {sum(comp[k] for k in keys):,} bytes "
+                 f"({gib(sum(comp[k] for k in keys))}); the static row leaves the gradients out (the backward "
+                 "allocates them: the peak counts them in its live sets)")
+    where = mm.peak_where(**vsizes)
     lines.append(f"peak {at}: {gib(comp['peak'])}, reached at {where}")
     if "B" not in mm.gens:
         sol = None
         lines.append(f"B is pinned to {an.pinned.get('B', 1)} in this trace: run max-batch without --set B to solve for it")
     else:
         sol = mm.solve(capb, "B", **{s: v for s, v in vsizes.items() if s != "B"})
+    reason = None
     if sol is None:
         pass
     elif sol.value >= 1:
@@ -1347,19 +1399,19 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
             f"M({sol.value + 1}) = {gib(sol.memory_next)})" + (f"; {sol.limited_by}" if sol.limited_by else "")
         )
     else:
-        name, nb = sol.dominant
-        lines.append(f"not even B = 1 fits under {gib(capb)} (M(1) = {gib(sol.memory_next)}); "
-                     f"{dominant_text(name, nb, capb)}")
+        reason = mm.no_fit_reason(sol, **vsizes)
+        lines.append(f"largest batch under {gib(capb)}: none (max_batch 0): {reason}")
     js: dict[str, Any] = {}
     for k, f in formulas.items():
         if f is None:
             continue
         js[k] = comp[k] if evaluate else str(f)
-    js["static"] = int(mm.static.xreplace(env)) if evaluate else str(mm.static)
+    js["static"] = static_v if evaluate else str(mm.static)
     if not evaluate:
         js["peak_terms"] = [{"formula": str(e), "min_L": m, "where": w} for e, m, w in mm.peak_terms()]
     js["bytes_per_param"] = bpp
     js["max_batch"] = sol.value if sol else None
+    js["max_batch_reason"] = reason  # why max_batch is 0 (None when a batch fits or B is pinned)
     js["memory_at_max"] = sol.memory_at if sol else None
     js["memory_cap"] = capb
     js["optimizer_name"] = opt.name

@@ -21,15 +21,7 @@ from torch import nn
 from .errors import SymcostError
 
 from .spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, SYMBOL_ORDER, Inputs, ModelSpec  # noqa: F401
-
-
-BUILTINS = {
-    "cs336-lm": "cs336_lm",
-    "gpt2": "gpt2",
-    "mlp": "mlp",
-    "megatron-gpt": "megatron_gpt",
-    "moe": "moe",
-}
+from .spec import BUILTINS, check_model_name  # noqa: F401  (the torch-free registry of names)
 
 
 def resolve(model: str, config: Mapping[str, str] | None = None, attention: str | None = None) -> ModelSpec:
@@ -72,10 +64,8 @@ def resolve(model: str, config: Mapping[str, str] | None = None, attention: str 
         if config:
             raise SymcostError("--config applies to hf: models only")
         return _file_spec(model)
-    raise SymcostError(
-        f"unknown model {model!r}; accepted: {', '.join(BUILTINS)}, hf:MODEL_TYPE (e.g. hf:llama), "
-        "hf:ORG/NAME (local Hugging Face cache), path/to/config.json or path/to/file.py:factory"
-    )
+    check_model_name(model)  # raises: unknown name, listing what is accepted
+    raise SymcostError(f"cannot resolve model {model!r}")  # (unreachable: check_model_name accepts only the above)
 
 
 def _file_spec(model: str) -> ModelSpec:

@@ -420,6 +420,8 @@ def render_values(an: Analysis, sizes: Mapping[str, int], memory: dict | None = 
             if isinstance(v, int) and not isinstance(v, bool):
                 unit = "" if k in ("max_batch", "bytes_per_param") else "B"
                 c.print(f"  memory.{k:<22} {v:>17,}" + (f"   ({human(v, unit)})" if unit else ""))
+                if k == "max_batch" and memory["json"].get("max_batch_reason"):
+                    c.print(f"    (no batch fits: {memory['json']['max_batch_reason']})")
     _unsupported(c, an, env)
 
 

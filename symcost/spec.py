@@ -175,3 +175,48 @@ class ModelSpec:
         return tuple(s for s in SYMBOL_ORDER if s in syms and s not in self.tied)
 
 
+
+
+#: Built-in model names -> their module under ``symcost.graphs`` (``symcost.models.resolve``
+#: imports it); here, torch-free, so a name can be checked before torch is imported.
+BUILTINS: dict[str, str] = {
+    "cs336-lm": "cs336_lm",
+    "gpt2": "gpt2",
+    "mlp": "mlp",
+    "megatron-gpt": "megatron_gpt",
+    "moe": "moe",
+}
+
+#: What a model name may be, as the error line lists it.
+ACCEPTED_MODELS = ("hf:MODEL_TYPE (e.g. hf:llama), hf:ORG/NAME (local Hugging Face cache), path/to/config.json "
+                   "or path/to/file.py:factory")
+
+
+def check_model_name(model: str) -> None:
+    """Reject a model name that no loader accepts, without importing torch or transformers (the
+    CLI calls it before anything heavy, so a typo answers at once).
+
+    Accepted here: a built-in name (:data:`BUILTINS`), anything ``hf:`` (the model type is checked
+    against ``transformers``' config mapping by :func:`symcost.hf.spec`, which needs transformers
+    and so torch), ``path/to/config.json`` and ``path/to/file.py:factory`` whose file exists.
+
+    Raises:
+        SymcostError: an unknown name (the message lists what is accepted) or a missing file.
+    """
+    import os
+
+    from .errors import SymcostError
+
+    model = str(model)
+    if model in BUILTINS or model.startswith("hf:"):
+        return
+    if model.endswith(".json"):  # (the order of symcost.models.resolve)
+        if not os.path.isfile(model):
+            raise SymcostError(f"config file {model!r} not found")
+        return
+    if ".py:" in model:
+        path = model.rpartition(":")[0]
+        if not os.path.isfile(path):
+            raise SymcostError(f"model file {path!r} not found; expected path/to/file.py:factory")
+        return
+    raise SymcostError(f"unknown model {model!r}; accepted: {', '.join(BUILTINS)}, {ACCEPTED_MODELS}")

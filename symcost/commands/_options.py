@@ -141,14 +141,17 @@ def memory_options(f):
 
 def early_checks(model, sets, config, attention, precision) -> None:
     """The checks that need neither sympy nor torch (a command runs them first, so argument
-    errors answer at once): sizes, precision, config syntax, --attention for a model that is not
-    ``hf:``.
+    errors answer at once): the model name (:func:`symcost.spec.check_model_name`: built-in
+    names, the ``hf:`` prefix, existing files), sizes, precision, config syntax, --attention for
+    a model that is not ``hf:``.
 
     Raises:
         SymcostError: the first problem found.
     """
     from ..precision import check_precision
+    from ..spec import check_model_name
 
+    check_model_name(model)
     parse_sizes(sets)
     check_precision(precision)
     parse_config(config)

@@ -29,7 +29,6 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
     from .. import roofline as rl
     from ..devices import parse_rate
     from ..errors import SymcostError
-    from ..fusion import estimate
     from ..report import console
 
     dev = resolve_device(device_name, devices_file, peak_flops, bandwidth)
@@ -37,6 +36,8 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
     if n_devices <= 0:
         raise SymcostError("--devices must be a positive integer")
     an, sizes = trace_model(model, sets, config, attention, precision)
+    from ..fusion import estimate  # (imports torch: after the options and the model name are checked)
+
     tc = rl.tokens_compute(an, sizes)
     key = rl.training_precision(an)
     peak, _ = dev.peak_for(key)

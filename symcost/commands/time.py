@@ -25,7 +25,6 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
     from the traced step's exact FLOPs and from 6·N·P side by side."""
     from .. import roofline as rl
     from ..errors import SymcostError
-    from ..fusion import estimate
     from ..report import console
 
     dev = resolve_device(device_name, devices_file, peak_flops, bandwidth)
@@ -35,6 +34,8 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
     if n_devices <= 0:
         raise SymcostError("--devices must be a positive integer")
     an, sizes = trace_model(model, sets, config, attention, precision)
+    from ..fusion import estimate  # (imports torch: after the options and the model name are checked)
+
     tc = rl.tokens_compute(an, sizes, n_tokens, recompute)
     key = rl.training_precision(an)
     peak, _ = dev.peak_for(key)
