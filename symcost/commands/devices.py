@@ -14,7 +14,7 @@ import click
 @click.option("--debug", is_flag=True, help="show tracebacks")
 def devices(devices_file, sources, as_json, debug):
     """List the devices --device accepts: dense peak FLOP/s per precision, bandwidth, capacity, name,
-    datasheet date (--sources: the datasheet URLs).
+    special-function rate (where given), datasheet date (--sources: the datasheet URLs).
 
     The text fits 80 columns: figures in one table (numbers never wrapped), names and datasheet
     dates in a second; the URLs, too long for any table, only with --sources or in --json.
@@ -42,13 +42,18 @@ def devices(devices_file, sources, as_json, debug):
                   f"{d.bandwidth / 1e12:.3g}", f"{d.memory / 1e9:.4g}" if d.memory else "-",
                   f"{d.ridge('bf16'):.0f}")
     c.print(t)
-    n = Table(title="Names and datasheet dates (URLs: --sources, or --json)", title_justify="left",
+    n = Table(title="Names, special functions (T evaluations/s: exp, erf, ...), datasheet dates "
+                    "(URLs: --sources, or --json)", title_justify="left",
               box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     n.add_column("device", overflow="fold")
     n.add_column("name")
+    n.add_column("special", justify="right", no_wrap=True)
     n.add_column("date", no_wrap=True)
     for k, d in devs.items():
-        n.add_row(k, d.name, d.date or "-")
+        tr = d.transcendental_rate
+        special = "-" if not tr else (f"{tr['all'] / 1e12:.3g}" if set(tr) == {"all"} else
+                                      f"{min(tr.values()) / 1e12:.2g}-{max(tr.values()) / 1e12:.2g}")
+        n.add_row(k, d.name, special, d.date or "-")
     c.print(n)
     aliases = {**ALIASES, **{a: k for k, d in devs.items() for a in d.aliases}}
     c.print("aliases: " + ", ".join(f"{a} = {b}" for a, b in aliases.items()))
