@@ -422,19 +422,13 @@ RSTD_OUTPUT = {"aten.native_layer_norm": 2, "aten._fused_rms_norm": 1, "aten.nat
                "aten.native_batch_norm": 2, "aten._native_batch_norm_legit": 2}
 #: exps of the fused attention kernels: one per attention score, forward and backward (which
 #: recomputes P = exp(S - logsumexp); Dao et al. 2022, FlashAttention, Alg. 1 and 4)
-ATTENTION_KERNELS = {
-    "aten._scaled_dot_product_flash_attention_for_cpu": ("query", "key", False),
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward": ("query", "key", False),
-    "aten._scaled_dot_product_flash_attention": ("query", "key", False),
-    "aten._scaled_dot_product_flash_attention_backward": ("query", "key", False),
-    "aten._scaled_dot_product_efficient_attention": ("query", "key", False),
-    "aten._scaled_dot_product_efficient_attention_backward": ("query", "key", False),
-    "aten._scaled_dot_product_cudnn_attention": ("query", "key", False),
-    "aten._scaled_dot_product_cudnn_attention_backward": ("query", "key", False),
-    "aten._flash_attention_forward": ("query", "key", True),
-    "aten._flash_attention_backward": ("query", "key", True),
-    "aten._efficient_attention_forward": ("query", "key", True),
-    "aten._efficient_attention_backward": ("query", "key", True),
+ATTENTION_KERNELS = {  # packet -> whether its tensors are the raw kernels' BSHD (else BHSD)
+    **{f"aten._scaled_dot_product_{k}": False for k in (
+        "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "flash_attention",
+        "flash_attention_backward", "efficient_attention", "efficient_attention_backward",
+        "cudnn_attention", "cudnn_attention_backward")},
+    **{f"aten._{k}": True for k in ("flash_attention_forward", "flash_attention_backward",
+                                     "efficient_attention_forward", "efficient_attention_backward")},
 }
 #: per hidden element and time step of a fused recurrent layer (mode as RNN_STATE_UPDATE): LSTM
 #: three sigmoid gates, a tanh gate and tanh(c); GRU two sigmoids and a tanh; RNN-tanh one tanh
@@ -480,13 +474,12 @@ def transcendentals(v: OpView, family: str | None = None) -> dict:
         i = RSTD_OUTPUT[packet]
         return {"sqrt": numel(v.out_shapes[i])} if len(v.out_shapes) > i else {}
     if packet in ATTENTION_KERNELS:
-        qn, kn, raw = ATTENTION_KERNELS[packet]
-        if raw:
+        if ATTENTION_KERNELS[packet]:
             n, q, k, _, _ = _raw_attention_shapes(
-                v, (qn, kn, "value"), *(("cum_seq_q", "max_q", "max_k") if "flash" in packet
-                                        else ("cu_seqlens_q", "max_seqlen_q", "max_seqlen_k")))
+                v, ("query", "key", "value"), *(("cum_seq_q", "max_q", "max_k") if "flash" in packet
+                                                else ("cu_seqlens_q", "max_seqlen_q", "max_seqlen_k")))
         else:
-            n, q, k = 1, _arg(v, qn), _arg(v, kn)
+            n, q, k = 1, _arg(v, "query"), _arg(v, "key")
         b, h, s_q, _ = q
         return {"exp": n * b * h * s_q * k[2]}
     if packet == "aten.mkldnn_rnn_layer":

@@ -30,11 +30,12 @@ from .opsets import ROW_NORMALISING
 
 
 # -- FLOPs and bytes of a kernel, by symcost's rules ---------------------------------------------
-def kernel_costs(fn: Callable, *args) -> list[dict]:
+def kernel_costs(fn: Callable, *args, grad: bool = False) -> list[dict]:
     """The aten ops ``fn(*args)`` runs (eagerly), each costed by :func:`symcost.rules.cost` at its
     concrete shapes: ``[{"op", "flops" (all FLOPs), "model_flops", "bytes", "written" (the
     outputs' part of bytes), "precision", "transcendentals" ({class: evaluations}), "packed"
-    (bytes of a GEMM's [k, n] operand, :func:`symcost.rules.packed_operand`; 0 otherwise)}]``."""
+    (bytes of a GEMM's [k, n] operand, :func:`symcost.rules.packed_operand`; 0 otherwise)}]``.
+    ``grad``: record with autograd on (``fn`` may call ``backward``: its ops are recorded too)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten, tree_map
@@ -64,7 +65,7 @@ def kernel_costs(fn: Callable, *args) -> list[dict]:
                         "packed": packed})
             return res
 
-    with torch.no_grad(), _Rec():
+    with (torch.enable_grad() if grad else torch.no_grad()), _Rec():
         fn(*args)
     return out
 

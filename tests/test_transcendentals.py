@@ -21,48 +21,21 @@ from symcost.validate import kernel_costs
 
 def _counts(fn, *args, backward=False):
     """{class: evaluations} summed over the aten ops ``fn`` runs (and its backward)."""
-    total: dict[str, int] = {}
+    if backward:
+        args = tuple(a.detach().requires_grad_(True) for a in args)
 
-    def run():
-        out = fn(*args)
-        if backward:
+        def run(*a):
+            out = fn(*a)
             out.backward(torch.ones_like(out))
 
-    if backward:
-        args = tuple(a.detach().requires_grad_(True) if a.is_floating_point() else a for a in args)
-        costs = _record_with_grad(run)
+        costs = kernel_costs(run, *args, grad=True)
     else:
         costs = kernel_costs(fn, *args)
+    total: dict[str, int] = {}
     for c in costs:
         for k, n in c["transcendentals"].items():
             total[k] = total.get(k, 0) + n
     return total
-
-
-def _record_with_grad(run):
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten, tree_map
-
-    from symcost import rules
-
-    out = []
-
-    class _Rec(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, a=(), kw=None):
-            kw = kw or {}
-            res = func(*a, **kw)
-            ins = [x for x in tree_flatten((a, kw))[0] if isinstance(x, torch.Tensor)]
-            outs = [x for x in tree_flatten(res)[0] if isinstance(x, torch.Tensor)]
-            shape = lambda x: tuple(x.shape) if isinstance(x, torch.Tensor) else x  # noqa: E731
-            sa, skw = tree_map(shape, (a, kw))
-            v = rules.OpView(func, str(func), [tuple(x.shape) for x in ins], [x.dtype for x in ins],
-                             [tuple(x.shape) for x in outs], [x.dtype for x in outs], tuple(sa), dict(skw))
-            out.append({"transcendentals": {k: int(n) for k, n in rules.cost(v).transcendentals.items()}})
-            return res
-
-    with _Rec():
-        run()
-    return out
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
