@@ -306,3 +306,47 @@ def test_cli_mfu_and_time_agree_with_definitions(capsys, traced):
     res = json.loads(out)
     assert res["time.seconds"] == pytest.approx(per_token * 1e12 / (8 * h.peak["fp32"] * 0.5))
     assert res["time.6NP.days"] == pytest.approx(res["compute.6NP"] / (8 * h.peak["fp32"] * 0.5) / 86400)
+
+
+# -- passes a CPU core runs one after the other (serial_passes) -----------------------------------
+def test_serial_passes_on_a_cpu_like_device(traced, tmp_path):
+    """On a serial_passes device a GEMM packs its [k, n] operand (read and written once, Goto & van
+    de Geijn 2008) before the multiply, and a row-normalising op's memory time adds to its compute
+    time; the same device without the flag takes the plain roofline max. Hand-computed from the
+    op's shapes at random sizes; a matrix-vector product packs nothing."""
+    an = traced("cs336-lm", "fp32")
+    f = tmp_path / "cpu.toml"
+    f.write_text('[cpu]\nfp32 = 1e11\nbandwidth = 2e10\nwrite_bandwidth = 1e10\nserial_passes = true\n'
+                 '[flat]\nfp32 = 1e11\nbandwidth = 2e10\nwrite_bandwidth = 1e10\n')
+    cpu, flat = dv.get_device("cpu", str(f)), dv.get_device("flat", str(f))
+    rng = random.Random(23)
+    sizes = {"B": rng.randint(1, 3), "S": rng.randint(5, 40), "L": 2}
+    env = an.bind(**sizes)
+    ops = {op.index: op for op in an.ops}
+    serial = {n["index"]: n for n in rl.roofline(an, cpu, sizes, fused=False)["nodes"]}
+    plain = {n["index"]: n for n in rl.roofline(an, flat, sizes, fused=False)["nodes"]}
+    gemms = norms = 0
+    for i, n in serial.items():
+        op, p = ops[i], plain[i]
+        num = lambda x: int(sympy.sympify(x).subs(env))  # noqa: E731
+        written = sum(num(rules.nbytes(s, d)) for s, d in zip(op.out_shapes, op.out_dtypes))
+        t_mem = (n["bytes"] - written) / 2e10 + written / 1e10
+        t_cmp = n["flops"] / 1e11
+        packet = op.name.rsplit(".", 1)[0]
+        if packet in ("aten.mm", "aten.addmm", "aten.bmm"):
+            b_op = op.in_shapes[1 if packet in ("aten.mm", "aten.bmm") else 2]
+            m, k_n = num(op.out_shapes[0][-2]), num(op.out_shapes[0][-1])
+            pack = num(rules.nbytes(b_op, op.in_dtypes[1])) * (1 / 2e10 + 1 / 1e10) if m > 1 and k_n > 1 else 0
+            assert n["seconds"] == pytest.approx(n["repeat"] * max(t_mem, t_cmp + pack), rel=1e-9), op.name
+            gemms += n["seconds"] > p["seconds"] * (1 + 1e-9)  # packing made it slower than the max
+        elif packet in rules.ROW_NORMALISING:
+            assert n["seconds"] == pytest.approx(n["repeat"] * (t_mem + max(t_cmp, 0.0)), rel=1e-9), op.name
+            norms += n["seconds"] > p["seconds"] * (1 + 1e-9)
+        else:
+            assert n["seconds"] == pytest.approx(p["seconds"], rel=1e-12), op.name
+        assert p["seconds"] <= n["seconds"] * (1 + 1e-12)  # the plain roofline is never above
+    assert gemms and norms
+    # a matrix-vector product packs nothing: [n, n] x [n, 1]
+    v = rules.OpView(torch.ops.aten.mm.default, "aten.mm.default", [(64, 64), (64, 1)], [torch.float32] * 2,
+                     [(64, 1)], [torch.float32], ((64, 64), (64, 1)), {})
+    assert rules.packed_operand("aten.mm.default", v.in_shapes, v.in_dtypes, v.out_shapes)[2] == 1
