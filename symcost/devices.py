@@ -354,6 +354,9 @@ def get_device(name: str | None = None, devices_file: str | None = None, peak_fl
     if name is None and len(extra) == 1:
         name = next(iter(extra))
     if name is None:
+        if extra:
+            raise SymcostError(f"{devices_file} holds {len(extra)} devices ({', '.join(extra)}): "
+                               "pick one with --device NAME")
         if peak_flops is None or bandwidth is None:
             raise SymcostError("no device: pass --device NAME (see `symcost devices`), --devices-file, "
                                "or both --peak-flops and --bandwidth")

@@ -249,3 +249,32 @@ def test_eval_says_why_no_batch_fits(capsys, traced):
     assert json.loads(out)["memory"]["max_batch_reason"] is None  # 80GiB: a batch fits
     code, out, err = cli(capsys, "formulas", "mlp", "--precision", "fp32", "--json")
     assert "max_batch_reason" not in json.loads(out)["memory"]
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_validate_table_numbers_never_wrap(capsys, monkeypatch, width):
+    """The validate table at 80 and 100 columns: no line wider than the terminal, and every
+    kernel's predicted and measured milliseconds whole on one line (rows made by hand, the
+    measurement itself is tests/test_validate.py's)."""
+    from symcost import validate as val
+
+    rng = random.Random(width)
+    rows = []
+    for i in range(6):
+        pred = rng.uniform(1e-3, 3.0)
+        meas = pred * rng.uniform(1.0, 1.9)
+        rows.append({"family": "f", "kernel": f"gelu(Linear({rng.randint(100, 9999)},{rng.randint(100, 9999)})) on "
+                     f"[{rng.randint(100, 9999)},{rng.randint(100, 9999)}] #{i}", "large": True,
+                     "flops": rng.randint(1, 10**12), "bytes": rng.randint(1, 10**10), "intensity": rng.uniform(0.01, 500),
+                     "bound": rng.choice(("compute", "memory", "transcendental")), "predicted": pred, "measured": meas,
+                     "ratio": meas / pred})
+    dev = val.device_from_entry({"fp32": 1e11, "bandwidth": 2e10})
+    monkeypatch.setattr(val, "validate", lambda *a, **k: val.Validation(dev, rows, [], [], 1, 0.0))
+    monkeypatch.setenv("COLUMNS", str(width))
+    code, out, err = cli(capsys, "validate", "--quick")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= width
+    for r in rows:
+        want = (f"{r['predicted'] * 1e3:.4g}", f"{r['measured'] * 1e3:.4g}", f"{100 / r['ratio']:.0f}%")
+        assert any(all(w in line.split() for w in want) for line in lines), (r, out)

@@ -101,3 +101,11 @@ def test_cli_devices_lists_catalogue_and_errors_are_one_line(tmp_path, capsys):
     code, out, err = cli(capsys, "devices", "--devices-file", str(bad))
     assert code == 2 and err.startswith("symcost: error:") and "TOML" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_file_of_several_devices_needs_device_and_says_which(tmp_path):
+    f = tmp_path / "lab.toml"
+    f.write_text('[one]\nfp32 = 1e12\nbandwidth = 1e11\n[two]\nfp32 = 2e12\nbandwidth = 1e11\n')
+    with pytest.raises(SymcostError, match=r"holds 2 devices \(one, two\): pick one with --device NAME"):
+        dv.get_device(None, str(f))
+    assert dv.get_device("two", str(f)).peak["fp32"] == 2e12

@@ -86,7 +86,9 @@ def render_text(c, an, dev, r: dict, tc: dict, n_tokens=None, top: int = 15, unf
     from ..report import human, short
 
     c.print(f"[bold]symcost roofline[/bold]: {an.model} on {dev.name}   precision {an.precision} "
-            f"({r['precision']} peak {dev.peak_for(r['precision'])[0] / 1e12:.4g} TFLOP/s, "
+            f"({r['precision']} peak {dev.peak_for(r['precision'])[0] / 1e12:.4g} TFLOP/s"
+            + (f" (its {dev.peak_for(r['precision'])[1]} figure)" if dev.peak_for(r['precision'])[1] != r['precision'] else "")
+            + ", "
             f"bandwidth {dev.bandwidth / 1e12:.4g} TB/s, ridge {dev.ridge(r['precision']):.1f} FLOP/byte)")
     c.print("sizes: " + " ".join(f"{k}={v}" for k, v in r["sizes"].items()))
     c.print(f"step time lower bound: {_fmt_s(r['step_seconds_fused'])} fused (compiled), "

@@ -28,7 +28,7 @@ def validate(devices_file, device_name, quick, hardware, attempts, plot, as_json
     from .. import validate as val
     from ..devices import get_device
     from ..errors import SymcostError
-    from ..report import console, human
+    from ..report import console
 
     if attempts < 1:
         raise SymcostError("--attempts must be a positive integer")
@@ -55,14 +55,19 @@ def validate(devices_file, device_name, quick, hardware, attempts, plot, as_json
         d = v.device
         c.print(f"[bold]symcost validate[/bold] on {d.name}: fp32 peak {d.peak_for('fp32')[0] / 1e9:.1f} GFLOP/s, "
                 f"bandwidth {d.bandwidth / 1e9:.2f} GB/s, ridge {d.ridge('fp32'):.2f} FLOP/byte ({hardware})")
-        t = Table(title_justify="left")
-        for col in ("kernel", "FLOPs", "bytes", "FLOP/byte", "bound", "predicted", "measured", "GFLOP/s", "GB/s",
-                    "measured/predicted"):
-            t.add_column(col, overflow="fold")
+        from rich import box
+
+        t = Table(title="per kernel: GFLOP, MiB, predicted and measured ms, reaches = predicted / measured "
+                        "(bound: memory, compute, transc = special functions; FLOP/s and byte/s: --json)",
+                  title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+        t.add_column("kernel", overflow="fold")  # names fold; the numbers never wrap
+        for col in ("GFLOP", "MiB", "FLOP/B", "bound", "pred ms", "meas ms", "reaches"):
+            t.add_column(col, justify="right", no_wrap=True)
+        short = {"transcendental": "transc"}
         for r in v.rows:
-            t.add_row(r["kernel"], human(r["flops"], "FLOP"), human(r["bytes"], "B"), f"{r['intensity']:.3g}",
-                      r["bound"], f"{r['predicted'] * 1e3:.3f} ms", f"{r['measured'] * 1e3:.3f} ms",
-                      f"{r['flop_per_s'] / 1e9:.2f}", f"{r['byte_per_s'] / 1e9:.2f}", f"{r['ratio']:.2f}")
+            t.add_row(r["kernel"], f"{r['flops'] / 1e9:.3g}", f"{r['bytes'] / 2**20:.4g}", f"{r['intensity']:.3g}",
+                      short.get(r["bound"], r["bound"]), f"{r['predicted'] * 1e3:.4g}", f"{r['measured'] * 1e3:.4g}",
+                      f"{100 / r['ratio']:.0f}%")
         c.print(t)
         for s in v.scaling:
             verdict = {True: "agrees", False: "DISAGREES", None: "n/a (FLOPs and bytes grow alike)"}[s["agrees"]]
