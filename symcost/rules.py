@@ -435,7 +435,7 @@ ATTENTION_KERNELS = {  # packet -> whether its tensors are the raw kernels' BSHD
 RNN_TRANSCENDENTALS = {0: {}, 1: {"tanh": 1}, 2: {"exp": 3, "tanh": 2}, 3: {"exp": 2, "tanh": 1}}
 
 
-def transcendentals(v: OpView, family: str | None = None) -> dict:
+def transcendentals(v: OpView) -> dict:
     """Transcendental function evaluations of one op, ``{class: count}`` (symbolic or concrete).
 
     Per output element from :data:`TRANSCENDENTAL_OUT`; GELU by its ``approximate`` argument
@@ -551,7 +551,7 @@ def cost(v: OpView, family: str | None = None) -> Cost:
     family = family or classify(v.op)
     c = flop_cost(v, family)
     if family not in ("view", "alloc", "unsupported"):
-        c.transcendentals = {k: expand_flops(n) for k, n in transcendentals(v, family).items() if n != 0}
+        c.transcendentals = {k: expand_flops(n) for k, n in transcendentals(v).items() if n != 0}
     return c
 
 
