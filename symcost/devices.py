@@ -130,13 +130,12 @@ class Device:
         """Seconds the device's special-function throughput needs for ``counts`` (``{class:
         evaluations}``, :func:`symcost.rules.transcendentals`): the sum of count / rate over the
         classes (a class without its own rate takes ``all``; none at all: 0, not timed)."""
-        rates = self.transcendental_rate
-        t = 0.0
-        for k, n in counts.items():
-            r = rates.get(k, rates.get("all"))
-            if r and n:
-                t += float(n) / r
-        return t
+        return sum(float(n) / r for k, n in counts.items() if n and (r := self.rate_for(k)))
+
+    def rate_for(self, cls: str) -> float | None:
+        """Evaluations per second of the transcendental class ``cls`` (its own rate, else
+        ``all``); None where the device gives neither."""
+        return self.transcendental_rate.get(cls, self.transcendental_rate.get("all"))
 
     def memory_seconds(self, read: float, written: float) -> float:
         """Seconds to move ``read`` + ``written`` bytes: read / bandwidth + written /

@@ -15,7 +15,7 @@ CACM 52(4), 2009):
   evaluations / the device's special-function rate), in seconds (the third ceiling:
   FlashAttention-3, Shah et al. 2024, sec. 3; :func:`symcost.devices.op_time`); on a device with
   ``serial_passes`` (a CPU) a row-normalising op's memory time adds to the larger of the other
-  two instead; the step's lower bound is the sum over ops (times their repeat), since ops of one
+  two instead, and a GEMM's packing of its [k, n] operand adds to its compute time; the step's lower bound is the sum over ops (times their repeat), since ops of one
   stream run one after the other;
 - MFU ceiling = model FLOPs of the step / (step lower bound x peak at the training precision):
   no run of that step on that device can exceed it (PaLM's MFU, Chowdhery et al. 2022, App. B).
@@ -242,7 +242,7 @@ def formulas(an, device: Device, fe=None, fused: bool = True) -> dict:
         w = fe.node_written[op.index] if fused else fusion.written_bytes(op)
         t_mem = (b - w) / sympy.Float(device.bandwidth, 6) + w / sympy.Float(device.write_bandwidth or device.bandwidth, 6)
         t_tr = sympy.Add(*[n / sympy.Float(r, 6) for k, n in op.cost.transcendentals.items()
-                           if (r := device.transcendental_rate.get(k, device.transcendental_rate.get("all")))])
+                           if (r := device.rate_for(k))])
         t_cmp = sympy.Rational(1) * op.cost.flops_all / sympy.Float(peak, 6)
         pk = rules.packed_operand(op.name, op.in_shapes, op.in_dtypes, op.out_shapes) if device.serial_passes else None
         if device.serial_passes and op.name.rsplit(".", 1)[0] in ROW_NORMALISING:
