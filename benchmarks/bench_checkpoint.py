@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 import symcost  # noqa: E402
-from symcost import checkpoint as ck  # noqa: E402
+from symcost.passes import checkpoint as ck  # noqa: E402
 from memory_oracle import build, step_peak  # noqa: E402
 
 SIZES = {

@@ -22,7 +22,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import symcost
-from symcost.fit import SYMS
+from symcost.tracing.fit import SYMS
 
 N_POINTS = 10_000
 N_REAL = 4  # real FlopCounterMode runs timed per model

@@ -19,7 +19,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import symcost  # noqa: E402
-from symcost import memory  # noqa: E402
+from symcost.passes import memory  # noqa: E402
 from memory_oracle import step_peak  # noqa: E402
 
 SIZES = {

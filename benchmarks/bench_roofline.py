@@ -11,7 +11,9 @@ import sys
 import time
 
 import symcost
-from symcost import devices, fusion, roofline
+from symcost.hardware import devices
+from symcost.graph import fusion
+from symcost.passes import roofline
 
 
 def main(models):

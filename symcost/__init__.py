@@ -4,6 +4,11 @@
 into a networkx op graph whose shapes are polynomials in B, S, H, D, L, V, F, K, with closed-form
 FLOPs, bytes and arithmetic intensity per op and in total.
 
+The package is laid out by pipeline stage (docs/architecture.md): ``frontends`` (what the user
+hands over) -> ``tracing`` (record and fit) -> ``graph`` (the op graph, cost rules, totals) ->
+``hardware`` (devices) -> ``passes`` (memory, checkpointing, MoE, roofline) -> ``validation`` ->
+``render`` -> ``commands`` -> ``cli``. A stage imports only from stages before it.
+
 The names below are loaded on first use (PEP 562), so ``import symcost`` (and the CLI's
 ``--help``) does not import torch.
 """
@@ -11,18 +16,23 @@ from __future__ import annotations
 
 import importlib
 
+from symcost import _compat
+
 __all__ = ["Analysis", "ModelSpec", "SYMS", "SymcostError", "parse_formula", "resolve", "trace"]
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Analysis": "analysis", "trace": "analysis", "SymcostError": "errors", "SYMS": "fit",
-    "parse_formula": "fit", "ModelSpec": "spec", "resolve": "models",
+    "Analysis": "symcost.graph.analysis", "trace": "symcost.graph.build", "SymcostError": "symcost.errors",
+    "SYMS": "symcost.tracing.fit", "parse_formula": "symcost.tracing.fit", "ModelSpec": "symcost.frontends.spec",
+    "resolve": "symcost.frontends.models",
 }
+
+_compat.install()  # the flat layout's module paths (symcost.memory, ...) still import, deprecated
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'symcost' has no attribute {name!r}")
 
 

@@ -15,7 +15,7 @@ import traceback
 import click
 
 from .commands._options import expand_multi
-from .errors import SymcostError
+from symcost.errors import SymcostError
 
 #: The one place commands are registered: name -> "module:attribute" of a click command.
 COMMANDS: dict[str, str] = {

@@ -10,7 +10,7 @@ import pytest
 
 import symcost
 
-# The CLI caches traces on disk (symcost.cache): the tests use a fresh folder of their own.
+# The CLI caches traces on disk (symcost.graph.cache): the tests use a fresh folder of their own.
 os.environ["SYMCOST_CACHE_DIR"] = tempfile.mkdtemp(prefix="symcost-test-cache-")
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import random_sizes
-from symcost import memory
+from symcost.passes import memory
 from symcost.errors import SymcostError
 from memory_oracle import accumulation_peak, build
 

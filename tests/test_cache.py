@@ -1,4 +1,4 @@
-"""The trace cache (symcost.cache): entries as data, matched by regime, rebuilt when corrupt.
+"""The trace cache (symcost.graph.cache): entries as data, matched by regime, rebuilt when corrupt.
 
 The oracle for a cached analysis is a fresh trace of the same model: every total, every memory
 component, the peak and the largest batch must agree at random sizes (drawn as
@@ -16,8 +16,9 @@ import pytest
 import sympy
 
 from conftest import random_sizes
-from symcost import cache, memory
-from symcost.analysis import Analysis
+from symcost.graph import cache
+from symcost.passes import memory
+from symcost.graph.analysis import Analysis
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def _same(fresh, cached, rng, n=4):
     assert cached.params_not_in_P() == fresh.params_not_in_P()
     for q in ("params", "params_matmul", "attention_flops", "flops.train", "bytes.backward"):
         assert sympy.expand(cached.quantity(q) - fresh.quantity(q)) == 0, q
-    from symcost import fusion
+    from symcost.graph import fusion
 
     ff, fc = fusion.estimate(fresh), fusion.estimate(cached)  # fused bytes need the recordings: kept as data
     assert fc.exact == ff.exact and sympy.expand(fc.total(cached) - ff.total(fresh)) == 0

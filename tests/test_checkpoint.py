@@ -1,4 +1,4 @@
-"""Activation checkpointing (symcost.checkpoint, ``symcost checkpoint``), against PyTorch.
+"""Activation checkpointing (symcost.passes.checkpoint, ``symcost checkpoint``), against PyTorch.
 
 Oracles: the applied plan run on real CPU tensors — outputs and gradients against the plain
 model's; ``torch.profiler``'s memory timeline of a steady-state step (tests/memory_oracle.py)
@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from symcost import checkpoint as ck
+from symcost.passes import checkpoint as ck
 from symcost.errors import SymcostError
-from symcost.models import resolve
+from symcost.frontends.models import resolve
 from memory_oracle import build, step_peak
 
 

@@ -1,4 +1,4 @@
-"""Op-level selective recomputation (symcost.checkpoint_ops): the ILP against Korthikanti et al.
+"""Op-level selective recomputation (symcost.passes.checkpoint_ops): the ILP against Korthikanti et al.
 2022 (a published, hand-worked formula) and the applied selective plan against the plain model."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from symcost import checkpoint_ops as co
+from symcost.passes import checkpoint_ops as co
 from test_checkpoint import run_step
 
 

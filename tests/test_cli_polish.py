@@ -21,11 +21,12 @@ import torch
 from rich.console import Console
 
 from conftest import run_cli as cli
-from symcost import memory as mem
-from symcost import roofline as rl
-from symcost.devices import PRECISIONS, get_device
-from symcost.models import resolve
-from symcost.report import render_memory, short
+from symcost.render import memory as mem
+from symcost.units import gib
+from symcost.passes import roofline as rl
+from symcost.hardware.devices import PRECISIONS, get_device
+from symcost.frontends.models import resolve
+from symcost.render.report import render_memory, short
 
 WIDTHS = (80, 100)
 #: conventions.md: bytes per parameter of weights + gradients + AdamW's two moments, per policy
@@ -112,7 +113,7 @@ def _render(fn, width: int) -> str:
 def test_roofline_tables_fit_80_and_100_columns(traced):
     """The roofline text at both widths: no line wider; each top op's numbers whole on the line
     of its phase, in the order of the table (numbers never wrap, only names fold)."""
-    from symcost.commands.roofline import _BOUND, _PHASE, _fmt_s, render_text
+    from symcost.render.roofline import _BOUND, _PHASE, _fmt_s, render_text
 
     an = traced("cs336-lm", "fp32")
     dev = get_device("h100")
@@ -166,7 +167,7 @@ def test_memory_section_sums_name_their_parts(traced, model, precision):
     static_parts = js["params"] + js["optimizer"] + js["master_weights"] + js["buffers"] + js["inputs"]
     assert js["static"] == static_parts and js["static"] == total - js["grads"] + js["buffers"] + js["inputs"]
     row = next(ln for ln in text.splitlines() if ln.strip().startswith("static ("))
-    assert "no gradients" in row and row.rstrip().endswith(mem.gib(static_parts)), row
+    assert "no gradients" in row and row.rstrip().endswith(gib(static_parts)), row
     assert js["peak"] >= js["static"] + js["grads"]  # the gradients live at the peak's step too
 
 
@@ -256,7 +257,7 @@ def test_validate_table_numbers_never_wrap(capsys, monkeypatch, width):
     """The validate table at 80 and 100 columns: no line wider than the terminal, and every
     kernel's predicted and measured milliseconds whole on one line (rows made by hand, the
     measurement itself is tests/test_validate.py's)."""
-    from symcost import validate as val
+    from symcost.validation import validate as val
 
     rng = random.Random(width)
     rows = []

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from symcost import devices as dv
+from symcost.hardware import devices as dv
 from conftest import run_cli as cli
 from symcost.errors import SymcostError
 

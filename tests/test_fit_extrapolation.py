@@ -12,8 +12,8 @@ import random
 import pytest
 
 from symcost import SYMS
-from symcost.analysis import PHASES, concrete_totals
-from symcost.record import record
+from symcost.graph.build import PHASES, concrete_totals
+from symcost.tracing.record import record
 
 
 @pytest.mark.heavy

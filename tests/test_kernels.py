@@ -19,9 +19,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import symcost
-from symcost import rules
-from symcost.analysis import concrete_totals
-from symcost.record import record
+from symcost.graph import rules
+from symcost.graph.build import concrete_totals
+from symcost.tracing.record import record
 
 B, S, H, D, Fs, K = sympy.symbols("B S H D F K", positive=True, integer=True)
 SYM = {"B": B, "S": S, "H": H, "D": D, "F": Fs, "K": K}
@@ -204,7 +204,7 @@ def test_raw_kernels_grouped_query_symbolic(kind):
         build=lambda v: GroupedRaw(v["K"], kind),
         make_inputs=lambda v, device: ((torch.randn(v["B"], v["S"], v["H"], v["D"], device=device),), {}),
         loss=lambda out, inputs: out.sum(),
-        constraints=(symcost.spec.Constraint("divides", "K", "H", "K must divide H"),))
+        constraints=(symcost.frontends.spec.Constraint("divides", "K", "H", "K must divide H"),))
     an = symcost.trace(spec, precision="fp32", sizes={"H": 4, "K": 2})
     assert "K" in an.symbols
     assert sympy.expand(an.flops("forward") - 4 * B * H * S**2 * D) == 0

@@ -1,4 +1,4 @@
-"""symcost.memory against PyTorch's own measurements (issue 3).
+"""symcost.passes.memory against PyTorch's own measurements (issue 3).
 
 Every comparison is with an independent measurement on real CPU tensors (tests/memory_oracle.py:
 ``saved_tensors_hooks``, the real optimizer's state after ``step()``, ``torch.profiler`` memory
@@ -20,10 +20,11 @@ import sympy
 import torch
 
 from conftest import random_sizes
-from symcost import memory
+from symcost.passes import memory
+from symcost.passes.memory.live import _peval
 from symcost.errors import SymcostError
-from symcost.fit import SYMS
-from symcost.record import record
+from symcost.tracing.fit import SYMS
+from symcost.tracing.record import record
 from memory_oracle import full_values, saved_bytes, static_bytes, step_peak
 
 BUILTINS = ["cs336-lm", "gpt2", "mlp"]
@@ -223,9 +224,9 @@ def test_schedule_folds_over_L(traced, model, precision):
             top = max(top, cur)
         env = an.bind(**sz)
         vals = mm._values(env)
-        got = max(memory._peval(c.poly, vals) for c in mm._cands(L, False))
+        got = max(_peval(c.poly, vals) for c in mm._cands(L, False))
         assert got == top, f"{model} at {sz}: folded schedule peaks at {got} B, the recording at {top} B"
-        assert memory._peval(mm.end_live, vals) == cur
+        assert _peval(mm.end_live, vals) == cur
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,7 +340,7 @@ def test_solve_for_sequence_length(traced):
 
 def test_peak_formula_matches_evaluation(traced):
     """The formula (Max / Piecewise) and its JSON string evaluate to the peak, at L = 1 too."""
-    from symcost.fit import parse_formula
+    from symcost.tracing.fit import parse_formula
 
     an = traced("mlp")
     mm = memory.memory_model(an, "fp32", "adamw")

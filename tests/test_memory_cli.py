@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from symcost.cli import main
-from symcost.fit import SYMS, parse_formula
+from symcost.tracing.fit import SYMS, parse_formula
 
 
 def run(*args):

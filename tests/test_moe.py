@@ -29,10 +29,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import symcost
-from symcost import moe, report
+from symcost.frontends import moe
+from symcost.passes.moe import slots_per_expert
+from symcost.render import report
 from symcost.errors import SymcostError
-from symcost.fit import SYMS
-from symcost.memory import memory_model
+from symcost.tracing.fit import SYMS
+from symcost.passes.memory import memory_model
 
 import memory_oracle as oracle
 
@@ -191,7 +193,7 @@ def test_activations_bf16_mixed(traced):
 def test_slots_per_expert_from_the_graph(traced):
     an = _trace(traced, "moe")
     B, S, R, E = (SYMS[s] for s in "BSRE")
-    assert sympy.simplify(moe.slots_per_expert(an) - B * S * R / E) == 0
+    assert sympy.simplify(slots_per_expert(an) - B * S * R / E) == 0
     js = report.to_json(an, {"B": 2, "S": 8, "E": 4, "R": 2})
     assert js["moe"]["routing"]["model"] == "balanced" and js["moe"]["slots_per_expert"] == 8
     assert js["params_active"] == an.subs(B=2, S=8, E=4, R=2)["params_active"]
@@ -247,7 +249,7 @@ def test_capacity_factor_scales_the_expert_part(traced):
     cap = _capacity_trace("2")
     assert cap.spec.extra["routing"] == "capacity=2"
     B, S, R, E = (SYMS[s] for s in "BSRE")
-    assert sympy.simplify(moe.slots_per_expert(cap) - 2 * B * S * R / E) == 0
+    assert sympy.simplify(slots_per_expert(cap) - 2 * B * S * R / E) == 0
     v = dict(B=2, S=12, H=4, D=8, L=3, V=40, F=24, E=4, R=2)
     M, slots = v["H"] * v["D"], v["B"] * v["S"] * v["R"]  # N·R slots at c = 1
     extra_slots = (2 - 1) * slots
@@ -255,10 +257,11 @@ def test_capacity_factor_scales_the_expert_part(traced):
     assert fc["flops.train"] - fb["flops.train"] == extra_slots * 18 * v["F"] * M * v["L"]
     assert fc["params"] == fb["params"] and fc["params_active"] == fb["params_active"]
     assert fc["bytes.train"] > fb["bytes.train"]
-    # the step-time lower bound (symcost.roofline, H100 SXM at fp32): where the expert matmuls are
+    # the step-time lower bound (symcost.passes.roofline, H100 SXM at fp32): where the expert matmuls are
     # compute-bound their time grows by exactly the extra 18·F·M FLOPs per slot and layer over the
     # peak, and the step's bound by at least that
-    from symcost import devices, roofline
+    from symcost.hardware import devices
+    from symcost.passes import roofline
 
     dev = devices.get_device("h100-sxm")
     peak = dev.peak_for("fp32")[0]
@@ -335,7 +338,7 @@ def test_cli_routing_errors(capsys):
 def test_cli_routing_reaches_the_trace(capsys, monkeypatch):
     """``--routing`` changes the spec that is traced (checked without tracing: the stub reports
     the spec it was given) and its models' experts modules dispatch under it."""
-    import symcost.analysis
+    import symcost.graph.build
     from symcost.cli import main as cli_main
 
     def stub(spec, **kw):
@@ -343,7 +346,7 @@ def test_cli_routing_reaches_the_trace(capsys, monkeypatch):
         routings = {moe.routing_of(m).name for m in model.modules() if hasattr(m, moe.ROUTING_ATTR)}
         raise SymcostError(f"traced {spec.name} routing={spec.extra['routing']} experts={sorted(routings)}")
 
-    monkeypatch.setattr(symcost.analysis, "trace", stub)
+    monkeypatch.setattr(symcost.graph.build, "trace", stub)
     for args, want in ((["eval", "moe", "--routing", "capacity=1.5"], "routing=capacity=1.5 experts=['capacity=1.5']"),
                        (["eval", "moe"], "routing=balanced experts=['balanced']")):
         with pytest.raises(SystemExit):

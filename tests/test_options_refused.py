@@ -21,16 +21,16 @@ from conftest import run_cli as run
 
 def refused(capsys, *args: str, needles=()) -> str:
     """Run the CLI; it must refuse with one line and exit 2 before any trace starts."""
-    import symcost.analysis
+    import symcost.graph.build
 
     def no_trace(*a, **k):
         raise AssertionError("refused only after tracing")
 
-    real, symcost.analysis.trace = symcost.analysis.trace, no_trace
+    real, symcost.graph.build.trace = symcost.graph.build.trace, no_trace
     try:
         code, out, err = run(capsys, *args)
     finally:
-        symcost.analysis.trace = real
+        symcost.graph.build.trace = real
     lines = err.strip().splitlines()
     assert code == 2, (code, out, err)
     assert len(lines) == 1 and lines[0].startswith("symcost: error: "), err

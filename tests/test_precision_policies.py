@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from symcost import memory
+from symcost.passes import memory
 from symcost.cli import main
 from conftest import random_sizes
 from memory_oracle import full_values

@@ -65,7 +65,7 @@ def test_real_config(path, capsys):
         assert want["flops.forward"] > 0
         assert {k: got[k] for k in want} == want, (path, sizes)
     # the report renders (what `symcost report CONFIG --set B=2 S=16` prints, on this trace)
-    from symcost import report as rep
+    from symcost.render import report as rep
 
     sizes = {k: v for k, v in SIZES[0].items() if k != "L"}
     rep.render(an, sizes, memory=rep.memory_section(an, sizes, "80GiB", "fp32", "adamw"))

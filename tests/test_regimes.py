@@ -19,8 +19,8 @@ import random
 import pytest
 
 import symcost
-import symcost.analysis
-from symcost import hf
+import symcost.graph.build
+from symcost.frontends import hf
 from symcost.cli import main
 from test_flops_exact import measure
 from memory_oracle import saved_bytes
@@ -123,13 +123,13 @@ def test_eval_answers_every_regime_exactly(capsys, model_type, k_regime):
 
 def test_k_not_dividing_h_is_refused_before_tracing(capsys, monkeypatch):
     """The one refusal left for K: sizes PyTorch rejects (a Constraint), before any recording."""
-    import symcost.record
+    import symcost.tracing.record
 
     def no_recording(*a, **k):
         raise AssertionError("recorded before refusing")
 
-    monkeypatch.setattr(symcost.record, "record", no_recording)
-    monkeypatch.setattr(symcost.analysis, "record", no_recording)
+    monkeypatch.setattr(symcost.tracing.record, "record", no_recording)
+    monkeypatch.setattr(symcost.graph.build, "record", no_recording)
     code = 0
     try:
         main(["eval", "hf:llama", "--set", "H=6", "K=4"])
@@ -203,7 +203,7 @@ def test_layer_type_patterns_fold(capsys, model_type, config):
 # ------------------------------------------------------------------------------------------------
 # the probe planner on its own (no model): probes obey the regime predicate it is given
 def test_probes_stay_in_the_regime_they_are_given():
-    from symcost.fit import plan_probes
+    from symcost.tracing.fit import plan_probes
 
     rng = random.Random("planner:regime")
     H = rng.choice((3, 5, 6, 7, 9, 10, 12))  # a head count that is not a power of two
@@ -215,7 +215,7 @@ def test_probes_stay_in_the_regime_they_are_given():
 
 
 def test_a_symbol_no_probe_can_vary_is_unvariable():
-    from symcost.fit import Unvariable, plan_probes
+    from symcost.tracing.fit import Unvariable, plan_probes
 
     D = random.Random("planner:pin").choice((64, 96, 128))
     with pytest.raises(Unvariable) as e:
@@ -225,7 +225,7 @@ def test_a_symbol_no_probe_can_vary_is_unvariable():
 
 
 def test_probes_keep_the_request_residue():
-    from symcost.fit import plan_probes
+    from symcost.tracing.fit import plan_probes
 
     rng = random.Random("planner:residue")
     D = rng.choice((4, 12, 20, 28, 36))  # D = 4 mod 8: a partial rotary int(D/4) that is odd

@@ -14,9 +14,9 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
-from symcost import memory
+from symcost.passes import memory
 from symcost.cli import main
-from symcost.report import PIPE_WIDTH, memory_section, module_rows, render
+from symcost.render.report import PIPE_WIDTH, memory_section, module_rows, render
 
 FACTORY = textwrap.dedent("""
     from torch import nn

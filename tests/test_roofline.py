@@ -12,13 +12,13 @@ import sympy
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from symcost import devices as dv
-from symcost import roofline as rl
-from symcost import rules
+from symcost.hardware import devices as dv
+from symcost.passes import roofline as rl
+from symcost.graph import rules
 from conftest import run_cli as cli
 from symcost.cli import main as cli_main
 from symcost.errors import SymcostError
-from symcost.fit import SYMS
+from symcost.tracing.fit import SYMS
 
 aten = torch.ops.aten
 n = SYMS["D"]  # any positive symbol: the matrix size of the seed's claims
@@ -112,7 +112,7 @@ def test_step_bound_invariants(traced):
 
 # -- per-token FLOPs and token budgets against FlopCounterMode -------------------------------------
 def _flop_counter_step(model_name, values):
-    from symcost.models import resolve
+    from symcost.frontends.models import resolve
 
     spec = resolve(model_name)
     torch.manual_seed(0)
@@ -154,7 +154,7 @@ def palm_like_spec():
     no biases. Symbols H, D, L, V."""
     from torch import nn
 
-    from symcost.spec import ModelSpec
+    from symcost.frontends.spec import ModelSpec
 
     d_model = 18432
 
@@ -258,7 +258,7 @@ def test_cli_roofline_json_contract_and_plot(capsys, tmp_path):
     assert data["compute.total"] == data["flops.per_token"] * 10**9
     assert png.exists() and png.stat().st_size > 1000
     # the plot's points are the JSON's points
-    from symcost.plots import roofline_plot
+    from symcost.render.plots import roofline_plot
 
     r = {k: v for k, v in data["roofline"].items()}
     r["device"] = data["device"]

@@ -1,11 +1,12 @@
-"""Fused bytes (symcost.fusion) against inductor's own count of the bytes its scheduled kernels
+"""Fused bytes (symcost.graph.fusion) against inductor's own count of the bytes its scheduled kernels
 of the compiled training step read and write (GraphLowering.count_bytes)."""
 from __future__ import annotations
 
 import pytest
 import sympy
 
-from symcost import fusion, validate
+from symcost.graph import fusion
+from symcost.validation import validate
 
 
 @pytest.mark.parametrize("model,sizes", [("mlp", {"B": 4, "S": 48, "D": 320, "L": 3})])

@@ -13,7 +13,7 @@ import sympy
 import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from symcost import rules
+from symcost.graph import rules
 
 aten = torch.ops.aten
 REVIEW = "torch.utils.flop_counter changed the formula of {}: symcost's parity with FlopCounterMode relies on it"

@@ -15,9 +15,9 @@ import random
 import pytest
 from click.testing import CliRunner
 
-from symcost import memory
+from symcost.passes import memory
 from symcost.cli import main
-from symcost.report import memory_section
+from symcost.render.report import memory_section
 
 # (model, config) with the hf: configs' own defaults: the solve runs at real sizes
 CASES = [("cs336-lm", ()), ("hf:llama", ()), ("hf:gpt2", ())]

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_cli as cli
-from symcost import devices as dv
-from symcost import roofline as rl
+from symcost.hardware import devices as dv
+from symcost.passes import roofline as rl
 from symcost.errors import SymcostError
-from symcost.validate import kernel_costs
+from symcost.validation.validate import kernel_costs
 
 
 def _counts(fn, *args, backward=False):
@@ -107,7 +107,7 @@ def test_h100_attention_exp_takes_half_the_matmul_time_at_head_dim_128():
     """FlashAttention-3, sec. 3: on an H100 SXM5, 989 TFLOPS of FP16 matmul but 3.9 TFLOPS of
     special functions; at head dimension 128 the forward does 512 matmul FLOPs per exp (4·D), so
     the exps take about half the matmul time. symcost's rules and catalogue give the same ratio."""
-    from symcost import rules
+    from symcost.graph import rules
 
     aten = torch.ops.aten
     h = dv.get_device("h100")

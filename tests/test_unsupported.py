@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import symcost
-from symcost import rules
+from symcost.graph import rules
 from symcost.cli import main as cli_main
 from conftest import random_sizes
 

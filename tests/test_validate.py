@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from symcost import validate as val
+from symcost.validation import validate as val
 
 
 def _row(kernel, family, flops, nbytes, predicted, measured, bound, large=True):
@@ -69,7 +69,7 @@ def test_quick_sweep_on_this_cpu():
 
 
 def test_validation_plot_points_are_the_rows(tmp_path):
-    from symcost.plots import validation_plot
+    from symcost.render.plots import validation_plot
 
     rows = [_row("mm 1", "square", 2e9, 1.2e7, 0.02, 0.021, "compute"),
             _row("add", "add", 1e7, 1.2e8, 0.01, 0.013, "memory")]

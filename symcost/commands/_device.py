@@ -5,7 +5,7 @@ import click
 
 
 def device_options(f):
-    """Add the device options (see :func:`symcost.devices.get_device`)."""
+    """Add the device options (see :func:`symcost.hardware.devices.get_device`)."""
     f = click.option("--bandwidth", default=None, metavar="BYTE/S",
                      help="memory bandwidth, e.g. 3.35e12 or 3.35TB/s (overrides the device's)")(f)
     f = click.option("--peak-flops", default=None, metavar="FLOP/S",
@@ -18,7 +18,7 @@ def device_options(f):
 
 
 def resolve_device(device_name, devices_file, peak_flops, bandwidth):
-    """The :class:`~symcost.devices.Device` the options name (errors are one line)."""
-    from ..devices import get_device
+    """The :class:`~symcost.hardware.devices.Device` the options name (errors are one line)."""
+    from symcost.hardware.devices import get_device
 
     return get_device(device_name, devices_file, peak_flops, bandwidth)

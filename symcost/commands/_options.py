@@ -10,8 +10,8 @@ import re
 
 import click
 
-from ..errors import SymcostError
-from ..spec import SYMBOL_MEANINGS
+from symcost.errors import SymcostError
+from symcost.frontends.spec import SYMBOL_MEANINGS
 
 _MULTI = ("--set", "--config")
 _PAIR = re.compile(r"^[A-Za-z_][\w.]*=")
@@ -106,7 +106,7 @@ def common(f):
                      help="count attention matmuls over all S_q*S_k score pairs (full, as "
                           "FlopCounterMode) or over the S*(S+1)/2 of a causal mask (causal)")(f)
     f = click.option("--no-cache", is_flag=True, expose_value=False, callback=_no_cache,
-                     help="trace afresh: neither read nor write the trace cache (see symcost.cache)")(f)
+                     help="trace afresh: neither read nor write the trace cache (see symcost.graph.cache)")(f)
     f = click.option("--debug", is_flag=True, help="show tracebacks")(f)
     f = click.option("--routing", default=None, expose_value=False, callback=_keep_routing, metavar="MODEL",
                      help="mixture-of-experts routing model: balanced (default) or capacity=C, C >= 1")(f)
@@ -141,15 +141,15 @@ def memory_options(f):
 
 def early_checks(model, sets, config, attention, precision) -> None:
     """The checks that need neither sympy nor torch (a command runs them first, so argument
-    errors answer at once): the model name (:func:`symcost.spec.check_model_name`: built-in
+    errors answer at once): the model name (:func:`symcost.frontends.spec.check_model_name`: built-in
     names, the ``hf:`` prefix, existing files), sizes, precision, config syntax, --attention for
     a model that is not ``hf:``.
 
     Raises:
         SymcostError: the first problem found.
     """
-    from ..precision import check_precision
-    from ..spec import check_model_name
+    from symcost.frontends.precision import check_precision
+    from symcost.frontends.spec import check_model_name
 
     check_model_name(model)
     parse_sizes(sets)
@@ -162,7 +162,7 @@ def early_checks(model, sets, config, attention, precision) -> None:
 
 def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=False, needs_model=False):
     """Trace ``model`` for a command: check every option first (one line, before seconds of
-    tracing), then read the analysis from the trace cache (:mod:`symcost.cache`; no torch
+    tracing), then read the analysis from the trace cache (:mod:`symcost.graph.cache`; no torch
     imported) when an entry matches the request, else trace, showing progress on stderr when it
     is a terminal (not when ``quiet``, e.g. with ``--json``). ``--no-cache`` traces afresh, and so
     does ``needs_model=True``: a pass that builds or re-traces the model (activation
@@ -181,7 +181,7 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
     quiet = quiet or bool(ctx and ctx.params.get("as_json"))  # --json: no progress line either
     sizes = parse_sizes(sets)
     cfg = parse_config(config)
-    from ..cache import cached_trace
+    from symcost.graph.cache import cached_trace
 
     use_cache = not needs_model and not (ctx is not None and ctx.find_root().meta.get("symcost.no_cache"))
     routing = ctx.meta.get("symcost.routing") if ctx is not None else None
@@ -197,11 +197,11 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
 def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None):
     """Resolve and trace ``model`` (the cache's miss path), with the progress line."""
     with progress(f"resolving {model}", quiet) as status:
-        from ..models import resolve
+        from symcost.frontends.models import resolve
 
         spec = resolve(model, cfg, attention)
-        if routing is not None:  # MoE layers traced under this routing model (symcost.moe)
-            from ..moe import with_routing
+        if routing is not None:  # MoE layers traced under this routing model (symcost.frontends.moe)
+            from symcost.frontends.moe import with_routing
 
             spec = with_routing(spec, routing)
         # reject sizes the model cannot take before the (seconds-long) trace
@@ -217,7 +217,7 @@ def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None):
         if msg:
             raise SymcostError(f"{spec.name}: {msg}")
         status(f"tracing {spec.name} (a training step at several probe sizes)")
-        from ..analysis import trace
+        from symcost.graph.build import trace
 
         try:
             return trace(spec, sizes=sizes, precision=precision)  # the regime of these sizes
@@ -241,7 +241,7 @@ def _with_probe_hint(e: SymcostError, spec) -> SymcostError:
                         f"where {why}" if why else str(e))
 
 
-#: the ``transformers`` config keys that set each symbol of an ``hf:`` model (symcost.hf binds
+#: the ``transformers`` config keys that set each symbol of an ``hf:`` model (symcost.frontends.hf binds
 #: them the same way); a config's own aliases (gpt2's ``n_layer``) come from its attribute_map
 _CONFIG_KEYS = {
     "H": ("num_attention_heads",), "D": ("head_dim",), "L": ("num_hidden_layers",), "V": ("vocab_size",),

@@ -18,9 +18,9 @@ def calibrate(device, out, name, quick, as_json, debug):
     element-wise ops and a reduction), each compiled with torch.compile and timed with
     torch.utils.benchmark; print them and optionally write a device entry the other commands
     take with --devices-file FILE --device NAME."""
-    from .. import calibrate as cal
-    from ..devices import write_file
-    from ..report import console
+    from symcost.hardware import calibrate as cal
+    from symcost.hardware.devices import write_file
+    from symcost.render.report import console
 
     log = (lambda s: None) if as_json else (lambda s: console().print("  " + s))
     entry = cal.calibrate(device, quick=quick, log=log)

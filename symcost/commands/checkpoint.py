@@ -1,6 +1,6 @@
 """``symcost checkpoint``: the activation-checkpoint plan of a model, its law and its trade-off.
 
-Registered in :data:`symcost.cli.COMMANDS`. The pass is :func:`symcost.checkpoint.analyse`; this
+Registered in :data:`symcost.cli.COMMANDS`. The pass is :func:`symcost.passes.checkpoint.analyse`; this
 module parses and prints.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 
 import click
 
-from ..errors import SymcostError
+from symcost.errors import SymcostError
 from ._options import common, early_checks, trace_model
 
 PLANS = ("optimal", "none", "every-layer", "sqrt", "sqrt-L", "sequential")
@@ -51,8 +51,8 @@ def checkpoint(model, sets, config, attention, precision, debug, memory, budget,
     early_checks(model, sets, config, attention, precision)  # before sympy and torch
     if memory is not None and budget is not None:
         raise SymcostError("give --memory or --budget, not both")
-    from .. import checkpoint as ckpt
-    from ..memory import optimizer as check_optimizer, parse_memory
+    from symcost.passes import checkpoint as ckpt
+    from symcost.passes.memory import optimizer as check_optimizer, parse_memory
 
     cap = parse_memory(memory) if memory is not None else None
     if budget is not None and not (0 < budget <= 1):
@@ -71,7 +71,7 @@ def checkpoint(model, sets, config, attention, precision, debug, memory, budget,
 def _print(an, r: dict, sizes: dict, cap, budget) -> None:
     from rich.table import Table
 
-    from ..report import console, human
+    from symcost.render.report import console, human
 
     c = console()
     law = r["law"]

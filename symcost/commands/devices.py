@@ -22,8 +22,8 @@ def devices(devices_file, sources, as_json, debug):
     from rich import box
     from rich.table import Table
 
-    from ..devices import ALIASES, PRECISIONS, catalogue, load_file
-    from ..report import console
+    from symcost.hardware.devices import ALIASES, PRECISIONS, catalogue, load_file
+    from symcost.render.report import console
 
     devs = dict(catalogue())
     if devices_file:

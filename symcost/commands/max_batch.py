@@ -1,8 +1,8 @@
 """``symcost max-batch``: the largest batch (or sequence) under a memory cap, and accumulation plans.
 
 Registered in :data:`symcost.cli.COMMANDS`. The solving is
-:meth:`symcost.memory.MemoryModel.solve` (sympy, on the symbolic peak) and
-:meth:`~symcost.memory.MemoryModel.plan_accumulation`; this module parses and prints.
+:meth:`symcost.passes.memory.MemoryModel.solve` (sympy, on the symbolic peak) and
+:meth:`~symcost.passes.memory.MemoryModel.plan_accumulation`; this module parses and prints.
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ..errors import SymcostError
+from symcost.errors import SymcostError
 from ._options import common, early_checks, trace_model
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only; sympy and torch load with the trace
-    from .. import memory as mem
+    from symcost.passes import memory as mem
 
 
 def _solution_json(an, sol: mem.Solution, mm: mem.MemoryModel, seconds: float) -> dict:
@@ -79,7 +79,7 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     Exit status 3 when not even 1 fits under --memory (the output names what dominates).
     """
     early_checks(model, sets, config, attention, precision)  # no sympy or torch needed: answers at once
-    from .. import memory as mem
+    from symcost.passes import memory as mem
 
     cap = mem.parse_memory(memory)
     mem.optimizer(optimizer)
@@ -98,7 +98,7 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
             raise SymcostError("--global-batch plans the batch; it cannot be combined with --solve S")
     elif devices != 1:
         raise SymcostError("--devices applies with --global-batch")
-    from ..checkpoint import KINDS, plan_memory
+    from symcost.passes.checkpoint import KINDS, plan_memory
 
     if ckpt not in KINDS:
         raise SymcostError(f"unknown --checkpoint {ckpt!r}; accepted: {', '.join(KINDS)}")
@@ -113,7 +113,7 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     if ckpt != "none":  # the checkpointed step, traced: its memory model replaces the plain one
         ck_plan, mm, sizes = plan_memory(an, ckpt, sizes, optimizer, impl)
         if not as_json:
-            from ..report import console
+            from symcost.render.report import console
 
             console().print(f"  checkpoint {ckpt}: {len(ck_plan.segments)} segment(s) of L = {ck_plan.L} blocks: "
                             f"{', '.join(ck_plan.modules()) or 'none'}")
@@ -148,8 +148,8 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
     import sympy
     from rich.table import Table
 
-    from .. import memory as mem
-    from ..report import console, human
+    from symcost.passes import memory as mem
+    from symcost.render.report import console, human
 
     c = console()
     v = sol.var
@@ -187,7 +187,7 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
 
 
 def _print_plan(an, mm, plan: mem.AccumulationPlan, seconds: float, as_json: bool, sizes) -> None:
-    from ..report import console, human
+    from symcost.render.report import console, human
 
     if as_json:
         click.echo(json.dumps({

@@ -26,17 +26,17 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
     sizes (B is the micro-batch per device). An implied MFU above 100% or an implied memory
     traffic above the device's bandwidth is an error.
     """
-    from .. import roofline as rl
-    from ..devices import parse_rate
-    from ..errors import SymcostError
-    from ..report import console
+    from symcost.passes import roofline as rl
+    from symcost.hardware.devices import parse_rate
+    from symcost.errors import SymcostError
+    from symcost.render.report import console
 
     dev = resolve_device(device_name, devices_file, peak_flops, bandwidth)
     R = parse_rate(tps, "--tokens-per-second")
     if n_devices <= 0:
         raise SymcostError("--devices must be a positive integer")
     an, sizes = trace_model(model, sets, config, attention, precision)
-    from ..fusion import estimate  # (imports torch: after the options and the model name are checked)
+    from symcost.graph.fusion import estimate  # (imports torch: after the options and the model name are checked)
 
     tc = rl.tokens_compute(an, sizes)
     key = rl.training_precision(an)

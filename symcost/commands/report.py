@@ -20,13 +20,13 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
     MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
     """
     early_checks(model, sets, config, attention, precision)  # no sympy or torch needed: answers at once
-    from ..memory import default_impl, optimizer as check_optimizer, parse_memory
+    from symcost.passes.memory import default_impl, optimizer as check_optimizer, parse_memory
 
     parse_memory(memory)  # bad --memory / --optimizer / --torch-device: say so before tracing
     check_optimizer(optimizer)
     default_impl(device)
     an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
-    from .. import report as rep
+    from symcost.render import report as rep
 
     mem = rep.memory_section(an, sizes, memory, precision, optimizer, device=device)
     if as_json:

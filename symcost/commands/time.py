@@ -23,9 +23,9 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
           tokens, n_devices, utilization, recompute, as_json):
     """Days and device-hours to train MODEL on --tokens: total FLOPs / (devices x peak x MFU),
     from the traced step's exact FLOPs and from 6·N·P side by side."""
-    from .. import roofline as rl
-    from ..errors import SymcostError
-    from ..report import console
+    from symcost.passes import roofline as rl
+    from symcost.errors import SymcostError
+    from symcost.render.report import console
 
     dev = resolve_device(device_name, devices_file, peak_flops, bandwidth)
     n_tokens = rl.parse_count(tokens, "--tokens")
@@ -34,7 +34,7 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
     if n_devices <= 0:
         raise SymcostError("--devices must be a positive integer")
     an, sizes = trace_model(model, sets, config, attention, precision)
-    from ..fusion import estimate  # (imports torch: after the options and the model name are checked)
+    from symcost.graph.fusion import estimate  # (imports torch: after the options and the model name are checked)
 
     tc = rl.tokens_compute(an, sizes, n_tokens, recompute)
     key = rl.training_precision(an)

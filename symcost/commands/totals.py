@@ -27,14 +27,14 @@ def totals_command(name: str, evaluate: bool, doc: str):
     @(memory_options if evaluate else optimizer_option)
     def command(model, sets, config, attention, precision, debug, as_json, optimizer, device, memory=None):
         early_checks(model, sets, config, attention, precision)  # no sympy or torch needed: answers at once
-        from ..memory import default_impl, optimizer as check_optimizer, parse_memory
+        from symcost.passes.memory import default_impl, optimizer as check_optimizer, parse_memory
 
         if memory is not None:
             parse_memory(memory)
         check_optimizer(optimizer)
         default_impl(device)
         an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
-        from .. import report as rep
+        from symcost.render import report as rep
 
         mem = rep.memory_section(an, sizes, memory or "80GiB", precision, optimizer, evaluate=evaluate,
                                  device=device)

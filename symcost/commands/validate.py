@@ -25,15 +25,15 @@ def validate(devices_file, device_name, quick, hardware, attempts, plot, as_json
     kernels on the GPU."""
     import sys
 
-    from .. import validate as val
-    from ..devices import get_device
-    from ..errors import SymcostError
-    from ..report import console
+    from symcost.validation import validate as val
+    from symcost.hardware.devices import get_device
+    from symcost.errors import SymcostError
+    from symcost.render.report import console
 
     if attempts < 1:
         raise SymcostError("--attempts must be a positive integer")
     if plot:
-        from ..plots import require_matplotlib
+        from symcost.render.plots import require_matplotlib
 
         require_matplotlib()
     dev = get_device(device_name, devices_file) if devices_file else None
@@ -43,7 +43,7 @@ def validate(devices_file, device_name, quick, hardware, attempts, plot, as_json
     log = (lambda s: None) if as_json else (lambda s: console().print("  " + s))
     v = val.validate(dev, quick=quick, attempts=attempts, log=log, hardware=hardware)
     if plot:
-        from ..plots import validation_plot
+        from symcost.render.plots import validation_plot
 
         validation_plot(v.rows, plot, title=f"measured vs predicted on {v.device.name}")
     if as_json:

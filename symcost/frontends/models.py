@@ -1,0 +1,146 @@
+"""Model specifications: how symcost builds a model for given symbol values.
+
+A :class:`ModelSpec` tells the tracer three things: which canonical symbols the model's
+configuration binds (a subset of H, D, L, V, F, K; B and S always come from the inputs), how to
+build the ``nn.Module`` for concrete values of those symbols, and how to make the inputs and the
+loss of one training step. Built-in models live in ``graphs/`` (importable as
+``symcost.frontends.builtin``); ``hf:MODEL_TYPE`` builds a Hugging Face ``transformers`` model from its
+default config; ``path/to/file.py:factory`` loads a user's model.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from symcost.errors import SymcostError
+
+from symcost.frontends.spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, SYMBOL_ORDER, Inputs, ModelSpec  # noqa: F401
+from symcost.frontends.spec import BUILTINS, check_model_name  # noqa: F401  (the torch-free registry of names)
+
+
+def resolve(model: str, config: Mapping[str, str] | None = None, attention: str | None = None) -> ModelSpec:
+    """Return the :class:`ModelSpec` for a model name.
+
+    Accepted: a built-in name (``cs336-lm``, ``gpt2``, ``mlp``, ``megatron-gpt``),
+    ``hf:MODEL_TYPE``, ``hf:ORG/NAME`` (a ``config.json`` in the local Hugging Face cache, never
+    downloaded), ``path/to/config.json`` (a ``transformers`` config with its ``model_type``; all
+    three need ``transformers``), or ``path/to/file.py:factory``. ``attention`` (``eager`` or
+    ``sdpa``) applies to ``hf:`` models and config files only; ``None`` is what ``transformers``
+    uses by default (sdpa where the model has it).
+
+    Raises:
+        SymcostError: unknown name, missing optional dependency, bad factory, an attention
+            implementation for a model that is not ``hf:`` (its attention is its own code).
+    """
+    config = dict(config or {})
+    if attention is not None and not model.startswith("hf:") and not model.endswith(".json"):
+        raise SymcostError(
+            f"--attention applies to hf: models only; {model} runs its own attention code (leave --attention out)"
+        )
+    if model in BUILTINS:
+        if config:
+            raise SymcostError(f"--config applies to hf: models only; set sizes of {model!r} with --set")
+        mod = importlib.import_module(f"symcost.frontends.builtin.{BUILTINS[model]}")
+        return mod.spec()
+    if model.startswith("hf:") and "/" in model:  # hf:ORG/NAME from the local Hugging Face cache
+        from symcost.frontends import hf
+
+        return hf.spec_from_file(hf.cached_config_path(model[3:]), config, attention, name=model)
+    if model.startswith("hf:"):
+        from symcost.frontends import hf
+
+        return hf.spec(model[3:], config, attention)
+    if model.endswith(".json"):
+        from symcost.frontends import hf
+
+        return hf.spec_from_file(model, config, attention)
+    if ".py:" in model:
+        if config:
+            raise SymcostError("--config applies to hf: models only")
+        return _file_spec(model)
+    check_model_name(model)  # raises: unknown name, listing what is accepted
+    raise SymcostError(f"cannot resolve model {model!r}")  # (unreachable: check_model_name accepts only the above)
+
+
+def _file_spec(model: str) -> ModelSpec:
+    """Load ``path/to/file.py:factory``.
+
+    Either the factory takes no arguments and returns a :class:`ModelSpec`, or it takes keyword
+    arguments named by canonical symbols (``H``, ``D``, ``L``, ``V``, ``F``, ``K``, each with an
+    integer default) and returns an ``nn.Module`` fed a float tensor ``[B, S, H*D]`` (``[B, S, D]``
+    without H), trained on the mean square of its output.
+
+    Raises:
+        SymcostError: missing file, import error, missing or failing factory.
+    """
+    path, _, factory = model.rpartition(":")
+    if not os.path.isfile(path):
+        raise SymcostError(f"model file {path!r} not found; expected path/to/file.py:factory")
+    try:
+        modspec = importlib.util.spec_from_file_location(f"symcost_user_{abs(hash(path))}", path)
+        mod = importlib.util.module_from_spec(modspec)
+        modspec.loader.exec_module(mod)  # loaded only because the user named this file
+    except Exception as e:  # noqa: BLE001 - user code can raise anything
+        raise SymcostError(f"loading {path!r} failed: {type(e).__name__}: {e}") from e
+    fn = getattr(mod, factory, None)
+    if fn is None or not callable(fn):
+        raise SymcostError(f"{path!r} has no callable {factory!r}")
+    sig = inspect.signature(fn)
+    if any(p in SYMBOL_MEANINGS for p in sig.parameters):
+        return _spec_from_factory(model, fn, sig)
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001 - user code can raise anything
+        raise SymcostError(f"factory {factory!r} failed: {type(e).__name__}: {e}") from e
+    if isinstance(out, ModelSpec):
+        out.name = model
+        return out
+    raise SymcostError(
+        f"factory {factory!r} must return a symcost.ModelSpec, or take keyword arguments named by "
+        "the symbols it uses (H, D, L, V, F, K) and return an nn.Module"
+    )
+
+
+def _spec_from_factory(model: str, fn: Callable, sig: inspect.Signature) -> ModelSpec:
+    syms = [p for p in sig.parameters if p in SYMBOL_MEANINGS and p not in INPUT_SYMBOLS]
+    defaults = {}
+    for p in syms:
+        d = sig.parameters[p].default
+        if not isinstance(d, int):
+            raise SymcostError(f"factory {fn.__name__!r}: parameter {p} needs an integer default")
+        defaults[p] = d
+    if "D" in syms and "H" not in syms:
+        width = lambda v: v["D"]  # noqa: E731
+    elif "D" in syms:
+        width = lambda v: v["H"] * v["D"]  # noqa: E731
+    else:
+        width = None
+
+    def build(values):
+        try:
+            return fn(**{p: values[p] for p in syms})
+        except Exception as e:  # noqa: BLE001
+            raise SymcostError(f"factory {fn.__name__!r} failed: {type(e).__name__}: {e}") from e
+
+    def make_inputs(values, device):
+        if width is None:
+            raise SymcostError(
+                f"factory {fn.__name__!r} must take D (and H) so symcost knows the input width, "
+                "or return a symcost.ModelSpec"
+            )
+        return (torch.randn(values["B"], values["S"], width(values), device=device),), {}
+
+    return ModelSpec(
+        name=model,
+        symbols=tuple(syms),
+        defaults={"B": 8, "S": 128, **defaults},
+        build=build,
+        make_inputs=make_inputs,
+        loss=lambda out, inputs: out.float().pow(2).mean(),
+    )

@@ -1,0 +1,222 @@
+"""The model specification: what symcost needs to build and run one training step of a model.
+
+Torch-free on import (the types below are annotations only), so the CLI and the trace cache can
+read a specification's data without importing torch. ``symcost.frontends.models`` resolves names to specs;
+``symcost.frontends.hf`` builds the specs of Hugging Face models.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import nn
+
+#: Canonical symbols and their meaning (shared/conventions.md).
+SYMBOL_MEANINGS: dict[str, str] = {
+    "B": "micro-batch size (sequences per device per step)",
+    "S": "sequence length (tokens per sequence)",
+    "H": "attention heads (query heads)",
+    "D": "per-head dimension (d_model = H*D where M is no symbol)",
+    "L": "number of transformer layers (blocks)",
+    "V": "vocabulary size",
+    "F": "feed-forward hidden width",
+    "K": "key/value heads (grouped-query attention)",
+    "M": "model width d_model (hidden_size), where the config sets it apart from H*D",
+    "E": "routed experts of a mixture-of-experts layer",
+    "R": "experts each token is routed to (top-k)",
+}
+SYMBOL_ORDER = tuple(SYMBOL_MEANINGS)
+INPUT_SYMBOLS = ("B", "S")
+
+Inputs = tuple  # (args tuple, kwargs dict)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A limit on symbol values that PyTorch itself imposes (data, so a cached spec keeps it).
+
+    Kinds (``a``, ``b`` are symbol names, ``n`` an integer):
+
+    - ``("divides", a, b)``: a divides b (key/value heads divide the query heads);
+    - ``("multiple", a, n)``: a is a multiple of n (an even rotary dimension);
+    - ``("max", a, n)``: a <= n (a learned position table of n rows);
+    - ``("min", a, n)``: a >= n (a per-head dimension that holds a fixed rotary dimension n).
+
+    ``why`` is the one-line reason shown to the user, with a hint to what is accepted.
+    """
+
+    kind: str
+    a: str
+    b: str | int
+    why: str
+
+    def violated(self, values: Mapping[str, int]) -> str | None:
+        """The reason if ``values`` break this constraint, else None (missing symbols pass)."""
+        x = values.get(self.a)
+        y = values.get(self.b) if isinstance(self.b, str) else self.b
+        if x is None or y is None:
+            return None
+        bad = {
+            "divides": lambda: y % x != 0,
+            "multiple": lambda: x % y != 0,
+            "max": lambda: x > y,
+            "min": lambda: x < y,
+        }[self.kind]()
+        return f"{self.why} (got {self.a}={x}" + (f", {self.b}={y})" if isinstance(self.b, str) else ")") if bad else None
+
+
+def check_constraints(constraints, values: Mapping[str, int]) -> str | None:
+    """The first violated :class:`Constraint`'s reason, or None; also rejects non-positive values."""
+    for k, v in values.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            return f"{k} must be a positive integer (got {v!r})"
+    for c in constraints:
+        why = c.violated(values)
+        if why:
+            return why
+    return None
+
+
+def request_facts(values: Mapping[str, int], symbols) -> dict:
+    """The facts of a request that choose its regime (shared/conventions.md, "Regimes").
+
+    ``ones``: symbols set to 1 (always their own regime: PyTorch turns copies into views there);
+    ``equal``: pairs of config symbols (not B, S, L) with equal values (K = H is multi-head
+    attention, its own ops). The tracer decides, by probing, which equal pairs really are a regime
+    (tied) and which are a coincidence; the trace cache matches a request to a traced regime by
+    these facts. Torch-free.
+    """
+    syms = [s for s in SYMBOL_ORDER if s in symbols and values.get(s) is not None]
+    ones = sorted(s for s in syms if s != "L" and values[s] == 1)
+    cfg = [s for s in syms if s not in ("B", "S", "L") and values[s] != 1]
+    equal = sorted((a, b) for i, a in enumerate(cfg) for b in cfg[i + 1:] if values[a] == values[b])
+    return {"ones": ones, "equal": [list(p) for p in equal]}
+
+
+@dataclass
+class ModelSpec:
+    """How to build and run one training step of a model for given symbol values.
+
+    Attributes:
+        name: the name the user typed (``cs336-lm``, ``hf:llama``, ``file.py:factory``).
+        symbols: config symbols the model binds, a subset of ``("H","D","L","V","F","K","M",...)``.
+        defaults: default value of every config symbol (and of B, S) used when the user sets none.
+        build: ``build(values) -> "nn.Module"`` for a mapping symbol -> int. Called under
+            ``torch.device("meta")``; it must not read weights from anywhere.
+        make_inputs: ``make_inputs(values, device) -> (args, kwargs)`` for one micro-batch of
+            ``values["B"]`` sequences of ``values["S"]`` tokens.
+        loss: ``loss(output, (args, kwargs)) -> scalar Tensor`` whose ``backward()`` is the
+            training step's backward.
+        check: ``check(values) -> str | None``: why these values are invalid (e.g. "K must
+            divide H"), or None. Leave it out to check ``constraints`` (prefer constraints:
+            they are data, so a cached trace can check sizes without building the model).
+        constraints: the :class:`Constraint` list that PyTorch imposes on the values.
+        tied: symbols that always equal another in this model (follower -> leader), so probes
+            keep them equal and formulas use the leader. ``symcost.trace`` adds the ties of a
+            request's regime (K = H where that changes the ops) to the spec it returns.
+        follows: symbol -> symbol whose value it takes when the user does not set it (a config
+            that leaves ``num_key_value_heads`` unset means K = H: ``--set H=16`` then asks for
+            K = 16); unlike ``tied`` it can be set on its own.
+        moduli: symbol -> m where the model's sizes are polynomial in that symbol only within a
+            residue class mod m (a partial rotary dimension ``int(D*f)``): probes then keep the
+            request's residue, and the formulas hold for values in that class.
+        layers: dotted path of the ``nn.ModuleList`` holding the L repeated blocks (``None``
+            lets the tracer find it).
+        extra: free-form facts for the report (e.g. the config class).
+        probe_check: ``probe_check(values) -> str | None``: an extra condition on the *probe*
+            sizes only (never on a request), where a model's traced sizes are exact polynomials
+            only at some points: an MoE layer under a routing model needs an integer number of
+            token slots per expert, c·B·S·R/E (symcost.frontends.moe). Formulas fitted there answer any
+            size.
+    """
+
+    name: str
+    symbols: tuple[str, ...]
+    defaults: dict[str, int]
+    build: Callable[[Mapping[str, int]], "nn.Module"]
+    make_inputs: Callable[[Mapping[str, int], "torch.device"], Inputs]
+    loss: Callable[[Any, Inputs], "torch.Tensor"]
+    check: Callable[[Mapping[str, int]], str | None] | None = None
+    constraints: tuple[Constraint, ...] = ()
+    tied: dict[str, str] = field(default_factory=dict)
+    moduli: dict[str, int] = field(default_factory=dict)
+    follows: dict[str, str] = field(default_factory=dict)
+    layers: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    probe_check: Callable[[Mapping[str, int]], str | None] | None = None
+
+    def __post_init__(self):
+        if self.check is None:
+            self.check = lambda values: check_constraints(self.constraints, values)
+
+    def values(self, sizes: Mapping[str, int], inputs: bool = True) -> dict[str, int]:
+        """The requested values: the defaults (without B and S unless ``inputs``), ``sizes`` on
+        top, then followers not in ``sizes`` and tied symbols take their leader's value."""
+        out = {k: v for k, v in self.defaults.items() if inputs or k not in INPUT_SYMBOLS}
+        out.update(sizes)
+        for a, b in self.follows.items():
+            if a not in sizes and b in out:
+                out[a] = out[b]
+        for a, b in self.tied.items():
+            if b in out:
+                out[a] = out[b]
+        return out
+
+    def probe_ok(self, values: Mapping[str, int]) -> str | None:
+        """Why ``values`` cannot be a probe: ``check``, then ``probe_check``; None if they can."""
+        return self.check(values) or (self.probe_check(values) if self.probe_check else None)
+
+    @property
+    def all_symbols(self) -> tuple[str, ...]:
+        """B, S and the config symbols, in canonical order, without tied ones."""
+        syms = set(INPUT_SYMBOLS) | set(self.symbols)
+        return tuple(s for s in SYMBOL_ORDER if s in syms and s not in self.tied)
+
+
+
+
+#: Built-in model names -> their module under ``symcost.frontends.builtin`` (``symcost.frontends.models.resolve``
+#: imports it); here, torch-free, so a name can be checked before torch is imported.
+BUILTINS: dict[str, str] = {
+    "cs336-lm": "cs336_lm",
+    "gpt2": "gpt2",
+    "mlp": "mlp",
+    "megatron-gpt": "megatron_gpt",
+    "moe": "moe",
+}
+
+#: What a model name may be, as the error line lists it.
+ACCEPTED_MODELS = ("hf:MODEL_TYPE (e.g. hf:llama), hf:ORG/NAME (local Hugging Face cache), path/to/config.json "
+                   "or path/to/file.py:factory")
+
+
+def check_model_name(model: str) -> None:
+    """Reject a model name that no loader accepts, without importing torch or transformers (the
+    CLI calls it before anything heavy, so a typo answers at once).
+
+    Accepted here: a built-in name (:data:`BUILTINS`), anything ``hf:`` (the model type is checked
+    against ``transformers``' config mapping by :func:`symcost.frontends.hf.spec`, which needs transformers
+    and so torch), ``path/to/config.json`` and ``path/to/file.py:factory`` whose file exists.
+
+    Raises:
+        SymcostError: an unknown name (the message lists what is accepted) or a missing file.
+    """
+    import os
+
+    from symcost.errors import SymcostError
+
+    model = str(model)
+    if model in BUILTINS or model.startswith("hf:"):
+        return
+    if model.endswith(".json"):  # (the order of symcost.frontends.models.resolve)
+        if not os.path.isfile(model):
+            raise SymcostError(f"config file {model!r} not found")
+        return
+    if ".py:" in model:
+        path = model.rpartition(":")[0]
+        if not os.path.isfile(path):
+            raise SymcostError(f"model file {path!r} not found; expected path/to/file.py:factory")
+        return
+    raise SymcostError(f"unknown model {model!r}; accepted: {', '.join(BUILTINS)}, {ACCEPTED_MODELS}")

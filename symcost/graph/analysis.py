@@ -1,0 +1,239 @@
+"""The op graph of one training step and everything read off it: :class:`Analysis`.
+
+An Analysis is what :func:`symcost.trace` (:mod:`symcost.graph.build`) returns and every pass
+reads: the folded op list and its ``networkx`` graph with symbolic shapes and costs, the
+parameters, the saved tensors, the storage schedule and the regime it was traced in. Its pieces:
+:class:`~symcost.graph.totals.Totals` (FLOPs, bytes, parameter counts),
+:class:`~symcost.graph.conventions.Conventions` (embedding parameters, causal counts, 6·N·P),
+:class:`~symcost.graph.serialize.Serialized` (to and from plain data); this module holds the fields,
+evaluation at sizes (``bind``, ``subs``, ``lambdify``) and export.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+
+from symcost._lazy import LazyModule
+from symcost.errors import SymcostError
+from symcost.frontends.spec import ModelSpec
+from symcost.tracing.fit import FIT_L, SYMS
+from symcost.tracing.regime import digest, regime_signature
+from symcost.graph.conventions import Conventions
+from symcost.graph.ops import PHASES, SymOp  # noqa: F401  (re-exported)
+from symcost.graph.serialize import Serialized
+from symcost.graph.totals import Totals
+
+nx = LazyModule("networkx")
+
+
+def record(spec, values, precision="fp32", optimizer=None):
+    """:func:`symcost.tracing.record.record` (imported on first use: it imports torch)."""
+    from symcost.tracing.record import record as _record
+
+    return _record(spec, values, precision, optimizer)
+
+
+@dataclass(eq=False)
+class Analysis(Totals, Conventions, Serialized):
+    """The symbolic cost model of one training step (forward + backward) of a model.
+
+    Attributes:
+        model: the model name.
+        spec: its :class:`~symcost.frontends.models.ModelSpec`.
+        graph: ``networkx.DiGraph``; op nodes carry ``op``, ``family``, ``module``, ``phase``,
+            ``repeat`` (1 or L), ``in_shapes``/``out_shapes`` (sympy), ``dtypes``, ``flops``,
+            ``flops_all``, ``bytes`` and ``intensity`` (FLOP/byte); edges carry the tensor's
+            ``shape`` and ``bytes``. Parameter and input nodes have ``kind`` "param"/"input".
+        ops: the folded op list in execution order.
+        symbols: the free symbols (name -> meaning).
+        param_shapes: parameter name (folded) -> (shape, dtype, repeat).
+        unsupported: aten op name -> number of executions (per training step, symbolic).
+        saved: activations saved for backward: list of (module, nbytes expr, dtype, repeat).
+        pinned: symbols fixed at the requested value in this trace (not symbols of the formulas),
+            with ``pin_reasons``; ``regime_ties`` (follower -> leader), ``request_facts`` and
+            ``residues`` complete the regime it was traced for (see :func:`trace`).
+        schedule: the step's storage schedule (:class:`symcost.tracing.schedule.MemorySchedule`): every
+            allocation and free with its symbolic size, the fold units over L, parameter sizes
+            in the optimizer's order, buffers and inputs; what the memory passes read.
+    """
+
+    model: str
+    spec: ModelSpec
+    graph: nx.DiGraph
+    ops: list[SymOp]
+    symbols: dict[str, str]
+    param_shapes: dict[str, tuple]
+    matmul_params: set[str]
+    unsupported: dict[str, Any]
+    saved: list[tuple] = field(default_factory=list)
+    layer_container: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    precision: str = "fp32"
+    tied: dict[str, list[str]] = field(default_factory=dict)
+    recordings: list = field(default_factory=list, repr=False)  # probe recordings (for passes)
+    plan: Any = None  # the fit's ProbePlan: recordings[i] was taken at plan.points[i]
+    fitter: Any = None  # fit.Fitter over those probes: signature (one int per probe) -> polynomial
+    role: Any = None  # role(module, name=None) -> (keep, repeat, folded name), see _layer_roles
+    pinned: dict[str, int] = field(default_factory=dict)  # sizes fixed at the requested value (not symbols)
+    # the regime it was traced for (plain data; see trace()): request_facts of the request, the
+    # symbols tied to another (follower -> leader), why each pinned symbol is pinned, and the
+    # residue classes (symbol -> [modulus, residue]) the formulas hold in
+    request_facts: dict = field(default_factory=dict)
+    regime_ties: dict[str, str] = field(default_factory=dict)
+    pin_reasons: dict[str, str] = field(default_factory=dict)
+    residues: dict[str, list] = field(default_factory=dict)
+    signature: str = ""  # sha256 of regime_signature() of the request's recording
+
+    def in_regime(self, **sizes: int) -> bool:
+        """Whether ``sizes`` (others at the defaults) run the ops this trace's request ran: the
+        cheap facts (pinned values, ties, residues, constraints: :meth:`bind`) and then one
+        recording at those sizes with L = 2 whose :func:`regime_signature` must match (a BLOOM
+        trace at a power-of-two H does not hold at H = 12). About one probe recording of time.
+        """
+        try:
+            env = self.bind(**sizes)
+        except SymcostError:
+            return False
+        values = {str(k): int(v) for k, v in env.items()}
+        for s in ("B", "S"):  # not requested: the regime of any size other than 1
+            values[s] = sizes.get(s, self.pinned.get(s, {"B": 2, "S": 16}[s]))
+        if "L" in values and "L" not in self.pinned:
+            values["L"] = FIT_L
+        values.update({a: values[b] for a, b in self.spec.tied.items() if b in values})
+        try:
+            rec = record(self.spec, values, self.precision)
+        except SymcostError:
+            return False
+        return digest(regime_signature(rec)) == self.signature
+    schedule: Any = None  # tracing.schedule.MemorySchedule: the step's storage schedule as data
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def bind(self, **sizes: int) -> dict[sympy.Symbol, int]:
+        """Symbol values: the given ``sizes`` over the model's defaults; tied symbols follow.
+
+        Raises:
+            SymcostError: a symbol the model does not have, or a non-positive / non-integer value.
+        """
+        values = {s: self.spec.defaults[s] for s in self.symbols if s in self.spec.defaults}
+        for k, v in sizes.items():
+            if k in self.pinned and v == self.pinned[k]:
+                continue
+            if k in self.pinned:
+                raise SymcostError(
+                    f"{k} was traced pinned to {self.pinned[k]} ({self.pin_reasons.get(k, 'its regime')}); "
+                    f"trace again for {k}={v} (symcost.trace(..., sizes={{{k!r}: {v}}}) or --set {k}={v})")
+            if k in self.spec.tied:
+                other = self.spec.tied[k]
+                if v == sizes.get(other, self.spec.defaults.get(other)):
+                    continue
+                if k in self.regime_ties:
+                    raise SymcostError(
+                        f"{k} was traced equal to {other} (that regime runs other ops in {self.model}); "
+                        f"trace again for {k}={v} (symcost.trace(..., sizes={{{k!r}: {v}}}) or --set {k}={v})")
+                raise SymcostError(f"{k} is tied to {other} in {self.model}; it cannot be set on its own")
+            if k not in self.symbols:
+                known = ", ".join(self.symbols)
+                raise SymcostError(f"unknown symbol {k!r} for {self.model}; accepted: {known}")
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise SymcostError(f"{k} must be a positive integer, got {v!r}")
+            if k in self.residues and v % self.residues[k][0] != self.residues[k][1]:
+                m, r = self.residues[k]
+                raise SymcostError(
+                    f"{k}={v} lies outside the regime {k} = {r} mod {m} this trace holds for (its sizes are "
+                    f"polynomial in {k} only there); trace again for {k}={v} (--set {k}={v})")
+            values[k] = v
+        for a, b in self.spec.follows.items():  # K = H where the config leaves K unset
+            if a not in sizes and a in values and b in values:
+                values[a] = values[b]
+        values.update(self.pinned)
+        missing = [s for s in self.symbols if s not in values]
+        if missing:
+            raise SymcostError(f"no value for {', '.join(missing)}; set it with --set")
+        msg = self.spec.check(values)
+        if msg:
+            raise SymcostError(msg)
+        return {SYMS[k]: v for k, v in values.items()}
+
+    def subs(self, **sizes: int) -> dict[str, int]:
+        """Every total as an integer at the given sizes (others at the model's defaults)."""
+        env = self.bind(**sizes)
+        ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731  (xreplace: no re-simplifying)
+        out = {"params": ev(self.params), "params_matmul": ev(self.params_matmul)}
+        out["params_active"] = ev(self.params_active)
+        for ph in PHASES + ("train",):
+            out[f"flops.{ph}"] = ev(self.flops(ph))
+            out[f"flops_all.{ph}"] = ev(self.flops(ph, "all"))
+            out[f"bytes.{ph}"] = ev(self.bytes(ph))
+            out[f"transcendentals.{ph}"] = ev(self.transcendentals(ph))
+        return out
+
+    def quantity(self, name: str) -> sympy.Expr:
+        """A total by its JSON name: ``params``, ``params_matmul``, ``flops.<phase>``,
+        ``flops_all.<phase>``, ``bytes.<phase>``, ``attention_flops``."""
+        if name in ("params", "params_matmul", "attention_flops", "params_active", "params_active_matmul"):
+            return getattr(self, name)
+        kind, _, phase = name.partition(".")
+        if kind == "flops":
+            return self.flops(phase)
+        if kind == "flops_all":
+            return self.flops(phase, "all")
+        if kind == "bytes":
+            return self.bytes(phase)
+        if kind == "transcendentals":
+            return self.transcendentals(phase)
+        raise SymcostError(f"unknown quantity {name!r}")
+
+    def lambdify(self, *names: str):
+        """A fast numpy function of the symbols for the named totals (vectorised over arrays).
+
+        ``f = an.lambdify("flops.train"); f(B=np.array([...]), S=..., ...)`` returns an array per
+        name (float64; exact below 2**53). Symbols not passed take the model's defaults.
+        """
+        syms = [SYMS[s] for s in self.symbols]
+        fn = sympy.lambdify(syms, [self.quantity(n) for n in names], modules="numpy")
+        defaults = {str(k): v for k, v in self.bind().items()}
+
+        def f(**sizes):
+            import numpy as np
+
+            args = [np.asarray(sizes.get(s, defaults.get(s)), dtype=np.float64) for s in self.symbols]
+            return fn(*args)
+
+        return f
+
+    def __repr__(self) -> str:
+        P, rem, form = self.train_simplified()
+        return (
+            f"<symcost.Analysis {self.model}: {len(self.ops)} ops "
+            f"({self.graph.number_of_nodes()} graph nodes), symbols {','.join(self.symbols)}\n"
+            f"  params = {self.params}\n  flops.train = {form}>"
+        )
+
+    def _repr_latex_(self) -> str:
+        P, rem, form = self.train_simplified()
+        return (
+            r"$\mathrm{FLOPs}_{train} = " + sympy.latex(form) + r"$"
+            + r"<br>$P = " + sympy.latex(P) + "$"
+        )
+
+    def write(self, path: str) -> None:
+        """Write the graph as GraphML (``.graphml``) or node-link JSON (``.json``).
+
+        Sympy values are written as strings that :func:`symcost.parse_formula` parses.
+        """
+        g = nx.DiGraph()
+        for n, d in self.graph.nodes(data=True):
+            g.add_node(str(n), **{k: str(v) for k, v in d.items()})
+        for u, v, d in self.graph.edges(data=True):
+            g.add_edge(str(u), str(v), **{k: str(x) for k, x in d.items()})
+        if path.endswith(".graphml"):
+            nx.write_graphml(g, path)
+        elif path.endswith(".json"):
+            import json
+
+            with open(path, "w") as f:
+                json.dump(nx.node_link_data(g, edges="edges"), f, indent=1)
+        else:
+            raise SymcostError(f"unknown graph format for {path!r}; accepted: .graphml, .json")

@@ -1,0 +1,543 @@
+"""From probe recordings to one symbolic op graph of the training step: ``trace``.
+
+``trace(model)`` records the training step at probe sizes (:mod:`symcost.tracing.record`), aligns
+the recordings op by op, rebuilds every size as a polynomial in the canonical symbols
+(:mod:`symcost.tracing.fit`), folds the L repeated blocks into one block with ``repeat = L``,
+fits the storage schedule (:mod:`symcost.tracing.schedule`), applies the cost rules
+(:mod:`symcost.graph.rules`) to the symbolic shapes, and checks the resulting totals against fresh
+recordings (other sizes, L = 3) that took no part in the fit. The result is an
+:class:`~symcost.graph.analysis.Analysis`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Mapping
+
+import sympy
+
+from symcost._lazy import LazyModule
+from symcost.errors import SymcostError
+from symcost.frontends.spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, ModelSpec, request_facts
+from symcost.tracing.fit import (CHECK_L, FIT_L, SYMS, Fitter, FitError, Unvariable, find_base, plan_probes,
+                                 probe_pool, random_point, random_pools)
+from symcost.tracing.modules import _fold_name, _layer_of, _rename_block
+from symcost.tracing.regime import digest, regime_signature
+from symcost.tracing.schedule import fit_schedule
+from symcost.graph.analysis import Analysis
+from symcost.graph.ops import PHASES, SymOp
+
+if TYPE_CHECKING:  # pragma: no cover
+    from symcost.tracing.record import OpCall, Recording
+
+# torch, the recorder and the cost rules load on first use
+nx = LazyModule("networkx")
+torch = LazyModule("torch")
+rules = LazyModule("symcost.graph.rules")
+
+
+def resolve(model, config=None, attention="eager"):
+    """:func:`symcost.frontends.models.resolve` (imported on first use: it imports torch)."""
+    from symcost.frontends.models import resolve as _resolve
+
+    return _resolve(model, config, attention)
+
+
+def record(spec, values, precision="fp32", optimizer=None):
+    """:func:`symcost.tracing.record.record` (imported on first use: it imports torch)."""
+    from symcost.tracing.record import record as _record
+
+    return _record(spec, values, precision, optimizer)
+
+
+def tree_flatten(*args, **kwargs):
+    from torch.utils._pytree import tree_flatten as _f
+
+    return _f(*args, **kwargs)
+
+
+def tree_unflatten(*args, **kwargs):
+    from torch.utils._pytree import tree_unflatten as _f
+
+    return _f(*args, **kwargs)
+
+
+def _op_view(op: OpCall, in_shapes, out_shapes, ints) -> rules.OpView:
+    from symcost.tracing.record import IntRef, TensorRef
+
+    flat, spec = tree_flatten(op.args_tree, is_leaf=lambda x: isinstance(x, (TensorRef, IntRef)))
+    vals = []
+    for a in flat:
+        if isinstance(a, TensorRef):
+            vals.append(tuple(in_shapes[a.index]))
+        elif isinstance(a, IntRef):
+            vals.append(ints[a.index])
+        else:
+            vals.append(a)
+    args, kwargs = tree_unflatten(vals, spec)
+    return rules.OpView(
+        op.op, op.name, in_shapes, [t.dtype for t in op.inputs], out_shapes,
+        [t.dtype for t in op.outputs], tuple(args), dict(kwargs),
+    )
+
+
+def concrete_cost(op: OpCall) -> rules.Cost:
+    """Cost of a recorded op at its concrete sizes."""
+    return rules.cost(
+        _op_view(op, [t.shape for t in op.inputs], [t.shape for t in op.outputs], op.ints)
+    )
+
+
+def _matmul_params(rec: Recording) -> tuple[set[str], set[int]]:
+    """Parameters that reach a matmul-class op (through views) in the forward, and those ops."""
+    origin: dict[int, str] = {}
+    used: set[str] = set()
+    ops_with_param: set[int] = set()
+    for i, op in enumerate(rec.ops):
+        if op.phase != "forward":
+            break
+        srcs = set()
+        fam = rules.classify(op.op)
+        operands = op.inputs
+        if fam == "model":  # bias operands are not matmul weights (flop_counter ignores bias adds)
+            operands = [t for k, t in enumerate(op.inputs) if k not in rules.bias_positions(op.op)]
+        for t in operands:
+            if t.source and t.source.startswith("param:"):
+                srcs.add(t.source[6:])
+            elif t.tid in origin:
+                srcs.add(origin[t.tid])
+        if (fam == "view" or str(op.op.overloadpacket) in rules.PASS_THROUGH) and srcs:
+            for t in op.outputs:
+                origin[t.tid] = next(iter(srcs))
+        if fam == "model" and srcs:
+            used |= srcs
+            ops_with_param.add(i)
+    return used, ops_with_param
+
+
+def _layer_roles(spec: ModelSpec, ref: Recording, container: str | None, precision: str):
+    """How each layer of the L=2 fit recordings folds: ``role(module, name=None)``.
+
+    Returns a function giving ``(keep, repeat, folded_name)`` for a module path (and an optional
+    parameter name). When both blocks run the same ops, block 0 stands for all L. When they
+    differ (the first block needs no input gradient, say), one more recording at L = 3 tells
+    which end block is special: it is kept with repeat 1 and the other stands for the L - 1
+    generic blocks.
+
+    Raises:
+        SymcostError: both end blocks differ from the middle one.
+    """
+    L = SYMS["L"]
+    one = sympy.Integer(1)
+
+    def seqs(rec):
+        out: dict[int, list[str]] = {}
+        for op in rec.ops:
+            layer = _layer_of(op.module, container)
+            if layer is not None:
+                out.setdefault(layer, []).append(op.name)
+        return out
+
+    generic, special, repeat = 0, None, L
+    if container is not None:
+        s2 = seqs(ref)
+        if len(s2) >= 2 and s2[0] != s2[1]:
+            s3 = seqs(record(spec, dict(ref.values, L=FIT_L + 1), precision))
+            if s3[1] == s3[2] and s3[0] != s3[1]:
+                generic, special = 1, 0
+            elif s3[0] == s3[1] and s3[2] != s3[1]:
+                generic, special = 0, 1
+            else:
+                differ = sorted(i for i in s3 if s3[i] != s3[0])
+                raise Unvariable("L", (
+                    f"the blocks of {container} run different ops (block{'s' if len(differ) > 1 else ''} "
+                    f"{', '.join(map(str, differ))} of 3 differ{'s' if len(differ) == 1 else ''} from block 0), "
+                    "so L is not folded"))
+            repeat = L - 1
+
+    def role(module: str, name: str | None = None):
+        layer = _layer_of(module, container)
+        full = module if name is None else name
+        if layer is None:
+            return True, one, full
+        if layer == generic:
+            return True, repeat, _fold_name(full, container)
+        if layer == special:
+            if special == 0:
+                return True, one, full
+            return True, one, _rename_block(full, container, "{L-1}")
+        return False, one, full
+
+    return role
+
+
+def _align(recs: list[Recording], spec: ModelSpec) -> None:
+    ref = recs[0]
+    for r in recs[1:]:
+        if len(r.ops) != len(ref.ops) or any(a.name != b.name for a, b in zip(r.ops, ref.ops)):
+            i = next((i for i, (a, b) in enumerate(zip(r.ops, ref.ops)) if a.name != b.name),
+                     min(len(r.ops), len(ref.ops)))
+            a = ref.ops[i].name if i < len(ref.ops) else "<end>"
+            b = r.ops[i].name if i < len(r.ops) else "<end>"
+            raise SymcostError(
+                f"{spec.name}: the ops it runs change with the sizes ({a} at {ref.values} but {b} "
+                f"at {r.values}, op #{i}); size-dependent control flow cannot get one formula"
+            )
+        if len(r.saved) != len(ref.saved) or set(r.params) != set(ref.params):
+            raise SymcostError(f"{spec.name}: saved tensors or parameters change with the sizes")
+
+
+def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None = None,
+          attention: str | None = None, sizes: Mapping[str, int] | None = None,
+          precision: str = "bf16-mixed", n_random: int = 6, seed: int = 0) -> Analysis:
+    """Trace a model's training step into a symbolic cost graph, in the regime of ``sizes``.
+
+    The regime follows the request (shared/conventions.md, "Regimes"). The requested values are
+    the model's config defaults with ``sizes`` on top (B and S count only where ``sizes`` sets
+    them). Then:
+
+    * a symbol requested as 1 is pinned at 1 (size 1 turns copies into views; K = 1 is
+      multi-query attention);
+    * for each pair of symbols requested equal (``spec.request_facts``: K = H, ...), one probe
+      breaks the equality: if that changes the ops (:func:`regime_signature`), the pair is tied
+      in this trace (K follows H), else the two are independent symbols;
+    * every probe must run the ops of the request itself (recorded at its own sizes with L = 2):
+      a probe that does not is redrawn, and a symbol that cannot vary without leaving the regime,
+      or whose sizes no polynomial fits there (ALiBi slopes of a head count that is not a power of
+      two, ...), is pinned at the requested value; the formulas are in the other symbols;
+    * the formulas are checked at the requested sizes themselves (L = 2) and at two random
+      probes with L = 3.
+
+    Args:
+        model: a built-in name (``cs336-lm``, ``gpt2``, ``mlp``, ``megatron-gpt``),
+            ``hf:MODEL_TYPE``, ``hf:ORG/NAME``, ``path/config.json``, ``path/to/file.py:factory``,
+            or a :class:`ModelSpec`.
+        config: ``hf:`` config overrides (key -> value string).
+        attention: ``eager`` or ``sdpa`` for ``hf:`` models (None: transformers' default, sdpa
+            where the model has it); other models refuse it.
+        sizes: the values the formulas will be used at; they choose the regime traced.
+        precision: a name of :data:`symcost.frontends.precision.PRECISIONS`: ``bf16-mixed`` (autocast
+            over fp32 weights; the default), ``fp16-mixed``, ``fp32``, ``bf16-true``,
+            ``fp16-true`` (model cast), ``bf16-true-fp32-state``, ``bf16-true-fp32-master``;
+            decides dtypes, hence bytes and activations.
+        n_random: random probes in the fit (besides base and one per symbol).
+        seed: probe sampling seed.
+
+    Returns:
+        An :class:`Analysis` (``pinned``, ``pin_reasons``, ``regime_ties``, ``request_facts``,
+        ``residues`` say which regime) whose totals were checked against fresh recordings at
+        sizes not used in the fit.
+
+    Raises:
+        SymcostError: bad model/config, sizes PyTorch rejects (the spec's constraints), an
+            untraceable model.
+    """
+    spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
+    sizes = dict(sizes or {})
+    values = spec.values(sizes, inputs=False)
+    why = spec.check({k: v for k, v in values.items() if k in spec.symbols or k in INPUT_SYMBOLS})
+    if why:
+        raise SymcostError(f"{spec.name}: {why}")
+    facts = request_facts(values, spec.all_symbols)
+    pins = {s: 1 for s in facts["ones"]}
+    reasons = {s: "size 1 runs other kernels (copies become views)" for s in pins}
+    recordings: dict = {}
+    for _ in range(len(SYMS) + 1):
+        try:
+            return _trace_regime(spec, values, facts, pins, reasons, precision, n_random, seed, recordings)
+        except Unvariable as e:
+            if e.symbol in pins or e.symbol not in values:
+                raise
+            pins[e.symbol] = values[e.symbol]
+            reasons[e.symbol] = ("no other value of it runs the same ops as the requested one"
+                                 if e.symbol != "L" else str(e))
+        except FitError as e:
+            deps = [d for d in e.deps if d not in pins and d in values]
+            new = [d for d in deps if d not in INPUT_SYMBOLS] or deps
+            if not new:
+                raise
+            for d in new:
+                pins[d] = values[d]
+                reasons[d] = "no polynomial in it fits the sizes of its regime"
+    raise SymcostError(f"{spec.name}: could not find a regime to trace {values} in")
+
+
+def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins: Mapping[str, int],
+                  reasons: Mapping[str, str], precision: str, n_random: int, seed: int,
+                  recordings: dict) -> Analysis:
+    """One attempt of :func:`trace` with ``pins`` fixed; raises Unvariable / FitError to pin more."""
+    import time
+
+    t0 = time.perf_counter()
+    pinned = dict(pins)
+    base_syms = tuple(s for s in spec.all_symbols if s not in pinned)
+    fixed = dict(pinned, **({"L": FIT_L} if "L" in base_syms else {}))
+    request = {**{k: v for k, v in values.items() if k in spec.all_symbols or k in spec.tied},
+               **{s: v for s, v in fixed.items()}}
+    for s in INPUT_SYMBOLS:  # B, S not requested: the regime of any size other than 1
+        request.setdefault(s, {"B": 2, "S": 16}[s])
+
+    def rec_at(p):
+        key = tuple(sorted(p.items()))
+        if key not in recordings:
+            try:
+                recordings[key] = record(spec, p, precision)
+            except SymcostError as e:
+                recordings[key] = e
+        return recordings[key]
+
+    req = rec_at(request)
+    if isinstance(req, SymcostError):  # PyTorch itself rejects the requested sizes
+        raise SymcostError(f"{req} (at the requested sizes, before any probe)") from req
+    want_sig = regime_signature(req)
+
+    def accept(p):
+        r = rec_at(p)
+        return not isinstance(r, SymcostError) and regime_signature(r) == want_sig
+
+    moduli = {s: m for s, m in spec.moduli.items() if s in base_syms}
+    # equal pairs: tied while a probe that breaks the equality runs other ops
+    ties: dict[str, str] = {}
+    for a, b in facts["equal"]:
+        if a in base_syms and b in base_syms and b not in ties and a not in ties and b not in ties.values():
+            ties[b] = a
+    syms = tuple(s for s in base_syms if s not in ties)
+    base = find_base(syms, spec.probe_ok, seed, fixed, accept=accept, request=request, ties=ties, moduli=moduli)
+    for follower, leader in list(ties.items()):
+        for v in probe_pool(follower, request.get(follower), moduli.get(follower))[:8]:
+            p = dict(base, **{follower: v})
+            if v != base[leader] and spec.probe_ok(p) is None:
+                if accept(p):
+                    del ties[follower]
+                    base = p  # the untied pair keeps distinct values in the base probe
+                break
+    syms = tuple(s for s in base_syms if s not in ties)
+    plan = plan_probes(syms, spec.probe_ok, n_random=n_random, seed=seed, fixed=fixed, accept=accept,
+                       request=request, ties=ties, moduli=moduli, base=base)
+    symbols = syms
+    spec = dataclasses.replace(spec, tied={**spec.tied, **ties})
+    recs = [rec_at(p) for p in plan.points]
+    t1 = time.perf_counter()
+    _align(recs, spec)
+    fitter = Fitter(plan)
+    ref = recs[0]
+    container = ref.layer_container
+
+    def fit_shape(getter, what):
+        shapes0 = getter(ref)
+        return [
+            tuple(fitter(tuple(getter(r)[k][d] for r in recs), what) for d in range(len(s)))
+            for k, s in enumerate(shapes0)
+        ]
+
+    # with L pinned (blocks that differ), every block is traced on its own: nothing is folded
+    role = _layer_roles(spec, ref, None if "L" in pinned else container, precision)
+
+    # parameters
+    param_shapes: dict[str, tuple] = {}
+    folded_name: dict[str, str] = {}
+    for name, (shape, dtype) in ref.params.items():
+        keep, repeat, fname = role(name.rpartition(".")[0], name)
+        if not keep:
+            continue
+        sym = tuple(fitter(tuple(r.params[name][0][d] for r in recs), f"size of {name}") for d in range(len(shape)))
+        param_shapes[fname] = (sym, dtype, repeat)
+        folded_name[name] = fname
+    used, ops_with_param = _matmul_params(ref)
+    matmul_params = {folded_name[n] for n in used if n in folded_name}
+
+    # ops
+    ops: list[SymOp] = []
+    unsupported: dict[str, Any] = {}
+    cost_cache: dict = {}
+    for i, op in enumerate(ref.ops):
+        keep, repeat, module = role(op.module)
+        if not keep:
+            continue
+        layer = _layer_of(op.module, container)
+        in_shapes = [
+            tuple(fitter(tuple(r.ops[i].inputs[k].shape[d] for r in recs), f"dimension of {op.name}")
+                  for d in range(len(t.shape)))
+            for k, t in enumerate(op.inputs)
+        ]
+        out_shapes = [
+            tuple(fitter(tuple(r.ops[i].outputs[k].shape[d] for r in recs), f"dimension of {op.name}")
+                  for d in range(len(t.shape)))
+            for k, t in enumerate(op.outputs)
+        ]
+        ints = [fitter(tuple(r.ops[i].ints[k] for r in recs), f"size argument of {op.name}")
+                for k in range(len(op.ints))]
+        family = rules.classify(op.op)
+        key = (op.name, tuple(in_shapes), tuple(out_shapes), tuple(ints),
+               tuple(t.dtype for t in op.inputs + op.outputs))
+        c = cost_cache.get(key)
+        if c is None:
+            try:
+                c = rules.cost(_op_view(op, in_shapes, out_shapes, ints), family)
+                c = rules.Cost(*(rules.expand_flops(x) for x in (c.flops, c.flops_all, c.bytes)),
+                               c.transcendentals)
+            except (AssertionError, TypeError, ValueError):
+                # A registry formula that cannot take symbols (e.g. asserts H % K == 0): fit
+                # its concrete values at the probes instead.
+                cs = [concrete_cost(r.ops[i]) for r in recs]
+                c = rules.Cost(*(fitter(tuple(int(getattr(x, a)) for x in cs), f"cost of {op.name}")
+                                 for a in ("flops", "flops_all", "bytes")),
+                               {k: fitter(tuple(int(x.transcendentals.get(k, 0)) for x in cs), f"cost of {op.name}")
+                                for k in sorted({k for x in cs for k in x.transcendentals})})
+            cost_cache[key] = c
+        if family == "unsupported":
+            unsupported[op.name] = unsupported.get(op.name, 0) + repeat
+        ops.append(SymOp(
+            index=i, name=op.name, family=family, module=module,
+            phase=op.phase, repeat=repeat, in_shapes=in_shapes,
+            in_dtypes=[t.dtype for t in op.inputs], out_shapes=out_shapes,
+            out_dtypes=[t.dtype for t in op.outputs], cost=c, layer=layer,
+            attention=family == "model" and op.phase == "forward" and i not in ops_with_param,
+        ))
+    # Backward attention matmuls: those of the backward with no parameter gradient involved are
+    # hard to tell apart generically; attribute by module: a module whose forward model op is
+    # attention marks its backward model ops as attention only if it holds no parameter.
+    attn_modules = {op.module for op in ops if op.attention}
+    param_modules = {n.rpartition(".")[0] for n in param_shapes}
+    for op in ops:
+        if op.phase == "backward" and op.family == "model" and op.module in attn_modules \
+                and op.module not in param_modules:
+            op.attention = True
+
+    # saved activations
+    saved = []
+    for k, s in enumerate(ref.saved):
+        keep, repeat, module = role(s.module)
+        layers = {_layer_of(m, container) for m in s.also | {s.module}}
+        if len(layers) > 1:  # one storage saved by several blocks (e.g. rotary cos/sin): once
+            keep, repeat, module = True, sympy.Integer(1), "(shared by blocks)"
+        if not keep:
+            continue
+        nb = fitter(tuple(r.saved[k].nbytes for r in recs), f"saved tensor of {s.module or 'the root'}")
+        saved.append((module, nb, s.dtype, repeat))
+
+    t2 = time.perf_counter()
+    graph = _build_graph(ref, ops, role)
+    syms = {s: SYMBOL_MEANINGS[s] for s in symbols}
+    if "D" in syms and "H" not in syms and "H" not in spec.tied and "H" not in pinned:
+        syms["D"] = "model width (the model has no attention heads)"
+    an = Analysis(
+        model=spec.name, spec=spec, graph=graph, ops=ops, symbols=syms, param_shapes=param_shapes,
+        matmul_params=matmul_params, unsupported=unsupported, saved=saved, layer_container=container,
+        precision=precision, tied={folded_name.get(k, k): v for k, v in ref.tied.items()},
+        recordings=recs, plan=plan, fitter=fitter, role=role,
+        schedule=fit_schedule(recs, fitter, role, container, symbols, spec.name),
+    )
+    an.pinned = pinned
+    an.pin_reasons = {k: reasons[k] for k in pinned}
+    an.regime_ties = dict(ties)
+    an.request_facts = facts
+    an.residues = {s: [m, values[s] % m] for s, m in moduli.items() if s in symbols and s in values}
+    an.signature = digest(want_sig)
+    pools = random_pools([s for s in symbols if s not in fixed], plan.points[0], request, moduli)
+    # sizes that are no probe (an MoE's fractional N·R/E slots per expert) are answered by the
+    # formulas, not recorded exactly: they are checked at the probes only
+    _validate(an, spec, symbols, seed, pinned, pools=pools, ties=ties, accept=accept,
+              request=(request, req) if spec.probe_ok(request) is None else None)
+    an.timings = {"record": t1 - t0, "fit": t2 - t1, "check": time.perf_counter() - t2}
+    return an
+
+
+def concrete_totals(rec: Recording) -> dict[str, int]:
+    """Totals of one concrete recording by the same rules: the oracle for the symbolic fit."""
+    out = {f"{k}.{p}": 0 for k in ("flops", "flops_all", "bytes", "transcendentals") for p in PHASES}
+    for op in rec.ops:
+        c = concrete_cost(op)
+        out[f"flops.{op.phase}"] += int(c.flops)
+        out[f"flops_all.{op.phase}"] += int(c.flops_all)
+        out[f"bytes.{op.phase}"] += int(c.bytes)
+        out[f"transcendentals.{op.phase}"] += int(c.transcendental_total)
+    out["params"] = sum(rules.numel(s) for s, _ in rec.params.values())
+    out["saved"] = sum(s.nbytes for s in rec.saved)
+    return out
+
+
+def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping[str, int],
+              pools=None, ties=None, accept=None, request=None) -> None:
+    """Check the formulas against fresh recordings: two random probes (L = 3) of the regime and,
+    given ``request = (values, recording)``, the requested sizes themselves.
+
+    Raises:
+        FitError: a formula disagrees with a recording in the regime (the caller pins symbols).
+    """
+    import random
+
+    rng = random.Random(seed + 1000)
+    fixed = dict(pinned, **({"L": CHECK_L} if "L" in symbols else {}))
+    config_syms = [s for s in symbols if s not in INPUT_SYMBOLS and s != "L"]
+
+    def compare(p, rec):
+        want = concrete_totals(rec)
+        env = {SYMS[k]: v for k, v in p.items() if k in symbols}
+        got = {f"{k}.{ph}": None for k in ("flops", "flops_all", "bytes") for ph in PHASES}
+        for ph in PHASES:
+            got[f"flops.{ph}"] = an.flops(ph).subs(env)
+            got[f"flops_all.{ph}"] = an.flops(ph, "all").subs(env)
+            got[f"bytes.{ph}"] = an.bytes(ph).subs(env)
+            got[f"transcendentals.{ph}"] = an.transcendentals(ph).subs(env)
+        got["params"] = an.params.subs(env)
+        got["saved"] = sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]).subs(env)
+        bad = {k: (int(got[k]), want[k]) for k in want if int(got[k]) != want[k]}
+        if bad:
+            k, (g, w) = next(iter(bad.items()))
+            return (f"{spec.name}: the recovered formula for {k} gives {g} but a fresh trace at {p} "
+                    f"measures {w}; the model's costs are not polynomial in {', '.join(symbols)}")
+        return None
+
+    if request is not None:
+        msg = compare(*request)
+        if msg:
+            raise FitError(msg + " at the requested sizes", config_syms or symbols)
+    checked = 0
+    for _ in range(6):
+        p = random_point(symbols, spec.probe_ok, rng, fixed, pools, ties)
+        try:
+            rec = record(spec, p, an.precision)
+        except SymcostError:
+            continue
+        msg = compare(p, rec)
+        if msg and accept is not None and "L" in p and not accept(dict(p, L=FIT_L)):
+            continue  # the random point left the regime: draw another
+        if msg:
+            raise FitError(msg, config_syms or symbols)
+        checked += 1
+        if checked == 2:
+            return
+    if checked == 0:
+        raise SymcostError(f"{spec.name}: no fresh probe of this regime could be recorded to check the formulas")
+
+
+def _build_graph(ref: Recording, ops: list[SymOp], role) -> nx.DiGraph:
+    g = nx.DiGraph()
+    producer: dict[int, tuple[int, int]] = {}
+    kept = {op.index: op for op in ops}
+    for i, op in enumerate(ref.ops):
+        sop = kept.get(i)
+        for k, t in enumerate(op.outputs):
+            producer[t.tid] = (i, k)
+        if sop is None:
+            continue
+        g.add_node(
+            i, kind="op", op=op.name, family=sop.family, module=sop.module, phase=sop.phase,
+            repeat=sop.repeat, in_shapes=sop.in_shapes, out_shapes=sop.out_shapes,
+            dtypes=[str(d).removeprefix("torch.") for d in sop.out_dtypes],
+            flops=sop.cost.flops, flops_all=sop.cost.flops_all, bytes=sop.cost.bytes,
+            intensity=(sympy.cancel(sop.cost.flops_all / sop.cost.bytes) if sop.cost.bytes != 0 else 0),
+        )
+        for k, t in enumerate(op.inputs):
+            shape = sop.in_shapes[k]
+            nbytes = rules.nbytes(shape, t.dtype)
+            if t.source:
+                kind, _, name = t.source.partition(":")
+                src = f"{kind}:{role(name.rpartition('.')[0], name)[2]}"
+                if src not in g:
+                    g.add_node(src, kind=src.split(":")[0], shape=shape,
+                               dtypes=[str(t.dtype).removeprefix("torch.")])
+                g.add_edge(src, i, shape=shape, bytes=nbytes)
+            elif t.tid in producer and producer[t.tid][0] in kept:
+                g.add_edge(producer[t.tid][0], i, shape=shape, bytes=nbytes)
+    return g

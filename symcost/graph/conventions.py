@@ -1,0 +1,222 @@
+"""The quantities papers reason with, derived from the op graph: Kaplan et al.'s embedding and
+non-embedding parameters, the parameters outside P, the causal count of attention matmuls, and the
+6·N·P form of the training FLOPs with its exact remainder. :class:`Conventions` is mixed into
+:class:`~symcost.graph.analysis.Analysis`.
+"""
+from __future__ import annotations
+
+import functools
+
+import sympy
+
+from symcost.errors import SymcostError
+from symcost.tracing.fit import SYMS
+from symcost.graph import opsets
+from typing import TYPE_CHECKING
+
+from symcost._lazy import LazyModule
+
+rules = LazyModule("symcost.graph.rules")
+
+if TYPE_CHECKING:  # pragma: no cover
+    from symcost.graph.analysis import Analysis
+    from symcost.graph.ops import SymOp
+
+
+class Conventions:
+    """Needs ``graph``, ``ops``, ``param_shapes``, ``matmul_params``, ``tied``, ``pinned`` and the
+    totals of :class:`~symcost.graph.totals.Totals`."""
+
+    # -- quantities papers use (issue 6, item 9) ------------------------------------------------
+    #: how attention matmuls are counted: "full" (S_q·S_k score pairs, FlopCounterMode) or
+    #: "causal" (S·(S+1)/2 pairs); see :meth:`with_attention_flops`
+    attention_count = "full"
+
+    def params_not_in_P(self) -> dict[str, list[str]]:
+        """Parameters outside P, grouped by why: embedding lookups, biases, norms/elementwise."""
+        pre = self.__dict__.get("_params_not_in_P")
+        if pre is not None:  # read back with the analysis (from_dict)
+            return {k: list(v) for k, v in pre.items()}
+        out: dict[str, list[str]] = {}
+        g = self.graph
+        for name in self.param_shapes:
+            if name in self.matmul_params:
+                continue
+            node = f"param:{name}"
+            why = "other (unused in the forward)"
+            frontier = list(g.successors(node)) if node in g else []
+            while frontier:
+                n = frontier.pop(0)
+                d = g.nodes[n]
+                if d.get("phase") != "forward":
+                    continue
+                if opsets.same_tensor(d):
+                    frontier.extend(g.successors(n))
+                    continue
+                op = d.get("op", "")
+                lookup = any(k in op for k in ("embedding", "aten.index", "index_select", "gather"))
+                why = ("embedding lookups" if lookup else
+                       "biases" if d.get("family") == "model" else "norms and elementwise scales")
+                break
+            out.setdefault(why, []).append(name)
+        if self.tied:
+            out["tied (counted once)"] = [f"{a} = {', '.join(b)}" for a, b in self.tied.items()]
+        return out
+
+    def _param_sources(self, node) -> set[str]:
+        """Folded names of the parameters feeding op ``node`` directly or through views/casts."""
+        g = self.graph
+        out, stack, seen = set(), list(g.predecessors(node)), set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            d = g.nodes[n]
+            if d.get("kind") == "param":
+                out.add(str(n).partition(":")[2])
+            elif opsets.same_tensor(d):
+                stack.extend(g.predecessors(n))
+        return out
+
+    @functools.cached_property
+    def embedding_params(self) -> dict[str, str]:
+        """Parameters Kaplan et al. (2020, "Scaling Laws for Neural Language Models", section 2.1)
+        leave out of N, by folded name -> why, derived from the traced forward graph:
+
+        - ``"lookup"``: read by an embedding lookup (``embedding``, ``index_select``, ``index``,
+          ``gather``, through views and dtype casts): token, position and token-type tables;
+        - ``"position slice"``: a table of fixed size sliced to the sequence length (``slice`` or
+          ``narrow`` whose output has S where the parameter has none: ``x + pos[:S]``);
+        - ``"output projection"``: an operand (weight or bias) of a forward matmul-class op whose
+          output has the vocabulary V in its last dimension — the final projection to the
+          vocabulary (the "de-embedding"); when it is tied to the token table it is that table,
+          counted once.
+
+        Models without V (``mlp``) have no output projection; models without a lookup have none.
+        """
+        g = self.graph
+        out: dict[str, str] = {}
+        lookups = ("aten.embedding", "aten.index_select", "aten.index", "aten.gather", "aten._embedding_bag")
+        V = SYMS["V"]
+        for n, d in g.nodes(data=True):
+            if d.get("kind") != "op" or d.get("phase") != "forward":
+                continue
+            packet = d["op"].rsplit(".", 1)[0]
+            if packet in lookups:
+                for name in self._param_sources(n):
+                    out.setdefault(name, "lookup")
+            elif packet in ("aten.slice", "aten.narrow") and d["out_shapes"]:
+                cut = {str(x) for e in d["out_shapes"][0] if isinstance(e, sympy.Basic) for x in e.free_symbols}
+                for name in self._param_sources(n):
+                    own = {str(x) for e in self.param_shapes[name][0] if isinstance(e, sympy.Basic)
+                           for x in e.free_symbols}
+                    if "S" in cut and "S" not in own:
+                        out.setdefault(name, "position slice")
+            elif d.get("family") == "model" and d["out_shapes"] and d["out_shapes"][0]:
+                last = d["out_shapes"][0][-1]
+                if isinstance(last, sympy.Basic) and V in last.free_symbols:
+                    for name in self._param_sources(n):
+                        out.setdefault(name, "output projection")
+        return {k: out[k] for k in self.param_shapes if k in out}
+
+    @functools.cached_property
+    def params_embedding(self) -> sympy.Expr:
+        """Embedding parameters (see :attr:`embedding_params`), tied ones once, a polynomial."""
+        return self._param_total(set(self.embedding_params))
+
+    @functools.cached_property
+    def params_nonembedding(self) -> sympy.Expr:
+        """Kaplan et al.'s N: every parameter (tied once) but the embedding ones — the blocks'
+        weights, biases and norms and the final norm (Kaplan's 12·n_layer·d_model² leaves biases
+        and norms out as small; this count keeps them, exactly)."""
+        return sympy.expand(self.params - self.params_embedding)
+
+    def causal_attention_cost(self, op: "SymOp") -> rules.Cost | None:
+        """The causal count of one attention matmul, or None when it does not apply.
+
+        An attention op (``op.attention``, or a fused attention kernel) whose model FLOPs are
+        ``a·S²`` — S queries against S keys, S_q·S_k = S² score pairs — costs ``a·S·(S+1)/2``
+        under a causal mask: query i meets keys 0..i, S·(S+1)/2 pairs in all, for every product
+        over the score matrix (Q·Kᵀ, P·V and their gradients; the recomputed scores of a fused
+        backward). The formula is derived from the op's own formula, never typed per model.
+        All-FLOPs drop by the same amount; bytes stay (the unfused lower bound moves the full
+        score matrix). Ops whose FLOPs are not of that form (S pinned, cross-attention with other
+        key lengths) keep their count.
+        """
+        fused = op.family == "model" and "attention" in op.name
+        if not (op.attention or fused) or "S" in self.pinned:
+            return None
+        S = SYMS["S"]
+        f = sympy.expand(op.cost.flops)
+        if not isinstance(f, sympy.Basic) or S not in f.free_symbols:
+            return None
+        poly = sympy.Poly(f, S)
+        if poly.monoms() != [(2,)]:
+            return None
+        causal = sympy.expand(poly.coeffs()[0] * S * (S + 1) / 2)
+        return rules.Cost(causal, sympy.expand(op.cost.flops_all - f + causal), op.cost.bytes,
+                          op.cost.transcendentals)
+
+    def with_attention_flops(self, count: str = "full") -> "Analysis":
+        """This analysis with the attention matmuls counted ``"full"`` (S_q·S_k score pairs, as
+        FlopCounterMode; the default) or ``"causal"`` (S·(S+1)/2 pairs, see
+        :meth:`causal_attention_cost`). Only those ops change; ``attention_count`` says which.
+
+        Raises:
+            SymcostError: ``count`` is neither "full" nor "causal".
+        """
+        import dataclasses
+
+        if count not in ("full", "causal"):
+            raise SymcostError(f"unknown attention FLOP count {count!r}; accepted: full, causal")
+        if count == self.attention_count:
+            return self
+        base = getattr(self, "_full", self)
+        if count == "full":
+            return base
+        ops, graph = [], base.graph.copy()
+        for op in base.ops:
+            c = base.causal_attention_cost(op)
+            if c is not None:
+                op = dataclasses.replace(op, cost=c)
+                if op.index in graph:
+                    graph.nodes[op.index].update(flops=c.flops, flops_all=c.flops_all, intensity=(
+                        sympy.cancel(c.flops_all / c.bytes) if c.bytes != 0 else 0))
+            ops.append(op)
+        new = dataclasses.replace(base, ops=ops, graph=graph)
+        new.pinned = dict(base.pinned)
+        new.timings = dict(base.timings)
+        new.attention_count = count
+        new._full = base
+        if base.__dict__.get("_fusion_data") is not None:  # fused bytes do not change with the count
+            new.__dict__["_fusion_data"] = base.__dict__["_fusion_data"]
+        return new
+
+    def train_simplified_str(self) -> str:
+        """``"6*B*S*(P) + remainder"`` as text, 6·N·P first (sympy would reorder the terms).
+
+        Parses with :func:`symcost.parse_formula` (or ``sympy.sympify`` with those locals) to
+        ``flops("train")``.
+        """
+        P, rem, _ = self.train_simplified()
+        n = "*".join(str(x) for x in ("B", "S") if x not in self.pinned)
+        head = f"6*{n}*({P})" if n else f"6*({P})"
+        if rem == 0:
+            return head
+        text = str(rem)
+        return f"{head} - {text[1:]}" if text.startswith("-") and "+" not in text and " - " not in text \
+            else f"{head} + {text}"
+
+    def train_simplified(self) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+        """``(P, remainder, unevaluated 6*B*S*P + remainder)`` with remainder exact.
+
+        P is ``params_active_matmul``: for a mixture of experts the parameters one token uses
+        (R of E experts), else ``params_matmul``."""
+        P = self.params_active_matmul
+        B, S = (sympy.Integer(self.pinned[n]) if n in self.pinned else SYMS[n] for n in ("B", "S"))
+        rem = sympy.expand(self.flops("train") - 6 * B * S * P)
+        factors = [f for f in (sympy.Integer(6), B, S, sympy.factor_terms(P)) if f != 1]
+        form = sympy.Add(sympy.Mul(*factors, evaluate=False),
+                         sympy.factor_terms(rem), evaluate=False)
+        return P, rem, form

@@ -1,0 +1,32 @@
+"""The op graph's elements: :class:`SymOp`, one op of the folded training step with symbolic shapes
+and costs, and the phases of a step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from symcost.graph import rules
+
+PHASES = ("forward", "backward")
+
+
+@dataclass
+class SymOp:
+    """One op of the folded graph with symbolic shapes and costs."""
+
+    index: int
+    name: str
+    family: str
+    module: str
+    phase: str
+    repeat: Any  # 1, or the symbol L for ops of the repeated block
+    in_shapes: list[tuple]
+    in_dtypes: list[torch.dtype]
+    out_shapes: list[tuple]
+    out_dtypes: list[torch.dtype]
+    cost: rules.Cost
+    layer: int | None = None
+    attention: bool = False  # a matmul-class op with no parameter operand

@@ -1,0 +1,165 @@
+"""Totals of the op graph: FLOPs (model and all), bytes, transcendentals per phase, and the parameter
+counts (all, matmul operands, active per token for a mixture of experts), as polynomials in the
+symbols. :class:`Totals` is mixed into :class:`~symcost.graph.analysis.Analysis`.
+
+Model FLOPs follow ``torch.utils.flop_counter`` (matmul-class ops only); all-FLOPs add the
+per-element counts of :mod:`symcost.graph.rules` (docs/conventions.md).
+"""
+from __future__ import annotations
+
+import functools
+
+import sympy
+
+from symcost.errors import SymcostError
+from symcost.graph.ops import PHASES
+
+
+class Totals:
+    """Sums over ``self.ops`` (each op times its ``repeat``) and over ``self.param_shapes``."""
+
+    def _sum(self, attr: str, phase: str) -> sympy.Expr:
+        phases = PHASES if phase == "train" else (phase,)
+        if phase not in ("forward", "backward", "train"):
+            raise SymcostError(f"unknown phase {phase!r}; accepted: forward, backward, train")
+        pre = self._formula(f"{attr}.{phase}")
+        if pre is not None:  # read back with the analysis (from_dict)
+            return pre
+        return sympy.expand(
+            sympy.Add(*[op.repeat * getattr(op.cost, attr) for op in self.ops if op.phase in phases])
+        )
+
+    @functools.cache
+    def flops(self, phase: str = "train", kind: str = "model") -> sympy.Expr:
+        """Total FLOPs of ``phase`` (forward|backward|train) as a polynomial in the symbols.
+
+        ``kind="model"``: matmul-class FLOPs, FlopCounterMode's convention (torch/utils/
+        flop_counter.py); ``kind="all"``: plus the per-element counts of :mod:`symcost.graph.rules`.
+        """
+        if kind not in ("model", "all"):
+            raise SymcostError(f"unknown FLOP kind {kind!r}; accepted: model, all")
+        return self._sum("flops" if kind == "model" else "flops_all", phase)
+
+    @functools.cache
+    def transcendentals(self, phase: str = "train") -> sympy.Expr:
+        """Transcendental function evaluations (exp, log, erf, tanh, sin, sqrt, all together)
+        of ``phase``, a polynomial: XLA's ``transcendentals`` count (:func:`symcost.graph.rules.transcendentals`)."""
+        return self._sum("transcendental_total", phase)
+
+    @functools.cache
+    def bytes(self, phase: str = "train") -> sympy.Expr:
+        """Bytes read + written by all ops of ``phase`` (unfused lower bound), a polynomial."""
+        return self._sum("bytes", phase)
+
+    def _param_total(self, names) -> sympy.Expr:
+        return sympy.expand(sympy.Add(*[
+            rep * sympy.Mul(*shape) for n, (shape, _, rep) in self.param_shapes.items() if n in names
+        ]))
+
+    @functools.cached_property
+    def params(self) -> sympy.Expr:
+        """Parameter count (tied parameters once), a polynomial in the symbols."""
+        return self._param_total(set(self.param_shapes))
+
+    @functools.cached_property
+    def params_matmul(self) -> sympy.Expr:
+        """P of 6·N·P: parameters used as a matmul operand in the forward (tied weights once)."""
+        return self._param_total(self.matmul_params)
+
+    @functools.cached_property
+    def params_active(self) -> sympy.Expr:
+        """Parameters one token uses (:func:`params_active`): ``params`` with each stack of E
+        routed experts counted R/E; equal to ``params`` for a dense model."""
+        return params_active(self)
+
+    @functools.cached_property
+    def params_active_matmul(self) -> sympy.Expr:
+        """P_active of 6·N·P_active: ``params_matmul`` with routed expert stacks counted R/E
+        (:func:`params_active_matmul`); equal to ``params_matmul`` for a dense model."""
+        return params_active_matmul(self)
+
+    @functools.cached_property
+    def attention_flops(self) -> sympy.Expr:
+        """Model FLOPs (train) of matmul-class ops with no parameter operand (attention)."""
+        return sympy.expand(sympy.Add(*[
+            op.repeat * op.cost.flops for op in self.ops if op.attention
+        ]))
+
+
+def is_routed(an, name: str) -> bool:
+    """Whether parameter ``name`` of an Analysis is a stack of E experts' weights.
+
+    From the traced graph: its first dimension is E, and in the forward it reaches (through views
+    and casts) an op whose output's first dimension is E too (the batched expert matmul over the
+    ``[E, C, ·]`` buffer, or an expert bias added to it). The router's weight ``[E, M]`` is not:
+    its matmul's output is ``[N, E]``.
+    """
+    import sympy
+
+    from symcost.tracing.fit import SYMS
+    from symcost.graph.opsets import same_tensor
+
+    shape = an.param_shapes[name][0]
+    if not shape or sympy.sympify(shape[0]) != SYMS["E"]:
+        return False
+    g = an.graph
+    node = f"param:{name}"
+    if node not in g:
+        return False
+    frontier, seen = list(g.successors(node)), set()
+    while frontier:
+        n = frontier.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        d = g.nodes[n]
+        if d.get("phase") != "forward":
+            continue
+        if same_tensor(d):
+            frontier.extend(g.successors(n))
+            continue
+        outs = d.get("out_shapes") or []
+        if outs and outs[0] and sympy.sympify(outs[0][0]) == SYMS["E"]:
+            return True
+    return False
+
+
+def params_active(an):
+    """Parameters one token uses: all, with each stack of E routed experts counted R/E.
+
+    ``an.params`` with every :func:`is_routed` parameter scaled by R/E (shared weights, shared
+    experts, the router, embeddings and norms count fully). A polynomial in the symbols.
+    """
+    import sympy
+
+    from symcost.tracing.fit import SYMS
+
+    routed = {n for n in an.param_shapes if is_routed(an, n)}
+    if not routed:
+        return an.params
+    scale = SYMS["R"] / SYMS["E"]
+    from symcost.graph.opsets import numel
+
+    total = sympy.Add(*[
+        rep * numel(shape) * (scale if n in routed else 1)
+        for n, (shape, _, rep) in an.param_shapes.items()
+    ])
+    return sympy.expand(total)
+
+
+def params_active_matmul(an):
+    """P_active of 6·N·P_active: matmul-operand parameters, routed expert stacks counted R/E."""
+    import sympy
+
+    from symcost.tracing.fit import SYMS
+    from symcost.graph.opsets import numel
+
+    routed = {n for n in an.matmul_params if is_routed(an, n)}
+    if not routed:
+        return an.params_matmul
+    scale = SYMS["R"] / SYMS["E"]
+    return sympy.expand(sympy.Add(*[
+        rep * numel(shape) * (scale if n in routed else 1)
+        for n, (shape, _, rep) in an.param_shapes.items() if n in an.matmul_params
+    ]))
+

@@ -1,0 +1,338 @@
+"""The memory model of a traced step: static memory by policy, activations, the folded live sets,
+and the peak (see the package docstring, :mod:`symcost.passes.memory`, for the accounting).
+
+Solving for the largest size under a cap is :class:`~symcost.passes.memory.solve.Solver`, which
+:class:`MemoryModel` mixes in.
+"""
+from __future__ import annotations
+
+import weakref
+from fractions import Fraction
+from typing import Any, Mapping
+
+import sympy
+from sympy.polys.domains import QQ, ZZ
+
+from symcost.errors import SymcostError
+from symcost.tracing.fit import SYMS, parse_formula
+from symcost.tracing.poly import Algebra, NotIntegral, terms_expr
+from symcost.tracing.schedule import MemorySchedule
+from symcost.passes.memory.live import Candidate, _pareto, _peval, _sign
+from symcost.passes.memory.policies import STEP_BYTES, Optimizer, Policy, optimizer, policy, resolve_impl
+from symcost.passes.memory.solve import Solver
+
+
+_CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def memory_model(an, precision: str | None = None, optimizer_name: str = "adamw",
+                 impl: str = "default", device: str = "cuda") -> "MemoryModel":
+    """The :class:`MemoryModel` of a traced step (cached per analysis and options).
+
+    Args:
+        an: a :class:`~symcost.graph.analysis.Analysis`.
+        precision: the policy (default: the precision ``an`` was traced with; another one
+            changes the static bytes and the gradients, the activations stay the trace's).
+        optimizer_name: one of :data:`OPTIMIZERS`.
+        impl: how the optimizer step runs, one of :data:`IMPLS` (decides its temporaries);
+            ``default`` is what ``torch.optim`` runs on ``device`` (:func:`default_impl`).
+        device: the device the step runs on (only decides ``impl="default"``).
+
+    Raises:
+        SymcostError: unknown policy / optimizer / impl; a trace whose memory events differ
+            between probes (then no formula exists).
+    """
+    pol = policy(precision or an.precision)
+    opt = optimizer(optimizer_name)
+    impl = resolve_impl(impl, device)
+    per = _CACHE.setdefault(an, {})
+    key = (pol.name, opt.name, impl)
+    if key not in per:
+        per[key] = MemoryModel(an, pol, opt, impl)
+    return per[key]
+
+
+class MemoryModel(Solver):
+    """Training memory of a traced step under a precision policy and an optimizer.
+
+    Attributes (sympy polynomials in the model's symbols, bytes):
+        params: ``policy.param * P`` (P: all parameters, tied ones once).
+        grads: ``policy.grad * P``.
+        optimizer: the optimizer's state: ``full * policy.state * P`` plus, for Adafactor,
+            ``policy.state * sum(rows + cols)`` over tensors of >= 2 dims and ``numel`` over
+            vectors (the shapes of the trace), plus 4 bytes per parameter tensor for a ``step``.
+        master_weights: ``policy.master * P``.
+        buffers: the model's buffers (their traced dtypes, shared storages once).
+        inputs: the step's input tensors (e.g. token ids and labels, int64).
+        activations: bytes autograd saves for backward (``Analysis.saved``, folded over L).
+        activations_per_layer: those of one generic block (None without repeated blocks).
+        static: params + optimizer + master_weights + buffers + inputs (live all step).
+        candidates: the :class:`Candidate` live sets (bytes on top of ``static``) of a normal
+            step; ``candidates_accum`` those of an accumulation micro-step (gradients live from
+            the start, each new gradient a transient).
+        schedule: the analysis' :class:`MemorySchedule` (all the pass reads besides the
+            parameter shapes and saved tensors); ``alg`` the polynomial ring of its candidates.
+        impl, device: the optimizer implementation assumed (``impl="default"`` resolved by
+            :func:`default_impl` for ``device``).
+    """
+
+    def __init__(self, an, pol: Policy, opt: Optimizer, impl: str = "default", device: str = "cuda"):
+        self.an, self.policy, self.opt = an, pol, opt
+        self.impl, self.device = resolve_impl(impl, device), device
+        self.gens = tuple(an.symbols)
+        self._syms = [SYMS[s] for s in self.gens]
+        self.schedule: MemorySchedule = an.schedule
+        if self.schedule is None:
+            raise SymcostError(f"{an.model}: this analysis has no memory schedule (trace it with symcost.trace)")
+        self.has_L = "L" in self.gens
+        P = an.params
+        self.P = P
+        self.params = sympy.expand(pol.param * P)
+        self.grads = sympy.expand(pol.grad * P)
+        self.master_weights = sympy.expand(pol.master * P)
+        self.n_tensors = sympy.expand(sympy.Add(*[rep for _, (_, _, rep) in an.param_shapes.items()]))
+        self.optimizer = self._optimizer_state()
+        self.buffers, self.inputs = self._buffers_inputs()
+        self.activations = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
+        per_layer = [nb for _, nb, _, rep in an.saved if rep != 1 and sympy.sympify(rep).has(SYMS["L"])]
+        self.activations_per_layer = sympy.expand(sympy.Add(*per_layer)) if per_layer else None
+        self.static = sympy.expand(self.params + self.optimizer + self.master_weights + self.buffers
+                                   + self.inputs)
+        for domain in (ZZ, QQ):  # integer coefficients (fast) unless a size needs fractions
+            self.alg = Algebra(self.gens, domain)
+            try:
+                self._load_schedule()
+                break
+            except NotIntegral:
+                continue
+
+    # -- static ----------------------------------------------------------------------------------
+    def _optimizer_state(self) -> sympy.Expr:
+        an, pol, opt = self.an, self.policy, self.opt
+        total = opt.full * pol.state * self.P
+        if opt.factored:
+            fac = []
+            for _, (shape, _, rep) in an.param_shapes.items():
+                if len(shape) >= 2:
+                    rows = sympy.Mul(*shape[:-1])
+                    cols = sympy.Mul(*shape[:-2]) * shape[-1]
+                    fac.append(rep * (rows + cols))
+                else:
+                    fac.append(rep * sympy.Mul(*shape))
+            total += pol.state * sympy.Add(*fac)
+        if opt.step:
+            total += STEP_BYTES * self.n_tensors
+        return sympy.expand(total)
+
+    def _buffers_inputs(self) -> tuple[sympy.Expr, sympy.Expr]:
+        sched = self.schedule
+        return terms_expr(sched.gens, sched.buffers), terms_expr(sched.gens, sched.inputs)
+
+    def bytes_per_param(self) -> int:
+        """params + grads + full-size optimizer state + master weights, bytes per parameter
+        (the "12" of 12P for bf16-mixed Adam). Adafactor's factored state and Adam's 4-byte step
+        counters are not per parameter and are listed apart."""
+        p = self.policy
+        return p.param + p.grad + self.opt.full * p.state + p.master
+
+    # -- polynomials -------------------------------------------------------------------------------
+    def _poly(self, expr):
+        """A sympy polynomial in the symbols as an element of the ring ``self.alg.R``."""
+        return self.alg.from_expr(expr)
+
+    def _expr(self, p) -> sympy.Expr:
+        return self.alg.expr(p)
+
+    # -- schedule ----------------------------------------------------------------------------------
+    def _load_schedule(self) -> None:
+        """The trace's :class:`MemorySchedule` as ring elements, gradients in the policy's bytes."""
+        sched, alg = self.schedule, self.alg
+        if sched.error:
+            raise SymcostError(sched.error)
+        if tuple(sched.gens) != self.gens:
+            raise SymcostError(f"{self.an.model}: the memory schedule's symbols {sched.gens} are not the "
+                               f"trace's {list(self.gens)}")
+        grad_ratio = Fraction(self.policy.grad, sched.grad_itemsize)
+        cache: dict = {}
+        evpolys = []
+        for e in sched.events:
+            key = (tuple(map(tuple, e.bytes)), e.grad)
+            p = cache.get(key)
+            if p is None:
+                p = alg.from_terms(e.bytes)
+                if e.grad and grad_ratio != 1:
+                    p = alg.scale(p, grad_ratio)
+                cache[key] = p
+            evpolys.append(p)
+        self._evpolys = evpolys
+        self.grad_events = {k for k, e in enumerate(sched.events) if e.grad}
+        self.units = [(range(u.start, u.stop), alg.from_expr(parse_formula(u.repeat)), u.min_L, u.label)
+                      for u in sched.units]
+        self._poly(self.static)  # (in the same ring: raises NotIntegral here, not in solve)
+        self.candidates = self._candidates(accumulate=False)
+        self.candidates_accum = self._candidates(accumulate=True)
+
+    def _label(self, k: int, unit_label: str) -> str:
+        e = self.schedule.events[k]
+        return f"{unit_label}: {e.module or '(top level)'} {e.op}"
+
+    def _candidates(self, accumulate: bool) -> list[Candidate]:
+        """Live sets at each allocation along the folded schedule (+ the optimizer step).
+
+        Within one pass of a unit the live set after each allocation is a prefix sum of the
+        events; its shift (x -> x + 1, for the dominance test) is the same prefix sum of the
+        events' shifts, so both are accumulated together.
+        """
+        alg = self.alg
+        R = alg.R
+        base = self._poly(self.grads) if accumulate else R.zero
+        out: list[Candidate] = []
+        shifted = {}
+
+        def sh(k):
+            s = shifted.get(k)
+            if s is None:
+                s = shifted[k] = alg.shift(self._evpolys[k])
+            return s
+
+        for ids, rep, min_L, ulabel in self.units:
+            # prefix sums within one pass of the unit; only allocations can raise the maximum
+            local: list[Candidate] = []
+            pre, pre_s = R.zero, R.zero
+            for k in ids:
+                p = self._evpolys[k]
+                if accumulate and k in self.grad_events:
+                    # a new gradient, added in place, then freed
+                    local.append(Candidate(pre + p, pre_s + sh(k), 1, str(k)))
+                    continue
+                pre, pre_s = pre + p, pre_s + sh(k)
+                if self.schedule.events[k].alloc == k:
+                    local.append(Candidate(pre, pre_s, 1, str(k)))
+            delta = pre
+            locs = _pareto(local)
+            if rep == 1:
+                offsets = [(base, 1)]
+            else:
+                s = _sign(alg, delta)
+                offsets = []
+                if s >= 0:  # the last pass can be the highest: base + (rep - 1)·delta
+                    offsets.append((base + (rep - 1) * delta, min_L))
+                if s <= 0:  # the first pass can be the highest
+                    offsets.append((base, min_L))
+            for off, mL in offsets:
+                off_s = alg.shift(off)
+                for c in locs:
+                    out.append(Candidate(off + c.poly, off_s + c.shifted, mL, self._label(int(c.label), ulabel)))
+            base = base + rep * delta
+        # optimizer step: gradients (and whatever else is live) plus its temporaries
+        base_s = alg.shift(base)
+        for t, what in self._optimizer_transients():
+            out.append(Candidate(base + t, base_s + alg.shift(t), 1, f"optimizer step ({what})"))
+        if not out:
+            out.append(Candidate(R.zero, R.zero, 1, "step"))
+        self.end_live = base
+        return _pareto(out)
+
+    def _param_numels(self) -> list[tuple[Any, Any]]:
+        """(elements, Adafactor's rows + columns) of the parameter tensors in the optimizer's
+        order (that of the L = 2 trace, which has every kind of neighbour), ring elements."""
+        return [(self.alg.from_terms(a), self.alg.from_terms(b)) for a, b in self.schedule.params]
+
+    def _optimizer_transients(self) -> list[tuple[Any, str]]:
+        """Temporaries of one optimizer step (bytes), modelled on torch.optim 2.x's code.
+
+        Adam/AdamW: foreach ``exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs)`` (a state-sized copy
+        of every tensor); for-loop ``denom = (exp_avg_sq.sqrt() / bc).add_(eps)`` (two
+        temporaries of the tensor while the previous tensor's ``denom`` is still referenced).
+        Adafactor: foreach ``var_estimates`` of every tensor; for-loop ``var_estimate`` (row_var @
+        col_var, plus row and column means; ``grad * grad`` and a clone for vectors) while the
+        previous tensor's is still referenced. SGD updates in place; fused kernels keep none.
+        """
+        opt, st, impl, alg = self.opt, self.policy.state, self.impl, self.alg
+        if impl == "fused" or opt.name in ("sgd", "sgd-nomomentum"):
+            return []
+        if impl == "foreach":
+            return [(self._poly(self.P) * st, "foreach temporaries of all tensors")]
+        out = []
+        prev = alg.R.zero
+        for numel, fac in self._param_numels():
+            if opt.name == "adafactor":
+                cur = numel + fac if fac else numel * 2
+            else:
+                cur = numel * 2
+            q = (prev + cur) * st
+            out.append(Candidate(q, alg.shift(q), 1, "for-loop temporaries"))
+            prev = cur if opt.name == "adafactor" else numel
+        return [(c.poly, c.label) for c in _pareto(out)]
+
+    # -- evaluation ------------------------------------------------------------------------------------
+    def _values(self, env: Mapping) -> tuple:
+        return tuple(int(env[s]) for s in self._syms) if self._syms else (1,)
+
+    def _env(self, sizes: Mapping[str, int]) -> dict:
+        return self.an.bind(**dict(sizes))
+
+    def full_values(self, sizes: Mapping[str, int]) -> dict[str, int]:
+        """Every value a check of the model needs, by name: the model's defaults, ``sizes`` over
+        them, the pinned symbols (B = 1, S = 1) and the tied ones (K = H). No check raises."""
+        an = self.an
+        vals = {**an.spec.defaults, **dict(getattr(an, "pinned", {}) or {}), **{k: int(v) for k, v in sizes.items()}}
+        vals.update({a: vals[b] for a, b in an.spec.tied.items() if b in vals})
+        return vals
+
+    def _cands(self, L: int | None, accumulate: bool) -> list[Candidate]:
+        cs = self.candidates_accum + self.candidates if accumulate else self.candidates
+        return [c for c in cs if L is None or c.min_L <= L]
+
+    def peak(self, accumulate: bool = False, **sizes: int) -> int:
+        """Peak bytes of a steady-state step at ``sizes`` (others at the model's defaults).
+
+        ``accumulate=True``: a gradient-accumulation micro-step (gradients live from the start).
+
+        Raises:
+            SymcostError: bad sizes (see ``Analysis.bind``).
+        """
+        env = self._env(sizes)
+        vals = self._values(env)
+        L = env.get(SYMS["L"])
+        dyn = max(_peval(c.poly, vals) for c in self._cands(L, accumulate))
+        return int(sympy.sympify(self.static).xreplace(env)) + int(dyn)
+
+    def peak_where(self, **sizes: int) -> str:
+        """Where in the schedule the peak is reached at ``sizes`` (a label)."""
+        env = self._env(sizes)
+        vals = self._values(env)
+        L = env.get(SYMS["L"])
+        return max(self._cands(L, False), key=lambda c: _peval(c.poly, vals)).label
+
+    def peak_terms(self, accumulate: bool = False) -> list[tuple[sympy.Expr, int, str]]:
+        """The live sets that can be the largest at some sizes: ``(bytes on top of static,
+        valid for L >= min_L, where in the step)``; the peak is static + the largest valid one."""
+        return [(self._expr(c.poly), c.min_L, c.label) for c in _pareto(self._cands(None, accumulate))]
+
+    def peak_expr(self, accumulate: bool = False) -> sympy.Expr:
+        """The peak as a formula: static + the live set's polynomial, or ``Max`` of those that
+        can win at some sizes; ``Piecewise`` on L where some need two blocks."""
+        cs = self._cands(None, accumulate)
+
+        def mx(cands):
+            exprs = [self._expr(c.poly) for c in _pareto(cands)]
+            inner = exprs[0] if len(exprs) == 1 else sympy.Max(*exprs, evaluate=False)
+            return sympy.Add(self.static, inner, evaluate=False) if self.static != 0 else inner
+
+        if self.has_L and any(c.min_L > 1 for c in cs):
+            one = [c for c in cs if c.min_L <= 1]
+            return sympy.Piecewise((mx(cs), SYMS["L"] >= 2), (mx(one), True))
+        return mx(cs)
+
+    def components(self, **sizes: int) -> dict[str, int]:
+        """Every component in bytes at ``sizes`` (JSON names: params, grads, optimizer,
+        master_weights, buffers, inputs, activations, peak)."""
+        env = self._env(sizes)
+        ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731
+        out = {k: ev(getattr(self, k)) for k in
+               ("params", "grads", "optimizer", "master_weights", "buffers", "inputs", "activations")}
+        if self.activations_per_layer is not None:
+            out["activations_per_layer"] = ev(self.activations_per_layer)
+        out["peak"] = self.peak(**sizes)
+        return out

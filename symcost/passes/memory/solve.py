@@ -1,0 +1,214 @@
+"""Solving the memory model: the largest B (or S) whose peak fits under a cap, exact at the
+boundary, the component that dominates, why nothing fits, and gradient-accumulation plans
+(B_global = B_micro × K × N_devices, conventions.md).
+"""
+from __future__ import annotations
+
+import time
+
+import sympy
+from sympy.polys.domains import QQ
+from sympy.polys.rings import ring as _ring
+
+from symcost.errors import SymcostError
+from symcost.tracing.fit import SYMS
+from symcost.units import binary, dominant_text, gib, parse_memory
+from symcost.passes.memory.live import _feasible_sup, _geq, _peval
+from symcost.passes.memory.results import AccumulationPlan, NothingFits, Solution
+
+
+class Solver:
+    """Mixed into :class:`~symcost.passes.memory.model.MemoryModel`: what needs its ``peak``,
+    ``components`` and live sets (``_cands``, ``_poly``, ``static``)."""
+
+    # -- solving -------------------------------------------------------------------------------------
+    def solve(self, cap: int | str, var: str = "B", accumulate: bool = False, **sizes: int) -> Solution:
+        """Largest integer ``var`` (``B`` or ``S``) with peak <= ``cap`` at the other ``sizes``.
+
+        Each candidate live set, with the other sizes substituted, is a polynomial in ``var``
+        (non-decreasing: a sum of storage sizes); sympy solves ``static + c(var) <= cap`` for each
+        that can win (``solve_univariate_inequality``) and the answer is the floor of the smallest
+        supremum. Then M(value) <= cap < M(value + 1) is checked by exact integer evaluation.
+
+        Raises:
+            SymcostError: ``var`` not a symbol of the model, or set in ``sizes``; bad sizes/cap.
+        """
+        t0 = time.perf_counter()
+        cap = parse_memory(cap)
+        if var not in self.gens:
+            raise SymcostError(f"cannot solve for {var!r}: not a symbol of {self.an.model} "
+                               f"(symbols: {', '.join(self.gens)})")
+        sizes = dict(sizes)
+        if var in sizes:
+            raise SymcostError(f"--set {var}=... conflicts with solving for {var}")
+        env = self._env({**sizes, var: 1})
+        fixed = {s: env[s] for s in self._syms if str(s) != var}
+        L = fixed.get(SYMS["L"])
+        X = sympy.Symbol(var, positive=True)
+        vi = self.gens.index(var)
+
+        Ru, xu = _ring([X], QQ)
+        vals = [int(fixed[sy]) if j != vi else None for j, sy in enumerate(self._syms)]
+
+        def univariate(p):
+            """``p`` with the other sizes substituted: a polynomial in ``var`` (ring ``Ru``)."""
+            out: dict = {}
+            for m, c in p.items():
+                t = c
+                for j, e in enumerate(m):
+                    if j != vi and e:
+                        t *= vals[j] ** e
+                out[(m[vi],)] = out.get((m[vi],), 0) + t
+            return Ru.from_dict({k: v for k, v in out.items() if v})
+
+        static_u = univariate(self._poly(self.static))
+        cands = [univariate(c.poly) + static_u for c in self._cands(L, accumulate)]
+        # univariate dominance on var >= 1
+        sh = [(u.compose(xu, xu + 1), u) for u in cands]
+        kept = []
+        for s_, u in sh:
+            if any(_geq(k[0], s_) for k in kept):
+                continue
+            kept = [k for k in kept if not _geq(s_, k[0])]
+            kept.append((s_, u))
+
+        def M(x: int) -> int:
+            return int(max(_peval(u, (x,)) for u in cands))
+
+        bounds = []
+        ineqs = []
+        for _, u in kept:
+            expr = u.as_expr()
+            ineqs.append(expr)
+            if not expr.has(X):
+                bounds.append(sympy.oo if expr <= cap else sympy.Integer(0))
+                continue
+            bounds.append(_feasible_sup(expr - cap, X))
+        sup = min(bounds, key=lambda b: float("inf") if b is sympy.oo else float(b)) if bounds else sympy.oo
+        shown = " and ".join(f"{sympy.sstr(e)} <= {cap}" for e in ineqs[:3]) + (" ..." if len(ineqs) > 3 else "")
+        limited_by = None
+        if sup is sympy.oo:
+            raise SymcostError(f"the peak memory of {self.an.model} does not grow with {var}; no largest {var}")
+        value = int(sympy.floor(sup))
+        # exact integer check (the floor of an exact root needs no mending; if it ever did, the
+        # mending is counted in Solution.adjusted)
+        adjusted = 0
+        while value >= 1 and M(value) > cap:
+            value -= 1
+            adjusted += 1
+        while M(value + 1) <= cap:
+            value += 1
+            adjusted += 1
+        # the model's own limits (e.g. S <= n_positions), checked on the full set of values:
+        # pinned (B = 1), defaulted and tied symbols included
+        check = self.an.spec.check
+        def valid(x):
+            return check(self.full_values({**{str(s): int(v) for s, v in fixed.items()}, var: x}))
+        if value >= 1 and valid(value):
+            lo, hi = 0, value
+            why = valid(value)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if valid(mid) is None:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            limited_by = f"{why}; memory alone would allow {var} = {value}"
+            value = lo
+        sol = Solution(var=var, value=value, cap=cap,
+                       memory_at=M(value) if value >= 1 else None,
+                       memory_next=M(value + 1),
+                       sizes={**dict(getattr(self.an, "pinned", {}) or {}), **{str(s): int(v) for s, v in fixed.items()}},
+                       bound=sup, inequality=shown, limited_by=limited_by, adjusted=adjusted)
+        sol.checked = (value == 0 or sol.memory_at <= cap) and (limited_by is not None or sol.memory_next > cap)
+        if value == 0:
+            sol.dominant = self.dominant(**{**{str(s): int(v) for s, v in fixed.items()}, var: 1})
+        sol.seconds = time.perf_counter() - t0
+        return sol
+
+    def dominant(self, **sizes: int) -> tuple[str, int]:
+        """The largest component at ``sizes``: (name, bytes)."""
+        comp = self.components(**sizes)
+        names = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
+                 "master_weights": "master weights", "activations": "activations"}
+        name = max(names, key=lambda k: comp[k])
+        return names[name], comp[name]
+
+    def no_fit_reason(self, sol: Solution, **sizes: int) -> str | None:
+        """Why no ``sol.var`` fits under ``sol.cap`` (None when one does), with the numbers in
+        bytes: the model's own limit (``sol.limited_by``); else the static memory at ``var = 1``
+        (parameters + optimizer state + master weights + buffers + inputs, as :attr:`static`)
+        when it alone exceeds the cap; else the peak at ``var = 1``, static + its largest live
+        set (activations, gradients, temporaries). ``sizes``: the other sizes, as given to
+        :meth:`solve`.
+        """
+        if sol.value >= 1:
+            return None
+        v = sol.var
+        if sol.limited_by:
+            return f"no {v} >= 1 is valid: {sol.limited_by}"
+        at1 = {**{k: x for k, x in sizes.items() if k != v}, v: 1}
+        comp = self.components(**at1)
+        parts = {"parameters": comp["params"], "optimizer state": comp["optimizer"],
+                 "master weights": comp["master_weights"], "buffers": comp["buffers"], "inputs": comp["inputs"]}
+        static = sum(parts.values())
+        cap = f"the cap {sol.cap:,} bytes ({binary(sol.cap)})"
+        if static > sol.cap:
+            shown = " + ".join(f"{name} {b:,}" for name, b in parts.items() if b or name == "parameters")
+            return (f"the static memory alone exceeds {cap}: {shown} = {static:,} bytes ({binary(static)}) "
+                    f"at {v} = 1")
+        peak = comp["peak"]
+        name, nbytes = self.dominant(**at1)
+        return (f"the peak at {v} = 1, {peak:,} bytes ({binary(peak)}), exceeds {cap}: static memory "
+                f"{static:,} bytes + the largest live set {peak - static:,} bytes (activations, gradients, "
+                f"temporaries); {dominant_text(name, nbytes, sol.cap)}")
+
+    def plan_accumulation(self, global_batch: int, devices: int, cap: int | str,
+                          **sizes: int) -> AccumulationPlan:
+        """Micro-batch and accumulation steps K for ``global_batch`` over ``devices``.
+
+        B_global = B_micro x K x N_devices (conventions.md), with B_micro the largest divisor of
+        the per-device batch whose accumulation micro-step fits under ``cap`` (K = 1 if the whole
+        per-device batch fits without accumulation).
+
+        Raises:
+            SymcostError: non-positive numbers, ``global_batch`` not divisible by ``devices``,
+                B set in ``sizes``, or not even B = 1 fits (the message names the dominant part).
+        """
+        cap = parse_memory(cap)
+        for what, v in (("global batch", global_batch), ("devices", devices)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise SymcostError(f"{what} must be a positive integer, got {v!r}")
+        if global_batch % devices:
+            raise SymcostError(
+                f"global batch {global_batch} is not divisible by {devices} devices "
+                f"(B_global = B_micro x K x N_devices); use a multiple of {devices}"
+            )
+        b = global_batch // devices
+        sizes = dict(sizes)
+        sizes.pop("B", None)
+        full = self.peak(B=b, **sizes)
+        F = lambda B: int(sympy.sympify(self.an.flops("train")).xreplace(self._env({**sizes, "B": B})))  # noqa: E731
+        if full <= cap:
+            return AccumulationPlan(global_batch, devices, b, b, 1, b, True, full, full, F(b),
+                                    F(b) * devices, cap, "the per-device batch fits without accumulation")
+        sol = self.solve(cap, "B", accumulate=True, **sizes)
+        if sol.value < 1:
+            name, nbytes = sol.dominant
+            raise NothingFits(
+                f"not even a micro-batch of 1 fits under {gib(cap)} (peak {gib(sol.memory_next)}); "
+                f"{dominant_text(name, nbytes, cap)}"
+            )
+        bmax = min(sol.value, b)
+        micro = max(d for d in range(1, bmax + 1) if b % d == 0)
+        K = b // micro
+        exact = micro == bmax
+        note = ""
+        if not exact:
+            k2 = -(-b // bmax)
+            note = (f"no exact split of the per-device batch {b} uses the largest micro-batch that fits "
+                    f"({bmax}); using its largest divisor B_micro = {micro} (K = {K}); the nearest inexact "
+                    f"split is B_micro × K × N_devices = {bmax} × {k2} × {devices} = {bmax * k2 * devices}")
+        mem = self.peak(accumulate=True, B=micro, **sizes)
+        return AccumulationPlan(global_batch, devices, b, micro, K, sol.value, exact, mem, full,
+                                K * F(micro), K * F(micro) * devices, cap, note)

@@ -1,0 +1,427 @@
+"""The roofline pass: per-op bound, step-time lower bound, MFU ceiling, crossings, tokens and time.
+
+Takes an :class:`~symcost.graph.analysis.Analysis` and a :class:`~symcost.hardware.devices.Device`; returns
+plain data (dicts of numbers and formula strings). Nothing here prints.
+
+Rules (Williams, Waterman & Patterson, "Roofline: an insightful visual performance model",
+CACM 52(4), 2009):
+
+- arithmetic intensity of an op: I = FLOPs / bytes (FLOP/byte), FLOPs being all FLOPs of the op
+  (``flops_all``: matmul FLOPs plus the per-element counts of :mod:`symcost.graph.rules`), bytes its
+  traffic (unfused, or fused by :mod:`symcost.graph.fusion` for a compiled step);
+- ridge point of the device at the op's precision: peak FLOP/s / bandwidth;
+- attainable FLOP/s = min(peak, bandwidth x I); the op is compute-bound when I >= ridge;
+- time bound of one execution = max(FLOPs / peak, bytes / bandwidth, transcendental
+  evaluations / the device's special-function rate), in seconds (the third ceiling:
+  FlashAttention-3, Shah et al. 2024, sec. 3; :func:`symcost.hardware.devices.op_time`); on a device with
+  ``serial_passes`` (a CPU) a row-normalising op's memory time adds to the larger of the other
+  two instead, and a GEMM's packing of its [k, n] operand adds to its compute time; the step's lower bound is the sum over ops (times their repeat), since ops of one
+  stream run one after the other;
+- MFU ceiling = model FLOPs of the step / (step lower bound x peak at the training precision):
+  no run of that step on that device can exceed it (PaLM's MFU, Chowdhery et al. 2022, App. B).
+
+An op's precision is its output dtype (``bf16`` matmuls under autocast, ``fp32`` for the fp32
+norms and losses), mapped to the device's figure by :meth:`~symcost.hardware.devices.Device.peak_for`.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from fractions import Fraction
+from typing import Any, Mapping
+
+import sympy
+
+from symcost.hardware.devices import TRAINING_PRECISION, Device, dtype_key, op_time
+from symcost.errors import SymcostError
+from symcost.tracing.fit import SYMS
+from symcost.graph.opsets import ROW_NORMALISING
+
+
+def _num(x, env) -> int:
+    return int(sympy.sympify(x).subs(env)) if isinstance(x, sympy.Basic) else int(x)
+
+
+def op_precision(op, default: str) -> str:
+    """Device precision key of a :class:`~symcost.graph.ops.SymOp`: its first floating output
+    dtype, else its first floating input, else ``default`` (the training precision)."""
+    for d in list(op.out_dtypes) + list(op.in_dtypes):
+        k = dtype_key(d)
+        if k is not None:
+            return k
+    return default
+
+
+def training_precision(an) -> str:
+    """Device precision key of the model's matmuls under its ``--precision`` (``bf16-mixed`` -> bf16)."""
+    return TRAINING_PRECISION.get(an.precision, "fp32")
+
+
+def bound_of(flops: float, nbytes: float, peak: float, bandwidth: float, written: float = 0,
+             write_bandwidth: float | None = None, transcendental_seconds: float = 0.0,
+             serial: bool = False, pack_seconds: float = 0.0) -> dict:
+    """Roofline of one op execution.
+
+    Args:
+        flops: FLOPs; nbytes: bytes moved (read + written); peak: FLOP/s; bandwidth: byte/s;
+        written: the part of ``nbytes`` written, timed at ``write_bandwidth`` (byte/s) where the
+            device has one (a calibrated CPU), else at ``bandwidth``.
+        transcendental_seconds: the time the device's special-function throughput needs for the
+            op's transcendental evaluations (:meth:`Device.transcendental_seconds`), a third
+            ceiling beside FLOP/s and bandwidth (0: none, or not timed on the device).
+        serial: the op's memory and compute times add up (a row-normalising op on a device with
+            ``serial_passes``: :meth:`symcost.hardware.devices.Device.op_seconds`).
+        pack_seconds: a GEMM's packing pass before its multiply on such a device (reading and
+            writing its [k, n] operand once), added to its compute time.
+
+    Returns:
+        ``intensity`` (FLOP/byte; None for an op that moves no bytes, e.g. one fused entirely
+        into its region), ``ridge`` (peak / bandwidth, FLOP/byte), ``bound`` ("compute" when
+        FLOPs / peak is the largest of the three times, i.e. intensity >= ridge on a
+        one-bandwidth device; "memory" when the memory time is; "transcendental" when the
+        special functions are: compute-bound on the special-function units), ``attainable``
+        (FLOP/s = min(peak, FLOPs / memory time, FLOPs / transcendental time) = min(peak,
+        bandwidth x intensity) for an op without transcendentals on a one-bandwidth device),
+        ``seconds`` (max of the three times).
+    """
+    ridge = peak / bandwidth
+    t_mem = (nbytes - written) / bandwidth + written / (write_bandwidth or bandwidth)
+    t_cmp = flops / peak
+    intensity = flops / nbytes if nbytes else None
+    t, bound = op_time(t_cmp, t_mem, transcendental_seconds, serial, pack_seconds)
+    return {
+        "intensity": intensity, "ridge": ridge, "bound": bound,
+        "attainable": peak if t == t_cmp else (flops / t if t else peak),
+        "seconds": t,
+    }
+
+
+def pack_seconds(op, device: Device, env: Mapping) -> float:
+    """Seconds a CPU BLAS spends packing a GEMM's [k, n] operand before the multiply (reading and
+    writing it once, :meth:`Device.memory_seconds`) on a device with ``serial_passes``; 0 for other
+    ops, matrix-vector products (m or n = 1 at ``env``) and other devices."""
+    from symcost.graph import rules
+
+    if not device.serial_passes:
+        return 0.0
+    pk = rules.packed_operand(op.name, op.in_shapes, op.in_dtypes, op.out_shapes)
+    if pk is None:
+        return 0.0
+    b, m, n = pk
+    if _num(m, env) <= 1 or _num(n, env) <= 1:
+        return 0.0
+    b = _num(b, env)
+    return device.memory_seconds(b, b)
+
+
+def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bool = True,
+             crossing_symbol: str | None = None) -> dict:
+    """The roofline of every op of the training step at ``sizes`` on ``device``.
+
+    Args:
+        an: the Analysis.
+        device: the device (peak FLOP/s per precision, bandwidth in byte/s).
+        sizes: symbol values (others at the model's defaults).
+        fused: time ops with their fused bytes (a compiled step, :mod:`symcost.graph.fusion`);
+            False: the unfused bytes (eager PyTorch).
+        crossing_symbol: also solve, for every matmul-class op, the value of this symbol at which
+            it crosses the ridge (:func:`crossing`).
+
+    Returns:
+        ``{"device", "precision", "fused", "nodes": [...], "step_seconds",
+        "step_seconds_unfused", "mfu_ceiling", "model_flops", "per_phase", "per_module",
+        "formulas", "notes", "crossings"}``. Each node: op, module, phase, repeat, precision,
+        flops (all FLOPs of one execution), model_flops, bytes (unfused), fused_bytes,
+        intensity (FLOP/byte of the bytes used for time), ridge, bound, attainable (FLOP/s),
+        seconds (time bound of all ``repeat`` executions), share (of the step).
+
+    Raises:
+        SymcostError: bad sizes (see :meth:`Analysis.bind`), or a device without a figure.
+    """
+    from symcost.graph import fusion
+    from symcost.tracing.modules import module_group
+
+    env = an.bind(**(sizes or {}))
+    fe = fusion.estimate(an)
+    train_key = training_precision(an)
+    bw = device.bandwidth
+    notes: set[str] = set()
+    if not fe.exact:
+        notes.add("this Analysis has no probe recordings: fused bytes are the unfused bytes")
+    nodes = []
+    t_fused = t_unfused = 0.0
+    for op in an.ops:
+        if op.cost.bytes == 0 and op.cost.flops_all == 0:
+            continue
+        key = op_precision(op, train_key)
+        peak, used = device.peak_for(key)
+        if used != key:
+            notes.add(f"{device.key} lists no {key} figure: {key} ops use its {used} peak")
+        rep = _num(op.repeat, env)
+        F = _num(op.cost.flops_all, env)
+        Fm = _num(op.cost.flops, env)
+        Bu = _num(op.cost.bytes, env)
+        Bf = _num(fe.node_bytes[op.index], env)
+        Wf = _num(fe.node_written[op.index], env)
+        Wu = _num(fusion.written_bytes(op), env)
+        T = {k: _num(n, env) for k, n in op.cost.transcendentals.items()}
+        t_tr = device.transcendental_seconds(T)
+        if T and not t_tr:
+            notes.add(f"{device.key} gives no transcendental rate: exp/log/erf/tanh/sin/sqrt are not timed")
+        serial = device.serial_passes and op.name.rsplit(".", 1)[0] in ROW_NORMALISING
+        t_pack = pack_seconds(op, device, env)
+        rf = bound_of(F, Bf, peak, bw, Wf, device.write_bandwidth, t_tr, serial, t_pack)
+        ru = bound_of(F, Bu, peak, bw, Wu, device.write_bandwidth, t_tr, serial, t_pack)
+        r = rf if fused else ru
+        t_fused += rep * rf["seconds"]
+        t_unfused += rep * ru["seconds"]
+        nodes.append({
+            "index": op.index, "op": op.name, "module": op.module, "phase": op.phase, "repeat": rep,
+            "precision": key, "flops": F, "model_flops": Fm, "bytes": Bu, "fused_bytes": Bf,
+            "transcendentals": sum(T.values()), "transcendental_seconds": rep * t_tr,
+            "intensity": r["intensity"], "ridge": r["ridge"], "bound": r["bound"],
+            "attainable": r["attainable"], "seconds": rep * r["seconds"],
+            "intensity_formula": str(sympy.cancel(op.cost.flops_all / (fe.node_bytes[op.index] if fused else op.cost.bytes)))
+            if (fe.node_bytes[op.index] if fused else op.cost.bytes) != 0 else "oo",
+        })
+    step = t_fused if fused else t_unfused
+    for n in nodes:
+        n["share"] = n["seconds"] / step if step else 0.0
+    model_flops = _num(an.flops("train"), env)
+    peak_train, _ = device.peak_for(train_key)
+    per_phase: dict[str, dict] = defaultdict(lambda: {"seconds": 0.0, "flops": 0, "model_flops": 0, "bytes": 0,
+                                                      "fused_bytes": 0, "memory_bound_seconds": 0.0})
+    per_module: dict[str, dict] = defaultdict(lambda: {"seconds": 0.0, "flops": 0, "bytes": 0, "fused_bytes": 0,
+                                                       "memory_bound_seconds": 0.0})
+    for n in nodes:
+        for acc in (per_phase[n["phase"]], per_module[module_group(n["module"], an.layer_container)]):
+            acc["seconds"] += n["seconds"]
+            acc["flops"] += n["repeat"] * n["flops"]
+            acc["bytes"] += n["repeat"] * n["bytes"]
+            acc["fused_bytes"] += n["repeat"] * n["fused_bytes"]
+            if n["bound"] == "memory":
+                acc["memory_bound_seconds"] += n["seconds"]
+        per_phase[n["phase"]]["model_flops"] += n["repeat"] * n["model_flops"]
+    out = {
+        "device": device.to_json(),
+        "precision": train_key,
+        "fused": fused,
+        "sizes": {str(k): v for k, v in env.items()},
+        "nodes": nodes,
+        "step_seconds": step,
+        "step_seconds_fused": t_fused,
+        "step_seconds_unfused": t_unfused,
+        "model_flops": model_flops,
+        "mfu_ceiling": model_flops / (step * peak_train) if step else 0.0,
+        "per_phase": dict(per_phase),
+        "per_module": dict(per_module),
+        "formulas": formulas(an, device, fe, fused),
+        "notes": sorted(notes),
+    }
+    if crossing_symbol:
+        out["crossings"] = crossings(an, device, crossing_symbol, env)
+    return out
+
+
+def formulas(an, device: Device, fe=None, fused: bool = True) -> dict:
+    """Symbolic forms: step-time lower bound (seconds) as a sum of ``Max(FLOPs/peak,
+    bytes/bandwidth, transcendentals/rate)`` over ops (read and written bytes apart where the
+    device has a write bandwidth; the transcendental term where the op has any and the device a
+    rate; on a ``serial_passes`` device the serial forms of :func:`symcost.hardware.devices.op_time`, GEMMs
+    taken with m, n > 1), and the ridge points (FLOP/byte) per precision."""
+    from symcost.graph import fusion
+    from symcost.graph import rules
+
+    fe = fe or fusion.estimate(an)
+    train_key = training_precision(an)
+    terms = []
+    for op in an.ops:
+        b = fe.node_bytes[op.index] if fused else op.cost.bytes
+        if b == 0 and op.cost.flops_all == 0:
+            continue
+        peak, _ = device.peak_for(op_precision(op, train_key))
+        w = fe.node_written[op.index] if fused else fusion.written_bytes(op)
+        t_mem = (b - w) / sympy.Float(device.bandwidth, 6) + w / sympy.Float(device.write_bandwidth or device.bandwidth, 6)
+        t_tr = sympy.Add(*[n / sympy.Float(r, 6) for k, n in op.cost.transcendentals.items()
+                           if (r := device.rate_for(k))])
+        t_cmp = sympy.Rational(1) * op.cost.flops_all / sympy.Float(peak, 6)
+        pk = rules.packed_operand(op.name, op.in_shapes, op.in_dtypes, op.out_shapes) if device.serial_passes else None
+        if device.serial_passes and op.name.rsplit(".", 1)[0] in ROW_NORMALISING:
+            terms.append(op.repeat * (t_mem + sympy.Max(t_cmp, t_tr)))
+        elif pk is not None:  # a GEMM on a CPU (m, n > 1): packing, then the multiply
+            pack = pk[0] / sympy.Float(device.bandwidth, 6) + pk[0] / sympy.Float(device.write_bandwidth or device.bandwidth, 6)
+            terms.append(op.repeat * sympy.Max(t_mem, t_cmp + pack))
+        else:
+            terms.append(op.repeat * sympy.Max(t_cmp, t_mem, *([t_tr] if t_tr != 0 else [])))
+    return {
+        "step_seconds": str(sympy.Add(*terms)),
+        "ridge": {k: v / device.bandwidth for k, v in device.peak.items()},
+    }
+
+
+def crossing(flops: sympy.Expr, nbytes: sympy.Expr, symbol: str, ridge: float,
+             env: Mapping[sympy.Symbol, int]) -> dict:
+    """Where an op crosses the ridge: the value of ``symbol`` at which FLOPs = ridge x bytes.
+
+    Solves ``flops - r * bytes = 0`` for the symbol with sympy (symbolically in the other symbols
+    and the ridge r when the equation is at most quadratic in it), then at ``env`` and
+    ``r = ridge``.
+
+    Returns:
+        ``{"symbol", "solution" (formula, or None), "value" (float or None), "compute_bound"}``
+        where ``compute_bound`` is ``"symbol >= value"`` / ``"symbol <= value"``, ``"always"``
+        or ``"never"`` (intensity on the same side of the ridge at every positive value).
+    """
+    X = SYMS[symbol]
+    r = sympy.Symbol("r", positive=True)
+    eq = sympy.expand(flops - r * nbytes)
+    solution = None
+    if X in eq.free_symbols and sympy.degree(eq, X) <= 2:
+        sols = sympy.solve(eq, X)
+        if sols:
+            solution = [str(s) for s in sols]
+    others = {k: v for k, v in env.items() if k != X}
+    num = sympy.Poly(eq.subs(others).subs(r, sympy.Float(ridge, 15)), X) if X in eq.free_symbols else None
+
+    def intensity_at(x):
+        e = {**others, X: x}
+        b = float(nbytes.subs(e)) if isinstance(nbytes, sympy.Basic) else float(nbytes)
+        f = float(flops.subs(e)) if isinstance(flops, sympy.Basic) else float(flops)
+        return f / b if b else math.inf
+
+    roots = []
+    if num is not None and num.degree() > 0:
+        roots = sorted(float(sympy.re(x)) for x in num.nroots(n=15) if abs(sympy.im(x)) < 1e-9 and sympy.re(x) > 0)
+    if not roots:
+        state = "always" if intensity_at(env.get(X, 1)) >= ridge else "never"
+        return {"symbol": symbol, "solution": solution, "value": None, "compute_bound": state}
+    x0 = roots[0]
+    above = intensity_at(x0 * 2 + 1) >= ridge
+    return {"symbol": symbol, "solution": solution, "value": x0,
+            "compute_bound": f"{symbol} >= {x0:.6g}" if above else f"{symbol} <= {x0:.6g}"}
+
+
+def crossings(an, device: Device, symbol: str, env: Mapping[sympy.Symbol, int]) -> list[dict]:
+    """:func:`crossing` for every distinct matmul-class op (unfused bytes: the op's own kernel).
+
+    Raises:
+        SymcostError: ``symbol`` is not a symbol of the model.
+    """
+    if symbol not in an.symbols:
+        raise SymcostError(f"--crossing {symbol}: not a symbol of {an.model}; accepted: {', '.join(an.symbols)}")
+    train_key = training_precision(an)
+    seen = set()
+    out = []
+    for op in an.ops:
+        if op.family != "model" or op.cost.flops == 0:
+            continue
+        key = (op.name, op.cost.flops_all, op.cost.bytes)
+        if key in seen:
+            continue
+        seen.add(key)
+        ridge = device.ridge(op_precision(op, train_key))
+        c = crossing(op.cost.flops_all, op.cost.bytes, symbol, ridge, env)
+        c.update({"op": op.name, "module": op.module, "phase": op.phase, "ridge": ridge,
+                  "intensity_formula": str(sympy.cancel(op.cost.flops_all / op.cost.bytes))})
+        out.append(c)
+    return out
+
+
+# -- tokens, compute, MFU and time ----------------------------------------------------------------
+def parse_count(text: str | int | float, what: str) -> int:
+    """``"300e9"``, ``"15e12"``, ``"1_000"``, ``1024`` -> a positive integer (exactly: decimal
+    scientific notation is read without float rounding).
+
+    Raises:
+        SymcostError: not a positive whole number.
+    """
+    from decimal import Decimal, InvalidOperation
+
+    try:
+        d = Decimal(str(text).replace("_", "").strip())
+    except InvalidOperation:
+        raise SymcostError(f"{what} takes a positive whole number such as 300e9, got {text!r}") from None
+    if not d.is_finite() or d <= 0 or d != d.to_integral_value():
+        raise SymcostError(f"{what} takes a positive whole number such as 300e9, got {text!r}")
+    return int(d)
+
+
+def _exact(x: Fraction) -> int | float:
+    return int(x) if x.denominator == 1 else float(x)
+
+
+def tokens_compute(an, sizes: Mapping[str, int] | None, tokens: int | None = None,
+                   recompute: str = "none") -> dict:
+    """Per-token FLOPs and the compute of a token budget.
+
+    ``flops.per_token`` = model FLOPs of one training step / (B·S) (a formula and its value);
+    with ``tokens``: ``compute.total`` = training FLOPs x tokens / (B·S), exactly (a rational
+    number; an integer when B·S divides), next to ``compute.6NP`` = 6·P·tokens (Kaplan et al.
+    2020, eq. 2.1 with P the matmul parameters of :attr:`Analysis.params_matmul`).
+
+    ``recompute="full"`` adds one forward per step (full activation recomputation; Narayanan et
+    al. 2021, sec. 5.1: 8·P·tokens instead of 6) to the training FLOPs, and the simplified column
+    becomes 8·P·tokens.
+
+    Raises:
+        SymcostError: bad sizes or recompute mode.
+    """
+    if recompute not in ("none", "full"):
+        raise SymcostError(f"--recompute takes none or full, got {recompute!r}")
+    env = an.bind(**(sizes or {}))
+    B, S = (an.pinned.get(n) or env[SYMS[n]] for n in ("B", "S"))
+    train = an.flops("train") + (an.flops("forward") if recompute == "full" else 0)
+    step_flops = _num(train, env)
+    P = _num(an.params_matmul, env)
+    k = 8 if recompute == "full" else 6
+    Bs, Ss = (sympy.Integer(an.pinned[n]) if n in an.pinned else SYMS[n] for n in ("B", "S"))
+    per_token_formula = sympy.factor_terms(sympy.cancel(sympy.expand(train) / (Bs * Ss)))
+    out: dict[str, Any] = {
+        "flops.per_token": _exact(Fraction(step_flops, B * S)),
+        "flops.per_token_formula": str(per_token_formula),
+        "flops.train_step": step_flops,
+        "tokens_per_step": B * S,
+        "params_matmul": P,
+        "recompute": recompute,
+        f"flops.per_token_{k}P": k * P,
+    }
+    if tokens is not None:
+        out["tokens"] = tokens
+        out["compute.total"] = _exact(Fraction(step_flops * tokens, B * S))
+        out[f"compute.{k}NP"] = k * P * tokens
+        out["compute.steps"] = _exact(Fraction(tokens, B * S))
+    return out
+
+
+def mfu(flops_per_token: float, tokens_per_second: float, devices: int, peak: float) -> float:
+    """Model FLOPs utilization (PaLM's definition, Chowdhery et al. 2022, App. B):
+    model FLOPs per token x tokens/s / (devices x peak FLOP/s at the training precision).
+
+    Raises:
+        SymcostError: an MFU above 1 (the throughput is impossible on that device count).
+    """
+    if devices <= 0 or tokens_per_second <= 0:
+        raise SymcostError("--devices and --tokens-per-second must be positive")
+    u = flops_per_token * tokens_per_second / (devices * peak)
+    if u > 1:
+        raise SymcostError(
+            f"implied MFU is {100 * u:.1f}%: {tokens_per_second:.6g} tokens/s x {flops_per_token:.6g} FLOP/token "
+            f"exceeds {devices} x {peak:.4g} FLOP/s peak; check --tokens-per-second, --devices and --device")
+    return u
+
+
+def train_time(total_flops: float, devices: int, peak: float, utilization: float) -> dict:
+    """Wall-clock time of ``total_flops`` on ``devices`` devices at ``utilization`` x peak.
+
+    seconds = total FLOPs / (devices x peak x utilization) (Narayanan et al. 2021, eq. 4 with
+    the achieved FLOP/s X = peak x utilization); also days and device-hours.
+
+    Raises:
+        SymcostError: utilization not in (0, 1] or devices not positive.
+    """
+    if not 0 < utilization <= 1:
+        raise SymcostError(f"--mfu must lie in (0, 1] (an MFU above 100% is impossible), got {utilization}")
+    if devices <= 0:
+        raise SymcostError("--devices must be a positive integer")
+    s = total_flops / (devices * peak * utilization)
+    return {"seconds": s, "days": s / 86400, "device_hours": s * devices / 3600}

@@ -1,0 +1,404 @@
+"""Recover sizes as exact polynomials in the canonical symbols from probe recordings.
+
+Concrete recordings at several probe configurations give, for every tensor dimension (and integer
+argument, and saved-storage size), one integer per probe. Each such *signature* is rebuilt as a
+sparse polynomial with exact rational coefficients:
+
+1. dependence: the base probe and one probe per symbol that changes only that symbol show which
+   symbols the size depends on;
+2. sparse fit: monomials in those symbols (exponents in {0, 1}, then {-1, 0, 1} for ratios such as
+   H/K, then up to 3; never above what the probes' distinct values can pin down) are tried as
+   supports of 1, 2, 3, ... terms; the coefficients are solved in floating point, rationalised, and accepted only if the
+   polynomial reproduces *every* probe exactly in integer arithmetic, with at least two probes to
+   spare;
+3. a signature that no such polynomial reproduces is reported, never guessed.
+
+Probes keep symbols apart (distinct values, none 0 or 1, so PyTorch cannot specialise or merge
+them), respect the model's constraints (K divides H, D even, ...) and stay in the regime of the
+requested sizes (``plan_probes``'s ``accept``: the caller records a probe and compares the ops it
+runs with the request's). The caller checks the rebuilt formulas again at fresh probes that took
+no part in the fit.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import sympy
+
+from symcost.errors import SymcostError
+
+SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in "BSHDLVFKMERN"}
+
+#: L of the probe recordings the formulas are fitted on, and of the fresh recordings that check them
+FIT_L = 2
+CHECK_L = 3
+
+
+def parse_formula(text: str) -> sympy.Expr:
+    """Parse a formula string of symcost's JSON into a sympy expression in the canonical symbols.
+
+    Plain ``sympy.sympify("B*S")`` reads ``S`` as ``sympy.S`` and ``N`` as ``sympy.N``; this
+    passes the canonical symbols as locals. Only use it on symcost's own output: sympify
+    evaluates code.
+    """
+    return sympy.sympify(text, locals=dict(SYMS))
+
+# Base probe values and one alternate per symbol. L is fixed while fitting (layers fold).
+BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 7, "R": 2}
+ALTS = {
+    "B": (5, 4, 2),
+    "S": (11, 9, 5),
+    "H": (10, 8, 4),
+    "D": (12, 10, 6),
+    "V": (61, 47, 59),
+    "F": (44, 52, 36),
+    "K": (3, 1),
+    "M": (44, 28, 52),
+    "E": (7, 4, 6),
+    "R": (3, 4),
+}
+POOLS = {
+    "B": range(2, 10),
+    "S": range(5, 25),
+    "H": range(2, 13),
+    "D": range(4, 17, 2),
+    "V": range(31, 98),
+    "F": range(20, 73),
+    "K": range(2, 9),
+    "M": range(20, 65, 4),
+    "E": range(3, 10),
+    "R": range(2, 5),
+}
+
+
+@dataclass
+class ProbePlan:
+    """Probe configurations: ``points[0]`` is the base, ``axis[s]`` the index of s's probe.
+
+    Every point holds a value for each of ``symbols``, the fixed (pinned) ones, and the tied
+    followers (equal to their leader), so a point can be recorded as it is.
+    """
+
+    symbols: tuple[str, ...]
+    points: list[dict[str, int]]
+    axis: dict[str, int]
+
+
+class Unvariable(SymcostError):
+    """No probe varies ``symbol`` alone while staying in the request's regime: pin it."""
+
+    def __init__(self, symbol: str, msg: str):
+        super().__init__(msg)
+        self.symbol = symbol
+
+
+class FitError(SymcostError):
+    """A signature no polynomial reproduces; ``deps`` are the symbols it changes with."""
+
+    def __init__(self, msg: str, deps: Sequence[str]):
+        super().__init__(msg)
+        self.deps = tuple(deps)
+
+
+def _complete(values: Mapping[str, int], ties: Mapping[str, str]) -> dict[str, int]:
+    """``values`` with every tied follower set to its leader's value."""
+    out = dict(values)
+    for follower, leader in ties.items():
+        if leader in out:
+            out[follower] = out[leader]
+    return out
+
+
+def _ok(values: Mapping[str, int], check: Callable[[Mapping[str, int]], str | None]) -> bool:
+    return check(values) is None
+
+
+def probe_pool(symbol: str, request: int | None = None, modulus: int | None = None) -> list[int]:
+    """Probe values for ``symbol``, in the order they are tried: the small alternates and pool,
+    then values around the requested one (for a symbol whose small values leave the regime or
+    break a constraint, e.g. D at least a rotary dimension of 64). With ``modulus`` m, only
+    values in the request's residue class mod m (a partial rotary dimension int(D*f) is
+    polynomial there). Never 0 or 1 (PyTorch specialises those)."""
+    small = list(dict.fromkeys(ALTS.get(symbol, ()) + tuple(POOLS[symbol])))
+    near: list[int] = []
+    if request is not None:  # keep the request's parity where the small pool keeps one (D)
+        step = modulus or (2 if all(v % 2 == 0 for v in POOLS[symbol]) else 1)
+        for k in range(1, 9):
+            near += [request + k * step, request - k * step]
+    if modulus:
+        r = (request or BASE[symbol]) % modulus
+        small = [r + modulus * k for k in range(12)]
+    vals = [v for v in small + near if v > 1]
+    return list(dict.fromkeys(vals))
+
+
+def random_pools(symbols, base: Mapping[str, int], request: Mapping[str, int] | None = None,
+                 moduli: Mapping[str, int] | None = None) -> dict[str, list[int]]:
+    """Values random probes draw from: the small pool where the base probe's value is in it, else
+    the values around the request (where the base had to go); never a mix of both, so a size
+    that depends on a symbol's parity or range (rfft's D//2 + 1) is not fitted across them."""
+    request, moduli = dict(request or {}), dict(moduli or {})
+    out = {}
+    for s in symbols:
+        small = probe_pool(s, None, moduli.get(s))
+        every = probe_pool(s, request.get(s), moduli.get(s))
+        near = [v for v in every if v not in small]
+        out[s] = small if (base.get(s) in small or not near) else near
+    return out
+
+
+def _nearest(pool: Sequence[int], target: int) -> int:
+    return target if target in pool else min(pool[:12] or pool, key=lambda v: (abs(v - target), v))
+
+
+def random_point(symbols, check, rng: random.Random, fixed: Mapping[str, int],
+                 pools: Mapping[str, Sequence[int]] | None = None,
+                 ties: Mapping[str, str] | None = None) -> dict[str, int]:
+    """A random probe respecting ``check``, with distinct values where it can.
+
+    ``pools`` (symbol -> values) default to the small probe pools; ``ties`` (follower -> leader)
+    set followers equal to their leaders. Where K and H are both free and untied, H is drawn as a
+    multiple 2..4 of K (K divides H, K < H: grouped-query attention, the common regime).
+    """
+    ties = dict(ties or {})
+    for attempt in range(2000):
+        v = dict(fixed)
+        for s in symbols:
+            if s in fixed:
+                continue
+            pool = (pools or {}).get(s) or POOLS[s]
+            v[s] = rng.choice(list(pool)[:24])
+        if "K" in v and "H" in v and "H" not in fixed and "K" not in fixed and "K" not in ties:
+            v["H"] = v["K"] * rng.choice((2, 3, 4))
+        v = _complete(v, ties)
+        free = [v[s] for s in symbols if s not in fixed]
+        if attempt < 1500 and len(set(free)) < len(free):
+            continue
+        if _ok(v, check):
+            return v
+    raise SymcostError(f"could not find probe sizes for {symbols} that satisfy the model's constraints")
+
+
+def _probe_setup(symbols, fixed, ties, request, moduli, accept):
+    """The probe planners' arguments with their defaults, the free symbols and their pools."""
+    fixed, ties, request, moduli = (dict(x or {}) for x in (fixed, ties, request, moduli))
+    free = [s for s in symbols if s not in fixed]
+    pools = {s: probe_pool(s, request.get(s), moduli.get(s)) for s in free}
+    return fixed, ties, request, moduli, accept or (lambda p: True), free, pools
+
+
+def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, int] | None = None, *,
+              accept=None, request: Mapping[str, int] | None = None, ties: Mapping[str, str] | None = None,
+              moduli: Mapping[str, int] | None = None) -> dict[str, int]:
+    """The base probe: the small :data:`BASE` sizes if they pass ``check`` and ``accept``, else a
+    random small point, else the request itself walked towards the small sizes one symbol at a
+    time (each step kept only if it stays in the regime). Arguments as :func:`plan_probes`.
+
+    Raises:
+        SymcostError: not even the request passes ``check`` and ``accept``.
+    """
+    fixed, ties, request, moduli, accept, free, pools = _probe_setup(symbols, fixed, ties, request, moduli, accept)
+
+    def good(p):
+        return _ok(p, check) and accept(p)
+
+    base = _complete({**{s: _nearest(pools[s], BASE[s]) for s in free}, **fixed}, ties)
+    if good(base):
+        return base
+    rng = random.Random(seed + 99)
+    for _ in range(2):
+        try:
+            p = random_point(symbols, check, rng, fixed, pools, ties)
+        except SymcostError:
+            break
+        if accept(p):
+            return p
+    if request and all(s in request for s in free):
+        # walk from the request itself (in its regime by definition) towards small sizes
+        cur = _complete({**{s: request[s] for s in free}, **fixed}, ties)
+        if good(cur):
+            for s in free:
+                trial = _complete(dict(cur, **{s: base[s]}), ties)
+                if trial != cur and good(trial):
+                    cur = trial
+            return cur
+    raise SymcostError(f"no probe sizes for {', '.join(free)} stay in the regime of the requested sizes")
+
+
+def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
+                fixed: Mapping[str, int] | None = None, *, accept=None,
+                request: Mapping[str, int] | None = None, ties: Mapping[str, str] | None = None,
+                moduli: Mapping[str, int] | None = None, tries: int = 4,
+                base: Mapping[str, int] | None = None) -> ProbePlan:
+    """Base probe, one single-symbol change per symbol, and ``n_random`` random probes.
+
+    Args:
+        symbols: the symbols to fit (fixed ones included, they keep their value).
+        check: ``check(values) -> reason | None``, the model's constraints (cheap).
+        fixed: symbol -> value held in every probe (L while fitting, pinned symbols).
+        accept: ``accept(point) -> bool``, whether a probe stays in the request's regime (the
+            caller records it and compares the ops it runs); default: every point.
+        request: the requested values: probes of a symbol whose small values all leave the regime
+            are drawn around them, and ``moduli`` residues are taken from them.
+        ties: follower -> leader, equal in every probe (the follower is no symbol).
+        moduli: symbol -> m: probes keep the request's residue mod m.
+        tries: probes recorded per symbol (``accept`` calls) before giving up on varying it.
+        base: the base probe (default: :func:`find_base`).
+
+    Raises:
+        Unvariable: no probe changes one symbol alone and stays in the regime (pin it).
+        SymcostError: no base probe at all.
+    """
+    fixed, ties, request, moduli, accept, free, pools = _probe_setup(symbols, fixed, ties, request, moduli, accept)
+    ok = lambda p: _ok(p, check)  # noqa: E731
+    if base is None:
+        base = find_base(symbols, check, seed, fixed, accept=accept, request=request, ties=ties, moduli=moduli)
+    points = [base]
+    axis = {}
+    for s in free:
+        n = 0
+        for alt in pools[s]:
+            if alt == base[s]:
+                continue
+            p = _complete(dict(base, **{s: alt}), ties)
+            if not ok(p):
+                continue
+            n += 1
+            if accept(p):
+                axis[s] = len(points)
+                points.append(p)
+                break
+            if n >= tries:
+                break
+        if s not in axis:
+            raise Unvariable(s, f"could not vary {s} alone from {base} within the model's constraints and regime")
+    rng = random.Random(seed)
+    rpools = random_pools(free, base, request, moduli)
+    for _ in range(n_random):
+        for _attempt in range(3):
+            p = random_point(symbols, check, rng, fixed, rpools, ties)
+            if accept(p):
+                points.append(p)
+                break
+    # On two distinct values a ratio (K or E with exponent -1: H/K, N·R/E) and a linear term fit
+    # alike: give each divisor symbol a third value (one more single-symbol probe) if it lacks one.
+    for s in DIVISORS:
+        seen = {p[s] for p in points} if s in axis else set()
+        if s not in axis or len(seen) >= 3:
+            continue
+        n = 0
+        for alt in pools[s]:
+            p = _complete(dict(base, **{s: alt}), ties)
+            if alt in seen or not ok(p):
+                continue
+            n += 1
+            if accept(p):
+                points.append(p)
+                break
+            if n >= tries:
+                break
+    return ProbePlan(tuple(symbols), points, axis)
+
+
+#: Exponent sets tried in turn: multilinear first, then the ratio H/K (query heads per key/value
+#: head: K and E are the symbols that divide another (H/K, N·R/E), so only they may take exponent -1), squares,
+#: cubes. A symbol only gets exponent e where the probes hold at least |e| + 1 distinct values
+#: of it (enough to determine it; the exact check on every probe, with two to spare, verifies).
+EXPONENT_STAGES = ((0, 1), (-1, 0, 1), (0, 1, 2), (-1, 0, 1, 2), (0, 1, 2, 3))
+DIVISORS = ("K", "E")  # H/K (query heads per kv head), N·R/E (token slots per expert)
+
+
+def _monomials(deps: Sequence[str], exps: Sequence[int]):
+    choices = [[e for e in exps if e >= 0 or s in DIVISORS] for s in deps]
+    for combo in itertools.product(*choices):
+        yield dict(zip(deps, combo))
+
+
+class Fitter:
+    """Fit integer signatures (one value per probe) to sparse polynomials; memoised."""
+
+    def __init__(self, plan: ProbePlan):
+        self.plan = plan
+        self.cache: dict[tuple[int, ...], sympy.Expr] = {}
+        syms = plan.symbols
+        self.X = {s: np.array([p[s] for p in plan.points], dtype=np.float64) for s in syms}
+        self.Xi = {s: [Fraction(p[s]) for p in plan.points] for s in syms}
+        self.distinct = {s: len(set(self.Xi[s])) for s in syms}
+
+    def __call__(self, sig: tuple[int, ...], what: str = "size") -> sympy.Expr:
+        if sig not in self.cache:
+            self.cache[sig] = self._fit(sig, what)
+        return self.cache[sig]
+
+    def _fit(self, sig: tuple[int, ...], what: str) -> sympy.Expr:
+        if all(v == sig[0] for v in sig):
+            return sympy.Integer(sig[0])
+        base = sig[0]
+        deps = [s for s, i in self.plan.axis.items() if sig[i] != base]
+        if not deps:  # varies only jointly (should not happen for polynomials): use all symbols
+            deps = list(self.plan.axis)
+        y = np.array(sig, dtype=np.float64)
+        n = len(sig)
+        for exps in EXPONENT_STAGES:
+            monos = [
+                m for m in _monomials(deps, exps)
+                if all(abs(e) + 1 <= self.distinct[s] for s, e in m.items())  # determinable
+            ]
+            cols = [self._column(m) for m in monos]
+            max_terms = 4 if len(monos) <= 16 else (3 if len(monos) <= 64 else 2)
+            for k in range(1, max_terms + 1):
+                if n - k < 2:
+                    break
+                for subset in itertools.combinations(range(len(monos)), k):
+                    used = set()
+                    for j in subset:
+                        used.update(s for s, e in monos[j].items() if e)
+                    if len(used) != len(deps):
+                        continue
+                    A = np.stack([cols[j] for j in subset], axis=1)
+                    coef, *_ = np.linalg.lstsq(A, y, rcond=None)
+                    if not np.allclose(A @ coef, y, rtol=0, atol=1e-6 * max(1.0, np.abs(y).max())):
+                        continue
+                    fr = [Fraction(c).limit_denominator(720) for c in coef]
+                    if any(c == 0 for c in fr):
+                        continue
+                    terms = [(fr[t], monos[j]) for t, j in enumerate(subset)]
+                    if self._exact(terms, sig):
+                        return sympy.Add(*[
+                            sympy.Rational(c.numerator, c.denominator)
+                            * sympy.Mul(*[SYMS[s] ** e for s, e in m.items() if e])
+                            for c, m in terms
+                        ])
+        pts = ", ".join(
+            f"{{{', '.join(f'{s}={p[s]}' for s in self.plan.symbols)}}}->{v}"
+            for p, v in list(zip(self.plan.points, sig))[:4]
+        )
+        raise FitError(
+            f"a {what} cannot be expressed as a (Laurent) polynomial in {', '.join(self.plan.symbols)} "
+            f"(probes: {pts}, ...); symcost will not guess it", deps
+        )
+
+    def _column(self, mono: dict[str, int]) -> np.ndarray:
+        col = np.ones(len(self.plan.points))
+        for s, e in mono.items():
+            if e:
+                col = col * self.X[s] ** e
+        return col
+
+    def _exact(self, terms, sig) -> bool:
+        for i, v in enumerate(sig):
+            total = Fraction(0)
+            for c, m in terms:
+                t = c
+                for s, e in m.items():
+                    if e:
+                        t *= self.Xi[s][i] ** e
+                total += t
+            if total != v:
+                return False
+        return True

@@ -1,0 +1,71 @@
+"""Names of the traced model's modules: which of the L repeated blocks a module path lies in, its
+folded name (``layers.{i}``), and the class behind each name. Shared by the tracer, the memory pass
+and the report (torch-free on import).
+"""
+from __future__ import annotations
+
+import re
+
+
+def _layer_of(module: str, container: str | None) -> int | None:
+    """Index of the block a module path lies in (``container`` "" is the root), else None."""
+    if container is None:
+        return None
+    prefix = container + "." if container else ""
+    if module.startswith(prefix):
+        head = module[len(prefix):].split(".", 1)[0]
+        if head.isdigit():
+            return int(head)
+    return None
+
+
+def _rename_block(path: str, container: str | None, label: str) -> str:
+    if container is None:
+        return path
+    prefix = re.escape(container + ".") if container else ""
+    return re.sub(rf"^{prefix}\d+", (container + "." if container else "") + label, path)
+
+
+def _fold_name(module: str, container: str | None) -> str:
+    return _rename_block(module, container, "{i}")
+
+
+def module_group(module: str, container: str | None) -> str:
+    """Row key of the per-module table: one level below each block, top-level parts as is."""
+    if not module:
+        return "(loss / top level)"
+    parts = module.split(".")
+    if container is not None:
+        cparts = container.split(".") if container else []
+        n = len(cparts)
+        if parts[:n] == cparts and len(parts) > n:
+            return ".".join(parts[: n + 2])
+        return ".".join(parts[: max(n, 1)])
+    return ".".join(parts[:1])
+
+
+def module_classes(an) -> dict[str, str]:
+    """Class name of every module of the traced model, by its name in the report (blocks of the
+    layer container as ``{i}``): the model is built again on the meta device at the first probe's
+    sizes (no memory, milliseconds for small probes). Empty if that fails. An analysis read back
+    from the trace cache carries them (it cannot build the model)."""
+    stored = an.__dict__.get("_module_classes")
+    if stored is not None:
+        return dict(stored)
+    try:
+        import torch
+
+        values = dict(an.recordings[0].values) if an.recordings else dict(an.spec.defaults)
+        with torch.device("meta"):
+            model = an.spec.build(values)
+        c = an.layer_container
+        pre = f"{c}." if c else ""
+        out = {}
+        for name, mod in model.named_modules():
+            out.setdefault(name, type(mod).__name__)
+            if c is not None and name.startswith(pre) and name[len(pre):].split(".")[0].isdigit():
+                rest = name[len(pre):].split(".", 1)
+                out.setdefault(pre + "{i}" + (f".{rest[1]}" if len(rest) > 1 else ""), type(mod).__name__)
+        return out
+    except Exception:  # noqa: BLE001 - names are a nicety; the numbers do not depend on them
+        return {}

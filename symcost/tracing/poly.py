@@ -1,0 +1,110 @@
+"""Polynomials with exact coefficients as plain data: the algebra of fitted sizes.
+
+A fitted size (bytes of a storage, elements of a parameter) is a polynomial in the model's symbols
+with rational coefficients. :class:`Algebra` wraps sympy's sparse polynomial rings
+(``sympy.polys.rings``, ``ZZ`` or ``QQ``) and converts to and from sympy expressions and
+:data:`Terms`, the JSON form the memory schedule is stored in. The memory pass builds its live
+sets in the same rings.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
+
+import sympy
+from sympy.polys.domains import QQ, ZZ
+from sympy.polys.rings import ring as _ring
+
+from symcost.tracing.fit import SYMS
+
+#: A polynomial as plain data (JSON): ``[[e_1, ..., e_n, "p/q"], ...]``, exponents in the order
+#: of the symbols it is written in (``MemorySchedule.gens``).
+Terms = list
+
+
+class NotIntegral(ValueError):
+    """A coefficient that the integer ring ``ZZ`` cannot hold (use ``QQ``)."""
+
+
+class Algebra:
+    """The polynomial ring ``ZZ[gens]`` or ``QQ[gens]`` (``sympy.polys.rings.ring``) of a
+    model's symbols.
+
+    Elements are ``PolyElement``s (exact coefficients; with ``ZZ``, the usual case of byte
+    counts, plain Python integers, which keeps the arithmetic fast); besides the ring's own
+    operations this gives the conversions to and from sympy expressions and plain
+    :data:`Terms`, and the shift ``p(x) -> p(x + 1)`` that decides signs over positive integers.
+    Converting a non-integer coefficient into ``ZZ`` raises :class:`NotIntegral`.
+    """
+
+    def __init__(self, gens: tuple[str, ...], domain=QQ):
+        self.gens = tuple(gens)
+        self.domain = domain
+        syms = [SYMS[g] for g in self.gens] or [sympy.Symbol("_one")]
+        self.R, *self.x = _ring(syms, domain)
+        self.n = len(syms)
+        self._shifted: dict[tuple, Any] = {}
+        self._from_expr: dict = {}
+
+    def gen(self, name: str):
+        return self.x[self.gens.index(name)]
+
+    def from_expr(self, expr):
+        """A sympy polynomial in the symbols (or a number) as a ring element."""
+        got = self._from_expr.get(expr)
+        if got is None:
+            try:
+                got = self._from_expr[expr] = self.R(sympy.sympify(expr))
+            except ValueError as e:  # a rational coefficient in ZZ
+                raise NotIntegral(str(e)) from e
+        return got
+
+    def from_terms(self, terms: Terms):
+        d = {}
+        for t in terms:
+            d[tuple(t[:-1]) if self.gens else (0,)] = self._coeff(Fraction(t[-1]))
+        return self.R.from_dict(d) if d else self.R.zero
+
+    def _coeff(self, f: Fraction):
+        if self.domain == ZZ:
+            if f.denominator != 1:
+                raise NotIntegral(f"{f} is not an integer")
+            return int(f)
+        return QQ(f.numerator, f.denominator)
+
+    def terms(self, p) -> Terms:
+        out = []
+        for m, c in sorted(p.items()):
+            out.append([*(m if self.gens else ()), str(c)])
+        return out
+
+    def expr(self, p) -> sympy.Expr:
+        return p.as_expr() if self.gens else sympy.Rational(str(p.coeff(1)) if p else 0)
+
+    def scale(self, p, k):
+        """``k * p`` for a rational ``k`` (int or Fraction)."""
+        k = Fraction(k)
+        if self.domain == ZZ:
+            return self.R.from_dict({m: self._coeff(Fraction(int(c)) * k) for m, c in p.items()}) if p else p
+        return p * QQ(k.numerator, k.denominator)
+
+    def shift(self, p):
+        """``p(x + 1)``, a polynomial in y = x - 1 >= 0: when all its coefficients are >= 0, p >= 0
+        at every positive integer point (a sufficient test). Shifted monomials are cached."""
+        out = self.R.zero
+        for m, c in p.items():
+            s = self._shifted.get(m)
+            if s is None:
+                s = self.R.one
+                for x, e in zip(self.x, m):
+                    if e:
+                        s = s * (x + 1) ** e
+                self._shifted[m] = s
+            out += s * c
+        return out
+
+
+def terms_expr(gens, terms: Terms) -> sympy.Expr:
+    """:data:`Terms` in the symbols ``gens`` as a sympy expression."""
+    return sympy.Add(*[sympy.Rational(str(t[-1])) * sympy.Mul(*[SYMS[g] ** e for g, e in zip(gens, t[:-1]) if e])
+                       for t in terms])

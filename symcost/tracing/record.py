@@ -1,0 +1,495 @@
+"""Record one training step at concrete sizes, without allocating memory.
+
+The model is built on the meta device and materialised as ``FakeTensor``s on the CPU device
+(``torch._subclasses.fake_tensor.FakeTensorMode``), so PyTorch picks the same kernels it would
+pick for real CPU tensors (e.g. the CPU flash-attention kernel behind
+``F.scaled_dot_product_attention``) while no storage is allocated: a 70B configuration records
+on a laptop. A ``TorchDispatchMode`` sees every aten op that runs, forward and the backward ops
+autograd really executes; module forward hooks and labels on autograd nodes tell which module each
+op came from (backward ops inherit the module of the forward op whose autograd node runs them).
+A ``saved_tensors_hooks`` pair records what autograd saves for backward.
+
+The recording is concrete; :mod:`symcost.tracing.fit` turns several recordings at different sizes into
+symbolic shapes.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from symcost.errors import SymcostError
+from symcost.frontends.models import ModelSpec
+from symcost.frontends.precision import PRECISIONS, check_precision
+
+_META_KEY = "symcost_module"
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Placeholder for the i-th tensor input of an op inside its recorded argument tree."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class IntRef:
+    """Placeholder for the i-th integer argument of an op (sizes fitted like tensor dims)."""
+
+    index: int
+
+
+@dataclass
+class TensorInfo:
+    """One tensor an op reads or writes: concrete shape, dtype, producer (op index or source)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tid: int  # recording-wide tensor id
+    source: str | None = None  # "param:<name>", "buffer:<name>", "input:<i>" for leaf tensors
+
+
+@dataclass
+class OpCall:
+    """One aten op call of the training step, as recorded."""
+
+    op: Any  # torch._ops.OpOverload
+    name: str  # e.g. "aten.mm.default"
+    module: str  # dotted module path ("" for the root)
+    phase: str  # "forward" | "backward"
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    ints: list[int]  # integer scalar arguments, in order (bools excluded)
+    args_tree: Any  # (args, kwargs) with TensorRef / IntRef placeholders
+
+
+@dataclass
+class SavedTensor:
+    """A storage autograd saved for backward (parameters and buffers excluded)."""
+
+    nbytes: int
+    dtype: torch.dtype
+    module: str  # the module that saved it first
+    shape: tuple[int, ...]
+    also: set[str] = field(default_factory=set)  # other modules that saved the same storage
+
+
+@dataclass
+class MemoryEvent:
+    """A storage allocated (``nbytes`` > 0) or freed (< 0) just before op ``index`` ran.
+
+    An allocation is stamped with the op that created the storage; a free with the number of
+    ops recorded when the last tensor viewing the storage died (so it belongs before that op).
+    """
+
+    index: int
+    nbytes: int
+    storage: int
+
+
+@dataclass
+class Recording:
+    """Everything recorded of one training step at one set of concrete sizes."""
+
+    values: dict[str, int]
+    ops: list[OpCall]
+    params: dict[str, tuple[tuple[int, ...], torch.dtype]]  # unique parameters by name
+    param_module: dict[str, str]
+    saved: list[SavedTensor] = field(default_factory=list)
+    layer_container: str | None = None
+    events: list[MemoryEvent] = field(default_factory=list)  # storages of non-leaf tensors
+    n_forward: int = 0  # ops[:n_forward] are the forward (with the loss)
+    n_backward: int = 0  # then the backward; the rest is the optimizer step
+    precision: str = "fp32"
+    tied: dict[str, list[str]] = field(default_factory=dict)  # parameter -> its tied aliases
+    # unique buffers by storage (first name), and the bytes of the step's input tensors (unique
+    # storages), both allocated before the step runs, so not in ``events``
+    buffers: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    input_nbytes: int = 0
+    # len(events) when the step ended: later events are frees at teardown (grads, ...), not the step
+    events_end: int = -1
+
+
+def _module_names(model: nn.Module) -> dict[int, str]:
+    return {id(m): name for name, m in model.named_modules()}
+
+
+def _label_graph(root_fn, label: str) -> None:
+    """Label every not-yet-labelled autograd node reachable from ``root_fn``."""
+    stack = [root_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None:
+            continue
+        md = fn.metadata
+        if _META_KEY in md:
+            continue
+        md[_META_KEY] = label
+        stack.extend(nf for nf, _ in fn.next_functions)
+
+
+def _grad_fns(obj) -> list:
+    leaves, _ = tree_flatten(obj)
+    out = []
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            out.append(t.grad_fn)
+    return out
+
+
+#: ops whose meta kernel returns one tensor twice where the real kernel returns two tensors
+#: (``mkldnn_rnn_layer_backward``: the LSTM's bias gradient, once per bias)
+_META_ALIASED_OUTPUTS = {torch.ops.aten.mkldnn_rnn_layer_backward.default}
+
+
+def _dispatch_unaliased(func, args, kwargs):
+    """Run ``func``; where its meta kernel aliases two outputs that the real kernel keeps apart,
+    give the later one its own storage, as the real kernel does.
+
+    FakeTensorMode runs the meta kernel on a cache miss (aliased outputs) but rebuilds the outputs
+    one by one on a cache hit (separate), so without this AccumulateGrad would copy or steal the
+    gradient depending on the cache's history and the op sequence would change between probes.
+    """
+    out = func(*args, **kwargs)
+    if func in _META_ALIASED_OUTPUTS and isinstance(out, (tuple, list)):
+        seen: set[int] = set()
+        fixed = []
+        for t in out:
+            if isinstance(t, torch.Tensor) and id(t) in seen:
+                t = t.clone()
+            elif isinstance(t, torch.Tensor):
+                seen.add(id(t))
+            fixed.append(t)
+        out = type(out)(fixed)
+    return out
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, names_of_leaves: dict[int, str]):
+        super().__init__()
+        self.ops: list[OpCall] = []
+        self.phase = "forward"
+        self.module_stack: list[str] = [""]
+        self._tid: dict[int, int] = {}
+        self._n_tid = 0
+        self._leaf_names = names_of_leaves
+        self.param_module: dict[str, str] = {}
+        # storage liveness: storage key -> [live tensor objects, nbytes]
+        self._storages: dict[int, list] = {}
+        self.events: list[MemoryEvent] = []
+        # storages that exist before the step (parameters, buffers, inputs): a view of one is no
+        # allocation
+        self.preexisting: set[int] = set()
+
+    def tensor_id(self, t: torch.Tensor) -> int:
+        key = id(t)
+        if key not in self._tid:
+            self._tid[key] = self._n_tid
+            self._n_tid += 1
+            weakref.finalize(t, self._tid.pop, key, None)  # ids may be reused once t is gone
+        return self._tid[key]
+
+    def track(self, t: torch.Tensor, op_index: int) -> None:
+        """Count ``t`` as a reference to its storage; a new storage is an allocation event."""
+        st = t.untyped_storage()
+        key = StorageWeakRef(st).cdata
+        if key in self.preexisting:
+            return
+        entry = self._storages.get(key)
+        if entry is None:
+            entry = self._storages[key] = [0, st.nbytes()]
+            self.events.append(MemoryEvent(op_index, st.nbytes(), key))
+        entry[0] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        entry = self._storages.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._storages[key]
+            self.events.append(MemoryEvent(len(self.ops), -entry[1], key))
+
+    def current_module(self) -> str:
+        if self.phase == "forward":
+            return self.module_stack[-1]
+        if self.phase == "optimizer":
+            return ""
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return ""
+        md = node.metadata
+        if _META_KEY in md:
+            return md[_META_KEY]
+        var = getattr(node, "variable", None)  # AccumulateGrad
+        if var is not None:
+            name = self._leaf_names.get(id(var), "")
+            return self.param_module.get(name.partition(":")[2], "")
+        return ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = _dispatch_unaliased(func, args, kwargs)
+        if func.namespace == "prim":
+            return out
+        flat, spec = tree_flatten((args, kwargs))
+        inputs, ints, tree = [], [], []
+        for a in flat:
+            if isinstance(a, torch.Tensor):
+                tree.append(TensorRef(len(inputs)))
+                inputs.append(
+                    TensorInfo(tuple(a.shape), a.dtype, self.tensor_id(a), self._leaf_names.get(id(a)))
+                )
+            elif isinstance(a, int) and not isinstance(a, bool):
+                tree.append(IntRef(len(ints)))
+                ints.append(a)
+            elif isinstance(a, torch.SymInt):
+                raise SymcostError("symbolic ints reached the recorder; trace with concrete sizes")
+            else:
+                tree.append(a)
+        outs = []
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                known = id(t) in self._tid
+                outs.append(TensorInfo(tuple(t.shape), t.dtype, self.tensor_id(t)))
+                if not known:
+                    self.track(t, len(self.ops))
+        self.ops.append(
+            OpCall(
+                op=func,
+                name=str(func),
+                module=self.current_module(),
+                phase=self.phase,
+                inputs=inputs,
+                outputs=outs,
+                ints=ints,
+                args_tree=tree_unflatten(tree, spec),
+            )
+        )
+        return out
+
+
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+    """Like ``model.to_empty(device)``, but tied parameters stay tied (one new tensor each).
+
+    Floating-point parameters and buffers become ``dtype`` (as ``model.to(dtype)`` would).
+
+    Inside a ``FakeTensorMode`` the new tensors are fake: shapes and dtypes, no storage.
+    """
+    memo: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in memo:
+                    new = torch.empty_like(
+                        t, device=device, dtype=dtype if t.is_floating_point() else t.dtype
+                    )
+                    if isinstance(t, nn.Parameter):
+                        new = nn.Parameter(new, requires_grad=t.requires_grad)
+                    memo[id(t)] = new
+                table[name] = memo[id(t)]
+
+
+def _containers(model: nn.Module) -> dict[str, int]:
+    return {
+        name: len(m) for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
+    }
+
+
+def find_layer_container(spec: ModelSpec, model: nn.Module, values: Mapping[str, int]) -> str | None:
+    """Dotted path ("" for the root) of the ``nn.ModuleList``/``nn.Sequential`` of the L blocks.
+
+    It is the container whose length is L in ``model`` and L + 1 in the same model built (on the
+    meta device) with L + 1.
+
+    Raises:
+        SymcostError: no container, or several, follow L.
+    """
+    n = values["L"]
+    here = {k for k, v in _containers(model).items() if v == n}
+    if not here:
+        found = set()
+    else:
+        with torch.device("meta"):
+            other = _containers(spec.build(dict(values, L=n + 1)))
+        found = {k for k in here if other.get(k) == n + 1}
+    if len(found) == 1:
+        return found.pop()
+    what = "no nn.ModuleList or nn.Sequential" if not found else f"several containers ({', '.join(sorted(found))})"
+    raise SymcostError(
+        f"{spec.name}: {what} has length L, so the L repeated blocks cannot be found; "
+        "set ModelSpec.layers to the blocks' container"
+    )
+
+
+def precision_context(precision: str):
+    """``(parameter dtype, autocast context factory)`` of a precision (:data:`PRECISIONS`).
+
+    ``*-true`` and ``bf16-true-fp32-*``: the model cast to bf16 / fp16 (``model.to(dtype)``);
+    ``*-mixed``: the fp32 model run under ``torch.autocast("cpu", dtype=bf16 or fp16)`` (what
+    autocast saves, its low-precision copies of the weights included, is what the recording sees);
+    ``fp32``: the fp32 model.
+
+    Raises:
+        SymcostError: an unknown or renamed precision.
+    """
+    weights, cast, _ = PRECISIONS[check_precision(precision)]
+    dtype = getattr(torch, weights)
+    if cast is None:
+        return dtype, contextlib.nullcontext
+    return dtype, lambda: torch.autocast("cpu", dtype=getattr(torch, cast))
+
+
+def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
+           optimizer=None) -> Recording:
+    """Record one forward + loss + backward step of ``spec`` at concrete ``values``.
+
+    Args:
+        spec: the model.
+        values: a concrete int for B, S and every config symbol of the model.
+        precision: one of :data:`PRECISIONS` (see :func:`precision_context`).
+        optimizer: optional ``callable(params) -> torch.optim.Optimizer``; its ``step()`` runs
+            after the backward (phase ``"optimizer"``).
+
+    Returns:
+        The :class:`Recording`: ops in execution order with shapes and dtypes, unique
+        parameters (tied ones once), and the storages autograd saved for backward.
+
+    Raises:
+        SymcostError: the model cannot be built or run at these sizes, or its control flow
+            depends on tensor data (which cannot be traced without data).
+    """
+    values = dict(values)
+    for a, b in spec.tied.items():
+        values[a] = values[b]
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with torch.device("meta"):
+            model = spec.build(values)
+    except SymcostError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise SymcostError(f"building {spec.name} failed at {values}: {type(e).__name__}: {e}") from e
+    model.train()
+    names = _module_names(model)
+    layers = spec.layers
+    if layers is None and "L" in spec.symbols:
+        layers = find_layer_container(spec, model, values)
+
+    param_dtype, autocast = precision_context(precision)
+    with fake:
+        materialize(model, torch.device("cpu"), param_dtype)
+        leaf_names: dict[int, str] = {}
+        params: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        param_module: dict[str, str] = {}
+        tied: dict[str, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in leaf_names:  # a tied alias: counted once, under its first name
+                tied.setdefault(leaf_names[id(p)][6:], []).append(name)
+                continue
+            leaf_names[id(p)] = f"param:{name}"
+            params[name] = (tuple(p.shape), p.dtype)
+            param_module[name] = name.rpartition(".")[0]
+        buffers: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        buffer_storages: set[int] = set()
+        for name, b in model.named_buffers():
+            leaf_names[id(b)] = f"buffer:{name}"
+            bkey = StorageWeakRef(b.untyped_storage()).cdata
+            if bkey not in buffer_storages:
+                buffer_storages.add(bkey)
+                buffers[name] = (tuple(b.shape), b.dtype)
+        static_storages = {
+            StorageWeakRef(t.untyped_storage()).cdata
+            for t in list(model.parameters()) + list(model.buffers())
+        }
+        args, kwargs = spec.make_inputs(values, torch.device("cpu"))
+        if param_dtype != torch.float32:
+            args, kwargs = tree_map(
+                lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                (args, kwargs),
+            )
+        input_storages: dict[int, int] = {}
+        for i, t in enumerate(tree_flatten((args, kwargs))[0]):
+            if isinstance(t, torch.Tensor):
+                leaf_names[id(t)] = f"input:{i}"
+                st = t.untyped_storage()
+                input_storages[StorageWeakRef(st).cdata] = st.nbytes()
+
+        rec = _Recorder(leaf_names)
+        rec.param_module = param_module
+        rec.preexisting = static_storages | set(input_storages)
+        saved: list[SavedTensor] = []
+
+        seen_saved: dict[int, SavedTensor] = {}
+
+        def pack(t: torch.Tensor):
+            st = t.untyped_storage()
+            key = StorageWeakRef(st).cdata
+            if key in static_storages:
+                return t
+            if key not in seen_saved:
+                seen_saved[key] = SavedTensor(st.nbytes(), t.dtype, rec.module_stack[-1], tuple(t.shape))
+                saved.append(seen_saved[key])
+            else:
+                seen_saved[key].also.add(rec.module_stack[-1])
+            return t
+
+        def pre_hook(module, inputs):
+            for fn in _grad_fns(inputs):
+                _label_graph(fn, rec.module_stack[-1])
+            rec.module_stack.append(names.get(id(module), rec.module_stack[-1]))
+
+        def post_hook(module, inputs, output):
+            label = rec.module_stack.pop()
+            for fn in _grad_fns(output):
+                _label_graph(fn, label)
+
+        h1 = nn.modules.module.register_module_forward_pre_hook(pre_hook)
+        h2 = nn.modules.module.register_module_forward_hook(post_hook)
+        try:
+            with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with autocast():
+                    out = model(*args, **kwargs)
+                    loss = spec.loss(out, (args, kwargs))
+                del out
+            for fn in _grad_fns(loss):
+                _label_graph(fn, "")
+            n_forward = len(rec.ops)
+            rec.phase = "backward"
+            with rec:
+                loss.backward()
+                del loss
+            n_backward = len(rec.ops) - n_forward
+            if optimizer is not None:
+                opt = optimizer([p for p in model.parameters() if p.requires_grad])
+                rec.phase = "optimizer"
+                with rec:
+                    opt.step()
+            events_end = len(rec.events)
+        except SymcostError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            if "data-dependent" in str(e) or "DataDependent" in type(e).__name__:
+                raise SymcostError(
+                    f"{spec.name}: control flow depends on tensor values ({type(e).__name__}); symcost "
+                    "traces shapes without data, so such models cannot be traced"
+                ) from e
+            raise SymcostError(f"running {spec.name} at {values} failed: {type(e).__name__}: {msg}") from e
+        finally:
+            h1.remove()
+            h2.remove()
+    return Recording(values, rec.ops, params, param_module, saved, layers, rec.events,
+                     n_forward, n_backward, precision, tied, buffers, sum(input_storages.values()),
+                     events_end)

@@ -1,0 +1,295 @@
+"""The storage schedule of a traced step: every allocation and free, fitted and folded over L.
+
+At trace time the probe recordings' memory events (``symcost.tracing.record``: weak references on
+every storage) are aligned, each size fitted as a polynomial (:mod:`symcost.tracing.fit`), and the
+schedule cut into units that fold over the L repeated blocks (docs/memory.md, "Folding over L").
+The result, a :class:`MemorySchedule` of plain data, travels with the analysis (and the trace
+cache) so that the memory and checkpointing passes need no recordings.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import sympy
+
+from symcost.errors import SymcostError
+from symcost.tracing.fit import SYMS
+from symcost.tracing.modules import _layer_of, _rename_block
+from symcost.tracing.poly import Algebra, Terms
+
+@dataclass
+class ScheduleEvent:
+    """One storage allocated (``bytes`` > 0) or freed (< 0) during the traced step.
+
+    ``bytes``: signed size as :data:`Terms` in ``MemorySchedule.gens`` (a free of a storage every
+    pass of a repeated block allocates but that is freed once for all passes carries that
+    repeat); ``alloc``: position of the allocation it frees (its own position if an
+    allocation); ``grad``: a gradient (allocated by the backward, live at the end of the step);
+    ``op``, ``module`` (folded: ``layers.{i}``), ``phase``: the op that allocated it, or the op
+    before which it was freed.
+    """
+
+    bytes: Terms
+    alloc: int
+    grad: bool
+    op: str
+    module: str
+    phase: str
+
+
+@dataclass
+class ScheduleUnit:
+    """Events ``[start, stop)`` of the schedule, run ``repeat`` times (``"1"``, ``"L - 1"``: a
+    formula string) in a row; valid only for ``L >= min_L``."""
+
+    start: int
+    stop: int
+    repeat: str
+    min_L: int
+    label: str
+
+
+@dataclass
+class MemorySchedule:
+    """The step's storage schedule as plain data, fitted at trace time (:func:`fit_schedule`).
+
+    Everything the memory pass (and the checkpointing pass) needs without the probe
+    recordings: the events in order with symbolic sizes, the fold over L as units, gradient
+    element size, parameter sizes in the optimizer's order (elements and Adafactor's rows +
+    columns), buffers and the step's inputs (bytes). ``error``: why the schedule has no formula
+    (then only the peak is unavailable; static memory and activations still are).
+    """
+
+    gens: list[str]
+    events: list[ScheduleEvent] = field(default_factory=list)
+    units: list[ScheduleUnit] = field(default_factory=list)
+    grad_itemsize: int = 4
+    params: list[tuple[Terms, Terms]] = field(default_factory=list)
+    buffers: Terms = field(default_factory=list)
+    inputs: Terms = field(default_factory=list)
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        """JSON-ready data (:meth:`from_dict` reads it back)."""
+        return {
+            "gens": list(self.gens), "grad_itemsize": self.grad_itemsize, "error": self.error,
+            "events": [[e.bytes, e.alloc, e.grad, e.op, e.module, e.phase] for e in self.events],
+            "units": [[u.start, u.stop, u.repeat, u.min_L, u.label] for u in self.units],
+            "params": [[a, b] for a, b in self.params], "buffers": self.buffers, "inputs": self.inputs,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "MemorySchedule":
+        return cls(
+            gens=list(d["gens"]), grad_itemsize=int(d["grad_itemsize"]), error=d.get("error"),
+            events=[ScheduleEvent(*e) for e in d["events"]], units=[ScheduleUnit(*u) for u in d["units"]],
+            params=[(a, b) for a, b in d["params"]], buffers=d["buffers"], inputs=d["inputs"],
+        )
+
+
+def _normalized(rec) -> list[tuple[int, int, int]]:
+    """The step's memory events as ``(op index, signed bytes, position of the allocation)``.
+
+    Frees that happen together (between the same two allocations, stamped with the same op) may
+    come in an order that depends on addresses (e.g. autocast's cast cache is a hash map); they
+    are sorted by the position of the allocation they free, which is the same at every size.
+    Their order does not change any live set seen at an allocation.
+    """
+    n = rec.events_end if rec.events_end >= 0 else len(rec.events)
+    pos: dict[int, int] = {}
+    out: list[tuple[int, int, int]] = []
+    run: list[tuple[int, int, int]] = []
+
+    def flush():
+        run.sort(key=lambda t: (t[0], t[2]))
+        out.extend(run)
+        run.clear()
+
+    for e in rec.events[:n]:
+        if e.nbytes > 0:
+            flush()
+            pos[e.storage] = len(out)
+            out.append((e.index, e.nbytes, len(out)))
+        elif e.storage in pos:
+            run.append((e.index, e.nbytes, pos.pop(e.storage)))
+        # else: a free whose allocation was not seen as one (a storage swapped under a tensor,
+        # e.g. by set_); it cannot be placed, so it is left out (the peak errs high)
+    flush()
+    return out
+
+
+def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...], name: str) -> MemorySchedule:
+    """Fit the probe recordings' memory events into a :class:`MemorySchedule` (at trace time).
+
+    Args:
+        recs: the probe recordings (``symcost.tracing.record.Recording``), aligned op by op.
+        fitter: ``symcost.tracing.fit.Fitter`` over those probes.
+        role: ``role(module, name=None) -> (keep, repeat, folded name)`` of the L = 2 fold.
+        container: the blocks' container (None without repeated blocks).
+        gens: the symbols of the trace, in order.
+        name: the model's name (for messages).
+
+    Each event's size is fitted across the probes (a polynomial); the schedule is cut into units
+    folded over L (docs/memory.md, "Folding over L"). A schedule whose events change order with
+    the sizes, or whose blocks interleave, gets ``error`` set instead of raising: FLOPs and
+    activations do not need it.
+    """
+    alg = Algebra(gens)
+    has_L = "L" in gens
+    ref = recs[0]
+    sched = MemorySchedule(gens=list(gens))
+    # buffers, inputs, parameter sizes (static memory)
+    buf = alg.R.zero
+    for bname in ref.buffers:
+        keep, rep, _ = role(bname.rpartition(".")[0], bname)
+        if not keep:
+            continue
+        sig = tuple(math.prod(r.buffers[bname][0]) * r.buffers[bname][1].itemsize for r in recs)
+        buf += alg.from_expr(rep) * alg.from_expr(fitter(sig, f"size of buffer {bname}"))
+    sched.buffers = alg.terms(buf)
+    sched.inputs = alg.terms(alg.from_expr(fitter(tuple(r.input_nbytes for r in recs), "size of the inputs")))
+    for pname, (shape, _) in ref.params.items():
+        numel = fitter(tuple(math.prod(r.params[pname][0]) for r in recs), f"size of {pname}")
+        fac = sympy.Integer(0)
+        if len(shape) >= 2:
+            sig = tuple(math.prod(r.params[pname][0][:-1]) + math.prod(r.params[pname][0][:-2]) * r.params[pname][0][-1]
+                        for r in recs)
+            fac = fitter(sig, f"factored size of {pname}")
+        sched.params.append((alg.terms(alg.from_expr(numel)), alg.terms(alg.from_expr(fac))))
+    pdtypes = {d for _, d in ref.params.values() if d.is_floating_point}
+    sched.grad_itemsize = max((d.itemsize for d in pdtypes), default=4)
+    try:
+        _fit_events(sched, alg, recs, fitter, role, container if has_L else None, name)
+    except SymcostError as e:
+        sched.events, sched.units, sched.error = [], [], str(e)
+    return sched
+
+
+def _fit_events(sched, alg, recs, fitter, role, container, name) -> None:
+    ref = recs[0]
+    norm = [_normalized(r) for r in recs]
+    n = len(norm[0])
+    for r in norm[1:]:
+        if len(r) != n or any((a[0] != b[0] or (a[1] > 0) != (b[1] > 0) or a[2] != b[2])
+                              for a, b in zip(r, norm[0])):
+            raise SymcostError(
+                f"{name}: the storages allocated and freed change order with the sizes; the "
+                "peak memory has no single formula"
+            )
+    events = norm[0]  # (op index, signed bytes, alloc position)
+    # gradients: storages the backward allocates that are still live when the step ends
+    live: dict[int, int] = {}
+    for k, (_, nb, pos) in enumerate(events):
+        if nb > 0:
+            live[k] = k
+        else:
+            live.pop(pos, None)
+    n_ops = len(ref.ops)
+    grad_events = {k for k in live.values() if ref.ops[min(events[k][0], n_ops - 1)].phase != "forward"}
+    # one polynomial per event (bytes, signed)
+    evpolys = []
+    for k, (_, nb, _) in enumerate(events):
+        p = alg.from_expr(fitter(tuple(abs(r[k][1]) for r in norm), "storage size"))
+        evpolys.append(p if nb > 0 else -p)
+
+    def where(k):
+        i, nb, _ = events[k]
+        i = i if nb > 0 else i - 1
+        op = ref.ops[max(0, min(i, n_ops - 1))]
+        return op, _layer_of(op.module, container)
+
+    info = [where(k) for k in range(n)]
+    units: list[tuple[int, int, Any, int, str]] = []  # (start, stop, repeat, min_L, label)
+    siblings: list[tuple[range, range]] = []
+    if container is not None:
+        spans = {}
+        for k in range(n):
+            op, layer = info[k]
+            if layer is None:
+                continue
+            key = (op.phase if op.phase == "forward" else "backward", layer)
+            a, b = spans.get(key, (k, k))
+            spans[key] = (min(a, k), max(b, k))
+        need = [("forward", 0), ("forward", 1), ("backward", 1), ("backward", 0)]
+        ok = all(k in spans for k in need) and len(spans) == 4
+        if ok:
+            f0, f1, b1, b0 = (spans[k] for k in need)
+            ok = f0[1] < f1[0] and f1[1] < b1[0] and b1[1] < b0[0]
+        if not ok:
+            raise SymcostError(
+                f"{name}: the memory events of the blocks of {container} interleave; the peak "
+                "cannot be folded over L"
+            )
+        pre = f"{container}." if container else ""
+        rep0, rep1 = role(f"{pre}0")[1], role(f"{pre}1")[1]
+        special = 0 if (rep0 == 1 and rep1 != 1) else 1 if (rep1 == 1 and rep0 != 1) else None
+        F0, F1 = range(f0[0], f0[1] + 1), range(f1[0], f1[1] + 1)
+        B1, B0 = range(b1[0], b1[1] + 1), range(b0[0], b0[1] + 1)
+        if special == 1:  # the last block differs: blocks 0..L-2 are like block 0
+            siblings = [(F0, F1), (B0, B1)]
+            units = [(0, f0[0], 1, 1, "forward, before the blocks"),
+                     (f0[0], f1[0], "L - 1", 2, "forward, block"),
+                     (f1[0], f1[1] + 1, 1, 1, "forward, last block"),
+                     (f1[1] + 1, b1[0], 1, 1, "end of forward / start of backward"),
+                     (b1[0], b1[1] + 1, 1, 1, "backward, last block"),
+                     (b1[1] + 1, b0[1] + 1, "L - 1", 2, "backward, block"),
+                     (b0[1] + 1, n, 1, 1, "backward, after the blocks")]
+        else:
+            siblings = [(F1, F0), (B1, B0)]
+            units = [(0, f0[0], 1, 1, "forward, before the blocks"),
+                     (f0[0], f0[1] + 1, 1, 1, "forward, first block"),
+                     (f0[1] + 1, f1[1] + 1, "L - 1", 2, "forward, block"),
+                     (f1[1] + 1, b1[0], 1, 1, "end of forward / start of backward"),
+                     (b1[0], b0[0], "L - 1", 2, "backward, block"),
+                     (b0[0], b0[1] + 1, 1, 1, "backward, first block"),
+                     (b0[1] + 1, n, 1, 1, "backward, after the blocks")]
+    else:
+        units = [(0, n, 1, 1, "step")]
+    # A storage allocated in every pass of a repeated block and freed once for all of them,
+    # outside (e.g. autocast's cast cache, emptied when the forward leaves autocast), is freed
+    # repeat times there. It is told apart from a storage of the last pass only (the last block's
+    # output, freed by the head) by its sibling: the storage the other block of the L = 2 trace
+    # allocated at the same place is freed at the same place too.
+    unit_of = {}
+    for u, (a, b, _, _, _) in enumerate(units):
+        for k in range(a, b):
+            unit_of[k] = u
+    freed_in = {events[k][2]: unit_of[k] for k in range(n) if events[k][1] < 0}
+    sibling_of: dict[int, int] = {}
+
+    def key(k):  # what an allocation is, wherever its block is
+        op, _ = info[k]
+        return op.name, _rename_block(op.module, container, "#"), tuple(sorted(evpolys[k].items()))
+
+    for rep_ids, sib_ids in siblings:
+        # match the repeated block's allocations, in order, to the sibling's (greedy: the
+        # sibling may have a few more, e.g. block 0 casting the model's input)
+        sa = [k for k in sib_ids if events[k][1] > 0]
+        j = 0
+        for a in (k for k in rep_ids if events[k][1] > 0):
+            ka = key(a)
+            for jj in range(j, len(sa)):
+                if key(sa[jj]) == ka:
+                    sibling_of[a] = sa[jj]
+                    j = jj + 1
+                    break
+    L = SYMS["L"]
+    for k in range(n):
+        if events[k][1] < 0:
+            ua, uf = unit_of[events[k][2]], unit_of[k]
+            rep_a = units[ua][2]
+            sib = sibling_of.get(events[k][2])
+            if (ua != uf and rep_a != 1 and units[uf][2] == 1 and sib is not None
+                    and freed_in.get(sib) == uf):
+                evpolys[k] = evpolys[k] * alg.from_expr(L - 1)
+    for k in range(n):
+        op, _ = info[k]
+        keep, _, module = role(op.module)
+        if not keep:  # a probe block that stands for the generic one: name it as folded
+            module = _rename_block(op.module, container, "{i}")
+        sched.events.append(ScheduleEvent(
+            alg.terms(evpolys[k]), events[k][2], k in grad_events, op.name.removeprefix("aten."),
+            module, op.phase))
+    sched.units = [ScheduleUnit(a, b, str(rep), mL, label) for a, b, rep, mL, label in units]

@@ -1,0 +1,503 @@
+"""Validate the roofline on this machine with kernels that ``torch.compile`` generates.
+
+A sweep of kernels (square matmuls of growing n, skinny matmuls, matrix-vector products,
+element-wise add and GELU, a softmax, a Linear+GELU block) and the compiled training steps of
+small built-in models. For each: FLOPs and bytes from symcost's own rules (the aten ops the
+kernel runs, recorded eagerly, costed by :mod:`symcost.graph.rules`; for training steps, the traced
+:class:`~symcost.graph.analysis.Analysis` with fused bytes from :mod:`symcost.graph.fusion`), the predicted
+time bound on the calibrated device (:mod:`symcost.hardware.calibrate`), the measured time of the compiled
+kernel (``torch.utils.benchmark``, fastest block mean) and the ratio measured / predicted.
+
+Checks (:func:`check`; issue 9's acceptance):
+
+- no measured time below its predicted bound by more than 10% (timing noise);
+- kernels of ``large`` size reach at least 50% of their bound;
+- within a family of growing sizes, time scales like the predicted binding resource: the
+  measured time ratio of consecutive sizes is closer to the predicted ratio than to the ratio of
+  the other resource (bytes for a compute-bound kernel, FLOPs for a memory-bound one);
+- compiled training steps that take at least 50 ms are predicted within 2x.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from symcost.graph import rules
+from symcost.hardware.calibrate import compiled, measure
+from symcost.hardware.devices import Device, dtype_key
+from symcost.graph.opsets import ROW_NORMALISING
+
+
+# -- FLOPs and bytes of a kernel, by symcost's rules ---------------------------------------------
+def kernel_costs(fn: Callable, *args, grad: bool = False) -> list[dict]:
+    """The aten ops ``fn(*args)`` runs (eagerly), each costed by :func:`symcost.graph.rules.cost` at its
+    concrete shapes: ``[{"op", "flops" (all FLOPs), "model_flops", "bytes", "written" (the
+    outputs' part of bytes), "precision", "transcendentals" ({class: evaluations}), "packed"
+    (bytes of a GEMM's [k, n] operand, :func:`symcost.graph.rules.packed_operand`; 0 otherwise)}]``.
+    ``grad``: record with autograd on (``fn`` may call ``backward``: its ops are recorded too)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    out: list[dict] = []
+
+    class _Rec(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            kw = kw or {}
+            res = func(*a, **kw)
+            if func.namespace == "prim":
+                return res
+            ins = [x for x in tree_flatten((a, kw))[0] if isinstance(x, torch.Tensor)]
+            outs = [x for x in tree_flatten(res)[0] if isinstance(x, torch.Tensor)]
+            shape = lambda x: tuple(x.shape) if isinstance(x, torch.Tensor) else x  # noqa: E731
+            sa, skw = tree_map(shape, (a, kw))
+            view = rules.OpView(func, str(func), [tuple(x.shape) for x in ins], [x.dtype for x in ins],
+                                [tuple(x.shape) for x in outs], [x.dtype for x in outs], tuple(sa), dict(skw))
+            c = rules.cost(view)
+            pk = rules.packed_operand(str(func), view.in_shapes, view.in_dtypes, view.out_shapes)
+            packed = int(pk[0]) if pk and pk[1] > 1 and pk[2] > 1 else 0
+            prec = next((dtype_key(x.dtype) for x in outs + ins if dtype_key(x.dtype)), "fp32")
+            written = sum(x.numel() * x.element_size() for x in outs) if c.bytes else 0
+            out.append({"op": str(func), "flops": int(c.flops_all), "model_flops": int(c.flops),
+                        "bytes": int(c.bytes), "written": int(written), "precision": prec,
+                        "transcendentals": {k: int(n) for k, n in c.transcendentals.items()},
+                        "packed": packed})
+            return res
+
+    with (torch.enable_grad() if grad else torch.no_grad()), _Rec():
+        fn(*args)
+    return out
+
+
+def predict(costs: list[dict], device: Device) -> dict:
+    """Roofline bound of a sequence of ops: sum of max(FLOPs/peak, memory time, transcendental
+    time) (:meth:`Device.op_seconds`, with its serial passes on a ``serial_passes`` device)
+    (seconds; memory time = read/bandwidth + written/write bandwidth; transcendental time
+    :meth:`Device.transcendental_seconds`), with totals of FLOPs, bytes and transcendental
+    evaluations and the binding resource of the whole (``compute``, ``memory`` or
+    ``transcendental``)."""
+    t = 0.0
+    F = B = T = 0
+    raw = {"compute": 0.0, "memory": 0.0, "transcendental": 0.0}  # each resource's time, all ops
+    bound = {"compute": 0.0, "memory": 0.0, "transcendental": 0.0}  # op bounds by binding resource
+    for c in costs:
+        peak, _ = device.peak_for(c["precision"])
+        tc, tm = c["flops"] / peak, device.memory_seconds(c["bytes"] - c["written"], c["written"])
+        tt = device.transcendental_seconds(c.get("transcendentals", {}))
+        t_op, res = device.op_seconds(tc, c["bytes"] - c["written"], c["written"], tt,
+                                      c["op"].rsplit(".", 1)[0] in ROW_NORMALISING, c.get("packed", 0))
+        t += t_op
+        bound[res] += t_op
+        raw["compute"] += tc
+        raw["memory"] += tm
+        raw["transcendental"] += tt
+        F += c["flops"]
+        B += c["bytes"]
+        T += sum(c.get("transcendentals", {}).values())
+    return {"flops": F, "bytes": B, "transcendentals": T, "seconds": t, "t_compute": raw["compute"],
+            "t_memory": raw["memory"], "t_transcendental": raw["transcendental"],
+            "bound": max(bound, key=bound.get), "intensity": F / B if B else math.inf}
+
+
+# -- the sweep --------------------------------------------------------------------------------------
+@dataclass
+class Kernel:
+    """One kernel of the sweep: ``make()`` returns ``(fn, args)`` (fn uncompiled)."""
+
+    family: str
+    label: str
+    make: Callable[[], tuple[Callable, tuple]]
+    large: bool = False
+
+
+def sweep_kernels(quick: bool = False, hardware: str = "cpu") -> list[Kernel]:
+    """The kernels of the sweep (``quick``: the CI-sized subset) on ``hardware`` (``cpu`` or
+    ``cuda``: the same families at sizes a GPU needs to leave launch overhead behind). On the CPU,
+    element-wise and matrix-vector operands are at least 64 MiB, twice this machine class's
+    last-level cache, so they stream from memory as the roofline assumes."""
+    import torch
+
+    gpu = hardware == "cuda"
+    dev = torch.device(hardware)
+
+    def randn(*s):
+        return torch.randn(*s, device=dev)
+
+    ks: list[Kernel] = []
+    squares = ((4096, 8192) if quick else (2048, 4096, 8192)) if gpu else ((512, 1024) if quick else (512, 1024, 2048))
+    for n in squares:
+        ks.append(Kernel("square matmul", f"[{n},{n}]x[{n},{n}]", lambda n=n: (lambda a, b: a @ b, (randn(n, n), randn(n, n))),
+                         large=n >= squares[1]))
+    # Skinny GEMMs: on a CPU the BLAS packs the [4096, 4096] operand before multiplying, a pass
+    # the roofline of a serial_passes device adds to the multiply (docs/roofline.md)
+    w = 8192 if gpu else 4096
+    for m in ((8, 256) if quick else (8, 64, 256)) if gpu else ((4, 64) if quick else (4, 16, 64)):
+        ks.append(Kernel("skinny matmul", f"[{m},{w}]x[{w},{w}]",
+                         lambda m=m: (lambda a, b: a @ b, (randn(m, w), randn(w, w))), large=True))
+    # matrix-vector as [n, n] x [n, 1] (aten.mm): symcost's rules have no aten.mv rule
+    for n in ((16384,) if quick else (16384, 32768)) if gpu else ((4096,) if quick else (4096, 8192)):
+        ks.append(Kernel("matrix-vector", f"[{n},{n}]x[{n},1]",
+                         lambda n=n: (lambda a, v: a @ v, (randn(n, n), randn(n, 1))), large=True))
+    N = 1 << (28 if gpu else 24)
+    ks.append(Kernel("add", f"[{N}]+[{N}]", lambda: (lambda a, b: a + b, (randn(N), randn(N))), large=True))
+    # GELU: on a CPU its erf, not memory, binds it (the transcendental ceiling, calibrated per class)
+    ks.append(Kernel("gelu", f"gelu[{N}]", lambda: (torch.nn.functional.gelu, (randn(N),)), large=True))
+    if not quick:
+        ks.append(Kernel("add", f"[{2 * N}]+[{2 * N}]", lambda: (lambda a, b: a + b, (randn(2 * N), randn(2 * N))),
+                         large=True))
+    # The softmax: one exp per element (transcendental ceiling) and, on a CPU, dependent passes
+    # over each row whose memory and exp times add up (serial_passes; docs/roofline.md)
+    r = 16384 if gpu else 4096
+    ks.append(Kernel("softmax", f"softmax[{r},{r}]", lambda: (lambda a: torch.softmax(a, -1), (randn(r, r),)),
+                     large=True))
+    rows, d_in, d_out = (8192, 4096, 16384) if gpu else ((1024 if quick else 2048), 1024, 4096)
+    ks.append(Kernel("mlp block", f"gelu(Linear({d_in},{d_out})) on [{rows},{d_in}]",
+                     lambda: (lambda x, w, b: torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b)),
+                              (randn(rows, d_in), randn(d_out, d_in), randn(d_out))), large=True))
+    return ks
+
+
+def _row(family, label, large, p: dict, t: dict) -> dict:
+    return {"family": family, "kernel": label, "large": large, **p, "predicted": p["seconds"],
+            "measured": t["min"], "measured_median": t["median"], "flop_per_s": p["flops"] / t["min"],
+            "byte_per_s": p["bytes"] / t["min"], "ratio": t["min"] / p["seconds"]}
+
+
+def run_kernel(k: Kernel, device: Device, min_run_time: float = 0.3) -> dict:
+    """Compile, time and predict one kernel: its FLOPs, bytes, intensity, predicted bound and
+    time, measured time (fastest block mean) and FLOP/s, ratio measured / predicted."""
+    fn, args = k.make()
+    p = predict(kernel_costs(fn, *args), device)
+    t = measure(compiled(fn), *args, min_run_time=min_run_time)
+    return _row(k.family, k.label, k.large, p, t)
+
+
+# -- compiled training steps ------------------------------------------------------------------------
+def _build(model: str, sizes: Mapping[str, int], hardware: str = "cpu"):
+    import torch
+
+    from symcost.frontends.models import resolve
+
+    spec = resolve(model)
+    values = {**spec.defaults, **sizes}
+    values.update({a: values[b] for a, b in spec.tied.items()})
+    torch.manual_seed(0)
+    m = spec.build(values).to(hardware)
+    args, kwargs = spec.make_inputs(values, torch.device(hardware))
+    return spec, m, args, kwargs
+
+
+def train_step(model: str, sizes: Mapping[str, int], hardware: str = "cpu") -> tuple[Callable, Any]:
+    """A compiled fp32 training step (forward, loss, backward; gradients reset to None first, so
+    no accumulation) of a built-in model at ``sizes`` on ``hardware`` (cpu or cuda; on cuda the
+    step waits for the GPU): ``(step, module)``."""
+    import torch
+
+    spec, m, args, kwargs = _build(model, sizes, hardware)
+
+    def fwd(*a, **kw):
+        return spec.loss(m(*a, **kw), (a, kw))
+
+    cf = compiled(fwd)
+    sync = torch.cuda.synchronize if hardware == "cuda" else (lambda: None)
+
+    def step():
+        for p in m.parameters():
+            p.grad = None
+        cf(*args, **kwargs).backward()
+        sync()
+
+    return step, m
+
+
+def inductor_bytes(model: str, sizes: Mapping[str, int]) -> int:
+    """Bytes inductor's scheduled kernels of the compiled fp32 training step read and write
+    (forward and backward graphs), by its own count (``GraphLowering.count_bytes``, reported to
+    ``torch._inductor.metrics.num_bytes_accessed`` when the ``inductor_metrics`` log is on).
+    The independent check of :mod:`symcost.graph.fusion`."""
+    import logging
+
+    import torch
+    import torch._inductor.compile_fx as cfx
+    from torch._inductor import metrics
+
+    log = cfx.inductor_metrics_log
+    saved = (log.level, log.propagate, list(log.handlers))
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.handlers = [logging.NullHandler()]
+    try:
+        torch._dynamo.reset()
+        metrics.reset()
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            step, _ = train_step(model, sizes)
+            step()
+        return int(metrics.num_bytes_accessed)
+    finally:
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+        log.handlers = saved[2]
+
+
+def predict_step(an, sizes: Mapping[str, int], device: Device) -> dict:
+    """The roofline bound of a compiled (fused) training step, in :func:`predict`'s shape."""
+    from symcost.passes.roofline import roofline
+
+    r = roofline(an, device, sizes, fused=True)
+    F = sum(n["repeat"] * n["flops"] for n in r["nodes"])
+    B = sum(n["repeat"] * n["fused_bytes"] for n in r["nodes"])
+    times = {b: sum(n["seconds"] for n in r["nodes"] if n["bound"] == b)
+             for b in ("compute", "memory", "transcendental")}
+    return {"flops": F, "bytes": B, "bytes_unfused": sum(n["repeat"] * n["bytes"] for n in r["nodes"]),
+            "transcendentals": sum(n["repeat"] * n["transcendentals"] for n in r["nodes"]),
+            "seconds": r["step_seconds"], "predicted_unfused": r["step_seconds_unfused"],
+            "t_compute": times["compute"], "t_memory": times["memory"], "t_transcendental": times["transcendental"],
+            "bound": max(times, key=times.get), "intensity": F / B if B else math.inf}
+
+
+def run_train_step(model: str, sizes: Mapping[str, int], device: Device, min_run_time: float = 1.0) -> dict:
+    """Predict (roofline step bound with fused bytes, fp32) and measure a compiled training step."""
+    from symcost.graph.build import trace
+
+    an = trace(model, sizes=dict(sizes), precision="fp32")
+    step, _ = train_step(model, sizes)
+    t = measure(step, min_run_time=min_run_time)
+    return _row("training step", _step_label(model, sizes), True, predict_step(an, sizes, device), t)
+
+
+def _step_label(model, sizes):
+    return f"{model} step {' '.join(f'{k}={v}' for k, v in sizes.items())}"
+
+
+QUICK_STEPS = {"mlp": {"B": 8, "S": 128, "D": 768, "L": 2},
+               "cs336-lm": {"B": 4, "S": 128, "H": 8, "D": 64, "L": 2, "V": 2048, "F": 1344}}
+FULL_STEPS = {"mlp": {"B": 8, "S": 128, "D": 1024, "L": 4},
+              "cs336-lm": {"B": 8, "S": 256, "H": 8, "D": 64, "L": 4, "V": 4096, "F": 1344}}
+GPU_STEPS = {"mlp": {"B": 16, "S": 512, "D": 4096, "L": 4},
+             "cs336-lm": {"B": 8, "S": 1024, "H": 16, "D": 64, "L": 4, "V": 32000, "F": 2816}}
+
+
+def _cpu_times() -> tuple[float, float, float] | None:
+    """(machine busy CPU-seconds, machine total CPU-seconds, this process's CPU-seconds), from
+    /proc/stat and os.times(); None where /proc/stat is missing."""
+    import os
+
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    t = os.times()
+    return (sum(vals[:8]) - idle) / tick, sum(vals[:8]) / tick, t.user + t.system
+
+
+class Contention:
+    """The share of the machine's CPU time that other processes used while kernels were timed
+    (0: the machine was ours; 0.75: others held three quarters of it)."""
+
+    def __init__(self):
+        self.busy = self.total = self.own = 0.0
+        self.known = True
+
+    def __enter__(self):
+        self._start = _cpu_times()
+        return self
+
+    def __exit__(self, *exc):
+        end = _cpu_times()
+        if self._start is None or end is None:
+            self.known = False
+            return
+        self.busy += end[0] - self._start[0]
+        self.total += end[1] - self._start[1]
+        self.own += end[2] - self._start[2]
+
+    @property
+    def share(self) -> float | None:
+        if not self.known or self.total <= 0:
+            return None
+        return max(0.0, min(1.0, (self.busy - self.own) / self.total))
+
+
+@dataclass
+class Validation:
+    """Result of :func:`validate`: the device used, one row per kernel, the failed checks."""
+
+    device: Device
+    rows: list[dict] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    scaling: list[dict] = field(default_factory=list)
+    attempts: int = 1
+    contention: float | None = None  # share of the CPU other processes used while timing
+
+    def to_json(self) -> dict:
+        return {"device": self.device.to_json(), "kernels": self.rows, "scaling": self.scaling,
+                "failures": self.failures, "ok": not self.failures,
+                "attempts": self.attempts, "contention": self.contention}
+
+
+def check(rows: list[dict], tolerance: float = 0.10) -> tuple[list[str], list[dict]]:
+    """The acceptance checks on sweep rows: ``(failures, scaling)`` (see the module docstring)."""
+    failures = []
+    for r in rows:
+        if r["ratio"] < 1 - tolerance:
+            failures.append(f"{r['kernel']}: measured {r['measured'] * 1e3:.3f} ms is {100 * (1 - r['ratio']):.0f}% "
+                            f"below the predicted bound {r['predicted'] * 1e3:.3f} ms")
+        if r["family"] == "training step":
+            if r["measured"] >= 0.05 and not 0.5 <= r["ratio"] <= 2.0:
+                failures.append(f"{r['kernel']}: measured {r['measured'] * 1e3:.1f} ms vs predicted "
+                                f"{r['predicted'] * 1e3:.1f} ms, not within 2x")
+        elif r["large"] and r["ratio"] > 2.0:
+            failures.append(f"{r['kernel']}: reaches {100 / r['ratio']:.0f}% of its bound (< 50%)")
+    scaling = []
+    fams: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["family"] != "training step":
+            fams.setdefault(r["family"], []).append(r)
+    for fam, rs in fams.items():
+        rs = sorted(rs, key=lambda r: r["predicted"])
+        for a, b in zip(rs, rs[1:]):
+            lt = math.log(b["measured"] / a["measured"])
+            lp = math.log(b["predicted"] / a["predicted"])
+            other = "flops" if b["bound"] == "memory" else "bytes"  # compute- or transcendental-bound
+            lo = math.log(b[other] / a[other])
+            entry = {"family": fam, "from": a["kernel"], "to": b["kernel"], "time_ratio": math.exp(lt),
+                     "predicted_ratio": math.exp(lp), f"{other}_ratio": math.exp(lo), "bound": b["bound"]}
+            if abs(lp - lo) < 0.2:
+                entry["agrees"] = None  # FLOPs and bytes grow alike: scaling cannot tell them apart
+            else:
+                entry["agrees"] = abs(lt - lp) <= abs(lt - lo)
+                if not entry["agrees"]:
+                    failures.append(f"{fam}: {a['kernel']} -> {b['kernel']} time x{math.exp(lt):.2f} follows "
+                                    f"{other} (x{math.exp(lo):.2f}) more than the predicted {b['bound']} bound "
+                                    f"(x{math.exp(lp):.2f})")
+            scaling.append(entry)
+    return failures, scaling
+
+
+def _merge(old: Device | None, entry: Mapping[str, Any]) -> Device:
+    """A device whose peaks and bandwidth are the best seen over calibrations (each a maximum of
+    measured rates: a busy moment can only lower a measurement)."""
+    new = device_from_entry(entry)
+    if old is None:
+        return new
+    peak = {k: max(old.peak.get(k, 0.0), new.peak.get(k, 0.0)) for k in set(old.peak) | set(new.peak)}
+    bw = max(old.bandwidth, new.bandwidth)
+    wbw = max(old.write_bandwidth or old.bandwidth, new.write_bandwidth or new.bandwidth)
+    tr = {k: max(old.transcendental_rate.get(k, 0.0), new.transcendental_rate.get(k, 0.0))
+          for k in set(old.transcendental_rate) | set(new.transcendental_rate)}
+    return Device(key=new.key, name=new.name, peak=peak, bandwidth=bw, source=new.source, date=new.date,
+                  measured=new.measured, write_bandwidth=wbw if wbw < bw else None, transcendental_rate=tr,
+                  serial_passes=new.serial_passes)
+
+
+def validate(device: Device | None = None, quick: bool = False,
+             steps: Mapping[str, Mapping[str, int]] | None = None, min_run_time: float = 0.3,
+             attempts: int = 3, log: Callable[[str], None] | None = None, hardware: str = "cpu") -> Validation:
+    """Run the sweep and the compiled training steps on this machine and check them (:func:`check`).
+
+    Args:
+        device: a calibrated device; None: calibrate first (:func:`symcost.hardware.calibrate.calibrate`).
+        quick: the CI-sized sweep.
+        steps: model -> sizes of the training steps (default :data:`QUICK_STEPS` /
+            :data:`FULL_STEPS`, :data:`GPU_STEPS` on cuda).
+        hardware: ``cpu`` or ``cuda`` (where the kernels run; the GPU path has not run yet in
+            this project: no GPU was lent when it was written).
+        attempts: on a shared machine a busy moment slows a kernel or the calibration. While
+            checks fail, the failing kernels are built again (new inputs, compiled afresh without
+            inductor's graph cache) and timed again (keeping each kernel's fastest time) and,
+            when this call calibrated, the machine is calibrated again (keeping the best rates),
+            up to ``attempts`` rounds in all. Each round is reported.
+
+    Returns:
+        A :class:`Validation`; its ``contention`` is the share of the CPU other processes used
+        while kernels were timed (from /proc/stat), so a reader can tell a slow machine from a
+        busy one.
+
+    Raises:
+        SymcostError: a model of ``steps`` that symcost cannot build; cuda asked where there is
+            none.
+    """
+    from symcost.graph.build import trace
+    from symcost.hardware.calibrate import _device, calibrate, steady_allocator
+
+    _device(hardware)  # cpu, or cuda where one is available
+    log = log or (lambda s: None)
+    if hardware == "cpu":
+        steady_allocator()
+    own = device is None
+    if own:
+        device = _merge(None, calibrate(hardware, quick=quick, min_run_time=min_run_time, log=log))
+    def timer(k: Kernel, fresh: bool = False):
+        """Build ``k`` (new inputs) and compile it now (compiler workers would count as other
+        processes while timing); ``fresh``: bypass inductor's on-disk graph cache, so a retry
+        times a kernel built anew rather than the artifact that ran slow."""
+        import torch
+
+        fn, args = k.make()
+        cf = compiled(fn)
+        with torch._inductor.config.patch(fx_graph_cache=not fresh):
+            cf(*args)
+        return fn, args, (lambda: measure(cf, *args, min_run_time=min_run_time))
+
+    cases = []  # (family, label, large, costs or (an, sizes), measure-callable)
+    kernels: dict[str, Kernel] = {}
+    for k in sweep_kernels(quick, hardware):
+        fn, args, run = timer(k)
+        kernels[k.label] = k
+        cases.append((k.family, k.label, k.large, kernel_costs(fn, *args), run))
+    default_steps = GPU_STEPS if hardware == "cuda" else (QUICK_STEPS if quick else FULL_STEPS)
+    for model, sizes in (steps if steps is not None else default_steps).items():
+        an = trace(model, sizes=dict(sizes), precision="fp32")
+        step, _ = train_step(model, sizes, hardware)
+        step()
+        cases.append(("training step", _step_label(model, sizes), True, (an, sizes),
+                      lambda step=step: measure(step, min_run_time=max(1.0, min_run_time))))
+    best: dict[str, dict] = {}
+    v = Validation(device)
+    todo = list(range(len(cases)))
+    contention = Contention()
+    for attempt in range(max(1, attempts)):
+        for i in todo:
+            fam, label, large, costs, run = cases[i]
+            with contention:
+                t = run()
+            if label in best:
+                t = {"min": min(t["min"], best[label]["min"]), "median": min(t["median"], best[label]["median"])}
+            best[label] = t
+        rows = []
+        for fam, label, large, costs, run in cases:
+            p = predict_step(costs[0], costs[1], device) if fam == "training step" else predict(costs, device)
+            rows.append(_row(fam, label, large, p, best[label]))
+        failures, scaling = check(rows)
+        v = Validation(device, rows, failures, scaling)
+        v.attempts = attempt + 1
+        v.contention = contention.share if hardware == "cpu" else None
+        for r in rows if attempt == 0 else [rows[i] for i in todo]:
+            log(f"[round {attempt + 1}] {r['kernel']}: predicted {r['predicted'] * 1e3:.3f} ms ({r['bound']}), "
+                f"measured {r['measured'] * 1e3:.3f} ms, ratio {r['ratio']:.2f}")
+        if not failures or attempt == attempts - 1:
+            break
+        bad = {f.split(":")[0] for f in failures}
+        todo = [i for i, c in enumerate(cases) if c[1] in bad or any(c[1] in f for f in failures)]
+        log(f"{len(failures)} check(s) failed; timing {len(todo)} kernel(s) again"
+            + (" after calibrating again" if own else ""))
+        if own:
+            device = _merge(device, calibrate(hardware, quick=quick, min_run_time=min_run_time, log=log))
+        for i in todo:  # rebuild the failing kernels: new inputs, a fresh compile
+            fam, label, large, costs, run = cases[i]
+            if label in kernels:
+                cases[i] = (fam, label, large, costs, timer(kernels[label], fresh=True)[2])
+    return v
+
+
+def device_from_entry(entry: Mapping[str, Any], key: str = "this-machine") -> Device:
+    """A :class:`Device` from a calibration entry (:func:`symcost.hardware.calibrate.calibrate`)."""
+    from symcost.hardware.devices import parse_devices
+    import json
+
+    return parse_devices(json.dumps({key: dict(entry)}), "calibration", "json")[key]
