@@ -585,6 +585,25 @@ def test_gru_issue_example():
     assert measure(Unrolled(gru), torch.randn(7, 3, 40), []) == (48_384, 55_296)
 
 
+
+def test_step_loop_rnn_traced_without_sizes_pins_s_at_the_default():
+    """``symcost.trace(spec)`` with no sizes answers for a model whose op sequence grows with S
+    (the CPU GRU's step loop): S is pinned at the model's default and said so, never refused.
+    Oracle: the unrolled GRUCells under FlopCounterMode at that S and random other sizes."""
+    rng = random.Random(5)
+    s_default, b, d, f = rng.randint(2, 9), rng.randint(1, 4), rng.randint(2, 9), rng.randint(2, 12)
+    spec = symcost.ModelSpec(
+        name="gru-nosizes", symbols=("D", "F"), defaults={"B": b, "S": s_default, "D": d, "F": f},
+        build=lambda v: Whole(nn.GRU(v["F"], v["D"])),
+        make_inputs=lambda v, device: ((torch.randn(v["S"], v["B"], v["F"], device=device),), {}),
+        loss=lambda out, inputs: out.pow(2).mean())
+    an = symcost.trace(spec, precision="fp32")
+    assert an.pinned.get("S") == s_default and "default" in an.pin_reasons["S"], (an.pinned, an.pin_reasons)
+    got = an.subs(B=b, D=d, F=f)
+    torch.manual_seed(0)
+    assert (got["flops.forward"], got["flops.backward"]) == measure(
+        Unrolled(nn.GRU(f, d)), torch.randn(s_default, b, f), [])
+
 # ------------------------------------------------------------------------------------------------
 # grouped convolutions: the true count, FlopCounterMode on the split convolution as oracle
 class GroupedConv(nn.Module):
