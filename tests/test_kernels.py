@@ -8,6 +8,7 @@ leave bias adds out (as FlopCounterMode), all-FLOPs count them.
 """
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -283,7 +284,11 @@ class Recurrent(nn.Module):
 
 
 class Unrolled(nn.Module):
-    """The same network step by step with nn.LSTMCell / GRUCell / RNNCell, sharing the weights."""
+    """The same network step by step with nn.LSTMCell / GRUCell / RNNCell, sharing the weights
+    (every mode, bias or not, both directions, stacked layers, batch_first); an LSTM's
+    ``proj_size`` is its cell (whose W_hh is [4·Hd, P]) followed by an explicit projection
+    ``F.linear(h, W_hr)``. Without initial states it starts from zeros that need no gradient, as
+    nn.RNNBase does."""
 
     CELLS = {nn.LSTM: nn.LSTMCell, nn.GRU: nn.GRUCell, nn.RNN: nn.RNNCell}
 
@@ -292,30 +297,49 @@ class Unrolled(nn.Module):
         self.rnn = rnn
         self.dirs = 2 if rnn.bidirectional else 1
         self.cells = nn.ModuleList()
+        extra = {"nonlinearity": rnn.nonlinearity} if isinstance(rnn, nn.RNN) else {}
         for layer in range(rnn.num_layers):
             for d in range(self.dirs):
                 sfx = f"_l{layer}" + ("_reverse" if d else "")
                 w_ih = getattr(rnn, "weight_ih" + sfx)
-                cell = self.CELLS[type(rnn)](w_ih.shape[1], rnn.hidden_size)
-                for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                cell = self.CELLS[type(rnn)](w_ih.shape[1], rnn.hidden_size, bias=rnn.bias, **extra)
+                for n in ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if rnn.bias else ()):
                     setattr(cell, n, getattr(rnn, n + sfx))
                 self.cells.append(cell)
 
-    def forward(self, x, *h0):  # x [S, B, I]
-        for layer in range(self.rnn.num_layers):
+    @staticmethod
+    def projected_step(cell, w_hr, x, state):
+        """One LSTMCell step whose state h has P = proj_size units (nn.LSTMCell insists on Hd):
+        the cell's gate products as F.linear, its gates, then h_t = W_hr·(o ⊙ tanh(c_t))."""
+        h, c = state
+        gates = F.linear(x, cell.weight_ih, cell.bias_ih) + F.linear(h, cell.weight_hh, cell.bias_hh)
+        i, f, g, o = gates.chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return F.linear(torch.sigmoid(o) * torch.tanh(c), w_hr), c
+
+    def forward(self, x, *h0):
+        rnn = self.rnn
+        x = x.transpose(0, 1) if rnn.batch_first else x  # [S, B, I]
+        if not h0:
+            n, b = rnn.num_layers * self.dirs, x.shape[1]
+            h0 = [torch.zeros(n, b, getattr(rnn, "proj_size", 0) or rnn.hidden_size)]
+            h0 += [torch.zeros(n, b, rnn.hidden_size)] if isinstance(rnn, nn.LSTM) else []
+        for layer in range(rnn.num_layers):
             outs = []
             for d in range(self.dirs):
-                cell = self.cells[layer * self.dirs + d]
-                state = tuple(h[layer * self.dirs + d] for h in h0)
+                k = layer * self.dirs + d
+                cell, sfx = self.cells[k], f"_l{layer}" + ("_reverse" if d else "")
+                w_hr = getattr(rnn, "weight_hr" + sfx, None)
+                state = tuple(h[k] for h in h0)
                 state = state if len(state) > 1 else state[0]
                 steps = range(x.shape[0] - 1, -1, -1) if d else range(x.shape[0])
                 ys = {}
                 for t in steps:
-                    state = cell(x[t], state)
+                    state = cell(x[t], state) if w_hr is None else self.projected_step(cell, w_hr, x[t], state)
                     ys[t] = state[0] if isinstance(state, tuple) else state
                 outs.append(torch.stack([ys[t] for t in range(x.shape[0])]))
             x = torch.cat(outs, -1)
-        return x
+        return x.transpose(0, 1) if rnn.batch_first else x
 
 
 def measure(model, x, h0):
@@ -415,6 +439,171 @@ def test_recurrent_layers_against_unrolled_cells(cls):
             assert measure(lambda x, h: rnn(x, h)[0], x, h0) == oracle, c
 
 
+# every recurrent mode, direction, depth and proj_size, against the hand count and the cells
+RNN_MODES = {  # mode (cuDNN/oneDNN names): (module, extra kwargs, gates G)
+    "RNN_TANH": (nn.RNN, {"nonlinearity": "tanh"}, 1), "RNN_RELU": (nn.RNN, {"nonlinearity": "relu"}, 1),
+    "GRU": (nn.GRU, {}, 3), "LSTM": (nn.LSTM, {}, 4), "LSTM_PROJ": (nn.LSTM, {}, 4),
+}
+#: transcendental evaluations per hidden element and step (the gate activations: σ is one exp)
+RNN_MODE_TRANSCENDENTALS = {"RNN_TANH": {"tanh": 1}, "RNN_RELU": {}, "GRU": {"exp": 2, "tanh": 1},
+                            "LSTM": {"exp": 3, "tanh": 2}, "LSTM_PROJ": {"exp": 3, "tanh": 2}}
+
+
+def recurrent_hand_count(mode, c):
+    """(forward, backward) model FLOPs of a recurrent network, worked by hand.
+
+    Per layer l and direction, with I_l inputs (I, then dirs·P), Hd hidden units, G gates and
+    P = proj_size (else Hd) state units, over S steps of B sequences:
+
+    * forward: the gate products W_ih·x_t ([G·Hd, I_l]) and W_hh·h_{t-1} ([G·Hd, P]) every step,
+      2·S·B·G·Hd·(I_l + P), and with proj_size the projection h_t = W_hr·m_t ([P, Hd]), 2·S·B·Hd·P;
+    * backward, oneDNN LSTM (mkldnn_rnn_layer_backward: every gradient, whatever requires_grad):
+      twice the gate products;
+    * backward, the CPU's step loop (GRU, RNN, LSTM with proj_size): the weight gradients
+      (as many products as the forward), dx_t = dgates·W_ih where the input needs a gradient
+      (layers above the first, or x.requires_grad), dh_{t-1} = dgates·W_hh for the S − 1 steps
+      after the first (and the first too if h0 needs a gradient), dm_t = dh_t·W_hr with proj_size.
+    Biases are adds, not counted (FlopCounterMode's convention); the gate nonlinearities and the
+    state update are elementwise (all-FLOPs), never model FLOPs.
+    """
+    g = RNN_MODES[mode][2]
+    s, b, hd, p = c["S"], c["B"], c["Hd"], c["P"] or c["Hd"]
+    dirs = 2 if c["bidirectional"] else 1
+    fused = mode == "LSTM"
+    fwd = bwd = 0
+    for layer in range(c["layers"]):
+        i = c["I"] if layer == 0 else dirs * p
+        gates, proj = 2 * s * b * g * hd * (i + p), 2 * s * b * hd * p * bool(c["P"])
+        fwd += dirs * (gates + proj)
+        if fused:
+            bwd += dirs * 2 * gates
+            continue
+        need_x = layer > 0 or c["x_grad"]
+        bwd += dirs * (gates + proj + 2 * s * b * g * hd * i * need_x
+                       + 2 * (s - 1 + c["h0_grad"]) * b * g * hd * p + proj)
+    return fwd, bwd
+
+
+def recurrent_case(rng, mode):
+    c = dict(S=rng.randint(1, 6), B=rng.randint(1, 4), I=rng.randint(1, 9), Hd=rng.randint(2, 9),
+             layers=rng.randint(1, 3), bidirectional=rng.random() < 0.5, batch_first=rng.random() < 0.5,
+             bias=rng.random() < 0.7, h0=rng.random() < 0.6, x_grad=rng.random() < 0.5, P=0)
+    c["h0_grad"] = c["h0"] and rng.random() < 0.5
+    if mode == "LSTM_PROJ":
+        c["P"] = rng.randint(1, c["Hd"] - 1)
+    return c
+
+
+def build_recurrent(mode, c):
+    cls, extra, _ = RNN_MODES[mode]
+    if c["P"]:
+        extra = {**extra, "proj_size": c["P"]}
+    return cls(c["I"], c["Hd"], c["layers"], bias=c["bias"], batch_first=c["batch_first"],
+               bidirectional=c["bidirectional"], **extra)
+
+
+class Whole(nn.Module):
+    def __init__(self, rnn):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x, *states):
+        hx = None if not states else states[0] if len(states) == 1 else tuple(states)
+        return self.rnn(x, hx)[0]
+
+
+@pytest.mark.parametrize("mode", list(RNN_MODES))
+def test_recurrent_every_mode_against_hand_count_and_unrolled_cells(mode):
+    """Every mode (RNN_TANH, RNN_RELU, GRU, LSTM, LSTM with proj_size), at random sizes with the
+    depth, direction, batch_first, bias, initial states and which inputs need a gradient drawn
+    too: symcost's count of the ops a CPU training step dispatches equals the hand count
+    (:func:`recurrent_hand_count`) and FlopCounterMode on the same weights unrolled with the
+    cells (plus an explicit F.linear for proj_size); where the CPU runs the step loop (all but
+    the oneDNN LSTM), FlopCounterMode on the module itself agrees too. No op is left
+    unsupported, and the gate activations are counted as transcendentals (the loop's in-place
+    sigmoid_/tanh_ included)."""
+    rng = random.Random(f"rnn-mode-{mode}")
+    fused = mode == "LSTM"
+    for _ in range(3):
+        c = recurrent_case(rng, mode)
+        dirs = 2 if c["bidirectional"] else 1
+        x_shape = ((c["B"], c["S"]) if c["batch_first"] else (c["S"], c["B"])) + (c["I"],)
+        state_shapes = [(c["layers"] * dirs, c["B"], c["P"] or c["Hd"])]
+        state_shapes += [(c["layers"] * dirs, c["B"], c["Hd"])] if RNN_MODES[mode][0] is nn.LSTM else []
+        state_shapes = state_shapes if c["h0"] else []
+        spec = symcost.ModelSpec(
+            name=mode, symbols=(), defaults={"B": c["B"], "S": c["S"]},
+            build=lambda v: Whole(build_recurrent(mode, c)),
+            make_inputs=lambda v, device: (
+                (torch.randn(*x_shape, device=device, requires_grad=c["x_grad"]),
+                 *[torch.randn(*sh, device=device, requires_grad=c["h0_grad"]) for sh in state_shapes]), {}),
+            loss=lambda out, inputs: out.pow(2).mean())
+        rec = record(spec, {"B": c["B"], "S": c["S"]}, "fp32")
+        got = concrete_totals(rec)
+        hand = recurrent_hand_count(mode, c)
+        assert (got["flops.forward"], got["flops.backward"]) == hand, (mode, c)
+        # the oracle: the oneDNN backward computes every gradient, so its oracle asks for them all
+        torch.manual_seed(0)
+        rnn = build_recurrent(mode, c)
+        x = torch.randn(*x_shape, requires_grad=c["x_grad"] or fused)
+        states = [torch.randn(*sh, requires_grad=c["h0_grad"] or fused) for sh in state_shapes]
+        if fused and not states:
+            states = [torch.zeros(*sh, requires_grad=True) for sh in (
+                (c["layers"] * dirs, c["B"], c["Hd"]),) * 2]
+        assert measure(Unrolled(rnn), x, states) == hand, (mode, c)
+        if not fused:
+            x.requires_grad_(c["x_grad"])
+            assert measure(Whole(rnn), x, states) == hand, (mode, c)
+        assert not {op.name for op in rec.ops if rules.classify(op.op) == "unsupported"}, (mode, c)
+        per = RNN_MODE_TRANSCENDENTALS[mode]
+        steps = c["S"] * c["B"] * c["Hd"] * c["layers"] * dirs
+        assert got["transcendentals.forward"] == sum(per.values()) * steps, (mode, c)
+
+
+def test_gru_issue_example():
+    """nn.GRU(40, 8) on (S, B, I) = (7, 3, 40), the issue's GRU: 3 gates, forward
+    2·S·B·(I + Hd)·3·Hd = 2·7·3·48·24 = 48,384 (the unrolled GRUCells under FlopCounterMode
+    agree). Backward, the input needing no gradient and h0 the default zeros: the weight
+    gradients (48,384 again) and dh_{t-1} = dgates·W_hh for steps 1..6, 2·6·3·24·8 = 6,912:
+    55,296. The GRU's step loop makes the op sequence grow with S, so S is pinned (reported) and
+    D, F, B stay symbols: 42·B·D·(D + F) forward, 78·B·D² + 42·B·D·F backward. Transcendentals:
+    two sigmoids (exp) and one tanh per hidden element and step, S·B·Hd·3 = 504."""
+    spec = symcost.ModelSpec(
+        name="gru-issue", symbols=("D", "F"), defaults={"B": 3, "S": 7, "D": 8, "F": 40},
+        build=lambda v: Whole(nn.GRU(v["F"], v["D"])),
+        make_inputs=lambda v, device: ((torch.randn(v["S"], v["B"], v["F"], device=device),), {}),
+        loss=lambda out, inputs: out.pow(2).mean())
+    an = symcost.trace(spec, sizes={"B": 3, "S": 7, "D": 8, "F": 40}, precision="fp32")
+    assert sympy.expand(an.flops("forward") - 42 * B * D * (D + Fs)) == 0
+    assert sympy.expand(an.flops("backward") - (78 * B * D**2 + 42 * B * D * Fs)) == 0
+    got = an.subs(B=3, S=7, D=8, F=40)
+    assert (got["flops.forward"], got["flops.backward"]) == (48_384, 55_296)
+    assert got["transcendentals.forward"] == 504
+    assert not an.unsupported, an.unsupported
+    torch.manual_seed(0)
+    gru = nn.GRU(40, 8)
+    assert measure(Unrolled(gru), torch.randn(7, 3, 40), []) == (48_384, 55_296)
+
+
+
+def test_step_loop_rnn_traced_without_sizes_pins_s_at_the_default():
+    """``symcost.trace(spec)`` with no sizes answers for a model whose op sequence grows with S
+    (the CPU GRU's step loop): S is pinned at the model's default and said so, never refused.
+    Oracle: the unrolled GRUCells under FlopCounterMode at that S and random other sizes."""
+    rng = random.Random(5)
+    s_default, b, d, f = rng.randint(2, 9), rng.randint(1, 4), rng.randint(2, 9), rng.randint(2, 12)
+    spec = symcost.ModelSpec(
+        name="gru-nosizes", symbols=("D", "F"), defaults={"B": b, "S": s_default, "D": d, "F": f},
+        build=lambda v: Whole(nn.GRU(v["F"], v["D"])),
+        make_inputs=lambda v, device: ((torch.randn(v["S"], v["B"], v["F"], device=device),), {}),
+        loss=lambda out, inputs: out.pow(2).mean())
+    an = symcost.trace(spec, precision="fp32")
+    assert an.pinned.get("S") == s_default and "default" in an.pin_reasons["S"], (an.pinned, an.pin_reasons)
+    got = an.subs(B=b, D=d, F=f)
+    torch.manual_seed(0)
+    assert (got["flops.forward"], got["flops.backward"]) == measure(
+        Unrolled(nn.GRU(f, d)), torch.randn(s_default, b, f), [])
+
 # ------------------------------------------------------------------------------------------------
 # grouped convolutions: the true count, FlopCounterMode on the split convolution as oracle
 class GroupedConv(nn.Module):
@@ -485,6 +674,111 @@ def test_grouped_convolutions_against_split_convolutions():
             x = torch.randn(*shape, requires_grad=needs_grad)
             case = (dims, g, cin, cout, transposed, bias, kernel, stride, length, batch, needs_grad)
             assert (got["flops.forward"], got["flops.backward"]) == measure(SplitConv(conv.conv), x, []), case
+
+
+CONV_FN = {(1, False): F.conv1d, (2, False): F.conv2d, (3, False): F.conv3d,
+           (1, True): F.conv_transpose1d, (2, True): F.conv_transpose2d, (3, True): F.conv_transpose3d}
+
+
+def split_any(conv, x):
+    """``conv`` (any dimensionality, transposed or not) as ``groups`` separate ones (same weights)."""
+    g = conv.groups
+    bs = conv.bias.chunk(g) if conv.bias is not None else [None] * g
+    kw = dict(stride=conv.stride, padding=conv.padding, dilation=conv.dilation)
+    if conv.transposed:
+        kw["output_padding"] = conv.output_padding
+    f = CONV_FN[(x.dim() - 2, conv.transposed)]
+    return torch.cat([f(xi, wi, bi, **kw) for xi, wi, bi in zip(x.chunk(g, 1), conv.weight.chunk(g, 0), bs)], 1)
+
+
+def conv_case(rng, regime):
+    dims = rng.choice((1, 2, 3))
+    if regime == "depthwise":  # groups = C_in, a channel multiplier of 1 or 2
+        g = cin = rng.randint(2, 6)
+        cout = cin * rng.randint(1, 2)
+    else:
+        g = 1 if regime == "ungrouped" else rng.choice((2, 3, 4))
+        cin, cout = g * rng.randint(1, 3), g * rng.randint(1, 3)
+    c = dict(dims=dims, groups=g, cin=cin, cout=cout, kernel=rng.randint(1, 3), stride=rng.randint(1, 2),
+             padding=rng.randint(0, 2), dilation=rng.randint(1, 2), bias=rng.random() < 0.5,
+             transposed=rng.random() < 0.3, x_grad=rng.random() < 0.5, B=rng.randint(1, 3),
+             L=rng.randint(5, 8 if dims < 3 else 6))
+    c["output_padding"] = rng.randint(0, min(c["stride"], c["dilation"]) - 1) if c["transposed"] else 0
+    return c
+
+
+def build_conv(c):
+    cls = getattr(nn, f"Conv{'Transpose' if c['transposed'] else ''}{c['dims']}d")
+    kw = dict(stride=c["stride"], padding=c["padding"], dilation=c["dilation"], groups=c["groups"], bias=c["bias"])
+    if c["transposed"]:
+        kw["output_padding"] = c["output_padding"]
+    return cls(c["cin"], c["cout"], c["kernel"], **kw)
+
+
+def conv_hand_count(c, in_spatial, out_spatial):
+    """(forward, backward) model FLOPs of a grouped convolution, by hand.
+
+    Forward: every output position (transposed: every input position) of each sample meets, for
+    each of the C_out (transposed: C_in) channels, the C_in/g (C_out/g) channels of its group
+    through k^d taps: 2·B·C_out·(C_in/g)·k^d·∏out (transposed 2·B·C_in·(C_out/g)·k^d·∏in) —
+    the registry's conv_flop_count on the grouped weight (padded taps counted, as it does).
+    Backward: grad_weight makes each of those products once more (the same (input, weight)
+    pairs): the forward again, NOT FlopCounterMode's g times that; grad_input, where the input
+    needs a gradient, is the transposed convolution with the same weight: the forward again.
+    """
+    kk = c["kernel"] ** c["dims"]
+    if c["transposed"]:
+        fwd = 2 * c["B"] * c["cin"] * (c["cout"] // c["groups"]) * kk * math.prod(in_spatial)
+    else:
+        fwd = 2 * c["B"] * c["cout"] * (c["cin"] // c["groups"]) * kk * math.prod(out_spatial)
+    return fwd, fwd * (1 + c["x_grad"])
+
+
+@pytest.mark.parametrize("regime", ["ungrouped", "depthwise", "grouped"])
+def test_convolution_every_dimensionality_against_hand_count_and_split(regime):
+    """Conv1d/2d/3d and their transposes, groups = 1, depthwise (groups = C_in, multiplier 1-2) or
+    general, with stride, padding, dilation, output_padding, bias and the input's requires_grad
+    drawn: symcost's count equals the hand count and FlopCounterMode on the convolution split
+    into ``groups`` ungrouped ones; FlopCounterMode on the grouped convolution itself counts the
+    weight gradient g times (the documented divergence)."""
+    rng = random.Random(f"conv-{regime}")
+    for _ in range(4):
+        c = conv_case(rng, regime)
+        shape = (c["B"], c["cin"]) + (c["L"],) * c["dims"]
+        spec = symcost.ModelSpec(
+            name="conv", symbols=(), defaults={"B": c["B"], "S": c["L"]}, build=lambda v: build_conv(c),
+            make_inputs=lambda v, device: ((torch.randn(*shape, device=device, requires_grad=c["x_grad"]),), {}),
+            loss=lambda out, inputs: out.pow(2).mean())
+        got = concrete_totals(record(spec, {"B": c["B"], "S": c["L"]}, "fp32"))
+        torch.manual_seed(0)
+        conv = build_conv(c)
+        x = torch.randn(*shape, requires_grad=c["x_grad"])
+        hand = conv_hand_count(c, shape[2:], conv(x).shape[2:])
+        assert (got["flops.forward"], got["flops.backward"]) == hand, c
+        assert measure(lambda t: split_any(conv, t), x, []) == hand, c
+        whole = measure(conv, x, [])
+        assert whole == (hand[0], hand[1] + (c["groups"] - 1) * hand[0]), c
+
+
+def test_depthwise_conv1d_issue_example():
+    """Depthwise Conv1d(256, 256, 5, groups=256, padding=2) on (1, 256, 100): 100 outputs per
+    channel, 5 taps: forward 2·256·5·100 = 256,000; the input needs no gradient, so the backward
+    is the weight gradient alone, 256,000 (the 256 split convolutions under FlopCounterMode
+    agree); FlopCounterMode on the grouped op counts 256 × 256,000 = 65,536,000."""
+    spec = symcost.ModelSpec(
+        name="dw1d", symbols=(), defaults={"B": 1, "S": 100},
+        build=lambda v: nn.Conv1d(256, 256, 5, groups=256, padding=2, bias=False),
+        make_inputs=lambda v, device: ((torch.randn(v["B"], 256, v["S"], device=device),), {}),
+        loss=lambda out, inputs: out.sum())
+    an = symcost.trace(spec, precision="fp32")
+    assert sympy.expand(an.flops("forward") - 2560 * B * S) == 0
+    assert sympy.expand(an.flops("backward") - 2560 * B * S) == 0
+    got = an.subs(B=1, S=100)
+    assert (got["flops.forward"], got["flops.backward"]) == (256_000, 256_000)
+    conv = nn.Conv1d(256, 256, 5, groups=256, padding=2, bias=False)
+    x = torch.randn(1, 256, 100)
+    assert measure(lambda t: split_any(conv, t), x, []) == (256_000, 256_000)
+    assert measure(conv, x, []) == (256_000, 65_536_000)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -245,8 +245,17 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         try:
             return _trace_regime(spec, values, facts, pins, reasons, precision, n_random, seed, recordings)
         except Unvariable as e:
-            if e.symbol in pins or e.symbol not in values:
+            if e.symbol in pins:
                 raise
+            if e.symbol not in values:  # B or S, not requested: pinned at the model's default
+                default = spec.values(sizes).get(e.symbol)
+                if default is None:
+                    raise
+                values = {**values, e.symbol: default}
+                pins[e.symbol] = default
+                reasons[e.symbol] = (f"no other value of it runs the same ops (the model's default "
+                                     f"{e.symbol} = {default}; ask for another with sizes={{{e.symbol!r}: ...}})")
+                continue
             pins[e.symbol] = values[e.symbol]
             reasons[e.symbol] = ("no other value of it runs the same ops as the requested one"
                                  if e.symbol != "L" else str(e))

@@ -368,6 +368,11 @@ VIEW_OPS = {
     "aten._reshape_alias", "aten.reshape", "aten.diagonal", "aten.narrow", "aten.unfold",
     "aten.view_as_real", "aten.view_as_complex", "aten.chunk", "aten.lift_fresh",
     "aten.movedim", "aten.swapaxes", "aten._unsafe_view", "aten.flatten", "aten.unflatten",
+    # views without autograd's view tracking: the gate split of the CPU GRU / LSTM(proj_size) step
+    "aten.unsafe_split", "aten.unsafe_split_with_sizes", "aten.unsafe_chunk",
+    # in-place metadata changes (no data moved): batch_first recurrent layers transpose_ theirs
+    "aten.transpose_", "aten.t_", "aten.squeeze_", "aten.unsqueeze_", "aten.swapaxes_", "aten.swapdims_",
+    "aten.as_strided_", "aten.detach_",
 }
 ALLOC_OPS = {"aten.empty", "aten.empty_like", "aten.new_empty", "aten.new_empty_strided", "aten.empty_strided"}
 MOVE_OPS = {
@@ -443,7 +448,8 @@ def transcendentals(v: OpView) -> dict:
     exponent is multiplies, 0.5 / -0.5 a (reciprocal) square root, any other an exp and a log);
     ``_log_softmax`` adds one log per row; normalisations one rsqrt per group (their rstd
     output); fused attention kernels one exp per score, B·H·S_q·S_k (nested inputs counted at the
-    maximum length, as their FLOPs); the oneDNN LSTM layer its gate activations. Other ops: none.
+    maximum length, as their FLOPs); the oneDNN LSTM layer its gate activations. An in-place
+    variant (``sigmoid_``, ``tanh_``, ``exp_``) counts as its function. Other ops: none.
     """
     packet = str(v.op.overloadpacket)
     out = numel(v.out_shapes[0]) if v.out_shapes else 0
@@ -462,6 +468,9 @@ def transcendentals(v: OpView) -> dict:
                 return {"sqrt": out}
         return {"exp": out, "log": out}
     per = TRANSCENDENTAL_OUT.get(packet)
+    if per is None and packet.endswith("_") and not packet.endswith("__"):
+        # in-place variant (``sigmoid_``, ``tanh_``: the gates of the CPU GRU / LSTM(proj) step)
+        per = TRANSCENDENTAL_OUT.get(packet[:-1])
     if per:
         res = {k: n * out for k, n in per.items()}
         if packet == "aten._log_softmax" and v.out_shapes and v.out_shapes[0]:
