@@ -26,7 +26,6 @@ rules = LazyModule("symcost.graph.rules")
 
 if TYPE_CHECKING:  # pragma: no cover
     from symcost.graph.analysis import Analysis
-    from symcost.graph.ops import SymOp
 
 
 class Serialized:
