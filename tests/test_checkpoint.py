@@ -235,6 +235,7 @@ def test_dp_deep_uniform_chain_against_closed_form(L):
         budget = rng.randint(pk, top)
         segs, pk2, rec2 = ck.optimal_segments([a] * L, [x] * L, [f] * L, budget, head, [fr] * L)
         assert (rec2, pk2) == _uniform_least(L, a, x, f, fr, head, budget)
+        assert ck.plan_cost(segs, [a] * L, [x] * L, [f] * L, head, [fr] * L) == (pk2, rec2)
 
 
 @pytest.mark.parametrize("model, precision, k", [("mlp", "bf16-mixed", 2), ("mlp", "fp32", 3)])

@@ -1007,7 +1007,6 @@ def uniform_spec(spec, container: str, k: int):
     folds over the segments, so the memory pass gives the step's peak for any number of segments
     as a formula (L blocks = k·L' when k divides L)."""
     from torch import nn
-    from torch.utils.checkpoint import checkpoint
 
     class Segment(nn.Module):
         def __init__(self, blocks):
