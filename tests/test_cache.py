@@ -148,10 +148,11 @@ def test_warm_cli_without_torch(cache_dir):
     assert sorted(cache_dir.rglob("*.json")) == entries
 
 
-def test_commands_that_retrace_the_model_never_read_a_cached_analysis(cache_dir):
-    """A cached analysis is data (no model to build): ``checkpoint`` and ``max-batch
-    --checkpoint`` apply a plan and trace the result, so they trace afresh even when the cache
-    holds the model's regime; their answers equal those of a run with an empty cache."""
+def test_checkpoint_commands_read_the_cache(cache_dir):
+    """``checkpoint`` and ``max-batch --checkpoint`` need the plain step and the step with every
+    block checkpointed (two analyses, the second cached under the option ``checkpoint``): a run
+    after the cache holds both reads them (no entry is added) and answers as a run with an empty
+    cache did; caching one never deletes the other."""
     from click.testing import CliRunner
 
     from symcost.cli import main
@@ -165,9 +166,12 @@ def test_commands_that_retrace_the_model_never_read_a_cached_analysis(cache_dir)
     mb = ("max-batch", "mlp", "--set", "L=4", "S=8", "D=8", "--precision", "fp32", "--memory", "1MiB",
           "--checkpoint", "sqrt", "--json")
     before = run(*ck), run(*mb)
-    run("eval", "mlp", "--set", "L=4", "B=2", "S=8", "D=8", "--precision", "fp32", "--json")  # fills the cache
-    assert list(cache_dir.rglob("*.json")), "the eval call should have written a cache entry"
+    entries = sorted(cache_dir.rglob("*.json"))
+    metas = [json.loads(p.read_text())["key"]["options"] for p in cache_dir.rglob("*.meta.json")]
+    assert {} in metas and {"checkpoint": "every-layer"} in metas, metas
+    run("eval", "mlp", "--set", "L=4", "B=2", "S=8", "D=8", "--precision", "fp32", "--json")  # reads the cache
     after = run(*ck), run(*mb)
+    assert sorted(cache_dir.rglob("*.json")) == entries
     for d in before + after:  # timings differ run to run
         for part in (d, d.get("checkpoint", {})):
             for k in [k for k in part if k.endswith("seconds")]:

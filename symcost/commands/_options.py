@@ -165,9 +165,9 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
     tracing), then read the analysis from the trace cache (:mod:`symcost.graph.cache`; no torch
     imported) when an entry matches the request, else trace, showing progress on stderr when it
     is a terminal (not when ``quiet``, e.g. with ``--json``). ``--no-cache`` traces afresh, and so
-    does ``needs_model=True``: a pass that builds or re-traces the model (activation
-    checkpointing applies its plan and traces the result) needs the live trace, which a cached
-    analysis (data only) does not carry.
+    does ``needs_model=True``: a pass that builds or re-traces the model needs the live trace,
+    which a cached analysis (data only) does not carry. (Activation checkpointing does not: its
+    every-layer trace has its own cache entry, :func:`every_layer_trace`.)
 
     Returns:
         ``(Analysis, sizes)`` with ``sizes`` the ``--set`` values.
@@ -192,6 +192,48 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
     an = an.with_attention_flops(ctx.meta.get("symcost.attention_flops", "full") if ctx else "full")
     an.bind(**sizes)  # validate before rendering
     return an, sizes
+
+
+def every_layer_trace(an, model, config, attention, precision, sizes, quiet=False):
+    """Give the checkpointing pass ``an``'s every-layer trace (the step with every block
+    checkpointed, :func:`symcost.passes.checkpoint.every_layer`): read from the trace cache when
+    an entry matches (the model's key with the option ``checkpoint=every-layer``), else traced
+    (from ``an``'s live spec, or the model resolved again when ``an`` came from the cache) and
+    kept there. ``--no-cache`` traces afresh.
+
+    Raises:
+        SymcostError: the model cannot be traced.
+    """
+    from symcost.graph.cache import cached_trace
+    from symcost.passes import checkpoint as ck
+
+    ctx = click.get_current_context(silent=True)
+    quiet = quiet or bool(ctx and ctx.params.get("as_json"))
+    use_cache = not (ctx is not None and ctx.find_root().meta.get("symcost.no_cache"))
+    routing = ctx.meta.get("symcost.routing") if ctx is not None else None
+    cfg = parse_config(config)
+
+    def fresh():
+        with progress(f"tracing {model} with every block checkpointed", quiet):
+            spec = an.spec
+            if not an.recordings:  # read from the cache: the model itself is needed now
+                from symcost.frontends.models import resolve
+
+                spec = resolve(model, cfg, attention)
+                if routing is not None:
+                    from symcost.frontends.moe import with_routing
+
+                    spec = with_routing(spec, routing)
+            from symcost.graph.build import trace
+
+            return trace(ck.uniform_spec(spec, an.layer_container or "", 1), sizes=sizes, precision=precision)
+
+    options = {"checkpoint": "every-layer"}
+    if routing is not None:
+        options["routing"] = routing
+    sub = cached_trace(model, cfg, attention, precision, sizes, fresh, use_cache, options=options)
+    ck.use_every_layer(an, sub)
+    return sub
 
 
 def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None):

@@ -10,7 +10,7 @@ import json
 import click
 
 from symcost.errors import SymcostError
-from ._options import common, early_checks, trace_model
+from ._options import common, early_checks, every_layer_trace, trace_model
 
 PLANS = ("optimal", "none", "every-layer", "sqrt", "sqrt-L", "sequential")
 
@@ -23,7 +23,8 @@ def _json(an, r: dict, sizes: dict) -> dict:
         "activations_none": r["activations_none"], "peak_none": r["peak_none"],
         "train_flops_none": r["train_flops_none"], "k_star": r["k_star"], "k_best": r["k_best"],
         "block": r["block"], "law": r["law"], "solve_seconds": round(r["solve_seconds"], 4),
-        "op_tradeoff": r["op_tradeoff"],
+        "op_tradeoff": r["op_tradeoff"], "optimality_gap": r["optimality_gap"],
+        "peak_where": r.get("peak_where"),
     })
     return {"model": an.model, "precision": an.precision, "sizes": {**sizes}, "checkpoint": ck}
 
@@ -60,7 +61,9 @@ def checkpoint(model, sets, config, attention, precision, debug, memory, budget,
     if kind not in PLANS:
         raise SymcostError(f"unknown --plan {kind!r}; accepted: {', '.join(PLANS)}")
     check_optimizer(optimizer)
-    an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json, needs_model=True)
+    an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
+    if "L" in an.symbols and an.layer_container is not None:
+        every_layer_trace(an, model, config, attention, precision, sizes, quiet=as_json)
     r = ckpt.analyse(an, sizes, memory=cap, budget=budget, kind=kind, optimizer=optimizer)
     if as_json:
         click.echo(json.dumps(_json(an, r, sizes), indent=1))
@@ -95,7 +98,8 @@ def _print(an, r: dict, sizes: dict, cap, budget) -> None:
     c.print(f"[bold]  plan ({how}):[/bold] {len(r['plan'])} checkpointed segment(s)"
             + (f", every {r['interval']} block(s)" if r["interval"] else ""))
     c.print("    " + (", ".join(r["plan"]) if r["plan"] else "(nothing checkpointed)"))
-    t = Table(title="Predicted (peak: the checkpointed step traced by symcost, steady state)", title_justify="left")
+    t = Table(title="Predicted (peak: the steady-state step with the plan, its traced schedule composed per block)",
+              title_justify="left")
     for col in ("", "no checkpointing", "this plan"):
         t.add_column(col, justify="right")
     t.add_row("activations (segment model)", human(r["activations_none"], "B"), human(r["activations"], "B"))
@@ -117,7 +121,7 @@ def _print(an, r: dict, sizes: dict, cap, budget) -> None:
                    human(row["activations"], "B"), human(row["recompute_flops"], "FLOP"),
                    f"{row['recompute_flops'] / r['train_flops_none']:.1%}")
     c.print(tt)
-    bt = Table(title="Trade-off: activation budget (the DP's least recompute within it; peak by the segment model)",
+    bt = Table(title="Trade-off: activation budget (the segment model's least recompute within it; peak of the step)",
                title_justify="left")
     for col in ("budget", "segments", "activations", "peak", "recompute FLOPs", "extra vs. step"):
         bt.add_column(col, justify="right")
@@ -136,5 +140,9 @@ def _print(an, r: dict, sizes: dict, cap, budget) -> None:
             ot.add_row(human(row["budget"], "B"), human(row["saved_bytes"], "B"), human(row["recompute_flops"], "FLOP"),
                        human(row["recompute_model_flops"], "FLOP"), ops)
         c.print(ot)
-    c.print(f"  solved in {r['solve_seconds']:.3f} s after tracing"
-            + (f"; the plan's step traced in {r['trace_seconds']:.1f} s" if "trace_seconds" in r else ""))
+    if r.get("peak_where"):
+        c.print(f"  the plan's peak is reached at: {r['peak_where']}")
+    if r["kind"] in ("optimal", "memory") and r["optimality_gap"]:
+        c.print(f"  (the search is exact on a model of the step at most {human(r['optimality_gap'], 'B')} above "
+                "the composed schedule: no plan peaks lower by more than that)")
+    c.print(f"  solved in {r['solve_seconds']:.3f} s after tracing")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 from symcost.errors import SymcostError
-from ._options import common, early_checks, trace_model
+from ._options import common, early_checks, every_layer_trace, trace_model
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only; sympy and torch load with the trace
     from symcost.passes import memory as mem
@@ -105,18 +105,14 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     sets_b = [s for s in sets if s.partition("=")[0].strip() == var]
     if sets_b:
         raise SymcostError(f"--set {sets_b[0]} conflicts with solving for {var}; leave {var} out")
-    an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json,
-                            needs_model=ckpt != "none")
+    an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
     t0 = time.perf_counter()
     mm = mem.memory_model(an, precision, optimizer, impl, device)
-    ck_plan = None
-    if ckpt != "none":  # the checkpointed step, traced: its memory model replaces the plain one
-        ck_plan, mm, sizes = plan_memory(an, ckpt, sizes, optimizer, impl)
-        if not as_json:
-            from symcost.render.report import console
-
-            console().print(f"  checkpoint {ckpt}: {len(ck_plan.segments)} segment(s) of L = {ck_plan.L} blocks: "
-                            f"{', '.join(ck_plan.modules()) or 'none'}")
+    if ckpt != "none":  # the step with the plan chosen at each size: its memory replaces the plain one
+        if "L" in an.symbols and an.layer_container is not None:
+            every_layer_trace(an, model, config, attention, precision, sizes, quiet=as_json)
+            t0 = time.perf_counter()
+        mm, sizes = plan_memory(an, ckpt, sizes, optimizer, impl, device)
     if global_batch is not None:
         try:
             plan = mm.plan_accumulation(global_batch, devices, cap, **sizes)
@@ -128,6 +124,7 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
         return
     sol = mm.solve(cap, var, **sizes)
     seconds = time.perf_counter() - t0
+    ck_plan = mm.plan(**{**sizes, var: max(sol.value, 1)}) if ckpt != "none" else None
     if as_json:
         js = _solution_json(an, sol, mm, seconds)
         if ck_plan is not None:
@@ -135,6 +132,11 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
                                 "segments": [list(x) for x in ck_plan.segments]}
         click.echo(json.dumps(js, indent=1))
     else:
+        if ck_plan is not None:
+            from symcost.render.report import console
+
+            console().print(f"  checkpoint {ckpt} at {var} = {max(sol.value, 1)}: {len(ck_plan.segments)} segment(s) "
+                            f"of L = {ck_plan.L} blocks: {', '.join(ck_plan.modules()) or 'none'}")
         _print_solution(an, mm, sol, seconds, sizes)
     if sol.value < 1:
         raise SystemExit(NOTHING_FITS)
@@ -162,7 +164,10 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
         c.print("  pinned: " + ", ".join(f"{k} = {v} (size 1 runs other kernels)" for k, v in pinned.items()))
     c.print(f"  sizes: {_sizes_line(sol.sizes, given)}")
     c.print(f"  memory cap: {human(sol.cap, 'B')} ({sol.cap:,} bytes)")
-    c.print(f"  solved with sympy: {sol.inequality}  →  {v} ≤ {sympy.N(sol.bound, 12) if sol.bound is not None else '-'}")
+    if sol.bound is not None:
+        c.print(f"  solved with sympy: {sol.inequality}  →  {v} ≤ {sympy.N(sol.bound, 12)}")
+    else:
+        c.print(f"  solved: {sol.inequality}")
     if sol.value >= 1:
         c.print(f"[bold]  largest {v} = {sol.value}[/bold]")
         ok = "✓" if sol.checked else "✗ (check failed)"

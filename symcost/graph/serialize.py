@@ -104,7 +104,7 @@ class Serialized:
             "totals": totals, "totals_terms": _totals_terms(self.symbols, totals),
             "ops": ops, "graph": graph, "params_not_in_P": self.params_not_in_P(),
             "embedding_params": dict(self.embedding_params) if hasattr(type(self), "embedding_params") else None,
-            "fusion": self._fusion_data(),
+            "fusion": self._fusion_data(), "dataflow": self.dataflow(),
             "module_classes": self._module_classes(),
             # the regime's data (plain dicts), where the tracer records it
             "regime": {k: _jsonable(getattr(self, k)) for k in _REGIME_FIELDS if hasattr(self, k)},
@@ -118,6 +118,28 @@ class Serialized:
         from symcost.tracing.modules import module_classes
 
         return module_classes(self) or None
+
+    def dataflow(self) -> dict | None:
+        """Which tensor each op of the reference probe reads, as data: ``{"inputs": [[[op, k],
+        ...] per op], "outputs": [n per op], "n_forward", "n_backward"}`` (``[op, k]``: output k
+        of op; inputs no op made, such as parameters and the model's inputs, left out). Taken
+        from the recording (kept with a cached analysis, which has none); None without either.
+        Used where a pass needs the data flow, e.g. the op-level checkpoint plan."""
+        if "_dataflow" in self.__dict__:
+            return self.__dict__["_dataflow"]
+        if not self.recordings:
+            return None
+        rec = self.recordings[0]
+        made: dict = {}
+        ins, outs = [], []
+        for i, op in enumerate(rec.ops):
+            ins.append([list(made[t.tid]) for t in op.inputs if t.tid in made])
+            for k, t in enumerate(op.outputs):
+                made[t.tid] = (i, k)
+            outs.append(len(op.outputs))
+        flow = {"inputs": ins, "outputs": outs, "n_forward": rec.n_forward, "n_backward": rec.n_backward}
+        self.__dict__["_dataflow"] = flow
+        return flow
 
     def _fusion_data(self) -> dict | None:
         """The fused-bytes estimate (:func:`symcost.graph.fusion.estimate`, which needs the probe
@@ -193,6 +215,8 @@ class Serialized:
             an.__dict__["_module_classes"] = d["module_classes"]
         if isinstance(d.get("fusion"), dict):
             an.__dict__["_fusion_data"] = d["fusion"]
+        if isinstance(d.get("dataflow"), dict):
+            an.__dict__["_dataflow"] = d["dataflow"]
         if isinstance(d.get("params_not_in_P"), dict):
             an.__dict__["_params_not_in_P"] = d["params_not_in_P"]
         tot = _load_totals(d.get("symbols", {}), d["totals"], d.get("totals_terms") or {}, P)

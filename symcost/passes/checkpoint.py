@@ -36,7 +36,9 @@ from typing import Any, Mapping, Sequence
 import sympy
 
 from symcost.errors import SymcostError
+from symcost.passes.checkpoint_dp import Costs
 from symcost.tracing.fit import SYMS
+from symcost.tracing.poly import terms_expr
 
 KINDS = ("none", "every-layer", "sqrt", "optimal")
 
@@ -75,8 +77,18 @@ class BlockCosts:
 
 
 def _special(an) -> str | None:
+    """Which end block of the L = 2 fold stands apart (``"first"``, ``"last"``, None): from the
+    trace's fold, or, for an analysis read from the trace cache (no fold at hand), from its
+    schedule's units and the ops block 0 runs once."""
     c = an.layer_container
     pre = f"{c}." if c else ""
+    if getattr(an, "role", None) is None:
+        if an.schedule is not None and any(u.label == "forward, last block" for u in an.schedule.units):
+            return "last"
+        L = SYMS["L"]
+        once = any(op.layer is not None and op.phase == "forward" and not sympy.sympify(op.repeat).has(L)
+                   for op in an.ops)
+        return "first" if once else None
     _, r0, _ = an.role(f"{pre}0")
     _, r1, _ = an.role(f"{pre}1")
     if r0 == 1 and r1 != 1:
@@ -213,114 +225,39 @@ def sequential_default(L: int, segments: int) -> list[tuple[int, int]]:
 
 def plan_cost(segments: Sequence[tuple[int, int]], a: Sequence[int], x: Sequence[int],
               f: Sequence[int], head: int = 0, fr: Sequence[int] | None = None) -> tuple[int, int]:
-    """(activation peak in bytes, recompute FLOPs) of checkpointing ``segments`` of a block chain.
+    """(activation peak in bytes, recompute FLOPs) of checkpointing ``segments`` of a block chain
+    in the segment model (:meth:`symcost.passes.checkpoint_dp.Costs.segment_model`).
 
     The model (Chen et al. 2016, Sec. 4; the order of the backward as in Griewank & Walther's
     revolve): blocks outside a segment keep their activations ``a_i``; a checkpointed segment
     keeps only its input ``x_start`` during the forward; in the backward, segment s is
     recomputed while everything kept before it is live: peak = max(kept at the end of the
     forward + ``head``, max over segments of kept-before-s + x_s + Σ a over s). ``head`` is
-    what the step holds at the end of the forward besides the blocks' activations (the model's
-    output, the loss and its first gradients: from the memory pass of the plain trace).
+    what the step holds at the end of the forward besides the blocks' activations.
     Recompute = Σ f over checkpointed blocks (each recomputed once), except that the last block
     of a segment costs ``fr`` (default ``f``): a non-reentrant checkpoint stops recomputing as
     soon as every tensor the backward needs is back (``torch.utils.checkpoint``'s early stop,
     on by default), so the ops after the segment's last saved tensor never rerun.
     """
-    fr = f if fr is None else fr
-    segs = sorted(segments)
-    starts = {s: e for s, e in segs}
-    kept = peak = rec = 0
-    i = 0
-    while i < len(a):
-        if i in starts:
-            e = starts[i]
-            peak = max(peak, kept + x[i] + sum(a[i:e]))
-            kept += x[i]
-            rec += sum(f[i:e - 1]) + fr[e - 1]
-            i = e
-        else:
-            kept += a[i]
-            i += 1
-    return max(peak, kept + head), rec
+    from symcost.passes.checkpoint_dp import Costs
+
+    return Costs.segment_model(a, x, f, head, fr).cost(segments)
 
 
 def optimal_segments(a: Sequence[int], x: Sequence[int], f: Sequence[int],
-                     budget: int | None = None, head: int = 0, fr: Sequence[int] | None = None) -> tuple[list[tuple[int, int]], int, int]:
-    """Exact optimum over every segmentation of the block chain, by dynamic programming.
-
-    Without ``budget``: the least activation peak (:func:`plan_cost` with ``head``), ties to the least
-    recompute. With ``budget`` (bytes): the least recompute FLOPs whose peak is ≤ budget.
-    States after each block are the Pareto front of (kept bytes, running peak, recompute);
-    transitions keep block i, or checkpoint a segment [i, j) (Chen et al. 2016, Sec. 4.2's DP,
-    here over non-uniform blocks and with the order-dependent peak of revolve).
-
-    Returns ``(segments, peak, recompute)``.
+                     budget: int | None = None, head: int = 0,
+                     fr: Sequence[int] | None = None) -> tuple[list[tuple[int, int]], int, int]:
+    """The exact optimum of the segment model (:func:`plan_cost`) over every segmentation:
+    without ``budget`` the least activation peak (ties: least recompute), with ``budget``
+    (bytes) the least recompute within it (ties: least peak); the search is
+    :meth:`symcost.passes.checkpoint_dp.Costs.optimal`. Returns ``(segments, peak, recompute)``.
 
     Raises:
         SymcostError: no segmentation fits ``budget``.
     """
-    n = len(a)
-    fr = f if fr is None else fr
-    pa = [0]
-    pf = [0]
-    for i in range(n):
-        pa.append(pa[-1] + a[i])
-        pf.append(pf[-1] + f[i])
-    # front[i]: dict (kept, peak) -> (recompute, back-pointer)
-    fronts: list[dict] = [dict() for _ in range(n + 1)]
-    fronts[0][(0, 0)] = (0, None)
+    from symcost.passes.checkpoint_dp import Costs
 
-    def add(i, key, rec, back):
-        if budget is not None and (key[1] > budget or (i == n and key[0] + head > budget)):
-            return
-        cur = fronts[i].get(key)
-        if cur is None or rec < cur[0]:
-            fronts[i][key] = (rec, back)
-
-    for i in range(n):
-        front = _pareto3(fronts[i])
-        fronts[i] = front
-        for (kept, pk), (rec, _) in front.items():
-            add(i + 1, (kept + a[i], pk), rec, (i, kept, pk, None))
-            for j in range(i + 1, n + 1):
-                new_pk = max(pk, kept + x[i] + pa[j] - pa[i])
-                if budget is not None and new_pk > budget:
-                    break
-                add(j, (kept + x[i], new_pk), rec + pf[j - 1] - pf[i] + fr[j - 1], (i, kept, pk, j))
-    end = fronts[n]
-    if not end:
-        raise SymcostError(f"no checkpoint plan keeps the activations under {budget} bytes "
-                           f"(the least possible is {optimal_segments(a, x, f, head=head, fr=fr)[1]} bytes)")
-    top = lambda kk: max(kk[0] + head, kk[1])  # noqa: E731
-    if budget is None:
-        key = min(end, key=lambda kk: (top(kk), end[kk][0]))
-    else:
-        key = min(end, key=lambda kk: (end[kk][0], top(kk)))
-    rec = end[key][0]
-    segs = []
-    i, k = n, key
-    while i > 0:
-        _, back = fronts[i][k]
-        s, kept, pk, j = back
-        if j is not None:
-            segs.append((s, j))
-        i, k = s, (kept, pk)
-    return sorted(segs), top(key), rec
-
-
-def _pareto3(front: dict) -> dict:
-    """Drop states another state beats in kept bytes, peak and recompute at once."""
-    items = sorted(front.items(), key=lambda t: (t[0][0], t[0][1], t[1][0]))
-    out: dict = {}
-    best: list[tuple[int, int]] = []  # (peak, rec) of kept states with smaller or equal kept
-    for (kept, pk), val in items:
-        rec = val[0]
-        if any(p <= pk and r <= rec for p, r in best):
-            continue
-        best.append((pk, rec))
-        out[(kept, pk)] = val
-    return out
+    return Costs.segment_model(a, x, f, head, fr).optimal(budget)
 
 
 @dataclass
@@ -358,9 +295,21 @@ class Plan:
         through); the segment's other blocks return the segment's output when the parent model
         calls them. Parameter names, hooks and the module tree stay as they are.
 
+        As Hugging Face's gradient checkpointing does (``transformers``' ``GradientCheckpointingLayer``
+        and ``merge_with_config_defaults``), a segment is checkpointed only when its first block
+        is in training mode and gradients are enabled (otherwise it runs as is, for generation),
+        and then runs without a key/value cache: a ``use_cache`` keyword becomes False and a
+        cache keyword (``cache``, ``past_key_values``, ``past_key_value``, ``layer_past``) None,
+        since the recomputation would write the cache a second time (a doubled sequence length:
+        wrong attention, or a shape error with eager attention). A model whose config keeps
+        ``use_cache=True`` (a ``transformers`` model as loaded) and whose ``forward`` takes
+        ``use_cache`` gets a forward pre-hook that passes ``use_cache=False`` in training with
+        gradients enabled, so it builds and returns no cache, as Hugging Face's model does.
+
         Raises:
             SymcostError: the model's block container does not hold ``L`` blocks.
         """
+        import torch
         from torch.utils.checkpoint import checkpoint
 
         blocks = list(model.get_submodule(self.container)) if self.container else list(model)
@@ -383,13 +332,16 @@ class Plan:
                 finally:
                     _state["inside"] = False
 
-            def make(i, _orig, _state=state, _n=len(seg), _run=run):
+            def make(i, _orig, _state=state, _n=len(seg), _run=run, _first=seg[0]):
                 def forward(*args, **kwargs):
                     if _state["inside"]:
                         return _orig(*args, **kwargs)
                     if i == 0:
-                        out = (traced_checkpoint if _traced else checkpoint)(
-                            _run, *args, use_reentrant=False, **kwargs)
+                        if not (_first.training and torch.is_grad_enabled()):
+                            out = _run(*args, **kwargs)  # nothing to replay: as is, cache included
+                        else:
+                            out = (traced_checkpoint if _traced else checkpoint)(
+                                _run, *args, use_reentrant=False, **_without_cache(kwargs))
                         if _n > 1:
                             _state["out"] = out
                         return out
@@ -401,13 +353,381 @@ class Plan:
 
             for i, b in enumerate(seg):
                 b.forward = make(i, origs[i])
+        if self.segments:
+            _no_cache_in_training(model)
         return model
+
+
+#: keywords by which ``transformers`` layers take a key/value cache (names differ by version/model)
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _without_cache(kwargs: dict) -> dict:
+    """``kwargs`` of a checkpointed call without a key/value cache: ``use_cache`` False, cache
+    keywords None (what ``transformers``' ``GradientCheckpointingLayer`` does to a layer it
+    checkpoints)."""
+    kwargs = dict(kwargs)
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    for k in _CACHE_KWARGS:
+        if kwargs.get(k) is not None:
+            kwargs[k] = None
+    return kwargs
+
+
+def _no_cache_in_training(model) -> None:
+    """A forward pre-hook on ``model`` passing ``use_cache=False`` in training with gradients
+    enabled, where its config asks for a cache and its ``forward`` takes ``use_cache`` (what a
+    ``transformers`` model does under gradient checkpointing). Installed once per model."""
+    import inspect
+
+    import torch
+
+    cfg = getattr(model, "config", None)
+    if not getattr(cfg, "use_cache", False) or getattr(model, "_symcost_no_cache_hook", False):
+        return
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if "use_cache" not in params:
+        return
+
+    def hook(module, args, kwargs):
+        if module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is not False:
+            kwargs = dict(kwargs, use_cache=False)
+        return args, kwargs
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    model._symcost_no_cache_hook = True
+
+
+# --------------------------------------------------------------------------------------------
+# the step's peak under any plan: the traced schedules composed block by block
+# --------------------------------------------------------------------------------------------
+
+_FWD = {"first": "forward, first block", "block": "forward, block", "last": "forward, last block"}
+_BWD = {"first": "backward, first block", "block": "backward, block", "last": "backward, last block"}
+_PRE, _END, _POST = "forward, before the blocks", "end of forward / start of backward", "backward, after the blocks"
+
+
+def _shared_inputs(mmP, mmC, x_bytes) -> tuple[set[int], set[int]]:
+    """Storages made before the blocks that the blocks share, by the positions of their
+    allocations (the part before the blocks is the same in both traces; else none are told
+    apart): ``(held, once)``.
+
+    ``held``: freed at the end of the forward of the plain step (nothing saved them; e.g. a
+    causal mask every block takes) but in the backward of the every-layer step (each checkpoint
+    keeps its inputs for the recomputation; the last one goes with the first segment's backward).
+    ``once``: saved by every block (rotary tables) or kept by every checkpoint, freed with the
+    backward of the first block in both. The folded schedule frees such a storage in every pass of
+    a block's backward unit (the reference trace has one pass), which a composition of passes must
+    not: both are left out of the units and freed once, where the plan frees them. A block's
+    input is not one of them (each block's backward frees its own; the first block's comes
+    from before the blocks): told apart by its size, ``x_bytes`` (a polynomial in the symbols).
+    """
+    def frees(mm):
+        units = {lab: ids for ids, _r, _m, lab in mm.units}
+        pre = units[_PRE]
+        unit_of = {k: lab for lab, ids in units.items() for k in ids}
+        ev = mm.schedule.events
+        return pre, {ev[k].alloc: unit_of[k] for k in range(len(ev)) if ev[k].alloc in pre and ev[k].alloc != k}
+
+    preP, fP = frees(mmP)
+    preC, fC = frees(mmC)
+    evP, evC = mmP.schedule.events, mmC.schedule.events
+    if not (len(preP) == len(preC) and all((evP[a].op, evP[a].bytes) == (evC[b].op, evC[b].bytes)
+                                           for a, b in zip(preP, preC))):
+        return set(), set()
+    blocks = set(_BWD.values())
+    held = {a for a, u in fP.items() if u == _END and fC.get(a) in blocks}
+    x = sympy.expand(x_bytes)
+    once = {a for a, u in fP.items() if u in blocks and fC.get(a) in blocks
+            and sympy.expand(terms_expr(mmP.schedule.gens, evP[a].bytes) - x) != 0}
+    return held, once
+
+
+def _unit_values(mm, env: Mapping, accumulate: bool = False, shared: frozenset = frozenset(),
+                 once: frozenset = frozenset()) -> dict:
+    """Per unit of ``mm``'s folded schedule (docs/memory.md), one pass at ``env``:
+    ``(delta, peak, where)``: the bytes the pass leaves allocated, the highest live set at one
+    of its allocations relative to its start (None without allocations) and the op there.
+    ``accumulate``: a gradient-accumulation micro-step (a new gradient is a transient, added in
+    place), as :class:`~symcost.passes.memory.MemoryModel` reads it.
+
+    The end of the forward is split where the forward ends: ``{"pre": (...), "post": (...),
+    "free": {role: bytes}}``. ``free`` is what each block held only during the forward and
+    that is freed there, by the role of the block (``first``, ``block``, ``last``): storages
+    its forward allocated and the end of the forward frees, once per block (autocast's cache
+    of weight casts, emptied when the forward leaves autocast); they are left out of ``pre`` and
+    freed between ``pre`` and ``post`` (the composition frees each block's own).
+
+    ``shared``, ``once``: allocations (:func:`_shared_inputs`) whose frees are left out of every
+    unit; ``out["shared"]``, ``out["once"]`` are their sizes (the composition frees them where the
+    plan does)."""
+    from symcost.passes.memory.live import _peval
+
+    vals = mm._values(env)
+    Li = mm.gens.index("L") if "L" in mm.gens else None
+    vals1 = None if Li is None else tuple(v + 1 if q == Li else v for q, v in enumerate(vals))
+    unit_of, role_of = {}, {}
+    for ids, rep, _min_L, label in mm.units:
+        for k in ids:
+            unit_of[k] = label
+    for role, label in _FWD.items():
+        role_of[label] = role
+    out = {}
+    for ids, rep, _min_L, label in mm.units:
+        parts = []  # (delta, peak, where) of each part
+        lev, top, where = 0, None, ""
+        free: dict[str, int] = {}
+        for k in ids:
+            ev = mm.schedule.events[k]
+            p = int(_peval(mm._evpolys[k], vals))
+            if (ev.alloc in shared or ev.alloc in once) and ev.alloc != k:
+                continue  # freed where the plan frees it
+            if label == _END and parts == [] and ev.phase != "forward":
+                parts.append((lev, top, where))  # the forward ends here
+                lev, top, where = 0, None, ""
+            if label == _END and not parts and p < 0 and role_of.get(unit_of.get(ev.alloc)):
+                role = role_of[unit_of[ev.alloc]]
+                per = p
+                if vals1 is not None and unit_of[ev.alloc] == _FWD["block"]:  # freed once for its L - 1 passes
+                    per = int(_peval(mm._evpolys[k], vals1)) - p
+                    if per == 0:
+                        per = None  # the last pass's storage only: an ordinary event
+                if per is not None:
+                    free[role] = free.get(role, 0) - per
+                    continue
+            if accumulate and k in mm.grad_events:
+                if top is None or lev + p > top:
+                    top, where = lev + p, mm._label(k, label)
+                continue
+            lev += p
+            if ev.alloc == k and (top is None or lev > top):
+                top, where = lev, mm._label(k, label)
+        if label == _END:
+            parts.append((lev, top, where))
+            if len(parts) == 1:
+                parts.append((0, None, ""))
+            out[label] = {"pre": parts[0], "post": parts[1], "free": free}
+        else:
+            out[label] = (lev, top, where)
+    out["shared"] = sum(int(_peval(mm._evpolys[a], vals)) for a in shared)
+    out["once"] = sum(int(_peval(mm._evpolys[a], vals)) for a in once)
+    return out
+
+
+@dataclass
+class StepSchedule:
+    """The steady-state step's storage schedule at concrete sizes, per block, under any plan.
+
+    Built from two traces of the same model (docs/checkpoint.md, "Predicting the peak"): the
+    plain step (``plain``) and the step with every block checkpointed on its own (``ckpt``),
+    each cut by the memory pass into units (before the blocks, one block's forward, the end of
+    the forward, one block's backward, after the blocks) with, at these sizes, the bytes a unit
+    leaves allocated (``delta``) and its highest live set (``peak``). A plan's step is these
+    units in the order PyTorch runs them:
+
+    * forward: a plain block is the plain trace's unit; a checkpointed block the checkpointed
+      trace's (its input and RNG state stay, nothing is saved), except that inside a segment
+      only the first block stashes an RNG state and a block's output is dropped once the next
+      block has run (it is not the segment's output);
+    * backward: a plain block is the plain trace's unit; a segment ``[s, e)`` reruns its blocks
+      ``s .. e-2`` in full (the plain trace's forward units: they save what the backward needs
+      and their outputs feed the next block), then its last block as the checkpointed trace's
+      backward unit (its early-stopped recomputation and backward), then the backward of
+      ``e-2 .. s`` as the plain trace's units;
+
+    and then the optimizer step's temporaries (memory pass) on top of what the backward leaves.
+    Uniform plans composed this way equal the traced uniform plans to the byte (tests).
+    ``static`` (bytes) is live all step; ``base`` is where the dynamic part starts (the
+    gradients, for an accumulation micro-step).
+    """
+
+    plain: dict
+    ckpt: dict
+    L: int
+    out_bytes: list[int]  # the output of each block (the next block's input)
+    rng: int
+    static: int
+    base: int
+    opt: int  # the optimizer step's largest temporary
+    opt_where: str
+    shared: int = 0  # inputs the blocks share, held by the checkpoints (:func:`_shared_inputs`)
+    once: int = 0  # inputs the blocks share, held until the first block's backward
+
+    def role(self, i: int) -> str:
+        if _FWD["last"] in self.plain:
+            return "last" if i == self.L - 1 else "block"
+        return "first" if i == 0 else "block"
+
+    def simulate(self, segments: Sequence[tuple[int, int]]) -> tuple[int, str]:
+        """``(peak, where)``: the step's peak in bytes (static included) with ``segments``
+        checkpointed, and the unit and op where it is reached."""
+        P, C, L = self.plain, self.ckpt, self.L
+        seg_of = {i: (s, e) for s, e in segments for i in range(s, e)}
+        st = {"lev": self.base, "top": None, "where": ""}
+
+        def run(u, shift=0, adj=0, what=""):
+            d, p, where = u
+            if p is not None and (st["top"] is None or st["lev"] + p + shift > st["top"]):
+                st["top"], st["where"] = st["lev"] + p + shift, (what + where)
+            st["lev"] += d + adj
+
+        run(P[_PRE])
+        pending = 0
+        for i in range(L):
+            r = self.role(i)
+            if i not in seg_of:
+                run(P[_FWD[r]])
+            else:
+                s, e = seg_of[i]
+                first = i == s
+                run(C[_FWD[r]], 0 if first else -self.rng, 0 if first else -self.rng)
+            st["lev"] -= pending
+            pending = self.out_bytes[i] if i in seg_of and i != seg_of[i][1] - 1 else 0
+        end = (C if L - 1 in seg_of else P)[_END]
+        run(end["pre"])
+        st["lev"] -= sum(((C if i in seg_of else P)[_END]["free"].get(self.role(i), 0)) for i in range(L))
+        if not segments:  # nothing holds the inputs the blocks shared
+            st["lev"] -= self.shared
+        run(end["post"])
+        first_seg = min(segments)[0] if segments else None
+        i = L - 1
+        while i >= 0:
+            if i not in seg_of:
+                run(P[_BWD[self.role(i)]])
+                i -= 1
+                continue
+            s, e = seg_of[i]
+            for t in range(s, e - 1):
+                run(P[_FWD[self.role(t)]], what=f"recomputing block {t}: ")
+            run(C[_BWD[self.role(e - 1)]], what=f"segment [{s}, {e}): ")
+            for t in range(e - 2, s - 1, -1):
+                run(P[_BWD[self.role(t)]], what=f"segment [{s}, {e}): ")
+            if s == first_seg:  # the last checkpoint that held the shared inputs is gone
+                st["lev"] -= self.shared
+            i = s - 1
+        st["lev"] -= self.once  # the first block's backward is done: nothing holds them
+        run((C if 0 in seg_of else P)[_POST])
+        top, where = st["top"], st["where"]
+        if top is None or st["lev"] + self.opt > top:
+            top, where = st["lev"] + self.opt, self.opt_where
+        return self.static + top, where
+
+    def costs(self) -> tuple[Costs, int]:
+        """The step model as :class:`~symcost.passes.checkpoint_dp.Costs` tables for the exact
+        search (dynamic bytes: the static part left out), and the most any plan's table peak can
+        exceed its :meth:`simulate` peak (bytes).
+
+        Walking the forward, ``K`` is what the blocks so far keep for the backward and ``D`` what
+        they hold only until the forward ends (autocast's weight casts of checkpointed blocks);
+        every live set of :meth:`simulate` is ``K`` (in the backward) or ``K + D`` (in the
+        forward) at the start of the item (plain block or segment) it falls in plus an offset of
+        that item alone, except for one term: in the backward, the bytes the later blocks left
+        for good (their parameter gradients: a block's forward and backward deltas less what the
+        end of the forward freed) depend on how those blocks run, which a search from the first
+        block does not know yet. The tables take the larger of the ways a block can run (plain;
+        alone in a segment; first, inside or last in a longer one), and likewise for the end of
+        the forward, the units after the blocks and the optimizer step, so a plan's table peak is
+        never below its step peak and exceeds it by at most the returned bound: the search's
+        optimum is within that of the best plan's step peak. (The ways differ by a few small
+        tensors; the bound is 0 where they do not.)
+        """
+        P, C, L, rng, xo = self.plain, self.ckpt, self.L, self.rng, self.out_bytes
+        R = [self.role(i) for i in range(L)]
+        pF = [P[_FWD[r]] for r in R]
+        cF = [C[_FWD[r]] for r in R]
+        pB = [P[_BWD[r]] for r in R]
+        cB = [C[_BWD[r]] for r in R]
+        dP = [P[_END]["free"].get(r, 0) for r in R]
+        dC = [C[_END]["free"].get(r, 0) for r in R]
+        NEG = -(2**62)
+        pk = lambda u: NEG if u[1] is None else u[1]  # noqa: E731 - a unit without allocations
+        # what a block leaves for good, by how it runs (later blocks always form whole items, so a
+        # segment's one RNG state, stashed by its first block and dropped with its last, is put on
+        # neither)
+        nets = [(pF[i][0] - dP[i] + pB[i][0],  # plain
+                 cF[i][0] - dC[i] + cB[i][0],  # alone in a segment, or last of a longer one
+                 cF[i][0] - dC[i] - rng - xo[i] + pF[i][0] + pB[i][0])  # first or inside (rerun in full)
+                for i in range(L)]
+        gap = sum(max(t) - min(t) for t in nets)
+        G = [0] * (L + 1)  # what blocks i .. L-1 leave for good, taken high
+        for i in range(L - 1, -1, -1):
+            G[i] = G[i + 1] + max(nets[i])
+        # the inputs the blocks share stay allocated in the backward until the first segment's
+        # backward ends (without segments the end of the forward frees them): taken as held
+        # throughout the backward
+        ends = {m: (U[_END]["pre"][0] + U[_END]["post"][0]) for m, U in (("p", P), ("c", C))}
+        end_hi = max(ends.values())
+        gap += end_hi - min(ends.values())
+        post_d = max(P[_POST][0], C[_POST][0])
+        post_p = max(pk(P[_POST]), pk(C[_POST]))
+        gap += (post_d - min(P[_POST][0], C[_POST][0])) + max(0, post_p - min(pk(P[_POST]), pk(C[_POST])))
+        gap += self.shared
+        c0 = self.base + P[_PRE][0]
+        floor = max(self.base + pk(P[_PRE]), c0 + end_hi + G[0] - self.once + post_p,
+                    c0 + end_hi + G[0] - self.once + post_d + self.opt)
+        kp = [pF[i][0] - dP[i] for i in range(L)]
+        cp, cpf = [], []
+        for i in range(L):
+            f_terms = [c0 + pk(pF[i])]  # the block's forward, on K + D
+            if i == L - 1:
+                e = P[_END]
+                f_terms.append(c0 + pF[i][0] + pk(e["pre"]))
+                b_terms = [c0 + kp[i] + e["pre"][0] + pk(e["post"]), c0 + kp[i] + ends["p"] + pk(pB[i])]
+            else:
+                b_terms = [c0 + kp[i] + end_hi + G[i + 1] + pk(pB[i])]
+            cp.append(max(b_terms))
+            cpf.append(max(f_terms))
+        n1 = L + 1
+        ks = [[0] * n1 for _ in range(n1)]
+        ds = [[0] * n1 for _ in range(n1)]
+        W: list = [[None] * n1 for _ in range(n1)]
+        Wf: list = [[None] * n1 for _ in range(n1)]
+        for s in range(L):
+            f_before, pend, top_f, dsum = 0, 0, NEG, 0  # the segment's forward so far (on K + D)
+            rec_sum, rec_top = 0, NEG  # the full recomputation of its inner blocks
+            bwd_top = NEG  # the backward of its inner blocks, relative to after the last block's
+            for e in range(s + 1, L + 1):
+                t = e - 1  # the segment's last block
+                shift = 0 if t == s else -rng
+                top_f = max(top_f, f_before + pk(cF[t]) + shift)
+                after = f_before + cF[t][0] + shift - pend  # on K + D
+                dsum += dC[t]
+                k_seg = after - dsum
+                ks[s][e], ds[s][e] = k_seg, dsum
+                f_terms = [c0 + top_f]
+                if e == L:
+                    en = C[_END]
+                    f_terms.append(c0 + after + pk(en["pre"]))
+                    lev = c0 + k_seg + ends["c"]
+                    b_terms = [c0 + k_seg + en["pre"][0] + pk(en["post"])]
+                else:
+                    lev = c0 + k_seg + end_hi + G[e]  # where the backward reaches the segment
+                    b_terms = []
+                b_terms += [lev + rec_top, lev + rec_sum + pk(cB[t]), lev + rec_sum + cB[t][0] + bwd_top]
+                W[s][e], Wf[s][e] = max(b_terms), max(f_terms)
+                # for the longer segments, t is an inner block: rerun in full, then its backward
+                rec_top = max(rec_top, rec_sum + pk(pF[t]))
+                rec_sum += pF[t][0]
+                bwd_top = max(bwd_top + pB[t][0], pk(pB[t])) if bwd_top > NEG else pk(pB[t])
+                f_before, pend = after, xo[t]
+        rec = [[0] * n1 for _ in range(n1)]  # the caller's (FLOPs)
+        flat = not any(dP) and not any(dC)
+        return Costs(kp, cp, ks, W, rec, floor, None if flat else list(dP), cpf, None if flat else ds, Wf), gap
 
 
 @dataclass
 class Chain:
-    """The block chain at concrete sizes: per-block ``a``, ``x`` (bytes), ``f`` (FLOPs) and
-    ``head`` (bytes live at the end of the forward besides the blocks' activations)."""
+    """The block chain at concrete sizes.
+
+    The segment model (:func:`plan_cost`): per-block ``a``, ``x`` (bytes), ``f``, ``fr``
+    (FLOPs) and ``head`` (bytes live at the end of the forward besides the blocks'
+    activations). The step model: ``schedule`` (:class:`StepSchedule`), the step's peak under
+    any plan composed from the traced schedules.
+    """
 
     a: list[int]
     x: list[int]
@@ -415,49 +735,144 @@ class Chain:
     head: int
     costs: BlockCosts
     fr: list[int] | None = None  # recompute of a block that ends its segment (early stop)
+    schedule: "StepSchedule | None" = None
 
     def cost(self, segments) -> tuple[int, int]:
         """(activation peak bytes, recompute FLOPs) of ``segments`` (:func:`plan_cost`)."""
-        return plan_cost(segments, self.a, self.x, self.f, self.head, self.fr)
+        return self.seg.cost(segments)
 
     def optimal(self, budget: int | None = None):
-        """:func:`optimal_segments` on this chain."""
-        return optimal_segments(self.a, self.x, self.f, budget, self.head, self.fr)
+        """The segment model's optimum (:func:`optimal_segments`): ``(segments, activation peak,
+        recompute)``; with ``budget`` (bytes of activations) the least recompute within it."""
+        return self.seg.optimal(budget)
+
+    @property
+    def seg(self) -> Costs:
+        """The segment model as search tables (cached)."""
+        c = self.__dict__.get("_seg")
+        if c is None:
+            c = self.__dict__["_seg"] = Costs.segment_model(self.a, self.x, self.f, self.head, self.fr)
+        return c
+
+    @property
+    def step(self) -> tuple[Costs, int]:
+        """The step model as search tables (dynamic bytes, static left out) and the bound on how
+        far their peak can exceed the composed schedule's (:meth:`StepSchedule.costs`)."""
+        c = self.__dict__.get("_step")
+        if c is None:
+            if self.schedule is None:
+                raise SymcostError("this chain has no step schedule")
+            tables, gap = self.schedule.costs()
+            tables.rec = self.seg.rec
+            c = self.__dict__["_step"] = (tables, gap)
+        return c
+
+    def peak(self, segments) -> int:
+        """The step's peak in bytes with ``segments`` checkpointed (:meth:`StepSchedule.simulate`)."""
+        return self.schedule.simulate(segments)[0]
+
+    def step_optimal(self, cap: int | None = None) -> tuple[list[tuple[int, int]], int, int]:
+        """The step model's optimum: without ``cap`` the least peak (ties: least recompute); with
+        ``cap`` (bytes, the whole step) the least recompute whose peak fits. Returns
+        ``(segments, peak, recompute)`` with the composed schedule's peak.
+
+        Raises:
+            SymcostError: no plan fits ``cap`` (the message gives the least peak).
+        """
+        tables, _ = self.step
+        static = self.schedule.static
+        if cap is None:
+            segs, _, rec = tables.optimal()
+        else:
+            try:
+                segs, _, rec = tables.optimal(cap - static)
+            except SymcostError:
+                from symcost.passes.checkpoint_dp import least_peak
+
+                least = static + least_peak(tables)
+                raise SymcostError(f"no checkpoint plan fits under {cap} bytes: the least peak of a step is "
+                                   f"{least} bytes ({least / 2**30:.3f} GiB)") from None
+        return segs, self.peak(segs), rec
 
 
-def chain(an, L: int, env: Mapping, optimizer: str = "adamw", impl: str = "foreach") -> Chain:
+_CACHE: dict = {}  # per analysis (by id): block costs, law, every-layer trace, recompute
+
+
+def _cached(an, what: str, make):
+    key = (id(an), what)
+    hit = _CACHE.get(key)
+    if hit is None or hit[0] is not an:
+        hit = _CACHE[key] = (an, make())
+    return hit[1]
+
+
+def chain(an, L: int, env: Mapping, optimizer: str = "adamw", impl: str = "foreach",
+          accumulate: bool = False) -> Chain:
     """The :class:`Chain` of ``an``'s blocks at ``L`` and sizes ``env`` (symbol -> int).
 
     ``x`` is the block input plus the RNG state a checkpoint stashes (:func:`rng_state_bytes`).
     ``head`` is the largest live set of the plain step that is not the optimizer step
     (``memory_model(an).peak_terms()``, docs/memory.md) less the blocks' activations: the
-    model's output, the loss, its first gradients and what is saved outside the blocks.
+    model's output, the loss, its first gradients and what is saved outside the blocks. The
+    step schedule needs the every-layer trace (:func:`every_layer`). ``accumulate``: the step is
+    a gradient-accumulation micro-step (gradients live from its start).
+
+    Raises:
+        SymcostError: no repeated blocks; a schedule without a formula; bad sizes.
     """
     from symcost.passes.memory import memory_model
 
-    bc = block_costs(an)
+    bc = _cached(an, "block_costs", lambda: block_costs(an))
+    env = {SYMS[str(k)] if not isinstance(k, sympy.Symbol) else k: v for k, v in env.items()}
+    env[SYMS["L"]] = L
     a, x, f = bc.sequence(L, env)
-    x = [v + rng_state_bytes() for v in x]  # a checkpoint keeps its input and the RNG state
-    mm = memory_model(an, an.precision, optimizer, impl)
-    terms = [int(e.xreplace(env)) for e, min_L, where in mm.peak_terms()
+    rng = rng_state_bytes()
+    xo = list(x)
+    x = [v + rng for v in x]  # a checkpoint keeps its input and the RNG state
+    mmP = memory_model(an, an.precision, optimizer, impl)
+    terms = [int(e.xreplace(env)) for e, min_L, where in mmP.peak_terms()
              if min_L <= L and not where.startswith("optimizer step")]
     head = max(0, max(terms, default=0) - sum(a))
+    request = {str(k): int(v) for k, v in env.items()}
+    sub = every_layer(an, request)
     fr = list(f)
-    g, sp = recompute_last(an)
+    g, sp = _cached(an, "recompute_last", lambda: recompute_last(an))
     if g is not None:
         fr = [int(g.xreplace(env))] * L
         if bc.special:
             fr[0 if bc.special == "first" else L - 1] = int(sp.xreplace(env))
-    return Chain(a, x, f, head, bc, fr)
+    mmC = memory_model(sub, an.precision, optimizer, impl)
+    try:
+        envC = {SYMS[s]: int(env[SYMS[s]]) for s in sub.symbols}
+        vals = mmP._values(env)
+    except KeyError as e:
+        raise SymcostError(f"{an.model}: size {e} missing for the checkpointed step") from None
+    from symcost.passes.memory.live import _peval
+
+    tr = [(int(_peval(p, vals)), what) for p, what in mmP._optimizer_transients()] or [(0, "")]
+    opt, opt_what = max(tr)
+    held, once = _cached(an, "shared", lambda: _shared_inputs(mmP, mmC, bc.x))
+    held, once = frozenset(held), frozenset(once)
+    plain = _unit_values(mmP, env, accumulate, held, once)
+    sched = StepSchedule(
+        plain=plain, ckpt=_unit_values(mmC, envC, accumulate, held, once), L=L,
+        out_bytes=xo, rng=rng, static=int(mmP.static.xreplace(env)),
+        base=int(mmP.grads.xreplace(env)) if accumulate else 0, opt=opt,
+        opt_where=f"optimizer step ({opt_what})", shared=plain.pop("shared"), once=plain.pop("once"))
+    sched.ckpt.pop("shared")
+    sched.ckpt.pop("once")
+    if set(sched.plain) != set(sched.ckpt):
+        raise SymcostError(f"{an.model}: the plain and the checkpointed step's schedules do not fold alike")
+    return Chain(a, x, f, head, bc, fr, sched)
 
 
 def recompute_last(an) -> tuple[sympy.Expr | None, sympy.Expr | None]:
     """Recompute FLOPs of a block checkpointed on its own (generic, special end block), from the
-    step traced with every block checkpointed (:func:`uniform_spec` with k = 1): its train FLOPs
-    less the plain step's, per block. Less than the block's forward where ops after its last
-    saved tensor are skipped by the checkpoint's early stop."""
+    step traced with every block checkpointed (:func:`every_layer`): its train FLOPs less the
+    plain step's, per block. Less than the block's forward where ops after its last saved tensor
+    are skipped by the checkpoint's early stop."""
     L = SYMS["L"]
-    sub = _uniform_trace(an, 1)
+    sub = every_layer(an)
     diff = sympy.expand(sub.flops("train") - an.flops("train"))
     g = diff.coeff(L, 1)
     if g.has(L):
@@ -465,16 +880,39 @@ def recompute_last(an) -> tuple[sympy.Expr | None, sympy.Expr | None]:
     return sympy.expand(g), sympy.expand(diff.subs(L, 1))
 
 
-def _uniform_trace(an, k: int):
+def use_every_layer(an, sub) -> None:
+    """Use ``sub`` as ``an``'s every-layer trace (:func:`every_layer`), e.g. one read from the trace
+    cache (``symcost checkpoint`` keeps it there), so that ``an`` itself may be a cached analysis
+    that cannot build the model."""
+    _CACHE[(id(an), "every_layer")] = (an, sub)
+
+
+def every_layer(an, sizes: Mapping[str, int] | None = None):
+    """The analysis of ``an``'s step with every block checkpointed on its own (:func:`uniform_spec`
+    with k = 1, non-reentrant, RNG states included): given by :func:`use_every_layer`, or traced
+    once per analysis (needs the live model) in the regime of ``sizes``, which should be those
+    ``an`` was traced for (K = H or not, sizes of 1: the same ops).
+
+    Raises:
+        SymcostError: ``an`` was read from the trace cache and no every-layer trace was given.
+    """
+    return _cached(an, "every_layer", lambda: _uniform_trace(an, 1, sizes))
+
+
+def _uniform_trace(an, k: int, sizes: Mapping[str, int] | None = None):
     from symcost.graph.build import trace
 
-    key = (id(an.spec), an.precision, "uniform", k)
-    sub = _TRACES.get(key)
-    if sub is None:
-        spec = uniform_spec(an.spec, an.layer_container or "", k)
-        sub = trace(spec, sizes={s: 1 for s, v in an.pinned.items()}, precision=an.precision)
-        _TRACES[key] = sub
-    return sub
+    spec = uniform_spec(an.spec, an.layer_container or "", k)
+    req = {s: v for s, v in (sizes or {}).items() if s in spec.all_symbols and s != "L"}
+    req.update(an.pinned)
+    if k > 1 and "L" in req:
+        req.pop("L")
+    return trace(spec, sizes=req, precision=an.precision)
+
+
+def law_of(an) -> dict:
+    """:func:`law` of ``an``'s block costs (cached per analysis)."""
+    return _cached(an, "law", lambda: law(_cached(an, "block_costs", lambda: block_costs(an))))
 
 
 def make_plan(an, kind: str, L: int, env: Mapping | None = None, budget: int | None = None,
@@ -484,7 +922,8 @@ def make_plan(an, kind: str, L: int, env: Mapping | None = None, budget: int | N
     ``none``; ``every-layer`` (each block its own segment, Hugging Face's
     ``gradient_checkpointing_enable``); ``sqrt`` (uniform segments of the best integer k next to
     the law's k* = sqrt(L·x/a), :func:`integer_k`); ``sqrt-L`` (segments of ⌈√L⌉ blocks, the
-    textbook choice); ``optimal`` (DP, least peak); ``budget`` (DP, least recompute with
+    textbook choice); ``optimal`` (the exact search on the step model: the least peak of the
+    step, :meth:`Chain.step_optimal`); ``budget`` (the segment model's least recompute with
     activation peak ≤ ``budget`` bytes); ``sequential`` (``checkpoint_sequential``'s default split
     with ⌈√L⌉ segments).
 
@@ -503,9 +942,9 @@ def make_plan(an, kind: str, L: int, env: Mapping | None = None, budget: int | N
     env = dict(env or {})
     ch = ch or chain(an, L, env)
     if kind == "sqrt":
-        return Plan(c, L, uniform_segments(L, integer_k(law(ch.costs), env, L, ch.head)), kind)
+        return Plan(c, L, uniform_segments(L, integer_k(law_of(an), env, L, ch.head)), kind)
     if kind == "optimal":
-        return Plan(c, L, ch.optimal()[0], kind)
+        return Plan(c, L, ch.step_optimal()[0], kind)
     if kind == "budget":
         return Plan(c, L, ch.optimal(budget)[0], kind)
     raise SymcostError(f"unknown checkpoint plan {kind!r}; accepted: {', '.join(KINDS)}")
@@ -532,18 +971,32 @@ def rng_state_bytes() -> int:
 
 
 def traced_checkpoint(fn, *args, **kwargs):
-    """``torch.utils.checkpoint.checkpoint`` as symcost traces it: the same call, given one more
-    (ignored) input, a placeholder storage of :func:`rng_state_bytes`, which the checkpoint's
-    frame keeps exactly as long as it keeps its RNG state (its inputs and the state live in the
-    same frame). The RNG state is a CPU tensor made outside the dispatcher, so a recording would
-    not see it otherwise."""
+    """``torch.utils.checkpoint.checkpoint`` as symcost traces it: the same call, plus the two
+    CPU generator states a checkpoint holds that the dispatcher never sees (they are made by
+    ``torch.get_rng_state()``, outside any op), as placeholder storages of
+    :func:`rng_state_bytes`:
+
+    * the state stashed at the forward (``preserve_rng_state=True``, the default), an extra
+      (ignored) input, which the checkpoint's frame keeps as long as its inputs;
+    * the state ``torch.random.fork_rng`` saves while the segment is recomputed in the backward
+      (torch/utils/checkpoint.py, ``recompute_fn``), made when the recomputation starts and
+      dropped when it ends (also when it stops early).
+    """
     import torch
     from torch.utils.checkpoint import checkpoint
 
     hold = torch.empty(rng_state_bytes(), dtype=torch.uint8)
+    calls = [0]
 
     def run(_hold, *a, **k):
-        return fn(*a, **k)
+        calls[0] += 1
+        if calls[0] == 1:  # the forward
+            return fn(*a, **k)
+        fork = torch.empty(rng_state_bytes(), dtype=torch.uint8)  # noqa: F841 - held while recomputing
+        try:
+            return fn(*a, **k)
+        finally:
+            del fork
 
     return checkpoint(run, hold, *args, **kwargs)
 
@@ -554,7 +1007,6 @@ def uniform_spec(spec, container: str, k: int):
     folds over the segments, so the memory pass gives the step's peak for any number of segments
     as a formula (L blocks = k·L' when k divides L)."""
     from torch import nn
-    from torch.utils.checkpoint import checkpoint
 
     class Segment(nn.Module):
         def __init__(self, blocks):
@@ -569,7 +1021,7 @@ def uniform_spec(spec, container: str, k: int):
             return out
 
         def forward(self, *args, **kwargs):
-            return traced_checkpoint(self._run, *args, use_reentrant=False, **kwargs)
+            return traced_checkpoint(self._run, *args, use_reentrant=False, **_without_cache(kwargs))
 
     def build(values):
         model = spec.build(dict(values, L=values["L"] * k))
@@ -579,123 +1031,41 @@ def uniform_spec(spec, container: str, k: int):
         setattr(model.get_submodule(parent) if parent else model, attr, segs)
         return model
 
+    check = spec.check if k == 1 or not spec.check else (lambda v: spec.check(dict(v, L=v.get("L", 1) * k)))
     return dataclasses.replace(
         spec, name=f"{spec.name} [checkpoint every {k}]", build=build,
-        defaults=dict(spec.defaults), layers=container,
-        check=(lambda v: spec.check(dict(v, L=v.get("L", 1) * k))) if spec.check else None)
+        defaults=dict(spec.defaults), layers=container, check=check)
 
 
-def pinned_spec(spec, plan: Plan, config: Mapping[str, int]):
-    """``spec`` at the plan's ``L`` and the given config sizes (only B and S stay symbols) with
-    ``plan.apply`` on every model built: any plan, traced exactly at those sizes."""
-    L = plan.L
-    config = {k: v for k, v in config.items() if k not in ("B", "S")}
-    fixed = dict(config, L=L)
-
-    def build(values):
-        return plan.apply(spec.build({**values, **fixed}), _traced=True)
-
-    def make_inputs(values, device):
-        return spec.make_inputs({**values, **fixed}, device)
-
-    return dataclasses.replace(
-        spec, name=f"{spec.name} [{plan.kind} checkpoint, L={L}]", symbols=(), tied={},
-        defaults={k: v for k, v in spec.defaults.items() if k in ("B", "S")}, build=build,
-        make_inputs=make_inputs, layers=None, constraints=(),
-        check=lambda v: spec.check({**v, **fixed}))
-
-
-def peak_model(an, ch: "Chain", L: int, sizes: Mapping[str, int], optimizer: str = "adamw",
-               impl: str = "foreach"):
-    """``segments -> peak bytes`` by the segment model: static memory + the largest of the end of
-    the forward (kept bytes + ``head``), the segments' recomputation peak (:func:`plan_cost`)
-    plus the residual the model leaves at the traced every-layer plan (gradients of segment
-    outputs, parameter gradients allocated so far), and the plain trace's optimizer-step live set
-    (the same under any plan)."""
-    from symcost.passes.memory import memory_model
-
-    sizes = {k: v for k, v in sizes.items() if k != "L"}
-    env = an.bind(**sizes, L=L)
-    every = Plan(ch.costs.container, L, uniform_segments(L, 1), "every-layer")
-    ev = exact(an, every, sizes, optimizer, impl)
-    base = memory_model(an, an.precision, optimizer, impl)
-    static = int(base.static.xreplace(env))
-    resid = ev["peak"] - static - ch.cost(every.segments)[0]
-    opt = max((int(e.xreplace(env)) for e, m, w in base.peak_terms()
-               if m <= L and w.startswith("optimizer step")), default=0)
-
-    def peak(segments):
-        inside = {i for s, e in segments for i in range(s, e)}
-        end = sum(a for i, a in enumerate(ch.a) if i not in inside) + sum(ch.x[s] for s, _ in segments) + ch.head
-        seg = plan_cost(segments, ch.a, ch.x, ch.f, -end, ch.fr)[0] if segments else 0
-        return static + max(end, seg + resid, opt)
-
-    return peak
-
-
-_TRACES: dict = {}
 
 
 def is_uniform(plan: Plan) -> bool:
-    """Segments of k blocks, k dividing L, covering every block (traced folded over L/k)."""
+    """Segments of k blocks, k dividing L, covering every block."""
     k = plan.interval
     return k is not None and plan.L % k == 0 and plan.segments == uniform_segments(plan.L, k)
 
 
 def exact(an, plan: Plan, sizes: Mapping[str, int], optimizer: str = "adamw",
-          impl: str = "foreach", trace_any: bool = False) -> dict:
-    """The plan's predicted peak and FLOPs: ``{"peak", "peak_source", "train_flops", "seconds",
-    "memory_model", "analysis", "L_arg"}`` (bytes, FLOPs) at ``sizes``.
+          impl: str = "foreach", ch: Chain | None = None) -> dict:
+    """The plan's predicted step: ``{"peak", "peak_source", "where", "train_flops", "seconds"}``
+    (bytes, FLOPs) at ``sizes``.
 
-    ``peak_source`` ``"traced"``: the applied plan's step traced by symcost — no checkpointing
-    (the plain trace), a uniform plan (segments of k, k dividing L: traced once per k with L
-    the number of segments, formulas in all symbols), or with ``trace_any`` any plan (traced at
-    its L and config sizes, B and S symbols; slow for deep models). The recording sees the
-    checkpoints' recomputed forward and what they keep; the memory pass
-    (:func:`symcost.passes.memory.memory_model`) gives the steady-state peak.
-
-    ``"model"`` (other plans without ``trace_any``): static memory + the larger of the segment
-    model's activation peak (:func:`plan_cost`) plus the residual that model leaves at the
-    traced every-layer plan, and the optimizer step's live set of the plain trace. The FLOPs are
-    exact either way (per-block forward and early-stopped recompute from the traces).
+    ``peak``: the steady-state step's peak with the plan applied, the traced schedules of the
+    plain and the every-layer step composed block by block (:class:`StepSchedule`; it sees the
+    recomputed forward, what each checkpoint keeps, the RNG states, the gradients the later
+    blocks already hold, the end of the forward and the optimizer step), ``where`` the unit and
+    op where it is reached. ``train_flops``: the plain step's model FLOPs plus the recompute
+    (per-block forward and early-stopped last block, from the traces), FlopCounterMode's count
+    of the applied step.
     """
-    from symcost.graph.build import trace
-    from symcost.passes.memory import memory_model
-
     t0 = time.perf_counter()
     sizes = {k: v for k, v in sizes.items() if k != "L"}
-    mm = None
-    if not plan.segments:
-        sub, L_arg = an, {"L": plan.L}
-    elif is_uniform(plan):
-        sub, L_arg = _uniform_trace(an, plan.interval), {"L": plan.L // plan.interval}
-    elif trace_any:
-        config = {str(k): int(v) for k, v in an.bind(**sizes, L=plan.L).items()}
-        key = (id(an.spec), an.precision, tuple(plan.segments), tuple(sorted(config.items())))
-        sub = _TRACES.get(key)
-        if sub is None:
-            sub = trace(pinned_spec(an.spec, plan, config), sizes={s: 1 for s in an.pinned},
-                        precision=an.precision, n_random=3)
-            _TRACES[key] = sub
-        L_arg = {}
-        sizes = {k: v for k, v in sizes.items() if k in ("B", "S")}
-    else:
-        env = an.bind(**sizes, L=plan.L)
-        ch = chain(an, plan.L, env, optimizer, impl)
-        return {
-            "peak": peak_model(an, ch, plan.L, sizes, optimizer, impl)(plan.segments), "peak_source": "model",
+    env = an.bind(**sizes, L=plan.L)
+    ch = ch or chain(an, plan.L, env, optimizer, impl)
+    peak, where = ch.schedule.simulate(plan.segments)
+    return {"peak": peak, "peak_source": "schedule", "where": where,
             "train_flops": int(an.flops("train").xreplace(env)) + ch.cost(plan.segments)[1],
-            "seconds": time.perf_counter() - t0, "memory_model": None, "analysis": None, "L_arg": None,
-        }
-    mm = memory_model(sub, an.precision, optimizer, impl)
-    at = {**sizes, **L_arg}
-    env = sub.bind(**at)
-    return {
-        "peak": mm.peak(**at), "peak_source": "traced",
-        "train_flops": int(sub.flops("train").xreplace(env)),
-        "seconds": time.perf_counter() - t0,
-        "memory_model": mm, "analysis": sub, "L_arg": L_arg,
-    }
+            "seconds": time.perf_counter() - t0}
 
 
 # --------------------------------------------------------------------------------------------
@@ -709,16 +1079,18 @@ def analyse(an, sizes: Mapping[str, int] | None = None, memory: int | None = Non
     """The checkpoint plan of a traced model at ``sizes`` (plain data; JSON keys of
     ``symcost checkpoint``).
 
-    ``memory`` (bytes): the least recompute whose exactly traced step peak fits. ``budget``
-    (0..1): the least recompute whose activation peak is at most that fraction of the
-    activations without checkpointing (as torch.compile's ``activation_memory_budget``).
-    Otherwise ``kind`` (default ``optimal``: the least activation peak). ``table=False`` leaves
-    the trade-off table out (it solves the DP once per budget row).
+    ``memory`` (bytes): the least recompute whose step peak fits (the exact search on the step
+    model, :meth:`Chain.step_optimal`). ``budget`` (0..1): the least recompute whose activation
+    peak (segment model) is at most that fraction of the activations without checkpointing (as
+    torch.compile's ``activation_memory_budget``). Otherwise ``kind`` (default ``optimal``: the
+    least step peak). ``table=False`` leaves the trade-off tables out.
 
     Returns ``{"plan", "interval", "segments", "activations", "peak", "recompute_flops",
-    "train_flops", "tradeoff", "law", ...}``: bytes, FLOPs; ``law`` formula strings. ``peak``
-    is the steady-state step's peak of the applied plan traced by symcost (:func:`exact`);
-    ``activations`` the plan's activation peak by the segment model (:func:`plan_cost`).
+    "train_flops", "tradeoff", "law", "optimality_gap", ...}``: bytes, FLOPs; ``law`` formula
+    strings. ``peak`` is the step's peak with the plan applied (:func:`exact`); ``activations``
+    the plan's activation peak by the segment model (:func:`plan_cost`); ``optimality_gap`` the
+    bound (bytes) on how far the search's least peak can be above the best plan's
+    (:meth:`StepSchedule.costs`).
 
     Raises:
         SymcostError: no repeated blocks; bad sizes; a budget outside (0, 1]; a cap no plan
@@ -733,9 +1105,10 @@ def analyse(an, sizes: Mapping[str, int] | None = None, memory: int | None = Non
         raise SymcostError(f"{an.model} has no repeated blocks (no symbol L); nothing to checkpoint")
     L = int(env[SYMS["L"]])
     ch = chain(an, L, env, optimizer, impl)
-    lw = law(ch.costs)
+    lw = law_of(an)
     base_train = int(an.flops("train").xreplace(env))
     plain_act = ch.cost([])[0]
+    c = ch.costs.container
     if budget is not None:
         if not (0 < budget <= 1):
             raise SymcostError(f"--budget is a fraction of the activations without checkpointing, "
@@ -745,9 +1118,9 @@ def analyse(an, sizes: Mapping[str, int] | None = None, memory: int | None = Non
         if cap_act < least:
             raise SymcostError(f"--budget {budget} asks for activations <= {cap_act} bytes; the least any "
                                f"plan reaches is {least} bytes ({least / plain_act:.3f} of {plain_act})")
-        plan = Plan(ch.costs.container, L, ch.optimal(cap_act)[0], "budget")
+        plan = Plan(c, L, ch.optimal(cap_act)[0], "budget")
     elif memory is not None:
-        plan = _fit_memory(an, ch, L, sizes, memory, optimizer, impl)
+        plan = Plan(c, L, ch.step_optimal(memory)[0], "memory")
     else:
         plan = make_plan(an, kind, L, env, ch=ch)
     t_solve = time.perf_counter() - t0
@@ -758,18 +1131,17 @@ def analyse(an, sizes: Mapping[str, int] | None = None, memory: int | None = Non
         "n_segments": len(plan.segments),
         "activations": act, "activations_none": plain_act,
         "recompute_flops": rec, "train_flops": base_train + rec, "train_flops_none": base_train,
-        "solve_seconds": t_solve,
+        "solve_seconds": t_solve, "optimality_gap": ch.step[1],
     }
     mm = memory_model(an, an.precision, optimizer, impl)
     out["peak_none"] = mm.peak(**sizes)
     out["peak"] = None
     if exact_peak:
-        ex = exact(an, plan, sizes, optimizer, impl)
+        ex = exact(an, plan, sizes, optimizer, impl, ch=ch)
         out["peak"] = ex["peak"]
         out["peak_source"] = ex["peak_source"]
-        out["train_flops_traced"] = ex["train_flops"]
-        out["trace_seconds"] = ex["seconds"]
-    out["tradeoff"] = tradeoff(ch, L, peak_model(an, ch, L, sizes, optimizer, impl)) if table else []
+        out["peak_where"] = ex["where"]
+    out["tradeoff"] = tradeoff(ch, L) if table else []
     out["op_tradeoff"] = []
     if table:  # one level down: which tensors inside a block to keep (symcost.passes.checkpoint_ops)
         from symcost.passes import checkpoint_ops
@@ -779,7 +1151,7 @@ def analyse(an, sizes: Mapping[str, int] | None = None, memory: int | None = Non
         except SymcostError:
             pass
     out["law"] = {k: str(v) for k, v in lw.items() if k not in ("k", "j")}
-    out["k_star"] = float(lw["k_star"].xreplace(env))
+    out["k_star"] = float(lw["k_star"].xreplace({**env, SYMS["L"]: L}))
     out["k_best"] = integer_k(lw, env, L, ch.head)
     out["block"] = {"a": ch.a[-1], "x": ch.x[-1] - rng_state_bytes(), "rng_state": rng_state_bytes(),
                     "f": ch.f[-1], "f_last": ch.fr[-1], "ops": ch.costs.n_ops, "head": ch.head}
@@ -787,43 +1159,15 @@ def analyse(an, sizes: Mapping[str, int] | None = None, memory: int | None = Non
     return out
 
 
-def _fit_memory(an, ch: Chain, L, sizes, cap, optimizer, impl) -> Plan:
-    """The least-recompute plan whose traced step peak is <= ``cap``: the DP under an activation
-    budget, the budget taken from the cap less what is not activations (the exact peak of the
-    least-peak plan less its activation peak), checked by tracing the plan and tightened by the
-    overshoot if it does not fit (at most four rounds; else the least-peak plan)."""
-    best_segs, best_act, _ = ch.optimal()
-    best = Plan(ch.costs.container, L, best_segs, "memory")
-    pk = exact(an, best, sizes, optimizer, impl)["peak"]
-    if pk > cap:
-        raise SymcostError(f"no checkpoint plan fits under {cap} bytes: the least peak of a step is "
-                           f"{pk} bytes ({pk / 2**30:.3f} GiB)")
-    budget = cap - (pk - best_act)
-    for _ in range(4):
-        if budget >= ch.cost([])[0]:
-            from symcost.passes.memory import memory_model
-
-            none_pk = memory_model(an, an.precision, optimizer, impl).peak(**sizes)
-            if none_pk <= cap:
-                return Plan(ch.costs.container, L, [], "memory")
-        segs = ch.optimal(max(budget, best_act))[0]
-        plan = Plan(ch.costs.container, L, segs, "memory")
-        got = exact(an, plan, sizes, optimizer, impl)["peak"]
-        if got <= cap:
-            return plan
-        budget -= got - cap
-    return best
-
-
-def tradeoff(ch: Chain, L: int, peak=None) -> list[dict]:
+def tradeoff(ch: Chain, L: int) -> list[dict]:
     """The trade-off table: no checkpointing, every interval k = 1..L (⌈L/k⌉ segments), then
-    activation budgets 0.9, 0.8, ... of the activations without checkpointing (the DP's least
-    recompute within each): activation peak and ``peak`` (bytes; ``peak(segments)``, e.g.
-    :func:`peak_model`) and recompute FLOPs."""
+    activation budgets 0.9, 0.8, ... of the activations without checkpointing (the segment
+    model's least recompute within each): activation peak (segment model), ``peak`` (the step's,
+    :meth:`Chain.peak`; bytes) and recompute FLOPs."""
     def row(segs, **key):
         act, rec = ch.cost(segs)
         return {**key, "segments": len(segs), "activations": act,
-                "peak": peak(segs) if peak else None, "recompute_flops": rec}
+                "peak": ch.peak(segs) if ch.schedule is not None else None, "recompute_flops": rec}
 
     rows = [row([], k=None)]
     for k in range(1, L + 1):
@@ -838,13 +1182,159 @@ def tradeoff(ch: Chain, L: int, peak=None) -> list[dict]:
     return rows
 
 
+# --------------------------------------------------------------------------------------------
+# max-batch with checkpointing
+# --------------------------------------------------------------------------------------------
+
+
+class CheckpointedMemory:
+    """The memory of a step checkpointed by the plan ``kind`` chosen at every size, with the
+    :class:`~symcost.passes.memory.MemoryModel` interface ``max-batch`` uses (``peak``,
+    ``peak_where``, ``components``, ``solve``, ``plan_accumulation``, ``no_fit_reason``).
+
+    At each size the plan is made (``optimal``: the least step peak at that size, so the largest
+    batch is that of the best plan there) and its peak is the composed schedule's
+    (:func:`exact`). ``solve`` searches the integer size (the least peak over plans grows with
+    B and S: each plan's does) and checks M(value) <= cap < M(value + 1) exactly.
+    """
+
+    def __init__(self, an, kind: str, mm, optimizer: str = "adamw", impl: str = "foreach"):
+        self.an, self.kind, self.plain = an, kind, mm
+        self.policy, self.opt, self.impl, self.device = mm.policy, mm.opt, mm.impl, mm.device
+        self.gens, self._syms = mm.gens, mm._syms
+        self.static, self.grads = mm.static, mm.grads
+        self._optimizer, self._impl = optimizer, impl
+        self._memo: dict = {}
+
+    def bytes_per_param(self) -> int:
+        return self.plain.bytes_per_param()
+
+    def _env(self, sizes):
+        return self.plain._env(sizes)
+
+    def full_values(self, sizes):
+        return self.plain.full_values(sizes)
+
+    def at(self, accumulate: bool = False, **sizes: int) -> tuple[Plan, Chain]:
+        """The plan of ``kind`` at ``sizes`` and its chain."""
+        key = (accumulate, tuple(sorted(sizes.items())))
+        hit = self._memo.get(key)
+        if hit is None:
+            env = self.an.bind(**sizes)
+            L = int(env[SYMS["L"]])
+            ch = chain(self.an, L, env, self._optimizer, self.impl, accumulate)
+            if self.kind == "optimal":
+                plan = Plan(ch.costs.container, L, ch.step_optimal()[0], "optimal")
+            else:
+                plan = make_plan(self.an, self.kind, L, env, ch=ch)
+            hit = self._memo[key] = (plan, ch)
+        return hit
+
+    def plan(self, **sizes: int) -> Plan:
+        """The plan used at ``sizes``."""
+        return self.at(**sizes)[0]
+
+    def peak(self, accumulate: bool = False, **sizes: int) -> int:
+        plan, ch = self.at(accumulate, **sizes)
+        return ch.peak(plan.segments)
+
+    def peak_where(self, **sizes: int) -> str:
+        plan, ch = self.at(**sizes)
+        return ch.schedule.simulate(plan.segments)[1]
+
+    def components(self, **sizes: int) -> dict[str, int]:
+        """As :meth:`MemoryModel.components`, with the checkpointed step's ``peak`` and, as
+        ``activations``, the plan's activation peak (segment model)."""
+        out = self.plain.components(**sizes)
+        plan, ch = self.at(**sizes)
+        out["activations"] = ch.cost(plan.segments)[0]
+        out["peak"] = ch.peak(plan.segments)
+        out.pop("activations_per_layer", None)
+        return out
+
+    def dominant(self, **sizes: int) -> tuple[str, int]:
+        from symcost.passes.memory.solve import Solver
+
+        return Solver.dominant(self, **sizes)
+
+    def no_fit_reason(self, sol, **sizes: int):
+        from symcost.passes.memory.solve import Solver
+
+        return Solver.no_fit_reason(self, sol, **sizes)
+
+    def plan_accumulation(self, global_batch: int, devices: int, cap, **sizes: int):
+        from symcost.passes.memory.solve import Solver
+
+        return Solver.plan_accumulation(self, global_batch, devices, cap, **sizes)
+
+    def solve(self, cap, var: str = "B", accumulate: bool = False, **sizes: int):
+        """Largest integer ``var`` (B or S) whose checkpointed step fits under ``cap``: doubling
+        then bisection on the exact integer peak (the model's own limits respected, as
+        :meth:`MemoryModel.solve`).
+
+        Raises:
+            SymcostError: ``var`` not a symbol, or set in ``sizes``; a peak that does not grow.
+        """
+        from symcost.passes.memory import parse_memory
+        from symcost.passes.memory.results import Solution
+
+        t0 = time.perf_counter()
+        cap = parse_memory(cap)
+        if var not in self.gens:
+            raise SymcostError(f"cannot solve for {var!r}: not a symbol of {self.an.model} "
+                               f"(symbols: {', '.join(self.gens)})")
+        sizes = dict(sizes)
+        if var in sizes:
+            raise SymcostError(f"--set {var}=... conflicts with solving for {var}")
+        env = self._env({**sizes, var: 1})
+        fixed = {str(s): int(env[s]) for s in self._syms if str(s) != var}
+        check = self.an.spec.check
+
+        def valid(x):
+            return check(self.full_values({**fixed, var: x})) is None
+
+        def M(x):
+            return self.peak(accumulate, **fixed, **{var: x})
+
+        limited_by = None
+        if not valid(1) or M(1) > cap:
+            value = 0
+        else:
+            lo, hi = 1, 2
+            while valid(hi) and M(hi) <= cap:
+                lo, hi = hi, hi * 2
+                if hi > 2**40:
+                    raise SymcostError(f"the peak memory of {self.an.model} does not grow with {var}; "
+                                       f"no largest {var}")
+            while hi - lo > 1:  # M(lo) <= cap and valid(lo); hi is not both
+                mid = (lo + hi) // 2
+                if valid(mid) and M(mid) <= cap:
+                    lo = mid
+                else:
+                    hi = mid
+            value = lo
+            if not valid(value + 1):
+                why = check(self.full_values({**fixed, var: value + 1}))
+                limited_by = f"{why}; the model allows no larger {var}"
+        sol = Solution(var=var, value=value, cap=cap, memory_at=M(value) if value >= 1 else None,
+                       memory_next=M(value + 1) if valid(value + 1) or value == 0 else None,
+                       sizes={**dict(getattr(self.an, "pinned", {}) or {}), **fixed}, bound=None,
+                       inequality=(f"peak of the step checkpointed by the {self.kind} plan at each {var} "
+                                   f"<= {cap} (doubling and bisection on {var})"),
+                       limited_by=limited_by)
+        sol.checked = (value == 0 or sol.memory_at <= cap) and (
+            limited_by is not None or sol.memory_next is None or sol.memory_next > cap)
+        if value == 0:
+            sol.dominant = self.dominant(**fixed, **{var: 1})
+        sol.seconds = time.perf_counter() - t0
+        return sol
+
+
 def plan_memory(an, kind: str, sizes: Mapping[str, int], optimizer: str = "adamw",
-                impl: str = "foreach", at: Mapping[str, int] | None = None):
-    """``(plan, memory model, sizes for it)`` of the step checkpointed by ``kind`` (one of
-    :data:`KINDS`): the plan chosen at ``at`` (default: ``sizes`` with B = 1 where B is free),
-    traced by symcost (:func:`exact`), so the memory model's ``peak``/``solve``/
-    ``plan_accumulation`` are those of the checkpointed step. The returned sizes replace L by
-    the number of segments of a uniform plan's trace, or drop it for a plan traced at its L.
+                impl: str = "foreach", device: str = "cuda"):
+    """``(memory model, sizes)`` of the step checkpointed by ``kind`` (one of :data:`KINDS`):
+    the plain :class:`~symcost.passes.memory.MemoryModel` for ``none``, else a
+    :class:`CheckpointedMemory` whose plan is chosen at every size it is asked.
 
     Raises:
         SymcostError: unknown kind, no repeated blocks, bad sizes.
@@ -853,20 +1343,9 @@ def plan_memory(an, kind: str, sizes: Mapping[str, int], optimizer: str = "adamw
 
     if kind not in KINDS:
         raise SymcostError(f"unknown checkpoint plan {kind!r}; accepted: {', '.join(KINDS)}")
-    sizes = dict(sizes)
+    mm = memory_model(an, an.precision, optimizer, impl, device)
     if kind == "none":
-        return None, memory_model(an, an.precision, optimizer, impl), sizes
-    at = dict(at if at is not None else sizes)
-    if "B" in an.symbols and "B" not in at:
-        at["B"] = 1
-    if "S" in an.symbols and "S" not in at:
-        at["S"] = an.spec.defaults.get("S", 1)
-    env = an.bind(**at)
-    if SYMS["L"] not in env or an.layer_container is None:
+        return mm, dict(sizes)
+    if "L" not in an.symbols or an.layer_container is None:
         raise SymcostError(f"{an.model} has no repeated blocks (no symbol L); nothing to checkpoint")
-    L = int(env[SYMS["L"]])
-    plan = make_plan(an, kind, L, env, ch=chain(an, L, env, optimizer, impl))
-    ex = exact(an, plan, at, optimizer, impl, trace_any=True)
-    out_sizes = {k: v for k, v in sizes.items() if k != "L" and k in ex["analysis"].symbols}
-    out_sizes.update(ex["L_arg"])
-    return plan, ex["memory_model"], out_sizes
+    return CheckpointedMemory(an, kind, mm, optimizer, mm.impl), dict(sizes)

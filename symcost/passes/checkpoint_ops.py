@@ -57,8 +57,8 @@ class BlockGraph:
 
 def block_graph(an) -> BlockGraph:
     """The generic block of ``an`` (ops with ``repeat`` in L) as a :class:`BlockGraph`: symbolic
-    sizes from ``an.ops``, tensor identity (which output each op reads) from the trace's
-    reference recording.
+    sizes from ``an.ops``, tensor identity (which output each op reads) from the trace's data
+    flow (``Analysis.dataflow``: the reference recording's, kept with a cached analysis).
 
     Raises:
         SymcostError: no repeated blocks.
@@ -70,38 +70,43 @@ def block_graph(an) -> BlockGraph:
            and sympy.sympify(op.repeat).has(L)]
     if not ops:
         raise SymcostError(f"{an.model} has no repeated blocks (no symbol L); nothing to checkpoint")
-    rec = an.recordings[0]
+    flow = an.dataflow()
+    if flow is None:
+        raise SymcostError(f"{an.model}: this analysis has no data flow (trace it again)")
     inblock = {op.index: op for op in ops}
     first, last = min(inblock), max(inblock)
-    tensor_of: dict[int, tuple[int, int]] = {}  # tid -> base tensor
+    tensor_of: dict[tuple[int, int], tuple[int, int]] = {}  # a tensor (op, output) -> its base tensor
     bases, name, occurrence, counts = [], {}, {}, {}
     inputs: dict[int, set] = {}
     nbytes, flops, mflops = {}, {}, {}
     for i in range(first, last + 1):
         if i not in inblock:
             continue
-        op, rop = inblock[i], rec.ops[i]
+        op = inblock[i]
+        reads = [tuple(t) for t in flow["inputs"][i]]
+        made = [(i, k) for k in range(flow["outputs"][i])]
         occurrence[i] = counts.get(op.name, 0)
         counts[op.name] = occurrence[i] + 1
         name[i] = op.name
-        ins = {tensor_of[t.tid] for t in rop.inputs if t.tid in tensor_of}
+        ins = {tensor_of[t] for t in reads if t in tensor_of}
         if op.family == "view":
-            src = [tensor_of[t.tid] for t in rop.inputs if t.tid in tensor_of]
-            for t in rop.outputs:
+            src = [tensor_of[t] for t in reads if t in tensor_of]
+            for t in made:
                 if src:
-                    tensor_of[t.tid] = src[0]
+                    tensor_of[t] = src[0]
             continue
         bases.append(i)
         inputs[i] = ins
         flops[i], mflops[i] = op.cost.flops_all, op.cost.flops
-        for k, t in enumerate(rop.outputs):
-            tensor_of[t.tid] = (i, k)
+        for k, t in enumerate(made):
+            tensor_of[t] = (i, k)
             nbytes[(i, k)] = rules.nbytes(op.out_shapes[k], op.out_dtypes[k])
     needed = set()
-    for rop in rec.ops[rec.n_forward:rec.n_forward + rec.n_backward]:
-        for t in rop.inputs:
-            if t.tid in tensor_of:
-                needed.add(tensor_of[t.tid])
+    nf, nb = flow["n_forward"], flow["n_backward"]
+    for reads in flow["inputs"][nf:nf + nb]:
+        for t in reads:
+            if tuple(t) in tensor_of:
+                needed.add(tensor_of[tuple(t)])
     return BlockGraph(bases, name, occurrence, sorted(nbytes), nbytes, flops, mflops, needed, inputs)
 
 
