@@ -551,3 +551,21 @@ def test_memory_cap_plan(traced):
     assert abs(m["peak"] - r["peak"]) <= 0.05 * m["peak"]
     with pytest.raises(SymcostError, match="least peak"):
         ck.analyse(an, sizes, memory=best["peak"] // 2, table=False)
+
+
+def test_every_layer_trace_follows_the_regime_of_the_sizes(traced):
+    """A chain first built at B = 1 (a regime of its own: the every-layer step is traced with B
+    pinned there) and then at B > 1 composes the step from an every-layer trace of the second
+    regime: its peak equals the peak of the step traced with those segments (it once reused the
+    B = 1 trace and came out 16% low)."""
+    an = traced("mlp", "bf16-mixed")
+    from symcost.passes.memory import memory_model
+
+    rng = random.Random()
+    for B in (1, rng.randint(2, 5)):
+        sizes = {"B": B, "S": rng.randint(8, 96), "D": rng.choice((8, 16)), "L": 2 * rng.randint(2, 3)}
+        sub = ck._uniform_trace(an, 2, sizes)
+        want = memory_model(sub, "bf16-mixed", "adamw", "foreach").peak(**{**sizes, "L": sizes["L"] // 2})
+        got = ck.chain(an, sizes["L"], an.bind(**sizes)).peak(ck.uniform_segments(sizes["L"], 2))
+        assert got == want, (sizes, got, want)
+        assert ck.every_layer(an, sizes).pinned.get("B", B) == B

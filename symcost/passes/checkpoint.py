@@ -836,7 +836,7 @@ def chain(an, L: int, env: Mapping, optimizer: str = "adamw", impl: str = "forea
     request = {str(k): int(v) for k, v in env.items()}
     sub = every_layer(an, request)
     fr = list(f)
-    g, sp = _cached(an, "recompute_last", lambda: recompute_last(an))
+    g, sp = _cached(sub, "recompute_last", lambda: recompute_last(an, sub))
     if g is not None:
         fr = [int(g.xreplace(env))] * L
         if bc.special:
@@ -851,7 +851,7 @@ def chain(an, L: int, env: Mapping, optimizer: str = "adamw", impl: str = "forea
 
     tr = [(int(_peval(p, vals)), what) for p, what in mmP._optimizer_transients()] or [(0, "")]
     opt, opt_what = max(tr)
-    held, once = _cached(an, "shared", lambda: _shared_inputs(mmP, mmC, bc.x))
+    held, once = _cached(sub, "shared", lambda: _shared_inputs(mmP, mmC, bc.x))
     held, once = frozenset(held), frozenset(once)
     plain = _unit_values(mmP, env, accumulate, held, once)
     sched = StepSchedule(
@@ -866,13 +866,14 @@ def chain(an, L: int, env: Mapping, optimizer: str = "adamw", impl: str = "forea
     return Chain(a, x, f, head, bc, fr, sched)
 
 
-def recompute_last(an) -> tuple[sympy.Expr | None, sympy.Expr | None]:
+def recompute_last(an, sub=None) -> tuple[sympy.Expr | None, sympy.Expr | None]:
     """Recompute FLOPs of a block checkpointed on its own (generic, special end block), from the
     step traced with every block checkpointed (:func:`every_layer`): its train FLOPs less the
     plain step's, per block. Less than the block's forward where ops after its last saved tensor
-    are skipped by the checkpoint's early stop."""
+    are skipped by the checkpoint's early stop. ``sub``: the every-layer trace to use (default:
+    :func:`every_layer`'s first)."""
     L = SYMS["L"]
-    sub = every_layer(an)
+    sub = sub if sub is not None else every_layer(an)
     diff = sympy.expand(sub.flops("train") - an.flops("train"))
     g = diff.coeff(L, 1)
     if g.has(L):
@@ -881,22 +882,48 @@ def recompute_last(an) -> tuple[sympy.Expr | None, sympy.Expr | None]:
 
 
 def use_every_layer(an, sub) -> None:
-    """Use ``sub`` as ``an``'s every-layer trace (:func:`every_layer`), e.g. one read from the trace
-    cache (``symcost checkpoint`` keeps it there), so that ``an`` itself may be a cached analysis
-    that cannot build the model."""
-    _CACHE[(id(an), "every_layer")] = (an, sub)
+    """Use ``sub`` as ``an``'s every-layer trace (:func:`every_layer`) in ``sub``'s regime, e.g. one
+    read from the trace cache (``symcost checkpoint`` keeps it there), so that ``an`` itself may be
+    a cached analysis that cannot build the model."""
+    _every_layer_traces(an).append(sub)
+
+
+def _every_layer_traces(an) -> list:
+    return _cached(an, "every_layer", list)
+
+
+def _holds(sub, sizes: Mapping[str, int]) -> bool:
+    """Whether the every-layer trace ``sub`` holds at ``sizes``: the same regime facts (symbols set
+    to 1, equal config symbols: shared/conventions.md, "Regimes") and its pinned sizes equal."""
+    from symcost.frontends.spec import request_facts
+
+    values = {s: int(v) for s, v in sizes.items()}
+    if any(s in values and values[s] != v for s, v in sub.pinned.items() if s != "L"):
+        return False
+    facts, spec = getattr(sub, "request_facts", None), getattr(sub, "spec", None)
+    if not facts or spec is None:  # read from the trace cache: served for the regime it was given for
+        return True
+    req = {s: v for s, v in values.items() if s in spec.all_symbols}
+    return request_facts(spec.values(req, inputs=False), spec.all_symbols) == facts
 
 
 def every_layer(an, sizes: Mapping[str, int] | None = None):
     """The analysis of ``an``'s step with every block checkpointed on its own (:func:`uniform_spec`
-    with k = 1, non-reentrant, RNG states included): given by :func:`use_every_layer`, or traced
-    once per analysis (needs the live model) in the regime of ``sizes``, which should be those
-    ``an`` was traced for (K = H or not, sizes of 1: the same ops).
+    with k = 1, non-reentrant, RNG states included) in the regime of ``sizes`` (symbol -> int; sizes
+    of 1 and equal config symbols choose it, as for any trace): one given by
+    :func:`use_every_layer` or traced earlier in that regime, or traced now (needs the live model).
+    Without ``sizes``, the first one at hand (or one traced at ``an``'s own pinned sizes).
 
     Raises:
         SymcostError: ``an`` was read from the trace cache and no every-layer trace was given.
     """
-    return _cached(an, "every_layer", lambda: _uniform_trace(an, 1, sizes))
+    subs = _every_layer_traces(an)
+    for sub in subs:
+        if sizes is None or _holds(sub, sizes):
+            return sub
+    sub = _uniform_trace(an, 1, sizes)
+    subs.append(sub)
+    return sub
 
 
 def _uniform_trace(an, k: int, sizes: Mapping[str, int] | None = None):
