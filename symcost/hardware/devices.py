@@ -1,6 +1,6 @@
 """Devices: peak FLOP/s per precision, memory bandwidth and capacity, from data files.
 
-The catalogue is ``symcost/devices.toml`` (package data, every figure with its datasheet URL and
+The catalogue is ``symcost/hardware/devices.toml`` (package data, every figure with its datasheet URL and
 date; see that file and docs/roofline.md). Users add devices with a file of the same shape (TOML
 or JSON, ``--devices-file``; ``symcost calibrate`` writes one) or with ``--peak-flops`` and
 ``--bandwidth``.
@@ -305,11 +305,11 @@ _CATALOGUE: dict[str, Device] | None = None
 
 
 def catalogue() -> dict[str, Device]:
-    """The built-in devices (``symcost/devices.toml``), key -> :class:`Device`."""
+    """The built-in devices (``symcost/hardware/devices.toml``), key -> :class:`Device`."""
     global _CATALOGUE
     if _CATALOGUE is None:
-        text = resources.files("symcost").joinpath("devices.toml").read_text(encoding="utf-8")
-        _CATALOGUE = parse_devices(text, "symcost/devices.toml")
+        text = resources.files("symcost.hardware").joinpath("devices.toml").read_text(encoding="utf-8")
+        _CATALOGUE = parse_devices(text, "symcost/hardware/devices.toml")
     return _CATALOGUE
 
 
