@@ -174,3 +174,39 @@ def test_commands_that_retrace_the_model_never_read_a_cached_analysis(cache_dir)
                 part.pop(k)
     assert after[0]["checkpoint"] == before[0]["checkpoint"]
     assert after[1]["max_batch"] == before[1]["max_batch"]
+
+
+def test_warm_roofline_mfu_time_without_torch(traced, cache_dir, tmp_path):
+    """``roofline``, ``mfu`` and ``time`` on a cached analysis never import torch (the fused-bytes
+    estimate is kept with the entry, dtypes are read as names) and answer as a fresh trace does:
+    the cold and warm ``mfu`` agree to the byte, and the warm roofline's step time (on a CPU-like
+    device, so GEMM packing is timed too) equals the roofline pass on a fresh trace."""
+    from symcost.hardware import devices as dv
+    from symcost.passes import roofline as rl
+
+    env = dict(os.environ, SYMCOST_CACHE_DIR=str(cache_dir))
+    probe = ("import sys, runpy; sys.argv = ['symcost'] + sys.argv[1:]\n"
+             "try:\n    runpy.run_module('symcost.cli', run_name='__main__')\n"
+             "except SystemExit as e:\n    assert not e.code, e.code\n"
+             "print('torch' in sys.modules, file=sys.stderr)")
+
+    def run(*args):
+        out = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout), out.stderr.strip().splitlines()[-1]
+
+    dev_file = tmp_path / "cpu.toml"
+    dev_file.write_text('[cpu]\nfp32 = 1e11\nbandwidth = 2e10\nwrite_bandwidth = 1e10\nserial_passes = true\n')
+    common = ("mlp", "--set", "B=3", "S=12", "--precision", "fp32", "--json")
+    mfu = ("mfu", *common, "--device", "h100", "--tokens-per-second", "2e4")
+    cold, torch_cold = run(*mfu)
+    warm, torch_warm = run(*mfu)
+    assert torch_cold == "True" and torch_warm == "False"
+    assert warm == cold
+    timed, torch_time = run("time", *common, "--device", "h100", "--tokens", "1e9", "--mfu", "0.4")
+    assert torch_time == "False" and timed["time.seconds"] > 0
+    roof, torch_roof = run("roofline", *common, "--devices-file", str(dev_file), "--device", "cpu")
+    assert torch_roof == "False"
+    fresh = rl.roofline(traced("mlp", "fp32"), dv.get_device("cpu", str(dev_file)), {"B": 3, "S": 12})
+    assert roof["roofline"]["step_seconds"] == pytest.approx(fresh["step_seconds"], rel=1e-12)
+    assert any(n["op"].startswith(("aten.mm", "aten.addmm")) for n in fresh["nodes"])  # GEMMs were packed

@@ -268,6 +268,10 @@ class _Dtypes(list):
         v = list.__getitem__(self, i)
         return [self._dtype(x) for x in v] if isinstance(i, slice) else self._dtype(v)
 
+    def names(self) -> list[str]:
+        """The dtype names, without importing torch (``symcost.graph.opsets.dtype_names``)."""
+        return [x if isinstance(x, str) else str(x).removeprefix("torch.") for x in list.__iter__(self)]
+
 
 def _load_ops(rows) -> list:
     """SymOps from :meth:`Analysis.to_dict` rows (dtypes read as torch dtypes, see _Dtypes)."""
