@@ -55,7 +55,8 @@ NOTHING_FITS = 3
 @click.argument("model", default="cs336-lm")
 @common
 @click.option("--memory", "memory", default="80GiB", show_default=True,
-              help="memory cap per device: bytes, or a number with KiB/MiB/GiB/TiB (binary) or KB/MB/GB/TB")
+              help="memory cap per device: a number with KiB/MiB/GiB/TiB (binary), KB/MB/GB/TB (decimal) or B; "
+                   "a bare number is bytes and must be at least 1 MiB (80 alone is refused: write 80GiB)")
 @click.option("--optimizer", default="adamw", show_default=True,
               help="adamw, adam, sgd (momentum), sgd-nomomentum, adafactor")
 @click.option("--optimizer-impl", "impl", default="default", show_default=True,
