@@ -159,7 +159,7 @@ class Serialized:
 
         def _gone(*args, **kwargs):
             raise SymcostError(f"{sd['name']}: this analysis was read from the trace cache and cannot "
-                               "build the model; trace it again (symcost --no-cache, or symcost.trace)")
+                               "build the model; trace it again (symcost --no-cache, or symcost.trace(..., use_cache=False))")
 
         more = {k: dict(sd[k]) for k in ("moduli", "follows") if sd.get(k) and k in ModelSpec.__dataclass_fields__}
         spec = ModelSpec(name=sd["name"], symbols=tuple(sd["symbols"]), defaults=dict(sd["defaults"]),

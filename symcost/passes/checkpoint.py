@@ -75,6 +75,7 @@ class BlockCosts:
 
 
 def _special(an) -> str | None:
+    an.require_live("activation checkpointing")
     c = an.layer_container
     pre = f"{c}." if c else ""
     _, r0, _ = an.role(f"{pre}0")

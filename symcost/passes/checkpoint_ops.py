@@ -70,6 +70,7 @@ def block_graph(an) -> BlockGraph:
            and sympy.sympify(op.repeat).has(L)]
     if not ops:
         raise SymcostError(f"{an.model} has no repeated blocks (no symbol L); nothing to checkpoint")
+    an.require_live("per-op checkpointing")
     rec = an.recordings[0]
     inblock = {op.index: op for op in ops}
     first, last = min(inblock), max(inblock)
