@@ -178,8 +178,8 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
         impl, dev = js.get("optimizer_impl"), js.get("device")
         g.add_row("optimizer", opt + (f"; memory cap {human(cap, 'B')}" if cap else "")
                   + (f"; {impl} step on {dev}" if impl and dev else ""))
-    att = an.spec.extra.get("attention")
-    if an.model.startswith("hf:") and att:
+    att = an.spec.extra.get("attention")  # what the model was built with (hf:, config.json): JSON's `attention`
+    if att:
         g.add_row("attention", att + (" (transformers' default; --attention eager: explicit matmuls)"
                                       if att == "sdpa" else " (explicit matmuls)"))
     else:
