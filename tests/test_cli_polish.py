@@ -36,7 +36,7 @@ _NUM = r"(-|[0-9.]+)"
 
 
 def _catalogue_toml() -> dict:
-    return tomllib.loads(resources.files("symcost").joinpath("devices.toml").read_text(encoding="utf-8"))
+    return tomllib.loads(resources.files("symcost.hardware").joinpath("devices.toml").read_text(encoding="utf-8"))
 
 
 def _user_file(tmp_path):
