@@ -64,10 +64,10 @@ def parse_memory(text: str | int) -> int:
 
 def dominant_text(name: str, nbytes: int, cap: int) -> str:
     """Name what dominates: 'optimizer state alone is 84.000 GiB' when it exceeds ``cap``, else
-    'the largest part is ...'."""
+    'the largest part is ...' (in the largest binary unit it reaches, :func:`binary`)."""
     if nbytes > cap:
-        return f"{name} alone is {gib(nbytes)}"
-    return f"the largest part is {name}, {gib(nbytes)}"
+        return f"{name} alone is {binary(nbytes)}"
+    return f"the largest part is {name}, {binary(nbytes)}"
 
 
 def gib(nbytes: int | float) -> str:

@@ -408,6 +408,8 @@ def render_values(an: Analysis, sizes: Mapping[str, int], memory: dict | None = 
                 c.print(f"  memory.{k:<22} {v:>17,}" + (f"   ({human(v, unit)})" if unit else ""))
                 if k == "max_batch" and memory["json"].get("max_batch_reason"):
                     c.print(f"    (no batch fits: {memory['json']['max_batch_reason']})")
+        if memory["json"].get("fits") is False:
+            c.print(f"  [bold red]does not fit[/bold red]: {memory['json']['fits_reason']}")
     _unsupported(c, an, env)
 
 
