@@ -79,7 +79,8 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
     The peak is that of a steady-state training step (see docs/memory.md). With --global-batch
     and --devices: the micro-batch and accumulation steps K, B_global = B_micro x K x N_devices.
-    Exit status 3 when not even 1 fits under --memory (the output names what dominates).
+    Exit status 3 when not even 1 fits under --memory (the output names what dominates and what
+    would fit: another precision or optimizer, checkpointing, the least cap).
     """
     early_checks(model, sets, config, attention, precision)  # no sympy or torch needed: answers at once
     from symcost.passes import memory as mem
