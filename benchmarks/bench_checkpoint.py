@@ -60,7 +60,7 @@ def scaling(model: str = "mlp", sizes=("B=4", "S=32", "D=64")) -> None:
     cli(*base[:3], "L=8", *base[3:])  # fills the trace cache (plain and every-layer traces)
     cmd = {L: cli(*base[:3], f"L={L}", *base[3:]) for L in (32, 128)}
     request = {k: int(v) for k, v in (s.split("=") for s in sizes)}
-    an = symcost.trace(model, precision="bf16-mixed", sizes=request)
+    an = symcost.trace(model, precision="bf16-mixed", sizes=request, use_cache=False)  # live: traces the every-layer step
     vals = dict(s.split("=") for s in sizes)
     vals = {k: int(v) for k, v in vals.items()}
     ck.analyse(an, dict(vals, L=8), table=False)  # traces the every-layer step once
@@ -125,7 +125,7 @@ def plans_side_by_side(name: str, L: int, compile_: bool) -> None:
 
     want = dict(SIZES.get(name, {}), L=L)
     an = symcost.trace(name, precision="fp32", sizes={k: v for k, v in want.items() if k not in ("B", "S", "L")},
-                       attention="eager" if name.startswith("hf:") else None)
+                       attention="eager" if name.startswith("hf:") else None, use_cache=False)  # plans are applied
     sizes = {k: v for k, v in want.items() if k in an.symbols}
     k = math.ceil(math.sqrt(L))
     ch = ck.chain(an, L, an.bind(**sizes))

@@ -16,18 +16,25 @@ _UNITS = {
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 }
+#: A number without a unit below this is refused as a memory cap: "--memory 80" means 80 bytes,
+#: which no training step fits in, so it is almost surely 80GiB without its unit. Whole bytes from
+#: 1 MiB up (``85899345920``) are read as bytes; below it, write the unit (``100B``).
+BARE_MIN = 2**20
 _CAP_RE = re.compile(r"^\s*([+-]?)(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 
 
 def parse_memory(text: str | int) -> int:
-    """A memory cap in bytes: ``"85899345920"``, ``"80GiB"``, ``"80GB"``, ``"1.5 TiB"``.
+    """A memory cap in bytes: ``"85899345920"``, ``"80GiB"``, ``"80GB"``, ``"1.5 TiB"``, ``"512B"``.
 
     Units: KiB, MiB, GiB, TiB are binary (2**10 ...), KB, MB, GB, TB decimal (10**3 ...), B bytes;
-    unit letters are case-insensitive. A fractional result is rounded down to whole bytes.
+    unit letters are case-insensitive (conventions.md: "80GiB" is 80·2^30 bytes, "80GB"
+    80·10^9). A fractional result is rounded down to whole bytes. Text without a unit is bytes
+    and must be at least :data:`BARE_MIN` (1 MiB): ``"80"`` is refused with a hint to write
+    ``80GiB`` (or ``80B`` for bytes). An ``int`` is bytes as it is (the Python API).
 
     Raises:
         SymcostError: an unknown unit (``80XB``), a number without a unit that is not an
-            integer, a negative or zero cap, or anything else that is not a size.
+            integer or is below 1 MiB, a negative or zero cap, or anything else that is not a size.
     """
     if isinstance(text, int) and not isinstance(text, bool):
         if text <= 0:
@@ -46,6 +53,9 @@ def parse_memory(text: str | int) -> int:
     value = Fraction(num) * _UNITS[unit.upper() if unit else "B"]
     if sign == "-" or value <= 0:
         raise SymcostError(f"memory cap must be positive, got {s.strip()!r}")
+    if not unit and value < BARE_MIN:
+        raise SymcostError(f"memory cap {s.strip()!r} has no unit, so it is {num} bytes (less than 1 MiB); "
+                           f"write the unit: {num}GiB (binary), {num}GB (decimal) or {num}B (bytes)")
     out = math.floor(value)
     if out <= 0:
         raise SymcostError(f"memory cap {s.strip()!r} is less than one byte")
@@ -54,10 +64,10 @@ def parse_memory(text: str | int) -> int:
 
 def dominant_text(name: str, nbytes: int, cap: int) -> str:
     """Name what dominates: 'optimizer state alone is 84.000 GiB' when it exceeds ``cap``, else
-    'the largest part is ...'."""
+    'the largest part is ...' (in the largest binary unit it reaches, :func:`binary`)."""
     if nbytes > cap:
-        return f"{name} alone is {gib(nbytes)}"
-    return f"the largest part is {name}, {gib(nbytes)}"
+        return f"{name} alone is {binary(nbytes)}"
+    return f"the largest part is {name}, {binary(nbytes)}"
 
 
 def gib(nbytes: int | float) -> str:

@@ -17,9 +17,11 @@ os.environ["SYMCOST_CACHE_DIR"] = tempfile.mkdtemp(prefix="symcost-test-cache-")
 @functools.lru_cache(maxsize=None)
 def _trace(model: str, precision: str = "fp32", attention: str = "eager", config: tuple = (),
            sizes: tuple = ()):
-    # eager by default for hf: models (FlopCounterMode cannot see CPU sdpa); other models take none
+    # eager by default for hf: models (FlopCounterMode cannot see CPU sdpa); other models take none.
+    # Always a fresh trace (use_cache=False): the tests' oracles need the probe recordings, and the
+    # CLI tests fill the session's cache folder with entries of the same models.
     attention = attention if str(model).startswith("hf:") else None
-    return symcost.trace(model, dict(config), attention, sizes=dict(sizes), precision=precision)
+    return symcost.trace(model, dict(config), attention, sizes=dict(sizes), precision=precision, use_cache=False)
 
 
 @pytest.fixture(scope="session")

@@ -78,7 +78,7 @@ def test_corrupt_entry_is_rebuilt(cache_dir):
         import symcost
 
         calls.append(1)
-        return symcost.trace("mlp", precision="fp32")
+        return symcost.trace("mlp", precision="fp32", use_cache=False)
 
     args = ("mlp", {}, "eager", "fp32", {"B": 3})
     first = cache.cached_trace(*args, tracer)
@@ -104,12 +104,12 @@ def test_regime_and_key(cache_dir):
     import symcost
 
     k = cache.key("mlp", {}, "eager", "fp32")
-    one = symcost.trace("mlp", sizes={"B": 1}, precision="fp32")
+    one = symcost.trace("mlp", sizes={"B": 1}, precision="fp32", use_cache=False)
     assert one.pinned == {"B": 1}
     cache.store(k, {"B": 1}, one)
     assert cache.load(k, {"B": 1}) is not None
     assert cache.load(k, {"B": 4}) is None  # B = 4 is not the B = 1 regime
-    many = symcost.trace("mlp", sizes={"B": 4}, precision="fp32")
+    many = symcost.trace("mlp", sizes={"B": 4}, precision="fp32", use_cache=False)
     cache.store(k, {"B": 4}, many)
     assert cache.load(k, {"B": 7}).pinned == {} and cache.load(k, {"B": 1}).pinned == {"B": 1}
     assert cache.load(cache.key("mlp", {}, "eager", "bf16-true"), {"B": 4}) is None
@@ -121,6 +121,51 @@ def test_regime_and_key(cache_dir):
     cache.store(k, {"B": 4}, many)  # caching the same model again deletes the stale entry
     assert cache.load(stale, {"B": 4}) is None and cache.load(k, {"B": 4}) is not None
     assert cache.key("hf:meta-llama/Llama-3-8B", {}, "eager", "fp32") is None  # not keyed: not cached
+
+
+def test_python_trace_reads_and_writes_the_cache(cache_dir, capsys, monkeypatch):
+    """``symcost.trace(name)`` writes the trace cache and reads it back: the second call (another
+    batch size, same regime) is a fraction of the first and gives a fresh trace's numbers at
+    random sizes; the CLI reads the entry the API wrote (no trace); ``use_cache=False`` and a
+    ModelSpec neither read nor write; sizes a model refuses are refused from a cached entry too;
+    a cached analysis says clearly that checkpoint plans need the live trace."""
+    import time
+
+    import symcost
+    from conftest import run_cli
+    from symcost.errors import SymcostError
+    from symcost.graph import build
+    from symcost.passes import checkpoint
+
+    t0 = time.perf_counter()
+    fresh = symcost.trace("gpt2", precision="fp32", sizes={"B": 3})
+    cold = time.perf_counter() - t0
+    assert not fresh.__dict__.get("cached_from") and fresh.recordings
+    entries = sorted(cache_dir.rglob("*.json"))
+    assert entries, "the first call should have written a cache entry"
+    t0 = time.perf_counter()
+    warm = symcost.trace("gpt2", precision="fp32", sizes={"B": 5})
+    again = time.perf_counter() - t0
+    assert warm.__dict__.get("cached_from") and warm is not fresh
+    assert again < cold / 5, (again, cold)
+    _same(fresh, warm, random.Random(6))
+    with pytest.raises(SymcostError, match="1024 learned positions"):
+        symcost.trace("gpt2", precision="fp32", sizes={"S": 2048})  # GPT-2's 1024 positions, as fresh
+    with pytest.raises(SymcostError, match="use_cache=False"):
+        checkpoint.block_costs(warm)
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced although the cache holds this regime")
+
+    monkeypatch.setattr(build, "_trace_regime", no_trace)
+    code, out, err = run_cli(capsys, "eval", "gpt2", "--set", "B=7", "S=64", "--precision", "fp32", "--json")
+    assert code == 0, err
+    assert json.loads(out)["flops"]["train"] == fresh.subs(B=7, S=64)["flops.train"]
+    monkeypatch.undo()
+    bypass = symcost.trace("mlp", precision="fp32", use_cache=False)
+    spec = symcost.resolve("mlp")
+    symcost.trace(spec, precision="fp32")
+    assert bypass.recordings and sorted(cache_dir.rglob("*.json")) == entries  # nothing written
 
 
 def test_warm_cli_without_torch(cache_dir):
@@ -178,3 +223,39 @@ def test_checkpoint_commands_read_the_cache(cache_dir):
                 part.pop(k)
     assert after[0]["checkpoint"] == before[0]["checkpoint"]
     assert after[1]["max_batch"] == before[1]["max_batch"]
+
+
+def test_warm_roofline_mfu_time_without_torch(traced, cache_dir, tmp_path):
+    """``roofline``, ``mfu`` and ``time`` on a cached analysis never import torch (the fused-bytes
+    estimate is kept with the entry, dtypes are read as names) and answer as a fresh trace does:
+    the cold and warm ``mfu`` agree to the byte, and the warm roofline's step time (on a CPU-like
+    device, so GEMM packing is timed too) equals the roofline pass on a fresh trace."""
+    from symcost.hardware import devices as dv
+    from symcost.passes import roofline as rl
+
+    env = dict(os.environ, SYMCOST_CACHE_DIR=str(cache_dir))
+    probe = ("import sys, runpy; sys.argv = ['symcost'] + sys.argv[1:]\n"
+             "try:\n    runpy.run_module('symcost.cli', run_name='__main__')\n"
+             "except SystemExit as e:\n    assert not e.code, e.code\n"
+             "print('torch' in sys.modules, file=sys.stderr)")
+
+    def run(*args):
+        out = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout), out.stderr.strip().splitlines()[-1]
+
+    dev_file = tmp_path / "cpu.toml"
+    dev_file.write_text('[cpu]\nfp32 = 1e11\nbandwidth = 2e10\nwrite_bandwidth = 1e10\nserial_passes = true\n')
+    common = ("mlp", "--set", "B=3", "S=12", "--precision", "fp32", "--json")
+    mfu = ("mfu", *common, "--device", "h100", "--tokens-per-second", "2e4")
+    cold, torch_cold = run(*mfu)
+    warm, torch_warm = run(*mfu)
+    assert torch_cold == "True" and torch_warm == "False"
+    assert warm == cold
+    timed, torch_time = run("time", *common, "--device", "h100", "--tokens", "1e9", "--mfu", "0.4")
+    assert torch_time == "False" and timed["time.seconds"] > 0
+    roof, torch_roof = run("roofline", *common, "--devices-file", str(dev_file), "--device", "cpu")
+    assert torch_roof == "False"
+    fresh = rl.roofline(traced("mlp", "fp32"), dv.get_device("cpu", str(dev_file)), {"B": 3, "S": 12})
+    assert roof["roofline"]["step_seconds"] == pytest.approx(fresh["step_seconds"], rel=1e-12)
+    assert any(n["op"].startswith(("aten.mm", "aten.addmm")) for n in fresh["nodes"])  # GEMMs were packed

@@ -239,7 +239,7 @@ def test_eval_says_why_no_batch_fits(capsys, traced):
     assert re.search(r"memory\.max_batch 0 \(no batch fits: the static memory alone exceeds", flat), out
     # a cap just above the static memory at B = 1: the peak at B = 1 is what does not fit
     cap = total + 1
-    code, out, err = cli(capsys, "eval", "mlp", "--set", *sizes, "--precision", "fp32", "--memory", str(cap), "--json")
+    code, out, err = cli(capsys, "eval", "mlp", "--set", *sizes, "--precision", "fp32", "--memory", f"{cap}B", "--json")
     m = json.loads(out)["memory"]
     assert m["max_batch"] == 0 and m["max_batch_reason"].startswith("the peak at B = 1, "), m["max_batch_reason"]
     peak, static, live = (int(x.replace(",", "")) for x in re.search(

@@ -55,16 +55,29 @@ def exact_sizes(an, seed: int, n: int = 5) -> list[dict[str, int]]:
 @pytest.mark.parametrize("text,want", [
     ("85899345920", 85899345920), ("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("80gib", 80 * 2**30),
     ("1.5 TiB", 3 * 2**39), ("512MiB", 2**29), ("7KB", 7000), ("64KiB", 65536), ("100B", 100), (4096, 4096),
+    (str(2**20), 2**20), ("1048576B", 2**20), ("80 b", 80),
 ])
 def test_parse_memory(text, want):
     assert memory.parse_memory(text) == want
 
 
-@pytest.mark.parametrize("text", ["80XB", "-5GiB", "-1", "0", "0GiB", "GiB", "", "1.5", "80 Gibibytes", "1e9"])
+@pytest.mark.parametrize("text", ["80XB", "-5GiB", "-1", "0", "0GiB", "GiB", "", "1.5", "80 Gibibytes", "1e9",
+                                  "80", "24", str(2**20 - 1)])
 def test_parse_memory_rejects(text):
     with pytest.raises(SymcostError) as e:
         memory.parse_memory(text)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("cmd", [("max-batch", "mlp"), ("report", "mlp"), ("eval", "mlp"), ("checkpoint", "mlp")])
+def test_bare_small_memory_is_refused_before_tracing(capsys, cmd):
+    """``--memory 80`` (80 bytes: surely 80GiB without its unit) is one line, exit 2, that names
+    the forms meant, before any trace (no torch needed); whole bytes from 1 MiB up still read."""
+    from conftest import run_cli
+
+    code, out, err = run_cli(capsys, *cmd, "--memory", "80")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "80GiB" in err and "80B" in err and "no unit" in err, err
 
 
 def test_policy_bytes_per_parameter(traced):

@@ -111,3 +111,30 @@ def test_cli_width_from_columns_and_100_when_piped(monkeypatch):
         assert r.stderr == ""  # no progress line when stderr is not a terminal
         lens = [len(ln) for ln in r.stdout.splitlines()]
         assert max(lens) == width, (width, max(lens))
+
+
+@pytest.mark.heavy
+def test_config_file_attention_text_and_json_agree_with_the_trace(capsys, attention=None):
+    """A config.json model (symcost/frontends/hf.py) is built with transformers' attention (sdpa
+    where the class has it, unless --attention): the report's header and its JSON name the same
+    implementation, and it is the one the traced step ran (an sdpa op in the graph, or none)."""
+    import json
+    import os
+
+    import symcost
+    from conftest import run_cli
+
+    path = os.path.join(os.path.dirname(__file__), "data", "configs", "llama-3-8b.json")
+    sizes = ("H=4", "D=8", "K=2", "V=64", "F=32", "L=2", "B=2", "S=8")
+    opt = ("--attention", attention) if attention else ()
+    code, out, err = run_cli(capsys, "report", path, "--set", *sizes, "--precision", "fp32", *opt, "--json")
+    assert code == 0, err
+    js_att = json.loads(out)["attention"]
+    code, text, err = run_cli(capsys, "report", path, "--set", *sizes, "--precision", "fp32", *opt)
+    assert code == 0, err
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("attention")]
+    assert line.split()[1] == js_att and "own code" not in line, line
+    an = symcost.trace(path, attention=attention, precision="fp32",  # the trace the CLI cached
+                       sizes={k: int(v) for k, v in (s.split("=") for s in sizes)})
+    ran_sdpa = any("scaled_dot_product" in op.name for op in an.ops)
+    assert js_att == ("sdpa" if ran_sdpa else "eager") == "sdpa"  # transformers' default for llama

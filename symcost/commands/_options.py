@@ -135,8 +135,9 @@ def memory_options(f):
     """``--memory`` (the cap of the largest-batch line) and ``--optimizer``."""
     f = optimizer_option(f)
     return click.option("--memory", "memory", default="80GiB", show_default=True,
-                        help="memory cap per device for the largest-batch line: bytes, or a number "
-                             "with KiB/MiB/GiB/TiB (binary) or KB/MB/GB/TB")(f)
+                        help="memory cap per device for the largest-batch line: a number with KiB/MiB/GiB/TiB "
+                             "(binary), KB/MB/GB/TB (decimal) or B; a bare number is bytes and must be at "
+                             "least 1 MiB (80 alone is refused: write 80GiB)")(f)
 
 
 def early_checks(model, sets, config, attention, precision) -> None:

@@ -17,7 +17,9 @@ def calibrate(device, out, name, quick, as_json, debug):
     """Measure peak matmul FLOP/s (large square matmuls) and memory bandwidth (large copies,
     element-wise ops and a reduction), each compiled with torch.compile and timed with
     torch.utils.benchmark; print them and optionally write a device entry the other commands
-    take with --devices-file FILE --device NAME."""
+    take with --devices-file FILE --device NAME. Each kernel is timed several times while other
+    processes' CPU use is watched; a kernel timed on a busy machine is timed again, and if the
+    machine stays busy the entry is marked contended (quality.contended in the file)."""
     from symcost.hardware import calibrate as cal
     from symcost.hardware.devices import write_file
     from symcost.render.report import console
@@ -33,5 +35,13 @@ def calibrate(device, out, name, quick, as_json, debug):
     peaks = ", ".join(f"{k} {entry[k] / 1e9:.1f} GFLOP/s" for k in ("fp32", "bf16", "fp16") if k in entry)
     c.print(f"[bold]{name}[/bold] ({entry['name']}): {peaks}; bandwidth {entry['bandwidth'] / 1e9:.2f} GB/s; "
             f"ridge {entry['fp32'] / entry['bandwidth']:.2f} FLOP/byte (fp32)")
+    q = entry.get("quality", {})
+    if q.get("contended"):
+        c.print(f"[bold yellow]contended[/bold yellow]: the machine stayed busy while {len(q['kernels'])} kernel(s) "
+                f"were timed ({'; '.join(q['reasons'])}; retried {q['retried']}, load average {q['loadavg']}); "
+                "the rates may be far too low: calibrate again when the machine is idle"
+                + (" (the file is marked contended: validate refuses it without --accept-contended)" if out else ""))
+    else:
+        c.print(f"quality: not contended ({q.get('criteria', '')})")
     if out:
         c.print(f"written to {out}: use --devices-file {out} --device {name}")

@@ -33,7 +33,7 @@ def _json(an, r: dict, sizes: dict) -> dict:
 @click.argument("model", default="cs336-lm")
 @common
 @click.option("--memory", "memory", default=None,
-              help="memory cap per device (bytes, or 80GiB / 80GB): the least recompute that fits")
+              help="memory cap per device (80GiB, 80GB, or whole bytes from 1 MiB up): the least recompute that fits")
 @click.option("--budget", type=float, default=None,
               help="activation budget, a fraction in (0, 1] of the activations without checkpointing: "
                    "the least recompute within it")

@@ -43,6 +43,8 @@ def _solution_json(an, sol: mem.Solution, mm: mem.MemoryModel, seconds: float) -
         out["limited_by"] = sol.limited_by
     if sol.dominant:
         out["dominant"] = {"component": sol.dominant[0], "bytes": sol.dominant[1]}
+    if sol.value >= 1:  # what the peak at the answer is made of (the parts add up to memory_at_max)
+        out["peak_parts"] = mm.peak_parts(**{**sol.sizes, sol.var: sol.value})
     return out
 
 
@@ -55,7 +57,8 @@ NOTHING_FITS = 3
 @click.argument("model", default="cs336-lm")
 @common
 @click.option("--memory", "memory", default="80GiB", show_default=True,
-              help="memory cap per device: bytes, or a number with KiB/MiB/GiB/TiB (binary) or KB/MB/GB/TB")
+              help="memory cap per device: a number with KiB/MiB/GiB/TiB (binary), KB/MB/GB/TB (decimal) or B; "
+                   "a bare number is bytes and must be at least 1 MiB (80 alone is refused: write 80GiB)")
 @click.option("--optimizer", default="adamw", show_default=True,
               help="adamw, adam, sgd (momentum), sgd-nomomentum, adafactor")
 @click.option("--optimizer-impl", "impl", default="default", show_default=True,
@@ -76,7 +79,8 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
     The peak is that of a steady-state training step (see docs/memory.md). With --global-batch
     and --devices: the micro-batch and accumulation steps K, B_global = B_micro x K x N_devices.
-    Exit status 3 when not even 1 fits under --memory (the output names what dominates).
+    Exit status 3 when not even 1 fits under --memory (the output names what dominates and what
+    would fit: another precision or optimizer, checkpointing, the least cap).
     """
     early_checks(model, sets, config, attention, precision)  # no sympy or torch needed: answers at once
     from symcost.passes import memory as mem
@@ -125,11 +129,16 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     sol = mm.solve(cap, var, **sizes)
     seconds = time.perf_counter() - t0
     ck_plan = mm.plan(**{**sizes, var: max(sol.value, 1)}) if ckpt != "none" else None
+    # nothing fits: what would, from the same trace (other policies, optimizers, checkpointing, cap)
+    alts = mem.alternatives(mm, cap, var, sizes, checkpointing=ck_plan is None) \
+        if sol.value < 1 and not sol.limited_by else None
     if as_json:
         js = _solution_json(an, sol, mm, seconds)
         if ck_plan is not None:
             js["checkpoint"] = {"kind": ckpt, "plan": ck_plan.modules(), "L": ck_plan.L,
                                 "segments": [list(x) for x in ck_plan.segments]}
+        if alts is not None:
+            js["alternatives"] = alts
         click.echo(json.dumps(js, indent=1))
     else:
         if ck_plan is not None:
@@ -137,7 +146,7 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
 
             console().print(f"  checkpoint {ckpt} at {var} = {max(sol.value, 1)}: {len(ck_plan.segments)} segment(s) "
                             f"of L = {ck_plan.L} blocks: {', '.join(ck_plan.modules()) or 'none'}")
-        _print_solution(an, mm, sol, seconds, sizes)
+        _print_solution(an, mm, sol, seconds, sizes, alts)
     if sol.value < 1:
         raise SystemExit(NOTHING_FITS)
 
@@ -146,7 +155,19 @@ def _sizes_line(sol_sizes: dict, given: dict) -> str:
     return ", ".join(f"{k}={v}" + ("" if k in given else " (default)") for k, v in sol_sizes.items())
 
 
-def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, given: dict) -> None:
+#: the max-batch table's rows: what the peak is made of (they add up to it), and their labels
+PEAK_ROWS = (
+    ("params", "parameters"), ("optimizer", "optimizer state"), ("master_weights", "master weights"),
+    ("buffers", "buffers"), ("inputs", "inputs"),
+    ("gradients", "gradients allocated so far"),
+    ("forward", "forward tensors still live (activations saved for backward, ...)"),
+    ("backward", "backward temporaries (activation gradients, ...)"),
+    ("optimizer_step", "optimizer-step temporaries"),
+)
+
+
+def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, given: dict,
+                    alts: list | None = None) -> None:
     import sympy
     from rich.table import Table
 
@@ -175,19 +196,29 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
         c.print(f"  check: M({sol.value}) = {human(sol.memory_at, 'B')} ({sol.memory_at:,} B) ≤ cap {nxt} {ok}")
         if sol.limited_by:
             c.print(f"  limited by the model: {sol.limited_by}")
-        comp = mm.components(**{**sol.sizes, v: sol.value})
-        t = Table(title=f"At {v} = {sol.value}", title_justify="left")
-        t.add_column("component")
+        at = {**sol.sizes, v: sol.value}
+        parts = mm.peak_parts(**at)
+        comp = mm.components(**at)
+        t = Table(title=f"What the peak at {v} = {sol.value} is made of (static parts, then the live set at the "
+                        "peak)", title_justify="left")
+        t.add_column("part")
         t.add_column("bytes", justify="right")
         t.add_column("")
-        for k in ("params", "grads", "optimizer", "master_weights", "buffers", "inputs", "activations", "peak"):
-            t.add_row(k, f"{comp[k]:,}", human(comp[k], "B"))
+        for k, label in PEAK_ROWS:
+            t.add_row(label, f"{parts[k]:,}", human(parts[k], "B"))
+        t.add_row("[bold]peak (the sum)[/bold]", f"{parts['peak']:,}", human(parts["peak"], "B"))
         c.print(t)
-        c.print(f"  peak reached at: {mm.peak_where(**{**sol.sizes, v: sol.value})}")
+        c.print(f"  peak reached at: {parts['where']}")
+        c.print(f"  over the whole step (not all live at once): gradients {human(comp['grads'], 'B')}, "
+                f"activations saved for backward {human(comp['activations'], 'B')}")
     else:
         name, nbytes = sol.dominant
         c.print(f"[bold red]  even {v} = 1 does not fit[/bold red]: M(1) = {human(sol.memory_next, 'B')} > cap; "
                 f"{mem.dominant_text(name, nbytes, sol.cap)}")
+        if alts:
+            c.print("  what would fit (same model and sizes, from this trace's memory model):")
+            for line in mem.alternatives_text(alts, v, sol.cap):
+                c.print(f"    {line}")
     c.print(f"  solved in {seconds:.3f} s after tracing")
 
 

@@ -34,7 +34,7 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
     if n_devices <= 0:
         raise SymcostError("--devices must be a positive integer")
     an, sizes = trace_model(model, sets, config, attention, precision)
-    from symcost.graph.fusion import estimate  # (imports torch: after the options and the model name are checked)
+    from symcost.graph.fusion import estimate  # (no torch for a cached analysis: its stored estimate)
 
     tc = rl.tokens_compute(an, sizes, n_tokens, recompute)
     key = rl.training_precision(an)

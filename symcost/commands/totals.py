@@ -14,7 +14,8 @@ import click
 from ._options import common, early_checks, memory_options, optimizer_option, trace_model
 
 #: memory JSON keys that are numbers at some sizes, not formulas (left out of ``formulas``)
-EVALUATED_KEYS = ("max_batch", "max_batch_reason", "memory_at_max", "memory_cap")
+EVALUATED_KEYS = ("max_batch", "max_batch_reason", "memory_at_max", "memory_cap", "fits", "fits_reason",
+                  "peak_parts")
 
 
 def totals_command(name: str, evaluate: bool, doc: str):
@@ -54,7 +55,8 @@ def formulas_only(mem: dict) -> dict:
     """The memory section without what is a number at some sizes (the largest batch under a cap,
     the peak's value at the defaults): ``formulas`` prints formulas."""
     js = {k: v for k, v in mem.get("json", {}).items() if k not in EVALUATED_KEYS}
-    lines = [ln for ln in mem.get("lines", []) if not ln.startswith(("largest batch", "not even B", "peak at"))
+    lines = [ln for ln in mem.get("lines", []) if not ln.startswith(("largest batch", "not even B", "peak at",
+                                                                     "[bold red]does not fit"))
              and " at the sizes above: " not in ln and " at the model's defaults: " not in ln]
     rows = [(label, formula, "") for label, formula, _ in mem.get("rows", [])]
     title = mem.get("title", "Memory").replace(" (values at the model's defaults)", "")

@@ -14,15 +14,18 @@ import click
 @click.option("--hardware", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
               help="where the kernels run (cuda: GPU-sized kernels and steps)")
 @click.option("--attempts", default=3, show_default=True, help="rounds of re-timing failing kernels (noisy machines)")
+@click.option("--accept-contended", is_flag=True,
+              help="check against a --devices-file calibration marked contended (taken on a busy machine) anyway")
 @click.option("--plot", default=None, metavar="FILE.png", help="draw measured vs predicted (needs matplotlib)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--debug", is_flag=True, help="show tracebacks")
-def validate(devices_file, device_name, quick, hardware, attempts, plot, as_json, debug):
+def validate(devices_file, device_name, quick, hardware, attempts, accept_contended, plot, as_json, debug):
     """Compile and time a sweep of kernels (square and skinny matmuls, matrix-vector, add, GELU,
     softmax, a Linear+GELU block) and the training steps of mlp and cs336-lm on this CPU; print
     per kernel FLOPs, bytes, intensity, predicted bound and time, measured time and FLOP/s, the
     ratio; exit 1 when a check fails (see docs/roofline.md). --hardware cuda runs GPU-sized
-    kernels on the GPU."""
+    kernels on the GPU. A --devices-file entry that calibrate marked contended (measured on a busy
+    machine) is refused unless --accept-contended."""
     import sys
 
     from symcost.validation import validate as val
@@ -40,6 +43,12 @@ def validate(devices_file, device_name, quick, hardware, attempts, plot, as_json
     if device_name and not devices_file:
         raise SymcostError("validate measures this machine: --device names an entry of --devices-file "
                            "(symcost calibrate --out FILE writes one)")
+    if dev is not None and dev.contended and not accept_contended:
+        q = dev.quality
+        raise SymcostError(
+            f"{devices_file} [{dev.key}] was calibrated on a busy machine (contended: {'; '.join(q.get('reasons', []))}"
+            f"; {len(q.get('kernels', []))} kernel(s)), so its rates may be far too low and checks against it "
+            "fail for the wrong reason: run symcost calibrate again on an idle machine, or pass --accept-contended")
     log = (lambda s: None) if as_json else (lambda s: console().print("  " + s))
     v = val.validate(dev, quick=quick, attempts=attempts, log=log, hardware=hardware)
     if plot:
@@ -75,6 +84,10 @@ def validate(devices_file, device_name, quick, hardware, attempts, plot, as_json
                     f"x{s['predicted_ratio']:.2f} ({s['bound']}-bound): {verdict}")
         if v.contention is not None:
             c.print(f"other processes used {100 * v.contention:.0f}% of this machine's CPU while kernels were timed")
+        if v.device.contended:
+            c.print("[bold yellow]warning[/bold yellow]: the calibration was taken on a busy machine ("
+                    + "; ".join(v.device.quality.get("reasons", [])) + "): failed checks may be the machine's, "
+                    "not the model's")
         c.print(f"{len(v.failures)} failed check(s) after {v.attempts} round(s)")
         for f in v.failures:
             c.print(f"FAILED: {f}")

@@ -91,7 +91,11 @@ class Analysis(Totals, Conventions, Serialized):
         cheap facts (pinned values, ties, residues, constraints: :meth:`bind`) and then one
         recording at those sizes with L = 2 whose :func:`regime_signature` must match (a BLOOM
         trace at a power-of-two H does not hold at H = 12). About one probe recording of time.
+        
+        Raises:
+            SymcostError: an analysis read from the trace cache (it cannot build the model).
         """
+        self.require_live("in_regime (one recording at the sizes)")
         try:
             env = self.bind(**sizes)
         except SymcostError:
@@ -108,6 +112,19 @@ class Analysis(Totals, Conventions, Serialized):
             return False
         return digest(regime_signature(rec)) == self.signature
     schedule: Any = None  # tracing.schedule.MemorySchedule: the step's storage schedule as data
+
+    def require_live(self, what: str) -> None:
+        """Raise unless this analysis carries its live trace (the probe recordings and the fold
+        of the blocks), which an analysis read from the trace cache (data only) does not.
+
+        Raises:
+            SymcostError: naming ``what`` needs it and how to trace afresh.
+        """
+        if not self.recordings or self.role is None:
+            raise SymcostError(
+                f"{self.model}: {what} needs the live trace (the model and its probe recordings); this analysis "
+                "was read from the trace cache, which keeps data only: trace it with "
+                "symcost.trace(..., use_cache=False) (the CLI's --no-cache)")
 
     # -- evaluation -----------------------------------------------------------------------------
     def bind(self, **sizes: int) -> dict[sympy.Symbol, int]:

@@ -188,8 +188,17 @@ def _align(recs: list[Recording], spec: ModelSpec) -> None:
 
 def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None = None,
           attention: str | None = None, sizes: Mapping[str, int] | None = None,
-          precision: str = "bf16-mixed", n_random: int = 6, seed: int = 0) -> Analysis:
+          precision: str = "bf16-mixed", n_random: int = 6, seed: int = 0, use_cache: bool = True) -> Analysis:
     """Trace a model's training step into a symbolic cost graph, in the regime of ``sizes``.
+
+    A model given by name is read from the trace cache (:mod:`symcost.graph.cache`, the one the
+    CLI reads and writes; ``SYMCOST_CACHE_DIR`` moves it) when an entry of the same source,
+    options and regime is there, and written to it after a fresh trace; ``use_cache=False``
+    traces afresh and writes nothing. A :class:`ModelSpec` is never cached (its code is not
+    data), nor is a model the cache cannot key (``hf:ORG/NAME``, a spec whose size check is code).
+    An analysis read from the cache is data: every total, the graph, the memory and roofline
+    passes, no torch import; what needs the live model (activation checkpointing plans, which
+    re-trace it; the probe recordings) needs ``use_cache=False``.
 
     The regime follows the request (shared/conventions.md, "Regimes"). The requested values are
     the model's config defaults with ``sizes`` on top (B and S count only where ``sizes`` sets
@@ -221,6 +230,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             decides dtypes, hence bytes and activations.
         n_random: random probes in the fit (besides base and one per symbol).
         seed: probe sampling seed.
+        use_cache: read and write the trace cache (models given by name only).
 
     Returns:
         An :class:`Analysis` (``pinned``, ``pin_reasons``, ``regime_ties``, ``request_facts``,
@@ -231,6 +241,19 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         SymcostError: bad model/config, sizes PyTorch rejects (the spec's constraints), an
             untraceable model.
     """
+    if use_cache and not isinstance(model, ModelSpec):
+        from symcost.graph.cache import cached_trace
+
+        def fresh():
+            return trace(model, config, attention, sizes, precision, n_random, seed, use_cache=False)
+
+        # the CLI's key (strings as --config gives them), plus the probe plan when it is not the default
+        options = None if (n_random, seed) == (6, 0) else {"n_random": n_random, "seed": seed}
+        an = cached_trace(str(model), {str(k): str(v) for k, v in dict(config or {}).items()}, attention,
+                          precision, dict(sizes or {}), fresh, True, options)
+        if an.__dict__.get("cached_from"):
+            an.bind(**dict(sizes or {}))  # the size checks a fresh trace makes first (S within positions, ...)
+        return an
     spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
     sizes = dict(sizes or {})
     values = spec.values(sizes, inputs=False)

@@ -29,10 +29,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import networkx as nx
 import sympy
 
-from symcost.graph import rules
+from symcost._lazy import LazyModule
+from symcost.graph.opsets import dtype_names, nbytes
+
+# the probe recordings' path needs the cost rules (torch); a cached analysis' stored estimate and
+# ``written_bytes`` do not, so ``roofline``, ``mfu`` and ``time`` on a cached analysis import no torch
+rules = LazyModule("symcost.graph.rules")
+nx = LazyModule("networkx")
 
 FUSIBLE = ("pointwise", "reduction", "special", "move", "alloc")
 
@@ -67,7 +72,8 @@ def written_bytes(op) -> Any:
     that moves nothing: views, allocations)."""
     if op.cost.bytes == 0:
         return sympy.Integer(0)
-    return sympy.expand(sum((rules.nbytes(s, d) for s, d in zip(op.out_shapes, op.out_dtypes)), sympy.Integer(0)))
+    return sympy.expand(sum((nbytes(s, d) for s, d in zip(op.out_shapes, dtype_names(op.out_dtypes))),
+                            sympy.Integer(0)))
 
 
 def estimate(an) -> FusionEstimate:
@@ -159,13 +165,13 @@ def estimate(an) -> FusionEstimate:
             if key in charged:
                 continue
             charged.add(key)
-            total += rules.nbytes(sop.in_shapes[k], sop.in_dtypes[k])
+            total += nbytes(sop.in_shapes[k], sop.in_dtypes[k])
         written = sympy.Integer(0)
         for k in range(len(op.outputs)):
             users = consumers.get((i, k), set())
             if users and all(region_of.get(u) == rid for u in users):
                 continue
-            written += rules.nbytes(sop.out_shapes[k], sop.out_dtypes[k])
+            written += nbytes(sop.out_shapes[k], sop.out_dtypes[k])
         node_bytes[i] = sympy.expand(total + written)
         node_written[i] = sympy.expand(written)
     regions: dict[int, list[int]] = {}

@@ -97,6 +97,10 @@ def nbytes(shape: Shape, dtype: torch.dtype):
     return numel(shape) * dtype.itemsize
 
 
+# torch-free, kept in symcost.graph.opsets (a cached analysis' passes use them without torch)
+from symcost.graph.opsets import GEMM_PACKED_OPERAND, packed_operand  # noqa: E402,F401
+
+
 def _traffic(v: OpView, skip_first_input: bool = False):
     ins = list(zip(v.in_shapes, v.in_dtypes))[1 if skip_first_input else 0:]
     return sum(nbytes(s, d) for s, d in ins) + sum(nbytes(s, d) for s, d in zip(v.out_shapes, v.out_dtypes))
@@ -495,24 +499,6 @@ def transcendentals(v: OpView) -> dict:
         rows = numel(_arg(v, "input")[:-1])
         return {fn: c * rows * _arg(v, "hidden_size") for fn, c in RNN_TRANSCENDENTALS.get(_arg(v, "mode"), {}).items()}
     return {}
-
-
-#: BLAS GEMMs and the input position of their [k, n] operand: the one a CPU BLAS copies into
-#: contiguous panels before its micro-kernel runs (Goto & van de Geijn, "Anatomy of
-#: high-performance matrix multiplication", ACM TOMS 34(3), 2008, sec. 4-5: "packing" B)
-GEMM_PACKED_OPERAND = {"aten.mm": 1, "aten.addmm": 2, "aten.bmm": 1, "aten.baddbmm": 2}
-
-
-def packed_operand(name: str, in_shapes, in_dtypes, out_shapes):
-    """``(bytes of B, m, n)`` for a GEMM ``C[..., m, n] = A[..., m, k] · B[..., k, n]`` of
-    :data:`GEMM_PACKED_OPERAND` (symbolic or concrete), else None. With m = 1 or n = 1 the op is a
-    matrix-vector product (BLAS gemv), which packs nothing: the caller checks m and n at sizes."""
-    packet = name.rsplit(".", 1)[0] if name.count(".") >= 2 else name
-    i = GEMM_PACKED_OPERAND.get(packet)
-    if i is None or len(in_shapes) <= i or not out_shapes or len(out_shapes[0]) < 2:
-        return None
-    m, n = out_shapes[0][-2], out_shapes[0][-1]
-    return nbytes(in_shapes[i], in_dtypes[i]), m, n
 
 
 def bias_positions(op) -> tuple[int, ...]:

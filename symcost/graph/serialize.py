@@ -180,7 +180,7 @@ class Serialized:
 
         def _gone(*args, **kwargs):
             raise SymcostError(f"{sd['name']}: this analysis was read from the trace cache and cannot "
-                               "build the model; trace it again (symcost --no-cache, or symcost.trace)")
+                               "build the model; trace it again (symcost --no-cache, or symcost.trace(..., use_cache=False))")
 
         more = {k: dict(sd[k]) for k in ("moduli", "follows") if sd.get(k) and k in ModelSpec.__dataclass_fields__}
         spec = ModelSpec(name=sd["name"], symbols=tuple(sd["symbols"]), defaults=dict(sd["defaults"]),
@@ -290,6 +290,10 @@ class _Dtypes(list):
     def __getitem__(self, i):
         v = list.__getitem__(self, i)
         return [self._dtype(x) for x in v] if isinstance(i, slice) else self._dtype(v)
+
+    def names(self) -> list[str]:
+        """The dtype names, without importing torch (``symcost.graph.opsets.dtype_names``)."""
+        return [x if isinstance(x, str) else str(x).removeprefix("torch.") for x in list.__iter__(self)]
 
 
 def _load_ops(rows) -> list:

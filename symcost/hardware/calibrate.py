@@ -26,11 +26,25 @@ kernels:
   exponential costs tens of times a multiply, an erf or tanh more, so a softmax or a GELU is
   bound by them rather than by memory.
 
+**A busy machine.** Other processes that take CPU while a kernel is timed make it slow, and a
+rate measured then is nonsense (0.6 GFLOP/s bf16 on a machine that does 60). Each kernel is
+therefore timed :data:`REPEATS` times (:func:`measure_rate`), while the share of the machine's CPU
+time that other processes used is read from ``/proc/stat`` (:class:`Contention`; where that file
+is missing, the 1-minute load average beyond this process's threads, ``os.getloadavg``). A round
+is *contended* (:func:`assess`) when the repeats' times spread by more than :data:`MAX_SPREAD`
+(slowest over fastest, minus 1) or others used more than :data:`MAX_OTHER_SHARE` of the CPU. A
+contended kernel is timed again, up to :data:`RETRIES` more rounds; its time is the fastest seen
+(a busy moment can only slow a kernel). If it is still contended, the entry says so: its
+``quality`` is ``{"contended": true, "reasons": [...], "kernels": [...], ...}``, the command prints
+a warning, and ``symcost validate`` refuses such a file (``--accept-contended`` checks against it
+anyway, with a warning).
+
 The result is a device entry (:func:`symcost.hardware.devices.write_file` writes it as JSON) that every
 ``--devices-file`` option accepts.
 """
 from __future__ import annotations
 
+import os
 import platform
 import time
 from typing import Any, Callable
@@ -58,6 +72,155 @@ def measure(fn: Callable, *args, min_run_time: float = 0.3, warmup: int = 1) -> 
     m = timer.blocked_autorange(min_run_time=min_run_time)
     times = list(m.times)
     return {"min": min(times), "median": statistics.median(times), "runs": m.number_per_run * len(times)}
+
+
+#: times each kernel is timed per round (its rate is the fastest; their spread tells a busy machine)
+REPEATS = 3
+#: a round whose slowest repeat exceeds its fastest by more than this is contended
+MAX_SPREAD = 0.25
+#: a round during which other processes used more than this share of the machine's CPU is contended
+MAX_OTHER_SHARE = 0.25
+#: rounds a contended kernel is timed again before the entry is marked contended
+RETRIES = 2
+
+
+def cpu_times() -> tuple[float, float, float] | None:
+    """(machine busy CPU-seconds, machine total CPU-seconds, this process's CPU-seconds), from
+    /proc/stat and os.times(); None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    t = os.times()
+    return (sum(vals[:8]) - idle) / tick, sum(vals[:8]) / tick, t.user + t.system
+
+
+class Contention:
+    """The share of the machine's CPU time that other processes used inside its ``with`` blocks
+    (0: the machine was ours; 0.75: others held three quarters of it), from :func:`cpu_times`;
+    ``share`` is None where /proc/stat is missing."""
+
+    def __init__(self):
+        self.busy = self.total = self.own = 0.0
+        self.known = True
+
+    def __enter__(self):
+        self._start = cpu_times()
+        return self
+
+    def __exit__(self, *exc):
+        end = cpu_times()
+        if self._start is None or end is None:
+            self.known = False
+            return
+        self.busy += end[0] - self._start[0]
+        self.total += end[1] - self._start[1]
+        self.own += end[2] - self._start[2]
+
+    @property
+    def share(self) -> float | None:
+        if not self.known or self.total <= 0:
+            return None
+        return max(0.0, min(1.0, (self.busy - self.own) / self.total))
+
+
+def load_beyond_own(threads: int) -> float | None:
+    """The 1-minute load average beyond this process's ``threads``, as a share of the CPUs
+    (``os.getloadavg``; None where there is none): the fallback of :class:`Contention`."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+    cpus = os.cpu_count() or 1
+    return max(0.0, (load - threads) / cpus)
+
+
+def assess(times: list[float], other_share: float | None) -> list[str]:
+    """Why a round of repeated timings of one kernel is contended (empty: it is not).
+
+    Args:
+        times: the repeats' times in seconds (each the fastest block mean of one :func:`measure`).
+        other_share: the share of the machine's CPU other processes used meanwhile (None: unknown).
+
+    Returns:
+        One phrase per reason: the spread above :data:`MAX_SPREAD`, the share above
+        :data:`MAX_OTHER_SHARE`.
+    """
+    why = []
+    if times and min(times) > 0:
+        spread = max(times) / min(times) - 1
+        if spread > MAX_SPREAD:
+            why.append(f"repeated timings spread by {100 * spread:.0f}% (> {100 * MAX_SPREAD:.0f}%)")
+    if other_share is not None and other_share > MAX_OTHER_SHARE:
+        why.append(f"other processes used {100 * other_share:.0f}% of the CPU (> {100 * MAX_OTHER_SHARE:.0f}%)")
+    return why
+
+
+def measure_rate(fn: Callable, *args, min_run_time: float = 0.3, repeats: int = REPEATS, retries: int = RETRIES,
+                 cpu_bound: bool = True, log: Callable[[str], None] | None = None, label: str = "") -> dict:
+    """Time ``fn(*args)`` :data:`REPEATS` times a round (:func:`measure`, ``min_run_time`` split
+    among them), judge the round (:func:`assess`) and, while it is contended, time it again, up to
+    ``retries`` more rounds.
+
+    Args:
+        cpu_bound: judge other processes' CPU share too (a CPU kernel; a GPU's is judged by the
+            spread alone).
+
+    Returns:
+        ``{"min", "median"}`` (seconds: the fastest repeat over all rounds, the median of the
+        last round), ``"rounds"``, ``"spread"`` (of the last round), ``"other_cpu_share"`` (of
+        the last round; None: unknown), ``"contended"`` (the last round was) and ``"reasons"``.
+    """
+    log = log or (lambda s: None)
+    best = None
+    for rnd in range(1 + max(0, retries)):
+        times, medians = [], []
+        c = Contention()
+        with c:
+            for _ in range(max(1, repeats)):
+                t = measure(fn, *args, min_run_time=min_run_time / max(1, repeats))
+                times.append(t["min"])
+                medians.append(t["median"])
+        share = c.share if c.known else load_beyond_own(_threads())
+        reasons = assess(times, share if cpu_bound else None)
+        best = min(times) if best is None else min(best, min(times))
+        out = {"min": best, "median": sorted(medians)[len(medians) // 2], "rounds": rnd + 1,
+               "spread": max(times) / min(times) - 1 if min(times) > 0 else 0.0,
+               "other_cpu_share": share if cpu_bound else None, "contended": bool(reasons), "reasons": reasons}
+        if not reasons:
+            return out
+        if rnd < retries:
+            log(f"{label or 'kernel'}: contended ({'; '.join(reasons)}), timing it again")
+    return out
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def quality(kernels: list[dict]) -> dict[str, Any]:
+    """The calibration's ``quality`` from its kernels' :func:`measure_rate` results: contended
+    when any kernel stayed contended after its retries (``kernels`` names them, ``reasons`` says
+    why), with the worst spread and others' CPU share seen, the load average and CPU count."""
+    bad = [k for k in kernels if k.get("contended")]
+    shares = [k["other_cpu_share"] for k in kernels if k.get("other_cpu_share") is not None]
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        load = None
+    reasons = sorted({r for k in bad for r in k.get("reasons", [])})
+    return {"contended": bool(bad), "kernels": [k["kernel"] for k in bad], "reasons": reasons,
+            "max_spread": max((k.get("spread", 0.0) for k in kernels), default=0.0),
+            "max_other_cpu_share": max(shares) if shares else None,
+            "retried": sum(1 for k in kernels if k.get("rounds", 1) > 1),
+            "loadavg": load, "cpus": os.cpu_count(),
+            "criteria": f"spread of {REPEATS} repeats <= {100 * MAX_SPREAD:.0f}%, others' CPU share <= "
+                        f"{100 * MAX_OTHER_SHARE:.0f}%, after up to {RETRIES} retries"}
 
 
 def steady_allocator() -> bool:
@@ -117,9 +280,10 @@ def transcendental_rates(dev, quick: bool = False, min_run_time: float = 0.3, ke
     x = torch.rand(n, device=dev) + 0.5
     ks = (1, 5) if quick else (1, 9)
     rates = {}
+    cpu = dev.type != "cuda"
     for cls, name in TRANSCENDENTAL_KERNELS.items():
         f = getattr(torch, name)
-        ts = []
+        ts, runs = [], []
         for k in ks:
             def g(a, f=f, k=k):
                 out = f(a)
@@ -127,14 +291,16 @@ def transcendental_rates(dev, quick: bool = False, min_run_time: float = 0.3, ke
                     out = out + f(a * (1 + 0.01 * i))
                 return out
             torch._dynamo.reset()  # one compiled kernel per (class, k): stay below dynamo's recompile limit
-            ts.append(measure(compiled(g), x, min_run_time=min_run_time)["min"])
+            runs.append(measure_rate(compiled(g), x, min_run_time=min_run_time, cpu_bound=cpu, log=log,
+                                     label=f"{name} x{k}"))
+            ts.append(runs[-1]["min"])
         extra = (ks[1] - ks[0]) * n
         dt = ts[1] - ts[0]
         rate = extra / dt if dt > 0 else extra / ts[1]
         rates[cls] = rate
         if kernels is not None:
             kernels.append({"kernel": f"{name} x{ks[1]} - x{ks[0]} on {n} fp32", "transcendentals": extra,
-                            "seconds": dt, "transcendental_per_s": rate})
+                            "seconds": dt, "transcendental_per_s": rate, **_judged(runs)})
         log(f"{name} ({cls}): {rate / 1e9:.2f} G/s")
     return rates
 
@@ -153,7 +319,9 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
         A device entry: ``name``, ``fp32`` (and ``bf16`` where measured) peak FLOP/s,
         ``bandwidth`` (byte/s), ``write_bandwidth`` (where lower), ``transcendentals``
         (evaluations/s per class, :func:`transcendental_rates`), ``source`` ("measured by symcost calibrate"), ``date``, and
-        ``measured``: every kernel with its FLOPs, bytes, seconds and rate.
+        ``measured``: every kernel with its FLOPs, bytes, seconds and rate, and how it was judged
+        (``rounds``, ``spread``, ``other_cpu_share``, ``contended``); ``quality``
+        (:func:`quality`): whether the machine stayed busy while it was measured.
 
     Raises:
         SymcostError: an unknown or unavailable device.
@@ -180,11 +348,11 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
     ]
     times = {}
     for name, fn, args, rd, wr in streams:
-        t = measure(fn, *args, min_run_time=min_run_time)
+        t = measure_rate(fn, *args, min_run_time=min_run_time, cpu_bound=not gpu, log=log, label=name)
         times[name] = (t["min"], rd, wr)
         rate = (rd + wr) / t["min"]
         kernels.append({"kernel": f"{name} {numel} fp32", "flops": numel, "bytes": rd + wr, "written": wr,
-                        "seconds": t["min"], "median": t["median"], "byte_per_s": rate})
+                        "seconds": t["min"], "median": t["median"], "byte_per_s": rate, **_judged([t])})
         log(f"{name} on {numel * item / 2**20:.0f} MiB: {rate / 1e9:.2f} GB/s")
     bw = max((rd + wr) / t for t, rd, wr in times.values())
     # written bytes: what the write-heavy kernels take beyond reading their inputs at ``bw``
@@ -197,19 +365,24 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
         for n in mm_sizes:
             a = torch.randn(n, n, device=dev, dtype=dt)
             b = torch.randn(n, n, device=dev, dtype=dt)
-            t = measure(mm, a, b, min_run_time=min_run_time)
+            t = measure_rate(mm, a, b, min_run_time=min_run_time, cpu_bound=not gpu, log=log,
+                             label=f"matmul {n}x{n} {key}")
             flops = 2 * n ** 3
             # on a CPU the BLAS packs b (read and written once) before multiplying, a pass that
             # does not overlap the multiply (docs/roofline.md): the peak is the multiply's rate
             pack = 0.0 if gpu else n * n * dt.itemsize * (1 / bw + 1 / wbw_used)
             rate = flops / (t["min"] - pack if t["min"] > 2 * pack else t["min"])
             kernels.append({"kernel": f"matmul {n}x{n} {key}", "flops": flops, "bytes": 3 * n * n * dt.itemsize,
-                            "seconds": t["min"], "median": t["median"], "flop_per_s": rate})
+                            "seconds": t["min"], "median": t["median"], "flop_per_s": rate, **_judged([t])})
             log(f"matmul {n}x{n} {key}: {rate / 1e9:.1f} GFLOP/s")
             peak[key] = max(peak.get(key, 0.0), rate)
     rates = transcendental_rates(dev, quick=quick, min_run_time=min_run_time, kernels=kernels, log=log)
     name = torch.cuda.get_device_name(dev) if gpu else (platform.processor() or platform.machine() or "cpu")
     log(f"read bandwidth {bw / 1e9:.2f} GB/s, write bandwidth {wbw / 1e9:.2f} GB/s")
+    q = quality(kernels)
+    if q["contended"]:
+        log(f"WARNING: this machine stayed busy while {len(q['kernels'])} kernel(s) were timed "
+            f"({'; '.join(q['reasons'])}): the rates may be far too low; calibrate again when it is idle")
     return {
         "name": f"{name} ({torch.get_num_threads()} threads, measured)" if not gpu else f"{name} (measured)",
         **peak,
@@ -221,4 +394,15 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
         "source": "measured by symcost calibrate (torch.compile + torch.utils.benchmark)",
         "date": time.strftime("%Y-%m-%d"),
         "measured": {"kernels": kernels, "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "quality": q,
     }
+
+
+def _judged(runs: list[dict]) -> dict:
+    """A kernel's verdict over its :func:`measure_rate` results (a difference of two timings for
+    a transcendental rate: contended when either was)."""
+    shares = [r["other_cpu_share"] for r in runs if r.get("other_cpu_share") is not None]
+    return {"rounds": max(r["rounds"] for r in runs), "spread": max(r["spread"] for r in runs),
+            "other_cpu_share": max(shares) if shares else None,
+            "contended": any(r["contended"] for r in runs),
+            "reasons": sorted({x for r in runs for x in r["reasons"]})}

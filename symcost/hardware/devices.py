@@ -114,6 +114,14 @@ class Device:
     write_bandwidth: float | None = None
     transcendental_rate: Mapping[str, float] = field(default_factory=dict)
     serial_passes: bool = False
+    #: how far a calibrated entry's figures can be trusted (:func:`symcost.hardware.calibrate.calibrate`):
+    #: ``contended`` (the machine stayed busy while it was measured) and why; empty for catalogue figures
+    quality: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def contended(self) -> bool:
+        """Whether this entry was measured on a busy machine (its rates may be far too low)."""
+        return bool(self.quality.get("contended"))
 
     def op_seconds(self, flops_seconds: float, read: float, written: float, transcendental_seconds: float = 0.0,
                    row_normalising: bool = False, packed_bytes: float = 0.0) -> tuple[float, str]:
@@ -165,7 +173,7 @@ class Device:
     def to_json(self) -> dict:
         """Plain data: key, name, peak (FLOP/s per precision), bandwidth (byte/s), memory (bytes),
         ridge (FLOP/byte per precision), source, date; where set: write_bandwidth (byte/s),
-        transcendentals, serial_passes, aliases, notes, measured."""
+        transcendentals, serial_passes, aliases, notes, measured, quality."""
         out = {
             "key": self.key, "name": self.name, "peak_flops": dict(self.peak), "bandwidth": self.bandwidth,
             "memory": self.memory, "ridge": {k: v / self.bandwidth for k, v in self.peak.items()},
@@ -183,6 +191,8 @@ class Device:
             out["notes"] = self.notes
         if self.measured:
             out["measured"] = dict(self.measured)
+        if self.quality:
+            out["quality"] = dict(self.quality)
         return out
 
 
@@ -230,7 +240,7 @@ def _device(key: str, entry: Mapping, where: str) -> Device:
     if "bandwidth" not in entry:
         raise SymcostError(f"{where} [{key}]: no bandwidth (byte/s)")
     known = set(PRECISIONS) | {"name", "bandwidth", "write_bandwidth", "memory", "source", "date", "notes", "aliases",
-                               "measured", "transcendentals", "serial_passes"}
+                               "measured", "transcendentals", "serial_passes", "quality"}
     unknown = sorted(set(entry) - known)
     if unknown:
         raise SymcostError(f"{where} [{key}]: unknown field {unknown[0]!r}; accepted: {', '.join(sorted(known))}")
@@ -244,7 +254,15 @@ def _device(key: str, entry: Mapping, where: str) -> Device:
         write_bandwidth=_number(entry, "write_bandwidth", f"{where} [{key}]") if "write_bandwidth" in entry else None,
         transcendental_rate=_transcendentals(entry.get("transcendentals"), f"{where} [{key}]"),
         serial_passes=_flag(entry, "serial_passes", f"{where} [{key}]"),
+        quality=_quality(entry.get("quality", {}), f"{where} [{key}]"),
     )
+
+
+def _quality(value, where: str) -> dict:
+    """A calibrated entry's ``quality`` table (``contended`` true or false, and why)."""
+    if not isinstance(value, Mapping) or not isinstance(value.get("contended", False), bool):
+        raise SymcostError(f"{where}: quality must be a table with contended = true or false")
+    return dict(value)
 
 
 def _flag(entry: Mapping, key: str, where: str) -> bool:

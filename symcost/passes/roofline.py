@@ -35,7 +35,7 @@ import sympy
 from symcost.hardware.devices import TRAINING_PRECISION, Device, dtype_key, op_time
 from symcost.errors import SymcostError
 from symcost.tracing.fit import SYMS
-from symcost.graph.opsets import ROW_NORMALISING
+from symcost.graph.opsets import ROW_NORMALISING, dtype_names, packed_operand
 
 
 def _num(x, env) -> int:
@@ -45,7 +45,7 @@ def _num(x, env) -> int:
 def op_precision(op, default: str) -> str:
     """Device precision key of a :class:`~symcost.graph.ops.SymOp`: its first floating output
     dtype, else its first floating input, else ``default`` (the training precision)."""
-    for d in list(op.out_dtypes) + list(op.in_dtypes):
+    for d in dtype_names(op.out_dtypes) + dtype_names(op.in_dtypes):  # names: no torch for a cached analysis
         k = dtype_key(d)
         if k is not None:
             return k
@@ -100,11 +100,9 @@ def pack_seconds(op, device: Device, env: Mapping) -> float:
     """Seconds a CPU BLAS spends packing a GEMM's [k, n] operand before the multiply (reading and
     writing it once, :meth:`Device.memory_seconds`) on a device with ``serial_passes``; 0 for other
     ops, matrix-vector products (m or n = 1 at ``env``) and other devices."""
-    from symcost.graph import rules
-
     if not device.serial_passes:
         return 0.0
-    pk = rules.packed_operand(op.name, op.in_shapes, op.in_dtypes, op.out_shapes)
+    pk = packed_operand(op.name, op.in_shapes, op.in_dtypes, op.out_shapes)
     if pk is None:
         return 0.0
     b, m, n = pk
@@ -230,7 +228,6 @@ def formulas(an, device: Device, fe=None, fused: bool = True) -> dict:
     rate; on a ``serial_passes`` device the serial forms of :func:`symcost.hardware.devices.op_time`, GEMMs
     taken with m, n > 1), and the ridge points (FLOP/byte) per precision."""
     from symcost.graph import fusion
-    from symcost.graph import rules
 
     fe = fe or fusion.estimate(an)
     train_key = training_precision(an)
@@ -245,7 +242,7 @@ def formulas(an, device: Device, fe=None, fused: bool = True) -> dict:
         t_tr = sympy.Add(*[n / sympy.Float(r, 6) for k, n in op.cost.transcendentals.items()
                            if (r := device.rate_for(k))])
         t_cmp = sympy.Rational(1) * op.cost.flops_all / sympy.Float(peak, 6)
-        pk = rules.packed_operand(op.name, op.in_shapes, op.in_dtypes, op.out_shapes) if device.serial_passes else None
+        pk = packed_operand(op.name, op.in_shapes, op.in_dtypes, op.out_shapes) if device.serial_passes else None
         if device.serial_passes and op.name.rsplit(".", 1)[0] in ROW_NORMALISING:
             terms.append(op.repeat * (t_mem + sympy.Max(t_cmp, t_tr)))
         elif pk is not None:  # a GEMM on a CPU (m, n > 1): packing, then the multiply

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 import sympy
 
 from symcost.tracing.fit import SYMS
-from symcost.units import gib, parse_memory
+from symcost.units import binary, gib, parse_memory
 from symcost.passes.memory import STEP_BYTES, memory_model
 from symcost.passes.memory.live import _pareto, _peval
 
@@ -45,7 +45,10 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     ``sympy.sympify`` parses when ``evaluate`` is false, integers at ``sizes`` when true; by
     default integers exactly when sizes are given) and ``max_batch``, ``memory_at_max``,
     ``memory_cap`` (integers, at the sizes or the model's defaults), ``max_batch_reason`` (why
-    ``max_batch`` is 0: :meth:`MemoryModel.no_fit_reason`; None otherwise).
+    ``max_batch`` is 0: :meth:`MemoryModel.no_fit_reason`; None otherwise), ``fits`` (whether
+    the peak at the sizes is within the cap) with ``fits_reason`` (why not; None when it fits),
+    and when evaluated ``peak_parts`` (:meth:`MemoryModel.peak_parts`: the static parts and the
+    live set at the peak, adding up to ``peak``).
 
     Raises:
         SymcostError: bad cap, policy, optimizer or sizes.
@@ -114,13 +117,25 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     lines.append(f"{named} {at}: {' + '.join(f'{comp[k]:,}' for k in keys)} = {sum(comp[k] for k in keys):,} bytes "
                  f"({gib(sum(comp[k] for k in keys))}); the static row leaves the gradients out (the backward "
                  "allocates them: the peak counts them in its live sets)")
-    where = mm.peak_where(**vsizes)
-    lines.append(f"peak {at}: {gib(comp['peak'])}, reached at {where}")
+    parts = mm.peak_parts(**vsizes)
+    live = [(k, name) for k, name in (("gradients", "gradients"), ("forward", "forward tensors still live"),
+                                      ("backward", "backward temporaries"),
+                                      ("optimizer_step", "optimizer-step temporaries")) if parts[k]]
+    lines.append(f"peak {at}: {gib(comp['peak'])}, reached at {parts['where']}; = static {gib(static_v)}"
+                 + "".join(f" + {name} {gib(parts[k])}" for k, name in live))
     if "B" not in mm.gens:
         sol = None
         lines.append(f"B is pinned to {an.pinned.get('B', 1)} in this trace: run max-batch without --set B to solve for it")
     else:
         sol = mm.solve(capb, "B", **{s: v for s, v in vsizes.items() if s != "B"})
+    fits = comp["peak"] <= capb
+    fits_reason = None
+    if not fits:  # the sizes asked for do not fit under the cap: say so, whatever max_batch is
+        fits_reason = (f"the peak {at}, {comp['peak']:,} bytes ({binary(comp['peak'])}), exceeds the cap "
+                       f"{capb:,} bytes ({binary(capb)}) by {binary(comp['peak'] - capb)}")
+        if sol is not None and sol.value >= 1:
+            fits_reason += f"; the largest B that fits at the other sizes is {sol.value}"
+        lines.append(f"[bold red]does not fit[/bold red] under {gib(capb)}: {fits_reason}")
     reason = None
     if sol is None:
         pass
@@ -145,6 +160,10 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     js["max_batch_reason"] = reason  # why max_batch is 0 (None when a batch fits or B is pinned)
     js["memory_at_max"] = sol.memory_at if sol else None
     js["memory_cap"] = capb
+    js["fits"] = fits  # whether the peak at the sizes (or the defaults) is within memory_cap
+    js["fits_reason"] = fits_reason  # why not (None when it fits)
+    if evaluate:
+        js["peak_parts"] = parts  # static parts + the live set at the peak, adding up to peak
     js["optimizer_name"] = opt.name
     js["optimizer_impl"] = mm.impl
     js["device"] = device

@@ -178,8 +178,8 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
         impl, dev = js.get("optimizer_impl"), js.get("device")
         g.add_row("optimizer", opt + (f"; memory cap {human(cap, 'B')}" if cap else "")
                   + (f"; {impl} step on {dev}" if impl and dev else ""))
-    att = an.spec.extra.get("attention")
-    if an.model.startswith("hf:") and att:
+    att = an.spec.extra.get("attention")  # what the model was built with (hf:, config.json): JSON's `attention`
+    if att:
         g.add_row("attention", att + (" (transformers' default; --attention eager: explicit matmuls)"
                                       if att == "sdpa" else " (explicit matmuls)"))
     else:
@@ -408,6 +408,8 @@ def render_values(an: Analysis, sizes: Mapping[str, int], memory: dict | None = 
                 c.print(f"  memory.{k:<22} {v:>17,}" + (f"   ({human(v, unit)})" if unit else ""))
                 if k == "max_batch" and memory["json"].get("max_batch_reason"):
                     c.print(f"    (no batch fits: {memory['json']['max_batch_reason']})")
+        if memory["json"].get("fits") is False:
+            c.print(f"  [bold red]does not fit[/bold red]: {memory['json']['fits_reason']}")
     _unsupported(c, an, env)
 
 

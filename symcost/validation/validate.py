@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from symcost.graph import rules
-from symcost.hardware.calibrate import compiled, measure
+from symcost.hardware.calibrate import Contention, compiled, cpu_times as _cpu_times, measure  # noqa: F401
 from symcost.hardware.devices import Device, dtype_key
 from symcost.graph.opsets import ROW_NORMALISING
 
@@ -279,50 +279,6 @@ GPU_STEPS = {"mlp": {"B": 16, "S": 512, "D": 4096, "L": 4},
              "cs336-lm": {"B": 8, "S": 1024, "H": 16, "D": 64, "L": 4, "V": 32000, "F": 2816}}
 
 
-def _cpu_times() -> tuple[float, float, float] | None:
-    """(machine busy CPU-seconds, machine total CPU-seconds, this process's CPU-seconds), from
-    /proc/stat and os.times(); None where /proc/stat is missing."""
-    import os
-
-    try:
-        with open("/proc/stat") as f:
-            vals = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    tick = os.sysconf("SC_CLK_TCK")
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-    t = os.times()
-    return (sum(vals[:8]) - idle) / tick, sum(vals[:8]) / tick, t.user + t.system
-
-
-class Contention:
-    """The share of the machine's CPU time that other processes used while kernels were timed
-    (0: the machine was ours; 0.75: others held three quarters of it)."""
-
-    def __init__(self):
-        self.busy = self.total = self.own = 0.0
-        self.known = True
-
-    def __enter__(self):
-        self._start = _cpu_times()
-        return self
-
-    def __exit__(self, *exc):
-        end = _cpu_times()
-        if self._start is None or end is None:
-            self.known = False
-            return
-        self.busy += end[0] - self._start[0]
-        self.total += end[1] - self._start[1]
-        self.own += end[2] - self._start[2]
-
-    @property
-    def share(self) -> float | None:
-        if not self.known or self.total <= 0:
-            return None
-        return max(0.0, min(1.0, (self.busy - self.own) / self.total))
-
-
 @dataclass
 class Validation:
     """Result of :func:`validate`: the device used, one row per kernel, the failed checks."""
@@ -337,7 +293,8 @@ class Validation:
     def to_json(self) -> dict:
         return {"device": self.device.to_json(), "kernels": self.rows, "scaling": self.scaling,
                 "failures": self.failures, "ok": not self.failures,
-                "attempts": self.attempts, "contention": self.contention}
+                "attempts": self.attempts, "contention": self.contention,
+                "calibration_contended": self.device.contended}
 
 
 def check(rows: list[dict], tolerance: float = 0.10) -> tuple[list[str], list[dict]]:
@@ -390,9 +347,11 @@ def _merge(old: Device | None, entry: Mapping[str, Any]) -> Device:
     wbw = max(old.write_bandwidth or old.bandwidth, new.write_bandwidth or new.bandwidth)
     tr = {k: max(old.transcendental_rate.get(k, 0.0), new.transcendental_rate.get(k, 0.0))
           for k in set(old.transcendental_rate) | set(new.transcendental_rate)}
+    # contended only if every calibration was (the best rates come from a calm one otherwise)
+    quality = old.quality if not old.contended else new.quality
     return Device(key=new.key, name=new.name, peak=peak, bandwidth=bw, source=new.source, date=new.date,
                   measured=new.measured, write_bandwidth=wbw if wbw < bw else None, transcendental_rate=tr,
-                  serial_passes=new.serial_passes)
+                  serial_passes=new.serial_passes, quality=quality)
 
 
 def validate(device: Device | None = None, quick: bool = False,

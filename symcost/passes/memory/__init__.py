@@ -28,7 +28,7 @@ rings (``sympy.polys.rings``, exact ``ZZ``/``QQ`` coefficients).
 The package: :mod:`.policies` (bytes per element by precision policy and optimizer),
 :mod:`.live` (live sets, dominance), :mod:`.model` (:class:`MemoryModel`: static memory,
 activations, peak), :mod:`.solve` (largest batch or sequence under a cap, accumulation plans),
-:mod:`.results` (what the solver returns). The schedule itself is fitted by the tracer
+:mod:`.results` (what the solver returns), :mod:`.advice` (what would fit when nothing does). The schedule itself is fitted by the tracer
 (:mod:`symcost.tracing.schedule`); the report's text is :mod:`symcost.render.memory`.
 
 Public entry points: :func:`memory_model` (-> :class:`MemoryModel` with ``peak``, ``solve``,
@@ -45,3 +45,4 @@ from symcost.passes.memory.policies import (  # noqa: F401
 from symcost.passes.memory.live import Candidate  # noqa: F401
 from symcost.passes.memory.results import AccumulationPlan, NothingFits, Solution  # noqa: F401
 from symcost.passes.memory.model import MemoryModel, memory_model  # noqa: F401
+from symcost.passes.memory.advice import alternatives, alternatives_text  # noqa: F401

@@ -61,6 +61,11 @@ class Candidate:
     shifted: Any
     min_L: int  # valid for L >= min_L only (needs that many blocks)
     label: str
+    #: where in the folded schedule it lies, to split it into its parts
+    #: (:meth:`~symcost.passes.memory.model.MemoryModel.peak_parts`): ``(unit, event, last_pass)``
+    #: for a live set after event ``event`` of unit ``unit`` (in its last pass, else its first),
+    #: ``("optimizer", temporaries)`` for the optimizer step; None where it has no parts
+    origin: Any = None
 
 
 def _pareto(cands: list[Candidate]) -> list[Candidate]:

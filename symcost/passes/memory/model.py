@@ -195,7 +195,7 @@ class MemoryModel(Solver):
                 s = shifted[k] = alg.shift(self._evpolys[k])
             return s
 
-        for ids, rep, min_L, ulabel in self.units:
+        for ui, (ids, rep, min_L, ulabel) in enumerate(self.units):
             # prefix sums within one pass of the unit; only allocations can raise the maximum
             local: list[Candidate] = []
             pre, pre_s = R.zero, R.zero
@@ -211,23 +211,24 @@ class MemoryModel(Solver):
             delta = pre
             locs = _pareto(local)
             if rep == 1:
-                offsets = [(base, 1)]
+                offsets = [(base, 1, False)]
             else:
                 s = _sign(alg, delta)
                 offsets = []
                 if s >= 0:  # the last pass can be the highest: base + (rep - 1)·delta
-                    offsets.append((base + (rep - 1) * delta, min_L))
+                    offsets.append((base + (rep - 1) * delta, min_L, True))
                 if s <= 0:  # the first pass can be the highest
-                    offsets.append((base, min_L))
-            for off, mL in offsets:
+                    offsets.append((base, min_L, False))
+            for off, mL, last in offsets:
                 off_s = alg.shift(off)
                 for c in locs:
-                    out.append(Candidate(off + c.poly, off_s + c.shifted, mL, self._label(int(c.label), ulabel)))
+                    out.append(Candidate(off + c.poly, off_s + c.shifted, mL, self._label(int(c.label), ulabel),
+                                         (ui, int(c.label), last)))
             base = base + rep * delta
         # optimizer step: gradients (and whatever else is live) plus its temporaries
         base_s = alg.shift(base)
         for t, what in self._optimizer_transients():
-            out.append(Candidate(base + t, base_s + alg.shift(t), 1, f"optimizer step ({what})"))
+            out.append(Candidate(base + t, base_s + alg.shift(t), 1, f"optimizer step ({what})", ("optimizer", t)))
         if not out:
             out.append(Candidate(R.zero, R.zero, 1, "step"))
         self.end_live = base
@@ -304,6 +305,94 @@ class MemoryModel(Solver):
         vals = self._values(env)
         L = env.get(SYMS["L"])
         return max(self._cands(L, False), key=lambda c: _peval(c.poly, vals)).label
+
+    #: the parts of a live set (:meth:`peak_parts`), in the order a table shows them
+    LIVE_PARTS = ("gradients", "forward", "backward", "optimizer_step")
+
+    def peak_parts(self, accumulate: bool = False, **sizes: int) -> dict[str, Any]:
+        """What the peak at ``sizes`` is made of, in bytes, adding up to :meth:`peak` exactly.
+
+        The static parts (live all step: ``params``, ``optimizer``, ``master_weights``,
+        ``buffers``, ``inputs``), then the live set where the peak is reached, split by the
+        storages in it: ``gradients`` (gradient buffers allocated so far: all of them at the
+        optimizer step, the blocks done so far in the backward; all of them from the start in an
+        accumulation micro-step), ``forward`` (storages the forward allocated that are still
+        live: the activations saved for backward that the backward has not yet freed, and at a
+        forward peak the forward's own outputs), ``backward`` (other storages the backward
+        allocated: activation gradients and temporaries), ``optimizer_step`` (the optimizer's
+        temporaries, :meth:`_optimizer_transients`). Each storage goes to the part of the op that
+        allocated it (the schedule's events, ``MemorySchedule.events``); the walk replays the
+        fold of :meth:`_candidates` up to the winning live set. Also ``peak`` (the sum) and
+        ``where`` (its label).
+
+        Raises:
+            SymcostError: bad sizes (see ``Analysis.bind``).
+        """
+        env = self._env(sizes)
+        vals = self._values(env)
+        L = env.get(SYMS["L"])
+        ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731
+        out: dict[str, Any] = {k: ev(getattr(self, k)) for k in
+                               ("params", "optimizer", "master_weights", "buffers", "inputs")}
+        live = dict.fromkeys(self.LIVE_PARTS, 0)
+        win = max(self._cands(L, accumulate), key=lambda c: _peval(c.poly, vals))
+        events = self.schedule.events
+        size = [_peval(p, vals) for p in self._evpolys]
+
+        def part(k):
+            a = events[events[k].alloc]
+            return "gradients" if a.grad else ("forward" if a.phase == "forward" else "backward")
+
+        if accumulate:
+            live["gradients"] += ev(self.grads)
+        origin = win.origin
+        in_unit = origin is not None and origin[0] != "optimizer"
+        stop = origin[0] if in_unit else len(self.units)  # units before it are passed in full
+        for ui, (ids, rep, _min_L, _label) in enumerate(self.units[:stop + 1]):
+            n = _peval(rep, vals)
+            delta = dict.fromkeys(self.LIVE_PARTS, 0)
+            prefix = None
+            for k in ids:
+                if accumulate and k in self.grad_events:
+                    if ui == stop and k == origin[1]:  # a new gradient, added in place: the peak
+                        prefix = dict(delta)
+                        prefix["gradients"] += size[k]
+                    continue
+                delta[part(k)] += size[k]
+                if ui == stop and k == origin[1]:
+                    prefix = dict(delta)
+            if ui < stop:
+                for key, b in delta.items():
+                    live[key] += n * b
+            else:  # the winning pass: the n - 1 passes before it if it is the last, then its prefix
+                for key in self.LIVE_PARTS:
+                    live[key] += ((n - 1) * delta[key] if origin[2] else 0) + prefix[key]
+        if origin is not None and origin[0] == "optimizer":
+            live["optimizer_step"] += int(_peval(origin[1], vals))
+        out.update({k: int(v) for k, v in live.items()})
+        out["peak"] = sum(out[k] for k in ("params", "optimizer", "master_weights", "buffers", "inputs",
+                                           *self.LIVE_PARTS))
+        out["where"] = win.label
+        if origin is not None and out["peak"] != self.peak(accumulate, **sizes):  # pragma: no cover - a bug
+            raise SymcostError(f"{self.an.model}: the parts of the peak do not add up at {dict(sizes)}")
+        return out
+
+    def step_floor(self, **sizes: int) -> int:
+        """Bytes no activation checkpointing plan goes below at ``sizes``: static memory plus the
+        live set of the optimizer step (what is live when the backward ends: the gradients and
+        any storage the step leaves; plus the optimizer's largest temporaries,
+        :meth:`_optimizer_transients`). Checkpointing changes what the forward keeps for the
+        backward, not these.
+
+        Raises:
+            SymcostError: bad sizes (see ``Analysis.bind``).
+        """
+        env = self._env(sizes)
+        vals = self._values(env)
+        end = sum(_peval(rep, vals) * sum(_peval(self._evpolys[k], vals) for k in ids)
+                  for ids, rep, _m, _l in self.units)
+        temps = max((_peval(t, vals) for t, _ in self._optimizer_transients()), default=0)
+        return int(sympy.sympify(self.static).xreplace(env)) + int(end) + int(temps)
 
     def peak_terms(self, accumulate: bool = False) -> list[tuple[sympy.Expr, int, str]]:
         """The live sets that can be the largest at some sizes: ``(bytes on top of static,
