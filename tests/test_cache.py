@@ -128,7 +128,8 @@ def test_python_trace_reads_and_writes_the_cache(cache_dir, capsys, monkeypatch)
     batch size, same regime) is a fraction of the first and gives a fresh trace's numbers at
     random sizes; the CLI reads the entry the API wrote (no trace); ``use_cache=False`` and a
     ModelSpec neither read nor write; sizes a model refuses are refused from a cached entry too;
-    a cached analysis says clearly that checkpoint plans need the live trace."""
+    a cached analysis gives the block costs checkpoint plans need and says clearly that
+    in_regime (a recording) needs the live trace."""
     import time
 
     import symcost
@@ -151,8 +152,10 @@ def test_python_trace_reads_and_writes_the_cache(cache_dir, capsys, monkeypatch)
     _same(fresh, warm, random.Random(6))
     with pytest.raises(SymcostError, match="1024 learned positions"):
         symcost.trace("gpt2", precision="fp32", sizes={"S": 2048})  # GPT-2's 1024 positions, as fresh
+    env = {k: v for k, v in fresh.bind(B=2, S=48).items()}  # block costs read from the cached data
+    assert checkpoint.block_costs(warm).sequence(4, env) == checkpoint.block_costs(fresh).sequence(4, env)
     with pytest.raises(SymcostError, match="use_cache=False"):
-        checkpoint.block_costs(warm)
+        warm.in_regime(B=2)
 
     def no_trace(*a, **k):
         raise AssertionError("traced although the cache holds this regime")

@@ -163,6 +163,7 @@ PEAK_ROWS = (
     ("forward", "forward tensors still live (activations saved for backward, ...)"),
     ("backward", "backward temporaries (activation gradients, ...)"),
     ("optimizer_step", "optimizer-step temporaries"),
+    ("checkpointed", "live set of the checkpointed step (gradients so far, kept inputs, recomputed activations, temporaries)"),
 )
 
 
@@ -205,7 +206,8 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
         t.add_column("bytes", justify="right")
         t.add_column("")
         for k, label in PEAK_ROWS:
-            t.add_row(label, f"{parts[k]:,}", human(parts[k], "B"))
+            if k in parts:
+                t.add_row(label, f"{parts[k]:,}", human(parts[k], "B"))
         t.add_row("[bold]peak (the sum)[/bold]", f"{parts['peak']:,}", human(parts["peak"], "B"))
         c.print(t)
         c.print(f"  peak reached at: {parts['where']}")

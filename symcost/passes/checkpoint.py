@@ -901,7 +901,7 @@ def _holds(sub, sizes: Mapping[str, int]) -> bool:
     if any(s in values and values[s] != v for s, v in sub.pinned.items() if s != "L"):
         return False
     facts, spec = getattr(sub, "request_facts", None), getattr(sub, "spec", None)
-    if not facts or spec is None:  # read from the trace cache: served for the regime it was given for
+    if not facts or spec is None or not sub.recordings:  # from the trace cache: given for this request
         return True
     req = {s: v for s, v in values.items() if s in spec.all_symbols}
     return request_facts(spec.values(req, inputs=False), spec.all_symbols) == facts
@@ -1268,6 +1268,23 @@ class CheckpointedMemory:
     def peak_where(self, **sizes: int) -> str:
         plan, ch = self.at(**sizes)
         return ch.schedule.simulate(plan.segments)[1]
+
+    def peak_parts(self, accumulate: bool = False, **sizes: int) -> dict[str, Any]:
+        """What the checkpointed step's peak at ``sizes`` is made of, in bytes, adding up to
+        :meth:`peak`: the static parts of :meth:`MemoryModel.peak_parts` (``params``,
+        ``optimizer``, ``master_weights``, ``buffers``, ``inputs``), and the live set where the
+        peak is reached as one part, ``checkpointed`` (gradients so far, kept block inputs and
+        RNG states, a segment's recomputed activations, temporaries: the composed schedule,
+        :class:`StepSchedule`, does not split it further); the plain step's live parts are 0.
+        Also ``peak`` and ``where``."""
+        plan, ch = self.at(accumulate, **sizes)
+        peak, where = ch.schedule.simulate(plan.segments)
+        out: dict[str, Any] = {k: v for k, v in self.plain.peak_parts(accumulate, **sizes).items()
+                               if k in ("params", "optimizer", "master_weights", "buffers", "inputs")}
+        out.update(dict.fromkeys(self.plain.LIVE_PARTS, 0))
+        out["checkpointed"] = int(peak) - sum(out.values())
+        out["peak"], out["where"] = int(peak), where
+        return out
 
     def components(self, **sizes: int) -> dict[str, int]:
         """As :meth:`MemoryModel.components`, with the checkpointed step's ``peak`` and, as

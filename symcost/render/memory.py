@@ -120,7 +120,8 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     parts = mm.peak_parts(**vsizes)
     live = [(k, name) for k, name in (("gradients", "gradients"), ("forward", "forward tensors still live"),
                                       ("backward", "backward temporaries"),
-                                      ("optimizer_step", "optimizer-step temporaries")) if parts[k]]
+                                      ("optimizer_step", "optimizer-step temporaries"),
+                                      ("checkpointed", "the checkpointed step's live set")) if parts.get(k)]
     lines.append(f"peak {at}: {gib(comp['peak'])}, reached at {parts['where']}; = static {gib(static_v)}"
                  + "".join(f" + {name} {gib(parts[k])}" for k, name in live))
     if "B" not in mm.gens:
