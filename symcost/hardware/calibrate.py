@@ -9,10 +9,12 @@ kernels:
   (``torch.utils.flop_counter``'s mm formula); on a CPU over the time left after the BLAS's
   packing of the [k, n] operand (read and written once at the measured bandwidths), which the
   roofline adds back for every GEMM on such a device;
-- bandwidth: large element-wise kernels (scale, add) and a full reduction (sum), bytes as
-  symcost counts them (inputs read + outputs written, docs/conventions.md), on tensors several
-  times the last-level cache. The reduction only reads: the best rate of the three is the
-  streaming-read ``bandwidth``. On a CPU a written byte costs more (the cache line is first read:
+- bandwidth: large element-wise kernels (scale, add), a full reduction (sum) and a
+  matrix-vector product (the BLAS's gemv, [2048, n] x [n, 1]), bytes as symcost counts them
+  (inputs read + outputs written, docs/conventions.md), on tensors several times the last-level
+  cache. The reduction and the matrix-vector product only read: the best rate of the four is
+  the streaming-read ``bandwidth`` (the BLAS's gemv prefetches and on some CPUs streams faster
+  than a compiled reduction; a bound below what a kernel reaches would not be a bound). On a CPU a written byte costs more (the cache line is first read:
   write-allocate), so the time the write-heavy kernels take beyond reading their inputs gives a
   ``write_bandwidth`` (entered only where it is at least 5% below the read figure); the
   roofline then times read bytes at ``bandwidth`` and written bytes at ``write_bandwidth``.
@@ -341,22 +343,29 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
     x = torch.randn(numel, device=dev)
     y = torch.randn(numel, device=dev)
     item = x.element_size()
+    rows = 2048 if not gpu else 1 << 14
+    mat, vec = x.view(rows, numel // rows), torch.randn(numel // rows, 1, device=dev)
     streams = [  # (name, kernel, args, bytes read, bytes written)
         ("sum (reduction)", compiled(lambda a: a.sum()), (x,), numel * item, item),
         ("scale (x*2)", compiled(lambda a: a * 2.0), (x,), numel * item, numel * item),
         ("add (x+y)", compiled(lambda a, b: a + b), (x, y), 2 * numel * item, numel * item),
+        # the BLAS's matrix-vector product streams its matrix with its own prefetching, on a CPU
+        # often faster than a compiled reduction: a read rate too ([rows, n] x [n, 1], aten.mm)
+        ("matrix-vector", compiled(lambda a, v: a @ v), (mat, vec), (numel + numel // rows) * item, rows * item),
     ]
+    write_heavy = ("scale (x*2)", "add (x+y)")
     times = {}
     for name, fn, args, rd, wr in streams:
         t = measure_rate(fn, *args, min_run_time=min_run_time, cpu_bound=not gpu, log=log, label=name)
         times[name] = (t["min"], rd, wr)
         rate = (rd + wr) / t["min"]
-        kernels.append({"kernel": f"{name} {numel} fp32", "flops": numel, "bytes": rd + wr, "written": wr,
+        kernels.append({"kernel": f"{name} {numel} fp32", "flops": 2 * numel if name == "matrix-vector" else numel,
+                        "bytes": rd + wr, "written": wr,
                         "seconds": t["min"], "median": t["median"], "byte_per_s": rate, **_judged([t])})
         log(f"{name} on {numel * item / 2**20:.0f} MiB: {rate / 1e9:.2f} GB/s")
     bw = max((rd + wr) / t for t, rd, wr in times.values())
     # written bytes: what the write-heavy kernels take beyond reading their inputs at ``bw``
-    wbw = max((wr / (t - rd / bw) if t > rd / bw else bw) for t, rd, wr in times.values() if wr > item)
+    wbw = max((wr / (t - rd / bw) if t > rd / bw else bw) for name, (t, rd, wr) in times.items() if name in write_heavy)
     wbw = min(wbw, bw)
     wbw_used = wbw if wbw < 0.95 * bw else bw  # the entry keeps a write bandwidth only below 95%
     peak: dict[str, float] = {}
