@@ -466,13 +466,21 @@ def recompute_last(an) -> tuple[sympy.Expr | None, sympy.Expr | None]:
 
 
 def _uniform_trace(an, k: int):
+    """``an``'s step with every k blocks checkpointed (:func:`uniform_spec`), traced in ``an``'s
+    own regime: at the sizes ``an`` was requested at (``an.request_sizes``; L left out, there it
+    counts segments), so the two traces tie and pin the same symbols (K = H or not, a pinned
+    ALiBi head count) and their difference is the recomputation alone. An analysis that does not
+    keep its request is traced at its pinned values."""
     from symcost.graph.build import trace
 
-    key = (id(an.spec), an.precision, "uniform", k)
+    sizes = {s: int(v) for s, v in (getattr(an, "request_sizes", None) or {}).items()
+             if s != "L" or s in an.pinned}
+    sizes.update({s: int(v) for s, v in an.pinned.items()})
+    key = (id(an.spec), an.precision, "uniform", k, tuple(sorted(sizes.items())))
     sub = _TRACES.get(key)
     if sub is None:
         spec = uniform_spec(an.spec, an.layer_container or "", k)
-        sub = trace(spec, sizes={s: 1 for s, v in an.pinned.items()}, precision=an.precision)
+        sub = trace(spec, sizes=sizes, precision=an.precision)
         _TRACES[key] = sub
     return sub
 
