@@ -81,6 +81,7 @@ def test_full_recompute_equals_flopcountermode_of_the_checkpointed_step(traced, 
 
 
 @pytest.mark.heavy
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 def test_full_and_selective_recompute_hf_llama_gqa():
     """hf:llama with grouped-query attention (K < H: the regime the checkpointed step used to be
     traced in wrongly, K tied to H): full recomputation through ``gradient_checkpointing_enable``,
