@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count
 
 import symcost
 from symcost.graph import rules
@@ -31,10 +31,13 @@ aten = torch.ops.aten
 # The issue's worked example: B=2, H=16, S=1024, D=64. Forward: Q·Kᵀ is B·H products of
 # [S, D]·[D, S] (2·S²·D FLOPs each) and P·V as many [S, S]·[S, D] (2·S²·D): 4·B·H·S²·D.
 # Backward (sdpa_backward_flop_count): recomputed Q·Kᵀ, dP = dO·Vᵀ, dV = Pᵀ·dO, dQ = dS·K,
-# dK = dSᵀ·Q, five products of 2·S²·D: 10·B·H·S²·D.
+# dK = dSᵀ·Q, five products of 2·S²·D: 10·B·H·S²·D hardware FLOPs. Model FLOPs leave the
+# recomputed scores out (the same for every kernel: eager attention's autograd runs the four
+# gradient products only): 8·B·H·S²·D.
 EXAMPLE = {"B": 2, "H": 16, "S": 1024, "D": 64}
 EXAMPLE_FWD = 4 * 2 * 16 * 1024**2 * 64
-EXAMPLE_BWD = 10 * 2 * 16 * 1024**2 * 64
+EXAMPLE_BWD = 10 * 2 * 16 * 1024**2 * 64  # hardware (FlopCounterMode's sdpa_backward_flop_count)
+EXAMPLE_BWD_MODEL = 8 * 2 * 16 * 1024**2 * 64
 assert EXAMPLE_FWD == 8_589_934_592
 
 
@@ -116,14 +119,17 @@ def test_attention_kernel_symbolic_and_concrete(name):
     assert len(bwd_op) == 1 and bwd_op[0].phase == "backward", [op.name for op in an.ops]
     # symbolic: exactly the hand formulas, whatever the kernel's layout
     assert sympy.expand(fwd_op[0].cost.flops - 4 * B * H * S**2 * D) == 0
-    assert sympy.expand(bwd_op[0].cost.flops - 10 * B * H * S**2 * D) == 0
+    assert sympy.expand(bwd_op[0].cost.flops - 8 * B * H * S**2 * D) == 0
+    assert sympy.expand(bwd_op[0].cost.flops_hw - 10 * B * H * S**2 * D) == 0
     assert sympy.expand(an.flops("forward") - 4 * B * H * S**2 * D) == 0
+    assert sympy.expand(an.flops("forward", "hardware") - 4 * B * H * S**2 * D) == 0
     assert not an.unsupported
     # the issue's example, from the formula and from a concrete recording at those sizes
     assert an.subs(**EXAMPLE)["flops.forward"] == EXAMPLE_FWD
     rec = concrete_totals(record(an.spec, EXAMPLE, "fp32"))
-    assert (rec["flops.forward"], rec["flops.backward"]) == (EXAMPLE_FWD, EXAMPLE_BWD)
-    # FlopCounterMode on the same kernel (fake tensors: the shapes are what it reads)
+    assert (rec["flops.forward"], rec["flops.backward"]) == (EXAMPLE_FWD, EXAMPLE_BWD_MODEL)
+    assert (rec["flops_hw.forward"], rec["flops_hw.backward"]) == (EXAMPLE_FWD, EXAMPLE_BWD)
+    # FlopCounterMode on the same kernel (fake tensors: the shapes are what it reads): hardware FLOPs
     with FakeTensorMode():
         x = torch.randn(2, 16, 1024, 64)
         model = Attention(name)
@@ -141,6 +147,55 @@ def test_attention_kernel_symbolic_and_concrete(name):
         assert (fc.get_total_flops(), fcb.get_total_flops()) == (swapped, swapped * 10 // 4)
 
 
+class SDPA(nn.Module):
+    """x [B, H, S, D] -> q, k, v by elementwise scales -> attention, fused (SDPA) or eager
+    (softmax(q·kᵀ/√D)·v, the matmuls autograd differentiates one by one)."""
+
+    def __init__(self, fused):
+        super().__init__()
+        self.fused = fused
+        self.scale = nn.Parameter(torch.ones(3, 1, 1, 1))
+
+    def forward(self, x):
+        q, k, v = (x * self.scale[i] for i in range(3))
+        if self.fused:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mask = torch.ones(x.shape[-2], x.shape[-2], dtype=torch.bool).tril()
+        att = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~mask, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+def test_fused_attention_model_flops_are_eager_autograds_and_hardware_flops_flopcountermodes():
+    """Model FLOPs do not depend on the kernel: a fused attention backward's model FLOPs equal
+    FlopCounterMode's count of eager attention's backward (the four gradient products dP, dV, dQ,
+    dK: 8·B·H·S²·D), and its hardware FLOPs equal FlopCounterMode's ``sdpa_backward_flop_count``
+    (those plus the recomputed scores: 10·B·H·S²·D). Random sizes, real CPU tensors."""
+    rng = random.Random(14)
+    for _ in range(4):
+        b, h, s, d = rng.randint(1, 3), rng.randint(1, 5), rng.randint(3, 40), rng.randint(2, 24)
+        sizes = {"B": b, "H": h, "S": s, "D": d}
+        counts = {}
+        for fused in (True, False):
+            spec = symcost.ModelSpec(
+                name="sdpa" if fused else "eager", symbols=("H", "D"), defaults=dict(sizes),
+                build=lambda v, fused=fused: SDPA(fused),
+                make_inputs=lambda v, device: ((torch.randn(v["B"], v["H"], v["S"], v["D"], device=device),), {}),
+                loss=lambda out, inputs: out.sum())
+            counts[fused] = concrete_totals(record(spec, sizes, "fp32"))
+        model, x = SDPA(False), torch.randn(b, h, s, d)
+        loss = model(x).sum()
+        with FlopCounterMode(display=False) as fc:
+            loss.backward()
+        eager_bwd = fc.get_total_flops()
+        assert eager_bwd == 8 * b * h * s * s * d
+        assert counts[True]["flops.backward"] == counts[False]["flops.backward"] == eager_bwd
+        assert counts[True]["flops_hw.backward"] == \
+            sdpa_backward_flop_count((b, h, s, d), (b, h, s, d), (b, h, s, d), (b, h, s, d)) \
+            == 10 * b * h * s * s * d
+        assert counts[False]["flops_hw.backward"] == eager_bwd
+        assert counts[True]["flops.forward"] == counts[False]["flops.forward"] == 4 * b * h * s * s * d
+
+
 def _view(op, in_shapes, out_shapes, args, kwargs=None):
     f32 = torch.float32
     return rules.OpView(op, str(op), in_shapes, [f32] * len(in_shapes), out_shapes, [f32] * len(out_shapes),
@@ -155,7 +210,7 @@ def test_raw_kernels_grouped_query_and_varlen_by_hand():
     b, sq, sk, hq, hk, d = 2, 5, 7, 6, 3, 11
     q, k = (b, sq, hq, d), (b, sk, hk, d)
     lse = (b, hq, sq)
-    fwd_hand, bwd_hand = 4 * b * hq * sq * sk * d, 10 * b * hq * sq * sk * d
+    fwd_hand, bwd_hand, bwd_hw = 4 * b * hq * sq * sk * d, 8 * b * hq * sq * sk * d, 10 * b * hq * sq * sk * d
     fwd = rules.cost(_view(aten._flash_attention_forward.default, [q, k, k], [q, lse],
                            (q, k, k, None, None, sq, sk, 0.0, True, False)))
     assert fwd.flops == fwd_hand
@@ -164,10 +219,10 @@ def test_raw_kernels_grouped_query_and_varlen_by_hand():
     assert fwd.flops == fwd_hand
     bwd = rules.cost(_view(aten._flash_attention_backward.default, [q, q, k, k, q, lse], [q, k, k],
                            (q, q, k, k, q, lse, None, None, sq, sk, 0.0, True, (2,), (0,))))
-    assert bwd.flops == bwd_hand
+    assert (bwd.flops, bwd.flops_hw, bwd.flops_all) == (bwd_hand, bwd_hw, bwd_hw)
     bwd = rules.cost(_view(aten._efficient_attention_backward.default, [q, q, k, k, q, lse], [q, k, k, (0,)],
                            (q, q, k, k, None, q, None, None, sq, sk, lse, 0.0, (), (), 0, False)))
-    assert bwd.flops == bwd_hand
+    assert (bwd.flops, bwd.flops_hw, bwd.flops_all) == (bwd_hand, bwd_hw, bwd_hw)
     # varlen: 3 sequences (offsets of length 4) packed as [total, H, D], max lengths 7 and 9
     n, total, h, d, mq, mk = 3, 20, 6, 8, 7, 9
     qv, kv, off = (total, h, d), (total + 4, h, d), (n + 1,)
@@ -198,8 +253,9 @@ class GroupedRaw(nn.Module):
 
 @pytest.mark.parametrize("kind", ["flash", "efficient"])
 def test_raw_kernels_grouped_query_symbolic(kind):
-    """With K key/value heads as a symbol, the count stays 4·B·H·S²·D / 10·B·H·S²·D (over the H
-    query heads) and is derived on the symbols (the registry's check H % K == 0 is skipped)."""
+    """With K key/value heads as a symbol, the count stays 4·B·H·S²·D forward, 8·B·H·S²·D model
+    and 10·B·H·S²·D hardware FLOPs backward (over the H query heads) and is derived on the
+    symbols (the registry's check H % K == 0 is skipped)."""
     spec = symcost.ModelSpec(
         name=f"gqa-{kind}", symbols=("H", "D", "K"), defaults={"B": 2, "S": 8, "H": 4, "D": 8, "K": 2},
         build=lambda v: GroupedRaw(v["K"], kind),
@@ -209,7 +265,8 @@ def test_raw_kernels_grouped_query_symbolic(kind):
     an = symcost.trace(spec, precision="fp32", sizes={"H": 4, "K": 2})
     assert "K" in an.symbols
     assert sympy.expand(an.flops("forward") - 4 * B * H * S**2 * D) == 0
-    assert sympy.expand(an.flops("backward") - 10 * B * H * S**2 * D) == 0
+    assert sympy.expand(an.flops("backward") - 8 * B * H * S**2 * D) == 0
+    assert sympy.expand(an.flops("backward", "hardware") - 10 * B * H * S**2 * D) == 0
     v = {"B": 2, "S": 1024, "H": 16, "D": 64, "K": 4}
     assert an.subs(**v)["flops.forward"] == EXAMPLE_FWD
 

@@ -50,11 +50,16 @@ def at(expr, values: dict[str, int]) -> int:
     return int(sympy.sympify(expr).subs({SYM[k]: v for k, v in values.items()}))
 
 
-def check_hand(an, forward, backward, params, n: int = 5, seed: str = "", flopcounter: bool = True):
+def check_hand(an, forward, backward, params, n: int = 5, seed: str = "", flopcounter: bool = True,
+               backward_hw=None):
     """symcost's formulas equal the hand-worked ones symbolically, and at ``n`` random sizes equal
-    the hand values (and, with ``flopcounter``, FlopCounterMode's measurement of the real model)."""
+    the hand values (and, with ``flopcounter``, FlopCounterMode's measurement of the real model).
+    ``backward_hw``: the hand-worked hardware FLOPs of the backward where a kernel repeats work
+    (else equal to ``backward``)."""
     assert sympy.expand(an.flops("forward") - forward) == 0, an.flops("forward")
     assert sympy.expand(an.flops("backward") - backward) == 0, an.flops("backward")
+    hw = backward if backward_hw is None else backward_hw
+    assert sympy.expand(an.flops("backward", "hardware") - hw) == 0, an.flops("backward", "hardware")
     assert sympy.expand(an.params - params) == 0, an.params
     for v in random_sizes(an, random.Random(seed or an.model), n=n):
         got = an.subs(**v)
@@ -112,14 +117,16 @@ def test_sdpa_cpu_flash_kernel_counted(causal):
     forward = 4 * B * H * S**2 * D
     # Backward: the CPU flash backward keeps only the logsumexp, so it recomputes the scores
     # QK^T (2·B·H·S²·D), then dP = dO·V^T, dV = P^T·dO, dQ = dS·K and dK = dS^T·Q (4 more products
-    # of 2·B·H·S²·D each): 10·B·H·S²·D. This is exactly torch.utils.flop_counter's
+    # of 2·B·H·S²·D each): 10·B·H·S²·D hardware FLOPs. This is exactly torch.utils.flop_counter's
     # sdpa_backward_flop_count (Step 1 recompute + Steps 2-3, five bmm_flop terms), which
-    # FlopCounterMode applies to the CUDA flash/efficient/cudnn backward kernels. (Unfused
-    # attention saves the probabilities instead and needs only 8·B·H·S²·D.) q, k and v all need
-    # gradients here (they depend on the scale parameter), so all five products are real work.
-    backward = 10 * B * H * S**2 * D
+    # FlopCounterMode applies to the CUDA flash/efficient/cudnn backward kernels. Model FLOPs are
+    # the same for every kernel: unfused attention saves the probabilities and its backward runs
+    # the four gradient products only, 8·B·H·S²·D. q, k and v all need gradients here (they
+    # depend on the scale parameter), so all five products are real work.
+    backward = 8 * B * H * S**2 * D
     params = 3 * H * D
-    check_hand(an, forward, backward, params, seed=f"sdpa{causal}", flopcounter=False)
+    check_hand(an, forward, backward, params, seed=f"sdpa{causal}", flopcounter=False,
+               backward_hw=10 * B * H * S**2 * D)
     # The mistake: FlopCounterMode has no formula for the CPU kernel, so on the CPU it reports 0
     # for the forward (and the backward). symcost must not; should a later torch add the kernel
     # to flop_registry, FlopCounterMode must then agree with the hand value.
@@ -240,19 +247,18 @@ def test_multihead_attention_projections_and_both_matmuls(tmp_path, factory):
     # out-projection (2·B·S·E²), and both attention products per head, QK^T and A·V
     # (2 · 2·B·H·S²·D): 8·B·S·E² + 4·B·H·S²·D.
     forward = 3 * (2 * B * S * E**2) + 2 * B * S * E**2 + 2 * (2 * B * H * S**2 * D)
-    if factory == "explicit":
-        # need_weights=True: explicit bmm attention (the probabilities are returned), so autograd
-        # runs the four bmm gradients dA, dV, dQ, dK (4 · 2·B·H·S²·D).
-        attn_bwd = 4 * (2 * B * H * S**2 * D)
-    else:
-        # need_weights=False: F.scaled_dot_product_attention, the CPU flash kernel; its backward
-        # recomputes the scores: 5 · 2·B·H·S²·D (see the SDPA test above).
-        attn_bwd = 5 * (2 * B * H * S**2 * D)
+    # need_weights=True: explicit bmm attention (the probabilities are returned), so autograd
+    # runs the four bmm gradients dA, dV, dQ, dK (4 · 2·B·H·S²·D). need_weights=False:
+    # F.scaled_dot_product_attention, the CPU flash kernel: the same model FLOPs; its backward
+    # also recomputes the scores, 5 · 2·B·H·S²·D hardware FLOPs (see the SDPA test above).
+    attn_bwd = 4 * (2 * B * H * S**2 * D)
+    attn_bwd_hw = (4 if factory == "explicit" else 5) * (2 * B * H * S**2 * D)
     # Projections backward: out-projection weight and input gradients (2 · 2·B·S·E²), the
     # in-projection weight gradient (2·B·S·3E·E); its input gradient is not needed.
-    backward = 2 * (2 * B * S * E**2) + 2 * B * S * 3 * E**2 + attn_bwd
+    proj_bwd = 2 * (2 * B * S * E**2) + 2 * B * S * 3 * E**2
     params = 3 * E**2 + 3 * E + E**2 + E  # in_proj weight/bias, out_proj weight/bias
-    check_hand(an, forward, backward, params, flopcounter=factory == "explicit")
+    check_hand(an, forward, proj_bwd + attn_bwd, params, flopcounter=factory == "explicit",
+               backward_hw=proj_bwd + attn_bwd_hw)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -98,6 +98,10 @@ def test_attention_kernels():
                    aten._scaled_dot_product_flash_attention_backward,
                    aten._scaled_dot_product_cudnn_attention_backward):
         assert reg(packet, go, q, kk, v) == bwd, REVIEW.format(packet)
+        # symcost: the registry's count as hardware FLOPs; model FLOPs without the recomputed
+        # scores Q·K^T (2·B·Hq·Sq·Sk·Dq), the four products eager attention's backward runs
+        c = rules.cost(_view(packet.default, [go, q, kk, v], [q, kk, v], (go, q, kk, v)))
+        assert (c.flops, c.flops_hw, c.flops_all) == (bwd - 2 * B * Hq * Sq * Sk * Dq, bwd, bwd)
 
 
 def test_raw_attention_kernels_read_bshd_as_bhsd():
@@ -139,7 +143,8 @@ def _view(op, in_shapes, out_shapes, args, kwargs=None):
 
 def test_symcost_rules_for_what_the_registry_lacks():
     """The CPU flash-attention kernels (absent from the registry in this torch) get the registry's
-    own sdpa formulas; should torch register them, its formula must be the same."""
+    own sdpa formulas (the backward's as hardware FLOPs, less the recomputed scores as model
+    FLOPs); should torch register them, its formula must be the same."""
     B, S, H, D = sympy.symbols("B S H D", positive=True, integer=True)
     q = (B, H, S, D)
     lse = (B, H, S)
@@ -148,9 +153,10 @@ def test_symcost_rules_for_what_the_registry_lacks():
     fwd = rules.cost(_view(fwd_op, [q, q, q], [q, lse], (q, q, q, 0.0, True)))
     bwd = rules.cost(_view(bwd_op, [q, q, q, q, q, lse], [q, q, q], (q, q, q, q, q, lse, 0.0, True)))
     assert sympy.expand(fwd.flops - 4 * B * H * S**2 * D) == 0
-    assert sympy.expand(bwd.flops - 10 * B * H * S**2 * D) == 0
+    assert sympy.expand(bwd.flops - 8 * B * H * S**2 * D) == 0
+    assert sympy.expand(bwd.flops_hw - 10 * B * H * S**2 * D) == 0
     assert rules.classify(fwd_op) == rules.classify(bwd_op) == "model"
-    for op, ours, args in ((fwd_op, fwd.flops, (q, q, q)), (bwd_op, bwd.flops, (q, q, q, q))):
+    for op, ours, args in ((fwd_op, fwd.flops_hw, (q, q, q)), (bwd_op, bwd.flops_hw, (q, q, q, q))):
         if op.overloadpacket in flop_registry:
             assert sympy.expand(reg(op.overloadpacket, *args) - ours) == 0, REVIEW.format(op)
 

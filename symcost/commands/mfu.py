@@ -15,30 +15,34 @@ from ._options import common, trace_model
 @device_options
 @click.option("--tokens-per-second", "tps", required=True, metavar="R", help="measured training throughput, all devices")
 @click.option("--devices", "n_devices", default=1, show_default=True, type=int, help="devices the throughput is over")
-@click.option("--recompute", default="none", show_default=True, type=click.Choice(["none", "full"]),
-              help="activation recomputation: full adds a forward per step to the hardware FLOPs (HFU)")
+@click.option("--recompute", default="none", show_default=True, type=click.Choice(["none", "selective", "full"]),
+              help="activation recomputation in the hardware FLOPs (HFU; MFU never counts it): full (every "
+                   "block's forward once more) or selective (the attention core, Korthikanti et al. 2022)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def mfu(model, sets, config, attention, precision, debug, device_name, devices_file, peak_flops, bandwidth,
         tps, n_devices, recompute, as_json):
-    """MFU = model FLOPs per token x tokens/s / (devices x peak at the training precision).
+    """MFU = model FLOPs per token x tokens/s / (devices x peak at the training precision);
+    HFU the same with hardware FLOPs (what a fused attention backward repeats, and --recompute).
 
-    Model FLOPs per token come from the traced step (forward + backward, no recompute) at --set
-    sizes (B is the micro-batch per device). An implied MFU above 100% or an implied memory
-    traffic above the device's bandwidth is an error.
+    Model FLOPs per token come from the traced step (forward + backward, no recompute; the same
+    for every attention kernel) at --set sizes (B is the micro-batch per device; unset sizes are
+    the model's defaults, printed). An implied MFU or HFU above 100% or an implied memory traffic
+    above the device's bandwidth is an error.
     """
     from symcost.passes import roofline as rl
     from symcost.hardware.devices import parse_rate
     from symcost.errors import SymcostError
     from symcost.render.report import console
+    from symcost.render.roofline import model_lines
 
     dev = resolve_device(device_name, devices_file, peak_flops, bandwidth)
     R = parse_rate(tps, "--tokens-per-second")
     if n_devices <= 0:
         raise SymcostError("--devices must be a positive integer")
-    an, sizes = trace_model(model, sets, config, attention, precision)
+    an, sizes = trace_model(model, sets, config, attention, precision, needs_model=recompute == "full")
     from symcost.graph.fusion import estimate  # (no torch for a cached analysis: its stored estimate)
 
-    tc = rl.tokens_compute(an, sizes)
+    tc = rl.tokens_compute(an, sizes, recompute=recompute)
     key = rl.training_precision(an)
     peak, _ = dev.peak_for(key)
     u = rl.mfu(float(tc["flops.per_token"]), R, n_devices, peak)
@@ -55,22 +59,30 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
     out = {"model": an.model, "device": dev.to_json(), "precision": key, "peak_flops": peak,
            "tokens_per_second": R, "devices": n_devices, **tc, "mfu": u, "mfu_ceiling": ceiling,
            "implied_bandwidth": implied_bw, "bytes.fused_per_step": fused}
-    if recompute == "full":
-        tr = rl.tokens_compute(an, sizes, recompute="full")
-        out["hfu"] = float(tr["flops.per_token"]) * R / (n_devices * peak)
-        out["flops.per_token_hardware"] = tr["flops.per_token"]
+    hfu = float(tc["flops.per_token_hardware"]) * R / (n_devices * peak)
+    if hfu > 1:
+        raise SymcostError(
+            f"implied HFU is {100 * hfu:.1f}% (MFU {100 * u:.1f}%): {R:.6g} tokens/s x "
+            f"{float(tc['flops.per_token_hardware']):.6g} hardware FLOP/token ({recompute} recomputation, the "
+            f"kernels' own) exceeds {n_devices} x {peak:.4g} FLOP/s peak; check --tokens-per-second, --devices, "
+            "--recompute")
+    out["hfu"] = hfu
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
     c = console()
     c.print(f"[bold]symcost mfu[/bold]: {an.model} on {n_devices} x {dev.name} ({key} peak {peak / 1e12:.4g} TFLOP/s)")
+    for line in model_lines(an, sizes, tc):
+        c.print(line)
     c.print(f"model FLOPs per token: {float(tc['flops.per_token']):.6g}  = {tc['flops.per_token_formula']}  "
             f"(6·P = {tc['flops.per_token_6P']:.6g})")
     c.print(f"MFU: {100 * u:.2f}%   at {R:.6g} tokens/s   (roofline ceiling at these sizes: {100 * ceiling:.1f}%)")
     if u > ceiling:
         c.print("note: above the roofline ceiling of a step at these sizes on this device: the per-op bound "
                 "(fused bytes) says no run can reach it; check the micro-batch --set B and the throughput")
-    if "hfu" in out:
-        c.print(f"HFU with full recomputation: {100 * out['hfu']:.2f}%")
+    extra = [w for w, n in (("the kernels' repeated work", tc["flops.kernel_extra_step"]),
+                            (f"{recompute} recomputation", tc["flops.recompute_step"])) if n]
+    c.print(f"HFU: {100 * hfu:.2f}%   hardware FLOPs per token {float(tc['flops.per_token_hardware']):.6g} "
+            f"(model FLOPs{' + ' + ' + '.join(extra) if extra else ', nothing repeated'})")
     c.print(f"implied memory traffic per device: {implied_bw / 1e9:.4g} GB/s of {dev.bandwidth / 1e9:.4g} GB/s "
             "(fused bytes of a step)")

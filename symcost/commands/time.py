@@ -15,44 +15,68 @@ from ._options import common, trace_model
 @device_options
 @click.option("--tokens", required=True, metavar="N", help="training tokens, e.g. 15e12")
 @click.option("--devices", "n_devices", default=1, show_default=True, type=int, help="devices training together")
-@click.option("--mfu", "utilization", required=True, type=float, help="achieved fraction of peak, e.g. 0.4")
-@click.option("--recompute", default="none", show_default=True, type=click.Choice(["none", "full"]),
-              help="full activation recomputation: one more forward per step (8·N·P, Narayanan et al. 2021)")
+@click.option("--mfu", "mfu_text", default=None, metavar="U",
+              help="achieved model-FLOP utilization, e.g. 0.4, 40% or 140/312: time = model FLOPs / "
+                   "(devices x peak x U), whatever is recomputed")
+@click.option("--hfu", "hfu_text", default=None, metavar="U",
+              help="achieved hardware-FLOP utilization instead: time = (model + recomputed + kernel-repeated "
+                   "FLOPs) / (devices x peak x U); Narayanan et al. 2021's X / peak")
+@click.option("--recompute", default="none", show_default=True, type=click.Choice(["none", "selective", "full"]),
+              help="activation recomputation in the hardware FLOPs (HFU): full (every block's forward once "
+                   "more: 8·N·P) or selective (the attention core, Korthikanti et al. 2022)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def time_(model, sets, config, attention, precision, debug, device_name, devices_file, peak_flops, bandwidth,
-          tokens, n_devices, utilization, recompute, as_json):
-    """Days and device-hours to train MODEL on --tokens: total FLOPs / (devices x peak x MFU),
-    from the traced step's exact FLOPs and from 6·N·P side by side."""
+          tokens, n_devices, mfu_text, hfu_text, recompute, as_json):
+    """Days and device-hours to train MODEL on --tokens, from the traced step's exact FLOPs and
+    from 6·N·P (8·N·P under --recompute full with --hfu) side by side.
+
+    Give the achieved utilization as exactly one of --mfu (model FLOPs: the same for every
+    attention kernel and recomputation) or --hfu (hardware FLOPs: with what is recomputed);
+    the other is derived and both are printed. MODEL is counted at its own default sizes unless
+    --set gives others; the sizes used are printed.
+    """
     from symcost.passes import roofline as rl
     from symcost.errors import SymcostError
     from symcost.render.report import console
+    from symcost.render.roofline import model_lines
 
     dev = resolve_device(device_name, devices_file, peak_flops, bandwidth)
     n_tokens = rl.parse_count(tokens, "--tokens")
-    if not 0 < utilization <= 1:
-        raise SymcostError(f"--mfu must lie in (0, 1] (an MFU above 100% is impossible), got {utilization}")
+    if (mfu_text is None) == (hfu_text is None):
+        raise SymcostError("give the achieved utilization as exactly one of --mfu (model FLOPs) or --hfu "
+                           "(hardware FLOPs, recomputation included), e.g. --mfu 0.45 or --hfu 140/312")
+    given = "mfu" if mfu_text is not None else "hfu"
+    utilization = rl.parse_fraction(mfu_text if given == "mfu" else hfu_text, f"--{given}")
     if n_devices <= 0:
         raise SymcostError("--devices must be a positive integer")
-    an, sizes = trace_model(model, sets, config, attention, precision)
+    an, sizes = trace_model(model, sets, config, attention, precision, needs_model=recompute == "full")
     from symcost.graph.fusion import estimate  # (no torch for a cached analysis: its stored estimate)
 
     tc = rl.tokens_compute(an, sizes, n_tokens, recompute)
     key = rl.training_precision(an)
     peak, _ = dev.peak_for(key)
-    k = 8 if recompute == "full" else 6
-    exact = rl.train_time(float(tc["compute.total"]), n_devices, peak, utilization)
+    ratio = tc["flops.train_step_hardware"] / tc["flops.train_step"]  # hardware / model FLOPs of a step
+    u_mfu, u_hfu = (utilization, utilization * ratio) if given == "mfu" else (utilization / ratio, utilization)
+    if u_hfu > 1:
+        raise SymcostError(
+            f"--mfu {utilization:g} implies HFU {u_hfu:.4g}: the step's hardware FLOPs ({recompute} recomputation, "
+            f"the kernels' own) are {ratio:.4g}x its model FLOPs; no device runs above its peak")
+    total = "compute.total" if given == "mfu" else "compute.hardware"
+    k = 8 if recompute == "full" and given == "hfu" else 6
+    exact = rl.train_time(float(tc[total]), n_devices, peak, utilization)
     simple = rl.train_time(float(tc[f"compute.{k}NP"]), n_devices, peak, utilization)
     env = an.bind(**sizes)
     fused = int(estimate(an).total(an).subs(env))
-    step_s = tc["flops.train_step"] / (peak * utilization)
+    step_s = tc["flops.train_step"] / (peak * u_mfu)
     implied_bw = fused / step_s
     if implied_bw > dev.bandwidth:
         raise SymcostError(
-            f"at MFU {utilization:g} a step takes {step_s:.4g} s per device and must move {fused:.4g} bytes: "
+            f"at MFU {u_mfu:.4g} a step takes {step_s:.4g} s per device and must move {fused:.4g} bytes: "
             f"{implied_bw / 1e12:.3g} TB/s, above {dev.key}'s {dev.bandwidth / 1e12:.3g} TB/s; "
-            "lower --mfu or raise the micro-batch --set B")
+            f"lower --{given} or raise the micro-batch --set B")
     out = {"model": an.model, "device": dev.to_json(), "precision": key, "peak_flops": peak, "devices": n_devices,
-           "mfu": utilization, **tc, "time.seconds": exact["seconds"], "time.days": exact["days"],
+           "mfu": u_mfu, "hfu": u_hfu, "utilization_given": given, **tc,
+           "time.seconds": exact["seconds"], "time.days": exact["days"],
            "time.device_hours": exact["device_hours"], f"time.{k}NP.seconds": simple["seconds"],
            f"time.{k}NP.days": simple["days"], f"time.{k}NP.device_hours": simple["device_hours"],
            "implied_bandwidth": implied_bw}
@@ -60,10 +84,17 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
         click.echo(json.dumps(out, indent=1))
         return
     c = console()
-    c.print(f"[bold]symcost time[/bold]: {an.model}, {n_tokens:.4g} tokens on {n_devices} x {dev.name} at MFU "
-            f"{utilization:g} ({key} peak {peak / 1e12:.4g} TFLOP/s)")
-    c.print(f"exact:  {float(tc['compute.total']):.4g} FLOP -> {exact['days']:.2f} days, "
+    c.print(f"[bold]symcost time[/bold]: {an.model}, {n_tokens:.4g} tokens on {n_devices} x {dev.name} "
+            f"({key} peak {peak / 1e12:.4g} TFLOP/s)")
+    for line in model_lines(an, sizes, tc):
+        c.print(line)
+    mark = {"mfu": " (given)" if given == "mfu" else " (derived)", "hfu": " (given)" if given == "hfu" else " (derived)"}
+    c.print(f"MFU {u_mfu:.4g}{mark['mfu']}, HFU {u_hfu:.4g}{mark['hfu']}")
+    c.print(f"  hardware FLOPs = {ratio:.4g} x model FLOPs (recompute {recompute}"
+            f"{'; the kernels repeat work' if tc['flops.kernel_extra_step'] else ''})")
+    what = "model" if given == "mfu" else "hardware"
+    c.print(f"exact:  {float(tc[total]):.4g} {what} FLOP -> {exact['days']:.4g} days, "
             f"{exact['device_hours']:.4g} device-hours")
-    c.print(f"{k}·N·P: {float(tc[f'compute.{k}NP']):.4g} FLOP -> {simple['days']:.2f} days, "
-            f"{simple['device_hours']:.4g} device-hours   (P = {tc['params_matmul']:.4g} matmul parameters)")
-    c.print(f"per token: {float(tc['flops.per_token']):.6g} FLOP = {tc['flops.per_token_formula']}")
+    c.print(f"{k}·N·P: {float(tc[f'compute.{k}NP']):.4g} FLOP -> {simple['days']:.4g} days, "
+            f"{simple['device_hours']:.4g} device-hours")
+    c.print(f"per token: {float(tc['flops.per_token']):.6g} model FLOP = {tc['flops.per_token_formula']}")

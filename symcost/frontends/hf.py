@@ -40,6 +40,7 @@ for a user writing ``LlamaConfig(hidden_size=...)``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import operator
@@ -561,7 +562,44 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         layers=_LAYERS.get(model_type),
         extra=extra,
         probe_check=moe.probe_check if moe_b is not None else None,
+        record_context=unpacked_masks,
     )
+
+
+@contextlib.contextmanager
+def unpacked_masks():
+    """Make ``transformers``' mask decisions under ``FakeTensorMode`` the ones the real step makes.
+
+    ``transformers.masking_utils.find_packed_sequence_indices`` asks whether ``position_ids``
+    pack several sequences into one row; with real tensors it reads the values (symcost's inputs
+    give none, so the model's own ``arange``: one sequence a row) and returns None, after which
+    ``create_causal_mask`` lets SDPA use its ``is_causal`` flag (no mask) and eager attention builds
+    the plain ``(1, 1, S, S)`` causal mask expanded over the batch. On fake tensors it cannot read
+    them (``is_tracing`` is true for a ``FakeTensor``) and returns the packing ids, which disables
+    the skip and materialises a ``(B, 1, S, S)`` packed-sequence mask the real step never builds.
+    Within this context it runs the same ops as the real call (the ids and their check) and returns
+    None, the real answer for one unpacked sequence a row. Nothing else changes: a sliding window
+    shorter than S still builds its mask, as it does for real.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = masking_utils.find_packed_sequence_indices
+
+    def find_packed_sequence_indices(position_ids):
+        packed = original(position_ids)
+        if packed is not None and masking_utils.is_tracing(packed):
+            (packed[:, -1] == 0).all()  # the check the real call reads: every row one sequence
+            return None
+        return packed
+
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 def _multiple(factor: float) -> int:

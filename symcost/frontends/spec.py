@@ -130,6 +130,10 @@ class ModelSpec:
             only at some points: an MoE layer under a routing model needs an integer number of
             token slots per expert, c·B·S·R/E (symcost.frontends.moe). Formulas fitted there answer any
             size.
+        record_context: ``record_context() -> context manager`` entered while the step is recorded
+            on fake tensors, where a library decides differently on fake tensors than on real ones
+            (``hf:`` models: :func:`symcost.frontends.hf.unpacked_masks`). Code, not data: a spec
+            read back from the trace cache has none (it records nothing).
     """
 
     name: str
@@ -146,6 +150,7 @@ class ModelSpec:
     layers: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     probe_check: Callable[[Mapping[str, int]], str | None] | None = None
+    record_context: Callable[[], Any] | None = None
 
     def __post_init__(self):
         if self.check is None:

@@ -44,7 +44,7 @@ class Analysis(Totals, Conventions, Serialized):
         spec: its :class:`~symcost.frontends.models.ModelSpec`.
         graph: ``networkx.DiGraph``; op nodes carry ``op``, ``family``, ``module``, ``phase``,
             ``repeat`` (1 or L), ``in_shapes``/``out_shapes`` (sympy), ``dtypes``, ``flops``,
-            ``flops_all``, ``bytes`` and ``intensity`` (FLOP/byte); edges carry the tensor's
+            ``flops_hw``, ``flops_all``, ``bytes`` and ``intensity`` (FLOP/byte); edges carry the tensor's
             ``shape`` and ``bytes``. Parameter and input nodes have ``kind`` "param"/"input".
         ops: the folded op list in execution order.
         symbols: the free symbols (name -> meaning).
@@ -85,6 +85,9 @@ class Analysis(Totals, Conventions, Serialized):
     pin_reasons: dict[str, str] = field(default_factory=dict)
     residues: dict[str, list] = field(default_factory=dict)
     signature: str = ""  # sha256 of regime_signature() of the request's recording
+    # the requested values the regime was chosen for (symbol -> int; B and S where requested):
+    # a pass that traces a variant of the step (checkpoint.uniform_spec) traces the same regime
+    request_sizes: dict = field(default_factory=dict)
 
     def in_regime(self, **sizes: int) -> bool:
         """Whether ``sizes`` (others at the defaults) run the ops this trace's request ran: the
@@ -181,6 +184,7 @@ class Analysis(Totals, Conventions, Serialized):
         out["params_active"] = ev(self.params_active)
         for ph in PHASES + ("train",):
             out[f"flops.{ph}"] = ev(self.flops(ph))
+            out[f"flops_hw.{ph}"] = ev(self.flops(ph, "hardware"))
             out[f"flops_all.{ph}"] = ev(self.flops(ph, "all"))
             out[f"bytes.{ph}"] = ev(self.bytes(ph))
             out[f"transcendentals.{ph}"] = ev(self.transcendentals(ph))
@@ -188,12 +192,14 @@ class Analysis(Totals, Conventions, Serialized):
 
     def quantity(self, name: str) -> sympy.Expr:
         """A total by its JSON name: ``params``, ``params_matmul``, ``flops.<phase>``,
-        ``flops_all.<phase>``, ``bytes.<phase>``, ``attention_flops``."""
+        ``flops_hw.<phase>``, ``flops_all.<phase>``, ``bytes.<phase>``, ``attention_flops``."""
         if name in ("params", "params_matmul", "attention_flops", "params_active", "params_active_matmul"):
             return getattr(self, name)
         kind, _, phase = name.partition(".")
         if kind == "flops":
             return self.flops(phase)
+        if kind == "flops_hw":
+            return self.flops(phase, "hardware")
         if kind == "flops_all":
             return self.flops(phase, "all")
         if kind == "bytes":

@@ -406,7 +406,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
             try:
                 c = rules.cost(_op_view(op, in_shapes, out_shapes, ints), family)
                 c = rules.Cost(*(rules.expand_flops(x) for x in (c.flops, c.flops_all, c.bytes)),
-                               c.transcendentals)
+                               c.transcendentals, rules.expand_flops(c.flops_hw))
             except (AssertionError, TypeError, ValueError):
                 # A registry formula that cannot take symbols (e.g. asserts H % K == 0): fit
                 # its concrete values at the probes instead.
@@ -414,7 +414,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
                 c = rules.Cost(*(fitter(tuple(int(getattr(x, a)) for x in cs), f"cost of {op.name}")
                                  for a in ("flops", "flops_all", "bytes")),
                                {k: fitter(tuple(int(x.transcendentals.get(k, 0)) for x in cs), f"cost of {op.name}")
-                                for k in sorted({k for x in cs for k in x.transcendentals})})
+                                for k in sorted({k for x in cs for k in x.transcendentals})},
+                               fitter(tuple(int(x.flops_hw) for x in cs), f"cost of {op.name}"))
             cost_cache[key] = c
         if family == "unsupported":
             unsupported[op.name] = unsupported.get(op.name, 0) + repeat
@@ -463,6 +464,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     an.pin_reasons = {k: reasons[k] for k in pinned}
     an.regime_ties = dict(ties)
     an.request_facts = facts
+    an.request_sizes = {k: int(v) for k, v in values.items()}
     an.residues = {s: [m, values[s] % m] for s, m in moduli.items() if s in symbols and s in values}
     an.signature = digest(want_sig)
     pools = random_pools([s for s in symbols if s not in fixed], plan.points[0], request, moduli)
@@ -476,10 +478,11 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
 
 def concrete_totals(rec: Recording) -> dict[str, int]:
     """Totals of one concrete recording by the same rules: the oracle for the symbolic fit."""
-    out = {f"{k}.{p}": 0 for k in ("flops", "flops_all", "bytes", "transcendentals") for p in PHASES}
+    out = {f"{k}.{p}": 0 for k in ("flops", "flops_hw", "flops_all", "bytes", "transcendentals") for p in PHASES}
     for op in rec.ops:
         c = concrete_cost(op)
         out[f"flops.{op.phase}"] += int(c.flops)
+        out[f"flops_hw.{op.phase}"] += int(c.flops_hw)
         out[f"flops_all.{op.phase}"] += int(c.flops_all)
         out[f"bytes.{op.phase}"] += int(c.bytes)
         out[f"transcendentals.{op.phase}"] += int(c.transcendental_total)
@@ -508,6 +511,7 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
         got = {f"{k}.{ph}": None for k in ("flops", "flops_all", "bytes") for ph in PHASES}
         for ph in PHASES:
             got[f"flops.{ph}"] = an.flops(ph).subs(env)
+            got[f"flops_hw.{ph}"] = an.flops(ph, "hardware").subs(env)
             got[f"flops_all.{ph}"] = an.flops(ph, "all").subs(env)
             got[f"bytes.{ph}"] = an.bytes(ph).subs(env)
             got[f"transcendentals.{ph}"] = an.transcendentals(ph).subs(env)
@@ -557,7 +561,7 @@ def _build_graph(ref: Recording, ops: list[SymOp], role) -> nx.DiGraph:
             i, kind="op", op=op.name, family=sop.family, module=sop.module, phase=sop.phase,
             repeat=sop.repeat, in_shapes=sop.in_shapes, out_shapes=sop.out_shapes,
             dtypes=[str(d).removeprefix("torch.") for d in sop.out_dtypes],
-            flops=sop.cost.flops, flops_all=sop.cost.flops_all, bytes=sop.cost.bytes,
+            flops=sop.cost.flops, flops_hw=sop.cost.flops_hw, flops_all=sop.cost.flops_all, bytes=sop.cost.bytes,
             intensity=(sympy.cancel(sop.cost.flops_all / sop.cost.bytes) if sop.cost.bytes != 0 else 0),
         )
         for k, t in enumerate(op.inputs):

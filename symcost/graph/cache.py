@@ -37,7 +37,7 @@ from symcost.errors import SymcostError
 from symcost.frontends.spec import INPUT_SYMBOLS, request_facts
 
 #: Bumped when the entry layout changes (with ``Analysis.FORMAT``).
-FORMAT = 1
+FORMAT = 2  # 2: flops_hw per op and in the totals (Analysis.FORMAT 2)
 #: The stages whose sources make an analysis (every ``*.py`` below them; the built-in models are
 #: keyed by their own contents, :func:`model_source`).
 _SOURCES = ("frontends", "tracing", "graph")

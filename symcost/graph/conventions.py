@@ -140,7 +140,8 @@ class Conventions:
         under a causal mask: query i meets keys 0..i, S·(S+1)/2 pairs in all, for every product
         over the score matrix (Q·Kᵀ, P·V and their gradients; the recomputed scores of a fused
         backward). The formula is derived from the op's own formula, never typed per model.
-        All-FLOPs drop by the same amount; bytes stay (the unfused lower bound moves the full
+        Hardware FLOPs (``flops_hw``) are scaled by the same factor, and all-FLOPs drop by what
+        hardware FLOPs drop; bytes stay (the unfused lower bound moves the full
         score matrix). Ops whose FLOPs are not of that form (S pinned, cross-attention with other
         key lengths) keep their count.
         """
@@ -155,8 +156,9 @@ class Conventions:
         if poly.monoms() != [(2,)]:
             return None
         causal = sympy.expand(poly.coeffs()[0] * S * (S + 1) / 2)
-        return rules.Cost(causal, sympy.expand(op.cost.flops_all - f + causal), op.cost.bytes,
-                          op.cost.transcendentals)
+        hw = sympy.expand(op.cost.flops_hw * causal / f)  # the same pairs: a'·S² -> a'·S·(S+1)/2
+        return rules.Cost(causal, sympy.expand(op.cost.flops_all - op.cost.flops_hw + hw), op.cost.bytes,
+                          op.cost.transcendentals, hw)
 
     def with_attention_flops(self, count: str = "full") -> "Analysis":
         """This analysis with the attention matmuls counted ``"full"`` (S_q·S_k score pairs, as
@@ -181,7 +183,7 @@ class Conventions:
             if c is not None:
                 op = dataclasses.replace(op, cost=c)
                 if op.index in graph:
-                    graph.nodes[op.index].update(flops=c.flops, flops_all=c.flops_all, intensity=(
+                    graph.nodes[op.index].update(flops=c.flops, flops_hw=c.flops_hw, flops_all=c.flops_all, intensity=(
                         sympy.cancel(c.flops_all / c.bytes) if c.bytes != 0 else 0))
             ops.append(op)
         new = dataclasses.replace(base, ops=ops, graph=graph)

@@ -79,12 +79,20 @@ class OpView:
 class Cost:
     """FLOPs (model and all), bytes and transcendental function evaluations of one op execution."""
 
-    flops: Any = 0  # model FLOPs (matmul class), FlopCounterMode's convention
-    flops_all: Any = 0  # model FLOPs + elementwise/reduction/normalisation FLOPs
+    flops: Any = 0  # model FLOPs (matmul class): FlopCounterMode's formulas, kernel-independent
+    flops_all: Any = 0  # the op's executed work: hardware matmul FLOPs + elementwise/reduction/norm
     bytes: Any = 0  # bytes read + written
     #: transcendental function evaluations by function class (``exp``, ``log``, ``erf``,
     #: ``tanh``, ``sin``, ``sqrt``; see :data:`TRANSCENDENTAL_OUT`), e.g. ``{"exp": B*H*S**2}``
     transcendentals: dict = field(default_factory=dict)
+    #: hardware matmul FLOPs (HFU): what the kernel really multiplies, FlopCounterMode's count op
+    #: for op; ``flops`` plus work a kernel repeats (a fused attention backward recomputes the
+    #: scores Q·Kᵀ). None: equal to ``flops``.
+    flops_hw: Any = None
+
+    def __post_init__(self):
+        if self.flops_hw is None:
+            self.flops_hw = self.flops
 
     @property
     def transcendental_total(self):
@@ -235,6 +243,33 @@ def sdpa_backward_count(go, q, k, v):
             + bmm_flop((bh, d_q, s_q), (bh, s_q, s_k)))
 
 
+def sdpa_recompute_count(q, k):
+    """The scores Q·Kᵀ a fused attention backward recomputes (BHSD shapes): 2·B·H_q·S_q·S_k·D_q,
+    the first ``bmm_flop`` term of ``sdpa_backward_flop_count``. Hardware FLOPs, not model FLOPs:
+    eager attention's backward (autograd of matmul, softmax, matmul) keeps the probabilities and
+    runs only the four gradient matmuls."""
+    b, h_q, s_q, d_q = q
+    return bmm_flop((b * h_q, s_q, d_q), (b * h_q, d_q, k[2]))
+
+
+def sdpa_backward_cost(v: OpView, hw, q, k, n=1) -> Cost:
+    """A fused attention backward: model FLOPs = the four gradient matmuls (dP, dV, dQ, dK: the
+    same for every kernel, eager attention included); ``flops_hw`` = FlopCounterMode's five
+    terms (with the recomputed scores), which all-FLOPs count too (the kernel's real work).
+    ``hw`` is one sequence's count; ``n`` sequences (varlen raw kernels) multiply both."""
+    model = n * (hw - sdpa_recompute_count(q, k))
+    hw = n * hw
+    if isinstance(model, sympy.Basic):
+        model = sympy.expand(model)
+    return Cost(model, hw, _traffic(v), flops_hw=hw)
+
+
+for _name in ("aten._scaled_dot_product_flash_attention_backward",
+              "aten._scaled_dot_product_efficient_attention_backward",
+              "aten._scaled_dot_product_cudnn_attention_backward"):
+    RULES[_name] = lambda v: sdpa_backward_cost(v, _model_flops(v), v.in_shapes[1], v.in_shapes[2])
+
+
 @rule("aten._scaled_dot_product_flash_attention_for_cpu")
 def _sdpa_cpu(v: OpView) -> Cost:
     """CPU flash attention (missing from FlopCounterMode): 4*B*H*S_q*S_k*D, as sdpa_flop_count."""
@@ -245,10 +280,10 @@ def _sdpa_cpu(v: OpView) -> Cost:
 
 @rule("aten._scaled_dot_product_flash_attention_for_cpu_backward")
 def _sdpa_cpu_bwd(v: OpView) -> Cost:
-    """Its backward: recompute + 4 matmuls = 10*B*H*S_q*S_k*D, as sdpa_backward_flop_count."""
+    """Its backward: 4 matmuls = 8*B*H*S_q*S_k*D model FLOPs; with the recomputed scores
+    10*B*H*S_q*S_k*D hardware FLOPs, as sdpa_backward_flop_count (:func:`sdpa_backward_cost`)."""
     grad_out, q, k, val = v.in_shapes[:4]
-    f = sdpa_backward_count(grad_out, q, k, val)
-    return Cost(f, f, _traffic(v))
+    return sdpa_backward_cost(v, sdpa_backward_count(grad_out, q, k, val), q, k)
 
 
 def _bshd(shape):
@@ -306,8 +341,7 @@ def _flash_bwd(v: OpView) -> Cost:
     """Raw flash attention backward (BSHD): ``sdpa_backward_flop_count``, 10·B·H·S_q·S_k·D."""
     n, q, k, val, go = _raw_attention_shapes(v, ("query", "key", "value"), "cum_seq_q", "max_q", "max_k",
                                              "grad_out")
-    f = n * sdpa_backward_count(go, q, k, val)
-    return Cost(f, f, _traffic(v))
+    return sdpa_backward_cost(v, sdpa_backward_count(go, q, k, val), q, k, n)
 
 
 @rule("aten._efficient_attention_backward")
@@ -315,8 +349,7 @@ def _efficient_bwd(v: OpView) -> Cost:
     """Raw memory-efficient attention backward (BMHK): 10·B·H·S_q·S_k·D."""
     n, q, k, val, go = _raw_attention_shapes(v, ("query", "key", "value"), "cu_seqlens_q", "max_seqlen_q",
                                              "max_seqlen_k", "grad_out_")
-    f = n * sdpa_backward_count(go, q, k, val)
-    return Cost(f, f, _traffic(v))
+    return sdpa_backward_cost(v, sdpa_backward_count(go, q, k, val), q, k, n)
 
 
 #: pointwise FLOPs per hidden element and time step of a fused recurrent layer, after the gate

@@ -33,7 +33,8 @@ class Serialized:
 
     # -- as data (the trace cache) -------------------------------------------------------------
     #: Bumped whenever the layout of :meth:`to_dict` changes (older cache entries are rebuilt).
-    FORMAT = 1
+    #: 2: hardware FLOPs (``flops_hw``) per op (a fifth cost entry) and in the totals.
+    FORMAT = 2
 
     def __getattr__(self, name: str):
         # ``ops`` and ``graph`` of an Analysis read back by from_dict are parsed on first use
@@ -64,9 +65,9 @@ class Serialized:
             raise SymcostError(f"{spec.name}: its size check is code, not declarative constraints; "
                                "such a trace is not kept as data")
         s = str
-        totals = {f"{k}.{ph}": s(self.flops(ph, "all" if k == "flops_all" else "model") if k != "bytes"
-                                 else self.bytes(ph))
-                  for k in ("flops", "flops_all", "bytes") for ph in PHASES + ("train",)}
+        kinds = {"flops": "model", "flops_hw": "hardware", "flops_all": "all"}
+        totals = {f"{k}.{ph}": s(self.flops(ph, kinds[k]) if k != "bytes" else self.bytes(ph))
+                  for k in ("flops", "flops_hw", "flops_all", "bytes") for ph in PHASES + ("train",)}
         totals.update({f"transcendental_total.{ph}": s(self.transcendentals(ph)) for ph in PHASES + ("train",)})
         totals.update({k: s(getattr(self, k)) for k in _CACHED_TOTALS if hasattr(type(self), k)})
         dt = lambda d: str(d).removeprefix("torch.")  # noqa: E731
@@ -74,7 +75,8 @@ class Serialized:
                 [[s(x) for x in sh] for sh in op.in_shapes], [dt(d) for d in op.in_dtypes],
                 [[s(x) for x in sh] for sh in op.out_shapes], [dt(d) for d in op.out_dtypes],
                 [s(op.cost.flops), s(op.cost.flops_all), s(op.cost.bytes),
-                 {k: s(n) for k, n in op.cost.transcendentals.items()}], op.layer, op.attention]
+                 {k: s(n) for k, n in op.cost.transcendentals.items()}, s(op.cost.flops_hw)],
+                op.layer, op.attention]
                for op in self.ops]
         g = self.graph
         graph = {
@@ -270,9 +272,9 @@ def _jsonable(x):
 _CACHED_TOTALS = ("params", "params_matmul", "attention_flops", "params_embedding", "params_nonembedding")
 
 #: Analysis attributes that say which regime it was traced in (plain data), kept by to_dict.
-_REGIME_FIELDS = ("request_facts", "regime_ties", "pin_reasons", "residues", "signature")
+_REGIME_FIELDS = ("request_facts", "regime_ties", "pin_reasons", "residues", "signature", "request_sizes")
 
-_GRAPH_FORMULAS = {"repeat", "flops", "flops_all", "bytes", "intensity"}
+_GRAPH_FORMULAS = {"repeat", "flops", "flops_hw", "flops_all", "bytes", "intensity"}
 _GRAPH_SHAPES = {"in_shapes", "out_shapes", "shape"}
 
 
@@ -306,7 +308,8 @@ def _load_ops(rows) -> list:
                   in_shapes=[tuple(P(x) for x in sh) for sh in ins], in_dtypes=_Dtypes(ind),
                   out_shapes=[tuple(P(x) for x in sh) for sh in outs], out_dtypes=_Dtypes(outd),
                   cost=Cost(*(P(c) for c in cost[:3]),
-                            {k: P(n) for k, n in (cost[3] if len(cost) > 3 else {}).items()}),
+                            {k: P(n) for k, n in (cost[3] if len(cost) > 3 else {}).items()},
+                            P(cost[4]) if len(cost) > 4 else None),
                   layer=layer, attention=attn)
             for i, name, fam, mod, ph, rep, ins, ind, outs, outd, cost, layer, attn in rows]
 
@@ -341,6 +344,11 @@ class _Cost:
     flops_all: Any = 0
     bytes: Any = 0
     transcendentals: dict = dataclasses.field(default_factory=dict)
+    flops_hw: Any = None
+
+    def __post_init__(self):
+        if self.flops_hw is None:
+            self.flops_hw = self.flops
 
     @property
     def transcendental_total(self):

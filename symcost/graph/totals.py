@@ -1,9 +1,11 @@
-"""Totals of the op graph: FLOPs (model and all), bytes, transcendentals per phase, and the parameter
+"""Totals of the op graph: FLOPs (model, hardware and all), bytes, transcendentals per phase, and the parameter
 counts (all, matmul operands, active per token for a mixture of experts), as polynomials in the
 symbols. :class:`Totals` is mixed into :class:`~symcost.graph.analysis.Analysis`.
 
-Model FLOPs follow ``torch.utils.flop_counter`` (matmul-class ops only); all-FLOPs add the
-per-element counts of :mod:`symcost.graph.rules` (docs/conventions.md).
+Model FLOPs follow ``torch.utils.flop_counter`` (matmul-class ops only), the same for every
+attention kernel; hardware FLOPs add what a kernel repeats (a fused attention backward's
+recomputed scores); all-FLOPs add the per-element counts of :mod:`symcost.graph.rules`
+(docs/conventions.md).
 """
 from __future__ import annotations
 
@@ -33,12 +35,20 @@ class Totals:
     def flops(self, phase: str = "train", kind: str = "model") -> sympy.Expr:
         """Total FLOPs of ``phase`` (forward|backward|train) as a polynomial in the symbols.
 
-        ``kind="model"``: matmul-class FLOPs, FlopCounterMode's convention (torch/utils/
-        flop_counter.py); ``kind="all"``: plus the per-element counts of :mod:`symcost.graph.rules`.
+        ``kind="model"``: matmul-class FLOPs with FlopCounterMode's formulas (torch/utils/
+        flop_counter.py), the same for every attention kernel: a fused attention backward counts
+        the four gradient products eager attention's autograd runs (what MFU, 6·N·P and ``time``
+        use); ``kind="hardware"``: the matmul FLOPs the kernels really run, a fused attention
+        backward's recomputed scores Q·Kᵀ included (FlopCounterMode's count op for op; HFU);
+        ``kind="all"``: hardware FLOPs plus the per-element counts of :mod:`symcost.graph.rules`.
+
+        Raises:
+            SymcostError: unknown phase or kind.
         """
-        if kind not in ("model", "all"):
-            raise SymcostError(f"unknown FLOP kind {kind!r}; accepted: model, all")
-        return self._sum("flops" if kind == "model" else "flops_all", phase)
+        attr = {"model": "flops", "hardware": "flops_hw", "all": "flops_all"}.get(kind)
+        if attr is None:
+            raise SymcostError(f"unknown FLOP kind {kind!r}; accepted: model, hardware, all")
+        return self._sum(attr, phase)
 
     @functools.cache
     def transcendentals(self, phase: str = "train") -> sympy.Expr:

@@ -912,7 +912,7 @@ def every_layer(an, sizes: Mapping[str, int] | None = None):
     with k = 1, non-reentrant, RNG states included) in the regime of ``sizes`` (symbol -> int; sizes
     of 1 and equal config symbols choose it, as for any trace): one given by
     :func:`use_every_layer` or traced earlier in that regime, or traced now (needs the live model).
-    Without ``sizes``, the first one at hand (or one traced at ``an``'s own pinned sizes).
+    Without ``sizes``, the first one at hand (or one traced in ``an``'s own regime).
 
     Raises:
         SymcostError: ``an`` was read from the trace cache and no every-layer trace was given.
@@ -921,20 +921,41 @@ def every_layer(an, sizes: Mapping[str, int] | None = None):
     for sub in subs:
         if sizes is None or _holds(sub, sizes):
             return sub
-    sub = _uniform_trace(an, 1, sizes)
+    sub = _uniform_trace(an, 1)  # in an's own regime, where that holds at these sizes
+    if sizes is not None and not _holds(sub, sizes):
+        sub = _uniform_trace(an, 1, sizes)  # the regime of the sizes (B = 1 there, say)
     subs.append(sub)
     return sub
 
 
 def _uniform_trace(an, k: int, sizes: Mapping[str, int] | None = None):
+    """``an``'s step with every k blocks checkpointed (:func:`uniform_spec`), traced (once: kept
+    per analysis, k and request) at ``sizes`` (symbol -> int; L left out for k > 1, there it
+    counts segments), by default in ``an``'s own regime: at the sizes ``an`` was requested at
+    (``an.request_sizes``), so the two traces tie and pin the same symbols (K = H or not, a pinned
+    ALiBi head count) and their difference is the recomputation alone. ``an``'s pinned values are
+    kept in any case."""
     from symcost.graph.build import trace
 
-    spec = uniform_spec(an.spec, an.layer_container or "", k)
-    req = {s: v for s, v in (sizes or {}).items() if s in spec.all_symbols and s != "L"}
-    req.update(an.pinned)
-    if k > 1 and "L" in req:
+    if sizes is None:
+        req = {s: int(v) for s, v in (getattr(an, "request_sizes", None) or {}).items()
+               if s != "L" or s in an.pinned}
+    else:
+        req = {s: int(v) for s, v in sizes.items() if s != "L"}
+    req.update({s: int(v) for s, v in an.pinned.items()})
+    if k > 1 and "L" in req and "L" not in an.pinned:
         req.pop("L")
-    return trace(spec, sizes=req, precision=an.precision)
+    key = (id(an.spec), an.precision, "uniform", k, tuple(sorted(req.items())))
+    hit = _TRACES.get(key)
+    if hit is None or hit[0] is not an.spec:
+        spec = uniform_spec(an.spec, an.layer_container or "", k)
+        req = {s: v for s, v in req.items() if s in spec.all_symbols}
+        hit = _TRACES[key] = (an.spec, trace(spec, sizes=req, precision=an.precision))
+    return hit[1]
+
+
+#: traces of checkpointed steps, by (model spec, precision, "uniform", k, request)
+_TRACES: dict = {}
 
 
 def law_of(an) -> dict:

@@ -347,45 +347,127 @@ def _exact(x: Fraction) -> int | float:
     return int(x) if x.denominator == 1 else float(x)
 
 
+#: ``--recompute`` modes: none, selective (the attention core), full (every block)
+RECOMPUTE = ("none", "selective", "full")
+
+
+def parse_fraction(text: str | float, what: str) -> float:
+    """A utilization such as ``0.45``, ``45%``, ``140/312`` or ``140e12/312e12`` -> a float in (0, 1].
+
+    Raises:
+        SymcostError: not a number or a ratio of two numbers, or outside (0, 1].
+    """
+    from decimal import Decimal, InvalidOperation
+
+    raw = str(text).strip()
+    try:
+        if raw.endswith("%"):
+            x = Fraction(Decimal(raw[:-1].strip())) / 100
+        elif "/" in raw:
+            a, b = raw.split("/", 1)
+            x = Fraction(Decimal(a.strip())) / Fraction(Decimal(b.strip()))
+        else:
+            x = Fraction(Decimal(raw))
+    except (InvalidOperation, ValueError, ZeroDivisionError):
+        raise SymcostError(f"{what} takes a fraction of peak such as 0.45, 45% or 140/312, got {text!r}") from None
+    if not 0 < x <= 1:
+        raise SymcostError(f"{what} must lie in (0, 1] (above 100% of peak is impossible), got {text!r} = {float(x):.4g}")
+    return float(x)
+
+
+def recompute_flops(an, recompute: str = "none") -> sympy.Expr:
+    """Matmul FLOPs one training step adds by activation recomputation, a formula in the symbols.
+
+    ``full`` (Narayanan et al. 2021, sec. 3.5; ``torch.utils.checkpoint`` around each of the L
+    blocks, Hugging Face's ``gradient_checkpointing_enable``, ``symcost checkpoint --plan
+    every-layer``): the step traced with every block checkpointed
+    (:func:`symcost.passes.checkpoint.uniform_spec`, k = 1, in ``an``'s regime) less the plain
+    step: each block's forward once more, up to the checkpoint's early stop (ops after a block's
+    last saved tensor are not rerun); never the embedding, the final norm, the LM head or the loss.
+    ``selective`` (Korthikanti et al. 2022, sec. 4.2: the attention core, Q·Kᵀ, softmax, dropout
+    and attention over V, checkpointed): the forward score products Q·Kᵀ of unfused attention
+    (attention matmuls whose output's last dimension is the key length S) once more. PyTorch's
+    non-reentrant checkpoint stops after the last tensor the region saves (the dropped-out
+    probabilities), so P·V, whose output nothing in the region saves, is not rerun; Megatron-LM's
+    reentrant checkpoint reruns it too (Korthikanti et al. count both products, 4·B·S²·h per
+    layer, twice this). A fused attention kernel keeps no scores; its backward already recomputes
+    them (hardware FLOPs, ``flops_hw``), so selective recomputation adds nothing there.
+
+    Raises:
+        SymcostError: unknown mode; ``full`` on a model whose blocks cannot be traced checkpointed.
+    """
+    if recompute not in RECOMPUTE:
+        raise SymcostError(f"--recompute takes {', '.join(RECOMPUTE)}, got {recompute!r}")
+    if recompute == "none":
+        return sympy.Integer(0)
+    if recompute == "selective":
+        S = SYMS["S"]
+        return sympy.expand(sympy.Add(*[  # the score products: an output over the keys (last dim S)
+            op.repeat * op.cost.flops_hw for op in an.ops
+            if op.attention and op.phase == "forward" and "attention" not in op.name
+            and op.out_shapes and sympy.sympify(op.out_shapes[0][-1]).has(S)]))
+    from symcost.passes import checkpoint
+
+    sub = checkpoint._uniform_trace(an, 1).with_attention_flops(getattr(an, "attention_count", "full"))
+    return sympy.expand(sub.flops("train", "hardware") - an.flops("train", "hardware"))
+
+
 def tokens_compute(an, sizes: Mapping[str, int] | None, tokens: int | None = None,
                    recompute: str = "none") -> dict:
-    """Per-token FLOPs and the compute of a token budget.
+    """Per-token FLOPs and the compute of a token budget, model and hardware.
 
-    ``flops.per_token`` = model FLOPs of one training step / (B·S) (a formula and its value);
-    with ``tokens``: ``compute.total`` = training FLOPs x tokens / (B·S), exactly (a rational
-    number; an integer when B·S divides), next to ``compute.6NP`` = 6·P·tokens (Kaplan et al.
-    2020, eq. 2.1 with P the matmul parameters of :attr:`Analysis.params_matmul`).
+    ``flops.per_token`` = model FLOPs of one training step / (B·S) (a formula and its value; the
+    same for every attention kernel and any recomputation: what MFU, 6·N·P and ``time --mfu``
+    count). ``flops.per_token_hardware`` = what the step really multiplies: model FLOPs plus the
+    kernels' own extra work (``flops.kernel_extra_step``: a fused attention backward's recomputed
+    scores, :meth:`Analysis.flops` ``kind="hardware"``) plus ``recompute``
+    (``flops.recompute_step``, :func:`recompute_flops`): HFU's numerator (Chowdhery et al. 2022,
+    App. B).
 
-    ``recompute="full"`` adds one forward per step (full activation recomputation; Narayanan et
-    al. 2021, sec. 5.1: 8·P·tokens instead of 6) to the training FLOPs, and the simplified column
-    becomes 8·P·tokens.
+    ``sizes`` (every symbol's value used, B and S included) and ``params`` (all parameters) say
+    which model was counted. With ``tokens``: ``compute.total`` = model FLOPs of a step x tokens / (B·S) and
+    ``compute.hardware`` the same with hardware FLOPs, exactly (rationals; integers when B·S
+    divides), next to ``compute.6NP`` = 6·P·tokens (Kaplan et al. 2020, eq. 2.1, P the matmul
+    parameters of :attr:`Analysis.params_matmul`) and, under ``full``, ``compute.8NP`` =
+    8·P·tokens (Narayanan et al. 2021, sec. 5.1: one more forward).
 
     Raises:
         SymcostError: bad sizes or recompute mode.
     """
-    if recompute not in ("none", "full"):
-        raise SymcostError(f"--recompute takes none or full, got {recompute!r}")
+    extra = recompute_flops(an, recompute)
     env = an.bind(**(sizes or {}))
     B, S = (an.pinned.get(n) or env[SYMS[n]] for n in ("B", "S"))
-    train = an.flops("train") + (an.flops("forward") if recompute == "full" else 0)
-    step_flops = _num(train, env)
+    train = an.flops("train")
+    kernel = sympy.expand(an.flops("train", "hardware") - train)
+    step_flops, step_kernel, step_rec = _num(train, env), _num(kernel, env), _num(extra, env)
+    step_hw = step_flops + step_kernel + step_rec
     P = _num(an.params_matmul, env)
-    k = 8 if recompute == "full" else 6
     Bs, Ss = (sympy.Integer(an.pinned[n]) if n in an.pinned else SYMS[n] for n in ("B", "S"))
     per_token_formula = sympy.factor_terms(sympy.cancel(sympy.expand(train) / (Bs * Ss)))
     out: dict[str, Any] = {
+        "sizes": {str(k): int(v) for k, v in env.items()},
+        "params": _num(an.params, env),
         "flops.per_token": _exact(Fraction(step_flops, B * S)),
         "flops.per_token_formula": str(per_token_formula),
         "flops.train_step": step_flops,
+        "flops.per_token_hardware": _exact(Fraction(step_hw, B * S)),
+        "flops.train_step_hardware": step_hw,
+        "flops.kernel_extra_step": step_kernel,
+        "flops.recompute_step": step_rec,
         "tokens_per_step": B * S,
         "params_matmul": P,
         "recompute": recompute,
-        f"flops.per_token_{k}P": k * P,
+        "flops.per_token_6P": 6 * P,
     }
+    if recompute == "full":
+        out["flops.per_token_8P"] = 8 * P
     if tokens is not None:
         out["tokens"] = tokens
         out["compute.total"] = _exact(Fraction(step_flops * tokens, B * S))
-        out[f"compute.{k}NP"] = k * P * tokens
+        out["compute.hardware"] = _exact(Fraction(step_hw * tokens, B * S))
+        out["compute.6NP"] = 6 * P * tokens
+        if recompute == "full":
+            out["compute.8NP"] = 8 * P * tokens
         out["compute.steps"] = _exact(Fraction(tokens, B * S))
     return out
 

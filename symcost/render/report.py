@@ -418,7 +418,9 @@ def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None =
 
     Keys: model, precision, attention (the implementation of an ``hf:`` model; else null),
     symbols, params, params_matmul, params_embedding, params_nonembedding (Kaplan et al. 2020's
-    N), flops.{forward,backward,train, train_simplified}, flops_all.*, bytes.*, transcendentals.*
+    N), flops.{forward,backward,train, train_simplified} (model FLOPs: the same for every attention
+    kernel), flops_hw.* (hardware FLOPs: a fused attention backward's recomputed scores
+    included), flops_all.*, bytes.*, transcendentals.*
     (exp, log, erf, tanh, sin and sqrt evaluations, all classes together), attention_flops,
     attention_flops_count ("full" or "causal": how the attention matmuls were counted),
     unsupported_ops (and memory.* when the memory pass ran); params_active (equal to params for a
@@ -450,6 +452,7 @@ def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None =
         "params_nonembedding": out(an.params_nonembedding),
         "flops": {ph: out(an.flops(ph)) for ph in PHASES + ("train",)},
         "flops_all": {ph: out(an.flops(ph, "all")) for ph in PHASES + ("train",)},
+        "flops_hw": {ph: out(an.flops(ph, "hardware")) for ph in PHASES + ("train",)},
         "bytes": {ph: out(an.bytes(ph)) for ph in PHASES + ("train",)},
         "transcendentals": {ph: out(an.transcendentals(ph)) for ph in PHASES + ("train",)},
         "attention_flops": out(an.attention_flops),

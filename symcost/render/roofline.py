@@ -95,3 +95,27 @@ def render_text(c, an, dev, r: dict, tc: dict, n_tokens=None, top: int = 15, unf
         c.print(ct)
     for note in r["notes"]:
         c.print(f"note: {note}")
+
+
+def _count(n: int) -> str:
+    for u, f in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= f:
+            return f"{n / f:.4g}{u}"
+    return str(n)
+
+
+def model_lines(an, sizes, tc: dict) -> list[str]:
+    """What ``mfu``/``time`` counted, as short lines: every size used, which of them are the
+    model's defaults (not given with ``--set``), and the parameter counts.
+
+    Args:
+        an: the Analysis; sizes: the ``--set`` values; tc: :func:`symcost.passes.roofline.tokens_compute`.
+    """
+    used = tc["sizes"]
+    given = [k for k in used if k in sizes]
+    default = [k for k in used if k not in sizes and k not in an.pinned]
+    note = ("all from --set" if not default else
+            f"{' '.join(default)}: the model's defaults" + (f"; {' '.join(given)}: --set" if given else ""))
+    return [f"sizes: {' '.join(f'{k}={v}' for k, v in used.items())}", f"  ({note})",
+            f"parameters: {tc['params']:,} ({_count(tc['params'])}); matmul operands (P of 6·N·P) "
+            f"{_count(tc['params_matmul'])}"]

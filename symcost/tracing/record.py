@@ -458,7 +458,8 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
         h1 = nn.modules.module.register_module_forward_pre_hook(pre_hook)
         h2 = nn.modules.module.register_module_forward_hook(post_hook)
         try:
-            with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            context = spec.record_context or contextlib.nullcontext
+            with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context():
                 with autocast():
                     out = model(*args, **kwargs)
                     loss = spec.loss(out, (args, kwargs))
