@@ -1,5 +1,6 @@
-"""Cold time of ``symcost eval`` on the twelve real configs of tests/data/configs (issue 6:
-each under 30 s cold on the 2-core machine), side by side with a peer measured in the same run:
+"""Cold time of ``symcost eval`` on the real configs of tests/data/configs (issue 6: the twelve
+dense ones each under 30 s cold on the 2-core machine; issue 14: the seven mixture-of-experts ones
+too, whose peer runs transformers' ``batched_mm`` experts), side by side with a peer measured in the same run:
 one FlopCounterMode pass (forward + backward, fake tensors, the file's full width and L) of the
 same model, which gives one size's FLOPs where symcost gives the formulas for every size.
 
@@ -26,6 +27,8 @@ spec = symcost.resolve(sys.argv[1])
 v = dict(spec.defaults, B=2, S=64)
 with torch.device("meta"):
     m = spec.build(v)
+if "E" in spec.symbols:
+    m.set_experts_implementation("batched_mm")  # transformers' own experts code, fake-tensor safe
 with FakeTensorMode(allow_non_fake_inputs=True):
     m = m.to_empty(device="cpu")
     ids = torch.randint(0, v["V"], (2, 64))

@@ -1,7 +1,8 @@
 """Real published configs (issue 6, item 3): ``symcost`` reads a transformers ``config.json``.
 
-Twelve configs in ``tests/data/configs/`` are written out from the values their model cards
-publish. For each: the parameter count equals ``sum(p.numel())`` of the model built from that
+Twelve dense configs in ``tests/data/configs/`` are written out from the values their model cards
+publish (the seven mixture-of-experts configs beside them are checked by
+tests/test_moe_real_configs.py, whose FLOP oracle runs transformers' own experts code). For each: the parameter count equals ``sum(p.numel())`` of the model built from that
 file on the meta device, model FLOPs (forward, backward, train) at two sizes equal
 ``torch.utils.flop_counter.FlopCounterMode`` run on fake tensors at the file's full width (eager
 attention, small B, S and L: fake tensors allocate nothing), and ``symcost report`` runs on it.
@@ -22,7 +23,19 @@ from torch.utils.flop_counter import FlopCounterMode
 import symcost
 
 HERE = os.path.dirname(__file__)
-CONFIGS = sorted(glob.glob(os.path.join(HERE, "data", "configs", "*.json")))
+
+def _routed_experts(path: str) -> bool:
+    """Whether a config file has routed experts (a mixture of experts), read from the file."""
+    import json
+
+    with open(path) as f:
+        c = json.load(f)
+    return any(isinstance(c.get(k), int) and c[k] >= 2 for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+ALL_CONFIGS = sorted(glob.glob(os.path.join(HERE, "data", "configs", "*.json")))
+CONFIGS = [p for p in ALL_CONFIGS if not _routed_experts(p)]
+MOE_CONFIGS = [p for p in ALL_CONFIGS if _routed_experts(p)]
 # (B, S, L) of the two FLOP checks: the regime of B, S > 1 (traced with the first)
 SIZES = ({"B": 2, "S": 16, "L": 2}, {"B": 3, "S": 24, "L": 3})
 
@@ -45,7 +58,12 @@ def fake_flops(spec, values: dict[str, int]) -> dict[str, int]:
 
 
 def test_twelve_configs_present():
+    """Twelve dense configs here; the seven MoE ones (DeepSeek-V2-Lite, DeepSeek-V3, Qwen3-30B-A3B,
+    OLMoE-1B-7B, Mixtral-8x7B, gpt-oss-20b/120b) in tests/test_moe_real_configs.py."""
     assert len(CONFIGS) == 12
+    assert [os.path.basename(p)[:-5] for p in MOE_CONFIGS] == [
+        "deepseek-v2-lite", "deepseek-v3", "gpt-oss-120b", "gpt-oss-20b", "mixtral-8x7b", "olmoe-1b-7b",
+        "qwen3-30b-a3b"]
 
 
 @pytest.mark.heavy

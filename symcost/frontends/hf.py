@@ -466,8 +466,22 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
     elif uses_rope:
         constraints.append(Constraint(
             "multiple", "D", 2, f"D must be even: hf:{model_type} uses rotary position embeddings, which rotate pairs"))
+    if has_m and hidden % H == 0 and _rejects(AutoConfig, model_type, ov, cfg, hidden + 1):
+        # the config class validates hidden_size % num_attention_heads (deepseek_v2/v3's
+        # validate_architecture) although M is a symbol of its own: probes keep H | M
+        constraints.append(Constraint(
+            "divides", "H", "M",
+            f"H must divide M: {cls} rejects a hidden_size that is no multiple of num_attention_heads"))
+    lead = 0
+    first_dense = attr("first_k_dense_replace")
+    if moe_b is not None and isinstance(first_dense, int) and first_dense >= 2:
+        # DeepSeek-V3: the first k blocks are dense, the others MoE (k = 1 is a special first
+        # block, which the tracer finds on its own); L <= k is all dense, a regime of its own
+        lead = first_dense
     if moe_b is not None:
         constraints.append(Constraint("max", "R", "E", "R (experts per token) must not exceed E (experts)"))
+        constraints.extend(moe_b.constraints)
+        moduli.update(dict(moe_b.moduli))
     if maxpos and not uses_rope and not alibi:  # a learned position table
         constraints.append(Constraint(
             "max", "S", int(maxpos),
@@ -489,6 +503,11 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         if has_k:
             kw[_field_name(cfg, "num_key_value_heads")] = values["K"]
         kw["use_cache"] = False
+        pattern = kw.get("layer_types")
+        if isinstance(pattern, (list, tuple)) and pattern and len(pattern) != values["L"]:
+            # a config file's per-layer list (gpt-oss: sliding and full attention alternate) follows
+            # L by its shortest period, as the config class derives it when the file has none
+            kw["layer_types"] = _resize_pattern(list(pattern), values["L"])
         if moe_b is not None:
             kw.update(moe_b.config_kwargs(values, lambda k: _field_name(cfg, k)))
         for key in _TOKEN_ATTRS:  # ids outside a small probe vocabulary would break the embedding
@@ -544,6 +563,9 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         extra["F_attribute"] = f_attr
     if has_k:
         extra["kv_heads"] = "K = num_key_value_heads (regime from the requested K: K = 1, 1 < K < H or K = H)"
+    if lead:
+        extra["lead_blocks_note"] = (f"first_k_dense_replace={lead}: blocks 0..{lead - 1} are dense, the "
+                                     "others mixture-of-experts")
     if moe_b is not None:
         extra.update(routing=moe.BALANCED.name, routing_description=moe.BALANCED.describe(),
                      moe_attributes=f"E={moe_b.e_attr}, R={moe_b.r_attr}, F={moe_b.f_attr}")
@@ -563,6 +585,7 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         extra=extra,
         probe_check=moe.probe_check if moe_b is not None else None,
         record_context=unpacked_masks,
+        lead_blocks=lead,
     )
 
 
@@ -609,3 +632,23 @@ def _multiple(factor: float) -> int:
         if abs(r - round(r)) < 1e-9 and round(r) % 2 == 0 and round(r) > 0:
             return d
     return 2
+
+
+def _rejects(AutoConfig, model_type: str, ov: Mapping[str, Any], cfg, hidden: int) -> bool:
+    """Whether the config class refuses ``hidden_size=hidden`` (everything else as ``ov``)."""
+    kw = dict(ov)
+    kw[_field_name(cfg, "hidden_size")] = hidden
+    try:
+        _make_config(AutoConfig, model_type, kw)
+    except SymcostError:
+        return True
+    return False
+
+
+def _resize_pattern(pattern: list, n: int) -> list:
+    """``pattern`` (one entry per layer) repeated by its shortest period to ``n`` entries
+    (``["sliding", "full"] * 12`` -> ``["sliding", "full", "sliding"]`` for n = 3)."""
+    for p in range(1, len(pattern) + 1):
+        if all(pattern[i] == pattern[i % p] for i in range(len(pattern))):
+            return [pattern[i % p] for i in range(n)]
+    return pattern[:n]  # pragma: no cover (p = len(pattern) always matches)

@@ -306,9 +306,11 @@ def routing_of_spec(spec) -> Routing | None:
 
 # -- Hugging Face configs ------------------------------------------------------------------------
 
-#: MoE model types checked (transformers 5.24, torch 2.13; tests/test_moe.py) to trace with eager
-#: and sdpa attention and to match FlopCounterMode of transformers' own experts loop.
-VERIFIED_HF = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe")
+#: MoE model types checked (transformers 5.24, torch 2.13) to trace and to match FlopCounterMode of
+#: transformers' own experts code: tests/test_moe.py (eager and sdpa attention, the experts loop
+#: at random sizes) and tests/test_moe_real_configs.py (deepseek_v2, deepseek_v3, gpt_oss: their
+#: published configs, eager attention, the ``batched_mm`` experts at full width).
+VERIFIED_HF = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 #: Config attributes naming the routed experts E, first present (not None) wins.
 E_ATTRS = ("num_local_experts", "num_experts", "n_routed_experts")
 #: Config attributes naming the experts per token R.
@@ -327,6 +329,11 @@ class HFBinding:
     E: int
     R: int
     F: int
+    #: limits the router puts on E (:class:`~symcost.frontends.spec.Constraint` s): grouped
+    #: routing (DeepSeek's ``n_group``) views the E scores as ``[n_group, E / n_group]``
+    constraints: tuple = ()
+    #: (symbol, modulus) pairs whose probes keep the request's residue (E a multiple of ``n_group``)
+    moduli: tuple = ()
 
     def config_kwargs(self, values: Mapping[str, int], field_name) -> dict[str, int]:
         """Constructor kwargs setting E, R, F to ``values`` (``field_name`` maps to fields)."""
@@ -341,7 +348,14 @@ def hf_binding(cfg) -> HFBinding | None:
     F: the routed experts' width ``moe_intermediate_size`` where the config has one (qwen2_moe,
     qwen3_moe: their ``intermediate_size`` is the width of dense layers, unused when every layer
     is sparse), else ``intermediate_size`` (mixtral, olmoe). A shared expert's width
-    (``shared_expert_intermediate_size``) stays at its config value.
+    (``shared_expert_intermediate_size``, ``n_shared_experts`` times F for DeepSeek) stays at its
+    config value or follows F as the config builds it.
+
+    Grouped routing (DeepSeek-V2's ``group_limited_greedy``, V3's ``noaux_tc``, with ``n_group``
+    > 1) views the E router scores as ``[n_group, E / n_group]``: E must be a multiple of
+    ``n_group`` (PyTorch's ``view`` rejects anything else), and V3's router takes the top 2
+    scores of each group (``topk(2)`` over E / n_group experts), so E >= 2·n_group. Both become
+    constraints, and probes of E keep E a multiple of ``n_group`` (a modulus).
     """
     def first(attrs):
         for a in attrs:
@@ -356,4 +370,19 @@ def hf_binding(cfg) -> HFBinding | None:
     if e_attr is None or r_attr is None or f_attr is None or e < 2:
         return None
     register_hf()
-    return HFBinding(e_attr, r_attr, f_attr, e, r, f)
+    from symcost.frontends.spec import Constraint
+
+    constraints, moduli = [], []
+    groups = getattr(cfg, "n_group", None)
+    method = getattr(cfg, "topk_method", "noaux_tc")
+    if isinstance(groups, int) and not isinstance(groups, bool) and groups > 1 \
+            and method in ("noaux_tc", "group_limited_greedy"):
+        constraints.append(Constraint(
+            "multiple", "E", groups, f"E must be a multiple of n_group={groups}: the router views the "
+            "expert scores as [n_group, E/n_group]"))
+        moduli.append(("E", groups))
+        if method == "noaux_tc":  # the sum of the top 2 scores of each group ranks the groups
+            constraints.append(Constraint(
+                "min", "E", 2 * groups, f"E must be at least 2·n_group={2 * groups}: the router takes the "
+                "top 2 experts of each group"))
+    return HFBinding(e_attr, r_attr, f_attr, e, r, f, tuple(constraints), tuple(moduli))

@@ -134,6 +134,12 @@ class ModelSpec:
             on fake tensors, where a library decides differently on fake tensors than on real ones
             (``hf:`` models: :func:`symcost.frontends.hf.unpacked_masks`). Code, not data: a spec
             read back from the trace cache has none (it records nothing).
+        lead_blocks: n >= 2 where the first n of the L blocks are of another kind than the rest, n
+            a config constant (DeepSeek-V3's ``first_k_dense_replace = 3`` dense blocks before the
+            MoE blocks): probes are recorded with L = n + 2 (n + 3 for the checks), block 0 stands
+            for the n leading blocks and block n for the L - n others. A request with L <= n is
+            all leading blocks, a regime of its own: the trace pins L there. 0: no such blocks (a
+            single special first block, n = 1, is found by the tracer on its own).
     """
 
     name: str
@@ -151,6 +157,7 @@ class ModelSpec:
     extra: dict[str, Any] = field(default_factory=dict)
     probe_check: Callable[[Mapping[str, int]], str | None] | None = None
     record_context: Callable[[], Any] | None = None
+    lead_blocks: int = 0
 
     def __post_init__(self):
         if self.check is None:

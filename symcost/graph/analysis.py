@@ -107,7 +107,7 @@ class Analysis(Totals, Conventions, Serialized):
         for s in ("B", "S"):  # not requested: the regime of any size other than 1
             values[s] = sizes.get(s, self.pinned.get(s, {"B": 2, "S": 16}[s]))
         if "L" in values and "L" not in self.pinned:
-            values["L"] = FIT_L
+            values["L"] = FIT_L + getattr(self.spec, "lead_blocks", 0)
         values.update({a: values[b] for a, b in self.spec.tied.items() if b in values})
         try:
             rec = record(self.spec, values, self.precision)
@@ -168,6 +168,14 @@ class Analysis(Totals, Conventions, Serialized):
             if a not in sizes and a in values and b in values:
                 values[a] = values[b]
         values.update(self.pinned)
+        lead = getattr(self.spec, "lead_blocks", 0) or 0
+        if lead and "L" in self.symbols and "L" not in self.pinned and values.get("L", lead + 1) <= lead:
+            raise SymcostError(
+                f"L={values['L']}: {self.model} has {lead} leading blocks of another kind "
+                f"({self.spec.extra.get('lead_blocks_note', 'the first blocks')}); this trace's formulas "
+                f"hold for L > {lead}, and a model of L <= {lead} blocks is all leading blocks, a regime of "
+                f"its own: trace again for L={values['L']} (symcost.trace(..., sizes={{'L': {values['L']}}}) "
+                f"or --set L={values['L']})")
         missing = [s for s in self.symbols if s not in values]
         if missing:
             raise SymcostError(f"no value for {', '.join(missing)}; set it with --set")

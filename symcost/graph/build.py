@@ -18,8 +18,8 @@ import sympy
 from symcost._lazy import LazyModule
 from symcost.errors import SymcostError
 from symcost.frontends.spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, ModelSpec, request_facts
-from symcost.tracing.fit import (CHECK_L, FIT_L, SYMS, Fitter, FitError, Unvariable, find_base, plan_probes,
-                                 probe_pool, random_point, random_pools)
+from symcost.tracing.fit import (CHECK_L, FIT_L, SYMS, Fitter, FitError, Unvariable, find_base,
+                                 leaves_moe_values, plan_probes, probe_pool, random_point, random_pools)
 from symcost.tracing.modules import _fold_name, _layer_of, _rename_block
 from symcost.tracing.regime import digest, regime_signature
 from symcost.tracing.schedule import fit_schedule
@@ -138,6 +138,13 @@ def _layer_roles(spec: ModelSpec, ref: Recording, container: str | None, precisi
         return out
 
     generic, special, repeat = 0, None, L
+    if container is not None and spec.lead_blocks:
+        n = spec.lead_blocks  # n leading blocks of one kind, recorded at L = n + 2
+        s2 = seqs(ref)
+        if len(s2) != n + 2 or any(s2[i] != s2[0] for i in range(n)) or s2[n] != s2[n + 1]:
+            raise Unvariable("L", f"the blocks of {container} are not {n} leading blocks of one kind and "
+                                  "the others of another, so L is not folded")
+        return _lead_roles(container, n)
     if container is not None:
         s2 = seqs(ref)
         if len(s2) >= 2 and s2[0] != s2[1]:
@@ -165,6 +172,28 @@ def _layer_roles(spec: ModelSpec, ref: Recording, container: str | None, precisi
             if special == 0:
                 return True, one, full
             return True, one, _rename_block(full, container, "{L-1}")
+        return False, one, full
+
+    return role
+
+
+def _lead_roles(container: str, n: int):
+    """The fold of n leading blocks of one kind before L - n blocks of another
+    (``ModelSpec.lead_blocks``; recorded at L = n + 2): block 0 stands for the n leading blocks
+    (repeat n, named ``{container}.{0..n-1}``), block n for the others (repeat L - n, named
+    ``{container}.{i}``); blocks 1..n-1 and n+1 are dropped."""
+    L = SYMS["L"]
+    one = sympy.Integer(1)
+
+    def role(module: str, name: str | None = None):
+        layer = _layer_of(module, container)
+        full = module if name is None else name
+        if layer is None:
+            return True, one, full
+        if layer == 0:
+            return True, sympy.Integer(n), _rename_block(full, container, f"{{0..{n - 1}}}")
+        if layer == n:
+            return True, L - n, _fold_name(full, container)
         return False, one, full
 
     return role
@@ -263,6 +292,14 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     facts = request_facts(values, spec.all_symbols)
     pins = {s: 1 for s in facts["ones"]}
     reasons = {s: "size 1 runs other kernels (copies become views)" for s in pins}
+    n = spec.lead_blocks
+    if n and "L" in values and "L" not in pins and values["L"] <= n:
+        # every block is one of the n leading blocks (DeepSeek-V3's dense blocks before the MoE
+        # ones): a model PyTorch builds, whose blocks are all of one kind. Traced as it is, with
+        # L pinned (its formulas hold up to L = n only); the blocks are traced one by one.
+        pins["L"] = values["L"]
+        reasons["L"] = (f"L <= {n}: every block is one of the {n} leading blocks (no block of the "
+                        f"other kind), a regime of its own whose formulas hold for L <= {n} only")
     recordings: dict = {}
     for _ in range(len(SYMS) + 1):
         try:
@@ -302,7 +339,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     t0 = time.perf_counter()
     pinned = dict(pins)
     base_syms = tuple(s for s in spec.all_symbols if s not in pinned)
-    fixed = dict(pinned, **({"L": FIT_L} if "L" in base_syms else {}))
+    fixed = dict(pinned, **({"L": FIT_L + spec.lead_blocks} if "L" in base_syms else {}))
     request = {**{k: v for k, v in values.items() if k in spec.all_symbols or k in spec.tied},
                **{s: v for s, v in fixed.items()}}
     for s in INPUT_SYMBOLS:  # B, S not requested: the regime of any size other than 1
@@ -335,13 +372,18 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     syms = tuple(s for s in base_syms if s not in ties)
     base = find_base(syms, spec.probe_ok, seed, fixed, accept=accept, request=request, ties=ties, moduli=moduli)
     for follower, leader in list(ties.items()):
-        for v in probe_pool(follower, request.get(follower), moduli.get(follower))[:8]:
-            p = dict(base, **{follower: v})
-            if v != base[leader] and spec.probe_ok(p) is None:
-                if accept(p):
-                    del ties[follower]
-                    base = p  # the untied pair keeps distinct values in the base probe
-                break
+        # one probe breaking the equality decides: the first valid value of the follower's whole
+        # pool (an MoE probe needs E | B·S·R and R <= E, which the small values of E may all
+        # miss), preferably one that leaves an MoE's E three values and R two (see find_base)
+        free = [s for s in base_syms if (s not in fixed and s not in ties) or s == follower]
+        pools = {s: probe_pool(s, request.get(s), moduli.get(s)) for s in free}
+        others = {a: b for a, b in ties.items() if a != follower}
+        valid = [dict(base, **{follower: v}) for v in probe_pool(follower, request.get(follower), moduli.get(follower))
+                 if v != base[leader] and spec.probe_ok(dict(base, **{follower: v})) is None]
+        valid.sort(key=lambda p: not leaves_moe_values(p, free, spec.probe_ok, pools, others))  # stable
+        if valid and accept(valid[0]):
+            del ties[follower]
+            base = valid[0]  # the untied pair keeps distinct values in the base probe
     syms = tuple(s for s in base_syms if s not in ties)
     plan = plan_probes(syms, spec.probe_ok, n_random=n_random, seed=seed, fixed=fixed, accept=accept,
                        request=request, ties=ties, moduli=moduli, base=base)
@@ -458,7 +500,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         matmul_params=matmul_params, unsupported=unsupported, saved=saved, layer_container=container,
         precision=precision, tied={folded_name.get(k, k): v for k, v in ref.tied.items()},
         recordings=recs, plan=plan, fitter=fitter, role=role,
-        schedule=fit_schedule(recs, fitter, role, container, symbols, spec.name),
+        schedule=fit_schedule(recs, fitter, role, container, symbols, spec.name,
+                              lead=0 if "L" in pinned else spec.lead_blocks),
     )
     an.pinned = pinned
     an.pin_reasons = {k: reasons[k] for k in pinned}
@@ -502,7 +545,7 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
     import random
 
     rng = random.Random(seed + 1000)
-    fixed = dict(pinned, **({"L": CHECK_L} if "L" in symbols else {}))
+    fixed = dict(pinned, **({"L": CHECK_L + spec.lead_blocks} if "L" in symbols else {}))
     config_syms = [s for s in symbols if s not in INPUT_SYMBOLS and s != "L"]
 
     def compare(p, rec):
@@ -536,7 +579,7 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
         except SymcostError:
             continue
         msg = compare(p, rec)
-        if msg and accept is not None and "L" in p and not accept(dict(p, L=FIT_L)):
+        if msg and accept is not None and "L" in p and not accept(dict(p, L=FIT_L + spec.lead_blocks)):
             continue  # the random point left the regime: draw another
         if msg:
             raise FitError(msg, config_syms or symbols)

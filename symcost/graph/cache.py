@@ -162,6 +162,9 @@ def _matches(meta: Mapping, sizes: Mapping[str, int]) -> bool:
     if _facts(meta, sizes) != meta["facts"] or _config_values(meta, sizes) != meta["config_values"]:
         return False
     values = _request_values(meta, sizes)
+    lead = meta.get("lead_blocks", 0)
+    if lead and "L" not in meta["pinned"] and values.get("L", lead + 1) <= lead:
+        return False  # L <= n leading blocks: all blocks of one kind, a regime of its own
     return all(values.get(s) == v for s, v in meta["pinned"].items())
 
 
@@ -255,7 +258,8 @@ def store(k: dict, sizes: Mapping[str, int], an) -> Path | None:
     all_symbols = sorted((set(INPUT_SYMBOLS) | set(spec.symbols) | set(an.pinned)) - set(tied))
     meta: dict[str, Any] = {"key": k, "defaults": dict(spec.defaults), "tied": tied,
                             "follows": dict(getattr(spec, "follows", {}) or {}),
-                            "all_symbols": all_symbols, "pinned": dict(an.pinned)}
+                            "all_symbols": all_symbols, "pinned": dict(an.pinned),
+                            "lead_blocks": int(getattr(spec, "lead_blocks", 0) or 0)}
     meta["facts"] = _facts(meta, sizes)
     meta["config_values"] = _config_values(meta, sizes)
     traced = getattr(an, "request_facts", None)

@@ -92,6 +92,7 @@ class Serialized:
             "spec": {"name": spec.name, "symbols": list(spec.symbols), "defaults": dict(spec.defaults),
                      "tied": dict(spec.tied), "layers": spec.layers, "moduli": dict(getattr(spec, "moduli", {})),
                      "follows": dict(getattr(spec, "follows", {})),
+                     "lead_blocks": int(getattr(spec, "lead_blocks", 0) or 0),
                      "constraints": [[c.kind, c.a, c.b, c.why] for c in spec.constraints],
                      "extra": _jsonable(spec.extra)},
             "param_shapes": {n: [[s(x) for x in sh], dt(d), s(rep)] for n, (sh, d, rep) in self.param_shapes.items()},
@@ -185,6 +186,8 @@ class Serialized:
                                "build the model; trace it again (symcost --no-cache, or symcost.trace(..., use_cache=False))")
 
         more = {k: dict(sd[k]) for k in ("moduli", "follows") if sd.get(k) and k in ModelSpec.__dataclass_fields__}
+        if sd.get("lead_blocks"):
+            more["lead_blocks"] = int(sd["lead_blocks"])
         spec = ModelSpec(name=sd["name"], symbols=tuple(sd["symbols"]), defaults=dict(sd["defaults"]),
                          build=_gone, make_inputs=_gone, loss=_gone,
                          constraints=tuple(Constraint(*c) for c in sd["constraints"]),

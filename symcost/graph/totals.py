@@ -96,21 +96,34 @@ class Totals:
         ]))
 
 
-def is_routed(an, name: str) -> bool:
-    """Whether parameter ``name`` of an Analysis is a stack of E experts' weights.
-
-    From the traced graph: its first dimension is E, and in the forward it reaches (through views
-    and casts) an op whose output's first dimension is E too (the batched expert matmul over the
-    ``[E, C, ·]`` buffer, or an expert bias added to it). The router's weight ``[E, M]`` is not:
-    its matmul's output is ``[N, E]``.
-    """
+def is_e(an):
+    """``is_e(size) -> bool``: whether a traced size is E: the symbol E or, where the trace pinned
+    E (a regime no other E runs), its pinned value, so that pinning E cannot hide the experts."""
     import sympy
 
     from symcost.tracing.fit import SYMS
+
+    targets = {SYMS["E"]}
+    pinned = (getattr(an, "pinned", None) or {}).get("E")
+    if pinned is not None:
+        targets.add(sympy.Integer(pinned))
+    return lambda size: sympy.sympify(size) in targets
+
+
+def is_routed(an, name: str) -> bool:
+    """Whether parameter ``name`` of an Analysis is a stack of E experts' weights.
+
+    From the traced graph: its first dimension is E (:func:`is_e`: the symbol, or its value where
+    E is pinned), and in the forward it reaches (through views and casts) an op whose output's
+    first dimension is E too (the batched expert matmul over the ``[E, C, ·]`` buffer, or an
+    expert bias added to it). The router's weight ``[E, M]`` is not: its matmul's output is
+    ``[N, E]``.
+    """
     from symcost.graph.opsets import same_tensor
 
+    e = is_e(an)
     shape = an.param_shapes[name][0]
-    if not shape or sympy.sympify(shape[0]) != SYMS["E"]:
+    if not shape or not e(shape[0]):
         return False
     g = an.graph
     node = f"param:{name}"
@@ -129,9 +142,19 @@ def is_routed(an, name: str) -> bool:
             frontier.extend(g.successors(n))
             continue
         outs = d.get("out_shapes") or []
-        if outs and outs[0] and sympy.sympify(outs[0][0]) == SYMS["E"]:
+        if outs and outs[0] and e(outs[0][0]):
             return True
     return False
+
+
+def _active_share(an):
+    """R/E, each symbol replaced by its value where the trace pinned it."""
+    from symcost.tracing.fit import SYMS
+
+    pinned = getattr(an, "pinned", None) or {}
+    r = sympy.Integer(pinned["R"]) if "R" in pinned else SYMS["R"]
+    e = sympy.Integer(pinned["E"]) if "E" in pinned else SYMS["E"]
+    return r / e
 
 
 def params_active(an):
@@ -140,15 +163,12 @@ def params_active(an):
     ``an.params`` with every :func:`is_routed` parameter scaled by R/E (shared weights, shared
     experts, the router, embeddings and norms count fully). A polynomial in the symbols.
     """
-    import sympy
-
-    from symcost.tracing.fit import SYMS
+    from symcost.graph.opsets import numel
 
     routed = {n for n in an.param_shapes if is_routed(an, n)}
     if not routed:
         return an.params
-    scale = SYMS["R"] / SYMS["E"]
-    from symcost.graph.opsets import numel
+    scale = _active_share(an)
 
     total = sympy.Add(*[
         rep * numel(shape) * (scale if n in routed else 1)
@@ -159,15 +179,12 @@ def params_active(an):
 
 def params_active_matmul(an):
     """P_active of 6·N·P_active: matmul-operand parameters, routed expert stacks counted R/E."""
-    import sympy
-
-    from symcost.tracing.fit import SYMS
     from symcost.graph.opsets import numel
 
     routed = {n for n in an.matmul_params if is_routed(an, n)}
     if not routed:
         return an.params_matmul
-    scale = SYMS["R"] / SYMS["E"]
+    scale = _active_share(an)
     return sympy.expand(sympy.Add(*[
         rep * numel(shape) * (scale if n in routed else 1)
         for n, (shape, _, rep) in an.param_shapes.items() if n in an.matmul_params

@@ -106,12 +106,20 @@ def block_costs(an) -> BlockCosts:
     a checkpoint keeps), ``f`` the block's forward model FLOPs (FlopCounterMode's convention).
 
     Raises:
-        SymcostError: the model has no repeated blocks (L is not a symbol).
+        SymcostError: the model has no repeated blocks (L is not a symbol), or its first blocks
+            are of another kind than the rest (``ModelSpec.lead_blocks``: DeepSeek-V3's dense
+            blocks), which the per-block costs here do not describe.
     """
     from symcost.graph import rules
 
     if "L" not in an.symbols or an.layer_container is None:
         raise SymcostError(f"{an.model} has no repeated blocks (no symbol L); nothing to checkpoint")
+    lead = getattr(an.spec, "lead_blocks", 0) or 0
+    if lead:
+        raise SymcostError(
+            f"{an.model}: its first {lead} blocks are of another kind than the rest "
+            f"({an.spec.extra.get('lead_blocks_note', 'leading blocks')}); checkpoint planning folds one kind "
+            "of block (and one special end block), so it does not plan this model yet")
     L = SYMS["L"]
     special = _special(an)
     groups: dict[str, dict] = {}

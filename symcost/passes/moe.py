@@ -11,7 +11,7 @@ from typing import Any
 
 from symcost.errors import SymcostError
 from symcost.frontends.moe import routing_of_spec
-from symcost.graph.totals import is_routed, params_active, params_active_matmul  # noqa: F401  (re-exported)
+from symcost.graph.totals import is_e, is_routed, params_active, params_active_matmul  # noqa: F401  (re-exported)
 
 def slots_per_expert(an):
     """Token slots per expert buffer, read off the traced graph: the C of the ``[E, C, ·]``
@@ -24,13 +24,20 @@ def slots_per_expert(an):
 
     from symcost.tracing.fit import SYMS
 
+    e = is_e(an)
+    e_pinned = "E" in (getattr(an, "pinned", None) or {})
     found = set()
     for op in an.ops:
         if op.phase != "forward" or op.family != "model" or not op.in_shapes:
             continue
         s = op.in_shapes[0]
-        if len(s) == 3 and sympy.sympify(s[0]) == SYMS["E"] and sympy.sympify(s[1]).has(SYMS["E"]):
-            found.add(sympy.sympify(s[1]))
+        if len(s) != 3 or not e(s[0]):
+            continue
+        c = sympy.sympify(s[1])
+        # C = c·B·S·R/E: it falls with E where E is a symbol; where E is pinned, it grows with
+        # the tokens (an attention bmm [B·H, S, D] whose B·H happens to equal E does not)
+        if c.has(SYMS["E"]) if not e_pinned else (c.has(SYMS["B"]) or c.has(SYMS["S"])):
+            found.add(c)
     if not found:
         return None
     if len(found) > 1:

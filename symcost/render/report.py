@@ -186,7 +186,8 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
         g.add_row("attention", "the model's own code")
     if an.spec.extra.get("routing_description"):  # mixture of experts (symcost.passes.moe)
         g.add_row("routing", an.spec.extra["routing_description"] + " (--routing)")
-    regime = [f"{a} = {v} pinned (size 1 runs other kernels)" for a, v in an.pinned.items()]
+    reasons = getattr(an, "pin_reasons", {}) or {}
+    regime = [f"{a} = {v} pinned ({reasons.get(a, 'its regime')})" for a, v in an.pinned.items()]
     regime += [f"{a} tied to {b}" for a, b in an.spec.tied.items()]
     g.add_row("regime", "; ".join(regime) if regime else "no pinned or tied symbols")
     env = an.bind(**sizes)

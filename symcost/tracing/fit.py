@@ -192,10 +192,28 @@ def _probe_setup(symbols, fixed, ties, request, moduli, accept):
     return fixed, ties, request, moduli, accept or (lambda p: True), free, pools
 
 
+def leaves_moe_values(p: Mapping[str, int], free, check, pools: Mapping[str, Sequence[int]],
+                      ties: Mapping[str, str]) -> bool:
+    """Whether probe ``p`` leaves an MoE's E and R enough values that pass ``check`` with the
+    other sizes kept: E divides c·B·S·R at a probe and takes exponent -1, so E needs three values
+    (its own included), R two. DeepSeek-V3's E (a multiple of 8, at least 16) with B = 1 needs
+    S·R = 48, say. True where E is not free."""
+    if "E" not in free:  # E tied to an equal symbol or pinned: the tie probe / the pin decides
+        return True
+    for s, need in (("E", 3), ("R", 2)):
+        if s in free and s in p:
+            vals = {v for v in list(pools[s])[:16] if _ok(_complete(dict(p, **{s: v}), ties), check)}
+            if len(vals | {p[s]}) < need or not _ok(p, check):
+                return False
+    return True
+
+
 def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, int] | None = None, *,
               accept=None, request: Mapping[str, int] | None = None, ties: Mapping[str, str] | None = None,
               moduli: Mapping[str, int] | None = None) -> dict[str, int]:
-    """The base probe: the small :data:`BASE` sizes if they pass ``check`` and ``accept``, else a
+    """The base probe: the small :data:`BASE` sizes if they pass ``check`` and ``accept`` (and
+    leave an MoE's E three values), else those sizes with other B, S and small E (a whole number
+    of MoE token slots per expert for three values of E), else a
     random small point, else the request itself walked towards the small sizes one symbol at a
     time (each step kept only if it stays in the regime). Arguments as :func:`plan_probes`.
 
@@ -204,12 +222,38 @@ def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, 
     """
     fixed, ties, request, moduli, accept, free, pools = _probe_setup(symbols, fixed, ties, request, moduli, accept)
 
+    def varies_e(p):
+        return leaves_moe_values(p, free, check, pools, ties)
+
     def good(p):
-        return _ok(p, check) and accept(p)
+        return _ok(p, check) and varies_e(p) and accept(p)
 
     base = _complete({**{s: _nearest(pools[s], BASE[s]) for s in free}, **fixed}, ties)
     if good(base):
         return base
+    # A base that only misses a divisibility of the token count (an MoE probe needs E | c·B·S·R;
+    # E tied to an equal D for a request D = E = 64 takes D's small value), or that leaves E too
+    # few values, is repaired with other B, S (and small E) before it is given up for a random
+    # point: a random point's sizes may all but rule out varying M apart from a multiple of H.
+    # The checks are cheap; at most 3 candidates are recorded.
+    tried = 0
+
+    def alts(s, n=None):
+        return [base[s]] + [v for v in pools[s][:n] if v != base[s]] if s in free else [base.get(s)]
+
+    for e, b, s_ in itertools.product(alts("E", 12) if "E" in base else [None], alts("B"), alts("S")):
+        trial = dict(base)
+        for k, v in (("E", e), ("B", b), ("S", s_)):
+            if v is not None and k in base:
+                trial[k] = v
+        trial = _complete(trial, ties)
+        if trial == base or not _ok(trial, check) or not varies_e(trial):
+            continue
+        tried += 1
+        if accept(trial):
+            return trial
+        if tried >= 3:
+            break
     rng = random.Random(seed + 99)
     for _ in range(2):
         try:

@@ -432,13 +432,21 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
         saved: list[SavedTensor] = []
 
         seen_saved: dict[int, SavedTensor] = {}
+        # a weak reference to every saved storage keeps its StorageImpl (not its data) allocated
+        # for the whole step, so its address (the key) cannot be reused: a storage autograd saved
+        # and freed early (a branch of the graph the loss does not reach, e.g. DeepSeek-V3's
+        # group scores) is never taken for a later storage allocated at the same address, which
+        # the allocator's history, not the sizes, would decide
+        saved_refs: list[StorageWeakRef] = []
 
         def pack(t: torch.Tensor):
             st = t.untyped_storage()
-            key = StorageWeakRef(st).cdata
+            ref = StorageWeakRef(st)
+            key = ref.cdata
             if key in static_storages:
                 return t
             if key not in seen_saved:
+                saved_refs.append(ref)
                 seen_saved[key] = SavedTensor(st.nbytes(), t.dtype, rec.module_stack[-1], tuple(t.shape))
                 saved.append(seen_saved[key])
             else:

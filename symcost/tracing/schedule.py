@@ -120,7 +120,8 @@ def _normalized(rec) -> list[tuple[int, int, int]]:
     return out
 
 
-def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...], name: str) -> MemorySchedule:
+def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...], name: str,
+                 lead: int = 0) -> MemorySchedule:
     """Fit the probe recordings' memory events into a :class:`MemorySchedule` (at trace time).
 
     Args:
@@ -130,6 +131,9 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
         container: the blocks' container (None without repeated blocks).
         gens: the symbols of the trace, in order.
         name: the model's name (for messages).
+        lead: n >= 2 leading blocks of another kind (``ModelSpec.lead_blocks``; the probes hold
+            n + 2 blocks): blocks 0..n-1 are kept as they ran, block n is the first of the
+            L - n others and block n + 1 stands for the remaining L - n - 1.
 
     Each event's size is fitted across the probes (a polynomial); the schedule is cut into units
     folded over L (docs/memory.md, "Folding over L"). A schedule whose events change order with
@@ -161,13 +165,13 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
     pdtypes = {d for _, d in ref.params.values() if d.is_floating_point}
     sched.grad_itemsize = max((d.itemsize for d in pdtypes), default=4)
     try:
-        _fit_events(sched, alg, recs, fitter, role, container if has_L else None, name)
+        _fit_events(sched, alg, recs, fitter, role, container if has_L else None, name, lead)
     except SymcostError as e:
         sched.events, sched.units, sched.error = [], [], str(e)
     return sched
 
 
-def _fit_events(sched, alg, recs, fitter, role, container, name) -> None:
+def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0) -> None:
     ref = recs[0]
     norm = [_normalized(r) for r in recs]
     n = len(norm[0])
@@ -212,19 +216,24 @@ def _fit_events(sched, alg, recs, fitter, role, container, name) -> None:
             key = (op.phase if op.phase == "forward" else "backward", layer)
             a, b = spans.get(key, (k, k))
             spans[key] = (min(a, k), max(b, k))
-        need = [("forward", 0), ("forward", 1), ("backward", 1), ("backward", 0)]
-        ok = all(k in spans for k in need) and len(spans) == 4
+        # the blocks' spans must follow each other: forward 0, 1, ..., then backward in reverse
+        # (with n leading blocks: n + 2 blocks, of which n and n + 1 are the two compared)
+        order = [("forward", i) for i in range(lead + 2)] + [("backward", i) for i in reversed(range(lead + 2))]
+        ok = all(k in spans for k in order) and len(spans) == len(order)
         if ok:
-            f0, f1, b1, b0 = (spans[k] for k in need)
-            ok = f0[1] < f1[0] and f1[1] < b1[0] and b1[1] < b0[0]
+            ok = all(spans[a][1] < spans[b][0] for a, b in zip(order, order[1:]))
         if not ok:
             raise SymcostError(
                 f"{name}: the memory events of the blocks of {container} interleave; the peak "
                 "cannot be folded over L"
             )
+        f0, f1 = spans[("forward", lead)], spans[("forward", lead + 1)]
+        b1, b0 = spans[("backward", lead + 1)], spans[("backward", lead)]
         pre = f"{container}." if container else ""
         rep0, rep1 = role(f"{pre}0")[1], role(f"{pre}1")[1]
         special = 0 if (rep0 == 1 and rep1 != 1) else 1 if (rep1 == 1 and rep0 != 1) else None
+        if lead:
+            special = None
         F0, F1 = range(f0[0], f0[1] + 1), range(f1[0], f1[1] + 1)
         B1, B0 = range(b1[0], b1[1] + 1), range(b0[0], b0[1] + 1)
         if special == 1:  # the last block differs: blocks 0..L-2 are like block 0
@@ -236,6 +245,16 @@ def _fit_events(sched, alg, recs, fitter, role, container, name) -> None:
                      (b1[0], b1[1] + 1, 1, 1, "backward, last block"),
                      (b1[1] + 1, b0[1] + 1, "L - 1", 2, "backward, block"),
                      (b0[1] + 1, n, 1, 1, "backward, after the blocks")]
+        elif lead:  # blocks 0..n-1 as they ran; block n first of the others, n + 1 repeated
+            siblings = [(F1, F0), (B1, B0)]
+            more = f"L - {lead + 1}"
+            units = [(0, f0[0], 1, 1, f"forward, before the blocks and the {lead} leading blocks"),
+                     (f0[0], f0[1] + 1, 1, 1, f"forward, block {lead}"),
+                     (f0[1] + 1, f1[1] + 1, more, lead + 2, "forward, block"),
+                     (f1[1] + 1, b1[0], 1, 1, "end of forward / start of backward"),
+                     (b1[0], b0[0], more, lead + 2, "backward, block"),
+                     (b0[0], b0[1] + 1, 1, 1, f"backward, block {lead}"),
+                     (b0[1] + 1, n, 1, 1, f"backward, the {lead} leading blocks and after")]
         else:
             siblings = [(F1, F0), (B1, B0)]
             units = [(0, f0[0], 1, 1, "forward, before the blocks"),
@@ -283,11 +302,14 @@ def _fit_events(sched, alg, recs, fitter, role, container, name) -> None:
             sib = sibling_of.get(events[k][2])
             if (ua != uf and rep_a != 1 and units[uf][2] == 1 and sib is not None
                     and freed_in.get(sib) == uf):
-                evpolys[k] = evpolys[k] * alg.from_expr(L - 1)
+                evpolys[k] = evpolys[k] * alg.from_expr(L - 1 - lead)
     for k in range(n):
         op, _ = info[k]
         keep, _, module = role(op.module)
-        if not keep:  # a probe block that stands for the generic one: name it as folded
+        layer = info[k][1]
+        if lead and layer is not None and layer < lead:
+            module = op.module  # a leading block, kept as it ran
+        elif not keep:  # a probe block that stands for the generic one: name it as folded
             module = _rename_block(op.module, container, "{i}")
         sched.events.append(ScheduleEvent(
             alg.terms(evpolys[k]), events[k][2], k in grad_events, op.name.removeprefix("aten."),

@@ -410,8 +410,10 @@ class MemoryModel(Solver):
             return sympy.Add(self.static, inner, evaluate=False) if self.static != 0 else inner
 
         if self.has_L and any(c.min_L > 1 for c in cs):
-            one = [c for c in cs if c.min_L <= 1]
-            return sympy.Piecewise((mx(cs), SYMS["L"] >= 2), (mx(one), True))
+            # a candidate of a repeated block needs min_L blocks (2; n + 2 after n leading blocks)
+            cuts = sorted({c.min_L for c in cs if c.min_L > 1}, reverse=True)
+            pieces = [(mx([c for c in cs if c.min_L <= m]), SYMS["L"] >= m) for m in cuts]
+            return sympy.Piecewise(*pieces, (mx([c for c in cs if c.min_L <= 1]), True))
         return mx(cs)
 
     def components(self, **sizes: int) -> dict[str, int]:
