@@ -188,8 +188,10 @@ def _align(recs: list[Recording], spec: ModelSpec) -> None:
 
 def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None = None,
           attention: str | None = None, sizes: Mapping[str, int] | None = None,
-          precision: str = "bf16-mixed", n_random: int = 6, seed: int = 0) -> Analysis:
-    """Trace a model's training step into a symbolic cost graph, in the regime of ``sizes``.
+          precision: str = "bf16-mixed", n_random: int = 6, seed: int = 0,
+          step: str | None = None, kv_cache: str = "dynamic") -> Analysis:
+    """Trace a model's training step (or an inference step) into a symbolic cost graph, in the
+    regime of ``sizes``.
 
     The regime follows the request (shared/conventions.md, "Regimes"). The requested values are
     the model's config defaults with ``sizes`` on top (B and S count only where ``sizes`` sets
@@ -221,6 +223,13 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             decides dtypes, hence bytes and activations.
         n_random: random probes in the fit (besides base and one per symbol).
         seed: probe sampling seed.
+        step: ``"train"`` (forward, loss, backward), or an inference step through the model's own
+            KV cache (:meth:`ModelSpec.for_step`): ``"prefill"`` (S tokens per sequence into an
+            empty cache) or ``"decode"`` (S new tokens per sequence, 1 unless ``sizes`` sets S,
+            onto a cache of T tokens: T is a symbol). None: the spec's own step (``"train"`` for
+            a model name).
+        kv_cache: the cache class of an inference step, ``"dynamic"`` (``DynamicCache``) or
+            ``"static"`` (``StaticCache`` of T + S tokens).
 
     Returns:
         An :class:`Analysis` (``pinned``, ``pin_reasons``, ``regime_ties``, ``request_facts``,
@@ -229,10 +238,14 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
 
     Raises:
         SymcostError: bad model/config, sizes PyTorch rejects (the spec's constraints), an
-            untraceable model.
+            untraceable model, an inference step of a model without a KV cache.
     """
     spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
+    if step is not None:
+        spec = spec.for_step(step, kv_cache)
     sizes = dict(sizes or {})
+    if spec.step == "decode":
+        sizes.setdefault("S", 1)  # one new token per sequence: S = 1 is pinned, its own regime
     values = spec.values(sizes, inputs=False)
     why = spec.check({k: v for k, v in values.items() if k in spec.symbols or k in INPUT_SYMBOLS})
     if why:
@@ -282,8 +295,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     fixed = dict(pinned, **({"L": FIT_L} if "L" in base_syms else {}))
     request = {**{k: v for k, v in values.items() if k in spec.all_symbols or k in spec.tied},
                **{s: v for s, v in fixed.items()}}
-    for s in INPUT_SYMBOLS:  # B, S not requested: the regime of any size other than 1
-        request.setdefault(s, {"B": 2, "S": 16}[s])
+    for s in spec.input_symbols:  # B, S (T) not requested: the regime of any size other than 1
+        request.setdefault(s, {"B": 2, "S": 16, "T": 16}[s])
 
     def rec_at(p):
         key = tuple(sorted(p.items()))
@@ -424,6 +437,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         nb = fitter(tuple(r.saved[k].nbytes for r in recs), f"saved tensor of {s.module or 'the root'}")
         saved.append((module, nb, s.dtype, repeat))
 
+    kv_layers = _fit_kv(spec, recs, fitter, role, container, pinned) if spec.step != "train" else []
+
     t2 = time.perf_counter()
     graph = _build_graph(ref, ops, role)
     syms = {s: SYMBOL_MEANINGS[s] for s in symbols}
@@ -435,6 +450,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         precision=precision, tied={folded_name.get(k, k): v for k, v in ref.tied.items()},
         recordings=recs, plan=plan, fitter=fitter, role=role,
         schedule=fit_schedule(recs, fitter, role, container, symbols, spec.name),
+        step=spec.step, kv_cache=spec.kv_cache if spec.step != "train" else None, kv_layers=kv_layers,
     )
     an.pinned = pinned
     an.pin_reasons = {k: reasons[k] for k in pinned}
@@ -451,6 +467,40 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     return an
 
 
+def _fit_kv(spec: ModelSpec, recs: list[Recording], fitter, role, container: str | None,
+            pinned: Mapping[str, int]) -> list[tuple]:
+    """The KV cache's bytes per layer after the step, fitted over the probes and folded over L:
+    ``[(folded layer name, bytes formula, repeat)]``.
+
+    Cache layer i belongs to block i of the layer container. The layers fold like the blocks
+    (layer 0 stands for all L) when every layer holds the same bytes at every probe; a cache whose
+    layers differ (sliding-window and full-attention layers, or a count of layers other than L)
+    cannot be folded, so L is pinned (:class:`Unvariable`) and each layer is fitted on its own.
+
+    Raises:
+        Unvariable: L must be pinned (see above).
+        FitError: a layer's bytes are no polynomial in the symbols.
+    """
+    ref = recs[0]
+    n = len(ref.kv_layers)
+    if any(len(r.kv_layers) != n for r in recs):
+        raise SymcostError(f"{spec.name}: the number of KV-cache layers changes with the sizes")
+    sigs = [tuple(r.kv_layers[i] for r in recs) for i in range(n)]
+    fold = "L" not in pinned and container is not None
+    if fold and (n != ref.values.get("L") or len(set(sigs)) > 1):
+        raise Unvariable("L", (
+            f"the KV cache of {spec.name} holds {n} layers of different sizes (sliding-window and full-attention "
+            "layers), so L is not folded" if n == ref.values.get("L") else
+            f"the KV cache of {spec.name} has {n} layers for L = {ref.values.get('L')} blocks, so L is not folded"))
+    out = []
+    for i, sig in enumerate(sigs):
+        module = f"{container}.{i}" if container else f"kv.{i}"
+        keep, repeat, name = role(module) if container else (True, sympy.Integer(1), module)
+        if keep:
+            out.append((name, fitter(sig, f"KV-cache size of layer {i}"), repeat))
+    return out
+
+
 def concrete_totals(rec: Recording) -> dict[str, int]:
     """Totals of one concrete recording by the same rules: the oracle for the symbolic fit."""
     out = {f"{k}.{p}": 0 for k in ("flops", "flops_all", "bytes", "transcendentals") for p in PHASES}
@@ -462,6 +512,8 @@ def concrete_totals(rec: Recording) -> dict[str, int]:
         out[f"transcendentals.{op.phase}"] += int(c.transcendental_total)
     out["params"] = sum(rules.numel(s) for s, _ in rec.params.values())
     out["saved"] = sum(s.nbytes for s in rec.saved)
+    if rec.step != "train":
+        out["kv"] = sum(rec.kv_layers)
     return out
 
 
@@ -490,6 +542,7 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
             got[f"transcendentals.{ph}"] = an.transcendentals(ph).subs(env)
         got["params"] = an.params.subs(env)
         got["saved"] = sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]).subs(env)
+        got["kv"] = an.kv_bytes.subs(env)
         bad = {k: (int(got[k]), want[k]) for k in want if int(got[k]) != want[k]}
         if bad:
             k, (g, w) = next(iter(bad.items()))
