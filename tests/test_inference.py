@@ -236,3 +236,61 @@ def test_causal_pairs_decode_and_prefill():
     pre = traced_step("hf:llama", "prefill", sizes=(("K", 4),))
     v = {"B": 2, "S": 7, "H": 4, "K": 2, "D": 8, "L": 1, "V": 40, "F": 24}
     assert _measured_pairs(pre, v) == {28} == _pairs_per_head(pre.with_attention_flops("causal"), pre, v)
+
+
+# ------------------------------------------------------------------------------------------------
+# KV bytes of a real configuration
+QWEN3_4B = "tests/data/configs/qwen3-4b.json"
+
+
+def _meta_model(path: str, dtype=torch.bfloat16):
+    """The configuration's model built with transformers' own API on the meta device (no weights)."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with open(path) as f:
+        d = json.load(f)
+    kw = {k: v for k, v in d.items() if k not in ("model_type", "architectures", "transformers_version",
+                                                   "torch_dtype", "dtype")}
+    cfg = AutoConfig.for_model(d["model_type"], **kw)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+
+
+def _meta_cache_bytes(model, B: int, T: int, S: int = 1) -> int:
+    """Bytes of the DynamicCache's key and value storages after T tokens and a step of S, measured on
+    the meta device (every storage counted: meta storages have no address to compare)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(B, T, dtype=torch.long, device="meta"), cache=cache, use_cache=True)
+        model(input_ids=torch.zeros(B, S, dtype=torch.long, device="meta"), cache=cache, use_cache=True)
+    return sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@pytest.mark.heavy
+def test_qwen3_4b_kv_bytes_per_token():
+    """Qwen3-4B's published config (head_dim 128 apart from hidden_size 2560 / 32 heads = 80, 8 key/value
+    heads, 36 layers) in bf16: 36 · 8 · 128 · 2 (keys and values) · 2 bytes = 147,456 bytes per token,
+    and the cache the real model allocates on the meta device at random sizes."""
+    from symcost.passes import inference
+
+    an = traced_step(QWEN3_4B, "decode", precision="bf16-true", attention="sdpa")
+    assert an.spec.defaults["D"] == 128 and an.spec.defaults["M"] == 2560 and an.spec.defaults["K"] == 8
+    kv = inference.kv_cache(an, {"B": 2, "T": 8191})
+    assert kv["per_token"] == 147_456 == 36 * 8 * 128 * 2 * 2
+    assert kv["per_sequence"] == 147_456 * 8192 and kv["total"] == 2 * kv["per_sequence"]
+    assert parse(kv["per_token_formula"]) == 4 * SYMS["D"] * SYMS["K"] * SYMS["L"]
+    model = _meta_model(QWEN3_4B)
+    rng = random.Random("qwen3-4b-kv")
+    for _ in range(2):
+        B, T = rng.randint(1, 4), rng.randint(2, 40)
+        want = _meta_cache_bytes(model, B, T)
+        assert want == 147_456 * B * (T + 1)
+        assert int(an.kv_bytes.xreplace(an.bind(B=B, T=T))) == want, (B, T)
+
+
+def parse(text):
+    return symcost.parse_formula(text)

@@ -213,9 +213,10 @@ def _write(path: Path, text: str) -> None:
 
 
 def _prune_stale(k: dict, keep: Path) -> None:
-    """Delete the entries of the same model and options written by other versions or sources
-    (they can never match again)."""
-    same = {f: k[f] for f in ("source", "precision", "attention")}
+    """Delete the entries of the same model and options (routing, inference step) written by
+    other versions or sources (they can never match again)."""
+    same = {f: k[f] for f in ("source", "precision", "attention", "options")}  # (a decode and a prefill
+    # trace of one model differ in their options: neither is a stale version of the other)
     root = cache_dir()
     if not root.is_dir():
         return

@@ -67,6 +67,8 @@ def written_bytes(op) -> Any:
     that moves nothing: views, allocations)."""
     if op.cost.bytes == 0:
         return sympy.Integer(0)
+    if op.name.rsplit(".", 1)[0] in rules.PARTIAL_WRITES:
+        return sympy.expand(rules.partial_write_bytes(op)[1])
     return sympy.expand(sum((rules.nbytes(s, d) for s, d in zip(op.out_shapes, op.out_dtypes)), sympy.Integer(0)))
 
 
@@ -140,7 +142,7 @@ def estimate(an) -> FusionEstimate:
         if sop is None:
             continue
         fam = families[i]
-        if fam not in FUSIBLE:
+        if fam not in FUSIBLE or op.name.rsplit(".", 1)[0] in rules.PARTIAL_WRITES:  # its own kernel
             node_bytes[i] = sop.cost.bytes
             node_written[i] = written_bytes(sop)
             continue

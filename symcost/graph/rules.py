@@ -387,8 +387,25 @@ MOVE_OPS = {
     "aten.lift_fresh_copy", "aten.expand_copy", "aten.scatter_reduce", "aten.sort", "aten.topk",
     "aten.cumsum", "aten.new_tensor", "aten._local_scalar_dense", "aten.unsqueeze_copy",
 }
+MOVE_OPS |= {"aten.index_copy", "aten.index_copy_"}
 #: Ops through which a parameter stays "the same weight" (dtype casts by autocast, copies).
 OVERWRITE_OPS = {"aten.copy_", "aten.fill_", "aten.zero_"}
+#: In-place writes into part of a tensor, packet -> position of the source among the op's tensor
+#: inputs: ``self.index_copy_(dim, index, source)`` (a ``StaticCache`` writing the step's keys
+#: and values into its preallocated cache) reads the index and the source and writes the
+#: source's elements into ``self``; the rest of ``self`` is neither read nor written, so its
+#: traffic is index + source read + numel(source) elements of ``self`` written (not all of
+#: ``self`` read and written, as the inputs-plus-outputs count of other ops would say).
+PARTIAL_WRITES = {"aten.index_copy_": 2}
+
+
+def partial_write_bytes(v) -> tuple:
+    """``(bytes read, bytes written)`` of a :data:`PARTIAL_WRITES` op (an :class:`OpView` or a
+    :class:`~symcost.graph.ops.SymOp`: anything with ``in_shapes``, ``in_dtypes``, ``out_dtypes``
+    and the op's name)."""
+    src = PARTIAL_WRITES[v.name.rsplit(".", 1)[0]]  # "aten.index_copy_.default" -> its packet
+    read = sum(nbytes(s, d) for k, (s, d) in enumerate(zip(v.in_shapes, v.in_dtypes)) if k != 0)
+    return read, numel(v.in_shapes[src]) * v.in_dtypes[0].itemsize
 PER_ELEMENT_OUT = {  # FLOPs per element of the first output
     "aten._softmax": 5, "aten._log_softmax": 5, "aten._safe_softmax": 5, "aten._softmax_backward_data": 4,
     "aten._log_softmax_backward_data": 4, "aten.native_dropout": 2,
@@ -584,6 +601,8 @@ def flop_cost(v: OpView, family: str | None = None) -> Cost:
         return Cost()
     if family == "unsupported":
         return Cost()
+    if packet in PARTIAL_WRITES:
+        return Cost(0, 0, sum(partial_write_bytes(v)))
     traffic = _traffic(v, skip_first_input=packet in OVERWRITE_OPS)
     if family == "move":
         return Cost(0, 0, traffic)

@@ -212,9 +212,15 @@ def _fit_events(sched, alg, recs, fitter, role, container, name) -> None:
             key = (op.phase if op.phase == "forward" else "backward", layer)
             a, b = spans.get(key, (k, k))
             spans[key] = (min(a, k), max(b, k))
-        need = [("forward", 0), ("forward", 1), ("backward", 1), ("backward", 0)]
-        ok = all(k in spans for k in need) and len(spans) == 4
-        if ok:
+        # a forward-only step (inference) has no backward spans: its blocks fold the same way
+        forward_only = not any(k[0] == "backward" for k in spans)
+        need = [("forward", 0), ("forward", 1)] + ([] if forward_only else [("backward", 1), ("backward", 0)])
+        ok = all(k in spans for k in need) and len(spans) == len(need)
+        if ok and forward_only:
+            f0, f1 = (spans[k] for k in need)
+            b1 = b0 = (n, n - 1)  # empty: the units below end with the forward
+            ok = f0[1] < f1[0]
+        elif ok:
             f0, f1, b1, b0 = (spans[k] for k in need)
             ok = f0[1] < f1[0] and f1[1] < b1[0] and b1[1] < b0[0]
         if not ok:
@@ -227,7 +233,16 @@ def _fit_events(sched, alg, recs, fitter, role, container, name) -> None:
         special = 0 if (rep0 == 1 and rep1 != 1) else 1 if (rep1 == 1 and rep0 != 1) else None
         F0, F1 = range(f0[0], f0[1] + 1), range(f1[0], f1[1] + 1)
         B1, B0 = range(b1[0], b1[1] + 1), range(b0[0], b0[1] + 1)
-        if special == 1:  # the last block differs: blocks 0..L-2 are like block 0
+        if forward_only:
+            siblings = [(F0, F1)] if special == 1 else [(F1, F0)]
+            units = ([(0, f0[0], 1, 1, "forward, before the blocks"),
+                      (f0[0], f1[0], "L - 1", 2, "forward, block"),
+                      (f1[0], f1[1] + 1, 1, 1, "forward, last block")] if special == 1 else
+                     [(0, f0[0], 1, 1, "forward, before the blocks"),
+                      (f0[0], f0[1] + 1, 1, 1, "forward, first block"),
+                      (f0[1] + 1, f1[1] + 1, "L - 1", 2, "forward, block")])
+            units.append((f1[1] + 1, n, 1, 1, "forward, after the blocks"))
+        elif special == 1:  # the last block differs: blocks 0..L-2 are like block 0
             siblings = [(F0, F1), (B0, B1)]
             units = [(0, f0[0], 1, 1, "forward, before the blocks"),
                      (f0[0], f1[0], "L - 1", 2, "forward, block"),
