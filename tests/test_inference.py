@@ -110,7 +110,7 @@ def run_step(spec, values, step: str, kv_cache: str = "dynamic", device: str = "
 
 def random_sizes(an, rng: random.Random, n: int) -> list[dict[str, int]]:
     """``n`` small random sizes of ``an``'s symbols (real models are built at them), valid for
-    the model, in the regime traced (K < H where K is free), never a probe of the fit; MoE sizes
+    the model, in the regime traced (1 < K < H where K is free), never a probe of the fit; MoE sizes
     give every expert a whole number of token slots (E divides B·S·R)."""
     probes = {tuple(sorted((s, p[s]) for s in an.symbols)) for p in an.plan.points}
     out = []
@@ -119,7 +119,10 @@ def random_sizes(an, rng: random.Random, n: int) -> list[dict[str, int]]:
              "H": rng.choice((2, 4, 6, 8)), "D": rng.choice((4, 6, 8, 12, 16)), "L": rng.randint(1, 3),
              "V": rng.randint(17, 90), "F": rng.randint(8, 48), "M": rng.choice((8, 16, 24, 32)),
              "E": rng.randint(2, 6), "R": rng.randint(1, 3)}
-        v["K"] = rng.choice([k for k in (1, 2, 3, 4) if v["H"] % k == 0 and k < v["H"]])
+        ks = [k for k in (2, 3, 4) if v["H"] % k == 0 and k < v["H"]]  # 1 < K < H: the regime traced
+        if "K" in an.symbols and not ks:
+            continue
+        v["K"] = rng.choice(ks or [1])
         v = {s: v[s] for s in an.symbols}
         full = full_values(an, v)
         if "E" in v and ((full["B"] * full["S"] * v["R"]) % v["E"] or v["R"] > v["E"]):
