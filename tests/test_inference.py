@@ -297,3 +297,18 @@ def test_qwen3_4b_kv_bytes_per_token():
 
 def parse(text):
     return symcost.parse_formula(text)
+
+
+@pytest.mark.heavy
+def test_sliding_window_beyond_the_window():
+    """Past its window W the sliding-window cache stops growing: traced at T beyond W = 6, the decode
+    step's FLOPs and the cache's bytes (the (W - 1) + 1 tokens of the last concatenation, the storage
+    it keeps a view of) equal the real model's at random T beyond the window."""
+    an = traced_step("hf:mistral", "decode", config=(("sliding_window", "6"),), sizes=(("T", 20),))
+    B, K, D, L = (SYMS[s] for s in "BKDL")
+    assert sympy.expand(an.kv_bytes - 2 * 4 * 6 * B * K * D * L) == 0  # no T: W - 1 + S = 6 tokens
+    beyond = [v for v in random_sizes(an, random.Random("infer:window"), 12) if v["T"] >= 6][:3]
+    assert len(beyond) >= 2  # (below the window is the other regime)
+    for v in beyond:
+        flops, kv, _ = run_step(an.spec, full_values(an, v), "decode")
+        assert (an.subs(**v)["flops.forward"], int(an.kv_bytes.xreplace(an.bind(**v)))) == (flops, kv), v

@@ -17,7 +17,6 @@ if TYPE_CHECKING:  # pragma: no cover
 SYMBOL_MEANINGS: dict[str, str] = {
     "B": "micro-batch size (sequences per device per step)",
     "S": "sequence length (tokens per sequence; in an inference step, the new tokens per sequence)",
-    "T": "tokens already in the KV cache before an inference step (cache length)",
     "H": "attention heads (query heads)",
     "D": "per-head dimension (d_model = H*D where M is no symbol)",
     "L": "number of transformer layers (blocks)",
@@ -27,6 +26,7 @@ SYMBOL_MEANINGS: dict[str, str] = {
     "M": "model width d_model (hidden_size), where the config sets it apart from H*D",
     "E": "routed experts of a mixture-of-experts layer",
     "R": "experts each token is routed to (top-k)",
+    "T": "tokens already in the KV cache before an inference step (cache length)",
 }
 SYMBOL_ORDER = tuple(SYMBOL_MEANINGS)
 #: Sizes of the step's inputs rather than of the model (never a config symbol): B, S and, for a

@@ -32,7 +32,7 @@ import sympy
 
 from symcost.errors import SymcostError
 
-SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in "BSTHDLVFKMERN"}
+SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in "BSHDLVFKMERNT"}
 
 #: L of the probe recordings the formulas are fitted on, and of the fresh recordings that check them
 FIT_L = 2
