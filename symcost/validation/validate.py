@@ -21,6 +21,7 @@ Checks (:func:`check`; issue 9's acceptance):
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -330,13 +331,38 @@ def decode_step(model: str, config: Mapping[str, str], sizes: Mapping[str, int],
     return step
 
 
+@contextlib.contextmanager
+def compiled_branches():
+    """Trace the branch of ``transformers``' SDPA attention that a compiled step runs.
+
+    transformers/integrations/sdpa_attention.py treats grouped-query attention at one query
+    token by folding the H/K query heads of each key/value head into the query length
+    (``pack_gqa``: K and V read once) unless ``is_torchdynamo_compiling()``, when it copies K
+    and V to all H heads (``repeat_kv``: expand + clone) instead. symcost records eagerly, so to
+    predict a step that ``torch.compile`` runs it records with that check answering True (only
+    here, for the validation; serving bounds take the eager branch).
+    """
+    try:
+        import transformers.integrations.sdpa_attention as sdpa
+    except ImportError:  # no transformers: nothing to switch
+        yield
+        return
+    orig = sdpa.is_torchdynamo_compiling
+    sdpa.is_torchdynamo_compiling = lambda: True
+    try:
+        yield
+    finally:
+        sdpa.is_torchdynamo_compiling = orig
+
+
 def validate_decode(device: Device | None = None, batches=DECODE_BATCHES, T: int = DECODE_T,
                     model: str = DECODE_MODEL, config: Mapping[str, str] | None = None,
                     min_run_time: float = 1.0, attempts: int = 2, log: Callable[[str], None] | None = None,
                     hardware: str = "cpu") -> Validation:
     """Compiled decode steps against their roofline bound (issue 17): for each B, the traced decode
     step's per-op roofline with fused bytes (:func:`predict_step` of ``symcost.trace(...,
-    step="decode", kv_cache="static")``, fp32, B = 1 traced in its own regime) and the measured
+    step="decode", kv_cache="static")``, fp32, B = 1 traced in its own regime, recorded with the
+    attention branch the compiled step takes: :func:`compiled_branches`) and the measured
     time of :func:`decode_step`; checked by :func:`check` (within 2x). A step whose ratio falls
     outside 2x is timed again (keeping its fastest time), up to ``attempts`` rounds.
 
@@ -357,8 +383,9 @@ def validate_decode(device: Device | None = None, batches=DECODE_BATCHES, T: int
     cases = []
     for B in batches:
         if (B == 1) not in ans:  # B = 1 runs its own ops (views for copies): its own trace
-            ans[B == 1] = trace(model, config, None, sizes={"T": T, "S": 1, **({"B": 1} if B == 1 else {})},
-                                precision="fp32", step="decode", kv_cache="static")
+            with compiled_branches():
+                ans[B == 1] = trace(model, config, None, sizes={"T": T, "S": 1, **({"B": 1} if B == 1 else {})},
+                                    precision="fp32", step="decode", kv_cache="static")
         step = decode_step(model, config, {"B": B, "T": T}, hardware)
         step()  # compile now: compiler workers would count as other processes while timing
         cases.append((f"{model} decode B={B} T={T}", ans[B == 1], {"B": B, "T": T}, step))
