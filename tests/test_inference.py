@@ -118,7 +118,7 @@ def random_sizes(an, rng: random.Random, n: int) -> list[dict[str, int]]:
         v = {"B": rng.randint(1, 4), "S": rng.randint(2, 12), "T": rng.randint(2, 30),
              "H": rng.choice((2, 4, 6, 8)), "D": rng.choice((4, 6, 8, 12, 16)), "L": rng.randint(1, 3),
              "V": rng.randint(17, 90), "F": rng.randint(8, 48), "M": rng.choice((8, 16, 24, 32)),
-             "E": rng.randint(2, 6), "R": rng.randint(1, 3)}
+             "E": rng.randint(2, 6), "R": rng.randint(2, 3)}
         ks = [k for k in (2, 3, 4) if v["H"] % k == 0 and k < v["H"]]  # 1 < K < H: the regime traced
         if "K" in an.symbols and not ks:
             continue

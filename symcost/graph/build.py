@@ -254,9 +254,19 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     pins = {s: 1 for s in facts["ones"]}
     reasons = {s: "size 1 runs other kernels (copies become views)" for s in pins}
     recordings: dict = {}
-    for _ in range(len(SYMS) + 1):
+    widened, n_random0, seed0 = False, n_random, seed
+    for _ in range(len(SYMS) + 2):
         try:
             return _trace_regime(spec, values, facts, pins, reasons, precision, n_random, seed, recordings)
+        except CheckFailed as e:
+            if widened:  # more probes did not help: the regime is not polynomial in these symbols
+                n_random, seed = n_random0, seed0
+                _pin_for(e, pins, reasons, values)
+                continue
+            # formulas that fit every probe but not a fresh recording: the probes did not pin the
+            # polynomial down (a regime whose constraints leave few combinations, e.g. E dividing
+            # B·R in a decode step). Before pinning anything, fit once more on twice the random probes.
+            widened, n_random, seed = True, 2 * n_random, seed + 1
         except Unvariable as e:
             if e.symbol in pins:
                 raise
@@ -273,14 +283,27 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             reasons[e.symbol] = ("no other value of it runs the same ops as the requested one"
                                  if e.symbol != "L" else str(e))
         except FitError as e:
-            deps = [d for d in e.deps if d not in pins and d in values]
-            new = [d for d in deps if d not in INPUT_SYMBOLS] or deps
-            if not new:
-                raise
-            for d in new:
-                pins[d] = values[d]
-                reasons[d] = "no polynomial in it fits the sizes of its regime"
+            _pin_for(e, pins, reasons, values)
     raise SymcostError(f"{spec.name}: could not find a regime to trace {values} in")
+
+
+class CheckFailed(FitError):
+    """The fitted formulas disagree with a fresh recording of the regime (:func:`_validate`)."""
+
+
+def _pin_for(e: FitError, pins: dict, reasons: dict, values: Mapping[str, int]) -> None:
+    """Pin the symbols a :class:`FitError` names (config symbols first) at the requested values.
+
+    Raises:
+        FitError: ``e`` itself when nothing is left to pin.
+    """
+    deps = [d for d in e.deps if d not in pins and d in values]
+    new = [d for d in deps if d not in INPUT_SYMBOLS] or deps
+    if not new:
+        raise e
+    for d in new:
+        pins[d] = values[d]
+        reasons[d] = "no polynomial in it fits the sizes of its regime"
 
 
 def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins: Mapping[str, int],
@@ -523,7 +546,8 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
     given ``request = (values, recording)``, the requested sizes themselves.
 
     Raises:
-        FitError: a formula disagrees with a recording in the regime (the caller pins symbols).
+        CheckFailed: a formula disagrees with a recording in the regime (the caller fits again on
+            more probes, then pins symbols).
     """
     import random
 
@@ -553,7 +577,7 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
     if request is not None:
         msg = compare(*request)
         if msg:
-            raise FitError(msg + " at the requested sizes", config_syms or symbols)
+            raise CheckFailed(msg + " at the requested sizes", config_syms or symbols)
     checked = 0
     for _ in range(6):
         p = random_point(symbols, spec.probe_ok, rng, fixed, pools, ties)
@@ -565,7 +589,7 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
         if msg and accept is not None and "L" in p and not accept(dict(p, L=FIT_L)):
             continue  # the random point left the regime: draw another
         if msg:
-            raise FitError(msg, config_syms or symbols)
+            raise CheckFailed(msg, config_syms or symbols)
         checked += 1
         if checked == 2:
             return
