@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "time": "symcost.commands.time:time_",
     "validate": "symcost.commands.validate:validate",
     "checkpoint": "symcost.commands.checkpoint:checkpoint",
+    "serve": "symcost.commands.serve:serve",
 }
 
 

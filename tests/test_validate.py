@@ -31,6 +31,22 @@ def test_check_logic():
     assert val.check([_row("add", "add", 1e7, 1.2e8, 0.01, 0.03, "memory", large=False)])[0] == []
     step = [_row("mlp step", "training step", 1e10, 1e8, 0.1, 0.25, "compute")]
     assert any("not within 2x" in f for f in val.check(step)[0])
+    # decode steps (issue 17): within 2x whatever their time, and no scaling check across batches
+    dec = [_row("decode B=1", "decode step", 1e8, 2.5e8, 0.010, 0.013, "memory"),
+           _row("decode B=64", "decode step", 7e9, 4e8, 0.100, 0.190, "compute")]
+    assert val.check(dec) == ([], [])
+    fails, _ = val.check(dec[:1] + [_row("decode B=64", "decode step", 7e9, 4e8, 0.100, 0.210, "compute")])
+    assert len(fails) == 1 and "decode B=64" in fails[0] and "not within 2x" in fails[0]
+
+
+def test_compiled_branches_switch_transformers_sdpa():
+    """The decode validation records the SDPA branch transformers takes under torch.compile."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    assert sdpa.is_torchdynamo_compiling() is False
+    with val.compiled_branches():
+        assert sdpa.is_torchdynamo_compiling() is True
+    assert sdpa.is_torchdynamo_compiling() is False
 
 
 @pytest.mark.heavy

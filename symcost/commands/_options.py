@@ -161,7 +161,8 @@ def early_checks(model, sets, config, attention, precision) -> None:
             f"--attention applies to hf: models only; {model} runs its own attention code (leave --attention out)")
 
 
-def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=False, needs_model=False):
+def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=False, needs_model=False,
+                step=None, kv_cache="dynamic", extra_sizes=None):
     """Trace ``model`` for a command: check every option first (one line, before seconds of
     tracing), then read the analysis from the trace cache (:mod:`symcost.graph.cache`; no torch
     imported) when an entry matches the request, else trace, showing progress on stderr when it
@@ -180,15 +181,20 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
     early_checks(model, sets, config, attention, precision)  # before importing torch
     ctx = click.get_current_context(silent=True)
     quiet = quiet or bool(ctx and ctx.params.get("as_json"))  # --json: no progress line either
-    sizes = parse_sizes(sets)
+    sizes = {**parse_sizes(sets), **dict(extra_sizes or {})}
+    if step == "decode":
+        sizes.setdefault("S", 1)  # one new token per sequence (as symcost.trace reads a decode request)
     cfg = parse_config(config)
     from symcost.graph.cache import cached_trace
 
     use_cache = not needs_model and not (ctx is not None and ctx.find_root().meta.get("symcost.no_cache"))
     routing = ctx.meta.get("symcost.routing") if ctx is not None else None
+    options = {"routing": routing} if routing is not None else {}
+    if step is not None:
+        options.update(step=step, kv_cache=kv_cache)
     an = cached_trace(model, cfg, attention, precision, sizes,
-                      lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing), use_cache,
-                      options={"routing": routing} if routing is not None else None)
+                      lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing, step, kv_cache),
+                      use_cache, options=options or None)
     _check_set_vs_config(model, an.spec, sizes, cfg, attention)  # (again for a cached analysis)
     an = an.with_attention_flops(ctx.meta.get("symcost.attention_flops", "full") if ctx else "full")
     an.bind(**sizes)  # validate before rendering
@@ -237,12 +243,14 @@ def every_layer_trace(an, model, config, attention, precision, sizes, quiet=Fals
     return sub
 
 
-def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None):
+def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None, step=None, kv_cache="dynamic"):
     """Resolve and trace ``model`` (the cache's miss path), with the progress line."""
     with progress(f"resolving {model}", quiet) as status:
         from symcost.frontends.models import resolve
 
         spec = resolve(model, cfg, attention)
+        if step is not None:
+            spec = spec.for_step(step, kv_cache)
         if routing is not None:  # MoE layers traced under this routing model (symcost.frontends.moe)
             from symcost.frontends.moe import with_routing
 
@@ -259,7 +267,8 @@ def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None):
         msg = spec.check(values)  # the constraints PyTorch imposes (K divides H, ...): before tracing
         if msg:
             raise SymcostError(f"{spec.name}: {msg}")
-        status(f"tracing {spec.name} (a training step at several probe sizes)")
+        status(f"tracing {spec.name} (a {spec.step if spec.step != 'train' else 'training'} step at several "
+               "probe sizes)")
         from symcost.graph.build import trace
 
         try:

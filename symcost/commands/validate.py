@@ -16,10 +16,13 @@ import click
 @click.option("--attempts", default=3, show_default=True, help="rounds of re-timing failing kernels (noisy machines)")
 @click.option("--accept-contended", is_flag=True,
               help="check against a --devices-file calibration marked contended (taken on a busy machine) anyway")
+@click.option("--decode", is_flag=True, help="instead of the sweep: compiled decode steps of a 62M-parameter Llama "
+                                              "(StaticCache, T=255) at B=1, 8, 64 against the decode roofline "
+                                              "(docs/inference.md)")
 @click.option("--plot", default=None, metavar="FILE.png", help="draw measured vs predicted (needs matplotlib)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--debug", is_flag=True, help="show tracebacks")
-def validate(devices_file, device_name, quick, hardware, attempts, accept_contended, plot, as_json, debug):
+def validate(devices_file, device_name, quick, hardware, attempts, accept_contended, decode, plot, as_json, debug):
     """Compile and time a sweep of kernels (square and skinny matmuls, matrix-vector, add, GELU,
     softmax, a Linear+GELU block) and the training steps of mlp and cs336-lm on this CPU; print
     per kernel FLOPs, bytes, intensity, predicted bound and time, measured time and FLOP/s, the
@@ -50,7 +53,10 @@ def validate(devices_file, device_name, quick, hardware, attempts, accept_conten
             f"; {len(q.get('kernels', []))} kernel(s)), so its rates may be far too low and checks against it "
             "fail for the wrong reason: run symcost calibrate again on an idle machine, or pass --accept-contended")
     log = (lambda s: None) if as_json else (lambda s: console().print("  " + s))
-    v = val.validate(dev, quick=quick, attempts=attempts, log=log, hardware=hardware)
+    if decode:
+        v = val.validate_decode(dev, attempts=attempts, log=log, hardware=hardware)
+    else:
+        v = val.validate(dev, quick=quick, attempts=attempts, log=log, hardware=hardware)
     if plot:
         from symcost.render.plots import validation_plot
 

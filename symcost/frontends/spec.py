@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # pragma: no cover
 #: Canonical symbols and their meaning (shared/conventions.md).
 SYMBOL_MEANINGS: dict[str, str] = {
     "B": "micro-batch size (sequences per device per step)",
-    "S": "sequence length (tokens per sequence)",
+    "S": "sequence length (tokens per sequence; in an inference step, the new tokens per sequence)",
     "H": "attention heads (query heads)",
     "D": "per-head dimension (d_model = H*D where M is no symbol)",
     "L": "number of transformer layers (blocks)",
@@ -26,9 +26,21 @@ SYMBOL_MEANINGS: dict[str, str] = {
     "M": "model width d_model (hidden_size), where the config sets it apart from H*D",
     "E": "routed experts of a mixture-of-experts layer",
     "R": "experts each token is routed to (top-k)",
+    "T": "tokens already in the KV cache before an inference step (cache length)",
 }
 SYMBOL_ORDER = tuple(SYMBOL_MEANINGS)
-INPUT_SYMBOLS = ("B", "S")
+#: Sizes of the step's inputs rather than of the model (never a config symbol): B, S and, for a
+#: step that reads a KV cache, its length T.
+INPUT_SYMBOLS = ("B", "S", "T")
+
+#: The steps a :class:`ModelSpec` can run (``ModelSpec.step``): one training step (forward, loss,
+#: backward), or one forward-only inference step through the model's own KV cache: ``prefill``
+#: (S tokens per sequence into an empty cache) or ``decode`` (S new tokens per sequence, 1 unless
+#: set, onto a cache already holding T tokens; S > 1 is a chunk of a chunked prefill).
+STEPS = ("train", "prefill", "decode")
+#: KV-cache classes an inference step can run with (``transformers``' ``DynamicCache``, grown by
+#: concatenation, and ``StaticCache``, preallocated for T + S tokens and written in place).
+KV_CACHES = ("dynamic", "static")
 
 Inputs = tuple  # (args tuple, kwargs dict)
 
@@ -90,7 +102,7 @@ def request_facts(values: Mapping[str, int], symbols) -> dict:
     """
     syms = [s for s in SYMBOL_ORDER if s in symbols and values.get(s) is not None]
     ones = sorted(s for s in syms if s != "L" and values[s] == 1)
-    cfg = [s for s in syms if s not in ("B", "S", "L") and values[s] != 1]
+    cfg = [s for s in syms if s not in INPUT_SYMBOLS and s != "L" and values[s] != 1]
     equal = sorted((a, b) for i, a in enumerate(cfg) for b in cfg[i + 1:] if values[a] == values[b])
     return {"ones": ones, "equal": [list(p) for p in equal]}
 
@@ -140,6 +152,16 @@ class ModelSpec:
             for the n leading blocks and block n for the L - n others. A request with L <= n is
             all leading blocks, a regime of its own: the trace pins L there. 0: no such blocks (a
             single special first block, n = 1, is found by the tracer on its own).
+        step: which step :func:`symcost.tracing.record.record` runs, one of :data:`STEPS`
+            (``"train"`` unless made by :meth:`for_step`).
+        kv_cache: the KV-cache class of an inference step, one of :data:`KV_CACHES`.
+        infer: ``infer(model, values, device, step, kv_cache) -> (args, kwargs, kv_layers)`` for a
+            model with a KV cache (``hf:`` models: :func:`symcost.frontends.hf.infer`): creates the
+            model's own cache, fills it with ``values["T"]`` tokens per sequence for a decode step
+            (that forward is not the step), and returns the step's call ``model(*args,
+            **kwargs)`` (``values["S"]`` new tokens per sequence through the cache) and
+            ``kv_layers()``, the tensors the cache holds per layer (called after the step). None:
+            the model has no KV cache (training steps only).
     """
 
     name: str
@@ -158,6 +180,9 @@ class ModelSpec:
     probe_check: Callable[[Mapping[str, int]], str | None] | None = None
     record_context: Callable[[], Any] | None = None
     lead_blocks: int = 0
+    step: str = "train"
+    kv_cache: str = "dynamic"
+    infer: Callable[..., tuple] | None = None
 
     def __post_init__(self):
         if self.check is None:
@@ -181,10 +206,46 @@ class ModelSpec:
         return self.check(values) or (self.probe_check(values) if self.probe_check else None)
 
     @property
+    def input_symbols(self) -> tuple[str, ...]:
+        """The input sizes of this spec's step: B, S, and T for a decode step."""
+        return ("B", "S", "T") if self.step == "decode" else ("B", "S")
+
+    @property
     def all_symbols(self) -> tuple[str, ...]:
-        """B, S and the config symbols, in canonical order, without tied ones."""
-        syms = set(INPUT_SYMBOLS) | set(self.symbols)
+        """B, S (T for a decode step) and the config symbols, in canonical order, without tied ones."""
+        syms = set(self.input_symbols) | set(self.symbols)
         return tuple(s for s in SYMBOL_ORDER if s in syms and s not in self.tied)
+
+    def for_step(self, step: str, kv_cache: str = "dynamic") -> "ModelSpec":
+        """This model's spec for ``step`` (:data:`STEPS`) with the KV-cache class ``kv_cache``
+        (:data:`KV_CACHES`; inference steps only).
+
+        A ``decode`` spec has the input symbol T (tokens in the cache before the step) with the
+        default ``S - 1`` of the training default (a cache one token short of the default
+        context) and S = 1 new token per sequence by default.
+
+        Raises:
+            SymcostError: an unknown step or cache class, or an inference step of a model without
+                a KV cache (``infer`` is None: the built-in models).
+        """
+        import dataclasses
+
+        from symcost.errors import SymcostError
+
+        if step not in STEPS:
+            raise SymcostError(f"unknown step {step!r}; accepted: {', '.join(STEPS)}")
+        if kv_cache not in KV_CACHES:
+            raise SymcostError(f"unknown KV cache {kv_cache!r}; accepted: {', '.join(KV_CACHES)}")
+        if step == self.step and kv_cache == self.kv_cache:
+            return self
+        if step != "train" and self.infer is None:
+            raise SymcostError(f"{self.name} has no KV cache (its forward takes no past keys and values), so "
+                               f"it has no {step} step; inference steps need an hf: model or config.json")
+        defaults = {k: v for k, v in self.defaults.items() if k != "T"}
+        if step == "decode":
+            defaults["T"] = max(1, defaults.get("S", 2048) - 1)
+            defaults["S"] = 1
+        return dataclasses.replace(self, step=step, kv_cache=kv_cache, defaults=defaults)
 
 
 

@@ -37,7 +37,8 @@ def record(spec, values, precision="fp32", optimizer=None):
 
 @dataclass(eq=False)
 class Analysis(Totals, Conventions, Serialized):
-    """The symbolic cost model of one training step (forward + backward) of a model.
+    """The symbolic cost model of one training step (forward + backward) of a model, or of one
+    inference step (``step`` "prefill" or "decode": a forward through the model's KV cache).
 
     Attributes:
         model: the model name.
@@ -88,6 +89,12 @@ class Analysis(Totals, Conventions, Serialized):
     # the requested values the regime was chosen for (symbol -> int; B and S where requested):
     # a pass that traces a variant of the step (checkpoint.uniform_spec) traces the same regime
     request_sizes: dict = field(default_factory=dict)
+    # the step traced: "train", or an inference step ("prefill", "decode") through the KV-cache
+    # class ``kv_cache``; ``kv_layers``: the cache's bytes after the step per (folded) layer,
+    # ``(name, bytes formula, repeat)`` (``kv_bytes`` is their total)
+    step: str = "train"
+    kv_cache: str | None = None
+    kv_layers: list = field(default_factory=list)
 
     def in_regime(self, **sizes: int) -> bool:
         """Whether ``sizes`` (others at the defaults) run the ops this trace's request ran: the
@@ -104,8 +111,8 @@ class Analysis(Totals, Conventions, Serialized):
         except SymcostError:
             return False
         values = {str(k): int(v) for k, v in env.items()}
-        for s in ("B", "S"):  # not requested: the regime of any size other than 1
-            values[s] = sizes.get(s, self.pinned.get(s, {"B": 2, "S": 16}[s]))
+        for s in self.spec.input_symbols:  # not requested: the regime of any size other than 1
+            values[s] = sizes.get(s, self.pinned.get(s, {"B": 2, "S": 16, "T": 16}[s]))
         if "L" in values and "L" not in self.pinned:
             values["L"] = FIT_L + getattr(self.spec, "lead_blocks", 0)
         values.update({a: values[b] for a, b in self.spec.tied.items() if b in values})

@@ -217,8 +217,10 @@ def _align(recs: list[Recording], spec: ModelSpec) -> None:
 
 def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None = None,
           attention: str | None = None, sizes: Mapping[str, int] | None = None,
-          precision: str = "bf16-mixed", n_random: int = 6, seed: int = 0, use_cache: bool = True) -> Analysis:
-    """Trace a model's training step into a symbolic cost graph, in the regime of ``sizes``.
+          precision: str = "bf16-mixed", n_random: int = 6, seed: int = 0, use_cache: bool = True,
+          step: str | None = None, kv_cache: str = "dynamic") -> Analysis:
+    """Trace a model's training step (or an inference step) into a symbolic cost graph, in the
+    regime of ``sizes``.
 
     A model given by name is read from the trace cache (:mod:`symcost.graph.cache`, the one the
     CLI reads and writes; ``SYMCOST_CACHE_DIR`` moves it) when an entry of the same source,
@@ -259,7 +261,15 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             decides dtypes, hence bytes and activations.
         n_random: random probes in the fit (besides base and one per symbol).
         seed: probe sampling seed.
-        use_cache: read and write the trace cache (models given by name only).
+        use_cache: read and write the trace cache (models given by name, training steps only;
+            the CLI caches inference steps itself).
+        step: ``"train"`` (forward, loss, backward), or an inference step through the model's own
+            KV cache (:meth:`ModelSpec.for_step`): ``"prefill"`` (S tokens per sequence into an
+            empty cache) or ``"decode"`` (S new tokens per sequence, 1 unless ``sizes`` sets S,
+            onto a cache of T tokens: T is a symbol). None: the spec's own step (``"train"`` for
+            a model name).
+        kv_cache: the cache class of an inference step, ``"dynamic"`` (``DynamicCache``) or
+            ``"static"`` (``StaticCache`` of T + S tokens).
 
     Returns:
         An :class:`Analysis` (``pinned``, ``pin_reasons``, ``regime_ties``, ``request_facts``,
@@ -268,9 +278,9 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
 
     Raises:
         SymcostError: bad model/config, sizes PyTorch rejects (the spec's constraints), an
-            untraceable model.
+            untraceable model, an inference step of a model without a KV cache.
     """
-    if use_cache and not isinstance(model, ModelSpec):
+    if use_cache and step is None and not isinstance(model, ModelSpec):
         from symcost.graph.cache import cached_trace
 
         def fresh():
@@ -284,7 +294,11 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             an.bind(**dict(sizes or {}))  # the size checks a fresh trace makes first (S within positions, ...)
         return an
     spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
+    if step is not None:
+        spec = spec.for_step(step, kv_cache)
     sizes = dict(sizes or {})
+    if spec.step == "decode":
+        sizes.setdefault("S", 1)  # one new token per sequence: S = 1 is pinned, its own regime
     values = spec.values(sizes, inputs=False)
     why = spec.check({k: v for k, v in values.items() if k in spec.symbols or k in INPUT_SYMBOLS})
     if why:
@@ -301,9 +315,19 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         reasons["L"] = (f"L <= {n}: every block is one of the {n} leading blocks (no block of the "
                         f"other kind), a regime of its own whose formulas hold for L <= {n} only")
     recordings: dict = {}
-    for _ in range(len(SYMS) + 1):
+    widened, n_random0, seed0 = False, n_random, seed
+    for _ in range(len(SYMS) + 2):
         try:
             return _trace_regime(spec, values, facts, pins, reasons, precision, n_random, seed, recordings)
+        except CheckFailed as e:
+            if widened:  # more probes did not help: the regime is not polynomial in these symbols
+                n_random, seed = n_random0, seed0
+                _pin_for(e, pins, reasons, values)
+                continue
+            # formulas that fit every probe but not a fresh recording: the probes did not pin the
+            # polynomial down (a regime whose constraints leave few combinations, e.g. E dividing
+            # B·R in a decode step). Before pinning anything, fit once more on twice the random probes.
+            widened, n_random, seed = True, 2 * n_random, seed + 1
         except Unvariable as e:
             if e.symbol in pins:
                 raise
@@ -320,14 +344,27 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             reasons[e.symbol] = ("no other value of it runs the same ops as the requested one"
                                  if e.symbol != "L" else str(e))
         except FitError as e:
-            deps = [d for d in e.deps if d not in pins and d in values]
-            new = [d for d in deps if d not in INPUT_SYMBOLS] or deps
-            if not new:
-                raise
-            for d in new:
-                pins[d] = values[d]
-                reasons[d] = "no polynomial in it fits the sizes of its regime"
+            _pin_for(e, pins, reasons, values)
     raise SymcostError(f"{spec.name}: could not find a regime to trace {values} in")
+
+
+class CheckFailed(FitError):
+    """The fitted formulas disagree with a fresh recording of the regime (:func:`_validate`)."""
+
+
+def _pin_for(e: FitError, pins: dict, reasons: dict, values: Mapping[str, int]) -> None:
+    """Pin the symbols a :class:`FitError` names (config symbols first) at the requested values.
+
+    Raises:
+        FitError: ``e`` itself when nothing is left to pin.
+    """
+    deps = [d for d in e.deps if d not in pins and d in values]
+    new = [d for d in deps if d not in INPUT_SYMBOLS] or deps
+    if not new:
+        raise e
+    for d in new:
+        pins[d] = values[d]
+        reasons[d] = "no polynomial in it fits the sizes of its regime"
 
 
 def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins: Mapping[str, int],
@@ -342,8 +379,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     fixed = dict(pinned, **({"L": FIT_L + spec.lead_blocks} if "L" in base_syms else {}))
     request = {**{k: v for k, v in values.items() if k in spec.all_symbols or k in spec.tied},
                **{s: v for s, v in fixed.items()}}
-    for s in INPUT_SYMBOLS:  # B, S not requested: the regime of any size other than 1
-        request.setdefault(s, {"B": 2, "S": 16}[s])
+    for s in spec.input_symbols:  # B, S (T) not requested: the regime of any size other than 1
+        request.setdefault(s, {"B": 2, "S": 16, "T": 16}[s])
 
     def rec_at(p):
         key = tuple(sorted(p.items()))
@@ -490,6 +527,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         nb = fitter(tuple(r.saved[k].nbytes for r in recs), f"saved tensor of {s.module or 'the root'}")
         saved.append((module, nb, s.dtype, repeat))
 
+    kv_layers = _fit_kv(spec, recs, fitter, role, container, pinned) if spec.step != "train" else []
+
     t2 = time.perf_counter()
     graph = _build_graph(ref, ops, role)
     syms = {s: SYMBOL_MEANINGS[s] for s in symbols}
@@ -502,6 +541,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         recordings=recs, plan=plan, fitter=fitter, role=role,
         schedule=fit_schedule(recs, fitter, role, container, symbols, spec.name,
                               lead=0 if "L" in pinned else spec.lead_blocks),
+        step=spec.step, kv_cache=spec.kv_cache if spec.step != "train" else None, kv_layers=kv_layers,
     )
     an.pinned = pinned
     an.pin_reasons = {k: reasons[k] for k in pinned}
@@ -519,6 +559,40 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     return an
 
 
+def _fit_kv(spec: ModelSpec, recs: list[Recording], fitter, role, container: str | None,
+            pinned: Mapping[str, int]) -> list[tuple]:
+    """The KV cache's bytes per layer after the step, fitted over the probes and folded over L:
+    ``[(folded layer name, bytes formula, repeat)]``.
+
+    Cache layer i belongs to block i of the layer container. The layers fold like the blocks
+    (layer 0 stands for all L) when every layer holds the same bytes at every probe; a cache whose
+    layers differ (sliding-window and full-attention layers, or a count of layers other than L)
+    cannot be folded, so L is pinned (:class:`Unvariable`) and each layer is fitted on its own.
+
+    Raises:
+        Unvariable: L must be pinned (see above).
+        FitError: a layer's bytes are no polynomial in the symbols.
+    """
+    ref = recs[0]
+    n = len(ref.kv_layers)
+    if any(len(r.kv_layers) != n for r in recs):
+        raise SymcostError(f"{spec.name}: the number of KV-cache layers changes with the sizes")
+    sigs = [tuple(r.kv_layers[i] for r in recs) for i in range(n)]
+    fold = "L" not in pinned and container is not None
+    if fold and (n != ref.values.get("L") or len(set(sigs)) > 1):
+        raise Unvariable("L", (
+            f"the KV cache of {spec.name} holds {n} layers of different sizes (sliding-window and full-attention "
+            "layers), so L is not folded" if n == ref.values.get("L") else
+            f"the KV cache of {spec.name} has {n} layers for L = {ref.values.get('L')} blocks, so L is not folded"))
+    out = []
+    for i, sig in enumerate(sigs):
+        module = f"{container}.{i}" if container else f"kv.{i}"
+        keep, repeat, name = role(module) if container else (True, sympy.Integer(1), module)
+        if keep:
+            out.append((name, fitter(sig, f"KV-cache size of layer {i}"), repeat))
+    return out
+
+
 def concrete_totals(rec: Recording) -> dict[str, int]:
     """Totals of one concrete recording by the same rules: the oracle for the symbolic fit."""
     out = {f"{k}.{p}": 0 for k in ("flops", "flops_hw", "flops_all", "bytes", "transcendentals") for p in PHASES}
@@ -531,6 +605,8 @@ def concrete_totals(rec: Recording) -> dict[str, int]:
         out[f"transcendentals.{op.phase}"] += int(c.transcendental_total)
     out["params"] = sum(rules.numel(s) for s, _ in rec.params.values())
     out["saved"] = sum(s.nbytes for s in rec.saved)
+    if rec.step != "train":
+        out["kv"] = sum(rec.kv_layers)
     return out
 
 
@@ -540,7 +616,8 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
     given ``request = (values, recording)``, the requested sizes themselves.
 
     Raises:
-        FitError: a formula disagrees with a recording in the regime (the caller pins symbols).
+        CheckFailed: a formula disagrees with a recording in the regime (the caller fits again on
+            more probes, then pins symbols).
     """
     import random
 
@@ -560,6 +637,7 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
             got[f"transcendentals.{ph}"] = an.transcendentals(ph).subs(env)
         got["params"] = an.params.subs(env)
         got["saved"] = sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]).subs(env)
+        got["kv"] = an.kv_bytes.subs(env)
         bad = {k: (int(got[k]), want[k]) for k in want if int(got[k]) != want[k]}
         if bad:
             k, (g, w) = next(iter(bad.items()))
@@ -570,7 +648,7 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
     if request is not None:
         msg = compare(*request)
         if msg:
-            raise FitError(msg + " at the requested sizes", config_syms or symbols)
+            raise CheckFailed(msg + " at the requested sizes", config_syms or symbols)
     checked = 0
     for _ in range(6):
         p = random_point(symbols, spec.probe_ok, rng, fixed, pools, ties)
@@ -582,7 +660,7 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
         if msg and accept is not None and "L" in p and not accept(dict(p, L=FIT_L + spec.lead_blocks)):
             continue  # the random point left the regime: draw another
         if msg:
-            raise FitError(msg, config_syms or symbols)
+            raise CheckFailed(msg, config_syms or symbols)
         checked += 1
         if checked == 2:
             return

@@ -218,7 +218,8 @@ def _write(path: Path, text: str) -> None:
 def _prune_stale(k: dict, keep: Path) -> None:
     """Delete the entries of the same model and options written by other versions or sources
     (they can never match again). Entries of other options (a routing model, the every-layer
-    checkpointed step) are another analysis of the same model and stay."""
+    checkpointed step, an inference step: a decode and a prefill trace of one model differ in
+    their options) are another analysis of the same model and stay."""
     same = {f: k.get(f) for f in ("source", "precision", "attention", "options")}
     root = cache_dir()
     if not root.is_dir():

@@ -29,7 +29,8 @@ class Conventions:
 
     # -- quantities papers use (issue 6, item 9) ------------------------------------------------
     #: how attention matmuls are counted: "full" (S_q·S_k score pairs, FlopCounterMode) or
-    #: "causal" (S·(S+1)/2 pairs); see :meth:`with_attention_flops`
+    #: "causal" (S·(S+1)/2 pairs; q·k - q·(q-1)/2 for q queries against k keys of a KV cache);
+    #: see :meth:`with_attention_flops`
     attention_count = "full"
 
     def params_not_in_P(self) -> dict[str, list[str]]:
@@ -135,28 +136,49 @@ class Conventions:
     def causal_attention_cost(self, op: "SymOp") -> rules.Cost | None:
         """The causal count of one attention matmul, or None when it does not apply.
 
-        An attention op (``op.attention``, or a fused attention kernel) whose model FLOPs are
-        ``a·S²`` — S queries against S keys, S_q·S_k = S² score pairs — costs ``a·S·(S+1)/2``
-        under a causal mask: query i meets keys 0..i, S·(S+1)/2 pairs in all, for every product
-        over the score matrix (Q·Kᵀ, P·V and their gradients; the recomputed scores of a fused
-        backward). The formula is derived from the op's own formula, never typed per model.
-        Hardware FLOPs (``flops_hw``) are scaled by the same factor, and all-FLOPs drop by what
-        hardware FLOPs drop; bytes stay (the unfused lower bound moves the full
-        score matrix). Ops whose FLOPs are not of that form (S pinned, cross-attention with other
-        key lengths) keep their count.
+        An attention op (``op.attention``, or a fused attention kernel) multiplies q queries
+        against k keys: its model FLOPs are ``a·q·k`` (q·k score pairs, as FlopCounterMode
+        counts). Under a causal mask whose last query sees every key (the mask of a KV cache:
+        query i of the step is token T + i and sees keys 0..T + i; Dao, "FlashAttention-2", 2023,
+        sec. 3.1, aligns it the same way) query i meets k - q + 1 + i keys, so
+
+            pairs = q·(k - q) + q·(q + 1)/2 = q·k - q·(q - 1)/2,
+
+        for every product over the score matrix (Q·Kᵀ, P·V and their gradients; the recomputed
+        scores of a fused backward): a 4-query, 10-key block has 34 of its 40 pairs. A training
+        step or a prefill has q = k = S (S·(S+1)/2 pairs); an inference step with a cache of T
+        tokens has q = S new queries and k = T + S keys (a decode step: q = 1, every pair is
+        computed). q and k are read off the op's own formula, never typed per model: without T,
+        FLOPs ``a·S²``; with T, FLOPs ``c·(T + q)`` with c = a·q the coefficient of T. Hardware
+        FLOPs (``flops_hw``) are scaled by the same factor, and all-FLOPs drop by what hardware
+        FLOPs drop; bytes stay (the unfused lower bound moves the full score
+        matrix). Ops whose FLOPs are not of that form (S pinned in a training step, cross-attention
+        with other key lengths) keep their count.
         """
         fused = op.family == "model" and "attention" in op.name
-        if not (op.attention or fused) or "S" in self.pinned:
+        if not (op.attention or fused):
             return None
-        S = SYMS["S"]
+        S, T = SYMS["S"], SYMS["T"]
         f = sympy.expand(op.cost.flops)
-        if not isinstance(f, sympy.Basic) or S not in f.free_symbols:
+        if not isinstance(f, sympy.Basic):
             return None
-        poly = sympy.Poly(f, S)
-        if poly.monoms() != [(2,)]:
+        q = sympy.Integer(self.pinned["S"]) if "S" in self.pinned else S
+        if T in f.free_symbols:
+            c = sympy.expand(f.coeff(T, 1))  # a·q
+            if c == 0 or sympy.expand(f - c * (T + q)) != 0:
+                return None
+            a = sympy.cancel(c / q)
+        else:
+            if "S" in self.pinned or S not in f.free_symbols:
+                return None
+            poly = sympy.Poly(f, S)
+            if poly.monoms() != [(2,)]:
+                return None
+            a = poly.coeffs()[0]
+        causal = sympy.expand(f - a * q * (q - 1) / 2)
+        if causal == f:
             return None
-        causal = sympy.expand(poly.coeffs()[0] * S * (S + 1) / 2)
-        hw = sympy.expand(op.cost.flops_hw * causal / f)  # the same pairs: a'·S² -> a'·S·(S+1)/2
+        hw = sympy.expand(sympy.cancel(op.cost.flops_hw * causal / f))  # the same pairs, a fraction causal/f
         return rules.Cost(causal, sympy.expand(op.cost.flops_all - op.cost.flops_hw + hw), op.cost.bytes,
                           op.cost.transcendentals, hw)
 

@@ -32,7 +32,7 @@ from typing import Any
 import sympy
 
 from symcost._lazy import LazyModule
-from symcost.graph.opsets import dtype_names, nbytes
+from symcost.graph.opsets import PARTIAL_WRITES, dtype_names, nbytes, partial_write_bytes
 
 # the probe recordings' path needs the cost rules (torch); a cached analysis' stored estimate and
 # ``written_bytes`` do not, so ``roofline``, ``mfu`` and ``time`` on a cached analysis import no torch
@@ -72,6 +72,8 @@ def written_bytes(op) -> Any:
     that moves nothing: views, allocations)."""
     if op.cost.bytes == 0:
         return sympy.Integer(0)
+    if op.name.rsplit(".", 1)[0] in PARTIAL_WRITES:
+        return sympy.expand(partial_write_bytes(op)[1])
     return sympy.expand(sum((nbytes(s, d) for s, d in zip(op.out_shapes, dtype_names(op.out_dtypes))),
                             sympy.Integer(0)))
 
@@ -146,7 +148,7 @@ def estimate(an) -> FusionEstimate:
         if sop is None:
             continue
         fam = families[i]
-        if fam not in FUSIBLE:
+        if fam not in FUSIBLE or op.name.rsplit(".", 1)[0] in PARTIAL_WRITES:  # its own kernel
             node_bytes[i] = sop.cost.bytes
             node_written[i] = written_bytes(sop)
             continue

@@ -100,3 +100,21 @@ def same_tensor(node: dict) -> bool:
     (a view, or a cast/copy in :data:`PASS_THROUGH`): walks from a parameter to the ops that
     really use it look through such nodes."""
     return node.get("family") == "view" or node.get("op", "").rsplit(".", 1)[0] in PASS_THROUGH
+
+
+#: In-place writes into part of a tensor, packet -> position of the source among the op's tensor
+#: inputs: ``self.index_copy_(dim, index, source)`` (a ``StaticCache`` writing the step's keys
+#: and values into its preallocated cache) reads the index and the source and writes the
+#: source's elements into ``self``; the rest of ``self`` is neither read nor written, so its
+#: traffic is index + source read + numel(source) elements of ``self`` written (not all of
+#: ``self`` read and written, as the inputs-plus-outputs count of other ops would say).
+PARTIAL_WRITES = {"aten.index_copy_": 2}
+
+
+def partial_write_bytes(v) -> tuple:
+    """``(bytes read, bytes written)`` of a :data:`PARTIAL_WRITES` op (an :class:`OpView` or a
+    :class:`~symcost.graph.ops.SymOp`: anything with ``in_shapes``, ``in_dtypes``, ``out_dtypes``
+    and the op's name)."""
+    src = PARTIAL_WRITES[v.name.rsplit(".", 1)[0]]  # "aten.index_copy_.default" -> its packet
+    read = sum(nbytes(s, d) for k, (s, d) in enumerate(zip(v.in_shapes, v.in_dtypes)) if k != 0)
+    return read, numel(v.in_shapes[src]) * itemsize(v.in_dtypes[0])

@@ -424,8 +424,13 @@ MOVE_OPS = {
     "aten.lift_fresh_copy", "aten.expand_copy", "aten.scatter_reduce", "aten.sort", "aten.topk",
     "aten.cumsum", "aten.new_tensor", "aten._local_scalar_dense", "aten.unsqueeze_copy",
 }
+MOVE_OPS |= {"aten.index_copy", "aten.index_copy_"}
 #: Ops through which a parameter stays "the same weight" (dtype casts by autocast, copies).
 OVERWRITE_OPS = {"aten.copy_", "aten.fill_", "aten.zero_"}
+# torch-free, kept in symcost.graph.opsets (fusion reads them for a cached analysis)
+from symcost.graph.opsets import PARTIAL_WRITES, partial_write_bytes  # noqa: E402,F401
+
+
 PER_ELEMENT_OUT = {  # FLOPs per element of the first output
     "aten._softmax": 5, "aten._log_softmax": 5, "aten._safe_softmax": 5, "aten._softmax_backward_data": 4,
     "aten._log_softmax_backward_data": 4, "aten.native_dropout": 2,
@@ -603,6 +608,8 @@ def flop_cost(v: OpView, family: str | None = None) -> Cost:
         return Cost()
     if family == "unsupported":
         return Cost()
+    if packet in PARTIAL_WRITES:
+        return Cost(0, 0, sum(partial_write_bytes(v)))
     traffic = _traffic(v, skip_first_input=packet in OVERWRITE_OPS)
     if family == "move":
         return Cost(0, 0, traffic)

@@ -94,6 +94,7 @@ class Serialized:
                      "follows": dict(getattr(spec, "follows", {})),
                      "lead_blocks": int(getattr(spec, "lead_blocks", 0) or 0),
                      "constraints": [[c.kind, c.a, c.b, c.why] for c in spec.constraints],
+                     "step": getattr(spec, "step", "train"), "kv_cache": getattr(spec, "kv_cache", "dynamic"),
                      "extra": _jsonable(spec.extra)},
             "param_shapes": {n: [[s(x) for x in sh], dt(d), s(rep)] for n, (sh, d, rep) in self.param_shapes.items()},
             "matmul_params": sorted(self.matmul_params),
@@ -111,6 +112,8 @@ class Serialized:
             "module_classes": self._module_classes(),
             # the regime's data (plain dicts), where the tracer records it
             "regime": {k: _jsonable(getattr(self, k)) for k in _REGIME_FIELDS if hasattr(self, k)},
+            "inference": {"step": getattr(self, "step", "train"), "kv_cache": getattr(self, "kv_cache", None),
+                          "kv_layers": [[n, s(nb), s(rep)] for n, nb, rep in getattr(self, "kv_layers", [])]},
         }
 
     def _module_classes(self) -> dict | None:
@@ -188,6 +191,7 @@ class Serialized:
         more = {k: dict(sd[k]) for k in ("moduli", "follows") if sd.get(k) and k in ModelSpec.__dataclass_fields__}
         if sd.get("lead_blocks"):
             more["lead_blocks"] = int(sd["lead_blocks"])
+        more.update({k: sd[k] for k in ("step", "kv_cache") if sd.get(k) and k in ModelSpec.__dataclass_fields__})
         spec = ModelSpec(name=sd["name"], symbols=tuple(sd["symbols"]), defaults=dict(sd["defaults"]),
                          build=_gone, make_inputs=_gone, loss=_gone,
                          constraints=tuple(Constraint(*c) for c in sd["constraints"]),
@@ -213,6 +217,9 @@ class Serialized:
             schedule=None if d.get("schedule") is None else MemorySchedule.from_dict(d["schedule"]),
             _lazy={"ops": ops, "graph": graph},
         )
+        inf = d.get("inference") or {}
+        an.__dict__.update(step=inf.get("step", "train"), kv_cache=inf.get("kv_cache"),
+                           kv_layers=[(n, P(nb), P(rep)) for n, nb, rep in inf.get("kv_layers", [])])
         for k, v in d.get("regime", {}).items():
             if k in _REGIME_FIELDS:
                 an.__dict__[k] = v

@@ -89,6 +89,13 @@ class Totals:
         return params_active_matmul(self)
 
     @functools.cached_property
+    def kv_bytes(self) -> sympy.Expr:
+        """Bytes of the KV cache after an inference step (every layer, all B sequences, the
+        storages the cache holds: T + S tokens, or a sliding window's), a polynomial; 0 for a
+        training step. From the traced cache's storages (``kv_layers``)."""
+        return sympy.expand(sympy.Add(*[rep * nb for _, nb, rep in getattr(self, "kv_layers", [])]))
+
+    @functools.cached_property
     def attention_flops(self) -> sympy.Expr:
         """Model FLOPs (train) of matmul-class ops with no parameter operand (attention)."""
         return sympy.expand(sympy.Add(*[

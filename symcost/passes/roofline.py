@@ -39,7 +39,12 @@ from symcost.graph.opsets import ROW_NORMALISING, dtype_names, packed_operand
 
 
 def _num(x, env) -> int:
-    return int(sympy.sympify(x).subs(env)) if isinstance(x, sympy.Basic) else int(x)
+    if not isinstance(x, sympy.Basic):
+        return int(x)
+    v = x.xreplace(env)  # (a polynomial: xreplace evaluates it, much faster than subs)
+    if not isinstance(v, sympy.Basic) or v.is_number:
+        return int(v)
+    return int(x.subs(env))
 
 
 def op_precision(op, default: str) -> str:
@@ -113,7 +118,7 @@ def pack_seconds(op, device: Device, env: Mapping) -> float:
 
 
 def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bool = True,
-             crossing_symbol: str | None = None) -> dict:
+             crossing_symbol: str | None = None, with_formulas: bool = True) -> dict:
     """The roofline of every op of the training step at ``sizes`` on ``device``.
 
     Args:
@@ -124,6 +129,8 @@ def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: 
             False: the unfused bytes (eager PyTorch).
         crossing_symbol: also solve, for every matmul-class op, the value of this symbol at which
             it crosses the ridge (:func:`crossing`).
+        with_formulas: also build the symbolic step time (:func:`formulas`) and each node's
+            ``intensity_formula`` (False: both None, which saves the symbolic work).
 
     Returns:
         ``{"device", "precision", "fused", "nodes": [...], "step_seconds",
@@ -179,8 +186,9 @@ def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: 
             "transcendentals": sum(T.values()), "transcendental_seconds": rep * t_tr,
             "intensity": r["intensity"], "ridge": r["ridge"], "bound": r["bound"],
             "attainable": r["attainable"], "seconds": rep * r["seconds"],
-            "intensity_formula": str(sympy.cancel(op.cost.flops_all / (fe.node_bytes[op.index] if fused else op.cost.bytes)))
-            if (fe.node_bytes[op.index] if fused else op.cost.bytes) != 0 else "oo",
+            "intensity_formula": (str(sympy.cancel(op.cost.flops_all / (fe.node_bytes[op.index] if fused else op.cost.bytes)))
+                                  if (fe.node_bytes[op.index] if fused else op.cost.bytes) != 0 else "oo")
+            if with_formulas else None,
         })
     step = t_fused if fused else t_unfused
     for n in nodes:
@@ -213,7 +221,7 @@ def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: 
         "mfu_ceiling": model_flops / (step * peak_train) if step else 0.0,
         "per_phase": dict(per_phase),
         "per_module": dict(per_module),
-        "formulas": formulas(an, device, fe, fused),
+        "formulas": formulas(an, device, fe, fused) if with_formulas else None,
         "notes": sorted(notes),
     }
     if crossing_symbol:
@@ -273,7 +281,10 @@ def crossing(flops: sympy.Expr, nbytes: sympy.Expr, symbol: str, ridge: float,
     r = sympy.Symbol("r", positive=True)
     eq = sympy.expand(flops - r * nbytes)
     solution = None
-    if X in eq.free_symbols and sympy.degree(eq, X) <= 2:
+    if X in eq.free_symbols and sympy.degree(eq, X) == 1:  # a·X + b = 0 (no simplify pass: fast)
+        a, b = sympy.Poly(eq, X).all_coeffs()
+        solution = [str(sympy.cancel(-b / a))]
+    elif X in eq.free_symbols and sympy.degree(eq, X) == 2:
         sols = sympy.solve(eq, X)
         if sols:
             solution = [str(s) for s in sols]

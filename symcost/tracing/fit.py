@@ -32,7 +32,7 @@ import sympy
 
 from symcost.errors import SymcostError
 
-SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in "BSHDLVFKMERN"}
+SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in "BSHDLVFKMERNT"}
 
 #: L of the probe recordings the formulas are fitted on, and of the fresh recordings that check them
 FIT_L = 2
@@ -49,7 +49,7 @@ def parse_formula(text: str) -> sympy.Expr:
     return sympy.sympify(text, locals=dict(SYMS))
 
 # Base probe values and one alternate per symbol. L is fixed while fitting (layers fold).
-BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 7, "R": 2}
+BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 7, "R": 2, "T": 13}
 ALTS = {
     "B": (5, 4, 2),
     "S": (11, 9, 5),
@@ -61,6 +61,7 @@ ALTS = {
     "M": (44, 28, 52),
     "E": (7, 4, 6),
     "R": (3, 4),
+    "T": (17, 10, 6),
 }
 POOLS = {
     "B": range(2, 10),
@@ -73,6 +74,7 @@ POOLS = {
     "M": range(20, 65, 4),
     "E": range(3, 10),
     "R": range(2, 5),
+    "T": range(5, 30),
 }
 
 

@@ -116,6 +116,13 @@ class Recording:
     input_nbytes: int = 0
     # len(events) when the step ended: later events are frees at teardown (grads, ...), not the step
     events_end: int = -1
+    # an inference step (``ModelSpec.step`` "prefill" or "decode"): the bytes of the storages the
+    # KV cache holds after the step, per cache layer (each storage once, in the first layer that
+    # holds it), and how many of its tensors hold fewer elements than their storage (a sliding
+    # window that dropped tokens: part of the regime). The cache's storages are not in ``events``.
+    step: str = "train"
+    kv_layers: list[int] = field(default_factory=list)
+    kv_evicted: int = 0
 
 
 def _module_names(model: nn.Module) -> dict[int, str]:
@@ -351,9 +358,54 @@ def precision_context(precision: str):
     return dtype, lambda: torch.autocast("cpu", dtype=getattr(torch, cast))
 
 
+def _kv_storages(layers) -> tuple[list[int], int, set[int]]:
+    """Per-layer bytes of the storages of floating-point tensors a KV cache holds (each storage
+    once, in the first layer holding it), the number of those tensors that view fewer elements
+    than their storage holds, and the storage keys."""
+    seen: set[int] = set()
+    per_layer, evicted = [], 0
+    for tensors in layers:
+        total = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                continue
+            st = t.untyped_storage()
+            if t.numel() * t.element_size() < st.nbytes():
+                evicted += 1
+            key = StorageWeakRef(st).cdata
+            if key not in seen:
+                seen.add(key)
+                total += st.nbytes()
+        per_layer.append(total)
+    return per_layer, evicted, seen
+
+
+def _inference_step(rec: _Recorder, model: nn.Module, args, kwargs, kv_layers, autocast):
+    """Record one forward of an inference step without gradients; returns ``(ops recorded,
+    len(events), (bytes per KV-cache layer, evicted tensors))``. The storages the cache holds
+    after the step are taken out of ``rec.events``: they are the KV cache, counted apart."""
+    with rec, torch.no_grad(), autocast():
+        out = model(*args, **kwargs)
+    del out
+    per_layer, evicted, cache_keys = _kv_storages(kv_layers())
+    # a live storage's allocation is the last event of its key (an address freed earlier in the
+    # step may have been reused by it, so earlier events of the same key are other storages)
+    drop, pending = set(), set(cache_keys)
+    for k in range(len(rec.events) - 1, -1, -1):
+        e = rec.events[k]
+        if e.storage in pending and e.nbytes > 0:
+            drop.add(k)
+            pending.discard(e.storage)
+    rec.events = [e for k, e in enumerate(rec.events) if k not in drop]
+    return len(rec.ops), len(rec.events), (per_layer, evicted)
+
+
 def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
            optimizer=None) -> Recording:
-    """Record one forward + loss + backward step of ``spec`` at concrete ``values``.
+    """Record one step of ``spec`` at concrete ``values``: forward + loss + backward for a
+    training spec; for an inference spec (``spec.step`` "prefill" or "decode",
+    :meth:`ModelSpec.for_step`) one forward without gradients through the model's own KV cache
+    (``spec.infer`` prepares it; filling a decode step's cache with T tokens is not recorded).
 
     Args:
         spec: the model.
@@ -364,7 +416,8 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
 
     Returns:
         The :class:`Recording`: ops in execution order with shapes and dtypes, unique
-        parameters (tied ones once), and the storages autograd saved for backward.
+        parameters (tied ones once), and the storages autograd saved for backward; for an
+        inference step, the KV cache's storages per layer (``kv_layers``).
 
     Raises:
         SymcostError: the model cannot be built or run at these sizes, or its control flow
@@ -381,7 +434,10 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
         raise
     except Exception as e:  # noqa: BLE001
         raise SymcostError(f"building {spec.name} failed at {values}: {type(e).__name__}: {e}") from e
-    model.train()
+    inference = spec.step != "train"
+    if inference and spec.infer is None:
+        raise SymcostError(f"{spec.name} has no KV cache, so it has no {spec.step} step")
+    model.train(not inference)
     names = _module_names(model)
     layers = spec.layers
     if layers is None and "L" in spec.symbols:
@@ -413,7 +469,19 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
             StorageWeakRef(t.untyped_storage()).cdata
             for t in list(model.parameters()) + list(model.buffers())
         }
-        args, kwargs = spec.make_inputs(values, torch.device("cpu"))
+        kv_layers = None
+        if inference:
+            try:
+                with torch.no_grad(), autocast():
+                    args, kwargs, kv_layers = spec.infer(model, values, torch.device("cpu"), spec.step,
+                                                         spec.kv_cache)
+            except SymcostError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise SymcostError(f"filling the KV cache of {spec.name} at {values} failed: "
+                                   f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+        else:
+            args, kwargs = spec.make_inputs(values, torch.device("cpu"))
         if param_dtype != torch.float32:
             args, kwargs = tree_map(
                 lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
@@ -465,27 +533,33 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
 
         h1 = nn.modules.module.register_module_forward_pre_hook(pre_hook)
         h2 = nn.modules.module.register_module_forward_hook(post_hook)
+        kv: tuple = ([], 0)
         try:
-            context = spec.record_context or contextlib.nullcontext
-            with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context():
-                with autocast():
-                    out = model(*args, **kwargs)
-                    loss = spec.loss(out, (args, kwargs))
-                del out
-            for fn in _grad_fns(loss):
-                _label_graph(fn, "")
-            n_forward = len(rec.ops)
-            rec.phase = "backward"
-            with rec:
-                loss.backward()
-                del loss
-            n_backward = len(rec.ops) - n_forward
-            if optimizer is not None:
-                opt = optimizer([p for p in model.parameters() if p.requires_grad])
-                rec.phase = "optimizer"
+            context = spec.record_context or contextlib.nullcontext  # (hf: the masks the real step builds)
+            if inference:
+                with context():
+                    n_forward, events_end, kv = _inference_step(rec, model, args, kwargs, kv_layers, autocast)
+                n_backward = 0
+            else:
+                with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context():
+                    with autocast():
+                        out = model(*args, **kwargs)
+                        loss = spec.loss(out, (args, kwargs))
+                    del out
+                for fn in _grad_fns(loss):
+                    _label_graph(fn, "")
+                n_forward = len(rec.ops)
+                rec.phase = "backward"
                 with rec:
-                    opt.step()
-            events_end = len(rec.events)
+                    loss.backward()
+                    del loss
+                n_backward = len(rec.ops) - n_forward
+                if optimizer is not None:
+                    opt = optimizer([p for p in model.parameters() if p.requires_grad])
+                    rec.phase = "optimizer"
+                    with rec:
+                        opt.step()
+                events_end = len(rec.events)
         except SymcostError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -501,4 +575,5 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
             h2.remove()
     return Recording(values, rec.ops, params, param_module, saved, layers, rec.events,
                      n_forward, n_backward, precision, tied, buffers, sum(input_storages.values()),
-                     events_end)
+                     events_end, spec.step, kv[0], kv[1])
+

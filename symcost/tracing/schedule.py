@@ -217,8 +217,12 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0) 
             a, b = spans.get(key, (k, k))
             spans[key] = (min(a, k), max(b, k))
         # the blocks' spans must follow each other: forward 0, 1, ..., then backward in reverse
-        # (with n leading blocks: n + 2 blocks, of which n and n + 1 are the two compared)
-        order = [("forward", i) for i in range(lead + 2)] + [("backward", i) for i in reversed(range(lead + 2))]
+        # (with n leading blocks: n + 2 blocks, of which n and n + 1 are the two compared); a
+        # forward-only step (inference) has no backward spans: its blocks fold the same way
+        forward_only = not any(k[0] == "backward" for k in spans)
+        order = [("forward", i) for i in range(lead + 2)]
+        if not forward_only:
+            order += [("backward", i) for i in reversed(range(lead + 2))]
         ok = all(k in spans for k in order) and len(spans) == len(order)
         if ok:
             ok = all(spans[a][1] < spans[b][0] for a, b in zip(order, order[1:]))
@@ -228,7 +232,10 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0) 
                 "cannot be folded over L"
             )
         f0, f1 = spans[("forward", lead)], spans[("forward", lead + 1)]
-        b1, b0 = spans[("backward", lead + 1)], spans[("backward", lead)]
+        if forward_only:
+            b1 = b0 = (n, n - 1)  # empty: the units below end with the forward
+        else:
+            b1, b0 = spans[("backward", lead + 1)], spans[("backward", lead)]
         pre = f"{container}." if container else ""
         rep0, rep1 = role(f"{pre}0")[1], role(f"{pre}1")[1]
         special = 0 if (rep0 == 1 and rep1 != 1) else 1 if (rep1 == 1 and rep0 != 1) else None
@@ -236,7 +243,23 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0) 
             special = None
         F0, F1 = range(f0[0], f0[1] + 1), range(f1[0], f1[1] + 1)
         B1, B0 = range(b1[0], b1[1] + 1), range(b0[0], b0[1] + 1)
-        if special == 1:  # the last block differs: blocks 0..L-2 are like block 0
+        if forward_only and lead:  # blocks 0..n-1 as they ran; block n first of the others
+            siblings = [(F1, F0)]
+            more = f"L - {lead + 1}"
+            units = [(0, f0[0], 1, 1, f"forward, before the blocks and the {lead} leading blocks"),
+                     (f0[0], f0[1] + 1, 1, 1, f"forward, block {lead}"),
+                     (f0[1] + 1, f1[1] + 1, more, lead + 2, "forward, block"),
+                     (f1[1] + 1, n, 1, 1, "forward, after the blocks")]
+        elif forward_only:
+            siblings = [(F0, F1)] if special == 1 else [(F1, F0)]
+            units = ([(0, f0[0], 1, 1, "forward, before the blocks"),
+                      (f0[0], f1[0], "L - 1", 2, "forward, block"),
+                      (f1[0], f1[1] + 1, 1, 1, "forward, last block")] if special == 1 else
+                     [(0, f0[0], 1, 1, "forward, before the blocks"),
+                      (f0[0], f0[1] + 1, 1, 1, "forward, first block"),
+                      (f0[1] + 1, f1[1] + 1, "L - 1", 2, "forward, block")])
+            units.append((f1[1] + 1, n, 1, 1, "forward, after the blocks"))
+        elif special == 1:  # the last block differs: blocks 0..L-2 are like block 0
             siblings = [(F0, F1), (B0, B1)]
             units = [(0, f0[0], 1, 1, "forward, before the blocks"),
                      (f0[0], f1[0], "L - 1", 2, "forward, block"),

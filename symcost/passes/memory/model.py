@@ -66,7 +66,9 @@ class MemoryModel(Solver):
         inputs: the step's input tensors (e.g. token ids and labels, int64).
         activations: bytes autograd saves for backward (``Analysis.saved``, folded over L).
         activations_per_layer: those of one generic block (None without repeated blocks).
-        static: params + optimizer + master_weights + buffers + inputs (live all step).
+        kv_cache: an inference step's KV cache after the step (``Analysis.kv_bytes``; 0 for a
+            training step).
+        static: params + optimizer + master_weights + buffers + inputs + kv_cache (live all step).
         candidates: the :class:`Candidate` live sets (bytes on top of ``static``) of a normal
             step; ``candidates_accum`` those of an accumulation micro-step (gradients live from
             the start, each new gradient a transient).
@@ -93,11 +95,13 @@ class MemoryModel(Solver):
         self.n_tensors = sympy.expand(sympy.Add(*[rep for _, (_, _, rep) in an.param_shapes.items()]))
         self.optimizer = self._optimizer_state()
         self.buffers, self.inputs = self._buffers_inputs()
+        # an inference step's KV cache after the step (0 for a training step): live all step
+        self.kv_cache = sympy.expand(getattr(an, "kv_bytes", 0) or 0)
         self.activations = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
         per_layer = [nb for _, nb, _, rep in an.saved if rep != 1 and sympy.sympify(rep).has(SYMS["L"])]
         self.activations_per_layer = sympy.expand(sympy.Add(*per_layer)) if per_layer else None
         self.static = sympy.expand(self.params + self.optimizer + self.master_weights + self.buffers
-                                   + self.inputs)
+                                   + self.inputs + self.kv_cache)
         for domain in (ZZ, QQ):  # integer coefficients (fast) unless a size needs fractions
             self.alg = Algebra(self.gens, domain)
             try:
@@ -418,11 +422,11 @@ class MemoryModel(Solver):
 
     def components(self, **sizes: int) -> dict[str, int]:
         """Every component in bytes at ``sizes`` (JSON names: params, grads, optimizer,
-        master_weights, buffers, inputs, activations, peak)."""
+        master_weights, buffers, inputs, activations, kv_cache, peak)."""
         env = self._env(sizes)
         ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731
         out = {k: ev(getattr(self, k)) for k in
-               ("params", "grads", "optimizer", "master_weights", "buffers", "inputs", "activations")}
+               ("params", "grads", "optimizer", "master_weights", "buffers", "inputs", "activations", "kv_cache")}
         if self.activations_per_layer is not None:
             out["activations_per_layer"] = ev(self.activations_per_layer)
         out["peak"] = self.peak(**sizes)

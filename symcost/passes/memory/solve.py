@@ -130,7 +130,7 @@ class Solver:
         """The largest component at ``sizes``: (name, bytes)."""
         comp = self.components(**sizes)
         names = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
-                 "master_weights": "master weights", "activations": "activations"}
+                 "master_weights": "master weights", "activations": "activations", "kv_cache": "KV cache"}
         name = max(names, key=lambda k: comp[k])
         return names[name], comp[name]
 
@@ -150,7 +150,8 @@ class Solver:
         at1 = {**{k: x for k, x in sizes.items() if k != v}, v: 1}
         comp = self.components(**at1)
         parts = {"parameters": comp["params"], "optimizer state": comp["optimizer"],
-                 "master weights": comp["master_weights"], "buffers": comp["buffers"], "inputs": comp["inputs"]}
+                 "master weights": comp["master_weights"], "buffers": comp["buffers"], "inputs": comp["inputs"],
+                 "KV cache": comp["kv_cache"]}
         static = sum(parts.values())
         cap = f"the cap {sol.cap:,} bytes ({binary(sol.cap)})"
         if static > sol.cap:

@@ -1,0 +1,80 @@
+"""``symcost serve``: the largest serving batch under a memory cap, time per output token and
+tokens/s bounds, and the time to first token, from the traced decode and prefill steps.
+
+Registered in :data:`symcost.cli.COMMANDS`. The computing is :mod:`symcost.passes.inference`;
+the text :mod:`symcost.render.inference`.
+"""
+from __future__ import annotations
+
+import json
+
+import click
+
+from symcost.errors import SymcostError
+from ._device import device_options, resolve_device
+from ._options import common, early_checks, trace_model
+
+#: exit status when not one sequence at the full context fits (as ``max-batch``)
+NOTHING_FITS = 3
+
+
+@click.command()
+@click.argument("model", default="hf:llama")
+@common
+@device_options
+@click.option("--memory", "memory", default=None, metavar="CAP",
+              help="memory cap per device (e.g. 80GiB; 80GB is 80e9 bytes) [default: the device's memory]")
+@click.option("--context", type=int, default=8192, show_default=True,
+              help="tokens per sequence (prompt + output) every concurrent sequence may reach")
+@click.option("--kv-cache", "kv_cache", type=click.Choice(["static", "dynamic"]), default="static", show_default=True,
+              help="the model's cache class: static (StaticCache, written in place, as compiled generation "
+                   "and serving engines) or dynamic (DynamicCache, grown by concatenation)")
+@click.option("--no-prefill", is_flag=True, help="leave out the prefill step (time to first token)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def serve(model, sets, config, attention, precision, debug, device_name, devices_file, peak_flops, bandwidth,
+          memory, context, kv_cache, no_prefill, as_json):
+    """Largest concurrent batch of MODEL at --context tokens per sequence under --memory, with the
+    decode roofline (time per output token, tokens/s) and the prefill's time to first token.
+
+    MODEL: hf:MODEL_TYPE, hf:ORG/NAME or path/config.json (a model with a KV cache). The decode
+    step (one new token onto a cache of T = context - 1 tokens) and the prefill (context tokens)
+    are traced through the model's own cache class; --precision defaults to the weights in bf16
+    (bf16-true). Exit status 3 when not one sequence fits. See docs/inference.md.
+    """
+    ctx = click.get_current_context()
+    if ctx.get_parameter_source("precision") == click.core.ParameterSource.DEFAULT:
+        precision = "bf16-true"  # served weights are bf16, not autocast over fp32 master weights
+    early_checks(model, sets, config, attention, precision)
+    from symcost.units import parse_memory
+
+    if isinstance(context, bool) or context < 2:
+        raise SymcostError(f"--context must be at least 2 tokens, got {context}")
+    bad = [s for s in sets if s.partition("=")[0].strip() in ("B", "S", "T")]
+    if bad:
+        raise SymcostError(f"--set {bad[0]}: serve chooses B (the answer), S (1 new token) and T (--context)")
+    dev = resolve_device(device_name, devices_file, peak_flops, bandwidth)
+    if memory is None:
+        if not dev.memory:
+            raise SymcostError(f"device {dev.key} gives no memory capacity; pass --memory")
+        memory = int(dev.memory)
+    cap = parse_memory(memory)
+    from symcost.passes import inference
+
+    dec, sizes = trace_model(model, sets, config, attention, precision, step="decode", kv_cache=kv_cache,
+                             extra_sizes={"T": context - 1})
+    pre = None
+    if not no_prefill:
+        pre, _ = trace_model(model, sets, config, attention, precision, step="prefill", kv_cache=kv_cache,
+                             extra_sizes={"S": context})
+    sizes = {k: v for k, v in sizes.items() if k not in ("T", "S")}
+    r = inference.serve(dec, pre, dev, cap, context, sizes)
+    from symcost.render import inference as text
+
+    if as_json:
+        click.echo(json.dumps(text.to_json(dec.model, precision, dev, r), indent=1, default=str))
+    else:
+        from symcost.render.report import console
+
+        text.render_text(console(), dec.model, precision, dev, r)
+    if r["batch"] < 1:
+        raise SystemExit(NOTHING_FITS)

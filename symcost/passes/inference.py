@@ -1,0 +1,261 @@
+"""The inference pass: KV-cache bytes, the decode roofline, prefill time to first token and the
+largest serving batch under a memory cap.
+
+Takes the :class:`~symcost.graph.analysis.Analysis` of inference steps (``symcost.trace(...,
+step="decode" | "prefill")``: a forward through the model's own KV cache, with the cache length T
+as a symbol for decode) and a :class:`~symcost.hardware.devices.Device`; returns plain data.
+Nothing here prints (text: :mod:`symcost.render.inference`). Derivations and sources:
+docs/inference.md.
+
+- **KV cache** (:func:`kv_cache`): the bytes of the storages the model's cache holds after the
+  step, fitted from the traced cache (``Analysis.kv_bytes``): grouped-query heads, a separate
+  ``head_dim``, sliding windows and the dtype come out of the trace, never a typed formula.
+  Per token = the cache's bytes / (B·(T + S)) (all layers, one sequence), per sequence = at B = 1.
+- **Decode roofline** (:func:`decode`): the step's per-op roofline
+  (:func:`symcost.passes.roofline.roofline`, fused bytes: a compiled step), whose sum is the time
+  per output token bound; beside it the textbook aggregate form, time >= max(FLOPs / peak,
+  (weight bytes + KV bytes) / bandwidth) (Pope et al., "Efficiently Scaling Transformer
+  Inference", MLSys 2023, sec. 2: at small batch decode is bound by loading the weights and the
+  cache), and the batch at which the aggregate becomes compute-bound, FLOPs(B) = ridge x bytes(B)
+  solved for B with sympy (:func:`symcost.passes.roofline.crossing`).
+- **Prefill** (:func:`prefill`): the per-op roofline of the prefill step, the time to first token
+  bound.
+- **Serving memory** (:func:`serving_memory`, :func:`max_batch`): weights + buffers + inputs + the
+  KV cache after a decode step at T = context - 1 (every sequence at the full context) + the
+  step's largest transient live set (the storage schedule of the traced step, the cache's
+  storages taken out), i.e. the training memory model (:class:`~symcost.passes.memory.MemoryModel`)
+  with no gradients, optimizer state or master weights; the largest B is solved by its solver and
+  checked at the boundary exactly as ``max-batch`` checks it: M(B) <= cap < M(B + 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import sympy
+
+from symcost.errors import SymcostError
+from symcost.hardware.devices import Device
+from symcost.tracing.fit import SYMS
+from symcost.passes.memory.policies import Optimizer, policy
+from symcost.passes.roofline import _num, crossing, roofline, training_precision
+
+#: The optimizer of an inference step: none (no state, no step, no temporaries).
+NO_OPTIMIZER = Optimizer("none", 0, False, False, "no optimizer (inference)")
+
+_ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+             "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}
+
+
+def _itemsize(dtype) -> int:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _ITEMSIZE:
+        raise SymcostError(f"no element size known for dtype {name}")
+    return _ITEMSIZE[name]
+
+
+def _check(an, step: str) -> None:
+    if getattr(an, "step", "train") != step:
+        raise SymcostError(f"{an.model}: this analysis is of a {getattr(an, 'step', 'train')} step, not {step} "
+                           f"(trace it with symcost.trace(..., step={step!r}))")
+
+
+def _tokens(an, env) -> tuple[int, int]:
+    """(B, T + S): the sequences and the tokens each holds in the cache after the step."""
+    val = lambda s: int(an.pinned[s]) if s in an.pinned else int(env[SYMS[s]])  # noqa: E731
+    T = val("T") if an.step == "decode" else 0
+    return val("B"), T + val("S")
+
+
+def weight_bytes(an) -> sympy.Expr:
+    """Bytes of the parameters a step reads in full: every parameter (tied ones once, in its
+    traced dtype) but the tables only read by an embedding lookup (a lookup reads B·S rows, which
+    the step's ops count), a polynomial. A mixture of experts counts all E experts' weights (the
+    balanced routing model dispatches slots to every expert)."""
+    lookup = {n for n, why in an.embedding_params.items() if why == "lookup" and n not in an.matmul_params}
+    return sympy.expand(sympy.Add(*[
+        rep * sympy.Mul(*shape) * _itemsize(dtype)
+        for n, (shape, dtype, rep) in an.param_shapes.items() if n not in lookup]))
+
+
+def kv_cache(an, sizes: Mapping[str, int] | None = None) -> dict:
+    """The KV cache of an inference step at ``sizes`` (others at the model's defaults).
+
+    Returns:
+        ``total`` (bytes the cache holds after the step: B sequences of T + S tokens, every
+        layer), ``per_sequence`` (the same at B = 1), ``per_token`` (total / (B·(T + S)): one
+        token of one sequence, every layer; a float where a sliding window keeps fewer tokens),
+        ``tokens`` (T + S), ``formula`` (the total, a polynomial string), ``per_token_formula``
+        (d total / d T / B where T is a symbol: the bytes each further cached token adds),
+        ``layers`` (per folded layer: name, bytes formula, repeat), ``kv_cache`` (the class).
+
+    Raises:
+        SymcostError: a training analysis; bad sizes.
+    """
+    if getattr(an, "step", "train") == "train":
+        raise SymcostError(f"{an.model}: a training step has no KV cache; trace step='decode' or 'prefill'")
+    env = an.bind(**dict(sizes or {}))
+    B, n = _tokens(an, env)
+    total = _num(an.kv_bytes, env)
+    one = _num(an.kv_bytes, {**env, SYMS["B"]: 1}) if "B" in an.symbols else total
+    per_token = total / (B * n)
+    out = {"total": total, "per_sequence": one, "per_token": int(per_token) if per_token == int(per_token) else per_token,
+           "tokens": n, "batch": B, "formula": str(an.kv_bytes), "kv_cache": an.kv_cache,
+           "layers": [[name, str(nb), str(rep)] for name, nb, rep in an.kv_layers]}
+    if "T" in an.symbols:
+        Bs = SYMS["B"] if "B" in an.symbols else sympy.Integer(B)
+        out["per_token_formula"] = str(sympy.factor_terms(sympy.cancel(sympy.diff(an.kv_bytes, SYMS["T"]) / Bs)))
+    return out
+
+
+def _roofline_summary(rf: dict) -> dict:
+    per_bound: dict[str, float] = {}
+    for n in rf["nodes"]:
+        per_bound[n["bound"]] = per_bound.get(n["bound"], 0.0) + n["seconds"]
+    return {"step_seconds": rf["step_seconds"], "seconds_by_bound": per_bound,
+            "flops": sum(n["repeat"] * n["flops"] for n in rf["nodes"]),
+            "model_flops": rf["model_flops"],
+            "bytes": sum(n["repeat"] * n["fused_bytes"] for n in rf["nodes"]), "notes": rf["notes"]}
+
+
+def decode(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bool = True,
+           with_crossing: bool = True) -> dict:
+    """The decode step on ``device``'s roofline at ``sizes`` (B, T; others at the defaults).
+
+    Returns:
+        ``seconds_per_token`` (the per-op roofline's sum: no decode step at these sizes runs
+        faster; each of the B sequences gets one token per step), ``tokens_per_second`` (B /
+        that), ``roofline`` (its summary: seconds per binding resource, FLOPs, fused bytes),
+        ``aggregate`` (``compute_seconds`` = all FLOPs / peak, ``memory_seconds`` = (weight
+        bytes + KV bytes) / bandwidth, ``weight_bytes``, ``kv_bytes``, ``bound``),
+        ``crossing`` (the batch where the aggregate turns compute-bound:
+        :func:`symcost.passes.roofline.crossing` of all FLOPs against weight + KV bytes in B,
+        ``solution`` formulas in the ridge r and the other symbols, ``value`` at these sizes;
+        ``compute_bound`` "never" where the KV cache's bytes grow with B as fast as the FLOPs
+        relative to the ridge; left out with ``with_crossing=False``), ``precision``, ``sizes``.
+
+    Raises:
+        SymcostError: not a decode analysis; bad sizes; a device without a figure.
+    """
+    _check(an, "decode")
+    env = an.bind(**dict(sizes or {}))
+    rf = roofline(an, device, {str(k): v for k, v in env.items() if str(k) in an.symbols}, fused=fused,
+                  with_formulas=False)
+    B, _ = _tokens(an, env)
+    prec = training_precision(an)
+    peak, _ = device.peak_for(prec)
+    flops = an.flops("forward", "all")
+    W = weight_bytes(an)
+    traffic = sympy.expand(W + an.kv_bytes)
+    F, Wn, KV = _num(flops, env), _num(W, env), _num(an.kv_bytes, env)
+    t_c, t_m = F / peak, (Wn + KV) / device.bandwidth
+    out = {
+        "precision": prec, "sizes": {str(k): int(v) for k, v in env.items()}, "batch": B,
+        "seconds_per_token": rf["step_seconds"],
+        "tokens_per_second": B / rf["step_seconds"] if rf["step_seconds"] else None,
+        "roofline": _roofline_summary(rf),
+        "aggregate": {"compute_seconds": t_c, "memory_seconds": t_m, "seconds": max(t_c, t_m),
+                      "bound": "compute" if t_c >= t_m else "memory", "flops": F, "weight_bytes": Wn,
+                      "kv_bytes": KV, "flops_formula": str(flops), "bytes_formula": str(traffic)},
+    }
+    if "B" in an.symbols and with_crossing:
+        out["crossing"] = crossing(flops, traffic, "B", device.ridge(prec), env)
+    return out
+
+
+def prefill(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bool = True) -> dict:
+    """The prefill step (S tokens per sequence into an empty cache) on ``device``'s roofline:
+    ``seconds`` (the per-op roofline's sum: the time to first token bound of B sequences of S
+    prompt tokens), ``roofline`` (summary), ``sizes``.
+
+    Raises:
+        SymcostError: not a prefill analysis; bad sizes.
+    """
+    _check(an, "prefill")
+    env = an.bind(**dict(sizes or {}))
+    rf = roofline(an, device, {str(k): v for k, v in env.items() if str(k) in an.symbols}, fused=fused,
+                  with_formulas=False)
+    return {"seconds": rf["step_seconds"], "roofline": _roofline_summary(rf),
+            "sizes": {str(k): int(v) for k, v in env.items()}}
+
+
+def serving_memory(an):
+    """The memory model of serving with ``an``'s inference step: the training memory model
+    (:class:`~symcost.passes.memory.MemoryModel`) under the trace's precision with no gradients,
+    optimizer state or master weights; its static part holds the KV cache after the step."""
+    from symcost.passes.memory.model import MemoryModel
+
+    pol = policy(an.precision)
+    pol = dataclasses.replace(pol, name=f"{pol.name} (inference)", grad=0, state=0, master=0,
+                              note=f"{pol.param}-byte weights, no gradients or optimizer state (inference)")
+    if getattr(an, "step", "train") == "train":
+        raise SymcostError(f"{an.model}: serving memory needs an inference step (step='decode')")
+    return MemoryModel(an, pol, NO_OPTIMIZER, impl="fused")
+
+
+def max_batch(an, cap: int | str, context: int, sizes: Mapping[str, int] | None = None):
+    """The largest number of concurrent sequences whose decode step fits under ``cap`` with every
+    sequence at ``context`` tokens (the step at T = context - 1 leaves ``context`` tokens in the
+    cache): :meth:`~symcost.passes.memory.solve.Solver.solve` of :func:`serving_memory` for B.
+
+    Returns:
+        ``(memory model, Solution)``; the solution's ``checked`` says M(B) <= cap < M(B + 1)
+        held in exact integers (as ``max-batch``'s).
+
+    Raises:
+        SymcostError: not a decode analysis, B not a symbol, a context below 2, bad cap.
+    """
+    _check(an, "decode")
+    if isinstance(context, bool) or not isinstance(context, int) or context < 2:
+        raise SymcostError(f"--context must be an integer of at least 2 tokens, got {context!r}")
+    S = int(an.pinned.get("S", 1))
+    sizes = {**dict(sizes or {}), "T": context - S}
+    sizes = {k: v for k, v in sizes.items() if k in an.symbols}
+    mm = serving_memory(an)
+    return mm, mm.solve(cap, "B", **sizes)
+
+
+def serve(decode_an, prefill_an, device: Device, cap: int | str, context: int,
+          sizes: Mapping[str, int] | None = None) -> dict:
+    """Everything ``symcost serve`` answers, as data.
+
+    Returns:
+        ``batch`` (largest B, 0 when not one sequence fits), ``memory`` (``at``: M(B), ``next``:
+        M(B + 1), ``checked``, ``cap``, ``components`` at B: params, buffers, inputs, kv_cache,
+        ``workspace`` = the step's largest transient live set, ``peak_where``, ``inequality``,
+        ``reason`` when nothing fits), ``kv`` (:func:`kv_cache` at B), ``decode`` (:func:`decode`
+        at B), ``decode_batch_1`` (:func:`decode` at B = 1), ``prefill`` (:func:`prefill` of one
+        sequence of ``context`` tokens: time to first token), ``context``.
+
+    Raises:
+        SymcostError: as :func:`max_batch`, :func:`decode`, :func:`prefill`.
+    """
+    from symcost.units import parse_memory
+
+    sizes = dict(sizes or {})
+    capb = parse_memory(cap)
+    mm, sol = max_batch(decode_an, capb, context, sizes)
+    T = context - int(decode_an.pinned.get("S", 1))
+    at = {**{k: v for k, v in sizes.items() if k in decode_an.symbols}, "T": T}
+    out: dict[str, Any] = {"context": context, "batch": sol.value, "kv_cache": decode_an.kv_cache}
+    mem = {"cap": capb, "at": sol.memory_at, "next": sol.memory_next, "checked": sol.checked,
+           "inequality": sol.inequality, "bound": None if sol.bound is None else str(sol.bound),
+           "limited_by": sol.limited_by}
+    b = max(sol.value, 1)
+    comp = mm.components(**at, B=b)
+    static = sum(comp[k] for k in ("params", "buffers", "inputs", "kv_cache"))
+    mem["components"] = {k: comp[k] for k in ("params", "buffers", "inputs", "kv_cache")}
+    mem["components"]["workspace"] = comp["peak"] - static
+    mem["components"]["peak"] = comp["peak"]
+    mem["peak_where"] = mm.peak_where(**at, B=b)
+    if sol.value < 1:
+        mem["reason"] = mm.no_fit_reason(sol, **at)
+    out["memory"] = mem
+    out["kv"] = kv_cache(decode_an, {**at, "B": b})
+    out["decode"] = decode(decode_an, device, {**at, "B": b})
+    out["decode_batch_1"] = decode(decode_an, device, {**at, "B": 1}, with_crossing=False) if b != 1 else out["decode"]
+    if prefill_an is not None:
+        pre = {k: v for k, v in sizes.items() if k in prefill_an.symbols}
+        pre.update({k: v for k, v in (("B", 1), ("S", context)) if k in prefill_an.symbols})
+        out["prefill"] = prefill(prefill_an, device, pre)
+    return out

@@ -1,0 +1,106 @@
+"""The text and JSON of ``symcost serve``: what :func:`symcost.passes.inference.serve` returns, as a
+few header lines and two narrow tables (rich), readable at 80 columns. Nothing here computes a
+cost."""
+from __future__ import annotations
+
+from rich import box
+from rich.table import Table
+
+from symcost.render.report import human
+from symcost.render.roofline import _fmt_s
+
+_NARROW = {"box": box.SIMPLE_HEAD, "show_edge": False, "pad_edge": False, "collapse_padding": True,
+           "title_justify": "left"}
+
+
+def to_json(model: str, precision: str, dev, r: dict) -> dict:
+    """The JSON object of ``symcost serve --json`` (base units: bytes, seconds, FLOPs):
+    ``model``, ``precision``, ``device`` (key), ``context``, ``kv_cache``, ``max_batch``,
+    ``memory`` (``cap``, ``at_max`` = M(max_batch), ``at_next`` = M(max_batch + 1), ``check``,
+    ``components`` at max_batch: params, buffers, inputs, kv_cache, workspace, peak),
+    ``kv`` (``per_token``, ``per_sequence``, ``total``, formulas), ``seconds_per_token`` and
+    ``tokens_per_second`` (at max_batch), ``decode`` and ``decode_batch_1`` (the decode
+    roofline: per-op sum, aggregate bound, crossing batch), ``prefill_seconds`` (time to first
+    token bound of one sequence of ``context`` tokens)."""
+    d = r["decode"]
+    out = {
+        "model": model, "precision": precision, "device": dev.key, "context": r["context"],
+        "kv_cache": r["kv_cache"], "max_batch": r["batch"],
+        "memory": {"cap": r["memory"]["cap"], "at_max": r["memory"]["at"], "at_next": r["memory"]["next"],
+                   "check": r["memory"]["checked"], "components": r["memory"]["components"],
+                   "peak_where": r["memory"]["peak_where"], "inequality": r["memory"]["inequality"]},
+        "kv": {k: r["kv"][k] for k in ("per_token", "per_sequence", "total", "tokens", "formula", "per_token_formula",
+                                        "layers") if k in r["kv"]},
+        "seconds_per_token": d["seconds_per_token"], "tokens_per_second": d["tokens_per_second"],
+        "decode": _decode_json(d), "decode_batch_1": _decode_json(r["decode_batch_1"]),
+    }
+    if r["memory"].get("reason"):
+        out["memory"]["reason"] = r["memory"]["reason"]
+    if r["memory"].get("limited_by"):
+        out["memory"]["limited_by"] = r["memory"]["limited_by"]
+    if "prefill" in r:
+        out["prefill_seconds"] = r["prefill"]["seconds"]
+        out["prefill"] = {"seconds": r["prefill"]["seconds"], "sizes": r["prefill"]["sizes"],
+                          "seconds_by_bound": r["prefill"]["roofline"]["seconds_by_bound"]}
+    return out
+
+
+def _decode_json(d: dict) -> dict:
+    out = {"batch": d["batch"], "sizes": d["sizes"], "seconds_per_token": d["seconds_per_token"],
+           "tokens_per_second": d["tokens_per_second"],
+           "seconds_by_bound": d["roofline"]["seconds_by_bound"], "aggregate": d["aggregate"]}
+    if "crossing" in d:
+        out["crossing"] = d["crossing"]
+    return out
+
+
+def render_text(c, model: str, precision: str, dev, r: dict) -> None:
+    """Print the serve report on the rich console ``c``."""
+    mem, kv, d, d1 = r["memory"], r["kv"], r["decode"], r["decode_batch_1"]
+    prec = d["precision"]
+    c.print(f"[bold]symcost serve[/bold]: {model} on {dev.name}   precision {precision} ({prec} peak "
+            f"{dev.peak_for(prec)[0] / 1e12:.4g} TFLOP/s, bandwidth {dev.bandwidth / 1e12:.4g} TB/s, "
+            f"ridge {dev.ridge(prec):.1f} FLOP/byte)")
+    c.print(f"context {r['context']} tokens per sequence; KV cache: {r['kv_cache']} "
+            f"(transformers' {'StaticCache' if r['kv_cache'] == 'static' else 'DynamicCache'}); memory cap "
+            f"{human(mem['cap'], 'B')}")
+    c.print(f"KV cache: {kv['per_token']:,} bytes per token ({kv.get('per_token_formula', '-')}), "
+            f"{human(kv['per_sequence'], 'B')} per sequence of {kv['tokens']} tokens")
+    if r["batch"] < 1:
+        c.print(f"[bold red]not one sequence of {r['context']} tokens fits[/bold red]: {mem.get('reason', '')}")
+        return
+    ok = "✓" if mem["checked"] else "✗ (check failed)"
+    c.print(f"[bold]largest batch: {r['batch']} concurrent sequences[/bold]   "
+            f"check: M({r['batch']}) = {human(mem['at'], 'B')} ≤ cap < M({r['batch'] + 1}) = "
+            f"{human(mem['next'], 'B')} {ok}")
+    if mem.get("limited_by"):
+        c.print(f"  limited by the model: {mem['limited_by']}")
+    t = Table(title=f"Memory at B = {r['batch']} (decode step at T = {r['context'] - 1})", **_NARROW)
+    t.add_column("component")
+    t.add_column("bytes", justify="right", no_wrap=True)
+    t.add_column("", justify="right", no_wrap=True)
+    names = {"params": "weights", "buffers": "buffers", "inputs": "inputs (token ids)", "kv_cache": "KV cache",
+             "workspace": "workspace (the step's largest transient set)", "peak": "peak"}
+    for k, label in names.items():
+        v = mem["components"][k]
+        t.add_row(label, f"{v:,}", human(v, "B"))
+    c.print(t)
+    dt = Table(title="Decode (one token per sequence per step)", **_NARROW)
+    for col in ("batch", "time/token", "tokens/s", "(weights+KV)/BW", "FLOPs/peak", "bound"):
+        dt.add_column(col, justify="right", no_wrap=True)
+    for x in ([d1, d] if d1 is not d else [d]):
+        a = x["aggregate"]
+        dt.add_row(str(x["batch"]), _fmt_s(x["seconds_per_token"]), f"{x['tokens_per_second']:,.0f}",
+                   _fmt_s(a["memory_seconds"]), _fmt_s(a["compute_seconds"]), a["bound"])
+    c.print(dt)
+    c.print("  time/token: the per-op roofline of the traced decode step (fused bytes), summed; "
+            "(weights+KV)/BW and FLOPs/peak: the aggregate bounds")
+    cr = d.get("crossing")
+    if cr:
+        where = (f"B ≈ {cr['value']:.4g}" if cr["value"] is not None else
+                 "never (the KV cache's bytes grow with B as fast as the FLOPs, below the ridge)"
+                 if cr["compute_bound"] == "never" else "always")
+        c.print(f"decode turns compute-bound (aggregate) at: {where}")
+    if "prefill" in r:
+        c.print(f"prefill, time to first token bound (1 sequence of {r['context']} tokens): "
+                f"{_fmt_s(r['prefill']['seconds'])}")

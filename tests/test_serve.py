@@ -1,0 +1,133 @@
+"""``symcost serve`` and the serving memory (issue 17): the largest batch under a cap, checked at the
+boundary as ``max-batch`` checks it, its parts against independent measurements, and the answer's
+time for a 70B configuration once traced.
+
+Oracles: the weights of the configuration built with ``transformers``' own API on the meta device
+(parameters × 2 bytes in bf16); the KV cache per token of Llama-2-70B by hand from its published
+config (80 layers × 8 key/value heads × head_dim 128 × keys and values × 2 bytes = 327,680 bytes);
+the peak of a real decode step on CPU tensors with a StaticCache, from ``torch.profiler``'s
+allocator events (tests/memory_oracle.py), as tests/test_memory_peak.py measures training steps.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import run_cli
+from memory_oracle import _levels, _storages
+from symcost.passes import inference
+from test_inference import _meta_model, full_values, random_sizes, traced_step
+
+LLAMA_70B = "tests/data/configs/llama-2-70b.json"
+
+
+def _serve_json(*args: str) -> tuple[dict, float, float]:
+    """``symcost serve ... --json`` in a fresh process: (its JSON, wall seconds, CPU seconds)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "symcost.cli", "serve", *args, "--json"], capture_output=True,
+                         text=True, timeout=900, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert res.returncode == 0, res.stderr
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return json.loads(res.stdout), wall, cpu
+
+
+@pytest.mark.heavy
+def test_serve_70b_boundary_and_warm_time():
+    """Llama-2-70B on a 192 GB MI300X at 8k context: the batch serve returns fits and one more does
+    not (M(B) <= cap < M(B + 1), the check of max-batch, evaluated on the memory model again); the
+    weights and KV cache are the independent counts; a warm answer (trace cache filled) costs under
+    5 s of CPU time in a fresh process."""
+    args = (LLAMA_70B, "--device", "mi300x", "--context", "8192")
+    cold, _, _ = _serve_json(*args)
+    warm, wall, cpu = _serve_json(*args)
+    assert warm == cold
+    assert cpu < 5.0, f"warm serve took {cpu:.2f} s of CPU ({wall:.2f} s wall)"
+    B, mem = warm["max_batch"], warm["memory"]
+    assert B >= 1 and mem["check"] and mem["at_max"] <= mem["cap"] < mem["at_next"]
+    assert mem["cap"] == 192 * 10**9  # the MI300X's 192 GB from the catalogue
+    # the same boundary, evaluated again on the serving memory model (not the solver's numbers)
+    from symcost.graph import cache
+
+    an = cache.load(cache.key(LLAMA_70B, {}, None, "bf16-true", {"step": "decode", "kv_cache": "static"}),
+                    {"T": 8191, "S": 1})  # the analysis serve traced (read back from the trace cache)
+    mm = inference.serving_memory(an)
+    assert mm.peak(B=B, T=8191) == mem["at_max"] <= mem["cap"] < mm.peak(B=B + 1, T=8191) == mem["at_next"]
+    # parts: weights (bf16) of the real model on the meta device; KV by hand from the published config
+    model = _meta_model(LLAMA_70B)
+    weights = sum(p.numel() for p in model.parameters()) * 2
+    comp = mem["components"]
+    assert comp["params"] == weights
+    assert warm["kv"]["per_token"] == 80 * 8 * 128 * 2 * 2 == 327_680
+    assert comp["kv_cache"] == B * 8192 * 327_680
+    assert comp["peak"] == mem["at_max"] == comp["params"] + comp["buffers"] + comp["inputs"] + comp["kv_cache"] \
+        + comp["workspace"]
+    assert 0 < comp["workspace"] < 2**30  # the step's transients: small beside the cache at this batch
+
+
+def _decode_peak(spec, values) -> dict:
+    """Peak bytes of one real decode step with a StaticCache (torch.profiler, as the training oracle):
+    baseline = parameters, buffers, the cache's key/value storages and the step's token ids."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import StaticCache
+
+    torch.manual_seed(0)
+    model = spec.build(values).eval()
+    B, T, V = values["B"], values["T"], values["V"]
+    cache = StaticCache(config=model.config, max_cache_len=T + 1)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, V, (B, T)), cache=cache, use_cache=True)
+    ids = torch.randint(0, V, (B, 1))
+    kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    baseline = sum(_storages(list(model.parameters()) + list(model.buffers()) + kv + [ids]).values())
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        del out
+    top, top_ops = _levels(prof)
+    return {"peak": baseline + top, "peak_ops": baseline + top_ops, "baseline": baseline}
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("model", ["hf:llama", "hf:gpt2"])
+def test_serving_peak_equals_profiler(model):
+    """The serving memory model's peak of a decode step (weights, buffers, inputs, the StaticCache and
+    the step's largest transient set) within 5% of torch.profiler's on real tensors, at random sizes."""
+    an = traced_step(model, "decode", "static", sizes=(("K", 4),) if model == "hf:llama" else ())
+    mm = inference.serving_memory(an)
+    for v in random_sizes(an, random.Random(f"serve-peak:{model}"), 2):
+        v = dict(v, B=max(v["B"], 2))
+        m = _decode_peak(an.spec, full_values(an, v))
+        pred = mm.peak(**v)
+        assert abs(pred - m["peak"]) <= 0.05 * m["peak"], (model, v, pred, m)
+
+
+def test_serve_cli_errors(capsys):
+    """Bad input is one line and exit 2; a model without a KV cache says so."""
+    code, _, err = run_cli(capsys, "serve", "hf:llama", "--context", "1")
+    assert code == 2 and "--context" in err
+    code, _, err = run_cli(capsys, "serve", "hf:llama", "--set", "B=4")
+    assert code == 2 and "serve chooses B" in err
+    code, _, err = run_cli(capsys, "serve", "gpt2", "--device", "h100")
+    assert code == 2 and "no KV cache" in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_small_model_text_and_nothing_fits(capsys):
+    """A small config answers in text; a cap below the weights exits 3 and names the weights."""
+    small = ("hf:llama", "--config", "num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4",
+             "num_key_value_heads=2", "intermediate_size=128", "vocab_size=256", "--context", "64",
+             "--device", "h100", "--no-prefill")
+    code, out, err = run_cli(capsys, "serve", *small, "--memory", "64MiB")
+    assert code == 0, err
+    assert "largest batch" in out and "KV cache" in out and "✓" in out
+    code, out, err = run_cli(capsys, "serve", *small, "--memory", "1KiB")
+    assert code == 3 and "parameters" in out
