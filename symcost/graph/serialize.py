@@ -76,7 +76,7 @@ class Serialized:
                 [[s(x) for x in sh] for sh in op.out_shapes], [dt(d) for d in op.out_dtypes],
                 [s(op.cost.flops), s(op.cost.flops_all), s(op.cost.bytes),
                  {k: s(n) for k, n in op.cost.transcendentals.items()}, s(op.cost.flops_hw)],
-                op.layer, op.attention]
+                op.layer, op.attention, list(getattr(op, "kv_reads", ())), list(getattr(op, "kv_writes", ()))]
                for op in self.ops]
         g = self.graph
         graph = {
@@ -320,8 +320,9 @@ def _load_ops(rows) -> list:
                   cost=Cost(*(P(c) for c in cost[:3]),
                             {k: P(n) for k, n in (cost[3] if len(cost) > 3 else {}).items()},
                             P(cost[4]) if len(cost) > 4 else None),
-                  layer=layer, attention=attn)
-            for i, name, fam, mod, ph, rep, ins, ind, outs, outd, cost, layer, attn in rows]
+                  layer=layer, attention=attn, kv_reads=tuple(more[0]) if more else (),
+                  kv_writes=tuple(more[1]) if len(more) > 1 else ())
+            for i, name, fam, mod, ph, rep, ins, ind, outs, outd, cost, layer, attn, *more in rows]
 
 
 def _load_graph(data):
