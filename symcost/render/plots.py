@@ -51,7 +51,7 @@ def _save(fig, plt, path: str) -> None:
         plt.close(fig)
 
 
-def token_rate_plot(curve: dict, path: str, title: str = "") -> list[tuple[int, float, float]]:
+def token_rate_plot(curve: dict, path: str, title: str = "") -> dict:
     """Draw :func:`symcost.passes.inference.token_rate`'s ``curve`` to ``path`` (PNG): against the
     batch B (log x, 1 to the largest that fits), the tokens/s bound (left axis, log) and the time
     per output token bound (right axis, ms, log), both from the per-op roofline of the decode step,
@@ -60,7 +60,8 @@ def token_rate_plot(curve: dict, path: str, title: str = "") -> list[tuple[int, 
     where it lies.
 
     Returns:
-        The (batch, tokens/s, seconds per token) points drawn.
+        ``points`` (the (batch, tokens/s, seconds per token) points drawn), ``crossing_line`` (the
+        batch marked by the vertical line, or None), ``note`` (the text drawn instead, or "").
 
     Raises:
         SymcostError: matplotlib missing; the file cannot be written.
@@ -84,12 +85,17 @@ def token_rate_plot(curve: dict, path: str, title: str = "") -> list[tuple[int, 
     ax2.set_ylabel("time per output token (ms)", color="tab:red")
     cr = curve.get("crossing") or {}
     v = cr.get("value")
+    line, where = None, ""
     if v is not None and bs[0] <= v <= bs[-1]:
+        line = v
         ax.axvline(v, color="k", ls="--", lw=1, label=f"decode compute-bound from B ≈ {v:.4g}")
     else:
-        where = ("never compute-bound (KV bytes grow with B as fast as the FLOPs)" if cr.get("compute_bound") == "never"
-                 else f"compute-bound from B ≈ {v:.4g} (beyond the largest batch)" if v is not None
-                 else "memory-bound throughout" if cr else "")
+        state = cr.get("compute_bound")
+        where = ("never compute-bound (KV bytes grow with B as fast as the FLOPs)" if state == "never"
+                 else "compute-bound at every batch" if state == "always"
+                 else f"crossing at B ≈ {v:.4g}, beyond the largest batch ({cr.get('compute_bound')})"
+                 if v is not None and v > bs[-1]
+                 else f"crossing at B ≈ {v:.4g}, below B = 1 ({cr.get('compute_bound')})" if v is not None else "")
         if where:
             ax.text(0.02, 0.02, f"decode: {where}", transform=ax.transAxes, fontsize=8)
     kvd = curve.get("kv_dtype")
@@ -100,7 +106,7 @@ def token_rate_plot(curve: dict, path: str, title: str = "") -> list[tuple[int, 
     ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
     fig.tight_layout()
     _save(fig, plt, path)
-    return list(zip(bs, tps, spt))
+    return {"points": list(zip(bs, tps, spt)), "crossing_line": line, "note": where}
 
 
 def roofline_plot(r: dict, path: str, title: str = "", label_top: int = 8) -> list[tuple[float, float]]:
