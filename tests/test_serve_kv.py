@@ -99,9 +99,14 @@ def test_serve_cli_kv_dtype(capsys):
     """``serve --kv-dtype fp8`` on a small bf16 trace: labelled modelled in JSON and text, half the
     KV bytes per token (by hand: L 2 × K 2 × D 16 × 2 × 1 byte), a larger batch that passes the
     boundary check, the same answer from the trace cache; int8 as fp8; a bad name is one line."""
+    from symcost.graph import cache
+
     bf16 = _json(capsys)
-    fp8 = _json(capsys, "--kv-dtype", "fp8")
-    assert fp8 == _json(capsys, "--kv-dtype", "fp8")  # the second from the trace cache (kept kv reads)
+    # the decode step serve traced is in the trace cache and reads back with the cache's reads
+    an = cache.load(cache.key("hf:llama", dict(a.split("=") for a in SMALL[2:8]), None, "bf16-true",
+                              {"step": "decode", "kv_cache": "static"}), {"T": 63, "S": 1})
+    assert an is not None and "cached_from" in an.__dict__ and inference.cache_dtype(an) == "bfloat16"
+    fp8 = _json(capsys, "--kv-dtype", "fp8")  # (from the trace cache)
     assert bf16["kv_dtype"] == {"dtype": "bfloat16", "element": "bfloat16", "bytes": 2, "from": "bfloat16",
                                 "modelled": False, "scale": 1.0}
     assert {"dtype": "fp8", "modelled": True, "from": "bfloat16", "bytes": 1}.items() <= fp8["kv_dtype"].items()

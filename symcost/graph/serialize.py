@@ -179,7 +179,7 @@ class Serialized:
             raise SymcostError(f"analysis data of format {d.get('format')!r}, expected {cls.FORMAT}")
         P = functools.lru_cache(maxsize=None)(parse_formula)  # many sizes repeat
         ops, graph = d["ops"], d["graph"]  # parsed on first use: their layout is checked now
-        if not (isinstance(ops, list) and all(isinstance(r, list) and len(r) == 13 for r in ops)
+        if not (isinstance(ops, list) and all(isinstance(r, list) and len(r) in (13, 15) for r in ops)
                 and isinstance(graph["nodes"], list) and isinstance(graph["edges"], list)):
             raise ValueError("malformed ops or graph")
         sd = d["spec"]
