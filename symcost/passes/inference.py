@@ -85,7 +85,8 @@ class KVDtype:
 
     def to_json(self) -> dict:
         """``{"dtype", "element", "bytes" (per element), "from" (traced), "modelled", "scale"}``."""
-        return {"dtype": self.name, "element": self.dtype, "bytes": _itemsize(self.dtype), "from": self.traced,
+        return {"dtype": self.name, "element": self.dtype,
+                "bytes": _itemsize(self.dtype) if self.dtype in _ITEMSIZE else None, "from": self.traced,
                 "modelled": self.modelled, "scale": float(self.scale)}
 
 
@@ -113,13 +114,21 @@ def cache_dtype(an) -> str:
 
 def kv_dtype(an, name: str | None = None) -> KVDtype:
     """The KV-cache dtype to cost ``an``'s cache in: ``name`` (one of :data:`KV_DTYPES`, modelled
-    unless it is the traced dtype) or, with None, the traced cache's own (:func:`cache_dtype`).
+    unless it is the traced dtype) or, with None, the traced cache's own (:func:`cache_dtype`;
+    ``"unknown"`` where the trace cannot tell it: nothing is scaled then).
 
     Raises:
-        SymcostError: an unknown name (the message lists the accepted ones); as :func:`cache_dtype`.
+        SymcostError: an unknown name (the message lists the accepted ones); with a name, as
+            :func:`cache_dtype`.
     """
     if name is not None and name not in KV_DTYPES:
         raise SymcostError(f"unknown --kv-dtype {name!r}; accepted: {', '.join(KV_DTYPES)}")
+    if name is None:
+        try:
+            traced = cache_dtype(an)
+        except SymcostError:  # nothing to scale: the traced cache as it is, its dtype unnamed
+            return KVDtype("traced", "unknown", "unknown", Fraction(1), False)
+        return KVDtype(traced, traced, traced, Fraction(1), False)
     traced = cache_dtype(an)
     dtype = KV_DTYPES[name] if name is not None else traced
     scale = Fraction(_itemsize(dtype), _itemsize(traced))
