@@ -21,12 +21,12 @@ from fractions import Fraction
 
 import pytest
 import torch
-
 from conftest import run_cli
+from test_inference import QWEN3_4B, full_values, random_sizes, run_step, traced_step
+
 from symcost.errors import SymcostError
 from symcost.hardware import devices as dv
 from symcost.passes import inference
-from test_inference import QWEN3_4B, full_values, random_sizes, run_step, traced_step
 
 SMALL = ("hf:llama", "--config", "num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4",
          "num_key_value_heads=2", "intermediate_size=128", "vocab_size=256", "--context", "64",
@@ -56,7 +56,7 @@ def test_qwen3_4b_fp8_kv_bytes_and_batch():
         _, s16 = inference.max_batch(an, cap, context)
         _, s8 = inference.max_batch(an, cap, context, kv=kv)
 
-        def M8(B):  # the bf16 model less half of the hand-counted bf16 cache
+        def M8(B, mm16=mm16, context=context):  # the bf16 model less half of the hand-counted bf16 cache
             return mm16.peak(B=B, T=context - 1) - 73_728 * B * context
 
         B = s8.value
