@@ -159,3 +159,36 @@ def test_serve_plot(capsys, tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
     code, _, err = run_cli(capsys, "serve", *SMALL, "--plot", str(tmp_path / "m.png"))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "matplotlib" in err, err
+
+
+def test_dynamic_decode_bytes_with_a_modelled_cache():
+    """A DynamicCache decode step (eager attention, grouped-query, fp32) with the cache modelled in
+    bf16: the concatenation reads the old cache (T tokens) and writes the new one (T + 1), and each
+    of the eager attention's ``repeat_kv`` copies reads the new one expanded to H heads, so the step's
+    unfused bytes change by (1/2 - 1) × (old + new + H/K × new), the new cache measured on the real
+    model at random sizes and the old one its T / (T + 1) (the same layout, one token fewer); the
+    fused bytes by no more than that and not by less than the old cache's read (the concatenation
+    reads it from outside any fused region)."""
+    from symcost.passes.roofline import roofline
+
+    an = traced_step("hf:llama", "decode", sizes=(("K", 4),))
+    assert an.kv_cache == "dynamic" and inference.cache_dtype(an) == "float32"
+    dev = dv.get_device("h100")
+    bf16 = inference.kv_dtype(an, "bf16")
+    assert bf16.scale == Fraction(1, 2) and bf16.modelled
+    extra = inference.kv_traffic(an, bf16)
+    for v in random_sizes(an, random.Random("serve-kv-dynamic"), 2):
+        full = full_values(an, v)
+        _, new, _ = run_step(an.spec, full, "decode", "dynamic", counter=False)
+        old = Fraction(new * full["T"], full["T"] + 1)
+        moved = old + new + Fraction(full["H"], full["K"]) * new
+
+        def total(r, key):
+            return sum(n["repeat"] * n[key] for n in r["nodes"])
+
+        base = roofline(an, dev, v, with_formulas=False)
+        got = roofline(an, dev, v, with_formulas=False, extra_bytes=extra)
+        assert total(got, "bytes") - total(base, "bytes") == -moved / 2, v
+        fused = total(got, "fused_bytes") - total(base, "fused_bytes")
+        assert -moved / 2 <= fused <= -old / 2, v
+        assert inference.decode(an, dev, v, with_crossing=False, kv=bf16)["aggregate"]["kv_bytes"] == new / 2

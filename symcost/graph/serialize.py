@@ -163,7 +163,8 @@ class Serialized:
         return {"node_bytes": [[i, str(v)] for i, v in fe.node_bytes.items()],
                 "node_written": [[i, str(v)] for i, v in fe.node_written.items()],
                 "region_of": [[i, r] for i, r in fe.region_of.items()],
-                "regions": [[r, list(ids)] for r, ids in fe.regions.items()], "exact": bool(fe.exact)}
+                "regions": [[r, list(ids)] for r, ids in fe.regions.items()], "exact": bool(fe.exact),
+                "charged": [[i, list(a), list(b)] for i, (a, b) in (fe.charged or {}).items()]}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Analysis":

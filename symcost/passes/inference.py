@@ -36,6 +36,7 @@ docs/inference.md.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from fractions import Fraction
 from typing import Any, Mapping
 
@@ -135,36 +136,50 @@ def kv_dtype(an, name: str | None = None) -> KVDtype:
     return KVDtype(name or traced, dtype, traced, scale, dtype != traced)
 
 
-def kv_traffic(an, kv: KVDtype | None) -> dict[int, tuple[sympy.Expr, sympy.Expr]]:
+_TRAFFIC: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def kv_traffic(an, kv: KVDtype | None) -> dict[int, tuple[sympy.Expr, ...]]:
     """What a cache in ``kv.dtype`` changes in each op's traffic (for
-    :func:`symcost.passes.roofline.roofline`'s ``extra_bytes``): op index -> ``(bytes, written
-    bytes)``, formulas, (scale - 1) x the bytes the op's count moves from or into the cache: the
-    inputs read from its storages (``SymOp.kv_reads``: the attention's keys and values, an eager
-    attention's copy of them to all heads, a DynamicCache's concatenation reading the old cache)
-    and the outputs it allocates (``kv_writes``: the concatenation's result); for an in-place
-    partial write (``index_copy_`` of the new token into a StaticCache) the slice written. Empty
-    for ``kv`` None or not modelled."""
+    :func:`symcost.passes.roofline.roofline`'s ``extra_bytes``): op index -> ``(bytes, written,
+    fused bytes, fused written)``, formulas: (scale - 1) x the bytes the op's count moves from or
+    into the cache: the inputs read from its storages (``SymOp.kv_reads``: the attention's keys and
+    values, an eager attention's copy of them to all heads, a DynamicCache's concatenation reading
+    the old cache) and the outputs it allocates (``kv_writes``: the concatenation's result); for an
+    in-place partial write (``index_copy_`` of the new token into a StaticCache) the slice
+    written. The fused figures count only the inputs and outputs the fused estimate charges the op
+    (:attr:`symcost.graph.fusion.FusionEstimate.charged`: a cache read inside a fused region is
+    not charged, so it does not shrink either). Empty for ``kv`` None or not modelled."""
+    from symcost.graph import fusion
     from symcost.graph.opsets import PARTIAL_WRITES, nbytes, partial_write_bytes
 
     if kv is None or not kv.modelled:
         return {}
+    per = _TRAFFIC.setdefault(an, {})
+    if kv.dtype in per:
+        return per[kv.dtype]
     f = sympy.Rational(kv.scale.numerator, kv.scale.denominator) - 1
+    charged = fusion.estimate(an).charged
     out = {}
     for op in an.ops:
         reads, writes = getattr(op, "kv_reads", ()), getattr(op, "kv_writes", ())
         if not reads and not writes:
             continue
-        if op.name.rsplit(".", 1)[0] in PARTIAL_WRITES:
+        if op.name.rsplit(".", 1)[0] in PARTIAL_WRITES:  # its own kernel: fused = unfused
             if 0 not in reads:
                 continue
-            w = partial_write_bytes(op)[1]
-            out[op.index] = (sympy.expand(f * w), sympy.expand(f * w))
+            w = sympy.expand(f * partial_write_bytes(op)[1])
+            out[op.index] = (w, w, w, w)
             continue
+        ins, outs = (charged or {}).get(op.index, (reads, writes))
         r = sum((nbytes(op.in_shapes[k], op.in_dtypes[k]) for k in reads), sympy.Integer(0))
         w = sum((nbytes(op.out_shapes[k], op.out_dtypes[k]) for k in writes), sympy.Integer(0))
+        rf = sum((nbytes(op.in_shapes[k], op.in_dtypes[k]) for k in reads if k in ins), sympy.Integer(0))
+        wf = sum((nbytes(op.out_shapes[k], op.out_dtypes[k]) for k in writes if k in outs), sympy.Integer(0))
         if r == 0 and w == 0:
             continue
-        out[op.index] = (sympy.expand(f * (r + w)), sympy.expand(f * w))
+        out[op.index] = tuple(sympy.expand(f * x) for x in (r + w, w, rf + wf, wf))
+    per[kv.dtype] = out
     return out
 
 
