@@ -96,7 +96,8 @@ def serve(model, sets, config, attention, precision, debug, device_name, devices
         from symcost.render.report import console
 
         text.render_text(console(), dec.model, precision, dev, r)
-        if plot and r["batch"] >= 1:
-            console().print(f"plot written to {plot}")
+        if plot:
+            console().print(f"plot written to {plot}" if r["batch"] >= 1
+                            else f"no plot written to {plot}: not one sequence fits")
     if r["batch"] < 1:
         raise SystemExit(NOTHING_FITS)
