@@ -30,3 +30,7 @@ class SymOp:
     cost: rules.Cost
     layer: int | None = None
     attention: bool = False  # a matmul-class op with no parameter operand
+    # an inference step: positions of the inputs that are the KV cache's storages (the recording's
+    # ``OpCall.kv_reads``: the cache held before or after the step, read through any view)
+    kv_reads: tuple[int, ...] = ()
+    kv_writes: tuple[int, ...] = ()  # outputs that allocate a storage the cache holds after the step
