@@ -17,6 +17,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one intra
     import torch
 
     torch.set_num_threads(1)
+    # execnet starts the workers with COLUMNS=80 LINES=24, which a plain run does not have: text
+    # output would be cut at 80 columns instead of the pipe width (symcost.render.report.console)
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
 
 
 @functools.lru_cache(maxsize=None)
