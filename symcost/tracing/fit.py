@@ -32,7 +32,8 @@ import sympy
 
 from symcost.errors import SymcostError
 
-SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in "BSHDLVFKMERNT"}
+SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in ("B", "S", "H", "D", "L", "V", "F",
+                                                                          "K", "M", "E", "R", "N", "T", "DP")}
 
 #: L of the probe recordings the formulas are fitted on, and of the fresh recordings that check them
 FIT_L = 2
@@ -49,7 +50,7 @@ def parse_formula(text: str) -> sympy.Expr:
     return sympy.sympify(text, locals=dict(SYMS))
 
 # Base probe values and one alternate per symbol. L is fixed while fitting (layers fold).
-BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 7, "R": 2, "T": 13}
+BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 7, "R": 2, "T": 13, "DP": 2}
 ALTS = {
     "B": (5, 4, 2),
     "S": (11, 9, 5),
@@ -62,6 +63,7 @@ ALTS = {
     "E": (7, 4, 6),
     "R": (3, 4),
     "T": (17, 10, 6),
+    "DP": (4, 3, 8, 6),
 }
 POOLS = {
     "B": range(2, 10),
@@ -75,6 +77,7 @@ POOLS = {
     "E": range(3, 10),
     "R": range(2, 5),
     "T": range(5, 30),
+    "DP": range(2, 9),
 }
 
 
@@ -356,11 +359,17 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
 #: cubes. A symbol only gets exponent e where the probes hold at least |e| + 1 distinct values
 #: of it (enough to determine it; the exact check on every probe, with two to spare, verifies).
 EXPONENT_STAGES = ((0, 1), (-1, 0, 1), (0, 1, 2), (-1, 0, 1, 2), (0, 1, 2, 3))
-DIVISORS = ("K", "E")  # H/K (query heads per kv head), N·R/E (token slots per expert)
+DIVISORS = ("K", "E", "DP")  # H/K (query heads per kv head), N·R/E (token slots per expert), P/DP (a shard)
+
+
+#: symbols whose exponent is at most 1 in size: DP divides a size (a shard) or multiplies one (a
+#: buffer of DP shards, a split into DP chunks), never twice in one dimension
+LINEAR_ONLY = ("DP",)
 
 
 def _monomials(deps: Sequence[str], exps: Sequence[int]):
-    choices = [[e for e in exps if e >= 0 or s in DIVISORS] for s in deps]
+    choices = [[e for e in exps if (e >= 0 or s in DIVISORS) and (abs(e) <= 1 or s not in LINEAR_ONLY)]
+               for s in deps]
     for combo in itertools.product(*choices):
         yield dict(zip(deps, combo))
 
