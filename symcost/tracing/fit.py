@@ -397,6 +397,21 @@ class Fitter:
         deps = [s for s, i in self.plan.axis.items() if sig[i] != base]
         if not deps:  # varies only jointly (should not happen for polynomials): use all symbols
             deps = list(self.plan.axis)
+        if "DP" in deps and len(deps) > 1:
+            # a shard (size/DP) or DP shards (DP·size) of a size in the model's symbols: fit the
+            # size itself (a block's shards sum many monomials, each /DP: too many terms for the
+            # sparse search below)
+            dp = self.Xi["DP"]
+            for e in (-1, 1):
+                scaled = [Fraction(v) / dp[i] ** e for i, v in enumerate(sig)]
+                if any(x.denominator != 1 for x in scaled):
+                    continue
+                try:
+                    inner = self(tuple(int(x) for x in scaled), what)
+                except FitError:
+                    continue
+                if SYMS["DP"] not in inner.free_symbols:
+                    return sympy.expand(inner * SYMS["DP"] ** e)
         y = np.array(sig, dtype=np.float64)
         n = len(sig)
         for exps in EXPONENT_STAGES:
