@@ -218,7 +218,7 @@ def _align(recs: list[Recording], spec: ModelSpec) -> None:
 def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None = None,
           attention: str | None = None, sizes: Mapping[str, int] | None = None,
           precision: str = "bf16-mixed", n_random: int = 6, seed: int = 0, use_cache: bool = True,
-          step: str | None = None, kv_cache: str = "dynamic") -> Analysis:
+          step: str | None = None, kv_cache: str = "dynamic", shard: str | None = None) -> Analysis:
     """Trace a model's training step (or an inference step) into a symbolic cost graph, in the
     regime of ``sizes``.
 
@@ -262,7 +262,8 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         n_random: random probes in the fit (besides base and one per symbol).
         seed: probe sampling seed.
         use_cache: read and write the trace cache (models given by name, training steps only;
-            the CLI caches inference steps itself).
+            the CLI caches inference steps itself; a data-parallel trace, ``shard``, is not kept
+            there yet).
         step: ``"train"`` (forward, loss, backward), or an inference step through the model's own
             KV cache (:meth:`ModelSpec.for_step`): ``"prefill"`` (S tokens per sequence into an
             empty cache) or ``"decode"`` (S new tokens per sequence, 1 unless ``sizes`` sets S,
@@ -270,6 +271,10 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             a model name).
         kv_cache: the cache class of an inference step, ``"dynamic"`` (``DynamicCache``) or
             ``"static"`` (``StaticCache`` of T + S tokens).
+        shard: data-parallel training, one rank traced: ``ddp``, ``fsdp``, ``zero1``, ``zero2``
+            or ``zero3`` (:data:`symcost.frontends.parallel.SHARDS`); the formulas gain the
+            symbol ``DP`` (the group size; ``sizes["DP"]``, default 8) and the step's
+            collectives (``Analysis.comm_bytes``). None: one device.
 
     Returns:
         An :class:`Analysis` (``pinned``, ``pin_reasons``, ``regime_ties``, ``request_facts``,
@@ -280,7 +285,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         SymcostError: bad model/config, sizes PyTorch rejects (the spec's constraints), an
             untraceable model, an inference step of a model without a KV cache.
     """
-    if use_cache and step is None and not isinstance(model, ModelSpec):
+    if use_cache and step is None and shard is None and not isinstance(model, ModelSpec):
         from symcost.graph.cache import cached_trace
 
         def fresh():
@@ -296,6 +301,12 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
     if step is not None:
         spec = spec.for_step(step, kv_cache)
+    if shard is not None:
+        if spec.step != "train":
+            raise SymcostError(f"--dp/--shard trace a training step, not an inference step ({spec.step})")
+        from symcost.frontends.parallel import data_parallel
+
+        spec = data_parallel(spec, shard)
     sizes = dict(sizes or {})
     if spec.step == "decode":
         sizes.setdefault("S", 1)  # one new token per sequence: S = 1 is pinned, its own regime
