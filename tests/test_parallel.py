@@ -88,7 +88,18 @@ def _run_rank(model: str, shard: str, values: dict, precision: str = "bf16-mixed
             else:
                 loss = spec.loss(m(*args, **kwargs), (args, kwargs))
             loss.backward()
-    return {"flops": fc.get_total_flops(), "saved": saved[0], "comm": comm, "shard": shard_numel}
+        # model states the rank holds after one AdamW step (PyTorch's own tensors: DTensor shards)
+        opt = torch.optim.AdamW(m.parameters(), foreach=False)
+        opt.step()
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        states = {
+            "params": sum(size(local(p)) for p in m.parameters()),
+            "grads": sum(size(local(p.grad)) for p in m.parameters()),
+            "optimizer_state": sum(size(local(t)) for st in opt.state.values() for k, t in st.items()
+                                   if k != "step"),
+        }
+    return {"flops": fc.get_total_flops(), "saved": saved[0], "comm": comm, "shard": shard_numel,
+            "states": states}
 
 
 def _draw(an, rng: random.Random, dp_values=(2, 3, 4, 8)) -> dict:
@@ -115,6 +126,12 @@ def _check_rank(model, shard, an, v):
         assert sympy.Rational(an.comm_bytes(kind).subs(env)) == sympy.Rational(want.numerator, want.denominator), \
             (v, kind)
     assert int(an.params_shard.subs(env)) == got["shard"], (v, "parameter shard")
+    if shard in ("fsdp", "zero3", "ddp"):  # engines whose model states PyTorch holds as traced
+        from symcost.passes.parallel import summary
+
+        mem = summary(an, "bf16-mixed", "adamw")["memory"]
+        for k, want in got["states"].items():
+            assert int(sympy.sympify(mem[k]).subs(env)) == want, (v, k)
 
 
 @pytest.mark.parametrize("shard", ["fsdp", "zero2", "ddp"])
@@ -155,3 +172,56 @@ def test_formulas_say_per_dp():
 def test_unknown_shard_is_one_line():
     with pytest.raises(SymcostError, match="unknown --shard 'zero4'; accepted: ddp, zero1"):
         symcost.trace("mlp", shard="zero4")
+
+
+def test_zero_paper_table1_model_states():
+    """Rajbhandari et al. 2020, Table 1: 7.5B parameters on 64 devices, mixed precision Adam
+    (K = 12: fp32 master weights and two moments; here bf16-true-fp32-master): 120 GB baseline,
+    31.4 GB ZeRO-1, 16.6 GB ZeRO-2, 1.88 GB ZeRO-3, from the per-rank formulas."""
+    from symcost.passes.parallel import model_state_bytes
+
+    psi, nd = 7_500_000_000, 64
+    table = {"ddp": 120, "zero1": 31.4, "zero2": 16.6, "zero3": 1.88, "fsdp": 1.88}
+    for shard, gb in table.items():
+        got = model_state_bytes(psi, nd, shard, "bf16-true-fp32-master", "adamw")["total"] / 1e9
+        assert round(float(got), 2 if gb < 2 else 1) == gb, (shard, got)
+    # and the formula of a traced FSDP rank is the paper's (2 + 2 + K)·Ψ/N_d in the trace's own P
+    an = _trace("mlp", "fsdp")
+    from symcost.passes.parallel import summary
+
+    total = summary(an, "bf16-true-fp32-master", "adamw")["memory"]["total"]
+    assert sympy.simplify(total - 16 * an.params / SYMS["DP"]) == 0
+
+
+def test_cli_report_dp_json():
+    """``report --dp N --shard S --json``: comm.* and per-rank memory, at the sizes asked for,
+    equal what PyTorch dispatches on rank 0 (the oracle above)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    rng = random.Random(7)
+    v = {"B": rng.randint(2, 5), "S": rng.randint(8, 40), "D": 4 * rng.randint(4, 30), "L": rng.randint(2, 4), "DP": 4}
+    args = ["report", "mlp", "--dp", "4", "--shard", "fsdp", "--json", "--set"] + [
+        f"{k}={x}" for k, x in v.items() if k != "DP"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])
+    got = _run_rank("mlp", "fsdp", v)
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        assert d["comm"][kind] == got["comm"][kind], kind
+    assert d["comm"]["total"] == sum(got["comm"].values())
+    assert d["parallel"]["dp"] == 4 and d["parallel"]["shard"] == "fsdp"
+    assert d["parallel"]["memory_per_rank"]["optimizer_state"] == got["states"]["optimizer_state"]
+    assert d["flops"]["train"] == got["flops"]
+
+
+def test_cli_shard_needs_dp():
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    r = CliRunner().invoke(main, ["report", "mlp", "--shard", "fsdp"])
+    assert r.exit_code == 2 and "--shard fsdp needs --dp N" in r.output

@@ -474,6 +474,45 @@ def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None =
     return res
 
 
+def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) -> dict:
+    """JSON of :func:`symcost.passes.parallel.summary`: ``comm`` {all_gather, reduce_scatter,
+    all_reduce, total} (bytes one rank sends, = receives, per step, ring algorithm) and
+    ``parallel`` {shard, dp, engine, sharded, memory_per_rank {params, grads, optimizer_state,
+    master, total, activations}} (formulas without sizes, integers with them)."""
+    env = an.bind(**sizes) if sizes is not None else None
+
+    def out(expr):
+        if env is None:
+            return fmt(expr)
+        v = sympy.sympify(expr).subs(env)
+        return int(v) if v.is_integer else float(v)
+
+    dp = env.get(SYMS["DP"], an.pinned.get("DP")) if env is not None else ("DP" if "DP" in an.symbols else an.pinned.get("DP"))
+    return {
+        "comm": {k: out(v) for k, v in summary["comm"].items()},
+        "parallel": {"shard": summary["shard"], "dp": dp, "engine": summary["engine"], "sharded": summary["label"],
+                     "memory_per_rank": {k: out(v) for k, v in summary["memory"].items()}},
+    }
+
+
+def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width: int | None = None) -> None:
+    """The data-parallel section of the report: the strategy, bytes over the links per rank and
+    the rank's model states."""
+    c = console(width)
+    js = parallel_json(an, sizes, summary)
+    par = js["parallel"]
+    c.print(f"\n[bold]data parallel[/bold]: --shard {par['shard']} on DP = {par['dp']} ranks; traced "
+            f"{par['engine']}; {par['sharded']}")
+    t = Table("per rank, per step", "formula", "value", box=None)
+    for k, v in summary["comm"].items():
+        val = js["comm"][k]
+        t.add_row(f"comm.{k} (sent = received)", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
+    for k, v in summary["memory"].items():
+        val = par["memory_per_rank"][k]
+        t.add_row(f"memory.{k}", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
+    c.print(t)
+
+
 def _slots(expr, env):
     """Slots per expert: the formula without sizes; an int at sizes, a float where N·R/E is
     fractional (the balanced average)."""

@@ -1,0 +1,110 @@
+"""Data-parallel training per rank: collective bytes and model-state memory of one rank
+(docs/parallel.md).
+
+The collectives come from the traced graph (``Analysis.comm_bytes``: every all-gather,
+reduce-scatter and all-reduce PyTorch's engine dispatched, ring bytes per rank). The model
+states (parameters, gradients, optimizer state, master weights) follow the precision policy
+(:mod:`symcost.passes.memory.policies`) and what the strategy shards: Rajbhandari et al. 2020,
+"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", section 5 and Table 1:
+with Ψ parameters, K bytes of optimizer state per parameter and N_d ranks, per rank
+
+* DDP (baseline): (2 + 2 + K)·Ψ
+* ZeRO-1 (P_os): 2Ψ + 2Ψ + K·Ψ/N_d
+* ZeRO-2 (P_os+g): 2Ψ + (2 + K)·Ψ/N_d
+* ZeRO-3 (P_os+g+p), FSDP: (2 + 2 + K)·Ψ/N_d
+
+here with the policy's bytes in place of 2, 2 and K (mixed precision with fp32 master weights
+and Adam, ``bf16-true-fp32-master``: 2, 2 and 4 + 4·2 = 12, the paper's numbers). For FSDP/ZeRO-3
+traced with ``fully_shard`` the elements a rank holds are the traced DTensor shards
+(``Analysis.params_shard``, P/DP where DP divides the sharded dims); ZeRO-1 and ZeRO-2 are
+memory policies (DeepSpeed partitions flat buffers evenly: P/DP).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+
+from symcost.errors import SymcostError
+from symcost.frontends.parallel import SHARDS, check_shard
+from symcost.graph.ops import COMM_KINDS
+from symcost.passes.memory.policies import OPTIMIZERS, policy as get_policy
+
+#: which model states each strategy shards over the DP ranks
+SHARDED: dict[str, tuple[str, ...]] = {
+    "ddp": (),
+    "zero1": ("optimizer_state", "master"),
+    "zero2": ("grads", "optimizer_state", "master"),
+    "zero3": ("params", "grads", "optimizer_state", "master"),
+    "fsdp": ("params", "grads", "optimizer_state", "master"),
+}
+
+
+def model_state_bytes(P, DP, shard: str, precision: str = "bf16-true-fp32-master",
+                      optimizer: str = "adamw", P_shard=None) -> dict[str, Any]:
+    """Bytes of model states one rank holds: ``params``, ``grads``, ``optimizer_state``,
+    ``master`` and ``total``.
+
+    Args:
+        P: parameter count (an int or a formula).
+        DP: data-parallel size (an int or the symbol DP).
+        shard: ``ddp``, ``zero1``, ``zero2``, ``zero3`` or ``fsdp``.
+        precision: a precision policy (bytes per element of weights, gradients, optimizer
+            state and master weights).
+        optimizer: a ``torch.optim``-style optimizer with full-shape state (Adam(W): 2 moments,
+            SGD with momentum: 1); the 4-byte step counters are left out.
+        P_shard: elements of a sharded tensor set on one rank (default P/DP; the traced FSDP2
+            shards for ``fsdp``/``zero3``).
+
+    Returns:
+        The four components and their ``total`` (ints or formulas in bytes). Formula:
+        Rajbhandari et al. 2020, section 5.1 and Table 1 (module docstring).
+
+    Raises:
+        SymcostError: an unknown strategy, policy or optimizer, or Adafactor (its factored
+            state is per tensor shape, not per parameter; not modelled per rank yet).
+    """
+    check_shard(shard)
+    pol = get_policy(precision)
+    if optimizer not in OPTIMIZERS:
+        raise SymcostError(f"unknown optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+    opt = OPTIMIZERS[optimizer]
+    if opt.factored:
+        raise SymcostError(f"--optimizer {optimizer}: the per-rank state of a factored optimizer is not "
+                           "modelled with --dp yet; use adamw, adam or sgd")
+    per = {"params": pol.param, "grads": pol.grad, "optimizer_state": pol.state * opt.full,
+           "master": pol.master}
+    share = P_shard if P_shard is not None else sympy.sympify(P) / DP
+    out = {k: b * (share if k in SHARDED[shard] else P) for k, b in per.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def summary(an, precision: str | None = None, optimizer: str = "adamw") -> dict[str, Any]:
+    """One rank of a data-parallel trace (``symcost.trace(..., shard=...)``): formulas in the
+    symbols and ``DP``.
+
+    Returns:
+        ``shard``, ``engine`` (what was traced) and ``label`` (what is sharded),
+        ``comm`` (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``total``: bytes each rank
+        sends, equal to those it receives, per step, ring algorithm), ``memory`` (per-rank
+        model states, :func:`model_state_bytes`, plus ``activations``: the bytes autograd saves
+        on the rank, from the trace).
+
+    Raises:
+        SymcostError: ``an`` is no data-parallel trace.
+    """
+    if an.parallel is None:
+        raise SymcostError("this trace is of one device; trace with --dp N (shard=...) for data parallelism")
+    shard = an.parallel
+    DP = sympy.Symbol("DP", positive=True, integer=True) if "DP" in an.symbols else an.pinned.get("DP", 1)
+    comm = {k: an.comm_bytes(k) for k in COMM_KINDS if k != "broadcast"}
+    comm["total"] = an.comm_bytes("total")
+    traced_shards = SHARDS[shard][0] == "fully_shard" and "params" in SHARDED[shard]
+    mem = model_state_bytes(an.params, DP, shard, precision or an.precision, optimizer,
+                            an.params_shard if traced_shards else None)
+    mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
+    engine, reshard, label = SHARDS[shard]
+    engine = {"replicate": "torch.distributed._composable.replicate_with_fsdp.replicate (DDP) per block",
+              "fully_shard": f"torch.distributed.fsdp.fully_shard(reshard_after_forward={reshard}) per block"}[engine]
+    return {"shard": shard, "engine": engine, "label": label, "comm": comm, "memory": mem}
