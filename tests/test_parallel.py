@@ -144,6 +144,30 @@ def test_mlp_rank_matches_pytorch(shard):
         _check_rank("mlp", shard, an, _draw(an, rng))
 
 
+@pytest.mark.parametrize("shard", ["fsdp", "zero2"])
+def test_padding_where_dp_does_not_divide(shard):
+    """A request where DP divides no parameter's first dimension (FSDP2 gives rank 0
+    ceil(d0/DP) rows and pads the last ranks) is traced with DP and D free, and the values at
+    the requested sizes (the pass's padding rule) equal what rank 0 holds and dispatches."""
+    from symcost.passes.parallel import summary
+
+    rng = random.Random(2020 + len(shard))
+    dp = rng.choice((3, 8))
+    v = {"B": rng.randint(2, 4), "S": rng.randint(3, 12), "D": dp * rng.randint(2, 6) + rng.randint(1, dp - 1),
+         "L": rng.randint(2, 4), "DP": dp}
+    an = symcost.trace("mlp", sizes={"DP": dp, "D": v["D"]}, precision="bf16-mixed", shard=shard)
+    assert {"D", "DP"} <= set(an.symbols) and not an.pinned, an.pin_reasons
+    got = _run_rank("mlp", shard, v)
+    vals = summary(an, "bf16-mixed", "adamw", v)["values"]
+    assert not vals["divisible"]
+    for kind, want in got["comm"].items():
+        assert vals["comm"][kind] == sympy.Rational(want.numerator, want.denominator), (v, kind)
+    if shard == "fsdp":  # (zero2's model states are DeepSpeed's policy, not FSDP2's shards)
+        assert vals["memory"]["params"] == got["states"]["params"]
+        assert vals["memory"]["optimizer_state"] == got["states"]["optimizer_state"]
+        assert vals["memory"]["grads"] == got["states"]["grads"]
+
+
 @pytest.mark.heavy
 def test_transformer_fsdp_rank_matches_pytorch():
     """cs336-lm under FSDP2 (attention, embedding and head in the root unit) at random sizes."""

@@ -33,7 +33,7 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
     if an.parallel is not None:  # --dp: per-rank model states and collectives (docs/parallel.md)
         from symcost.passes.parallel import summary
 
-        par = summary(an, precision, optimizer)
+        par = summary(an, precision, optimizer, sizes if sizes else None)
         if as_json:
             res = rep.to_json(an, sizes if sizes else None)
             res.update(rep.parallel_json(an, sizes if sizes else None, par))

@@ -32,6 +32,7 @@ Torch is imported only inside the functions that need it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping
 
 from symcost.errors import SymcostError
@@ -64,7 +65,7 @@ def data_parallel(spec, shard: str):
     """The :class:`~symcost.frontends.spec.ModelSpec` of ``spec`` trained data-parallel with
     ``shard`` over ``DP`` ranks: symbols + ``DP``, ``extra["parallel"] = shard``.
 
-    Probes (never requests) must have ``DP`` divide the first dimension of every parameter:
+    Probes (never requests) must have ``DP`` (and 4) divide the first dimension of every parameter:
     FSDP2 shards each parameter on dim 0 into ``ceil(d0/DP)`` rows and pads, so sizes are
     polynomial in ``DP`` only there (``probe_check``); the formulas then say ``/DP``, exact
     where DP divides the sharded dims (a request that does not is padded by at most
@@ -104,8 +105,11 @@ def _indivisible(spec, values: Mapping[str, int]) -> str | None:
         with torch.device("meta"):
             model = spec.build({k: v for k, v in values.items() if k != "DP"})
         dp = values["DP"]
-        bad = [n for n, p in model.named_parameters() if p.dim() and p.shape[0] % dp]
-        _DIV_CACHE[key] = f"DP={dp} does not divide dim 0 of {bad[0]}" if bad else None
+        # a multiple of lcm(DP, 4): then DP = 2 and 4 both divide the base probe's dimensions, so
+        # DP can vary alone from it (fit.plan_probes)
+        m = math.lcm(dp, 4)
+        bad = [n for n, p in model.named_parameters() if p.dim() and p.shape[0] % m]
+        _DIV_CACHE[key] = f"dim 0 of {bad[0]} is no multiple of lcm(DP={dp}, 4)" if bad else None
     return _DIV_CACHE[key]
 
 

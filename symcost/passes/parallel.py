@@ -21,7 +21,8 @@ memory policies (DeepSpeed partitions flat buffers evenly: P/DP).
 """
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Mapping
 
 import sympy
 
@@ -29,6 +30,7 @@ from symcost.errors import SymcostError
 from symcost.frontends.parallel import SHARDS, check_shard
 from symcost.graph.ops import COMM_KINDS
 from symcost.passes.memory.policies import OPTIMIZERS, policy as get_policy
+from symcost.tracing.fit import SYMS
 
 #: which model states each strategy shards over the DP ranks
 SHARDED: dict[str, tuple[str, ...]] = {
@@ -80,7 +82,63 @@ def model_state_bytes(P, DP, shard: str, precision: str = "bf16-true-fp32-master
     return out
 
 
-def summary(an, precision: str | None = None, optimizer: str = "adamw") -> dict[str, Any]:
+def _units(an) -> list[str]:
+    """The FSDP2 units of a ``fully_shard`` trace (folded module names; ``""`` the root), longest
+    first: the modules its all-gathers and reduce-scatters belong to."""
+    return sorted({op.module for op in an.ops if op.comm is not None and op.comm[0] in ("all_gather", "reduce_scatter")},
+                  key=len, reverse=True)
+
+
+def _owner(name: str, units: list[str]) -> str | None:
+    return next((u for u in units if u == "" or name.startswith(u + ".")), None)
+
+
+def padded(an, env: Mapping) -> dict[str, Any]:
+    """Exact per-rank values at concrete sizes ``env`` (symbol -> int) with FSDP2's padding:
+    ``fully_shard`` gives every rank ``ceil(d0/DP)`` rows of a parameter with ``d0`` rows
+    (``torch.chunk``, the last ranks padded; torch/distributed/fsdp/_fully_shard/_fsdp_param.py),
+    so a unit's all-gather and reduce-scatter move ``DP·Σ ceil(d0/DP)·rest`` elements, not the
+    ``Σ d0·rest`` of the fitted formulas (equal where DP divides every d0).
+
+    Returns:
+        ``params_shard`` (elements rank 0 holds) and ``comm`` {kind: bytes per rank, ring},
+        each a sympy Rational/Integer; for a ``replicate`` (DDP) trace, the formulas evaluated.
+    """
+    env = {SYMS[str(k)] if not isinstance(k, sympy.Symbol) else k: v for k, v in env.items()}
+    dp = env.get(SYMS["DP"], an.pinned.get("DP", 1))
+    comm = {k: sympy.Integer(0) for k in COMM_KINDS if k != "broadcast"}
+    if SHARDS[an.parallel][0] != "fully_shard":
+        for k in comm:
+            comm[k] = sympy.sympify(an.comm_bytes(k)).xreplace(env)
+        return {"params_shard": sympy.sympify(an.params_shard).xreplace(env), "comm": comm}
+    units = _units(an)
+    whole: dict[str, Any] = {u: 0 for u in units}
+    pad: dict[str, Any] = {u: 0 for u in units}
+    shard = 0
+    for name, (shape, _, rep) in an.param_shapes.items():
+        dims = [int(sympy.sympify(d).xreplace(env)) for d in shape]
+        r = int(sympy.sympify(rep).xreplace(env))
+        rest = math.prod(dims[1:])
+        rows = -(-dims[0] // dp) if dims else 1
+        u = _owner(name, units)
+        if u is not None:
+            whole[u] += r * math.prod(dims)
+            pad[u] += r * dp * rows * rest
+        shard += r * rows * rest
+    for op in an.ops:
+        if op.comm is None or op.comm[0] not in comm:
+            continue
+        n = int(sympy.sympify(op.repeat).xreplace(env))
+        val = sympy.sympify(op.comm[2]).xreplace(env)
+        u = op.module if op.module in whole else None
+        if u is not None and whole[u]:  # every unit a folded op stands for pads alike
+            val = val * sympy.Rational(pad[u], whole[u])
+        comm[op.comm[0]] += n * val
+    return {"params_shard": sympy.Integer(shard), "comm": comm}
+
+
+def summary(an, precision: str | None = None, optimizer: str = "adamw",
+            sizes: Mapping[str, int] | None = None) -> dict[str, Any]:
     """One rank of a data-parallel trace (``symcost.trace(..., shard=...)``): formulas in the
     symbols and ``DP``.
 
@@ -89,7 +147,8 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw") -> dict[
         ``comm`` (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``total``: bytes each rank
         sends, equal to those it receives, per step, ring algorithm), ``memory`` (per-rank
         model states, :func:`model_state_bytes`, plus ``activations``: the bytes autograd saves
-        on the rank, from the trace).
+        on the rank, from the trace); with ``sizes``, also ``values``: the same at those sizes,
+        exact with FSDP2's padding (:func:`padded`) where DP does not divide a dimension.
 
     Raises:
         SymcostError: ``an`` is no data-parallel trace.
@@ -107,4 +166,19 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw") -> dict[
     engine, reshard, label = SHARDS[shard]
     engine = {"replicate": "torch.distributed._composable.replicate_with_fsdp.replicate (DDP) per block",
               "fully_shard": f"torch.distributed.fsdp.fully_shard(reshard_after_forward={reshard}) per block"}[engine]
-    return {"shard": shard, "engine": engine, "label": label, "comm": comm, "memory": mem}
+    out = {"shard": shard, "engine": engine, "label": label, "comm": comm, "memory": mem}
+    if sizes is not None:
+        env = an.bind(**sizes)
+        ev = padded(an, env)
+        vcomm = dict(ev["comm"])
+        vcomm["total"] = sum(vcomm.values())
+        dp = env.get(SYMS["DP"], an.pinned.get("DP", 1))
+        P = int(sympy.sympify(an.params).xreplace(env))
+        # DeepSpeed's ZeRO-1/2 partitions pad the flat buffer to a multiple of DP: ceil(P/DP) each
+        share = ev["params_shard"] if traced_shards else -(-P // dp)
+        vmem = model_state_bytes(P, dp, shard, precision or an.precision, optimizer, share)
+        vmem["activations"] = mem["activations"].xreplace(env)
+        fsdp_sharded = SHARDS[shard][0] == "fully_shard"
+        out["values"] = {"comm": vcomm, "memory": vmem, "dp": dp,
+                         "divisible": (ev["params_shard"] if fsdp_sharded else share) * dp == P}
+    return out

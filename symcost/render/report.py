@@ -478,20 +478,27 @@ def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) 
     """JSON of :func:`symcost.passes.parallel.summary`: ``comm`` {all_gather, reduce_scatter,
     all_reduce, total} (bytes one rank sends, = receives, per step, ring algorithm) and
     ``parallel`` {shard, dp, engine, sharded, memory_per_rank {params, grads, optimizer_state,
-    master, total, activations}} (formulas without sizes, integers with them)."""
-    env = an.bind(**sizes) if sizes is not None else None
+    master, total, activations}} (formulas without sizes; with sizes the pass's exact values,
+    FSDP2's padding included, and ``divisible``: whether DP divides every sharded dimension, i.e.
+    whether the formulas hold there as they are)."""
+    vals = summary.get("values") if sizes is not None else None
 
-    def out(expr):
-        if env is None:
-            return fmt(expr)
-        v = sympy.sympify(expr).subs(env)
+    def num(v):
+        v = sympy.sympify(v)
         return int(v) if v.is_integer else float(v)
 
-    dp = env.get(SYMS["DP"], an.pinned.get("DP")) if env is not None else ("DP" if "DP" in an.symbols else an.pinned.get("DP"))
+    if vals is None:
+        return {
+            "comm": {k: fmt(v) for k, v in summary["comm"].items()},
+            "parallel": {"shard": summary["shard"], "dp": "DP" if "DP" in an.symbols else an.pinned.get("DP"),
+                         "engine": summary["engine"], "sharded": summary["label"],
+                         "memory_per_rank": {k: fmt(v) for k, v in summary["memory"].items()}},
+        }
     return {
-        "comm": {k: out(v) for k, v in summary["comm"].items()},
-        "parallel": {"shard": summary["shard"], "dp": dp, "engine": summary["engine"], "sharded": summary["label"],
-                     "memory_per_rank": {k: out(v) for k, v in summary["memory"].items()}},
+        "comm": {k: num(v) for k, v in vals["comm"].items()},
+        "parallel": {"shard": summary["shard"], "dp": int(vals["dp"]), "engine": summary["engine"],
+                     "sharded": summary["label"], "divisible": bool(vals["divisible"]),
+                     "memory_per_rank": {k: num(v) for k, v in vals["memory"].items()}},
     }
 
 
@@ -503,6 +510,9 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
     par = js["parallel"]
     c.print(f"\n[bold]data parallel[/bold]: --shard {par['shard']} on DP = {par['dp']} ranks; traced "
             f"{par['engine']}; {par['sharded']}")
+    if par.get("divisible") is False:
+        c.print("DP does not divide every sharded dimension here: the values include the padding of the "
+                "shards (FSDP2: ceil(d0/DP) rows per rank), the formulas do not (docs/parallel.md)")
     t = Table("per rank, per step", "formula", "value", box=None)
     for k, v in summary["comm"].items():
         val = js["comm"][k]
