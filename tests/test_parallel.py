@@ -41,11 +41,14 @@ def _run_rank(model: str, shard: str, values: dict, precision: str = "bf16-mixed
     from symcost.frontends.models import resolve
     from symcost.frontends.parallel import fake_group, wrap
 
+    from symcost.tracing.record import find_layer_container
+
     spec = resolve(model)
     n = values["DP"]
     with torch.device("meta"):
         m = spec.build(values)
-    wrap(m, spec.layers, shard, fake_group(n))
+    layers = spec.layers if spec.layers is not None else find_layer_container(spec, m, values)
+    wrap(m, layers, shard, fake_group(n))
     comm = {"all_gather": Fraction(0), "reduce_scatter": Fraction(0), "all_reduce": Fraction(0)}
 
     def size(t):
@@ -280,3 +283,33 @@ def test_real_gloo_ranks_match(shard, tmp_path):
         assert int(an.params_shard.subs(env_s)) == got["shard"]
         for kind, (num, den) in got["comm"].items():
             assert sympy.Rational(an.comm_bytes(kind).subs(env_s)) == sympy.Rational(num, den), (rank, kind)
+
+
+def test_fit_of_a_buffer_packing_parameters():
+    """FSDP2 all-gathers a block's parameters in one buffer whose size sums many monomials
+    (Llama: 2·H²D² + 2·H·K·D² + 3·F·H·D + 2·H·D), more than the sparse search tries: it is
+    fitted as a combination of the parameters' sizes (Fitter.hints), exactly, and refused when
+    no such combination reproduces the probes (the sparse search alone refuses the block: it is
+    what pinned H, D, F and K of hf:llama under --dp before)."""
+    from symcost.tracing.fit import Fitter, FitError, ProbePlan
+
+    rng = random.Random(3)
+    syms = ("H", "D", "F", "K", "DP")
+    base = {"H": 6, "D": 8, "F": 40, "K": 2, "DP": 2}
+    points = [base] + [dict(base, **{s: base[s] + 2}) for s in syms]
+    points += [{s: rng.randint(2, 40) for s in syms} for _ in range(12)]
+    plan = ProbePlan(syms, points, {s: i + 1 for i, s in enumerate(syms)})
+    H, D, F, K, DP = (SYMS[s] for s in syms)
+    block = 2 * H**2 * D**2 + 2 * H * K * D**2 + 3 * F * H * D + 2 * H * D
+    hints = [H * D * H * D, K * D * H * D, F * H * D, H * D]
+    for p in points:  # DP divides the block at every probe (as the probes are drawn)
+        p["H"] = p["DP"] * (1 + p["H"] // p["DP"])
+    for want in (block, block / DP):
+        sig = tuple(int(want.subs({SYMS[s]: p[s] for s in syms})) for p in points)
+        f = Fitter(plan)
+        f.hints = hints
+        assert sympy.expand(f(sig) - want) == 0
+    f = Fitter(plan)
+    f.hints = hints
+    with pytest.raises(FitError):
+        f(tuple(int(block.subs({SYMS[s]: p[s] for s in syms})) + p["H"] ** 3 for p in points))

@@ -464,6 +464,9 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         sym = tuple(fitter(tuple(r.params[name][0][d] for r in recs), f"size of {name}") for d in range(len(shape)))
         param_shapes[fname] = (sym, dtype, repeat)
         folded_name[name] = fname
+    # a buffer packing parameters (FSDP2's all-gather buffer of a block) is a sum of their sizes
+    fitter.hints = sorted({sympy.expand(sympy.Mul(*sh)) for sh, _, _ in param_shapes.values()}
+                          - {sympy.Integer(1)}, key=sympy.default_sort_key)
     # data-parallel: each parameter's shard on one rank (FSDP2: dim 0 split over DP ranks)
     param_shards: dict[str, tuple] = {}
     for name, shape in ref.param_shards.items():

@@ -384,6 +384,9 @@ class Fitter:
         self.X = {s: np.array([p[s] for p in plan.points], dtype=np.float64) for s in syms}
         self.Xi = {s: [Fraction(p[s]) for p in plan.points] for s in syms}
         self.distinct = {s: len(set(self.Xi[s])) for s in syms}
+        #: sizes a signature may combine where the sparse search fails (build.py sets the
+        #: parameters' sizes: buffers that pack parameters)
+        self.hints: list[sympy.Expr] = []
 
     def __call__(self, sig: tuple[int, ...], what: str = "size") -> sympy.Expr:
         if sig not in self.cache:
@@ -412,6 +415,12 @@ class Fitter:
                     continue
                 if SYMS["DP"] not in inner.free_symbols:
                     return sympy.expand(inner * SYMS["DP"] ** e)
+        if "DP" in self.plan.symbols and len(deps) > 2:
+            # a data-parallel trace packs parameters into buffers: try their sizes first (the
+            # sparse search below takes seconds per signature before it gives up on such a sum)
+            hinted = self._fit_hints(sig)
+            if hinted is not None:
+                return hinted
         y = np.array(sig, dtype=np.float64)
         n = len(sig)
         for exps in EXPONENT_STAGES:
@@ -444,6 +453,9 @@ class Fitter:
                             * sympy.Mul(*[SYMS[s] ** e for s, e in m.items() if e])
                             for c, m in terms
                         ])
+        hinted = self._fit_hints(sig)
+        if hinted is not None:
+            return hinted
         pts = ", ".join(
             f"{{{', '.join(f'{s}={p[s]}' for s in self.plan.symbols)}}}->{v}"
             for p, v in list(zip(self.plan.points, sig))[:4]
@@ -452,6 +464,41 @@ class Fitter:
             f"a {what} cannot be expressed as a (Laurent) polynomial in {', '.join(self.plan.symbols)} "
             f"(probes: {pts}, ...); symcost will not guess it", deps
         )
+
+    def _fit_hints(self, sig: tuple[int, ...]):
+        """``sig`` as a rational combination of :attr:`hints` (and each hint / DP where DP is a
+        symbol), or None: a buffer that packs several parameters (FSDP2's all-gather buffer of a
+        block) has a size that sums many monomials, more than the sparse search tries, but few
+        parameter sizes. Accepted, as every fit, only if it reproduces every probe exactly with
+        two to spare."""
+        if not self.hints:
+            return None
+        variants = [list(self.hints)]
+        if "DP" in self.plan.symbols:  # shards, then whole and shards mixed
+            variants += [[h / SYMS["DP"] for h in self.hints], list(self.hints) + [h / SYMS["DP"] for h in self.hints]]
+        for exprs in variants:
+            got = self._fit_combination(sig, exprs)
+            if got is not None:
+                return got
+        return None
+
+    def _fit_combination(self, sig: tuple[int, ...], exprs: list):
+        syms = [SYMS[s] for s in self.plan.symbols]
+        fns = [sympy.lambdify(syms, e, "math") for e in exprs]
+        rows = [[p[s] for s in self.plan.symbols] for p in self.plan.points]
+        cols = [np.array([float(f(*r)) for r in rows]) for f in fns]
+        n = len(sig)
+        if n - len(cols) < 2:
+            return None
+        A = np.stack(cols, axis=1)
+        coef, *_ = np.linalg.lstsq(A, np.array(sig, dtype=np.float64), rcond=None)
+        fr = [Fraction(c).limit_denominator(720) for c in coef]
+        expr = sympy.Add(*[sympy.Rational(c.numerator, c.denominator) * e for c, e in zip(fr, exprs) if c != 0])
+        for r, v in zip(rows, sig):
+            got = sympy.nsimplify(expr.subs(dict(zip(syms, r))))
+            if got != v:
+                return None
+        return sympy.expand(expr)
 
     def _column(self, mono: dict[str, int]) -> np.ndarray:
         col = np.ones(len(self.plan.points))
