@@ -255,8 +255,8 @@ def test_cli_shard_needs_dp():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("shard,nproc", [("fsdp", 2), ("ddp", 2), ("zero2", 4)])
-def test_real_gloo_ranks_match(shard, nproc, tmp_path):
+@pytest.mark.parametrize("shards,nproc", [("fsdp,ddp", 2), ("zero2", 4)])
+def test_real_gloo_ranks_match(shards, nproc, tmp_path):
     """``torchrun --nproc-per-node 2`` (and 4) with gloo on this CPU, real tensors
     (tests/data/dp_rank.py): every rank's FLOPs (FlopCounterMode), saved bytes, parameter
     shard and collective bytes (FSDP2: seen at dispatch; classic C++ DDP: its gradient buckets
@@ -269,27 +269,28 @@ def test_real_gloo_ranks_match(shard, nproc, tmp_path):
 
     from symcost.passes.parallel import padded
 
-    rng = random.Random({"fsdp": 1, "zero2": 2, "ddp": 3}[shard])
+    rng = random.Random(nproc)
     v = {"D": 2 * rng.randint(4, 24) + (nproc > 2), "L": rng.randint(2, 4), "B": rng.randint(2, 4),
          "S": rng.randint(3, 12), "DP": nproc}
     script = os.path.join(os.path.dirname(__file__), "data", "dp_rank.py")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                        script, str(tmp_path), shard] + [str(v[k]) for k in ("D", "L", "B", "S")],
+                        script, str(tmp_path), shards] + [str(v[k]) for k in ("D", "L", "B", "S")],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    an = _trace("mlp", shard)
     env_s = {SYMS[k]: x for k, x in v.items()}
-    exact = padded(an, env_s)
-    for rank in range(nproc):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert got["world"] == nproc
-        assert int(an.flops("train").subs(env_s)) == got["flops"]
-        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env_s)) == got["saved"]
-        if rank == 0:  # (the last ranks hold fewer rows where DP does not divide)
-            assert exact["params_shard"] == got["shard"]
-        for kind, (num, den) in got["comm"].items():
-            assert exact["comm"][kind] == sympy.Rational(num, den), (rank, kind)
+    for shard in shards.split(","):
+        an = _trace("mlp", shard)
+        exact = padded(an, env_s)
+        for rank in range(nproc):
+            got = json.loads((tmp_path / f"{shard}-rank{rank}.json").read_text())
+            assert got["world"] == nproc
+            assert int(an.flops("train").subs(env_s)) == got["flops"], (shard, rank)
+            assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env_s)) == got["saved"], (shard, rank)
+            if rank == 0:  # (the last ranks hold fewer rows where DP does not divide)
+                assert exact["params_shard"] == got["shard"], shard
+            for kind, (num, den) in got["comm"].items():
+                assert exact["comm"][kind] == sympy.Rational(num, den), (shard, rank, kind)
 
 
 def test_fit_of_a_buffer_packing_parameters():
