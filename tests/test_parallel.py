@@ -321,3 +321,32 @@ def test_fit_of_a_buffer_packing_parameters():
     f.hints = hints
     with pytest.raises(FitError):
         f(tuple(int(block.subs({SYMS[s]: p[s] for s in syms})) + p["H"] ** 3 for p in points))
+
+
+def test_step_time_over_the_interconnect():
+    """Step time per rank: communication = the bytes PyTorch dispatches (ring factors, the oracle
+    above) over the catalogue's per-direction link bandwidth (NVLink within a node, the NIC per
+    GPU across nodes, as nccl-tests' bus bandwidth is defined); the overlap models compose
+    compute and communication as docs/parallel.md states (hand count)."""
+    from symcost.hardware.devices import get_device
+    from symcost.passes.parallel import step_time
+
+    an = _trace("mlp", "fsdp")
+    dev = get_device("h100-sxm")
+    rng = random.Random(99)
+    for dp, link in ((8, dev.interconnect["link_bandwidth"]), (16, dev.interconnect["network_bandwidth"])):
+        v = {"B": rng.randint(2, 8), "S": rng.randint(16, 256), "D": 16 * rng.randint(2, 8), "L": rng.randint(2, 4), "DP": dp}
+        got = _run_rank("mlp", "fsdp", v)
+        steps = {ov: step_time(an, dev, v, ov) for ov in ("none", "backward", "full")}
+        s = steps["none"]
+        assert s["link_bandwidth"] == link and s["nodes"] == -(-dp // 8)
+        assert sum(s["comm"].values()) == pytest.approx(float(sum(got["comm"].values())) / link, rel=1e-12)
+        f, b, cf, cb = s["compute"]["forward"], s["compute"]["backward"], s["comm"]["forward"], s["comm"]["backward"]
+        assert cb > 0 and cf > 0  # FSDP2: all-gathers in the forward, all-gathers + reduce-scatters in the backward
+        assert s["step_seconds"] == pytest.approx(f + b + cf + cb)
+        assert steps["backward"]["step_seconds"] == pytest.approx(f + cf + max(b, cb))
+        assert steps["full"]["step_seconds"] == pytest.approx(max(f + b, cf + cb))
+    with pytest.raises(SymcostError, match="do not hold DP = 16"):
+        step_time(an, dev, {"DP": 16}, "none", nodes=1)
+    with pytest.raises(SymcostError, match="lists no interconnect"):
+        step_time(an, get_device("tpu-v4"), {"DP": 8})

@@ -142,6 +142,18 @@ def parallel_options(f):
                      help="data-parallel strategy with --dp: ddp (default), fsdp = zero3 (FSDP2 "
                           "reshard_after_forward=True), zero2 (reshard_after_forward=False; DeepSpeed "
                           "ZeRO-2 model states), zero1 (DDP trace; ZeRO-1 model states)")(f)
+    f = click.option("--overlap", type=click.Choice(["none", "backward", "full"]), default="backward",
+                     show_default=True, expose_value=False, callback=_keep_parallel("symcost.overlap"),
+                     help="with --dp and --gpu: communication hidden under compute (docs/parallel.md)")(f)
+    f = click.option("--devices-per-node", type=click.IntRange(min=1), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.devices_per_node"),
+                     help="with --dp and --gpu: devices on the scale-up link [default: the catalogue's]")(f)
+    f = click.option("--nodes", type=click.IntRange(min=1), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.nodes"),
+                     help="with --dp and --gpu: nodes the DP ranks span [default: as few as hold them]")(f)
+    f = click.option("--gpu", default=None, expose_value=False, callback=_keep_parallel("symcost.gpu"),
+                     metavar="NAME", help="with --dp: step time per rank on this catalogue device "
+                                          "(roofline compute + exposed communication over its interconnect)")(f)
     f = click.option("--dp", type=click.IntRange(min=1), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.dp"), metavar="N",
                      help="data-parallel size: trace one rank of N (the formulas gain the symbol DP)")(f)
@@ -158,6 +170,9 @@ def parallel_request(ctx) -> tuple[int | None, str | None]:
     dp, shard = meta.get("symcost.dp"), meta.get("symcost.shard")
     if shard is not None and dp is None:
         raise SymcostError(f"--shard {shard} needs --dp N (the data-parallel size)")
+    for key, flag in (("symcost.gpu", "--gpu"), ("symcost.nodes", "--nodes"), ("symcost.devices_per_node", "--devices-per-node")):
+        if dp is None and meta.get(key) is not None:
+            raise SymcostError(f"{flag} needs --dp N (the data-parallel size)")
     return (dp, shard or "ddp") if dp is not None else (None, None)
 
 

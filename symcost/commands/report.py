@@ -34,13 +34,23 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
         from symcost.passes.parallel import summary
 
         par = summary(an, precision, optimizer, sizes if sizes else None)
+        meta = click.get_current_context().find_root().meta
+        step = None
+        if meta.get("symcost.gpu"):
+            from symcost.hardware.devices import get_device
+            from symcost.passes.parallel import step_time
+
+            step = step_time(an, get_device(meta["symcost.gpu"]), sizes, meta.get("symcost.overlap", "backward"),
+                             meta.get("symcost.nodes"), meta.get("symcost.devices_per_node"))
         if as_json:
             res = rep.to_json(an, sizes if sizes else None)
             res.update(rep.parallel_json(an, sizes if sizes else None, par))
+            if step is not None:
+                res["parallel"]["step"] = step
             click.echo(json.dumps(res, indent=1))
         else:
             rep.render(an, sizes)
-            rep.render_parallel(an, sizes, par)
+            rep.render_parallel(an, sizes, par, step=step)
         return
     mem = rep.memory_section(an, sizes, memory, precision, optimizer, device=device)
     if as_json:

@@ -182,3 +182,91 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         out["values"] = {"comm": vcomm, "memory": vmem, "dp": dp,
                          "divisible": (ev["params_shard"] if fsdp_sharded else share) * dp == P}
     return out
+
+
+#: how much communication hides under compute (docs/parallel.md, "Step time")
+OVERLAPS = {
+    "none": "collectives run after one another with compute (nothing hidden)",
+    "backward": "the backward's collectives (gradient reduce-scatter / all-reduce, FSDP2's backward "
+                "all-gathers, issued ahead by its prefetch) hide under the backward compute; the "
+                "forward's all-gathers are exposed",
+    "full": "every collective hides under compute (the step is the longer of the two)",
+}
+
+
+def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str = "backward",
+              nodes: int | None = None, devices_per_node: int | None = None, fused: bool = True) -> dict[str, Any]:
+    """One rank's step time on ``device``: the roofline's compute (per phase,
+    :func:`symcost.passes.roofline.roofline`) plus the communication the ``overlap`` model does
+    not hide, and the rank's MFU.
+
+    Communication time is a phase's bytes per rank (:func:`padded`: ring algorithm, FSDP2's
+    padding included) over the per-direction bandwidth of the slowest link the ring crosses:
+    the scale-up link (NVLink) when the DP ranks fit in one node, else the per-device network
+    (a ring over nodes passes every node boundary through one NIC per device; nccl-tests' bus
+    bandwidth is measured against exactly this figure).
+
+    Args:
+        an: a data-parallel trace.
+        device: a :class:`~symcost.hardware.devices.Device` with an ``interconnect`` table.
+        sizes: symbol values (DP among them).
+        overlap: ``none``, ``backward`` or ``full`` (:data:`OVERLAPS`).
+        nodes, devices_per_node: the cluster (default: DP ranks on as few nodes of the device's
+            ``devices_per_node`` as hold them).
+        fused: the roofline's fused bytes (a compiled step) or not.
+
+    Returns:
+        ``compute`` {forward, backward}, ``comm`` {forward, backward} (seconds), ``bytes``
+        {forward, backward}, ``link``, ``link_bandwidth``, ``nodes``, ``overlap``, ``step_seconds``,
+        ``exposed_comm_seconds`` and ``mfu`` (model FLOPs / (step time × peak)).
+
+    Raises:
+        SymcostError: not a data-parallel trace, an unknown overlap, a device without an
+            interconnect, a cluster that does not hold DP ranks.
+    """
+    from symcost.passes.roofline import roofline, training_precision
+
+    if an.parallel is None:
+        raise SymcostError("step time over links needs a data-parallel trace (--dp N)")
+    if overlap not in OVERLAPS:
+        raise SymcostError(f"unknown --overlap {overlap!r}; accepted: {', '.join(OVERLAPS)}")
+    ic = device.interconnect
+    if not ic.get("link_bandwidth"):
+        raise SymcostError(f"{device.key} lists no interconnect; add an [{device.key}.interconnect] table "
+                           "(link_bandwidth, devices_per_node, network_bandwidth) with --devices-file")
+    env = an.bind(**(sizes or {}))
+    dp = int(env.get(SYMS["DP"], an.pinned.get("DP", 1)))
+    per_node = devices_per_node or ic.get("devices_per_node") or dp
+    nodes = nodes or -(-dp // per_node)
+    if nodes * per_node < dp:
+        raise SymcostError(f"{nodes} node(s) of {per_node} devices do not hold DP = {dp} ranks")
+    if nodes > 1 and not ic.get("network_bandwidth"):
+        raise SymcostError(f"{device.key} lists no network_bandwidth for a ring over {nodes} nodes")
+    if nodes > 1:
+        link, bw = ic.get("network", "network"), ic["network_bandwidth"]
+    else:
+        link, bw = ic.get("link", "link"), ic["link_bandwidth"]
+    r = roofline(an, device, {str(k): v for k, v in env.items()}, fused=fused)
+    compute = {ph: r["per_phase"].get(ph, {}).get("seconds", 0.0) for ph in ("forward", "backward")}
+    exact = padded(an, env)
+    whole = {k: sympy.sympify(an.comm_bytes(k)).xreplace(env) for k in exact["comm"]}
+    nbytes = {}
+    for ph in ("forward", "backward"):
+        tot = 0
+        for k in exact["comm"]:  # each kind's padded total, split over the phases as the formulas split it
+            part = sympy.sympify(an.comm_bytes(k, ph)).xreplace(env)
+            tot += part * (exact["comm"][k] / whole[k]) if whole[k] else 0
+        nbytes[ph] = float(tot)
+    comm = {ph: b / bw for ph, b in nbytes.items()}
+    if overlap == "none":
+        step = sum(compute.values()) + sum(comm.values())
+    elif overlap == "backward":
+        step = compute["forward"] + comm["forward"] + max(compute["backward"], comm["backward"])
+    else:
+        step = max(sum(compute.values()), sum(comm.values()))
+    peak, _ = device.peak_for(training_precision(an))
+    model_flops = r["model_flops"]
+    return {"compute": compute, "comm": comm, "bytes": nbytes, "link": link, "link_bandwidth": bw,
+            "nodes": nodes, "devices_per_node": per_node, "overlap": overlap, "overlap_model": OVERLAPS[overlap],
+            "step_seconds": step, "exposed_comm_seconds": step - sum(compute.values()),
+            "mfu": model_flops / (step * peak) if step else 0.0, "source": ic.get("source", "")}

@@ -502,7 +502,8 @@ def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) 
     }
 
 
-def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width: int | None = None) -> None:
+def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width: int | None = None,
+                    step: dict | None = None) -> None:
     """The data-parallel section of the report: the strategy, bytes over the links per rank and
     the rank's model states."""
     c = console(width)
@@ -521,6 +522,12 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
         val = par["memory_per_rank"][k]
         t.add_row(f"memory.{k}", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
     c.print(t)
+    if step is not None:
+        c.print(f"step time per rank: {step['step_seconds'] * 1e3:.3f} ms (compute {step['compute']['forward'] * 1e3:.3f} "
+                f"+ {step['compute']['backward'] * 1e3:.3f} ms, communication {step['comm']['forward'] * 1e3:.3f} + "
+                f"{step['comm']['backward'] * 1e3:.3f} ms over {step['link']} at {step['link_bandwidth'] / 1e9:.0f} GB/s "
+                f"per direction, {step['nodes']} node(s); overlap {step['overlap']}: {step['overlap_model']}); "
+                f"MFU {100 * step['mfu']:.1f}%")
 
 
 def _slots(expr, env):
