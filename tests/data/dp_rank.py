@@ -95,4 +95,5 @@ def run(shard):
 
 for shard in shards:
     run(shard)
+    dist.barrier()  # every rank done with this engine's collectives before the next (or teardown)
 dist.destroy_process_group()
