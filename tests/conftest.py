@@ -10,8 +10,13 @@ import pytest
 
 import symcost
 
-# The CLI caches traces on disk (symcost.graph.cache): the tests use a fresh folder of their own.
+# The CLI caches traces on disk (symcost.graph.cache): the tests use a fresh folder of their own
+# (one per process: pytest-xdist's workers do not share one).
 os.environ["SYMCOST_CACHE_DIR"] = tempfile.mkdtemp(prefix="symcost-test-cache-")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one intra-op thread each
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -205,7 +205,8 @@ def spec():
 def test_cli_json_params_embedding_and_attention_count(tmp_path):
     """formulas --json and eval --json carry params_embedding / params_nonembedding and say which
     attention count they used; --attention-flops causal changes only the fused attention kernel
-    (CPU flash: forward 4·B·H·S²·D -> 2·B·H·D·S·(S+1); backward 10·B·H·S²·D -> 5·B·H·D·S·(S+1))."""
+    (CPU flash: forward 4·B·H·S²·D -> 2·B·H·D·S·(S+1); backward, model FLOPs 8·B·H·S²·D ->
+    4·B·H·D·S·(S+1), hardware FLOPs 10·B·H·S²·D -> 5·B·H·D·S·(S+1))."""
     path = tmp_path / "causal_lm.py"
     path.write_text(textwrap.dedent(CAUSAL_LM))
     model = f"{path}:spec"
@@ -229,8 +230,12 @@ def test_cli_json_params_embedding_and_attention_count(tmp_path):
     assert full["params_nonembedding"] == 0
     b, s, h, d = v["B"], v["S"], v["H"], v["D"]
     assert full["flops"]["forward"] - causal["flops"]["forward"] == 4 * b * h * s * s * d - 2 * b * h * d * s * (s + 1)
-    assert full["flops"]["backward"] - causal["flops"]["backward"] == 10 * b * h * s * s * d - 5 * b * h * d * s * (s + 1)
+    # model FLOPs of the fused backward: the four gradient products (dP, dV, dQ, dK), 8·B·H·S²·D;
+    # hardware FLOPs add the scores it recomputes, 10·B·H·S²·D (FlopCounterMode's count)
+    assert full["flops"]["backward"] - causal["flops"]["backward"] == 8 * b * h * s * s * d - 4 * b * h * d * s * (s + 1)
+    assert (full["flops_hw"]["backward"] - causal["flops_hw"]["backward"]
+            == 10 * b * h * s * s * d - 5 * b * h * d * s * (s + 1))
     assert full["bytes"] == causal["bytes"] and full["params"] == causal["params"]
-    assert causal["attention_flops"] == 7 * b * h * d * s * (s + 1)
+    assert causal["attention_flops"] == 6 * b * h * d * s * (s + 1)
     bad = runner.invoke(main, ["eval", model, "--attention-flops", "half"])
     assert bad.exit_code == 2 and "half" in bad.output

@@ -50,6 +50,7 @@ def test_compiled_branches_switch_transformers_sdpa():
 
 
 @pytest.mark.heavy
+@pytest.mark.timing
 def test_quick_sweep_on_this_cpu():
     """Calibrate, then compile and time the CI-sized sweep and the training steps of mlp and
     cs336-lm. Always: every kernel measured, none faster than its predicted bound by more than

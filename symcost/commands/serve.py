@@ -29,17 +29,23 @@ NOTHING_FITS = 3
 @click.option("--kv-cache", "kv_cache", type=click.Choice(["static", "dynamic"]), default="static", show_default=True,
               help="the model's cache class: static (StaticCache, written in place, as compiled generation "
                    "and serving engines) or dynamic (DynamicCache, grown by concatenation)")
+@click.option("--kv-dtype", "kv_dtype", default=None, metavar="fp8|int8|bf16|fp16|fp32",
+              help="cost the KV cache in this dtype (modelled: the traced cache's bytes scaled by the element "
+                   "sizes; int8/fp8 1 byte, their scales not counted) [default: the traced cache's dtype]")
+@click.option("--plot", default=None, metavar="FILE.png",
+              help="draw tokens/s and time per output token against the batch, 1 to the largest (needs matplotlib)")
 @click.option("--no-prefill", is_flag=True, help="leave out the prefill step (time to first token)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def serve(model, sets, config, attention, precision, debug, device_name, devices_file, peak_flops, bandwidth,
-          memory, context, kv_cache, no_prefill, as_json):
+          memory, context, kv_cache, kv_dtype, plot, no_prefill, as_json):
     """Largest concurrent batch of MODEL at --context tokens per sequence under --memory, with the
     decode roofline (time per output token, tokens/s) and the prefill's time to first token.
 
     MODEL: hf:MODEL_TYPE, hf:ORG/NAME or path/config.json (a model with a KV cache). The decode
     step (one new token onto a cache of T = context - 1 tokens) and the prefill (context tokens)
     are traced through the model's own cache class; --precision defaults to the weights in bf16
-    (bf16-true). Exit status 3 when not one sequence fits. See docs/inference.md.
+    (bf16-true). --kv-dtype models the cache in another dtype (labelled "modelled"). Exit status 3
+    when not one sequence fits. See docs/inference.md.
     """
     ctx = click.get_current_context()
     if ctx.get_parameter_source("precision") == click.core.ParameterSource.DEFAULT:
@@ -60,6 +66,14 @@ def serve(model, sets, config, attention, precision, debug, device_name, devices
     cap = parse_memory(memory)
     from symcost.passes import inference
 
+    if kv_dtype is not None and kv_dtype not in inference.KV_DTYPES:
+        raise SymcostError(f"unknown --kv-dtype {kv_dtype!r}; accepted: {', '.join(inference.KV_DTYPES)}")
+    if plot:
+        from symcost.render.plots import check_plot_path, require_matplotlib
+
+        require_matplotlib()
+        check_plot_path(plot)
+
     dec, sizes = trace_model(model, sets, config, attention, precision, step="decode", kv_cache=kv_cache,
                              extra_sizes={"T": context - 1})
     pre = None
@@ -67,8 +81,14 @@ def serve(model, sets, config, attention, precision, debug, device_name, devices
         pre, _ = trace_model(model, sets, config, attention, precision, step="prefill", kv_cache=kv_cache,
                              extra_sizes={"S": context})
     sizes = {k: v for k, v in sizes.items() if k not in ("T", "S")}
-    r = inference.serve(dec, pre, dev, cap, context, sizes)
+    r = inference.serve(dec, pre, dev, cap, context, sizes, kv_dtype)
     from symcost.render import inference as text
+
+    if plot and r["batch"] >= 1:
+        from symcost.render.plots import token_rate_plot
+
+        curve = inference.token_rate(dec, dev, context, r["batch"], sizes, r["kv_dtype"])
+        token_rate_plot(curve, plot, title=f"{dec.model} on {dev.key}, context {context}")
 
     if as_json:
         click.echo(json.dumps(text.to_json(dec.model, precision, dev, r), indent=1, default=str))
@@ -76,5 +96,8 @@ def serve(model, sets, config, attention, precision, debug, device_name, devices
         from symcost.render.report import console
 
         text.render_text(console(), dec.model, precision, dev, r)
+        if plot:
+            console().print(f"plot written to {plot}" if r["batch"] >= 1
+                            else f"no plot written to {plot}: not one sequence fits")
     if r["batch"] < 1:
         raise SystemExit(NOTHING_FITS)

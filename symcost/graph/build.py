@@ -531,6 +531,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
             out_dtypes=[t.dtype for t in op.outputs], cost=c, layer=layer,
             attention=family == "model" and op.phase == "forward" and i not in ops_with_param,
             comm=comm,
+            kv_reads=tuple(getattr(op, "kv_reads", ())), kv_writes=tuple(getattr(op, "kv_writes", ())),
         ))
     # Backward attention matmuls: those of the backward with no parameter gradient involved are
     # hard to tell apart generically; attribute by module: a module whose forward model op is

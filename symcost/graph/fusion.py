@@ -52,6 +52,9 @@ class FusionEstimate:
         region_of: op index -> region id (fusible ops only).
         regions: region id -> op indices of the folded graph in it (execution order).
         exact: False when the Analysis had no probe recordings: node_bytes are then unfused.
+        charged: op index -> (input positions read, output positions written) in its fused bytes,
+            for the fusible ops (an op missing here is charged all its inputs and outputs, as
+            unfused); None when not known (an older cached estimate).
     """
 
     node_bytes: dict[int, Any]
@@ -59,6 +62,7 @@ class FusionEstimate:
     region_of: dict[int, int]
     regions: dict[int, list[int]]
     exact: bool = True  # False: no recordings to fuse over, node_bytes are the unfused bytes
+    charged: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None
 
     def total(self, an, phase: str = "train") -> sympy.Expr:
         """Fused bytes of ``phase`` (forward|backward|train) with repeats folded in, a polynomial."""
@@ -97,11 +101,13 @@ def estimate(an) -> FusionEstimate:
                               node_written={int(i): P(v) for i, v in stored["node_written"]},
                               region_of={int(i): int(r) for i, r in stored["region_of"]},
                               regions={int(r): list(ids) for r, ids in stored["regions"]},
-                              exact=bool(stored["exact"]))
+                              exact=bool(stored["exact"]),
+                              charged={int(i): (tuple(a), tuple(b)) for i, a, b in stored["charged"]}
+                              if "charged" in stored else None)
     if not getattr(an, "recordings", None):
         return FusionEstimate(node_bytes={op.index: op.cost.bytes for op in an.ops},
                               node_written={op.index: written_bytes(op) for op in an.ops},
-                              region_of={}, regions={}, exact=False)
+                              region_of={}, regions={}, exact=False, charged={})
     ref = an.recordings[0]
     kept = {op.index: op for op in an.ops}
     families = [rules.classify(op.op) for op in ref.ops]
@@ -142,6 +148,7 @@ def estimate(an) -> FusionEstimate:
 
     node_bytes: dict[int, Any] = {}
     node_written: dict[int, Any] = {}
+    charged_io: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     charged: set[tuple[int, Any]] = set()  # (region, outside tensor) already read in that region
     for i, op in enumerate(ref.ops):
         sop = kept.get(i)
@@ -154,9 +161,11 @@ def estimate(an) -> FusionEstimate:
             continue
         if fam == "alloc" or sop.cost.bytes == 0:
             node_bytes[i] = node_written[i] = sympy.Integer(0)
+            charged_io[i] = ((), ())
             continue
         rid = region_of[i]
         total = sympy.Integer(0)
+        ins, outs = [], []
         skip_first = str(op.op.overloadpacket) in rules.OVERWRITE_OPS
         for k, v, tid in reads[i]:
             if skip_first and k == 0:
@@ -167,13 +176,16 @@ def estimate(an) -> FusionEstimate:
             if key in charged:
                 continue
             charged.add(key)
+            ins.append(k)
             total += nbytes(sop.in_shapes[k], sop.in_dtypes[k])
         written = sympy.Integer(0)
         for k in range(len(op.outputs)):
             users = consumers.get((i, k), set())
             if users and all(region_of.get(u) == rid for u in users):
                 continue
+            outs.append(k)
             written += nbytes(sop.out_shapes[k], sop.out_dtypes[k])
+        charged_io[i] = (tuple(ins), tuple(outs))
         node_bytes[i] = sympy.expand(total + written)
         node_written[i] = sympy.expand(written)
     regions: dict[int, list[int]] = {}
@@ -181,4 +193,4 @@ def estimate(an) -> FusionEstimate:
         if i in kept:
             regions.setdefault(region_of[i], []).append(i)
     return FusionEstimate(node_bytes=node_bytes, node_written=node_written, region_of={i: r for i, r in region_of.items() if i in kept},
-                          regions=regions)
+                          regions=regions, charged=charged_io)

@@ -35,3 +35,7 @@ class SymOp:
     #: a collective (family ``comm``): ``(kind, size, per_rank)``, see
     #: :func:`symcost.graph.rules.comm_volume` (bytes; the group is the data-parallel group, DP ranks)
     comm: tuple | None = None
+    # an inference step: positions of the inputs that are the KV cache's storages (the recording's
+    # ``OpCall.kv_reads``: the cache held before or after the step, read through any view)
+    kv_reads: tuple[int, ...] = ()
+    kv_writes: tuple[int, ...] = ()  # outputs that allocate a storage the cache holds after the step

@@ -76,7 +76,7 @@ class Serialized:
                 [[s(x) for x in sh] for sh in op.out_shapes], [dt(d) for d in op.out_dtypes],
                 [s(op.cost.flops), s(op.cost.flops_all), s(op.cost.bytes),
                  {k: s(n) for k, n in op.cost.transcendentals.items()}, s(op.cost.flops_hw)],
-                op.layer, op.attention]
+                op.layer, op.attention, list(getattr(op, "kv_reads", ())), list(getattr(op, "kv_writes", ()))]
                for op in self.ops]
         g = self.graph
         graph = {
@@ -163,7 +163,8 @@ class Serialized:
         return {"node_bytes": [[i, str(v)] for i, v in fe.node_bytes.items()],
                 "node_written": [[i, str(v)] for i, v in fe.node_written.items()],
                 "region_of": [[i, r] for i, r in fe.region_of.items()],
-                "regions": [[r, list(ids)] for r, ids in fe.regions.items()], "exact": bool(fe.exact)}
+                "regions": [[r, list(ids)] for r, ids in fe.regions.items()], "exact": bool(fe.exact),
+                "charged": [[i, list(a), list(b)] for i, (a, b) in (fe.charged or {}).items()]}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Analysis":
@@ -179,7 +180,7 @@ class Serialized:
             raise SymcostError(f"analysis data of format {d.get('format')!r}, expected {cls.FORMAT}")
         P = functools.lru_cache(maxsize=None)(parse_formula)  # many sizes repeat
         ops, graph = d["ops"], d["graph"]  # parsed on first use: their layout is checked now
-        if not (isinstance(ops, list) and all(isinstance(r, list) and len(r) == 13 for r in ops)
+        if not (isinstance(ops, list) and all(isinstance(r, list) and len(r) in (13, 15) for r in ops)
                 and isinstance(graph["nodes"], list) and isinstance(graph["edges"], list)):
             raise ValueError("malformed ops or graph")
         sd = d["spec"]
@@ -320,8 +321,9 @@ def _load_ops(rows) -> list:
                   cost=Cost(*(P(c) for c in cost[:3]),
                             {k: P(n) for k, n in (cost[3] if len(cost) > 3 else {}).items()},
                             P(cost[4]) if len(cost) > 4 else None),
-                  layer=layer, attention=attn)
-            for i, name, fam, mod, ph, rep, ins, ind, outs, outd, cost, layer, attn in rows]
+                  layer=layer, attention=attn, kv_reads=tuple(more[0]) if more else (),
+                  kv_writes=tuple(more[1]) if len(more) > 1 else ())
+            for i, name, fam, mod, ph, rep, ins, ind, outs, outd, cost, layer, attn, *more in rows]
 
 
 def _load_graph(data):

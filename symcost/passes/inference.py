@@ -26,10 +26,18 @@ docs/inference.md.
   storages taken out), i.e. the training memory model (:class:`~symcost.passes.memory.MemoryModel`)
   with no gradients, optimizer state or master weights; the largest B is solved by its solver and
   checked at the boundary exactly as ``max-batch`` checks it: M(B) <= cap < M(B + 1).
+- **A KV cache in another dtype** (:func:`kv_dtype`, ``serve --kv-dtype``): *modelled*, not
+  traced. The cache's bytes (the trace's) times itemsize(new) / itemsize(traced) in the memory
+  model (:class:`~symcost.passes.memory.MemoryModel`'s ``kv_scale``), the KV sizes and the
+  aggregate roofline; in the per-op roofline, the bytes each op moves from or into the cache's
+  storages (``SymOp.kv_reads`` / ``kv_writes``, found by storage in the trace) scaled the same
+  way (:func:`kv_traffic`). Quantisation scales (per channel / per token) are not counted.
 """
 from __future__ import annotations
 
 import dataclasses
+import weakref
+from fractions import Fraction
 from typing import Any, Mapping
 
 import sympy
@@ -52,6 +60,137 @@ def _itemsize(dtype) -> int:
     if name not in _ITEMSIZE:
         raise SymcostError(f"no element size known for dtype {name}")
     return _ITEMSIZE[name]
+
+
+#: ``--kv-dtype`` names -> the element dtype a cache in that format holds (int8 and fp8: 1 byte)
+KV_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class KVDtype:
+    """The KV cache's element dtype for the costs: the traced one, or one modelled in its place.
+
+    Attributes:
+        name: as asked (``fp8``) or the traced dtype's name when none was.
+        dtype: the element dtype's torch name (``float8_e4m3fn``).
+        traced: the traced cache's dtype name (``bfloat16``).
+        scale: itemsize(dtype) / itemsize(traced), exact (fp8 over bf16: 1/2).
+        modelled: True when the dtype is not the traced one's (the bytes are scaled, not traced).
+    """
+
+    name: str
+    dtype: str
+    traced: str
+    scale: Fraction
+    modelled: bool
+
+    def to_json(self) -> dict:
+        """``{"dtype", "element", "bytes" (per element), "from" (traced), "modelled", "scale"}``."""
+        return {"dtype": self.name, "element": self.dtype,
+                "bytes": _itemsize(self.dtype) if self.dtype in _ITEMSIZE else None, "from": self.traced,
+                "modelled": self.modelled, "scale": float(self.scale)}
+
+
+def cache_dtype(an) -> str:
+    """The dtype of the KV cache's tensors in the trace: that of every op input read from the
+    cache's storages and every output written into them (``SymOp.kv_reads`` / ``kv_writes``).
+
+    Raises:
+        SymcostError: a training step; no op touches the cache; the cache holds several dtypes.
+    """
+    if getattr(an, "step", "train") == "train":
+        raise SymcostError(f"{an.model}: a training step has no KV cache; trace step='decode' or 'prefill'")
+    names = set()
+    for op in an.ops:
+        names.update(str(op.in_dtypes[k]).removeprefix("torch.") for k in getattr(op, "kv_reads", ()))
+        names.update(str(op.out_dtypes[k]).removeprefix("torch.") for k in getattr(op, "kv_writes", ()))
+    if not names:
+        raise SymcostError(f"{an.model}: no op of this trace reads or writes the KV cache's storages; "
+                           "cannot tell its dtype (trace it again: symcost trace --no-cache)")
+    if len(names) > 1:
+        raise SymcostError(f"{an.model}: the KV cache holds several dtypes ({', '.join(sorted(names))}); "
+                           "--kv-dtype needs one")
+    return names.pop()
+
+
+def kv_dtype(an, name: str | None = None) -> KVDtype:
+    """The KV-cache dtype to cost ``an``'s cache in: ``name`` (one of :data:`KV_DTYPES`, modelled
+    unless it is the traced dtype) or, with None, the traced cache's own (:func:`cache_dtype`;
+    ``"unknown"`` where the trace cannot tell it: nothing is scaled then).
+
+    Raises:
+        SymcostError: an unknown name (the message lists the accepted ones); with a name, as
+            :func:`cache_dtype`.
+    """
+    if name is not None and name not in KV_DTYPES:
+        raise SymcostError(f"unknown --kv-dtype {name!r}; accepted: {', '.join(KV_DTYPES)}")
+    if name is None:
+        try:
+            traced = cache_dtype(an)
+        except SymcostError:  # nothing to scale: the traced cache as it is, its dtype unnamed
+            return KVDtype("traced", "unknown", "unknown", Fraction(1), False)
+        return KVDtype(traced, traced, traced, Fraction(1), False)
+    traced = cache_dtype(an)
+    dtype = KV_DTYPES[name] if name is not None else traced
+    scale = Fraction(_itemsize(dtype), _itemsize(traced))
+    return KVDtype(name or traced, dtype, traced, scale, dtype != traced)
+
+
+_TRAFFIC: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def kv_traffic(an, kv: KVDtype | None) -> dict[int, tuple[sympy.Expr, ...]]:
+    """What a cache in ``kv.dtype`` changes in each op's traffic (for
+    :func:`symcost.passes.roofline.roofline`'s ``extra_bytes``): op index -> ``(bytes, written,
+    fused bytes, fused written)``, formulas: (scale - 1) x the bytes the op's count moves from or
+    into the cache: the inputs read from its storages (``SymOp.kv_reads``: the attention's keys and
+    values, an eager attention's copy of them to all heads, a DynamicCache's concatenation reading
+    the old cache) and the outputs it allocates (``kv_writes``: the concatenation's result); for an
+    in-place partial write (``index_copy_`` of the new token into a StaticCache) the slice
+    written. The fused figures count only the inputs and outputs the fused estimate charges the op
+    (:attr:`symcost.graph.fusion.FusionEstimate.charged`: a cache read inside a fused region is
+    not charged, so it does not shrink either). Empty for ``kv`` None or not modelled."""
+    from symcost.graph import fusion
+    from symcost.graph.opsets import PARTIAL_WRITES, nbytes, partial_write_bytes
+
+    if kv is None or not kv.modelled:
+        return {}
+    per = _TRAFFIC.setdefault(an, {})
+    if kv.dtype in per:
+        return per[kv.dtype]
+    f = sympy.Rational(kv.scale.numerator, kv.scale.denominator) - 1
+    charged = fusion.estimate(an).charged
+    out = {}
+    for op in an.ops:
+        reads, writes = getattr(op, "kv_reads", ()), getattr(op, "kv_writes", ())
+        if not reads and not writes:
+            continue
+        if op.name.rsplit(".", 1)[0] in PARTIAL_WRITES:  # its own kernel: fused = unfused
+            if 0 not in reads:
+                continue
+            w = sympy.expand(f * partial_write_bytes(op)[1])
+            out[op.index] = (w, w, w, w)
+            continue
+        ins, outs = (charged or {}).get(op.index, (reads, writes))
+        r = sum((nbytes(op.in_shapes[k], op.in_dtypes[k]) for k in reads), sympy.Integer(0))
+        w = sum((nbytes(op.out_shapes[k], op.out_dtypes[k]) for k in writes), sympy.Integer(0))
+        rf = sum((nbytes(op.in_shapes[k], op.in_dtypes[k]) for k in reads if k in ins), sympy.Integer(0))
+        wf = sum((nbytes(op.out_shapes[k], op.out_dtypes[k]) for k in writes if k in outs), sympy.Integer(0))
+        if r == 0 and w == 0:
+            continue
+        out[op.index] = tuple(sympy.expand(f * x) for x in (r + w, w, rf + wf, wf))
+    per[kv.dtype] = out
+    return out
+
+
+def _scaled(x, kv: KVDtype | None):
+    """``x`` (bytes of the cache) in ``kv``'s dtype: exact where the result is whole."""
+    if kv is None or kv.scale == 1:
+        return x
+    if isinstance(x, sympy.Basic):
+        return sympy.expand(sympy.Rational(kv.scale.numerator, kv.scale.denominator) * x)
+    v = Fraction(x) * kv.scale
+    return int(v) if v.denominator == 1 else float(v)
 
 
 def _check(an, step: str) -> None:
@@ -78,8 +217,9 @@ def weight_bytes(an) -> sympy.Expr:
         for n, (shape, dtype, rep) in an.param_shapes.items() if n not in lookup]))
 
 
-def kv_cache(an, sizes: Mapping[str, int] | None = None) -> dict:
-    """The KV cache of an inference step at ``sizes`` (others at the model's defaults).
+def kv_cache(an, sizes: Mapping[str, int] | None = None, kv: KVDtype | None = None) -> dict:
+    """The KV cache of an inference step at ``sizes`` (others at the model's defaults); with
+    ``kv`` (:func:`kv_dtype`) every byte count in that dtype (the traced bytes x ``kv.scale``).
 
     Returns:
         ``total`` (bytes the cache holds after the step: B sequences of T + S tokens, every
@@ -87,7 +227,8 @@ def kv_cache(an, sizes: Mapping[str, int] | None = None) -> dict:
         token of one sequence, every layer; a float where a sliding window keeps fewer tokens),
         ``tokens`` (T + S), ``formula`` (the total, a polynomial string), ``per_token_formula``
         (d total / d T / B where T is a symbol: the bytes each further cached token adds),
-        ``layers`` (per folded layer: name, bytes formula, repeat), ``kv_cache`` (the class).
+        ``layers`` (per folded layer: name, bytes formula, repeat), ``kv_cache`` (the class),
+        ``kv_dtype`` (:meth:`KVDtype.to_json`, with ``kv``).
 
     Raises:
         SymcostError: a training analysis; bad sizes.
@@ -96,15 +237,20 @@ def kv_cache(an, sizes: Mapping[str, int] | None = None) -> dict:
         raise SymcostError(f"{an.model}: a training step has no KV cache; trace step='decode' or 'prefill'")
     env = an.bind(**dict(sizes or {}))
     B, n = _tokens(an, env)
+    kvb = _scaled(an.kv_bytes, kv)
     total = _num(an.kv_bytes, env)
     one = _num(an.kv_bytes, {**env, SYMS["B"]: 1}) if "B" in an.symbols else total
-    per_token = total / (B * n)
-    out = {"total": total, "per_sequence": one, "per_token": int(per_token) if per_token == int(per_token) else per_token,
-           "tokens": n, "batch": B, "formula": str(an.kv_bytes), "kv_cache": an.kv_cache,
-           "layers": [[name, str(nb), str(rep)] for name, nb, rep in an.kv_layers]}
+    per_token = Fraction(total, B * n) * (kv.scale if kv is not None else 1)
+    total, one = _scaled(total, kv), _scaled(one, kv)
+    out = {"total": total, "per_sequence": one,
+           "per_token": int(per_token) if per_token.denominator == 1 else float(per_token),
+           "tokens": n, "batch": B, "formula": str(kvb), "kv_cache": an.kv_cache,
+           "layers": [[name, str(_scaled(nb, kv)), str(rep)] for name, nb, rep in an.kv_layers]}
+    if kv is not None:
+        out["kv_dtype"] = kv.to_json()
     if "T" in an.symbols:
         Bs = SYMS["B"] if "B" in an.symbols else sympy.Integer(B)
-        out["per_token_formula"] = str(sympy.factor_terms(sympy.cancel(sympy.diff(an.kv_bytes, SYMS["T"]) / Bs)))
+        out["per_token_formula"] = str(sympy.factor_terms(sympy.cancel(sympy.diff(kvb, SYMS["T"]) / Bs)))
     return out
 
 
@@ -119,8 +265,10 @@ def _roofline_summary(rf: dict) -> dict:
 
 
 def decode(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bool = True,
-           with_crossing: bool = True) -> dict:
-    """The decode step on ``device``'s roofline at ``sizes`` (B, T; others at the defaults).
+           with_crossing: bool = True, kv: KVDtype | None = None) -> dict:
+    """The decode step on ``device``'s roofline at ``sizes`` (B, T; others at the defaults); with
+    ``kv`` (:func:`kv_dtype`) the cache in that dtype: the aggregate's KV bytes x ``kv.scale`` and
+    every op's bytes from or into the cache scaled alike (:func:`kv_traffic`).
 
     Returns:
         ``seconds_per_token`` (the per-op roofline's sum: no decode step at these sizes runs
@@ -140,14 +288,15 @@ def decode(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bo
     _check(an, "decode")
     env = an.bind(**dict(sizes or {}))
     rf = roofline(an, device, {str(k): v for k, v in env.items() if str(k) in an.symbols}, fused=fused,
-                  with_formulas=False)
+                  with_formulas=False, extra_bytes=kv_traffic(an, kv))
     B, _ = _tokens(an, env)
     prec = training_precision(an)
     peak, _ = device.peak_for(prec)
     flops = an.flops("forward", "all")
     W = weight_bytes(an)
-    traffic = sympy.expand(W + an.kv_bytes)
-    F, Wn, KV = _num(flops, env), _num(W, env), _num(an.kv_bytes, env)
+    kvb = _scaled(an.kv_bytes, kv)
+    traffic = sympy.expand(W + kvb)
+    F, Wn, KV = _num(flops, env), _num(W, env), _num(kvb, env)
     t_c, t_m = F / peak, (Wn + KV) / device.bandwidth
     out = {
         "precision": prec, "sizes": {str(k): int(v) for k, v in env.items()}, "batch": B,
@@ -179,10 +328,11 @@ def prefill(an, device: Device, sizes: Mapping[str, int] | None = None, fused: b
             "sizes": {str(k): int(v) for k, v in env.items()}}
 
 
-def serving_memory(an):
+def serving_memory(an, kv: KVDtype | None = None):
     """The memory model of serving with ``an``'s inference step: the training memory model
     (:class:`~symcost.passes.memory.MemoryModel`) under the trace's precision with no gradients,
-    optimizer state or master weights; its static part holds the KV cache after the step."""
+    optimizer state or master weights; its static part holds the KV cache after the step, in
+    ``kv``'s dtype where given (the model's ``kv_scale``; the step's transients stay the trace's)."""
     from symcost.passes.memory.model import MemoryModel
 
     pol = policy(an.precision)
@@ -190,13 +340,15 @@ def serving_memory(an):
                               note=f"{pol.param}-byte weights, no gradients or optimizer state (inference)")
     if getattr(an, "step", "train") == "train":
         raise SymcostError(f"{an.model}: serving memory needs an inference step (step='decode')")
-    return MemoryModel(an, pol, NO_OPTIMIZER, impl="fused")
+    return MemoryModel(an, pol, NO_OPTIMIZER, impl="fused", kv_scale=kv.scale if kv is not None else 1)
 
 
-def max_batch(an, cap: int | str, context: int, sizes: Mapping[str, int] | None = None):
+def max_batch(an, cap: int | str, context: int, sizes: Mapping[str, int] | None = None,
+              kv: KVDtype | None = None):
     """The largest number of concurrent sequences whose decode step fits under ``cap`` with every
     sequence at ``context`` tokens (the step at T = context - 1 leaves ``context`` tokens in the
-    cache): :meth:`~symcost.passes.memory.solve.Solver.solve` of :func:`serving_memory` for B.
+    cache): :meth:`~symcost.passes.memory.solve.Solver.solve` of :func:`serving_memory` (with
+    the cache in ``kv``'s dtype) for B.
 
     Returns:
         ``(memory model, Solution)``; the solution's ``checked`` says M(B) <= cap < M(B + 1)
@@ -211,13 +363,15 @@ def max_batch(an, cap: int | str, context: int, sizes: Mapping[str, int] | None 
     S = int(an.pinned.get("S", 1))
     sizes = {**dict(sizes or {}), "T": context - S}
     sizes = {k: v for k, v in sizes.items() if k in an.symbols}
-    mm = serving_memory(an)
+    mm = serving_memory(an, kv)
     return mm, mm.solve(cap, "B", **sizes)
 
 
 def serve(decode_an, prefill_an, device: Device, cap: int | str, context: int,
-          sizes: Mapping[str, int] | None = None) -> dict:
-    """Everything ``symcost serve`` answers, as data.
+          sizes: Mapping[str, int] | None = None, kv_dtype_name: str | None = None) -> dict:
+    """Everything ``symcost serve`` answers, as data; ``kv_dtype_name`` (one of
+    :data:`KV_DTYPES`; None: the traced cache's dtype) models the KV cache in that dtype in the
+    memory, the KV sizes and the decode roofline (:func:`kv_dtype`; the prefill stays traced).
 
     Returns:
         ``batch`` (largest B, 0 when not one sequence fits), ``memory`` (``at``: M(B), ``next``:
@@ -225,7 +379,8 @@ def serve(decode_an, prefill_an, device: Device, cap: int | str, context: int,
         ``workspace`` = the step's largest transient live set, ``peak_where``, ``inequality``,
         ``reason`` when nothing fits), ``kv`` (:func:`kv_cache` at B), ``decode`` (:func:`decode`
         at B), ``decode_batch_1`` (:func:`decode` at B = 1), ``prefill`` (:func:`prefill` of one
-        sequence of ``context`` tokens: time to first token), ``context``.
+        sequence of ``context`` tokens: time to first token), ``context``, ``kv_dtype``
+        (:class:`KVDtype`).
 
     Raises:
         SymcostError: as :func:`max_batch`, :func:`decode`, :func:`prefill`.
@@ -233,11 +388,12 @@ def serve(decode_an, prefill_an, device: Device, cap: int | str, context: int,
     from symcost.units import parse_memory
 
     sizes = dict(sizes or {})
+    kv = kv_dtype(decode_an, kv_dtype_name)
     capb = parse_memory(cap)
-    mm, sol = max_batch(decode_an, capb, context, sizes)
+    mm, sol = max_batch(decode_an, capb, context, sizes, kv)
     T = context - int(decode_an.pinned.get("S", 1))
     at = {**{k: v for k, v in sizes.items() if k in decode_an.symbols}, "T": T}
-    out: dict[str, Any] = {"context": context, "batch": sol.value, "kv_cache": decode_an.kv_cache}
+    out: dict[str, Any] = {"context": context, "batch": sol.value, "kv_cache": decode_an.kv_cache, "kv_dtype": kv}
     mem = {"cap": capb, "at": sol.memory_at, "next": sol.memory_next, "checked": sol.checked,
            "inequality": sol.inequality, "bound": None if sol.bound is None else str(sol.bound),
            "limited_by": sol.limited_by}
@@ -251,11 +407,47 @@ def serve(decode_an, prefill_an, device: Device, cap: int | str, context: int,
     if sol.value < 1:
         mem["reason"] = mm.no_fit_reason(sol, **at)
     out["memory"] = mem
-    out["kv"] = kv_cache(decode_an, {**at, "B": b})
-    out["decode"] = decode(decode_an, device, {**at, "B": b})
-    out["decode_batch_1"] = decode(decode_an, device, {**at, "B": 1}, with_crossing=False) if b != 1 else out["decode"]
+    out["kv"] = kv_cache(decode_an, {**at, "B": b}, kv)
+    out["decode"] = decode(decode_an, device, {**at, "B": b}, kv=kv)
+    out["decode_batch_1"] = (decode(decode_an, device, {**at, "B": 1}, with_crossing=False, kv=kv) if b != 1
+                             else out["decode"])
     if prefill_an is not None:
         pre = {k: v for k, v in sizes.items() if k in prefill_an.symbols}
         pre.update({k: v for k, v in (("B", 1), ("S", context)) if k in prefill_an.symbols})
         out["prefill"] = prefill(prefill_an, device, pre)
     return out
+
+
+def token_rate(decode_an, device: Device, context: int, max_b: int, sizes: Mapping[str, int] | None = None,
+               kv: KVDtype | None = None, points: int = 40) -> dict:
+    """The decode bounds against the batch, for a plot: :func:`decode` at up to ``points`` batches
+    from 1 to ``max_b`` (every integer when there are few, else log-spaced, 1 and ``max_b``
+    always), every sequence at ``context`` tokens (T = context - S).
+
+    Returns:
+        ``rows`` (per batch: ``batch``, ``seconds_per_token`` (per-op roofline sum: the time per
+        output token bound), ``tokens_per_second`` (B / that), ``memory_seconds`` and
+        ``compute_seconds`` (the aggregate bounds)), ``crossing`` (the batch where the aggregate
+        turns compute-bound, :func:`decode`'s ``crossing``, None without B), ``kv_dtype``.
+
+    Raises:
+        SymcostError: ``max_b`` below 1; as :func:`decode`.
+    """
+    import math
+
+    if isinstance(max_b, bool) or not isinstance(max_b, int) or max_b < 1:
+        raise SymcostError(f"the largest batch to plot must be at least 1, got {max_b!r}")
+    if max_b <= points:
+        bs = list(range(1, max_b + 1))
+    else:
+        bs = sorted({max(1, min(max_b, round(math.exp(math.log(max_b) * i / (points - 1))))) for i in range(points)})
+    T = context - int(decode_an.pinned.get("S", 1))
+    at = {**{k: v for k, v in dict(sizes or {}).items() if k in decode_an.symbols}, "T": T}
+    rows, cross = [], None
+    for b in bs:
+        d = decode(decode_an, device, {**at, "B": b}, with_crossing=b == bs[-1], kv=kv)
+        a = d["aggregate"]
+        rows.append({"batch": b, "seconds_per_token": d["seconds_per_token"], "tokens_per_second": d["tokens_per_second"],
+                     "memory_seconds": a["memory_seconds"], "compute_seconds": a["compute_seconds"]})
+        cross = d.get("crossing", cross)
+    return {"rows": rows, "crossing": cross, "kv_dtype": None if kv is None else kv.to_json(), "context": context}

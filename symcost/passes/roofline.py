@@ -118,7 +118,8 @@ def pack_seconds(op, device: Device, env: Mapping) -> float:
 
 
 def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bool = True,
-             crossing_symbol: str | None = None, with_formulas: bool = True) -> dict:
+             crossing_symbol: str | None = None, with_formulas: bool = True,
+             extra_bytes: Mapping[int, tuple[Any, ...]] | None = None) -> dict:
     """The roofline of every op of the training step at ``sizes`` on ``device``.
 
     Args:
@@ -131,6 +132,11 @@ def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: 
             it crosses the ridge (:func:`crossing`).
         with_formulas: also build the symbolic step time (:func:`formulas`) and each node's
             ``intensity_formula`` (False: both None, which saves the symbolic work).
+        extra_bytes: op index -> ``(bytes, written bytes, fused bytes, fused written bytes)``
+            (formulas, may be negative) added to that op's unfused and fused traffic before it is
+            timed (a modelled change of what the op moves, e.g. a KV cache in another dtype:
+            :func:`symcost.passes.inference.kv_traffic`); the fused bytes are kept >= 0 and the
+            written part within them. The symbolic step time (``formulas``) does not include them.
 
     Returns:
         ``{"device", "precision", "fused", "nodes": [...], "step_seconds",
@@ -169,6 +175,11 @@ def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: 
         Bf = _num(fe.node_bytes[op.index], env)
         Wf = _num(fe.node_written[op.index], env)
         Wu = _num(fusion.written_bytes(op), env)
+        if extra_bytes and op.index in extra_bytes:
+            dB, dW, dBf, dWf = (_num(x, env) for x in extra_bytes[op.index])
+            Bu, Wu = Bu + dB, Wu + dW
+            Bf = max(Bf + dBf, 0)
+            Wf = min(max(Wf + dWf, 0), Bf)
         T = {k: _num(n, env) for k, n in op.cost.transcendentals.items()}
         t_tr = device.transcendental_seconds(T)
         if T and not t_tr:

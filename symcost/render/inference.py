@@ -15,7 +15,9 @@ _NARROW = {"box": box.SIMPLE_HEAD, "show_edge": False, "pad_edge": False, "colla
 
 def to_json(model: str, precision: str, dev, r: dict) -> dict:
     """The JSON object of ``symcost serve --json`` (base units: bytes, seconds, FLOPs):
-    ``model``, ``precision``, ``device`` (key), ``context``, ``kv_cache``, ``max_batch``,
+    ``model``, ``precision``, ``device`` (key), ``context``, ``kv_cache``, ``kv_dtype`` (``dtype``,
+    ``element``, ``bytes`` per element, ``from``: the traced cache's dtype, ``modelled``: true when
+    the cache's bytes are scaled from the traced ones rather than traced, ``scale``), ``max_batch``,
     ``memory`` (``cap``, ``at_max`` = M(max_batch), ``at_next`` = M(max_batch + 1), ``check``,
     ``components`` at max_batch: params, buffers, inputs, kv_cache, workspace, peak),
     ``kv`` (``per_token``, ``per_sequence``, ``total``, formulas), ``seconds_per_token`` and
@@ -25,7 +27,7 @@ def to_json(model: str, precision: str, dev, r: dict) -> dict:
     d = r["decode"]
     out = {
         "model": model, "precision": precision, "device": dev.key, "context": r["context"],
-        "kv_cache": r["kv_cache"], "max_batch": r["batch"],
+        "kv_cache": r["kv_cache"], "kv_dtype": r["kv_dtype"].to_json(), "max_batch": r["batch"],
         "memory": {"cap": r["memory"]["cap"], "at_max": r["memory"]["at"], "at_next": r["memory"]["next"],
                    "check": r["memory"]["checked"], "components": r["memory"]["components"],
                    "peak_where": r["memory"]["peak_where"], "inequality": r["memory"]["inequality"]},
@@ -64,8 +66,14 @@ def render_text(c, model: str, precision: str, dev, r: dict) -> None:
     c.print(f"context {r['context']} tokens per sequence; KV cache: {r['kv_cache']} "
             f"(transformers' {'StaticCache' if r['kv_cache'] == 'static' else 'DynamicCache'}); memory cap "
             f"{human(mem['cap'], 'B')}")
+    kd = r["kv_dtype"]
     c.print(f"KV cache: {kv['per_token']:,} bytes per token ({kv.get('per_token_formula', '-')}), "
             f"{human(kv['per_sequence'], 'B')} per sequence of {kv['tokens']} tokens")
+    if kd.modelled:
+        c.print(f"  KV dtype {kd.name} ({kd.dtype}): [bold]modelled[/bold] from the traced {kd.traced} cache, its bytes "
+                f"× {kd.scale} (memory, KV sizes, decode bytes; quantisation scales not counted)")
+    else:
+        c.print(f"  KV dtype {kd.traced} (traced)")
     if r["batch"] < 1:
         c.print(f"[bold red]not one sequence of {r['context']} tokens fits[/bold red]: {mem.get('reason', '')}")
         return

@@ -55,6 +55,7 @@ class TensorInfo:
     dtype: torch.dtype
     tid: int  # recording-wide tensor id
     source: str | None = None  # "param:<name>", "buffer:<name>", "input:<i>" for leaf tensors
+    storage: int | None = None  # its storage's key (inference steps only: to find the KV cache's reads)
 
 
 @dataclass
@@ -69,6 +70,10 @@ class OpCall:
     outputs: list[TensorInfo]
     ints: list[int]  # integer scalar arguments, in order (bools excluded)
     args_tree: Any  # (args, kwargs) with TensorRef / IntRef placeholders
+    # an inference step: the positions of the inputs that are (views of) the KV cache's storages,
+    # those it holds before or after the step (set by _inference_step)
+    kv_reads: tuple[int, ...] = ()
+    kv_writes: tuple[int, ...] = ()  # positions of the outputs that allocate a storage the cache then holds
 
 
 @dataclass
@@ -199,6 +204,8 @@ class _Recorder(TorchDispatchMode):
         # storages that exist before the step (parameters, buffers, inputs): a view of one is no
         # allocation
         self.preexisting: set[int] = set()
+        # record each input's storage key (inference steps: the KV cache's reads, _inference_step)
+        self.storage_keys = False
         self.model: nn.Module | None = None  # set for data-parallel recordings (see leaf_name)
         self.owners: list[str | None] = []  # record_function regions (see _profiler_label)
 
@@ -295,7 +302,8 @@ class _Recorder(TorchDispatchMode):
             if isinstance(a, torch.Tensor):
                 tree.append(TensorRef(len(inputs)))
                 inputs.append(
-                    TensorInfo(tuple(a.shape), a.dtype, self.tensor_id(a), self.leaf_name(a))
+                    TensorInfo(tuple(a.shape), a.dtype, self.tensor_id(a), self.leaf_name(a),
+                               _storage_key(a) if self.storage_keys else None)
                 )
             elif isinstance(a, int) and not isinstance(a, bool):
                 tree.append(IntRef(len(ints)))
@@ -308,7 +316,8 @@ class _Recorder(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 known = id(t) in self._tid
-                outs.append(TensorInfo(tuple(t.shape), t.dtype, self.tensor_id(t)))
+                outs.append(TensorInfo(tuple(t.shape), t.dtype, self.tensor_id(t), None,
+                                       _storage_key(t) if self.storage_keys else None))
                 if not known:
                     self.track(t, len(self.ops))
         self.ops.append(
@@ -399,6 +408,14 @@ def precision_context(precision: str):
     return dtype, lambda: torch.autocast("cpu", dtype=getattr(torch, cast))
 
 
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The key of ``t``'s storage (None for a tensor without one)."""
+    try:
+        return StorageWeakRef(t.untyped_storage()).cdata
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 def _kv_storages(layers) -> tuple[list[int], int, set[int]]:
     """Per-layer bytes of the storages of floating-point tensors a KV cache holds (each storage
     once, in the first layer holding it), the number of those tensors that view fewer elements
@@ -424,7 +441,16 @@ def _kv_storages(layers) -> tuple[list[int], int, set[int]]:
 def _inference_step(rec: _Recorder, model: nn.Module, args, kwargs, kv_layers, autocast):
     """Record one forward of an inference step without gradients; returns ``(ops recorded,
     len(events), (bytes per KV-cache layer, evicted tensors))``. The storages the cache holds
-    after the step are taken out of ``rec.events``: they are the KV cache, counted apart."""
+    after the step are taken out of ``rec.events``: they are the KV cache, counted apart. Each
+    op's inputs that are the cache's storages (held before the step, e.g. a DynamicCache's tensors
+    a concatenation reads, or after it, e.g. a StaticCache's or the concatenation's result the
+    attention reads) are marked in ``OpCall.kv_reads``; the outputs that allocate a storage the cache
+    holds after the step (a DynamicCache's concatenation) in ``OpCall.kv_writes``."""
+    # weak references keep the StorageImpls of the cache before the step allocated while it runs,
+    # so their keys (addresses) are not reused by the step's own storages
+    before = [StorageWeakRef(t.untyped_storage()) for ts in kv_layers() for t in ts
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    rec.storage_keys = True
     with rec, torch.no_grad(), autocast():
         out = model(*args, **kwargs)
     del out
@@ -432,11 +458,22 @@ def _inference_step(rec: _Recorder, model: nn.Module, args, kwargs, kv_layers, a
     # a live storage's allocation is the last event of its key (an address freed earlier in the
     # step may have been reused by it, so earlier events of the same key are other storages)
     drop, pending = set(), set(cache_keys)
+    since = {r.cdata: -1 for r in before}  # storage key -> the op that allocated it (-1: before the step)
     for k in range(len(rec.events) - 1, -1, -1):
         e = rec.events[k]
         if e.storage in pending and e.nbytes > 0:
             drop.add(k)
             pending.discard(e.storage)
+            since[e.storage] = e.index
+    for j, op in enumerate(rec.ops):
+        reads = tuple(k for k, t in enumerate(op.inputs) if t.storage in since and j > since[t.storage])
+        if reads:
+            op.kv_reads = reads
+    for key, j in since.items():
+        if j >= 0 and key in cache_keys:
+            op = rec.ops[j]
+            op.kv_writes = tuple(sorted(set(op.kv_writes) | {k for k, t in enumerate(op.outputs) if t.storage == key}))
+    del before
     rec.events = [e for k, e in enumerate(rec.events) if k not in drop]
     return len(rec.ops), len(rec.events), (per_layer, evicted)
 

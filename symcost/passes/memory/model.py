@@ -67,7 +67,8 @@ class MemoryModel(Solver):
         activations: bytes autograd saves for backward (``Analysis.saved``, folded over L).
         activations_per_layer: those of one generic block (None without repeated blocks).
         kv_cache: an inference step's KV cache after the step (``Analysis.kv_bytes``; 0 for a
-            training step).
+            training step), times ``kv_scale`` (a cache modelled in another dtype: its element
+            size over the traced one, :func:`symcost.passes.inference.kv_dtype`; 1 by default).
         static: params + optimizer + master_weights + buffers + inputs + kv_cache (live all step).
         candidates: the :class:`Candidate` live sets (bytes on top of ``static``) of a normal
             step; ``candidates_accum`` those of an accumulation micro-step (gradients live from
@@ -78,7 +79,8 @@ class MemoryModel(Solver):
             :func:`default_impl` for ``device``).
     """
 
-    def __init__(self, an, pol: Policy, opt: Optimizer, impl: str = "default", device: str = "cuda"):
+    def __init__(self, an, pol: Policy, opt: Optimizer, impl: str = "default", device: str = "cuda",
+                 kv_scale: Fraction | int = 1):
         self.an, self.policy, self.opt = an, pol, opt
         self.impl, self.device = resolve_impl(impl, device), device
         self.gens = tuple(an.symbols)
@@ -96,7 +98,9 @@ class MemoryModel(Solver):
         self.optimizer = self._optimizer_state()
         self.buffers, self.inputs = self._buffers_inputs()
         # an inference step's KV cache after the step (0 for a training step): live all step
-        self.kv_cache = sympy.expand(getattr(an, "kv_bytes", 0) or 0)
+        self.kv_scale = Fraction(kv_scale)
+        self.kv_cache = sympy.expand(sympy.Rational(self.kv_scale.numerator, self.kv_scale.denominator)
+                                     * (getattr(an, "kv_bytes", 0) or 0))
         self.activations = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
         per_layer = [nb for _, nb, _, rep in an.saved if rep != 1 and sympy.sympify(rep).has(SYMS["L"])]
         self.activations_per_layer = sympy.expand(sympy.Add(*per_layer)) if per_layer else None
