@@ -122,6 +122,60 @@ def common(f):
     return f
 
 
+def _keep_parallel(key):
+    def store(ctx, param, value):
+        if value is not None:
+            ctx.meta[key] = value
+        return value
+    return store
+
+
+#: strategies of --shard (symcost.frontends.parallel.SHARDS; listed here so --help imports no torch)
+SHARD_CHOICES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+
+
+def parallel_options(f):
+    """``--dp N`` and ``--shard``: one rank of data-parallel training (docs/parallel.md). They
+    reach :func:`trace_model` through the click context."""
+    f = click.option("--shard", type=click.Choice(SHARD_CHOICES), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.shard"),
+                     help="data-parallel strategy with --dp: ddp (default), fsdp = zero3 (FSDP2 "
+                          "reshard_after_forward=True), zero2 (reshard_after_forward=False; DeepSpeed "
+                          "ZeRO-2 model states), zero1 (DDP trace; ZeRO-1 model states)")(f)
+    f = click.option("--overlap", type=click.Choice(["none", "backward", "full"]), default="backward",
+                     show_default=True, expose_value=False, callback=_keep_parallel("symcost.overlap"),
+                     help="with --dp and --gpu: communication hidden under compute (docs/parallel.md)")(f)
+    f = click.option("--devices-per-node", type=click.IntRange(min=1), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.devices_per_node"),
+                     help="with --dp and --gpu: devices on the scale-up link [default: the catalogue's]")(f)
+    f = click.option("--nodes", type=click.IntRange(min=1), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.nodes"),
+                     help="with --dp and --gpu: nodes the DP ranks span [default: as few as hold them]")(f)
+    f = click.option("--gpu", default=None, expose_value=False, callback=_keep_parallel("symcost.gpu"),
+                     metavar="NAME", help="with --dp: step time per rank on this catalogue device "
+                                          "(roofline compute + exposed communication over its interconnect)")(f)
+    f = click.option("--dp", type=click.IntRange(min=1), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.dp"), metavar="N",
+                     help="data-parallel size: trace one rank of N (the formulas gain the symbol DP)")(f)
+    return f
+
+
+def parallel_request(ctx) -> tuple[int | None, str | None]:
+    """``(dp, shard)`` from ``--dp``/``--shard`` (``(None, None)`` without ``--dp``).
+
+    Raises:
+        SymcostError: ``--shard`` without ``--dp``.
+    """
+    meta = ctx.find_root().meta if ctx is not None else {}
+    dp, shard = meta.get("symcost.dp"), meta.get("symcost.shard")
+    if shard is not None and dp is None:
+        raise SymcostError(f"--shard {shard} needs --dp N (the data-parallel size)")
+    for key, flag in (("symcost.gpu", "--gpu"), ("symcost.nodes", "--nodes"), ("symcost.devices_per_node", "--devices-per-node")):
+        if dp is None and meta.get(key) is not None:
+            raise SymcostError(f"{flag} needs --dp N (the data-parallel size)")
+    return (dp, shard or "ddp") if dp is not None else (None, None)
+
+
 def optimizer_option(f):
     """``--optimizer`` and ``--torch-device`` (the memory pass's optimizer step)."""
     f = click.option("--torch-device", "device", default="cuda", show_default=True,
@@ -189,6 +243,16 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
 
     use_cache = not needs_model and not (ctx is not None and ctx.find_root().meta.get("symcost.no_cache"))
     routing = ctx.meta.get("symcost.routing") if ctx is not None else None
+    dp, shard = parallel_request(ctx)
+    if dp is not None:
+        if "DP" in sizes and sizes["DP"] != dp:
+            raise SymcostError(f"--dp {dp} and --set DP={sizes['DP']} disagree; give one")
+        # a data-parallel trace is not kept in the trace cache yet (its shards and collectives
+        # are not serialised): traced afresh
+        sizes = {**sizes, "DP": dp}
+        an = _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing, shard=shard)
+        an.bind(**sizes)
+        return an, sizes
     options = {"routing": routing} if routing is not None else {}
     if step is not None:
         options.update(step=step, kv_cache=kv_cache)
@@ -243,14 +307,20 @@ def every_layer_trace(an, model, config, attention, precision, sizes, quiet=Fals
     return sub
 
 
-def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None, step=None, kv_cache="dynamic"):
-    """Resolve and trace ``model`` (the cache's miss path), with the progress line."""
+def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None, step=None, kv_cache="dynamic",
+                 shard=None):
+    """Resolve and trace ``model`` (the cache's miss path), with the progress line; ``shard``:
+    one rank of data-parallel training (:func:`symcost.frontends.parallel.data_parallel`)."""
     with progress(f"resolving {model}", quiet) as status:
         from symcost.frontends.models import resolve
 
         spec = resolve(model, cfg, attention)
         if step is not None:
             spec = spec.for_step(step, kv_cache)
+        if shard is not None:
+            from symcost.frontends.parallel import data_parallel
+
+            spec = data_parallel(spec, shard)
         if routing is not None:  # MoE layers traced under this routing model (symcost.frontends.moe)
             from symcost.frontends.moe import with_routing
 

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ._options import common, early_checks, memory_options, trace_model
+from ._options import common, early_checks, memory_options, parallel_options, trace_model
 
 
 @click.command()
@@ -14,10 +14,12 @@ from ._options import common, early_checks, memory_options, trace_model
 @common
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @memory_options
+@parallel_options
 def report(model, sets, config, attention, precision, debug, as_json, memory, optimizer, device):
     """The main job: symbols, per-module costs, totals as formulas and the 6·N·P form, memory.
 
     MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
+    With --dp N [--shard ...]: one rank of data-parallel training (comm bytes, per-rank model states).
     """
     early_checks(model, sets, config, attention, precision)  # no sympy or torch needed: answers at once
     from symcost.passes.memory import default_impl, optimizer as check_optimizer, parse_memory
@@ -28,6 +30,28 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
     an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
     from symcost.render import report as rep
 
+    if an.parallel is not None:  # --dp: per-rank model states and collectives (docs/parallel.md)
+        from symcost.passes.parallel import summary
+
+        par = summary(an, precision, optimizer, sizes if sizes else None)
+        meta = click.get_current_context().find_root().meta
+        step = None
+        if meta.get("symcost.gpu"):
+            from symcost.hardware.devices import get_device
+            from symcost.passes.parallel import step_time
+
+            step = step_time(an, get_device(meta["symcost.gpu"]), sizes, meta.get("symcost.overlap", "backward"),
+                             meta.get("symcost.nodes"), meta.get("symcost.devices_per_node"))
+        if as_json:
+            res = rep.to_json(an, sizes if sizes else None)
+            res.update(rep.parallel_json(an, sizes if sizes else None, par))
+            if step is not None:
+                res["parallel"]["step"] = step
+            click.echo(json.dumps(res, indent=1))
+        else:
+            rep.render(an, sizes)
+            rep.render_parallel(an, sizes, par, step=step)
+        return
     mem = rep.memory_section(an, sizes, memory, precision, optimizer, device=device)
     if as_json:
         click.echo(json.dumps(rep.to_json(an, sizes if sizes else None, memory=mem), indent=1))

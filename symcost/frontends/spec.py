@@ -27,6 +27,7 @@ SYMBOL_MEANINGS: dict[str, str] = {
     "E": "routed experts of a mixture-of-experts layer",
     "R": "experts each token is routed to (top-k)",
     "T": "tokens already in the KV cache before an inference step (cache length)",
+    "DP": "data-parallel size (ranks the batch, and with --shard the model states, are split over)",
 }
 SYMBOL_ORDER = tuple(SYMBOL_MEANINGS)
 #: Sizes of the step's inputs rather than of the model (never a config symbol): B, S and, for a
@@ -102,7 +103,7 @@ def request_facts(values: Mapping[str, int], symbols) -> dict:
     """
     syms = [s for s in SYMBOL_ORDER if s in symbols and values.get(s) is not None]
     ones = sorted(s for s in syms if s != "L" and values[s] == 1)
-    cfg = [s for s in syms if s not in INPUT_SYMBOLS and s != "L" and values[s] != 1]
+    cfg = [s for s in syms if s not in INPUT_SYMBOLS and s not in ("L", "DP") and values[s] != 1]
     equal = sorted((a, b) for i, a in enumerate(cfg) for b in cfg[i + 1:] if values[a] == values[b])
     return {"ones": ones, "equal": [list(p) for p in equal]}
 

@@ -95,6 +95,10 @@ class Analysis(Totals, Conventions, Serialized):
     step: str = "train"
     kv_cache: str | None = None
     kv_layers: list = field(default_factory=list)
+    # data-parallel traces (symcost.frontends.parallel): the --shard strategy, and each
+    # parameter's shard on one rank: name (folded) -> (shape, dtype, repeat), as param_shapes
+    parallel: str | None = None
+    param_shards: dict[str, tuple] = field(default_factory=dict)
 
     def in_regime(self, **sizes: int) -> bool:
         """Whether ``sizes`` (others at the defaults) run the ops this trace's request ran: the

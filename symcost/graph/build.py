@@ -24,7 +24,7 @@ from symcost.tracing.modules import _fold_name, _layer_of, _rename_block
 from symcost.tracing.regime import digest, regime_signature
 from symcost.tracing.schedule import fit_schedule
 from symcost.graph.analysis import Analysis
-from symcost.graph.ops import PHASES, SymOp
+from symcost.graph.ops import COMM_KINDS, PHASES, SymOp
 
 if TYPE_CHECKING:  # pragma: no cover
     from symcost.tracing.record import OpCall, Recording
@@ -218,7 +218,7 @@ def _align(recs: list[Recording], spec: ModelSpec) -> None:
 def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None = None,
           attention: str | None = None, sizes: Mapping[str, int] | None = None,
           precision: str = "bf16-mixed", n_random: int = 6, seed: int = 0, use_cache: bool = True,
-          step: str | None = None, kv_cache: str = "dynamic") -> Analysis:
+          step: str | None = None, kv_cache: str = "dynamic", shard: str | None = None) -> Analysis:
     """Trace a model's training step (or an inference step) into a symbolic cost graph, in the
     regime of ``sizes``.
 
@@ -262,7 +262,8 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         n_random: random probes in the fit (besides base and one per symbol).
         seed: probe sampling seed.
         use_cache: read and write the trace cache (models given by name, training steps only;
-            the CLI caches inference steps itself).
+            the CLI caches inference steps itself; a data-parallel trace, ``shard``, is not kept
+            there yet).
         step: ``"train"`` (forward, loss, backward), or an inference step through the model's own
             KV cache (:meth:`ModelSpec.for_step`): ``"prefill"`` (S tokens per sequence into an
             empty cache) or ``"decode"`` (S new tokens per sequence, 1 unless ``sizes`` sets S,
@@ -270,6 +271,10 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             a model name).
         kv_cache: the cache class of an inference step, ``"dynamic"`` (``DynamicCache``) or
             ``"static"`` (``StaticCache`` of T + S tokens).
+        shard: data-parallel training, one rank traced: ``ddp``, ``fsdp``, ``zero1``, ``zero2``
+            or ``zero3`` (:data:`symcost.frontends.parallel.SHARDS`); the formulas gain the
+            symbol ``DP`` (the group size; ``sizes["DP"]``, default 8) and the step's
+            collectives (``Analysis.comm_bytes``). None: one device.
 
     Returns:
         An :class:`Analysis` (``pinned``, ``pin_reasons``, ``regime_ties``, ``request_facts``,
@@ -280,7 +285,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         SymcostError: bad model/config, sizes PyTorch rejects (the spec's constraints), an
             untraceable model, an inference step of a model without a KV cache.
     """
-    if use_cache and step is None and not isinstance(model, ModelSpec):
+    if use_cache and step is None and shard is None and not isinstance(model, ModelSpec):
         from symcost.graph.cache import cached_trace
 
         def fresh():
@@ -296,6 +301,12 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
     if step is not None:
         spec = spec.for_step(step, kv_cache)
+    if shard is not None:
+        if spec.step != "train":
+            raise SymcostError(f"--dp/--shard trace a training step, not an inference step ({spec.step})")
+        from symcost.frontends.parallel import data_parallel
+
+        spec = data_parallel(spec, shard)
     sizes = dict(sizes or {})
     if spec.step == "decode":
         sizes.setdefault("S", 1)  # one new token per sequence: S = 1 is pinned, its own regime
@@ -453,6 +464,16 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         sym = tuple(fitter(tuple(r.params[name][0][d] for r in recs), f"size of {name}") for d in range(len(shape)))
         param_shapes[fname] = (sym, dtype, repeat)
         folded_name[name] = fname
+    # a buffer packing parameters (FSDP2's all-gather buffer of a block) is a sum of their sizes
+    fitter.hints = sorted({sympy.expand(sympy.Mul(*sh)) for sh, _, _ in param_shapes.values()}
+                          - {sympy.Integer(1)}, key=sympy.default_sort_key)
+    # data-parallel: each parameter's shard on one rank (FSDP2: dim 0 split over DP ranks)
+    param_shards: dict[str, tuple] = {}
+    for name, shape in ref.param_shards.items():
+        if name in folded_name:
+            sym = tuple(fitter(tuple(r.param_shards[name][d] for r in recs), f"shard of {name}")
+                        for d in range(len(shape)))
+            param_shards[folded_name[name]] = (sym,) + param_shapes[folded_name[name]][1:]
     used, ops_with_param = _matmul_params(ref)
     matmul_params = {folded_name[n] for n in used if n in folded_name}
 
@@ -498,12 +519,18 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
             cost_cache[key] = c
         if family == "unsupported":
             unsupported[op.name] = unsupported.get(op.name, 0) + repeat
+        comm = None
+        if family == "comm":
+            n = SYMS["DP"] if "DP" in symbols else pinned.get("DP", ref.values.get("DP", 1))
+            kind, size, per_rank = rules.comm_volume(_op_view(op, in_shapes, out_shapes, ints), n)
+            comm = (kind, sympy.expand(size), sympy.expand(per_rank))
         ops.append(SymOp(
             index=i, name=op.name, family=family, module=module,
             phase=op.phase, repeat=repeat, in_shapes=in_shapes,
             in_dtypes=[t.dtype for t in op.inputs], out_shapes=out_shapes,
             out_dtypes=[t.dtype for t in op.outputs], cost=c, layer=layer,
             attention=family == "model" and op.phase == "forward" and i not in ops_with_param,
+            comm=comm,
             kv_reads=tuple(getattr(op, "kv_reads", ())), kv_writes=tuple(getattr(op, "kv_writes", ())),
         ))
     # Backward attention matmuls: those of the backward with no parameter gradient involved are
@@ -540,9 +567,12 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         matmul_params=matmul_params, unsupported=unsupported, saved=saved, layer_container=container,
         precision=precision, tied={folded_name.get(k, k): v for k, v in ref.tied.items()},
         recordings=recs, plan=plan, fitter=fitter, role=role,
-        schedule=fit_schedule(recs, fitter, role, container, symbols, spec.name,
-                              lead=0 if "L" in pinned else spec.lead_blocks),
+        # a data-parallel step's storages hold shards (sizes in 1/DP, which the schedule's
+        # polynomial algebra does not take): its per-rank memory is passes.parallel's for now
+        schedule=None if ref.parallel else fit_schedule(recs, fitter, role, container, symbols, spec.name,
+                                                        lead=0 if "L" in pinned else spec.lead_blocks),
         step=spec.step, kv_cache=spec.kv_cache if spec.step != "train" else None, kv_layers=kv_layers,
+        parallel=ref.parallel, param_shards=param_shards,
     )
     an.pinned = pinned
     an.pin_reasons = {k: reasons[k] for k in pinned}
@@ -608,6 +638,15 @@ def concrete_totals(rec: Recording) -> dict[str, int]:
     out["saved"] = sum(s.nbytes for s in rec.saved)
     if rec.step != "train":
         out["kv"] = sum(rec.kv_layers)
+    if rec.parallel is not None:  # bytes of every collective (ring, per rank), by kind
+        for k in COMM_KINDS:
+            out[f"comm.{k}"] = 0
+        for op in rec.ops:
+            if rules.classify(op.op) == "comm":
+                v = _op_view(op, [t.shape for t in op.inputs], [t.shape for t in op.outputs], op.ints)
+                kind, _, per_rank = rules.comm_volume(v, rec.values["DP"])
+                out[f"comm.{kind}"] += per_rank
+        out["shards"] = sum(rules.numel(s) for s in rec.param_shards.values())
     return out
 
 
@@ -639,6 +678,10 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
         got["params"] = an.params.subs(env)
         got["saved"] = sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]).subs(env)
         got["kv"] = an.kv_bytes.subs(env)
+        if an.parallel is not None:
+            for k in COMM_KINDS:
+                got[f"comm.{k}"] = an.comm_bytes(k).subs(env)
+            got["shards"] = an.params_shard.subs(env)
         bad = {k: (int(got[k]), want[k]) for k in want if int(got[k]) != want[k]}
         if bad:
             k, (g, w) = next(iter(bad.items()))

@@ -11,6 +11,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from symcost.graph import rules
 
 PHASES = ("forward", "backward")
+#: kinds of collectives a data-parallel step runs (symcost.graph.rules.COMM_OPS)
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
 
 @dataclass
@@ -30,6 +32,9 @@ class SymOp:
     cost: rules.Cost
     layer: int | None = None
     attention: bool = False  # a matmul-class op with no parameter operand
+    #: a collective (family ``comm``): ``(kind, size, per_rank)``, see
+    #: :func:`symcost.graph.rules.comm_volume` (bytes; the group is the data-parallel group, DP ranks)
+    comm: tuple | None = None
     # an inference step: positions of the inputs that are the KV cache's storages (the recording's
     # ``OpCall.kv_reads``: the cache held before or after the step, read through any view)
     kv_reads: tuple[int, ...] = ()

@@ -425,6 +425,63 @@ MOVE_OPS = {
     "aten.cumsum", "aten.new_tensor", "aten._local_scalar_dense", "aten.unsqueeze_copy",
 }
 MOVE_OPS |= {"aten.index_copy", "aten.index_copy_"}
+MOVE_OPS |= {
+    # FSDP2's copies around its collectives (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
+    # the shards into the all-gather buffer, the gathered buffer out to the parameters, the
+    # gradients into the reduce-scatter buffer
+    "fsdp.all_gather_copy_in", "fsdp.split_with_sizes_copy", "fsdp.chunk_cat",
+}
+#: Collectives: packet -> (kind, where the collective's size is: ("in"|"out", position), or
+#: ("in", "all") for the sum of every tensor input). The size is nccl-tests' ``size`` (the
+#: gathered tensor of an all-gather, the reduced input of a reduce-scatter, the tensor of an
+#: all-reduce); :func:`comm_volume` turns it into bytes per rank.
+COMM_OPS: dict[str, tuple[str, tuple]] = {
+    "c10d._allgather_base_": ("all_gather", ("in", 0)),  # (output, input, group, ...)
+    "c10d.allgather_into_tensor_coalesced_": ("all_gather", ("in", 0)),
+    "_c10d_functional.all_gather_into_tensor": ("all_gather", ("out", 0)),  # (input, group_size, group)
+    "c10d._reduce_scatter_base_": ("reduce_scatter", ("in", 1)),  # (output, input, group, op, ...)
+    "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter", ("in", 0)),
+    "c10d.allreduce_": ("all_reduce", ("in", "all")),  # ([tensors], group, op, ...)
+    "_c10d_functional.all_reduce": ("all_reduce", ("in", 0)),
+    "c10d.broadcast_": ("broadcast", ("in", "all")),
+    "_c10d_functional.wait_tensor": ("wait", None),
+}
+#: bytes each rank sends (and receives) per byte of a collective's size on n ranks, ring
+#: algorithm (nccl-tests doc/PERFORMANCE.md, "bus bandwidth": all-gather and reduce-scatter
+#: (n-1)/n, all-reduce 2(n-1)/n; a pipelined broadcast moves the size once)
+RING_FACTOR = {
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "broadcast": lambda n: 1,
+    "wait": lambda n: 0,
+}
+
+
+def comm_volume(v: OpView, n) -> tuple[str, Any, Any]:
+    """``(kind, size, per_rank)`` of a collective (:data:`COMM_OPS`) on a group of ``n`` ranks.
+
+    ``size`` is the collective's size in bytes as nccl-tests defines it (the all-gathered
+    output, the reduce-scatter input, the all-reduced tensor); ``per_rank`` the bytes each rank
+    sends, equal to those it receives, under the ring algorithm: ``size·(n-1)/n`` for
+    all-gather and reduce-scatter, ``2·size·(n-1)/n`` for all-reduce (nccl-tests'
+    doc/PERFORMANCE.md, bus bandwidth). ``n`` may be a symbol (``DP``).
+
+    Raises:
+        KeyError: ``v`` is no collective.
+    """
+    kind, where = COMM_OPS[str(v.op.overloadpacket)]
+    if where is None:
+        return kind, 0, 0
+    side, pos = where
+    shapes, dtypes = (v.in_shapes, v.in_dtypes) if side == "in" else (v.out_shapes, v.out_dtypes)
+    if pos == "all":
+        size = sum(nbytes(sh, d) for sh, d in zip(shapes, dtypes))
+    else:
+        size = nbytes(shapes[pos], dtypes[pos])
+    return kind, size, sympy.nsimplify(RING_FACTOR[kind](sympy.sympify(n))) * size
+
+
 #: Ops through which a parameter stays "the same weight" (dtype casts by autocast, copies).
 OVERWRITE_OPS = {"aten.copy_", "aten.fill_", "aten.zero_"}
 # torch-free, kept in symcost.graph.opsets (fusion reads them for a cached analysis)
@@ -552,8 +609,13 @@ def bias_positions(op) -> tuple[int, ...]:
 
 
 def classify(op) -> str:
-    """The family of an aten overload: model|view|alloc|move|pointwise|reduction|special|unsupported."""
+    """The family of an aten overload: model|view|alloc|move|pointwise|reduction|special|comm|unsupported.
+
+    ``comm``: a collective (:data:`COMM_OPS`); it costs no FLOPs and no memory traffic here, its
+    bytes over the links are :func:`comm_volume`'s."""
     packet = str(op.overloadpacket)
+    if packet in COMM_OPS:
+        return "comm"
     if str(op) in RULES or packet in RULES or op.overloadpacket in flop_registry:
         return "model"
     if packet in VIEW_OPS or getattr(op, "is_view", False):
@@ -583,7 +645,7 @@ def cost(v: OpView, family: str | None = None) -> Cost:
     """
     family = family or classify(v.op)
     c = flop_cost(v, family)
-    if family not in ("view", "alloc", "unsupported"):
+    if family not in ("view", "alloc", "unsupported", "comm"):
         c.transcendentals = {k: expand_flops(n) for k, n in transcendentals(v).items() if n != 0}
     return c
 
@@ -604,8 +666,10 @@ def flop_cost(v: OpView, family: str | None = None) -> Cost:
     if family == "model":
         fn = RULES.get(str(v.op)) or RULES.get(packet) or _registry_rule
         return fn(v)
-    if family in ("view", "alloc"):
+    if family in ("view", "alloc", "comm"):
         return Cost()
+    if packet == "fsdp.all_gather_copy_in":  # reads the shards, writes them into the buffer
+        return Cost(0, 0, 2 * sum(nbytes(sh, d) for sh, d in zip(v.in_shapes[:-1], v.in_dtypes[:-1])))
     if family == "unsupported":
         return Cost()
     if packet in PARTIAL_WRITES:

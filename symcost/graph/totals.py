@@ -14,7 +14,7 @@ import functools
 import sympy
 
 from symcost.errors import SymcostError
-from symcost.graph.ops import PHASES
+from symcost.graph.ops import COMM_KINDS, PHASES
 
 
 class Totals:
@@ -60,6 +60,27 @@ class Totals:
     def bytes(self, phase: str = "train") -> sympy.Expr:
         """Bytes read + written by all ops of ``phase`` (unfused lower bound), a polynomial."""
         return self._sum("bytes", phase)
+
+    @functools.cache
+    def comm_bytes(self, kind: str = "total", phase: str = "train") -> sympy.Expr:
+        """Bytes one rank sends (= receives) in the step's collectives of ``kind``
+        (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``broadcast`` or ``total``) during
+        ``phase``, ring algorithm (:func:`symcost.graph.rules.comm_volume`); 0 without data
+        parallelism. A polynomial in the symbols and ``DP``."""
+        if kind != "total" and kind not in COMM_KINDS:
+            raise SymcostError(f"unknown collective {kind!r}; accepted: {', '.join(COMM_KINDS)}, total")
+        phases = PHASES if phase == "train" else (phase,)
+        return sympy.expand(sympy.Add(*[
+            op.repeat * op.comm[2] for op in self.ops
+            if op.comm is not None and op.phase in phases and (kind == "total" or op.comm[0] == kind)]))
+
+    @functools.cached_property
+    def params_shard(self) -> sympy.Expr:
+        """Parameter elements one rank holds (its shards; all of them without sharding)."""
+        shards = getattr(self, "param_shards", None) or {}
+        if not shards:
+            return self.params
+        return sympy.expand(sympy.Add(*[rep * sympy.Mul(*sh) for sh, _, rep in shards.values()]))
 
     def _param_total(self, names) -> sympy.Expr:
         return sympy.expand(sympy.Add(*[

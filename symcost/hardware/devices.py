@@ -117,6 +117,12 @@ class Device:
     #: how far a calibrated entry's figures can be trusted (:func:`symcost.hardware.calibrate.calibrate`):
     #: ``contended`` (the machine stayed busy while it was measured) and why; empty for catalogue figures
     quality: Mapping[str, Any] = field(default_factory=dict)
+    #: how the device talks to its peers (data-parallel step time, docs/parallel.md): ``link``
+    #: and ``link_bandwidth`` (scale-up, per device and per direction, byte/s: NVLink's
+    #: bidirectional aggregate halved), ``devices_per_node`` (devices on that link),
+    #: ``network`` and ``network_bandwidth`` (scale-out NIC per device, per direction, byte/s)
+    #: and ``source``; empty where the catalogue gives none
+    interconnect: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def contended(self) -> bool:
@@ -193,6 +199,8 @@ class Device:
             out["measured"] = dict(self.measured)
         if self.quality:
             out["quality"] = dict(self.quality)
+        if self.interconnect:
+            out["interconnect"] = dict(self.interconnect)
         return out
 
 
@@ -240,7 +248,7 @@ def _device(key: str, entry: Mapping, where: str) -> Device:
     if "bandwidth" not in entry:
         raise SymcostError(f"{where} [{key}]: no bandwidth (byte/s)")
     known = set(PRECISIONS) | {"name", "bandwidth", "write_bandwidth", "memory", "source", "date", "notes", "aliases",
-                               "measured", "transcendentals", "serial_passes", "quality"}
+                               "measured", "transcendentals", "serial_passes", "quality", "interconnect"}
     unknown = sorted(set(entry) - known)
     if unknown:
         raise SymcostError(f"{where} [{key}]: unknown field {unknown[0]!r}; accepted: {', '.join(sorted(known))}")
@@ -255,7 +263,29 @@ def _device(key: str, entry: Mapping, where: str) -> Device:
         transcendental_rate=_transcendentals(entry.get("transcendentals"), f"{where} [{key}]"),
         serial_passes=_flag(entry, "serial_passes", f"{where} [{key}]"),
         quality=_quality(entry.get("quality", {}), f"{where} [{key}]"),
+        interconnect=_interconnect(entry.get("interconnect", {}), f"{where} [{key}.interconnect]"),
     )
+
+
+def _interconnect(value, where: str) -> dict:
+    """A device's ``interconnect`` table (:attr:`Device.interconnect`), checked."""
+    if not isinstance(value, Mapping):
+        raise SymcostError(f"{where}: must be a table (link, link_bandwidth, devices_per_node, network, "
+                           "network_bandwidth, source)")
+    known = {"link", "link_bandwidth", "devices_per_node", "network", "network_bandwidth", "source"}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise SymcostError(f"{where}: unknown field {unknown[0]!r}; accepted: {', '.join(sorted(known))}")
+    out = {k: str(value[k]) for k in ("link", "network", "source") if k in value}
+    for k in ("link_bandwidth", "network_bandwidth"):
+        if k in value:
+            out[k] = _number(value, k, where)
+    if "devices_per_node" in value:
+        n = value["devices_per_node"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise SymcostError(f"{where}: devices_per_node must be a positive integer, got {n!r}")
+        out["devices_per_node"] = n
+    return out
 
 
 def _quality(value, where: str) -> dict:

@@ -474,6 +474,62 @@ def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None =
     return res
 
 
+def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) -> dict:
+    """JSON of :func:`symcost.passes.parallel.summary`: ``comm`` {all_gather, reduce_scatter,
+    all_reduce, total} (bytes one rank sends, = receives, per step, ring algorithm) and
+    ``parallel`` {shard, dp, engine, sharded, memory_per_rank {params, grads, optimizer_state,
+    master, total, activations}} (formulas without sizes; with sizes the pass's exact values,
+    FSDP2's padding included, and ``divisible``: whether DP divides every sharded dimension, i.e.
+    whether the formulas hold there as they are)."""
+    vals = summary.get("values") if sizes is not None else None
+
+    def num(v):
+        v = sympy.sympify(v)
+        return int(v) if v.is_integer else float(v)
+
+    if vals is None:
+        return {
+            "comm": {k: fmt(v) for k, v in summary["comm"].items()},
+            "parallel": {"shard": summary["shard"], "dp": "DP" if "DP" in an.symbols else an.pinned.get("DP"),
+                         "engine": summary["engine"], "sharded": summary["label"],
+                         "memory_per_rank": {k: fmt(v) for k, v in summary["memory"].items()}},
+        }
+    return {
+        "comm": {k: num(v) for k, v in vals["comm"].items()},
+        "parallel": {"shard": summary["shard"], "dp": int(vals["dp"]), "engine": summary["engine"],
+                     "sharded": summary["label"], "divisible": bool(vals["divisible"]),
+                     "memory_per_rank": {k: num(v) for k, v in vals["memory"].items()}},
+    }
+
+
+def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width: int | None = None,
+                    step: dict | None = None) -> None:
+    """The data-parallel section of the report: the strategy, bytes over the links per rank and
+    the rank's model states."""
+    c = console(width)
+    js = parallel_json(an, sizes, summary)
+    par = js["parallel"]
+    c.print(f"\n[bold]data parallel[/bold]: --shard {par['shard']} on DP = {par['dp']} ranks; traced "
+            f"{par['engine']}; {par['sharded']}")
+    if par.get("divisible") is False:
+        c.print("DP does not divide every sharded dimension here: the values include the padding of the "
+                "shards (FSDP2: ceil(d0/DP) rows per rank), the formulas do not (docs/parallel.md)")
+    t = Table("per rank, per step", "formula", "value", box=None)
+    for k, v in summary["comm"].items():
+        val = js["comm"][k]
+        t.add_row(f"comm.{k} (sent = received)", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
+    for k, v in summary["memory"].items():
+        val = par["memory_per_rank"][k]
+        t.add_row(f"memory.{k}", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
+    c.print(t)
+    if step is not None:
+        c.print(f"step time per rank: {step['step_seconds'] * 1e3:.3f} ms (compute {step['compute']['forward'] * 1e3:.3f} "
+                f"+ {step['compute']['backward'] * 1e3:.3f} ms, communication {step['comm']['forward'] * 1e3:.3f} + "
+                f"{step['comm']['backward'] * 1e3:.3f} ms over {step['link']} at {step['link_bandwidth'] / 1e9:.0f} GB/s "
+                f"per direction, {step['nodes']} node(s); overlap {step['overlap']}: {step['overlap_model']}); "
+                f"MFU {100 * step['mfu']:.1f}%")
+
+
 def _slots(expr, env):
     """Slots per expert: the formula without sizes; an int at sizes, a float where N·R/E is
     fractional (the balanced average)."""

@@ -32,7 +32,8 @@ import sympy
 
 from symcost.errors import SymcostError
 
-SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in "BSHDLVFKMERNT"}
+SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in ("B", "S", "H", "D", "L", "V", "F",
+                                                                          "K", "M", "E", "R", "N", "T", "DP")}
 
 #: L of the probe recordings the formulas are fitted on, and of the fresh recordings that check them
 FIT_L = 2
@@ -49,7 +50,7 @@ def parse_formula(text: str) -> sympy.Expr:
     return sympy.sympify(text, locals=dict(SYMS))
 
 # Base probe values and one alternate per symbol. L is fixed while fitting (layers fold).
-BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 7, "R": 2, "T": 13}
+BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 7, "R": 2, "T": 13, "DP": 2}
 ALTS = {
     "B": (5, 4, 2),
     "S": (11, 9, 5),
@@ -62,6 +63,7 @@ ALTS = {
     "E": (7, 4, 6),
     "R": (3, 4),
     "T": (17, 10, 6),
+    "DP": (4, 3, 8, 6),
 }
 POOLS = {
     "B": range(2, 10),
@@ -75,6 +77,7 @@ POOLS = {
     "E": range(3, 10),
     "R": range(2, 5),
     "T": range(5, 30),
+    "DP": range(2, 9),
 }
 
 
@@ -356,11 +359,17 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
 #: cubes. A symbol only gets exponent e where the probes hold at least |e| + 1 distinct values
 #: of it (enough to determine it; the exact check on every probe, with two to spare, verifies).
 EXPONENT_STAGES = ((0, 1), (-1, 0, 1), (0, 1, 2), (-1, 0, 1, 2), (0, 1, 2, 3))
-DIVISORS = ("K", "E")  # H/K (query heads per kv head), N·R/E (token slots per expert)
+DIVISORS = ("K", "E", "DP")  # H/K (query heads per kv head), N·R/E (token slots per expert), P/DP (a shard)
+
+
+#: symbols whose exponent is at most 1 in size: DP divides a size (a shard) or multiplies one (a
+#: buffer of DP shards, a split into DP chunks), never twice in one dimension
+LINEAR_ONLY = ("DP",)
 
 
 def _monomials(deps: Sequence[str], exps: Sequence[int]):
-    choices = [[e for e in exps if e >= 0 or s in DIVISORS] for s in deps]
+    choices = [[e for e in exps if (e >= 0 or s in DIVISORS) and (abs(e) <= 1 or s not in LINEAR_ONLY)]
+               for s in deps]
     for combo in itertools.product(*choices):
         yield dict(zip(deps, combo))
 
@@ -375,6 +384,9 @@ class Fitter:
         self.X = {s: np.array([p[s] for p in plan.points], dtype=np.float64) for s in syms}
         self.Xi = {s: [Fraction(p[s]) for p in plan.points] for s in syms}
         self.distinct = {s: len(set(self.Xi[s])) for s in syms}
+        #: sizes a signature may combine where the sparse search fails (build.py sets the
+        #: parameters' sizes: buffers that pack parameters)
+        self.hints: list[sympy.Expr] = []
 
     def __call__(self, sig: tuple[int, ...], what: str = "size") -> sympy.Expr:
         if sig not in self.cache:
@@ -388,6 +400,27 @@ class Fitter:
         deps = [s for s, i in self.plan.axis.items() if sig[i] != base]
         if not deps:  # varies only jointly (should not happen for polynomials): use all symbols
             deps = list(self.plan.axis)
+        if "DP" in deps and len(deps) > 1:
+            # a shard (size/DP) or DP shards (DP·size) of a size in the model's symbols: fit the
+            # size itself (a block's shards sum many monomials, each /DP: too many terms for the
+            # sparse search below)
+            dp = self.Xi["DP"]
+            for e in (-1, 1):
+                scaled = [Fraction(v) / dp[i] ** e for i, v in enumerate(sig)]
+                if any(x.denominator != 1 for x in scaled):
+                    continue
+                try:
+                    inner = self(tuple(int(x) for x in scaled), what)
+                except FitError:
+                    continue
+                if SYMS["DP"] not in inner.free_symbols:
+                    return sympy.expand(inner * SYMS["DP"] ** e)
+        if "DP" in self.plan.symbols and len(deps) > 2:
+            # a data-parallel trace packs parameters into buffers: try their sizes first (the
+            # sparse search below takes seconds per signature before it gives up on such a sum)
+            hinted = self._fit_hints(sig)
+            if hinted is not None:
+                return hinted
         y = np.array(sig, dtype=np.float64)
         n = len(sig)
         for exps in EXPONENT_STAGES:
@@ -420,6 +453,9 @@ class Fitter:
                             * sympy.Mul(*[SYMS[s] ** e for s, e in m.items() if e])
                             for c, m in terms
                         ])
+        hinted = self._fit_hints(sig)
+        if hinted is not None:
+            return hinted
         pts = ", ".join(
             f"{{{', '.join(f'{s}={p[s]}' for s in self.plan.symbols)}}}->{v}"
             for p, v in list(zip(self.plan.points, sig))[:4]
@@ -428,6 +464,41 @@ class Fitter:
             f"a {what} cannot be expressed as a (Laurent) polynomial in {', '.join(self.plan.symbols)} "
             f"(probes: {pts}, ...); symcost will not guess it", deps
         )
+
+    def _fit_hints(self, sig: tuple[int, ...]):
+        """``sig`` as a rational combination of :attr:`hints` (and each hint / DP where DP is a
+        symbol), or None: a buffer that packs several parameters (FSDP2's all-gather buffer of a
+        block) has a size that sums many monomials, more than the sparse search tries, but few
+        parameter sizes. Accepted, as every fit, only if it reproduces every probe exactly with
+        two to spare."""
+        if not self.hints:
+            return None
+        variants = [list(self.hints)]
+        if "DP" in self.plan.symbols:  # shards, then whole and shards mixed
+            variants += [[h / SYMS["DP"] for h in self.hints], list(self.hints) + [h / SYMS["DP"] for h in self.hints]]
+        for exprs in variants:
+            got = self._fit_combination(sig, exprs)
+            if got is not None:
+                return got
+        return None
+
+    def _fit_combination(self, sig: tuple[int, ...], exprs: list):
+        syms = [SYMS[s] for s in self.plan.symbols]
+        fns = [sympy.lambdify(syms, e, "math") for e in exprs]
+        rows = [[p[s] for s in self.plan.symbols] for p in self.plan.points]
+        cols = [np.array([float(f(*r)) for r in rows]) for f in fns]
+        n = len(sig)
+        if n - len(cols) < 2:
+            return None
+        A = np.stack(cols, axis=1)
+        coef, *_ = np.linalg.lstsq(A, np.array(sig, dtype=np.float64), rcond=None)
+        fr = [Fraction(c).limit_denominator(720) for c in coef]
+        expr = sympy.Add(*[sympy.Rational(c.numerator, c.denominator) * e for c, e in zip(fr, exprs) if c != 0])
+        for r, v in zip(rows, sig):
+            got = sympy.nsimplify(expr.subs(dict(zip(syms, r))))
+            if got != v:
+                return None
+        return sympy.expand(expr)
 
     def _column(self, mono: dict[str, int]) -> np.ndarray:
         col = np.ones(len(self.plan.points))

@@ -128,6 +128,10 @@ class Recording:
     step: str = "train"
     kv_layers: list[int] = field(default_factory=list)
     kv_evicted: int = 0
+    # data-parallel recordings (spec.extra["parallel"]): the strategy, and each parameter's shard
+    # on this rank (local shape; ``params`` keeps the global shape)
+    parallel: str | None = None
+    param_shards: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def _module_names(model: nn.Module) -> dict[int, str]:
@@ -202,6 +206,21 @@ class _Recorder(TorchDispatchMode):
         self.preexisting: set[int] = set()
         # record each input's storage key (inference steps: the KV cache's reads, _inference_step)
         self.storage_keys = False
+        self.model: nn.Module | None = None  # set for data-parallel recordings (see leaf_name)
+        self.owners: list[str | None] = []  # record_function regions (see _profiler_label)
+
+    def leaf_name(self, t: torch.Tensor) -> str | None:
+        """The ``param:``/``buffer:``/``input:`` name of a leaf tensor, or None. A parameter
+        object not seen before (FSDP's unsharded parameter, set on its module after the
+        all-gather) is looked up among the model's current parameters."""
+        name = self._leaf_names.get(id(t))
+        if name is None and isinstance(t, nn.Parameter) and self.model is not None:
+            for n, p in self.model.named_parameters(remove_duplicate=False):
+                if p is t:
+                    name = self._leaf_names[id(t)] = f"param:{n}"
+                    weakref.finalize(t, self._leaf_names.pop, id(t), None)
+                    break
+        return name
 
     def tensor_id(self, t: torch.Tensor) -> int:
         key = id(t)
@@ -233,7 +252,26 @@ class _Recorder(TorchDispatchMode):
             del self._storages[key]
             self.events.append(MemoryEvent(len(self.ops), -entry[1], key))
 
+    def _profiler_label(self, func, args, out) -> None:
+        """Follow ``record_function`` regions: FSDP2 labels the work it does for a unit with the
+        unit's module path, ``"FSDP::all_gather (layers.3)"`` (torch/distributed/fsdp/
+        _fully_shard/_fsdp_param_group.py ``_with_fqn``), so its collectives and copies belong to
+        the block whose parameters they move, also when another block's hook prefetches them
+        (the blocks then run the same ops and fold)."""
+        if "enter" in func.__name__:
+            label = args[0] if args and isinstance(args[0], str) else ""
+            owner = None
+            if label.startswith("FSDP::"):
+                head = label.split(" [pg=")[0]
+                owner = head[head.rindex("(") + 1:-1] if head.endswith(")") else ""
+            self.owners.append(owner)
+        elif self.owners:
+            self.owners.pop()
+
     def current_module(self) -> str:
+        owner = next((o for o in reversed(self.owners) if o is not None), None)
+        if owner is not None:
+            return owner
         if self.phase == "forward":
             return self.module_stack[-1]
         if self.phase == "optimizer":
@@ -253,6 +291,9 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = _dispatch_unaliased(func, args, kwargs)
+        if func.namespace == "profiler":
+            self._profiler_label(func, args, out)
+            return out
         if func.namespace == "prim":
             return out
         flat, spec = tree_flatten((args, kwargs))
@@ -261,7 +302,7 @@ class _Recorder(TorchDispatchMode):
             if isinstance(a, torch.Tensor):
                 tree.append(TensorRef(len(inputs)))
                 inputs.append(
-                    TensorInfo(tuple(a.shape), a.dtype, self.tensor_id(a), self._leaf_names.get(id(a)),
+                    TensorInfo(tuple(a.shape), a.dtype, self.tensor_id(a), self.leaf_name(a),
                                _storage_key(a) if self.storage_keys else None)
                 )
             elif isinstance(a, int) and not isinstance(a, bool):
@@ -481,18 +522,32 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
         layers = find_layer_container(spec, model, values)
 
     param_dtype, autocast = precision_context(precision)
+    parallel = spec.extra.get("parallel")
+    if parallel is not None:
+        from symcost.frontends.parallel import fake_group, wrap
+
+        if param_dtype != torch.float32:
+            model.to(param_dtype)  # on the meta device, before the parameters become DTensors
+        wrap(model, layers, parallel, fake_group(values["DP"]))
     with fake:
-        materialize(model, torch.device("cpu"), param_dtype)
+        if parallel is None:
+            materialize(model, torch.device("cpu"), param_dtype)
+        else:
+            model.to_empty(device=torch.device("cpu"))
         leaf_names: dict[int, str] = {}
         params: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         param_module: dict[str, str] = {}
         tied: dict[str, list[str]] = {}
+        param_shards: dict[str, tuple[int, ...]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) in leaf_names:  # a tied alias: counted once, under its first name
                 tied.setdefault(leaf_names[id(p)][6:], []).append(name)
                 continue
             leaf_names[id(p)] = f"param:{name}"
             params[name] = (tuple(p.shape), p.dtype)
+            if parallel is not None:
+                local = p.to_local() if hasattr(p, "to_local") else p
+                param_shards[name] = tuple(local.shape)
             param_module[name] = name.rpartition(".")[0]
         buffers: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         buffer_storages: set[int] = set()
@@ -503,7 +558,7 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
                 buffer_storages.add(bkey)
                 buffers[name] = (tuple(b.shape), b.dtype)
         static_storages = {
-            StorageWeakRef(t.untyped_storage()).cdata
+            StorageWeakRef(_local(t).untyped_storage()).cdata
             for t in list(model.parameters()) + list(model.buffers())
         }
         kv_layers = None
@@ -533,6 +588,8 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
 
         rec = _Recorder(leaf_names)
         rec.param_module = param_module
+        if parallel is not None:
+            rec.model = model
         rec.preexisting = static_storages | set(input_storages)
         saved: list[SavedTensor] = []
 
@@ -548,8 +605,8 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
             st = t.untyped_storage()
             ref = StorageWeakRef(st)
             key = ref.cdata
-            if key in static_storages:
-                return t
+            if key in static_storages or (parallel is not None and (rec.leaf_name(t) or "").startswith("param:")):
+                return t  # a parameter (FSDP's unsharded one included) or buffer
             if key not in seen_saved:
                 saved_refs.append(ref)
                 seen_saved[key] = SavedTensor(st.nbytes(), t.dtype, rec.module_stack[-1], tuple(t.shape))
@@ -612,5 +669,9 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
             h2.remove()
     return Recording(values, rec.ops, params, param_module, saved, layers, rec.events,
                      n_forward, n_backward, precision, tied, buffers, sum(input_storages.values()),
-                     events_end, spec.step, kv[0], kv[1])
+                     events_end, spec.step, kv[0], kv[1], parallel, param_shards)
 
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's sharded parameters), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t

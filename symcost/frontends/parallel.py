@@ -1,0 +1,158 @@
+"""Data-parallel and sharded training of a :class:`ModelSpec`: which PyTorch engine wraps the
+model, per block, for each ``--shard`` strategy (docs/parallel.md).
+
+A data-parallel spec is the model's own spec with one more symbol, ``DP`` (the data-parallel
+group size: ranks the batch, and for sharded strategies the parameters, gradients and optimizer
+state, are split over), and ``extra["parallel"]`` naming the strategy. The recorder
+(:mod:`symcost.tracing.record`) builds it on a fake process group of world size ``DP``
+(``torch.testing._internal.distributed.fake_pg``) and wraps every block of the model, then the
+root, the way torchtitan and accelerate do:
+
+========  ====================================================================================
+shard     engine recorded (one rank), and what the memory policy adds
+========  ====================================================================================
+ddp       ``torch.distributed._composable.replicate_with_fsdp.replicate`` per block: PyTorch's
+          DDP on the FSDP2 engine, one gradient all-reduce per block (classic
+          ``DistributedDataParallel``'s C++ reducer cannot run on fake tensors; it buckets
+          the same gradient bytes into 25 MiB buckets instead of one bucket per block)
+fsdp      ``fully_shard(reshard_after_forward=True)`` per block (FSDP2; ZeRO-3)
+zero3     the same as ``fsdp``
+zero2     ``fully_shard(reshard_after_forward=False)`` per block: FSDP2's ZeRO-2-like mode
+          (parameters stay unsharded from forward to backward; no second all-gather). Model
+          states follow DeepSpeed's ZeRO-2 (gradients and optimizer state sharded, parameters
+          replicated) as a labelled memory policy
+zero1     the ``ddp`` trace (all-reduce: the same bytes as ZeRO-1's reduce-scatter +
+          all-gather); model states follow DeepSpeed's ZeRO-1 (optimizer state sharded) as a
+          labelled memory policy: PyTorch has no exact counterpart (``ZeroRedundancyOptimizer``
+          is the closest)
+========  ====================================================================================
+
+Torch is imported only inside the functions that need it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping
+
+from symcost.errors import SymcostError
+
+#: strategy -> (engine traced, reshard_after_forward or None, what is sharded for model states)
+SHARDS: dict[str, tuple[str, bool | None, str]] = {
+    "ddp": ("replicate", None, "nothing sharded (DDP)"),
+    "zero1": ("replicate", None, "optimizer state sharded (ZeRO-1, a memory policy on the DDP trace)"),
+    "zero2": ("fully_shard", False, "gradients and optimizer state sharded (ZeRO-2, a memory policy on "
+                                    "FSDP2 reshard_after_forward=False)"),
+    "zero3": ("fully_shard", True, "parameters, gradients and optimizer state sharded (ZeRO-3 = FSDP2 "
+                                   "reshard_after_forward=True)"),
+    "fsdp": ("fully_shard", True, "parameters, gradients and optimizer state sharded (FSDP2, "
+                                  "reshard_after_forward=True)"),
+}
+
+
+def check_shard(shard: str) -> str:
+    """``shard`` if it is a known strategy (:data:`SHARDS`).
+
+    Raises:
+        SymcostError: an unknown strategy (the message lists the accepted ones).
+    """
+    if shard not in SHARDS:
+        raise SymcostError(f"unknown --shard {shard!r}; accepted: {', '.join(SHARDS)}")
+    return shard
+
+
+def data_parallel(spec, shard: str):
+    """The :class:`~symcost.frontends.spec.ModelSpec` of ``spec`` trained data-parallel with
+    ``shard`` over ``DP`` ranks: symbols + ``DP``, ``extra["parallel"] = shard``.
+
+    Probes (never requests) must have ``DP`` (and 4) divide the first dimension of every parameter:
+    FSDP2 shards each parameter on dim 0 into ``ceil(d0/DP)`` rows and pads, so sizes are
+    polynomial in ``DP`` only there (``probe_check``); the formulas then say ``/DP``, exact
+    where DP divides the sharded dims (a request that does not is padded by at most
+    ``DP - 1`` rows per parameter, docs/parallel.md).
+
+    Raises:
+        SymcostError: an unknown ``shard``.
+    """
+    check_shard(shard)
+    if "DP" in spec.symbols:
+        return spec
+    inner_probe = spec.probe_check
+
+    def probe_check(values: Mapping[str, int]):
+        why = inner_probe(values) if inner_probe else None
+        if why or "DP" not in values:
+            return why
+        return _indivisible(spec, values)
+
+    defaults = dict(spec.defaults, DP=spec.defaults.get("DP", 8))
+    return dataclasses.replace(
+        spec, name=spec.name, symbols=tuple(spec.symbols) + ("DP",), defaults=defaults,
+        probe_check=probe_check, extra={**spec.extra, "parallel": shard},
+    )
+
+
+_DIV_CACHE: dict = {}
+
+
+def _indivisible(spec, values: Mapping[str, int]) -> str | None:
+    """Why ``DP`` does not divide the first dimension of every parameter (built on the meta
+    device), or None."""
+    key = (spec.name, tuple(sorted(values.items())))
+    if key not in _DIV_CACHE:
+        import torch
+
+        with torch.device("meta"):
+            model = spec.build({k: v for k, v in values.items() if k != "DP"})
+        dp = values["DP"]
+        # a multiple of lcm(DP, 4): then DP = 2 and 4 both divide the base probe's dimensions, so
+        # DP can vary alone from it (fit.plan_probes)
+        m = math.lcm(dp, 4)
+        bad = [n for n, p in model.named_parameters() if p.dim() and p.shape[0] % m]
+        _DIV_CACHE[key] = f"dim 0 of {bad[0]} is no multiple of lcm(DP={dp}, 4)" if bad else None
+    return _DIV_CACHE[key]
+
+
+def fake_group(world_size: int):
+    """A 1-D ``DeviceMesh`` of ``world_size`` CPU ranks on PyTorch's fake process group (rank 0;
+    collectives run no communication). Re-initialises the default group when its size differs.
+    Call it outside ``FakeTensorMode`` (the mesh reads a real tensor)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized() and (dist.get_world_size() != world_size or dist.get_backend() != "fake"):
+        dist.destroy_process_group()
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    return init_device_mesh("cpu", (world_size,))
+
+
+def wrap(model, layers: str | None, shard: str, mesh):
+    """Wrap ``model`` in place for ``shard`` (:data:`SHARDS`): each child of the ``layers``
+    container (the L blocks), then the root, as torchtitan does. Returns the model.
+
+    Raises:
+        SymcostError: PyTorch refuses to wrap the model (its message, one line).
+    """
+    engine, reshard, _ = SHARDS[check_shard(shard)]
+    if engine == "replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        def apply(m, root):
+            replicate(m, mesh=mesh)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        def apply(m, root):
+            # the root's parameters stay unsharded after forward (FSDP2 and torchtitan's default)
+            fully_shard(m, mesh=mesh, reshard_after_forward=False if root else reshard)
+    try:
+        if layers is not None:
+            for block in model.get_submodule(layers).children():
+                apply(block, False)
+        apply(model, True)
+    except Exception as e:  # noqa: BLE001
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SymcostError(f"wrapping the model for --shard {shard} failed: {msg}") from e
+    return model

@@ -1,0 +1,272 @@
+"""Data-parallel training per rank: collective bytes and model-state memory of one rank
+(docs/parallel.md).
+
+The collectives come from the traced graph (``Analysis.comm_bytes``: every all-gather,
+reduce-scatter and all-reduce PyTorch's engine dispatched, ring bytes per rank). The model
+states (parameters, gradients, optimizer state, master weights) follow the precision policy
+(:mod:`symcost.passes.memory.policies`) and what the strategy shards: Rajbhandari et al. 2020,
+"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", section 5 and Table 1:
+with Ψ parameters, K bytes of optimizer state per parameter and N_d ranks, per rank
+
+* DDP (baseline): (2 + 2 + K)·Ψ
+* ZeRO-1 (P_os): 2Ψ + 2Ψ + K·Ψ/N_d
+* ZeRO-2 (P_os+g): 2Ψ + (2 + K)·Ψ/N_d
+* ZeRO-3 (P_os+g+p), FSDP: (2 + 2 + K)·Ψ/N_d
+
+here with the policy's bytes in place of 2, 2 and K (mixed precision with fp32 master weights
+and Adam, ``bf16-true-fp32-master``: 2, 2 and 4 + 4·2 = 12, the paper's numbers). For FSDP/ZeRO-3
+traced with ``fully_shard`` the elements a rank holds are the traced DTensor shards
+(``Analysis.params_shard``, P/DP where DP divides the sharded dims); ZeRO-1 and ZeRO-2 are
+memory policies (DeepSpeed partitions flat buffers evenly: P/DP).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import sympy
+
+from symcost.errors import SymcostError
+from symcost.frontends.parallel import SHARDS, check_shard
+from symcost.graph.ops import COMM_KINDS
+from symcost.passes.memory.policies import OPTIMIZERS, policy as get_policy
+from symcost.tracing.fit import SYMS
+
+#: which model states each strategy shards over the DP ranks
+SHARDED: dict[str, tuple[str, ...]] = {
+    "ddp": (),
+    "zero1": ("optimizer_state", "master"),
+    "zero2": ("grads", "optimizer_state", "master"),
+    "zero3": ("params", "grads", "optimizer_state", "master"),
+    "fsdp": ("params", "grads", "optimizer_state", "master"),
+}
+
+
+def model_state_bytes(P, DP, shard: str, precision: str = "bf16-true-fp32-master",
+                      optimizer: str = "adamw", P_shard=None) -> dict[str, Any]:
+    """Bytes of model states one rank holds: ``params``, ``grads``, ``optimizer_state``,
+    ``master`` and ``total``.
+
+    Args:
+        P: parameter count (an int or a formula).
+        DP: data-parallel size (an int or the symbol DP).
+        shard: ``ddp``, ``zero1``, ``zero2``, ``zero3`` or ``fsdp``.
+        precision: a precision policy (bytes per element of weights, gradients, optimizer
+            state and master weights).
+        optimizer: a ``torch.optim``-style optimizer with full-shape state (Adam(W): 2 moments,
+            SGD with momentum: 1); the 4-byte step counters are left out.
+        P_shard: elements of a sharded tensor set on one rank (default P/DP; the traced FSDP2
+            shards for ``fsdp``/``zero3``).
+
+    Returns:
+        The four components and their ``total`` (ints or formulas in bytes). Formula:
+        Rajbhandari et al. 2020, section 5.1 and Table 1 (module docstring).
+
+    Raises:
+        SymcostError: an unknown strategy, policy or optimizer, or Adafactor (its factored
+            state is per tensor shape, not per parameter; not modelled per rank yet).
+    """
+    check_shard(shard)
+    pol = get_policy(precision)
+    if optimizer not in OPTIMIZERS:
+        raise SymcostError(f"unknown optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+    opt = OPTIMIZERS[optimizer]
+    if opt.factored:
+        raise SymcostError(f"--optimizer {optimizer}: the per-rank state of a factored optimizer is not "
+                           "modelled with --dp yet; use adamw, adam or sgd")
+    per = {"params": pol.param, "grads": pol.grad, "optimizer_state": pol.state * opt.full,
+           "master": pol.master}
+    share = P_shard if P_shard is not None else sympy.sympify(P) / DP
+    out = {k: b * (share if k in SHARDED[shard] else P) for k, b in per.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _units(an) -> list[str]:
+    """The FSDP2 units of a ``fully_shard`` trace (folded module names; ``""`` the root), longest
+    first: the modules its all-gathers and reduce-scatters belong to."""
+    return sorted({op.module for op in an.ops if op.comm is not None and op.comm[0] in ("all_gather", "reduce_scatter")},
+                  key=len, reverse=True)
+
+
+def _owner(name: str, units: list[str]) -> str | None:
+    return next((u for u in units if u == "" or name.startswith(u + ".")), None)
+
+
+def padded(an, env: Mapping) -> dict[str, Any]:
+    """Exact per-rank values at concrete sizes ``env`` (symbol -> int) with FSDP2's padding:
+    ``fully_shard`` gives every rank ``ceil(d0/DP)`` rows of a parameter with ``d0`` rows
+    (``torch.chunk``, the last ranks padded; torch/distributed/fsdp/_fully_shard/_fsdp_param.py),
+    so a unit's all-gather and reduce-scatter move ``DP·Σ ceil(d0/DP)·rest`` elements, not the
+    ``Σ d0·rest`` of the fitted formulas (equal where DP divides every d0).
+
+    Returns:
+        ``params_shard`` (elements rank 0 holds) and ``comm`` {kind: bytes per rank, ring},
+        each a sympy Rational/Integer; for a ``replicate`` (DDP) trace, the formulas evaluated.
+    """
+    env = {SYMS[str(k)] if not isinstance(k, sympy.Symbol) else k: v for k, v in env.items()}
+    dp = env.get(SYMS["DP"], an.pinned.get("DP", 1))
+    comm = {k: sympy.Integer(0) for k in COMM_KINDS if k != "broadcast"}
+    if SHARDS[an.parallel][0] != "fully_shard":
+        for k in comm:
+            comm[k] = sympy.sympify(an.comm_bytes(k)).xreplace(env)
+        return {"params_shard": sympy.sympify(an.params_shard).xreplace(env), "comm": comm}
+    units = _units(an)
+    whole: dict[str, Any] = {u: 0 for u in units}
+    pad: dict[str, Any] = {u: 0 for u in units}
+    shard = 0
+    for name, (shape, _, rep) in an.param_shapes.items():
+        dims = [int(sympy.sympify(d).xreplace(env)) for d in shape]
+        r = int(sympy.sympify(rep).xreplace(env))
+        rest = math.prod(dims[1:])
+        rows = -(-dims[0] // dp) if dims else 1
+        u = _owner(name, units)
+        if u is not None:
+            whole[u] += r * math.prod(dims)
+            pad[u] += r * dp * rows * rest
+        shard += r * rows * rest
+    for op in an.ops:
+        if op.comm is None or op.comm[0] not in comm:
+            continue
+        n = int(sympy.sympify(op.repeat).xreplace(env))
+        val = sympy.sympify(op.comm[2]).xreplace(env)
+        u = op.module if op.module in whole else None
+        if u is not None and whole[u]:  # every unit a folded op stands for pads alike
+            val = val * sympy.Rational(pad[u], whole[u])
+        comm[op.comm[0]] += n * val
+    return {"params_shard": sympy.Integer(shard), "comm": comm}
+
+
+def summary(an, precision: str | None = None, optimizer: str = "adamw",
+            sizes: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """One rank of a data-parallel trace (``symcost.trace(..., shard=...)``): formulas in the
+    symbols and ``DP``.
+
+    Returns:
+        ``shard``, ``engine`` (what was traced) and ``label`` (what is sharded),
+        ``comm`` (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``total``: bytes each rank
+        sends, equal to those it receives, per step, ring algorithm), ``memory`` (per-rank
+        model states, :func:`model_state_bytes`, plus ``activations``: the bytes autograd saves
+        on the rank, from the trace); with ``sizes``, also ``values``: the same at those sizes,
+        exact with FSDP2's padding (:func:`padded`) where DP does not divide a dimension.
+
+    Raises:
+        SymcostError: ``an`` is no data-parallel trace.
+    """
+    if an.parallel is None:
+        raise SymcostError("this trace is of one device; trace with --dp N (shard=...) for data parallelism")
+    shard = an.parallel
+    DP = sympy.Symbol("DP", positive=True, integer=True) if "DP" in an.symbols else an.pinned.get("DP", 1)
+    comm = {k: an.comm_bytes(k) for k in COMM_KINDS if k != "broadcast"}
+    comm["total"] = an.comm_bytes("total")
+    traced_shards = SHARDS[shard][0] == "fully_shard" and "params" in SHARDED[shard]
+    mem = model_state_bytes(an.params, DP, shard, precision or an.precision, optimizer,
+                            an.params_shard if traced_shards else None)
+    mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
+    engine, reshard, label = SHARDS[shard]
+    engine = {"replicate": "torch.distributed._composable.replicate_with_fsdp.replicate (DDP) per block",
+              "fully_shard": f"torch.distributed.fsdp.fully_shard(reshard_after_forward={reshard}) per block"}[engine]
+    out = {"shard": shard, "engine": engine, "label": label, "comm": comm, "memory": mem}
+    if sizes is not None:
+        env = an.bind(**sizes)
+        ev = padded(an, env)
+        vcomm = dict(ev["comm"])
+        vcomm["total"] = sum(vcomm.values())
+        dp = env.get(SYMS["DP"], an.pinned.get("DP", 1))
+        P = int(sympy.sympify(an.params).xreplace(env))
+        # DeepSpeed's ZeRO-1/2 partitions pad the flat buffer to a multiple of DP: ceil(P/DP) each
+        share = ev["params_shard"] if traced_shards else -(-P // dp)
+        vmem = model_state_bytes(P, dp, shard, precision or an.precision, optimizer, share)
+        vmem["activations"] = mem["activations"].xreplace(env)
+        fsdp_sharded = SHARDS[shard][0] == "fully_shard"
+        out["values"] = {"comm": vcomm, "memory": vmem, "dp": dp,
+                         "divisible": (ev["params_shard"] if fsdp_sharded else share) * dp == P}
+    return out
+
+
+#: how much communication hides under compute (docs/parallel.md, "Step time")
+OVERLAPS = {
+    "none": "collectives run after one another with compute (nothing hidden)",
+    "backward": "the backward's collectives (gradient reduce-scatter / all-reduce, FSDP2's backward "
+                "all-gathers, issued ahead by its prefetch) hide under the backward compute; the "
+                "forward's all-gathers are exposed",
+    "full": "every collective hides under compute (the step is the longer of the two)",
+}
+
+
+def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str = "backward",
+              nodes: int | None = None, devices_per_node: int | None = None, fused: bool = True) -> dict[str, Any]:
+    """One rank's step time on ``device``: the roofline's compute (per phase,
+    :func:`symcost.passes.roofline.roofline`) plus the communication the ``overlap`` model does
+    not hide, and the rank's MFU.
+
+    Communication time is a phase's bytes per rank (:func:`padded`: ring algorithm, FSDP2's
+    padding included) over the per-direction bandwidth of the slowest link the ring crosses:
+    the scale-up link (NVLink) when the DP ranks fit in one node, else the per-device network
+    (a ring over nodes passes every node boundary through one NIC per device; nccl-tests' bus
+    bandwidth is measured against exactly this figure).
+
+    Args:
+        an: a data-parallel trace.
+        device: a :class:`~symcost.hardware.devices.Device` with an ``interconnect`` table.
+        sizes: symbol values (DP among them).
+        overlap: ``none``, ``backward`` or ``full`` (:data:`OVERLAPS`).
+        nodes, devices_per_node: the cluster (default: DP ranks on as few nodes of the device's
+            ``devices_per_node`` as hold them).
+        fused: the roofline's fused bytes (a compiled step) or not.
+
+    Returns:
+        ``compute`` {forward, backward}, ``comm`` {forward, backward} (seconds), ``bytes``
+        {forward, backward}, ``link``, ``link_bandwidth``, ``nodes``, ``overlap``, ``step_seconds``,
+        ``exposed_comm_seconds`` and ``mfu`` (model FLOPs / (step time × peak)).
+
+    Raises:
+        SymcostError: not a data-parallel trace, an unknown overlap, a device without an
+            interconnect, a cluster that does not hold DP ranks.
+    """
+    from symcost.passes.roofline import roofline, training_precision
+
+    if an.parallel is None:
+        raise SymcostError("step time over links needs a data-parallel trace (--dp N)")
+    if overlap not in OVERLAPS:
+        raise SymcostError(f"unknown --overlap {overlap!r}; accepted: {', '.join(OVERLAPS)}")
+    ic = device.interconnect
+    if not ic.get("link_bandwidth"):
+        raise SymcostError(f"{device.key} lists no interconnect; add an [{device.key}.interconnect] table "
+                           "(link_bandwidth, devices_per_node, network_bandwidth) with --devices-file")
+    env = an.bind(**(sizes or {}))
+    dp = int(env.get(SYMS["DP"], an.pinned.get("DP", 1)))
+    per_node = devices_per_node or ic.get("devices_per_node") or dp
+    nodes = nodes or -(-dp // per_node)
+    if nodes * per_node < dp:
+        raise SymcostError(f"{nodes} node(s) of {per_node} devices do not hold DP = {dp} ranks")
+    if nodes > 1 and not ic.get("network_bandwidth"):
+        raise SymcostError(f"{device.key} lists no network_bandwidth for a ring over {nodes} nodes")
+    if nodes > 1:
+        link, bw = ic.get("network", "network"), ic["network_bandwidth"]
+    else:
+        link, bw = ic.get("link", "link"), ic["link_bandwidth"]
+    r = roofline(an, device, {str(k): v for k, v in env.items()}, fused=fused)
+    compute = {ph: r["per_phase"].get(ph, {}).get("seconds", 0.0) for ph in ("forward", "backward")}
+    exact = padded(an, env)
+    whole = {k: sympy.sympify(an.comm_bytes(k)).xreplace(env) for k in exact["comm"]}
+    nbytes = {}
+    for ph in ("forward", "backward"):
+        tot = 0
+        for k in exact["comm"]:  # each kind's padded total, split over the phases as the formulas split it
+            part = sympy.sympify(an.comm_bytes(k, ph)).xreplace(env)
+            tot += part * (exact["comm"][k] / whole[k]) if whole[k] else 0
+        nbytes[ph] = float(tot)
+    comm = {ph: b / bw for ph, b in nbytes.items()}
+    if overlap == "none":
+        step = sum(compute.values()) + sum(comm.values())
+    elif overlap == "backward":
+        step = compute["forward"] + comm["forward"] + max(compute["backward"], comm["backward"])
+    else:
+        step = max(sum(compute.values()), sum(comm.values()))
+    peak, _ = device.peak_for(training_precision(an))
+    model_flops = r["model_flops"]
+    return {"compute": compute, "comm": comm, "bytes": nbytes, "link": link, "link_bandwidth": bw,
+            "nodes": nodes, "devices_per_node": per_node, "overlap": overlap, "overlap_model": OVERLAPS[overlap],
+            "step_seconds": step, "exposed_comm_seconds": step - sum(compute.values()),
+            "mfu": model_flops / (step * peak) if step else 0.0, "source": ic.get("source", "")}
