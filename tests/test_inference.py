@@ -21,6 +21,7 @@ import random
 import pytest
 import sympy
 import torch
+from test_moe import balanced_router  # the stated routing model on the real run
 from torch.utils.flop_counter import FlopCounterMode
 
 import symcost
@@ -34,30 +35,10 @@ def traced_step(model: str, step: str, kv_cache: str = "dynamic", config: tuple 
     return _traced(model, step, kv_cache, tuple(config), tuple(sizes), precision, attention)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _traced(model, step, kv_cache, config, sizes, precision, attention):
     return symcost.trace(model, dict(config), attention, sizes=dict(sizes), precision=precision, step=step,
                          kv_cache=kv_cache)
-
-
-@contextlib.contextmanager
-def balanced_router():
-    """Every router's top-k over ``[N, E]`` probabilities becomes the balanced assignment (token n's
-    k-th choice is expert (n·R + k) mod E), as symcost's stated routing model (docs/moe.md)."""
-    orig = torch.topk
-
-    def topk(x, k, dim=-1, largest=True, sorted=True):
-        if x.dim() == 2 and dim in (-1, 1) and x.shape[-1] >= k:
-            n, e = x.shape
-            idx = (torch.arange(n * k, device=x.device) % e).view(n, k)
-            return torch.return_types.topk((x.gather(-1, idx), idx))
-        return orig(x, k, dim=dim, largest=largest, sorted=sorted)
-
-    torch.topk = topk
-    try:
-        yield
-    finally:
-        torch.topk = orig
 
 
 def full_values(an, sizes):
