@@ -29,9 +29,8 @@ from dataclasses import dataclass
 
 import pytest
 import sympy
+import test_real_configs
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
 
 import symcost
 from symcost.errors import SymcostError
@@ -153,7 +152,7 @@ def test_hand_count_is_the_publication(name):
 # -- the traces ----------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trace(name: str, sizes: tuple = tuple(REQUEST.items())):
     t = time.perf_counter()
     an = symcost.trace(_path(name), sizes=dict(sizes), precision="fp32", attention="eager")
@@ -169,21 +168,9 @@ def _full(spec, **sizes) -> dict[str, int]:
 
 def fake_flops(spec, values: dict[str, int]) -> dict[str, int]:
     """FlopCounterMode's forward (with the loss) and backward of one step of the model ``spec``
-    builds at ``values``, on fake tensors (full widths allocate nothing), with transformers'
-    ``batched_mm`` experts (every routed slot through its expert: routing-independent FLOPs)."""
-    with torch.device("meta"):
-        model = spec.build(values)
-    model.train()
-    model.set_experts_implementation("batched_mm")
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model = model.to_empty(device="cpu")
-        ids = torch.randint(0, values["V"], (values["B"], values["S"]))
-        with FlopCounterMode(display=False) as fwd:
-            loss = model(input_ids=ids, labels=ids).loss
-        with FlopCounterMode(display=False) as bwd:
-            loss.backward()
-    f, b = fwd.get_total_flops(), bwd.get_total_flops()
-    return {"flops.forward": f, "flops.backward": b, "flops.train": f + b}
+    builds at ``values``, on fake tensors, with transformers' ``batched_mm`` experts (every routed
+    slot through its expert: routing-independent FLOPs)."""
+    return test_real_configs.fake_flops(spec, values, experts="batched_mm")
 
 
 def _lookup(an) -> sympy.Expr:
@@ -252,6 +239,7 @@ def test_v3_leading_blocks_fold_and_memory():
     real CPU step: activations == saved_tensors_hooks, the peak == torch.profiler's (AdamW
     foreach), at L = 4 (one MoE block) and L = 6."""
     import memory_oracle as oracle
+
     from symcost.passes.memory import memory_model
 
     an = _trace("deepseek-v3")

@@ -40,12 +40,16 @@ MOE_CONFIGS = [p for p in ALL_CONFIGS if _routed_experts(p)]
 SIZES = ({"B": 2, "S": 16, "L": 2}, {"B": 3, "S": 24, "L": 3})
 
 
-def fake_flops(spec, values: dict[str, int]) -> dict[str, int]:
+def fake_flops(spec, values: dict[str, int], experts: str | None = None) -> dict[str, int]:
     """FlopCounterMode's forward (forward + the model's loss) and backward totals for the model
-    ``spec`` builds at ``values``, run on fake CPU tensors (no memory: full-width configs fit)."""
+    ``spec`` builds at ``values``, run on fake CPU tensors (no memory: full-width configs fit).
+    ``experts``: a transformers experts implementation to set first (an MoE's ``batched_mm``:
+    every routed slot through its expert, FLOPs independent of the routing)."""
     with torch.device("meta"):
         model = spec.build(values)
     model.train()
+    if experts is not None:
+        model.set_experts_implementation(experts)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model.to_empty(device="cpu")
         ids = torch.randint(0, values["V"], (values["B"], values["S"]))
