@@ -65,8 +65,9 @@ def _storages(tensors) -> dict[int, int]:
     return out
 
 
-def saved_bytes(spec, sizes, precision) -> int:
-    """Bytes autograd saves for backward in one forward + loss (real tensors, train mode)."""
+def saved_bytes(spec, sizes, precision, with_loss: bool = True) -> int:
+    """Bytes autograd saves for backward in one forward + loss (real tensors, train mode);
+    ``with_loss=False``: the model's forward alone."""
     model, args, kwargs, ctx = build(spec, sizes, precision)
     static = set(_storages(list(model.parameters()) + list(model.buffers())))
     seen: dict[int, int] = {}
@@ -82,7 +83,7 @@ def saved_bytes(spec, sizes, precision) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with ctx():
             out = model(*args, **kwargs)
-            loss = spec.loss(out, (args, kwargs))
+            loss = spec.loss(out, (args, kwargs)) if with_loss else None
     del out, loss
     return sum(seen.values())
 

@@ -14,10 +14,10 @@ import random
 import re
 
 import pytest
+from conftest import random_sizes, run_cli
+from memory_oracle import saved_bytes, step_peak
 
 import symcost
-from conftest import random_sizes, run_cli
-from memory_oracle import _storages, build, step_peak
 from symcost.passes import memory
 
 STATIC = ("params", "optimizer", "master_weights", "buffers", "inputs")
@@ -33,22 +33,7 @@ def model_saved_bytes(spec, sizes) -> int:
     """Bytes autograd saves for backward during the model's forward (real tensors, fp32,
     saved_tensors_hooks), the loss's left out: the backward starts with the loss, so all of them
     are still live when it does."""
-    import torch
-
-    model, args, kwargs, ctx = build(spec, sizes, "fp32")
-    static = set(_storages(list(model.parameters()) + list(model.buffers())))
-    seen, keep = {}, []
-
-    def pack(t):
-        keep.append(t)  # keeps every storage alive, so data pointers stay unique
-        st = t.untyped_storage()
-        if st.nbytes() and st.data_ptr() not in static:
-            seen.setdefault(st.data_ptr(), st.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(*args, **kwargs)
-    return sum(seen.values())
+    return saved_bytes(spec, sizes, "fp32", with_loss=False)
 
 
 @pytest.mark.heavy
