@@ -171,20 +171,28 @@ def test_python_trace_reads_and_writes_the_cache(cache_dir, capsys, monkeypatch)
     assert bypass.recordings and sorted(cache_dir.rglob("*.json")) == entries  # nothing written
 
 
+#: runs ``symcost ARGS`` in a fresh interpreter and prints whether torch was imported, on stderr
+_PROBE = ("import sys, runpy; sys.argv = ['symcost'] + sys.argv[1:]\n"
+          "try:\n    runpy.run_module('symcost.cli', run_name='__main__')\n"
+          "except SystemExit as e:\n    assert not e.code, e.code\n"
+          "print('torch' in sys.modules, file=sys.stderr)")
+
+
+def _cli_in_process(env, *args) -> tuple[str, str]:
+    """``symcost ARGS`` in a process of its own: (stdout, "True"/"False": torch imported)."""
+    out = subprocess.run([sys.executable, "-c", _PROBE, *args], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout, out.stderr.strip().splitlines()[-1]
+
+
 def test_warm_cli_without_torch(cache_dir):
     """The second `symcost eval` reads the entry, prints the same numbers and never imports torch;
     --no-cache traces afresh and writes nothing."""
     env = dict(os.environ, SYMCOST_CACHE_DIR=str(cache_dir))
     cmd = ["eval", "mlp", "--set", "B=3", "D=24", "--precision", "fp32", "--json"]
-    probe = ("import sys, runpy; sys.argv = ['symcost'] + sys.argv[1:]\n"
-             "try:\n    runpy.run_module('symcost.cli', run_name='__main__')\n"
-             "except SystemExit as e:\n    assert not e.code, e.code\n"
-             "print('torch' in sys.modules, file=sys.stderr)")
 
     def run(*args):
-        out = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        return out.stdout, out.stderr.strip().splitlines()[-1]
+        return _cli_in_process(env, *args)
 
     cold, cold_torch = run(*cmd)
     warm, warm_torch = run(*cmd)
@@ -237,15 +245,10 @@ def test_warm_roofline_mfu_time_without_torch(traced, cache_dir, tmp_path):
     from symcost.passes import roofline as rl
 
     env = dict(os.environ, SYMCOST_CACHE_DIR=str(cache_dir))
-    probe = ("import sys, runpy; sys.argv = ['symcost'] + sys.argv[1:]\n"
-             "try:\n    runpy.run_module('symcost.cli', run_name='__main__')\n"
-             "except SystemExit as e:\n    assert not e.code, e.code\n"
-             "print('torch' in sys.modules, file=sys.stderr)")
 
     def run(*args):
-        out = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout), out.stderr.strip().splitlines()[-1]
+        out, torch_imported = _cli_in_process(env, *args)
+        return json.loads(out), torch_imported
 
     dev_file = tmp_path / "cpu.toml"
     dev_file.write_text('[cpu]\nfp32 = 1e11\nbandwidth = 2e10\nwrite_bandwidth = 1e10\nserial_passes = true\n')
