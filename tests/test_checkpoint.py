@@ -15,6 +15,8 @@ import random
 
 import numpy as np
 import pytest
+
+import symcost
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -538,8 +540,10 @@ def test_plan_apply_transformers_use_cache():
 
 def test_memory_cap_plan(traced):
     """``--memory CAP``: a plan whose predicted peak fits, recomputing no more than the least-peak
-    plan, measured within 5 % of its prediction; a cap under the least peak is one clear error."""
-    an = traced("mlp", "fp32")
+    plan, measured within 5 % of its prediction; a cap under the least peak is one clear error.
+    A trace of its own: with the session's shared mlp trace this once predicted 28% over the
+    measured peak after other files' tests in the same worker (state kept per analysis; open)."""
+    an = symcost.trace("mlp", precision="fp32", use_cache=False)
     rng = random.Random(17)
     sizes = {"B": 2, "S": rng.randint(40, 80), "D": 8, "L": rng.randint(9, 12)}
     best = ck.analyse(an, sizes, table=False)
