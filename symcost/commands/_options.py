@@ -244,20 +244,21 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
     use_cache = not needs_model and not (ctx is not None and ctx.find_root().meta.get("symcost.no_cache"))
     routing = ctx.meta.get("symcost.routing") if ctx is not None else None
     dp, shard = parallel_request(ctx)
+    options = {"routing": routing} if routing is not None else {}
     if dp is not None:
         if "DP" in sizes and sizes["DP"] != dp:
             raise SymcostError(f"--dp {dp} and --set DP={sizes['DP']} disagree; give one")
-        # a data-parallel trace is not kept in the trace cache yet (its shards and collectives
-        # are not serialised): traced afresh
+        if step is not None:
+            raise SymcostError(f"--dp traces a training step, not an inference step ({step})")
+        # one rank of data-parallel training: kept in the trace cache under its strategy (a DDP
+        # and an FSDP trace never share an entry); DP is served at any value > 1 by one entry
         sizes = {**sizes, "DP": dp}
-        an = _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing, shard=shard)
-        an.bind(**sizes)
-        return an, sizes
-    options = {"routing": routing} if routing is not None else {}
+        options["shard"] = shard
     if step is not None:
         options.update(step=step, kv_cache=kv_cache)
     an = cached_trace(model, cfg, attention, precision, sizes,
-                      lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing, step, kv_cache),
+                      lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing, step, kv_cache,
+                                           shard=shard),
                       use_cache, options=options or None)
     _check_set_vs_config(model, an.spec, sizes, cfg, attention)  # (again for a cached analysis)
     an = an.with_attention_flops(ctx.meta.get("symcost.attention_flops", "full") if ctx else "full")

@@ -15,8 +15,10 @@ key live in one folder, one per traced **regime**: the sizes the user asks for c
 (``symcost.frontends.spec.request_facts``: symbols set to 1, equal config-symbol pairs such as K = H), and
 the trace may pin symbols at the requested value (``Analysis.pinned``). A request matches an
 entry when its request facts equal the entry's, it asks the entry's pinned symbols at their
-pinned values, and its config sizes (all but B, S and L, see :data:`FREE`) are the entry's: a
-loop over batch sizes, sequence lengths or depths reads one entry, another head count traces.
+pinned values, and its config sizes (all but B, S, L and DP, see :data:`FREE`) are the entry's: a
+loop over batch sizes, sequence lengths, depths or data-parallel sizes reads one entry, another
+head count traces. A data-parallel trace is keyed by its strategy (``options={"shard": ...}``):
+a DDP and an FSDP trace of one model never share an entry.
 
 **Robustness.** An entry that cannot be read (corrupt JSON, another format, missing fields) is
 deleted and the model traced afresh; a stale one (other versions or sources) has another key, is
@@ -37,7 +39,7 @@ from symcost.errors import SymcostError
 from symcost.frontends.spec import INPUT_SYMBOLS, request_facts
 
 #: Bumped when the entry layout changes (with ``Analysis.FORMAT``).
-FORMAT = 2  # 2: flops_hw per op and in the totals (Analysis.FORMAT 2)
+FORMAT = 3  # 2: flops_hw per op and in the totals (Analysis.FORMAT 2); 3: data-parallel traces
 #: The stages whose sources make an analysis (every ``*.py`` below them; the built-in models are
 #: keyed by their own contents, :func:`model_source`).
 _SOURCES = ("frontends", "tracing", "graph")
@@ -147,10 +149,13 @@ def _facts(meta: Mapping, sizes: Mapping[str, int]) -> dict:
 
 
 #: Symbols a cached regime serves at any value (with the same request facts and pins): the
-#: batch, the sequence length and the number of blocks. A config size (H, D, K, V, F, M, E, R) is
-#: matched by value: a regime can depend on it in ways the request facts do not show (BLOOM's
-#: ALiBi slopes run other ops when H is not a power of two), and only a recording would tell.
-FREE = ("B", "S", "L")
+#: batch, the sequence length, the number of blocks and the data-parallel size (a data-parallel
+#: trace runs the same ops at every DP > 1: its formulas say /DP, exact where DP divides the
+#: sharded dims, and padded values are computed from them, docs/parallel.md). A config size
+#: (H, D, K, V, F, M, E, R) is matched by value: a regime can depend on it in ways the request
+#: facts do not show (BLOOM's ALiBi slopes run other ops when H is not a power of two), and only a
+#: recording would tell.
+FREE = ("B", "S", "L", "DP")
 
 
 def _config_values(meta: Mapping, sizes: Mapping[str, int]) -> dict[str, int]:

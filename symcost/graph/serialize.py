@@ -34,7 +34,9 @@ class Serialized:
     # -- as data (the trace cache) -------------------------------------------------------------
     #: Bumped whenever the layout of :meth:`to_dict` changes (older cache entries are rebuilt).
     #: 2: hardware FLOPs (``flops_hw``) per op (a fifth cost entry) and in the totals.
-    FORMAT = 2
+    #: 3: data-parallel traces: each op's collective (a 16th entry) and ``parallel`` (the strategy
+    #: and each parameter's shard on one rank).
+    FORMAT = 3
 
     def __getattr__(self, name: str):
         # ``ops`` and ``graph`` of an Analysis read back by from_dict are parsed on first use
@@ -76,7 +78,8 @@ class Serialized:
                 [[s(x) for x in sh] for sh in op.out_shapes], [dt(d) for d in op.out_dtypes],
                 [s(op.cost.flops), s(op.cost.flops_all), s(op.cost.bytes),
                  {k: s(n) for k, n in op.cost.transcendentals.items()}, s(op.cost.flops_hw)],
-                op.layer, op.attention, list(getattr(op, "kv_reads", ())), list(getattr(op, "kv_writes", ()))]
+                op.layer, op.attention, list(getattr(op, "kv_reads", ())), list(getattr(op, "kv_writes", ())),
+                None if getattr(op, "comm", None) is None else [op.comm[0]] + [s(x) for x in op.comm[1:]]]
                for op in self.ops]
         g = self.graph
         graph = {
@@ -112,6 +115,11 @@ class Serialized:
             "module_classes": self._module_classes(),
             # the regime's data (plain dicts), where the tracer records it
             "regime": {k: _jsonable(getattr(self, k)) for k in _REGIME_FIELDS if hasattr(self, k)},
+            # a data-parallel trace (symcost.frontends.parallel): the strategy and the rank's shards
+            "parallel": None if getattr(self, "parallel", None) is None else {
+                "shard": self.parallel,
+                "param_shards": {n: [[s(x) for x in sh], dt(d), s(rep)]
+                                 for n, (sh, d, rep) in (self.param_shards or {}).items()}},
             "inference": {"step": getattr(self, "step", "train"), "kv_cache": getattr(self, "kv_cache", None),
                           "kv_layers": [[n, s(nb), s(rep)] for n, nb, rep in getattr(self, "kv_layers", [])]},
         }
@@ -180,7 +188,7 @@ class Serialized:
             raise SymcostError(f"analysis data of format {d.get('format')!r}, expected {cls.FORMAT}")
         P = functools.lru_cache(maxsize=None)(parse_formula)  # many sizes repeat
         ops, graph = d["ops"], d["graph"]  # parsed on first use: their layout is checked now
-        if not (isinstance(ops, list) and all(isinstance(r, list) and len(r) in (13, 15) for r in ops)
+        if not (isinstance(ops, list) and all(isinstance(r, list) and len(r) in (13, 15, 16) for r in ops)
                 and isinstance(graph["nodes"], list) and isinstance(graph["edges"], list)):
             raise ValueError("malformed ops or graph")
         sd = d["spec"]
@@ -218,6 +226,10 @@ class Serialized:
             schedule=None if d.get("schedule") is None else MemorySchedule.from_dict(d["schedule"]),
             _lazy={"ops": ops, "graph": graph},
         )
+        par = d.get("parallel")
+        if par is not None:
+            an.__dict__.update(parallel=str(par["shard"]), param_shards={
+                n: (tuple(P(x) for x in sh), dtype, P(rep)) for n, (sh, dtype, rep) in par["param_shards"].items()})
         inf = d.get("inference") or {}
         an.__dict__.update(step=inf.get("step", "train"), kv_cache=inf.get("kv_cache"),
                            kv_layers=[(n, P(nb), P(rep)) for n, nb, rep in inf.get("kv_layers", [])])
@@ -322,7 +334,8 @@ def _load_ops(rows) -> list:
                             {k: P(n) for k, n in (cost[3] if len(cost) > 3 else {}).items()},
                             P(cost[4]) if len(cost) > 4 else None),
                   layer=layer, attention=attn, kv_reads=tuple(more[0]) if more else (),
-                  kv_writes=tuple(more[1]) if len(more) > 1 else ())
+                  kv_writes=tuple(more[1]) if len(more) > 1 else (),
+                  comm=None if len(more) < 3 or more[2] is None else (more[2][0],) + tuple(P(x) for x in more[2][1:]))
             for i, name, fam, mod, ph, rep, ins, ind, outs, outd, cost, layer, attn, *more in rows]
 
 
