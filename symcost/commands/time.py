@@ -6,7 +6,7 @@ import json
 import click
 
 from ._device import device_options, resolve_device
-from ._options import common, trace_model
+from ._options import common, parallel_options, parallel_request, trace_model
 
 
 @click.command(name="time")
@@ -24,9 +24,12 @@ from ._options import common, trace_model
 @click.option("--recompute", default="none", show_default=True, type=click.Choice(["none", "selective", "full"]),
               help="activation recomputation in the hardware FLOPs (HFU): full (every block's forward once "
                    "more: 8·N·P) or selective (the attention core, Korthikanti et al. 2022)")
+@click.option("--accumulate", "accumulate", default=1, show_default=True, type=click.IntRange(min=1), metavar="K",
+              help="with --dp: gradient-accumulation micro-steps per optimizer step (global batch = B x K x DP)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@parallel_options
 def time_(model, sets, config, attention, precision, debug, device_name, devices_file, peak_flops, bandwidth,
-          tokens, n_devices, mfu_text, hfu_text, recompute, as_json):
+          tokens, n_devices, mfu_text, hfu_text, recompute, accumulate, as_json):
     """Days and device-hours to train MODEL on --tokens, from the traced step's exact FLOPs and
     from 6·N·P (8·N·P under --recompute full with --hfu) side by side.
 
@@ -34,14 +37,25 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
     attention kernel and recomputation) or --hfu (hardware FLOPs: with what is recomputed);
     the other is derived and both are printed. MODEL is counted at its own default sizes unless
     --set gives others; the sizes used are printed.
+
+    With --dp N [--shard S] --gpu NAME: the whole run on N data-parallel ranks from one rank's
+    step time (roofline compute + the communication --overlap leaves exposed, over the device's
+    interconnect; docs/parallel.md), its MFU derived, not given.
     """
     from symcost.passes import roofline as rl
     from symcost.errors import SymcostError
     from symcost.render.report import console
     from symcost.render.roofline import model_lines
 
-    dev = resolve_device(device_name, devices_file, peak_flops, bandwidth)
     n_tokens = rl.parse_count(tokens, "--tokens")
+    ctx = click.get_current_context()
+    dp, shard = parallel_request(ctx)
+    if dp is not None:
+        return _time_dp(model, sets, config, attention, precision, device_name, devices_file, peak_flops,
+                        bandwidth, n_tokens, n_devices, mfu_text, hfu_text, recompute, accumulate, as_json, dp, shard)
+    if accumulate != 1:
+        raise SymcostError("--accumulate needs --dp N (on one device the time of a token budget does not depend on it)")
+    dev = resolve_device(device_name, devices_file, peak_flops, bandwidth)
     if (mfu_text is None) == (hfu_text is None):
         raise SymcostError("give the achieved utilization as exactly one of --mfu (model FLOPs) or --hfu "
                            "(hardware FLOPs, recomputation included), e.g. --mfu 0.45 or --hfu 140/312")
@@ -98,3 +112,50 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
     c.print(f"{k}·N·P: {float(tc[f'compute.{k}NP']):.4g} FLOP -> {simple['days']:.4g} days, "
             f"{simple['device_hours']:.4g} device-hours")
     c.print(f"per token: {float(tc['flops.per_token']):.6g} model FLOP = {tc['flops.per_token_formula']}")
+
+
+def _time_dp(model, sets, config, attention, precision, device_name, devices_file, peak_flops, bandwidth,
+             n_tokens, n_devices, mfu_text, hfu_text, recompute, accumulate, as_json, dp, shard):
+    """``time --dp``: the run's time from one rank's step time
+    (:func:`symcost.passes.parallel.train_time_dp`); one JSON object or text."""
+    from symcost.errors import SymcostError
+    from symcost.passes.parallel import train_time_dp
+    from symcost.render.report import console, human
+
+    meta = click.get_current_context().find_root().meta
+    gpu = meta.get("symcost.gpu")
+    if gpu and device_name and gpu != device_name:
+        raise SymcostError(f"--gpu {gpu} and --device {device_name} name two devices; give one")
+    if not (gpu or device_name):
+        raise SymcostError("time --dp needs the device its ranks run on: --gpu NAME (e.g. --gpu h100-sxm)")
+    if mfu_text is not None or hfu_text is not None:
+        raise SymcostError("with --dp the step time, hence the MFU, comes from the roofline and the interconnect "
+                           "(docs/parallel.md); leave out --mfu/--hfu")
+    if recompute != "none":
+        raise SymcostError("--recompute applies to --hfu on one device; with --dp trace the recomputation itself "
+                           "(e.g. symcost checkpoint) ")
+    if n_devices not in (1, dp):
+        raise SymcostError(f"--devices {n_devices} and --dp {dp} disagree: with --dp the devices are the DP ranks")
+    dev = resolve_device(gpu or device_name, devices_file, peak_flops, bandwidth)
+    an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
+    out = train_time_dp(an, dev, sizes, n_tokens, accumulate, meta.get("symcost.overlap", "backward"),
+                        meta.get("symcost.nodes"), meta.get("symcost.devices_per_node"))
+    out = {"model": an.model, "device": dev.to_json(), "shard": shard, **out}
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return
+    st = out["step"]
+    c = console()
+    c.print(f"[bold]symcost time[/bold]: {an.model}, {n_tokens:.4g} tokens on DP = {out['dp']} x {dev.name} "
+            f"(--shard {shard}; {out['precision']} peak {out['peak_flops'] / 1e12:.4g} TFLOP/s per device)")
+    c.print(f"global batch = B x K x DP = {out['micro_batch']} x {out['accumulation']} x {out['dp']} = "
+            f"{out['global_batch']} sequences of S = {out['sizes']['S']} tokens ({out['tokens_per_step']} tokens "
+            f"per optimizer step; {out['steps']:.6g} steps)")
+    c.print(f"step per rank (one micro-batch): {st['step_seconds'] * 1e3:.4g} ms = compute "
+            f"{st['compute']['forward'] * 1e3:.4g} + {st['compute']['backward'] * 1e3:.4g} ms, communication "
+            f"{human(sum(st['bytes'].values()), 'B')} per rank over {st['link']} at "
+            f"{st['link_bandwidth'] / 1e9:.4g} GB/s per direction ({st['nodes']} node(s)), "
+            f"{st['exposed_comm_seconds'] * 1e3:.4g} ms exposed (--overlap {st['overlap']})")
+    c.print(f"MFU per rank {out['mfu']:.4g}; model FLOPs of the run {float(out['compute.total']):.4g}")
+    c.print(f"time: {out['time.days']:.4g} days, {out['time.device_hours']:.4g} device-hours "
+            f"({out['time.seconds']:.4g} s)")

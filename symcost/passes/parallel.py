@@ -270,3 +270,69 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
             "nodes": nodes, "devices_per_node": per_node, "overlap": overlap, "overlap_model": OVERLAPS[overlap],
             "step_seconds": step, "exposed_comm_seconds": step - sum(compute.values()),
             "mfu": model_flops / (step * peak) if step else 0.0, "source": ic.get("source", "")}
+
+
+def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accumulate: int = 1,
+                  overlap: str = "backward", nodes: int | None = None,
+                  devices_per_node: int | None = None) -> dict[str, Any]:
+    """The whole run's training time on DP data-parallel ranks, from one rank's step time.
+
+    Every rank runs the traced step on its own micro-batch of B sequences of S tokens; an
+    optimizer step is ``accumulate`` = K such micro-steps on each of the DP ranks, so the global
+    batch is B·K·DP sequences (shared/conventions.md: B_global = B_micro × K × N_devices) and a run
+    of ``tokens`` tokens takes tokens / (B·S·K·DP) optimizer steps, i.e. tokens / (B·S·DP)
+    micro-steps per rank, each :func:`step_time`'s ``step_seconds``. Each micro-step is the
+    traced step with its collectives (FSDP2's and ``replicate``'s default: gradients are reduced
+    every micro-step; skipping the gradient sync of K − 1 micro-steps, ``no_sync`` /
+    ``set_requires_gradient_sync(False)``, is not modelled), so K changes the global batch and
+    the step count, not the time of a token budget.
+
+    Args:
+        an: a data-parallel trace (``DP`` a symbol or pinned).
+        device: a :class:`~symcost.hardware.devices.Device` with an interconnect.
+        sizes: symbol values (DP among them).
+        tokens: training tokens of the run (all ranks together).
+        accumulate: gradient-accumulation micro-steps K per optimizer step (>= 1).
+        overlap, nodes, devices_per_node: as :func:`step_time`.
+
+    Returns:
+        ``dp``, ``micro_batch`` (B), ``accumulation`` (K), ``global_batch`` (B·K·DP),
+        ``tokens``, ``tokens_per_step`` (B·S·K·DP), ``steps`` (optimizer steps, exact: an int
+        or a float), ``step`` (:func:`step_time`'s dict, one micro-step of one rank),
+        ``mfu`` (per rank: model FLOPs of its micro-step / (step seconds × peak)), ``peak_flops``
+        and ``precision`` (the device's peak at the training precision), ``flops.train_step``
+        (model FLOPs of one rank's micro-step), ``flops.per_token``, ``compute.total`` (model FLOPs of
+        the run on all ranks), ``compute.6NP``, ``sizes``, and ``time.seconds``, ``time.days``,
+        ``time.device_hours`` (seconds × DP / 3600).
+
+    Raises:
+        SymcostError: not a data-parallel trace, ``tokens`` or ``accumulate`` not positive, and
+            :func:`step_time`'s errors.
+    """
+    from fractions import Fraction
+
+    from symcost.passes.roofline import _exact, tokens_compute, training_precision
+
+    if an.parallel is None:
+        raise SymcostError("time over data-parallel ranks needs a data-parallel trace (--dp N)")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+        raise SymcostError(f"--tokens must be a positive integer, got {tokens!r}")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate <= 0:
+        raise SymcostError(f"--accumulate must be a positive integer, got {accumulate!r}")
+    st = step_time(an, device, sizes, overlap, nodes, devices_per_node)
+    tc = tokens_compute(an, sizes, tokens)
+    env = an.bind(**(sizes or {}))
+    dp = int(env.get(SYMS["DP"], an.pinned.get("DP", 1)))
+    B, S = (int(an.pinned[n]) if n in an.pinned else int(env[SYMS[n]]) for n in ("B", "S"))
+    micro_steps = Fraction(tokens, B * S * dp)  # per rank
+    seconds = float(micro_steps) * st["step_seconds"]
+    peak, key = device.peak_for(training_precision(an))
+    return {
+        "dp": dp, "micro_batch": B, "accumulation": accumulate, "global_batch": B * accumulate * dp,
+        "tokens": tokens, "tokens_per_step": B * S * accumulate * dp,
+        "steps": _exact(micro_steps / accumulate), "step": st, "mfu": st["mfu"], "peak_flops": peak,
+        "precision": key, "sizes": tc["sizes"], "flops.train_step": tc["flops.train_step"],
+        "flops.per_token": tc["flops.per_token"], "compute.total": tc["compute.total"],
+        "compute.6NP": tc["compute.6NP"],
+        "time.seconds": seconds, "time.days": seconds / 86400, "time.device_hours": seconds * dp / 3600,
+    }
