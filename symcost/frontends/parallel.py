@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Mapping
 
 from symcost.errors import SymcostError
@@ -92,25 +93,53 @@ def data_parallel(spec, shard: str):
     )
 
 
-_DIV_CACHE: dict = {}
+#: spec.build -> {"inputs": whether B and S size a parameter, (config values) -> dim 0 of each parameter}
+_DIMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _dims0(spec, values: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """``(name, dim 0)`` of every parameter of ``spec`` built on the meta device at ``values``
+    (scalars left out), memoised per model: a probe search asks this for about a thousand
+    candidate sizes, and building an ``hf:`` model costs ~20 ms. The sizes of the micro-batch
+    (B, S) are left out of the memo's key when two builds that differ only in them give the same
+    parameters (a model sizing a parameter by S, learned positions of S rows say, keeps them in)."""
+    import torch
+
+    memo = _DIMS.setdefault(spec.build, {})
+
+    def build(v):
+        with torch.device("meta"):
+            model = spec.build({k: x for k, x in v.items() if k != "DP"})
+        return tuple((n, int(p.shape[0])) for n, p in model.named_parameters() if p.dim())
+
+    if "inputs" not in memo:
+        got = build(values)
+        other = dict(values)
+        for k in ("B", "S"):
+            if k in other:
+                other[k] = other[k] + 1
+        memo["inputs"] = build(other) != got
+        memo[_dims_key(values, memo["inputs"])] = got
+    key = _dims_key(values, memo["inputs"])
+    if key not in memo:
+        memo[key] = build(values)
+    return memo[key]
+
+
+def _dims_key(values: Mapping[str, int], inputs: bool) -> tuple:
+    skip = ("DP",) if inputs else ("DP", "B", "S")
+    return tuple(sorted((k, v) for k, v in values.items() if k not in skip))
 
 
 def _indivisible(spec, values: Mapping[str, int]) -> str | None:
     """Why ``DP`` does not divide the first dimension of every parameter (built on the meta
     device), or None."""
-    key = (spec.name, tuple(sorted(values.items())))
-    if key not in _DIV_CACHE:
-        import torch
-
-        with torch.device("meta"):
-            model = spec.build({k: v for k, v in values.items() if k != "DP"})
-        dp = values["DP"]
-        # a multiple of lcm(DP, 4): then DP = 2 and 4 both divide the base probe's dimensions, so
-        # DP can vary alone from it (fit.plan_probes)
-        m = math.lcm(dp, 4)
-        bad = [n for n, p in model.named_parameters() if p.dim() and p.shape[0] % m]
-        _DIV_CACHE[key] = f"dim 0 of {bad[0]} is no multiple of lcm(DP={dp}, 4)" if bad else None
-    return _DIV_CACHE[key]
+    dp = values["DP"]
+    # a multiple of lcm(DP, 4): then DP = 2 and 4 both divide the base probe's dimensions, so
+    # DP can vary alone from it (fit.plan_probes)
+    m = math.lcm(dp, 4)
+    bad = [n for n, d0 in _dims0(spec, values) if d0 % m]
+    return f"dim 0 of {bad[0]} is no multiple of lcm(DP={dp}, 4)" if bad else None
 
 
 def fake_group(world_size: int):
