@@ -154,6 +154,11 @@ def parallel_options(f):
     f = click.option("--gpu", default=None, expose_value=False, callback=_keep_parallel("symcost.gpu"),
                      metavar="NAME", help="with --dp: step time per rank on this catalogue device "
                                           "(roofline compute + exposed communication over its interconnect)")(f)
+    f = click.option("--fsdp-mp", default=None, expose_value=False, callback=_keep_parallel("symcost.fsdp_mp"),
+                     metavar="PARAM[,REDUCE]",
+                     help="with --dp: FSDP2's MixedPrecisionPolicy(param_dtype=PARAM, reduce_dtype=REDUCE) on every "
+                          "unit, dtypes bf16, fp16, fp32 (REDUCE fp32 unless given): all-gathers move PARAM bytes, "
+                          "gradient reductions REDUCE bytes; e.g. --precision fp32 --fsdp-mp bf16 as torchtitan")(f)
     f = click.option("--dp", type=click.IntRange(min=1), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.dp"), metavar="N",
                      help="data-parallel size: trace one rank of N (the formulas gain the symbol DP)")(f)
@@ -170,7 +175,8 @@ def parallel_request(ctx) -> tuple[int | None, str | None]:
     dp, shard = meta.get("symcost.dp"), meta.get("symcost.shard")
     if shard is not None and dp is None:
         raise SymcostError(f"--shard {shard} needs --dp N (the data-parallel size)")
-    for key, flag in (("symcost.gpu", "--gpu"), ("symcost.nodes", "--nodes"), ("symcost.devices_per_node", "--devices-per-node")):
+    for key, flag in (("symcost.gpu", "--gpu"), ("symcost.nodes", "--nodes"), ("symcost.devices_per_node", "--devices-per-node"),
+                      ("symcost.fsdp_mp", "--fsdp-mp")):
         if dp is None and meta.get(key) is not None:
             raise SymcostError(f"{flag} needs --dp N (the data-parallel size)")
     return (dp, shard or "ddp") if dp is not None else (None, None)
@@ -254,11 +260,19 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
         # and an FSDP trace never share an entry); DP is served at any value > 1 by one entry
         sizes = {**sizes, "DP": dp}
         options["shard"] = shard
+        mp = ctx.find_root().meta.get("symcost.fsdp_mp")
+        if mp is not None:
+            from symcost.frontends.parallel import parse_fsdp_mp
+
+            mp = ",".join(parse_fsdp_mp(mp))  # bad text: one line before tracing
+            options["fsdp_mp"] = mp
+    else:
+        mp = None
     if step is not None:
         options.update(step=step, kv_cache=kv_cache)
     an = cached_trace(model, cfg, attention, precision, sizes,
                       lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing, step, kv_cache,
-                                           shard=shard),
+                                           shard=shard, mp=mp),
                       use_cache, options=options or None)
     _check_set_vs_config(model, an.spec, sizes, cfg, attention)  # (again for a cached analysis)
     an = an.with_attention_flops(ctx.meta.get("symcost.attention_flops", "full") if ctx else "full")
@@ -309,7 +323,7 @@ def every_layer_trace(an, model, config, attention, precision, sizes, quiet=Fals
 
 
 def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None, step=None, kv_cache="dynamic",
-                 shard=None):
+                 shard=None, mp=None):
     """Resolve and trace ``model`` (the cache's miss path), with the progress line; ``shard``:
     one rank of data-parallel training (:func:`symcost.frontends.parallel.data_parallel`)."""
     with progress(f"resolving {model}", quiet) as status:
@@ -321,7 +335,7 @@ def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None, s
         if shard is not None:
             from symcost.frontends.parallel import data_parallel
 
-            spec = data_parallel(spec, shard)
+            spec = data_parallel(spec, shard, mp)
         if routing is not None:  # MoE layers traced under this routing model (symcost.frontends.moe)
             from symcost.frontends.moe import with_routing
 

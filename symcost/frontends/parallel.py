@@ -51,6 +51,31 @@ SHARDS: dict[str, tuple[str, bool | None, str]] = {
 }
 
 
+#: dtypes of ``--fsdp-mp`` (FSDP2's ``MixedPrecisionPolicy``): name -> torch dtype name
+MP_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def parse_fsdp_mp(text: str | None) -> tuple[str, str] | None:
+    """``--fsdp-mp PARAM[,REDUCE]`` -> ``(param, reduce)`` dtype names of
+    :data:`MP_DTYPES` (REDUCE defaults to fp32, torchtitan's ``mixed_precision_reduce``; FSDP2's
+    own default, ``reduce_dtype=None``, reduces in the parameter dtype: write ``bf16,bf16``).
+    None for None.
+
+    Raises:
+        SymcostError: an unknown dtype or more than two.
+    """
+    if text is None:
+        return None
+    parts = [p.strip().lower() for p in str(text).split(",")]
+    if len(parts) == 1:
+        parts.append("fp32")
+    bad = [p for p in parts if p not in MP_DTYPES]
+    if len(parts) != 2 or bad:
+        raise SymcostError(f"--fsdp-mp takes PARAM[,REDUCE] of {', '.join(MP_DTYPES)} (e.g. bf16 or bf16,fp32), "
+                           f"got {text!r}")
+    return parts[0], parts[1]
+
+
 def check_shard(shard: str) -> str:
     """``shard`` if it is a known strategy (:data:`SHARDS`).
 
@@ -62,9 +87,11 @@ def check_shard(shard: str) -> str:
     return shard
 
 
-def data_parallel(spec, shard: str):
+def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None):
     """The :class:`~symcost.frontends.spec.ModelSpec` of ``spec`` trained data-parallel with
-    ``shard`` over ``DP`` ranks: symbols + ``DP``, ``extra["parallel"] = shard``.
+    ``shard`` over ``DP`` ranks: symbols + ``DP``, ``extra["parallel"] = shard``; with ``mp``
+    (``(param, reduce)`` or ``--fsdp-mp``'s text, :func:`parse_fsdp_mp`), ``extra["fsdp_mp"]``:
+    the engine is given ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``.
 
     Probes (never requests) must have ``DP`` (and 4) divide the first dimension of every parameter:
     FSDP2 shards each parameter on dim 0 into ``ceil(d0/DP)`` rows and pads, so sizes are
@@ -76,6 +103,9 @@ def data_parallel(spec, shard: str):
         SymcostError: an unknown ``shard``.
     """
     check_shard(shard)
+    mp = parse_fsdp_mp(mp) if isinstance(mp, str) else (tuple(mp) if mp is not None else None)
+    if mp is not None:
+        parse_fsdp_mp(",".join(mp))  # the same checks
     if "DP" in spec.symbols:
         return spec
     inner_probe = spec.probe_check
@@ -89,7 +119,8 @@ def data_parallel(spec, shard: str):
     defaults = dict(spec.defaults, DP=spec.defaults.get("DP", 8))
     return dataclasses.replace(
         spec, name=spec.name, symbols=tuple(spec.symbols) + ("DP",), defaults=defaults,
-        probe_check=probe_check, extra={**spec.extra, "parallel": shard},
+        probe_check=probe_check,
+        extra={**spec.extra, "parallel": shard, **({"fsdp_mp": list(mp)} if mp is not None else {})},
     )
 
 
@@ -157,25 +188,37 @@ def fake_group(world_size: int):
     return init_device_mesh("cpu", (world_size,))
 
 
-def wrap(model, layers: str | None, shard: str, mesh):
+def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list | None = None):
     """Wrap ``model`` in place for ``shard`` (:data:`SHARDS`): each child of the ``layers``
-    container (the L blocks), then the root, as torchtitan does. Returns the model.
+    container (the L blocks), then the root, as torchtitan does. ``mp``: ``(param, reduce)``
+    dtype names (:data:`MP_DTYPES`) given to every unit as FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)`` (all-gathers move parameters in
+    ``param``, reduce-scatters and all-reduces gradients in ``reduce``). Returns the model.
 
     Raises:
         SymcostError: PyTorch refuses to wrap the model (its message, one line).
     """
+    import torch
+
     engine, reshard, _ = SHARDS[check_shard(shard)]
+    kw = {}
+    if mp is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        p, r = mp
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, MP_DTYPES[p]),
+                                               reduce_dtype=getattr(torch, MP_DTYPES[r]))
     if engine == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         def apply(m, root):
-            replicate(m, mesh=mesh)
+            replicate(m, mesh=mesh, **kw)
     else:
         from torch.distributed.fsdp import fully_shard
 
         def apply(m, root):
             # the root's parameters stay unsharded after forward (FSDP2 and torchtitan's default)
-            fully_shard(m, mesh=mesh, reshard_after_forward=False if root else reshard)
+            fully_shard(m, mesh=mesh, reshard_after_forward=False if root else reshard, **kw)
     try:
         if layers is not None:
             for block in model.get_submodule(layers).children():

@@ -218,7 +218,8 @@ def _align(recs: list[Recording], spec: ModelSpec) -> None:
 def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None = None,
           attention: str | None = None, sizes: Mapping[str, int] | None = None,
           precision: str = "bf16-mixed", n_random: int = 6, seed: int = 0, use_cache: bool = True,
-          step: str | None = None, kv_cache: str = "dynamic", shard: str | None = None) -> Analysis:
+          step: str | None = None, kv_cache: str = "dynamic", shard: str | None = None,
+          fsdp_mp: str | None = None) -> Analysis:
     """Trace a model's training step (or an inference step) into a symbolic cost graph, in the
     regime of ``sizes``.
 
@@ -275,6 +276,9 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             or ``zero3`` (:data:`symcost.frontends.parallel.SHARDS`); the formulas gain the
             symbol ``DP`` (the group size; ``sizes["DP"]``, default 8) and the step's
             collectives (``Analysis.comm_bytes``). None: one device.
+        fsdp_mp: with ``shard``, FSDP2's ``MixedPrecisionPolicy`` given to every unit:
+            ``"PARAM[,REDUCE]"`` (``bf16``, ``fp16``, ``fp32``; REDUCE fp32 unless given), as
+            :func:`symcost.frontends.parallel.parse_fsdp_mp` reads it.
 
     Returns:
         An :class:`Analysis` (``pinned``, ``pin_reasons``, ``regime_ties``, ``request_facts``,
@@ -306,7 +310,9 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             raise SymcostError(f"--dp/--shard trace a training step, not an inference step ({spec.step})")
         from symcost.frontends.parallel import data_parallel
 
-        spec = data_parallel(spec, shard)
+        spec = data_parallel(spec, shard, fsdp_mp)
+    elif fsdp_mp is not None:
+        raise SymcostError("fsdp_mp (--fsdp-mp) is a policy of data-parallel training: give shard (--dp N)")
     sizes = dict(sizes or {})
     if spec.step == "decode":
         sizes.setdefault("S", 1)  # one new token per sequence: S = 1 is pinned, its own regime

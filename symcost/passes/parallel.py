@@ -166,6 +166,12 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
     engine, reshard, label = SHARDS[shard]
     engine = {"replicate": "torch.distributed._composable.replicate_with_fsdp.replicate (DDP) per block",
               "fully_shard": f"torch.distributed.fsdp.fully_shard(reshard_after_forward={reshard}) per block"}[engine]
+    mp = (an.spec.extra or {}).get("fsdp_mp")
+    if mp:
+        from symcost.frontends.parallel import MP_DTYPES
+
+        engine += (f", MixedPrecisionPolicy(param_dtype=torch.{MP_DTYPES[mp[0]]}, "
+                   f"reduce_dtype=torch.{MP_DTYPES[mp[1]]})")
     out = {"shard": shard, "engine": engine, "label": label, "comm": comm, "memory": mem}
     if sizes is not None:
         env = an.bind(**sizes)

@@ -528,7 +528,7 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
 
         if param_dtype != torch.float32:
             model.to(param_dtype)  # on the meta device, before the parameters become DTensors
-        wrap(model, layers, parallel, fake_group(values["DP"]))
+        wrap(model, layers, parallel, fake_group(values["DP"]), spec.extra.get("fsdp_mp"))
     with fake:
         if parallel is None:
             materialize(model, torch.device("cpu"), param_dtype)
