@@ -96,6 +96,9 @@ class MemoryModel(Solver):
         self.master_weights = sympy.expand(pol.master * P)
         self.n_tensors = sympy.expand(sympy.Add(*[rep for _, (_, _, rep) in an.param_shapes.items()]))
         self.optimizer = self._optimizer_state()
+        self.parallel = getattr(an, "parallel", None)
+        if self.parallel is not None:
+            self._rank_states()
         self.buffers, self.inputs = self._buffers_inputs()
         # an inference step's KV cache after the step (0 for a training step): live all step
         self.kv_scale = Fraction(kv_scale)
@@ -115,6 +118,31 @@ class MemoryModel(Solver):
                 continue
 
     # -- static ----------------------------------------------------------------------------------
+    def _rank_states(self) -> None:
+        """One rank's model states in a data-parallel trace: what the ``--shard`` strategy
+        shards (:func:`symcost.passes.parallel.model_state_bytes`, Rajbhandari et al. 2020 §5.1;
+        FSDP/ZeRO-3: the traced DTensor shards), plus Adam's 4-byte step counters, one per
+        parameter tensor on every rank. Gradients are scaled to this size where the schedule
+        allocates them (:meth:`_load_schedule`)."""
+        from symcost.passes.parallel import SHARDED, model_state_bytes
+        from symcost.frontends.parallel import SHARDS
+
+        if self.opt.factored:
+            raise SymcostError(f"--optimizer {self.opt.name}: the per-rank state of a factored optimizer is not "
+                               "modelled with --dp yet; use adamw, adam or sgd")
+        an = self.an
+        DP = SYMS["DP"] if "DP" in an.symbols else an.pinned.get("DP", 1)
+        traced = SHARDS[self.parallel][0] == "fully_shard" and "params" in SHARDED[self.parallel]
+        st = model_state_bytes(self.P, DP, self.parallel, self.policy.name, self.opt.name,
+                               an.params_shard if traced else None)
+        self.params, self.grads, self.master_weights = (sympy.expand(st[k]) for k in ("params", "grads", "master"))
+        if self.parallel == "zero2":
+            # the peak is the traced engine's (FSDP2 reshard_after_forward=False): at rest it holds
+            # the parameters' shard; the whole parameters are the schedule's unsharded buffers,
+            # live from the unit's forward all-gather to its post-backward reshard
+            self.params = sympy.expand(self.policy.param * an.params_shard)
+        self.optimizer = sympy.expand(st["optimizer_state"] + (STEP_BYTES * self.n_tensors if self.opt.step else 0))
+
     def _optimizer_state(self) -> sympy.Expr:
         an, pol, opt = self.an, self.policy, self.opt
         total = opt.full * pol.state * self.P
@@ -276,7 +304,7 @@ class MemoryModel(Solver):
 
     # -- evaluation ------------------------------------------------------------------------------------
     def _values(self, env: Mapping) -> tuple:
-        return tuple(int(env[s]) for s in self._syms) if self._syms else (1,)
+        return self.alg.values(tuple(int(env[s]) for s in self._syms)) if self._syms else (1,)
 
     def _env(self, sizes: Mapping[str, int]) -> dict:
         return self.an.bind(**dict(sizes))
@@ -290,6 +318,11 @@ class MemoryModel(Solver):
         return vals
 
     def _cands(self, L: int | None, accumulate: bool) -> list[Candidate]:
+        least = min((u[2] for u in self.units), default=1)
+        if L is not None and L < least:
+            raise SymcostError(f"{self.an.model}: this trace's storage schedule holds for L >= {least} "
+                               f"(its first and last blocks differ from the others); trace at L = {L} "
+                               f"for the peak there (symcost.trace(..., sizes={{'L': {L}}}) or --set L={L})")
         cs = self.candidates_accum + self.candidates if accumulate else self.candidates
         return [c for c in cs if L is None or c.min_L <= L]
 
