@@ -91,6 +91,7 @@ class MemoryModel(Solver):
         self.has_L = "L" in self.gens
         P = an.params
         self.P = P
+        self.opt_share = None  # a data-parallel rank's optimizer updates shards (set by _rank_states)
         self.params = sympy.expand(pol.param * P)
         self.grads = sympy.expand(pol.grad * P)
         self.master_weights = sympy.expand(pol.master * P)
@@ -142,6 +143,9 @@ class MemoryModel(Solver):
             # live from the unit's forward all-gather to its post-backward reshard
             self.params = sympy.expand(self.policy.param * an.params_shard)
         self.optimizer = sympy.expand(st["optimizer_state"] + (STEP_BYTES * self.n_tensors if self.opt.step else 0))
+        if "optimizer_state" in SHARDED[self.parallel]:
+            # the optimizer steps the rank's shards: its temporaries are a shard's (1/DP of each tensor)
+            self.opt_share = sympy.expand(an.params_shard if traced else self.P / DP)
 
     def _optimizer_state(self) -> sympy.Expr:
         an, pol, opt = self.an, self.policy, self.opt
@@ -273,7 +277,11 @@ class MemoryModel(Solver):
     def _param_numels(self) -> list[tuple[Any, Any]]:
         """(elements, Adafactor's rows + columns) of the parameter tensors in the optimizer's
         order (that of the L = 2 trace, which has every kind of neighbour), ring elements."""
-        return [(self.alg.from_terms(a), self.alg.from_terms(b)) for a, b in self.schedule.params]
+        out = [(self.alg.from_terms(a), self.alg.from_terms(b)) for a, b in self.schedule.params]
+        if self.opt_share is not None:  # each tensor's shard on this rank (1/DP of it)
+            inv = self.alg.x[-1]
+            out = [(a * inv, b * inv) for a, b in out]
+        return out
 
     def _optimizer_transients(self) -> list[tuple[Any, str]]:
         """Temporaries of one optimizer step (bytes), modelled on torch.optim 2.x's code.
@@ -289,7 +297,8 @@ class MemoryModel(Solver):
         if impl == "fused" or opt.name in ("sgd", "sgd-nomomentum"):
             return []
         if impl == "foreach":
-            return [(self._poly(self.P) * st, "foreach temporaries of all tensors")]
+            return [(self._poly(self.P if self.opt_share is None else self.opt_share) * st,
+                     "foreach temporaries of all tensors")]
         out = []
         prev = alg.R.zero
         for numel, fac in self._param_numels():
