@@ -18,7 +18,6 @@ Sizes are drawn at random (seeded), DP dividing the sharded dimensions (docs/par
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import random
@@ -33,12 +32,9 @@ from symcost.errors import SymcostError
 from symcost.passes.memory import memory_model
 from symcost.tracing.fit import SYMS
 
-from test_parallel import _draw
+from test_parallel import _draw, _trace  # (the same traces: bf16-mixed, DP = 8 requested)
 
-
-@functools.lru_cache(maxsize=None)
-def _trace(model: str, shard: str, precision: str):
-    return symcost.trace(model, sizes={"DP": 8}, precision=precision, shard=shard)
+P = "bf16-mixed"
 
 
 def _measure(model: str, shard: str, values: dict, precision: str, foreach: bool = False) -> int:
@@ -85,9 +81,9 @@ def _sizes(an, v: dict) -> dict:
 
 @pytest.mark.parametrize("shard", ["fsdp", "zero2", "ddp"])
 def test_mlp_rank_peak_matches_memtracker(shard):
-    """mlp, fp32: the rank's peak at random sizes and DP (and L = 2, where the first and last
+    """mlp, bf16-mixed autocast: the rank's peak at random sizes and DP (and L = 2, where the first and last
     blocks meet) equals MemTracker's, with the CPU's for-loop AdamW and with foreach AdamW."""
-    an = _trace("mlp", shard, "fp32")
+    an = _trace("mlp", shard)
     assert "DP" in an.symbols and not an.pinned, an.pin_reasons
     rng = random.Random(150 + len(shard))
     for i in range(3):
@@ -95,8 +91,8 @@ def test_mlp_rank_peak_matches_memtracker(shard):
         if i == 0:
             v["L"] = 2
         foreach = i == 2
-        mm = memory_model(an, "fp32", "adamw", impl="foreach" if foreach else "for-loop", device="cpu")
-        assert mm.peak(**_sizes(an, v)) == _measure("mlp", shard, v, "fp32", foreach), (v, foreach)
+        mm = memory_model(an, P, "adamw", impl="foreach" if foreach else "for-loop", device="cpu")
+        assert mm.peak(**_sizes(an, v)) == _measure("mlp", shard, v, P, foreach), (v, foreach)
 
 
 @pytest.mark.parametrize("shard", ["fsdp", "ddp"])
@@ -104,12 +100,12 @@ def test_optimizer_step_peak_per_rank(shard):
     """Where the optimizer step peaks (foreach AdamW: a state-sized temporary of every tensor the
     rank steps; few activations, wide layers), its temporaries are the rank's (the shards under
     fsdp, whole tensors under ddp): equal to MemTracker's peak."""
-    an = _trace("mlp", shard, "fp32")
-    mm = memory_model(an, "fp32", "adamw", impl="foreach", device="cpu")
+    an = _trace("mlp", shard)
+    mm = memory_model(an, P, "adamw", impl="foreach", device="cpu")
     rng = random.Random(77 + len(shard))
     dp = rng.choice((2, 4)) if shard == "ddp" else 2
     v = {"B": 2, "S": 3, "DP": dp, "L": rng.randint(2, 4), "D": 4 * dp * rng.randint(20, 30)}
-    got = _measure("mlp", shard, v, "fp32", foreach=True)
+    got = _measure("mlp", shard, v, P, foreach=True)
     assert mm.peak(**_sizes(an, v)) == got, v
     if shard == "ddp":  # the case is the one meant: the step's temporaries are the peak
         assert mm.peak_where(**_sizes(an, v)).startswith("optimizer step"), mm.peak_where(**_sizes(an, v))
@@ -120,7 +116,7 @@ def test_optimizer_step_peak_per_rank(shard):
 def test_transformer_rank_peak_matches_memtracker(shard):
     """cs336-lm under bf16-mixed autocast (embedding and head in the root unit, attention,
     autocast's weight copies): the rank's peak equals MemTracker's at a random size and DP."""
-    an = _trace("cs336-lm", shard, "bf16-mixed")
+    an = _trace("cs336-lm", shard)
     assert "DP" in an.symbols and not an.pinned, an.pin_reasons
     v = _draw(an, random.Random(1500 + len(shard)))
     mm = memory_model(an, "bf16-mixed", "adamw", impl="for-loop", device="cpu")
@@ -136,13 +132,13 @@ def test_rank_model_states_follow_the_strategy():
 
     DP = SYMS["DP"]
     for shard in ("fsdp", "zero2", "ddp"):
-        an = _trace("mlp", shard, "fp32")
-        mm = memory_model(an, "fp32", "adamw")
-        P = an.params
-        share = P / DP if shard != "ddp" else P
-        assert sympy.simplify(mm.params - 4 * (P / DP if shard != "ddp" else P)) == 0, shard
+        an = _trace("mlp", shard)
+        mm = memory_model(an, P, "adamw")
+        Ps = an.params
+        share = Ps / DP if shard != "ddp" else Ps
+        assert sympy.simplify(mm.params - 4 * share) == 0, shard
         assert sympy.simplify(mm.optimizer - 8 * share - 4 * mm.n_tensors) == 0, shard
-        st = model_state_bytes(P, DP, shard, "fp32", "adamw", an.params_shard if shard == "fsdp" else None)
+        st = model_state_bytes(Ps, DP, shard, P, "adamw", an.params_shard if shard == "fsdp" else None)
         assert sympy.simplify(mm.grads - st["grads"]) == 0, shard
         assert sympy.simplify(mm.optimizer - st["optimizer_state"] - 4 * mm.n_tensors) == 0, shard
         env = {SYMS[k]: x for k, x in {"B": 2, "S": 5, "D": 48, "L": 3, "DP": 4}.items()}
@@ -152,28 +148,35 @@ def test_rank_model_states_follow_the_strategy():
 
 @pytest.mark.heavy
 def test_real_gloo_rank_peaks(tmp_path):
-    """``torchrun --nproc-per-node 2`` with gloo on this CPU, real tensors, fp32, AdamW for-loop
-    (tests/data/dp_peak_rank.py): each rank's peak measured by torch.profiler is within 5% of
-    symcost's per-rank peak, under fsdp, zero2 and ddp (replicate)."""
+    """``torchrun --nproc-per-node 2`` with gloo on this CPU, real tensors, bf16-mixed autocast, AdamW for-loop
+    (tests/data/dp_peak_rank.py): each rank's peak measured by torch.profiler, and by MemTracker
+    in the same real run, is within 5% of symcost's per-rank peak, under fsdp, zero2 and ddp
+    (replicate), at random sizes."""
     nproc = 2
     rng = random.Random(2)
-    v = {"D": 4 * nproc * rng.randint(4, 12), "L": rng.randint(2, 4), "B": rng.randint(2, 4),
-         "S": rng.randint(3, 12), "DP": nproc}
+    # (activations at least the parameters, as in training: gloo's collective scratch, which
+    # the profiler sees and NCCL does not take from PyTorch's allocator, stays small beside them)
+    v = {"D": 4 * nproc * rng.randint(2, 6), "L": rng.randint(2, 4), "B": rng.randint(2, 4),
+         "S": rng.randint(16, 48), "DP": nproc}
     shards = ("fsdp", "zero2", "ddp")
     script = os.path.join(os.path.dirname(__file__), "data", "dp_peak_rank.py")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                        script, str(tmp_path), ",".join(shards)] + [str(v[k]) for k in ("D", "L", "B", "S")],
+                        script, str(tmp_path), ",".join(shards)] + [str(v[k]) for k in ("D", "L", "B", "S")] + [P],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
                                         if "Error" in line or "error" in line or "rank" in line)[-4000:]
     for shard in shards:
-        an = _trace("mlp", shard, "fp32")
-        want = memory_model(an, "fp32", "adamw", impl="for-loop", device="cpu").peak(**v)
+        an = _trace("mlp", shard)
+        want = memory_model(an, P, "adamw", impl="for-loop", device="cpu").peak(**v)
         for rank in range(nproc):
             got = json.loads((tmp_path / f"{shard}-rank{rank}.json").read_text())
             assert got["world"] == nproc
-            assert abs(want - got["peak"]) <= 0.05 * got["peak"], (shard, rank, want, got)
+            # the profiler's peak, at the ends of top-level ops (without the workspaces oneDNN's
+            # bf16 matmuls allocate and free inside one op, which no op-level schedule sees)
+            assert abs(want - got["peak_ops"]) <= 0.05 * got["peak_ops"], (shard, rank, want, got)
+            # MemTracker in the real run: the storages of the ops PyTorch dispatched
+            assert abs(want - got["memtracker"]) <= 0.05 * got["memtracker"], (shard, rank, want, got)
 
 
 def _cli(args):
@@ -192,12 +195,12 @@ def test_max_batch_dp_exact_at_the_boundary():
     dp = rng.choice((2, 4, 8))
     v = {"S": rng.randint(3, 20), "D": 4 * dp * rng.randint(2, 8), "L": rng.randint(2, 4), "DP": dp}
     b0 = rng.randint(2, 6)
-    lo = _measure("mlp", "fsdp", dict(v, B=b0), "fp32")
-    hi = _measure("mlp", "fsdp", dict(v, B=b0 + 1), "fp32")
+    lo = _measure("mlp", "fsdp", dict(v, B=b0), P)
+    hi = _measure("mlp", "fsdp", dict(v, B=b0 + 1), P)
     assert hi > lo
     cap = rng.randint(lo, hi - 1)
-    _trace("mlp", "fsdp", "fp32")
-    r = _cli(["max-batch", "mlp", "--dp", str(dp), "--shard", "fsdp", "--memory", f"{cap}B", "--precision", "fp32",
+    _trace("mlp", "fsdp")
+    r = _cli(["max-batch", "mlp", "--dp", str(dp), "--shard", "fsdp", "--memory", f"{cap}B", "--precision", P,
               "--torch-device", "cpu", "--json", "--set"] + [f"{k}={x}" for k, x in v.items() if k != "DP"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output[r.output.index("{"):])
@@ -212,12 +215,12 @@ def test_report_dp_shows_the_rank_peak():
     report shows it too."""
     rng = random.Random(5)
     v = {"B": rng.randint(2, 5), "S": rng.randint(3, 20), "D": 16 * rng.randint(1, 6), "L": rng.randint(2, 4), "DP": 4}
-    args = ["report", "mlp", "--dp", "4", "--shard", "zero2", "--precision", "fp32", "--torch-device", "cpu",
+    args = ["report", "mlp", "--dp", "4", "--shard", "zero2", "--precision", P, "--torch-device", "cpu",
             "--set"] + [f"{k}={x}" for k, x in v.items() if k != "DP"]
     r = _cli(args + ["--json"])
     assert r.exit_code == 0, r.output
     mem = json.loads(r.output[r.output.index("{"):])["parallel"]["memory"]
-    assert mem["peak"] == _measure("mlp", "zero2", v, "fp32")
+    assert mem["peak"] == _measure("mlp", "zero2", v, P)
     assert mem["where"] and sum(mem["parts"].values()) == mem["peak"]
     r = _cli(args)
     assert r.exit_code == 0, r.output
@@ -234,9 +237,9 @@ def test_max_batch_devices_follow_dp():
 def test_one_block_needs_its_own_trace():
     """The schedule of a data-parallel trace folds a middle block over the L - 2 between the
     first and the last: L = 1 is refused in one line (a request with L = 1 traces that regime)."""
-    an = _trace("mlp", "fsdp", "fp32")
+    an = _trace("mlp", "fsdp")
     with pytest.raises(SymcostError, match="holds for L >= 2"):
-        memory_model(an, "fp32", "adamw").peak(L=1)
+        memory_model(an, P, "adamw").peak(L=1)
 
 
 def test_inverse_dp_generator_round_trips():

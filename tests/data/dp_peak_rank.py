@@ -1,17 +1,25 @@
 """Each rank's peak memory in a real data-parallel step on CPU (gloo), for
 tests/test_parallel_memory.py: run with
-``torchrun --standalone --nproc-per-node N dp_peak_rank.py OUT SHARDS D L B S`` (SHARDS: fsdp, zero2
-or ddp, comma-separated: one launch runs them one after the other).
+``torchrun --standalone --nproc-per-node N dp_peak_rank.py OUT SHARDS D L B S [PRECISION]`` (SHARDS:
+fsdp, zero2 or ddp, comma-separated: one launch runs them one after the other; PRECISION: fp32, the
+default, or bf16-mixed: the step under ``torch.autocast("cpu", dtype=torch.bfloat16)``).
 
-Each rank builds the ``mlp`` built-in (fp32), wraps it as symcost traces it (``fully_shard`` per
+Each rank builds the ``mlp`` built-in (fp32 parameters), wraps it as symcost traces it (``fully_shard`` per
 block then the root, ``reshard_after_forward`` True for fsdp and False for zero2; ``replicate``
 per block then the root for ddp), runs a warm-up step (the optimizer state allocated), then one
 steady-state step (``zero_grad(set_to_none=True)``, forward, loss, backward, ``AdamW.step()`` in
 its CPU for-loop form) under ``torch.profiler`` with ``profile_memory``, and writes
 ``OUT/{shard}-rank{r}.json``: the bytes live before the step (the rank's parameter shards, buffers,
 optimizer state and input: its storages) and the peak (that plus the highest allocator level the
-profiler records, ``tests/memory_oracle._levels``, as the single-device tests measure it).
+profiler records, as tests/memory_oracle.py measures it on one device), and ``peak_ops``: the same
+at the ends of top-level ops, aten and c10d (what a kernel allocates and frees inside one op is
+left out: oneDNN's workspaces in bf16 matmuls), and ``memtracker``: the peak of the same step run
+once more under ``torch.distributed._tools.mem_tracker.MemTracker`` (the storages of the ops
+PyTorch dispatches). The profiler also sees the scratch gloo allocates inside its collectives
+(a flat output buffer for all-gather, a clone of the input for reduce-scatter; ProcessGroupGloo),
+which NCCL does not take from PyTorch's allocator and symcost does not model.
 """
+import contextlib
 import json
 import os
 import sys
@@ -19,13 +27,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-from memory_oracle import _levels  # noqa: E402
-
-from symcost.frontends.builtin.mlp import MLP  # noqa: E402
+from symcost.frontends.builtin.mlp import MLP
 
 out_dir, shards = sys.argv[1], sys.argv[2].split(",")
 D, L, B, S = (int(x) for x in sys.argv[3:7])
+MIXED = len(sys.argv) > 7 and sys.argv[7] == "bf16-mixed"
 dist.init_process_group("gloo")
 rank, n = dist.get_rank(), dist.get_world_size()
 
@@ -39,6 +45,32 @@ def storages(tensors) -> int:
             if st.nbytes():
                 seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
+
+
+def _levels(prof) -> tuple[int, int]:
+    """(highest allocator level, highest level at the end of a top-level aten or c10d op) over a
+    profile (tests/memory_oracle._levels, with c10d's collectives as ops of their own)."""
+    evs = list(prof.profiler.kineto_results.events())
+    mem = sorted((e.start_ns(), e.nbytes()) for e in evs if e.name() == "[memory]")
+    ops = sorted(((e.start_ns(), e.start_ns() + e.duration_ns(), e.start_thread_id()) for e in evs
+                  if e.name().startswith(("aten::", "c10d::"))), key=lambda t: (t[0], -t[1]))
+    ends, stack = [], {}
+    for a, b, th in ops:  # top level: not inside another op of its thread
+        st = stack.setdefault(th, [])
+        while st and st[-1] <= a:
+            st.pop()
+        if not st:
+            ends.append(b)
+        st.append(b)
+    timeline = sorted([(t, 0, nb) for t, nb in mem] + [(t, 1, 0) for t in ends])
+    cur = top = top_ops = 0
+    for _, kind, nb in timeline:
+        if kind == 0:
+            cur += nb
+            top = max(top, cur)
+        else:
+            top_ops = max(top_ops, cur)
+    return top, top_ops
 
 
 def run(shard):
@@ -65,7 +97,8 @@ def run(shard):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = model(x).pow(2).mean()
+        with torch.autocast("cpu", dtype=torch.bfloat16) if MIXED else contextlib.nullcontext():
+            loss = model(x).pow(2).mean()
         loss.backward()
         del loss
         opt.step()
@@ -77,8 +110,19 @@ def run(shard):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     top, top_ops = _levels(prof)
+    # the same step once more under PyTorch's MemTracker: the storages of the ops PyTorch
+    # dispatches (not the scratch a backend allocates in C++, e.g. gloo's collective buffers)
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    opt.zero_grad(set_to_none=True)
+    mt = MemTracker()
+    mt.track_external(model, opt, x)
+    with mt:
+        step()
+    tracked = max(d["Total"] for d in mt.get_tracker_snapshot("peak").values())
     with open(os.path.join(out_dir, f"{shard}-rank{rank}.json"), "w") as f:
-        json.dump({"peak": baseline + top, "peak_ops": baseline + top_ops, "baseline": baseline, "world": n}, f)
+        json.dump({"peak": baseline + top, "peak_ops": baseline + top_ops, "baseline": baseline,
+                   "memtracker": tracked, "world": n}, f)
 
 
 for shard in shards:
