@@ -227,6 +227,23 @@ def test_report_dp_shows_the_rank_peak():
     assert "memory.peak" in r.output and "peak per rank at:" in r.output
 
 
+def test_max_batch_dp_nothing_fits():
+    """Under a cap below the rank's peak at B = 1 (MemTracker's), ``max-batch --dp`` exits 3,
+    says so, and offers no --checkpoint (not modelled with --dp) and no Adafactor."""
+    v = {"S": 16, "D": 64, "L": 3, "DP": 4}
+    m1 = _measure("mlp", "fsdp", dict(v, B=1), P)
+    _trace("mlp", "fsdp")
+    r = _cli(["max-batch", "mlp", "--dp", "4", "--shard", "fsdp", "--memory", f"{m1 - 1}B", "--precision", P,
+              "--torch-device", "cpu", "--set"] + [f"{k}={x}" for k, x in v.items() if k != "DP"])
+    assert r.exit_code == 3, r.output
+    assert "does not fit" in r.output
+    assert "--checkpoint" not in r.output and "adafactor" not in r.output
+    r = _cli(["max-batch", "mlp", "--dp", "4", "--shard", "fsdp", "--memory", f"{m1 - 1}B", "--precision", P,
+              "--torch-device", "cpu", "--json", "--set"] + [f"{k}={x}" for k, x in v.items() if k != "DP"])
+    d = json.loads(r.output[r.output.index("{"):])
+    assert r.exit_code == 3 and d["max_batch"] == 0 and d["memory_at_next"] == m1, d
+
+
 def test_max_batch_devices_follow_dp():
     r = _cli(["max-batch", "mlp", "--dp", "8", "--devices", "4", "--global-batch", "64"])
     assert r.exit_code == 2 and "--devices 4 and --dp 8 disagree" in r.output

@@ -142,7 +142,7 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     seconds = time.perf_counter() - t0
     ck_plan = mm.plan(**{**sizes, var: max(sol.value, 1)}) if ckpt != "none" else None
     # nothing fits: what would, from the same trace (other policies, optimizers, checkpointing, cap)
-    alts = mem.alternatives(mm, cap, var, sizes, checkpointing=ck_plan is None) \
+    alts = mem.alternatives(mm, cap, var, sizes, checkpointing=ck_plan is None and an.parallel is None) \
         if sol.value < 1 and not sol.limited_by else None
     if as_json:
         js = _solution_json(an, sol, mm, seconds)
