@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 from symcost.errors import SymcostError
-from ._options import common, early_checks, every_layer_trace, trace_model
+from ._options import common, early_checks, every_layer_trace, parallel_options, parallel_request, trace_model
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only; sympy and torch load with the trace
     from symcost.passes import memory as mem
@@ -67,11 +67,13 @@ NOTHING_FITS = 3
               help="cuda, cpu, xpu, mtia: the device type the step runs on (decides the default optimizer implementation)")
 @click.option("--solve", "var", default="B", show_default=True, help="B (largest batch) or S (longest sequence at --set B)")
 @click.option("--global-batch", type=int, default=None, help="plan gradient accumulation for this global batch")
-@click.option("--devices", type=int, default=1, show_default=True, help="data-parallel devices (with --global-batch)")
+@click.option("--devices", type=int, default=None,
+              help="data-parallel devices (with --global-batch) [default: --dp N, else 1]")
 @click.option("--checkpoint", "ckpt", default="none", show_default=True,
               help="activation checkpointing: none, every-layer, sqrt, optimal (the step is traced with "
                    "the plan applied; see docs/checkpoint.md)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@parallel_options
 def max_batch(model, sets, config, attention, precision, debug, memory, optimizer, impl, device, var,
               global_batch, devices, ckpt, as_json):
     """Largest B with peak memory <= --memory, solved from the symbolic peak with sympy.
@@ -79,6 +81,8 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
     The peak is that of a steady-state training step (see docs/memory.md). With --global-batch
     and --devices: the micro-batch and accumulation steps K, B_global = B_micro x K x N_devices.
+    With --dp N [--shard ...]: per rank of N data-parallel ranks (B is the rank's batch; the peak
+    is the rank's, docs/parallel.md); --devices is then N.
     Exit status 3 when not even 1 fits under --memory (the output names what dominates and what
     would fit: another precision or optimizer, checkpointing, the least cap).
     """
@@ -90,6 +94,14 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     mem.resolve_impl(impl, device)
     if var not in ("B", "S"):
         raise SymcostError(f"--solve takes B or S, got {var!r}")
+    dp, shard = parallel_request(click.get_current_context(silent=True))
+    if dp is not None and devices is not None and devices != dp:
+        raise SymcostError(f"--devices {devices} and --dp {dp} disagree: with --dp the devices are the DP ranks; "
+                           "give one")
+    if dp is not None and ckpt != "none":
+        raise SymcostError("--checkpoint is not modelled with --dp yet; leave one out")
+    explicit_devices = devices is not None
+    devices = devices if devices is not None else (dp or 1)
     if global_batch is not None:
         if global_batch <= 0 or devices <= 0:
             raise SymcostError("--global-batch and --devices must be positive integers")
@@ -100,7 +112,7 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
             )
         if var != "B":
             raise SymcostError("--global-batch plans the batch; it cannot be combined with --solve S")
-    elif devices != 1:
+    elif explicit_devices and dp is None and devices != 1:
         raise SymcostError("--devices applies with --global-batch")
     from symcost.passes.checkpoint import KINDS, plan_memory
 
@@ -130,10 +142,12 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     seconds = time.perf_counter() - t0
     ck_plan = mm.plan(**{**sizes, var: max(sol.value, 1)}) if ckpt != "none" else None
     # nothing fits: what would, from the same trace (other policies, optimizers, checkpointing, cap)
-    alts = mem.alternatives(mm, cap, var, sizes, checkpointing=ck_plan is None) \
+    alts = mem.alternatives(mm, cap, var, sizes, checkpointing=ck_plan is None and an.parallel is None) \
         if sol.value < 1 and not sol.limited_by else None
     if as_json:
         js = _solution_json(an, sol, mm, seconds)
+        if an.parallel is not None:
+            js["parallel"] = {"dp": sol.sizes.get("DP"), "shard": an.parallel, "per_rank": True}
         if ck_plan is not None:
             js["checkpoint"] = {"kind": ckpt, "plan": ck_plan.modules(), "L": ck_plan.L,
                                 "segments": [list(x) for x in ck_plan.segments]}
@@ -184,6 +198,9 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
     pinned = getattr(an, "pinned", {}) or {}
     if pinned:
         c.print("  pinned: " + ", ".join(f"{k} = {v} (size 1 runs other kernels)" for k, v in pinned.items()))
+    if an.parallel is not None:
+        c.print(f"  per rank: one of DP = {sol.sizes.get('DP')} ranks, --shard {an.parallel} ({v} is the rank's; "
+                "the peak is the rank's, docs/parallel.md)")
     c.print(f"  sizes: {_sizes_line(sol.sizes, given)}")
     c.print(f"  memory cap: {human(sol.cap, 'B')} ({sol.cap:,} bytes)")
     if sol.bound is not None:
@@ -232,6 +249,7 @@ def _print_plan(an, mm, plan: mem.AccumulationPlan, seconds: float, as_json: boo
             "model": an.model, "precision": mm.policy.name, "optimizer": mm.opt.name,
             "optimizer_impl": mm.impl, "memory_cap": plan.cap,
             "global_batch": plan.global_batch, "devices": plan.devices,
+            **({"parallel": {"dp": plan.devices, "shard": an.parallel, "per_rank": True}} if an.parallel else {}),
             "per_device_batch": plan.per_device_batch, "micro_batch": plan.micro_batch,
             "accumulation_steps": plan.accumulation_steps, "max_micro_batch": plan.max_micro_batch,
             "exact_split": plan.exact, "note": plan.note,

@@ -33,7 +33,7 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
     if an.parallel is not None:  # --dp: per-rank model states and collectives (docs/parallel.md)
         from symcost.passes.parallel import summary
 
-        par = summary(an, precision, optimizer, sizes if sizes else None)
+        par = summary(an, precision, optimizer, sizes if sizes else None, device=device)
         meta = click.get_current_context().find_root().meta
         step = None
         if meta.get("symcost.gpu"):

@@ -199,6 +199,13 @@ def _lead_roles(container: str, n: int):
     return role
 
 
+def _middle(spec: ModelSpec) -> int:
+    """1 where the probes hold one more block, so that a middle block stands for the L - 2
+    between the first and the last (a data-parallel trace: FSDP2 keeps each unit's collective
+    buffers until the next unit's, ``tracing.schedule.fit_schedule(middle=True)``), else 0."""
+    return 1 if spec.extra.get("parallel") and not spec.lead_blocks and "L" in spec.symbols else 0
+
+
 def _align(recs: list[Recording], spec: ModelSpec) -> None:
     ref = recs[0]
     for r in recs[1:]:
@@ -393,7 +400,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     t0 = time.perf_counter()
     pinned = dict(pins)
     base_syms = tuple(s for s in spec.all_symbols if s not in pinned)
-    fixed = dict(pinned, **({"L": FIT_L + spec.lead_blocks} if "L" in base_syms else {}))
+    fixed = dict(pinned, **({"L": FIT_L + spec.lead_blocks + _middle(spec)} if "L" in base_syms else {}))
     request = {**{k: v for k, v in values.items() if k in spec.all_symbols or k in spec.tied},
                **{s: v for s, v in fixed.items()}}
     for s in spec.input_symbols:  # B, S (T) not requested: the regime of any size other than 1
@@ -573,10 +580,10 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         matmul_params=matmul_params, unsupported=unsupported, saved=saved, layer_container=container,
         precision=precision, tied={folded_name.get(k, k): v for k, v in ref.tied.items()},
         recordings=recs, plan=plan, fitter=fitter, role=role,
-        # a data-parallel step's storages hold shards (sizes in 1/DP, which the schedule's
-        # polynomial algebra does not take): its per-rank memory is passes.parallel's for now
-        schedule=None if ref.parallel else fit_schedule(recs, fitter, role, container, symbols, spec.name,
-                                                        lead=0 if "L" in pinned else spec.lead_blocks),
+        # (a data-parallel step's storages hold shards: sizes in DP and 1/DP, tracing/poly.py)
+        schedule=fit_schedule(recs, fitter, role, container, symbols, spec.name,
+                              lead=0 if "L" in pinned else spec.lead_blocks,
+                              middle=bool(_middle(spec)) and "L" not in pinned),
         step=spec.step, kv_cache=spec.kv_cache if spec.step != "train" else None, kv_layers=kv_layers,
         parallel=ref.parallel, param_shards=param_shards,
     )
@@ -707,7 +714,7 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
         except SymcostError:
             continue
         msg = compare(p, rec)
-        if msg and accept is not None and "L" in p and not accept(dict(p, L=FIT_L + spec.lead_blocks)):
+        if msg and accept is not None and "L" in p and not accept(dict(p, L=FIT_L + spec.lead_blocks + _middle(spec))):
             continue  # the random point left the regime: draw another
         if msg:
             raise CheckFailed(msg, config_syms or symbols)

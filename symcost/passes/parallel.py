@@ -137,8 +137,38 @@ def padded(an, env: Mapping) -> dict[str, Any]:
     return {"params_shard": sympy.Integer(shard), "comm": comm}
 
 
+def rank_peak(an, precision: str | None = None, optimizer: str = "adamw", sizes: Mapping[str, int] | None = None,
+              impl: str = "default", device: str = "cuda") -> dict[str, Any]:
+    """The peak memory of one rank of a data-parallel trace, from the traced storage schedule
+    (:class:`~symcost.passes.memory.MemoryModel`: every storage the rank allocates and frees,
+    FSDP2's unsharded parameters and collective buffers included, folded over L; docs/parallel.md
+    "The rank's peak"), on top of the rank's model states (:func:`model_state_bytes`).
+
+    Returns:
+        ``formula`` (the peak in the symbols and DP, a sympy expression, ``Max`` where the live
+        set that peaks depends on the sizes), ``where`` and ``parts`` (bytes by part, adding up to
+        the peak: :meth:`~symcost.passes.memory.MemoryModel.peak_parts`) and ``value`` (bytes) at
+        ``sizes`` (the model's defaults where not given); ``error`` (and nothing else) where the
+        trace has no schedule.
+
+    Raises:
+        SymcostError: bad sizes or options.
+    """
+    from symcost.passes.memory import memory_model
+
+    try:
+        mm = memory_model(an, precision, optimizer, impl, device)
+    except SymcostError as e:
+        if an.schedule is not None and an.schedule.error:
+            return {"error": str(e)}
+        raise
+    parts = mm.peak_parts(**dict(sizes or {}))
+    return {"formula": mm.peak_expr(), "value": parts["peak"], "where": parts["where"],
+            "parts": {k: v for k, v in parts.items() if k not in ("peak", "where")}}
+
+
 def summary(an, precision: str | None = None, optimizer: str = "adamw",
-            sizes: Mapping[str, int] | None = None) -> dict[str, Any]:
+            sizes: Mapping[str, int] | None = None, impl: str = "default", device: str = "cuda") -> dict[str, Any]:
     """One rank of a data-parallel trace (``symcost.trace(..., shard=...)``): formulas in the
     symbols and ``DP``.
 
@@ -147,8 +177,10 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         ``comm`` (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``total``: bytes each rank
         sends, equal to those it receives, per step, ring algorithm), ``memory`` (per-rank
         model states, :func:`model_state_bytes`, plus ``activations``: the bytes autograd saves
-        on the rank, from the trace); with ``sizes``, also ``values``: the same at those sizes,
-        exact with FSDP2's padding (:func:`padded`) where DP does not divide a dimension.
+        on the rank, from the trace), ``peak`` (:func:`rank_peak`: the rank's peak memory, its
+        formula, and its value, place and parts at ``sizes`` or the defaults); with ``sizes``,
+        also ``values``: the same at those sizes, exact with FSDP2's padding (:func:`padded`)
+        where DP does not divide a dimension (the peak is exact where it divides).
 
     Raises:
         SymcostError: ``an`` is no data-parallel trace.
@@ -172,7 +204,8 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
 
         engine += (f", MixedPrecisionPolicy(param_dtype=torch.{MP_DTYPES[mp[0]]}, "
                    f"reduce_dtype=torch.{MP_DTYPES[mp[1]]})")
-    out = {"shard": shard, "engine": engine, "label": label, "comm": comm, "memory": mem}
+    out = {"shard": shard, "engine": engine, "label": label, "comm": comm, "memory": mem,
+           "peak": rank_peak(an, precision, optimizer, sizes, impl, device)}
     if sizes is not None:
         env = an.bind(**sizes)
         ev = padded(an, env)

@@ -478,7 +478,9 @@ def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) 
     """JSON of :func:`symcost.passes.parallel.summary`: ``comm`` {all_gather, reduce_scatter,
     all_reduce, total} (bytes one rank sends, = receives, per step, ring algorithm) and
     ``parallel`` {shard, dp, engine, sharded, memory_per_rank {params, grads, optimizer_state,
-    master, total, activations}} (formulas without sizes; with sizes the pass's exact values,
+    master, total, activations}, memory {peak, where, parts}: the rank's peak from its storage
+    schedule, :func:`symcost.passes.parallel.rank_peak`} (formulas without sizes, with
+    ``memory.peak_at_defaults``; with sizes the pass's exact values,
     FSDP2's padding included, and ``divisible``: whether DP divides every sharded dimension, i.e.
     whether the formulas hold there as they are)."""
     vals = summary.get("values") if sizes is not None else None
@@ -487,18 +489,28 @@ def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) 
         v = sympy.sympify(v)
         return int(v) if v.is_integer else float(v)
 
+    pk = summary.get("peak") or {}
+    if "error" in pk:
+        peak = {"peak": None, "error": pk["error"]}
+    else:
+        peak = {"peak": pk["value"] if vals is not None else fmt(pk["formula"]), "where": pk["where"],
+                "parts": pk["parts"], "formula": fmt(pk["formula"])}
+        if vals is None:
+            peak["peak_at_defaults"] = pk["value"]
     if vals is None:
         return {
             "comm": {k: fmt(v) for k, v in summary["comm"].items()},
             "parallel": {"shard": summary["shard"], "dp": "DP" if "DP" in an.symbols else an.pinned.get("DP"),
                          "engine": summary["engine"], "sharded": summary["label"],
-                         "memory_per_rank": {k: fmt(v) for k, v in summary["memory"].items()}},
+                         "memory_per_rank": {k: fmt(v) for k, v in summary["memory"].items()},
+                         "memory": peak},
         }
     return {
         "comm": {k: num(v) for k, v in vals["comm"].items()},
         "parallel": {"shard": summary["shard"], "dp": int(vals["dp"]), "engine": summary["engine"],
                      "sharded": summary["label"], "divisible": bool(vals["divisible"]),
-                     "memory_per_rank": {k: num(v) for k, v in vals["memory"].items()}},
+                     "memory_per_rank": {k: num(v) for k, v in vals["memory"].items()},
+                     "memory": peak},
     }
 
 
@@ -521,7 +533,17 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
     for k, v in summary["memory"].items():
         val = par["memory_per_rank"][k]
         t.add_row(f"memory.{k}", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
+    pk = par["memory"]
+    if pk.get("peak") is None:
+        t.add_row("memory.peak", "", pk.get("error", ""))
+    else:
+        val = pk["peak"] if isinstance(pk["peak"], int) else pk["peak_at_defaults"]
+        f = pk["formula"] if len(pk["formula"]) <= 120 else "(a Max of live sets: --json prints it)"
+        t.add_row("memory.peak" + ("" if isinstance(pk["peak"], int) else " (at the defaults)"), f, human(val, "B"))
     c.print(t)
+    if pk.get("peak") is not None:
+        c.print(f"peak per rank at: {pk['where']} (model states + the live storages of the traced step: "
+                "unsharded parameters, collective buffers, gradients, activations)")
     if step is not None:
         c.print(f"step time per rank: {step['step_seconds'] * 1e3:.3f} ms (compute {step['compute']['forward'] * 1e3:.3f} "
                 f"+ {step['compute']['backward'] * 1e3:.3f} ms, communication {step['comm']['forward'] * 1e3:.3f} + "

@@ -18,8 +18,25 @@ from sympy.polys.rings import ring as _ring
 from symcost.tracing.fit import SYMS
 
 #: A polynomial as plain data (JSON): ``[[e_1, ..., e_n, "p/q"], ...]``, exponents in the order
-#: of the symbols it is written in (``MemorySchedule.gens``).
+#: of the symbols it is written in (``MemorySchedule.gens``), then, where ``DP`` is among them,
+#: the exponent of ``1/DP`` (:data:`INV_DP`).
 Terms = list
+
+#: The generator standing for ``1/DP`` in a data-parallel trace's ring: a rank's storages hold
+#: shards, whose sizes are ``x/DP`` (docs/parallel.md, "The rank's peak"). Sizes are at most
+#: linear in DP and in 1/DP (``symcost.tracing.fit.LINEAR_ONLY``), so ``DP`` and ``1/DP`` are two
+#: generators of a polynomial ring and every size is a polynomial in them.
+INV_DP = sympy.Symbol("DP_inv", positive=True)
+
+
+def _inv_dp(expr):
+    """``expr`` with every ``DP**-k`` written ``INV_DP**k`` (expanded first)."""
+    DP = SYMS["DP"]
+    expr = sympy.expand(sympy.sympify(expr))
+    if not expr.has(DP):
+        return expr
+    return expr.replace(lambda e: e.is_Pow and e.base == DP and e.exp.is_negative,
+                        lambda e: INV_DP ** (-e.exp))
 
 
 class NotIntegral(ValueError):
@@ -35,12 +52,19 @@ class Algebra:
     operations this gives the conversions to and from sympy expressions and plain
     :data:`Terms`, and the shift ``p(x) -> p(x + 1)`` that decides signs over positive integers.
     Converting a non-integer coefficient into ``ZZ`` raises :class:`NotIntegral`.
+
+    With ``DP`` among the symbols (a data-parallel trace) the ring has one more generator,
+    :data:`INV_DP` = 1/DP, after the symbols: ``values`` appends its value, ``expr`` writes it
+    back as ``1/DP``, and the shift leaves it alone (0 < 1/DP <= 1, so a polynomial whose
+    coefficients are all >= 0 after shifting the other symbols is still >= 0; the relation
+    DP·(1/DP) = 1 is not used, which keeps every sign test sufficient).
     """
 
     def __init__(self, gens: tuple[str, ...], domain=QQ):
         self.gens = tuple(gens)
         self.domain = domain
-        syms = [SYMS[g] for g in self.gens] or [sympy.Symbol("_one")]
+        self.inv_dp = "DP" in self.gens
+        syms = [SYMS[g] for g in self.gens] + ([INV_DP] if self.inv_dp else []) or [sympy.Symbol("_one")]
         self.R, *self.x = _ring(syms, domain)
         self.n = len(syms)
         self._shifted: dict[tuple, Any] = {}
@@ -54,7 +78,7 @@ class Algebra:
         got = self._from_expr.get(expr)
         if got is None:
             try:
-                got = self._from_expr[expr] = self.R(sympy.sympify(expr))
+                got = self._from_expr[expr] = self.R(_inv_dp(expr) if self.inv_dp else sympy.sympify(expr))
             except ValueError as e:  # a rational coefficient in ZZ
                 raise NotIntegral(str(e)) from e
         return got
@@ -79,7 +103,17 @@ class Algebra:
         return out
 
     def expr(self, p) -> sympy.Expr:
-        return p.as_expr() if self.gens else sympy.Rational(str(p.coeff(1)) if p else 0)
+        if not self.gens:
+            return sympy.Rational(str(p.coeff(1)) if p else 0)
+        e = p.as_expr()
+        return e.xreplace({INV_DP: 1 / SYMS["DP"]}) if self.inv_dp else e
+
+    def values(self, vals: tuple) -> tuple:
+        """Values of the ring's generators from those of the symbols (in ``gens`` order): with
+        ``DP``, its inverse appended (an exact rational)."""
+        if not self.inv_dp:
+            return tuple(vals)
+        return (*vals, QQ(1, int(vals[self.gens.index("DP")])))
 
     def scale(self, p, k):
         """``k * p`` for a rational ``k`` (int or Fraction)."""
@@ -90,21 +124,27 @@ class Algebra:
 
     def shift(self, p):
         """``p(x + 1)``, a polynomial in y = x - 1 >= 0: when all its coefficients are >= 0, p >= 0
-        at every positive integer point (a sufficient test). Shifted monomials are cached."""
+        at every positive integer point (a sufficient test). Shifted monomials are cached. The
+        generator 1/DP (:data:`INV_DP`, > 0) is not shifted."""
         out = self.R.zero
+        k = len(self.gens)
         for m, c in p.items():
             s = self._shifted.get(m)
             if s is None:
                 s = self.R.one
-                for x, e in zip(self.x, m):
+                for x, e in zip(self.x[:k], m):
                     if e:
                         s = s * (x + 1) ** e
+                if self.inv_dp and m[-1]:
+                    s = s * self.x[-1] ** m[-1]
                 self._shifted[m] = s
             out += s * c
         return out
 
 
 def terms_expr(gens, terms: Terms) -> sympy.Expr:
-    """:data:`Terms` in the symbols ``gens`` as a sympy expression."""
-    return sympy.Add(*[sympy.Rational(str(t[-1])) * sympy.Mul(*[SYMS[g] ** e for g, e in zip(gens, t[:-1]) if e])
+    """:data:`Terms` in the symbols ``gens`` as a sympy expression (with ``DP`` among them, the
+    last exponent is that of 1/DP)."""
+    syms = [SYMS[g] for g in gens] + ([1 / SYMS["DP"]] if "DP" in gens else [])
+    return sympy.Add(*[sympy.Rational(str(t[-1])) * sympy.Mul(*[s ** e for s, e in zip(syms, t[:-1]) if e])
                        for t in terms])

@@ -74,6 +74,10 @@ class OpCall:
     # those it holds before or after the step (set by _inference_step)
     kv_reads: tuple[int, ...] = ()
     kv_writes: tuple[int, ...] = ()  # positions of the outputs that allocate a storage the cache then holds
+    # where the op ran when that differs from ``module`` (FSDP2's work for another unit, e.g. the
+    # backward prefetch of the previous block's parameters inside this block's backward): the
+    # memory schedule cuts the step into blocks by where storages are allocated and freed
+    host: str | None = None
 
 
 @dataclass
@@ -98,6 +102,10 @@ class MemoryEvent:
     index: int
     nbytes: int
     storage: int
+    # data-parallel recordings: the module running when it happened (a free in an FSDP2 hook
+    # after a block's last op, e.g. the last unit's all-gather buffer released by the root,
+    # belongs where it happens, not to that op)
+    host: str | None = None
 
 
 @dataclass
@@ -250,7 +258,29 @@ class _Recorder(TorchDispatchMode):
         entry[0] -= 1
         if entry[0] == 0:
             del self._storages[key]
-            self.events.append(MemoryEvent(len(self.ops), -entry[1], key))
+            if entry[1]:
+                self.events.append(MemoryEvent(len(self.ops), -entry[1], key, self._host()))
+
+    def resized(self, storage, old: int) -> None:
+        """A storage the step allocated was resized in place (``UntypedStorage.resize_``: FSDP2
+        frees an unsharded parameter with ``resize_(0)`` and allocates it again with
+        ``resize_(nbytes)``, torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``free_storage``,
+        ``alloc_storage``): a free of the old bytes, then an allocation of the new ones, both
+        before the next op. Storages that existed before the step are not followed."""
+        key = StorageWeakRef(storage).cdata
+        entry = self._storages.get(key)
+        new = storage.nbytes()
+        if entry is None or new == old:
+            return
+        if old:
+            self.events.append(MemoryEvent(len(self.ops), -old, key, self._host()))
+        if new:
+            self.events.append(MemoryEvent(len(self.ops), new, key, self._host()))
+        entry[1] = new
+
+    def _host(self) -> str | None:
+        """Where a free happens (data-parallel recordings only; see ``MemoryEvent.host``)."""
+        return self.current_module(owners=False) if self.model is not None else None
 
     def _profiler_label(self, func, args, out) -> None:
         """Follow ``record_function`` regions: FSDP2 labels the work it does for a unit with the
@@ -268,8 +298,10 @@ class _Recorder(TorchDispatchMode):
         elif self.owners:
             self.owners.pop()
 
-    def current_module(self) -> str:
-        owner = next((o for o in reversed(self.owners) if o is not None), None)
+    def current_module(self, owners: bool = True) -> str:
+        """The module the next op belongs to: the innermost FSDP2 unit whose work it is
+        (``owners``), else the module running (forward), the autograd node's (backward)."""
+        owner = next((o for o in reversed(self.owners) if o is not None), None) if owners else None
         if owner is not None:
             return owner
         if self.phase == "forward":
@@ -320,11 +352,14 @@ class _Recorder(TorchDispatchMode):
                                        _storage_key(t) if self.storage_keys else None))
                 if not known:
                     self.track(t, len(self.ops))
+        module = self.current_module()
+        host = self.current_module(owners=False) if self.owners else module
         self.ops.append(
             OpCall(
                 op=func,
                 name=str(func),
-                module=self.current_module(),
+                host=host if host != module else None,
+                module=module,
                 phase=self.phase,
                 inputs=inputs,
                 outputs=outs,
@@ -333,6 +368,26 @@ class _Recorder(TorchDispatchMode):
             )
         )
         return out
+
+
+@contextlib.contextmanager
+def _observe_resize(rec: _Recorder):
+    """While recording, every ``UntypedStorage.resize_`` is reported to ``rec``
+    (:meth:`_Recorder.resized`): in-place storage resizes dispatch no aten op, so the recorder's
+    dispatch mode and weak references would not see them."""
+    orig = torch.UntypedStorage.resize_
+
+    def resize_(self, size):
+        old = self.nbytes()
+        out = orig(self, size)
+        rec.resized(self, old)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = orig
 
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
@@ -628,6 +683,7 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
         h1 = nn.modules.module.register_module_forward_pre_hook(pre_hook)
         h2 = nn.modules.module.register_module_forward_hook(post_hook)
         kv: tuple = ([], 0)
+        resizes = _observe_resize(rec) if parallel is not None else contextlib.nullcontext()
         try:
             context = spec.record_context or contextlib.nullcontext  # (hf: the masks the real step builds)
             if inference:
@@ -635,7 +691,7 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
                     n_forward, events_end, kv = _inference_step(rec, model, args, kwargs, kv_layers, autocast)
                 n_backward = 0
             else:
-                with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context():
+                with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context(), resizes:
                     with autocast():
                         out = model(*args, **kwargs)
                         loss = spec.loss(out, (args, kwargs))
@@ -644,7 +700,7 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
                     _label_graph(fn, "")
                 n_forward = len(rec.ops)
                 rec.phase = "backward"
-                with rec:
+                with rec, _observe_resize(rec) if parallel is not None else contextlib.nullcontext():
                     loss.backward()
                     del loss
                 n_backward = len(rec.ops) - n_forward

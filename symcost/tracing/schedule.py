@@ -89,13 +89,14 @@ class MemorySchedule:
         )
 
 
-def _normalized(rec) -> list[tuple[int, int, int]]:
+def _normalized(rec, keep_event: bool = False) -> list[tuple]:
     """The step's memory events as ``(op index, signed bytes, position of the allocation)``.
 
     Frees that happen together (between the same two allocations, stamped with the same op) may
     come in an order that depends on addresses (e.g. autocast's cast cache is a hash map); they
     are sorted by the position of the allocation they free, which is the same at every size.
-    Their order does not change any live set seen at an allocation.
+    Their order does not change any live set seen at an allocation. ``keep_event``: each tuple
+    also carries the index of its event in ``rec.events``.
     """
     n = rec.events_end if rec.events_end >= 0 else len(rec.events)
     pos: dict[int, int] = {}
@@ -107,21 +108,32 @@ def _normalized(rec) -> list[tuple[int, int, int]]:
         out.extend(run)
         run.clear()
 
-    for e in rec.events[:n]:
+    for j, e in enumerate(rec.events[:n]):
         if e.nbytes > 0:
             flush()
             pos[e.storage] = len(out)
-            out.append((e.index, e.nbytes, len(out)))
+            out.append((e.index, e.nbytes, len(out)) + ((j,) if keep_event else ()))
         elif e.storage in pos:
-            run.append((e.index, e.nbytes, pos.pop(e.storage)))
+            run.append((e.index, e.nbytes, pos.pop(e.storage)) + ((j,) if keep_event else ()))
         # else: a free whose allocation was not seen as one (a storage swapped under a tensor,
         # e.g. by set_); it cannot be placed, so it is left out (the peak errs high)
     flush()
     return out
 
 
+def _hosts(rec) -> dict[int, str]:
+    """Position in :func:`_normalized`'s order -> the module where a free happened, for the
+    events that carry one (``MemoryEvent.host``: data-parallel recordings)."""
+    n = rec.events_end if rec.events_end >= 0 else len(rec.events)
+    if not any(getattr(e, "host", None) is not None for e in rec.events[:n]):
+        return {}
+    order = _normalized(rec, keep_event=True)
+    return {k: rec.events[j].host for k, (*_, j) in enumerate(order)
+            if rec.events[j].nbytes < 0 and rec.events[j].host is not None}
+
+
 def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...], name: str,
-                 lead: int = 0) -> MemorySchedule:
+                 lead: int = 0, middle: bool = False) -> MemorySchedule:
     """Fit the probe recordings' memory events into a :class:`MemorySchedule` (at trace time).
 
     Args:
@@ -134,6 +146,11 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
         lead: n >= 2 leading blocks of another kind (``ModelSpec.lead_blocks``; the probes hold
             n + 2 blocks): blocks 0..n-1 are kept as they ran, block n is the first of the
             L - n others and block n + 1 stands for the remaining L - n - 1.
+        middle: the probes hold three blocks (a data-parallel trace): block 0 and block 2 are
+            kept as they ran (the first and the last, forward and backward), block 1 stands for
+            the L - 2 blocks between them. FSDP2 holds a unit's all-gather and reduce-scatter
+            buffers until the next unit's collective, so the first and last blocks of each
+            direction differ from the others in what they free. Valid for L >= 2.
 
     Each event's size is fitted across the probes (a polynomial); the schedule is cut into units
     folded over L (docs/memory.md, "Folding over L"). A schedule whose events change order with
@@ -165,13 +182,13 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
     pdtypes = {d for _, d in ref.params.values() if d.is_floating_point}
     sched.grad_itemsize = max((d.itemsize for d in pdtypes), default=4)
     try:
-        _fit_events(sched, alg, recs, fitter, role, container if has_L else None, name, lead)
+        _fit_events(sched, alg, recs, fitter, role, container if has_L else None, name, lead, middle)
     except SymcostError as e:
         sched.events, sched.units, sched.error = [], [], str(e)
     return sched
 
 
-def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0) -> None:
+def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, middle: bool = False) -> None:
     ref = recs[0]
     norm = [_normalized(r) for r in recs]
     n = len(norm[0])
@@ -183,6 +200,7 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0) 
                 "peak memory has no single formula"
             )
     events = norm[0]  # (op index, signed bytes, alloc position)
+    hosts = _hosts(ref)
     # gradients: storages the backward allocates that are still live when the step ends
     live: dict[int, int] = {}
     for k, (_, nb, pos) in enumerate(events):
@@ -202,7 +220,12 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0) 
         i, nb, _ = events[k]
         i = i if nb > 0 else i - 1
         op = ref.ops[max(0, min(i, n_ops - 1))]
-        return op, _layer_of(op.module, container)
+        # the block where it happened (FSDP2's prefetch of another unit happens in this one; a
+        # free in a hook after the block's last op where the hook runs)
+        host = hosts.get(k)
+        if host is None:
+            host = op.host if getattr(op, "host", None) is not None else op.module
+        return op, _layer_of(host, container)
 
     info = [where(k) for k in range(n)]
     units: list[tuple[int, int, Any, int, str]] = []  # (start, stop, repeat, min_L, label)
@@ -220,9 +243,10 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0) 
         # (with n leading blocks: n + 2 blocks, of which n and n + 1 are the two compared); a
         # forward-only step (inference) has no backward spans: its blocks fold the same way
         forward_only = not any(k[0] == "backward" for k in spans)
-        order = [("forward", i) for i in range(lead + 2)]
+        nb = lead + 2 + (1 if middle else 0)
+        order = [("forward", i) for i in range(nb)]
         if not forward_only:
-            order += [("backward", i) for i in reversed(range(lead + 2))]
+            order += [("backward", i) for i in reversed(range(nb))]
         ok = all(k in spans for k in order) and len(spans) == len(order)
         if ok:
             ok = all(spans[a][1] < spans[b][0] for a, b in zip(order, order[1:]))
@@ -243,7 +267,20 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0) 
             special = None
         F0, F1 = range(f0[0], f0[1] + 1), range(f1[0], f1[1] + 1)
         B1, B0 = range(b1[0], b1[1] + 1), range(b0[0], b0[1] + 1)
-        if forward_only and lead:  # blocks 0..n-1 as they ran; block n first of the others
+        if middle and not forward_only:
+            # blocks 0, 1, 2: each pass runs from its block's first event to the next block's first
+            # (a unit's hooks after its last op, e.g. FSDP2's reshard, belong to its pass)
+            f2, b2 = spans[("forward", 2)], spans[("backward", 2)]
+            siblings = [(range(f1[0], f2[0]), range(f0[0], f1[0])), (range(b1[0], b0[0]), range(b2[0], b1[0]))]
+            units = [(0, f0[0], 1, 2, "forward, before the blocks"),
+                     (f0[0], f1[0], 1, 2, "forward, first block"),
+                     (f1[0], f2[0], "L - 2", 3, "forward, block"),
+                     (f2[0], f2[1] + 1, 1, 2, "forward, last block"),
+                     (f2[1] + 1, b2[0], 1, 2, "end of forward / start of backward"),
+                     (b2[0], b1[0], 1, 2, "backward, last block"),
+                     (b1[0], b0[0], "L - 2", 3, "backward, block"),
+                     (b0[0], n, 1, 2, "backward, first block and after")]
+        elif forward_only and lead:  # blocks 0..n-1 as they ran; block n first of the others
             siblings = [(F1, F0)]
             more = f"L - {lead + 1}"
             units = [(0, f0[0], 1, 1, f"forward, before the blocks and the {lead} leading blocks"),
@@ -325,7 +362,7 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0) 
             sib = sibling_of.get(events[k][2])
             if (ua != uf and rep_a != 1 and units[uf][2] == 1 and sib is not None
                     and freed_in.get(sib) == uf):
-                evpolys[k] = evpolys[k] * alg.from_expr(L - 1 - lead)
+                evpolys[k] = evpolys[k] * alg.from_expr(L - 2 if middle else L - 1 - lead)
     for k in range(n):
         op, _ = info[k]
         keep, _, module = role(op.module)

@@ -109,7 +109,10 @@ def alternatives(mm, cap: int | str, var: str, sizes: Mapping[str, int], checkpo
     for name in LIGHTER:
         if name == mm.opt.name:
             continue
-        other = memory_model(mm.an, mm.policy.name, name, mm.impl)
+        try:
+            other = memory_model(mm.an, mm.policy.name, name, mm.impl)
+        except SymcostError:  # an optimizer not modelled for this trace (Adafactor with --dp)
+            continue
         if other.components(**at1)["optimizer"] >= state_now:
             continue
         r = trial("optimizer", f"--optimizer {name}", other, "exact")

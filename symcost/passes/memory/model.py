@@ -91,11 +91,15 @@ class MemoryModel(Solver):
         self.has_L = "L" in self.gens
         P = an.params
         self.P = P
+        self.opt_share = None  # a data-parallel rank's optimizer updates shards (set by _rank_states)
         self.params = sympy.expand(pol.param * P)
         self.grads = sympy.expand(pol.grad * P)
         self.master_weights = sympy.expand(pol.master * P)
         self.n_tensors = sympy.expand(sympy.Add(*[rep for _, (_, _, rep) in an.param_shapes.items()]))
         self.optimizer = self._optimizer_state()
+        self.parallel = getattr(an, "parallel", None)
+        if self.parallel is not None:
+            self._rank_states()
         self.buffers, self.inputs = self._buffers_inputs()
         # an inference step's KV cache after the step (0 for a training step): live all step
         self.kv_scale = Fraction(kv_scale)
@@ -115,6 +119,34 @@ class MemoryModel(Solver):
                 continue
 
     # -- static ----------------------------------------------------------------------------------
+    def _rank_states(self) -> None:
+        """One rank's model states in a data-parallel trace: what the ``--shard`` strategy
+        shards (:func:`symcost.passes.parallel.model_state_bytes`, Rajbhandari et al. 2020 §5.1;
+        FSDP/ZeRO-3: the traced DTensor shards), plus Adam's 4-byte step counters, one per
+        parameter tensor on every rank. Gradients are scaled to this size where the schedule
+        allocates them (:meth:`_load_schedule`)."""
+        from symcost.passes.parallel import SHARDED, model_state_bytes
+        from symcost.frontends.parallel import SHARDS
+
+        if self.opt.factored:
+            raise SymcostError(f"--optimizer {self.opt.name}: the per-rank state of a factored optimizer is not "
+                               "modelled with --dp yet; use adamw, adam or sgd")
+        an = self.an
+        DP = SYMS["DP"] if "DP" in an.symbols else an.pinned.get("DP", 1)
+        traced = SHARDS[self.parallel][0] == "fully_shard" and "params" in SHARDED[self.parallel]
+        st = model_state_bytes(self.P, DP, self.parallel, self.policy.name, self.opt.name,
+                               an.params_shard if traced else None)
+        self.params, self.grads, self.master_weights = (sympy.expand(st[k]) for k in ("params", "grads", "master"))
+        if self.parallel == "zero2":
+            # the peak is the traced engine's (FSDP2 reshard_after_forward=False): at rest it holds
+            # the parameters' shard; the whole parameters are the schedule's unsharded buffers,
+            # live from the unit's forward all-gather to its post-backward reshard
+            self.params = sympy.expand(self.policy.param * an.params_shard)
+        self.optimizer = sympy.expand(st["optimizer_state"] + (STEP_BYTES * self.n_tensors if self.opt.step else 0))
+        if "optimizer_state" in SHARDED[self.parallel]:
+            # the optimizer steps the rank's shards: its temporaries are a shard's (1/DP of each tensor)
+            self.opt_share = sympy.expand(an.params_shard if traced else self.P / DP)
+
     def _optimizer_state(self) -> sympy.Expr:
         an, pol, opt = self.an, self.policy, self.opt
         total = opt.full * pol.state * self.P
@@ -245,7 +277,11 @@ class MemoryModel(Solver):
     def _param_numels(self) -> list[tuple[Any, Any]]:
         """(elements, Adafactor's rows + columns) of the parameter tensors in the optimizer's
         order (that of the L = 2 trace, which has every kind of neighbour), ring elements."""
-        return [(self.alg.from_terms(a), self.alg.from_terms(b)) for a, b in self.schedule.params]
+        out = [(self.alg.from_terms(a), self.alg.from_terms(b)) for a, b in self.schedule.params]
+        if self.opt_share is not None:  # each tensor's shard on this rank (1/DP of it)
+            inv = self.alg.x[-1]
+            out = [(a * inv, b * inv) for a, b in out]
+        return out
 
     def _optimizer_transients(self) -> list[tuple[Any, str]]:
         """Temporaries of one optimizer step (bytes), modelled on torch.optim 2.x's code.
@@ -261,7 +297,8 @@ class MemoryModel(Solver):
         if impl == "fused" or opt.name in ("sgd", "sgd-nomomentum"):
             return []
         if impl == "foreach":
-            return [(self._poly(self.P) * st, "foreach temporaries of all tensors")]
+            return [(self._poly(self.P if self.opt_share is None else self.opt_share) * st,
+                     "foreach temporaries of all tensors")]
         out = []
         prev = alg.R.zero
         for numel, fac in self._param_numels():
@@ -276,7 +313,7 @@ class MemoryModel(Solver):
 
     # -- evaluation ------------------------------------------------------------------------------------
     def _values(self, env: Mapping) -> tuple:
-        return tuple(int(env[s]) for s in self._syms) if self._syms else (1,)
+        return self.alg.values(tuple(int(env[s]) for s in self._syms)) if self._syms else (1,)
 
     def _env(self, sizes: Mapping[str, int]) -> dict:
         return self.an.bind(**dict(sizes))
@@ -290,6 +327,11 @@ class MemoryModel(Solver):
         return vals
 
     def _cands(self, L: int | None, accumulate: bool) -> list[Candidate]:
+        least = min((u[2] for u in self.units), default=1)
+        if L is not None and L < least:
+            raise SymcostError(f"{self.an.model}: this trace's storage schedule holds for L >= {least} "
+                               f"(its first and last blocks differ from the others); trace at L = {L} "
+                               f"for the peak there (symcost.trace(..., sizes={{'L': {L}}}) or --set L={L})")
         cs = self.candidates_accum + self.candidates if accumulate else self.candidates
         return [c for c in cs if L is None or c.min_L <= L]
 
@@ -377,11 +419,16 @@ class MemoryModel(Solver):
                     live[key] += ((n - 1) * delta[key] if origin[2] else 0) + prefix[key]
         if origin is not None and origin[0] == "optimizer":
             live["optimizer_step"] += int(_peval(origin[1], vals))
+        # (a data-parallel trace at a DP that does not divide the sharded dimensions: the
+        # unpadded formulas give fractions of a byte, each part rounded down, as the peak is)
+        integral = all(int(v) == v for v in live.values())
         out.update({k: int(v) for k, v in live.items()})
         out["peak"] = sum(out[k] for k in ("params", "optimizer", "master_weights", "buffers", "inputs",
                                            *self.LIVE_PARTS))
         out["where"] = win.label
-        if origin is not None and out["peak"] != self.peak(accumulate, **sizes):  # pragma: no cover - a bug
+        if not integral:
+            out["peak"] = self.peak(accumulate, **sizes)
+        elif origin is not None and out["peak"] != self.peak(accumulate, **sizes):  # pragma: no cover - a bug
             raise SymcostError(f"{self.an.model}: the parts of the peak do not add up at {dict(sizes)}")
         return out
 
