@@ -56,13 +56,16 @@ def model_and_sizes(name: str, args) -> tuple:
 
 
 def tracker_run(spec, values: dict, precision: str, shard: str = "fsdp", foreach: bool = True) -> dict:
-    """Two AdamW training steps of rank 0 of ``values["DP"]`` ranks under ``FSDPMemTracker``
-    (fake process group, fake tensors), wrapped as symcost wraps the model.
+    """Rank 0 of ``values["DP"]`` ranks (fake process group, fake tensors), wrapped as symcost
+    wraps the model: one untracked AdamW training step (FSDP2's lazy init, the optimizer state
+    made), then one step under ``FSDPMemTracker``.
 
     Returns:
-        ``peak`` (bytes: the tracker's peak ``Total``), ``at_peak`` {category: bytes at the peak},
-        ``after_step`` {category: bytes right after the second optimizer step}, ``steps``
-        (number of optimizer step counters: one 4-byte fp32 tensor per parameter tensor).
+        ``peak`` (bytes: the tracker's peak ``Total`` over the tracked step, what torchtitan's
+        estimator reports), ``at_peak`` {category: bytes at that peak}, ``fwd_bwd`` {category:
+        bytes at the peak of forward + backward, read before the optimizer step}, ``after_step``
+        {category: bytes right after the optimizer step}, ``steps`` (number of optimizer step
+        counters: one 4-byte fp32 tensor per parameter tensor).
     """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -83,25 +86,27 @@ def tracker_run(spec, values: dict, precision: str, shard: str = "fsdp", foreach
         ((dev, cats),) = snap.items()
         return {str(getattr(k, "value", k)): v for k, v in cats.items()}
 
+    def step(tracker=None):
+        with autocast():
+            loss = spec.loss(model(*args, **kwargs), (args, kwargs))
+        loss.backward()
+        fwd_bwd = plain(tracker.get_tracker_snapshot("peak")) if tracker else None
+        opt.step()
+        after = plain(tracker.get_tracker_snapshot("current")) if tracker else None
+        opt.zero_grad()
+        return fwd_bwd, after
+
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
         args, kwargs = spec.make_inputs(values, torch.device("cpu"))
+        step()  # untracked: FSDP2's lazy init and the optimizer state exist before the tracked step
         tracker = FSDPMemTracker(model, opt)
         tracker.track_inputs((args, kwargs))
         with tracker:
-            for it in range(2):
-                with autocast():
-                    loss = spec.loss(model(*args, **kwargs), (args, kwargs))
-                loss.backward()
-                opt.step()
-                if it == 1:
-                    after = plain(tracker.get_tracker_snapshot("current"))
-                opt.zero_grad()
-                if it == 0:
-                    tracker.reset_mod_stats()  # the first step has no optimizer state (torchtitan)
+            fwd_bwd, after = step(tracker)
         at_peak = plain(tracker.get_tracker_snapshot("peak"))
-    return {"peak": at_peak["Total"], "at_peak": at_peak, "after_step": after,
+    return {"peak": at_peak["Total"], "at_peak": at_peak, "fwd_bwd": fwd_bwd, "after_step": after,
             "steps": sum(1 for st in opt.state.values() if "step" in st)}
 
 
@@ -127,6 +132,8 @@ def main() -> None:
     ap.add_argument("--llama-L", type=int, default=2, help="layers of a config from tests/data/configs")
     ap.add_argument("--precision", default="bf16-mixed")
     ap.add_argument("--shard", default="fsdp", choices=["fsdp", "zero3"])
+    ap.add_argument("--impl", default="foreach", choices=["foreach", "for-loop"],
+                    help="AdamW implementation (foreach: what torch.optim runs on CUDA, and torchtitan)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
@@ -134,7 +141,7 @@ def main() -> None:
     import symcost
 
     print(f"FSDPMemTracker (torch {__import__('torch').__version__}) vs symcost, --shard {args.shard} "
-          f"(fully_shard per block + root), {args.precision}, AdamW (foreach); MiB per rank")
+          f"(fully_shard per block + root), {args.precision}, AdamW ({args.impl}); MiB per rank")
     for name in args.models:
         spec, sizes = model_and_sizes(name, args)
         t = time.perf_counter()
@@ -145,31 +152,37 @@ def main() -> None:
         print(f"\n{name} {shown}: symcost trace {t_trace:.1f} s (once, DP a symbol; pinned {an.pinned or 'none'})")
         head = (f"  {'DP':>3} {'peer s':>7} {'sym s':>6} | {'peer peak':>10} {'sym peak':>9} | "
                 + " ".join(f"{SHORT[c]:>7}" for c in CATEGORIES))
-        print("  FSDPMemTracker's peak and its breakdown at the peak; symcost's peak (n/a: not given yet)")
-        print(head)
+        print("  FSDPMemTracker's peak of the step (where: fb = forward/backward, opt = optimizer step), its peak of "
+              "forward+backward and that one's breakdown;\n  symcost's peak (n/a: not given yet) and its model states "
+              "+ saved activations")
+        print(f"  {'DP':>3} {'peer s':>7} {'sym s':>6} | {'peer peak':>10} {'where':>5} {'peer f+b':>9} | "
+              f"{'sym peak':>9} {'sym st+act':>10} | " + " ".join(f"{SHORT[c]:>7}" for c in CATEGORIES))
         rows = []
         for dp in args.dp:
             t = time.perf_counter()
-            peer = tracker_run(spec, {**values, "DP": dp}, args.precision, args.shard)
+            peer = tracker_run(spec, {**values, "DP": dp}, args.precision, args.shard, args.impl == "foreach")
             t_peer = time.perf_counter() - t
             t = time.perf_counter()
             mine = symcost_rank(an, {**sizes, "DP": dp})
             t_sym = time.perf_counter() - t
             rows.append((dp, peer, mine))
-            cats = " ".join(f"{mib(peer['at_peak'].get(c, 0)):>7}" for c in CATEGORIES)
-            print(f"  {dp:>3} {t_peer:>7.1f} {t_sym:>6.3f} | {mib(peer['peak']):>10} {mib(mine.get('peak')):>9} | {cats}",
-                  flush=True)
-        print("  model states after the optimizer step (peer: its categories; symcost: summary values) and activations")
-        print(f"  {'DP':>3} | {'peer shP':>9} {'sym params':>10} | {'peer shG':>9} {'sym grads':>10} | "
-              f"{'peer opt':>9} {'sym opt+steps':>13} | {'peer act@peak':>13} {'sym saved':>10} {'act/saved':>9}")
+            fb = peer["fwd_bwd"]
+            where = "opt" if peer["peak"] > fb["Total"] else "fb"
+            states_act = sum(mine[k] for k in ("params", "grads", "optimizer_state", "master", "activations"))
+            cats = " ".join(f"{mib(fb.get(c, 0)):>7}" for c in CATEGORIES)
+            print(f"  {dp:>3} {t_peer:>7.1f} {t_sym:>6.3f} | {mib(peer['peak']):>10} {where:>5} {mib(fb['Total']):>9} | "
+                  f"{mib(mine.get('peak')):>9} {mib(states_act):>10} | {cats}", flush=True)
+        print("  model states after the optimizer step (peer: its categories; symcost: summary values; bytes) and "
+              "activations at the forward+backward peak")
+        print(f"  {'DP':>3} | {'peer shP':>11} {'sym params':>11} | {'peer shG':>11} {'sym grads':>11} | "
+              f"{'peer opt':>11} {'sym opt+steps':>13} | {'peer act@f+b':>12} {'sym saved':>12}")
         for dp, peer, mine in rows:
             a = peer["after_step"]
             steps = 4 * peer["steps"]
-            act = peer["at_peak"].get("Activation", 0)
-            print(f"  {dp:>3} | {mib(a.get('Sharded Param', 0)):>9} {mib(mine['params']):>10} | "
-                  f"{mib(a.get('Sharded Grad', 0)):>9} {mib(mine['grads']):>10} | "
-                  f"{mib(a.get('OptState', 0)):>9} {mib(mine['optimizer_state'] + steps):>13} | "
-                  f"{mib(act):>13} {mib(mine['activations']):>10} {act / mine['activations']:>9.3f}")
+            print(f"  {dp:>3} | {a.get('Sharded Param', 0):>11,} {mine['params']:>11,} | "
+                  f"{a.get('Sharded Grad', 0):>11,} {mine['grads']:>11,} | "
+                  f"{a.get('OptState', 0):>11,} {mine['optimizer_state'] + steps:>13,} | "
+                  f"{peer['fwd_bwd'].get('Activation', 0):>12,} {mine['activations']:>12,}")
     if dist.is_initialized():
         dist.destroy_process_group()
 
