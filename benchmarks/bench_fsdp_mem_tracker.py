@@ -33,6 +33,9 @@ import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+from fsdp_tracker_oracle import tracker_run  # noqa: E402
 
 MiB = 2 ** 20
 #: FSDPMemTracker's categories (``_FSDPRefType`` values), in the order printed
@@ -44,70 +47,44 @@ SHORT = {"Sharded Param": "shP", "Unsharded Param": "unshP", "Buffer": "buf", "S
 
 
 def model_and_sizes(name: str, args) -> tuple:
-    """(spec, sizes) of a built-in model or a tests/data/configs name."""
+    """(spec, sizes, the name symcost.resolve takes) of a built-in model or a tests/data/configs name."""
     import symcost
 
     path = os.path.join(HERE, "..", "tests", "data", "configs", f"{name}.json")
-    spec = symcost.resolve(path if os.path.exists(path) else name)
+    ref = os.path.abspath(path) if os.path.exists(path) else name
+    spec = symcost.resolve(ref)
     sizes = {"B": args.B, "S": args.S}
     if os.path.exists(path):
         sizes["L"] = args.llama_L
-    return spec, sizes
+    return spec, sizes, ref
 
 
-def tracker_run(spec, values: dict, precision: str, shard: str = "fsdp", foreach: bool = True) -> dict:
-    """Rank 0 of ``values["DP"]`` ranks (fake process group, fake tensors), wrapped as symcost
-    wraps the model: one untracked AdamW training step (FSDP2's lazy init, the optimizer state
-    made), then one step under ``FSDPMemTracker``.
+TORCHTITAN = """
+import json, sys, warnings
+warnings.filterwarnings("ignore")
+sys.path[:0] = sys.argv[1:3]
+import symcost
+from fsdp_tracker_oracle import tracker_run
+a = json.loads(sys.argv[3])
+spec = symcost.resolve(a["model"])
+r = tracker_run(spec, a["values"], a["precision"], a["shard"], a["foreach"], torchtitan_loop=True)
+print(json.dumps(r["peak"]))
+"""
 
-    Returns:
-        ``peak`` (bytes: the tracker's peak ``Total`` over the tracked step, what torchtitan's
-        estimator reports), ``at_peak`` {category: bytes at that peak}, ``fwd_bwd`` {category:
-        bytes at the peak of forward + backward, read before the optimizer step}, ``after_step``
-        {category: bytes right after the optimizer step}, ``steps`` (number of optimizer step
-        counters: one 4-byte fp32 tensor per parameter tensor).
-    """
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from symcost.frontends.parallel import fake_group, wrap
-    from symcost.tracing.record import find_layer_container, precision_context
+def torchtitan_peak(model: str, values: dict, precision: str, shard: str, foreach: bool) -> int:
+    """FSDPMemTracker's peak with torchtitan's estimator's loop (two tracked steps), in a fresh
+    process as torchtitan runs one configuration per process (DTensor's sharding-propagation
+    cache starts empty)."""
+    import json
+    import subprocess
 
-    with torch.device("meta"):
-        model = spec.build(values)
-    layers = spec.layers if spec.layers is not None else find_layer_container(spec, model, values)
-    param_dtype, autocast = precision_context(precision)
-    if param_dtype != torch.float32:
-        model.to(param_dtype)  # on the meta device, before the parameters become DTensors (as symcost)
-    wrap(model, layers, shard, fake_group(values["DP"]))
-
-    def plain(snap):
-        ((dev, cats),) = snap.items()
-        return {str(getattr(k, "value", k)): v for k, v in cats.items()}
-
-    def step(tracker=None):
-        with autocast():
-            loss = spec.loss(model(*args, **kwargs), (args, kwargs))
-        loss.backward()
-        fwd_bwd = plain(tracker.get_tracker_snapshot("peak")) if tracker else None
-        opt.step()
-        after = plain(tracker.get_tracker_snapshot("current")) if tracker else None
-        opt.zero_grad()
-        return fwd_bwd, after
-
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
-        opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
-        args, kwargs = spec.make_inputs(values, torch.device("cpu"))
-        step()  # untracked: FSDP2's lazy init and the optimizer state exist before the tracked step
-        tracker = FSDPMemTracker(model, opt)
-        tracker.track_inputs((args, kwargs))
-        with tracker:
-            fwd_bwd, after = step(tracker)
-        at_peak = plain(tracker.get_tracker_snapshot("peak"))
-    return {"peak": at_peak["Total"], "at_peak": at_peak, "fwd_bwd": fwd_bwd, "after_step": after,
-            "steps": sum(1 for st in opt.state.values() if "step" in st)}
+    arg = json.dumps({"model": model, "values": values, "precision": precision, "shard": shard, "foreach": foreach})
+    res = subprocess.run([sys.executable, "-c", TORCHTITAN, os.path.join(HERE, ".."), os.path.join(HERE, "..", "tests"),
+                          arg], capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "torchtitan loop failed")
+    return int(res.stdout.strip().splitlines()[-1])
 
 
 def symcost_rank(an, sizes: dict) -> dict:
@@ -134,6 +111,8 @@ def main() -> None:
     ap.add_argument("--shard", default="fsdp", choices=["fsdp", "zero3"])
     ap.add_argument("--impl", default="foreach", choices=["foreach", "for-loop"],
                     help="AdamW implementation (foreach: what torch.optim runs on CUDA, and torchtitan)")
+    ap.add_argument("--no-torchtitan-loop", dest="torchtitan_loop", action="store_false",
+                    help="skip the column of torchtitan's loop (a fresh process per world size)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
@@ -143,46 +122,51 @@ def main() -> None:
     print(f"FSDPMemTracker (torch {__import__('torch').__version__}) vs symcost, --shard {args.shard} "
           f"(fully_shard per block + root), {args.precision}, AdamW ({args.impl}); MiB per rank")
     for name in args.models:
-        spec, sizes = model_and_sizes(name, args)
+        spec, sizes, ref = model_and_sizes(name, args)
         t = time.perf_counter()
         an = symcost.trace(spec, sizes={**sizes, "DP": min(args.dp)}, precision=args.precision, shard=args.shard)
         t_trace = time.perf_counter() - t
         values = {str(k): int(v) for k, v in an.bind(**sizes, DP=min(args.dp)).items()}
         shown = {k: v for k, v in values.items() if k != "DP"}
         print(f"\n{name} {shown}: symcost trace {t_trace:.1f} s (once, DP a symbol; pinned {an.pinned or 'none'})")
-        head = (f"  {'DP':>3} {'peer s':>7} {'sym s':>6} | {'peer peak':>10} {'sym peak':>9} | "
-                + " ".join(f"{SHORT[c]:>7}" for c in CATEGORIES))
-        print("  FSDPMemTracker's peak of the step (where: fb = forward/backward, opt = optimizer step), its peak of "
-              "forward+backward and that one's breakdown;\n  symcost's peak (n/a: not given yet) and its model states "
-              "+ saved activations")
-        print(f"  {'DP':>3} {'peer s':>7} {'sym s':>6} | {'peer peak':>10} {'where':>5} {'peer f+b':>9} | "
-              f"{'sym peak':>9} {'sym st+act':>10} | " + " ".join(f"{SHORT[c]:>7}" for c in CATEGORIES))
+        print("  peer: FSDPMemTracker's peak of a warm step (tracked after an untracked one) and its breakdown "
+              "there; 'titan': its peak with torchtitan's loop\n  (two tracked steps, a fresh process); sym: symcost's "
+              "peak (n/a: not given yet), its model states + saved activations, and sym peak / peer peak")
+        print(f"  {'DP':>3} {'peer s':>6} {'titan s':>7} {'sym s':>6} | {'peer':>8} {'titan':>8} | {'sym peak':>8} "
+              f"{'st+act':>8} {'ratio':>6} | " + " ".join(f"{SHORT[c]:>6}" for c in CATEGORIES) + " | peer peak in")
         rows = []
         for dp in args.dp:
             t = time.perf_counter()
             peer = tracker_run(spec, {**values, "DP": dp}, args.precision, args.shard, args.impl == "foreach")
             t_peer = time.perf_counter() - t
+            titan, t_titan = None, None
+            if args.torchtitan_loop:
+                t = time.perf_counter()
+                titan = torchtitan_peak(ref, {**values, "DP": dp}, args.precision, args.shard, args.impl == "foreach")
+                t_titan = time.perf_counter() - t
             t = time.perf_counter()
             mine = symcost_rank(an, {**sizes, "DP": dp})
             t_sym = time.perf_counter() - t
             rows.append((dp, peer, mine))
-            fb = peer["fwd_bwd"]
-            where = "opt" if peer["peak"] > fb["Total"] else "fb"
+            at = peer["at_peak"]
+            where = peer["where"] if peer["peak"] == peer["fwd_bwd"]["Total"] else "the optimizer step"
             states_act = sum(mine[k] for k in ("params", "grads", "optimizer_state", "master", "activations"))
-            cats = " ".join(f"{mib(fb.get(c, 0)):>7}" for c in CATEGORIES)
-            print(f"  {dp:>3} {t_peer:>7.1f} {t_sym:>6.3f} | {mib(peer['peak']):>10} {where:>5} {mib(fb['Total']):>9} | "
-                  f"{mib(mine.get('peak')):>9} {mib(states_act):>10} | {cats}", flush=True)
+            ratio = f"{mine['peak'] / peer['peak']:.3f}" if mine.get("peak") else "—"
+            cats = " ".join(f"{mib(at.get(c, 0)):>6}" for c in CATEGORIES)
+            print(f"  {dp:>3} {t_peer:>6.1f} {'—' if t_titan is None else f'{t_titan:.1f}':>7} {t_sym:>6.3f} | "
+                  f"{mib(peer['peak']):>8} {mib(titan):>8} | {mib(mine.get('peak')):>8} {mib(states_act):>8} {ratio:>6} | "
+                  f"{cats} | {where}", flush=True)
         print("  model states after the optimizer step (peer: its categories; symcost: summary values; bytes) and "
-              "activations at the forward+backward peak")
+              "the peer's activations at its peak (bytes)")
         print(f"  {'DP':>3} | {'peer shP':>11} {'sym params':>11} | {'peer shG':>11} {'sym grads':>11} | "
-              f"{'peer opt':>11} {'sym opt+steps':>13} | {'peer act@f+b':>12} {'sym saved':>12}")
+              f"{'peer opt':>11} {'sym opt+steps':>13} | {'peer act@peak':>13} {'sym saved':>12}")
         for dp, peer, mine in rows:
             a = peer["after_step"]
             steps = 4 * peer["steps"]
             print(f"  {dp:>3} | {a.get('Sharded Param', 0):>11,} {mine['params']:>11,} | "
                   f"{a.get('Sharded Grad', 0):>11,} {mine['grads']:>11,} | "
                   f"{a.get('OptState', 0):>11,} {mine['optimizer_state'] + steps:>13,} | "
-                  f"{peer['fwd_bwd'].get('Activation', 0):>12,} {mine['activations']:>12,}")
+                  f"{peer['at_peak'].get('Activation', 0):>13,} {mine['activations']:>12,}")
     if dist.is_initialized():
         dist.destroy_process_group()
 
