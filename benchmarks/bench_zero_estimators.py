@@ -190,7 +190,7 @@ def main() -> None:
     import sympy
 
     import symcost
-    from symcost.passes.parallel import summary
+    from symcost.passes.parallel import padded
 
     print(f"DeepSpeed {version} estimators vs symcost per-rank model states, {PRECISION}, AdamW; sizes in GiB")
 
@@ -216,9 +216,9 @@ def main() -> None:
         P_meta, largest = largest_layer(spec, dict(spec.defaults))
         for dp in args.dp:
             t = time.perf_counter()
-            vals = summary(an, PRECISION, "adamw", {"DP": dp})["values"]
-            P = int(sympy.sympify(an.params).xreplace(an.bind(DP=dp)))
-            sym = symcost_states(P, dp, vals["memory"]["params"] // 2)  # bf16: 2 bytes per element
+            env = an.bind(DP=dp)
+            P = int(sympy.sympify(an.params).xreplace(env))
+            sym = symcost_states(P, dp, int(padded(an, env)["params_shard"]))  # rank 0's FSDP2 shard
             t_sym = time.perf_counter() - t
             assert P == P_meta, (P, P_meta)
             t = time.perf_counter()

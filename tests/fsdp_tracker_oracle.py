@@ -37,10 +37,10 @@ def tracker_run(spec, values: dict, precision: str, shard: str = "fsdp", foreach
     bytes (docs/parallel.md). The default protocol's untracked step fills that cache.
     """
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModState, FSDPMemTracker
-
     from memory_oracle import AUTOCAST, DTYPES
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState
+
     from symcost.frontends.parallel import fake_group, wrap
     from symcost.tracing.record import find_layer_container
 
@@ -56,7 +56,7 @@ def tracker_run(spec, values: dict, precision: str, shard: str = "fsdp", foreach
     wrap(model, layers, shard, fake_group(values["DP"]))
 
     def plain(snap):
-        ((dev, cats),) = snap.items()
+        ((_device, cats),) = snap.items()
         return {str(getattr(k, "value", k)): v for k, v in cats.items()}
 
     def step(tracker=None):

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import random
 
-import symcost
 from fsdp_tracker_oracle import tracker_run
+
+import symcost
 from symcost.passes.parallel import summary
 
 
