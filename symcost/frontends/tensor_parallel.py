@@ -1,0 +1,385 @@
+"""Tensor and sequence parallelism of a :class:`ModelSpec`: the model wrapped with PyTorch's own
+``torch.distributed.tensor.parallel.parallelize_module`` on a fake process group, one rank
+recorded (docs/parallel.md, "Tensor and sequence parallelism").
+
+A tensor-parallel spec is the model's own spec with one more symbol, ``TP`` (the tensor-parallel
+group size), and ``extra["tensor_parallel"] = {"sp": bool}``. The recorder
+(:mod:`symcost.tracing.record`) builds it on the meta device, calls :func:`apply` on a fake
+``DeviceMesh`` of ``TP`` ranks (:func:`symcost.frontends.parallel.fake_group`) and records the
+step; the ops inside DTensor's dispatch (the local matmuls on 1/TP of a weight, the collectives
+of a redistribution) are what the recording holds.
+
+The plan (:func:`plan`) is the Megatron-LM one (Shoeybi et al. 2019, Sec. 3), written with the
+styles of ``torch.distributed.tensor.parallel`` the way torchtitan's ``apply_tp`` writes it:
+
+* in every block, the projections that read the block's normalised input (q, k, v or a fused
+  qkv; the MLP's up and gate) are ``ColwiseParallel`` (weight rows split: each rank computes
+  1/TP of the heads and of the hidden units); the projections that write back to the residual
+  stream (attention out, MLP down) are ``RowwiseParallel`` (weight columns split, the partial
+  sums all-reduced);
+* with ``sp`` (sequence parallelism, Korthikanti et al. 2022, Sec. 4.2.2) the norms are
+  ``SequenceParallel`` (each rank normalises S/TP tokens), the attention and MLP modules'
+  inputs are gathered by ``PrepareModuleInput(Shard(1) -> Replicate())`` (an all-gather; its
+  backward a reduce-scatter) and the row-parallel outputs are reduce-scattered to ``Shard(1)``.
+  The gathered input stays a DTensor into the projections (torchtitan's default
+  ``use_local_output=False``): with a local tensor there, each column-parallel projection's
+  input gradient would be all-reduced (``from_local(Replicate)``'s backward) and then split,
+  twice the bytes of the reduce-scatter;
+* the token embedding (``num_embeddings`` = V) is ``RowwiseParallel`` (vocabulary split;
+  output all-reduced, or reduce-scattered over the sequence with ``sp``); a learned position
+  embedding stays replicated and, with ``sp``, its output is split over the sequence (no
+  communication forward; an all-gather of its gradient backward);
+* the output head (a Linear with V outputs) is ``ColwiseParallel`` with sharded logits, and the
+  loss runs under ``loss_parallel()`` (cross-entropy over vocabulary-sharded logits);
+* attention modules that own a column-parallel projection get their head counts divided by TP
+  (attributes ``num_heads``, ``n_head``, ...), as torchtitan did before its attention read the
+  local head count from the projection's output (``view(..., -1, head_dim)``).
+
+A ``transformers`` model whose config has a ``base_model_tp_plan`` uses that plan instead (its
+style names ``colwise``, ``rowwise``, ``colwise_rep``, ``rowwise_rep``, ``sequence_parallel``
+mapped onto the same PyTorch styles), prefixed with the base model's attribute.
+
+Torch is imported only inside the functions that need it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+import re
+from typing import Mapping
+
+from symcost.errors import SymcostError
+
+#: last name of a Linear that reads the block's normalised input (column-parallel)
+COLWISE = re.compile(r"(q|k|v|qkv|wq|wk|wv|wqkv|query|key|value|query_key_value|c_attn|in_proj|"
+                     r"q_proj|k_proj|v_proj|qkv_proj|up_proj|gate_proj|gate_up_proj|w1|w3|c_fc|fc1|"
+                     r"fc_in|dense_h_to_4h|up|gate)$")
+#: last name of a Linear that writes back to the residual stream (row-parallel)
+ROWWISE = re.compile(r"(o|wo|o_proj|out_proj|output_proj|dense|c_proj|w2|down_proj|fc2|fc_out|"
+                     r"dense_4h_to_h|down)$")
+#: head-count attributes divided by TP on a module that owns a column-parallel projection
+HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "num_key_value_heads",
+              "n_kv_heads", "num_kv_heads", "n_kv_head")
+
+#: transformers' tp_plan style names -> (PyTorch style, its keyword arguments, sp-aware)
+HF_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel",
+             "local_colwise", "local_rowwise", "local", "gather", "replicate")
+
+
+def tensor_parallel(spec, sp: bool = False):
+    """The :class:`~symcost.frontends.spec.ModelSpec` of ``spec`` trained tensor-parallel over
+    ``TP`` ranks (sequence-parallel too with ``sp``): symbols + ``TP``,
+    ``extra["tensor_parallel"] = {"sp": sp}``.
+
+    Probes must have ``TP`` divide every dimension the plan shards (heads, the sharded
+    projections' features, V for a vocabulary-parallel embedding or head; S with ``sp``): the
+    per-rank sizes are polynomial in TP only there (``probe_check``). Probes draw TP from 2, 4
+    and 8 and keep those sizes multiples of 8 (``moduli``) where the request's are, so TP can
+    vary alone. The formulas say ``/TP``.
+
+    Raises:
+        SymcostError: the spec is already data-parallel (``--dp`` with ``--tp`` is not composed
+            yet: one mesh dimension per trace).
+    """
+    if "DP" in spec.symbols:
+        raise SymcostError("--tp with --dp is not composed yet (one mesh dimension per trace); "
+                           "trace them apart")
+    if "TP" in spec.symbols:
+        return spec
+    inner_probe = spec.probe_check
+
+    def probe_check(values: Mapping[str, int]):
+        why = inner_probe(values) if inner_probe else None
+        if why or "TP" not in values:
+            return why
+        return _indivisible(spec, values, sp)
+
+    defaults = dict(spec.defaults, TP=spec.defaults.get("TP", 8))
+    moduli = dict(spec.moduli)
+    for s in ("H", "K", "V", "F", "M", "E") + (("S",) if sp else ()):
+        if s in spec.symbols or s == "S":
+            moduli[s] = math.lcm(moduli.get(s, 1), 8)
+    return dataclasses.replace(
+        spec, symbols=tuple(spec.symbols) + ("TP",), defaults=defaults, probe_check=probe_check,
+        moduli=moduli, extra={**spec.extra, "tensor_parallel": {"sp": bool(sp)}},
+    )
+
+
+_DIV_CACHE: dict = {}
+
+
+def _indivisible(spec, values: Mapping[str, int], sp: bool) -> str | None:
+    """Why ``TP`` does not divide a dimension the plan shards (the model built on the meta
+    device), or None."""
+    key = (spec.name, sp, tuple(sorted(values.items())))
+    if key not in _DIV_CACHE:
+        import torch
+
+        tp = values["TP"]
+        why = None
+        if sp and values.get("S", tp) % tp:
+            why = f"S={values['S']} is no multiple of TP={tp} (sequence parallelism splits S)"
+        else:
+            with torch.device("meta"):
+                model = spec.build({k: v for k, v in values.items() if k != "TP"})
+            for name, dims in sharded_dims(model, spec.layers).items():
+                bad = [d for d in dims if d % tp]
+                if bad:
+                    why = f"{name}: {bad[0]} is no multiple of TP={tp}"
+                    break
+        _DIV_CACHE[key] = why
+    return _DIV_CACHE[key]
+
+
+def sharded_dims(model, layers: str | None) -> dict[str, list[int]]:
+    """``{module name: [sizes the plan splits over TP]}`` for the Megatron plan of ``model``
+    (:func:`plan` without sequence parallelism): out_features of column-parallel Linears,
+    in_features of row-parallel ones, the vocabulary of a row-parallel embedding, and the head
+    counts (:data:`HEAD_ATTRS`) of modules that own a column-parallel projection."""
+    from torch import nn
+
+    roles, _ = _roles(model, layers)
+    out: dict[str, list[int]] = {}
+    for name, role in roles.items():
+        m = model.get_submodule(name)
+        if role == "colwise":
+            out[name] = [m.out_features]
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            heads = [getattr(parent, a) for a in HEAD_ATTRS if isinstance(getattr(parent, a, None), int)]
+            out[name] += heads
+        elif role == "rowwise":
+            out[name] = [m.num_embeddings if isinstance(m, nn.Embedding) else m.in_features]
+    return out
+
+
+def _roles(model, layers: str | None) -> tuple[dict[str, str], dict[str, str]]:
+    """Module roles of the Megatron plan: ``({name: colwise|rowwise|head|embedding|norm|pos},
+    {name: 'attn'|'mlp' parent to gather with sp})``."""
+    from torch import nn
+
+    roles: dict[str, str] = {}
+    parents: dict[str, str] = {}
+    blocks = [f"{layers}.{n}" if layers else n for n, _ in model.get_submodule(layers).named_children()] \
+        if layers is not None else []
+    for b in blocks:
+        for name, m in model.get_submodule(b).named_modules():
+            full = f"{b}.{name}" if name else b
+            last = name.rpartition(".")[2]
+            if isinstance(m, nn.Linear) and COLWISE.match(last):
+                roles[full] = "colwise"
+                parents[full.rpartition(".")[0]] = "in"
+            elif isinstance(m, nn.Linear) and ROWWISE.match(last):
+                roles[full] = "rowwise"
+            elif "norm" in type(m).__name__.lower() and name and not any(
+                    isinstance(c, nn.Linear) for c in m.modules()):
+                roles[full] = "norm"
+    # outside the blocks: the token embedding (the one whose size is the output head's V, else
+    # the first), other embeddings (positions), the final norm, the output head
+    def outside(n):
+        return n and not any(n == b or n.startswith(b + ".") for b in blocks)
+
+    embeddings = [(n, m) for n, m in model.named_modules() if outside(n) and isinstance(m, nn.Embedding)]
+    linears = [(n, m) for n, m in model.named_modules() if outside(n) and isinstance(m, nn.Linear)]
+    sizes = {m.num_embeddings for _, m in embeddings}
+    head = next(((n, m) for n, m in reversed(linears) if m.out_features in sizes), None)
+    vocab = head[1].out_features if head else (embeddings[0][1].num_embeddings if embeddings else None)
+    token = next((n for n, m in embeddings if m.num_embeddings == vocab), None)
+    for n, m in model.named_modules():
+        if not outside(n):
+            continue
+        if isinstance(m, nn.Embedding):
+            roles[n] = "embedding" if n == token else "pos"
+        elif head is not None and n == head[0]:
+            roles[n] = "head"
+        elif "norm" in type(m).__name__.lower() and not any(isinstance(c, nn.Linear) for c in m.modules()):
+            roles[n] = "norm"
+    return roles, parents
+
+
+def plan(model, layers: str | None, sp: bool) -> tuple[dict, bool]:
+    """The Megatron plan of ``model`` (module docstring): ``({module name: ParallelStyle},
+    loss_parallel)``; ``loss_parallel`` is True when the output head is column-parallel with
+    sharded logits (the loss must then run under ``loss_parallel()``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    roles, parents = _roles(model, layers)
+    out: dict = {}
+    seq = Shard(1)
+    has_head = False
+    for name, role in roles.items():
+        if role == "colwise":
+            out[name] = ColwiseParallel()
+        elif role == "rowwise":
+            out[name] = RowwiseParallel(output_layouts=seq if sp else Replicate())
+        elif role == "norm" and sp:
+            out[name] = SequenceParallel()
+        elif role == "embedding":
+            out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+        elif role == "head":
+            out[name] = ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1),
+                                        use_local_output=False)
+            has_head = True
+    if sp:
+        for parent in parents:
+            n = _positional(model.get_submodule(parent))
+            out[parent] = PrepareModuleInput(input_layouts=(seq,) + (None,) * (n - 1),
+                                             desired_input_layouts=(Replicate(),) + (None,) * (n - 1))
+    return out, has_head
+
+
+def _positional(module) -> int:
+    """Positional parameters of ``module.forward`` (at least 1)."""
+    try:
+        ps = [p for p in inspect.signature(module.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return 1
+    return max(1, len(ps))
+
+
+def hf_plan(model, sp: bool) -> tuple[dict, bool] | None:
+    """The ``base_model_tp_plan`` of a ``transformers`` model's config as PyTorch styles
+    (``{fqn pattern: ParallelStyle}``, loss_parallel False: the head stays replicated, as
+    transformers' own ``tp_plan="auto"`` keeps ``lm_head`` gathered), or None where the
+    config has none."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    config = getattr(model, "config", None)
+    tp_plan = getattr(config, "base_model_tp_plan", None) if config is not None else None
+    if not tp_plan:
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and not hasattr(model, prefix):
+        prefix = ""
+    styles = {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "sequence_parallel": lambda: SequenceParallel() if sp else None,
+        "local_colwise": lambda: ColwiseParallel(),
+        "local_rowwise": lambda: RowwiseParallel(),
+        "gather": lambda: None,
+        "local": lambda: None,
+        "replicate": lambda: None,
+    }
+    out = {}
+    for pattern, style in tp_plan.items():
+        if style not in styles:
+            raise SymcostError(f"transformers' tp_plan style {style!r} ({pattern}) is not mapped yet; "
+                               f"mapped: {', '.join(styles)}")
+        s = styles[style]()
+        if s is not None:
+            out[f"{prefix}.{pattern}" if prefix else pattern] = s
+    del Shard
+    return out, False
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
+def apply(model, layers: str | None, mesh, sp: bool):
+    """Parallelise ``model`` in place over ``mesh`` (:func:`plan`, or the config's
+    ``base_model_tp_plan``; head counts divided by the mesh size). Returns the context the loss
+    and its backward run in: ``loss_parallel()`` where the head's logits are vocabulary-sharded,
+    else a no-op.
+
+    Raises:
+        SymcostError: the plan shards nothing, or PyTorch refuses it (its message, one line).
+    """
+    from torch import nn
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    tp = mesh.size()
+    got = hf_plan(model, sp)
+    if got is None:
+        styles, lp = plan(model, layers, sp)
+        colwise = [n for n, s in styles.items() if type(s).__name__ == "ColwiseParallel" and n.count(".")]
+    else:
+        styles, lp = got
+        colwise = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)
+                   and any(re.fullmatch(p.replace(".", r"\.").replace("*", r"\d+"), n)
+                           for p, s in styles.items() if type(s).__name__ == "ColwiseParallel")]
+    if not styles:
+        raise SymcostError("--tp: no projection of the model matches the Megatron plan (column- and "
+                           "row-parallel Linears by name); nothing would be split")
+    # heads per rank: the attention module's head counts / TP (torchtitan's adjustment)
+    done = set()
+    for n in colwise:
+        parent = model.get_submodule(n.rpartition(".")[0]) if "." in n else model
+        if id(parent) in done:
+            continue
+        done.add(id(parent))
+        for a in HEAD_ATTRS:
+            v = getattr(parent, a, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                if v % tp:
+                    raise SymcostError(f"--tp {tp}: {n.rpartition('.')[0]}.{a} = {v} heads do not split "
+                                       f"over {tp} ranks")
+                setattr(parent, a, v // tp)
+    if sp:
+        _split_positions(model, layers, mesh)
+    try:
+        parallelize_module(model, mesh, styles)
+    except Exception as e:  # noqa: BLE001
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SymcostError(f"parallelize_module failed for --tp {tp}: {msg}") from e
+    return loss_parallel if lp else _nothing
+
+
+def _split_positions(model, layers, mesh) -> None:
+    """With sequence parallelism: a replicated position embedding's output ``[..., S, h]`` split
+    over the sequence (a local slice forward, an all-gather of the gradient backward), so it
+    adds to the sequence-sharded token embedding."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    roles, _ = _roles(model, layers)
+    for name, role in roles.items():
+        if role != "pos":
+            continue
+
+        def hook(module, inputs, output):
+            d = output.dim() - 2
+            return DTensor.from_local(output, mesh, (Replicate(),), run_check=False) \
+                .redistribute(mesh, (Shard(d),)).to_local()
+
+        model.get_submodule(name).register_forward_hook(hook)
+
+
+class _Hidden:
+    depth = 0
+
+
+@contextlib.contextmanager
+def hide_shape_propagation():
+    """While active, DTensor's shape propagation (which runs each op once more on global-shape
+    fake tensors, cached per op signature) raises :attr:`_Hidden.depth`; a recorder skips ops
+    while it is positive, so it records only the local ops each rank runs."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    orig = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def hidden(self, op_schema):
+        _Hidden.depth += 1
+        try:
+            return orig(self, op_schema)
+        finally:
+            _Hidden.depth -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = hidden
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = orig
+
+
+def hidden() -> bool:
+    """True inside DTensor's shape propagation (:func:`hide_shape_propagation`)."""
+    return _Hidden.depth > 0
