@@ -357,14 +357,41 @@ class _Hidden:
     depth = 0
 
 
+def _view_chunk_cat(res, group_size: int, gather_dim: int):
+    """``torch._utils._maybe_view_chunk_cat`` (an all-gather's result, gathered on dim 0, moved
+    to ``gather_dim``) by its reference formula: unflatten, movedim, flatten. The same data
+    movement (a copy of the gathered tensor, a view where the dims crossed have size 1), in
+    ops whose number does not depend on the group size (chunk + cat take ``group_size``
+    tensors: a trace at TP = 2 and one at TP = 4 would run different ops)."""
+    if gather_dim == 0:
+        return res
+    return res.unflatten(0, (group_size, -1)).movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
+def _chunk_cat(tensor, num_chunks: int, narrow_dim: int, cat_dim: int = 0):
+    """``torch._utils._chunk_or_narrow_cat`` (a reduce-scatter's input on ``narrow_dim`` laid
+    out on dim 0) by unflatten, movedim, flatten: the same copy, in ops independent of
+    ``num_chunks`` (see :func:`_view_chunk_cat`)."""
+    return tensor.unflatten(narrow_dim, (num_chunks, -1)).movedim(narrow_dim, cat_dim) \
+        .flatten(cat_dim, cat_dim + 1)
+
+
 @contextlib.contextmanager
 def hide_shape_propagation():
-    """While active, DTensor's shape propagation (which runs each op once more on global-shape
-    fake tensors, cached per op signature) raises :attr:`_Hidden.depth`; a recorder skips ops
-    while it is positive, so it records only the local ops each rank runs."""
+    """The context a tensor-parallel step is recorded in.
+
+    * DTensor's shape propagation (which runs each op once more on global-shape fake tensors,
+      cached per op signature) raises :attr:`_Hidden.depth`; a recorder skips ops while it is
+      positive, so it records only the local ops each rank runs;
+    * the functional collectives' chunk + cat around an all-gather or reduce-scatter on a
+      dimension other than 0 run as unflatten + movedim + flatten (:func:`_view_chunk_cat`,
+      :func:`_chunk_cat`): the same bytes, in ops whose number does not depend on TP.
+    """
+    import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     orig = ShardingPropagator._propagate_tensor_meta_non_cached
+    saved = funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat
 
     def hidden(self, op_schema):
         _Hidden.depth += 1
@@ -374,10 +401,12 @@ def hide_shape_propagation():
             _Hidden.depth -= 1
 
     ShardingPropagator._propagate_tensor_meta_non_cached = hidden
+    funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat = _view_chunk_cat, _chunk_cat
     try:
         yield
     finally:
         ShardingPropagator._propagate_tensor_meta_non_cached = orig
+        funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat = saved
 
 
 def hidden() -> bool:

@@ -464,17 +464,24 @@ class Fitter:
         """``sig`` as (a size in the model's symbols) · ``g``^±1 (a shard, or ``g`` shards), or
         None."""
         dp = self.Xi[g]
-        for e in (-1, 1):
-            scaled = [Fraction(v) / dp[i] ** e for i, v in enumerate(sig)]
-            if any(x.denominator != 1 for x in scaled):
-                continue
-            try:
-                inner = self(tuple(int(x) for x in scaled), what)
-            except FitError:
-                continue
-            if SYMS[g] not in inner.free_symbols:
-                return sympy.expand(inner * SYMS[g] ** e)
-        return None
+        depth = getattr(self, "_group_depth", 0)
+        if depth >= 2:  # (a signature scaled by g twice is no shard of a size: stop)
+            return None
+        self._group_depth = depth + 1
+        try:
+            for e in (-1, 1):
+                scaled = [Fraction(v) / dp[i] ** e for i, v in enumerate(sig)]
+                if any(x.denominator != 1 for x in scaled):
+                    continue
+                try:
+                    inner = self(tuple(int(x) for x in scaled), what)
+                except FitError:
+                    continue
+                if SYMS[g] not in inner.free_symbols:
+                    return sympy.expand(inner * SYMS[g] ** e)
+            return None
+        finally:
+            self._group_depth = depth
 
     def _fit_hints(self, sig: tuple[int, ...]):
         """``sig`` as a rational combination of :attr:`hints` (and each hint / DP where DP is a

@@ -300,7 +300,18 @@ class _Recorder(TorchDispatchMode):
             from symcost.frontends.tensor_parallel import hidden
             if hidden():
                 return func(*args, **kwargs)
-        out = _dispatch_unaliased(func, args, kwargs)
+            if func is torch.ops.aten.slice.Tensor:
+                out = func(*args, **kwargs)
+                if out.shape == args[0].shape:
+                    # DTensor's all-gather narrows its result to the logical size when the two
+                    # ints are not the same object (``is not``: sizes above 256, CPython's small
+                    # ints), a no-op view: not recorded, so sizes on either side of 256 run
+                    # the same ops
+                    return out
+            else:
+                out = None
+        if self.dtensor is None or func is not torch.ops.aten.slice.Tensor:
+            out = _dispatch_unaliased(func, args, kwargs)
         if func.namespace == "profiler":
             self._profiler_label(func, args, out)
             return out
