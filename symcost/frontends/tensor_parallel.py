@@ -27,8 +27,9 @@ styles of ``torch.distributed.tensor.parallel`` the way torchtitan's ``apply_tp`
   twice the bytes of the reduce-scatter;
 * the token embedding (``num_embeddings`` = V) is ``RowwiseParallel`` (vocabulary split;
   output all-reduced, or reduce-scattered over the sequence with ``sp``); a learned position
-  embedding stays replicated and, with ``sp``, its output is split over the sequence (no
-  communication forward; an all-gather of its gradient backward);
+  embedding stays replicated and, with ``sp``, its output is split over the sequence (a slice
+  forward; an all-gather of its gradient backward: Megatron-LM's scatter to the sequence-parallel
+  region);
 * the output head (a Linear with V outputs) is ``ColwiseParallel`` with sharded logits, and the
   loss runs under ``loss_parallel()`` (cross-entropy over vocabulary-sharded logits);
 * attention modules that own a column-parallel projection get their head counts divided by TP
@@ -119,38 +120,41 @@ def _indivisible(spec, values: Mapping[str, int], sp: bool) -> str | None:
 
         tp = values["TP"]
         why = None
-        if sp and values.get("S", tp) % tp:
-            why = f"S={values['S']} is no multiple of TP={tp} (sequence parallelism splits S)"
+        if sp and (values.get("S", tp) % tp or values.get("S", 2 * tp) < 2 * tp):
+            why = (f"S={values['S']} is no multiple of TP={tp} of at least 2·TP (sequence parallelism "
+                   "splits S; one token per rank is a regime of its own)")
         else:
             with torch.device("meta"):
                 model = spec.build({k: v for k, v in values.items() if k != "TP"})
-            for name, dims in sharded_dims(model, spec.layers).items():
-                bad = [d for d in dims if d % tp]
+            for name, (dims, heads) in sharded_dims(model, spec.layers).items():
+                bad = [d for d in dims + heads if d % tp] or [d for d in heads if d < 2 * tp]
                 if bad:
-                    why = f"{name}: {bad[0]} is no multiple of TP={tp}"
+                    why = (f"{name}: {bad[0]} is no multiple of TP={tp}" if bad[0] % tp else
+                           f"{name}: {bad[0]} heads leave one per rank (a regime of its own)")
                     break
         _DIV_CACHE[key] = why
     return _DIV_CACHE[key]
 
 
-def sharded_dims(model, layers: str | None) -> dict[str, list[int]]:
-    """``{module name: [sizes the plan splits over TP]}`` for the Megatron plan of ``model``
-    (:func:`plan` without sequence parallelism): out_features of column-parallel Linears,
-    in_features of row-parallel ones, the vocabulary of a row-parallel embedding, and the head
-    counts (:data:`HEAD_ATTRS`) of modules that own a column-parallel projection."""
+def sharded_dims(model, layers: str | None) -> dict[str, tuple[list[int], list[int]]]:
+    """``{module name: ([sizes the plan splits over TP], [head counts split over TP])}`` for
+    the Megatron plan of ``model`` (:func:`plan`): out_features of column-parallel Linears (and
+    of the head), in_features of row-parallel ones, the vocabulary of the row-parallel token
+    embedding; the head counts (:data:`HEAD_ATTRS`) of modules that own a column-parallel
+    projection."""
     from torch import nn
 
     roles, _ = _roles(model, layers)
-    out: dict[str, list[int]] = {}
+    out: dict[str, tuple[list[int], list[int]]] = {}
     for name, role in roles.items():
         m = model.get_submodule(name)
-        if role == "colwise":
-            out[name] = [m.out_features]
+        if role in ("colwise", "head"):
             parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-            heads = [getattr(parent, a) for a in HEAD_ATTRS if isinstance(getattr(parent, a, None), int)]
-            out[name] += heads
-        elif role == "rowwise":
-            out[name] = [m.num_embeddings if isinstance(m, nn.Embedding) else m.in_features]
+            heads = [getattr(parent, a) for a in HEAD_ATTRS if isinstance(getattr(parent, a, None), int)
+                     and not isinstance(getattr(parent, a), bool)] if role == "colwise" else []
+            out[name] = ([m.out_features], heads)
+        elif role in ("rowwise", "embedding"):
+            out[name] = ([m.num_embeddings if isinstance(m, nn.Embedding) else m.in_features], [])
     return out
 
 
@@ -336,21 +340,36 @@ def apply(model, layers: str | None, mesh, sp: bool):
 
 def _split_positions(model, layers, mesh) -> None:
     """With sequence parallelism: a replicated position embedding's output ``[..., S, h]`` split
-    over the sequence (a local slice forward, an all-gather of the gradient backward), so it
-    adds to the sequence-sharded token embedding."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
+    over the sequence (:func:`_scatter_sequence`), so it adds to the sequence-sharded token
+    embedding."""
     roles, _ = _roles(model, layers)
     for name, role in roles.items():
-        if role != "pos":
-            continue
+        if role == "pos":
+            model.get_submodule(name).register_forward_hook(
+                lambda module, inputs, output: _scatter_sequence(output, mesh))
 
-        def hook(module, inputs, output):
-            d = output.dim() - 2
-            return DTensor.from_local(output, mesh, (Replicate(),), run_check=False) \
-                .redistribute(mesh, (Shard(d),)).to_local()
 
-        model.get_submodule(name).register_forward_hook(hook)
+def _scatter_sequence(x, mesh):
+    """This rank's ``1/TP`` of ``x`` along dim -2 (the sequence), Megatron-LM's
+    ``scatter_to_sequence_parallel_region``: a slice forward, an all-gather of the gradient
+    backward (``DTensor.redistribute(Replicate -> Shard)`` does the same, but through a split
+    into TP tensors: ops whose number depends on TP)."""
+    import torch
+    import torch.distributed._functional_collectives as funcol
+
+    class Scatter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            n, r = mesh.size(), mesh.get_local_rank()
+            c = t.shape[-2] // n
+            return t.narrow(t.dim() - 2, r * c, c)
+
+        @staticmethod
+        def backward(ctx, g):
+            out = funcol.all_gather_single(g.contiguous(), g.dim() - 2, (mesh, 0))
+            return out.wait() if hasattr(out, "wait") else out
+
+    return Scatter.apply(x)
 
 
 class _Hidden:

@@ -1,0 +1,175 @@
+"""Tensor and sequence parallelism (issue 16, item 1): one rank of the Megatron plan, applied by
+PyTorch's ``parallelize_module`` on the fake process group, traced with the group size as the
+symbol TP.
+
+Oracles, independent of symcost's recorder, rules and fit: Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models", Table 2 and Sec. 4.2) for the activations
+per layer; PyTorch itself running the parallelised model on the fake group
+(tests/data/tp_rank.py ``measure``: ``torch.utils.flop_counter``'s formulas on the local ops,
+``saved_tensors_hooks``, collectives seen at dispatch with nccl-tests' ring factors typed by
+hand) at random sizes; and a real ``torchrun`` + gloo run of two ranks.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import random
+import sys
+from fractions import Fraction
+
+import pytest
+import sympy
+
+import symcost
+from symcost.errors import SymcostError
+from symcost.tracing.fit import SYMS
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+from tp_rank import measure  # noqa: E402
+
+PRECISION = "bf16-true"  # 16-bit activations, as the paper counts (2 bytes), 1-byte dropout masks
+
+
+@functools.lru_cache(maxsize=None)
+def _trace(sp: bool):
+    from symcost.frontends.models import resolve
+    from symcost.frontends.tensor_parallel import tensor_parallel
+
+    return symcost.trace(tensor_parallel(resolve("megatron-gpt"), sp=sp),
+                         sizes={"TP": 8, "S": 64, "H": 16, "D": 8, "V": 128}, precision=PRECISION)
+
+
+def _per_layer_saved(an):
+    """Bytes one block saves for backward (the folded block's saved tensors, repeat L)."""
+    L = SYMS["L"]
+    return sympy.expand(sum(nb for _, nb, _, rep in an.saved if rep == L))
+
+
+B, S, H, D, TP = (SYMS[k] for k in ("B", "S", "H", "D", "TP"))
+s, b, h, a, t = S, B, H * D, H, TP
+
+
+def test_korthikanti_table2_tensor_parallel():
+    """TP row: s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer. What the paper drops, exactly:
+    each LayerNorm's mean and rstd, [b, s, 1] in 16 bits, two per LayerNorm: 8·s·b."""
+    an = _trace(False)
+    paper = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert sympy.simplify(_per_layer_saved(an) - paper - 8 * s * b) == 0, _per_layer_saved(an)
+
+
+def test_korthikanti_table2_tensor_and_sequence_parallel():
+    """TP+SP row: s·b·h·(34/t + 5·a·s/(h·t)) bytes per layer, plus exactly
+
+    * 8·s·b/t: the LayerNorms' mean and rstd, now over s/t tokens (the paper drops them);
+    * 4·s·b·h·(1 - 1/t): the inputs of the QKV and the MLP's first Linear are saved as PyTorch's
+      DTensor gathers them (2·s·b·h each, the whole sequence), where Megatron-LM saves each
+      rank's s/t shard and gathers it again in backward (Korthikanti et al. Sec. 4.2.2); not a
+      dropped term but a difference of the implementations, which the trace shows."""
+    an = _trace(True)
+    paper = s * b * h * (34 / t + 5 * a * s / (h * t))
+    rest = 8 * s * b / t + 4 * s * b * h * (1 - 1 / t)
+    assert sympy.simplify(_per_layer_saved(an) - paper - rest) == 0, _per_layer_saved(an)
+
+
+def test_collectives_per_layer_follow_megatron():
+    """Per layer: TP all-reduces 2·s·b·h bytes twice forward and twice backward (Shoeybi et al.
+    2019, Fig. 3: f and g); SP replaces each all-reduce by an all-gather and a reduce-scatter of
+    the same size (Korthikanti et al. Sec. 4.2.2), so the ring bytes per rank are equal:
+    16·s·b·h·(t-1)/t per layer either way."""
+    L = SYMS["L"]
+    ring = 2 * s * b * h * (t - 1) / t  # (n-1)/n of a 2·s·b·h tensor
+    tp, sp = _trace(False), _trace(True)
+    assert sympy.simplify(sympy.diff(tp.comm_bytes("all_reduce"), L) - 4 * 2 * ring) == 0
+    assert sympy.diff(tp.comm_bytes("all_gather"), L) == 0 and sympy.diff(tp.comm_bytes("reduce_scatter"), L) == 0
+    assert sympy.simplify(sympy.diff(sp.comm_bytes("all_gather"), L) - 4 * ring) == 0
+    assert sympy.simplify(sympy.diff(sp.comm_bytes("reduce_scatter"), L) - 4 * ring) == 0
+    assert sympy.diff(sp.comm_bytes("all_reduce"), L) == 0
+
+
+def _fake_rank(sp: bool, values: dict) -> dict:
+    """PyTorch's own step of rank 0 of ``values["TP"]`` on the fake group, fake tensors
+    (tests/data/tp_rank.py ``measure``)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from symcost.frontends.models import resolve
+    from symcost.frontends.parallel import fake_group
+    from symcost.frontends.tensor_parallel import apply
+
+    spec = resolve("megatron-gpt")
+    with torch.device("meta"):
+        model = spec.build(values).to(torch.bfloat16)
+    ctx = apply(model, spec.layers, fake_group(values["TP"]), sp)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        return measure(model, spec, values, ctx)
+
+
+def _draw(rng: random.Random, sp: bool) -> dict:
+    """Random sizes in the traces' regime: TP from 2, 4, 8; H, V (and S with SP) in the
+    request's class mod 8, as the trace's probes (``tensor_parallel``); B, S/TP and heads per
+    rank of 1 run other kernels (regimes of their own) and are not drawn."""
+    tp = rng.choice((2, 4, 8))
+    return {"TP": tp, "B": rng.randint(2, 5), "S": 8 * rng.randint(2, 40) if sp else rng.randint(2, 300),
+            "H": max(8 * rng.randint(1, 3), 2 * tp), "D": rng.choice((4, 6, 8, 16)), "L": rng.randint(1, 4),
+            "V": 8 * rng.randint(1, 30)}
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_per_rank_against_pytorch_on_the_fake_group(sp):
+    """At random sizes (TP 2 to 8, S above 256 among the draws without SP): per-rank model
+    FLOPs, saved bytes, collective bytes by kind and parameter elements of the rank equal what
+    PyTorch runs on the fake group."""
+    an = _trace(sp)
+    rng = random.Random(16 + sp)
+    for _ in range(4):
+        v = _draw(rng, sp)
+        got = _fake_rank(sp, v)
+        env = an.bind(**v)
+        assert int(an.flops("train").subs(env)) == got["flops"], v
+        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], v
+        for kind, want in got["comm"].items():
+            assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (kind, v)
+        assert int(an.params_shard.subs(env)) == got["shard"], v
+
+
+def test_tp_with_dp_refused():
+    """--tp with --dp is not composed yet: one line, SymcostError."""
+    from symcost.frontends.models import resolve
+    from symcost.frontends.parallel import data_parallel
+    from symcost.frontends.tensor_parallel import tensor_parallel
+
+    with pytest.raises(SymcostError, match="not composed"):
+        tensor_parallel(data_parallel(resolve("mlp"), "fsdp"))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("sp", [False, True])
+def test_real_gloo_two_ranks(sp, tmp_path):
+    """``torchrun --standalone --nproc-per-node 2`` with gloo on this CPU, real bf16 tensors
+    (tests/data/tp_rank.py): each rank's FLOPs, saved bytes, collective bytes and parameter
+    elements equal symcost's per-rank values at a random size."""
+    import json
+    import subprocess
+
+    rng = random.Random(2 + sp)
+    v = {"TP": 2, "H": 8, "D": rng.choice((4, 8)), "L": rng.randint(1, 3),
+         "V": 8 * rng.randint(2, 10), "B": rng.randint(2, 3), "S": 8 * rng.randint(1, 3)}
+    script = os.path.join(os.path.dirname(__file__), "data", "tp_rank.py")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+               OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        script, str(tmp_path), "1" if sp else "0"] + [str(v[k]) for k in "HDLVBS"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
+                                        if "Error" in line or "error" in line or "rank" in line)[-4000:]
+    an = _trace(sp)
+    env_s = an.bind(**v)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["world"] == 2
+        assert int(an.flops("train").subs(env_s)) == got["flops"], rank
+        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env_s)) == got["saved"], rank
+        for kind, want in got["comm"].items():
+            assert Fraction(str(an.comm_bytes(kind).subs(env_s))) == Fraction(want), (kind, rank)
+        assert int(an.params_shard.subs(env_s)) == got["shard"], rank
