@@ -143,6 +143,46 @@ def test_tp_with_dp_refused():
         tensor_parallel(data_parallel(resolve("mlp"), "fsdp"))
 
 
+def test_cli_report_tp_sp_json():
+    """``report megatron-gpt --tp 4 --sp --json``: comm.*, model FLOPs, activations and the
+    rank's parameter bytes at the sizes asked for equal what PyTorch runs on rank 0 of the fake
+    group."""
+    import json
+
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    rng = random.Random(11)
+    v = {"TP": 4, "B": rng.randint(2, 4), "S": 8 * rng.randint(2, 6), "H": 8, "D": rng.choice((4, 8)),
+         "L": rng.randint(1, 3), "V": 8 * rng.randint(2, 9)}
+    args = ["report", "megatron-gpt", "--tp", "4", "--sp", "--precision", PRECISION, "--json", "--set"] + [
+        f"{k}={x}" for k, x in v.items() if k != "TP"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])
+    got = _fake_rank(True, v)
+    for kind, want in got["comm"].items():
+        assert Fraction(d["comm"][kind]) == Fraction(want), kind
+    assert d["parallel"] == {**d["parallel"], "tp": 4, "sp": True}
+    assert d["flops"]["train"] == got["flops"]
+    assert d["parallel"]["memory_per_rank"]["activations"] == got["saved"]
+    assert d["parallel"]["memory_per_rank"]["params"] == 2 * got["shard"]  # bf16 weights
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--sp"], "--sp needs --tp N"),
+    (["--tp", "2", "--dp", "2"], "--tp with --dp is not composed yet"),
+])
+def test_cli_refusals(args, msg):
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    r = CliRunner().invoke(main, ["report", "megatron-gpt"] + args)
+    assert r.exit_code == 2 and msg in r.output, r.output
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("sp", [False, True])
 def test_real_gloo_two_ranks(sp, tmp_path):
