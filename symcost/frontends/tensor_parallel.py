@@ -307,6 +307,9 @@ def apply(model, layers: str | None, mesh, sp: bool):
         styles, lp = plan(model, layers, sp)
         colwise = [n for n, s in styles.items() if type(s).__name__ == "ColwiseParallel" and n.count(".")]
     else:
+        if sp:
+            raise SymcostError("--sp on a transformers model is not supported yet (its base_model_tp_plan has no "
+                               "sequence-parallel entries and its layers pass hidden_states by keyword); use --tp alone")
         styles, lp = got
         colwise = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)
                    and any(re.fullmatch(p.replace(".", r"\.").replace("*", r"\d+"), n)
