@@ -71,6 +71,77 @@ def test_korthikanti_table2_tensor_and_sequence_parallel():
     assert sympy.simplify(_per_layer_saved(an) - paper - rest) == 0, _per_layer_saved(an)
 
 
+def _selective_spec():
+    """megatron-gpt with Korthikanti et al.'s selective recomputation (Sec. 5): the attention
+    core (Q·Kᵀ, softmax, its dropout, ·V) of every layer under a non-reentrant checkpoint, the
+    projections outside it. (The forward is megatron-gpt's ParallelAttention.forward split at
+    the projections.)"""
+    import dataclasses
+    import math
+    import types
+
+    import torch
+
+    from symcost.frontends.models import resolve
+    from symcost.passes.checkpoint import traced_checkpoint
+
+    spec = resolve("megatron-gpt")
+
+    def forward(self, x):
+        def core(qkv):
+            q, k, v = (t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+            scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+            probs = self.attention_dropout(scores.softmax(dim=-1))
+            return torch.matmul(probs, v).transpose(1, 2).flatten(-2)
+
+        return self.dense(traced_checkpoint(core, self.query_key_value(x), use_reentrant=False))
+
+    def build(values):
+        model = spec.build(values)
+        for layer in model.layers:
+            layer.self_attention.forward = types.MethodType(forward, layer.self_attention)
+        return model
+
+    return dataclasses.replace(spec, name="megatron-gpt-selective", build=build)
+
+
+@functools.lru_cache(maxsize=None)
+def _trace_recompute(kind: str, sp: bool):
+    from symcost.frontends.models import resolve
+    from symcost.frontends.tensor_parallel import tensor_parallel
+    from symcost.passes.checkpoint import uniform_spec
+
+    spec = _selective_spec() if kind == "selective" else uniform_spec(resolve("megatron-gpt"), "layers", 1)
+    return symcost.trace(tensor_parallel(spec, sp=sp), sizes={"TP": 8, "S": 64, "H": 16, "D": 8, "V": 128},
+                         precision=PRECISION)
+
+
+def test_korthikanti_table2_selective_recompute():
+    """TP + selective recomputation row: s·b·h·(10 + 24/t) per layer (the attention core's
+    5·a·s²·b/t no longer saved), plus exactly the LayerNorm statistics (8·s·b) and the CPU
+    generator state the checkpoint keeps to replay the attention dropout
+    (``passes.checkpoint.rng_state_bytes``; 16 bytes of Philox state on a GPU)."""
+    from symcost.passes.checkpoint import rng_state_bytes
+
+    an = _trace_recompute("selective", False)
+    paper = s * b * h * (10 + 24 / t)
+    assert sympy.simplify(_per_layer_saved(an) - paper - 8 * s * b - rng_state_bytes()) == 0, _per_layer_saved(an)
+
+
+def test_korthikanti_table2_full_recompute():
+    """Full recomputation (every block under a checkpoint) with TP + SP: each layer keeps its
+    input, 2·s·b·h/t (the rank's s/t tokens; the paper's no-parallelism row 2·s·b·h, divided by
+    t as sequence parallelism shards it), plus the CPU generator state of the checkpoint; the
+    model FLOPs grow by one forward of the blocks (per rank, /t)."""
+    from symcost.passes.checkpoint import rng_state_bytes
+
+    an = _trace_recompute("full", True)
+    assert sympy.simplify(_per_layer_saved(an) - 2 * s * b * h / t - rng_state_bytes()) == 0, _per_layer_saved(an)
+    L = SYMS["L"]
+    block_fwd = sympy.diff(_trace(True).flops("forward"), L)
+    assert sympy.simplify(sympy.diff(an.flops("train") - _trace(True).flops("train"), L) - block_fwd) == 0
+
+
 def test_collectives_per_layer_follow_megatron():
     """Per layer: TP all-reduces 2·s·b·h bytes twice forward and twice backward (Shoeybi et al.
     2019, Fig. 3: f and g); SP replaces each all-reduce by an all-gather and a reduce-scatter of
