@@ -31,11 +31,11 @@ PRECISION = "bf16-true"  # 16-bit activations, as the paper counts (2 bytes), 1-
 
 
 @functools.lru_cache(maxsize=None)
-def _trace(sp: bool):
+def _trace(sp: bool, model: str = "megatron-gpt"):
     from symcost.frontends.models import resolve
     from symcost.frontends.tensor_parallel import tensor_parallel
 
-    return symcost.trace(tensor_parallel(resolve("megatron-gpt"), sp=sp),
+    return symcost.trace(tensor_parallel(resolve(model), sp=sp),
                          sizes={"TP": 8, "S": 64, "H": 16, "D": 8, "V": 128}, precision=PRECISION)
 
 
@@ -157,7 +157,7 @@ def test_collectives_per_layer_follow_megatron():
     assert sympy.diff(sp.comm_bytes("all_reduce"), L) == 0
 
 
-def _fake_rank(sp: bool, values: dict) -> dict:
+def _fake_rank(sp: bool, values: dict, model: str = "megatron-gpt") -> dict:
     """PyTorch's own step of rank 0 of ``values["TP"]`` on the fake group, fake tensors
     (tests/data/tp_rank.py ``measure``)."""
     import torch
@@ -167,13 +167,16 @@ def _fake_rank(sp: bool, values: dict) -> dict:
     from symcost.frontends.parallel import fake_group
     from symcost.frontends.tensor_parallel import apply
 
-    spec = resolve("megatron-gpt")
+    from symcost.tracing.record import find_layer_container
+
+    spec = resolve(model)
     with torch.device("meta"):
-        model = spec.build(values).to(torch.bfloat16)
-    ctx = apply(model, spec.layers, fake_group(values["TP"]), sp)
+        m = spec.build(values).to(torch.bfloat16)
+    layers = spec.layers if spec.layers is not None else find_layer_container(spec, m, values)
+    ctx = apply(m, layers, fake_group(values["TP"]), sp)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
-        return measure(model, spec, values, ctx)
+        m.to_empty(device="cpu")
+        return measure(m, spec, values, ctx)
 
 
 def _draw(rng: random.Random, sp: bool) -> dict:
@@ -186,16 +189,17 @@ def _draw(rng: random.Random, sp: bool) -> dict:
             "V": 8 * rng.randint(1, 30)}
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_per_rank_against_pytorch_on_the_fake_group(sp):
+@pytest.mark.parametrize("model,sp,n", [("megatron-gpt", False, 4), ("megatron-gpt", True, 4), ("gpt2", True, 2)])
+def test_per_rank_against_pytorch_on_the_fake_group(model, sp, n):
     """At random sizes (TP 2 to 8, S above 256 among the draws without SP): per-rank model
     FLOPs, saved bytes, collective bytes by kind and parameter elements of the rank equal what
-    PyTorch runs on the fake group."""
-    an = _trace(sp)
+    PyTorch runs on the fake group (gpt2: its head tied to the token embedding, both split by
+    vocabulary rows, kept tied)."""
+    an = _trace(sp, model)
     rng = random.Random(16 + sp)
-    for _ in range(4):
+    for _ in range(n):
         v = _draw(rng, sp)
-        got = _fake_rank(sp, v)
+        got = _fake_rank(sp, v, model)
         env = an.bind(**v)
         assert int(an.flops("train").subs(env)) == got["flops"], v
         assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], v

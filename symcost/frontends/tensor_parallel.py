@@ -152,10 +152,27 @@ def sharded_dims(model, layers: str | None) -> dict[str, tuple[list[int], list[i
             parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
             heads = [getattr(parent, a) for a in HEAD_ATTRS if isinstance(getattr(parent, a, None), int)
                      and not isinstance(getattr(parent, a), bool)] if role == "colwise" else []
-            out[name] = ([m.out_features], heads)
+            out[name] = ([_features(m)[0]], heads)
         elif role in ("rowwise", "embedding"):
-            out[name] = ([m.num_embeddings if isinstance(m, nn.Embedding) else m.in_features], [])
+            out[name] = ([m.num_embeddings if isinstance(m, nn.Embedding) else _features(m)[1]], [])
     return out
+
+
+def _linear_like(m) -> bool:
+    """``nn.Linear``, or a leaf module of its own class named ``*Linear*`` with a 2-D
+    ``weight [out, in]`` (cs336-lm's bias-free Linear)."""
+    from torch import nn
+
+    if isinstance(m, nn.Linear):
+        return True
+    w = getattr(m, "weight", None)
+    return ("Linear" in type(m).__name__ and isinstance(w, nn.Parameter) and w.dim() == 2
+            and not list(m.children()))
+
+
+def _features(m) -> tuple[int, int]:
+    """``(out_features, in_features)`` of a Linear-like module (:func:`_linear_like`)."""
+    return (m.out_features, m.in_features) if hasattr(m, "out_features") else tuple(m.weight.shape)
 
 
 def _roles(model, layers: str | None) -> tuple[dict[str, str], dict[str, str]]:
@@ -171,33 +188,39 @@ def _roles(model, layers: str | None) -> tuple[dict[str, str], dict[str, str]]:
         for name, m in model.get_submodule(b).named_modules():
             full = f"{b}.{name}" if name else b
             last = name.rpartition(".")[2]
-            if isinstance(m, nn.Linear) and COLWISE.match(last):
+            if _linear_like(m) and COLWISE.match(last):
                 roles[full] = "colwise"
                 parents[full.rpartition(".")[0]] = "in"
-            elif isinstance(m, nn.Linear) and ROWWISE.match(last):
+            elif _linear_like(m) and ROWWISE.match(last):
                 roles[full] = "rowwise"
             elif "norm" in type(m).__name__.lower() and name and not any(
-                    isinstance(c, nn.Linear) for c in m.modules()):
+                    _linear_like(c) for c in m.modules()):
                 roles[full] = "norm"
     # outside the blocks: the token embedding (the one whose size is the output head's V, else
     # the first), other embeddings (positions), the final norm, the output head
     def outside(n):
         return n and not any(n == b or n.startswith(b + ".") for b in blocks)
 
-    embeddings = [(n, m) for n, m in model.named_modules() if outside(n) and isinstance(m, nn.Embedding)]
-    linears = [(n, m) for n, m in model.named_modules() if outside(n) and isinstance(m, nn.Linear)]
-    sizes = {m.num_embeddings for _, m in embeddings}
-    head = next(((n, m) for n, m in reversed(linears) if m.out_features in sizes), None)
-    vocab = head[1].out_features if head else (embeddings[0][1].num_embeddings if embeddings else None)
-    token = next((n for n, m in embeddings if m.num_embeddings == vocab), None)
+    # (an embedding of its own class, a [V, h] table indexed directly, stays replicated: "pos")
+    def table(m):
+        w = getattr(m, "weight", None)
+        return isinstance(m, nn.Embedding) or ("Embedding" in type(m).__name__ and isinstance(w, nn.Parameter)
+                                               and w.dim() == 2 and not list(m.children()))
+
+    embeddings = [(n, m) for n, m in model.named_modules() if outside(n) and table(m)]
+    linears = [(n, m) for n, m in model.named_modules() if outside(n) and _linear_like(m)]
+    sizes = {m.weight.shape[0] for _, m in embeddings}
+    head = next(((n, m) for n, m in reversed(linears) if _features(m)[0] in sizes), None)
+    vocab = _features(head[1])[0] if head else (embeddings[0][1].weight.shape[0] if embeddings else None)
+    token = next((n for n, m in embeddings if m.weight.shape[0] == vocab and isinstance(m, nn.Embedding)), None)
     for n, m in model.named_modules():
         if not outside(n):
             continue
-        if isinstance(m, nn.Embedding):
+        if table(m):
             roles[n] = "embedding" if n == token else "pos"
         elif head is not None and n == head[0]:
             roles[n] = "head"
-        elif "norm" in type(m).__name__.lower() and not any(isinstance(c, nn.Linear) for c in m.modules()):
+        elif "norm" in type(m).__name__.lower() and not any(_linear_like(c) for c in m.modules()):
             roles[n] = "norm"
     return roles, parents
 
@@ -210,22 +233,30 @@ def plan(model, layers: str | None, sp: bool) -> tuple[dict, bool]:
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
 
+    from torch import nn
+
+    Col, Row = _any_linear_styles()
     roles, parents = _roles(model, layers)
     out: dict = {}
     seq = Shard(1)
     has_head = False
+
+    def col(name, **kw):
+        return (ColwiseParallel if isinstance(model.get_submodule(name), nn.Linear) else Col)(**kw)
+
     for name, role in roles.items():
         if role == "colwise":
-            out[name] = ColwiseParallel()
+            out[name] = col(name)
         elif role == "rowwise":
-            out[name] = RowwiseParallel(output_layouts=seq if sp else Replicate())
+            out[name] = (RowwiseParallel if isinstance(model.get_submodule(name), nn.Linear) else Row)(
+                output_layouts=seq if sp else Replicate())
         elif role == "norm" and sp:
             out[name] = SequenceParallel()
         elif role == "embedding":
             out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
         elif role == "head":
-            out[name] = ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1),
-                                        use_local_output=False)
+            out[name] = col(name, input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1),
+                            use_local_output=False)
             has_head = True
     if sp:
         for parent in parents:
@@ -233,6 +264,35 @@ def plan(model, layers: str | None, sp: bool) -> tuple[dict, bool]:
             out[parent] = PrepareModuleInput(input_layouts=(seq,) + (None,) * (n - 1),
                                              desired_input_layouts=(Replicate(),) + (None,) * (n - 1))
     return out, has_head
+
+
+def _any_linear_styles():
+    """``ColwiseParallel`` and ``RowwiseParallel`` for a Linear-like module of its own class
+    (:func:`_linear_like`, ``weight [out, in]``, ``y = x·Wᵀ``): PyTorch's styles accept
+    ``nn.Linear`` and ``nn.Embedding`` only; these partition the weight as they do an
+    ``nn.Linear``'s (rows for column-parallel, columns for row-parallel) and prepare inputs and
+    outputs the same way."""
+    from functools import partial
+
+    from torch.distributed.tensor import Shard, distribute_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    class Col(ColwiseParallel):
+        def _apply(self, module, device_mesh):
+            return distribute_module(
+                module, device_mesh, self._partition_linear_fn,
+                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+    class Row(RowwiseParallel):
+        def _apply(self, module, device_mesh):
+            self.desired_input_layouts = (Shard(-1),)
+            return distribute_module(
+                module, device_mesh, self._partition_linear_fn,
+                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+    return Col, Row
 
 
 def _positional(module) -> int:
@@ -299,13 +359,13 @@ def apply(model, layers: str | None, mesh, sp: bool):
         SymcostError: the plan shards nothing, or PyTorch refuses it (its message, one line).
     """
     from torch import nn
-    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 
     tp = mesh.size()
     got = hf_plan(model, sp)
     if got is None:
         styles, lp = plan(model, layers, sp)
-        colwise = [n for n, s in styles.items() if type(s).__name__ == "ColwiseParallel" and n.count(".")]
+        colwise = [n for n, s in styles.items() if isinstance(s, ColwiseParallel) and n.count(".")]
     else:
         if sp:
             raise SymcostError("--sp on a transformers model is not supported yet (its base_model_tp_plan has no "
@@ -313,7 +373,7 @@ def apply(model, layers: str | None, mesh, sp: bool):
         styles, lp = got
         colwise = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)
                    and any(re.fullmatch(p.replace(".", r"\.").replace("*", r"\d+"), n)
-                           for p, s in styles.items() if type(s).__name__ == "ColwiseParallel")]
+                           for p, s in styles.items() if isinstance(s, ColwiseParallel))]
     if not styles:
         raise SymcostError("--tp: no projection of the model matches the Megatron plan (column- and "
                            "row-parallel Linears by name); nothing would be split")
@@ -333,12 +393,37 @@ def apply(model, layers: str | None, mesh, sp: bool):
                 setattr(parent, a, v // tp)
     if sp:
         _split_positions(model, layers, mesh)
+    tied: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(p), []).append(n)
     try:
         parallelize_module(model, mesh, styles)
     except Exception as e:  # noqa: BLE001
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SymcostError(f"parallelize_module failed for --tp {tp}: {msg}") from e
+    _retie(model, [names for names in tied.values() if len(names) > 1])
     return loss_parallel if lp else _nothing
+
+
+def _retie(model, groups: list[list[str]]) -> None:
+    """Tie again the parameters ``parallelize_module`` untied (each module's parameter is
+    distributed on its own: GPT-2's head and token embedding), where their shards agree (the
+    vocabulary-parallel embedding and the column-parallel head both split the [V, h] table by
+    rows).
+
+    Raises:
+        SymcostError: tied parameters that the plan splits differently.
+    """
+    for names in groups:
+        first = model.get_parameter(names[0])
+        for n in names[1:]:
+            other = model.get_parameter(n)
+            if other is first:
+                continue
+            if getattr(other, "placements", None) != getattr(first, "placements", None) or other.shape != first.shape:
+                raise SymcostError(f"--tp: tied parameters {names[0]} and {n} are split differently by the plan")
+            parent, _, attr = n.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, first)
 
 
 def _split_positions(model, layers, mesh) -> None:
@@ -398,6 +483,57 @@ def _chunk_cat(tensor, num_chunks: int, narrow_dim: int, cat_dim: int = 0):
         .flatten(cat_dim, cat_dim + 1)
 
 
+class _Lazy:
+    """A read-only sequence of ``n`` items made on access (``make(i)``)."""
+
+    def __init__(self, n: int, make):
+        self.n, self.make = n, make
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.make(i)
+
+    def __iter__(self):
+        return (self[i] for i in range(self.n))
+
+
+def _lazy_chunk(orig):
+    """``Shard._custom_chunk`` that, for an even split, makes only the chunks asked for (a
+    ``narrow`` view each) instead of ``torch.chunk``'s TP views of which one is used."""
+    def chunk(tensor, num_chunks, dim):
+        n = int(num_chunks)
+        size = tensor.size(dim)
+        if size % n:
+            return orig(tensor, num_chunks, dim=dim)
+        c = size // n
+        return _Lazy(n, lambda i: tensor.narrow(dim, i * c, c))
+    return chunk
+
+
+def _lazy_split(orig):
+    """``Shard._split_tensor_helper`` that, for an even split, returns the shards lazily (see
+    :func:`_lazy_chunk`): the rank's own shard is the only one a redistribution uses."""
+    def split(tensor, num_chunks, with_padding, contiguous, dim):
+        n = int(num_chunks)
+        if tensor.size(dim) % n:
+            return orig(tensor, num_chunks, with_padding, contiguous, dim)
+        c = tensor.size(dim) // n
+
+        def make(i):
+            t = tensor.narrow(dim, i * c, c)
+            return t.contiguous() if contiguous else t
+        return _Lazy(n, make), ([0] * n if with_padding else [])
+    return split
+
+
 @contextlib.contextmanager
 def hide_shape_propagation():
     """The context a tensor-parallel step is recorded in.
@@ -407,8 +543,12 @@ def hide_shape_propagation():
       positive, so it records only the local ops each rank runs;
     * the functional collectives' chunk + cat around an all-gather or reduce-scatter on a
       dimension other than 0 run as unflatten + movedim + flatten (:func:`_view_chunk_cat`,
-      :func:`_chunk_cat`): the same bytes, in ops whose number does not depend on TP.
+      :func:`_chunk_cat`): the same bytes, in ops whose number does not depend on TP;
+    * DTensor's even split of a tensor into TP shards (``Shard._custom_chunk``,
+      ``Shard._split_tensor_helper``: ``torch.chunk``'s TP views, of which a redistribution keeps
+      the rank's) makes only the shards used (:func:`_lazy_chunk`).
     """
+    from torch.distributed.tensor.placement_types import Shard
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
@@ -422,13 +562,17 @@ def hide_shape_propagation():
         finally:
             _Hidden.depth -= 1
 
+    shard_saved = Shard.__dict__["_custom_chunk"], Shard.__dict__["_split_tensor_helper"]
     ShardingPropagator._propagate_tensor_meta_non_cached = hidden
     funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat = _view_chunk_cat, _chunk_cat
+    Shard._custom_chunk = staticmethod(_lazy_chunk(shard_saved[0].__func__))
+    Shard._split_tensor_helper = staticmethod(_lazy_split(shard_saved[1].__func__))
     try:
         yield
     finally:
         ShardingPropagator._propagate_tensor_meta_non_cached = orig
         funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat = saved
+        Shard._custom_chunk, Shard._split_tensor_helper = shard_saved
 
 
 def hidden() -> bool:
