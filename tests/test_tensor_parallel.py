@@ -36,7 +36,8 @@ def _trace(sp: bool, model: str = "megatron-gpt"):
     from symcost.frontends.tensor_parallel import tensor_parallel
 
     return symcost.trace(tensor_parallel(resolve(model), sp=sp),
-                         sizes={"TP": 8, "S": 64, "H": 16, "D": 8, "V": 128}, precision=PRECISION)
+                         sizes={"TP": 8, "S": 64, "H": 16, "D": 8, "V": 128,
+                                **({"F": 128} if model == "cs336-lm" else {})}, precision=PRECISION)
 
 
 def _per_layer_saved(an):
@@ -186,19 +187,20 @@ def _draw(rng: random.Random, sp: bool) -> dict:
     tp = rng.choice((2, 4, 8))
     return {"TP": tp, "B": rng.randint(2, 5), "S": 8 * rng.randint(2, 40) if sp else rng.randint(2, 300),
             "H": max(8 * rng.randint(1, 3), 2 * tp), "D": rng.choice((4, 6, 8, 16)), "L": rng.randint(1, 4),
-            "V": 8 * rng.randint(1, 30)}
+            "V": 8 * rng.randint(1, 30), "F": 8 * rng.randint(2, 12)}
 
 
-@pytest.mark.parametrize("model,sp,n", [("megatron-gpt", False, 4), ("megatron-gpt", True, 4), ("gpt2", True, 2)])
+@pytest.mark.parametrize("model,sp,n", [("megatron-gpt", False, 4), ("megatron-gpt", True, 4), ("gpt2", True, 2),
+                                         ("cs336-lm", True, 2)])
 def test_per_rank_against_pytorch_on_the_fake_group(model, sp, n):
     """At random sizes (TP 2 to 8, S above 256 among the draws without SP): per-rank model
     FLOPs, saved bytes, collective bytes by kind and parameter elements of the rank equal what
     PyTorch runs on the fake group (gpt2: its head tied to the token embedding, both split by
-    vocabulary rows, kept tied)."""
+    vocabulary rows, kept tied; cs336-lm: Linear and Embedding classes of its own, SwiGLU, RoPE)."""
     an = _trace(sp, model)
     rng = random.Random(16 + sp)
     for _ in range(n):
-        v = _draw(rng, sp)
+        v = {k: x for k, x in _draw(rng, sp).items() if k in an.symbols or k in ("B", "S", "L")}
         got = _fake_rank(sp, v, model)
         env = an.bind(**v)
         assert int(an.flops("train").subs(env)) == got["flops"], v

@@ -13,7 +13,7 @@ running it), runs one training step with gloo and writes ``OUT/rank{r}.json``.
   tensors DTensor computes with (a ``TorchDispatchMode`` that hands DTensor ops to DTensor, as
   ``CommDebugMode`` does, so it sees the local ops and the collectives they run);
 * bytes autograd saved for backward (``saved_tensors_hooks``; a DTensor's local shard; parameters
-  excluded; each storage once);
+  and buffers excluded; each storage once);
 * bytes per rank of every collective seen at dispatch, with nccl-tests' ring factors typed here
   (doc/PERFORMANCE.md): all-gather (n-1)/n·output, reduce-scatter (n-1)/n·input, all-reduce
   2(n-1)/n·input;
@@ -65,7 +65,9 @@ def measure(model, spec, values, loss_context, dtype=None) -> dict:
     def local(t):
         return t._local_tensor if isinstance(t, DTensor) else t
 
-    static = {StorageWeakRef(local(p).untyped_storage()).cdata for p in model.parameters()}
+    # parameters and buffers are no activations (conventions: "What counts as a byte")
+    static = {StorageWeakRef(local(p).untyped_storage()).cdata
+              for p in list(model.parameters()) + list(model.buffers())}
     seen, saved = set(), [0]
 
     def pack(t):
