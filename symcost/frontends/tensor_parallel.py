@@ -64,11 +64,6 @@ ROWWISE = re.compile(r"(o|wo|o_proj|out_proj|output_proj|dense|c_proj|w2|down_pr
 HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "num_key_value_heads",
               "n_kv_heads", "num_kv_heads", "n_kv_head")
 
-#: transformers' tp_plan style names -> (PyTorch style, its keyword arguments, sp-aware)
-HF_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel",
-             "local_colwise", "local_rowwise", "local", "gather", "replicate")
-
-
 def tensor_parallel(spec, sp: bool = False):
     """The :class:`~symcost.frontends.spec.ModelSpec` of ``spec`` trained tensor-parallel over
     ``TP`` ranks (sequence-parallel too with ``sp``): symbols + ``TP``,
@@ -229,11 +224,10 @@ def plan(model, layers: str | None, sp: bool) -> tuple[dict, bool]:
     """The Megatron plan of ``model`` (module docstring): ``({module name: ParallelStyle},
     loss_parallel)``; ``loss_parallel`` is True when the output head is column-parallel with
     sharded logits (the loss must then run under ``loss_parallel()``)."""
+    from torch import nn
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
-
-    from torch import nn
 
     Col, Row = _any_linear_styles()
     roles, parents = _roles(model, layers)
@@ -310,7 +304,7 @@ def hf_plan(model, sp: bool) -> tuple[dict, bool] | None:
     (``{fqn pattern: ParallelStyle}``, loss_parallel False: the head stays replicated, as
     transformers' own ``tp_plan="auto"`` keeps ``lm_head`` gathered), or None where the
     config has none."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     config = getattr(model, "config", None)
@@ -340,7 +334,6 @@ def hf_plan(model, sp: bool) -> tuple[dict, bool] | None:
         s = styles[style]()
         if s is not None:
             out[f"{prefix}.{pattern}" if prefix else pattern] = s
-    del Shard
     return out, False
 
 
