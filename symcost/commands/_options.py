@@ -159,6 +159,12 @@ def parallel_options(f):
                      help="with --dp: FSDP2's MixedPrecisionPolicy(param_dtype=PARAM, reduce_dtype=REDUCE) on every "
                           "unit, dtypes bf16, fp16, fp32 (REDUCE fp32 unless given): all-gathers move PARAM bytes, "
                           "gradient reductions REDUCE bytes; e.g. --precision fp32 --fsdp-mp bf16 as torchtitan")(f)
+    f = click.option("--sp", is_flag=True, default=None, expose_value=False, callback=_keep_parallel("symcost.sp"),
+                     help="with --tp: sequence parallelism (SequenceParallel norms, all-gather/reduce-scatter)")(f)
+    f = click.option("--tp", type=click.IntRange(min=2), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.tp"), metavar="N",
+                     help="tensor-parallel size: trace one rank of N with the Megatron plan (symbol TP; "
+                          "not with --dp yet)")(f)
     f = click.option("--dp", type=click.IntRange(min=1), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.dp"), metavar="N",
                      help="data-parallel size: trace one rank of N (the formulas gain the symbol DP)")(f)
@@ -250,6 +256,19 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
     use_cache = not needs_model and not (ctx is not None and ctx.find_root().meta.get("symcost.no_cache"))
     routing = ctx.meta.get("symcost.routing") if ctx is not None else None
     dp, shard = parallel_request(ctx)
+    meta = ctx.find_root().meta if ctx is not None else {}
+    tp, sp = meta.get("symcost.tp"), bool(meta.get("symcost.sp"))
+    if sp and tp is None:
+        raise SymcostError("--sp needs --tp N (the tensor-parallel size)")
+    if tp is not None:
+        if dp is not None:
+            raise SymcostError("--tp with --dp is not composed yet (one mesh dimension per trace); trace them apart")
+        if "TP" in sizes and sizes["TP"] != tp:
+            raise SymcostError(f"--tp {tp} and --set TP={sizes['TP']} disagree; give one")
+        sizes = {**sizes, "TP": tp}  # (not kept in the trace cache, as --dp)
+        an = _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing, tp=(tp, sp))
+        an.bind(**sizes)
+        return an, sizes
     options = {"routing": routing} if routing is not None else {}
     if dp is not None:
         if "DP" in sizes and sizes["DP"] != dp:
@@ -323,7 +342,7 @@ def every_layer_trace(an, model, config, attention, precision, sizes, quiet=Fals
 
 
 def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None, step=None, kv_cache="dynamic",
-                 shard=None, mp=None):
+                 shard=None, mp=None, tp=None):
     """Resolve and trace ``model`` (the cache's miss path), with the progress line; ``shard``:
     one rank of data-parallel training (:func:`symcost.frontends.parallel.data_parallel`)."""
     with progress(f"resolving {model}", quiet) as status:
@@ -336,6 +355,10 @@ def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None, s
             from symcost.frontends.parallel import data_parallel
 
             spec = data_parallel(spec, shard, mp)
+        if tp is not None:  # (size, sequence parallel): symcost.frontends.tensor_parallel
+            from symcost.frontends.tensor_parallel import tensor_parallel
+
+            spec = tensor_parallel(spec, tp[1])
         if routing is not None:  # MoE layers traced under this routing model (symcost.frontends.moe)
             from symcost.frontends.moe import with_routing
 

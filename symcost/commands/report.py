@@ -20,6 +20,7 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
 
     MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
     With --dp N [--shard ...]: one rank of data-parallel training (comm bytes, per-rank model states).
+    With --tp N [--sp]: one rank of tensor (and sequence) parallel training (Megatron plan).
     """
     early_checks(model, sets, config, attention, precision)  # no sympy or torch needed: answers at once
     from symcost.passes.memory import default_impl, optimizer as check_optimizer, parse_memory
@@ -30,6 +31,21 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
     an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
     from symcost.render import report as rep
 
+    from symcost.passes.tensor_parallel import is_tensor_parallel
+
+    if is_tensor_parallel(an):  # --tp [--sp]: per-rank collectives and memory (docs/parallel.md)
+        from symcost.passes.tensor_parallel import summary as tp_summary
+        from symcost.render import tensor_parallel as rtp
+
+        par = tp_summary(an, precision, optimizer, sizes if sizes else None)
+        if as_json:
+            res = rep.to_json(an, sizes if sizes else None)
+            res.update(rtp.to_json(an, sizes if sizes else None, par))
+            click.echo(json.dumps(res, indent=1))
+        else:
+            rep.render(an, sizes)
+            rtp.render(an, sizes, par)
+        return
     if an.parallel is not None:  # --dp: per-rank model states and collectives (docs/parallel.md)
         from symcost.passes.parallel import summary
 

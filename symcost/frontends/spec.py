@@ -28,6 +28,7 @@ SYMBOL_MEANINGS: dict[str, str] = {
     "R": "experts each token is routed to (top-k)",
     "T": "tokens already in the KV cache before an inference step (cache length)",
     "DP": "data-parallel size (ranks the batch, and with --shard the model states, are split over)",
+    "TP": "tensor-parallel size (ranks each block's heads and hidden units, and with --sp its tokens, are split over)",
 }
 SYMBOL_ORDER = tuple(SYMBOL_MEANINGS)
 #: Sizes of the step's inputs rather than of the model (never a config symbol): B, S and, for a

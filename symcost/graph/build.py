@@ -534,7 +534,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
             unsupported[op.name] = unsupported.get(op.name, 0) + repeat
         comm = None
         if family == "comm":
-            n = SYMS["DP"] if "DP" in symbols else pinned.get("DP", ref.values.get("DP", 1))
+            g = _group(ref)
+            n = SYMS[g] if g in symbols else pinned.get(g, ref.values.get(g, 1))
             kind, size, per_rank = rules.comm_volume(_op_view(op, in_shapes, out_shapes, ints), n)
             comm = (kind, sympy.expand(size), sympy.expand(per_rank))
         ops.append(SymOp(
@@ -637,6 +638,12 @@ def _fit_kv(spec: ModelSpec, recs: list[Recording], fitter, role, container: str
     return out
 
 
+def _group(rec: Recording) -> str:
+    """The symbol of the process group a recording's collectives run over: ``TP`` for tensor
+    (and sequence) parallelism, else ``DP``."""
+    return "TP" if (rec.parallel or "").startswith("tp") else "DP"
+
+
 def concrete_totals(rec: Recording) -> dict[str, int]:
     """Totals of one concrete recording by the same rules: the oracle for the symbolic fit."""
     out = {f"{k}.{p}": 0 for k in ("flops", "flops_hw", "flops_all", "bytes", "transcendentals") for p in PHASES}
@@ -657,8 +664,9 @@ def concrete_totals(rec: Recording) -> dict[str, int]:
         for op in rec.ops:
             if rules.classify(op.op) == "comm":
                 v = _op_view(op, [t.shape for t in op.inputs], [t.shape for t in op.outputs], op.ints)
-                kind, _, per_rank = rules.comm_volume(v, rec.values["DP"])
-                out[f"comm.{kind}"] += per_rank
+                kind, _, per_rank = rules.comm_volume(v, rec.values[_group(rec)])
+                if kind in COMM_KINDS:  # (not a wait)
+                    out[f"comm.{kind}"] += per_rank
         out["shards"] = sum(rules.numel(s) for s in rec.param_shards.values())
     return out
 

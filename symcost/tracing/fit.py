@@ -33,7 +33,7 @@ import sympy
 from symcost.errors import SymcostError
 
 SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in ("B", "S", "H", "D", "L", "V", "F",
-                                                                          "K", "M", "E", "R", "N", "T", "DP")}
+                                                                          "K", "M", "E", "R", "N", "T", "DP", "TP")}
 
 #: L of the probe recordings the formulas are fitted on, and of the fresh recordings that check them
 FIT_L = 2
@@ -50,7 +50,7 @@ def parse_formula(text: str) -> sympy.Expr:
     return sympy.sympify(text, locals=dict(SYMS))
 
 # Base probe values and one alternate per symbol. L is fixed while fitting (layers fold).
-BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 7, "R": 2, "T": 13, "DP": 2}
+BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 7, "R": 2, "T": 13, "DP": 2, "TP": 2}
 ALTS = {
     "B": (5, 4, 2),
     "S": (11, 9, 5),
@@ -64,6 +64,7 @@ ALTS = {
     "R": (3, 4),
     "T": (17, 10, 6),
     "DP": (4, 3, 8, 6),
+    "TP": (4, 8),
 }
 POOLS = {
     "B": range(2, 10),
@@ -78,6 +79,7 @@ POOLS = {
     "R": range(2, 5),
     "T": range(5, 30),
     "DP": range(2, 9),
+    "TP": (2, 4, 8),  # powers of two: the sizes TP splits are kept multiples of 8 (tensor_parallel)
 }
 
 
@@ -359,12 +361,12 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
 #: cubes. A symbol only gets exponent e where the probes hold at least |e| + 1 distinct values
 #: of it (enough to determine it; the exact check on every probe, with two to spare, verifies).
 EXPONENT_STAGES = ((0, 1), (-1, 0, 1), (0, 1, 2), (-1, 0, 1, 2), (0, 1, 2, 3))
-DIVISORS = ("K", "E", "DP")  # H/K (query heads per kv head), N·R/E (token slots per expert), P/DP (a shard)
+DIVISORS = ("K", "E", "DP", "TP")  # H/K (query heads per kv head), N·R/E (token slots per expert), P/DP, P/TP (a shard)
 
 
 #: symbols whose exponent is at most 1 in size: DP divides a size (a shard) or multiplies one (a
 #: buffer of DP shards, a split into DP chunks), never twice in one dimension
-LINEAR_ONLY = ("DP",)
+LINEAR_ONLY = ("DP", "TP")
 
 
 def _monomials(deps: Sequence[str], exps: Sequence[int]):
@@ -400,21 +402,14 @@ class Fitter:
         deps = [s for s, i in self.plan.axis.items() if sig[i] != base]
         if not deps:  # varies only jointly (should not happen for polynomials): use all symbols
             deps = list(self.plan.axis)
-        if "DP" in deps and len(deps) > 1:
+        for g in ("DP", "TP"):
             # a shard (size/DP) or DP shards (DP·size) of a size in the model's symbols: fit the
             # size itself (a block's shards sum many monomials, each /DP: too many terms for the
-            # sparse search below)
-            dp = self.Xi["DP"]
-            for e in (-1, 1):
-                scaled = [Fraction(v) / dp[i] ** e for i, v in enumerate(sig)]
-                if any(x.denominator != 1 for x in scaled):
-                    continue
-                try:
-                    inner = self(tuple(int(x) for x in scaled), what)
-                except FitError:
-                    continue
-                if SYMS["DP"] not in inner.free_symbols:
-                    return sympy.expand(inner * SYMS["DP"] ** e)
+            # sparse search below); the same for TP
+            if g in deps and len(deps) > 1:
+                got = self._fit_group(sig, what, g)
+                if got is not None:
+                    return got
         if "DP" in self.plan.symbols and len(deps) > 2:
             # a data-parallel trace packs parameters into buffers: try their sizes first (the
             # sparse search below takes seconds per signature before it gives up on such a sum)
@@ -464,6 +459,29 @@ class Fitter:
             f"a {what} cannot be expressed as a (Laurent) polynomial in {', '.join(self.plan.symbols)} "
             f"(probes: {pts}, ...); symcost will not guess it", deps
         )
+
+    def _fit_group(self, sig: tuple[int, ...], what: str, g: str):
+        """``sig`` as (a size in the model's symbols) · ``g``^±1 (a shard, or ``g`` shards), or
+        None."""
+        dp = self.Xi[g]
+        depth = getattr(self, "_group_depth", 0)
+        if depth >= 2:  # (a signature scaled by g twice is no shard of a size: stop)
+            return None
+        self._group_depth = depth + 1
+        try:
+            for e in (-1, 1):
+                scaled = [Fraction(v) / dp[i] ** e for i, v in enumerate(sig)]
+                if any(x.denominator != 1 for x in scaled):
+                    continue
+                try:
+                    inner = self(tuple(int(x) for x in scaled), what)
+                except FitError:
+                    continue
+                if SYMS[g] not in inner.free_symbols:
+                    return sympy.expand(inner * SYMS[g] ** e)
+            return None
+        finally:
+            self._group_depth = depth
 
     def _fit_hints(self, sig: tuple[int, ...]):
         """``sig`` as a rational combination of :attr:`hints` (and each hint / DP where DP is a

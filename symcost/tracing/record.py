@@ -138,7 +138,7 @@ class Recording:
     kv_evicted: int = 0
     # data-parallel recordings (spec.extra["parallel"]): the strategy, and each parameter's shard
     # on this rank (local shape; ``params`` keeps the global shape)
-    parallel: str | None = None
+    parallel: str | None = None  # or "tp" / "tp+sp": tensor (and sequence) parallelism, group TP
     param_shards: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
@@ -216,6 +216,7 @@ class _Recorder(TorchDispatchMode):
         self.storage_keys = False
         self.model: nn.Module | None = None  # set for data-parallel recordings (see leaf_name)
         self.owners: list[str | None] = []  # record_function regions (see _profiler_label)
+        self.dtensor = None  # the DTensor class in a tensor-parallel recording (see __torch_dispatch__)
 
     def leaf_name(self, t: torch.Tensor) -> str | None:
         """The ``param:``/``buffer:``/``input:`` name of a leaf tensor, or None. A parameter
@@ -322,7 +323,27 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = _dispatch_unaliased(func, args, kwargs)
+        if self.dtensor is not None:
+            # tensor parallelism: DTensor desugars each op into local ops and collectives, which
+            # come back here (as torch.distributed.tensor.debug.CommDebugMode does); its shape
+            # propagation on global-shape fake tensors is no op of the rank
+            if any(issubclass(t, self.dtensor) for t in types):
+                return NotImplemented
+            from symcost.frontends.tensor_parallel import hidden
+            if hidden():
+                return func(*args, **kwargs)
+            if func is torch.ops.aten.slice.Tensor:
+                out = func(*args, **kwargs)
+                if out.shape == args[0].shape:
+                    # DTensor's all-gather narrows its result to the logical size when the two
+                    # ints are not the same object (``is not``: sizes above 256, CPython's small
+                    # ints), a no-op view: not recorded, so sizes on either side of 256 run
+                    # the same ops
+                    return out
+            else:
+                out = None
+        if self.dtensor is None or func is not torch.ops.aten.slice.Tensor:
+            out = _dispatch_unaliased(func, args, kwargs)
         if func.namespace == "profiler":
             self._profiler_label(func, args, out)
             return out
@@ -584,6 +605,16 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
         if param_dtype != torch.float32:
             model.to(param_dtype)  # on the meta device, before the parameters become DTensors
         wrap(model, layers, parallel, fake_group(values["DP"]), spec.extra.get("fsdp_mp"))
+    tp = spec.extra.get("tensor_parallel")
+    loss_context = contextlib.nullcontext
+    if tp is not None:
+        from symcost.frontends.parallel import fake_group
+        from symcost.frontends.tensor_parallel import apply
+
+        if param_dtype != torch.float32:
+            model.to(param_dtype)
+        loss_context = apply(model, layers, fake_group(values["TP"]), tp["sp"])
+        parallel = "tp+sp" if tp["sp"] else "tp"
     with fake:
         if parallel is None:
             materialize(model, torch.device("cpu"), param_dtype)
@@ -599,6 +630,9 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
                 tied.setdefault(leaf_names[id(p)][6:], []).append(name)
                 continue
             leaf_names[id(p)] = f"param:{name}"
+            local = getattr(p, "_local_tensor", None)  # (to_local() would make a new view each call)
+            if tp is not None and local is not None:  # the shard DTensor's local ops read
+                leaf_names[id(local)] = f"param:{name}"
             params[name] = (tuple(p.shape), p.dtype)
             if parallel is not None:
                 local = p.to_local() if hasattr(p, "to_local") else p
@@ -645,6 +679,10 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
         rec.param_module = param_module
         if parallel is not None:
             rec.model = model
+        if tp is not None:
+            from torch.distributed.tensor import DTensor
+
+            rec.dtensor = DTensor
         rec.preexisting = static_storages | set(input_storages)
         saved: list[SavedTensor] = []
 
@@ -657,18 +695,19 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
         saved_refs: list[StorageWeakRef] = []
 
         def pack(t: torch.Tensor):
+            t0, t = t, _local(t)  # tensor parallelism: autograd saves DTensors; a rank holds their shards
             st = t.untyped_storage()
             ref = StorageWeakRef(st)
             key = ref.cdata
             if key in static_storages or (parallel is not None and (rec.leaf_name(t) or "").startswith("param:")):
-                return t  # a parameter (FSDP's unsharded one included) or buffer
+                return t0  # a parameter (FSDP's unsharded one included) or buffer
             if key not in seen_saved:
                 saved_refs.append(ref)
                 seen_saved[key] = SavedTensor(st.nbytes(), t.dtype, rec.module_stack[-1], tuple(t.shape))
                 saved.append(seen_saved[key])
             else:
                 seen_saved[key].also.add(rec.module_stack[-1])
-            return t
+            return t0
 
         def pre_hook(module, inputs):
             for fn in _grad_fns(inputs):
@@ -684,6 +723,10 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
         h2 = nn.modules.module.register_module_forward_hook(post_hook)
         kv: tuple = ([], 0)
         resizes = _observe_resize(rec) if parallel is not None else contextlib.nullcontext()
+        if tp is not None:
+            from symcost.frontends.tensor_parallel import hide_shape_propagation as hide
+        else:
+            hide = contextlib.nullcontext
         try:
             context = spec.record_context or contextlib.nullcontext  # (hf: the masks the real step builds)
             if inference:
@@ -691,7 +734,8 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
                     n_forward, events_end, kv = _inference_step(rec, model, args, kwargs, kv_layers, autocast)
                 n_backward = 0
             else:
-                with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context(), resizes:
+                with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context(), resizes, \
+                        hide(), loss_context():
                     with autocast():
                         out = model(*args, **kwargs)
                         loss = spec.loss(out, (args, kwargs))
@@ -700,7 +744,8 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
                     _label_graph(fn, "")
                 n_forward = len(rec.ops)
                 rec.phase = "backward"
-                with rec, _observe_resize(rec) if parallel is not None else contextlib.nullcontext():
+                with rec, _observe_resize(rec) if parallel is not None else contextlib.nullcontext(), \
+                        hide(), loss_context():
                     loss.backward()
                     del loss
                 n_backward = len(rec.ops) - n_forward

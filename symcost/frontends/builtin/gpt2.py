@@ -34,7 +34,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         q, k, v = (t.unflatten(-1, (self.n_head, -1)).transpose(1, 2)
-                   for t in self.c_attn(x).split(x.shape[-1], dim=-1))  # each [B, H, S, D]
+                   for t in self.c_attn(x).chunk(3, dim=-1))  # each [B, H, S, D] (chunk: also on 1/TP of c_attn)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         return self.c_proj((att @ v).transpose(1, 2).flatten(-2))

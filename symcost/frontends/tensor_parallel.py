@@ -1,0 +1,573 @@
+"""Tensor and sequence parallelism of a :class:`ModelSpec`: the model wrapped with PyTorch's own
+``torch.distributed.tensor.parallel.parallelize_module`` on a fake process group, one rank
+recorded (docs/parallel.md, "Tensor and sequence parallelism").
+
+A tensor-parallel spec is the model's own spec with one more symbol, ``TP`` (the tensor-parallel
+group size), and ``extra["tensor_parallel"] = {"sp": bool}``. The recorder
+(:mod:`symcost.tracing.record`) builds it on the meta device, calls :func:`apply` on a fake
+``DeviceMesh`` of ``TP`` ranks (:func:`symcost.frontends.parallel.fake_group`) and records the
+step; the ops inside DTensor's dispatch (the local matmuls on 1/TP of a weight, the collectives
+of a redistribution) are what the recording holds.
+
+The plan (:func:`plan`) is the Megatron-LM one (Shoeybi et al. 2019, Sec. 3), written with the
+styles of ``torch.distributed.tensor.parallel`` the way torchtitan's ``apply_tp`` writes it:
+
+* in every block, the projections that read the block's normalised input (q, k, v or a fused
+  qkv; the MLP's up and gate) are ``ColwiseParallel`` (weight rows split: each rank computes
+  1/TP of the heads and of the hidden units); the projections that write back to the residual
+  stream (attention out, MLP down) are ``RowwiseParallel`` (weight columns split, the partial
+  sums all-reduced);
+* with ``sp`` (sequence parallelism, Korthikanti et al. 2022, Sec. 4.2.2) the norms are
+  ``SequenceParallel`` (each rank normalises S/TP tokens), the attention and MLP modules'
+  inputs are gathered by ``PrepareModuleInput(Shard(1) -> Replicate())`` (an all-gather; its
+  backward a reduce-scatter) and the row-parallel outputs are reduce-scattered to ``Shard(1)``.
+  The gathered input stays a DTensor into the projections (torchtitan's default
+  ``use_local_output=False``): with a local tensor there, each column-parallel projection's
+  input gradient would be all-reduced (``from_local(Replicate)``'s backward) and then split,
+  twice the bytes of the reduce-scatter;
+* the token embedding (``num_embeddings`` = V) is ``RowwiseParallel`` (vocabulary split;
+  output all-reduced, or reduce-scattered over the sequence with ``sp``); a learned position
+  embedding stays replicated and, with ``sp``, its output is split over the sequence (a slice
+  forward; an all-gather of its gradient backward: Megatron-LM's scatter to the sequence-parallel
+  region);
+* the output head (a Linear with V outputs) is ``ColwiseParallel`` with sharded logits, and the
+  loss runs under ``loss_parallel()`` (cross-entropy over vocabulary-sharded logits);
+* attention modules that own a column-parallel projection get their head counts divided by TP
+  (attributes ``num_heads``, ``n_head``, ...), as torchtitan did before its attention read the
+  local head count from the projection's output (``view(..., -1, head_dim)``).
+
+A ``transformers`` model whose config has a ``base_model_tp_plan`` uses that plan instead (its
+style names ``colwise``, ``rowwise``, ``colwise_rep``, ``rowwise_rep``, ``sequence_parallel``
+mapped onto the same PyTorch styles), prefixed with the base model's attribute.
+
+Torch is imported only inside the functions that need it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+import re
+from typing import Mapping
+
+from symcost.errors import SymcostError
+
+#: last name of a Linear that reads the block's normalised input (column-parallel)
+COLWISE = re.compile(r"(q|k|v|qkv|wq|wk|wv|wqkv|query|key|value|query_key_value|c_attn|in_proj|"
+                     r"q_proj|k_proj|v_proj|qkv_proj|up_proj|gate_proj|gate_up_proj|w1|w3|c_fc|fc1|"
+                     r"fc_in|dense_h_to_4h|up|gate)$")
+#: last name of a Linear that writes back to the residual stream (row-parallel)
+ROWWISE = re.compile(r"(o|wo|o_proj|out_proj|output_proj|dense|c_proj|w2|down_proj|fc2|fc_out|"
+                     r"dense_4h_to_h|down)$")
+#: head-count attributes divided by TP on a module that owns a column-parallel projection
+HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "num_key_value_heads",
+              "n_kv_heads", "num_kv_heads", "n_kv_head")
+
+def tensor_parallel(spec, sp: bool = False):
+    """The :class:`~symcost.frontends.spec.ModelSpec` of ``spec`` trained tensor-parallel over
+    ``TP`` ranks (sequence-parallel too with ``sp``): symbols + ``TP``,
+    ``extra["tensor_parallel"] = {"sp": sp}``.
+
+    Probes must have ``TP`` divide every dimension the plan shards (heads, the sharded
+    projections' features, V for a vocabulary-parallel embedding or head; S with ``sp``): the
+    per-rank sizes are polynomial in TP only there (``probe_check``). Probes draw TP from 2, 4
+    and 8 and keep those sizes multiples of 8 (``moduli``) where the request's are, so TP can
+    vary alone. The formulas say ``/TP``.
+
+    Raises:
+        SymcostError: the spec is already data-parallel (``--dp`` with ``--tp`` is not composed
+            yet: one mesh dimension per trace).
+    """
+    if "DP" in spec.symbols:
+        raise SymcostError("--tp with --dp is not composed yet (one mesh dimension per trace); "
+                           "trace them apart")
+    if "TP" in spec.symbols:
+        return spec
+    inner_probe = spec.probe_check
+
+    def probe_check(values: Mapping[str, int]):
+        why = inner_probe(values) if inner_probe else None
+        if why or "TP" not in values:
+            return why
+        return _indivisible(spec, values, sp)
+
+    defaults = dict(spec.defaults, TP=spec.defaults.get("TP", 8))
+    moduli = dict(spec.moduli)
+    for s in ("H", "K", "V", "F", "M", "E") + (("S",) if sp else ()):
+        if s in spec.symbols or s == "S":
+            moduli[s] = math.lcm(moduli.get(s, 1), 8)
+    return dataclasses.replace(
+        spec, symbols=tuple(spec.symbols) + ("TP",), defaults=defaults, probe_check=probe_check,
+        moduli=moduli, extra={**spec.extra, "tensor_parallel": {"sp": bool(sp)}},
+    )
+
+
+_DIV_CACHE: dict = {}
+
+
+def _indivisible(spec, values: Mapping[str, int], sp: bool) -> str | None:
+    """Why ``TP`` does not divide a dimension the plan shards (the model built on the meta
+    device), or None."""
+    key = (spec.name, sp, tuple(sorted(values.items())))
+    if key not in _DIV_CACHE:
+        import torch
+
+        tp = values["TP"]
+        why = None
+        if sp and (values.get("S", tp) % tp or values.get("S", 2 * tp) < 2 * tp):
+            why = (f"S={values['S']} is no multiple of TP={tp} of at least 2·TP (sequence parallelism "
+                   "splits S; one token per rank is a regime of its own)")
+        else:
+            with torch.device("meta"):
+                model = spec.build({k: v for k, v in values.items() if k != "TP"})
+            for name, (dims, heads) in sharded_dims(model, spec.layers).items():
+                bad = [d for d in dims + heads if d % tp] or [d for d in heads if d < 2 * tp]
+                if bad:
+                    why = (f"{name}: {bad[0]} is no multiple of TP={tp}" if bad[0] % tp else
+                           f"{name}: {bad[0]} heads leave one per rank (a regime of its own)")
+                    break
+        _DIV_CACHE[key] = why
+    return _DIV_CACHE[key]
+
+
+def sharded_dims(model, layers: str | None) -> dict[str, tuple[list[int], list[int]]]:
+    """``{module name: ([sizes the plan splits over TP], [head counts split over TP])}`` for
+    the Megatron plan of ``model`` (:func:`plan`): out_features of column-parallel Linears (and
+    of the head), in_features of row-parallel ones, the vocabulary of the row-parallel token
+    embedding; the head counts (:data:`HEAD_ATTRS`) of modules that own a column-parallel
+    projection."""
+    from torch import nn
+
+    roles, _ = _roles(model, layers)
+    out: dict[str, tuple[list[int], list[int]]] = {}
+    for name, role in roles.items():
+        m = model.get_submodule(name)
+        if role in ("colwise", "head"):
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            heads = [getattr(parent, a) for a in HEAD_ATTRS if isinstance(getattr(parent, a, None), int)
+                     and not isinstance(getattr(parent, a), bool)] if role == "colwise" else []
+            out[name] = ([_features(m)[0]], heads)
+        elif role in ("rowwise", "embedding"):
+            out[name] = ([m.num_embeddings if isinstance(m, nn.Embedding) else _features(m)[1]], [])
+    return out
+
+
+def _linear_like(m) -> bool:
+    """``nn.Linear``, or a leaf module of its own class named ``*Linear*`` with a 2-D
+    ``weight [out, in]`` (cs336-lm's bias-free Linear)."""
+    from torch import nn
+
+    if isinstance(m, nn.Linear):
+        return True
+    w = getattr(m, "weight", None)
+    return ("Linear" in type(m).__name__ and isinstance(w, nn.Parameter) and w.dim() == 2
+            and not list(m.children()))
+
+
+def _features(m) -> tuple[int, int]:
+    """``(out_features, in_features)`` of a Linear-like module (:func:`_linear_like`)."""
+    return (m.out_features, m.in_features) if hasattr(m, "out_features") else tuple(m.weight.shape)
+
+
+def _roles(model, layers: str | None) -> tuple[dict[str, str], dict[str, str]]:
+    """Module roles of the Megatron plan: ``({name: colwise|rowwise|head|embedding|norm|pos},
+    {name: 'attn'|'mlp' parent to gather with sp})``."""
+    from torch import nn
+
+    roles: dict[str, str] = {}
+    parents: dict[str, str] = {}
+    blocks = [f"{layers}.{n}" if layers else n for n, _ in model.get_submodule(layers).named_children()] \
+        if layers is not None else []
+    for b in blocks:
+        for name, m in model.get_submodule(b).named_modules():
+            full = f"{b}.{name}" if name else b
+            last = name.rpartition(".")[2]
+            if _linear_like(m) and COLWISE.match(last):
+                roles[full] = "colwise"
+                parents[full.rpartition(".")[0]] = "in"
+            elif _linear_like(m) and ROWWISE.match(last):
+                roles[full] = "rowwise"
+            elif "norm" in type(m).__name__.lower() and name and not any(
+                    _linear_like(c) for c in m.modules()):
+                roles[full] = "norm"
+    # outside the blocks: the token embedding (the one whose size is the output head's V, else
+    # the first), other embeddings (positions), the final norm, the output head
+    def outside(n):
+        return n and not any(n == b or n.startswith(b + ".") for b in blocks)
+
+    # (an embedding of its own class, a [V, h] table indexed directly, stays replicated: "pos")
+    def table(m):
+        w = getattr(m, "weight", None)
+        return isinstance(m, nn.Embedding) or ("Embedding" in type(m).__name__ and isinstance(w, nn.Parameter)
+                                               and w.dim() == 2 and not list(m.children()))
+
+    embeddings = [(n, m) for n, m in model.named_modules() if outside(n) and table(m)]
+    linears = [(n, m) for n, m in model.named_modules() if outside(n) and _linear_like(m)]
+    sizes = {m.weight.shape[0] for _, m in embeddings}
+    head = next(((n, m) for n, m in reversed(linears) if _features(m)[0] in sizes), None)
+    vocab = _features(head[1])[0] if head else (embeddings[0][1].weight.shape[0] if embeddings else None)
+    token = next((n for n, m in embeddings if m.weight.shape[0] == vocab and isinstance(m, nn.Embedding)), None)
+    for n, m in model.named_modules():
+        if not outside(n):
+            continue
+        if table(m):
+            roles[n] = "embedding" if n == token else "pos"
+        elif head is not None and n == head[0]:
+            roles[n] = "head"
+        elif "norm" in type(m).__name__.lower() and not any(_linear_like(c) for c in m.modules()):
+            roles[n] = "norm"
+    return roles, parents
+
+
+def plan(model, layers: str | None, sp: bool) -> tuple[dict, bool]:
+    """The Megatron plan of ``model`` (module docstring): ``({module name: ParallelStyle},
+    loss_parallel)``; ``loss_parallel`` is True when the output head is column-parallel with
+    sharded logits (the loss must then run under ``loss_parallel()``)."""
+    from torch import nn
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    Col, Row = _any_linear_styles()
+    roles, parents = _roles(model, layers)
+    out: dict = {}
+    seq = Shard(1)
+    has_head = False
+
+    def col(name, **kw):
+        return (ColwiseParallel if isinstance(model.get_submodule(name), nn.Linear) else Col)(**kw)
+
+    for name, role in roles.items():
+        if role == "colwise":
+            out[name] = col(name)
+        elif role == "rowwise":
+            out[name] = (RowwiseParallel if isinstance(model.get_submodule(name), nn.Linear) else Row)(
+                output_layouts=seq if sp else Replicate())
+        elif role == "norm" and sp:
+            out[name] = SequenceParallel()
+        elif role == "embedding":
+            out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+        elif role == "head":
+            out[name] = col(name, input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1),
+                            use_local_output=False)
+            has_head = True
+    if sp:
+        for parent in parents:
+            n = _positional(model.get_submodule(parent))
+            out[parent] = PrepareModuleInput(input_layouts=(seq,) + (None,) * (n - 1),
+                                             desired_input_layouts=(Replicate(),) + (None,) * (n - 1))
+    return out, has_head
+
+
+def _any_linear_styles():
+    """``ColwiseParallel`` and ``RowwiseParallel`` for a Linear-like module of its own class
+    (:func:`_linear_like`, ``weight [out, in]``, ``y = x·Wᵀ``): PyTorch's styles accept
+    ``nn.Linear`` and ``nn.Embedding`` only; these partition the weight as they do an
+    ``nn.Linear``'s (rows for column-parallel, columns for row-parallel) and prepare inputs and
+    outputs the same way."""
+    from functools import partial
+
+    from torch.distributed.tensor import Shard, distribute_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    class Col(ColwiseParallel):
+        def _apply(self, module, device_mesh):
+            return distribute_module(
+                module, device_mesh, self._partition_linear_fn,
+                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+    class Row(RowwiseParallel):
+        def _apply(self, module, device_mesh):
+            self.desired_input_layouts = (Shard(-1),)
+            return distribute_module(
+                module, device_mesh, self._partition_linear_fn,
+                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+    return Col, Row
+
+
+def _positional(module) -> int:
+    """Positional parameters of ``module.forward`` (at least 1)."""
+    try:
+        ps = [p for p in inspect.signature(module.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return 1
+    return max(1, len(ps))
+
+
+def hf_plan(model, sp: bool) -> tuple[dict, bool] | None:
+    """The ``base_model_tp_plan`` of a ``transformers`` model's config as PyTorch styles
+    (``{fqn pattern: ParallelStyle}``, loss_parallel False: the head stays replicated, as
+    transformers' own ``tp_plan="auto"`` keeps ``lm_head`` gathered), or None where the
+    config has none."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    config = getattr(model, "config", None)
+    tp_plan = getattr(config, "base_model_tp_plan", None) if config is not None else None
+    if not tp_plan:
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and not hasattr(model, prefix):
+        prefix = ""
+    styles = {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "sequence_parallel": lambda: SequenceParallel() if sp else None,
+        "local_colwise": lambda: ColwiseParallel(),
+        "local_rowwise": lambda: RowwiseParallel(),
+        "gather": lambda: None,
+        "local": lambda: None,
+        "replicate": lambda: None,
+    }
+    out = {}
+    for pattern, style in tp_plan.items():
+        if style not in styles:
+            raise SymcostError(f"transformers' tp_plan style {style!r} ({pattern}) is not mapped yet; "
+                               f"mapped: {', '.join(styles)}")
+        s = styles[style]()
+        if s is not None:
+            out[f"{prefix}.{pattern}" if prefix else pattern] = s
+    return out, False
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
+def apply(model, layers: str | None, mesh, sp: bool):
+    """Parallelise ``model`` in place over ``mesh`` (:func:`plan`, or the config's
+    ``base_model_tp_plan``; head counts divided by the mesh size). Returns the context the loss
+    and its backward run in: ``loss_parallel()`` where the head's logits are vocabulary-sharded,
+    else a no-op.
+
+    Raises:
+        SymcostError: the plan shards nothing, or PyTorch refuses it (its message, one line).
+    """
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+
+    tp = mesh.size()
+    got = hf_plan(model, sp)
+    if got is None:
+        styles, lp = plan(model, layers, sp)
+        colwise = [n for n, s in styles.items() if isinstance(s, ColwiseParallel) and n.count(".")]
+    else:
+        if sp:
+            raise SymcostError("--sp on a transformers model is not supported yet (its base_model_tp_plan has no "
+                               "sequence-parallel entries and its layers pass hidden_states by keyword); use --tp alone")
+        styles, lp = got
+        colwise = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)
+                   and any(re.fullmatch(p.replace(".", r"\.").replace("*", r"\d+"), n)
+                           for p, s in styles.items() if isinstance(s, ColwiseParallel))]
+    if not styles:
+        raise SymcostError("--tp: no projection of the model matches the Megatron plan (column- and "
+                           "row-parallel Linears by name); nothing would be split")
+    # heads per rank: the attention module's head counts / TP (torchtitan's adjustment)
+    done = set()
+    for n in colwise:
+        parent = model.get_submodule(n.rpartition(".")[0]) if "." in n else model
+        if id(parent) in done:
+            continue
+        done.add(id(parent))
+        for a in HEAD_ATTRS:
+            v = getattr(parent, a, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                if v % tp:
+                    raise SymcostError(f"--tp {tp}: {n.rpartition('.')[0]}.{a} = {v} heads do not split "
+                                       f"over {tp} ranks")
+                setattr(parent, a, v // tp)
+    if sp:
+        _split_positions(model, layers, mesh)
+    tied: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(p), []).append(n)
+    try:
+        parallelize_module(model, mesh, styles)
+    except Exception as e:  # noqa: BLE001
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SymcostError(f"parallelize_module failed for --tp {tp}: {msg}") from e
+    _retie(model, [names for names in tied.values() if len(names) > 1])
+    return loss_parallel if lp else _nothing
+
+
+def _retie(model, groups: list[list[str]]) -> None:
+    """Tie again the parameters ``parallelize_module`` untied (each module's parameter is
+    distributed on its own: GPT-2's head and token embedding), where their shards agree (the
+    vocabulary-parallel embedding and the column-parallel head both split the [V, h] table by
+    rows).
+
+    Raises:
+        SymcostError: tied parameters that the plan splits differently.
+    """
+    for names in groups:
+        first = model.get_parameter(names[0])
+        for n in names[1:]:
+            other = model.get_parameter(n)
+            if other is first:
+                continue
+            if getattr(other, "placements", None) != getattr(first, "placements", None) or other.shape != first.shape:
+                raise SymcostError(f"--tp: tied parameters {names[0]} and {n} are split differently by the plan")
+            parent, _, attr = n.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, first)
+
+
+def _split_positions(model, layers, mesh) -> None:
+    """With sequence parallelism: a replicated position embedding's output ``[..., S, h]`` split
+    over the sequence (:func:`_scatter_sequence`), so it adds to the sequence-sharded token
+    embedding."""
+    roles, _ = _roles(model, layers)
+    for name, role in roles.items():
+        if role == "pos":
+            model.get_submodule(name).register_forward_hook(
+                lambda module, inputs, output: _scatter_sequence(output, mesh))
+
+
+def _scatter_sequence(x, mesh):
+    """This rank's ``1/TP`` of ``x`` along dim -2 (the sequence), Megatron-LM's
+    ``scatter_to_sequence_parallel_region``: a slice forward, an all-gather of the gradient
+    backward (``DTensor.redistribute(Replicate -> Shard)`` does the same, but through a split
+    into TP tensors: ops whose number depends on TP)."""
+    import torch
+    import torch.distributed._functional_collectives as funcol
+
+    class Scatter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            n, r = mesh.size(), mesh.get_local_rank()
+            c = t.shape[-2] // n
+            return t.narrow(t.dim() - 2, r * c, c)
+
+        @staticmethod
+        def backward(ctx, g):
+            out = funcol.all_gather_single(g.contiguous(), g.dim() - 2, (mesh, 0))
+            return out.wait() if hasattr(out, "wait") else out
+
+    return Scatter.apply(x)
+
+
+class _Hidden:
+    depth = 0
+
+
+def _view_chunk_cat(res, group_size: int, gather_dim: int):
+    """``torch._utils._maybe_view_chunk_cat`` (an all-gather's result, gathered on dim 0, moved
+    to ``gather_dim``) by its reference formula: unflatten, movedim, flatten. The same data
+    movement (a copy of the gathered tensor, a view where the dims crossed have size 1), in
+    ops whose number does not depend on the group size (chunk + cat take ``group_size``
+    tensors: a trace at TP = 2 and one at TP = 4 would run different ops)."""
+    if gather_dim == 0:
+        return res
+    return res.unflatten(0, (group_size, -1)).movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
+def _chunk_cat(tensor, num_chunks: int, narrow_dim: int, cat_dim: int = 0):
+    """``torch._utils._chunk_or_narrow_cat`` (a reduce-scatter's input on ``narrow_dim`` laid
+    out on dim 0) by unflatten, movedim, flatten: the same copy, in ops independent of
+    ``num_chunks`` (see :func:`_view_chunk_cat`)."""
+    return tensor.unflatten(narrow_dim, (num_chunks, -1)).movedim(narrow_dim, cat_dim) \
+        .flatten(cat_dim, cat_dim + 1)
+
+
+class _Lazy:
+    """A read-only sequence of ``n`` items made on access (``make(i)``)."""
+
+    def __init__(self, n: int, make):
+        self.n, self.make = n, make
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.make(i)
+
+    def __iter__(self):
+        return (self[i] for i in range(self.n))
+
+
+def _lazy_chunk(orig):
+    """``Shard._custom_chunk`` that, for an even split, makes only the chunks asked for (a
+    ``narrow`` view each) instead of ``torch.chunk``'s TP views of which one is used."""
+    def chunk(tensor, num_chunks, dim):
+        n = int(num_chunks)
+        size = tensor.size(dim)
+        if size % n:
+            return orig(tensor, num_chunks, dim=dim)
+        c = size // n
+        return _Lazy(n, lambda i: tensor.narrow(dim, i * c, c))
+    return chunk
+
+
+def _lazy_split(orig):
+    """``Shard._split_tensor_helper`` that, for an even split, returns the shards lazily (see
+    :func:`_lazy_chunk`): the rank's own shard is the only one a redistribution uses."""
+    def split(tensor, num_chunks, with_padding, contiguous, dim):
+        n = int(num_chunks)
+        if tensor.size(dim) % n:
+            return orig(tensor, num_chunks, with_padding, contiguous, dim)
+        c = tensor.size(dim) // n
+
+        def make(i):
+            t = tensor.narrow(dim, i * c, c)
+            return t.contiguous() if contiguous else t
+        return _Lazy(n, make), ([0] * n if with_padding else [])
+    return split
+
+
+@contextlib.contextmanager
+def hide_shape_propagation():
+    """The context a tensor-parallel step is recorded in.
+
+    * DTensor's shape propagation (which runs each op once more on global-shape fake tensors,
+      cached per op signature) raises :attr:`_Hidden.depth`; a recorder skips ops while it is
+      positive, so it records only the local ops each rank runs;
+    * the functional collectives' chunk + cat around an all-gather or reduce-scatter on a
+      dimension other than 0 run as unflatten + movedim + flatten (:func:`_view_chunk_cat`,
+      :func:`_chunk_cat`): the same bytes, in ops whose number does not depend on TP;
+    * DTensor's even split of a tensor into TP shards (``Shard._custom_chunk``,
+      ``Shard._split_tensor_helper``: ``torch.chunk``'s TP views, of which a redistribution keeps
+      the rank's) makes only the shards used (:func:`_lazy_chunk`).
+    """
+    from torch.distributed.tensor.placement_types import Shard
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    orig = ShardingPropagator._propagate_tensor_meta_non_cached
+    saved = funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat
+
+    def hidden(self, op_schema):
+        _Hidden.depth += 1
+        try:
+            return orig(self, op_schema)
+        finally:
+            _Hidden.depth -= 1
+
+    shard_saved = Shard.__dict__["_custom_chunk"], Shard.__dict__["_split_tensor_helper"]
+    ShardingPropagator._propagate_tensor_meta_non_cached = hidden
+    funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat = _view_chunk_cat, _chunk_cat
+    Shard._custom_chunk = staticmethod(_lazy_chunk(shard_saved[0].__func__))
+    Shard._split_tensor_helper = staticmethod(_lazy_split(shard_saved[1].__func__))
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = orig
+        funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat = saved
+        Shard._custom_chunk, Shard._split_tensor_helper = shard_saved
+
+
+def hidden() -> bool:
+    """True inside DTensor's shape propagation (:func:`hide_shape_propagation`)."""
+    return _Hidden.depth > 0

@@ -1,0 +1,47 @@
+"""Text and JSON of :func:`symcost.passes.tensor_parallel.summary` (``report --tp N [--sp]``)."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import sympy
+
+from symcost.render.report import console, fmt, human
+
+
+def _num(v):
+    v = sympy.sympify(v)
+    return int(v) if v.is_integer else float(v)
+
+
+def to_json(an, sizes: Mapping[str, int] | None, summary: dict) -> dict:
+    """``comm`` {all_gather, reduce_scatter, all_reduce, total} (bytes one rank sends, =
+    receives, per step) and ``parallel`` {tp, sp, engine, memory_per_rank {params, grads,
+    optimizer_state, master, total, activations}}: formulas without sizes, numbers with."""
+    vals = summary.get("values") if sizes is not None else None
+    if vals is None:
+        return {"comm": {k: fmt(v) for k, v in summary["comm"].items()},
+                "parallel": {"tp": "TP" if "TP" in an.symbols else an.pinned.get("TP"), "sp": summary["sp"],
+                             "engine": summary["engine"],
+                             "memory_per_rank": {k: fmt(v) for k, v in summary["memory"].items()}}}
+    return {"comm": {k: _num(v) for k, v in vals["comm"].items()},
+            "parallel": {"tp": _num(vals["tp"]), "sp": summary["sp"], "engine": summary["engine"],
+                         "memory_per_rank": {k: _num(v) for k, v in vals["memory"].items()}}}
+
+
+def render(an, sizes: Mapping[str, int], summary: dict, width: int | None = None) -> None:
+    """The tensor-parallel section of the report: bytes over the links and memory per rank."""
+    c = console(width)
+    js = to_json(an, sizes, summary)
+    par = js["parallel"]
+    c.print(f"\n[bold]tensor parallel[/bold]: TP = {par['tp']} ranks"
+            f"{' with sequence parallelism' if par['sp'] else ''}; traced {par['engine']}")
+    from rich.table import Table
+
+    t = Table("per rank, per step", "formula", "value", box=None)
+    for k, v in summary["comm"].items():
+        val = js["comm"][k]
+        t.add_row(f"comm.{k} (sent = received)", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
+    for k, v in summary["memory"].items():
+        val = par["memory_per_rank"][k]
+        t.add_row(f"memory.{k}", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
+    c.print(t)

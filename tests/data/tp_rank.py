@@ -1,0 +1,122 @@
+"""One rank of a tensor-parallel training step (tests/test_tensor_parallel.py), on real tensors,
+or on fake ones on the fake process group: the oracle of symcost's per-rank numbers.
+
+``python -m torch.distributed.run --standalone --nproc-per-node N tp_rank.py OUT SP H D L V B S``
+(SP: 0 or 1) builds the ``megatron-gpt`` built-in on each rank, parallelises it with the
+Megatron plan through ``torch.distributed.tensor.parallel.parallelize_module``
+(``symcost.frontends.tensor_parallel.apply``: the plan is the input; what is measured is PyTorch
+running it), runs one training step with gloo and writes ``OUT/rank{r}.json``.
+
+:func:`measure` is what each rank measures, also used in-process on the fake group:
+
+* model FLOPs: each op's count by ``torch.utils.flop_counter``'s own registry, on the local
+  tensors DTensor computes with (a ``TorchDispatchMode`` that hands DTensor ops to DTensor, as
+  ``CommDebugMode`` does, so it sees the local ops and the collectives they run);
+* bytes autograd saved for backward (``saved_tensors_hooks``; a DTensor's local shard; parameters
+  and buffers excluded; each storage once);
+* bytes per rank of every collective seen at dispatch, with nccl-tests' ring factors typed here
+  (doc/PERFORMANCE.md): all-gather (n-1)/n·output, reduce-scatter (n-1)/n·input, all-reduce
+  2(n-1)/n·input;
+* parameter elements the rank holds (DTensor local shards).
+
+A warm-up step runs first, unmeasured: DTensor runs each op once more on global-shape fake tensors
+to propagate shapes the first time it meets an op signature (cached afterwards); those are no
+ops of the rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from fractions import Fraction
+
+
+def measure(model, spec, values, loss_context, dtype=None) -> dict:
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    n = values["TP"]
+    comm = {"all_gather": Fraction(0), "reduce_scatter": Fraction(0), "all_reduce": Fraction(0)}
+    flops = [0]
+
+    def size(t):
+        return t.numel() * t.element_size()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = str(func.overloadpacket)
+            if name == "_c10d_functional.all_gather_into_tensor":
+                comm["all_gather"] += Fraction(n - 1, n) * size(out)
+            elif name == "_c10d_functional.reduce_scatter_tensor":
+                comm["reduce_scatter"] += Fraction(n - 1, n) * size(args[0])
+            elif name == "_c10d_functional.all_reduce":
+                comm["all_reduce"] += Fraction(2 * (n - 1), n) * size(args[0])
+            elif func.overloadpacket in flop_registry:
+                flops[0] += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+            return out
+
+    def local(t):
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    # parameters and buffers are no activations (conventions: "What counts as a byte")
+    static = {StorageWeakRef(local(p).untyped_storage()).cdata
+              for p in list(model.parameters()) + list(model.buffers())}
+    seen, saved = set(), [0]
+
+    def pack(t):
+        st = local(t).untyped_storage()
+        key = StorageWeakRef(st).cdata
+        if key not in seen and key not in static:
+            seen.add(key)
+            saved[0] += st.nbytes()
+        return t
+
+    args, kwargs = spec.make_inputs(values, torch.device("cpu"))
+
+    def step():
+        with loss_context():
+            loss = spec.loss(model(*args, **kwargs), (args, kwargs))
+            loss.backward()
+
+    step()  # warm-up: DTensor's shape propagation
+    model.zero_grad(set_to_none=True)
+    with Count(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return {"flops": flops[0], "saved": saved[0], "comm": {k: str(v) for k, v in comm.items()},
+            "shard": sum(local(p).numel() for p in model.parameters())}
+
+
+def main():
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from symcost.frontends.models import resolve
+    from symcost.frontends.tensor_parallel import apply
+
+    out_dir, sp = sys.argv[1], sys.argv[2] == "1"
+    H, D, L, V, B, S = (int(x) for x in sys.argv[3:9])
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    values = {"H": H, "D": D, "L": L, "V": V, "B": B, "S": S, "TP": n}
+    spec = resolve("megatron-gpt")
+    torch.manual_seed(0)
+    model = spec.build(values).to(torch.bfloat16)
+    loss_context = apply(model, spec.layers, init_device_mesh("cpu", (n,)), sp)
+    got = measure(model, spec, values, loss_context)
+    got["world"] = n
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(got, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

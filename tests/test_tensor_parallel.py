@@ -1,0 +1,292 @@
+"""Tensor and sequence parallelism (issue 16, item 1): one rank of the Megatron plan, applied by
+PyTorch's ``parallelize_module`` on the fake process group, traced with the group size as the
+symbol TP.
+
+Oracles, independent of symcost's recorder, rules and fit: Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models", Table 2 and Sec. 4.2) for the activations
+per layer; PyTorch itself running the parallelised model on the fake group
+(tests/data/tp_rank.py ``measure``: ``torch.utils.flop_counter``'s formulas on the local ops,
+``saved_tensors_hooks``, collectives seen at dispatch with nccl-tests' ring factors typed by
+hand) at random sizes; and a real ``torchrun`` + gloo run of two ranks.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import random
+import sys
+from fractions import Fraction
+
+import pytest
+import sympy
+
+import symcost
+from symcost.errors import SymcostError
+from symcost.tracing.fit import SYMS
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+from tp_rank import measure  # noqa: E402
+
+PRECISION = "bf16-true"  # 16-bit activations, as the paper counts (2 bytes), 1-byte dropout masks
+
+
+@functools.lru_cache(maxsize=None)
+def _trace(sp: bool, model: str = "megatron-gpt"):
+    from symcost.frontends.models import resolve
+    from symcost.frontends.tensor_parallel import tensor_parallel
+
+    return symcost.trace(tensor_parallel(resolve(model), sp=sp),
+                         sizes={"TP": 8, "S": 64, "H": 16, "D": 8, "V": 128,
+                                **({"F": 128} if model == "cs336-lm" else {})}, precision=PRECISION)
+
+
+def _per_layer_saved(an):
+    """Bytes one block saves for backward (the folded block's saved tensors, repeat L)."""
+    L = SYMS["L"]
+    return sympy.expand(sum(nb for _, nb, _, rep in an.saved if rep == L))
+
+
+B, S, H, D, TP = (SYMS[k] for k in ("B", "S", "H", "D", "TP"))
+s, b, h, a, t = S, B, H * D, H, TP
+
+
+def test_korthikanti_table2_tensor_parallel():
+    """TP row: s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer. What the paper drops, exactly:
+    each LayerNorm's mean and rstd, [b, s, 1] in 16 bits, two per LayerNorm: 8·s·b."""
+    an = _trace(False)
+    paper = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert sympy.simplify(_per_layer_saved(an) - paper - 8 * s * b) == 0, _per_layer_saved(an)
+
+
+def test_korthikanti_table2_tensor_and_sequence_parallel():
+    """TP+SP row: s·b·h·(34/t + 5·a·s/(h·t)) bytes per layer, plus exactly
+
+    * 8·s·b/t: the LayerNorms' mean and rstd, now over s/t tokens (the paper drops them);
+    * 4·s·b·h·(1 - 1/t): the inputs of the QKV and the MLP's first Linear are saved as PyTorch's
+      DTensor gathers them (2·s·b·h each, the whole sequence), where Megatron-LM saves each
+      rank's s/t shard and gathers it again in backward (Korthikanti et al. Sec. 4.2.2); not a
+      dropped term but a difference of the implementations, which the trace shows."""
+    an = _trace(True)
+    paper = s * b * h * (34 / t + 5 * a * s / (h * t))
+    rest = 8 * s * b / t + 4 * s * b * h * (1 - 1 / t)
+    assert sympy.simplify(_per_layer_saved(an) - paper - rest) == 0, _per_layer_saved(an)
+
+
+def _selective_spec():
+    """megatron-gpt with Korthikanti et al.'s selective recomputation (Sec. 5): the attention
+    core (Q·Kᵀ, softmax, its dropout, ·V) of every layer under a non-reentrant checkpoint, the
+    projections outside it. (The forward is megatron-gpt's ParallelAttention.forward split at
+    the projections.)"""
+    import dataclasses
+    import math
+    import types
+
+    import torch
+
+    from symcost.frontends.models import resolve
+    from symcost.passes.checkpoint import traced_checkpoint
+
+    spec = resolve("megatron-gpt")
+
+    def forward(self, x):
+        def core(qkv):
+            q, k, v = (t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+            scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+            probs = self.attention_dropout(scores.softmax(dim=-1))
+            return torch.matmul(probs, v).transpose(1, 2).flatten(-2)
+
+        return self.dense(traced_checkpoint(core, self.query_key_value(x), use_reentrant=False))
+
+    def build(values):
+        model = spec.build(values)
+        for layer in model.layers:
+            layer.self_attention.forward = types.MethodType(forward, layer.self_attention)
+        return model
+
+    return dataclasses.replace(spec, name="megatron-gpt-selective", build=build)
+
+
+@functools.lru_cache(maxsize=None)
+def _trace_recompute(kind: str, sp: bool):
+    from symcost.frontends.models import resolve
+    from symcost.frontends.tensor_parallel import tensor_parallel
+    from symcost.passes.checkpoint import uniform_spec
+
+    spec = _selective_spec() if kind == "selective" else uniform_spec(resolve("megatron-gpt"), "layers", 1)
+    return symcost.trace(tensor_parallel(spec, sp=sp), sizes={"TP": 8, "S": 64, "H": 16, "D": 8, "V": 128},
+                         precision=PRECISION)
+
+
+def test_korthikanti_table2_selective_recompute():
+    """TP + selective recomputation row: s·b·h·(10 + 24/t) per layer (the attention core's
+    5·a·s²·b/t no longer saved), plus exactly the LayerNorm statistics (8·s·b) and the CPU
+    generator state the checkpoint keeps to replay the attention dropout
+    (``passes.checkpoint.rng_state_bytes``; 16 bytes of Philox state on a GPU)."""
+    from symcost.passes.checkpoint import rng_state_bytes
+
+    an = _trace_recompute("selective", False)
+    paper = s * b * h * (10 + 24 / t)
+    assert sympy.simplify(_per_layer_saved(an) - paper - 8 * s * b - rng_state_bytes()) == 0, _per_layer_saved(an)
+
+
+def test_korthikanti_table2_full_recompute():
+    """Full recomputation (every block under a checkpoint) with TP + SP: each layer keeps its
+    input, 2·s·b·h/t (the rank's s/t tokens; the paper's no-parallelism row 2·s·b·h, divided by
+    t as sequence parallelism shards it), plus the CPU generator state of the checkpoint; the
+    model FLOPs grow by one forward of the blocks (per rank, /t)."""
+    from symcost.passes.checkpoint import rng_state_bytes
+
+    an = _trace_recompute("full", True)
+    assert sympy.simplify(_per_layer_saved(an) - 2 * s * b * h / t - rng_state_bytes()) == 0, _per_layer_saved(an)
+    L = SYMS["L"]
+    block_fwd = sympy.diff(_trace(True).flops("forward"), L)
+    assert sympy.simplify(sympy.diff(an.flops("train") - _trace(True).flops("train"), L) - block_fwd) == 0
+
+
+def test_collectives_per_layer_follow_megatron():
+    """Per layer: TP all-reduces 2·s·b·h bytes twice forward and twice backward (Shoeybi et al.
+    2019, Fig. 3: f and g); SP replaces each all-reduce by an all-gather and a reduce-scatter of
+    the same size (Korthikanti et al. Sec. 4.2.2), so the ring bytes per rank are equal:
+    16·s·b·h·(t-1)/t per layer either way."""
+    L = SYMS["L"]
+    ring = 2 * s * b * h * (t - 1) / t  # (n-1)/n of a 2·s·b·h tensor
+    tp, sp = _trace(False), _trace(True)
+    assert sympy.simplify(sympy.diff(tp.comm_bytes("all_reduce"), L) - 4 * 2 * ring) == 0
+    assert sympy.diff(tp.comm_bytes("all_gather"), L) == 0 and sympy.diff(tp.comm_bytes("reduce_scatter"), L) == 0
+    assert sympy.simplify(sympy.diff(sp.comm_bytes("all_gather"), L) - 4 * ring) == 0
+    assert sympy.simplify(sympy.diff(sp.comm_bytes("reduce_scatter"), L) - 4 * ring) == 0
+    assert sympy.diff(sp.comm_bytes("all_reduce"), L) == 0
+
+
+def _fake_rank(sp: bool, values: dict, model: str = "megatron-gpt") -> dict:
+    """PyTorch's own step of rank 0 of ``values["TP"]`` on the fake group, fake tensors
+    (tests/data/tp_rank.py ``measure``)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from symcost.frontends.models import resolve
+    from symcost.frontends.parallel import fake_group
+    from symcost.frontends.tensor_parallel import apply
+
+    from symcost.tracing.record import find_layer_container
+
+    spec = resolve(model)
+    with torch.device("meta"):
+        m = spec.build(values).to(torch.bfloat16)
+    layers = spec.layers if spec.layers is not None else find_layer_container(spec, m, values)
+    ctx = apply(m, layers, fake_group(values["TP"]), sp)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        m.to_empty(device="cpu")
+        return measure(m, spec, values, ctx)
+
+
+def _draw(rng: random.Random, sp: bool) -> dict:
+    """Random sizes in the traces' regime: TP from 2, 4, 8; H, V (and S with SP) in the
+    request's class mod 8, as the trace's probes (``tensor_parallel``); B, S/TP and heads per
+    rank of 1 run other kernels (regimes of their own) and are not drawn."""
+    tp = rng.choice((2, 4, 8))
+    return {"TP": tp, "B": rng.randint(2, 5), "S": 8 * rng.randint(2, 40) if sp else rng.randint(2, 300),
+            "H": max(8 * rng.randint(1, 3), 2 * tp), "D": rng.choice((4, 6, 8, 16)), "L": rng.randint(1, 4),
+            "V": 8 * rng.randint(1, 30), "F": 8 * rng.randint(2, 12)}
+
+
+@pytest.mark.parametrize("model,sp,n", [("megatron-gpt", False, 4), ("megatron-gpt", True, 4), ("gpt2", True, 2),
+                                         ("cs336-lm", True, 2)])
+def test_per_rank_against_pytorch_on_the_fake_group(model, sp, n):
+    """At random sizes (TP 2 to 8, S above 256 among the draws without SP): per-rank model
+    FLOPs, saved bytes, collective bytes by kind and parameter elements of the rank equal what
+    PyTorch runs on the fake group (gpt2: its head tied to the token embedding, both split by
+    vocabulary rows, kept tied; cs336-lm: Linear and Embedding classes of its own, SwiGLU, RoPE)."""
+    an = _trace(sp, model)
+    rng = random.Random(16 + sp)
+    for _ in range(n):
+        v = {k: x for k, x in _draw(rng, sp).items() if k in an.symbols or k in ("B", "S", "L")}
+        got = _fake_rank(sp, v, model)
+        env = an.bind(**v)
+        assert int(an.flops("train").subs(env)) == got["flops"], v
+        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], v
+        for kind, want in got["comm"].items():
+            assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (kind, v)
+        assert int(an.params_shard.subs(env)) == got["shard"], v
+
+
+def test_tp_with_dp_refused():
+    """--tp with --dp is not composed yet: one line, SymcostError."""
+    from symcost.frontends.models import resolve
+    from symcost.frontends.parallel import data_parallel
+    from symcost.frontends.tensor_parallel import tensor_parallel
+
+    with pytest.raises(SymcostError, match="not composed"):
+        tensor_parallel(data_parallel(resolve("mlp"), "fsdp"))
+
+
+def test_cli_report_tp_sp_json():
+    """``report megatron-gpt --tp 4 --sp --json``: comm.*, model FLOPs, activations and the
+    rank's parameter bytes at the sizes asked for equal what PyTorch runs on rank 0 of the fake
+    group."""
+    import json
+
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    rng = random.Random(11)
+    v = {"TP": 4, "B": rng.randint(2, 4), "S": 8 * rng.randint(2, 6), "H": 8, "D": rng.choice((4, 8)),
+         "L": rng.randint(1, 3), "V": 8 * rng.randint(2, 9)}
+    args = ["report", "megatron-gpt", "--tp", "4", "--sp", "--precision", PRECISION, "--json", "--set"] + [
+        f"{k}={x}" for k, x in v.items() if k != "TP"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])
+    got = _fake_rank(True, v)
+    for kind, want in got["comm"].items():
+        assert Fraction(d["comm"][kind]) == Fraction(want), kind
+    assert d["parallel"] == {**d["parallel"], "tp": 4, "sp": True}
+    assert d["flops"]["train"] == got["flops"]
+    assert d["parallel"]["memory_per_rank"]["activations"] == got["saved"]
+    assert d["parallel"]["memory_per_rank"]["params"] == 2 * got["shard"]  # bf16 weights
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--sp"], "--sp needs --tp N"),
+    (["--tp", "2", "--dp", "2"], "--tp with --dp is not composed yet"),
+])
+def test_cli_refusals(args, msg):
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    r = CliRunner().invoke(main, ["report", "megatron-gpt"] + args)
+    assert r.exit_code == 2 and msg in r.output, r.output
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("sp", [False, True])
+def test_real_gloo_two_ranks(sp, tmp_path):
+    """``torchrun --standalone --nproc-per-node 2`` with gloo on this CPU, real bf16 tensors
+    (tests/data/tp_rank.py): each rank's FLOPs, saved bytes, collective bytes and parameter
+    elements equal symcost's per-rank values at a random size."""
+    import json
+    import subprocess
+
+    rng = random.Random(2 + sp)
+    v = {"TP": 2, "H": 8, "D": rng.choice((4, 8)), "L": rng.randint(1, 3),
+         "V": 8 * rng.randint(2, 10), "B": rng.randint(2, 3), "S": 8 * rng.randint(1, 3)}
+    script = os.path.join(os.path.dirname(__file__), "data", "tp_rank.py")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+               OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        script, str(tmp_path), "1" if sp else "0"] + [str(v[k]) for k in "HDLVBS"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
+                                        if "Error" in line or "error" in line or "rank" in line)[-4000:]
+    an = _trace(sp)
+    env_s = an.bind(**v)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["world"] == 2
+        assert int(an.flops("train").subs(env_s)) == got["flops"], rank
+        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env_s)) == got["saved"], rank
+        for kind, want in got["comm"].items():
+            assert Fraction(str(an.comm_bytes(kind).subs(env_s))) == Fraction(want), (kind, rank)
+        assert int(an.params_shard.subs(env_s)) == got["shard"], rank
