@@ -1,0 +1,163 @@
+"""Pipeline-parallel training per rank: FLOPs, activations held with the micro-batches in
+flight, point-to-point bytes and the bubble, from traced stages and PyTorch's schedules
+(docs/parallel.md, "Pipeline parallelism").
+
+Each kind of stage module (first: embeddings + blocks; middle: blocks; last: blocks + head +
+loss; :mod:`symcost.frontends.pipeline`) is traced for one micro-batch like any model, its L
+being the blocks of that stage; the formulas of a pipeline of ``PP`` ranks with ``v`` stages
+each substitute L → L/(PP·v). A rank's step runs its stages' forward and backward once per
+micro-batch in the order of PyTorch's schedule (``schedule_order``), so per step and rank:
+
+* FLOPs = m · Σ over its stages of one micro-batch's forward + backward;
+* activations held at most: the largest, over the rank's action list, of Σ saved bytes of the
+  micro-batch-stages whose forward ran and whose backward has not (1F1B's first rank:
+  min(PP, m) micro-batches; GPipe: m; interleaved: v·PP + PP − 1 chunks,
+  Korthikanti et al. 2022 §4.2.3);
+* point-to-point bytes = m · (activation sent forward + its gradient received backward, and
+  the same received from the stage before), traced as ``c10d.send``/``c10d.recv_`` ops;
+* the bubble: idle / busy time of the schedule run on a dependency clock (t_b = 2·t_f), which
+  is PTD-P's (PP−1)/m, and (PP−1)/(v·m) interleaved (Narayanan et al. 2021 §2.2).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import sympy
+
+from symcost.errors import SymcostError
+from symcost.frontends.pipeline import SCHEDULES, check_schedule, schedule_order, simulate, stage_spec
+from symcost.tracing.fit import SYMS
+
+PP = sympy.Symbol("PP", positive=True, integer=True)
+
+
+def stage_blocks(L: int, n_stages: int) -> list[int]:
+    """Blocks of each of ``n_stages`` stages for ``L`` blocks: L // n each, the first L mod n
+    stages one more (torchtitan's split of uneven layer counts puts the extra layers first).
+
+    Raises:
+        SymcostError: fewer blocks than stages.
+    """
+    if L < n_stages:
+        raise SymcostError(f"L = {L} blocks cannot fill {n_stages} pipeline stages (one block each at least)")
+    return [L // n_stages + (1 if s < L % n_stages else 0) for s in range(n_stages)]
+
+
+def part_of(stage: int, n_stages: int) -> str:
+    """``first``, ``middle`` or ``last``."""
+    return "first" if stage == 0 else "last" if stage == n_stages - 1 else "middle"
+
+
+def _saved(an) -> sympy.Expr:
+    return sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
+
+
+def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", sizes: Mapping[str, int] | None = None):
+    """Trace the stage modules a pipeline of ``pp`` ranks × ``virtual`` stages needs
+    (``first`` and ``last``, ``middle`` when there are more than 2 stages). Returns
+    ``(spec, {part: Analysis})``; each Analysis's ``L`` is the blocks of that stage."""
+    import symcost
+    from symcost.frontends.models import resolve
+    from symcost.frontends.spec import ModelSpec
+    from symcost.tracing.record import find_layer_container
+
+    spec = model if isinstance(model, ModelSpec) else resolve(model)
+    if "L" not in spec.symbols:
+        raise SymcostError(f"{spec.name} has no symbol L (repeated blocks), so no pipeline stages")
+    n = pp * virtual
+    values = spec.values(dict(sizes or {}))
+    layers = spec.layers
+    if layers is None:
+        import torch
+
+        with torch.device("meta"):
+            layers = find_layer_container(spec, spec.build(values), values)
+    blocks = stage_blocks(values["L"], n)
+    parts = {"first", "last"} | ({"middle"} if n > 2 else set())
+    out = {}
+    for part in sorted(parts):
+        # the probe sizes: the request with L the largest stage of this kind
+        ls = [b for s, b in enumerate(blocks) if part_of(s, n) == part]
+        req = {k: v for k, v in (sizes or {}).items() if k in spec.all_symbols}
+        req["L"] = max(ls)
+        out[part] = symcost.trace(stage_spec(spec, part, layers), sizes=req, precision=precision)
+    return spec, out
+
+
+def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, precision: str = "fp32",
+            sizes: Mapping[str, int] | None = None, optimizer: str = "adamw") -> dict[str, Any]:
+    """One pipeline step (``microbatches`` micro-batches of B sequences) on each of ``pp`` ranks.
+
+    Args:
+        model: a model name or :class:`ModelSpec`.
+        pp: pipeline ranks (PP). schedule: ``gpipe``, ``1f1b`` or ``interleaved-1f1b``.
+        microbatches: micro-batches per step (m). virtual: stages per rank (v, interleaved only).
+        precision: precision policy of the trace (and of the model states).
+        sizes: symbol values (B is the micro-batch size; L the whole model's blocks).
+
+    Returns:
+        ``schedule``, ``source``, ``pp``, ``microbatches``, ``virtual``, ``bubble`` (idle/busy of
+        the slowest rank, simulated on PyTorch's action lists), ``bubble_formula`` ((PP−1)/(v·m)),
+        ``formulas`` per stage kind (one micro-batch: ``flops``, ``flops_forward``,
+        ``flops_backward``, ``saved``, ``send``, ``recv``, ``params``; L → L/(PP·v)), and
+        ``ranks``: per rank ``stages``, ``blocks``, ``flops`` (per step), ``in_flight``
+        (micro-batch-stages held at most), ``activations`` (bytes held at most), ``send`` and
+        ``recv`` (bytes per step), ``params`` and ``model_states`` (bytes, the precision
+        policy with ``optimizer``, :func:`symcost.passes.parallel.model_state_bytes`).
+
+    Raises:
+        SymcostError: an invalid pipeline (:func:`check_schedule`), fewer blocks than stages, a
+            model without blocks.
+    """
+    from symcost.passes.parallel import model_state_bytes
+
+    check_schedule(schedule, pp, microbatches, virtual)
+    spec, ans = trace_stages(model, pp, virtual, precision, sizes)
+    order = schedule_order(schedule, pp, microbatches, virtual)
+    sim = simulate(order)
+    n = pp * virtual
+    values = spec.values(dict(sizes or {}))
+    blocks = stage_blocks(values["L"], n)
+    per_stage = {}
+    for s in range(n):
+        an = ans[part_of(s, n)]
+        env = an.bind(**{**{k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")}, "L": blocks[s]})
+        ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731
+        per_stage[s] = {"flops": ev(an.flops("train")), "flops_forward": ev(an.flops("forward")),
+                        "flops_backward": ev(an.flops("backward")), "saved": ev(_saved(an)),
+                        "send": ev(an.comm_bytes("send")), "recv": ev(an.comm_bytes("recv")),
+                        "params": ev(an.params)}
+    ranks = []
+    for r in range(pp):
+        mine = [s for s in range(n) if s % pp == r]
+        live = top = 0
+        for kind, s, _ in order[r]:
+            if kind == "F":
+                live += per_stage[s]["saved"]
+            elif kind in ("B", "I"):
+                live -= per_stage[s]["saved"]
+            top = max(top, live)
+        params = sum(per_stage[s]["params"] for s in mine)
+        states = model_state_bytes(params, 1, "ddp", precision, optimizer)
+        ranks.append({"rank": r, "stages": mine, "blocks": sum(blocks[s] for s in mine),
+                      "flops": microbatches * sum(per_stage[s]["flops"] for s in mine),
+                      "in_flight": sim["in_flight"][r], "activations": top,
+                      "send": microbatches * sum(per_stage[s]["send"] for s in mine),
+                      "recv": microbatches * sum(per_stage[s]["recv"] for s in mine),
+                      "params": params, "model_states": int(states["total"])})
+    L = SYMS["L"]
+    v = sympy.Integer(virtual)
+    formulas = {}
+    for part, an in ans.items():
+        sub = {L: L / (PP * v)}
+        f = lambda e: sympy.factor_terms(sympy.expand(sympy.sympify(e).xreplace(sub)))  # noqa: E731
+        formulas[part] = {"flops": f(an.flops("train")), "flops_forward": f(an.flops("forward")),
+                          "flops_backward": f(an.flops("backward")), "saved": f(_saved(an)),
+                          "send": f(an.comm_bytes("send")), "recv": f(an.comm_bytes("recv")),
+                          "params": f(an.params)}
+    m = sympy.Symbol("m", positive=True, integer=True)
+    return {"schedule": schedule, "engine": f"torch.distributed.pipelining.{SCHEDULES[schedule][0]}",
+            "source": SCHEDULES[schedule][2], "pp": pp, "microbatches": microbatches, "virtual": virtual,
+            "bubble": sim["bubble"], "bubble_formula": (PP - 1) / (v * m) if virtual > 1 else (PP - 1) / m,
+            "formulas": formulas, "stages": per_stage, "ranks": ranks, "blocks": blocks,
+            "divisible": values["L"] % n == 0}
