@@ -25,6 +25,9 @@ from symcost.errors import SymcostError
 from symcost.frontends.pipeline import schedule_order, simulate
 
 
+SEED = 7  # one draw of the sizes for every traced test here: the stage traces are shared
+
+
 def _draw(rng: random.Random) -> dict:
     return {"B": rng.randint(1, 3), "S": rng.randint(3, 24), "H": rng.choice((1, 2, 3)), "D": rng.choice((2, 4, 8)),
             "V": rng.randint(8, 80), "F": rng.randint(4, 40)}
@@ -127,7 +130,7 @@ def test_stage_flops_saved_and_p2p_vs_oracles():
     rng = random.Random(2)
     pp, m = 3, rng.randint(3, 5)
     L = rng.randint(4, 7)
-    sizes, r = _summary(pp, "1f1b", m, L, 7)
+    sizes, r = _summary(pp, "1f1b", m, L, SEED)
     for s in range(pp):
         flops, saved, boundary = _oracle_stage(sizes, L, pp, s)
         st = r["stages"][s]
@@ -158,7 +161,7 @@ def test_real_gloo_run_1f1b_pp2(tmp_path):
     each rank's FLOPs, saved bytes, send/receive bytes and parameters equal symcost's."""
     rng = random.Random(5)
     m, L = 4, rng.randint(2, 5)
-    sizes, r = _summary(2, "1f1b", m, L, 11)
+    sizes, r = _summary(2, "1f1b", m, L, SEED)
     env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
     args = [str(x) for x in (m, sizes["B"], sizes["S"], sizes["H"], sizes["D"], L, sizes["V"], sizes["F"])]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

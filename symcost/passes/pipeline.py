@@ -48,6 +48,10 @@ def part_of(stage: int, n_stages: int) -> str:
     return "first" if stage == 0 else "last" if stage == n_stages - 1 else "middle"
 
 
+#: stage traces by (model, defaults, part, block container, precision, requested sizes but L)
+_TRACES: dict = {}
+
+
 def _saved(an) -> sympy.Expr:
     return sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
 
@@ -72,15 +76,17 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
 
         with torch.device("meta"):
             layers = find_layer_container(spec, spec.build(values), values)
-    blocks = stage_blocks(values["L"], n)
+    stage_blocks(values["L"], n)  # enough blocks for the stages
     parts = {"first", "last"} | ({"middle"} if n > 2 else set())
+    # the regime is that of the requested sizes; L is each stage's own block count, a symbol
+    # fitted from the probes like any other (so one trace serves every PP and split)
+    req = tuple(sorted((k, v) for k, v in (sizes or {}).items() if k in spec.all_symbols and k != "L"))
     out = {}
     for part in sorted(parts):
-        # the probe sizes: the request with L the largest stage of this kind
-        ls = [b for s, b in enumerate(blocks) if part_of(s, n) == part]
-        req = {k: v for k, v in (sizes or {}).items() if k in spec.all_symbols}
-        req["L"] = max(ls)
-        out[part] = symcost.trace(stage_spec(spec, part, layers), sizes=req, precision=precision)
+        key = (spec.name, tuple(sorted(spec.defaults.items())), part, layers, precision, req)
+        if key not in _TRACES:
+            _TRACES[key] = symcost.trace(stage_spec(spec, part, layers), sizes=dict(req), precision=precision)
+        out[part] = _TRACES[key]
     return spec, out
 
 
