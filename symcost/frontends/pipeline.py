@@ -65,6 +65,23 @@ def check_schedule(schedule: str, pp: int, microbatches: int, virtual: int = 1) 
     return schedule
 
 
+def stage_blocks(L: int, n_stages: int) -> list[int]:
+    """Blocks of each of ``n_stages`` stages for ``L`` blocks: L // n each, the first L mod n
+    stages one more (torchtitan's split of uneven layer counts puts the extra layers first).
+
+    Raises:
+        SymcostError: fewer blocks than stages.
+    """
+    if L < n_stages:
+        raise SymcostError(f"L = {L} blocks cannot fill {n_stages} pipeline stages (one block each at least)")
+    return [L // n_stages + (1 if s < L % n_stages else 0) for s in range(n_stages)]
+
+
+def part_of(stage: int, n_stages: int) -> str:
+    """``first``, ``middle`` or ``last``."""
+    return "first" if stage == 0 else "last" if stage == n_stages - 1 else "middle"
+
+
 # ----------------------------------------------------------------------------------------------
 # the schedule: PyTorch's action lists
 
@@ -414,6 +431,8 @@ def make_stage(model, layers: str, part: str, pre, post, templates, p2p: bool = 
             if p2p:
                 x = _recv_fn().apply(x)
             state["x"] = x
+        else:
+            kwargs = {k: v for k, v in kwargs.items() if not (k.startswith("_in") and k[3:].isdigit())}
         try:
             out = inner(*args, **kwargs)
         except _StageOut as e:

@@ -25,27 +25,11 @@ from typing import Any, Mapping
 import sympy
 
 from symcost.errors import SymcostError
-from symcost.frontends.pipeline import SCHEDULES, check_schedule, schedule_order, simulate, stage_spec
+from symcost.frontends.pipeline import (SCHEDULES, check_schedule, part_of, schedule_order, simulate, stage_blocks,
+                                        stage_spec)
 from symcost.tracing.fit import SYMS
 
 PP = sympy.Symbol("PP", positive=True, integer=True)
-
-
-def stage_blocks(L: int, n_stages: int) -> list[int]:
-    """Blocks of each of ``n_stages`` stages for ``L`` blocks: L // n each, the first L mod n
-    stages one more (torchtitan's split of uneven layer counts puts the extra layers first).
-
-    Raises:
-        SymcostError: fewer blocks than stages.
-    """
-    if L < n_stages:
-        raise SymcostError(f"L = {L} blocks cannot fill {n_stages} pipeline stages (one block each at least)")
-    return [L // n_stages + (1 if s < L % n_stages else 0) for s in range(n_stages)]
-
-
-def part_of(stage: int, n_stages: int) -> str:
-    """``first``, ``middle`` or ``last``."""
-    return "first" if stage == 0 else "last" if stage == n_stages - 1 else "middle"
 
 
 #: stage traces by (model, defaults, part, block container, precision, requested sizes but L)
@@ -91,7 +75,7 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
 
 
 def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, precision: str = "fp32",
-            sizes: Mapping[str, int] | None = None, optimizer: str = "adamw") -> dict[str, Any]:
+            sizes: Mapping[str, int] | None = None, optimizer: str = "adamw", peak: bool = True) -> dict[str, Any]:
     """One pipeline step (``microbatches`` micro-batches of B sequences) on each of ``pp`` ranks.
 
     Args:
@@ -109,7 +93,11 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         ``ranks``: per rank ``stages``, ``blocks``, ``flops`` (per step), ``in_flight``
         (micro-batch-stages held at most), ``activations`` (bytes held at most), ``send`` and
         ``recv`` (bytes per step), ``params`` and ``model_states`` (bytes, the precision
-        policy with ``optimizer``, :func:`symcost.passes.parallel.model_state_bytes`).
+        policy with ``optimizer``, :func:`symcost.passes.parallel.model_state_bytes`); with
+        ``peak``, ``memory``: the rank's step run through PyTorch's schedule on fake tensors
+        (:func:`symcost.tracing.pipeline.rank_memory`: ``params``, ``grads``, ``kept`` engine
+        buffers, ``top`` and ``peak`` bytes of a step without the optimizer) and ``peak_with_optimizer``
+        (that peak plus the optimizer state and master weights of the policy).
 
     Raises:
         SymcostError: an invalid pipeline (:func:`check_schedule`), fewer blocks than stages, a
@@ -151,6 +139,15 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
                       "send": microbatches * sum(per_stage[s]["send"] for s in mine),
                       "recv": microbatches * sum(per_stage[s]["recv"] for s in mine),
                       "params": params, "model_states": int(states["total"])})
+    if peak:
+        from symcost.tracing.pipeline import rank_memory
+
+        layers = ans["first"].layer_container or spec.layers
+        for row in ranks:
+            mem = rank_memory(spec, values, layers, pp, schedule, microbatches, row["rank"], virtual, precision)
+            states = model_state_bytes(row["params"], 1, "ddp", precision, optimizer)
+            row["memory"] = mem
+            row["peak_with_optimizer"] = mem["peak"] + int(states["optimizer_state"] + states["master"])
     L = SYMS["L"]
     v = sympy.Integer(virtual)
     formulas = {}

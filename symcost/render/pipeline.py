@@ -37,13 +37,16 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
         console.print(f"  L does not divide into {r['pp'] * v} stages: blocks per stage {r['blocks']}")
     t = Table(title="per rank, one step")
     for col in ("rank", "stages", "blocks", "FLOPs", "in flight", "activations held", "p2p sent", "p2p recv",
-                "model states"):
+                "model states", "peak"):
         t.add_column(col, justify="right")
     for row in r["ranks"]:
         t.add_row(str(row["rank"]), ",".join(map(str, row["stages"])), str(row["blocks"]), _flops(row["flops"]),
                   str(row["in_flight"]), _bytes(row["activations"]), _bytes(row["send"]), _bytes(row["recv"]),
-                  _bytes(row["model_states"]))
+                  _bytes(row["model_states"]), _bytes(row["peak_with_optimizer"]) if "memory" in row else "-")
     console.print(t)
+    if any("memory" in row for row in r["ranks"]):
+        console.print("  peak: the rank's step run through PyTorch's schedule on fake tensors (parameters, "
+                      "gradients, the engine's buffers, the highest live set), plus optimizer state")
     console.print("formulas per micro-batch and stage (L/(PP·v) blocks each):")
     for part, f in r["formulas"].items():
         console.print(f"  [bold]{part}[/bold]: flops {f['flops']}")

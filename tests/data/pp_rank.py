@@ -65,7 +65,18 @@ def step():
         sched.step(_in0=tokens)
 
 
-step()  # warm-up: PyTorch's stage metadata inference
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from memory_oracle import _levels  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    step()  # warm-up: PyTorch's stage metadata inference, gradients, receive buffers
+evs = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+warm_level = sum(e.nbytes() for e in evs)  # bytes the first step allocated and still holds
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    step()
+top, top_ops = _levels(prof)
+grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
 p2p = {"send": 0, "recv": 0}
 
 
@@ -95,7 +106,8 @@ fc = FlopCounterMode(display=False)
 with fc, P2P(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
     step()
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-    json.dump({"flops": fc.get_total_flops(), "saved": saved[0], "p2p": p2p, "pp": pp,
+    json.dump({"top": top, "top_ops": top_ops, "kept": warm_level - grads, "grads": grads,
+               "flops": fc.get_total_flops(), "saved": saved[0], "p2p": p2p, "pp": pp,
                "params": sum(p.numel() for p in model.parameters())}, f)
 dist.barrier()
 dist.destroy_process_group()
