@@ -178,3 +178,42 @@ def test_real_gloo_run_1f1b_pp2(tmp_path):
         # peak of the step (no optimizer), profiler vs PyTorch's schedule run on fake tensors
         real = 4 * got["params"] + got["grads"] + got["kept"] + got["top"]
         assert want["memory"]["peak"] == pytest.approx(real, rel=0.05), (rank, want["memory"], got)
+
+
+def test_cli_pipeline_options_need_pp():
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    for extra in (["--schedule", "gpipe"], ["--microbatches", "4"], ["--virtual-stages", "2"]):
+        r = CliRunner().invoke(main, ["report", "cs336-lm", *extra])
+        assert r.exit_code == 2 and "needs --pp N" in r.output, r.output
+    r = CliRunner().invoke(main, ["report", "cs336-lm", "--pp", "2", "--dp", "2"])
+    assert r.exit_code == 2 and "--pp with --dp" in r.output
+    r = CliRunner().invoke(main, ["report", "cs336-lm", "--pp", "4", "--microbatches", "2", "--precision", "fp32"])
+    assert r.exit_code == 2 and "refuses" in r.output and r.output.count("\n") <= 2, r.output
+
+
+@pytest.mark.heavy
+def test_cli_report_pp_json():
+    """``report --pp 2 --schedule gpipe --microbatches m --json``: per rank the bubble and the
+    micro-batches in flight of GPipe (Huang et al. 2019: all m), and the boundary's bytes counted
+    by hand (B·S·H·D fp32 elements forward, the same backward, per micro-batch)."""
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    rng = random.Random(3)
+    m = rng.randint(2, 6)
+    sizes = dict(_draw(random.Random(SEED)), L=rng.randint(2, 6))
+    args = ["report", "cs336-lm", "--pp", "2", "--schedule", "gpipe", "--microbatches", str(m), "--precision", "fp32",
+            "--json", "--set"] + [f"{k}={v}" for k, v in sizes.items()]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])["pipeline"]
+    assert d["bubble"] == pytest.approx(1 / m)
+    boundary = 4 * sizes["B"] * sizes["S"] * sizes["H"] * sizes["D"]
+    for row in d["ranks"]:
+        assert row["in_flight"] == m
+        assert row["send"] == row["recv"] == m * boundary
+        assert row["blocks"] == sizes["L"] // 2 + (row["rank"] < sizes["L"] % 2)
