@@ -95,6 +95,11 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
     from torch.distributed.pipelining.stage import InferenceMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    with torch.device("meta"):
+        a, k = spec.make_inputs(dict(values), torch.device("meta"))
+    if len(a) != 1 or k:
+        raise SymcostError(f"{spec.name}: the pipeline peak runs models called with one input tensor "
+                           "(the built-in models); this one takes keyword inputs")
     n = pp * virtual
     blocks = stage_blocks(values["L"], n)
     mine = [s for s in range(n) if s % pp == rank]
