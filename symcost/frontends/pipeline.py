@@ -381,6 +381,27 @@ def probe_boundary(model, layers: str, args, kwargs):
     return pre, post, templates, marks["x"]
 
 
+def probe_spec(spec, values: Mapping[str, int], layers: str):
+    """:func:`probe_boundary` of ``spec`` at ``values``: the model built on the meta device and
+    run on fake CPU tensors (``FakeTensorMode``, inside ``spec.record_context`` as the recorder
+    runs it: some models read a tensor value on the meta device). Returns ``(pre, post,
+    templates, x shape, x dtype)``."""
+    import contextlib
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.device("meta"):
+        m = spec.build(values)
+    context = spec.record_context or contextlib.nullcontext
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        m.to_empty(device=torch.device("cpu"))
+        a, k = spec.make_inputs(values, torch.device("cpu"))
+        with context():
+            pre, post, templates, x = probe_boundary(m, layers, a, k)
+    return pre, post, templates, tuple(x.shape), x.dtype
+
+
 def make_stage(model, layers: str, part: str, pre, post, templates, p2p: bool = False):
     """Turn ``model`` (built with only this stage's blocks, or with the others deleted) into the
     ``part`` stage module, in place: modules of other stages replaced by ``Absent``, its forward
@@ -541,11 +562,7 @@ def stage_spec(spec, part: str, layers: str, p2p: bool = True):
         if key not in probes:
             import torch
 
-            with torch.device("meta"):
-                m = spec.build(values)
-            a, k = spec.make_inputs(values, torch.device("meta"))
-            pre, post, templates, x = probe_boundary(m, layers, a, k)
-            probes[key] = (pre, post, templates, tuple(x.shape), x.dtype)
+            probes[key] = probe_spec(spec, values, layers)
         return probes[key]
 
     def build(values):
