@@ -153,6 +153,12 @@ def test_stage_flops_saved_and_p2p_vs_oracles():
     for s, part in ((0, "first"), (1, "middle"), (2, "last")):
         f = r["formulas"][part]["flops"].xreplace({**env, SYMS["L"]: pp * r["blocks"][s]})
         assert f == r["stages"][s]["flops"]
+    # by hand: the last stage adds the head's matmul (2·B·S·d·V forward, twice that backward), the
+    # first one an embedding gather (no model FLOPs)
+    f = {p: r["formulas"][p]["flops"] for p in ("first", "middle", "last")}
+    B, S, H, D, V = (SYMS[k] for k in "BSHDV")
+    assert sympy.expand(f["last"] - f["middle"] - 6 * B * S * H * D * V) == 0
+    assert sympy.expand(f["first"] - f["middle"]) == 0
 
 
 @pytest.mark.heavy

@@ -106,8 +106,8 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
     from symcost.passes.parallel import model_state_bytes
 
     check_schedule(schedule, pp, microbatches, virtual)
+    order = schedule_order(schedule, pp, microbatches, virtual)  # PyTorch's refusals before any trace
     spec, ans = trace_stages(model, pp, virtual, precision, sizes)
-    order = schedule_order(schedule, pp, microbatches, virtual)
     sim = simulate(order)
     n = pp * virtual
     values = spec.values(dict(sizes or {}))
