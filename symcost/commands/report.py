@@ -7,6 +7,7 @@ import json
 import click
 
 from ._options import common, early_checks, memory_options, parallel_options, trace_model
+from ._pipeline import pipeline_options, pipeline_request, report_pipeline
 
 
 @click.command()
@@ -15,12 +16,15 @@ from ._options import common, early_checks, memory_options, parallel_options, tr
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @memory_options
 @parallel_options
+@pipeline_options
 def report(model, sets, config, attention, precision, debug, as_json, memory, optimizer, device):
     """The main job: symbols, per-module costs, totals as formulas and the 6·N·P form, memory.
 
     MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
     With --dp N [--shard ...]: one rank of data-parallel training (comm bytes, per-rank model states).
     With --tp N [--sp]: one rank of tensor (and sequence) parallel training (Megatron plan).
+    With --pp N [--schedule ... --microbatches m]: pipeline parallelism (per-rank FLOPs, activations
+    in flight, p2p bytes, bubble).
     """
     early_checks(model, sets, config, attention, precision)  # no sympy or torch needed: answers at once
     from symcost.passes.memory import default_impl, optimizer as check_optimizer, parse_memory
@@ -28,6 +32,10 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
     parse_memory(memory)  # bad --memory / --optimizer / --torch-device: say so before tracing
     check_optimizer(optimizer)
     default_impl(device)
+    pipe = pipeline_request(click.get_current_context())
+    if pipe is not None:
+        report_pipeline(pipe, model, sets, config, attention, precision, as_json, optimizer)
+        return
     an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
     from symcost.render import report as rep
 

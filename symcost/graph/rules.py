@@ -445,6 +445,9 @@ COMM_OPS: dict[str, tuple[str, tuple]] = {
     "_c10d_functional.all_reduce": ("all_reduce", ("in", 0)),
     "c10d.broadcast_": ("broadcast", ("in", "all")),
     "_c10d_functional.wait_tensor": ("wait", None),
+    # point-to-point (pipeline stages, symcost.frontends.pipeline): (tensors, group, peer, tag)
+    "c10d.send": ("send", ("in", "all")),
+    "c10d.recv_": ("recv", ("in", "all")),
 }
 #: bytes each rank sends (and receives) per byte of a collective's size on n ranks, ring
 #: algorithm (nccl-tests doc/PERFORMANCE.md, "bus bandwidth": all-gather and reduce-scatter
@@ -455,6 +458,8 @@ RING_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "broadcast": lambda n: 1,
     "wait": lambda n: 0,
+    "send": lambda n: 1,  # point-to-point: the tensor once, whatever the group
+    "recv": lambda n: 1,
 }
 
 

@@ -14,7 +14,7 @@ import functools
 import sympy
 
 from symcost.errors import SymcostError
-from symcost.graph.ops import COMM_KINDS, PHASES
+from symcost.graph.ops import COMM_KINDS, P2P_KINDS, PHASES
 
 
 class Totals:
@@ -64,11 +64,11 @@ class Totals:
     @functools.cache
     def comm_bytes(self, kind: str = "total", phase: str = "train") -> sympy.Expr:
         """Bytes one rank sends (= receives) in the step's collectives of ``kind``
-        (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``broadcast`` or ``total``) during
+        (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``broadcast``, pipeline ``send``/``recv`` or ``total``) during
         ``phase``, ring algorithm (:func:`symcost.graph.rules.comm_volume`); 0 without data
         parallelism. A polynomial in the symbols and ``DP``."""
-        if kind != "total" and kind not in COMM_KINDS:
-            raise SymcostError(f"unknown collective {kind!r}; accepted: {', '.join(COMM_KINDS)}, total")
+        if kind != "total" and kind not in COMM_KINDS + P2P_KINDS:
+            raise SymcostError(f"unknown collective {kind!r}; accepted: {', '.join(COMM_KINDS + P2P_KINDS)}, total")
         phases = PHASES if phase == "train" else (phase,)
         return sympy.expand(sympy.Add(*[
             op.repeat * op.comm[2] for op in self.ops

@@ -1,0 +1,80 @@
+"""``--pp N --schedule ... --microbatches m [--virtual-stages v]``: pipeline-parallel training on
+``report`` (one row per rank: FLOPs, activations held, point-to-point bytes; the bubble),
+docs/parallel.md "Pipeline parallelism"."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from symcost.errors import SymcostError
+
+from ._options import _keep_parallel, parse_config, parse_sizes
+
+#: --schedule (symcost.frontends.pipeline.SCHEDULES; listed here so --help imports no torch)
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def pipeline_options(f):
+    """``--pp``, ``--schedule``, ``--microbatches``, ``--virtual-stages`` (through the click context)."""
+    f = click.option("--virtual-stages", type=click.IntRange(min=1), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.pp_virtual"), metavar="V",
+                     help="with --pp and --schedule interleaved-1f1b: stages per rank [default: 2]")(f)
+    f = click.option("--microbatches", type=click.IntRange(min=1), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.pp_microbatches"), metavar="M",
+                     help="with --pp: micro-batches of B sequences per step [default: PP]")(f)
+    f = click.option("--schedule", type=click.Choice(SCHEDULE_CHOICES), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.pp_schedule"),
+                     help="with --pp: torch.distributed.pipelining schedule [default: 1f1b]")(f)
+    f = click.option("--pp", type=click.IntRange(min=2), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.pp"), metavar="N",
+                     help="pipeline-parallel ranks: trace the stage modules, compose PyTorch's schedule "
+                          "(per-rank FLOPs, activations in flight, p2p bytes, bubble)")(f)
+    return f
+
+
+def pipeline_request(ctx):
+    """``(pp, schedule, microbatches, virtual)`` or None without ``--pp``.
+
+    Raises:
+        SymcostError: a pipeline option without ``--pp``, or ``--pp`` with ``--dp``.
+    """
+    meta = ctx.find_root().meta
+    pp = meta.get("symcost.pp")
+    keys = {"symcost.pp_schedule": "--schedule", "symcost.pp_microbatches": "--microbatches",
+            "symcost.pp_virtual": "--virtual-stages"}
+    if pp is None:
+        for k, flag in keys.items():
+            if meta.get(k) is not None:
+                raise SymcostError(f"{flag} needs --pp N (the pipeline-parallel size)")
+        return None
+    if meta.get("symcost.dp") is not None:
+        raise SymcostError("--pp with --dp (PP x DP) is not composed yet; give one of them")
+    schedule = meta.get("symcost.pp_schedule") or "1f1b"
+    virtual = meta.get("symcost.pp_virtual") or (2 if schedule == "interleaved-1f1b" else 1)
+    return pp, schedule, meta.get("symcost.pp_microbatches") or pp, virtual
+
+
+def report_pipeline(req, model, sets, config, attention, precision, as_json, optimizer):
+    """Print the pipeline report (text or ``--json``)."""
+    from symcost.frontends.models import resolve
+    from symcost.passes.pipeline import summary
+
+    pp, schedule, m, v = req
+    spec = resolve(model, parse_config(config), attention)
+    sizes = parse_sizes(sets)
+    unknown = [k for k in sizes if k not in spec.all_symbols]
+    if unknown:
+        raise SymcostError(f"unknown symbol {unknown[0]!r} for {spec.name}; accepted: {', '.join(spec.all_symbols)}")
+    r = summary(spec, pp, schedule, m, v, precision, sizes, optimizer)
+    if as_json:
+        out = {k: r[k] for k in ("schedule", "engine", "source", "pp", "microbatches", "virtual", "bubble",
+                                 "blocks", "ranks", "divisible")}
+        out["bubble_formula"] = str(r["bubble_formula"])
+        out["formulas"] = {p: {k: str(e) for k, e in f.items()} for p, f in r["formulas"].items()}
+        out["stages"] = {str(s): d for s, d in r["stages"].items()}
+        click.echo(json.dumps({"model": spec.name, "pipeline": out}, indent=1))
+        return
+    from symcost.render.pipeline import render_pipeline
+
+    render_pipeline(spec.name, r)

@@ -1,0 +1,590 @@
+"""Pipeline-parallel training of a :class:`ModelSpec`: the stage split of the block list and the
+schedules of ``torch.distributed.pipelining`` (docs/parallel.md, "Pipeline parallelism").
+
+A pipeline of ``PP`` ranks splits the L blocks into ``PP`` stages (``PP·v`` with ``v`` virtual
+stages per rank for the interleaved schedule) of L/(PP·v) blocks each. A stage module is the
+model with the other blocks deleted, as torchtitan's ``pipeline_llm`` builds it
+(torchtitan/distributed/pipeline_parallel.py): the first stage keeps what runs before the blocks
+(the embeddings), the last what runs after them (final norm, head; the loss is its ``loss_fn``),
+a middle stage only its blocks. Here the deletion is generic (no model code changes):
+
+* the modules with parameters that the model calls before its first block (``pre``) and after
+  its last (``post``) are found by one forward on the meta device;
+* on a stage that does not own them they are replaced by :class:`Absent` (no parameters; it
+  returns empty tensors of the shapes the module returned, so what the model computes from the
+  micro-batch's inputs before its blocks, e.g. a causal mask or positions, still runs, as
+  torchtitan's stages recompute their rotary tables and masks);
+* a stage after the first takes the activation received from the previous stage and puts it
+  in place of its first block's input (a forward pre-hook); a stage before the last returns its
+  last block's output (a forward hook ends the model's forward there).
+
+The schedules are PyTorch's own (:func:`schedule_order`): their per-rank action lists
+(``pipeline_order``: F, B, I, W actions per micro-batch and stage) are read from the schedule
+objects built on a fake process group of ``PP`` ranks.
+
+Torch is imported only inside the functions that need it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from symcost.errors import SymcostError
+
+#: --schedule -> (torch.distributed.pipelining class, virtual stages per rank allowed, source)
+SCHEDULES: dict[str, tuple[str, bool, str]] = {
+    "gpipe": ("ScheduleGPipe", False, "Huang et al. 2019 (GPipe): all forwards, then all backwards"),
+    "1f1b": ("Schedule1F1B", False, "Narayanan et al. 2021 (PTD-P) §2.2.1: PipeDream-Flush's one-forward-"
+                                    "one-backward"),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", True, "Narayanan et al. 2021 (PTD-P) §2.2.2: "
+                                                          "interleaved 1F1B over v model chunks per rank"),
+}
+
+#: the three kinds of stage module
+PARTS = ("first", "middle", "last")
+
+
+def check_schedule(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> str:
+    """``schedule`` if the pipeline is one PyTorch can run, else one clear line.
+
+    Raises:
+        SymcostError: an unknown schedule, PP < 2, fewer than 1 micro-batch, virtual stages on a
+            schedule with one stage per rank, or fewer than 2 virtual stages for interleaved 1F1B.
+    """
+    if schedule not in SCHEDULES:
+        raise SymcostError(f"unknown --schedule {schedule!r}; accepted: {', '.join(SCHEDULES)}")
+    if pp < 2:
+        raise SymcostError(f"--pp {pp}: a pipeline has at least 2 stages")
+    if microbatches < 1:
+        raise SymcostError(f"--microbatches {microbatches}: at least 1")
+    multi = SCHEDULES[schedule][1]
+    if not multi and virtual != 1:
+        raise SymcostError(f"--virtual-stages {virtual}: {schedule} runs one stage per rank; use interleaved-1f1b")
+    if multi and virtual < 2:
+        raise SymcostError(f"--virtual-stages {virtual}: interleaved-1f1b needs at least 2 stages per rank")
+    return schedule
+
+
+def stage_blocks(L: int, n_stages: int) -> list[int]:
+    """Blocks of each of ``n_stages`` stages for ``L`` blocks: L // n each, the first L mod n
+    stages one more (torchtitan's split of uneven layer counts puts the extra layers first).
+
+    Raises:
+        SymcostError: fewer blocks than stages.
+    """
+    if L < n_stages:
+        raise SymcostError(f"L = {L} blocks cannot fill {n_stages} pipeline stages (one block each at least)")
+    return [L // n_stages + (1 if s < L % n_stages else 0) for s in range(n_stages)]
+
+
+def part_of(stage: int, n_stages: int) -> str:
+    """``first``, ``middle`` or ``last``."""
+    return "first" if stage == 0 else "last" if stage == n_stages - 1 else "middle"
+
+
+# ----------------------------------------------------------------------------------------------
+# the schedule: PyTorch's action lists
+
+
+def _fake_pg(world: int):
+    """The default process group as PyTorch's fake backend of ``world`` ranks (rank 0), reusing
+    one of at least that size."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized() and (dist.get_backend() != "fake" or dist.get_world_size() < world):
+        dist.destroy_process_group()
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    return dist.group.WORLD
+
+
+_ORDERS: dict = {}
+
+
+def schedule_order(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> dict[int, list]:
+    """PyTorch's action list of each rank: ``{rank: [(kind, stage, microbatch), ...]}`` in the
+    order the rank runs them, ``kind`` ``"F"`` (forward), ``"B"`` (full backward), ``"I"``/``"W"``
+    (input / weight backward); idle slots and communication actions are dropped.
+
+    Read from ``torch.distributed.pipelining``'s schedule object (``pipeline_order``, the IR
+    its runtime executes), built for ``pp`` ranks with ``virtual`` stages each on a fake process
+    group (stage ``s`` on rank ``s mod pp``, as ``ScheduleInterleaved1F1B`` places them).
+
+    Raises:
+        SymcostError: the configuration is invalid (:func:`check_schedule`) or PyTorch refuses it
+            (its message, one line, e.g. interleaved 1F1B's micro-batch count rule).
+    """
+    check_schedule(schedule, pp, microbatches, virtual)
+    key = (schedule, pp, microbatches, virtual)
+    if key in _ORDERS:
+        return _ORDERS[key]
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.pipelining.schedules as S
+    from torch.distributed.pipelining import PipelineStage
+
+    cls = getattr(S, SCHEDULES[schedule][0])
+    if not SCHEDULES[schedule][1]:
+        try:
+            order = {r: _executed(cls, r, pp, microbatches) for r in range(pp)}
+        except (ValueError, RuntimeError, AssertionError) as e:
+            raise SymcostError(f"torch.distributed.pipelining refuses {schedule} with PP={pp}, "
+                               f"{microbatches} micro-batches: {str(e).strip().splitlines()[0]}") from e
+        _ORDERS[key] = order
+        return order
+    group = _fake_pg(pp)
+    sub = dist.new_group(list(range(pp)), backend="fake") if dist.get_world_size() != pp else group
+    n = pp * virtual
+    try:
+        stages = [PipelineStage(torch.nn.Identity(), s, n, torch.device("cpu"), group=sub)
+                  for s in range(0, n, pp)]  # rank 0's stages
+        sched = cls(stages, microbatches, loss_fn=lambda out, target: out.sum())
+    except (ValueError, RuntimeError, AssertionError) as e:
+        raise SymcostError(f"torch.distributed.pipelining refuses {schedule} with PP={pp}, "
+                           f"{microbatches} micro-batches, {virtual} stage(s) per rank: "
+                           f"{str(e).strip().splitlines()[0]}") from e
+    # the IR _PipelineScheduleRuntime executes (its communication actions added to it)
+    order = {}
+    for rank, acts in sched.pipeline_order.items():
+        order[rank] = [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in acts
+                       if a is not None and a.computation_type.value in ("F", "B", "I", "W")]
+    _ORDERS[key] = order
+    return order
+
+
+def _executed(cls, rank: int, pp: int, microbatches: int) -> list:
+    """The actions a one-stage-per-rank schedule (``ScheduleGPipe``, ``Schedule1F1B``) really runs
+    on ``rank``: its ``step`` run on a fake process group of ``pp`` ranks under FakeTensorMode with
+    a one-parameter stage, each ``forward_one_chunk`` / ``backward_one_chunk`` logged. (Their
+    ``pipeline_order`` is a drawing aid that ``step`` does not execute: in torch 2.13 the last
+    rank's 1F1B list starts at micro-batch 1.)"""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.stage import InferenceMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pp)
+    log: list = []
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            stage = PipelineStage(torch.nn.Linear(1, 1), rank, pp, torch.device("cpu"),
+                                  input_args=(torch.empty(1, 1),),
+                                  output_args=(torch.empty(1, 1, requires_grad=True),))
+            fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+
+            def forward_one_chunk(i, *a, **k):
+                log.append(("F", rank, i))
+                return fwd(i, *a, **k)
+
+            def backward_one_chunk(i, *a, **k):
+                log.append(("B", rank, i))
+                return bwd(i, *a, **k)
+
+            stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+            sched = cls(stage, microbatches, loss_fn=lambda out, target: out.sum())
+
+            def warmup(stages, has_backward, p2p_done):  # the shape vote reads tensor values
+                for st in stages:
+                    st._inference_mode = InferenceMode.STATIC
+            sched._warmup_p2p = warmup
+            x = torch.empty(microbatches, 1)
+            if rank == 0:
+                sched.step(x)
+            elif rank == pp - 1:
+                sched.step(target=x)
+            else:
+                sched.step()
+    finally:
+        dist.destroy_process_group()
+    return log
+
+
+def simulate(order: Mapping[int, list], t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0) -> dict[str, Any]:
+    """Run the per-rank action lists on a dependency clock: a rank runs its actions in order;
+    F of (stage s, micro-batch i) starts after F of (s-1, i) ended, B (or I) of (s, i) after B/I of
+    (s+1, i) and after F of (s, i); W after I. Communication takes no time (its bytes are counted
+    apart). ``t_f``, ``t_b`` are one stage's forward and backward time per micro-batch (PTD-P's
+    t_f and t_b; the backward's ``I`` takes ``t_b - t_w`` and ``W`` takes ``t_w``).
+
+    Returns:
+        ``makespan``, per rank ``busy`` and ``idle`` time, ``bubble`` (the largest idle / busy
+        over ranks: PTD-P's t_pb / t_id), and ``in_flight``: per rank the most micro-batch-stages
+        whose forward has run and whose backward has not (the activations held at once).
+
+    Raises:
+        SymcostError: the lists deadlock (an action waits on one that never runs).
+    """
+    dur = {"F": t_f, "B": t_b, "I": t_b - t_w, "W": t_w}
+    done: dict[tuple, float] = {}
+    pos = {r: 0 for r in order}
+    clock = {r: 0.0 for r in order}
+    busy = {r: 0.0 for r in order}
+    n_stages = 1 + max((s for acts in order.values() for _, s, _ in acts), default=0)
+
+    def ready(kind, s, i):
+        if kind == "F":
+            return [("F", s - 1, i)] if s > 0 else []
+        if kind in ("B", "I"):
+            deps = [("F", s, i)]
+            if s < n_stages - 1:
+                deps.append(("Bx", s + 1, i))
+            return deps
+        return [("I", s, i)]
+
+    total = sum(len(a) for a in order.values())
+    progressed = 0
+    while progressed < total:
+        moved = False
+        for r, acts in order.items():
+            while pos[r] < len(acts):
+                kind, s, i = acts[pos[r]]
+                deps = ready(kind, s, i)
+                if not all(d in done for d in deps):
+                    break
+                start = max([clock[r]] + [done[d] for d in deps])
+                end = start + dur[kind]
+                clock[r] = end
+                busy[r] += dur[kind]
+                done[(kind, s, i)] = end
+                if kind in ("B", "I"):
+                    done[("Bx", s, i)] = end
+                pos[r] += 1
+                progressed += 1
+                moved = True
+        if not moved:
+            raise SymcostError("the pipeline schedule deadlocks (an action waits on one that never runs)")
+    makespan = max(clock.values())
+    in_flight = {}
+    for r, acts in order.items():
+        live = top = 0
+        for kind, _, _ in acts:
+            live += kind == "F"
+            live -= kind in ("B", "I")
+            top = max(top, live)
+        in_flight[r] = top
+    idle = {r: makespan - busy[r] for r in order}
+    return {"makespan": makespan, "busy": busy, "idle": idle, "in_flight": in_flight,
+            "bubble": max(idle[r] / busy[r] for r in order if busy[r])}
+
+
+# ----------------------------------------------------------------------------------------------
+# the stage module
+
+
+class _StageOut(Exception):
+    def __init__(self, value):
+        super().__init__("stage output")
+        self.value = value
+
+
+def _absent_class():
+    import torch
+    from torch import nn
+    from torch.utils._pytree import tree_map
+
+    class Absent(nn.Module):
+        """A module deleted from this stage: no parameters; returns empty tensors shaped like the
+        deleted module's output at the sizes it was probed at (``shapes``: a callable of the
+        current input sizes, or a fixed template)."""
+
+        def __init__(self, template):
+            super().__init__()
+            self.template = template
+
+        def forward(self, *args, **kwargs):
+            if self.template is None:
+                raise SymcostError("a module deleted from this pipeline stage was called")
+            dev = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+            return tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device=dev)
+                            if isinstance(t, torch.Tensor) else t, self.template)
+
+    return Absent
+
+
+def _split_points(model, layers: str):
+    """``(blocks, candidates)``: the block modules, and the maximal modules with parameters outside
+    the block container (children of the container's ancestors), by dotted name."""
+    blocks = list(model.get_submodule(layers).children())
+    ancestors = {""}
+    parts = layers.split(".") if layers else []
+    for k in range(1, len(parts) + 1):
+        ancestors.add(".".join(parts[:k]))
+    cands = {}
+    for anc in ancestors:
+        if anc == layers:
+            continue
+        for name, child in model.get_submodule(anc).named_children():
+            full = f"{anc}.{name}" if anc else name
+            if full in ancestors:
+                continue
+            if any(True for _ in child.parameters()):
+                cands[full] = child
+    return blocks, cands
+
+
+def probe_boundary(model, layers: str, args, kwargs):
+    """One forward of ``model`` (on the meta device, no gradients): which candidate modules run
+    before the first block and after the last one, their outputs (meta templates), and the first
+    block's input activation (the tensor a stage receives).
+
+    Returns:
+        ``(pre, post, templates, x)``: module names, ``{name: output}``, the activation.
+    """
+    import torch
+
+    blocks, cands = _split_points(model, layers)
+    if not blocks:
+        raise SymcostError("the block container is empty: no stage to split")
+    clock = {"t": 0}
+    first_call: dict[str, int] = {}
+    templates: dict[str, Any] = {}
+    marks = {}
+    hooks = []
+
+    def cand_hook(name):
+        def hook(mod, inp, out):
+            first_call.setdefault(name, clock["t"])
+            clock["t"] += 1
+            templates.setdefault(name, out)
+        return hook
+
+    def block_pre(mod, a, k):
+        marks.setdefault("start", clock["t"])
+        clock["t"] += 1
+        if "x" not in marks:
+            marks["x"] = a[0] if a else k.get("hidden_states")
+
+    def block_post(mod, a, out):
+        marks["end"] = clock["t"]
+        clock["t"] += 1
+
+    for name, m in cands.items():
+        hooks.append(m.register_forward_hook(cand_hook(name)))
+    hooks.append(blocks[0].register_forward_pre_hook(block_pre, with_kwargs=True))
+    hooks.append(blocks[-1].register_forward_hook(block_post))
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    if not isinstance(marks.get("x"), torch.Tensor):
+        raise SymcostError("the first block takes no tensor as its first argument (or hidden_states): "
+                           "the stage boundary is not found")
+    pre = [n for n, t in first_call.items() if t < marks["start"]]
+    post = [n for n, t in first_call.items() if t > marks["end"]]
+    return pre, post, templates, marks["x"]
+
+
+def probe_spec(spec, values: Mapping[str, int], layers: str):
+    """:func:`probe_boundary` of ``spec`` at ``values``: the model built on the meta device and
+    run on fake CPU tensors (``FakeTensorMode``, inside ``spec.record_context`` as the recorder
+    runs it: some models read a tensor value on the meta device). Returns ``(pre, post,
+    templates, x shape, x dtype)``."""
+    import contextlib
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.device("meta"):
+        m = spec.build(values)
+    context = spec.record_context or contextlib.nullcontext
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        m.to_empty(device=torch.device("cpu"))
+        a, k = spec.make_inputs(values, torch.device("cpu"))
+        with context():
+            pre, post, templates, x = probe_boundary(m, layers, a, k)
+    return pre, post, templates, tuple(x.shape), x.dtype
+
+
+def make_stage(model, layers: str, part: str, pre, post, templates, p2p: bool = False):
+    """Turn ``model`` (built with only this stage's blocks, or with the others deleted) into the
+    ``part`` stage module, in place: modules of other stages replaced by ``Absent``, its forward
+    patched as the module docstring says. Returns the model.
+
+    The stage's forward: first stage ``model(*inputs)``; later stages ``forward(x, **inputs)``
+    with the micro-batch's inputs as keyword arguments ``_in0, _in1, ...`` (positional ones) and
+    their own names. A stage before the last returns its last block's output (the first tensor
+    of it).
+
+    With ``p2p`` (symcost's recording, on the fake process group) the stage receives ``x`` from
+    the previous rank with ``torch.distributed.recv`` and sends its gradient back in backward
+    (:func:`send_output` does the output side), so the point-to-point transfers are ops of the
+    recorded step.
+    """
+    import torch
+
+    Absent = _absent_class()
+    first, last = part == "first", part == "last"
+    if part not in PARTS:
+        raise SymcostError(f"unknown stage {part!r}; accepted: {', '.join(PARTS)}")
+    gone = ([] if first else [n for n in pre if n not in post]) + ([] if last else [n for n in post if n not in pre])
+    for name in gone:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, Absent(templates.get(name) if name in pre else None))
+    blocks = list(model.get_submodule(layers).children())
+    state: dict[str, Any] = {}
+    if not first:
+        def swap(mod, a, k):
+            x = state.pop("x", None)
+            if x is None:
+                return None
+            if a:
+                return (x,) + tuple(a[1:]), k
+            return a, dict(k, hidden_states=x)
+        blocks[0].register_forward_pre_hook(swap, with_kwargs=True)
+    if not last:
+        def stop(mod, a, out):
+            raise _StageOut(out)
+        blocks[-1].register_forward_hook(stop)
+    inner = model.forward
+
+    def forward(*args, **kwargs):
+        if not first:
+            x, args = args[0], args[1:]
+            pos = sorted((k for k in kwargs if k.startswith("_in") and k[3:].isdigit()), key=lambda k: int(k[3:]))
+            args = tuple(args) + tuple(kwargs.pop(k) for k in pos)
+            if p2p:
+                x = _recv_fn().apply(x)
+            state["x"] = x
+        else:
+            kwargs = {k: v for k, v in kwargs.items() if not (k.startswith("_in") and k[3:].isdigit())}
+        try:
+            out = inner(*args, **kwargs)
+        except _StageOut as e:
+            out = e.value
+            if isinstance(out, (tuple, list)):
+                out = next(t for t in out if isinstance(t, torch.Tensor))
+        return out
+
+    model.forward = forward
+    return model
+
+
+_FNS: dict = {}
+
+
+def _peers():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        _fake_pg(2)
+    n, r = dist.get_world_size(), dist.get_rank()
+    return (r - 1) % n, (r + 1) % n
+
+
+def _recv_fn():
+    """autograd Function: forward receives the stage input into ``x`` from the previous rank;
+    backward sends its gradient back (and gives ``x`` none: the received buffer is a leaf)."""
+    if "recv" not in _FNS:
+        import torch
+        import torch.distributed as dist
+
+        class RecvActivation(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                dist.recv(x.detach(), src=_peers()[0])
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, g):
+                dist.send(g.contiguous(), dst=_peers()[0])
+                return None
+
+        _FNS["recv"] = RecvActivation
+    return _FNS["recv"]
+
+
+def send_output(out):
+    """The loss of a stage before the last: sends ``out`` to the next rank; its backward
+    receives the gradient of ``out`` into a new buffer (PyTorch's stages do the same through
+    ``batch_isend_irecv``). Returns a 0-dim tensor to call ``backward()`` on."""
+    if "send" not in _FNS:
+        import torch
+        import torch.distributed as dist
+
+        class SendActivation(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, y):
+                dist.send(y.detach().contiguous(), dst=_peers()[1])
+                ctx.meta = (y.shape, y.dtype, y.device)
+                return y.new_zeros(())
+
+            @staticmethod
+            def backward(ctx, g):
+                shape, dtype, device = ctx.meta
+                buf = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(buf, src=_peers()[1])
+                return buf
+
+        _FNS["send"] = SendActivation
+    return _FNS["send"].apply(out)
+
+
+def stage_inputs(spec, values: Mapping[str, int], part: str, x_shape, x_dtype, device):
+    """The stage's call ``(args, kwargs)`` for one micro-batch: the model's inputs for the first
+    stage; for a later one the received activation (an empty tensor of the boundary's shape,
+    requiring grad) and the model's inputs as keyword arguments ``_in<i>``."""
+    import torch
+
+    args, kwargs = spec.make_inputs(values, device)
+    if part == "first":
+        return args, kwargs
+    x = torch.empty(x_shape, dtype=x_dtype, device=device, requires_grad=True)
+    return (x,), {**{f"_in{i}": a for i, a in enumerate(args)}, **kwargs}
+
+
+def stage_spec(spec, part: str, layers: str, p2p: bool = True):
+    """The :class:`~symcost.frontends.spec.ModelSpec` of one stage module of ``spec`` for one
+    micro-batch, with ``L`` the blocks of this stage (its formulas turn into L/PP, or
+    L/(PP·v), by substitution, :mod:`symcost.passes.pipeline`).
+
+    ``build`` builds the model with L blocks on the current device and makes it the ``part``
+    stage (:func:`make_stage`); ``make_inputs`` gives the stage's call (:func:`stage_inputs`);
+    ``loss`` is the model's loss on the last stage and :func:`send_output` before it.
+
+    Raises:
+        SymcostError: an unknown part, or a model without a block container.
+    """
+    if part not in PARTS:
+        raise SymcostError(f"unknown stage {part!r}; accepted: {', '.join(PARTS)}")
+    if not layers:
+        raise SymcostError(f"{spec.name}: no container of L blocks, so no stage split")
+    probes: dict = {}
+
+    def boundary(values):
+        key = tuple(sorted(values.items()))
+        if key not in probes:
+            import torch
+
+            probes[key] = probe_spec(spec, values, layers)
+        return probes[key]
+
+    def build(values):
+        pre, post, templates, _, _ = boundary(values)
+        model = spec.build(values)
+        if p2p:
+            _peers()
+        return make_stage(model, layers, part, pre, post, templates, p2p=p2p)
+
+    def make_inputs(values, device):
+        _, _, _, shape, dtype = boundary(values)
+        return stage_inputs(spec, values, part, shape, dtype, device)
+
+    def loss(out, inputs):
+        if part != "last":
+            return send_output(out) if p2p else out.sum()
+        args, kwargs = inputs
+        if part == "first":
+            return spec.loss(out, inputs)
+        kw = dict(kwargs)
+        pos = sorted((k for k in kw if k.startswith("_in") and k[3:].isdigit()), key=lambda k: int(k[3:]))
+        return spec.loss(out, (tuple(kw.pop(k) for k in pos), kw))
+
+    return dataclasses.replace(spec, name=f"{spec.name}[pp:{part}]", build=build, make_inputs=make_inputs,
+                               loss=loss, layers=layers, extra={**spec.extra, "pipeline_stage": part})

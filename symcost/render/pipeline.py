@@ -1,0 +1,54 @@
+"""Text rendering of a pipeline-parallel summary (:func:`symcost.passes.pipeline.summary`)."""
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _flops(n: float) -> str:
+    for unit, k in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= k:
+            return f"{n / k:.3g} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None) -> None:
+    """Per-rank table (stages, blocks, FLOPs per step, micro-batches in flight, activations held,
+    p2p bytes sent and received, model states) and the bubble, then each stage kind's formulas."""
+    console = console or Console()
+    v = r["virtual"]
+    console.print(f"[bold]{name}[/bold]: pipeline of PP={r['pp']} ranks, {r['schedule']} "
+                  f"({r['engine']}), m={r['microbatches']} micro-batches"
+                  + (f", v={v} stages per rank" if v > 1 else ""))
+    console.print(f"  schedule: {r['source']}")
+    console.print(f"  bubble (idle/busy, PyTorch's action lists on a dependency clock): {r['bubble']:.4f}"
+                  f"   formula {r['bubble_formula']}")
+    if not r["divisible"]:
+        console.print(f"  L does not divide into {r['pp'] * v} stages: blocks per stage {r['blocks']}")
+    t = Table(title="per rank, one step")
+    for col in ("rank", "stages", "blocks", "FLOPs", "in flight", "activations held", "p2p sent", "p2p recv",
+                "model states", "peak"):
+        t.add_column(col, justify="right")
+    for row in r["ranks"]:
+        t.add_row(str(row["rank"]), ",".join(map(str, row["stages"])), str(row["blocks"]), _flops(row["flops"]),
+                  str(row["in_flight"]), _bytes(row["activations"]), _bytes(row["send"]), _bytes(row["recv"]),
+                  _bytes(row["model_states"]), _bytes(row["peak_with_optimizer"]) if "memory" in row else "-")
+    console.print(t)
+    if any("memory" in row for row in r["ranks"]):
+        console.print("  peak: the rank's step run through PyTorch's schedule on fake tensors (parameters, "
+                      "gradients, the engine's buffers, the highest live set), plus optimizer state")
+    console.print("formulas per micro-batch and stage (L/(PP·v) blocks each):")
+    for part, f in r["formulas"].items():
+        console.print(f"  [bold]{part}[/bold]: flops {f['flops']}")
+        console.print(f"      saved {f['saved']}")
+        console.print(f"      send {f['send']}   recv {f['recv']}")

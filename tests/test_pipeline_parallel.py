@@ -1,0 +1,225 @@
+"""Pipeline parallelism (issue 16 item 2): stage modules of the block list traced per micro-batch,
+composed by torch.distributed.pipelining's own schedules.
+
+Oracles, independent of symcost's recorder and rules: ``FlopCounterMode`` and a
+``saved_tensors_hooks`` pair on each stage module cut from the whole model (the other blocks
+deleted, as torchtitan's pipeline_llm does), the boundary activation's bytes counted by hand,
+Narayanan et al. 2021 (PTD-P) §2.2 for the bubble ((p−1)/m, interleaved (p−1)/(v·m)) and the
+micro-batches in flight (1F1B: min(p − rank, m); GPipe: m; interleaved first rank: v·p + p − 1
+model chunks, Korthikanti et al. 2022 §4.2.3), and a real torchrun + gloo run of
+``PipelineStage`` + ``Schedule1F1B`` (tests/data/pp_rank.py). Sizes are drawn at random (seeded).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+
+from symcost.errors import SymcostError
+from symcost.frontends.pipeline import schedule_order, simulate
+
+
+SEED = 7  # one draw of the sizes for every traced test here: the stage traces are shared
+
+
+def _draw(rng: random.Random) -> dict:
+    return {"B": rng.randint(1, 3), "S": rng.randint(3, 24), "H": rng.choice((1, 2, 3)), "D": rng.choice((2, 4, 8)),
+            "V": rng.randint(8, 80), "F": rng.randint(4, 40)}
+
+
+@functools.lru_cache(maxsize=None)
+def _summary(pp: int, schedule: str, m: int, L: int, seed: int):
+    from symcost.passes.pipeline import summary
+
+    sizes = dict(_draw(random.Random(seed)), L=L)
+    return sizes, summary("cs336-lm", pp, schedule, m, sizes=sizes)
+
+
+def test_schedule_bubble_and_in_flight_vs_ptdp():
+    """Bubble and in-flight counts of PyTorch's action lists (run on a dependency clock) against
+    PTD-P's formulas, at random PP, m and v."""
+    rng = random.Random(16)
+    cases = [("gpipe", rng.randint(2, 5), rng.randint(1, 9), 1) for _ in range(3)]
+    cases += [("1f1b", p, rng.randint(p, 3 * p), 1) for p in (rng.randint(2, 5) for _ in range(3))]
+    cases += [("interleaved-1f1b", p, p * rng.randint(1, 3), rng.randint(2, 3)) for p in (rng.randint(2, 4) for _ in range(3))]
+    for schedule, p, m, v in cases:
+        order = schedule_order(schedule, p, m, v)
+        assert sorted(order) == list(range(p))
+        # every micro-batch through every stage once forward and once backward
+        for r, acts in order.items():
+            assert sorted(a for a in acts if a[0] == "F") == sorted(("F", s, i) for s in range(r, p * v, p) for i in range(m))
+        sim = simulate(order, t_f=1.0, t_b=rng.choice((1.0, 2.0, 3.0)))
+        assert sim["bubble"] == pytest.approx((p - 1) / (v * m)), (schedule, p, m, v)
+        for r in range(p):
+            want = {"gpipe": m, "1f1b": min(p - r, m)}.get(schedule)
+            if want is not None:
+                assert sim["in_flight"][r] == want, (schedule, p, m, r)
+        if schedule == "interleaved-1f1b" and m >= p:
+            assert sim["in_flight"][0] == min(v * p + p - 1, v * m), (p, m, v)
+
+
+def test_refused_pipelines_say_why():
+    for args in (("zb", 2, 4, 1), ("1f1b", 1, 4, 1), ("1f1b", 2, 4, 2), ("interleaved-1f1b", 2, 4, 1), ("gpipe", 2, 0, 1)):
+        with pytest.raises(SymcostError):
+            schedule_order(*args)
+    with pytest.raises(SymcostError, match="refuses"):  # PyTorch: 1F1B needs m >= PP
+        schedule_order("1f1b", 4, 2, 1)
+
+
+def _oracle_stage(sizes: dict, L: int, pp: int, stage: int):
+    """FLOPs (FlopCounterMode), saved bytes (saved_tensors_hooks) and boundary bytes of one
+    micro-batch through stage ``stage`` of ``pp``, cut from the whole cs336-lm at L blocks."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from symcost.frontends.models import resolve
+    from symcost.frontends.pipeline import make_stage, probe_boundary
+
+    spec = resolve("cs336-lm")
+    values = dict(sizes, L=L)
+    with torch.device("meta"):
+        meta = spec.build(values)
+        model = spec.build(values)
+    pre, post, templates, x_meta = probe_boundary(meta, "layers", *spec.make_inputs(values, torch.device("meta")))
+    per = [L // pp + (1 if s < L % pp else 0) for s in range(pp)]
+    lo = sum(per[:stage])
+    model.layers = torch.nn.ModuleList(list(model.layers)[lo:lo + per[stage]])
+    part = "first" if stage == 0 else "last" if stage == pp - 1 else "middle"
+    make_stage(model, "layers", part, pre, post, templates)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        static = {StorageWeakRef(t.untyped_storage()).cdata for t in list(model.parameters()) + list(model.buffers())}
+        seen, saved, refs = set(), [0], []
+
+        def pack(t):
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref.cdata not in seen and ref.cdata not in static:
+                seen.add(ref.cdata)
+                refs.append(ref)
+                saved[0] += t.untyped_storage().nbytes()
+            return t
+
+        (tokens,), _ = spec.make_inputs(values, torch.device("cpu"))
+        fc = FlopCounterMode(display=False)
+        with fc, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if part == "first":
+                out = model(tokens)
+            else:
+                x = torch.empty(x_meta.shape, dtype=x_meta.dtype, requires_grad=True)
+                out = model(x, _in0=tokens)
+            if part == "last":
+                spec.loss(out, ((tokens,), {})).backward()
+            else:
+                out.backward(torch.empty_like(out))
+        boundary = x_meta.numel() * x_meta.element_size()
+    return fc.get_total_flops(), saved[0], boundary
+
+
+@pytest.mark.heavy
+def test_stage_flops_saved_and_p2p_vs_oracles():
+    """Three stages (first, middle, last) with an uneven split of a random L: each stage's FLOPs,
+    saved bytes and point-to-point bytes per micro-batch, and each rank's per-step totals."""
+    rng = random.Random(2)
+    pp, m = 3, rng.randint(3, 5)
+    L = rng.randint(4, 7)
+    sizes, r = _summary(pp, "1f1b", m, L, SEED)
+    for s in range(pp):
+        flops, saved, boundary = _oracle_stage(sizes, L, pp, s)
+        st = r["stages"][s]
+        assert st["flops"] == flops, s
+        assert st["saved"] == saved, s
+        links = (s > 0) + (s < pp - 1)  # activation one way, its gradient the other, per neighbour
+        assert st["send"] == st["recv"] == links * boundary, s
+        rank = r["ranks"][s]
+        assert rank["flops"] == m * flops and rank["send"] == m * links * boundary
+        assert rank["in_flight"] == min(pp - s, m)
+        assert rank["activations"] == rank["in_flight"] * saved
+    assert r["bubble"] == pytest.approx((pp - 1) / m)
+    # the formulas in PP: at PP = 3 and L = 3k they give the stage's numbers (here L/PP blocks each)
+    import sympy
+
+    from symcost.tracing.fit import SYMS
+
+    env = {SYMS[k]: v for k, v in sizes.items()}
+    env[sympy.Symbol("PP", positive=True, integer=True)] = pp
+    for s, part in ((0, "first"), (1, "middle"), (2, "last")):
+        f = r["formulas"][part]["flops"].xreplace({**env, SYMS["L"]: pp * r["blocks"][s]})
+        assert f == r["stages"][s]["flops"]
+    # by hand: the last stage adds the head's matmul (2·B·S·d·V forward, twice that backward), the
+    # first one an embedding gather (no model FLOPs)
+    f = {p: r["formulas"][p]["flops"] for p in ("first", "middle", "last")}
+    B, S, H, D, V = (SYMS[k] for k in "BSHDV")
+    assert sympy.expand(f["last"] - f["middle"] - 6 * B * S * H * D * V) == 0
+    assert sympy.expand(f["first"] - f["middle"]) == 0
+
+
+@pytest.mark.heavy
+def test_real_gloo_run_1f1b_pp2(tmp_path):
+    """torchrun, 2 processes, gloo on CPU: PipelineStage + Schedule1F1B over 4 micro-batches;
+    each rank's FLOPs, saved bytes, send/receive bytes and parameters equal symcost's."""
+    rng = random.Random(5)
+    m, L = 4, rng.randint(2, 5)
+    sizes, r = _summary(2, "1f1b", m, L, SEED)
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
+    args = [str(x) for x in (m, sizes["B"], sizes["S"], sizes["H"], sizes["D"], L, sizes["V"], sizes["F"])]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "tests/data/pp_rank.py", str(tmp_path), "1f1b", *args]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        want = r["ranks"][rank]
+        assert got["flops"] == want["flops"], rank
+        assert got["saved"] == m * r["stages"][rank]["saved"], rank  # every micro-batch's saved storages
+        assert got["p2p"] == {"send": want["send"], "recv": want["recv"]}, rank
+        assert got["params"] == want["params"], rank
+        # peak of the step (no optimizer), profiler vs PyTorch's schedule run on fake tensors
+        real = 4 * got["params"] + got["grads"] + got["kept"] + got["top"]
+        assert want["memory"]["peak"] == pytest.approx(real, rel=0.05), (rank, want["memory"], got)
+
+
+def test_cli_pipeline_options_need_pp():
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    for extra in (["--schedule", "gpipe"], ["--microbatches", "4"], ["--virtual-stages", "2"]):
+        r = CliRunner().invoke(main, ["report", "cs336-lm", *extra])
+        assert r.exit_code == 2 and "needs --pp N" in r.output, r.output
+    r = CliRunner().invoke(main, ["report", "cs336-lm", "--pp", "2", "--dp", "2"])
+    assert r.exit_code == 2 and "--pp with --dp" in r.output
+    r = CliRunner().invoke(main, ["report", "cs336-lm", "--pp", "4", "--microbatches", "2", "--precision", "fp32"])
+    assert r.exit_code == 2 and "refuses" in r.output and r.output.count("\n") <= 2, r.output
+
+
+@pytest.mark.heavy
+def test_cli_report_pp_json():
+    """``report --pp 2 --schedule gpipe --microbatches m --json``: per rank the bubble and the
+    micro-batches in flight of GPipe (Huang et al. 2019: all m), and the boundary's bytes counted
+    by hand (B·S·H·D fp32 elements forward, the same backward, per micro-batch)."""
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    rng = random.Random(3)
+    m = rng.randint(2, 6)
+    sizes = dict(_draw(random.Random(SEED)), L=rng.randint(2, 6))
+    args = ["report", "cs336-lm", "--pp", "2", "--schedule", "gpipe", "--microbatches", str(m), "--precision", "fp32",
+            "--json", "--set"] + [f"{k}={v}" for k, v in sizes.items()]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])["pipeline"]
+    assert d["bubble"] == pytest.approx(1 / m)
+    boundary = 4 * sizes["B"] * sizes["S"] * sizes["H"] * sizes["D"]
+    for row in d["ranks"]:
+        assert row["in_flight"] == m
+        assert row["send"] == row["recv"] == m * boundary
+        assert row["blocks"] == sizes["L"] // 2 + (row["rank"] < sizes["L"] % 2)
