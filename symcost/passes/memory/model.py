@@ -382,8 +382,9 @@ class MemoryModel(Solver):
         vals = self._values(env)
         L = env.get(SYMS["L"])
         ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731
-        out: dict[str, Any] = {k: ev(getattr(self, k)) for k in
-                               ("params", "optimizer", "master_weights", "buffers", "inputs")}
+        exact = {k: sympy.sympify(getattr(self, k)).xreplace(env) for k in
+                 ("params", "optimizer", "master_weights", "buffers", "inputs")}
+        out: dict[str, Any] = {k: int(v) for k, v in exact.items()}
         live = dict.fromkeys(self.LIVE_PARTS, 0)
         win = max(self._cands(L, accumulate), key=lambda c: _peval(c.poly, vals))
         events = self.schedule.events
@@ -421,7 +422,7 @@ class MemoryModel(Solver):
             live["optimizer_step"] += int(_peval(origin[1], vals))
         # (a data-parallel trace at a DP that does not divide the sharded dimensions: the
         # unpadded formulas give fractions of a byte, each part rounded down, as the peak is)
-        integral = all(int(v) == v for v in live.values())
+        integral = all(int(v) == v for v in (*live.values(), *exact.values()))
         out.update({k: int(v) for k, v in live.items()})
         out["peak"] = sum(out[k] for k in ("params", "optimizer", "master_weights", "buffers", "inputs",
                                            *self.LIVE_PARTS))
