@@ -87,12 +87,17 @@ def torchtitan_peak(model: str, values: dict, precision: str, shard: str, foreac
     return int(res.stdout.strip().splitlines()[-1])
 
 
-def symcost_rank(an, sizes: dict) -> dict:
-    """symcost's per-rank memory at ``sizes`` (DP among them): the summary's values, bytes."""
+def symcost_rank(an, sizes: dict, impl: str = "foreach") -> dict:
+    """symcost's per-rank memory at ``sizes`` (DP among them): the summary's values (model states,
+    saved activations) and the rank's peak from the traced storage schedule, bytes."""
     from symcost.passes.parallel import summary
 
-    mem = summary(an, sizes=sizes)["values"]["memory"]
-    return {k: (int(v) if v is not None and getattr(v, "is_number", True) else v) for k, v in mem.items()}
+    s = summary(an, sizes=sizes, impl=impl)
+    mem = dict(s["values"]["memory"])
+    mem["peak"] = s["peak"].get("value")
+    mem["peak_where"] = s["peak"].get("where")
+    return {k: (int(v) if v is not None and not isinstance(v, str) and getattr(v, "is_number", True) else v)
+            for k, v in mem.items()}
 
 
 def mib(b) -> str:
@@ -131,7 +136,7 @@ def main() -> None:
         print(f"\n{name} {shown}: symcost trace {t_trace:.1f} s (once, DP a symbol; pinned {an.pinned or 'none'})")
         print("  peer: FSDPMemTracker's peak of a warm step (tracked after an untracked one) and its breakdown "
               "there; 'titan': its peak with torchtitan's loop\n  (two tracked steps, a fresh process); sym: symcost's "
-              "peak (n/a: not given yet), its model states + saved activations, and sym peak / peer peak")
+              "peak (from its storage schedule), its model states + saved activations, and sym peak / peer peak")
         print(f"  {'DP':>3} {'peer s':>6} {'titan s':>7} {'sym s':>6} | {'peer':>8} {'titan':>8} | {'sym peak':>8} "
               f"{'st+act':>8} {'ratio':>6} | " + " ".join(f"{SHORT[c]:>6}" for c in CATEGORIES) + " | peer peak in")
         rows = []
@@ -145,7 +150,7 @@ def main() -> None:
                 titan = torchtitan_peak(ref, {**values, "DP": dp}, args.precision, args.shard, args.impl == "foreach")
                 t_titan = time.perf_counter() - t
             t = time.perf_counter()
-            mine = symcost_rank(an, {**sizes, "DP": dp})
+            mine = symcost_rank(an, {**sizes, "DP": dp}, args.impl)
             t_sym = time.perf_counter() - t
             rows.append((dp, peer, mine))
             at = peer["at_peak"]
