@@ -290,3 +290,43 @@ def test_real_gloo_two_ranks(sp, tmp_path):
         for kind, want in got["comm"].items():
             assert Fraction(str(an.comm_bytes(kind).subs(env_s))) == Fraction(want), (kind, rank)
         assert int(an.params_shard.subs(env_s)) == got["shard"], rank
+
+
+def test_six_n_p_of_one_rank():
+    """One rank's model FLOPs are 6·N·P/TP + the attention's score and value matmuls per rank:
+    Narayanan et al. 2021 (PTD-P), Appendix, eq. (3): 72·B·S·L·h² (1 + S/(6h)) + 6·B·S·h·V for a
+    GPT forward+backward, each of the t ranks running 1/t of it (Shoeybi et al. 2019, §3), with
+    the paper's 96 = 72 + 24 written as the 6·N·P part (P = 12·L·h² + h·V, the matmul
+    parameters) plus 12·B·L·S²·h; the report's remainder is that attention term, never a
+    negative share of the whole model (it once subtracted the whole 6·N·P from one rank's)."""
+    for sp in (False, True):
+        an = _trace(sp)
+        P, rem, _ = an.train_simplified()
+        B, S, L, V = (SYMS[k] for k in "BSLV")
+        assert sympy.simplify(an.flops("train") - (6 * B * S * P + 12 * B * L * S**2 * h) / t) == 0
+        assert sympy.simplify(rem - 12 * B * L * S**2 * h / t) == 0, rem
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["time", "megatron-gpt", "--tp", "2", "--device", "h100", "--tokens", "1e9", "--mfu", "0.45"],
+     "--tp is answered by `symcost report` only"),
+    (["max-batch", "megatron-gpt", "--tp", "2", "--memory", "80GiB"], "--tp is answered by `symcost report` only"),
+    (["report", "cs336-lm", "--pp", "2", "--tp", "2"], "--pp with --tp is not modelled yet"),
+    (["report", "cs336-lm", "--pp", "2", "--gpu", "h100-sxm"], "--pp with --gpu is not modelled yet"),
+    (["report", "cs336-lm", "--dp", "8", "--gpu", "nosuchgpu"], "unknown device 'nosuchgpu'"),
+])
+def test_refused_before_any_trace(args, msg, monkeypatch):
+    """Options a command does not model are one line before the trace (a time --tp once charged one
+    rank's FLOPs as the whole run's; --pp ignored --tp and --gpu; an unknown --gpu came after a
+    30 s trace)."""
+    from click.testing import CliRunner
+
+    import symcost.graph.build as build
+    from symcost.cli import main
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced")
+
+    monkeypatch.setattr(build, "trace", no_trace)
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and msg in r.output, r.output

@@ -179,6 +179,17 @@ def parallel_request(ctx) -> tuple[int | None, str | None]:
     """
     meta = ctx.find_root().meta if ctx is not None else {}
     dp, shard = meta.get("symcost.dp"), meta.get("symcost.shard")
+    command = ctx.command.name if ctx is not None and ctx.command is not None else None
+    if command not in (None, "report"):
+        for key, flag in (("symcost.tp", "--tp"), ("symcost.sp", "--sp")):
+            if meta.get(key):
+                raise SymcostError(f"{flag} is answered by `symcost report` only for now: {command} with tensor "
+                                   "parallelism (its peak, step time, run time) is not modelled yet "
+                                   "(docs/parallel.md §11)")
+    if meta.get("symcost.gpu"):  # an unknown device: say so before the trace
+        from symcost.hardware.devices import get_device
+
+        get_device(meta["symcost.gpu"])
     if shard is not None and dp is None:
         raise SymcostError(f"--shard {shard} needs --dp N (the data-parallel size)")
     for key, flag in (("symcost.gpu", "--gpu"), ("symcost.nodes", "--nodes"), ("symcost.devices_per_node", "--devices-per-node"),

@@ -50,6 +50,12 @@ def pipeline_request(ctx):
         return None
     if meta.get("symcost.dp") is not None:
         raise SymcostError("--pp with --dp (PP x DP) is not composed yet; give one of them")
+    for key, flag in (("symcost.tp", "--tp"), ("symcost.sp", "--sp"), ("symcost.shard", "--shard"),
+                      ("symcost.gpu", "--gpu"), ("symcost.fsdp_mp", "--fsdp-mp"), ("symcost.nodes", "--nodes"),
+                      ("symcost.devices_per_node", "--devices-per-node")):
+        if meta.get(key):
+            raise SymcostError(f"--pp with {flag} is not modelled yet (the pipeline report is one device per "
+                               "stage, no step time); give one of them")
     schedule = meta.get("symcost.pp_schedule") or "1f1b"
     virtual = meta.get("symcost.pp_virtual") or (2 if schedule == "interleaved-1f1b" else 1)
     return pp, schedule, meta.get("symcost.pp_microbatches") or pp, virtual

@@ -226,21 +226,35 @@ class Conventions:
         P, rem, _ = self.train_simplified()
         n = "*".join(str(x) for x in ("B", "S") if x not in self.pinned)
         head = f"6*{n}*({P})" if n else f"6*({P})"
+        tp = self.tp_share()
+        if tp != 1:
+            head += f"/{tp}"
         if rem == 0:
             return head
         text = str(rem)
         return f"{head} - {text[1:]}" if text.startswith("-") and "+" not in text and " - " not in text \
             else f"{head} + {text}"
 
+    def tp_share(self):
+        """The tensor-parallel size a rank's matmul work is divided by: ``TP`` (the symbol, or its
+        pinned value) for a ``--tp`` trace, else 1 (Shoeybi et al. 2019, §3: each rank runs 1/t
+        of every split matmul)."""
+        if not (getattr(self, "parallel", None) or "").startswith("tp"):
+            return sympy.Integer(1)
+        return sympy.Integer(self.pinned["TP"]) if "TP" in self.pinned else SYMS["TP"]
+
     def train_simplified(self) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
         """``(P, remainder, unevaluated 6*B*S*P + remainder)`` with remainder exact.
 
         P is ``params_active_matmul``: for a mixture of experts the parameters one token uses
-        (R of E experts), else ``params_matmul``."""
+        (R of E experts), else ``params_matmul``. One rank of tensor parallelism (``--tp``) runs
+        1/TP of the split matmuls: its form is 6·B·S·P/TP + remainder (:meth:`tp_share`), P the
+        whole model's."""
         P = self.params_active_matmul
         B, S = (sympy.Integer(self.pinned[n]) if n in self.pinned else SYMS[n] for n in ("B", "S"))
-        rem = sympy.expand(self.flops("train") - 6 * B * S * P)
-        factors = [f for f in (sympy.Integer(6), B, S, sympy.factor_terms(P)) if f != 1]
+        tp = self.tp_share()
+        rem = sympy.expand(self.flops("train") - 6 * B * S * P / tp)
+        factors = [f for f in (sympy.Integer(6), B, S, sympy.factor_terms(P), 1 / tp) if f != 1]
         form = sympy.Add(sympy.Mul(*factors, evaluate=False),
                          sympy.factor_terms(rem), evaluate=False)
         return P, rem, form

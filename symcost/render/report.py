@@ -246,7 +246,12 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     c.print(tt)
 
     P, rem, form = an.train_simplified()
-    c.print("[bold]Training model FLOPs = 6·N·P + remainder[/bold]   (N = B·S tokens per step)")
+    tp = an.tp_share()
+    if tp != 1:
+        c.print("[bold]Training model FLOPs of one rank = 6·N·P/TP + remainder[/bold]   (N = B·S tokens per step; "
+                "P: the whole model's, each of the TP ranks runs 1/TP of the split matmuls)")
+    else:
+        c.print("[bold]Training model FLOPs = 6·N·P + remainder[/bold]   (N = B·S tokens per step)")
     c.print(f"  P (parameters used as matmul operands) = {fmt(P)}")
     c.print(f"  P_total (all parameters, tied once)    = {fmt(an.params)}")
     c.print(f"  non-embedding params (Kaplan et al. 2020's N) = {fmt(an.params_nonembedding)}"
@@ -267,14 +272,14 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     if env:
         N = _value(SYMS["B"] * SYMS["S"], {**env, **{SYMS[k]: v for k, v in an.pinned.items()}})
         total = _value(an.flops("train"), env)
-        sixnp = 6 * N * _value(P, env)
+        sixnp = 6 * N * _value(P, env) / (_value(tp, {**env, **{SYMS[k]: v for k, v in an.pinned.items()}}) if tp != 1 else 1)
         fwd, bwd = _value(an.flops("forward"), env), _value(an.flops("backward"), env)
         if total == 0:
             c.print(f"[yellow]warning[/yellow]: model FLOPs are 0 at these sizes (no matmul-class op ran); "
                     f"all FLOPs, train = {human(_value(an.flops('train', 'all'), env), 'FLOP')}; the 6·N·P "
                     "form and the forward : backward split do not apply")
         else:
-            c.print(f"  at these sizes: 6·N·P = {human(sixnp, 'FLOP')}, remainder = {human(total - sixnp, 'FLOP')}"
+            c.print(f"  at these sizes: 6·N·P{'/TP' if tp != 1 else ''} = {human(sixnp, 'FLOP')}, remainder = {human(total - sixnp, 'FLOP')}"
                     f" ({(total - sixnp) / total:.1%} of {human(total, 'FLOP')})")
             ratio = f"1 : {bwd / fwd:.3f}" if fwd else "- (no forward model FLOPs)"
             c.print(f"  forward : backward = {ratio}    attention (matmuls without a parameter"

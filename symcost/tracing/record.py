@@ -605,6 +605,12 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
         if param_dtype != torch.float32:
             model.to(param_dtype)  # on the meta device, before the parameters become DTensors
         wrap(model, layers, parallel, fake_group(values["DP"]), spec.extra.get("fsdp_mp"))
+        # FSDP2 warns when the root returns a view (a language model's logits slice); the recorded
+        # step does no in-place op on it, and the user did not write this wrapping: not theirs to see
+        import warnings
+
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
+                                category=UserWarning)
     tp = spec.extra.get("tensor_parallel")
     loss_context = contextlib.nullcontext
     if tp is not None:
