@@ -15,6 +15,7 @@ Used by the memory tests and benchmarks/bench_max_batch.py as the ground truth:
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -187,6 +188,28 @@ def static_bytes(spec, sizes, precision, optimizer) -> dict[str, int]:
     }
 
 
+@contextlib.contextmanager
+def profiled():
+    """``torch.profiler.profile(profile_memory=True)`` (CPU) around a measured window, with no
+    garbage collected inside it: the cyclic garbage is collected before the window starts and the
+    collector is off until it ends. torch's CPU memory reporter keeps the size of every storage
+    allocated while any profile ran, so a storage an earlier profile allocated (an earlier test's
+    model kept in a reference cycle) that the collector frees inside this window would be
+    reported as a free here: the measured level drops by its size (an earlier measurement's
+    gradients once took 552 KB off a 2.6 MB step peak)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield prof
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _levels(prof) -> tuple[int, int]:
     """(highest allocator level, highest level at the end of a top-level aten op) over a profile.
 
@@ -225,8 +248,6 @@ def step_peak(spec, sizes, precision, optimizer="adamw", foreach=True) -> dict[s
     buffers, optimizer state, inputs; plus the highest allocator level above them), the same at
     the ends of top-level aten ops (kernel-internal workspaces left out), and the baseline.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     model, args, kwargs, ctx = build(spec, sizes, precision)
     opt = make_optimizer(optimizer, model.parameters(), precision, foreach=foreach)
 
@@ -245,7 +266,7 @@ def step_peak(spec, sizes, precision, optimizer="adamw", foreach=True) -> dict[s
     state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     baseline = sum(_storages(list(model.parameters()) + list(model.buffers()) + state
                              + tree_flatten((args, kwargs))[0]).values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profiled() as prof:
         step()
     top, top_ops = _levels(prof)
     return {"peak": baseline + top, "peak_ops": baseline + top_ops, "baseline": baseline}
@@ -255,8 +276,6 @@ def accumulation_peak(spec, sizes, precision, optimizer="adamw", foreach=True) -
     """Peak bytes of the last micro-step of a gradient-accumulation cycle (not the first one):
     gradients and optimizer state live from the start, the new gradients added in place, then
     the optimizer step (``torch.profiler``, as in :func:`step_peak`)."""
-    from torch.profiler import ProfilerActivity, profile
-
     model, args, kwargs, ctx = build(spec, sizes, precision)
     opt = make_optimizer(optimizer, model.parameters(), precision, foreach=foreach)
 
@@ -276,7 +295,7 @@ def accumulation_peak(spec, sizes, precision, optimizer="adamw", foreach=True) -
     state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     baseline = sum(_storages(params + list(model.buffers()) + state + [p.grad for p in params if p.grad is not None]
                              + tree_flatten((args, kwargs))[0]).values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profiled() as prof:
         micro_step()
         opt.step()
     top, top_ops = _levels(prof)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from memory_oracle import _levels, _storages
+from memory_oracle import _levels, _storages, profiled
 from symcost.passes import inference
 from test_inference import _meta_model, full_values, random_sizes, traced_step
 
@@ -78,7 +78,6 @@ def test_serve_70b_boundary_and_warm_time():
 def _decode_peak(spec, values) -> dict:
     """Peak bytes of one real decode step with a StaticCache (torch.profiler, as the training oracle):
     baseline = parameters, buffers, the cache's key/value storages and the step's token ids."""
-    from torch.profiler import ProfilerActivity, profile
     from transformers import StaticCache
 
     torch.manual_seed(0)
@@ -90,7 +89,7 @@ def _decode_peak(spec, values) -> dict:
     ids = torch.randint(0, V, (B, 1))
     kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
     baseline = sum(_storages(list(model.parameters()) + list(model.buffers()) + kv + [ids]).values())
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with torch.no_grad(), profiled() as prof:
         out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         del out
     top, top_ops = _levels(prof)

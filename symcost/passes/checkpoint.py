@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -301,7 +302,10 @@ class Plan:
         ``torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)``
         (non-reentrant: correct also when the block input needs no grad, and kwargs pass
         through); the segment's other blocks return the segment's output when the parent model
-        calls them. Parameter names, hooks and the module tree stay as they are.
+        calls them. Parameter names, hooks and the module tree stay as they are, and the new
+        forwards hold the blocks by weak reference: the applied model makes no reference cycle
+        (dropped, it is freed at once, as the original, not whenever Python's cyclic garbage
+        collector runs).
 
         As Hugging Face's gradient checkpointing does (``transformers``' ``GradientCheckpointingLayer``
         and ``merge_with_config_defaults``), a segment is checkpointed only when its first block
@@ -325,27 +329,33 @@ class Plan:
             raise SymcostError(f"the plan is for {self.L} blocks in {self.container!r}, "
                                f"the model has {len(blocks)}")
         for s, e in self.segments:
-            seg = blocks[s:e]
+            # the blocks by weak reference only: a block's forward that held its block (or the
+            # segment's blocks) would make every block a reference cycle, kept with its parameters
+            # and gradients after the model is dropped until the cyclic garbage collector runs
+            seg = [weakref.ref(b) for b in blocks[s:e]]
             state = {"inside": False, "out": None}
-            origs = [b.forward for b in seg]
+            origs = [b.__dict__.get("forward") for b in blocks[s:e]]  # an instance's own forward, if any
 
             def run(*args, _seg=seg, _state=state, **kwargs):
                 _state["inside"] = True
                 try:
                     out = None
-                    for b in _seg:
-                        out = b(*args, **kwargs)
+                    for ref in _seg:
+                        out = ref()(*args, **kwargs)
                         args = (out if not isinstance(out, (tuple, list)) else out[0],) + tuple(args[1:])
                     return out
                 finally:
                     _state["inside"] = False
 
-            def make(i, _orig, _state=state, _n=len(seg), _run=run, _first=seg[0]):
+            def make(i, _own, _me, _state=state, _n=len(seg), _run=run, _first=seg[0]):
                 def forward(*args, **kwargs):
                     if _state["inside"]:
-                        return _orig(*args, **kwargs)
+                        if _own is not None:
+                            return _own(*args, **kwargs)
+                        me = _me()
+                        return type(me).forward(me, *args, **kwargs)
                     if i == 0:
-                        if not (_first.training and torch.is_grad_enabled()):
+                        if not (_first().training and torch.is_grad_enabled()):
                             out = _run(*args, **kwargs)  # nothing to replay: as is, cache included
                         else:
                             out = (traced_checkpoint if _traced else checkpoint)(
@@ -359,8 +369,8 @@ class Plan:
                     return out
                 return forward
 
-            for i, b in enumerate(seg):
-                b.forward = make(i, origs[i])
+            for i, b in enumerate(blocks[s:e]):
+                b.forward = make(i, origs[i], seg[i])
         if self.segments:
             _no_cache_in_training(model)
         return model
