@@ -73,3 +73,10 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
         code = e.code if isinstance(e.code, int) else 1
     out, err = capsys.readouterr()
     return code, out, err
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """An empty trace cache of the test's own (``SYMCOST_CACHE_DIR``)."""
+    monkeypatch.setenv("SYMCOST_CACHE_DIR", str(tmp_path))
+    return tmp_path

@@ -21,12 +21,6 @@ from symcost.passes import memory
 from symcost.graph.analysis import Analysis
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("SYMCOST_CACHE_DIR", str(tmp_path))
-    return tmp_path
-
-
 def _same(fresh, cached, rng, n=4):
     """Fresh and cached analyses give the same numbers at ``n`` random sizes."""
     assert cached.symbols == fresh.symbols and cached.pinned == fresh.pinned

@@ -32,12 +32,6 @@ def _fresh(shard: str):
     return symcost.trace("mlp", sizes={"DP": 8}, precision="bf16-mixed", shard=shard, use_cache=False)
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("SYMCOST_CACHE_DIR", str(tmp_path))
-    return tmp_path
-
-
 def _same(a, b, where=""):
     """Equal values: formulas up to expansion, floats to 1e-12, containers element-wise."""
     if isinstance(a, dict):

@@ -16,7 +16,6 @@ nodes and the accumulation are drawn at random (seeded).
 """
 from __future__ import annotations
 
-import functools
 import json
 import random
 import tomllib
@@ -27,17 +26,7 @@ import pytest
 from test_parallel import _run_rank
 
 
-@functools.lru_cache(maxsize=None)
-def _fresh(shard: str):
-    import symcost
-
-    return symcost.trace("mlp", sizes={"DP": 8}, precision="bf16-mixed", shard=shard, use_cache=False)
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("SYMCOST_CACHE_DIR", str(tmp_path))
-    return tmp_path
+from test_parallel_cache import _fresh  # (the same fresh traces)
 
 
 def _cli(*args, code=0):

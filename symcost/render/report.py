@@ -531,13 +531,7 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
     if par.get("divisible") is False:
         c.print("DP does not divide every sharded dimension here: the values include the padding of the "
                 "shards (FSDP2: ceil(d0/DP) rows per rank), the formulas do not (docs/parallel.md)")
-    t = Table("per rank, per step", "formula", "value", box=None)
-    for k, v in summary["comm"].items():
-        val = js["comm"][k]
-        t.add_row(f"comm.{k} (sent = received)", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
-    for k, v in summary["memory"].items():
-        val = par["memory_per_rank"][k]
-        t.add_row(f"memory.{k}", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
+    t = per_rank_table(summary, js, par)
     pk = par["memory"]
     if pk.get("peak") is None:
         t.add_row("memory.peak", "", pk.get("error", ""))
@@ -582,3 +576,19 @@ def memory_section(an: Analysis, sizes, cap: str, precision: str, optimizer: str
     from symcost.render.memory import report_section
 
     return report_section(an, sizes, cap, precision, optimizer, **options)
+
+
+def per_rank_table(summary, js, par):
+    """The rich table of one rank's collectives and memory: each ``summary["comm"]`` and
+    ``summary["memory"]`` formula with its value (bytes per rank per step) from the JSON forms
+    ``js["comm"]`` and ``par["memory_per_rank"]``."""
+    from rich.table import Table
+
+    t = Table("per rank, per step", "formula", "value", box=None)
+    for k, v in summary["comm"].items():
+        val = js["comm"][k]
+        t.add_row(f"comm.{k} (sent = received)", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
+    for k, v in summary["memory"].items():
+        val = par["memory_per_rank"][k]
+        t.add_row(f"memory.{k}", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
+    return t

@@ -5,7 +5,7 @@ from typing import Mapping
 
 import sympy
 
-from symcost.render.report import console, fmt, human
+from symcost.render.report import console, fmt
 
 
 def _num(v):
@@ -35,13 +35,6 @@ def render(an, sizes: Mapping[str, int], summary: dict, width: int | None = None
     par = js["parallel"]
     c.print(f"\n[bold]tensor parallel[/bold]: TP = {par['tp']} ranks"
             f"{' with sequence parallelism' if par['sp'] else ''}; traced {par['engine']}")
-    from rich.table import Table
+    from symcost.render.report import per_rank_table
 
-    t = Table("per rank, per step", "formula", "value", box=None)
-    for k, v in summary["comm"].items():
-        val = js["comm"][k]
-        t.add_row(f"comm.{k} (sent = received)", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
-    for k, v in summary["memory"].items():
-        val = par["memory_per_rank"][k]
-        t.add_row(f"memory.{k}", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
-    c.print(t)
+    c.print(per_rank_table(summary, js, par))
