@@ -117,8 +117,8 @@ def test_transformer_rank_peak_matches_memtracker(shard):
     """cs336-lm under bf16-mixed autocast (embedding and head in the root unit, attention,
     autocast's weight copies): the rank's peak equals MemTracker's at a random size and DP.
     fsdp only here (a cs336-lm trace per strategy costs 30-70 s of the suite's 20 minutes):
-    zero2 and ddp are checked the same way on mlp above and on cs336-lm-like blocks in the real
-    gloo run below; all three agreed to the byte on cs336-lm when this ran per strategy."""
+    zero2 and ddp are checked the same way on mlp, above and in the real gloo run below; all
+    three agreed to the byte on cs336-lm when this ran per strategy."""
     an = _trace("cs336-lm", shard)
     assert "DP" in an.symbols and not an.pinned, an.pin_reasons
     v = _draw(an, random.Random(1500 + len(shard)))
