@@ -17,25 +17,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT = os.path.join(HERE, "..", "tests", "data", "configs", "llama-3-8b.json")
+sys.path.insert(0, HERE)
+from bench_cache import run  # noqa: E402  (wall and CPU seconds of a command, as the cache benchmark times it)
 
 
-def run(cmd: list[str], env: dict) -> tuple[float, float, str]:
-    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if out.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr}")
-    return wall, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime), out.stdout
 
 
 def measure(cmd: list[str], env: dict, repeat: int) -> dict:
