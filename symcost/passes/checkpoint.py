@@ -792,25 +792,37 @@ class Chain:
     def step_optimal(self, cap: int | None = None) -> tuple[list[tuple[int, int]], int, int]:
         """The step model's optimum: without ``cap`` the least peak (ties: least recompute); with
         ``cap`` (bytes, the whole step) the least recompute whose peak fits. Returns
-        ``(segments, peak, recompute)`` with the composed schedule's peak.
+        ``(segments, peak, recompute)`` with the composed schedule's peak (:meth:`peak`).
+
+        The search runs on tables whose peak exceeds a plan's composed peak by at most the bound
+        ``g`` of :meth:`StepSchedule.costs`. Every plan that fits ``cap`` has a table peak within
+        ``cap + g``, so the least recompute there, when its composed peak fits, is the least
+        recompute of all plans that fit (exact). Otherwise the least recompute whose table peak
+        fits ``cap`` (it surely fits), else the least-peak plan when it fits: those are within the
+        bound of the optimum. Without ``cap`` the least table peak, within ``g`` of the least
+        composed peak (``optimality_gap`` in :func:`recommend`).
 
         Raises:
-            SymcostError: no plan fits ``cap`` (the message gives the least peak).
+            SymcostError: no plan found fits ``cap`` (the message gives the least peak found).
         """
-        tables, _ = self.step
+        tables, gap = self.step
         static = self.schedule.static
         if cap is None:
             segs, _, rec = tables.optimal()
-        else:
+            return segs, self.peak(segs), rec
+        for budget in dict.fromkeys((cap - static + gap, cap - static)):
             try:
-                segs, _, rec = tables.optimal(cap - static)
+                segs, _, rec = tables.optimal(budget)
             except SymcostError:
-                from symcost.passes.checkpoint_dp import least_peak
-
-                least = static + least_peak(tables)
-                raise SymcostError(f"no checkpoint plan fits under {cap} bytes: the least peak of a step is "
-                                   f"{least} bytes ({least / 2**30:.3f} GiB)") from None
-        return segs, self.peak(segs), rec
+                continue
+            pk = self.peak(segs)
+            if pk <= cap:
+                return segs, pk, rec
+        segs, pk, rec = self.step_optimal()
+        if pk <= cap:
+            return segs, pk, rec
+        raise SymcostError(f"no checkpoint plan fits under {cap} bytes: the least peak of a step is "
+                           f"{pk} bytes ({pk / 2**30:.3f} GiB)")
 
 
 _CACHE: dict = {}  # per analysis (by id): block costs, law, every-layer trace, recompute
