@@ -250,6 +250,7 @@ def test_cli_report_tp_sp_json():
 @pytest.mark.parametrize("args,msg", [
     (["--sp"], "--sp needs --tp N"),
     (["--tp", "2", "--dp", "2"], "--tp with --dp is not composed yet"),
+    (["--tp", "3", "--set", "H=4"], "heads do not split over 3 ranks (accepted: a TP that divides 4: 2, 4)"),
 ])
 def test_cli_refusals(args, msg):
     from click.testing import CliRunner

@@ -381,8 +381,9 @@ def apply(model, layers: str | None, mesh, sp: bool):
             v = getattr(parent, a, None)
             if isinstance(v, int) and not isinstance(v, bool):
                 if v % tp:
+                    ok = ", ".join(str(t) for t in range(2, v + 1) if v % t == 0)
                     raise SymcostError(f"--tp {tp}: {n.rpartition('.')[0]}.{a} = {v} heads do not split "
-                                       f"over {tp} ranks")
+                                       f"over {tp} ranks (accepted: a TP that divides {v}: {ok})")
                 setattr(parent, a, v // tp)
     if sp:
         _split_positions(model, layers, mesh)
