@@ -135,7 +135,7 @@ def test_time_prints_the_sizes_and_parameters_it_used(capsys, traced):
     assert lines[i + 1].strip() == "(L V: the model's defaults; B S H D: --set)"
     full = int(an.params.xreplace(an.bind(**{**sz, "L": defaults["L"], "V": defaults["V"]})))
     assert lines[i + 2].startswith(f"parameters: {full:,} (")
-    assert "MFU 0.4487 (given), HFU 0.4487 (derived)" in out
+    assert "MFU 0.4487 (44.9%) (given), HFU 0.4487 (44.9%) (derived)" in out  # 140/312
     a = _json(capsys, "time", "gpt2", "--set", "B=8", "S=64", "H=4", "D=16", "--precision", "fp32", "--tokens", "1e9",
               "--device", "h100", "--mfu", "140/312", "--json")
     b = _json(capsys, "time", "gpt2", "--set", "B=8", "S=64", "H=4", "D=16", "--precision", "fp32", "--tokens", "1e9",

@@ -103,7 +103,7 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
     for line in model_lines(an, sizes, tc):
         c.print(line)
     mark = {"mfu": " (given)" if given == "mfu" else " (derived)", "hfu": " (given)" if given == "hfu" else " (derived)"}
-    c.print(f"MFU {u_mfu:.4g}{mark['mfu']}, HFU {u_hfu:.4g}{mark['hfu']}")
+    c.print(f"MFU {u_mfu:.4g} ({100 * u_mfu:.1f}%){mark['mfu']}, HFU {u_hfu:.4g} ({100 * u_hfu:.1f}%){mark['hfu']}")
     c.print(f"  hardware FLOPs = {ratio:.4g} x model FLOPs (recompute {recompute}"
             f"{'; the kernels repeat work' if tc['flops.kernel_extra_step'] else ''})")
     what = "model" if given == "mfu" else "hardware"
@@ -156,6 +156,6 @@ def _time_dp(model, sets, config, attention, precision, device_name, devices_fil
             f"{human(sum(st['bytes'].values()), 'B')} per rank over {st['link']} at "
             f"{st['link_bandwidth'] / 1e9:.4g} GB/s per direction ({st['nodes']} node(s)), "
             f"{st['exposed_comm_seconds'] * 1e3:.4g} ms exposed (--overlap {st['overlap']})")
-    c.print(f"MFU per rank {out['mfu']:.4g}; model FLOPs of the run {float(out['compute.total']):.4g}")
+    c.print(f"MFU per rank {out['mfu']:.4g} ({100 * out['mfu']:.1f}%); model FLOPs of the run {float(out['compute.total']):.4g}")
     c.print(f"time: {out['time.days']:.4g} days, {out['time.device_hours']:.4g} device-hours "
             f"({out['time.seconds']:.4g} s)")
