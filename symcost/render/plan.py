@@ -27,9 +27,9 @@ def render(res: dict, top: int = 5, width: int | None = None) -> None:
         t.add_row(str(i), f"{lay['dp']}×{lay['tp']}×{lay['pp']}", f"{lay['micro_batch']}×{lay['microbatches']}",
                   lay["shard"], lay["checkpoint"], lay["schedule"], _gib(r["memory"]["total"]), link("tp"),
                   link("pp"), link("dp"), f"{r['bubble']:.3f}", f"{r['mfu']:.1%}", f"{r['step_seconds']:.3f} s")
+    c.print(t)
     c.print("bytes are per rank per step, sent (= received); node: the scale-up link, network: one NIC per "
             f"device. Links: {res.get('links', '')}")
-    c.print(t)
     if not res["layouts"]:
         c.print("no layout fits: a larger memory cap, more devices, checkpointing or sharding")
     c.print(f"overlap model: {res['overlap']}. Compute: the roofline at the datasheet peak (an upper "
