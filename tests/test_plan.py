@@ -193,3 +193,17 @@ def test_cli_json_and_errors(capsys):
             (["--devices", "8", "--memory", "80GiB", "--global-batch", "16", "--shard", "zero9"], "--shard")):
         code, out, err = run_cli(capsys, "plan", "megatron-gpt", "--device", "a100-80gb", *bad, *ARGS)
         assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cached_trace_gives_the_same_layouts():
+    """The trace cache's round trip (Analysis.to_dict / from_dict) evaluates every layout alike."""
+    import json
+
+    from symcost.graph.analysis import Analysis
+
+    an = _an()
+    back = Analysis.from_dict(json.loads(json.dumps(an.to_dict())))
+    dev = get_device("h100-sxm")
+    a, b = Planner(an, SZ, dev, PREC), Planner(back, SZ, dev, PREC)
+    for lay in enumerate_layouts(8, 16, SZ["L"], SZ["H"], micro_batches=(1, 4))[::7]:
+        assert a.evaluate(lay) == b.evaluate(lay)

@@ -319,9 +319,11 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
 _TRACES: dict = {}
 
 
-def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = False):
-    """The ``--tp`` trace plan evaluates (B and TP free; kept in this process for requests whose
-    sizes fall in the same regime)."""
+def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = False, use_cache: bool = True):
+    """The ``--tp`` trace plan evaluates (B and TP free): kept in this process for requests whose
+    sizes fall in the same regime, and in the trace cache (key option ``plan``: the config sizes
+    matched by value, S and L free; a round trip gives the same layouts' numbers, tested) for a
+    model given by name; ``use_cache=False`` traces afresh."""
     import symcost
     from symcost.frontends.models import resolve
     from symcost.frontends.spec import ModelSpec
@@ -336,6 +338,15 @@ def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = F
                 and all(vals.get(s) == v for s, v in an.pinned.items() if s not in ("B",)):
             return an
     tsizes = {**req, "TP": 2}
-    an = symcost.trace(tensor_parallel(spec, sp), sizes=tsizes, precision=precision)
+
+    def fresh():
+        return symcost.trace(tensor_parallel(spec, sp), sizes=tsizes, precision=precision)
+
+    if isinstance(model, str) and use_cache:  # the disk cache (symcost.graph.cache), its own key
+        from symcost.graph.cache import cached_trace
+
+        an = cached_trace(model, {}, None, precision, tsizes, fresh, options={"plan": "tp+sp" if sp else "tp"})
+    else:
+        an = fresh()
     _TRACES.setdefault(key, []).append(an)
     return an
