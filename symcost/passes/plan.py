@@ -82,7 +82,8 @@ class Layout:
 def enumerate_layouts(devices: int, global_batch: int, L: int, H: int, *, shards=SHARDS, checkpoints=CHECKPOINTS,
                       schedules=("1f1b",), micro_batches=None, max_tp: int | None = None, K: int | None = None,
                       virtual: int = 2) -> list[Layout]:
-    """Every layout of ``devices`` devices: dp·tp·pp = devices, tp divides H (and K), pp divides L
+    """Every layout of ``devices`` devices: dp·tp·pp = devices, tp divides H (and K) with at least
+    2 heads per rank (one head per rank is a regime of its own, not probed: docs/parallel.md §11), pp divides L
     (uniform stages; interleaved: L/(pp·v) whole), dp divides ``global_batch``, b·m =
     global_batch/dp with b in ``micro_batches`` (default: every divisor), each shard and
     checkpoint; pipelines of one rank take no schedule (plain gradient accumulation); PyTorch's
@@ -95,7 +96,7 @@ def enumerate_layouts(devices: int, global_batch: int, L: int, H: int, *, shards
         raise SymcostError("--devices and --global-batch must be positive integers")
     out = []
     for tp in divisors(devices):
-        if H % tp or (K and K % tp) or (max_tp and tp > max_tp):
+        if H % tp or (tp > 1 and H // tp < 2) or (K and K % tp) or (max_tp and tp > max_tp):
             continue
         for pp in divisors(devices // tp):
             if L % pp:
