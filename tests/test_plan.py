@@ -181,7 +181,9 @@ def test_cli_json_and_errors(capsys):
 
     js = json.loads(out)
     assert len(js["layouts"]) == 3 and js["fits"] >= 3
-    assert {"layout", "memory", "comm_bytes", "links", "bubble", "mfu", "step_seconds"} <= set(js["layouts"][0])
+    top = js["layouts"][0]
+    assert {"layout", "memory", "comm_bytes", "links", "bubble", "mfu", "step_seconds"} <= set(top)
+    assert sum(top["comm_by_link"].values()) == pytest.approx(sum(top["comm_bytes"].values()))
     code, out, err = run_cli(capsys, "plan", "megatron-gpt", "--devices", "8", "--device", "a100-80gb",
                              "--memory", "80GiB", "--global-batch", "16", *ARGS)
     assert code == 0 and "MFU" in out and "fit" in out

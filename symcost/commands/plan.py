@@ -61,7 +61,7 @@ def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, mem
     data-parallel sharding and checkpointing; keeps those whose per-rank memory fits; ranks them by
     the predicted step time (roofline compute + TP and pipeline transfers on the critical path +
     bubble + exposed data-parallel collectives). MODEL: megatron-gpt (default) or another model with
-    a tensor-parallel plan.
+    a tensor-parallel plan. --device defaults to h100-sxm.
     """
     from symcost.errors import SymcostError
     from symcost.passes.memory.policies import policy

@@ -275,6 +275,9 @@ class Planner:
             "flops_rank": float(flops_mb * m),
             "comm_bytes": {"tp": float(tp_bytes), "pp": float(pp_bytes), "dp": float(dp_bytes)},
             "links": {"tp": tp_link, "pp": pp_link, "dp": dp_link},
+            "comm_by_link": {ln: float(sum(bv for k, bv in (("tp", tp_bytes), ("pp", pp_bytes), ("dp", dp_bytes))
+                                           if {"tp": tp_link, "pp": pp_link, "dp": dp_link}[k] == ln))
+                             for ln in ("node", "network")},
             "bubble": bubble,
             "time": {"compute": m * (fwd + bwd), "tp_comm": m * tp_s, "pp_comm": m * pp_s,
                      "bubble": m * per_mb_s * bubble, "dp_exposed": exposed, "dp_comm": dp_s, "step": step},
