@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "validate": "symcost.commands.validate:validate",
     "checkpoint": "symcost.commands.checkpoint:checkpoint",
     "serve": "symcost.commands.serve:serve",
+    "plan": "symcost.commands.plan:plan",
 }
 
 

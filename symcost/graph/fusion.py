@@ -95,15 +95,19 @@ def estimate(an) -> FusionEstimate:
     """
     stored = getattr(an, "__dict__", {}).get("_fusion_data")  # kept with a cached analysis
     if stored is not None and not getattr(an, "recordings", None):
+        parsed = an.__dict__.get("_fusion_parsed")  # parsed once per analysis (plan calls this per layout)
+        if parsed is not None:
+            return parsed
         from symcost.tracing.fit import parse_formula as P
 
-        return FusionEstimate(node_bytes={int(i): P(v) for i, v in stored["node_bytes"]},
+        an.__dict__["_fusion_parsed"] = FusionEstimate(node_bytes={int(i): P(v) for i, v in stored["node_bytes"]},
                               node_written={int(i): P(v) for i, v in stored["node_written"]},
                               region_of={int(i): int(r) for i, r in stored["region_of"]},
                               regions={int(r): list(ids) for r, ids in stored["regions"]},
                               exact=bool(stored["exact"]),
                               charged={int(i): (tuple(a), tuple(b)) for i, a, b in stored["charged"]}
                               if "charged" in stored else None)
+        return an.__dict__["_fusion_parsed"]
     if not getattr(an, "recordings", None):
         return FusionEstimate(node_bytes={op.index: op.cost.bytes for op in an.ops},
                               node_written={op.index: written_bytes(op) for op in an.ops},

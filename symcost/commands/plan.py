@@ -1,0 +1,96 @@
+"""``symcost plan``: the best parallel layouts (DP/FSDP × TP × PP × micro-batch × checkpointing) of
+N devices, ranked by predicted step time (docs/parallel.md §13)."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from ._device import device_options, resolve_device
+from ._options import parse_sizes
+
+
+def _csv(text: str, accepted, what: str) -> tuple:
+    from symcost.errors import SymcostError
+
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in items if x not in accepted]
+    if bad or not items:
+        raise SymcostError(f"bad {what} {text!r}; accepted (comma-separated): {', '.join(accepted)}")
+    return items
+
+
+def _positive(text: str, what: str) -> int:
+    from symcost.errors import SymcostError
+
+    t = str(text).replace("_", "").strip()
+    try:
+        v = float(t)
+    except ValueError:
+        raise SymcostError(f"{what} must be a positive integer, got {text!r}") from None
+    if v != int(v) or v < 1:
+        raise SymcostError(f"{what} must be a positive integer, got {text!r}")
+    return int(v)
+
+
+@click.command()
+@click.argument("model", default="megatron-gpt")
+@click.option("--devices", "n_devices", required=True, metavar="N", help="devices training together")
+@device_options
+@click.option("--memory", required=True, metavar="CAP", help="memory per device, e.g. 80GiB (binary) or 80GB (10^9)")
+@click.option("--global-batch", required=True, metavar="G", help="sequences per optimizer step (G = dp·b·m)")
+@click.option("--set", "sets", multiple=True, metavar="SYM=INT", help="model sizes, e.g. --set H=96 D=128 L=80 S=2048")
+@click.option("--precision", default="bf16-true-fp32-master", show_default=True,
+              help="precision policy (Megatron-LM's: 16-bit weights and activations, fp32 master and Adam)")
+@click.option("--shard", "shards", default="ddp,zero1,fsdp", show_default=True, help="data-parallel sharding to try")
+@click.option("--checkpoint", "checkpoints", default="none,full", show_default=True,
+              help="activation checkpointing to try: none, full (every block)")
+@click.option("--schedule", "schedules", default="1f1b", show_default=True,
+              help="pipeline schedules to try: 1f1b, interleaved-1f1b (v = 2), gpipe")
+@click.option("--micro-batch", "micro", default="1,2,4,8", show_default=True, help="micro-batch sizes b to try")
+@click.option("--sp", is_flag=True, help="sequence parallelism with TP (Korthikanti et al. 2022)")
+@click.option("--overlap", default="backward", show_default=True, type=click.Choice(["backward", "none"]))
+@click.option("--top", default=5, show_default=True, type=click.IntRange(min=1), help="layouts to print")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.option("--debug", is_flag=True, help="show tracebacks")
+def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, memory, global_batch, sets, precision,
+         shards, checkpoints, schedules, micro, sp, overlap, top, as_json, debug):
+    """The fastest parallel layouts of N devices that fit the memory per device.
+
+    Enumerates dp·tp·pp = N (tp | heads, pp | layers, dp | G), micro-batch b (G = dp·b·m),
+    data-parallel sharding and checkpointing; keeps those whose per-rank memory fits; ranks them by
+    the predicted step time (roofline compute + TP and pipeline transfers on the critical path +
+    bubble + exposed data-parallel collectives). MODEL: megatron-gpt (default) or another model with
+    a tensor-parallel plan. --device defaults to h100-sxm.
+    """
+    from symcost.errors import SymcostError
+    from symcost.passes.memory.policies import policy
+    from symcost.passes.plan import CHECKPOINTS, SCHEDULES, SHARDS
+    from symcost.units import parse_memory
+
+    n = _positive(n_devices, "--devices")
+    g = _positive(global_batch, "--global-batch")
+    cap = parse_memory(memory)
+    sizes = parse_sizes(sets)
+    policy(precision)
+    shards = _csv(shards, SHARDS, "--shard")
+    checkpoints = _csv(checkpoints, CHECKPOINTS, "--checkpoint")
+    schedules = _csv(schedules, SCHEDULES, "--schedule")
+    mbs = tuple(_positive(x, "--micro-batch") for x in micro.split(",") if x.strip())
+    if "B" in sizes or "TP" in sizes:
+        raise SymcostError("plan chooses the micro-batch B and TP itself: drop B/TP from --set "
+                           "(--micro-batch lists the micro-batch sizes to try)")
+    dev = resolve_device(device_name or "h100-sxm", devices_file, peak_flops, bandwidth)
+    from symcost.passes.plan import plan as make_plan, trace_for_plan
+
+    an = trace_for_plan(model, sizes, precision, sp)
+    res = make_plan(an, sizes, dev, n, cap, g, precision, overlap=overlap, shards=shards, checkpoints=checkpoints,
+                    schedules=schedules, micro_batches=mbs)
+    res["model"], res["device"] = an.model, dev.key
+    if as_json:
+        click.echo(json.dumps({**res, "layouts": res["layouts"][:top], "fits": len(res["layouts"])}, indent=1,
+                              default=float))
+        return
+    from symcost.render.plan import render
+
+    render(res, top)

@@ -1,0 +1,356 @@
+"""``symcost plan``: the parallel layouts of N devices, ranked by predicted step time
+(docs/parallel.md, "13. Planning a layout").
+
+What is traced and what is composed:
+
+* **Traced once per (model, precision, sequence parallelism, regime)**: one rank of tensor
+  parallelism (:mod:`symcost.frontends.tensor_parallel`, the symbol ``TP``, B free). From it:
+  per block (the coefficient of L) and outside the blocks (the rest), a micro-batch's model
+  FLOPs, saved bytes (:func:`symcost.passes.checkpoint.block_costs`: ``a``, the block input
+  ``x`` a checkpoint keeps, the forward FLOPs ``f``), parameter elements held (``params_shard``)
+  and TP collective bytes (ring, per rank); the roofline time of a micro-batch per phase
+  (:func:`symcost.passes.roofline.roofline` at L = 2 and 3, split the same way). TP = 1 is the
+  same formulas at TP = 1 (no collectives; the one-device ops).
+* **Composed** (formulas of the papers, stated here): a pipeline stage holds L/PP blocks and, on
+  the worst rank, everything outside the blocks (embedding and head together: an upper bound of
+  either end stage); micro-batches in flight on the first rank: GPipe m, 1F1B min(PP, m),
+  interleaved min(v·PP + PP − 1, v·m)/v stages' worth (Narayanan et al. 2021 §2.2; Korthikanti et
+  al. 2022 §4.2.3); bubble (PP − 1)/(v·m) (Narayanan et al. 2021 §2.2, eq. 1), which
+  ``report --pp`` reads off PyTorch's schedules; data-parallel model states by
+  :func:`symcost.passes.parallel.model_state_bytes` over the rank's parameters; data-parallel
+  collectives as nccl-tests' ring over the rank's gradients and parameters (the bytes a DP trace
+  records, docs/parallel.md §3); the pipeline's point-to-point bytes are the block input ``x``
+  forward and its gradient back per micro-batch and stage boundary.
+* **Step time** (the overlap model, :data:`OVERLAP`): per micro-batch the worst stage's roofline
+  compute (plus the recomputed forward of its blocks under full checkpointing), plus its TP
+  collectives (on the critical path, as in Megatron-LM) and its point-to-point transfers, times
+  m·(1 + bubble); plus the data-parallel collectives not hidden under the last micro-batch's
+  backward (``overlap="backward"``) or all of them (``"none"``). MFU = model FLOPs of the global
+  batch (one device's traced step, no recomputation) / (N · peak · step time).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import sympy
+
+from symcost.errors import SymcostError
+from symcost.passes.parallel import model_state_bytes
+from symcost.tracing.fit import SYMS
+
+SHARDS = ("ddp", "zero1", "fsdp")
+CHECKPOINTS = ("none", "full")
+SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+OVERLAP = {
+    "backward": "TP collectives and pipeline transfers on the critical path; data-parallel gradient "
+                "collectives hidden under the last micro-batch's backward (FSDP: each micro-batch's "
+                "all-gathers and reduce-scatter under that micro-batch's compute)",
+    "none": "nothing hidden: every collective adds to the step",
+}
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n`` in increasing order."""
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass
+class Layout:
+    """One parallel layout: ``dp·tp·pp`` devices, micro-batch ``b``, ``m`` micro-batches per step
+    (global batch = dp·b·m sequences), a sharding of the data-parallel states, a pipeline
+    schedule (``virtual`` stages per rank), activation checkpointing."""
+
+    dp: int
+    tp: int
+    pp: int
+    b: int
+    m: int
+    shard: str
+    checkpoint: str
+    schedule: str = "1f1b"
+    virtual: int = 1
+    values: dict = field(default_factory=dict)
+
+    def key(self) -> tuple:
+        return (self.dp, self.tp, self.pp, self.b, self.m, self.shard, self.checkpoint, self.schedule, self.virtual)
+
+
+def enumerate_layouts(devices: int, global_batch: int, L: int, H: int, *, shards=SHARDS, checkpoints=CHECKPOINTS,
+                      schedules=("1f1b",), micro_batches=None, max_tp: int | None = None, K: int | None = None,
+                      virtual: int = 2) -> list[Layout]:
+    """Every layout of ``devices`` devices: dp·tp·pp = devices, tp divides H (and K) with at least
+    2 heads per rank (one head per rank is a regime of its own, not probed: docs/parallel.md §11), pp divides L
+    (uniform stages; interleaved: L/(pp·v) whole), dp divides ``global_batch``, b·m =
+    global_batch/dp with b in ``micro_batches`` (default: every divisor), each shard and
+    checkpoint; pipelines of one rank take no schedule (plain gradient accumulation); PyTorch's
+    1F1B needs m ≥ pp and its interleaved schedule m a multiple of pp.
+
+    Raises:
+        SymcostError: ``devices``, ``global_batch`` not positive integers.
+    """
+    if devices < 1 or global_batch < 1:
+        raise SymcostError("--devices and --global-batch must be positive integers")
+    out = []
+    for tp in divisors(devices):
+        if H % tp or (tp > 1 and H // tp < 2) or (K and K % tp) or (max_tp and tp > max_tp):
+            continue
+        for pp in divisors(devices // tp):
+            if L % pp:
+                continue
+            dp = devices // (tp * pp)
+            if global_batch % dp:
+                continue
+            per = global_batch // dp
+            for b in divisors(per):
+                if micro_batches and b not in micro_batches:
+                    continue
+                m = per // b
+                for sched in (schedules if pp > 1 else ("none",)):
+                    v = virtual if sched == "interleaved-1f1b" else 1
+                    if sched == "1f1b" and m < pp:
+                        continue
+                    if sched == "interleaved-1f1b" and (m % pp or L % (pp * v)):
+                        continue
+                    for shard in (shards if dp > 1 else ("ddp",)):
+                        for ck in checkpoints:
+                            out.append(Layout(dp, tp, pp, b, m, shard, ck, sched, v))
+    return out
+
+
+def _split_L(e) -> tuple[sympy.Expr, sympy.Expr]:
+    """``e = rest + L·block`` (a polynomial of degree ≤ 1 in L) -> (block, rest)."""
+    L = SYMS["L"]
+    e = sympy.expand(sympy.sympify(e))
+    poly = sympy.Poly(e, L)
+    if poly.degree() > 1:
+        raise SymcostError(f"a per-step quantity is not linear in L ({e}); plan composes L/PP blocks per stage")
+    return poly.coeff_monomial(L), poly.coeff_monomial(1)
+
+
+class Planner:
+    """The traced quantities of one model, evaluated per layout (see the module docstring).
+
+    Args:
+        an: a ``--tp`` Analysis (``symcost.trace(tensor_parallel(spec, sp), ...)``), B free.
+        sizes: the request's sizes (S, H, D, L, V, ... at the model's defaults where absent).
+        device: a :class:`~symcost.hardware.devices.Device` with an interconnect table.
+        precision: the memory policy of the model states (bytes per parameter).
+    """
+
+    def __init__(self, an, sizes: Mapping[str, int], device, precision: str, optimizer: str = "adamw",
+                 overlap: str = "backward", fused: bool = True):
+        from symcost.passes.checkpoint import block_costs
+        from symcost.passes.memory.policies import policy
+        from symcost.passes.roofline import training_precision
+
+        if overlap not in OVERLAP:
+            raise SymcostError(f"unknown --overlap {overlap!r}; accepted: {', '.join(OVERLAP)}")
+        ic = device.interconnect or {}
+        if not ic.get("link_bandwidth") or not ic.get("network_bandwidth"):
+            raise SymcostError(f"{device.key} lists no interconnect (link_bandwidth, devices_per_node, "
+                               "network_bandwidth); add one with --devices-file")
+        self.an, self.device, self.precision, self.optimizer, self.overlap, self.fused = \
+            an, device, precision, optimizer, overlap, fused
+        self.pol = policy(precision)
+        self.sizes = {k: v for k, v in an.spec.values(dict(sizes)).items() if k in an.symbols and k not in ("B", "TP")}
+        self.L = int(self.sizes["L"])
+        self.peak, _ = device.peak_for(training_precision(an))
+        self.ic = ic
+        B, TP = SYMS["B"], SYMS["TP"]
+        fix = {SYMS[k]: v for k, v in self.sizes.items() if k != "L"}
+        bc = block_costs(an)
+        def lam(e):
+            e = sympy.sympify(e).xreplace(fix)
+            return sympy.lambdify((B, TP), e, "math")
+        flops_b, flops_r = _split_L(an.flops("train"))
+        comm_b, comm_r = _split_L(an.comm_bytes("total"))
+        comm_bb, _ = _split_L(an.comm_bytes("total", "backward"))
+        par_b, par_r = _split_L(an.params_shard)
+        self.f = {"flops_block": lam(flops_b), "flops_rest": lam(flops_r), "fwd_block": lam(bc.f),
+                  "a": lam(bc.a), "x": lam(bc.x), "outside": lam(bc.outside),
+                  "comm_block": lam(comm_b), "comm_rest": lam(comm_r),
+                  "params_block": lam(par_b), "params_rest": lam(par_r)}
+        one = {TP: 1, B: 1, SYMS["L"]: self.L, **fix}
+        #: model FLOPs of one sequence on one device (the traced step at TP = 1, B = 1)
+        self.model_flops_per_seq = int(sympy.sympify(an.flops("train")).xreplace(one))
+        self.params = int(sympy.sympify(an.params).xreplace(one))
+
+    @functools.lru_cache(maxsize=None)
+    def times(self, b: int, tp: int) -> dict[str, float]:
+        """Roofline seconds of one micro-batch of ``b`` sequences at TP = ``tp``: per block and
+        outside the blocks, forward and backward (from the roofline at L = 2 and L = 3)."""
+        from symcost.passes.roofline import roofline
+
+        ph = {}
+        for L in (2, 3):
+            r = roofline(self.an, self.device, {**self.sizes, "L": L, "B": b, "TP": tp}, fused=self.fused,
+                         with_formulas=False)
+            ph[L] = {k: r["per_phase"].get(k, {}).get("seconds", 0.0) for k in ("forward", "backward")}
+        out = {}
+        for k in ("forward", "backward"):
+            blk = ph[3][k] - ph[2][k]
+            out[k + "_block"], out[k + "_rest"] = blk, ph[2][k] - 2 * blk
+        return out
+
+    def link(self, group: int, span: int) -> tuple[str, float]:
+        """The link a ring of ``group`` ranks spread over ``span`` consecutive devices runs on:
+        the scale-up link when aligned groups of the span fit in one node (span divides the devices
+        per node), else the network (docs/parallel.md §6)."""
+        if group <= 1:
+            return "none", math.inf
+        per_node = self.ic.get("devices_per_node", 1)
+        if span <= per_node and per_node % span == 0:  # aligned groups of span ranks stay in a node
+            return "node", self.ic["link_bandwidth"]
+        return "network", self.ic["network_bandwidth"]
+
+    def evaluate(self, lay: Layout) -> dict[str, Any]:
+        """Per-rank memory, FLOPs, comm bytes by link, bubble, step time and MFU of ``lay`` (the
+        worst rank: the first pipeline stage with everything outside the blocks)."""
+        f, b, t, p, d, m, v = self.f, lay.b, lay.tp, lay.pp, lay.dp, lay.m, lay.virtual
+        nb = self.L // p  # blocks per rank
+        # --- memory (bytes) ---
+        params_rank = int(f["params_block"](b, t) * nb + f["params_rest"](b, t))
+        states = model_state_bytes(params_rank, d, lay.shard, self.precision, self.optimizer)
+        if lay.schedule == "gpipe":
+            in_flight = m
+        elif lay.schedule == "interleaved-1f1b":
+            in_flight = min(v * p + p - 1, v * m) / v
+        elif lay.schedule == "1f1b":
+            in_flight = min(p, m)
+        else:
+            in_flight = 1
+        a, x = f["a"](b, t), f["x"](b, t)
+        per_mb = (a * nb if lay.checkpoint == "none" else x * nb) + f["outside"](b, t)
+        act = per_mb * in_flight + (a if lay.checkpoint == "full" else 0)  # + one block recomputed
+        gathered = 0
+        if lay.shard == "fsdp" and d > 1:  # FSDP2: the block run and the one prefetched, whole
+            gathered = 2 * f["params_block"](b, t) * self.pol.param * (1 - 1 / d)
+        memory = {"model_states": int(states["total"]), "activations": int(act), "fsdp_gathered": int(gathered)}
+        memory["total"] = sum(memory.values())
+        # --- FLOPs per rank per step ---
+        recompute = f["fwd_block"](b, t) * nb if lay.checkpoint == "full" else 0
+        flops_mb = f["flops_block"](b, t) * nb + f["flops_rest"](b, t) + recompute
+        # --- communication ---
+        tp_link, tp_bw = self.link(t, t)
+        pp_link, pp_bw = self.link(p, t * p)
+        dp_link, dp_bw = self.link(d, d * t * p)
+        tp_bytes = (f["comm_block"](b, t) * nb + f["comm_rest"](b, t)) * m
+        pp_bytes = (2 * x * m * (1 if p > 1 else 0)) * v  # forward activation + its gradient, each boundary
+        pb, gb = self.pol.param, self.pol.grad
+        ring = (d - 1) / d
+        if lay.shard == "fsdp":
+            dp_bytes = m * ring * params_rank * (2 * pb + gb)
+        else:  # ddp / zero1: one all-reduce (zero1: reduce-scatter + all-gather) of the gradients per step
+            dp_bytes = 2 * ring * params_rank * gb
+        # --- time ---
+        tm = self.times(b, t)
+        fwd = tm["forward_block"] * nb + tm["forward_rest"]
+        bwd = tm["backward_block"] * nb + tm["backward_rest"]
+        if lay.checkpoint == "full":
+            bwd += tm["forward_block"] * nb
+        tp_s = tp_bytes / m / tp_bw if t > 1 else 0.0
+        pp_s = pp_bytes / m / pp_bw if p > 1 else 0.0
+        per_mb_s = fwd + bwd + tp_s + pp_s
+        bubble = (p - 1) / (v * m) if p > 1 else 0.0
+        pipe_s = m * per_mb_s * (1 + bubble)
+        dp_s = dp_bytes / dp_bw if d > 1 else 0.0
+        if self.overlap == "none":
+            exposed = dp_s
+        elif lay.shard == "fsdp":
+            exposed = m * max(0.0, dp_s / m - (fwd + bwd))
+        else:
+            exposed = max(0.0, dp_s - bwd)
+        step = pipe_s + exposed
+        gbatch = d * b * m
+        model_flops = self.model_flops_per_seq * gbatch
+        n = d * t * p
+        return {
+            "layout": {"dp": d, "tp": t, "pp": p, "micro_batch": b, "microbatches": m, "shard": lay.shard,
+                       "checkpoint": lay.checkpoint, "schedule": lay.schedule, "virtual": v},
+            "memory": memory, "in_flight": in_flight, "params_rank": params_rank,
+            "flops_rank": float(flops_mb * m),
+            "comm_bytes": {"tp": float(tp_bytes), "pp": float(pp_bytes), "dp": float(dp_bytes)},
+            "links": {"tp": tp_link, "pp": pp_link, "dp": dp_link},
+            "comm_by_link": {ln: float(sum(bv for k, bv in (("tp", tp_bytes), ("pp", pp_bytes), ("dp", dp_bytes))
+                                           if {"tp": tp_link, "pp": pp_link, "dp": dp_link}[k] == ln))
+                             for ln in ("node", "network")},
+            "bubble": bubble,
+            "time": {"compute": m * (fwd + bwd), "tp_comm": m * tp_s, "pp_comm": m * pp_s,
+                     "bubble": m * per_mb_s * bubble, "dp_exposed": exposed, "dp_comm": dp_s, "step": step},
+            "step_seconds": step, "model_flops": model_flops,
+            "mfu": model_flops / (n * self.peak * step) if step else 0.0,
+        }
+
+
+def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global_batch: int,
+         precision: str, optimizer: str = "adamw", overlap: str = "backward", shards=SHARDS,
+         checkpoints=CHECKPOINTS, schedules=("1f1b",), micro_batches=None, keep_all: bool = False) -> dict[str, Any]:
+    """Rank the layouts of ``devices`` devices for a global batch of ``global_batch`` sequences.
+
+    Returns:
+        ``layouts`` (those whose per-rank memory fits ``memory`` bytes, fastest first; with
+        ``keep_all`` also ``excluded``), ``considered`` (how many were evaluated), ``overlap``,
+        ``model_flops`` per step and ``params``.
+
+    Raises:
+        SymcostError: ``devices`` or ``global_batch`` not positive, no layout of ``devices``
+            devices divides the model and the batch.
+    """
+    pl = Planner(an, sizes, device, precision, optimizer, overlap)
+    H = int(pl.sizes.get("H", 1))
+    K = int(pl.sizes["K"]) if "K" in pl.sizes else None
+    lays = enumerate_layouts(devices, global_batch, pl.L, H, shards=shards, checkpoints=checkpoints,
+                             schedules=schedules, micro_batches=micro_batches, K=K)
+    if not lays:
+        raise SymcostError(f"no layout of {devices} devices fits the model and global batch {global_batch}: "
+                           f"dp·tp·pp = {devices} needs tp | H ({H}), pp | L ({pl.L}), dp | {global_batch}")
+    rows = [pl.evaluate(x) for x in lays]
+    fit = sorted((r for r in rows if r["memory"]["total"] <= memory), key=lambda r: r["step_seconds"])
+    out = {"layouts": fit, "considered": len(rows), "overlap": OVERLAP[overlap], "params": pl.params,
+           "model_flops_per_sequence": pl.model_flops_per_seq, "peak_flops": pl.peak, "devices": devices,
+           "global_batch": global_batch, "memory_cap": memory, "sizes": pl.sizes,
+           "links": f"node {pl.ic['link_bandwidth'] / 1e9:g} GB/s per direction ({pl.ic.get('devices_per_node')} "
+                    f"per node), network {pl.ic['network_bandwidth'] / 1e9:g} GB/s per device"}
+    if keep_all:
+        out["excluded"] = [r for r in rows if r["memory"]["total"] > memory]
+    return out
+
+
+_TRACES: dict = {}
+
+
+def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = False, use_cache: bool = True):
+    """The ``--tp`` trace plan evaluates (B and TP free): kept in this process for requests whose
+    sizes fall in the same regime, and in the trace cache (key option ``plan``: the config sizes
+    matched by value, S and L free; a round trip gives the same layouts' numbers, tested) for a
+    model given by name; ``use_cache=False`` traces afresh."""
+    import symcost
+    from symcost.frontends.models import resolve
+    from symcost.frontends.spec import ModelSpec
+    from symcost.frontends.tensor_parallel import tensor_parallel
+
+    spec = model if isinstance(model, ModelSpec) else resolve(model)
+    req = {k: v for k, v in sizes.items() if k not in ("B", "TP")}
+    key = (spec.name, tuple(sorted(spec.defaults.items())), precision, sp)
+    for an in _TRACES.get(key, []):
+        vals = spec.values(req)
+        if all(vals.get(s, 0) % mo == r for s, (mo, r) in an.residues.items()) \
+                and all(vals.get(s) == v for s, v in an.pinned.items() if s not in ("B",)):
+            return an
+    tsizes = {**req, "TP": 2}
+
+    def fresh():
+        return symcost.trace(tensor_parallel(spec, sp), sizes=tsizes, precision=precision)
+
+    if isinstance(model, str) and use_cache:  # the disk cache (symcost.graph.cache), its own key
+        from symcost.graph.cache import cached_trace
+
+        an = cached_trace(model, {}, None, precision, tsizes, fresh, options={"plan": "tp+sp" if sp else "tp"})
+    else:
+        an = fresh()
+    _TRACES.setdefault(key, []).append(an)
+    return an

@@ -1,0 +1,37 @@
+"""Text of :func:`symcost.passes.plan.plan` (``symcost plan``): the top layouts as one table."""
+from __future__ import annotations
+
+from rich.table import Table
+
+from symcost.render.report import console, human
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.1f} GiB"
+
+
+def render(res: dict, top: int = 5, width: int | None = None) -> None:
+    """The fastest ``top`` layouts that fit: layout, per-rank memory, comm bytes per step by link,
+    bubble, MFU and step time; then what was assumed."""
+    c = console(width)
+    c.print(f"[bold]plan[/bold] {res['model']} on {res['devices']} × {res['device']}, "
+            f"{_gib(res['memory_cap'])} per device, global batch {res['global_batch']} "
+            f"({human(res['params'], '')} parameters): {len(res['layouts'])} of {res['considered']} layouts fit")
+    t = Table(show_header=True, header_style="bold")
+    for h in ("#", "dp×tp×pp", "b×m", "shard", "ckpt", "sched", "mem/rank", "TP bytes (link)",
+              "PP bytes (link)", "DP bytes (link)", "bubble", "MFU", "step"):
+        t.add_column(h, justify="right" if h not in ("shard", "ckpt", "sched") else "left")
+    for i, r in enumerate(res["layouts"][:top], 1):
+        lay, cb, ln = r["layout"], r["comm_bytes"], r["links"]
+        link = lambda k: f"{cb[k] / 2**30:.1f} GiB {ln[k]}" if cb[k] else "0"  # noqa: E731
+        t.add_row(str(i), f"{lay['dp']}×{lay['tp']}×{lay['pp']}", f"{lay['micro_batch']}×{lay['microbatches']}",
+                  lay["shard"], lay["checkpoint"], lay["schedule"], _gib(r["memory"]["total"]), link("tp"),
+                  link("pp"), link("dp"), f"{r['bubble']:.3f}", f"{r['mfu']:.1%}", f"{r['step_seconds']:.3f} s")
+    c.print(t)
+    c.print("bytes are per rank per step, sent (= received); node: the scale-up link, network: one NIC per "
+            f"device. Links: {res.get('links', '')}")
+    if not res["layouts"]:
+        c.print("no layout fits: a larger memory cap, more devices, checkpointing or sharding")
+    c.print(f"overlap model: {res['overlap']}. Compute: the roofline at the datasheet peak (an upper "
+            "bound on MFU); memory: model states + activations in flight on the first stage (no "
+            "transient working set). docs/parallel.md §13.")

@@ -1,0 +1,211 @@
+"""``symcost plan`` (symcost/passes/plan.py; docs/parallel.md §13).
+
+One ``--tp`` trace of megatron-gpt at small sizes serves every check (module-level cache). Oracles:
+``report --tp``'s per-rank summary (checked against PyTorch in test_tensor_parallel.py) where the
+layout is pure TP; the ZeRO paper's model states and nccl-tests' ring factors for DP; PTD-P's
+bubble and in-flight counts and ``report --pp``'s traced stages for PP (heavy); a brute-force list
+of factorizations for the enumeration; the memory cap for the fit.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+import zlib
+
+import pytest
+import sympy
+
+from conftest import run_cli
+from symcost.hardware.devices import get_device
+from symcost.passes.memory.policies import policy
+from symcost.passes.plan import Layout, Planner, enumerate_layouts, plan, trace_for_plan
+
+PREC = "bf16-true-fp32-master"
+SZ = {"H": 8, "D": 8, "L": 4, "V": 64, "S": 16}
+ARGS = ["--set", "H=8", "D=8", "L=4", "V=64", "S=16"]
+
+
+@functools.lru_cache(maxsize=None)
+def _an():
+    return trace_for_plan("megatron-gpt", SZ, PREC)
+
+
+def _planner():
+    return Planner(_an(), SZ, get_device("a100-80gb"), PREC)
+
+
+def _rng(name):
+    return random.Random(zlib.crc32(name.encode()))
+
+
+def test_pure_tp_equals_report_tp():
+    """dp = pp = m = 1: per-rank model states, activations, TP bytes and FLOPs are report --tp's."""
+    from symcost.passes.tensor_parallel import summary
+
+    an, pl = _an(), _planner()
+    rng = _rng("pure-tp")
+    for _ in range(3):
+        t, b = rng.choice((1, 2, 4)), rng.randint(1, 5)
+        r = pl.evaluate(Layout(1, t, 1, b, 1, "ddp", "none", "none"))
+        v = summary(an, PREC, sizes={**SZ, "B": b, "TP": t})["values"]
+        assert r["memory"]["model_states"] == int(v["memory"]["total"])
+        assert r["memory"]["activations"] == int(v["memory"]["activations"])
+        assert r["comm_bytes"]["tp"] == pytest.approx(float(v["comm"]["total"]), abs=1e-6)
+        env = an.bind(**{**SZ, "B": b, "TP": t})
+        assert r["flops_rank"] == pytest.approx(int(sympy.sympify(an.flops("train")).xreplace(env)))
+        assert r["comm_bytes"]["dp"] == r["comm_bytes"]["pp"] == 0 and r["bubble"] == 0
+
+
+def test_dp_states_and_bytes_follow_zero_and_ring():
+    """Model states per rank: Rajbhandari et al. 2020 Table 1 (2 + 2 + K with K = 12 for
+    fp32 master + Adam) over the rank's parameters; DP bytes per step: ring all-reduce of the
+    gradients (DDP, ZeRO-1) or all-gather ×2 + reduce-scatter per micro-batch (FSDP)."""
+    an, pl = _an(), _planner()
+    rng = _rng("dp")
+    for _ in range(4):
+        d, t, b, m = rng.choice((2, 3, 8, 64)), rng.choice((1, 2, 4)), rng.randint(1, 3), rng.randint(1, 4)
+        psi = int(sympy.sympify(an.params_shard).xreplace(an.bind(**{**SZ, "B": b, "TP": t})))
+        for shard, states, bytes_ in (
+                ("ddp", 16 * psi, 2 * (d - 1) / d * 2 * psi),
+                ("zero1", 4 * psi + 12 * psi / d, 2 * (d - 1) / d * 2 * psi),
+                ("fsdp", 16 * psi / d, m * (d - 1) / d * (2 + 2 + 2) * psi)):
+            r = pl.evaluate(Layout(d, t, 1, b, m, shard, "none", "none"))
+            assert r["memory"]["model_states"] == int(states)
+            assert r["comm_bytes"]["dp"] == pytest.approx(bytes_)
+            assert r["links"]["dp"] == ("node" if d * t <= 8 and 8 % (d * t) == 0 else "network")
+
+
+def test_pp_bubble_and_in_flight_are_ptdp():
+    """Bubble (p − 1)/(v·m) and the first rank's micro-batches in flight (1F1B min(p, m), GPipe m):
+    Narayanan et al. 2021 §2.2."""
+    pl = _planner()
+    for p, m, sched in ((2, 4, "1f1b"), (4, 4, "1f1b"), (2, 3, "gpipe"), (4, 9, "1f1b")):
+        r = pl.evaluate(Layout(1, 1, p, 1, m, "ddp", "none", sched))
+        assert r["bubble"] == pytest.approx((p - 1) / m)
+        assert r["in_flight"] == (m if sched == "gpipe" else min(p, m))
+    r = pl.evaluate(Layout(1, 1, 2, 1, 4, "ddp", "none", "interleaved-1f1b", 2))
+    assert r["bubble"] == pytest.approx(1 / 8)
+
+
+@pytest.mark.heavy
+def test_pp_flops_equal_report_pp():
+    """dp = tp = 1: the worst rank's FLOPs are the traced stages' (report --pp): the blocks of one
+    stage plus everything outside the blocks (first stage's embedding + last stage's head), and
+    its activations in flight are at least the first rank's."""
+    from symcost.passes.pipeline import summary
+
+    pl = _planner()
+    for p, m in ((2, 4),):
+        s = summary("megatron-gpt", p, "1f1b", m, precision=PREC, sizes={**SZ, "B": 2}, peak=False)
+        r = pl.evaluate(Layout(1, 1, p, 2, m, "ddp", "none", "1f1b"))
+        first, last = s["ranks"][0], s["ranks"][-1]
+        # plan's worst rank = L/p blocks + everything outside them (the first stage's embedding and
+        # the last stage's head) = first + last − one stage's blocks
+        blk = m * pl.f["flops_block"](2, 1) * (SZ["L"] // p)
+        assert r["flops_rank"] == pytest.approx(first["flops"] + last["flops"] - blk)
+        assert r["in_flight"] == first["in_flight"]
+        assert r["memory"]["activations"] >= first["activations"]
+
+
+def _brute(N, G, L, H, mbs):
+    out = set()
+    for d, t, p in itertools.product(range(1, N + 1), repeat=3):
+        if d * t * p != N or H % t or (t > 1 and H // t < 2) or L % p or G % d:
+            continue
+        for b in mbs:
+            if (G // d) % b:
+                continue
+            m = G // d // b
+            if p > 1 and m < p:
+                continue
+            for shard in (("ddp", "zero1", "fsdp") if d > 1 else ("ddp",)):
+                for ck in ("none", "full"):
+                    out.add((d, t, p, b, m, shard, ck, "1f1b" if p > 1 else "none", 1))
+    return out
+
+
+def test_enumeration_is_every_factorization():
+    rng = _rng("enum")
+    for _ in range(20):
+        N, G = rng.choice((1, 4, 6, 8, 12, 16, 24, 64)), rng.choice((8, 16, 24, 48, 96))
+        L, H = rng.choice((2, 4, 6, 12)), rng.choice((4, 8, 12, 16))
+        mbs = (1, 2, 4, 8)
+        got = [x.key() for x in enumerate_layouts(N, G, L, H, micro_batches=mbs)]
+        assert len(got) == len(set(got))
+        assert set(got) == _brute(N, G, L, H, mbs)
+
+
+def test_only_layouts_that_fit_and_fastest_first():
+    an = _an()
+    rows = []
+    for N, G in ((8, 16), (16, 32)):
+        full = plan(an, SZ, get_device("a100-80gb"), N, 10**12, G, PREC, keep_all=True)
+        mems = sorted(r["memory"]["total"] for r in full["layouts"])
+        cap = mems[len(mems) // 2]  # half of them fit
+        res = plan(an, SZ, get_device("a100-80gb"), N, cap, G, PREC, keep_all=True)
+        assert res["layouts"] and res["excluded"]
+        assert all(r["memory"]["total"] <= cap for r in res["layouts"])
+        assert all(r["memory"]["total"] > cap for r in res["excluded"])
+        assert len(res["layouts"]) + len(res["excluded"]) == res["considered"] == full["considered"]
+        times = [r["step_seconds"] for r in res["layouts"]]
+        assert times == sorted(times)
+        for r in res["layouts"]:  # MFU = model FLOPs of the global batch / (N · peak · time)
+            assert r["mfu"] == pytest.approx(full["model_flops_per_sequence"] * G / (N * full["peak_flops"]
+                                                                                   * r["step_seconds"]))
+        rows.append(res)
+    # the model FLOPs of a sequence: the one-device traced step (TP = 1, B = 1)
+    env = an.bind(**{**SZ, "B": 1, "TP": 1})
+    assert rows[0]["model_flops_per_sequence"] == int(sympy.sympify(an.flops("train")).xreplace(env))
+
+
+def test_full_checkpoint_keeps_block_inputs():
+    """Full recomputation keeps each block's input (Korthikanti et al. Table 2: 2·s·b·h per layer
+    with 16-bit activations) and one block's activations, and adds a forward of the blocks."""
+    pl = _planner()
+    h, s, b = SZ["H"] * SZ["D"], SZ["S"], 2
+    none = pl.evaluate(Layout(1, 2, 1, b, 1, "ddp", "none", "none"))
+    full = pl.evaluate(Layout(1, 2, 1, b, 1, "ddp", "full", "none"))
+    a = pl.f["a"](b, 2)
+    assert none["memory"]["activations"] - full["memory"]["activations"] == \
+        pytest.approx((SZ["L"] - 1) * a - SZ["L"] * 2 * s * b * h, abs=1)
+    assert full["flops_rank"] > none["flops_rank"]
+
+
+def test_cli_json_and_errors(capsys):
+    _an()
+    code, out, err = run_cli(capsys, "plan", "megatron-gpt", "--devices", "8", "--device", "a100-80gb",
+                             "--memory", "80GiB", "--global-batch", "16", *ARGS, "--json", "--top", "3")
+    assert code == 0, err
+    import json
+
+    js = json.loads(out)
+    assert len(js["layouts"]) == 3 and js["fits"] >= 3
+    top = js["layouts"][0]
+    assert {"layout", "memory", "comm_bytes", "links", "bubble", "mfu", "step_seconds"} <= set(top)
+    assert sum(top["comm_by_link"].values()) == pytest.approx(sum(top["comm_bytes"].values()))
+    code, out, err = run_cli(capsys, "plan", "megatron-gpt", "--devices", "8", "--device", "a100-80gb",
+                             "--memory", "80GiB", "--global-batch", "16", *ARGS)
+    assert code == 0 and "MFU" in out and "fit" in out
+    for bad, msg in (
+            (["--devices", "8x", "--memory", "80GiB", "--global-batch", "16"], "--devices"),
+            (["--devices", "8", "--memory", "80XB", "--global-batch", "16"], "unknown unit"),
+            (["--devices", "8", "--memory", "80GiB", "--global-batch", "0"], "--global-batch"),
+            (["--devices", "7", "--memory", "80GiB", "--global-batch", "16"], "no layout of 7 devices"),
+            (["--devices", "8", "--memory", "80GiB", "--global-batch", "16", "--shard", "zero9"], "--shard")):
+        code, out, err = run_cli(capsys, "plan", "megatron-gpt", "--device", "a100-80gb", *bad, *ARGS)
+        assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cached_trace_gives_the_same_layouts():
+    """The trace cache's round trip (Analysis.to_dict / from_dict) evaluates every layout alike."""
+    import json
+
+    from symcost.graph.analysis import Analysis
+
+    an = _an()
+    back = Analysis.from_dict(json.loads(json.dumps(an.to_dict())))
+    dev = get_device("h100-sxm")
+    a, b = Planner(an, SZ, dev, PREC), Planner(back, SZ, dev, PREC)
+    for lay in enumerate_layouts(8, 16, SZ["L"], SZ["H"], micro_batches=(1, 4))[::7]:
+        assert a.evaluate(lay) == b.evaluate(lay)
