@@ -581,10 +581,9 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         matmul_params=matmul_params, unsupported=unsupported, saved=saved, layer_container=container,
         precision=precision, tied={folded_name.get(k, k): v for k, v in ref.tied.items()},
         recordings=recs, plan=plan, fitter=fitter, role=role,
-        # (a data-parallel step's storages hold shards: sizes in DP and 1/DP, tracing/poly.py; a
-        # tensor-parallel step's in 1/TP, which the ring does not take yet: no schedule, no peak)
-        schedule=None if (ref.parallel or "").startswith("tp") else
-        fit_schedule(recs, fitter, role, container, symbols, spec.name,
+        # (a data-parallel step's storages hold shards: sizes in DP and 1/DP, a tensor-parallel
+        # step's in TP and 1/TP: tracing/poly.py)
+        schedule=fit_schedule(recs, fitter, role, container, symbols, spec.name,
                      lead=0 if "L" in pinned else spec.lead_blocks,
                      middle=bool(_middle(spec)) and "L" not in pinned),
         step=spec.step, kv_cache=spec.kv_cache if spec.step != "train" else None, kv_layers=kv_layers,

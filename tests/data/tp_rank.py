@@ -93,6 +93,65 @@ def measure(model, spec, values, loss_context, dtype=None) -> dict:
             "shard": sum(local(p).numel() for p in model.parameters())}
 
 
+def fake_peak(spec, values: dict, sp: bool, foreach: bool = False) -> int:
+    """Peak bytes of rank 0 of ``values["TP"]`` ranks in a steady-state training step (forward and
+    loss under ``loss_parallel``, backward, AdamW step, ``zero_grad(set_to_none=True)``), bf16
+    model, on PyTorch's fake process group under ``FakeTensorMode``, measured by PyTorch's own
+    ``torch.distributed._tools.mem_tracker.MemTracker`` (weak references on every storage of
+    every op it dispatches, DTensors by their local tensors). An untracked warm-up step runs
+    first: the optimizer state exists from then on.
+
+    DTensor's sharding propagation runs an op once more on fake tensors of the *global* shapes
+    the first time it meets the op's signature (``ShardingPropagator.
+    _propagate_tensor_meta_non_cached``, in the active fake mode); some signatures (the
+    ``loss_parallel`` backward's) miss its cache again in the second step. On a real run those
+    are fake tensors and take no memory, so here that function runs with the dispatch modes
+    off (a fresh ``FakeTensorMode`` of its own), out of the tracker's sight."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from symcost.frontends.parallel import fake_group
+    from symcost.frontends.tensor_parallel import apply
+    from symcost.tracing.record import find_layer_container
+
+    with torch.device("meta"):
+        model = spec.build(values).to(torch.bfloat16)
+    layers = spec.layers if spec.layers is not None else find_layer_container(spec, model, values)
+    loss_context = apply(model, layers, fake_group(values["TP"]), sp)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
+
+        def step():
+            args, kwargs = spec.make_inputs(values, torch.device("cpu"))
+            with loss_context():
+                loss = spec.loss(model(*args, **kwargs), (args, kwargs))
+                loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
+        mt = MemTracker()
+        mt.track_external(model, opt)
+        orig = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def unseen(self, op_schema):
+            with _disable_current_modes():
+                return orig(self, op_schema)
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = unseen
+        try:
+            with mt:
+                step()
+        finally:
+            ShardingPropagator._propagate_tensor_meta_non_cached = orig
+        return max(d["Total"] for d in mt.get_tracker_snapshot("peak").values())
+
+
 def main():
     import torch
     import torch.distributed as dist
