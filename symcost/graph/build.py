@@ -201,9 +201,13 @@ def _lead_roles(container: str, n: int):
 
 def _middle(spec: ModelSpec) -> int:
     """1 where the probes hold one more block, so that a middle block stands for the L - 2
-    between the first and the last (a data-parallel trace: FSDP2 keeps each unit's collective
-    buffers until the next unit's, ``tracing.schedule.fit_schedule(middle=True)``), else 0."""
-    return 1 if spec.extra.get("parallel") and not spec.lead_blocks and "L" in spec.symbols else 0
+    between the first and the last, else 0: a data-parallel trace (FSDP2 keeps each unit's
+    collective buffers until the next unit's, ``tracing.schedule.fit_schedule(middle=True)``)
+    and a tensor-parallel one (with sequence parallelism the first block can free what the
+    layers before it left whole: cs336-lm's first block holds 2·B·S·d/TP bytes less than the
+    others, so block 0 cannot stand for the L - 1 before the last)."""
+    par = spec.extra.get("parallel") or spec.extra.get("tensor_parallel")
+    return 1 if par and not spec.lead_blocks and "L" in spec.symbols else 0
 
 
 def _align(recs: list[Recording], spec: ModelSpec) -> None:
