@@ -278,6 +278,30 @@ def test_inverse_tp_generator_round_trips():
         Algebra(("B", "DP", "TP"))
 
 
+def test_trace_cache_serves_other_tp(cache_dir):
+    """A ``--tp --sp`` trace written to the trace cache (key options ``{"tp", "sp"}``) and read
+    back serves another TP in the same residue classes: its rank's peak equals MemTracker's on
+    the fake group (PyTorch, rank 0) at that TP; a request with another S class mod 8, one head
+    per rank, or without SP does not match it."""
+    from symcost.graph import cache
+    from symcost.passes.memory import memory_model
+
+    an = _trace(True)  # traced at TP = 8, S = 64, H = 16, V = 128
+    k = cache.key("megatron-gpt", {}, "eager", PRECISION, {"tp": True, "sp": True})
+    req = {"TP": 8, "S": 64, "H": 16, "D": 8, "V": 128}
+    assert cache.store(k, req, an) is not None
+    rng = random.Random(1602)
+    v = {"TP": rng.choice((2, 4)), "B": 2, "S": 8 * rng.randint(2, 12), "H": 16, "D": 8, "L": rng.randint(2, 3), "V": 128}
+    got = cache.load(k, v)
+    assert got is not None and got.parallel == "tp+sp"
+    sizes = {x: y for x, y in v.items() if x in got.symbols}
+    assert memory_model(got, PRECISION, "adamw", impl="for-loop", device="cpu").peak(**sizes) \
+        == fake_peak(resolve_spec("megatron-gpt"), v, True)
+    assert cache.load(k, dict(v, S=v["S"] + 4)) is None  # another class of S mod 8
+    assert cache.load(k, dict(v, TP=16)) is None  # one head per rank: a regime of its own
+    assert cache.load(cache.key("megatron-gpt", {}, "eager", PRECISION, {"tp": True, "sp": False}), v) is None
+
+
 def test_tp_with_dp_refused():
     """--tp with --dp is not composed yet: one line, SymcostError."""
     from symcost.frontends.models import resolve

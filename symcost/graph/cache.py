@@ -178,8 +178,18 @@ def _per_rank_ones(meta: Mapping, values: Mapping[str, int]) -> list[str]:
     return sorted(s for s in (meta.get("residues") or {}) if s in values and values[s] // tp == 1)
 
 
+def _regime_facts(meta: Mapping, facts: Mapping) -> dict:
+    """``facts`` without the equal pairs of TP and a size it does not split (no residue class:
+    D = TP is a coincidence of values, no regime; a split size equal to TP is one per rank, kept,
+    and :func:`_per_rank_ones` says so too)."""
+    split = set(meta.get("residues") or {})
+    equal = [p for p in facts["equal"] if "TP" not in p or (set(p) - {"TP"}) <= split]
+    return {**facts, "equal": equal}
+
+
 def _matches(meta: Mapping, sizes: Mapping[str, int]) -> bool:
-    if _facts(meta, sizes) != meta["facts"] or _config_values(meta, sizes) != meta["config_values"]:
+    if _regime_facts(meta, _facts(meta, sizes)) != _regime_facts(meta, meta["facts"]) \
+            or _config_values(meta, sizes) != meta["config_values"]:
         return False
     values = _request_values(meta, sizes)
     # sizes the probes kept in a residue class (a tensor-parallel trace's split sizes, mod 8)
@@ -294,7 +304,7 @@ def store(k: dict, sizes: Mapping[str, int], an) -> Path | None:
     traced = getattr(an, "request_facts", None)
     if traced and json.loads(json.dumps(traced)) != meta["facts"]:
         return None  # the tracer read this request otherwise: do not guess which requests match
-    regime = _digest(json.dumps([meta["facts"], meta["pinned"], meta["config_values"], meta["residues"],
+    regime = _digest(json.dumps([_regime_facts(meta, meta["facts"]), meta["pinned"], meta["config_values"], meta["residues"],
                                  meta["per_rank_ones"]], sort_keys=True).encode())[:16]
     folder = _folder(k)
     _prune_stale(k, folder)
