@@ -210,16 +210,18 @@ def profiled():
             gc.enable()
 
 
-def _levels(prof) -> tuple[int, int]:
+def _levels(prof, ops_prefixes: tuple[str, ...] = ("aten::",)) -> tuple[int, int]:
     """(highest allocator level, highest level at the end of a top-level aten op) over a profile.
 
     The second leaves out memory a kernel allocates and frees inside one op (e.g. oneDNN's
-    packing buffers in CPU bf16 matmuls), which no op-level schedule can see.
+    packing buffers in CPU bf16 matmuls), which no op-level schedule can see. ``ops_prefixes``:
+    the profiler event names that count as ops (a distributed run adds its collectives,
+    ``c10d::`` and ``_c10d_functional::``).
     """
     evs = list(prof.profiler.kineto_results.events())
     mem = sorted((e.start_ns(), e.nbytes()) for e in evs if e.name() == "[memory]")
     ops = sorted(((e.start_ns(), e.start_ns() + e.duration_ns(), e.start_thread_id()) for e in evs
-                  if e.name().startswith("aten::")), key=lambda t: (t[0], -t[1]))
+                  if e.name().startswith(ops_prefixes)), key=lambda t: (t[0], -t[1]))
     ends, stack = [], {}
     for a, b, th in ops:  # top level: not inside another aten op of its thread
         st = stack.setdefault(th, [])

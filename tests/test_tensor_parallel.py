@@ -25,7 +25,7 @@ from symcost.errors import SymcostError
 from symcost.tracing.fit import SYMS
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
-from tp_rank import measure  # noqa: E402
+from tp_rank import fake_peak, measure  # noqa: E402
 
 PRECISION = "bf16-true"  # 16-bit activations, as the paper counts (2 bytes), 1-byte dropout masks
 
@@ -210,6 +210,98 @@ def test_per_rank_against_pytorch_on_the_fake_group(model, sp, n):
         assert int(an.params_shard.subs(env)) == got["shard"], v
 
 
+@pytest.mark.parametrize("model,sp,n", [("megatron-gpt", False, 2), ("megatron-gpt", True, 1), ("gpt2", True, 1),
+                                         ("cs336-lm", True, 1)])
+def test_rank_peak_against_memtracker_on_the_fake_group(model, sp, n):
+    """The rank's peak memory of a steady-state step (bf16 model, AdamW in its for-loop form)
+    at random sizes and TP equals what PyTorch's ``MemTracker`` measures on rank 0 of the fake
+    group (tests/data/tp_rank.py ``fake_peak``), to the byte, with and without sequence
+    parallelism; L >= 3 where the middle blocks differ from the first (cs336-lm under SP)."""
+    from symcost.passes.memory import memory_model
+
+    an = _trace(sp, model)
+    mm = memory_model(an, PRECISION, "adamw", impl="for-loop", device="cpu")
+    rng = random.Random(1600 + 10 * sp + len(model))
+    for i in range(n):
+        v = {k: x for k, x in _draw(rng, sp).items() if k in an.symbols or k in ("B", "S", "L")}
+        v["L"] = max(v["L"], 3 if i == 0 else 2)  # (the schedule holds for L >= 2; L = 1 is its own trace)
+        sizes = {k: x for k, x in v.items() if k in an.symbols}
+        assert mm.peak(**sizes) == fake_peak(resolve_spec(model), v, sp), (v, mm.peak_where(**sizes))
+
+
+def resolve_spec(model: str):
+    from symcost.frontends.models import resolve
+
+    return resolve(model)
+
+
+def test_rank_peak_parts_follow_the_shards():
+    """The static part of the rank's peak is the precision policy applied to the rank's own
+    parameter elements (``params_shard``: the column- and row-parallel shards plus what the plan
+    replicates), Adam's two moments alike, plus one 4-byte step counter per tensor; the parts add
+    up to the peak, whose formula is in TP."""
+    from symcost.passes.memory import memory_model
+    from symcost.passes.tensor_parallel import summary
+
+    an = _trace(False)
+    mm = memory_model(an, PRECISION, "adamw")
+    assert sympy.simplify(mm.params - 2 * an.params_shard) == 0
+    assert sympy.simplify(mm.optimizer - 4 * an.params_shard - 4 * mm.n_tensors) == 0
+    rng = random.Random(1601)
+    v = {k: x for k, x in _draw(rng, False).items() if k in an.symbols}
+    v["L"] = max(v["L"], 2)
+    pk = summary(an, PRECISION, sizes=v, impl="for-loop")["peak"]
+    assert pk["value"] == mm.peak(**v) and sum(pk["parts"].values()) == pk["value"] and pk["where"]
+    assert SYMS["TP"] in pk["formula"].free_symbols
+
+
+def test_inverse_tp_generator_round_trips():
+    """Sizes in 1/TP are ring elements (the generator for 1/TP, as for 1/DP): converting,
+    evaluating and the sign test (sufficient for every TP >= 1) stay exact; a ring over DP and
+    TP together (a 2-D mesh) is refused."""
+    from symcost.passes.memory.live import _peval, _sign
+    from symcost.tracing.poly import Algebra, terms_expr
+
+    alg = Algebra(("B", "S", "TP"))
+    Bs, Ss, TPs = (SYMS[k] for k in ("B", "S", "TP"))
+    e = 6 * Bs * Ss / TPs + 2 * Bs * Ss + 3 * TPs * Ss
+    p = alg.from_expr(e)
+    assert sympy.simplify(alg.expr(p) - e) == 0
+    assert sympy.simplify(terms_expr(alg.gens, alg.terms(p)) - e) == 0
+    rng = random.Random(16)
+    for _ in range(5):
+        bv, sv, tv = rng.randint(1, 9), rng.randint(1, 99), rng.randint(1, 64)
+        assert _peval(p, alg.values((bv, sv, tv))) == Fraction(6 * bv * sv, tv) + 2 * bv * sv + 3 * tv * sv
+    assert _sign(alg, p) == 1 and _sign(alg, -p) == -1
+    assert _sign(alg, alg.from_expr(Ss / TPs - 1)) == 0
+    with pytest.raises(ValueError, match="2-D mesh"):
+        Algebra(("B", "DP", "TP"))
+
+
+def test_trace_cache_serves_other_tp(cache_dir):
+    """A ``--tp --sp`` trace written to the trace cache (key options ``{"tp", "sp"}``) and read
+    back serves another TP in the same residue classes: its rank's peak equals MemTracker's on
+    the fake group (PyTorch, rank 0) at that TP; a request with another S class mod 8, one head
+    per rank, or without SP does not match it."""
+    from symcost.graph import cache
+    from symcost.passes.memory import memory_model
+
+    an = _trace(True)  # traced at TP = 8, S = 64, H = 16, V = 128
+    k = cache.key("megatron-gpt", {}, "eager", PRECISION, {"tp": True, "sp": True})
+    req = {"TP": 8, "S": 64, "H": 16, "D": 8, "V": 128}
+    assert cache.store(k, req, an) is not None
+    rng = random.Random(1602)
+    v = {"TP": rng.choice((2, 4)), "B": 2, "S": 8 * rng.randint(2, 12), "H": 16, "D": 8, "L": rng.randint(2, 3), "V": 128}
+    got = cache.load(k, v)
+    assert got is not None and got.parallel == "tp+sp"
+    sizes = {x: y for x, y in v.items() if x in got.symbols}
+    assert memory_model(got, PRECISION, "adamw", impl="for-loop", device="cpu").peak(**sizes) \
+        == fake_peak(resolve_spec("megatron-gpt"), v, True)
+    assert cache.load(k, dict(v, S=v["S"] + 4)) is None  # another class of S mod 8
+    assert cache.load(k, dict(v, TP=16)) is None  # one head per rank: a regime of its own
+    assert cache.load(cache.key("megatron-gpt", {}, "eager", PRECISION, {"tp": True, "sp": False}), v) is None
+
+
 def test_tp_with_dp_refused():
     """--tp with --dp is not composed yet: one line, SymcostError."""
     from symcost.frontends.models import resolve
@@ -232,8 +324,9 @@ def test_cli_report_tp_sp_json():
 
     rng = random.Random(11)
     v = {"TP": 4, "B": rng.randint(2, 4), "S": 8 * rng.randint(2, 6), "H": 8, "D": rng.choice((4, 8)),
-         "L": rng.randint(1, 3), "V": 8 * rng.randint(2, 9)}
-    args = ["report", "megatron-gpt", "--tp", "4", "--sp", "--precision", PRECISION, "--json", "--set"] + [
+         "L": max(2, rng.randint(1, 3)), "V": 8 * rng.randint(2, 9)}
+    args = ["report", "megatron-gpt", "--tp", "4", "--sp", "--precision", PRECISION, "--torch-device", "cpu",
+            "--json", "--set"] + [
         f"{k}={x}" for k, x in v.items() if k != "TP"]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
@@ -245,6 +338,10 @@ def test_cli_report_tp_sp_json():
     assert d["flops"]["train"] == got["flops"]
     assert d["parallel"]["memory_per_rank"]["activations"] == got["saved"]
     assert d["parallel"]["memory_per_rank"]["params"] == 2 * got["shard"]  # bf16 weights
+    assert d["parallel"]["memory"]["peak"] == fake_peak(resolve_spec("megatron-gpt"), v, True)  # (L >= 2 drawn)
+    assert sum(d["parallel"]["memory"]["parts"].values()) == d["parallel"]["memory"]["peak"]
+    r = CliRunner().invoke(main, [a for a in args if a != "--json"])
+    assert r.exit_code == 0 and "memory.peak" in r.output and "peak per rank at:" in r.output, r.output
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -266,12 +363,15 @@ def test_cli_refusals(args, msg):
 def test_real_gloo_two_ranks(sp, tmp_path):
     """``torchrun --standalone --nproc-per-node 2`` with gloo on this CPU, real bf16 tensors
     (tests/data/tp_rank.py): each rank's FLOPs, saved bytes, collective bytes and parameter
-    elements equal symcost's per-rank values at a random size."""
+    elements equal symcost's per-rank values at a random size, and its peak memory of a
+    steady-state AdamW step (torch.profiler) is within 5% of symcost's."""
     import json
     import subprocess
 
+    from symcost.passes.memory import memory_model
+
     rng = random.Random(2 + sp)
-    v = {"TP": 2, "H": 8, "D": rng.choice((4, 8)), "L": rng.randint(1, 3),
+    v = {"TP": 2, "H": 8, "D": rng.choice((4, 8)), "L": max(2, rng.randint(1, 3)),
          "V": 8 * rng.randint(2, 10), "B": rng.randint(2, 3), "S": 8 * rng.randint(1, 3)}
     script = os.path.join(os.path.dirname(__file__), "data", "tp_rank.py")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -291,6 +391,10 @@ def test_real_gloo_two_ranks(sp, tmp_path):
         for kind, want in got["comm"].items():
             assert Fraction(str(an.comm_bytes(kind).subs(env_s))) == Fraction(want), (kind, rank)
         assert int(an.params_shard.subs(env_s)) == got["shard"], rank
+        # the rank's peak: torch.profiler's allocator level at the ends of top-level ops (aten and
+        # the collectives), over the bytes live before the step
+        want = memory_model(an, PRECISION, "adamw", impl="for-loop", device="cpu").peak(**v)
+        assert abs(want - got["peak_ops"]) <= 0.05 * got["peak_ops"], (rank, want, got)
 
 
 def test_six_n_p_of_one_rank():

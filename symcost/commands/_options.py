@@ -276,8 +276,13 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
             raise SymcostError("--tp with --dp is not composed yet (one mesh dimension per trace); trace them apart")
         if "TP" in sizes and sizes["TP"] != tp:
             raise SymcostError(f"--tp {tp} and --set TP={sizes['TP']} disagree; give one")
-        sizes = {**sizes, "TP": tp}  # (not kept in the trace cache, as --dp)
-        an = _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing, tp=(tp, sp))
+        # one rank of tensor parallelism: kept in the trace cache under {"tp", "sp"} (a TP and a
+        # TP + SP trace never share an entry); TP is served at any value by one entry, within
+        # the residue classes of the split sizes and their per-rank regime (graph/cache.py)
+        sizes = {**sizes, "TP": tp}
+        an = cached_trace(model, cfg, attention, precision, sizes,
+                          lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing, tp=(tp, sp)),
+                          use_cache, options={"tp": True, "sp": sp, **({"routing": routing} if routing else {})})
         an.bind(**sizes)
         return an, sizes
     options = {"routing": routing} if routing is not None else {}

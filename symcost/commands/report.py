@@ -45,7 +45,7 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
         from symcost.passes.tensor_parallel import summary as tp_summary
         from symcost.render import tensor_parallel as rtp
 
-        par = tp_summary(an, precision, optimizer, sizes if sizes else None)
+        par = tp_summary(an, precision, optimizer, sizes if sizes else None, device=device)
         if as_json:
             res = rep.to_json(an, sizes if sizes else None)
             res.update(rtp.to_json(an, sizes if sizes else None, par))

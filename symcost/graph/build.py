@@ -201,9 +201,13 @@ def _lead_roles(container: str, n: int):
 
 def _middle(spec: ModelSpec) -> int:
     """1 where the probes hold one more block, so that a middle block stands for the L - 2
-    between the first and the last (a data-parallel trace: FSDP2 keeps each unit's collective
-    buffers until the next unit's, ``tracing.schedule.fit_schedule(middle=True)``), else 0."""
-    return 1 if spec.extra.get("parallel") and not spec.lead_blocks and "L" in spec.symbols else 0
+    between the first and the last, else 0: a data-parallel trace (FSDP2 keeps each unit's
+    collective buffers until the next unit's, ``tracing.schedule.fit_schedule(middle=True)``)
+    and a tensor-parallel one (with sequence parallelism the first block can free what the
+    layers before it left whole: cs336-lm's first block holds 2·B·S·d/TP bytes less than the
+    others, so block 0 cannot stand for the L - 1 before the last)."""
+    par = spec.extra.get("parallel") or spec.extra.get("tensor_parallel")
+    return 1 if par and not spec.lead_blocks and "L" in spec.symbols else 0
 
 
 def _align(recs: list[Recording], spec: ModelSpec) -> None:
@@ -581,10 +585,9 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         matmul_params=matmul_params, unsupported=unsupported, saved=saved, layer_container=container,
         precision=precision, tied={folded_name.get(k, k): v for k, v in ref.tied.items()},
         recordings=recs, plan=plan, fitter=fitter, role=role,
-        # (a data-parallel step's storages hold shards: sizes in DP and 1/DP, tracing/poly.py; a
-        # tensor-parallel step's in 1/TP, which the ring does not take yet: no schedule, no peak)
-        schedule=None if (ref.parallel or "").startswith("tp") else
-        fit_schedule(recs, fitter, role, container, symbols, spec.name,
+        # (a data-parallel step's storages hold shards: sizes in DP and 1/DP, a tensor-parallel
+        # step's in TP and 1/TP: tracing/poly.py)
+        schedule=fit_schedule(recs, fitter, role, container, symbols, spec.name,
                      lead=0 if "L" in pinned else spec.lead_blocks,
                      middle=bool(_middle(spec)) and "L" not in pinned),
         step=spec.step, kv_cache=spec.kv_cache if spec.step != "train" else None, kv_layers=kv_layers,

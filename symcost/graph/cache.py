@@ -15,10 +15,13 @@ key live in one folder, one per traced **regime**: the sizes the user asks for c
 (``symcost.frontends.spec.request_facts``: symbols set to 1, equal config-symbol pairs such as K = H), and
 the trace may pin symbols at the requested value (``Analysis.pinned``). A request matches an
 entry when its request facts equal the entry's, it asks the entry's pinned symbols at their
-pinned values, and its config sizes (all but B, S, L and DP, see :data:`FREE`) are the entry's: a
+pinned values, and its config sizes (all but B, S, L, DP and TP, see :data:`FREE`) are the entry's: a
 loop over batch sizes, sequence lengths, depths or data-parallel sizes reads one entry, another
 head count traces. A data-parallel trace is keyed by its strategy (``options={"shard": ...}``):
-a DDP and an FSDP trace of one model never share an entry.
+a DDP and an FSDP trace of one model never share an entry. A tensor-parallel trace is keyed by
+``options={"tp": True, "sp": ...}``; it serves any TP whose request keeps the sizes the probes
+kept in a residue class (``Analysis.residues``: heads, sharded features, V, and S with SP, mod 8)
+in that class, and the same of them at one per rank.
 
 **Robustness.** An entry that cannot be read (corrupt JSON, another format, missing fields) is
 deleted and the model traced afresh; a stale one (other versions or sources) has another key, is
@@ -151,11 +154,13 @@ def _facts(meta: Mapping, sizes: Mapping[str, int]) -> dict:
 #: Symbols a cached regime serves at any value (with the same request facts and pins): the
 #: batch, the sequence length, the number of blocks and the data-parallel size (a data-parallel
 #: trace runs the same ops at every DP > 1: its formulas say /DP, exact where DP divides the
-#: sharded dims, and padded values are computed from them, docs/parallel.md). A config size
+#: sharded dims, and padded values are computed from them, docs/parallel.md) and the
+#: tensor-parallel size (within the residue classes the trace's probes kept, ``residues``, and
+#: the same split sizes of one per rank, :func:`_per_rank_ones`). A config size
 #: (H, D, K, V, F, M, E, R) is matched by value: a regime can depend on it in ways the request
 #: facts do not show (BLOOM's ALiBi slopes run other ops when H is not a power of two), and only a
 #: recording would tell.
-FREE = ("B", "S", "L", "DP")
+FREE = ("B", "S", "L", "DP", "TP")
 
 
 def _config_values(meta: Mapping, sizes: Mapping[str, int]) -> dict[str, int]:
@@ -163,10 +168,36 @@ def _config_values(meta: Mapping, sizes: Mapping[str, int]) -> dict[str, int]:
     return {s: values[s] for s in sorted(values) if s not in FREE}
 
 
+def _per_rank_ones(meta: Mapping, values: Mapping[str, int]) -> list[str]:
+    """The split sizes (those with a residue class, ``Analysis.residues``) that are 1 per rank
+    (``value // TP == 1``): a tensor-parallel rank with one head or one token runs other kernels,
+    a regime of its own (docs/parallel.md §11). Empty without TP."""
+    tp = values.get("TP")
+    if not tp:
+        return []
+    return sorted(s for s in (meta.get("residues") or {}) if s in values and values[s] // tp == 1)
+
+
+def _regime_facts(meta: Mapping, facts: Mapping) -> dict:
+    """``facts`` without the equal pairs of TP and a size it does not split (no residue class:
+    D = TP is a coincidence of values, no regime; a split size equal to TP is one per rank, kept,
+    and :func:`_per_rank_ones` says so too)."""
+    split = set(meta.get("residues") or {})
+    equal = [p for p in facts["equal"] if "TP" not in p or (set(p) - {"TP"}) <= split]
+    return {**facts, "equal": equal}
+
+
 def _matches(meta: Mapping, sizes: Mapping[str, int]) -> bool:
-    if _facts(meta, sizes) != meta["facts"] or _config_values(meta, sizes) != meta["config_values"]:
+    if _regime_facts(meta, _facts(meta, sizes)) != _regime_facts(meta, meta["facts"]) \
+            or _config_values(meta, sizes) != meta["config_values"]:
         return False
     values = _request_values(meta, sizes)
+    # sizes the probes kept in a residue class (a tensor-parallel trace's split sizes, mod 8)
+    for s, (m, r) in (meta.get("residues") or {}).items():
+        if s in values and values[s] % m != r:
+            return False
+    if _per_rank_ones(meta, values) != meta.get("per_rank_ones", []):
+        return False
     lead = meta.get("lead_blocks", 0)
     if lead and "L" not in meta["pinned"] and values.get("L", lead + 1) <= lead:
         return False  # L <= n leading blocks: all blocks of one kind, a regime of its own
@@ -268,10 +299,13 @@ def store(k: dict, sizes: Mapping[str, int], an) -> Path | None:
                             "lead_blocks": int(getattr(spec, "lead_blocks", 0) or 0)}
     meta["facts"] = _facts(meta, sizes)
     meta["config_values"] = _config_values(meta, sizes)
+    meta["residues"] = {s: [int(m), int(r)] for s, (m, r) in (getattr(an, "residues", None) or {}).items()}
+    meta["per_rank_ones"] = _per_rank_ones(meta, _request_values(meta, sizes))
     traced = getattr(an, "request_facts", None)
     if traced and json.loads(json.dumps(traced)) != meta["facts"]:
         return None  # the tracer read this request otherwise: do not guess which requests match
-    regime = _digest(json.dumps([meta["facts"], meta["pinned"], meta["config_values"]], sort_keys=True).encode())[:16]
+    regime = _digest(json.dumps([_regime_facts(meta, meta["facts"]), meta["pinned"], meta["config_values"], meta["residues"],
+                                 meta["per_rank_ones"]], sort_keys=True).encode())[:16]
     folder = _folder(k)
     _prune_stale(k, folder)
     try:

@@ -27,7 +27,7 @@ def is_tensor_parallel(an) -> bool:
 
 
 def summary(an, precision: str | None = None, optimizer: str = "adamw",
-            sizes: Mapping[str, int] | None = None) -> dict[str, Any]:
+            sizes: Mapping[str, int] | None = None, impl: str = "default", device: str = "cuda") -> dict[str, Any]:
     """One rank of a ``--tp`` trace: formulas in the symbols and ``TP``.
 
     Returns:
@@ -35,8 +35,15 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         ``all_reduce``, ``total``: bytes one rank sends, equal to those it receives, per step,
         ring algorithm as nccl-tests' bus bandwidth), ``memory`` (``params``, ``grads``,
         ``optimizer_state``, ``master``, ``total``: :func:`symcost.passes.parallel.model_state_bytes`
-        of the rank's parameter elements; ``activations``: bytes autograd saves on the rank);
-        with ``sizes`` also ``values``: the same as numbers, and ``tp``.
+        of the rank's parameter elements; ``activations``: bytes autograd saves on the rank),
+        ``peak`` (:func:`symcost.passes.parallel.rank_peak`: the rank's peak memory of a
+        steady-state step from the rank's traced storage schedule, in the symbols and TP and
+        1/TP: ``formula``, and at ``sizes`` or the defaults ``value`` in bytes, ``where`` and
+        ``parts``: the policy's parameters and optimizer state of the rank's shards, buffers,
+        inputs, and the live set's gradients, forward and backward storages and optimizer
+        temporaries; docs/parallel.md §11, "The rank's peak"); with ``sizes`` also ``values``:
+        the same as numbers, and ``tp``. ``impl`` and ``device`` choose the optimizer
+        implementation whose temporaries count (:func:`symcost.passes.memory.resolve_impl`).
 
     Raises:
         SymcostError: ``an`` is no tensor-parallel trace.
@@ -47,7 +54,10 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
     comm["total"] = an.comm_bytes("total")
     mem = model_state_bytes(an.params_shard, 1, "ddp", precision or an.precision, optimizer)
     mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
+    from symcost.passes.parallel import rank_peak
+
     out = {"sp": an.parallel == "tp+sp", "comm": comm, "memory": mem,
+           "peak": rank_peak(an, precision, optimizer, sizes, impl, device),
            "engine": "torch.distributed.tensor.parallel.parallelize_module (Megatron plan"
                      + (", SequenceParallel norms)" if an.parallel == "tp+sp" else ")")}
     if sizes is not None:

@@ -494,14 +494,7 @@ def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) 
         v = sympy.sympify(v)
         return int(v) if v.is_integer else float(v)
 
-    pk = summary.get("peak") or {}
-    if "error" in pk:
-        peak = {"peak": None, "error": pk["error"]}
-    else:
-        peak = {"peak": pk["value"] if vals is not None else fmt(pk["formula"]), "where": pk["where"],
-                "parts": pk["parts"], "formula": fmt(pk["formula"])}
-        if vals is None:
-            peak["peak_at_defaults"] = pk["value"]
+    peak = peak_json(summary, vals is not None)
     if vals is None:
         return {
             "comm": {k: fmt(v) for k, v in summary["comm"].items()},
@@ -533,12 +526,7 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
                 "shards (FSDP2: ceil(d0/DP) rows per rank), the formulas do not (docs/parallel.md)")
     t = per_rank_table(summary, js, par)
     pk = par["memory"]
-    if pk.get("peak") is None:
-        t.add_row("memory.peak", "", pk.get("error", ""))
-    else:
-        val = pk["peak"] if isinstance(pk["peak"], int) else pk["peak_at_defaults"]
-        f = pk["formula"] if len(pk["formula"]) <= 120 else "(a Max of live sets: --json prints it)"
-        t.add_row("memory.peak" + ("" if isinstance(pk["peak"], int) else " (at the defaults)"), f, human(val, "B"))
+    add_peak_row(t, pk)
     c.print(t)
     if pk.get("peak") is not None:
         c.print(f"peak per rank at: {pk['where']} (model states + the live storages of the traced step: "
@@ -576,6 +564,32 @@ def memory_section(an: Analysis, sizes, cap: str, precision: str, optimizer: str
     from symcost.render.memory import report_section
 
     return report_section(an, sizes, cap, precision, optimizer, **options)
+
+
+def peak_json(summary, at_sizes: bool) -> dict:
+    """The JSON form of a per-rank summary's ``peak`` (:func:`symcost.passes.parallel.rank_peak`):
+    ``peak`` (bytes at the sizes asked for; the formula without sizes, then ``peak_at_defaults``
+    in bytes), ``where``, ``parts`` (bytes, adding up to the peak) and ``formula``; or
+    ``peak: None`` and ``error`` where the trace has no storage schedule."""
+    pk = summary.get("peak") or {}
+    if "error" in pk:
+        return {"peak": None, "error": pk["error"]}
+    peak = {"peak": pk["value"] if at_sizes else fmt(pk["formula"]), "where": pk["where"],
+            "parts": pk["parts"], "formula": fmt(pk["formula"])}
+    if not at_sizes:
+        peak["peak_at_defaults"] = pk["value"]
+    return peak
+
+
+def add_peak_row(t, pk: dict) -> None:
+    """A ``memory.peak`` row (formula, or a pointer to --json where it is long; bytes) in a
+    :func:`per_rank_table` from :func:`peak_json`'s dict."""
+    if pk.get("peak") is None:
+        t.add_row("memory.peak", "", pk.get("error", ""))
+        return
+    val = pk["peak"] if isinstance(pk["peak"], int) else pk["peak_at_defaults"]
+    f = pk["formula"] if len(pk["formula"]) <= 120 else "(a Max of live sets: --json prints it)"
+    t.add_row("memory.peak" + ("" if isinstance(pk["peak"], int) else " (at the defaults)"), f, human(val, "B"))
 
 
 def per_rank_table(summary, js, par):

@@ -16,16 +16,22 @@ def _num(v):
 def to_json(an, sizes: Mapping[str, int] | None, summary: dict) -> dict:
     """``comm`` {all_gather, reduce_scatter, all_reduce, total} (bytes one rank sends, =
     receives, per step) and ``parallel`` {tp, sp, engine, memory_per_rank {params, grads,
-    optimizer_state, master, total, activations}}: formulas without sizes, numbers with."""
+    optimizer_state, master, total, activations}, memory {peak, where, parts, formula}: the
+    rank's peak, :func:`symcost.render.report.peak_json`}: formulas without sizes, numbers with."""
+    from symcost.render.report import peak_json
+
     vals = summary.get("values") if sizes is not None else None
+    peak = peak_json(summary, vals is not None)
     if vals is None:
         return {"comm": {k: fmt(v) for k, v in summary["comm"].items()},
                 "parallel": {"tp": "TP" if "TP" in an.symbols else an.pinned.get("TP"), "sp": summary["sp"],
                              "engine": summary["engine"],
-                             "memory_per_rank": {k: fmt(v) for k, v in summary["memory"].items()}}}
+                             "memory_per_rank": {k: fmt(v) for k, v in summary["memory"].items()},
+                             "memory": peak}}
     return {"comm": {k: _num(v) for k, v in vals["comm"].items()},
             "parallel": {"tp": _num(vals["tp"]), "sp": summary["sp"], "engine": summary["engine"],
-                         "memory_per_rank": {k: _num(v) for k, v in vals["memory"].items()}}}
+                         "memory_per_rank": {k: _num(v) for k, v in vals["memory"].items()},
+                         "memory": peak}}
 
 
 def render(an, sizes: Mapping[str, int], summary: dict, width: int | None = None) -> None:
@@ -35,6 +41,11 @@ def render(an, sizes: Mapping[str, int], summary: dict, width: int | None = None
     par = js["parallel"]
     c.print(f"\n[bold]tensor parallel[/bold]: TP = {par['tp']} ranks"
             f"{' with sequence parallelism' if par['sp'] else ''}; traced {par['engine']}")
-    from symcost.render.report import per_rank_table
+    from symcost.render.report import add_peak_row, per_rank_table
 
-    c.print(per_rank_table(summary, js, par))
+    t = per_rank_table(summary, js, par)
+    add_peak_row(t, par["memory"])
+    c.print(t)
+    if par["memory"].get("peak") is not None:
+        c.print(f"peak per rank at: {par['memory']['where']} (model states of the rank's shards + the live "
+                "storages of the traced step: activations, collective outputs, gradients, optimizer temporaries)")

@@ -18,8 +18,8 @@ from sympy.polys.rings import ring as _ring
 from symcost.tracing.fit import SYMS
 
 #: A polynomial as plain data (JSON): ``[[e_1, ..., e_n, "p/q"], ...]``, exponents in the order
-#: of the symbols it is written in (``MemorySchedule.gens``), then, where ``DP`` is among them,
-#: the exponent of ``1/DP`` (:data:`INV_DP`).
+#: of the symbols it is written in (``MemorySchedule.gens``), then, where a mesh symbol (``DP`` or
+#: ``TP``, :data:`MESH`) is among them, the exponent of its inverse (:data:`INV_DP`, :data:`INV_TP`).
 Terms = list
 
 #: The generator standing for ``1/DP`` in a data-parallel trace's ring: a rank's storages hold
@@ -28,15 +28,42 @@ Terms = list
 #: generators of a polynomial ring and every size is a polynomial in them.
 INV_DP = sympy.Symbol("DP_inv", positive=True)
 
+#: The generator standing for ``1/TP`` in a tensor-parallel trace's ring (a rank's weight shards,
+#: its S/TP tokens under sequence parallelism, its 1/TP of the heads), as :data:`INV_DP`.
+INV_TP = sympy.Symbol("TP_inv", positive=True)
+
+#: The mesh symbols whose inverse is a generator of the ring, each with that generator. A trace
+#: has at most one of them (a 1-D mesh: ``--dp`` and ``--tp`` are not combined); a ring whose
+#: symbols hold more than one is refused (ValueError).
+MESH = {"DP": INV_DP, "TP": INV_TP}
+
+
+def mesh_symbol(gens) -> str | None:
+    """The mesh symbol (``DP`` or ``TP``) among ``gens``, or None.
+
+    Raises:
+        ValueError: more than one of them (a 2-D mesh, which no trace records).
+    """
+    got = [g for g in gens if g in MESH]
+    if len(got) > 1:
+        raise ValueError(f"a storage schedule over a 2-D mesh ({', '.join(got)}) is not supported")
+    return got[0] if got else None
+
+
+def _inv(expr, name: str = "DP"):
+    """``expr`` with every ``name**-k`` written as its inverse generator ``**k`` (expanded
+    first); ``name`` is a mesh symbol (:data:`MESH`)."""
+    X, inv = SYMS[name], MESH[name]
+    expr = sympy.expand(sympy.sympify(expr))
+    if not expr.has(X):
+        return expr
+    return expr.replace(lambda e: e.is_Pow and e.base == X and e.exp.is_negative,
+                        lambda e: inv ** (-e.exp))
+
 
 def _inv_dp(expr):
     """``expr`` with every ``DP**-k`` written ``INV_DP**k`` (expanded first)."""
-    DP = SYMS["DP"]
-    expr = sympy.expand(sympy.sympify(expr))
-    if not expr.has(DP):
-        return expr
-    return expr.replace(lambda e: e.is_Pow and e.base == DP and e.exp.is_negative,
-                        lambda e: INV_DP ** (-e.exp))
+    return _inv(expr, "DP")
 
 
 class NotIntegral(ValueError):
@@ -57,14 +84,21 @@ class Algebra:
     :data:`INV_DP` = 1/DP, after the symbols: ``values`` appends its value, ``expr`` writes it
     back as ``1/DP``, and the shift leaves it alone (0 < 1/DP <= 1, so a polynomial whose
     coefficients are all >= 0 after shifting the other symbols is still >= 0; the relation
-    DP·(1/DP) = 1 is not used, which keeps every sign test sufficient).
+    DP·(1/DP) = 1 is not used, which keeps every sign test sufficient). With ``TP`` (a
+    tensor-parallel trace) the same holds for :data:`INV_TP` = 1/TP. ``mesh`` names the symbol
+    (``"DP"``, ``"TP"`` or None); ``inv_dp`` is True when the ring has such a generator (either
+    symbol; the name is kept from when DP was the only one).
+
+    Raises:
+        ValueError: both DP and TP among ``gens``.
     """
 
     def __init__(self, gens: tuple[str, ...], domain=QQ):
         self.gens = tuple(gens)
         self.domain = domain
-        self.inv_dp = "DP" in self.gens
-        syms = [SYMS[g] for g in self.gens] + ([INV_DP] if self.inv_dp else []) or [sympy.Symbol("_one")]
+        self.mesh = mesh_symbol(self.gens)
+        self.inv_dp = self.mesh is not None
+        syms = [SYMS[g] for g in self.gens] + ([MESH[self.mesh]] if self.inv_dp else []) or [sympy.Symbol("_one")]
         self.R, *self.x = _ring(syms, domain)
         self.n = len(syms)
         self._shifted: dict[tuple, Any] = {}
@@ -78,7 +112,7 @@ class Algebra:
         got = self._from_expr.get(expr)
         if got is None:
             try:
-                got = self._from_expr[expr] = self.R(_inv_dp(expr) if self.inv_dp else sympy.sympify(expr))
+                got = self._from_expr[expr] = self.R(_inv(expr, self.mesh) if self.inv_dp else sympy.sympify(expr))
             except ValueError as e:  # a rational coefficient in ZZ
                 raise NotIntegral(str(e)) from e
         return got
@@ -106,14 +140,14 @@ class Algebra:
         if not self.gens:
             return sympy.Rational(str(p.coeff(1)) if p else 0)
         e = p.as_expr()
-        return e.xreplace({INV_DP: 1 / SYMS["DP"]}) if self.inv_dp else e
+        return e.xreplace({MESH[self.mesh]: 1 / SYMS[self.mesh]}) if self.inv_dp else e
 
     def values(self, vals: tuple) -> tuple:
         """Values of the ring's generators from those of the symbols (in ``gens`` order): with
-        ``DP``, its inverse appended (an exact rational)."""
+        ``DP`` (or ``TP``), its inverse appended (an exact rational)."""
         if not self.inv_dp:
             return tuple(vals)
-        return (*vals, QQ(1, int(vals[self.gens.index("DP")])))
+        return (*vals, QQ(1, int(vals[self.gens.index(self.mesh)])))
 
     def scale(self, p, k):
         """``k * p`` for a rational ``k`` (int or Fraction)."""
@@ -125,7 +159,7 @@ class Algebra:
     def shift(self, p):
         """``p(x + 1)``, a polynomial in y = x - 1 >= 0: when all its coefficients are >= 0, p >= 0
         at every positive integer point (a sufficient test). Shifted monomials are cached. The
-        generator 1/DP (:data:`INV_DP`, > 0) is not shifted."""
+        generator 1/DP or 1/TP (:data:`MESH`, > 0) is not shifted."""
         out = self.R.zero
         k = len(self.gens)
         for m, c in p.items():
@@ -143,8 +177,9 @@ class Algebra:
 
 
 def terms_expr(gens, terms: Terms) -> sympy.Expr:
-    """:data:`Terms` in the symbols ``gens`` as a sympy expression (with ``DP`` among them, the
-    last exponent is that of 1/DP)."""
-    syms = [SYMS[g] for g in gens] + ([1 / SYMS["DP"]] if "DP" in gens else [])
+    """:data:`Terms` in the symbols ``gens`` as a sympy expression (with ``DP`` or ``TP`` among
+    them, the last exponent is that of its inverse)."""
+    m = mesh_symbol(gens)
+    syms = [SYMS[g] for g in gens] + ([1 / SYMS[m]] if m else [])
     return sympy.Add(*[sympy.Rational(str(t[-1])) * sympy.Mul(*[s ** e for s, e in zip(syms, t[:-1]) if e])
                        for t in terms])

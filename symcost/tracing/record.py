@@ -174,6 +174,10 @@ def _grad_fns(obj) -> list:
 _META_ALIASED_OUTPUTS = {torch.ops.aten.mkldnn_rnn_layer_backward.default}
 
 
+_WAIT_TENSOR = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+_WAIT_TENSOR = getattr(_WAIT_TENSOR, "default", None)
+
+
 def _dispatch_unaliased(func, args, kwargs):
     """Run ``func``; where its meta kernel aliases two outputs that the real kernel keeps apart,
     give the later one its own storage, as the real kernel does.
@@ -344,6 +348,11 @@ class _Recorder(TorchDispatchMode):
                 out = None
         if self.dtensor is None or func is not torch.ops.aten.slice.Tensor:
             out = _dispatch_unaliased(func, args, kwargs)
+            if func is _WAIT_TENSOR and isinstance(args[0], torch.Tensor) and out is not args[0]:
+                # the eager kernel returns its input (c10d_functional's wait_tensor); its schema
+                # declares no alias, so a FakeTensorMode cache hit rebuilds the output as a new
+                # storage: a copy the rank never holds
+                out = args[0]
         if func.namespace == "profiler":
             self._profiler_label(func, args, out)
             return out

@@ -171,12 +171,15 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
         buf += alg.from_expr(rep) * alg.from_expr(fitter(sig, f"size of buffer {bname}"))
     sched.buffers = alg.terms(buf)
     sched.inputs = alg.terms(alg.from_expr(fitter(tuple(r.input_nbytes for r in recs), "size of the inputs")))
+    # a tensor-parallel rank's optimizer steps its local shards (DTensor's local tensors): their
+    # shapes; a data-parallel trace keeps the whole shapes (the memory pass takes 1/DP of each)
+    local = (ref.parallel or "").startswith("tp")
     for pname, (shape, _) in ref.params.items():
-        numel = fitter(tuple(math.prod(r.params[pname][0]) for r in recs), f"size of {pname}")
+        shapes = [r.param_shards[pname] if local else r.params[pname][0] for r in recs]
+        numel = fitter(tuple(math.prod(sh) for sh in shapes), f"size of {pname}")
         fac = sympy.Integer(0)
         if len(shape) >= 2:
-            sig = tuple(math.prod(r.params[pname][0][:-1]) + math.prod(r.params[pname][0][:-2]) * r.params[pname][0][-1]
-                        for r in recs)
+            sig = tuple(math.prod(sh[:-1]) + math.prod(sh[:-2]) * sh[-1] for sh in shapes)
             fac = fitter(sig, f"factored size of {pname}")
         sched.params.append((alg.terms(alg.from_expr(numel)), alg.terms(alg.from_expr(fac))))
     pdtypes = {d for _, d in ref.params.values() if d.is_floating_point}

@@ -93,6 +93,110 @@ def measure(model, spec, values, loss_context, dtype=None) -> dict:
             "shard": sum(local(p).numel() for p in model.parameters())}
 
 
+def fake_peak(spec, values: dict, sp: bool, foreach: bool = False) -> int:
+    """Peak bytes of rank 0 of ``values["TP"]`` ranks in a steady-state training step (forward and
+    loss under ``loss_parallel``, backward, AdamW step, ``zero_grad(set_to_none=True)``), bf16
+    model, on PyTorch's fake process group under ``FakeTensorMode``, measured by PyTorch's own
+    ``torch.distributed._tools.mem_tracker.MemTracker`` (weak references on every storage of
+    every op it dispatches, DTensors by their local tensors). An untracked warm-up step runs
+    first: the optimizer state exists from then on.
+
+    DTensor's sharding propagation runs an op once more on fake tensors of the *global* shapes
+    the first time it meets the op's signature (``ShardingPropagator.
+    _propagate_tensor_meta_non_cached``, in the active fake mode); some signatures (the
+    ``loss_parallel`` backward's) miss its cache again in the second step. On a real run those
+    are fake tensors and take no memory, so here that function runs with the dispatch modes
+    off (a fresh ``FakeTensorMode`` of its own), out of the tracker's sight."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from symcost.frontends.parallel import fake_group
+    from symcost.frontends.tensor_parallel import apply
+    from symcost.tracing.record import find_layer_container
+
+    with torch.device("meta"):
+        model = spec.build(values).to(torch.bfloat16)
+    layers = spec.layers if spec.layers is not None else find_layer_container(spec, model, values)
+    loss_context = apply(model, layers, fake_group(values["TP"]), sp)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
+
+        def step():
+            args, kwargs = spec.make_inputs(values, torch.device("cpu"))
+            with loss_context():
+                loss = spec.loss(model(*args, **kwargs), (args, kwargs))
+                loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
+        mt = MemTracker()
+        mt.track_external(model, opt)
+        orig = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def unseen(self, op_schema):
+            with _disable_current_modes():
+                return orig(self, op_schema)
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = unseen
+        try:
+            with mt:
+                step()
+        finally:
+            ShardingPropagator._propagate_tensor_meta_non_cached = orig
+        return max(d["Total"] for d in mt.get_tracker_snapshot("peak").values())
+
+
+def real_peak(model, spec, values, loss_context) -> dict:
+    """The rank's peak memory of a steady-state training step on real tensors, measured with
+    ``torch.profiler`` (``profile_memory``) as tests/memory_oracle.py does on one device: an
+    AdamW (for-loop, as on CPU) warm-up step allocates the optimizer state; then the bytes live
+    before the step (the rank's parameter shards, buffers, optimizer state, inputs: their
+    storages) plus the highest allocator level of one step (``zero_grad(set_to_none=True)``,
+    forward and loss under ``loss_parallel``, backward, ``step``): ``peak``; ``peak_ops``: the same
+    at the ends of top-level ops (aten and the collectives: what a kernel allocates and frees
+    inside one op, oneDNN's bf16 workspaces, is left out); ``baseline``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from memory_oracle import _levels
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    args, kwargs = spec.make_inputs(values, torch.device("cpu"))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with loss_context():
+            loss = spec.loss(model(*args, **kwargs), (args, kwargs))
+            loss.backward()
+        del loss
+        opt.step()
+
+    step()
+    opt.zero_grad(set_to_none=True)
+    state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    seen = {}
+    for t in list(model.parameters()) + list(model.buffers()) + state + [
+            a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]:
+        st = local(t).untyped_storage()
+        if st.nbytes():
+            seen[st.data_ptr()] = st.nbytes()
+    baseline = sum(seen.values())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    top, top_ops = _levels(prof, ("aten::", "c10d::", "_c10d_functional::"))
+    return {"peak": baseline + top, "peak_ops": baseline + top_ops, "baseline": baseline}
+
+
 def main():
     import torch
     import torch.distributed as dist
@@ -111,6 +215,7 @@ def main():
     model = spec.build(values).to(torch.bfloat16)
     loss_context = apply(model, spec.layers, init_device_mesh("cpu", (n,)), sp)
     got = measure(model, spec, values, loss_context)
+    got.update(real_peak(model, spec, values, loss_context))
     got["world"] = n
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(got, f)

@@ -92,13 +92,16 @@ class MemoryModel(Solver):
         P = an.params
         self.P = P
         self.opt_share = None  # a data-parallel rank's optimizer updates shards (set by _rank_states)
+        self.opt_local = False  # the schedule's parameter sizes are already the rank's (a --tp trace)
         self.params = sympy.expand(pol.param * P)
         self.grads = sympy.expand(pol.grad * P)
         self.master_weights = sympy.expand(pol.master * P)
         self.n_tensors = sympy.expand(sympy.Add(*[rep for _, (_, _, rep) in an.param_shapes.items()]))
         self.optimizer = self._optimizer_state()
         self.parallel = getattr(an, "parallel", None)
-        if self.parallel is not None:
+        if (self.parallel or "").startswith("tp"):
+            self._tp_rank_states()
+        elif self.parallel is not None:
             self._rank_states()
         self.buffers, self.inputs = self._buffers_inputs()
         # an inference step's KV cache after the step (0 for a training step): live all step
@@ -146,6 +149,25 @@ class MemoryModel(Solver):
         if "optimizer_state" in SHARDED[self.parallel]:
             # the optimizer steps the rank's shards: its temporaries are a shard's (1/DP of each tensor)
             self.opt_share = sympy.expand(an.params_shard if traced else self.P / DP)
+
+    def _tp_rank_states(self) -> None:
+        """One rank's model states in a tensor-parallel trace (``--tp``): the precision policy per
+        element of the parameters the rank holds (``Analysis.params_shard``: the local shards of
+        the column- and row-parallel weights plus what the plan replicates), as PyTorch's
+        ``parallelize_module`` distributes them; gradients and Adam's moments are DTensors of the
+        same placements, so each rank holds and updates its own shard (Shoeybi et al. 2019 §3);
+        plus Adam's 4-byte step counters, one per parameter tensor. The optimizer's temporaries
+        are those of the local shards (the schedule's parameter sizes are the local ones)."""
+        if self.opt.factored:
+            raise SymcostError(f"--optimizer {self.opt.name}: the per-rank state of a factored optimizer is not "
+                               "modelled with --tp yet; use adamw, adam or sgd")
+        shard, pol = self.an.params_shard, self.policy
+        self.params = sympy.expand(pol.param * shard)
+        self.grads = sympy.expand(pol.grad * shard)
+        self.master_weights = sympy.expand(pol.master * shard)
+        self.optimizer = sympy.expand(self.opt.full * pol.state * shard
+                                      + (STEP_BYTES * self.n_tensors if self.opt.step else 0))
+        self.opt_share, self.opt_local = sympy.expand(shard), True
 
     def _optimizer_state(self) -> sympy.Expr:
         an, pol, opt = self.an, self.policy, self.opt
@@ -278,7 +300,7 @@ class MemoryModel(Solver):
         """(elements, Adafactor's rows + columns) of the parameter tensors in the optimizer's
         order (that of the L = 2 trace, which has every kind of neighbour), ring elements."""
         out = [(self.alg.from_terms(a), self.alg.from_terms(b)) for a, b in self.schedule.params]
-        if self.opt_share is not None:  # each tensor's shard on this rank (1/DP of it)
+        if self.opt_share is not None and not self.opt_local:  # each tensor's shard on this rank (1/DP of it)
             inv = self.alg.x[-1]
             out = [(a * inv, b * inv) for a, b in out]
         return out
