@@ -203,10 +203,12 @@ def _middle(spec: ModelSpec) -> int:
     """1 where the probes hold one more block, so that a middle block stands for the L - 2
     between the first and the last, else 0: a data-parallel trace (FSDP2 keeps each unit's
     collective buffers until the next unit's, ``tracing.schedule.fit_schedule(middle=True)``)
-    and a tensor-parallel one (with sequence parallelism the first block can free what the
-    layers before it left whole: cs336-lm's first block holds 2·B·S·d/TP bytes less than the
-    others, so block 0 cannot stand for the L - 1 before the last)."""
-    par = spec.extra.get("parallel") or spec.extra.get("tensor_parallel")
+    and a sequence-parallel one (the first block can free what the layers before it left
+    whole: cs336-lm's first block holds 2·B·S·d/TP bytes less than the others, so block 0
+    cannot stand for the L - 1 before the last). Tensor parallelism without SP keeps two
+    blocks: its peak equals MemTracker's on megatron-gpt (tests), gpt2 and cs336-lm
+    (docs/parallel.md §11)."""
+    par = spec.extra.get("parallel") or (spec.extra.get("tensor_parallel") or {}).get("sp")
     return 1 if par and not spec.lead_blocks and "L" in spec.symbols else 0
 
 
