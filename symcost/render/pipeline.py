@@ -6,6 +6,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from symcost.render.report import console as _console
+
 
 def _bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -25,7 +27,7 @@ def _flops(n: float) -> str:
 def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None) -> None:
     """Per-rank table (stages, blocks, FLOPs per step, micro-batches in flight, activations held,
     p2p bytes sent and received, model states) and the bubble, then each stage kind's formulas."""
-    console = console or Console()
+    console = console or _console()
     v = r["virtual"]
     console.print(f"[bold]{name}[/bold]: pipeline of PP={r['pp']} ranks, {r['schedule']} "
                   f"({r['engine']}), m={r['microbatches']} micro-batches"
@@ -38,7 +40,7 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
     t = Table(title="per rank, one step")
     for col in ("rank", "stages", "blocks", "FLOPs", "in flight", "activations held", "p2p sent", "p2p recv",
                 "model states", "peak"):
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="right", overflow="fold")
     for row in r["ranks"]:
         t.add_row(str(row["rank"]), ",".join(map(str, row["stages"])), str(row["blocks"]), _flops(row["flops"]),
                   str(row["in_flight"]), _bytes(row["activations"]), _bytes(row["send"]), _bytes(row["recv"]),
@@ -47,7 +49,11 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
     if any("memory" in row for row in r["ranks"]):
         console.print("  peak: the rank's step run through PyTorch's schedule on fake tensors (parameters, "
                       "gradients, the engine's buffers, the highest live set), plus optimizer state")
-    console.print("formulas per micro-batch and stage (L/(PP·v) blocks each):")
+    v = r.get("virtual", 1)
+    each = f"L/(PP·v) blocks each, v = {v} stages per rank" if v > 1 else "L/PP blocks each"
+    uneven = " where L divides evenly; the table above holds the actual split" if r.get("blocks") and \
+        len(set(r["blocks"])) > 1 else ""
+    console.print(f"formulas per micro-batch and stage ({each}{uneven}):")
     for part, f in r["formulas"].items():
         console.print(f"  [bold]{part}[/bold]: flops {f['flops']}")
         console.print(f"      saved {f['saved']}")

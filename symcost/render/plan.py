@@ -1,6 +1,7 @@
 """Text of :func:`symcost.passes.plan.plan` (``symcost plan``): the top layouts as one table."""
 from __future__ import annotations
 
+from rich import box
 from rich.table import Table
 
 from symcost.render.report import console, human
@@ -17,19 +18,24 @@ def render(res: dict, top: int = 5, width: int | None = None) -> None:
     c.print(f"[bold]plan[/bold] {res['model']} on {res['devices']} × {res['device']}, "
             f"{_gib(res['memory_cap'])} per device, global batch {res['global_batch']} "
             f"({human(res['params'], '')} parameters): {len(res['layouts'])} of {res['considered']} layouts fit")
-    t = Table(show_header=True, header_style="bold")
-    for h in ("#", "dp×tp×pp", "b×m", "shard", "ckpt", "sched", "mem/rank", "TP bytes (link)",
-              "PP bytes (link)", "DP bytes (link)", "bubble", "MFU", "step"):
-        t.add_column(h, justify="right" if h not in ("shard", "ckpt", "sched") else "left")
+    # compact (one space between columns, units in the headers): 100 columns hold the table
+    t = Table(show_header=True, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False)
+    for h in ("#", "dp×tp×pp", "b×m", "shard", "ckpt", "sched", "mem GiB", "TP GiB", "PP GiB",
+              "DP GiB", "bubble", "MFU", "step s"):
+        t.add_column(h, justify="left" if h in ("shard", "ckpt", "sched") else "right",
+                     no_wrap=not h[:2] in ("TP", "PP", "DP"), overflow="fold")
+    short = {"interleaved-1f1b": "i-1f1b", "network": "net"}
     for i, r in enumerate(res["layouts"][:top], 1):
         lay, cb, ln = r["layout"], r["comm_bytes"], r["links"]
-        link = lambda k: f"{cb[k] / 2**30:.1f} GiB {ln[k]}" if cb[k] else "0"  # noqa: E731
+        link = lambda k: f"{cb[k] / 2**30:.1f} {short.get(ln[k], ln[k])}" if cb[k] else "0"  # noqa: E731
         t.add_row(str(i), f"{lay['dp']}×{lay['tp']}×{lay['pp']}", f"{lay['micro_batch']}×{lay['microbatches']}",
-                  lay["shard"], lay["checkpoint"], lay["schedule"], _gib(r["memory"]["total"]), link("tp"),
-                  link("pp"), link("dp"), f"{r['bubble']:.3f}", f"{r['mfu']:.1%}", f"{r['step_seconds']:.3f} s")
+                  lay["shard"], lay["checkpoint"], short.get(lay["schedule"], lay["schedule"]),
+                  f"{r['memory']['total'] / 2**30:.1f}", link("tp"), link("pp"), link("dp"), f"{r['bubble']:.3f}",
+                  f"{r['mfu']:.1%}", f"{r['step_seconds']:.3f}")
     c.print(t)
-    c.print("bytes are per rank per step, sent (= received); node: the scale-up link, network: one NIC per "
-            f"device. Links: {res.get('links', '')}")
+    c.print("mem: per rank; TP/PP/DP: GiB per rank per step, sent (= received), and the link they cross "
+            "(node: the scale-up link; net: the network, one NIC per device); i-1f1b: interleaved 1F1B. "
+            f"Links: {res.get('links', '')}")
     if not res["layouts"]:
         c.print("no layout fits: a larger memory cap, more devices, checkpointing or sharding")
     c.print(f"overlap model: {res['overlap']}. Compute: the roofline at the datasheet peak (an upper "
