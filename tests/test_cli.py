@@ -61,6 +61,7 @@ def test_unknown_model(capsys, model, needles):
 
 @pytest.mark.parametrize("pair, needles", [
     ("Q=3", ("unknown symbol 'Q'", "B, S, H, D, L, V, F, K")),
+    ("PP=4", ("unknown symbol 'PP'", "pipeline stages are --pp N")),
     ("B=0", ("B must be a positive integer", "0")),
     ("B=-3", ("B must be a positive integer", "-3")),
     ("S=1e3", ("S must be a positive integer", "'1e3'")),
@@ -76,6 +77,8 @@ def test_bad_set_values(capsys, pair, needles):
 def test_set_symbol_the_model_lacks(capsys):
     # H is canonical but mlp has no heads: the message names the model's own symbols
     assert_one_line_error(*run(capsys, "eval", "mlp", "--set", "H=4"), "'H'", "mlp", "B, S, D, L")
+    # a mesh size names the option that sets it
+    assert_one_line_error(*run(capsys, "eval", "mlp", "--set", "DP=8"), "'DP'", "data parallelism is --dp N")
 
 
 def test_set_without_equals(capsys):

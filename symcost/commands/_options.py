@@ -16,6 +16,10 @@ from symcost.frontends.spec import SYMBOL_MEANINGS
 _MULTI = ("--set", "--config")
 _PAIR = re.compile(r"^[A-Za-z_][\w.]*=")
 
+#: where a mesh size goes instead of --set (a model's symbols never include them)
+MESH_HINT = {"DP": "; data parallelism is --dp N", "TP": "; tensor parallelism is --tp N",
+             "PP": "; pipeline stages are --pp N"}
+
 
 def expand_multi(argv: list[str]) -> list[str]:
     """Let ``--set B=8 S=1024`` mean ``--set B=8 --set S=1024`` (same for --config).
@@ -58,7 +62,8 @@ def parse_sizes(pairs: tuple[str, ...]) -> dict[str, int]:
         if not eq:
             raise SymcostError(f"--set takes SYMBOL=INTEGER, got {pair!r}")
         if key not in SYMBOL_MEANINGS:
-            raise SymcostError(f"unknown symbol {key!r} in --set; accepted: {', '.join(SYMBOL_MEANINGS)}")
+            hint = MESH_HINT.get(key.upper(), "") if key.upper() == "PP" else ""
+            raise SymcostError(f"unknown symbol {key!r} in --set; accepted: {', '.join(SYMBOL_MEANINGS)}{hint}")
         raw = val.strip()
         val = raw.replace("_", "")
         if not re.fullmatch(r"[+-]?\d+", val):
@@ -382,7 +387,8 @@ def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None, s
         # reject sizes the model cannot take before the (seconds-long) trace
         unknown = [k for k in sizes if k not in spec.all_symbols and k not in spec.tied]
         if unknown:
-            raise SymcostError(f"unknown symbol {unknown[0]!r} for {spec.name}; accepted: {', '.join(spec.all_symbols)}")
+            raise SymcostError(f"unknown symbol {unknown[0]!r} for {spec.name}; accepted: {', '.join(spec.all_symbols)}"
+                          f"{MESH_HINT.get(unknown[0], '')}")
         _check_set_vs_config(model, spec, sizes, cfg, attention)
         tied = [k for k in sizes if k in spec.tied and sizes[k] != sizes.get(spec.tied[k], spec.defaults.get(spec.tied[k]))]
         if tied:

@@ -7,6 +7,7 @@ import json
 
 import click
 
+from symcost.commands._options import MESH_HINT
 from symcost.errors import SymcostError
 
 from ._options import _keep_parallel, parse_config, parse_sizes
@@ -71,7 +72,8 @@ def report_pipeline(req, model, sets, config, attention, precision, as_json, opt
     sizes = parse_sizes(sets)
     unknown = [k for k in sizes if k not in spec.all_symbols]
     if unknown:
-        raise SymcostError(f"unknown symbol {unknown[0]!r} for {spec.name}; accepted: {', '.join(spec.all_symbols)}")
+        raise SymcostError(f"unknown symbol {unknown[0]!r} for {spec.name}; accepted: {', '.join(spec.all_symbols)}"
+                          f"{MESH_HINT.get(unknown[0], '')}")
     r = summary(spec, pp, schedule, m, v, precision, sizes, optimizer)
     if as_json:
         out = {k: r[k] for k in ("schedule", "engine", "source", "pp", "microbatches", "virtual", "bubble",

@@ -166,7 +166,8 @@ class Analysis(Totals, Conventions, Serialized):
                 raise SymcostError(f"{k} is tied to {other} in {self.model}; it cannot be set on its own")
             if k not in self.symbols:
                 known = ", ".join(self.symbols)
-                raise SymcostError(f"unknown symbol {k!r} for {self.model}; accepted: {known}")
+                hint = {"DP": "; data parallelism is --dp N", "TP": "; tensor parallelism is --tp N"}.get(k, "")
+                raise SymcostError(f"unknown symbol {k!r} for {self.model}; accepted: {known}{hint}")
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise SymcostError(f"{k} must be a positive integer, got {v!r}")
             if k in self.residues and v % self.residues[k][0] != self.residues[k][1]:
