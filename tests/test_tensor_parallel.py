@@ -25,7 +25,7 @@ from symcost.errors import SymcostError
 from symcost.tracing.fit import SYMS
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
-from tp_rank import fake_peak, measure  # noqa: E402
+from tp_rank import fake_peak, fake_rank_model, measure  # noqa: E402
 
 PRECISION = "bf16-true"  # 16-bit activations, as the paper counts (2 bytes), 1-byte dropout masks
 
@@ -161,20 +161,12 @@ def test_collectives_per_layer_follow_megatron():
 def _fake_rank(sp: bool, values: dict, model: str = "megatron-gpt") -> dict:
     """PyTorch's own step of rank 0 of ``values["TP"]`` on the fake group, fake tensors
     (tests/data/tp_rank.py ``measure``)."""
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from symcost.frontends.models import resolve
-    from symcost.frontends.parallel import fake_group
-    from symcost.frontends.tensor_parallel import apply
-
-    from symcost.tracing.record import find_layer_container
 
     spec = resolve(model)
-    with torch.device("meta"):
-        m = spec.build(values).to(torch.bfloat16)
-    layers = spec.layers if spec.layers is not None else find_layer_container(spec, m, values)
-    ctx = apply(m, layers, fake_group(values["TP"]), sp)
+    m, ctx = fake_rank_model(spec, values, sp)
     with FakeTensorMode(allow_non_fake_inputs=True):
         m.to_empty(device="cpu")
         return measure(m, spec, values, ctx)

@@ -93,6 +93,23 @@ def measure(model, spec, values, loss_context, dtype=None) -> dict:
             "shard": sum(local(p).numel() for p in model.parameters())}
 
 
+def fake_rank_model(spec, values: dict, sp: bool):
+    """Rank 0 of ``values["TP"]`` on the fake process group: ``spec``'s model built on the meta
+    device in bf16 and parallelised with symcost's plan (``frontends.tensor_parallel.apply``).
+    Returns ``(model, loss_context)``; the caller materialises it (``to_empty``) under its
+    FakeTensorMode."""
+    import torch
+
+    from symcost.frontends.parallel import fake_group
+    from symcost.frontends.tensor_parallel import apply
+    from symcost.tracing.record import find_layer_container
+
+    with torch.device("meta"):
+        model = spec.build(values).to(torch.bfloat16)
+    layers = spec.layers if spec.layers is not None else find_layer_container(spec, model, values)
+    return model, apply(model, layers, fake_group(values["TP"]), sp)
+
+
 def fake_peak(spec, values: dict, sp: bool, foreach: bool = False) -> int:
     """Peak bytes of rank 0 of ``values["TP"]`` ranks in a steady-state training step (forward and
     loss under ``loss_parallel``, backward, AdamW step, ``zero_grad(set_to_none=True)``), bf16
@@ -113,14 +130,7 @@ def fake_peak(spec, values: dict, sp: bool, foreach: bool = False) -> int:
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from symcost.frontends.parallel import fake_group
-    from symcost.frontends.tensor_parallel import apply
-    from symcost.tracing.record import find_layer_container
-
-    with torch.device("meta"):
-        model = spec.build(values).to(torch.bfloat16)
-    layers = spec.layers if spec.layers is not None else find_layer_container(spec, model, values)
-    loss_context = apply(model, layers, fake_group(values["TP"]), sp)
+    model, loss_context = fake_rank_model(spec, values, sp)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
