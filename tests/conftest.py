@@ -80,3 +80,17 @@ def cache_dir(tmp_path, monkeypatch):
     """An empty trace cache of the test's own (``SYMCOST_CACHE_DIR``)."""
     monkeypatch.setenv("SYMCOST_CACHE_DIR", str(tmp_path))
     return tmp_path
+
+
+#: the files that take longest (measured: `--durations` of a full run, 2026-12-01), run first so
+#: that pytest-xdist's `--dist loadfile` queue ends with short files on both workers instead of
+#: one worker still in a long file while the other idles (longest-first scheduling)
+LONGEST_FIRST = ("test_memory.py", "test_checkpoint.py", "test_tensor_parallel.py", "test_moe_real_configs.py",
+                 "test_regimes.py", "test_memory_peak.py", "test_memory_ux.py", "test_moe.py", "test_serve.py",
+                 "test_cli.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Order the tests by :data:`LONGEST_FIRST` (stable: each file's own order is kept)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
