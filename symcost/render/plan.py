@@ -17,7 +17,7 @@ def render(res: dict, top: int = 5, width: int | None = None) -> None:
     c = console(width)
     c.print(f"[bold]plan[/bold] {res['model']} on {res['devices']} × {res['device']}, "
             f"{_gib(res['memory_cap'])} per device, global batch {res['global_batch']} "
-            f"({human(res['params'], '')} parameters): {len(res['layouts'])} of {res['considered']} layouts fit")
+            f"({human(res['params'], '').strip()} parameters): {len(res['layouts'])} of {res['considered']} layouts fit")
     # compact (one space between columns, units in the headers): 100 columns hold the table
     t = Table(show_header=True, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False)
     for h in ("#", "dp×tp×pp", "b×m", "shard", "ckpt", "sched", "mem GiB", "TP GiB", "PP GiB",
