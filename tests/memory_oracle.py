@@ -241,6 +241,23 @@ def _levels(prof, ops_prefixes: tuple[str, ...] = ("aten::",)) -> tuple[int, int
     return top, top_ops
 
 
+def steady_peak(step, opt, tensors, ops_prefixes: tuple[str, ...] = ("aten::",)) -> dict[str, int]:
+    """Peak bytes of a steady-state step: ``step()`` once untimed (the optimizer state appears),
+    gradients dropped, then ``step()`` under :func:`profiled`. Returns ``{"peak", "peak_ops",
+    "baseline"}``: the bytes of ``tensors`` and the optimizer state before the step (DTensors by
+    their local shards) plus the highest allocator level above them, the same at the ends of
+    top-level ops (``ops_prefixes``, :func:`_levels`), and that baseline."""
+    step()
+    opt.zero_grad(set_to_none=True)
+    state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in list(tensors) + state]
+    baseline = sum(_storages(local).values())
+    with profiled() as prof:
+        step()
+    top, top_ops = _levels(prof, ops_prefixes)
+    return {"peak": baseline + top, "peak_ops": baseline + top_ops, "baseline": baseline}
+
+
 def step_peak(spec, sizes, precision, optimizer="adamw", foreach=True) -> dict[str, int]:
     """Peak bytes of a steady-state training step measured with ``torch.profiler``.
 
@@ -263,15 +280,7 @@ def step_peak(spec, sizes, precision, optimizer="adamw", foreach=True) -> dict[s
         del loss
         opt.step()
 
-    step()
-    opt.zero_grad(set_to_none=True)
-    state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    baseline = sum(_storages(list(model.parameters()) + list(model.buffers()) + state
-                             + tree_flatten((args, kwargs))[0]).values())
-    with profiled() as prof:
-        step()
-    top, top_ops = _levels(prof)
-    return {"peak": baseline + top, "peak_ops": baseline + top_ops, "baseline": baseline}
+    return steady_peak(step, opt, list(model.parameters()) + list(model.buffers()) + tree_flatten((args, kwargs))[0])
 
 
 def accumulation_peak(spec, sizes, precision, optimizer="adamw", foreach=True) -> dict[str, int]:

@@ -36,46 +36,8 @@ dist.init_process_group("gloo")
 rank, n = dist.get_rank(), dist.get_world_size()
 
 
-def storages(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            t = t.to_local() if hasattr(t, "to_local") else t
-            st = t.untyped_storage()
-            if st.nbytes():
-                seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
-def _levels(prof) -> tuple[int, int]:
-    """(highest allocator level, highest level at the end of a top-level aten or c10d op) over a
-    profile (tests/memory_oracle._levels, with c10d's collectives as ops of their own)."""
-    evs = list(prof.profiler.kineto_results.events())
-    mem = sorted((e.start_ns(), e.nbytes()) for e in evs if e.name() == "[memory]")
-    ops = sorted(((e.start_ns(), e.start_ns() + e.duration_ns(), e.start_thread_id()) for e in evs
-                  if e.name().startswith(("aten::", "c10d::"))), key=lambda t: (t[0], -t[1]))
-    ends, stack = [], {}
-    for a, b, th in ops:  # top level: not inside another op of its thread
-        st = stack.setdefault(th, [])
-        while st and st[-1] <= a:
-            st.pop()
-        if not st:
-            ends.append(b)
-        st.append(b)
-    timeline = sorted([(t, 0, nb) for t, nb in mem] + [(t, 1, 0) for t in ends])
-    cur = top = top_ops = 0
-    for _, kind, nb in timeline:
-        if kind == 0:
-            cur += nb
-            top = max(top, cur)
-        else:
-            top_ops = max(top_ops, cur)
-    return top, top_ops
-
-
 def run(shard):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(rank)
     model = MLP(D, L)
@@ -103,13 +65,10 @@ def run(shard):
         del loss
         opt.step()
 
-    step()
-    opt.zero_grad(set_to_none=True)
-    state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    baseline = storages(list(model.parameters()) + list(model.buffers()) + state + [x])
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    top, top_ops = _levels(prof)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from memory_oracle import steady_peak
+
+    m = steady_peak(step, opt, list(model.parameters()) + list(model.buffers()) + [x], ("aten::", "c10d::"))
     # the same step once more under PyTorch's MemTracker: the storages of the ops PyTorch
     # dispatches (not the scratch a backend allocates in C++, e.g. gloo's collective buffers)
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -121,7 +80,7 @@ def run(shard):
         step()
     tracked = max(d["Total"] for d in mt.get_tracker_snapshot("peak").values())
     with open(os.path.join(out_dir, f"{shard}-rank{rank}.json"), "w") as f:
-        json.dump({"peak": baseline + top, "peak_ops": baseline + top_ops, "baseline": baseline,
+        json.dump({**m,
                    "memtracker": tracked, "world": n}, f)
 
 

@@ -172,13 +172,9 @@ def real_peak(model, spec, values, loss_context) -> dict:
     at the ends of top-level ops (aten and the collectives: what a kernel allocates and frees
     inside one op, oneDNN's bf16 workspaces, is left out); ``baseline``."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from memory_oracle import _levels
-
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
+    from memory_oracle import steady_peak
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     args, kwargs = spec.make_inputs(values, torch.device("cpu"))
@@ -191,20 +187,9 @@ def real_peak(model, spec, values, loss_context) -> dict:
         del loss
         opt.step()
 
-    step()
-    opt.zero_grad(set_to_none=True)
-    state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    seen = {}
-    for t in list(model.parameters()) + list(model.buffers()) + state + [
-            a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]:
-        st = local(t).untyped_storage()
-        if st.nbytes():
-            seen[st.data_ptr()] = st.nbytes()
-    baseline = sum(seen.values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    top, top_ops = _levels(prof, ("aten::", "c10d::", "_c10d_functional::"))
-    return {"peak": baseline + top, "peak_ops": baseline + top_ops, "baseline": baseline}
+    return steady_peak(step, opt, list(model.parameters()) + list(model.buffers())
+                       + [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)],
+                       ("aten::", "c10d::", "_c10d_functional::"))
 
 
 def main():
