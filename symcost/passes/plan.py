@@ -325,9 +325,9 @@ _TRACES: dict = {}
 
 def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = False, use_cache: bool = True):
     """The ``--tp`` trace plan evaluates (B and TP free): kept in this process for requests whose
-    sizes fall in the same regime, and in the trace cache (key option ``plan``: the config sizes
-    matched by value, S and L free; a round trip gives the same layouts' numbers, tested) for a
-    model given by name; ``use_cache=False`` traces afresh."""
+    sizes fall in the same regime, and for a model given by name in the trace cache under the
+    entry ``report --tp`` keeps (options ``{"tp", "sp"}``, the same trace; a round trip gives the
+    same layouts' numbers, tested); ``use_cache=False`` traces afresh."""
     import symcost
     from symcost.frontends.models import resolve
     from symcost.frontends.spec import ModelSpec
@@ -346,10 +346,10 @@ def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = F
     def fresh():
         return symcost.trace(tensor_parallel(spec, sp), sizes=tsizes, precision=precision)
 
-    if isinstance(model, str) and use_cache:  # the disk cache (symcost.graph.cache), its own key
+    if isinstance(model, str) and use_cache:  # the disk cache: the entry `report --tp` uses (same trace)
         from symcost.graph.cache import cached_trace
 
-        an = cached_trace(model, {}, None, precision, tsizes, fresh, options={"plan": "tp+sp" if sp else "tp"})
+        an = cached_trace(model, {}, None, precision, tsizes, fresh, options={"tp": True, "sp": sp})
     else:
         an = fresh()
     _TRACES.setdefault(key, []).append(an)
