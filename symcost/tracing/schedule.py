@@ -28,7 +28,10 @@ class ScheduleEvent:
     repeat); ``alloc``: position of the allocation it frees (its own position if an
     allocation); ``grad``: a gradient (allocated by the backward, live at the end of the step);
     ``op``, ``module`` (folded: ``layers.{i}``), ``phase``: the op that allocated it, or the op
-    before which it was freed.
+    before which it was freed. ``once``: ``"first"`` or ``"last"`` for a free in a repeated unit
+    of a storage allocated once, before the unit (rotary tables every block saves, freed with
+    the backward of block 0): it happens in that pass of the unit only, not in every pass;
+    ``""`` otherwise.
     """
 
     bytes: Terms
@@ -37,6 +40,7 @@ class ScheduleEvent:
     op: str
     module: str
     phase: str
+    once: str = ""
 
 
 @dataclass
@@ -75,7 +79,8 @@ class MemorySchedule:
         """JSON-ready data (:meth:`from_dict` reads it back)."""
         return {
             "gens": list(self.gens), "grad_itemsize": self.grad_itemsize, "error": self.error,
-            "events": [[e.bytes, e.alloc, e.grad, e.op, e.module, e.phase] for e in self.events],
+            "events": [[e.bytes, e.alloc, e.grad, e.op, e.module, e.phase] + ([e.once] if e.once else [])
+                       for e in self.events],
             "units": [[u.start, u.stop, u.repeat, u.min_L, u.label] for u in self.units],
             "params": [[a, b] for a, b in self.params], "buffers": self.buffers, "inputs": self.inputs,
         }
@@ -233,6 +238,7 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, 
     info = [where(k) for k in range(n)]
     units: list[tuple[int, int, Any, int, str]] = []  # (start, stop, repeat, min_L, label)
     siblings: list[tuple[range, range]] = []
+    probe_first = False  # the repeated units' probe block is block 0 (the last block differs)
     if container is not None:
         spans = {}
         for k in range(n):
@@ -268,6 +274,7 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, 
         special = 0 if (rep0 == 1 and rep1 != 1) else 1 if (rep1 == 1 and rep0 != 1) else None
         if lead:
             special = None
+        probe_first = special == 1 and not middle
         F0, F1 = range(f0[0], f0[1] + 1), range(f1[0], f1[1] + 1)
         B1, B0 = range(b1[0], b1[1] + 1), range(b0[0], b0[1] + 1)
         if middle and not forward_only:
@@ -366,6 +373,29 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, 
             if (ua != uf and rep_a != 1 and units[uf][2] == 1 and sib is not None
                     and freed_in.get(sib) == uf):
                 evpolys[k] = evpolys[k] * alg.from_expr(L - 2 if middle else L - 1 - lead)
+    # A free in a repeated unit of a storage allocated once, in a unit run once before it (the
+    # rotary tables every block saves, freed with the backward of block 0), happens in one pass of
+    # the unit, not in every pass. It is told apart from a free each pass makes of a storage the
+    # pass before it allocated (a block frees its input; the first pass's input comes from the
+    # unit before) by its sibling: the other block of the L = 2 trace frees a storage of the same
+    # size at the same op in that case. The pass is the one the probe block stands for: block 0
+    # is the first pass of the forward and the last of the backward.
+    once: dict[int, str] = {}
+    if not middle:
+        def fkey(k):
+            op, _ = info[k]
+            return op.name, _rename_block(op.module, container, "#"), tuple(sorted(evpolys[k].items()))
+
+        for rep_ids, sib_ids in siblings:
+            sib_frees = {fkey(k) for k in sib_ids if events[k][1] < 0}
+            for k in rep_ids:
+                if events[k][1] > 0 or k not in unit_of:
+                    continue
+                u, ua = unit_of[k], unit_of[events[k][2]]
+                if units[u][2] == 1 or ua == u or units[ua][2] != 1 or fkey(k) in sib_frees:
+                    continue
+                forward = units[u][4].startswith("forward")
+                once[k] = "first" if forward == probe_first else "last"
     for k in range(n):
         op, _ = info[k]
         keep, _, module = role(op.module)
@@ -376,5 +406,5 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, 
             module = _rename_block(op.module, container, "{i}")
         sched.events.append(ScheduleEvent(
             alg.terms(evpolys[k]), events[k][2], k in grad_events, op.name.removeprefix("aten."),
-            module, op.phase))
+            module, op.phase, once.get(k, "")))
     sched.units = [ScheduleUnit(a, b, str(rep), mL, label) for a, b, rep, mL, label in units]

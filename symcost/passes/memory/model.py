@@ -24,6 +24,15 @@ from symcost.passes.memory.solve import Solver
 
 _CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
+#: the events of a pass of a repeated unit with one-pass events (``ScheduleEvent.once``), by the
+#: kind of pass: its first, its last, one between them (``mid``, ``second``), or the only one
+_PASS_EVENTS = {"second": "mid"}
+
+
+def _in_pass(once: str, kind: str) -> bool:
+    """Whether an event (``once``: ``""``, ``"first"``, ``"last"``) happens in a pass of ``kind``."""
+    return not once or kind == "single" or once == _PASS_EVENTS.get(kind, kind)
+
 
 def memory_model(an, precision: str | None = None, optimizer_name: str = "adamw",
                  impl: str = "default", device: str = "cuda") -> "MemoryModel":
@@ -258,35 +267,54 @@ class MemoryModel(Solver):
             return s
 
         for ui, (ids, rep, min_L, ulabel) in enumerate(self.units):
-            # prefix sums within one pass of the unit; only allocations can raise the maximum
-            local: list[Candidate] = []
-            pre, pre_s = R.zero, R.zero
-            for k in ids:
-                p = self._evpolys[k]
-                if accumulate and k in self.grad_events:
-                    # a new gradient, added in place, then freed
-                    local.append(Candidate(pre + p, pre_s + sh(k), 1, str(k)))
-                    continue
-                pre, pre_s = pre + p, pre_s + sh(k)
-                if self.schedule.events[k].alloc == k:
-                    local.append(Candidate(pre, pre_s, 1, str(k)))
-            delta = pre
-            locs = _pareto(local)
+            once = self._once(ids, rep)
+            deltas = {}
+            offsets = []  # (offset before the pass, valid for L >=, pass kind)
+            for kind in (("first", "single", "last", "mid") if once else ("first",)):
+                # prefix sums within one pass of the unit; only allocations can raise the maximum
+                local: list[Candidate] = []
+                pre, pre_s = R.zero, R.zero
+                for k in ids:
+                    if not _in_pass(once.get(k, ""), kind):
+                        continue
+                    p = self._evpolys[k]
+                    if accumulate and k in self.grad_events:
+                        # a new gradient, added in place, then freed
+                        local.append(Candidate(pre + p, pre_s + sh(k), 1, str(k)))
+                        continue
+                    pre, pre_s = pre + p, pre_s + sh(k)
+                    if self.schedule.events[k].alloc == k:
+                        local.append(Candidate(pre, pre_s, 1, str(k)))
+                deltas[kind] = (pre, _pareto(local))
+            delta, locs = deltas["first" if not once else "mid"]
             if rep == 1:
-                offsets = [(base, 1, False)]
-            else:
+                offsets = [(base, 1, "first")]
+            elif not once:
                 s = _sign(alg, delta)
-                offsets = []
                 if s >= 0:  # the last pass can be the highest: base + (rep - 1)·delta
-                    offsets.append((base + (rep - 1) * delta, min_L, True))
+                    offsets.append((base + (rep - 1) * delta, min_L, "last"))
                 if s <= 0:  # the first pass can be the highest
-                    offsets.append((base, min_L, False))
-            for off, mL, last in offsets:
+                    offsets.append((base, min_L, "first"))
+            else:
+                # a free of a storage allocated before the unit happens in its first or its last
+                # pass only (MemorySchedule.events' once): the passes differ (rep = L - min_L + 1)
+                o_first = deltas["first"][0] - delta
+                lasts = any(v == "last" for v in once.values())
+                firsts = any(v == "first" for v in once.values())
+                offsets = [(base, min_L, "single"),  # one pass (below the first pass's live sets otherwise)
+                           (base, min_L + lasts, "first"),
+                           (base + o_first + (rep - 1) * delta, min_L + firsts, "last")]
+                s = _sign(alg, delta)
+                if s >= 0:
+                    offsets.append((base + o_first + (rep - 2) * delta, min_L + 2, "mid"))
+                if s <= 0:
+                    offsets.append((base + o_first + delta, min_L + 2, "second"))
+            for off, mL, kind in offsets:
                 off_s = alg.shift(off)
-                for c in locs:
+                for c in deltas[_PASS_EVENTS.get(kind, kind)][1] if once else locs:
                     out.append(Candidate(off + c.poly, off_s + c.shifted, mL, self._label(int(c.label), ulabel),
-                                         (ui, int(c.label), last)))
-            base = base + rep * delta
+                                         (ui, int(c.label), kind)))
+            base = base + self._unit_total(rep, deltas["single"][0] if once else delta, delta)
         # optimizer step: gradients (and whatever else is live) plus its temporaries
         base_s = alg.shift(base)
         for t, what in self._optimizer_transients():
@@ -295,6 +323,20 @@ class MemoryModel(Solver):
             out.append(Candidate(R.zero, R.zero, 1, "step"))
         self.end_live = base
         return _pareto(out)
+
+    def _once(self, ids: range, rep) -> dict[int, str]:
+        """The events of a repeated unit that happen in one of its passes only
+        (``ScheduleEvent.once``: ``"first"`` or ``"last"``); empty for a unit run once."""
+        if rep == 1:
+            return {}
+        ev = self.schedule.events
+        return {k: ev[k].once for k in ids if ev[k].once}
+
+    @staticmethod
+    def _unit_total(rep, single, mid):
+        """Bytes a unit leaves allocated over its ``rep`` passes: every pass's events ``mid``
+        ``rep`` times, plus the events of one pass only (``single - mid``)."""
+        return rep * mid + (single - mid)
 
     def _param_numels(self) -> list[tuple[Any, Any]]:
         """(elements, Adafactor's rows + columns) of the parameter tensors in the optimizer's
@@ -423,23 +465,38 @@ class MemoryModel(Solver):
         stop = origin[0] if in_unit else len(self.units)  # units before it are passed in full
         for ui, (ids, rep, _min_L, _label) in enumerate(self.units[:stop + 1]):
             n = _peval(rep, vals)
-            delta = dict.fromkeys(self.LIVE_PARTS, 0)
+            once = self._once(ids, rep)
+            kinds = ("single", "mid", "first", "last") if once else ("mid",)
+            win_kind = origin[2] if ui == stop else None
+            delta = {kind: dict.fromkeys(self.LIVE_PARTS, 0) for kind in kinds}
             prefix = None
             for k in ids:
-                if accumulate and k in self.grad_events:
-                    if ui == stop and k == origin[1]:  # a new gradient, added in place: the peak
-                        prefix = dict(delta)
-                        prefix["gradients"] += size[k]
-                    continue
-                delta[part(k)] += size[k]
-                if ui == stop and k == origin[1]:
-                    prefix = dict(delta)
+                for kind in kinds:
+                    if not _in_pass(once.get(k, ""), kind):
+                        continue
+                    d = delta[kind]
+                    mine = win_kind is not None and _PASS_EVENTS.get(win_kind, win_kind) == kind if once else True
+                    if accumulate and k in self.grad_events:
+                        if ui == stop and k == origin[1] and mine:  # a new gradient, added in place: the peak
+                            prefix = dict(d)
+                            prefix["gradients"] += size[k]
+                        continue
+                    d[part(k)] += size[k]
+                    if ui == stop and k == origin[1] and mine:
+                        prefix = dict(d)
+            mid = delta["mid"]
+            one = delta["single"] if once else mid  # the events of one pass only: one - mid
             if ui < stop:
-                for key, b in delta.items():
-                    live[key] += n * b
-            else:  # the winning pass: the n - 1 passes before it if it is the last, then its prefix
                 for key in self.LIVE_PARTS:
-                    live[key] += ((n - 1) * delta[key] if origin[2] else 0) + prefix[key]
+                    live[key] += n * mid[key] + one[key] - mid[key]
+            else:  # the winning pass: the passes before it, then its prefix
+                o_first = {key: delta["first"][key] - mid[key] for key in self.LIVE_PARTS} if once else None
+                for key in self.LIVE_PARTS:
+                    before = {"first": 0, "single": 0,
+                              "last": (n - 1) * mid[key] + (o_first[key] if once else 0),
+                              "mid": (n - 2) * mid[key] + (o_first[key] if once else 0),
+                              "second": mid[key] + (o_first[key] if once else 0)}[win_kind]
+                    live[key] += before + prefix[key]
         if origin is not None and origin[0] == "optimizer":
             live["optimizer_step"] += int(_peval(origin[1], vals))
         # (a data-parallel trace at a DP that does not divide the sharded dimensions: the
@@ -467,8 +524,11 @@ class MemoryModel(Solver):
         """
         env = self._env(sizes)
         vals = self._values(env)
-        end = sum(_peval(rep, vals) * sum(_peval(self._evpolys[k], vals) for k in ids)
-                  for ids, rep, _m, _l in self.units)
+        end = 0
+        for ids, rep, _m, _l in self.units:
+            once = self._once(ids, rep)
+            mid = sum(_peval(self._evpolys[k], vals) for k in ids if k not in once)
+            end += self._unit_total(_peval(rep, vals), sum(_peval(self._evpolys[k], vals) for k in ids), mid)
         temps = max((_peval(t, vals) for t, _ in self._optimizer_transients()), default=0)
         return int(sympy.sympify(self.static).xreplace(env)) + int(end) + int(temps)
 
