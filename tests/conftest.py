@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import random
 import tempfile
+import time
 
 import pytest
 
@@ -30,7 +32,12 @@ def _trace(model: str, precision: str = "fp32", attention: str = "eager", config
     # Always a fresh trace (use_cache=False): the tests' oracles need the probe recordings, and the
     # CLI tests fill the session's cache folder with entries of the same models.
     attention = attention if str(model).startswith("hf:") else None
-    return symcost.trace(model, dict(config), attention, sizes=dict(sizes), precision=precision, use_cache=False)
+    t0 = time.perf_counter()
+    an = symcost.trace(model, dict(config), attention, sizes=dict(sizes), precision=precision, use_cache=False)
+    if os.environ.get("SYMCOST_TRACE_LOG"):  # PREFIX: each worker appends "seconds, trace" to PREFIX + its name
+        with open(os.environ["SYMCOST_TRACE_LOG"] + os.environ.get("PYTEST_XDIST_WORKER", "main"), "a") as f:
+            f.write(f"{time.perf_counter() - t0:.1f}\t{model}\t{precision}\t{attention}\t{config}\t{sizes}\n")
+    return an
 
 
 @pytest.fixture(scope="session")
@@ -94,3 +101,16 @@ def pytest_collection_modifyitems(session, config, items):
     """Order the tests by :data:`LONGEST_FIRST` (stable: each file's own order is kept)."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Collect the test's cyclic garbage, then freeze what is left (``gc.freeze``).
+
+    A worker keeps every trace its tests made (``_trace`` caches them: hundreds of thousands of
+    objects each), and each full collection scans all of them: the oracles' ``gc.collect()``
+    (tests/memory_oracle.py) and the collector's own full passes grew to seconds each, and a
+    worker's tests ran up to 4x slower late in the run than alone (tests/test_memory.py then
+    tests/test_memory_ux.py in one process: 757 s, with this hook 473 s). Frozen objects are
+    never scanned again; what a later test drops is still freed by reference counting."""
+    gc.collect()
+    gc.freeze()

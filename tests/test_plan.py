@@ -18,7 +18,6 @@ import sympy
 
 from conftest import run_cli
 from symcost.hardware.devices import get_device
-from symcost.passes.memory.policies import policy
 from symcost.passes.plan import Layout, Planner, enumerate_layouts, plan, trace_for_plan
 
 PREC = "bf16-true-fp32-master"
@@ -209,3 +208,33 @@ def test_cached_trace_gives_the_same_layouts():
     a, b = Planner(an, SZ, dev, PREC), Planner(back, SZ, dev, PREC)
     for lay in enumerate_layouts(8, 16, SZ["L"], SZ["H"], micro_batches=(1, 4))[::7]:
         assert a.evaluate(lay) == b.evaluate(lay)
+
+
+@pytest.mark.heavy
+def test_odd_heads_plan_without_tensor_parallelism():
+    """A model whose heads TP = 2 cannot split (odd H) still gets a plan: traced at TP = 1
+    (pinned), every layout has tp = 1, and a one-device layout's FLOPs and activations are those
+    of the model's own (non-parallel) trace. Where the TP trace exists, a tp whose sharded sizes
+    it does not divide (V = 68 at tp = 8) is not offered though H allows it."""
+    import symcost
+    from symcost.passes import memory
+
+    sz = {"H": 5, "D": 8, "L": 4, "V": 64, "S": 16}
+    an = trace_for_plan("megatron-gpt", sz, PREC)
+    assert an.pinned.get("TP") == 1
+    res = plan(an, sz, get_device("a100-80gb"), 4, 80 * 2**30, 8, PREC)
+    assert res["layouts"] and {r["layout"]["tp"] for r in res["layouts"]} == {1}
+    plain = symcost.trace("megatron-gpt", sizes=sz, precision=PREC, use_cache=False)
+    b = _rng("odd-heads").randint(1, 4)
+    r = Planner(an, sz, get_device("a100-80gb"), PREC).evaluate(Layout(1, 1, 1, b, 1, "ddp", "none", "none"))
+    env = plain.bind(**{**sz, "B": b})
+    assert r["flops_rank"] == pytest.approx(int(sympy.sympify(plain.flops("train")).xreplace(env)))
+    mm = memory.memory_model(plain, PREC)
+    assert r["memory"]["activations"] == int(sympy.sympify(mm.activations).xreplace(env))
+    # V = 68 (the vocabulary-parallel head splits it): tp = 2 and 4 divide it, tp = 8 does not,
+    # though H = 16 would allow 8; what PyTorch's plan accepts is what the plan offers
+    tspec = _an().spec
+    vals = {**tspec.values({**SZ, "H": 16, "V": 68}), "B": 1}
+    assert tspec.probe_check({**vals, "TP": 8}) and not tspec.probe_check({**vals, "TP": 4})
+    tps = {x.tp for x in enumerate_layouts(8, 8, 4, 16, tp_ok=lambda t: not tspec.probe_check({**vals, "TP": t}))}
+    assert tps == {1, 2, 4}

@@ -116,5 +116,6 @@ def partial_write_bytes(v) -> tuple:
     :class:`~symcost.graph.ops.SymOp`: anything with ``in_shapes``, ``in_dtypes``, ``out_dtypes``
     and the op's name)."""
     src = PARTIAL_WRITES[v.name.rsplit(".", 1)[0]]  # "aten.index_copy_.default" -> its packet
-    read = sum(nbytes(s, d) for k, (s, d) in enumerate(zip(v.in_shapes, v.in_dtypes)) if k != 0)
-    return read, numel(v.in_shapes[src]) * itemsize(v.in_dtypes[0])
+    names = dtype_names(v.in_dtypes)  # by name: a cached analysis' op needs no torch here
+    read = sum(nbytes(s, d) for k, (s, d) in enumerate(zip(v.in_shapes, names)) if k != 0)
+    return read, numel(v.in_shapes[src]) * itemsize(names[0])

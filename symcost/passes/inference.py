@@ -100,10 +100,16 @@ def cache_dtype(an) -> str:
     """
     if getattr(an, "step", "train") == "train":
         raise SymcostError(f"{an.model}: a training step has no KV cache; trace step='decode' or 'prefill'")
+    from symcost.graph.opsets import dtype_names  # by name: a warm run imports no torch
+
     names = set()
     for op in an.ops:
-        names.update(str(op.in_dtypes[k]).removeprefix("torch.") for k in getattr(op, "kv_reads", ()))
-        names.update(str(op.out_dtypes[k]).removeprefix("torch.") for k in getattr(op, "kv_writes", ()))
+        if getattr(op, "kv_reads", ()):
+            ins = dtype_names(op.in_dtypes)
+            names.update(ins[k] for k in op.kv_reads)
+        if getattr(op, "kv_writes", ()):
+            outs = dtype_names(op.out_dtypes)
+            names.update(outs[k] for k in op.kv_writes)
     if not names:
         raise SymcostError(f"{an.model}: no op of this trace reads or writes the KV cache's storages; "
                            "cannot tell its dtype (trace it again: symcost trace --no-cache)")

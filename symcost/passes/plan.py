@@ -31,7 +31,6 @@ What is traced and what is composed:
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -81,13 +80,14 @@ class Layout:
 
 def enumerate_layouts(devices: int, global_batch: int, L: int, H: int, *, shards=SHARDS, checkpoints=CHECKPOINTS,
                       schedules=("1f1b",), micro_batches=None, max_tp: int | None = None, K: int | None = None,
-                      virtual: int = 2) -> list[Layout]:
+                      virtual: int = 2, tp_ok=None) -> list[Layout]:
     """Every layout of ``devices`` devices: dp·tp·pp = devices, tp divides H (and K) with at least
     2 heads per rank (one head per rank is a regime of its own, not probed: docs/parallel.md §11), pp divides L
     (uniform stages; interleaved: L/(pp·v) whole), dp divides ``global_batch``, b·m =
     global_batch/dp with b in ``micro_batches`` (default: every divisor), each shard and
     checkpoint; pipelines of one rank take no schedule (plain gradient accumulation); PyTorch's
-    1F1B needs m ≥ pp and its interleaved schedule m a multiple of pp.
+    1F1B needs m ≥ pp and its interleaved schedule m a multiple of pp. ``tp_ok(tp)``: whether the
+    model's tensor-parallel plan accepts ``tp`` (every dimension it shards divisible), if given.
 
     Raises:
         SymcostError: ``devices``, ``global_batch`` not positive integers.
@@ -97,6 +97,8 @@ def enumerate_layouts(devices: int, global_batch: int, L: int, H: int, *, shards
     out = []
     for tp in divisors(devices):
         if H % tp or (tp > 1 and H // tp < 2) or (K and K % tp) or (max_tp and tp > max_tp):
+            continue
+        if tp > 1 and tp_ok is not None and not tp_ok(tp):
             continue
         for pp in divisors(devices // tp):
             if L % pp:
@@ -294,7 +296,8 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     Returns:
         ``layouts`` (those whose per-rank memory fits ``memory`` bytes, fastest first; with
         ``keep_all`` also ``excluded``), ``considered`` (how many were evaluated), ``overlap``,
-        ``model_flops`` per step and ``params``.
+        ``model_flops`` per step and ``params``; ``notes`` where tensor parallelism is not
+        offered (a trace at TP = 1: the model's plan cannot split it over 2 ranks, and why).
 
     Raises:
         SymcostError: ``devices`` or ``global_batch`` not positive, no layout of ``devices``
@@ -303,11 +306,19 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     pl = Planner(an, sizes, device, precision, optimizer, overlap)
     H = int(pl.sizes.get("H", 1))
     K = int(pl.sizes["K"]) if "K" in pl.sizes else None
+    pinned = int((getattr(an, "pinned", None) or {}).get("TP", 0))
+    check = _tp_check(an)
+
+    def tp_ok(tp: int) -> bool:  # what the tensor-parallel plan accepts (every sharded size divisible)
+        return check is None or check({**an.spec.values(dict(pl.sizes)), "B": 1, "TP": tp}) is None
+
     lays = enumerate_layouts(devices, global_batch, pl.L, H, shards=shards, checkpoints=checkpoints,
-                             schedules=schedules, micro_batches=micro_batches, K=K)
+                             schedules=schedules, micro_batches=micro_batches, K=K, tp_ok=tp_ok,
+                             max_tp=1 if pinned == 1 else None)
     if not lays:
         raise SymcostError(f"no layout of {devices} devices fits the model and global batch {global_batch}: "
-                           f"dp·tp·pp = {devices} needs tp | H ({H}), pp | L ({pl.L}), dp | {global_batch}")
+                           f"dp·tp·pp = {devices} needs tp | H ({H}) and every size the TP plan shards, "
+                           f"pp | L ({pl.L}), dp | {global_batch}")
     rows = [pl.evaluate(x) for x in lays]
     fit = sorted((r for r in rows if r["memory"]["total"] <= memory), key=lambda r: r["step_seconds"])
     out = {"layouts": fit, "considered": len(rows), "overlap": OVERLAP[overlap], "params": pl.params,
@@ -315,9 +326,29 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
            "global_batch": global_batch, "memory_cap": memory, "sizes": pl.sizes,
            "links": f"node {pl.ic['link_bandwidth'] / 1e9:g} GB/s per direction ({pl.ic.get('devices_per_node')} "
                     f"per node), network {pl.ic['network_bandwidth'] / 1e9:g} GB/s per device"}
+    if pinned == 1:
+        why = check({**an.spec.values(dict(pl.sizes)), "B": 1, "TP": 2}) if check else None
+        out["notes"] = [f"tensor parallelism not offered: TP = 2 cannot split this model ({why}); "
+                        "layouts with tp = 1 only"]
     if keep_all:
         out["excluded"] = [r for r in rows if r["memory"]["total"] > memory]
     return out
+
+
+def _tp_check(an):
+    """``check(values) -> why or None``: whether the model's tensor-parallel plan splits every
+    size it shards at ``values["TP"]`` (``tensor_parallel``'s ``probe_check``). An analysis read
+    from the trace cache has no code: the model is resolved again by name (None if it cannot be)."""
+    if an.spec.probe_check is not None:
+        return an.spec.probe_check
+    from symcost.frontends.models import resolve
+    from symcost.frontends.tensor_parallel import tensor_parallel
+
+    try:
+        sp = bool((an.spec.extra or {}).get("tensor_parallel", {}).get("sp"))
+        return tensor_parallel(resolve(an.model), sp).probe_check
+    except SymcostError:
+        return None
 
 
 _TRACES: dict = {}
@@ -341,10 +372,15 @@ def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = F
         if all(vals.get(s, 0) % mo == r for s, (mo, r) in an.residues.items()) \
                 and all(vals.get(s) == v for s, v in an.pinned.items() if s not in ("B",)):
             return an
+    # TP = 2 when the model's plan accepts it (TP then free: every tp the layouts try); a model
+    # whose heads or sharded sizes are odd is traced at TP = 1 (pinned: plan tries tp = 1 only)
     tsizes = {**req, "TP": 2}
+    tspec = tensor_parallel(spec, sp)
+    if tspec.probe_check and tspec.probe_check({**spec.values(req), "B": 1, "TP": 2}) is not None:
+        tsizes["TP"] = 1
 
     def fresh():
-        return symcost.trace(tensor_parallel(spec, sp), sizes=tsizes, precision=precision)
+        return symcost.trace(tspec, sizes=tsizes, precision=precision)
 
     if isinstance(model, str) and use_cache:  # the disk cache: the entry `report --tp` uses (same trace)
         from symcost.graph.cache import cached_trace

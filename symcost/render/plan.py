@@ -36,6 +36,8 @@ def render(res: dict, top: int = 5, width: int | None = None) -> None:
     c.print("mem: per rank; TP/PP/DP: GiB per rank per step, sent (= received), and the link they cross "
             "(node: the scale-up link; net: the network, one NIC per device); i-1f1b: interleaved 1F1B. "
             f"Links: {res.get('links', '')}")
+    for note in res.get("notes", ()):
+        c.print(note)
     if not res["layouts"]:
         c.print("no layout fits: a larger memory cap, more devices, checkpointing or sharding")
     c.print(f"overlap model: {res['overlap']}. Compute: the roofline at the datasheet peak (an upper "
