@@ -25,13 +25,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one intra
     os.environ.pop("LINES", None)
 
 
-@functools.lru_cache(maxsize=None)
 def _trace(model: str, precision: str = "fp32", attention: str = "eager", config: tuple = (),
            sizes: tuple = ()):
     # eager by default for hf: models (FlopCounterMode cannot see CPU sdpa); other models take none.
+    # One key per trace however it is asked for (positional or not, the default precision spelt
+    # out or not, sizes in any order): the variants were traced again, cs336-lm in fp32 5 times.
+    attention = attention if str(model).startswith("hf:") else None
+    return _trace_once(model, precision, attention, tuple(sorted(dict(config).items())),
+                       tuple(sorted(dict(sizes).items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _trace_once(model, precision: str, attention, config: tuple, sizes: tuple):
     # Always a fresh trace (use_cache=False): the tests' oracles need the probe recordings, and the
     # CLI tests fill the session's cache folder with entries of the same models.
-    attention = attention if str(model).startswith("hf:") else None
     t0 = time.perf_counter()
     an = symcost.trace(model, dict(config), attention, sizes=dict(sizes), precision=precision, use_cache=False)
     if os.environ.get("SYMCOST_TRACE_LOG"):  # PREFIX: each worker appends "seconds, trace" to PREFIX + its name
