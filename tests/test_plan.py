@@ -238,3 +238,24 @@ def test_odd_heads_plan_without_tensor_parallelism():
     assert tspec.probe_check({**vals, "TP": 8}) and not tspec.probe_check({**vals, "TP": 4})
     tps = {x.tp for x in enumerate_layouts(8, 8, 4, 16, tp_ok=lambda t: not tspec.probe_check({**vals, "TP": t}))}
     assert tps == {1, 2, 4}
+
+
+@pytest.mark.heavy
+def test_four_heads_plan_has_tp1_and_tp2():
+    """4 heads: TP = 4 would leave one head per rank, so the TP = 2 trace pins TP (its probes
+    cannot vary it). Layouts at tp = 1 are evaluated on a TP = 1 trace (``trace_at``); without
+    one they are left out with a note, not evaluated at the pinned TP (the CLI once failed here:
+    "TP was traced pinned to 2")."""
+    sz = {"H": 4, "D": 8, "L": 4, "V": 64, "S": 16}
+    an = trace_for_plan("megatron-gpt", sz, PREC)
+    assert an.pinned.get("TP") == 2
+    dev = get_device("a100-80gb")
+    res = plan(an, sz, dev, 4, 80 * 2**30, 8, PREC, trace_at=lambda tp: trace_for_plan("megatron-gpt", sz, PREC, tp=tp))
+    assert {r["layout"]["tp"] for r in res["layouts"]} == {1, 2} and not res["notes"]
+    alone = plan(an, sz, dev, 4, 80 * 2**30, 8, PREC)
+    assert {r["layout"]["tp"] for r in alone["layouts"]} == {2} and "tp = 1 left out" in alone["notes"][0]
+    # a tp = 1 layout's FLOPs are the TP = 1 trace's at TP = 1 (B = b)
+    one = trace_for_plan("megatron-gpt", sz, PREC, tp=1)
+    row = next(r for r in res["layouts"] if r["layout"]["tp"] == 1 and r["layout"]["pp"] == 1)
+    b = row["layout"]["micro_batch"]
+    assert row["flops_rank"] == pytest.approx(int(sympy.sympify(one.flops("train")).xreplace(one.bind(**{**sz, "B": b}))))

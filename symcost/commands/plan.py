@@ -85,7 +85,8 @@ def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, mem
 
     an = trace_for_plan(model, sizes, precision, sp)
     res = make_plan(an, sizes, dev, n, cap, g, precision, overlap=overlap, shards=shards, checkpoints=checkpoints,
-                    schedules=schedules, micro_batches=mbs)
+                    schedules=schedules, micro_batches=mbs,
+                    trace_at=lambda tp: trace_for_plan(model, sizes, precision, sp, tp=tp))
     res["model"], res["device"] = an.model, dev.key
     if as_json:
         click.echo(json.dumps({**res, "layouts": res["layouts"][:top], "fits": len(res["layouts"])}, indent=1,

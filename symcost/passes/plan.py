@@ -290,7 +290,8 @@ class Planner:
 
 def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global_batch: int,
          precision: str, optimizer: str = "adamw", overlap: str = "backward", shards=SHARDS,
-         checkpoints=CHECKPOINTS, schedules=("1f1b",), micro_batches=None, keep_all: bool = False) -> dict[str, Any]:
+         checkpoints=CHECKPOINTS, schedules=("1f1b",), micro_batches=None, keep_all: bool = False,
+         trace_at=None) -> dict[str, Any]:
     """Rank the layouts of ``devices`` devices for a global batch of ``global_batch`` sequences.
 
     Returns:
@@ -302,12 +303,26 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     Raises:
         SymcostError: ``devices`` or ``global_batch`` not positive, no layout of ``devices``
             devices divides the model and the batch.
+
+    ``an`` serves every tp when its TP is free; a trace with TP pinned (4 heads: TP = 4 would
+    leave one per rank, so the probes cannot vary TP) serves its own tp only, and the layouts at
+    another tp are evaluated on ``trace_at(tp)`` (:func:`trace_for_plan` at that TP), or left out
+    with a note when it is not given.
     """
     pl = Planner(an, sizes, device, precision, optimizer, overlap)
     H = int(pl.sizes.get("H", 1))
     K = int(pl.sizes["K"]) if "K" in pl.sizes else None
     pinned = int((getattr(an, "pinned", None) or {}).get("TP", 0))
     check = _tp_check(an)
+    planners = {}  # tp -> Planner on a trace that serves it
+
+    def planner(tp: int):
+        if not pinned or pinned == tp:
+            return pl
+        if tp not in planners:
+            other = trace_at(tp) if trace_at is not None else None
+            planners[tp] = None if other is None else Planner(other, sizes, device, precision, optimizer, overlap)
+        return planners[tp]
 
     def tp_ok(tp: int) -> bool:  # what the tensor-parallel plan accepts (every sharded size divisible)
         return check is None or check({**an.spec.values(dict(pl.sizes)), "B": 1, "TP": tp}) is None
@@ -319,17 +334,27 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
         raise SymcostError(f"no layout of {devices} devices fits the model and global batch {global_batch}: "
                            f"dp·tp·pp = {devices} needs tp | H ({H}) and every size the TP plan shards, "
                            f"pp | L ({pl.L}), dp | {global_batch}")
-    rows = [pl.evaluate(x) for x in lays]
+    rows, missing = [], set()
+    for x in lays:
+        p = planner(x.tp)
+        if p is None:
+            missing.add(x.tp)
+        else:
+            rows.append(p.evaluate(x))
     fit = sorted((r for r in rows if r["memory"]["total"] <= memory), key=lambda r: r["step_seconds"])
     out = {"layouts": fit, "considered": len(rows), "overlap": OVERLAP[overlap], "params": pl.params,
            "model_flops_per_sequence": pl.model_flops_per_seq, "peak_flops": pl.peak, "devices": devices,
            "global_batch": global_batch, "memory_cap": memory, "sizes": pl.sizes,
            "links": f"node {pl.ic['link_bandwidth'] / 1e9:g} GB/s per direction ({pl.ic.get('devices_per_node')} "
                     f"per node), network {pl.ic['network_bandwidth'] / 1e9:g} GB/s per device"}
+    out["notes"] = []
     if pinned == 1:
         why = check({**an.spec.values(dict(pl.sizes)), "B": 1, "TP": 2}) if check else None
-        out["notes"] = [f"tensor parallelism not offered: TP = 2 cannot split this model ({why}); "
-                        "layouts with tp = 1 only"]
+        out["notes"].append(f"tensor parallelism not offered: TP = 2 cannot split this model ({why}); "
+                            "layouts with tp = 1 only")
+    if missing:
+        out["notes"].append(f"layouts with tp = {', '.join(map(str, sorted(missing)))} left out: the trace "
+                            f"holds at TP = {pinned} only")
     if keep_all:
         out["excluded"] = [r for r in rows if r["memory"]["total"] > memory]
     return out
@@ -354,11 +379,13 @@ def _tp_check(an):
 _TRACES: dict = {}
 
 
-def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = False, use_cache: bool = True):
+def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = False, use_cache: bool = True,
+                   tp: int | None = None):
     """The ``--tp`` trace plan evaluates (B and TP free): kept in this process for requests whose
     sizes fall in the same regime, and for a model given by name in the trace cache under the
     entry ``report --tp`` keeps (options ``{"tp", "sp"}``, the same trace; a round trip gives the
-    same layouts' numbers, tested); ``use_cache=False`` traces afresh."""
+    same layouts' numbers, tested); ``use_cache=False`` traces afresh. ``tp``: trace at that TP
+    (default 2, or 1 for a model TP = 2 cannot split); the trace may pin it (``Analysis.pinned``)."""
     import symcost
     from symcost.frontends.models import resolve
     from symcost.frontends.spec import ModelSpec
@@ -367,17 +394,17 @@ def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = F
     spec = model if isinstance(model, ModelSpec) else resolve(model)
     req = {k: v for k, v in sizes.items() if k not in ("B", "TP")}
     key = (spec.name, tuple(sorted(spec.defaults.items())), precision, sp)
+    # TP = 2 when the model's plan accepts it (TP then free: every tp the layouts try); a model
+    # whose heads or sharded sizes are odd is traced at TP = 1 (pinned: plan tries tp = 1 only)
+    tsizes = {**req, "TP": 2 if tp is None else tp}
+    tspec = tensor_parallel(spec, sp)
+    if tp is None and tspec.probe_check and tspec.probe_check({**spec.values(req), "B": 1, "TP": 2}) is not None:
+        tsizes["TP"] = 1
+    vals = {**spec.values(req), "TP": tsizes["TP"]}
     for an in _TRACES.get(key, []):
-        vals = spec.values(req)
         if all(vals.get(s, 0) % mo == r for s, (mo, r) in an.residues.items()) \
                 and all(vals.get(s) == v for s, v in an.pinned.items() if s not in ("B",)):
             return an
-    # TP = 2 when the model's plan accepts it (TP then free: every tp the layouts try); a model
-    # whose heads or sharded sizes are odd is traced at TP = 1 (pinned: plan tries tp = 1 only)
-    tsizes = {**req, "TP": 2}
-    tspec = tensor_parallel(spec, sp)
-    if tspec.probe_check and tspec.probe_check({**spec.values(req), "B": 1, "TP": 2}) is not None:
-        tsizes["TP"] = 1
 
     def fresh():
         return symcost.trace(tspec, sizes=tsizes, precision=precision)
