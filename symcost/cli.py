@@ -70,6 +70,10 @@ class _Group(click.Group):
             sys.exit(1)
         except KeyboardInterrupt:
             sys.exit(130)
+        except BrokenPipeError:  # `symcost ... --json | head`: quietly, exit 1 as rich's console
+            devnull = os.open(os.devnull, os.O_WRONLY)  # does for tables (Console.on_broken_pipe)
+            os.dup2(devnull, sys.stdout.fileno())  # (no second error when Python flushes at exit)
+            sys.exit(1)
         except Exception as e:  # noqa: BLE001
             if debug:
                 traceback.print_exc()

@@ -151,3 +151,13 @@ def test_report_with_zero_model_flops_warns(capsys, tmp_path):
     code, out, err = run(capsys, "report", model, "--precision", "fp32", "--set", "B=2", "S=8")
     assert code == 0, err
     assert "model FLOPs are 0" in out and "ZeroDivision" not in out + err
+
+
+def test_a_symbol_set_twice_is_refused():
+    """``--set B=8 B=4`` used to keep the last value silently: now one line names both."""
+    from symcost.commands._options import parse_sizes
+    from symcost.errors import SymcostError
+
+    with pytest.raises(SymcostError, match=r"B is set twice in --set \(B=8, B=4\)"):
+        parse_sizes(("B=8", "S=16", "B=4"))
+    assert parse_sizes(("B=8", "B=8")) == {"B": 8}

@@ -53,7 +53,8 @@ def parse_sizes(pairs: tuple[str, ...]) -> dict[str, int]:
     """``("B=8", "S=1024")`` -> ``{"B": 8, "S": 1024}``; values are positive integers.
 
     Raises:
-        SymcostError: malformed pair, unknown symbol, non-integer or non-positive value.
+        SymcostError: malformed pair, unknown symbol, non-integer or non-positive value, a
+            symbol set twice to different values.
     """
     sizes: dict[str, int] = {}
     for pair in pairs:
@@ -71,6 +72,8 @@ def parse_sizes(pairs: tuple[str, ...]) -> dict[str, int]:
         n = int(val)
         if n <= 0:
             raise SymcostError(f"{key} must be a positive integer, got {n}")
+        if key in sizes and sizes[key] != n:
+            raise SymcostError(f"{key} is set twice in --set ({key}={sizes[key]}, {key}={n}); give each symbol once")
         sizes[key] = n
     return sizes
 

@@ -292,7 +292,8 @@ def cached_config_path(repo: str) -> str:
     if not isinstance(path, str):
         raise SymcostError(
             f"hf:{repo}: no config.json of {repo!r} in the local Hugging Face cache ({HF_HUB_CACHE}); "
-            f"symcost never downloads: fetch it with `huggingface-cli download {repo} config.json` "
+            f"symcost never downloads: fetch it with `hf download {repo} config.json` (huggingface_hub "
+            f"before 0.34: `huggingface-cli download {repo} config.json`) "
             "or pass the path of a config.json file"
         )
     return path
