@@ -11,14 +11,10 @@ import re
 import click
 
 from symcost.errors import SymcostError
-from symcost.frontends.spec import SYMBOL_MEANINGS
+from symcost.frontends.spec import MESH_HINT, SYMBOL_MEANINGS
 
 _MULTI = ("--set", "--config")
 _PAIR = re.compile(r"^[A-Za-z_][\w.]*=")
-
-#: where a mesh size goes instead of --set (a model's symbols never include them)
-MESH_HINT = {"DP": "; data parallelism is --dp N", "TP": "; tensor parallelism is --tp N",
-             "PP": "; pipeline stages are --pp N"}
 
 
 def expand_multi(argv: list[str]) -> list[str]:
@@ -63,8 +59,8 @@ def parse_sizes(pairs: tuple[str, ...]) -> dict[str, int]:
         if not eq:
             raise SymcostError(f"--set takes SYMBOL=INTEGER, got {pair!r}")
         if key not in SYMBOL_MEANINGS:
-            hint = MESH_HINT.get(key.upper(), "") if key.upper() == "PP" else ""
-            raise SymcostError(f"unknown symbol {key!r} in --set; accepted: {', '.join(SYMBOL_MEANINGS)}{hint}")
+            raise SymcostError(f"unknown symbol {key!r} in --set; accepted: {', '.join(SYMBOL_MEANINGS)}"
+                               f"{MESH_HINT.get(key.upper(), '')}")
         raw = val.strip()
         val = raw.replace("_", "")
         if not re.fullmatch(r"[+-]?\d+", val):

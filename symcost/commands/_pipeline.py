@@ -7,7 +7,7 @@ import json
 
 import click
 
-from symcost.commands._options import MESH_HINT
+from symcost.frontends.spec import MESH_HINT
 from symcost.errors import SymcostError
 
 from ._options import _keep_parallel, parse_config, parse_sizes

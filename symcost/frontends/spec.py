@@ -14,6 +14,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
 #: Canonical symbols and their meaning (shared/conventions.md).
+#: where a mesh size goes instead of --set / sizes (a model's symbols never include them)
+MESH_HINT = {"DP": "; data parallelism is --dp N", "TP": "; tensor parallelism is --tp N",
+             "PP": "; pipeline stages are --pp N"}
+
 SYMBOL_MEANINGS: dict[str, str] = {
     "B": "micro-batch size (sequences per device per step)",
     "S": "sequence length (tokens per sequence; in an inference step, the new tokens per sequence)",

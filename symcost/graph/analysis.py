@@ -17,7 +17,7 @@ import sympy
 
 from symcost._lazy import LazyModule
 from symcost.errors import SymcostError
-from symcost.frontends.spec import ModelSpec
+from symcost.frontends.spec import MESH_HINT, ModelSpec
 from symcost.tracing.fit import FIT_L, SYMS
 from symcost.tracing.regime import digest, regime_signature
 from symcost.graph.conventions import Conventions
@@ -166,8 +166,7 @@ class Analysis(Totals, Conventions, Serialized):
                 raise SymcostError(f"{k} is tied to {other} in {self.model}; it cannot be set on its own")
             if k not in self.symbols:
                 known = ", ".join(self.symbols)
-                hint = {"DP": "; data parallelism is --dp N", "TP": "; tensor parallelism is --tp N"}.get(k, "")
-                raise SymcostError(f"unknown symbol {k!r} for {self.model}; accepted: {known}{hint}")
+                raise SymcostError(f"unknown symbol {k!r} for {self.model}; accepted: {known}{MESH_HINT.get(k, '')}")
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise SymcostError(f"{k} must be a positive integer, got {v!r}")
             if k in self.residues and v % self.residues[k][0] != self.residues[k][1]:

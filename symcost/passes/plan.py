@@ -324,11 +324,11 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
             planners[tp] = None if other is None else Planner(other, sizes, device, precision, optimizer, overlap)
         return planners[tp]
 
-    def tp_ok(tp: int) -> bool:  # what the tensor-parallel plan accepts (every sharded size divisible)
-        return check is None or check({**an.spec.values(dict(pl.sizes)), "B": 1, "TP": tp}) is None
+    def why_not(tp: int):  # why the tensor-parallel plan cannot split the model over tp ranks, or None
+        return None if check is None else check({**an.spec.values(dict(pl.sizes)), "B": 1, "TP": tp})
 
     lays = enumerate_layouts(devices, global_batch, pl.L, H, shards=shards, checkpoints=checkpoints,
-                             schedules=schedules, micro_batches=micro_batches, K=K, tp_ok=tp_ok,
+                             schedules=schedules, micro_batches=micro_batches, K=K, tp_ok=lambda tp: why_not(tp) is None,
                              max_tp=1 if pinned == 1 else None)
     if not lays:
         raise SymcostError(f"no layout of {devices} devices fits the model and global batch {global_batch}: "
@@ -349,8 +349,7 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
                     f"per node), network {pl.ic['network_bandwidth'] / 1e9:g} GB/s per device"}
     out["notes"] = []
     if pinned == 1:
-        why = check({**an.spec.values(dict(pl.sizes)), "B": 1, "TP": 2}) if check else None
-        out["notes"].append(f"tensor parallelism not offered: TP = 2 cannot split this model ({why}); "
+        out["notes"].append(f"tensor parallelism not offered: TP = 2 cannot split this model ({why_not(2)}); "
                             "layouts with tp = 1 only")
     if missing:
         out["notes"].append(f"layouts with tp = {', '.join(map(str, sorted(missing)))} left out: the trace "
