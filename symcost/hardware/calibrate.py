@@ -49,7 +49,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from symcost.errors import SymcostError
 
@@ -308,7 +308,8 @@ def transcendental_rates(dev, quick: bool = False, min_run_time: float = 0.3, ke
 
 
 def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.3,
-              log: Callable[[str], None] | None = None) -> dict[str, Any]:
+              log: Callable[[str], None] | None = None,
+              gemms: Sequence[tuple[int, int, int]] = ()) -> dict[str, Any]:
     """Measure this machine's peak matmul FLOP/s and memory bandwidth.
 
     Args:
@@ -316,6 +317,10 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
         quick: smaller kernels (a CI-sized calibration, a few seconds after compiling).
         min_run_time: seconds each kernel is timed for.
         log: called with a line per kernel measured.
+        gemms: more fp32 GEMM shapes ``(m, k, n)`` ([m, k] x [k, n]) whose rates count towards the
+            fp32 peak besides the square ones: a CPU BLAS's rate depends on the shape (cache
+            blocking), and a bound checked against a workload must use a peak no lower than the
+            rate its own GEMMs reach (``symcost validate`` passes its training steps' shapes).
 
     Returns:
         A device entry: ``name``, ``fp32`` (and ``bf16`` where measured) peak FLOP/s,
@@ -385,6 +390,18 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
                             "seconds": t["min"], "median": t["median"], "flop_per_s": rate, **_judged([t])})
             log(f"matmul {n}x{n} {key}: {rate / 1e9:.1f} GFLOP/s")
             peak[key] = max(peak.get(key, 0.0), rate)
+    for m_, k_, n_ in gemms:
+        a = torch.randn(m_, k_, device=dev)
+        b = torch.randn(k_, n_, device=dev)
+        label = f"matmul [{m_},{k_}]x[{k_},{n_}] fp32"
+        t = measure_rate(mm, a, b, min_run_time=min_run_time, cpu_bound=not gpu, log=log, label=label)
+        flops = 2 * m_ * k_ * n_
+        pack = 0.0 if gpu else k_ * n_ * a.element_size() * (1 / bw + 1 / wbw_used)
+        rate = flops / (t["min"] - pack if t["min"] > 2 * pack else t["min"])
+        kernels.append({"kernel": label, "flops": flops, "bytes": (m_ * k_ + k_ * n_ + m_ * n_) * a.element_size(),
+                        "seconds": t["min"], "median": t["median"], "flop_per_s": rate, **_judged([t])})
+        log(f"{label}: {rate / 1e9:.1f} GFLOP/s")
+        peak["fp32"] = max(peak.get("fp32", 0.0), rate)
     rates = transcendental_rates(dev, quick=quick, min_run_time=min_run_time, kernels=kernels, log=log)
     name = torch.cuda.get_device_name(dev) if gpu else (platform.processor() or platform.machine() or "cpu")
     log(f"read bandwidth {bw / 1e9:.2f} GB/s, write bandwidth {wbw / 1e9:.2f} GB/s")

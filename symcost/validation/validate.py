@@ -191,6 +191,30 @@ def _build(model: str, sizes: Mapping[str, int], hardware: str = "cpu"):
     return spec, m, args, kwargs
 
 
+def step_gemms(model: str, sizes: Mapping[str, int], hardware: str = "cpu", most: int = 6) -> list[tuple[int, int, int]]:
+    """The distinct 2-D GEMM shapes ``(m, k, n)`` (``aten.mm``, ``aten.addmm``: [m, k] x [k, n])
+    that one eager fp32 training step of a built-in model runs (forward, loss, backward), the
+    ``most`` with the most FLOPs first: :func:`validate` calibrates the peak on them too
+    (:func:`symcost.hardware.calibrate.calibrate`'s ``gemms``)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    spec, m, args, kwargs = _build(model, sizes, hardware)
+    seen: set[tuple[int, int, int]] = set()
+    gemm = {torch.ops.aten.mm.default: (0, 1), torch.ops.aten.addmm.default: (1, 2)}
+
+    class _Gemms(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            if func in gemm:
+                x, w = (a[i] for i in gemm[func])
+                seen.add((x.shape[0], x.shape[1], w.shape[1]))
+            return func(*a, **(kw or {}))
+
+    with _Gemms():
+        spec.loss(m(*args, **kwargs), (args, kwargs)).backward()
+    return sorted(seen, key=lambda s: -s[0] * s[1] * s[2])[:most]
+
+
 def train_step(model: str, sizes: Mapping[str, int], hardware: str = "cpu") -> tuple[Callable, Any]:
     """A compiled fp32 training step (forward, loss, backward; gradients reset to None first, so
     no accumulation) of a built-in model at ``sizes`` on ``hardware`` (cpu or cuda; on cuda the
@@ -526,8 +550,13 @@ def validate(device: Device | None = None, quick: bool = False,
     if hardware == "cpu":
         steady_allocator()
     own = device is None
+    default_steps = GPU_STEPS if hardware == "cuda" else (QUICK_STEPS if quick else FULL_STEPS)
+    steps = steps if steps is not None else default_steps
+    # the peak is also calibrated on the training steps' own GEMM shapes: a CPU BLAS runs some
+    # shapes faster than any square one (a bound below a step's measured time would be no bound)
+    gemms = sorted({g for model, sizes in steps.items() for g in step_gemms(model, sizes, hardware)}) if own else []
     if own:
-        device = _merge(None, calibrate(hardware, quick=quick, min_run_time=min_run_time, log=log))
+        device = _merge(None, calibrate(hardware, quick=quick, min_run_time=min_run_time, log=log, gemms=gemms))
     def timer(k: Kernel, fresh: bool = False):
         """Build ``k`` (new inputs) and compile it now (compiler workers would count as other
         processes while timing); ``fresh``: bypass inductor's on-disk graph cache, so a retry
@@ -546,8 +575,7 @@ def validate(device: Device | None = None, quick: bool = False,
         fn, args, run = timer(k)
         kernels[k.label] = k
         cases.append((k.family, k.label, k.large, kernel_costs(fn, *args), run))
-    default_steps = GPU_STEPS if hardware == "cuda" else (QUICK_STEPS if quick else FULL_STEPS)
-    for model, sizes in (steps if steps is not None else default_steps).items():
+    for model, sizes in steps.items():
         an = trace(model, sizes=dict(sizes), precision="fp32")
         step, _ = train_step(model, sizes, hardware)
         step()
@@ -583,7 +611,7 @@ def validate(device: Device | None = None, quick: bool = False,
         log(f"{len(failures)} check(s) failed; timing {len(todo)} kernel(s) again"
             + (" after calibrating again" if own else ""))
         if own:
-            device = _merge(device, calibrate(hardware, quick=quick, min_run_time=min_run_time, log=log))
+            device = _merge(device, calibrate(hardware, quick=quick, min_run_time=min_run_time, log=log, gemms=gemms))
         for i in todo:  # rebuild the failing kernels: new inputs, a fresh compile
             fam, label, large, costs, run = cases[i]
             if label in kernels:
