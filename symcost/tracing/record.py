@@ -366,24 +366,38 @@ class _Recorder(TorchDispatchMode):
             return out
         if func.namespace == "prim":
             return out
-        flat, spec = tree_flatten((args, kwargs))
-        inputs, ints, tree = [], [], []
-        for a in flat:
+        inputs, ints = [], []
+
+        def ref(a):
+            # the argument tree with each tensor a TensorRef and each int an IntRef, in pytree's
+            # order (depth first; a dict in insertion order); aten arguments nest only tuples,
+            # lists and dicts, and pytree's generic flatten costs more than the op's fake kernel
             if isinstance(a, torch.Tensor):
-                tree.append(TensorRef(len(inputs)))
-                inputs.append(
-                    TensorInfo(tuple(a.shape), a.dtype, self.tensor_id(a), self.leaf_name(a),
-                               _storage_key(a) if self.storage_keys else None)
-                )
-            elif isinstance(a, int) and not isinstance(a, bool):
-                tree.append(IntRef(len(ints)))
+                inputs.append(TensorInfo(tuple(a.shape), a.dtype, self.tensor_id(a), self.leaf_name(a),
+                                         _storage_key(a) if self.storage_keys else None))
+                return TensorRef(len(inputs) - 1)
+            cls = type(a)
+            if cls is int:
                 ints.append(a)
-            elif isinstance(a, torch.SymInt):
+                return IntRef(len(ints) - 1)
+            if cls is tuple or cls is list:
+                return cls([ref(x) for x in a])
+            if cls is dict:
+                return {k: ref(v) for k, v in a.items()}
+            if isinstance(a, int) and not isinstance(a, bool):
+                ints.append(a)
+                return IntRef(len(ints) - 1)
+            if isinstance(a, torch.SymInt):
                 raise SymcostError("symbolic ints reached the recorder; trace with concrete sizes")
-            else:
-                tree.append(a)
+            if isinstance(a, (tuple, list, dict)):  # a namedtuple or another container: pytree's way
+                flat, spec = tree_flatten(a)
+                if not spec.is_leaf():
+                    return tree_unflatten([ref(x) for x in flat], spec)
+            return a
+
+        args_tree = (ref(args), ref(kwargs))
         outs = []
-        for t in tree_flatten(out)[0]:
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 known = id(t) in self._tid
                 outs.append(TensorInfo(tuple(t.shape), t.dtype, self.tensor_id(t), None,
@@ -402,7 +416,7 @@ class _Recorder(TorchDispatchMode):
                 inputs=inputs,
                 outputs=outs,
                 ints=ints,
-                args_tree=tree_unflatten(tree, spec),
+                args_tree=args_tree,
             )
         )
         return out
