@@ -94,3 +94,17 @@ def test_validation_plot_points_are_the_rows(tmp_path):
     pts = validation_plot(rows, str(png))
     assert png.exists() and png.stat().st_size > 1000
     assert pts == [(r["predicted"], r["measured"]) for r in rows]
+
+
+def test_step_gemms_are_the_linear_layers_gemms():
+    """The GEMM shapes validate calibrates the peak on (besides the squares) are those of one
+    training step of mlp at random sizes: per Linear(D, D) on N = B·S tokens, the forward's
+    [N, D] x [D, D] (addmm) and the backward's grad input (grad_out [N, D] x W [D, D]) and grad
+    weight (grad_outᵀ [D, N] x x [N, D]) — torch.nn.functional.linear's autograd formulas."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(3):
+        B, S, D, L = rng.randint(1, 4), rng.randint(2, 40), rng.randint(2, 48), rng.randint(1, 3)
+        N = B * S
+        assert set(val.step_gemms("mlp", {"B": B, "S": S, "D": D, "L": L})) == {(N, D, D), (D, N, D)}
