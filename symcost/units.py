@@ -65,8 +65,8 @@ def parse_memory(text: str | int) -> int:
 def dominant_text(name: str, nbytes: int, cap: int) -> str:
     """Name what dominates: 'optimizer state alone is 84.000 GiB' when it exceeds ``cap``, else
     'the largest part is ...' (in the largest binary unit it reaches, :func:`binary`)."""
-    if nbytes > cap:
-        return f"{name} alone is {binary(nbytes)}"
+    if nbytes > cap:  # (a plural name takes "are": "activations alone are ...")
+        return f"{name} alone {'are' if name.endswith('s') else 'is'} {binary(nbytes)}"
     return f"the largest part is {name}, {binary(nbytes)}"
 
 

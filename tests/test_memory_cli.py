@@ -47,7 +47,7 @@ def test_max_batch_json(traced):
 def test_max_batch_text_and_b1(traced):
     code, out, _ = run("max-batch", "mlp", "--precision", "fp32", "--memory", "1MiB")
     assert code == 3  # nothing fits: an answer (exit status 3), not bad input (2)
-    assert "does not fit" in out and "alone is" in out
+    assert "does not fit" in out and ("alone is " in out or "alone are " in out)
     code, out, _ = run("max-batch", "mlp", "--precision", "fp32", "--memory", "80GiB")
     assert code == 0 and "largest B" in out and "check: M(" in out and "✓" in out
 
@@ -99,3 +99,11 @@ def test_report_memory_section():
     js = json.loads(out)
     assert js["memory"]["bytes_per_param"] == 12 and js["memory"]["memory_cap"] == 80 * 2**30
     assert isinstance(js["memory"]["max_batch"], int)
+
+
+def test_max_batch_checkpoint_line_under_the_title(traced):
+    """The plan max-batch applies (--checkpoint) is said under the command's title, not above it."""
+    code, out, _ = run("max-batch", "mlp", "--precision", "fp32", "--memory", "8GiB", "--checkpoint", "every-layer")
+    lines = [x for x in out.splitlines() if x.strip()]
+    assert code == 0 and lines[0].startswith("symcost max-batch mlp"), out
+    assert any(x.strip().startswith("checkpoint every-layer at B = ") for x in lines[1:3]), out

@@ -90,3 +90,13 @@ def test_time_dp_refusals(cache_dir):
     assert "--devices 2 and --dp 4 disagree" in _cli(*base, "--dp", "4", "--gpu", "h100-sxm", "--devices", "2",
                                                       code=2)
     assert "name two devices" in _cli(*base, "--dp", "4", "--gpu", "h100-sxm", "--device", "a100-80gb", code=2)
+
+
+def test_report_takes_device_for_gpu(cache_dir):
+    """report's --device NAME is --gpu NAME (the other commands name the catalogue device
+    --device): the same JSON; both at once must name one device."""
+    base = ("report", "mlp", "--dp", "4", "--shard", "fsdp", "--set", "D=64", "B=4", "S=32", "--json")
+    by_gpu, by_device = _cli(*base, "--gpu", "h100-sxm"), _cli(*base, "--device", "h100-sxm")
+    assert by_gpu == by_device and by_gpu["parallel"]["step"]["step_seconds"] > 0
+    assert "name two devices" in _cli(*base, "--gpu", "h100-sxm", "--device", "a100-80gb", code=2)
+    assert "--device needs --dp N" in _cli("report", "mlp", "--device", "h100-sxm", code=2)

@@ -134,6 +134,13 @@ def _keep_parallel(key):
     return store
 
 
+def device_alias(f):
+    """``--device NAME`` as another spelling of ``--gpu NAME`` (``report``: the other commands
+    name the catalogue device ``--device``); both at once must agree."""
+    return click.option("--device", "gpu_device", default=None, expose_value=False, metavar="NAME",
+                        callback=_keep_parallel("symcost.gpu_alias"), help="the same as --gpu")(f)
+
+
 #: strategies of --shard (symcost.frontends.parallel.SHARDS; listed here so --help imports no torch)
 SHARD_CHOICES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 
@@ -182,6 +189,11 @@ def parallel_request(ctx) -> tuple[int | None, str | None]:
         SymcostError: ``--shard`` without ``--dp``.
     """
     meta = ctx.find_root().meta if ctx is not None else {}
+    alias = meta.get("symcost.gpu_alias")  # report's --device, another spelling of --gpu
+    if alias is not None:
+        if meta.get("symcost.gpu") not in (None, alias):
+            raise SymcostError(f"--device {alias} and --gpu {meta['symcost.gpu']} name two devices: give one")
+        meta["symcost.gpu"] = alias
     dp, shard = meta.get("symcost.dp"), meta.get("symcost.shard")
     command = ctx.command.name if ctx is not None and ctx.command is not None else None
     if command not in (None, "report"):
@@ -196,7 +208,8 @@ def parallel_request(ctx) -> tuple[int | None, str | None]:
         get_device(meta["symcost.gpu"])
     if shard is not None and dp is None:
         raise SymcostError(f"--shard {shard} needs --dp N (the data-parallel size)")
-    for key, flag in (("symcost.gpu", "--gpu"), ("symcost.nodes", "--nodes"), ("symcost.devices_per_node", "--devices-per-node"),
+    for key, flag in (("symcost.gpu", "--gpu" if alias is None else "--device"), ("symcost.nodes", "--nodes"),
+                      ("symcost.devices_per_node", "--devices-per-node"),
                       ("symcost.fsdp_mp", "--fsdp-mp")):
         if dp is None and meta.get(key) is not None:
             raise SymcostError(f"{flag} needs --dp N (the data-parallel size)")

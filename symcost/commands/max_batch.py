@@ -155,12 +155,11 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
             js["alternatives"] = alts
         click.echo(json.dumps(js, indent=1))
     else:
-        if ck_plan is not None:
-            from symcost.render.report import console
-
-            console().print(f"  checkpoint {ckpt} at {var} = {max(sol.value, 1)}: {len(ck_plan.segments)} segment(s) "
-                            f"of L = {ck_plan.L} blocks: {', '.join(ck_plan.modules()) or 'none'}")
-        _print_solution(an, mm, sol, seconds, sizes, alts)
+        line = None
+        if ck_plan is not None:  # (under the title, which _print_solution prints)
+            line = (f"  checkpoint {ckpt} at {var} = {max(sol.value, 1)}: {len(ck_plan.segments)} segment(s) "
+                    f"of L = {ck_plan.L} blocks: {', '.join(ck_plan.modules()) or 'none'}")
+        _print_solution(an, mm, sol, seconds, sizes, alts, line)
     if sol.value < 1:
         raise SystemExit(NOTHING_FITS)
 
@@ -182,7 +181,7 @@ PEAK_ROWS = (
 
 
 def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, given: dict,
-                    alts: list | None = None) -> None:
+                    alts: list | None = None, checkpoint_line: str | None = None) -> None:
     import sympy
     from rich.table import Table
 
@@ -195,6 +194,8 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
     c.print(f"[bold]symcost max-batch[/bold] {an.model}: precision {mm.policy.name} ({mm.bytes_per_param()} "
             f"bytes/param), optimizer {mm.opt.name} ({mm.impl})" + (f", attention {att}" if att else "")
             + f", steady-state step (traced in {sum(an.timings.values()):.1f} s)")
+    if checkpoint_line:
+        c.print(checkpoint_line)
     pinned = getattr(an, "pinned", {}) or {}
     if pinned:
         c.print("  pinned: " + ", ".join(f"{k} = {v} (size 1 runs other kernels)" for k, v in pinned.items()))

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ._options import common, early_checks, memory_options, parallel_options, trace_model
+from ._options import common, device_alias, early_checks, memory_options, parallel_options, trace_model
 from ._pipeline import pipeline_options, pipeline_request, report_pipeline
 
 
@@ -16,6 +16,7 @@ from ._pipeline import pipeline_options, pipeline_request, report_pipeline
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @memory_options
 @parallel_options
+@device_alias
 @pipeline_options
 def report(model, sets, config, attention, precision, debug, as_json, memory, optimizer, device):
     """The main job: symbols, per-module costs, totals as formulas and the 6·N·P form, memory.
