@@ -107,3 +107,19 @@ def test_max_batch_checkpoint_line_under_the_title(traced):
     lines = [x for x in out.splitlines() if x.strip()]
     assert code == 0 and lines[0].startswith("symcost max-batch mlp"), out
     assert any(x.strip().startswith("checkpoint every-layer at B = ") for x in lines[1:3]), out
+
+
+def test_max_batch_checkpoint_after_a_cached_plain_trace(cache_dir):
+    """max-batch --checkpoint on a model whose plain trace is already cached (by another command)
+    is the same answer as on a fresh trace: the solver's B = 1 regime needs a checkpointed trace no
+    cache entry holds, so the model is built again (a cached analysis cannot build it). It failed
+    with 'this analysis was read from the trace cache and cannot build the model'."""
+    args = ("max-batch", "mlp", "--precision", "fp32", "--memory", "8GiB", "--checkpoint", "every-layer", "--json")
+    code, out, _ = run(*args, "--no-cache")
+    assert code == 0, out
+    fresh = json.loads(out)["max_batch"]
+    code, _, _ = run("max-batch", "mlp", "--precision", "fp32", "--memory", "1MiB")  # caches the plain trace
+    assert code == 3
+    code, out, _ = run(*args)
+    assert code == 0, out
+    assert json.loads(out)["max_batch"] == fresh

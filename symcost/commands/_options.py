@@ -351,17 +351,20 @@ def every_layer_trace(an, model, config, attention, precision, sizes, quiet=Fals
     routing = ctx.meta.get("symcost.routing") if ctx is not None else None
     cfg = parse_config(config)
 
+    def live_spec():
+        from symcost.frontends.models import resolve
+
+        spec = resolve(model, cfg, attention)
+        if routing is not None:
+            from symcost.frontends.moe import with_routing
+
+            spec = with_routing(spec, routing)
+        return spec
+
     def fresh():
         with progress(f"tracing {model} with every block checkpointed", quiet):
-            spec = an.spec
-            if not an.recordings:  # read from the cache: the model itself is needed now
-                from symcost.frontends.models import resolve
-
-                spec = resolve(model, cfg, attention)
-                if routing is not None:
-                    from symcost.frontends.moe import with_routing
-
-                    spec = with_routing(spec, routing)
+            # read from the cache, ``an`` cannot build the model: it is resolved again
+            spec = an.spec if an.recordings else live_spec()
             from symcost.graph.build import trace
 
             return trace(ck.uniform_spec(spec, an.layer_container or "", 1), sizes=sizes, precision=precision)
@@ -371,6 +374,8 @@ def every_layer_trace(an, model, config, attention, precision, sizes, quiet=Fals
         options["routing"] = routing
     sub = cached_trace(model, cfg, attention, precision, sizes, fresh, use_cache, options=options)
     ck.use_every_layer(an, sub)
+    if not an.recordings:  # another regime's every-layer trace (a solver at B = 1) builds the model again
+        ck.use_model(an, live_spec)
     return sub
 
 

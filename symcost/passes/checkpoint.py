@@ -918,6 +918,14 @@ def use_every_layer(an, sub) -> None:
     _every_layer_traces(an).append(sub)
 
 
+def use_model(an, resolve) -> None:
+    """Give ``an``, read from the trace cache (data only: it cannot build its model), a way to
+    build it: ``resolve()`` -> the model's live :class:`~symcost.frontends.models.ModelSpec`, used
+    where a checkpointed step must be traced in a regime no given trace holds (a solver asking
+    for B = 1, say)."""
+    _cached(an, "resolve_model", lambda: [])[:] = [resolve]
+
+
 def _every_layer_traces(an) -> list:
     return _cached(an, "every_layer", list)
 
@@ -978,7 +986,11 @@ def _uniform_trace(an, k: int, sizes: Mapping[str, int] | None = None):
     key = (id(an.spec), an.precision, "uniform", k, tuple(sorted(req.items())))
     hit = _TRACES.get(key)
     if hit is None or hit[0] is not an.spec:
-        spec = uniform_spec(an.spec, an.layer_container or "", k)
+        base = an.spec
+        resolver = _cached(an, "resolve_model", lambda: [])
+        if not an.recordings and resolver:  # a cached analysis: the model built again (use_model)
+            base = _cached(an, "live_spec", resolver[0])
+        spec = uniform_spec(base, an.layer_container or "", k)
         req = {s: v for s, v in req.items() if s in spec.all_symbols}
         hit = _TRACES[key] = (an.spec, trace(spec, sizes=req, precision=an.precision))
     return hit[1]
