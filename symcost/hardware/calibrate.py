@@ -375,33 +375,27 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
     wbw_used = wbw if wbw < 0.95 * bw else bw  # the entry keeps a write bandwidth only below 95%
     peak: dict[str, float] = {}
     mm = compiled(lambda a, b: a @ b)
-    for key, dt in precisions.items():
-        for n in mm_sizes:
-            a = torch.randn(n, n, device=dev, dtype=dt)
-            b = torch.randn(n, n, device=dev, dtype=dt)
-            t = measure_rate(mm, a, b, min_run_time=min_run_time, cpu_bound=not gpu, log=log,
-                             label=f"matmul {n}x{n} {key}")
-            flops = 2 * n ** 3
-            # on a CPU the BLAS packs b (read and written once) before multiplying, a pass that
-            # does not overlap the multiply (docs/roofline.md): the peak is the multiply's rate
-            pack = 0.0 if gpu else n * n * dt.itemsize * (1 / bw + 1 / wbw_used)
-            rate = flops / (t["min"] - pack if t["min"] > 2 * pack else t["min"])
-            kernels.append({"kernel": f"matmul {n}x{n} {key}", "flops": flops, "bytes": 3 * n * n * dt.itemsize,
-                            "seconds": t["min"], "median": t["median"], "flop_per_s": rate, **_judged([t])})
-            log(f"matmul {n}x{n} {key}: {rate / 1e9:.1f} GFLOP/s")
-            peak[key] = max(peak.get(key, 0.0), rate)
-    for m_, k_, n_ in gemms:
-        a = torch.randn(m_, k_, device=dev)
-        b = torch.randn(k_, n_, device=dev)
-        label = f"matmul [{m_},{k_}]x[{k_},{n_}] fp32"
+
+    def gemm(m: int, k: int, n: int, key: str, dt, label: str) -> None:
+        """Time [m, k] x [k, n] and count its rate towards ``peak[key]``."""
+        a = torch.randn(m, k, device=dev, dtype=dt)
+        b = torch.randn(k, n, device=dev, dtype=dt)
         t = measure_rate(mm, a, b, min_run_time=min_run_time, cpu_bound=not gpu, log=log, label=label)
-        flops = 2 * m_ * k_ * n_
-        pack = 0.0 if gpu else k_ * n_ * a.element_size() * (1 / bw + 1 / wbw_used)
+        flops = 2 * m * k * n
+        # on a CPU the BLAS packs b (read and written once) before multiplying, a pass that
+        # does not overlap the multiply (docs/roofline.md): the peak is the multiply's rate
+        pack = 0.0 if gpu else k * n * dt.itemsize * (1 / bw + 1 / wbw_used)
         rate = flops / (t["min"] - pack if t["min"] > 2 * pack else t["min"])
-        kernels.append({"kernel": label, "flops": flops, "bytes": (m_ * k_ + k_ * n_ + m_ * n_) * a.element_size(),
+        kernels.append({"kernel": label, "flops": flops, "bytes": (m * k + k * n + m * n) * dt.itemsize,
                         "seconds": t["min"], "median": t["median"], "flop_per_s": rate, **_judged([t])})
         log(f"{label}: {rate / 1e9:.1f} GFLOP/s")
-        peak["fp32"] = max(peak.get("fp32", 0.0), rate)
+        peak[key] = max(peak.get(key, 0.0), rate)
+
+    for key, dt in precisions.items():
+        for n in mm_sizes:
+            gemm(n, n, n, key, dt, f"matmul {n}x{n} {key}")
+    for m, k, n in gemms:
+        gemm(m, k, n, "fp32", torch.float32, f"matmul [{m},{k}]x[{k},{n}] fp32")
     rates = transcendental_rates(dev, quick=quick, min_run_time=min_run_time, kernels=kernels, log=log)
     name = torch.cuda.get_device_name(dev) if gpu else (platform.processor() or platform.machine() or "cpu")
     log(f"read bandwidth {bw / 1e9:.2f} GB/s, write bandwidth {wbw / 1e9:.2f} GB/s")

@@ -923,7 +923,7 @@ def use_model(an, resolve) -> None:
     build it: ``resolve()`` -> the model's live :class:`~symcost.frontends.models.ModelSpec`, used
     where a checkpointed step must be traced in a regime no given trace holds (a solver asking
     for B = 1, say)."""
-    _cached(an, "resolve_model", lambda: [])[:] = [resolve]
+    _CACHE[(id(an), "resolve_model")] = (an, resolve)
 
 
 def _every_layer_traces(an) -> list:
@@ -987,9 +987,9 @@ def _uniform_trace(an, k: int, sizes: Mapping[str, int] | None = None):
     hit = _TRACES.get(key)
     if hit is None or hit[0] is not an.spec:
         base = an.spec
-        resolver = _cached(an, "resolve_model", lambda: [])
-        if not an.recordings and resolver:  # a cached analysis: the model built again (use_model)
-            base = _cached(an, "live_spec", resolver[0])
+        given = _CACHE.get((id(an), "resolve_model"))
+        if not an.recordings and given is not None and given[0] is an:  # a cached analysis: built again (use_model)
+            base = _cached(an, "live_spec", given[1])
         spec = uniform_spec(base, an.layer_container or "", k)
         req = {s: v for s, v in req.items() if s in spec.all_symbols}
         hit = _TRACES[key] = (an.spec, trace(spec, sizes=req, precision=an.precision))
