@@ -88,6 +88,11 @@ def validate(devices_file, device_name, quick, hardware, attempts, accept_conten
             verdict = {True: "agrees", False: "DISAGREES", None: "n/a (FLOPs and bytes grow alike)"}[s["agrees"]]
             c.print(f"scaling {s['family']}: {s['from']} -> {s['to']}: time x{s['time_ratio']:.2f}, predicted "
                     f"x{s['predicted_ratio']:.2f} ({s['bound']}-bound): {verdict}")
+        for r in v.rows:
+            if "floor_ratio" in r:
+                c.print(f"{r['kernel']}: timed again in round {r['floor_round']}, it reaches "
+                        f"{100 / r['floor_ratio']:.0f}% of the bound from that round's own calibration "
+                        f"({100 / r['ratio']:.0f}% of the best rates): the 50% check uses the former")
         if v.contention is not None:
             c.print(f"other processes used {100 * v.contention:.0f}% of this machine's CPU while kernels were timed")
         if v.device.contended:

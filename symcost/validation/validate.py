@@ -11,7 +11,8 @@ kernel (``torch.utils.benchmark``, fastest block mean) and the ratio measured / 
 Checks (:func:`check`; issue 9's acceptance):
 
 - no measured time below its predicted bound by more than 10% (timing noise);
-- kernels of ``large`` size reach at least 50% of their bound;
+- kernels of ``large`` size reach at least 50% of their bound (a kernel timed again in a retry
+  round: of the bound from that round's own calibration, :func:`_floor_against_round`);
 - within a family of growing sizes, time scales like the predicted binding resource: the
   measured time ratio of consecutive sizes is closer to the predicted ratio than to the ratio of
   the other resource (bytes for a compute-bound kernel, FLOPs for a memory-bound one);
@@ -586,11 +587,14 @@ def validate(device: Device | None = None, quick: bool = False,
     v = Validation(device)
     todo = list(range(len(cases)))
     contention = Contention()
+    round_device = None  # a retry round's own calibration (not merged with the earlier ones)
     for attempt in range(max(1, attempts)):
+        now: dict[str, dict] = {}  # this round's times
         for i in todo:
             fam, label, large, costs, run = cases[i]
             with contention:
                 t = run()
+            now[label] = t
             if label in best:
                 t = {"min": min(t["min"], best[label]["min"]), "median": min(t["median"], best[label]["median"])}
             best[label] = t
@@ -615,6 +619,8 @@ def validate(device: Device | None = None, quick: bool = False,
                 device = dataclasses.replace(device, peak={**device.peak, "fp32": rate})
                 rows = predicted_rows()
         failures, scaling = check(rows)
+        if round_device is not None:
+            failures = _floor_against_round(failures, rows, cases, now, round_device, attempt + 1)
         v = Validation(device, rows, failures, scaling)
         v.attempts = attempt + 1
         v.contention = contention.share if hardware == "cpu" else None
@@ -628,12 +634,45 @@ def validate(device: Device | None = None, quick: bool = False,
         log(f"{len(failures)} check(s) failed; timing {len(todo)} kernel(s) again"
             + (" after calibrating again" if own else ""))
         if own:
-            device = _merge(device, calibrate(hardware, quick=quick, min_run_time=min_run_time, log=log, gemms=gemms))
+            entry = calibrate(hardware, quick=quick, min_run_time=min_run_time, log=log, gemms=gemms)
+            round_device = device_from_entry(entry)
+            device = _merge(device, entry)
         for i in todo:  # rebuild the failing kernels: new inputs, a fresh compile
             fam, label, large, costs, run = cases[i]
             if label in kernels:
                 cases[i] = (fam, label, large, costs, timer(kernels[label], fresh=True)[2])
     return v
+
+
+def _floor_against_round(failures: list[str], rows: list[dict], cases: list, now: Mapping[str, dict],
+                         round_device: Device, round_no: int) -> list[str]:
+    """Judge a retried kernel's "reaches 50% of its bound" check against the calibration taken in
+    the same round, just before it was timed again, rather than the best rates of all rounds.
+
+    A shared host's memory bandwidth and clock drift by up to a third within minutes (other
+    tenants; /proc/stat does not see them): a kernel timed in a slow minute against a bound
+    from a fast minute's calibration fails the floor although it runs as fast as the machine
+    then allows (CI: the [4,4096]x[4096,4096] GEMM, bound by its packing pass's memory traffic,
+    at 46% with every other kernel 10-45% slower than the calibration predicted). The floor
+    compares a kernel with what the machine could do at the time; the other checks (no time
+    below the bound, the training steps within 2x, scaling) keep the best rates of all rounds.
+    The row keeps ``floor_ratio`` (this round's time over this round's bound) and ``floor_round``."""
+    by_label = {c[1]: c for c in cases}
+    keep = []
+    for f in failures:
+        label = f.split(": reaches ")[0] if ": reaches " in f else None
+        if label is None or label not in now or label not in by_label:
+            keep.append(f)
+            continue
+        fam, _, _, costs, _ = by_label[label]
+        p = predict_step(costs[0], costs[1], round_device) if fam == "training step" else predict(costs, round_device)
+        ratio = now[label]["min"] / p["seconds"]
+        row = next(r for r in rows if r["kernel"] == label)
+        row["floor_ratio"], row["floor_round"] = ratio, round_no
+        if ratio > 2.0:
+            keep.append(f"{label}: reaches {100 / ratio:.0f}% of its bound (< 50%) against round "
+                        f"{round_no}'s own calibration, {100 / row['ratio']:.0f}% against the best rates")
+    return keep
 
 
 def device_from_entry(entry: Mapping[str, Any], key: str = "this-machine") -> Device:
