@@ -165,3 +165,30 @@ def test_cli_time_and_mfu_recompute_full(capsys, traced):
     assert code == 0, err
     m = json.loads(out)
     assert m["hfu"] / m["mfu"] == pytest.approx(ckpt / plain)
+
+
+def test_time_recompute_full_reads_both_traces_from_the_cache(capsys, cache_dir, monkeypatch):
+    """`time --recompute full` keeps the plain and the every-layer (checkpointed) trace in the trace
+    cache: a second run traces nothing (it re-traced both, about 20 s, every time) and answers
+    the same, and its hardware FLOPs equal what FlopCounterMode counts on the checkpointed step."""
+    import symcost.graph.build as build
+    from symcost.frontends.models import resolve
+
+    rng = random.Random(143)
+    sz = {"B": rng.randint(2, 4), "S": rng.randint(5, 30), "D": rng.choice((8, 16, 24)), "L": rng.randint(2, 5)}
+    sets = ["--set", *[f"{k}={x}" for k, x in sz.items()], "--precision", "fp32"]
+    args = ("time", "mlp", *sets, "--tokens", "1e6", "--device", "h100", "--mfu", "0.0001", "--recompute", "full", "--json")
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    first = json.loads(out)
+    spec = resolve("mlp")
+    v = full_values(spec, sz)
+    assert first["flops.train_step_hardware"] == _step_flops(spec, v, _checkpoint_blocks("layers"))
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(build, "trace", no_trace)
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    assert json.loads(out) == first

@@ -6,7 +6,7 @@ import json
 import click
 
 from ._device import device_options, resolve_device
-from ._options import common, trace_model
+from ._options import common, every_layer_trace, trace_model
 
 
 @click.command()
@@ -39,7 +39,9 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
     R = parse_rate(tps, "--tokens-per-second")
     if n_devices <= 0:
         raise SymcostError("--devices must be a positive integer")
-    an, sizes = trace_model(model, sets, config, attention, precision, needs_model=recompute == "full")
+    an, sizes = trace_model(model, sets, config, attention, precision)
+    if recompute == "full":  # the step with every block checkpointed: from the trace cache, or traced
+        every_layer_trace(an, model, config, attention, precision, sizes)
     from symcost.graph.fusion import estimate  # (no torch for a cached analysis: its stored estimate)
 
     tc = rl.tokens_compute(an, sizes, recompute=recompute)

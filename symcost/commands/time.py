@@ -6,7 +6,7 @@ import json
 import click
 
 from ._device import device_options, resolve_device
-from ._options import common, parallel_options, parallel_request, trace_model
+from ._options import common, every_layer_trace, parallel_options, parallel_request, trace_model
 
 
 @click.command(name="time")
@@ -63,7 +63,9 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
     utilization = rl.parse_fraction(mfu_text if given == "mfu" else hfu_text, f"--{given}")
     if n_devices <= 0:
         raise SymcostError("--devices must be a positive integer")
-    an, sizes = trace_model(model, sets, config, attention, precision, needs_model=recompute == "full")
+    an, sizes = trace_model(model, sets, config, attention, precision)
+    if recompute == "full":  # the step with every block checkpointed: from the trace cache, or traced
+        every_layer_trace(an, model, config, attention, precision, sizes)
     from symcost.graph.fusion import estimate  # (no torch for a cached analysis: its stored estimate)
 
     tc = rl.tokens_compute(an, sizes, n_tokens, recompute)

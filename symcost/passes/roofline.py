@@ -430,7 +430,9 @@ def recompute_flops(an, recompute: str = "none") -> sympy.Expr:
             and op.out_shapes and sympy.sympify(op.out_shapes[0][-1]).has(S)]))
     from symcost.passes import checkpoint
 
-    sub = checkpoint._uniform_trace(an, 1).with_attention_flops(getattr(an, "attention_count", "full"))
+    # the every-layer trace given for an's request (symcost.commands: read from the trace cache),
+    # else traced now in an's own regime
+    sub = checkpoint.every_layer(an, getattr(an, "request_sizes", None) or None).with_attention_flops(getattr(an, "attention_count", "full"))
     return sympy.expand(sub.flops("train", "hardware") - an.flops("train", "hardware"))
 
 
