@@ -30,8 +30,14 @@ from tp_rank import fake_peak, fake_rank_model, measure  # noqa: E402
 PRECISION = "bf16-true"  # 16-bit activations, as the paper counts (2 bytes), 1-byte dropout masks
 
 
-@functools.lru_cache(maxsize=None)
 def _trace(sp: bool, model: str = "megatron-gpt"):
+    # one cache key however it is called: lru_cache keys (False,) and (False, "megatron-gpt")
+    # apart, and each miss is a tensor-parallel trace of 13-36 s
+    return _trace_once(bool(sp), model)
+
+
+@functools.lru_cache(maxsize=None)
+def _trace_once(sp: bool, model: str):
     from symcost.frontends.models import resolve
     from symcost.frontends.tensor_parallel import tensor_parallel
 

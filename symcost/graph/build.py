@@ -18,7 +18,7 @@ import sympy
 from symcost._lazy import LazyModule
 from symcost.errors import SymcostError
 from symcost.frontends.spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, ModelSpec, request_facts
-from symcost.tracing.fit import (CHECK_L, FIT_L, SYMS, Fitter, FitError, Unvariable, find_base,
+from symcost.tracing.fit import (CHECK_L, FIT_L, N_RANDOM, SYMS, Fitter, FitError, Unvariable, find_base,
                                  leaves_moe_values, plan_probes, probe_pool, random_point, random_pools)
 from symcost.tracing.modules import _fold_name, _layer_of, _rename_block
 from symcost.tracing.regime import digest, regime_signature
@@ -230,7 +230,7 @@ def _align(recs: list[Recording], spec: ModelSpec) -> None:
 
 def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None = None,
           attention: str | None = None, sizes: Mapping[str, int] | None = None,
-          precision: str = "bf16-mixed", n_random: int = 6, seed: int = 0, use_cache: bool = True,
+          precision: str = "bf16-mixed", n_random: int = N_RANDOM, seed: int = 0, use_cache: bool = True,
           step: str | None = None, kv_cache: str = "dynamic", shard: str | None = None,
           fsdp_mp: str | None = None) -> Analysis:
     """Trace a model's training step (or an inference step) into a symbolic cost graph, in the
@@ -273,7 +273,8 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             over fp32 weights; the default), ``fp16-mixed``, ``fp32``, ``bf16-true``,
             ``fp16-true`` (model cast), ``bf16-true-fp32-state``, ``bf16-true-fp32-master``;
             decides dtypes, hence bytes and activations.
-        n_random: random probes in the fit (besides base and one per symbol).
+        n_random: random probes in the fit (besides base and one per symbol; default
+            :data:`symcost.tracing.fit.N_RANDOM`, doubled once when the check or the fit fails).
         seed: probe sampling seed.
         use_cache: read and write the trace cache (models given by name, training steps only;
             the CLI caches inference steps itself; a data-parallel trace, ``shard``, is not kept
@@ -309,7 +310,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             return trace(model, config, attention, sizes, precision, n_random, seed, use_cache=False)
 
         # the CLI's key (strings as --config gives them), plus the probe plan when it is not the default
-        options = None if (n_random, seed) == (6, 0) else {"n_random": n_random, "seed": seed}
+        options = None if (n_random, seed) == (N_RANDOM, 0) else {"n_random": n_random, "seed": seed}
         an = cached_trace(str(model), {str(k): str(v) for k, v in dict(config or {}).items()}, attention,
                           precision, dict(sizes or {}), fresh, True, options)
         if an.__dict__.get("cached_from"):
@@ -374,6 +375,12 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             reasons[e.symbol] = ("no other value of it runs the same ops as the requested one"
                                  if e.symbol != "L" else str(e))
         except FitError as e:
+            if not widened:
+                # a signature with more terms than the probes to spare can fit: more probes
+                # before a symbol is pinned for it (a pinned symbol is a formula lost)
+                widened, n_random, seed = True, 2 * n_random, seed + 1
+                continue
+            n_random, seed = n_random0, seed0
             _pin_for(e, pins, reasons, values)
     raise SymcostError(f"{spec.name}: could not find a regime to trace {values} in")
 

@@ -39,6 +39,14 @@ SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in ("B", 
 FIT_L = 2
 CHECK_L = 3
 
+#: Random probes of a fit, besides the base probe and one per symbol. Three suffice for every
+#: built-in and real-config model (the formulas equal those of six, compared on seven models);
+#: each probe is a recording (about half a second on a CPU), and what the probes miss is
+#: caught before ``trace`` returns: the formulas are checked at the request and at two fresh
+#: probes with L = 3, and a mismatch, or a signature no polynomial fits, fits again on twice as
+#: many random probes before anything is pinned.
+N_RANDOM = 3
+
 
 def parse_formula(text: str) -> sympy.Expr:
     """Parse a formula string of symcost's JSON into a sympy expression in the canonical symbols.
