@@ -366,6 +366,34 @@ def test_serial_passes_on_a_cpu_like_device(traced, tmp_path):
             assert n["seconds"] == pytest.approx(p["seconds"], rel=1e-12), op.name
         assert p["seconds"] <= n["seconds"] * (1 + 1e-12)  # the plain roofline is never above
     assert gemms and norms
+    # a calibrated packing rate (read + written bytes per second, symcost calibrate's packing
+    # GEMM): the pass takes 2·bytes(B) / pack_bandwidth, numerically and in the step-time formula
+    f.write_text(f.read_text() + '[packed]\nfp32 = 1e11\nbandwidth = 2e10\nwrite_bandwidth = 1e10\n'
+                 'serial_passes = true\npack_bandwidth = 4e9\n')
+    packed = dv.get_device("packed", str(f))
+    assert dv.get_device("cpu", str(f)).pack_bandwidth is None and packed.to_json()["pack_bandwidth"] == 4e9
+    res = rl.roofline(an, packed, sizes, fused=False)
+    slow = {n["index"]: n for n in res["nodes"]}
+    packs = 0
+    for i, n in slow.items():
+        op = ops[i]
+        packet = op.name.rsplit(".", 1)[0]
+        if packet not in ("aten.mm", "aten.addmm", "aten.bmm"):
+            assert n["seconds"] == pytest.approx(serial[i]["seconds"], rel=1e-12), op.name
+            continue
+        num = lambda x: int(sympy.sympify(x).subs(env))  # noqa: E731
+        written = sum(num(rules.nbytes(s, d)) for s, d in zip(op.out_shapes, op.out_dtypes))
+        t_mem = (n["bytes"] - written) / 2e10 + written / 1e10
+        b_op = op.in_shapes[1 if packet in ("aten.mm", "aten.bmm") else 2]
+        m, k_n = num(op.out_shapes[0][-2]), num(op.out_shapes[0][-1])
+        pack = 2 * num(rules.nbytes(b_op, op.in_dtypes[1])) / 4e9 if m > 1 and k_n > 1 else 0
+        assert n["seconds"] == pytest.approx(n["repeat"] * max(t_mem, n["flops"] / 1e11 + pack), rel=1e-9), op.name
+        packs += pack > 0
+    assert packs
+    from symcost.tracing.fit import SYMS
+
+    step = sympy.sympify(rl.formulas(an, packed, fused=False)["step_seconds"], locals=dict(SYMS))
+    assert float(step.subs(env)) == pytest.approx(sum(n["seconds"] for n in slow.values()), rel=1e-6)
     # a matrix-vector product packs nothing: [n, n] x [n, 1]
     v = rules.OpView(torch.ops.aten.mm.default, "aten.mm.default", [(64, 64), (64, 1)], [torch.float32] * 2,
                      [(64, 1)], [torch.float32], ((64, 64), (64, 1)), {})

@@ -12,6 +12,7 @@ hand) at random sizes; and a real ``torchrun`` + gloo run of two ranks.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
 import sys
@@ -342,6 +343,32 @@ def test_cli_report_tp_sp_json():
     assert r.exit_code == 0 and "memory.peak" in r.output and "peak per rank at:" in r.output, r.output
 
 
+def test_max_batch_tp_at_the_boundary_against_memtracker(capsys):
+    """`max-batch --tp N [--sp]` solves the rank's peak: with the cap halfway between the peaks
+    PyTorch's MemTracker measures on rank 0 of the fake group at B0 and B0 + 1 (bf16 model,
+    for-loop AdamW, random sizes and TP), the answer is B0, per rank of TP."""
+    from conftest import run_cli
+
+    rng = random.Random(2026)
+    sp = rng.random() < 0.5
+    v = {k: x for k, x in _draw(rng, sp).items() if k in ("TP", "S", "H", "D", "L", "V")}
+    v["L"] = max(v["L"], 3)  # (cs336-lm-like middle blocks aside, L >= 2 is the schedule's regime)
+    b0 = rng.randint(2, 4)
+    spec = resolve_spec("megatron-gpt")
+    lo, hi = (fake_peak(spec, {**v, "B": b}, sp) for b in (b0, b0 + 1))
+    assert hi > lo
+    cap = lo + (hi - lo) // 2
+    sets = [f"{k}={x}" for k, x in v.items() if k != "TP"]
+    code, out, err = run_cli(capsys, "max-batch", "megatron-gpt", "--tp", str(v["TP"]), *(["--sp"] if sp else []),
+                             "--set", *sets, "--precision", PRECISION, "--optimizer-impl", "for-loop",
+                             "--torch-device", "cpu", "--memory", str(max(cap, 2**20)), "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert cap >= 2**20, (lo, hi)  # (the cap is at least 1 MiB at these sizes)
+    assert res["max_batch"] == b0 and res["parallel"] == {"tp": v["TP"], "sp": sp, "per_rank": True}, (res, v, lo, hi)
+    assert res["memory_at_max"] == lo and res["memory_at_next"] == hi
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--sp"], "--sp needs --tp N"),
     (["--tp", "2", "--dp", "2"], "--tp with --dp is not composed yet"),
@@ -412,8 +439,9 @@ def test_six_n_p_of_one_rank():
 
 @pytest.mark.parametrize("args,msg", [
     (["time", "megatron-gpt", "--tp", "2", "--device", "h100", "--tokens", "1e9", "--mfu", "0.45"],
-     "--tp is answered by `symcost report` only"),
-    (["max-batch", "megatron-gpt", "--tp", "2", "--memory", "80GiB"], "--tp is answered by `symcost report` only"),
+     "--tp is answered by `symcost report` and `max-batch` only"),
+    (["max-batch", "megatron-gpt", "--tp", "2", "--memory", "80GiB", "--checkpoint", "every-layer"],
+     "--checkpoint is not modelled with --tp yet"),
     (["report", "cs336-lm", "--pp", "2", "--tp", "2"], "--pp with --tp is not modelled yet"),
     (["report", "cs336-lm", "--pp", "2", "--gpu", "h100-sxm"], "--pp with --gpu is not modelled yet"),
     (["report", "cs336-lm", "--dp", "8", "--gpu", "nosuchgpu"], "unknown device 'nosuchgpu'"),

@@ -196,11 +196,11 @@ def parallel_request(ctx) -> tuple[int | None, str | None]:
         meta["symcost.gpu"] = alias
     dp, shard = meta.get("symcost.dp"), meta.get("symcost.shard")
     command = ctx.command.name if ctx is not None and ctx.command is not None else None
-    if command not in (None, "report"):
+    if command not in (None, "report", "max-batch"):
         for key, flag in (("symcost.tp", "--tp"), ("symcost.sp", "--sp")):
             if meta.get(key):
-                raise SymcostError(f"{flag} is answered by `symcost report` only for now: {command} with tensor "
-                                   "parallelism (its peak, step time, run time) is not modelled yet "
+                raise SymcostError(f"{flag} is answered by `symcost report` and `max-batch` only for now: {command} "
+                                   "with tensor parallelism (its step time, run time) is not modelled yet "
                                    "(docs/parallel.md §11)")
     if meta.get("symcost.gpu"):  # an unknown device: say so before the trace
         from symcost.hardware.devices import get_device

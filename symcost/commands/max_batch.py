@@ -82,7 +82,8 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     The peak is that of a steady-state training step (see docs/memory.md). With --global-batch
     and --devices: the micro-batch and accumulation steps K, B_global = B_micro x K x N_devices.
     With --dp N [--shard ...]: per rank of N data-parallel ranks (B is the rank's batch; the peak
-    is the rank's, docs/parallel.md); --devices is then N.
+    is the rank's, docs/parallel.md); --devices is then N. With --tp N [--sp]: per rank of N
+    tensor-parallel ranks (Megatron plan), each running the whole batch.
     Exit status 3 when not even 1 fits under --memory (the output names what dominates and what
     would fit: another precision or optimizer, checkpointing, the least cap).
     """
@@ -98,8 +99,11 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     if dp is not None and devices is not None and devices != dp:
         raise SymcostError(f"--devices {devices} and --dp {dp} disagree: with --dp the devices are the DP ranks; "
                            "give one")
-    if dp is not None and ckpt != "none":
-        raise SymcostError("--checkpoint is not modelled with --dp yet; leave one out")
+    ctx = click.get_current_context(silent=True)
+    tp = ctx.find_root().meta.get("symcost.tp") if ctx is not None else None
+    if (dp is not None or tp is not None) and ckpt != "none":
+        raise SymcostError(f"--checkpoint is not modelled with {'--dp' if dp is not None else '--tp'} yet; "
+                           "leave one out")
     explicit_devices = devices is not None
     devices = devices if devices is not None else (dp or 1)
     if global_batch is not None:
@@ -146,7 +150,9 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
         if sol.value < 1 and not sol.limited_by else None
     if as_json:
         js = _solution_json(an, sol, mm, seconds)
-        if an.parallel is not None:
+        if an.parallel is not None and an.parallel.startswith("tp"):
+            js["parallel"] = {"tp": sol.sizes.get("TP"), "sp": an.parallel == "tp+sp", "per_rank": True}
+        elif an.parallel is not None:
             js["parallel"] = {"dp": sol.sizes.get("DP"), "shard": an.parallel, "per_rank": True}
         if ck_plan is not None:
             js["checkpoint"] = {"kind": ckpt, "plan": ck_plan.modules(), "L": ck_plan.L,
@@ -199,7 +205,11 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
     pinned = getattr(an, "pinned", {}) or {}
     if pinned:
         c.print("  pinned: " + ", ".join(f"{k} = {v} (size 1 runs other kernels)" for k, v in pinned.items()))
-    if an.parallel is not None:
+    if an.parallel is not None and an.parallel.startswith("tp"):
+        c.print(f"  per rank: one of TP = {sol.sizes.get('TP')} tensor-parallel ranks (Megatron plan"
+                + (", sequence parallel" if an.parallel == "tp+sp" else "")
+                + f"; every rank runs the whole batch {v}, the peak is the rank's, docs/parallel.md §11)")
+    elif an.parallel is not None:
         c.print(f"  per rank: one of DP = {sol.sizes.get('DP')} ranks, --shard {an.parallel} ({v} is the rank's; "
                 "the peak is the rank's, docs/parallel.md)")
     c.print(f"  sizes: {_sizes_line(sol.sizes, given)}")

@@ -7,8 +7,11 @@ kernels:
 
 - peak FLOP/s per precision: large square matmuls, 2·n³ FLOPs each
   (``torch.utils.flop_counter``'s mm formula); on a CPU over the time left after the BLAS's
-  packing of the [k, n] operand (read and written once at the measured bandwidths), which the
+  packing of the [k, n] operand (read and written once at ``pack_bandwidth``), which the
   roofline adds back for every GEMM on such a device;
+- pack_bandwidth (a CPU): the packing pass's own rate, from a skinny GEMM (:data:`PACK_GEMM`)
+  less its multiply, at most the streaming rate (the pass gathers panels from rows a page
+  apart: on a VM it can run at half the streaming rate, docs/roofline.md);
 - bandwidth: large element-wise kernels (scale, add), a full reduction (sum) and a
   matrix-vector product (the BLAS's gemv, [2048, n] x [n, 1]), bytes as symcost counts them
   (inputs read + outputs written, docs/conventions.md), on tensors several times the last-level
@@ -307,6 +310,12 @@ def transcendental_rates(dev, quick: bool = False, min_run_time: float = 0.3, ke
     return rates
 
 
+#: the GEMM ``(m, k, n)`` whose packing pass ``calibrate`` times on a CPU: few rows, so the
+#: multiply is a tenth of its time; its [k, n] operand (32 MiB fp32) beyond a core's caches, rows
+#: 8 KiB apart; of a shape the validation sweep does not run
+PACK_GEMM = (8, 4096, 2048)
+
+
 def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.3,
               log: Callable[[str], None] | None = None,
               gemms: Sequence[tuple[int, int, int]] = ()) -> dict[str, Any]:
@@ -324,7 +333,10 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
 
     Returns:
         A device entry: ``name``, ``fp32`` (and ``bf16`` where measured) peak FLOP/s,
-        ``bandwidth`` (byte/s), ``write_bandwidth`` (where lower), ``transcendentals``
+        ``bandwidth`` (byte/s), ``write_bandwidth`` (where lower), ``pack_bandwidth`` (a CPU:
+        byte/s read plus written of a BLAS packing a GEMM's [k, n] operand, from the GEMM
+        :data:`PACK_GEMM` less its multiply; every GEMM's peak is taken net of its packing at
+        that rate), ``transcendentals``
         (evaluations/s per class, :func:`transcendental_rates`), ``source`` ("measured by symcost calibrate"), ``date``, and
         ``measured``: every kernel with its FLOPs, bytes, seconds and rate, and how it was judged
         (``rounds``, ``spread``, ``other_cpu_share``, ``contended``); ``quality``
@@ -375,27 +387,60 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
     wbw_used = wbw if wbw < 0.95 * bw else bw  # the entry keeps a write bandwidth only below 95%
     peak: dict[str, float] = {}
     mm = compiled(lambda a, b: a @ b)
+    timed = []  # (m, k, n, precision key, itemsize, label, timing)
 
     def gemm(m: int, k: int, n: int, key: str, dt, label: str) -> None:
-        """Time [m, k] x [k, n] and count its rate towards ``peak[key]``."""
+        """Time [m, k] x [k, n] (its rate is counted once the packing rate is known)."""
         a = torch.randn(m, k, device=dev, dtype=dt)
         b = torch.randn(k, n, device=dev, dtype=dt)
         t = measure_rate(mm, a, b, min_run_time=min_run_time, cpu_bound=not gpu, log=log, label=label)
-        flops = 2 * m * k * n
-        # on a CPU the BLAS packs b (read and written once) before multiplying, a pass that
-        # does not overlap the multiply (docs/roofline.md): the peak is the multiply's rate
-        pack = 0.0 if gpu else k * n * dt.itemsize * (1 / bw + 1 / wbw_used)
-        rate = flops / (t["min"] - pack if t["min"] > 2 * pack else t["min"])
-        kernels.append({"kernel": label, "flops": flops, "bytes": (m * k + k * n + m * n) * dt.itemsize,
-                        "seconds": t["min"], "median": t["median"], "flop_per_s": rate, **_judged([t])})
-        log(f"{label}: {rate / 1e9:.1f} GFLOP/s")
-        peak[key] = max(peak.get(key, 0.0), rate)
+        timed.append((m, k, n, key, dt.itemsize, label, t))
 
     for key, dt in precisions.items():
         for n in mm_sizes:
             gemm(n, n, n, key, dt, f"matmul {n}x{n} {key}")
     for m, k, n in gemms:
         gemm(m, k, n, "fp32", torch.float32, f"matmul [{m},{k}]x[{k},{n}] fp32")
+    stream_pack = 2 / (1 / bw + 1 / wbw_used)  # read at bw, written at the write bandwidth
+    pack_bw = None
+    if not gpu:
+        # the packing pass's own rate: a GEMM with a few rows (its multiply a tenth of its time)
+        # and a [k, n] operand beyond the caches, rows 8 KiB apart
+        pm, pk_, pn = PACK_GEMM
+        a = torch.randn(pm, pk_, device=dev)
+        b = torch.randn(pk_, pn, device=dev)
+        label = f"packing: matmul [{pm},{pk_}]x[{pk_},{pn}] fp32"
+        pack_mm = compiled(lambda a, b: a @ b)  # (a code object of its own: dynamo recompiles a
+        # function for each new shape up to 8 times, then runs it eagerly with a warning)
+        t_pack = measure_rate(pack_mm, a, b, min_run_time=min_run_time, cpu_bound=True, log=log, label=label)
+
+    def rates_with(pack_rate: float) -> dict[str, float]:
+        """The peak of each precision: the best GEMM rate, each GEMM's time less its packing
+        pass at ``pack_rate`` (on a CPU the BLAS packs b before multiplying, a pass that does
+        not overlap the multiply: docs/roofline.md)."""
+        out: dict[str, float] = {}
+        for m, k, n, key, item, label, t in timed:
+            pack = 0.0 if gpu else 2 * k * n * item / pack_rate
+            out[key] = max(out.get(key, 0.0), 2 * m * k * n / (t["min"] - pack if t["min"] > 2 * pack else t["min"]))
+        return out
+
+    peak = rates_with(stream_pack)
+    if not gpu:
+        flops = 2 * pm * pk_ * pn
+        t_mul = flops / peak["fp32"]
+        # at most the streaming rate (b in a cache would pack faster than memory allows)
+        pack_bw = min(stream_pack, 2 * pk_ * pn * 4 / (t_pack["min"] - t_mul)) if t_pack["min"] > 2 * t_mul else stream_pack
+        kernels.append({"kernel": label, "flops": flops, "bytes": 2 * pk_ * pn * 4, "written": pk_ * pn * 4,
+                        "seconds": t_pack["min"], "median": t_pack["median"], "byte_per_s": pack_bw,
+                        **_judged([t_pack])})
+        log(f"{label}: packing at {pack_bw / 1e9:.2f} GB/s (read + written; streaming {stream_pack / 1e9:.2f})")
+        peak = rates_with(pack_bw)
+    for m, k, n, key, item, label, t in timed:
+        pack = 0.0 if gpu else 2 * k * n * item / pack_bw
+        rate = 2 * m * k * n / (t["min"] - pack if t["min"] > 2 * pack else t["min"])
+        kernels.append({"kernel": label, "flops": 2 * m * k * n, "bytes": (m * k + k * n + m * n) * item,
+                        "seconds": t["min"], "median": t["median"], "flop_per_s": rate, **_judged([t])})
+        log(f"{label}: {rate / 1e9:.1f} GFLOP/s")
     rates = transcendental_rates(dev, quick=quick, min_run_time=min_run_time, kernels=kernels, log=log)
     name = torch.cuda.get_device_name(dev) if gpu else (platform.processor() or platform.machine() or "cpu")
     log(f"read bandwidth {bw / 1e9:.2f} GB/s, write bandwidth {wbw / 1e9:.2f} GB/s")
@@ -410,7 +455,7 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
         **({"write_bandwidth": wbw} if wbw < 0.95 * bw else {}),
         "transcendentals": rates,
         # a CPU core runs an op's dependent passes one after the other (docs/roofline.md)
-        **({"serial_passes": True} if not gpu else {}),
+        **({"serial_passes": True, "pack_bandwidth": pack_bw} if not gpu else {}),
         "source": "measured by symcost calibrate (torch.compile + torch.utils.benchmark)",
         "date": time.strftime("%Y-%m-%d"),
         "measured": {"kernels": kernels, "torch": torch.__version__, "threads": torch.get_num_threads()},

@@ -114,6 +114,12 @@ class Device:
     write_bandwidth: float | None = None
     transcendental_rate: Mapping[str, float] = field(default_factory=dict)
     serial_passes: bool = False
+    #: byte/s (read plus written) of a CPU BLAS packing a GEMM's [k, n] operand (``symcost
+    #: calibrate``: a skinny GEMM of its own, less its multiply); None: read at ``bandwidth`` and
+    #: written at ``write_bandwidth``. The packing gathers short column panels from rows a full
+    #: row apart, so on a machine whose TLB misses are dear (a VM over small host pages) it runs
+    #: far below the streaming rate
+    pack_bandwidth: float | None = None
     #: how far a calibrated entry's figures can be trusted (:func:`symcost.hardware.calibrate.calibrate`):
     #: ``contended`` (the machine stayed busy while it was measured) and why; empty for catalogue figures
     quality: Mapping[str, Any] = field(default_factory=dict)
@@ -136,9 +142,18 @@ class Device:
         (:meth:`memory_seconds` of ``read`` and ``written`` bytes) and transcendental time; on a
         device with ``serial_passes``, serial for a ``row_normalising`` op and with the packing
         of ``packed_bytes`` (a GEMM's [k, n] operand, read and written once) before a GEMM."""
-        pack = self.memory_seconds(packed_bytes, packed_bytes) if self.serial_passes and packed_bytes else 0.0
+        pack = self.pack_seconds(packed_bytes) if self.serial_passes and packed_bytes else 0.0
         return op_time(flops_seconds, self.memory_seconds(read, written), transcendental_seconds,
                        row_normalising and self.serial_passes, pack)
+
+    def pack_seconds(self, packed_bytes: float) -> float:
+        """Seconds a CPU BLAS takes to pack ``packed_bytes`` of a GEMM's [k, n] operand (read and
+        written once): 2·bytes / ``pack_bandwidth`` where calibrated, else :meth:`memory_seconds`
+        of the bytes read and written (Goto & van de Geijn, "Anatomy of high-performance matrix
+        multiplication", ACM TOMS 34(3), 2008, sec. 4: the packed copy of B)."""
+        if self.pack_bandwidth:
+            return 2 * packed_bytes / self.pack_bandwidth
+        return self.memory_seconds(packed_bytes, packed_bytes)
 
     def transcendental_seconds(self, counts: Mapping[str, float]) -> float:
         """Seconds the device's special-function throughput needs for ``counts`` (``{class:
@@ -179,7 +194,7 @@ class Device:
     def to_json(self) -> dict:
         """Plain data: key, name, peak (FLOP/s per precision), bandwidth (byte/s), memory (bytes),
         ridge (FLOP/byte per precision), source, date; where set: write_bandwidth (byte/s),
-        transcendentals, serial_passes, aliases, notes, measured, quality."""
+        transcendentals, serial_passes, pack_bandwidth (byte/s), aliases, notes, measured, quality."""
         out = {
             "key": self.key, "name": self.name, "peak_flops": dict(self.peak), "bandwidth": self.bandwidth,
             "memory": self.memory, "ridge": {k: v / self.bandwidth for k, v in self.peak.items()},
@@ -191,6 +206,8 @@ class Device:
             out["transcendentals"] = dict(self.transcendental_rate)
         if self.serial_passes:
             out["serial_passes"] = True
+        if self.pack_bandwidth:
+            out["pack_bandwidth"] = self.pack_bandwidth
         if self.aliases:
             out["aliases"] = list(self.aliases)
         if self.notes:
@@ -248,7 +265,7 @@ def _device(key: str, entry: Mapping, where: str) -> Device:
     if "bandwidth" not in entry:
         raise SymcostError(f"{where} [{key}]: no bandwidth (byte/s)")
     known = set(PRECISIONS) | {"name", "bandwidth", "write_bandwidth", "memory", "source", "date", "notes", "aliases",
-                               "measured", "transcendentals", "serial_passes", "quality", "interconnect"}
+                               "measured", "transcendentals", "serial_passes", "pack_bandwidth", "quality", "interconnect"}
     unknown = sorted(set(entry) - known)
     if unknown:
         raise SymcostError(f"{where} [{key}]: unknown field {unknown[0]!r}; accepted: {', '.join(sorted(known))}")
@@ -262,6 +279,7 @@ def _device(key: str, entry: Mapping, where: str) -> Device:
         write_bandwidth=_number(entry, "write_bandwidth", f"{where} [{key}]") if "write_bandwidth" in entry else None,
         transcendental_rate=_transcendentals(entry.get("transcendentals"), f"{where} [{key}]"),
         serial_passes=_flag(entry, "serial_passes", f"{where} [{key}]"),
+        pack_bandwidth=_number(entry, "pack_bandwidth", f"{where} [{key}]") if "pack_bandwidth" in entry else None,
         quality=_quality(entry.get("quality", {}), f"{where} [{key}]"),
         interconnect=_interconnect(entry.get("interconnect", {}), f"{where} [{key}.interconnect]"),
     )
@@ -431,6 +449,7 @@ def get_device(name: str | None = None, devices_file: str | None = None, peak_fl
             memory=dev.memory, source=dev.source + " + command line", date=dev.date, notes=dev.notes,
             write_bandwidth=None if bandwidth is not None else dev.write_bandwidth,
             transcendental_rate=dev.transcendental_rate, serial_passes=dev.serial_passes,
+            pack_bandwidth=None if bandwidth is not None else dev.pack_bandwidth,
         )
     return dev
 

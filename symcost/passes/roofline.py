@@ -103,7 +103,7 @@ def bound_of(flops: float, nbytes: float, peak: float, bandwidth: float, written
 
 def pack_seconds(op, device: Device, env: Mapping) -> float:
     """Seconds a CPU BLAS spends packing a GEMM's [k, n] operand before the multiply (reading and
-    writing it once, :meth:`Device.memory_seconds`) on a device with ``serial_passes``; 0 for other
+    writing it once, :meth:`Device.pack_seconds`) on a device with ``serial_passes``; 0 for other
     ops, matrix-vector products (m or n = 1 at ``env``) and other devices."""
     if not device.serial_passes:
         return 0.0
@@ -114,7 +114,7 @@ def pack_seconds(op, device: Device, env: Mapping) -> float:
     if _num(m, env) <= 1 or _num(n, env) <= 1:
         return 0.0
     b = _num(b, env)
-    return device.memory_seconds(b, b)
+    return device.pack_seconds(b)
 
 
 def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bool = True,
@@ -265,7 +265,8 @@ def formulas(an, device: Device, fe=None, fused: bool = True) -> dict:
         if device.serial_passes and op.name.rsplit(".", 1)[0] in ROW_NORMALISING:
             terms.append(op.repeat * (t_mem + sympy.Max(t_cmp, t_tr)))
         elif pk is not None:  # a GEMM on a CPU (m, n > 1): packing, then the multiply
-            pack = pk[0] / sympy.Float(device.bandwidth, 6) + pk[0] / sympy.Float(device.write_bandwidth or device.bandwidth, 6)
+            pack = (2 * pk[0] / sympy.Float(device.pack_bandwidth, 6) if device.pack_bandwidth else
+                    pk[0] / sympy.Float(device.bandwidth, 6) + pk[0] / sympy.Float(device.write_bandwidth or device.bandwidth, 6))
             terms.append(op.repeat * sympy.Max(t_mem, t_cmp + pack))
         else:
             terms.append(op.repeat * sympy.Max(t_cmp, t_mem, *([t_tr] if t_tr != 0 else [])))
