@@ -442,6 +442,8 @@ def test_six_n_p_of_one_rank():
      "--tp is answered by `symcost report` and `max-batch` only"),
     (["max-batch", "megatron-gpt", "--tp", "2", "--memory", "80GiB", "--checkpoint", "every-layer"],
      "--checkpoint is not modelled with --tp yet"),
+    (["max-batch", "megatron-gpt", "--tp", "2", "--global-batch", "64", "--devices", "8"],
+     "--global-batch with --tp is not modelled yet"),
     (["report", "cs336-lm", "--pp", "2", "--tp", "2"], "--pp with --tp is not modelled yet"),
     (["report", "cs336-lm", "--pp", "2", "--gpu", "h100-sxm"], "--pp with --gpu is not modelled yet"),
     (["report", "cs336-lm", "--dp", "8", "--gpu", "nosuchgpu"], "unknown device 'nosuchgpu'"),

@@ -101,6 +101,9 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
                            "give one")
     ctx = click.get_current_context(silent=True)
     tp = ctx.find_root().meta.get("symcost.tp") if ctx is not None else None
+    if tp is not None and global_batch is not None:
+        raise SymcostError("--global-batch with --tp is not modelled yet (the plan counts data-parallel devices, "
+                           "not TP groups); solve the rank's batch without it")
     if (dp is not None or tp is not None) and ckpt != "none":
         raise SymcostError(f"--checkpoint is not modelled with {'--dp' if dp is not None else '--tp'} yet; "
                            "leave one out")
