@@ -6,6 +6,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from conftest import run_cli
 from symcost.cli import main
 from symcost.tracing.fit import SYMS, parse_formula
 
@@ -123,3 +124,15 @@ def test_max_batch_checkpoint_after_a_cached_plain_trace(cache_dir):
     code, out, _ = run(*args)
     assert code == 0, out
     assert json.loads(out)["max_batch"] == fresh
+
+
+def test_max_batch_says_when_its_trace_came_from_the_cache(capsys, cache_dir):
+    """A max-batch answered from the trace cache says so (it printed "traced in 29.8 s" for a run
+    of 2.5 s, as if it had traced), as report does; a fresh one does not."""
+    args = ("max-batch", "mlp", "--set", "S=16", "D=32", "L=2", "--memory", "1GiB")
+    code, first, err = run_cli(capsys, *args)
+    assert code == 0, err
+    code, again, err = run_cli(capsys, *args)
+    assert code == 0, err
+    assert "read back from the trace cache" not in " ".join(first.split())
+    assert "read back from the trace cache" in " ".join(again.split())

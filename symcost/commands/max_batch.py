@@ -195,14 +195,14 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
     from rich.table import Table
 
     from symcost.passes import memory as mem
-    from symcost.render.report import console, human
+    from symcost.render.report import console, human, provenance
 
     c = console()
     v = sol.var
     att = an.spec.extra.get("attention")
     c.print(f"[bold]symcost max-batch[/bold] {an.model}: precision {mm.policy.name} ({mm.bytes_per_param()} "
             f"bytes/param), optimizer {mm.opt.name} ({mm.impl})" + (f", attention {att}" if att else "")
-            + f", steady-state step (traced in {sum(an.timings.values()):.1f} s)")
+            + f", steady-state step ({provenance(an)})")
     if checkpoint_line:
         c.print(checkpoint_line)
     pinned = getattr(an, "pinned", {}) or {}

@@ -157,6 +157,15 @@ def _count(rep) -> str:
     return "1" if rep == 1 else pretty(rep).replace(" ", "")
 
 
+def provenance(an: Analysis) -> str:
+    """``traced in X s``, and where the analysis came from the trace cache, that it was read back
+    from there (the seconds are those of the trace that wrote the entry, not of this run)."""
+    out = f"traced in {sum(an.timings.values()):.1f} s"
+    if an.__dict__.get("cached_from"):
+        out += " (read back from the trace cache; --no-cache traces afresh)"
+    return out
+
+
 def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: str) -> tuple[str, Table]:
     """The report's opening: a title line and a two-column grid of what it assumed (precision
     and bytes per parameter, optimizer and memory cap, attention, regime with pinned and tied
@@ -165,9 +174,7 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
 
     js = (memory or {}).get("json", {})
     cls = an.spec.extra.get("config_class")
-    first = f"[bold]{title}[/bold] {an.model}" + (f" ({cls})" if cls else "") + \
-        f", traced in {sum(an.timings.values()):.1f} s" + \
-        (" (read back from the trace cache; --no-cache traces afresh)" if an.__dict__.get("cached_from") else "")
+    first = f"[bold]{title}[/bold] {an.model}" + (f" ({cls})" if cls else "") + f", {provenance(an)}"
     g = Table.grid(padding=(0, 2))
     g.add_column(no_wrap=True, style="bold")
     g.add_column()
