@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from symcost.passes import checkpoint as ck
 from symcost.errors import SymcostError
 from symcost.frontends.models import resolve
+from conftest import run_cli
 from memory_oracle import build, step_peak
 
 
@@ -648,3 +649,28 @@ def test_every_layer_trace_follows_the_regime_of_the_sizes(traced):
         # never below; above by at most what test_composed_schedule_equals_traced_uniform_plans allows
         assert 0 <= got - want <= (sizes["L"] // 2) * ch.schedule.shared + 0.0005 * want, (sizes, got, want)
         assert ck.every_layer(an, sizes).pinned.get("B", B) == B
+
+
+def test_checkpoint_says_why_the_least_memory_is_not_near_k_star(capsys, cache_dir):
+    """When what the step holds outside the blocks at the end of the forward (the head: logits,
+    loss) outweighs k·a, the segment model's least memory over uniform k is far from the √L law's
+    k*, and the text says so, with the k the trade-off table shows; the JSON's rows are the
+    segment model: max(head + ⌈L/k⌉·x, ...) at every k."""
+    import math
+
+    rng = random.Random(454)
+    sz = {"L": rng.randint(16, 24), "B": 2, "S": rng.randint(32, 64), "H": 4, "D": 8, "V": rng.randint(500, 900)}
+    sets = ["--set", *[f"{k}={v}" for k, v in sz.items()], "--precision", "fp32"]
+    code, out, err = run_cli(capsys, "checkpoint", "gpt2", *sets, "--json")
+    assert code == 0, err
+    r = json.loads(out)["checkpoint"]
+    blk, L = r["block"], r["L"]
+    uniform = [row for row in r["tradeoff"] if row.get("k")]
+    for row in uniform:  # while the head dominates, kept inputs plus the head
+        if row["k"] * blk["a"] < blk["head"]:
+            assert row["activations"] >= blk["head"] + math.ceil(L / row["k"]) * blk["x"] - blk["x"]
+    best = min(uniform, key=lambda row: (row["activations"], row["recompute_flops"], row["k"]))
+    assert blk["head"] > blk["a"] and best["k"] != r["k_best"]
+    code, text, err = run_cli(capsys, "checkpoint", "gpt2", *sets)
+    flat = " ".join(text.split())
+    assert code == 0 and "the law leaves out the head" in flat and f"least memory is at k = {best['k']}" in flat

@@ -90,6 +90,17 @@ def _print(an, r: dict, sizes: dict, cap, budget) -> None:
     if r["k_star"] < 1:
         c.print("    k* < 1: a block's input is much smaller than what it saves inside, so checkpointing "
                 "every block is the least-memory uniform plan (as Megatron and Hugging Face do)")
+    uniform = [row for row in r["tradeoff"] if row.get("k")]
+    if uniform:
+        best = min(uniform, key=lambda row: (row["activations"], row["recompute_flops"], row["k"]))
+        if best["k"] != r["k_best"] and r["block"]["head"] > 0:
+            c.print(f"    the law leaves out the head: what the step holds at the end of the forward besides the "
+                    f"blocks ({human(r['block']['head'], 'B')}: the output, the loss and what is saved outside the "
+                    f"blocks). While k·a stays under it, recomputing a longer segment costs no memory, so over "
+                    f"uniform plans the least memory is at k = {best['k']} ({best['segments']} segments, "
+                    f"{human(best['activations'], 'B')}; k = {r['k_best']} near k*: "
+                    f"{human(next(row['activations'] for row in uniform if row['k'] == r['k_best']), 'B')}), "
+                    "the trade-off table below")
     c.print(f"  one level down, over the chain of the {law['ops_per_block']} forward ops per block: "
             f"M(j) = {law['op_memory']};  j* = {law['op_j_star']} ops;  M(j*) = {law['op_memory_star']}")
     how = (f"least recompute with peak ≤ {human(cap, 'B')}" if cap is not None else
