@@ -414,14 +414,17 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
         # function for each new shape up to 8 times, then runs it eagerly with a warning)
         t_pack = measure_rate(pack_mm, a, b, min_run_time=min_run_time, cpu_bound=True, log=log, label=label)
 
-    def rates_with(pack_rate: float) -> dict[str, float]:
-        """The peak of each precision: the best GEMM rate, each GEMM's time less its packing
-        pass at ``pack_rate`` (on a CPU the BLAS packs b before multiplying, a pass that does
-        not overlap the multiply: docs/roofline.md)."""
+    def net_rate(m: int, k: int, n: int, item: int, t: dict, pack_rate: float | None) -> float:
+        """A GEMM's FLOP/s over its time less its packing pass at ``pack_rate`` (on a CPU the BLAS
+        packs b before multiplying, a pass that does not overlap the multiply: docs/roofline.md)."""
+        pack = 0.0 if gpu else 2 * k * n * item / pack_rate
+        return 2 * m * k * n / (t["min"] - pack if t["min"] > 2 * pack else t["min"])
+
+    def rates_with(pack_rate: float | None) -> dict[str, float]:
+        """The peak of each precision: the best :func:`net_rate` of its GEMMs."""
         out: dict[str, float] = {}
         for m, k, n, key, item, label, t in timed:
-            pack = 0.0 if gpu else 2 * k * n * item / pack_rate
-            out[key] = max(out.get(key, 0.0), 2 * m * k * n / (t["min"] - pack if t["min"] > 2 * pack else t["min"]))
+            out[key] = max(out.get(key, 0.0), net_rate(m, k, n, item, t, pack_rate))
         return out
 
     peak = rates_with(stream_pack)
@@ -429,15 +432,15 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
         flops = 2 * pm * pk_ * pn
         t_mul = flops / peak["fp32"]
         # at most the streaming rate (b in a cache would pack faster than memory allows)
-        pack_bw = min(stream_pack, 2 * pk_ * pn * 4 / (t_pack["min"] - t_mul)) if t_pack["min"] > 2 * t_mul else stream_pack
-        kernels.append({"kernel": label, "flops": flops, "bytes": 2 * pk_ * pn * 4, "written": pk_ * pn * 4,
+        nb = pk_ * pn * b.element_size()  # the operand packed: read once, written once
+        pack_bw = min(stream_pack, 2 * nb / (t_pack["min"] - t_mul)) if t_pack["min"] > 2 * t_mul else stream_pack
+        kernels.append({"kernel": label, "flops": flops, "bytes": 2 * nb, "written": nb,
                         "seconds": t_pack["min"], "median": t_pack["median"], "byte_per_s": pack_bw,
                         **_judged([t_pack])})
         log(f"{label}: packing at {pack_bw / 1e9:.2f} GB/s (read + written; streaming {stream_pack / 1e9:.2f})")
         peak = rates_with(pack_bw)
     for m, k, n, key, item, label, t in timed:
-        pack = 0.0 if gpu else 2 * k * n * item / pack_bw
-        rate = 2 * m * k * n / (t["min"] - pack if t["min"] > 2 * pack else t["min"])
+        rate = net_rate(m, k, n, item, t, pack_bw)
         kernels.append({"kernel": label, "flops": 2 * m * k * n, "bytes": (m * k + k * n + m * n) * item,
                         "seconds": t["min"], "median": t["median"], "flop_per_s": rate, **_judged([t])})
         log(f"{label}: {rate / 1e9:.1f} GFLOP/s")

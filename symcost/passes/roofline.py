@@ -265,8 +265,7 @@ def formulas(an, device: Device, fe=None, fused: bool = True) -> dict:
         if device.serial_passes and op.name.rsplit(".", 1)[0] in ROW_NORMALISING:
             terms.append(op.repeat * (t_mem + sympy.Max(t_cmp, t_tr)))
         elif pk is not None:  # a GEMM on a CPU (m, n > 1): packing, then the multiply
-            pack = (2 * pk[0] / sympy.Float(device.pack_bandwidth, 6) if device.pack_bandwidth else
-                    pk[0] / sympy.Float(device.bandwidth, 6) + pk[0] / sympy.Float(device.write_bandwidth or device.bandwidth, 6))
+            pack = device.pack_seconds(pk[0])
             terms.append(op.repeat * sympy.Max(t_mem, t_cmp + pack))
         else:
             terms.append(op.repeat * sympy.Max(t_cmp, t_mem, *([t_tr] if t_tr != 0 else [])))

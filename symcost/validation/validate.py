@@ -622,7 +622,7 @@ def validate(device: Device | None = None, quick: bool = False,
             # likewise the packing rate: a skinny GEMM that packed its [k, n] operand faster than
             # the calibration's packing kernel did (the machine sped up since) raises it
             if device.pack_bandwidth:
-                stream = 2 / (1 / device.bandwidth + 1 / (device.write_bandwidth or device.bandwidth))
+                stream = 2 / device.memory_seconds(1, 1)  # packing at the streaming rates
                 fast = max((2 * sum(c.get("packed", 0) for c in cases[i][3]) / (r["measured"] - r["t_compute"])
                             for i, r in enumerate(rows) if r["family"] == "skinny matmul"
                             and r["measured"] > 2 * r["t_compute"]), default=0.0)
