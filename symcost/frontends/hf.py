@@ -603,8 +603,8 @@ def unpacked_masks():
     them (``is_tracing`` is true for a ``FakeTensor``) and returns the packing ids, which disables
     the skip and materialises a ``(B, 1, S, S)`` packed-sequence mask the real step never builds.
     Within this context it runs the same ops as the real call (the ids and their check) and returns
-    None, the real answer for one unpacked sequence a row. Nothing else changes: a sliding window
-    shorter than S still builds its mask, as it does for real.
+    None, the real answer for one unpacked sequence a row (on real tensors: what the values say).
+    Nothing else changes: a sliding window shorter than S still builds its mask, as it does for real.
     """
     try:
         from transformers import masking_utils
@@ -612,11 +612,21 @@ def unpacked_masks():
         yield
         return
     original = masking_utils.find_packed_sequence_indices
+    is_tracing = masking_utils.is_tracing
 
     def find_packed_sequence_indices(position_ids):
-        packed = original(position_ids)
-        if packed is not None and masking_utils.is_tracing(packed):
-            (packed[:, -1] == 0).all()  # the check the real call reads: every row one sequence
+        # the ids as the original computes them, its check done here after it returns, on fake
+        # and on real tensors alike (symcost records the probes of a fit on real tensors,
+        # symcost.tracing.record.real_tensors_suffice): one op order, one moment its temporaries die
+        masking_utils.is_tracing = lambda t: True
+        try:
+            packed = original(position_ids)
+        finally:
+            masking_utils.is_tracing = is_tracing
+        if packed is None:
+            return None
+        one_each = (packed[:, -1] == 0).all()  # the check the real call reads: every row one sequence
+        if is_tracing(packed) or bool(one_each):
             return None
         return packed
 

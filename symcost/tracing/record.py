@@ -9,6 +9,16 @@ autograd really executes; module forward hooks and labels on autograd nodes tell
 op came from (backward ops inherit the module of the forward op whose autograd node runs them).
 A ``saved_tensors_hooks`` pair records what autograd saves for backward.
 
+The probes of a fit are tiny (B < 10, S < 25, d_model < 200): there a real CPU step costs a
+fraction of FakeTensorMode's Python bookkeeping, so they run on real tensors (zero-filled
+parameters; :func:`real_tensors_suffice`), and only the request and other large steps are fake.
+Both run the same kernels and record the same ops, saved storages and memory events (checked on
+every built-in model and the real configurations: tests/test_real_probes.py); the two places a
+real step differs are made equal: a host read of a value (``_local_scalar_dense``) is no op of
+the step, a constant lifted into the step (``lift_fresh``) is an allocation in both, and autograd
+replays views by their view functions on real tensors too (as it must on fake ones, a tensor
+subclass; eager would use ``as_strided``: a view either way).
+
 The recording is concrete; :mod:`symcost.tracing.fit` turns several recordings at different sizes into
 symbolic shapes.
 """
@@ -175,6 +185,8 @@ _META_ALIASED_OUTPUTS = {torch.ops.aten.mkldnn_rnn_layer_backward.default}
 
 
 _PRIM_DEVICE = torch.ops.prim.device.default
+_LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
 _WAIT_TENSOR = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
 _WAIT_TENSOR = getattr(_WAIT_TENSOR, "default", None)
 
@@ -364,7 +376,10 @@ class _Recorder(TorchDispatchMode):
         if func.namespace == "profiler":
             self._profiler_label(func, args, out)
             return out
-        if func.namespace == "prim":
+        if func.namespace == "prim" or func is _LOCAL_SCALAR_DENSE:
+            # _local_scalar_dense: a real tensor's value read on the host (``.item()``, ``if t``:
+            # transformers' packed-sequence check); fake tensors have none to read (such a read
+            # raises unless a record_context answers it), so neither recording counts it
             return out
         inputs, ints = [], []
 
@@ -399,7 +414,10 @@ class _Recorder(TorchDispatchMode):
         outs = []
         for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                known = id(t) in self._tid
+                # lift_fresh: a constant the step made (``torch.tensor([...])``) enters the step;
+                # its storage is allocated by the step, also where the real kernel returns its
+                # input (a fake one makes a new tensor)
+                known = id(t) in self._tid and func is not _LIFT_FRESH
                 outs.append(TensorInfo(tuple(t.shape), t.dtype, self.tensor_id(t), None,
                                        _storage_key(t) if self.storage_keys else None))
                 if not known:
@@ -442,10 +460,40 @@ def _observe_resize(rec: _Recorder):
         torch.UntypedStorage.resize_ = orig
 
 
-def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+#: the largest probe a training step is recorded on real CPU tensors at (see
+#: :func:`real_tensors_suffice`): every size of the step at most this, parameters at most
+#: :data:`REAL_MAX_PARAMS` elements
+REAL_MAX_SIZE = 128
+REAL_MAX_PARAMS = 2_000_000
+
+
+def real_tensors_suffice(values: Mapping[str, int], model: nn.Module) -> bool:
+    """Whether a training step at ``values`` is recorded on real CPU tensors instead of fake ones.
+
+    The probes of a fit are tiny (:data:`symcost.tracing.fit.POOLS`: B < 10, S < 25, H·D < 200,
+    no size 1):
+    their real step costs less than FakeTensorMode's bookkeeping of it (a third of the time or
+    less: fake dispatch is Python around every op, and its cache misses at every new size). The
+    ops recorded are the same: FakeTensorMode exists to run the kernels real CPU tensors run, and
+    the models symcost traces have no control flow on tensor data (a fake recording of the
+    request would raise). Larger steps (the request itself, a 70B configuration, a probe drawn
+    near large requested sizes) stay fake: no memory is allocated for them.
+    """
+    if any(v > REAL_MAX_SIZE or v < 2 for v in values.values()):
+        # a size of 1 (a symbol pinned at 1, a decode step's S): a dimension of size 1 takes any
+        # stride, and fake kernels choose other strides there than real ones, which changes what
+        # a composite op dispatches (matmul folds into mm or runs bmm: falcon's decode step)
+        return False
+    return sum(p.numel() for p in model.parameters()) <= REAL_MAX_PARAMS
+
+
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype = torch.float32,
+                zero: bool = False) -> None:
     """Like ``model.to_empty(device)``, but tied parameters stay tied (one new tensor each).
 
     Floating-point parameters and buffers become ``dtype`` (as ``model.to(dtype)`` would).
+    ``zero``: fill the new tensors with zeros (real tensors: an integer buffer used as indices
+    must hold valid ones, and uninitialised floats may be denormals, slow on a CPU).
 
     Inside a ``FakeTensorMode`` the new tensors are fake: shapes and dtypes, no storage.
     """
@@ -456,7 +504,7 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype = tor
                 if t is None:
                     continue
                 if id(t) not in memo:
-                    new = torch.empty_like(
+                    new = (torch.zeros_like if zero else torch.empty_like)(
                         t, device=device, dtype=dtype if t.is_floating_point() else t.dtype
                     )
                     if isinstance(t, nn.Parameter):
@@ -607,11 +655,24 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
     Raises:
         SymcostError: the model cannot be built or run at these sizes, or its control flow
             depends on tensor data (which cannot be traced without data).
+
+    A small training step (:func:`real_tensors_suffice`) runs on real CPU tensors; where that
+    fails (a kernel that checks values a fake tensor has none of), it is recorded on fake ones.
     """
+    try:
+        return _record(spec, values, precision, optimizer, real_ok=True)
+    except SymcostError as e:
+        if not getattr(e, "real_tensors", False):
+            raise
+    return _record(spec, values, precision, optimizer, real_ok=False)
+
+
+def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimizer, real_ok: bool) -> Recording:
+    """:func:`record` on fake tensors, or on real ones where ``real_ok`` and the step is small;
+    an error of a real recording carries ``real_tensors = True``."""
     values = dict(values)
     for a, b in spec.tied.items():
         values[a] = values[b]
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with torch.device("meta"):
             model = spec.build(values)
@@ -652,9 +713,13 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
             model.to(param_dtype)
         loss_context = apply(model, layers, fake_group(values["TP"]), tp["sp"])
         parallel = "tp+sp" if tp["sp"] else "tp"
-    with fake:
+    real = real_ok and parallel is None and real_tensors_suffice(values, model)
+    # real tensors: autograd replays views by their view functions, as it does for fake ones (a
+    # tensor subclass); plain eager CPU/CUDA would regenerate them with as_strided instead (in
+    # place on a view, then its backward): views either way, no cost, one op sequence for both
+    with torch.autograd._force_original_view_tracking(True) if real else FakeTensorMode(allow_non_fake_inputs=True):
         if parallel is None:
-            materialize(model, torch.device("cpu"), param_dtype)
+            materialize(model, torch.device("cpu"), param_dtype, zero=real)
         else:
             model.to_empty(device=torch.device("cpu"))
         leaf_names: dict[int, str] = {}
@@ -693,11 +758,14 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
                 with torch.no_grad(), autocast():
                     args, kwargs, kv_layers = spec.infer(model, values, torch.device("cpu"), spec.step,
                                                          spec.kv_cache)
-            except SymcostError:
+            except SymcostError as e:
+                e.real_tensors = real
                 raise
             except Exception as e:  # noqa: BLE001
-                raise SymcostError(f"filling the KV cache of {spec.name} at {values} failed: "
-                                   f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+                err = SymcostError(f"filling the KV cache of {spec.name} at {values} failed: "
+                                   f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+                err.real_tensors = real
+                raise err from e
         else:
             args, kwargs = spec.make_inputs(values, torch.device("cpu"))
         if param_dtype != torch.float32:
@@ -792,22 +860,55 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
                     with rec:
                         opt.step()
                 events_end = len(rec.events)
-        except SymcostError:
+        except SymcostError as e:
+            e.real_tensors = real
             raise
         except Exception as e:  # noqa: BLE001
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             if "data-dependent" in str(e) or "DataDependent" in type(e).__name__:
-                raise SymcostError(
+                err = SymcostError(
                     f"{spec.name}: control flow depends on tensor values ({type(e).__name__}); symcost "
-                    "traces shapes without data, so such models cannot be traced"
-                ) from e
-            raise SymcostError(f"running {spec.name} at {values} failed: {type(e).__name__}: {msg}") from e
+                    "traces shapes without data, so such models cannot be traced")
+            else:
+                err = SymcostError(f"running {spec.name} at {values} failed: {type(e).__name__}: {msg}")
+            err.real_tensors = real
+            raise err from e
         finally:
             h1.remove()
             h2.remove()
-    return Recording(values, rec.ops, params, param_module, saved, layers, rec.events,
+    return Recording(values, rec.ops, params, param_module, saved, layers, _canonical_frees(rec.events),
                      n_forward, n_backward, precision, tied, buffers, sum(input_storages.values()),
                      events_end, spec.step, kv[0], kv[1], parallel, param_shards)
+
+
+def _canonical_frees(events: list[MemoryEvent]) -> list[MemoryEvent]:
+    """``events`` with each run of frees at one moment (same op index and host, no allocation
+    between them) in the order their storages were allocated.
+
+    Storages that die together (a tensor's views, an autograd node's saved tensors) are freed in
+    the order Python finalises their last references, which is no property of the step: fake and
+    real tensors, or two PyTorch versions, free them in different orders. Their order among
+    themselves changes no peak, but recordings are compared event by event (the fit reads the
+    k-th event of every probe), so one canonical order is kept.
+    """
+    live: dict[int, int] = {}  # storage key -> its allocation's position (keys are reused)
+    out: list[MemoryEvent] = []
+    run: list[tuple[int, MemoryEvent]] = []
+
+    def flush():
+        out.extend(e for _, e in sorted(run, key=lambda x: x[0]))
+        run.clear()
+
+    for k, e in enumerate(events):
+        if run and (e.nbytes > 0 or (e.index, e.host) != (run[0][1].index, run[0][1].host)):
+            flush()
+        if e.nbytes > 0:
+            live[e.storage] = k
+            out.append(e)
+        else:
+            run.append((live.pop(e.storage, -1), e))
+    flush()
+    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

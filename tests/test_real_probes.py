@@ -1,0 +1,184 @@
+"""The probes of a fit run on real CPU tensors; the request on fake ones (symcost.tracing.record).
+
+The oracle is PyTorch's FakeTensorMode itself: at the same sizes, a recording on real tensors must
+equal the fake one op for op (name, module, phase, input and output shapes and dtypes, integer
+arguments), storage for storage saved for backward, and event for event in memory. Drawn per
+model: the probe plan of a fit at a random seed (its base, one probe per symbol, random probes),
+so every symbol of every model varies, K and E in their regimes included (the plan keeps K | H and
+an MoE's E | B·S·R as the model's constraints ask). Then whole traces: the analysis of a trace
+with real probes equals, as data, the one of a trace with fake probes only.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import symcost
+import symcost.tracing.record as record_mod
+from symcost.frontends.models import resolve
+from symcost.frontends.spec import request_facts
+from symcost.frontends.spec import ModelSpec
+from symcost.tracing.fit import FIT_L, POOLS, find_base
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+
+MODELS = ("cs336-lm", "gpt2", "megatron-gpt", "mlp", "moe", "hf:llama", "hf:gpt2", "hf:falcon", "hf:bloom",
+          "hf:gemma", "hf:phi", "hf:mixtral", "hf:qwen3_moe", str(CONFIGS / "deepseek-v3.json"),
+          str(CONFIGS / "gpt-oss-20b.json"), str(CONFIGS / "gpt-j-6b.json"))
+
+#: GPT-J rotates its first 64 dimensions of a head: probes need D >= 64 (found by walking down
+#: from the 6B config's sizes, minutes of fake recordings); a rotary dimension of 8 keeps the
+#: partial rotation (D > 8) at probe sizes
+CONFIG = {"gpt-j-6b": {"rotary_dim": "8"}}
+
+
+def _record(spec, values, precision, real: bool, monkeypatch):
+    # real: on real tensors whatever the rule says, without the fall-back to fake tensors
+    with monkeypatch.context() as m:
+        m.setattr(record_mod, "real_tensors_suffice", lambda values, model: real)
+        return record_mod._record(spec, values, precision, None, real_ok=real)
+
+
+def _as_data(rec):
+    return {
+        "ops": [(o.name, o.module, o.phase, [(i.shape, i.dtype) for i in o.inputs],
+                 [(t.shape, t.dtype) for t in o.outputs], o.ints) for o in rec.ops],
+        "saved": [(s.nbytes, s.dtype, s.module, s.shape, sorted(s.also)) for s in rec.saved],
+        "events": [(e.index, e.nbytes) for e in rec.events],
+        "rest": (rec.n_forward, rec.n_backward, rec.params, rec.param_module, rec.buffers, rec.input_nbytes,
+                 rec.events_end, rec.tied, rec.layer_container),
+    }
+
+
+def _points(spec, rng: random.Random, runs):
+    """Three probe points: a fit's base probe, then two with two symbols each drawn at random
+    from the probe pools (``runs(point)``: PyTorch runs the step there, as a probe must)."""
+    syms = [s for s in spec.all_symbols if s != "L"]
+    fixed = {"L": FIT_L + spec.lead_blocks} if "L" in spec.all_symbols else {}
+    request = {**spec.values({}, inputs=False), "B": 2, "S": 16}
+    ties = {b: a for a, b in request_facts(request, spec.all_symbols)["equal"]}  # K = H stays (as a trace starts)
+    syms = [s for s in syms if s not in ties]
+    base = find_base(tuple(syms), spec.probe_ok, rng.randrange(1000), fixed, accept=runs, request=request,
+                     moduli={s: m for s, m in spec.moduli.items() if s in syms}, ties=ties)
+    out = [base]
+    for _ in range(30):
+        p = dict(base)
+        for s in rng.sample(syms, k=min(2, len(syms))):
+            p[s] = rng.choice(list(POOLS[s]))
+        p.update({b: p[a] for b, a in ties.items()})
+        if p not in out and spec.probe_ok(p) is None and runs(p):
+            out.append(p)
+            if len(out) == 3:
+                break
+    return out
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: Path(m).stem)
+def test_real_recording_equals_the_fake_one(model, monkeypatch):
+    rng = random.Random(f"{model}-real-probes")
+    attention = "eager" if model.startswith("hf:") or model.endswith(".json") else None
+    if attention and rng.random() < 0.5:
+        attention = "sdpa" if model not in ("hf:bloom", "hf:gptj") else attention
+    spec = resolve(model, CONFIG.get(Path(model).stem, {}), attention)
+    precision = rng.choice(("fp32", "bf16-mixed", "bf16-true", "fp16-mixed"))
+    fakes = {}
+
+    def runs(values):  # the fit's accept: the fake step runs there (kept as the oracle)
+        key = tuple(sorted(values.items()))
+        if key not in fakes:
+            try:
+                fakes[key] = _as_data(_record(spec, values, precision, False, monkeypatch))
+            except symcost.SymcostError:
+                fakes[key] = None
+        return fakes[key] is not None
+
+    compared = 0
+    for values in _points(spec, rng, runs):
+        fake = fakes[tuple(sorted(values.items()))]
+        real = _as_data(_record(spec, values, precision, True, monkeypatch))
+        for part in fake:
+            assert real[part] == fake[part], f"{model} {attention} {precision} at {values}: {part} differ"
+        compared += 1
+    assert compared == 3, f"{model}: only {compared} probe points run"
+
+
+@pytest.mark.parametrize("model,precision", [("gpt2", "bf16-mixed"), ("hf:llama", "fp32")])
+def test_a_trace_on_real_probes_equals_one_on_fake_probes(model, precision, monkeypatch):
+    rng = random.Random(f"{model}-trace")
+    sizes = {"B": rng.randint(1, 8), "S": rng.randint(16, 512)}
+    if model.startswith("hf:"):
+        sizes.update(H=rng.choice((8, 12, 16)), K=rng.choice((1, 2, 4)))
+
+    def trace():
+        an = symcost.trace(model, {}, "eager" if model.startswith("hf:") else None, sizes=sizes,
+                           precision=precision, use_cache=False)
+        d = an.to_dict()
+        d.pop("timings", None)
+        return d
+
+    with_real = trace()
+    with monkeypatch.context() as m:
+        m.setattr(record_mod, "real_tensors_suffice", lambda values, model: False)
+        with_fake = trace()
+    assert with_real.keys() == with_fake.keys()
+    for k in with_fake:
+        assert with_real[k] == with_fake[k], f"{model} {sizes}: {k} differs"
+
+
+def test_only_small_steps_run_on_real_tensors():
+    small = nn.Linear(8, 8, device="meta")
+    big = nn.Linear(2048, 2048, device="meta")  # 4.2M parameters
+    assert record_mod.real_tensors_suffice({"B": 3, "S": 7}, small)
+    assert not record_mod.real_tensors_suffice({"B": 3, "S": 4096}, small)
+    assert not record_mod.real_tensors_suffice({"B": 3, "S": 7}, big)
+    # a size 1 (pinned, a decode step's S): fake kernels stride a size-1 dimension otherwise than
+    # real ones, and matmul then dispatches bmm on one and mm on the other (falcon's decode step)
+    assert not record_mod.real_tensors_suffice({"B": 1, "S": 7}, small)
+
+
+@pytest.mark.parametrize("model,cache", [("hf:llama", "dynamic"), ("hf:mistral", "static"), ("hf:falcon", "dynamic"),
+                                         ("hf:mixtral", "dynamic")])
+def test_a_prefill_step_on_real_tensors_equals_the_fake_one(model, cache, monkeypatch):
+    """An inference step through the model's own KV cache: the same ops, the same reads and writes
+    of the cache, the same bytes it holds per layer."""
+    spec = resolve(model, {}, "eager").for_step("prefill", cache)
+    rng = random.Random(f"{model}-{cache}-prefill")
+    values = {s: rng.choice(list(POOLS[s])) for s in spec.all_symbols if s != "L"}
+    values.update(L=2, B=rng.randint(2, 5), S=rng.randint(5, 24))
+    if "K" in values:
+        values["H"] = values["K"] * rng.randint(2, 4)
+    recs = [_record(spec, values, "bf16-mixed", real, monkeypatch) for real in (False, True)]
+    fake, real = ([(o.name, [i.shape for i in o.inputs], [t.shape for t in o.outputs], o.ints, o.kv_reads, o.kv_writes)
+                   for o in r.ops] for r in recs)
+    assert real == fake
+    assert [(e.index, e.nbytes) for e in recs[1].events] == [(e.index, e.nbytes) for e in recs[0].events]
+    assert (recs[1].kv_layers, recs[1].kv_evicted) == (recs[0].kv_layers, recs[0].kv_evicted)
+
+
+class _Sampler(nn.Module):
+    """A step whose real kernel checks values a fake tensor does not have: ``multinomial`` of an
+    all-zero distribution (zero-filled parameters) raises on real tensors only."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(n, n))
+
+    def forward(self, x):
+        h = x @ self.w
+        idx = torch.multinomial(torch.relu(self.w[0]), x.shape[0], replacement=True)
+        return h.index_select(0, idx)
+
+
+def test_a_step_real_tensors_cannot_run_is_recorded_on_fake_ones():
+    spec = ModelSpec(name="sampler", symbols=("D",), defaults={"D": 8}, build=lambda v: _Sampler(v["D"]),
+                     make_inputs=lambda v, device: ((torch.randn(v["B"], v["D"], device=device),), {}),
+                     loss=lambda out, batch: out.sum())
+    values = {"B": 3, "S": 2, "D": 8}
+    rec = record_mod.record(spec, values)
+    assert "aten.multinomial.default" in [o.name for o in rec.ops]
+    with pytest.raises(symcost.SymcostError, match="multinomial"):
+        record_mod._record(spec, values, "fp32", None, real_ok=True)
