@@ -42,11 +42,11 @@ def resolve(model, config=None, attention="eager"):
     return _resolve(model, config, attention)
 
 
-def record(spec, values, precision="fp32", optimizer=None):
+def record(spec, values, precision="fp32", optimizer=None, fake=False):
     """:func:`symcost.tracing.record.record` (imported on first use: it imports torch)."""
     from symcost.tracing.record import record as _record
 
-    return _record(spec, values, precision, optimizer)
+    return _record(spec, values, precision, optimizer, fake=fake)
 
 
 def tree_flatten(*args, **kwargs):
@@ -419,16 +419,18 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     for s in spec.input_symbols:  # B, S (T) not requested: the regime of any size other than 1
         request.setdefault(s, {"B": 2, "S": 16, "T": 16}[s])
 
-    def rec_at(p):
+    def rec_at(p, fake=False):
         key = tuple(sorted(p.items()))
         if key not in recordings:
             try:
-                recordings[key] = record(spec, p, precision)
+                recordings[key] = record(spec, p, precision, fake=fake)
             except SymcostError as e:
                 recordings[key] = e
         return recordings[key]
 
-    req = rec_at(request)
+    # the request on fake tensors whatever its sizes: control flow on tensor values raises there
+    # (a real step would take a branch on the zero-filled weights unseen), and it is the regime
+    req = rec_at(request, fake=True)
     if isinstance(req, SymcostError):  # PyTorch itself rejects the requested sizes
         raise SymcostError(f"{req} (at the requested sizes, before any probe)") from req
     want_sig = regime_signature(req)
