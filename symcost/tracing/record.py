@@ -894,39 +894,9 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         finally:
             h1.remove()
             h2.remove()
-    return Recording(values, rec.ops, params, param_module, saved, layers, _canonical_frees(rec.events),
+    return Recording(values, rec.ops, params, param_module, saved, layers, rec.events,
                      n_forward, n_backward, precision, tied, buffers, sum(input_storages.values()),
                      events_end, spec.step, kv[0], kv[1], parallel, param_shards)
-
-
-def _canonical_frees(events: list[MemoryEvent]) -> list[MemoryEvent]:
-    """``events`` with each run of frees at one moment (same op index and host, no allocation
-    between them) in the order their storages were allocated.
-
-    Storages that die together (a tensor's views, an autograd node's saved tensors) are freed in
-    the order Python finalises their last references, which is no property of the step: fake and
-    real tensors, or two PyTorch versions, free them in different orders. Their order among
-    themselves changes no peak, but recordings are compared event by event (the fit reads the
-    k-th event of every probe), so one canonical order is kept.
-    """
-    live: dict[int, int] = {}  # storage key -> its allocation's position (keys are reused)
-    out: list[MemoryEvent] = []
-    run: list[tuple[int, MemoryEvent]] = []
-
-    def flush():
-        out.extend(e for _, e in sorted(run, key=lambda x: x[0]))
-        run.clear()
-
-    for k, e in enumerate(events):
-        if run and (e.nbytes >= 0 or (e.index, e.host) != (run[0][1].index, run[0][1].host)):
-            flush()
-        if e.nbytes >= 0:  # an allocation (of an empty storage too: it stays where it happened)
-            live[e.storage] = k
-            out.append(e)
-        else:
-            run.append((live.pop(e.storage, -1), e))
-    flush()
-    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
