@@ -44,8 +44,20 @@ def _record(spec, values, precision, real: bool, monkeypatch):
         return record_mod._record(spec, values, precision, None, real_ok=real)
 
 
+def _edges(rec):
+    """Each op's inputs by their producer: an earlier op's index, a leaf's source, or "ext" (a
+    tensor made outside the recorded ops); the graph's edges without the recording's ids."""
+    producer, out = {}, []
+    for i, o in enumerate(rec.ops):
+        out.append([producer.get(t.tid, t.source or "ext") for t in o.inputs])
+        for t in o.outputs:
+            producer[t.tid] = i
+    return out
+
+
 def _as_data(rec):
     return {
+        "edges": _edges(rec),
         "ops": [(o.name, o.module, o.phase, [(i.shape, i.dtype) for i in o.inputs],
                  [(t.shape, t.dtype) for t in o.outputs], o.ints) for o in rec.ops],
         "saved": [(s.nbytes, s.dtype, s.module, s.shape, sorted(s.also)) for s in rec.saved],
@@ -113,6 +125,51 @@ def test_real_recording_equals_the_fake_one(model, monkeypatch):
             assert real[part] == fake[part], f"{model} {attention} {precision} at {values}: {part} differ"
         compared += 1
     assert compared == 3, f"{model}: only {compared} probe points run"
+
+
+#: data and tensor parallelism on the fake process group (symcost.frontends.parallel,
+#: symcost.frontends.tensor_parallel): every engine and both TP plans, builtin and transformers models
+#: (zero1 records the ddp step; a tp+sp step the tp one's ops and more)
+PARALLEL = [("gpt2", "fsdp"), ("megatron-gpt", "ddp"), ("cs336-lm", "zero2"), ("hf:mixtral", "zero3"),
+            ("megatron-gpt", "tp+sp"), ("hf:llama", "tp"), ("cs336-lm", "tp")]
+
+
+@pytest.mark.parametrize("model,layout", PARALLEL)
+def test_a_parallel_recording_on_real_tensors_equals_the_fake_one(model, layout, monkeypatch):
+    """One rank of a data- or tensor-parallel step: on real tensors the same ops (collectives
+    included), the same graph, saved storages and memory events as on fake ones, at two probe
+    points drawn at random where the layout can be probed (TP divides the sharded dimensions, DP
+    the first dimension of every parameter: ``probe_ok``)."""
+    from symcost.frontends.parallel import data_parallel
+    from symcost.frontends.tensor_parallel import tensor_parallel
+
+    rng = random.Random(f"{model}-{layout}-real-parallel")
+    base = resolve(model, {}, "eager" if model.startswith("hf:") else None)
+    if layout.startswith("tp"):
+        spec = tensor_parallel(base, sp=layout == "tp+sp")
+    else:
+        spec = data_parallel(base, layout, rng.choice((None, ("bf16", "fp32"))))
+    precision = rng.choice(("fp32", "bf16-mixed", "bf16-true", "fp16-mixed"))
+    pools = {**POOLS, "TP": (2, 4, 8)}
+    compared = 0
+    for _ in range(2000):
+        values = {}
+        for s in (s for s in spec.all_symbols if s != "L"):
+            m = spec.moduli.get(s, 1)
+            values[s] = m * rng.randint(1, 3) if m > 1 else rng.choice(list(pools[s]))
+        values["L"] = rng.choice((2, 3))
+        if "K" in values and values["H"] % values["K"]:
+            continue
+        if spec.probe_ok(values) is not None:
+            continue
+        fake = _as_data(_record(spec, values, precision, False, monkeypatch))
+        real = _as_data(_record(spec, values, precision, True, monkeypatch))
+        for part in fake:
+            assert real[part] == fake[part], f"{model} {layout} {precision} at {values}: {part} differ"
+        compared += 1
+        if compared == 2:
+            break
+    assert compared == 2, f"{model} {layout}: {compared} probe points drawn"
 
 
 @pytest.mark.parametrize("model,precision", [("gpt2", "bf16-mixed")])

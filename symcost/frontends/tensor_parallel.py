@@ -49,6 +49,7 @@ import dataclasses
 import inspect
 import math
 import re
+import weakref
 from typing import Mapping
 
 from symcost.errors import SymcostError
@@ -103,37 +104,55 @@ def tensor_parallel(spec, sp: bool = False):
     )
 
 
-_DIV_CACHE: dict = {}
+#: spec.build -> {"inputs": whether B and S size a sharded dimension, (sizes, sp) -> sharded dims}
+_SHARDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _indivisible(spec, values: Mapping[str, int], sp: bool) -> str | None:
     """Why ``TP`` does not divide a dimension the plan shards (the model built on the meta
     device), or None."""
-    values = dict(values)
+    tp = values["TP"]
+    if sp and (values.get("S", tp) % tp or values.get("S", 2 * tp) < 2 * tp):
+        return (f"S={values['S']} is no multiple of TP={tp} of at least 2·TP (sequence parallelism "
+                "splits S; one token per rank is a regime of its own)")
+    for name, (dims, heads) in _sharded_dims(spec, values).items():
+        bad = [d for d in dims + heads if d % tp] or [d for d in heads if d < 2 * tp]
+        if bad:
+            return (f"{name}: {bad[0]} is no multiple of TP={tp}" if bad[0] % tp else
+                    f"{name}: {bad[0]} heads leave one per rank (a regime of its own)")
+    return None
+
+
+def _sharded_dims(spec, values: Mapping[str, int]) -> tuple:
+    """:func:`sharded_dims` of ``spec`` built on the meta device at ``values`` (TP aside),
+    memoised per model: a probe search asks this for a hundred or more candidate sizes, and a
+    build costs 20-50 ms. B and S are left out of the memo's key when two builds that differ
+    only in them shard the same dimensions (as :func:`symcost.frontends.parallel._dims0`)."""
+    import torch
+
+    values = {k: v for k, v in values.items() if k != "TP"}
     if "L" in values:
         # the blocks after the leading ones repeat the same shapes: two of them decide (a model
         # of the request's 80 blocks took 0.34 s to build on the meta device, for every probe)
         values["L"] = min(values["L"], int(getattr(spec, "lead_blocks", 0) or 0) + 2)
-    key = (spec.name, sp, tuple(sorted(values.items())))
-    if key not in _DIV_CACHE:
-        import torch
+    memo = _SHARDED.setdefault(spec.build, {})
 
-        tp = values["TP"]
-        why = None
-        if sp and (values.get("S", tp) % tp or values.get("S", 2 * tp) < 2 * tp):
-            why = (f"S={values['S']} is no multiple of TP={tp} of at least 2·TP (sequence parallelism "
-                   "splits S; one token per rank is a regime of its own)")
-        else:
-            with torch.device("meta"):
-                model = spec.build({k: v for k, v in values.items() if k != "TP"})
-            for name, (dims, heads) in sharded_dims(model, spec.layers).items():
-                bad = [d for d in dims + heads if d % tp] or [d for d in heads if d < 2 * tp]
-                if bad:
-                    why = (f"{name}: {bad[0]} is no multiple of TP={tp}" if bad[0] % tp else
-                           f"{name}: {bad[0]} heads leave one per rank (a regime of its own)")
-                    break
-        _DIV_CACHE[key] = why
-    return _DIV_CACHE[key]
+    def build(v):
+        with torch.device("meta"):
+            return tuple(sharded_dims(spec.build(v), spec.layers).items())
+
+    def key(v):
+        skip = () if memo["inputs"] else ("B", "S")
+        return tuple(sorted((k, x) for k, x in v.items() if k not in skip))
+
+    if "inputs" not in memo:
+        got = build(values)
+        other = {k: v + 1 if k in ("B", "S") else v for k, v in values.items()}
+        memo["inputs"] = build(other) != got
+        memo[key(values)] = got
+    if key(values) not in memo:
+        memo[key(values)] = build(values)
+    return dict(memo[key(values)])
 
 
 def sharded_dims(model, layers: str | None) -> dict[str, tuple[list[int], list[int]]]:

@@ -246,6 +246,7 @@ class _Recorder(TorchDispatchMode):
         self.owners: list[str | None] = []  # record_function regions (see _profiler_label)
         self.dtensor = None  # the DTensor class in a tensor-parallel recording (see __torch_dispatch__)
         self.real = False  # on real tensors (see FAKE_ONLY_OPS)
+        self.quiet = 0  # > 0: ops pass unrecorded (see _quiet_parameter_new)
 
     def leaf_name(self, t: torch.Tensor) -> str | None:
         """The ``param:``/``buffer:``/``input:`` name of a leaf tensor, or None. A parameter
@@ -359,6 +360,8 @@ class _Recorder(TorchDispatchMode):
             t = args[0]
             return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
         kwargs = kwargs or {}
+        if self.quiet:  # no op of the step (see _quiet_parameter_new)
+            return func(*args, **kwargs)
         if func in FAKE_ONLY_OPS and self.real:
             raise _FakeOnly(str(func))
         if self.dtensor is not None:
@@ -387,6 +390,11 @@ class _Recorder(TorchDispatchMode):
                 # declares no alias, so a FakeTensorMode cache hit rebuilds the output as a new
                 # storage: a copy the rank never holds
                 out = args[0]
+            elif func is _LIFT_FRESH and out is args[0]:
+                # the real kernel returns its input, a fake one a new tensor: a new tensor object
+                # (on the same storage) here too, so the constant and its lifted copy are two
+                # tensors of the step in either recording (one graph edge, not a loop)
+                out = out.detach()
         if func.namespace == "profiler":
             self._profiler_label(func, args, out)
             return out
@@ -472,6 +480,58 @@ def _observe_resize(rec: _Recorder):
         yield
     finally:
         torch.UntypedStorage.resize_ = orig
+
+
+@contextlib.contextmanager
+def _wait_at_once():
+    """Functional collectives wait at once, as they do under FakeTensorMode
+    (torch/distributed/_functional_collectives.py ``_maybe_wrap_tensor``: ``wait_tensor``
+    when tracing, else an ``AsyncCollectiveTensor`` that waits at its first use): a real
+    recording then dispatches the fake one's ops (the wait's place moves by a few ops; it
+    frees nothing and costs nothing)."""
+    import torch.distributed._functional_collectives as fc
+
+    orig = fc._maybe_wrap_tensor
+    fc._maybe_wrap_tensor = fc.wait_tensor
+    try:
+        yield
+    finally:
+        fc._maybe_wrap_tensor = orig
+
+
+@contextlib.contextmanager
+def _quiet_parameter_new(rec):
+    """``nn.Parameter(t)`` of a tensor subclass (a FakeTensor, FSDP2's unsharded parameter at
+    its first all-gather) detaches ``t`` (torch/nn/parameter.py), of a plain tensor it wraps
+    it: the detach is an artifact of fake tensors, not an op of the step, so not recorded."""
+    orig = nn.Parameter.__new__
+
+    def new(cls, data=None, requires_grad=True):
+        rec.quiet += 1
+        try:
+            return orig(cls, data, requires_grad)
+        finally:
+            rec.quiet -= 1
+
+    nn.Parameter.__new__ = staticmethod(new)
+    try:
+        yield
+    finally:
+        nn.Parameter.__new__ = orig
+
+
+def _lazy_init(model) -> None:
+    """FSDP2's (and ``replicate``'s) lazy initialisation, before the step: the first forward
+    runs it (torch/distributed/fsdp/_fully_shard/_fsdp_state.py ``_lazy_init``), once per
+    training run, and on fake tensors it re-views every shard (``reset_sharded_param`` compares
+    storages of plain tensors only): no op of a step."""
+    state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None
+    if state is None:
+        from torch.distributed._composable.replicate_with_fsdp import _get_module_replicate_state
+
+        state = _get_module_replicate_state(model)
+    if state is not None:
+        state._lazy_init()
 
 
 #: the largest step recorded on real CPU tensors (see :func:`real_tensors_suffice`): every size
@@ -730,7 +790,9 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             model.to(param_dtype)
         loss_context = apply(model, layers, fake_group(values["TP"]), tp["sp"])
         parallel = "tp+sp" if tp["sp"] else "tp"
-    real = real_ok and parallel is None and real_tensors_suffice(values, model)
+    # data and tensor parallelism too: the fake process group's collectives complete at once on
+    # real tensors as on fake ones (their outputs hold whatever memory held: values are not read)
+    real = real_ok and real_tensors_suffice(values, model)
     # real tensors: autograd replays views by their view functions, as it does for fake ones (a
     # tensor subclass); plain eager CPU/CUDA would regenerate them with as_strided instead (in
     # place on a view, then its backward): views either way, no cost, one op sequence for both
@@ -739,6 +801,12 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             materialize(model, torch.device("cpu"), param_dtype, zero=real)
         else:
             model.to_empty(device=torch.device("cpu"))
+            if real:
+                with torch.no_grad():
+                    for t in list(model.parameters()) + list(model.buffers()):
+                        _local(t).zero_()
+            if spec.extra.get("parallel") is not None:
+                _lazy_init(model)
         leaf_names: dict[int, str] = {}
         params: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         param_module: dict[str, str] = {}
@@ -845,7 +913,16 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         h1 = nn.modules.module.register_module_forward_pre_hook(pre_hook)
         h2 = nn.modules.module.register_module_forward_hook(post_hook)
         kv: tuple = ([], 0)
-        resizes = _observe_resize(rec) if parallel is not None else contextlib.nullcontext()
+
+        def parallel_contexts():  # a data- or tensor-parallel step's, for its forward and backward
+            stack = contextlib.ExitStack()
+            if parallel is not None:
+                stack.enter_context(_observe_resize(rec))
+                stack.enter_context(_quiet_parameter_new(rec))
+                if real:
+                    stack.enter_context(_wait_at_once())
+            return stack
+
         if tp is not None:
             from symcost.frontends.tensor_parallel import hide_shape_propagation as hide
         else:
@@ -857,8 +934,8 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                     n_forward, events_end, kv = _inference_step(rec, model, args, kwargs, kv_layers, autocast)
                 n_backward = 0
             else:
-                with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context(), resizes, \
-                        hide(), loss_context():
+                with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context(), \
+                        parallel_contexts(), hide(), loss_context():
                     with autocast():
                         out = model(*args, **kwargs)
                         loss = spec.loss(out, (args, kwargs))
@@ -867,7 +944,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                     _label_graph(fn, "")
                 n_forward = len(rec.ops)
                 rec.phase = "backward"
-                with rec, _observe_resize(rec) if parallel is not None else contextlib.nullcontext(), \
+                with rec, parallel_contexts(), \
                         hide(), loss_context():
                     loss.backward()
                     del loss
