@@ -40,7 +40,7 @@ CONFIG = {"gpt-j-6b": {"rotary_dim": "8"}}
 def _record(spec, values, precision, real: bool, monkeypatch):
     # real: on real tensors whatever the rule says, without the fall-back to fake tensors
     with monkeypatch.context() as m:
-        m.setattr(record_mod, "real_tensors_suffice", lambda values, model: real)
+        m.setattr(record_mod, "real_tensors_suffice", lambda values, model, step="train": real)
         return record_mod._record(spec, values, precision, None, real_ok=real)
 
 
@@ -71,8 +71,10 @@ def _as_data(rec):
 
 
 def _points(spec, rng: random.Random, runs):
-    """Three probe points: a fit's base probe, then two with two symbols each drawn at random
-    from the probe pools (``runs(point)``: PyTorch runs the step there, as a probe must)."""
+    """Three probe points: a fit's base probe, then one with two symbols drawn at random from the
+    probe pools, and one with a symbol at 1 besides (B = 1, S = 1, K = 1, one block, top-1: a
+    regime of its own, whose probes have it pinned) (``runs(point)``: PyTorch runs the step
+    there, as a probe must)."""
     syms = [s for s in spec.all_symbols if s != "L"]
     fixed = {"L": FIT_L + spec.lead_blocks} if "L" in spec.all_symbols else {}
     request = {**spec.values({}, inputs=False), "B": 2, "S": 16}
@@ -81,10 +83,12 @@ def _points(spec, rng: random.Random, runs):
     base = find_base(tuple(syms), spec.probe_ok, rng.randrange(1000), fixed, accept=runs, request=request,
                      moduli={s: m for s, m in spec.moduli.items() if s in syms}, ties=ties)
     out = [base]
-    for _ in range(30):
+    for _ in range(60):
         p = dict(base)
         for s in rng.sample(syms, k=min(2, len(syms))):
             p[s] = rng.choice(list(POOLS[s]))
+        if len(out) == 2:
+            p[rng.choice(sorted(set(syms) | set(fixed)))] = 1
         p.update({b: p[a] for b, a in ties.items()})
         if p not in out and spec.probe_ok(p) is None and runs(p):
             out.append(p)
@@ -185,7 +189,7 @@ def test_a_trace_on_real_probes_equals_one_on_fake_probes(model, precision, monk
 
     with_real = trace()
     with monkeypatch.context() as m:
-        m.setattr(record_mod, "real_tensors_suffice", lambda values, model: False)
+        m.setattr(record_mod, "real_tensors_suffice", lambda values, model, step="train": False)
         with_fake = trace()
     assert with_real.keys() == with_fake.keys()
     for k in with_fake:
@@ -195,12 +199,18 @@ def test_a_trace_on_real_probes_equals_one_on_fake_probes(model, precision, monk
 def test_only_small_steps_run_on_real_tensors():
     small = nn.Linear(8, 8, device="meta")
     big = nn.Linear(2048, 2048, device="meta")  # 4.2M parameters
+    huge = nn.Embedding(2 ** 16, 2 ** 10, device="meta")  # 67M
     assert record_mod.real_tensors_suffice({"B": 3, "S": 7}, small)
     assert not record_mod.real_tensors_suffice({"B": 3, "S": 4096}, small)
-    assert not record_mod.real_tensors_suffice({"B": 3, "S": 7}, big)
-    # a size 1 (pinned, a decode step's S): fake kernels stride a size-1 dimension otherwise than
-    # real ones, and matmul then dispatches bmm on one and mm on the other (falcon's decode step)
-    assert not record_mod.real_tensors_suffice({"B": 1, "S": 7}, small)
+    assert record_mod.real_tensors_suffice({"B": 3, "S": 7}, big)  # 0.5 GFLOP of real work
+    assert not record_mod.real_tensors_suffice({"B": 16, "S": 128}, big)  # 52 GFLOP
+    assert not record_mod.real_tensors_suffice({"B": 2, "S": 2}, huge)  # 268 MB of fp32 parameters
+    # a size 1 in a training step runs the same ops either way (drawn in the tests above); in an
+    # inference step fake kernels stride a size-1 dimension otherwise than real ones, and matmul
+    # then dispatches bmm on one and mm on the other (falcon's decode step, S = 1)
+    assert record_mod.real_tensors_suffice({"B": 1, "S": 7}, small)
+    assert not record_mod.real_tensors_suffice({"B": 1, "S": 7}, small, "prefill")
+    assert not record_mod.real_tensors_suffice({"B": 3, "S": 1, "T": 9}, small, "decode")
 
 
 @pytest.mark.parametrize("model,cache", [("hf:llama", "dynamic"), ("hf:mistral", "static"), ("hf:falcon", "dynamic"),
@@ -246,3 +256,39 @@ def test_a_step_real_tensors_cannot_run_is_recorded_on_fake_ones():
     assert "aten.multinomial.default" in [o.name for o in rec.ops]
     with pytest.raises(symcost.SymcostError, match="multinomial"):
         record_mod._record(spec, values, "fp32", None, real_ok=True)
+
+
+class _Reads(nn.Module):
+    """A step that reads tensor values three ways: a branch on a value (``aten._local_scalar_dense``),
+    ``Tensor.tolist`` (no op at all), boolean indexing (an output shape set by values)."""
+
+    def __init__(self, n: int, how: str):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(n, n))
+        self.how = how
+
+    def forward(self, x):
+        h = x @ self.w
+        if self.how == "branch":
+            return h * 2 if h.sum() > 0 else h
+        if self.how == "tolist":
+            return h[: 1 + len([v for v in h[:, 0].tolist() if v >= 0])]
+        return h[h >= 0]
+
+
+@pytest.mark.parametrize("how", ["branch", "tolist", "mask"])
+def test_a_strict_recording_that_reads_values_gives_way_to_fake_tensors(how):
+    """The request of a trace is recorded strict: on real tensors (it is small) until it reads a
+    value, then on fake ones, which have none to read (PyTorch raises: such a model is refused,
+    as it was when every request was fake). A recording that is not strict reads the zero-filled
+    weights and runs: the reason the request must be strict."""
+    spec = ModelSpec(name=f"reads-{how}", symbols=("D",), defaults={"D": 8}, build=lambda v: _Reads(v["D"], how),
+                     make_inputs=lambda v, device: ((torch.randn(v["B"], v["D"], device=device),), {}),
+                     loss=lambda out, batch: out.sum())
+    values = {"B": 3, "S": 2, "D": 8}
+    assert record_mod.real_tensors_suffice(values, spec.build(values))
+    record_mod.record(spec, values)  # probes are not strict: it runs (on real tensors)
+    with pytest.raises(symcost.SymcostError):
+        record_mod.record(spec, values, strict=True)
+    with pytest.raises(symcost.SymcostError):
+        record_mod.record(spec, values, fake=True)

@@ -42,11 +42,11 @@ def resolve(model, config=None, attention="eager"):
     return _resolve(model, config, attention)
 
 
-def record(spec, values, precision="fp32", optimizer=None, fake=False):
+def record(spec, values, precision="fp32", optimizer=None, fake=False, strict=False):
     """:func:`symcost.tracing.record.record` (imported on first use: it imports torch)."""
     from symcost.tracing.record import record as _record
 
-    return _record(spec, values, precision, optimizer, fake=fake)
+    return _record(spec, values, precision, optimizer, fake=fake, strict=strict)
 
 
 def tree_flatten(*args, **kwargs):
@@ -419,18 +419,19 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     for s in spec.input_symbols:  # B, S (T) not requested: the regime of any size other than 1
         request.setdefault(s, {"B": 2, "S": 16, "T": 16}[s])
 
-    def rec_at(p, fake=False):
+    def rec_at(p, strict=False):
         key = tuple(sorted(p.items()))
         if key not in recordings:
             try:
-                recordings[key] = record(spec, p, precision, fake=fake)
+                recordings[key] = record(spec, p, precision, strict=strict)
             except SymcostError as e:
                 recordings[key] = e
         return recordings[key]
 
-    # the request on fake tensors whatever its sizes: control flow on tensor values raises there
-    # (a real step would take a branch on the zero-filled weights unseen), and it is the regime
-    req = rec_at(request, fake=True)
+    # the request: strict (a small one on real tensors gives way to fake ones at the first read
+    # of a tensor's value: control flow on values raises there, where a real step would take a
+    # branch on the zero-filled weights unseen), and it is the regime
+    req = rec_at(request, strict=True)
     if isinstance(req, SymcostError):  # PyTorch itself rejects the requested sizes
         raise SymcostError(f"{req} (at the requested sizes, before any probe)") from req
     want_sig = regime_signature(req)

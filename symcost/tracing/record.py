@@ -11,13 +11,16 @@ A ``saved_tensors_hooks`` pair records what autograd saves for backward.
 
 The probes of a fit are tiny (B < 10, S < 25, d_model < 200): there a real CPU step costs a
 fraction of FakeTensorMode's Python bookkeeping, so they run on real tensors (zero-filled
-parameters; :func:`real_tensors_suffice`), and only the request and other large steps are fake.
-Both run the same kernels and record the same ops, saved storages and memory events (checked on
-every built-in model and the real configurations: tests/test_real_probes.py); the three places
-a real step differs are made equal: a host read of a value (``_local_scalar_dense``) is no op of
-the step, a constant lifted into the step (``lift_fresh``) is an allocation in both, and autograd
-replays views by their view functions on real tensors too (as it must on fake ones, a tensor
-subclass; eager would use ``as_strided``: a view either way).
+parameters; :func:`real_tensors_suffice`), as does a small request unless it reads a value
+(``strict``), and large steps are fake. Both run the same kernels and record the same ops, saved
+storages and memory events (checked on every built-in model, the real configurations and the
+data- and tensor-parallel layouts: tests/test_real_probes.py); the places a real step differs
+are made equal: a host read of a value (``_local_scalar_dense``) is no op of the step, a
+constant lifted into the step (``lift_fresh``) is an allocation and a new tensor in both,
+autograd replays views by their view functions on real tensors too (as it must on fake ones, a
+tensor subclass; eager would use ``as_strided``: a view either way), and on the fake process
+group collectives wait at once, FSDP2's lazy initialisation runs before the step and
+``nn.Parameter`` of a fake tensor's detach is not recorded (docs/tracing.md §1).
 
 The recording is concrete; :mod:`symcost.tracing.fit` turns several recordings at different sizes into
 symbolic shapes.
@@ -197,7 +200,12 @@ FAKE_ONLY_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
 
 
 class _FakeOnly(Exception):
-    """A real recording met an op of :data:`FAKE_ONLY_OPS`."""
+    """A real recording met an op of :data:`FAKE_ONLY_OPS`, or a strict one read values."""
+
+
+#: tags of ops whose output (a host value, or a shape) depends on tensor values: FakeTensorMode
+#: raises at them unless it knows the value; a strict real recording gives way to a fake one
+_VALUE_TAGS = frozenset((torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape))
 _WAIT_TENSOR = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
 _WAIT_TENSOR = getattr(_WAIT_TENSOR, "default", None)
 
@@ -247,6 +255,7 @@ class _Recorder(TorchDispatchMode):
         self.dtensor = None  # the DTensor class in a tensor-parallel recording (see __torch_dispatch__)
         self.real = False  # on real tensors (see FAKE_ONLY_OPS)
         self.quiet = 0  # > 0: ops pass unrecorded (see _quiet_parameter_new)
+        self.strict = False  # a real recording that may not read values (see record's strict)
 
     def leaf_name(self, t: torch.Tensor) -> str | None:
         """The ``param:``/``buffer:``/``input:`` name of a leaf tensor, or None. A parameter
@@ -364,6 +373,8 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if func in FAKE_ONLY_OPS and self.real:
             raise _FakeOnly(str(func))
+        if self.strict and _VALUE_TAGS.intersection(func.tags):
+            raise _FakeOnly(f"{func} reads tensor values")
         if self.dtensor is not None:
             # tensor parallelism: DTensor desugars each op into local ops and collectives, which
             # come back here (as torch.distributed.tensor.debug.CommDebugMode does); its shape
@@ -483,6 +494,26 @@ def _observe_resize(rec: _Recorder):
 
 
 @contextlib.contextmanager
+def _no_host_reads():
+    """``Tensor.tolist`` and ``Tensor.numpy`` read values without an op a dispatch mode sees (a
+    fake tensor has none to read): in a strict real recording they give way to a fake one."""
+    saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+
+    def refuse(name):
+        def read(self, *args, **kwargs):
+            raise _FakeOnly(f"Tensor.{name} reads tensor values")
+        return read
+
+    for name in saved:
+        setattr(torch.Tensor, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+@contextlib.contextmanager
 def _wait_at_once():
     """Functional collectives wait at once, as they do under FakeTensorMode
     (torch/distributed/_functional_collectives.py ``_maybe_wrap_tensor``: ``wait_tensor``
@@ -535,29 +566,38 @@ def _lazy_init(model) -> None:
 
 
 #: the largest step recorded on real CPU tensors (see :func:`real_tensors_suffice`): every size
-#: at most this, parameters at most :data:`REAL_MAX_PARAMS` elements
+#: at most this, parameters at most :data:`REAL_MAX_PARAMS` elements and 6·B·S·params at most
+#: :data:`REAL_MAX_FLOP` (Kaplan et al. 2020's training FLOPs, an upper bound with experts: a
+#: real step of 8 GFLOP took about as long as its fake recording on this 2-core VM, one thread)
 REAL_MAX_SIZE = 128
-REAL_MAX_PARAMS = 2_000_000
+REAL_MAX_PARAMS = 64_000_000
+REAL_MAX_FLOP = 8e9
 
 
-def real_tensors_suffice(values: Mapping[str, int], model: nn.Module) -> bool:
-    """Whether a step (training, or a prefill through the KV cache) of ``model`` (on the meta
-    device) at ``values`` is recorded on real CPU tensors instead of fake ones.
+def real_tensors_suffice(values: Mapping[str, int], model: nn.Module, step: str = "train") -> bool:
+    """Whether a ``step`` ("train", "prefill", "decode") of ``model`` (on the meta device) at
+    ``values`` is recorded on real CPU tensors instead of fake ones.
 
-    The probes of a fit are tiny (:data:`symcost.tracing.fit.POOLS`: B < 10, S < 25, H·D < 200,
-    no size 1): their real step costs less than FakeTensorMode's bookkeeping of it (a third of the time or
-    less: fake dispatch is Python around every op, and its cache misses at every new size). The
+    The probes of a fit are tiny (:data:`symcost.tracing.fit.POOLS`: B < 10, S < 25, H·D < 200):
+    their real step costs less than FakeTensorMode's bookkeeping of it (a third of the time or
+    less: fake dispatch is Python around every op, and its cache misses at every new size), up
+    to about 8 GFLOP of real work (:data:`REAL_MAX_FLOP`; DeepSeek-V3's probes hold 10-60M
+    parameters at B·S = 24, its fixed low-rank and expert widths). The
     ops recorded are the same: FakeTensorMode exists to run the kernels real CPU tensors run, and
-    the models symcost traces have no control flow on tensor data (a fake recording of the
-    request would raise). Larger steps (the request itself, a 70B configuration, a probe drawn
-    near large requested sizes) stay fake: no memory is allocated for them.
+    a recording that reads a value is made on fake tensors (the request's, ``record``'s
+    ``strict``). Larger steps (a 70B configuration, a probe drawn near large requested sizes)
+    stay fake: no memory is allocated for them.
+
+    A training step with a size of 1 (B = 1, S = 1, K = 1 multi-query, one block, top-1 routing)
+    runs the same ops on real and fake tensors (tests/test_real_probes.py draws them); an
+    inference step with a 1 stays fake: a dimension of size 1 takes any stride, fake kernels
+    choose other strides there than real ones, and falcon's decode step (S = 1) then dispatches
+    ``matmul`` as ``bmm`` on fake tensors and ``mm`` on real ones.
     """
-    if any(v > REAL_MAX_SIZE or v < 2 for v in values.values()):
-        # a size of 1 (a symbol pinned at 1, a decode step's S): a dimension of size 1 takes any
-        # stride, and fake kernels choose other strides there than real ones, which changes what
-        # a composite op dispatches (matmul folds into mm or runs bmm: falcon's decode step)
+    if any(v > REAL_MAX_SIZE or (v < 2 and step != "train") for v in values.values()):
         return False
-    return sum(p.numel() for p in model.parameters()) <= REAL_MAX_PARAMS
+    n = sum(p.numel() for p in model.parameters())
+    return n <= REAL_MAX_PARAMS and 6 * values.get("B", 1) * values.get("S", 1) * n <= REAL_MAX_FLOP
 
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype = torch.float32,
@@ -707,7 +747,7 @@ def _inference_step(rec: _Recorder, model: nn.Module, args, kwargs, kv_layers, a
 
 
 def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
-           optimizer=None, fake: bool = False) -> Recording:
+           optimizer=None, fake: bool = False, strict: bool = False) -> Recording:
     """Record one step of ``spec`` at concrete ``values``: forward + loss + backward for a
     training spec; for an inference spec (``spec.step`` "prefill" or "decode",
     :meth:`ModelSpec.for_step`) one forward without gradients through the model's own KV cache
@@ -719,8 +759,13 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
         precision: one of :data:`PRECISIONS` (see :func:`precision_context`).
         optimizer: optional ``callable(params) -> torch.optim.Optimizer``; its ``step()`` runs
             after the backward (phase ``"optimizer"``).
-        fake: on fake tensors whatever the sizes (the request of a trace: control flow on
-            tensor values raises there).
+        fake: on fake tensors whatever the sizes.
+        strict: a real recording that reads a tensor's value (an op PyTorch tags
+            ``data_dependent_output``: ``.item()``, ``if tensor:``; ``Tensor.tolist``) or runs
+            an op whose output shape depends on values (tagged ``dynamic_output_shape``:
+            ``nonzero``, boolean indexing) is made again on fake tensors, where such a step
+            raises or is answered as a fake one would (the request of a trace: a real step
+            would silently take a branch on the zero-filled weights).
 
     Returns:
         The :class:`Recording`: ops in execution order with shapes and dtypes, unique
@@ -737,14 +782,15 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
     """
     if not fake:
         try:
-            return _record(spec, values, precision, optimizer, real_ok=True)
+            return _record(spec, values, precision, optimizer, real_ok=True, strict=strict)
         except SymcostError as e:
             if not getattr(e, "real_tensors", False):
                 raise
     return _record(spec, values, precision, optimizer, real_ok=False)
 
 
-def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimizer, real_ok: bool) -> Recording:
+def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimizer, real_ok: bool,
+            strict: bool = False) -> Recording:
     """:func:`record` on fake tensors, or on real ones where ``real_ok`` and the step is small;
     an error of a real recording carries ``real_tensors = True``."""
     values = dict(values)
@@ -792,7 +838,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         parallel = "tp+sp" if tp["sp"] else "tp"
     # data and tensor parallelism too: the fake process group's collectives complete at once on
     # real tensors as on fake ones (their outputs hold whatever memory held: values are not read)
-    real = real_ok and real_tensors_suffice(values, model)
+    real = real_ok and real_tensors_suffice(values, model, spec.step)
     # real tensors: autograd replays views by their view functions, as it does for fake ones (a
     # tensor subclass); plain eager CPU/CUDA would regenerate them with as_strided instead (in
     # place on a view, then its backward): views either way, no cost, one op sequence for both
@@ -867,6 +913,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
 
         rec = _Recorder(leaf_names)
         rec.real = real
+        rec.strict = real and strict
         rec.param_module = param_module
         if parallel is not None:
             rec.model = model
@@ -927,6 +974,9 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             from symcost.frontends.tensor_parallel import hide_shape_propagation as hide
         else:
             hide = contextlib.nullcontext
+        guard = contextlib.ExitStack()
+        if rec.strict:
+            guard.enter_context(_no_host_reads())
         try:
             context = spec.record_context or contextlib.nullcontext  # (hf: the masks the real step builds)
             if inference:
@@ -971,6 +1021,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         finally:
             h1.remove()
             h2.remove()
+            guard.close()
     return Recording(values, rec.ops, params, param_module, saved, layers, rec.events,
                      n_forward, n_backward, precision, tied, buffers, sum(input_storages.values()),
                      events_end, spec.step, kv[0], kv[1], parallel, param_shards)
