@@ -420,7 +420,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         request.setdefault(s, {"B": 2, "S": 16, "T": 16}[s])
 
     def rec_at(p, strict=False):
-        key = tuple(sorted(p.items()))
+        # (a recording of a probe at the request's sizes, from an earlier attempt, is no strict one)
+        key = tuple(sorted(p.items())) + ((("strict", 1),) if strict else ())
         if key not in recordings:
             try:
                 recordings[key] = record(spec, p, precision, strict=strict)
