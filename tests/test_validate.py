@@ -66,6 +66,36 @@ def test_floor_is_judged_against_the_retry_rounds_own_calibration():
     assert len(kept) == 1 and "20% of its bound (< 50%) against round 2's own calibration" in kept[0]
 
 
+def test_a_gemv_faster_than_the_calibration_raises_the_read_bandwidth():
+    """The sweep's matrix-vector product is a calibration kernel too: one that read its matrix
+    faster than the calibrated bandwidth raises the read rate to bytes read / (time - bytes
+    written at the write rate), the write rate kept; one slower, or another memory-bound kernel
+    faster, leaves the device as it was. Bytes from symcost's own rules on a real [n, n] x [n, 1]."""
+    import random
+
+    import torch
+
+    n = random.Random(17).choice((512, 768, 1024))
+    costs = val.kernel_costs(lambda a, x: a @ x, torch.randn(n, n), torch.randn(n, 1))
+    written = sum(c["written"] for c in costs)
+    read = sum(c["bytes"] for c in costs) - written
+    assert read == 4 * (n * n + n) and written == 4 * n  # the matrix and the vector read, fp32
+    dev = val.device_from_entry({"fp32": 1e11, "bandwidth": 2e10, "write_bandwidth": 1e10})
+    measured = read / 2.5e10 + written / 1e10  # read at 25 GB/s, above the calibrated 20
+    row = _row(f"[{n},{n}]x[{n},1]", "matrix-vector", 2 * n * n, read + written, measured, measured, "memory")
+    raised = val._read_rate_of_gemvs([row], [("matrix-vector", row["kernel"], True, costs, None)], dev)
+    assert abs(raised.bandwidth / 2.5e10 - 1) < 1e-9 and raised.write_bandwidth == 1e10
+    slow = dict(row, measured=read / 1.5e10 + written / 1e10)
+    assert val._read_rate_of_gemvs([slow], [("matrix-vector", row["kernel"], True, costs, None)], dev) is None
+    add = dict(row, family="add")
+    assert val._read_rate_of_gemvs([add], [("add", row["kernel"], True, costs, None)], dev) is None
+    # a device of one bandwidth keeps writing at it
+    one = val.device_from_entry({"fp32": 1e11, "bandwidth": 2e10})
+    raised = val._read_rate_of_gemvs([dict(row, measured=read / 2.5e10 + written / 2e10)],
+                                     [("matrix-vector", row["kernel"], True, costs, None)], one)
+    assert abs(raised.bandwidth / 2.5e10 - 1) < 1e-9 and raised.write_bandwidth == 2e10
+
+
 def test_compiled_branches_switch_transformers_sdpa():
     """The decode validation records the SDPA branch transformers takes under torch.compile."""
     import transformers.integrations.sdpa_attention as sdpa

@@ -624,19 +624,11 @@ def validate(device: Device | None = None, quick: bool = False,
             # on a machine whose speed drifts, may beat it (2026-12-02, after a full test run:
             # [4096,4096]x[4096,1] 13% under its bound). The read rate is the best seen in this run
             # (written bytes still at the calibrated write rate)
-            wbw = device.write_bandwidth or device.bandwidth
-            read_rate = 0.0
-            for i, r in enumerate(rows):
-                if r["family"] != "matrix-vector" or r["bound"] != "memory":
-                    continue
-                written = sum(c["written"] for c in cases[i][3])
-                read = sum(c["bytes"] for c in cases[i][3]) - written
-                if r["measured"] > 2 * written / wbw:
-                    read_rate = max(read_rate, read / (r["measured"] - written / wbw))
-            if read_rate > device.bandwidth:
-                log(f"the sweep's matrix-vector products read at {read_rate / 1e9:.1f} GB/s, above the calibrated "
-                    f"{device.bandwidth / 1e9:.1f}: the read bandwidth is raised to it")
-                device = dataclasses.replace(device, bandwidth=read_rate, write_bandwidth=wbw)
+            raised = _read_rate_of_gemvs(rows, cases, device)
+            if raised is not None:
+                log(f"the sweep's matrix-vector products read at {raised.bandwidth / 1e9:.1f} GB/s, above the "
+                    f"calibrated {device.bandwidth / 1e9:.1f}: the read bandwidth is raised to it")
+                device = raised
                 rows = predicted_rows()
             # likewise the packing rate: a skinny GEMM that packed its [k, n] operand faster than
             # the calibration's packing kernel did (the machine sped up since) raises it
@@ -675,6 +667,28 @@ def validate(device: Device | None = None, quick: bool = False,
             if label in kernels:
                 cases[i] = (fam, label, large, costs, timer(kernels[label], fresh=True)[2])
     return v
+
+
+def _read_rate_of_gemvs(rows: list[dict], cases: list, device: Device) -> Device | None:
+    """``device`` with its read ``bandwidth`` raised to the fastest read rate of the sweep's
+    matrix-vector products (memory-bound rows of family ``"matrix-vector"``: bytes read over the
+    time left after the written bytes at the calibrated write rate, byte/s), or None where none
+    reads faster than the calibration. The written bytes keep the calibrated write rate (the
+    ``write_bandwidth`` of the result is set where it was the read one). A BLAS matrix-vector
+    product is one of the calibration's own stream kernels (symcost.hardware.calibrate), so the
+    sweep's, timed later on a machine whose speed drifts, is a calibration kernel too."""
+    wbw = device.write_bandwidth or device.bandwidth
+    rate = 0.0
+    for i, r in enumerate(rows):
+        if r["family"] != "matrix-vector" or r["bound"] != "memory":
+            continue
+        written = sum(c["written"] for c in cases[i][3])
+        read = sum(c["bytes"] for c in cases[i][3]) - written
+        if r["measured"] > 2 * written / wbw:
+            rate = max(rate, read / (r["measured"] - written / wbw))
+    if rate <= device.bandwidth:
+        return None
+    return dataclasses.replace(device, bandwidth=rate, write_bandwidth=wbw)
 
 
 def _floor_against_round(failures: list[str], rows: list[dict], cases: list, now: Mapping[str, dict],
