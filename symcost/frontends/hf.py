@@ -603,7 +603,8 @@ def unpacked_masks():
     them (``is_tracing`` is true for a ``FakeTensor``) and returns the packing ids, which disables
     the skip and materialises a ``(B, 1, S, S)`` packed-sequence mask the real step never builds.
     Within this context it runs the same ops as the real call (the ids and their check) and returns
-    None, the real answer for one unpacked sequence a row (on real tensors: what the values say).
+    None, the real answer for one unpacked sequence a row, without reading a value (symcost's steps
+    pass no position ids; a read would send the request's strict recording back to fake tensors).
     Nothing else changes: a sliding window shorter than S still builds its mask, as it does for real.
     """
     try:
@@ -623,12 +624,13 @@ def unpacked_masks():
             packed = original(position_ids)
         finally:
             masking_utils.is_tracing = is_tracing
-        if packed is None:
-            return None
-        one_each = (packed[:, -1] == 0).all()  # the check the real call reads: every row one sequence
-        if is_tracing(packed) or bool(one_each):
-            return None
-        return packed
+        if packed is not None:
+            # the check the real call makes (every row one sequence), its ops run as they run
+            # there; its answer is known without reading it: symcost's steps pass no position
+            # ids, so they are the model's own arange, one sequence a row (and a read of a value
+            # would send a strict recording, the request's, back to fake tensors)
+            (packed[:, -1] == 0).all()
+        return None
 
     masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
     try:
