@@ -130,36 +130,34 @@ _DIMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _dims0(spec, values: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     """``(name, dim 0)`` of every parameter of ``spec`` built on the meta device at ``values``
-    (scalars left out), memoised per model: a probe search asks this for about a thousand
-    candidate sizes, and building an ``hf:`` model costs ~20 ms. The sizes of the micro-batch
-    (B, S) are left out of the memo's key when two builds that differ only in them give the same
-    parameters (a model sizing a parameter by S, learned positions of S rows say, keeps them in)."""
+    (scalars left out), memoised per model (:func:`memo_per_model`): a probe search asks this for
+    about a thousand candidate sizes, and building an ``hf:`` model costs ~20 ms."""
     import torch
-
-    memo = _DIMS.setdefault(spec.build, {})
 
     def build(v):
         with torch.device("meta"):
-            model = spec.build({k: x for k, x in v.items() if k != "DP"})
+            model = spec.build(v)
         return tuple((n, int(p.shape[0])) for n, p in model.named_parameters() if p.dim())
 
+    return memo_per_model(_DIMS.setdefault(spec.build, {}), {k: x for k, x in values.items() if k != "DP"}, build)
+
+
+def memo_per_model(memo: dict, values: Mapping[str, int], compute):
+    """``compute(values)`` (a function of the model built at ``values``) memoised in ``memo``,
+    one memo per model. The sizes of the micro-batch (B, S) are left out of the memo's key when
+    two builds that differ only in them give the same answer (a model sizing a parameter by S,
+    learned positions of S rows say, keeps them in)."""
+    def key(v):
+        skip = () if memo["inputs"] else ("B", "S")
+        return tuple(sorted((k, x) for k, x in v.items() if k not in skip))
+
     if "inputs" not in memo:
-        got = build(values)
-        other = dict(values)
-        for k in ("B", "S"):
-            if k in other:
-                other[k] = other[k] + 1
-        memo["inputs"] = build(other) != got
-        memo[_dims_key(values, memo["inputs"])] = got
-    key = _dims_key(values, memo["inputs"])
-    if key not in memo:
-        memo[key] = build(values)
-    return memo[key]
-
-
-def _dims_key(values: Mapping[str, int], inputs: bool) -> tuple:
-    skip = ("DP",) if inputs else ("DP", "B", "S")
-    return tuple(sorted((k, v) for k, v in values.items() if k not in skip))
+        got = compute(values)
+        memo["inputs"] = compute({k: x + 1 if k in ("B", "S") else x for k, x in values.items()}) != got
+        memo[key(values)] = got
+    if key(values) not in memo:
+        memo[key(values)] = compute(values)
+    return memo[key(values)]
 
 
 def _indivisible(spec, values: Mapping[str, int]) -> str | None:

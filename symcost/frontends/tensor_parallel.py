@@ -104,7 +104,7 @@ def tensor_parallel(spec, sp: bool = False):
     )
 
 
-#: spec.build -> {"inputs": whether B and S size a sharded dimension, (sizes, sp) -> sharded dims}
+#: spec.build -> its memo (symcost.frontends.parallel.memo_per_model): sizes -> sharded dims
 _SHARDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -123,36 +123,25 @@ def _indivisible(spec, values: Mapping[str, int], sp: bool) -> str | None:
     return None
 
 
-def _sharded_dims(spec, values: Mapping[str, int]) -> tuple:
+def _sharded_dims(spec, values: Mapping[str, int]) -> dict:
     """:func:`sharded_dims` of ``spec`` built on the meta device at ``values`` (TP aside),
-    memoised per model: a probe search asks this for a hundred or more candidate sizes, and a
-    build costs 20-50 ms. B and S are left out of the memo's key when two builds that differ
-    only in them shard the same dimensions (as :func:`symcost.frontends.parallel._dims0`)."""
+    memoised per model (:func:`symcost.frontends.parallel.memo_per_model`): a probe search asks
+    this for a hundred or more candidate sizes, and a build costs 20-50 ms."""
     import torch
+
+    from symcost.frontends.parallel import memo_per_model
 
     values = {k: v for k, v in values.items() if k != "TP"}
     if "L" in values:
         # the blocks after the leading ones repeat the same shapes: two of them decide (a model
         # of the request's 80 blocks took 0.34 s to build on the meta device, for every probe)
         values["L"] = min(values["L"], int(getattr(spec, "lead_blocks", 0) or 0) + 2)
-    memo = _SHARDED.setdefault(spec.build, {})
 
     def build(v):
         with torch.device("meta"):
             return tuple(sharded_dims(spec.build(v), spec.layers).items())
 
-    def key(v):
-        skip = () if memo["inputs"] else ("B", "S")
-        return tuple(sorted((k, x) for k, x in v.items() if k not in skip))
-
-    if "inputs" not in memo:
-        got = build(values)
-        other = {k: v + 1 if k in ("B", "S") else v for k, v in values.items()}
-        memo["inputs"] = build(other) != got
-        memo[key(values)] = got
-    if key(values) not in memo:
-        memo[key(values)] = build(values)
-    return dict(memo[key(values)])
+    return dict(memo_per_model(_SHARDED.setdefault(spec.build, {}), values, build))
 
 
 def sharded_dims(model, layers: str | None) -> dict[str, tuple[list[int], list[int]]]:

@@ -42,11 +42,11 @@ def resolve(model, config=None, attention="eager"):
     return _resolve(model, config, attention)
 
 
-def record(spec, values, precision="fp32", optimizer=None, fake=False, strict=False):
+def record(spec, values, precision="fp32", optimizer=None, strict=False):
     """:func:`symcost.tracing.record.record` (imported on first use: it imports torch)."""
     from symcost.tracing.record import record as _record
 
-    return _record(spec, values, precision, optimizer, fake=fake, strict=strict)
+    return _record(spec, values, precision, optimizer, strict=strict)
 
 
 def tree_flatten(*args, **kwargs):

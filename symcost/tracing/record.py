@@ -747,7 +747,7 @@ def _inference_step(rec: _Recorder, model: nn.Module, args, kwargs, kv_layers, a
 
 
 def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
-           optimizer=None, fake: bool = False, strict: bool = False) -> Recording:
+           optimizer=None, strict: bool = False) -> Recording:
     """Record one step of ``spec`` at concrete ``values``: forward + loss + backward for a
     training spec; for an inference spec (``spec.step`` "prefill" or "decode",
     :meth:`ModelSpec.for_step`) one forward without gradients through the model's own KV cache
@@ -759,7 +759,6 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
         precision: one of :data:`PRECISIONS` (see :func:`precision_context`).
         optimizer: optional ``callable(params) -> torch.optim.Optimizer``; its ``step()`` runs
             after the backward (phase ``"optimizer"``).
-        fake: on fake tensors whatever the sizes.
         strict: a real recording that reads a tensor's value (an op PyTorch tags
             ``data_dependent_output``: ``.item()``, ``if tensor:``; ``Tensor.tolist``) or runs
             an op whose output shape depends on values (tagged ``dynamic_output_shape``:
@@ -776,16 +775,15 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
         SymcostError: the model cannot be built or run at these sizes, or its control flow
             depends on tensor data (which cannot be traced without data).
 
-    A small step (:func:`real_tensors_suffice`) runs on real CPU tensors unless ``fake``; where
+    A small step (:func:`real_tensors_suffice`) runs on real CPU tensors; where
     that fails (a kernel that checks values a fake tensor has none of, or an op whose real
     outputs are sized by the library, :data:`FAKE_ONLY_OPS`), it is recorded on fake ones.
     """
-    if not fake:
-        try:
-            return _record(spec, values, precision, optimizer, real_ok=True, strict=strict)
-        except SymcostError as e:
-            if not getattr(e, "real_tensors", False):
-                raise
+    try:
+        return _record(spec, values, precision, optimizer, real_ok=True, strict=strict)
+    except SymcostError as e:
+        if not getattr(e, "real_tensors", False):
+            raise
     return _record(spec, values, precision, optimizer, real_ok=False)
 
 
