@@ -256,8 +256,8 @@ def test_rank_peak_parts_follow_the_shards():
 
 def test_inverse_tp_generator_round_trips():
     """Sizes in 1/TP are ring elements (the generator for 1/TP, as for 1/DP): converting,
-    evaluating and the sign test (sufficient for every TP >= 1) stay exact; a ring over DP and
-    TP together (a 2-D mesh) is refused."""
+    evaluating and the sign test (sufficient for every TP >= 1) stay exact; so in the ring of
+    the 2-D mesh, over DP and TP together (both inverses generators, DP's first)."""
     from symcost.passes.memory.live import _peval, _sign
     from symcost.tracing.poly import Algebra, terms_expr
 
@@ -273,8 +273,16 @@ def test_inverse_tp_generator_round_trips():
         assert _peval(p, alg.values((bv, sv, tv))) == Fraction(6 * bv * sv, tv) + 2 * bv * sv + 3 * tv * sv
     assert _sign(alg, p) == 1 and _sign(alg, -p) == -1
     assert _sign(alg, alg.from_expr(Ss / TPs - 1)) == 0
-    with pytest.raises(ValueError, match="2-D mesh"):
-        Algebra(("B", "DP", "TP"))
+    alg2 = Algebra(("B", "DP", "TP"))
+    DPs = SYMS["DP"]
+    e2 = 6 * Bs / (DPs * TPs) + 2 * Bs / DPs + 3 * TPs + DPs * Bs
+    p2 = alg2.from_expr(e2)
+    assert sympy.simplify(alg2.expr(p2) - e2) == 0
+    assert sympy.simplify(terms_expr(alg2.gens, alg2.terms(p2)) - e2) == 0
+    for _ in range(5):
+        bv, dv, tv = rng.randint(1, 9), rng.randint(1, 16), rng.randint(1, 16)
+        assert _peval(p2, alg2.values((bv, dv, tv))) == Fraction(6 * bv, dv * tv) + Fraction(2 * bv, dv) + 3 * tv + dv * bv
+    assert _sign(alg2, p2) == 1 and _sign(alg2, -p2) == -1
 
 
 def test_trace_cache_serves_other_tp(cache_dir):
@@ -299,16 +307,6 @@ def test_trace_cache_serves_other_tp(cache_dir):
     assert cache.load(k, dict(v, S=v["S"] + 4)) is None  # another class of S mod 8
     assert cache.load(k, dict(v, TP=16)) is None  # one head per rank: a regime of its own
     assert cache.load(cache.key("megatron-gpt", {}, "eager", PRECISION, {"tp": True, "sp": False}), v) is None
-
-
-def test_tp_with_dp_refused():
-    """--tp with --dp is not composed yet: one line, SymcostError."""
-    from symcost.frontends.models import resolve
-    from symcost.frontends.parallel import data_parallel
-    from symcost.frontends.tensor_parallel import tensor_parallel
-
-    with pytest.raises(SymcostError, match="not composed"):
-        tensor_parallel(data_parallel(resolve("mlp"), "fsdp"))
 
 
 def test_cli_report_tp_sp_json():
@@ -371,7 +369,6 @@ def test_max_batch_tp_at_the_boundary_against_memtracker(capsys):
 
 @pytest.mark.parametrize("args,msg", [
     (["--sp"], "--sp needs --tp N"),
-    (["--tp", "2", "--dp", "2"], "--tp with --dp is not composed yet"),
     (["--tp", "3", "--set", "H=4"], "heads do not split over 3 ranks (accepted: a TP that divides 4: 2, 4)"),
 ])
 def test_cli_refusals(args, msg):
@@ -420,6 +417,38 @@ def test_real_gloo_two_ranks(sp, tmp_path):
         # the collectives), over the bytes live before the step
         want = memory_model(an, PRECISION, "adamw", impl="for-loop", device="cpu").peak(**v)
         assert abs(want - got["peak_ops"]) <= 0.05 * got["peak_ops"], (rank, want, got)
+
+
+def test_hf_qwen3_replicated_norms_all_reduce_their_gradients():
+    """``hf:qwen3``'s ``base_model_tp_plan`` has ``replicated_with_grad_allreduce`` for the
+    per-head ``q_norm``/``k_norm`` (transformers' ``ReplicatedWithGradAllReduce``: replicated
+    weights, gradients summed over the group in a post-accumulate hook). Traced (not refused),
+    and at a random size and TP the rank's FLOPs, saved bytes, collective bytes (the norms'
+    gradient all-reduces included) and parameter elements equal PyTorch's on the fake group."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from symcost.frontends.models import resolve
+    from symcost.frontends.tensor_parallel import tensor_parallel
+
+    spec = resolve("hf:qwen3", {"num_hidden_layers": "2"}, "eager")
+    an = symcost.trace(tensor_parallel(spec), sizes={"TP": 2, "B": 2, "S": 32}, precision=PRECISION)
+    assert "TP" in an.symbols
+    rng = random.Random(3)
+    v = {"TP": rng.choice((2, 4)), "B": rng.randint(2, 4), "S": rng.randint(8, 64), "L": rng.randint(1, 3)}
+    values = spec.values(v)
+    m, ctx = fake_rank_model(spec, values, False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        m.to_empty(device="cpu")
+        got = measure(m, spec, values, ctx)
+    env = an.bind(**v)
+    assert int(an.flops("train").subs(env)) == got["flops"], v
+    assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], v
+    for kind, want in got["comm"].items():
+        assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (kind, v)
+    assert int(an.params_shard.subs(env)) == got["shard"], v
+    D, L, TP = SYMS["D"], SYMS["L"], SYMS["TP"]
+    # the norms' gradients: 2 tensors of D bf16 elements per block, all-reduced (ring: 2(TP-1)/TP)
+    assert sympy.expand(an.comm_bytes("all_reduce", "backward")).coeff(D * L) == sympy.expand(2 * D * 2 * 2 * (TP - 1) / TP / D)
 
 
 def test_six_n_p_of_one_rank():

@@ -139,7 +139,8 @@ def _dims0(spec, values: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
             model = spec.build(v)
         return tuple((n, int(p.shape[0])) for n, p in model.named_parameters() if p.dim())
 
-    return memo_per_model(_DIMS.setdefault(spec.build, {}), {k: x for k, x in values.items() if k != "DP"}, build)
+    return memo_per_model(_DIMS.setdefault(spec.build, {}), {k: x for k, x in values.items() if k not in ("DP", "TP")},
+                          build)
 
 
 def memo_per_model(memo: dict, values: Mapping[str, int], compute):
@@ -162,28 +163,53 @@ def memo_per_model(memo: dict, values: Mapping[str, int], compute):
 
 def _indivisible(spec, values: Mapping[str, int]) -> str | None:
     """Why ``DP`` does not divide the first dimension of every parameter (built on the meta
-    device), or None."""
+    device), or None. With ``TP`` in ``values`` (the 2-D mesh: FSDP2 shards the rank's TP-local
+    rows, ``d0/TP`` of a column-parallel weight), 8 times that: TP is drawn from 2, 4 and 8."""
     dp = values["DP"]
     # a multiple of lcm(DP, 4): then DP = 2 and 4 both divide the base probe's dimensions, so
-    # DP can vary alone from it (fit.plan_probes)
-    m = math.lcm(dp, 4)
+    # DP can vary alone from it (fit.plan_probes); on the 2-D mesh, TP too
+    m = math.lcm(dp, 4) * (8 if "TP" in values else 1)
     bad = [n for n, d0 in _dims0(spec, values) if d0 % m]
-    return f"dim 0 of {bad[0]} is no multiple of lcm(DP={dp}, 4)" if bad else None
+    tp = " times 8 (any TP of 2, 4, 8)" if "TP" in values else ""
+    return f"dim 0 of {bad[0]} is no multiple of lcm(DP={dp}, 4){tp}" if bad else None
 
 
 def fake_group(world_size: int):
     """A 1-D ``DeviceMesh`` of ``world_size`` CPU ranks on PyTorch's fake process group (rank 0;
     collectives run no communication). Re-initialises the default group when its size differs.
     Call it outside ``FakeTensorMode`` (the mesh reads a real tensor)."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    _fake_world(world_size)
+    return init_device_mesh("cpu", (world_size,))
+
+
+def _fake_world(world_size: int) -> None:
+    """The default process group: the fake one of ``world_size`` ranks, this process rank 0."""
+    import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized() and (dist.get_world_size() != world_size or dist.get_backend() != "fake"):
         dist.destroy_process_group()
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    return init_device_mesh("cpu", (world_size,))
+
+
+def fake_mesh(dims: Mapping[str, int]) -> dict:
+    """``{symbol: DeviceMesh}`` of one rank (rank 0) on PyTorch's fake process group of
+    ``prod(dims)`` ranks: for one symbol (``{"DP": 8}``) the 1-D mesh of :func:`fake_group`; for
+    ``{"DP": d, "TP": t}`` the 2-D mesh ``init_device_mesh("cpu", (d, t), mesh_dim_names=("dp",
+    "tp"))`` and its two sub-meshes (torchtitan's ``dp`` x ``tp`` layout: the TP groups are
+    consecutive ranks, inside a node). Call it outside ``FakeTensorMode``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = dict(dims)
+    if len(dims) == 1:
+        (k, n), = dims.items()
+        return {k: fake_group(n)}
+    _fake_world(math.prod(dims.values()))
+    mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(k.lower() for k in dims))
+    return {k: mesh[k.lower()] for k in dims}
 
 
 def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list | None = None):

@@ -76,13 +76,10 @@ def tensor_parallel(spec, sp: bool = False):
     and 8 and keep those sizes multiples of 8 (``moduli``) where the request's are, so TP can
     vary alone. The formulas say ``/TP``.
 
-    Raises:
-        SymcostError: the spec is already data-parallel (``--dp`` with ``--tp`` is not composed
-            yet: one mesh dimension per trace).
+    A data-parallel ``spec`` (:func:`symcost.frontends.parallel.data_parallel`, symbol ``DP``)
+    becomes one rank of the 2-D mesh (DP, TP): the recorder applies this plan over the ``tp``
+    sub-mesh, then the data-parallel engine over the ``dp`` one (torchtitan's order).
     """
-    if "DP" in spec.symbols:
-        raise SymcostError("--tp with --dp is not composed yet (one mesh dimension per trace); "
-                           "trace them apart")
     if "TP" in spec.symbols:
         return spec
     inner_probe = spec.probe_check
@@ -131,7 +128,7 @@ def _sharded_dims(spec, values: Mapping[str, int]) -> dict:
 
     from symcost.frontends.parallel import memo_per_model
 
-    values = {k: v for k, v in values.items() if k != "TP"}
+    values = {k: v for k, v in values.items() if k not in ("TP", "DP")}
     if "L" in values:
         # the blocks after the leading ones repeat the same shapes: two of them decide (a model
         # of the request's 80 blocks took 0.34 s to build on the meta device, for every probe)
@@ -338,6 +335,10 @@ def hf_plan(model, sp: bool) -> tuple[dict, bool] | None:
         "gather": lambda: None,
         "local": lambda: None,
         "replicate": lambda: None,
+        # a norm between a column- and a row-parallel projection that normalises this rank's
+        # heads (Qwen3's q_norm, k_norm): replicated, its gradient all-reduced over the group
+        # (transformers' ReplicatedWithGradAllReduce: dist.all_reduce in a post-accumulate hook)
+        "replicated_with_grad_allreduce": lambda: _GRAD_ALL_REDUCE,
     }
     out = {}
     for pattern, style in tp_plan.items():
@@ -348,6 +349,43 @@ def hf_plan(model, sp: bool) -> tuple[dict, bool] | None:
         if s is not None:
             out[f"{prefix}.{pattern}" if prefix else pattern] = s
     return out, False
+
+
+#: the plan's marker for transformers' ``replicated_with_grad_allreduce`` (:func:`_grad_all_reduce`)
+_GRAD_ALL_REDUCE = "replicated_with_grad_allreduce"
+
+
+def _fqn_match(pattern: str, name: str) -> bool:
+    """Whether module ``name`` matches a tp_plan ``pattern`` (``*`` a block index)."""
+    return re.fullmatch(pattern.replace(".", r"\.").replace("*", r"\d+"), name) is not None
+
+
+def _grad_all_reduce(model, patterns: list[str], mesh) -> None:
+    """transformers' ``ReplicatedWithGradAllReduce`` (transformers/distributed/tensor_parallel.py):
+    the matching modules' parameters stay replicated, and each gradient, once accumulated, is
+    summed over the group (``dist.all_reduce(param.grad, group)`` in a post-accumulate-grad
+    hook): each rank's gradient covers only its own heads. As there, the hooks are put on the
+    parameters at the forward (a forward pre-hook): the model is materialised after the plan
+    (``to_empty``), which makes new parameter objects."""
+    import torch
+    import torch.distributed as dist
+
+    group = mesh.get_group()
+
+    def all_reduce(param):
+        dist.all_reduce(param.grad, group=group)
+
+    def hook_params(module, args):
+        if torch.is_grad_enabled():
+            done = module.__dict__.setdefault("_symcost_grad_all_reduce", {})
+            for n, p in module.named_parameters(recurse=False):
+                if p.requires_grad and done.get(n) is not p:
+                    p.register_post_accumulate_grad_hook(all_reduce)
+                    done[n] = p
+
+    for name, module in model.named_modules():
+        if any(_fqn_match(p, name) for p in patterns):
+            module.register_forward_pre_hook(hook_params)
 
 
 @contextlib.contextmanager
@@ -377,9 +415,10 @@ def apply(model, layers: str | None, mesh, sp: bool):
             raise SymcostError("--sp on a transformers model is not supported yet (its base_model_tp_plan has no "
                                "sequence-parallel entries and its layers pass hidden_states by keyword); use --tp alone")
         styles, lp = got
+        grad_all_reduce = [p for p, s in styles.items() if s is _GRAD_ALL_REDUCE]
+        styles = {p: s for p, s in styles.items() if s is not _GRAD_ALL_REDUCE}
         colwise = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)
-                   and any(re.fullmatch(p.replace(".", r"\.").replace("*", r"\d+"), n)
-                           for p, s in styles.items() if isinstance(s, ColwiseParallel))]
+                   and any(_fqn_match(p, n) for p, s in styles.items() if isinstance(s, ColwiseParallel))]
     if not styles:
         raise SymcostError("--tp: no projection of the model matches the Megatron plan (column- and "
                            "row-parallel Linears by name); nothing would be split")
@@ -409,6 +448,8 @@ def apply(model, layers: str | None, mesh, sp: bool):
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SymcostError(f"parallelize_module failed for --tp {tp}: {msg}") from e
     _retie(model, [names for names in tied.values() if len(names) > 1])
+    if got is not None and grad_all_reduce:
+        _grad_all_reduce(model, grad_all_reduce, mesh)
     return loss_parallel if lp else _nothing
 
 

@@ -99,6 +99,9 @@ class Analysis(Totals, Conventions, Serialized):
     # parameter's shard on one rank: name (folded) -> (shape, dtype, repeat), as param_shapes
     parallel: str | None = None
     param_shards: dict[str, tuple] = field(default_factory=dict)
+    # the 2-D mesh (--dp with --tp): "tp" or "tp+sp", the tensor parallelism inside each
+    # data-parallel rank (``parallel`` is then the --shard strategy); None on a 1-D mesh
+    tensor_parallel: str | None = None
 
     def in_regime(self, **sizes: int) -> bool:
         """Whether ``sizes`` (others at the defaults) run the ops this trace's request ran: the

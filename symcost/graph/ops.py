@@ -34,8 +34,9 @@ class SymOp:
     cost: rules.Cost
     layer: int | None = None
     attention: bool = False  # a matmul-class op with no parameter operand
-    #: a collective (family ``comm``): ``(kind, size, per_rank)``, see
-    #: :func:`symcost.graph.rules.comm_volume` (bytes; the group is the data-parallel group, DP ranks)
+    #: a collective (family ``comm``): ``(kind, size, per_rank, group)``, see
+    #: :func:`symcost.graph.rules.comm_volume` (bytes), ``group`` the mesh symbol of its process
+    #: group (``"DP"``, ``"TP"``; absent from analyses cached before the 2-D mesh: the trace's one)
     comm: tuple | None = None
     # an inference step: positions of the inputs that are the KV cache's storages (the recording's
     # ``OpCall.kv_reads``: the cache held before or after the step, read through any view)

@@ -79,7 +79,8 @@ class Serialized:
                 [s(op.cost.flops), s(op.cost.flops_all), s(op.cost.bytes),
                  {k: s(n) for k, n in op.cost.transcendentals.items()}, s(op.cost.flops_hw)],
                 op.layer, op.attention, list(getattr(op, "kv_reads", ())), list(getattr(op, "kv_writes", ())),
-                None if getattr(op, "comm", None) is None else [op.comm[0]] + [s(x) for x in op.comm[1:]]]
+                None if getattr(op, "comm", None) is None else [op.comm[0]] + [s(x) for x in op.comm[1:3]]
+                + list(op.comm[3:4])]
                for op in self.ops]
         g = self.graph
         graph = {
@@ -117,7 +118,7 @@ class Serialized:
             "regime": {k: _jsonable(getattr(self, k)) for k in _REGIME_FIELDS if hasattr(self, k)},
             # a data-parallel trace (symcost.frontends.parallel): the strategy and the rank's shards
             "parallel": None if getattr(self, "parallel", None) is None else {
-                "shard": self.parallel,
+                "shard": self.parallel, "tensor_parallel": getattr(self, "tensor_parallel", None),
                 "param_shards": {n: [[s(x) for x in sh], dt(d), s(rep)]
                                  for n, (sh, d, rep) in (self.param_shards or {}).items()}},
             "inference": {"step": getattr(self, "step", "train"), "kv_cache": getattr(self, "kv_cache", None),
@@ -228,7 +229,7 @@ class Serialized:
         )
         par = d.get("parallel")
         if par is not None:
-            an.__dict__.update(parallel=str(par["shard"]), param_shards={
+            an.__dict__.update(parallel=str(par["shard"]), tensor_parallel=par.get("tensor_parallel"), param_shards={
                 n: (tuple(P(x) for x in sh), dtype, P(rep)) for n, (sh, dtype, rep) in par["param_shards"].items()})
         inf = d.get("inference") or {}
         an.__dict__.update(step=inf.get("step", "train"), kv_cache=inf.get("kv_cache"),
@@ -335,7 +336,8 @@ def _load_ops(rows) -> list:
                             P(cost[4]) if len(cost) > 4 else None),
                   layer=layer, attention=attn, kv_reads=tuple(more[0]) if more else (),
                   kv_writes=tuple(more[1]) if len(more) > 1 else (),
-                  comm=None if len(more) < 3 or more[2] is None else (more[2][0],) + tuple(P(x) for x in more[2][1:]))
+                  comm=None if len(more) < 3 or more[2] is None else
+                  (more[2][0],) + tuple(P(x) for x in more[2][1:3]) + tuple(more[2][3:4]))
             for i, name, fam, mod, ph, rep, ins, ind, outs, outd, cost, layer, attn, *more in rows]
 
 

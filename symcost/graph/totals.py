@@ -62,17 +62,20 @@ class Totals:
         return self._sum("bytes", phase)
 
     @functools.cache
-    def comm_bytes(self, kind: str = "total", phase: str = "train") -> sympy.Expr:
+    def comm_bytes(self, kind: str = "total", phase: str = "train", group: str | None = None) -> sympy.Expr:
         """Bytes one rank sends (= receives) in the step's collectives of ``kind``
         (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``broadcast``, pipeline ``send``/``recv`` or ``total``) during
         ``phase``, ring algorithm (:func:`symcost.graph.rules.comm_volume`); 0 without data
-        parallelism. A polynomial in the symbols and ``DP``."""
+        parallelism. ``group``: only the collectives over that mesh dimension's group (``"DP"`` or
+        ``"TP"``: on the 2-D mesh of ``--dp`` with ``--tp``, the two links); None: all. A
+        polynomial in the symbols, ``DP`` and ``TP``."""
         if kind != "total" and kind not in COMM_KINDS + P2P_KINDS:
             raise SymcostError(f"unknown collective {kind!r}; accepted: {', '.join(COMM_KINDS + P2P_KINDS)}, total")
         phases = PHASES if phase == "train" else (phase,)
         return sympy.expand(sympy.Add(*[
             op.repeat * op.comm[2] for op in self.ops
-            if op.comm is not None and op.phase in phases and (kind == "total" or op.comm[0] == kind)]))
+            if op.comm is not None and op.phase in phases and (kind == "total" or op.comm[0] == kind)
+            and (group is None or comm_group(self, op) == group)]))
 
     @functools.cached_property
     def params_shard(self) -> sympy.Expr:
@@ -218,3 +221,12 @@ def params_active_matmul(an):
         for n, (shape, _, rep) in an.param_shapes.items() if n in an.matmul_params
     ]))
 
+
+
+def comm_group(an, op) -> str:
+    """The mesh symbol (``"DP"`` or ``"TP"``) of the process group a collective of ``an`` runs
+    over: its own (``SymOp.comm[3]``), else the trace's one group (an analysis cached before
+    collectives named theirs: ``TP`` for a tensor-parallel trace, else ``DP``)."""
+    if op.comm is not None and len(op.comm) > 3 and op.comm[3]:
+        return op.comm[3]
+    return "TP" if (getattr(an, "parallel", None) or "").startswith("tp") else "DP"

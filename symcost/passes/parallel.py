@@ -107,7 +107,9 @@ def padded(an, env: Mapping) -> dict[str, Any]:
     env = {SYMS[str(k)] if not isinstance(k, sympy.Symbol) else k: v for k, v in env.items()}
     dp = env.get(SYMS["DP"], an.pinned.get("DP", 1))
     comm = {k: sympy.Integer(0) for k in COMM_KINDS if k != "broadcast"}
-    if SHARDS[an.parallel][0] != "fully_shard":
+    if SHARDS[an.parallel][0] != "fully_shard" or getattr(an, "tensor_parallel", None):
+        # (replicate pads nothing; on the 2-D mesh the formulas are taken as they are: FSDP2
+        # pads the TP-local rows, which DP divides at every size the trace's probes drew)
         for k in comm:
             comm[k] = sympy.sympify(an.comm_bytes(k)).xreplace(env)
         return {"params_shard": sympy.sympify(an.params_shard).xreplace(env), "comm": comm}
@@ -192,7 +194,9 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
     comm = {k: an.comm_bytes(k) for k in COMM_KINDS if k != "broadcast"}
     comm["total"] = an.comm_bytes("total")
     traced_shards = SHARDS[shard][0] == "fully_shard" and "params" in SHARDED[shard]
-    mem = model_state_bytes(an.params, DP, shard, precision or an.precision, optimizer,
+    mesh2 = getattr(an, "tensor_parallel", None)
+    P = params_tp_local(an)  # what the data-parallel engine holds (the TP-local parameters on the 2-D mesh)
+    mem = model_state_bytes(P, DP, shard, precision or an.precision, optimizer,
                             an.params_shard if traced_shards else None)
     mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
     engine, reshard, label = SHARDS[shard]
@@ -204,15 +208,23 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
 
         engine += (f", MixedPrecisionPolicy(param_dtype=torch.{MP_DTYPES[mp[0]]}, "
                    f"reduce_dtype=torch.{MP_DTYPES[mp[1]]})")
+    if mesh2:
+        engine = ("torch.distributed.tensor.parallel.parallelize_module (Megatron plan"
+                  + (", SequenceParallel norms" if mesh2 == "tp+sp" else "") + ") over the mesh's tp dimension, then "
+                  + engine + " over its dp dimension")
     out = {"shard": shard, "engine": engine, "label": label, "comm": comm, "memory": mem,
            "peak": rank_peak(an, precision, optimizer, sizes, impl, device)}
+    if mesh2:
+        out["tensor_parallel"] = mesh2
+        out["comm_by_group"] = {g: {**{k: an.comm_bytes(k, group=g) for k in COMM_KINDS if k != "broadcast"},
+                                    "total": an.comm_bytes("total", group=g)} for g in ("DP", "TP")}
     if sizes is not None:
         env = an.bind(**sizes)
         ev = padded(an, env)
         vcomm = dict(ev["comm"])
         vcomm["total"] = sum(vcomm.values())
         dp = env.get(SYMS["DP"], an.pinned.get("DP", 1))
-        P = int(sympy.sympify(an.params).xreplace(env))
+        P = int(sympy.sympify(P).xreplace(env))
         # DeepSpeed's ZeRO-1/2 partitions pad the flat buffer to a multiple of DP: ceil(P/DP) each
         share = ev["params_shard"] if traced_shards else -(-P // dp)
         vmem = model_state_bytes(P, dp, shard, precision or an.precision, optimizer, share)
@@ -220,6 +232,13 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         fsdp_sharded = SHARDS[shard][0] == "fully_shard"
         out["values"] = {"comm": vcomm, "memory": vmem, "dp": dp,
                          "divisible": (ev["params_shard"] if fsdp_sharded else share) * dp == P}
+        if mesh2:
+            if fsdp_sharded:  # FSDP2 pads where DP does not divide a TP-local first dimension
+                out["values"]["divisible"] = all(sympy.sympify(d).xreplace(env).is_integer
+                                                 for sh, _, _ in an.param_shards.values() for d in sh)
+            out["values"]["tp"] = env.get(SYMS["TP"], an.pinned.get("TP", 1))
+            out["values"]["comm_by_group"] = {g: {k: sympy.sympify(v).xreplace(env) for k, v in d.items()}
+                                              for g, d in out["comm_by_group"].items()}
     return out
 
 
@@ -257,7 +276,11 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
     Returns:
         ``compute`` {forward, backward}, ``comm`` {forward, backward} (seconds), ``bytes``
         {forward, backward}, ``link``, ``link_bandwidth``, ``nodes``, ``overlap``, ``step_seconds``,
-        ``exposed_comm_seconds`` and ``mfu`` (model FLOPs / (step time × peak)).
+        ``exposed_comm_seconds`` and ``mfu`` (model FLOPs / (step time × peak)). On the 2-D mesh
+        (``--dp`` with ``--tp``): ``comm`` is the DP group's, over ``link`` (the network when the
+        DP·TP ranks span nodes); ``tp_comm`` {forward, backward} the TP group's over ``tp_link``
+        (the scale-up link when TP ranks share a node), added exposed (Shoeybi et al. 2019 §3:
+        each all-reduce sits between the ops that make and use its tensor).
 
     Raises:
         SymcostError: not a data-parallel trace, an unknown overlap, a device without an
@@ -275,37 +298,56 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
                            "(link_bandwidth, devices_per_node, network_bandwidth) with --devices-file")
     env = an.bind(**(sizes or {}))
     dp = int(env.get(SYMS["DP"], an.pinned.get("DP", 1)))
-    per_node = devices_per_node or ic.get("devices_per_node") or dp
-    nodes = nodes or -(-dp // per_node)
-    if nodes * per_node < dp:
-        raise SymcostError(f"{nodes} node(s) of {per_node} devices do not hold DP = {dp} ranks")
+    mesh2 = bool(getattr(an, "tensor_parallel", None))
+    tp = int(env.get(SYMS["TP"], an.pinned.get("TP", 1))) if mesh2 else 1
+    ranks = dp * tp
+    per_node = devices_per_node or ic.get("devices_per_node") or ranks
+    nodes = nodes or -(-ranks // per_node)
+    if nodes * per_node < ranks:
+        raise SymcostError(f"{nodes} node(s) of {per_node} devices do not hold {'DP·TP' if mesh2 else 'DP'} = "
+                           f"{ranks} ranks")
     if nodes > 1 and not ic.get("network_bandwidth"):
         raise SymcostError(f"{device.key} lists no network_bandwidth for a ring over {nodes} nodes")
-    if nodes > 1:
-        link, bw = ic.get("network", "network"), ic["network_bandwidth"]
-    else:
-        link, bw = ic.get("link", "link"), ic["link_bandwidth"]
+
+    def over(n_nodes):
+        return ((ic.get("network", "network"), ic["network_bandwidth"]) if n_nodes > 1
+                else (ic.get("link", "link"), ic["link_bandwidth"]))
+
+    # the 2-D mesh (DP, TP): a TP group is TP consecutive ranks (inside a node when TP divides
+    # the node), a DP group one rank of each TP group: its ring crosses nodes when the mesh does
+    link, bw = over(nodes)
+    tp_link, tp_bw = over(1 if tp <= per_node and per_node % tp == 0 else 2)
     r = roofline(an, device, {str(k): v for k, v in env.items()}, fused=fused)
     compute = {ph: r["per_phase"].get(ph, {}).get("seconds", 0.0) for ph in ("forward", "backward")}
     exact = padded(an, env)
     whole = {k: sympy.sympify(an.comm_bytes(k)).xreplace(env) for k in exact["comm"]}
-    nbytes = {}
+    nbytes, comm, tp_comm = {}, {}, {"forward": 0.0, "backward": 0.0}
     for ph in ("forward", "backward"):
         tot = 0
         for k in exact["comm"]:  # each kind's padded total, split over the phases as the formulas split it
             part = sympy.sympify(an.comm_bytes(k, ph)).xreplace(env)
             tot += part * (exact["comm"][k] / whole[k]) if whole[k] else 0
         nbytes[ph] = float(tot)
-    comm = {ph: b / bw for ph, b in nbytes.items()}
+        if mesh2:
+            # each group's bytes over its own link; the TP group's collectives sit between the
+            # ops that produce and consume their tensors (Megatron's all-reduces, Shoeybi et al.
+            # 2019 §3): exposed whatever the overlap model, which applies to the DP group's
+            tp_part = float(sympy.sympify(an.comm_bytes("total", ph, group="TP")).xreplace(env))
+            comm[ph] = (nbytes[ph] - tp_part) / bw
+            tp_comm[ph] = tp_part / tp_bw
+        else:
+            comm[ph] = nbytes[ph] / bw
     if overlap == "none":
         step = sum(compute.values()) + sum(comm.values())
     elif overlap == "backward":
         step = compute["forward"] + comm["forward"] + max(compute["backward"], comm["backward"])
     else:
         step = max(sum(compute.values()), sum(comm.values()))
+    step += sum(tp_comm.values())
     peak, _ = device.peak_for(training_precision(an))
     model_flops = r["model_flops"]
     return {"compute": compute, "comm": comm, "bytes": nbytes, "link": link, "link_bandwidth": bw,
+            **({"tp_link": tp_link, "tp_link_bandwidth": tp_bw, "tp_comm": tp_comm} if mesh2 else {}),
             "nodes": nodes, "devices_per_node": per_node, "overlap": overlap, "overlap_model": OVERLAPS[overlap],
             "step_seconds": step, "exposed_comm_seconds": step - sum(compute.values()),
             "mfu": model_flops / (step * peak) if step else 0.0, "source": ic.get("source", "")}
@@ -375,3 +417,16 @@ def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accu
         "compute.6NP": tc["compute.6NP"],
         "time.seconds": seconds, "time.days": seconds / 86400, "time.device_hours": seconds * dp / 3600,
     }
+
+
+def params_tp_local(an) -> sympy.Expr:
+    """Parameter elements of one tensor-parallel rank on the 2-D mesh (``--dp`` with ``--tp``):
+    what the data-parallel engine wraps, before it shards (``Analysis.params_shard`` times DP for
+    FSDP2, whose shards split the TP-local rows; ``params_shard`` itself for ``replicate``);
+    ``params_shard`` for a tensor-parallel trace, ``params`` otherwise."""
+    if not getattr(an, "tensor_parallel", None):
+        return an.params_shard if (getattr(an, "parallel", None) or "").startswith("tp") else an.params
+    if SHARDS[an.parallel][0] != "fully_shard":
+        return an.params_shard
+    DP = SYMS["DP"] if "DP" in an.symbols else an.pinned.get("DP", 1)
+    return sympy.expand(an.params_shard * DP)

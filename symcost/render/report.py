@@ -503,20 +503,31 @@ def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) 
 
     peak = peak_json(summary, vals is not None)
     if vals is None:
-        return {
+        out = {
             "comm": {k: fmt(v) for k, v in summary["comm"].items()},
             "parallel": {"shard": summary["shard"], "dp": "DP" if "DP" in an.symbols else an.pinned.get("DP"),
                          "engine": summary["engine"], "sharded": summary["label"],
                          "memory_per_rank": {k: fmt(v) for k, v in summary["memory"].items()},
                          "memory": peak},
         }
-    return {
+        if summary.get("comm_by_group"):  # the 2-D mesh: each group's collectives
+            out["parallel"].update(tp="TP" if "TP" in an.symbols else an.pinned.get("TP"),
+                                   sp=summary["tensor_parallel"] == "tp+sp",
+                                   comm_by_group={g: {k: fmt(v) for k, v in d.items()}
+                                                  for g, d in summary["comm_by_group"].items()})
+        return out
+    out = {
         "comm": {k: num(v) for k, v in vals["comm"].items()},
         "parallel": {"shard": summary["shard"], "dp": int(vals["dp"]), "engine": summary["engine"],
                      "sharded": summary["label"], "divisible": bool(vals["divisible"]),
                      "memory_per_rank": {k: num(v) for k, v in vals["memory"].items()},
                      "memory": peak},
     }
+    if vals.get("comm_by_group"):
+        out["parallel"].update(tp=int(vals["tp"]), sp=summary["tensor_parallel"] == "tp+sp",
+                               comm_by_group={g: {k: num(v) for k, v in d.items()}
+                                              for g, d in vals["comm_by_group"].items()})
+    return out
 
 
 def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width: int | None = None,
@@ -526,9 +537,17 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
     c = console(width)
     js = parallel_json(an, sizes, summary)
     par = js["parallel"]
-    c.print(f"\n[bold]data parallel[/bold]: --shard {par['shard']} on DP = {par['dp']} ranks; traced "
-            f"{par['engine']}; {par['sharded']}")
-    if par.get("divisible") is False:
+    if par.get("comm_by_group"):
+        c.print(f"\n[bold]data x tensor parallel[/bold]: the mesh DP = {par['dp']} x TP = {par['tp']} "
+                f"({'with' if par['sp'] else 'without'} sequence parallelism), one rank traced: "
+                f"{par['engine']}; {par['sharded']} (of the rank's TP-local parameters)")
+    else:
+        c.print(f"\n[bold]data parallel[/bold]: --shard {par['shard']} on DP = {par['dp']} ranks; traced "
+                f"{par['engine']}; {par['sharded']}")
+    if par.get("divisible") is False and par.get("comm_by_group"):
+        c.print("[yellow]DP does not divide every TP-local first dimension here: FSDP2 pads the shards "
+                "(ceil(d0/DP) rows per rank), which the values of the 2-D mesh leave out (docs/parallel.md)[/yellow]")
+    elif par.get("divisible") is False:
         c.print("DP does not divide every sharded dimension here: the values include the padding of the "
                 "shards (FSDP2: ceil(d0/DP) rows per rank), the formulas do not (docs/parallel.md)")
     t = per_rank_table(summary, js, par)
@@ -538,6 +557,10 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
     if pk.get("peak") is not None:
         c.print(f"peak per rank at: {pk['where']} (model states + the live storages of the traced step: "
                 "unsharded parameters, collective buffers, gradients, activations)")
+    if step is not None and step.get("tp_comm") is not None:
+        c.print(f"TP group: {(step['tp_comm']['forward'] + step['tp_comm']['backward']) * 1e3:.3f} ms of collectives over "
+                f"{step['tp_link']} at {step['tp_link_bandwidth'] / 1e9:.0f} GB/s, exposed (between the ops that make "
+                "and use their tensors); the figures below are the DP group's")
     if step is not None:
         c.print(f"step time per rank: {step['step_seconds'] * 1e3:.3f} ms (compute {step['compute']['forward'] * 1e3:.3f} "
                 f"+ {step['compute']['backward'] * 1e3:.3f} ms, communication {step['comm']['forward'] * 1e3:.3f} + "
@@ -609,6 +632,11 @@ def per_rank_table(summary, js, par):
     for k, v in summary["comm"].items():
         val = js["comm"][k]
         t.add_row(f"comm.{k} (sent = received)", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
+    for g, d in (summary.get("comm_by_group") or {}).items():  # the 2-D mesh: each group's share
+        for k, v in d.items():
+            if v != 0:
+                val = par["comm_by_group"][g][k]
+                t.add_row(f"  over the {g} group: {k}", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
     for k, v in summary["memory"].items():
         val = par["memory_per_rank"][k]
         t.add_row(f"memory.{k}", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")

@@ -410,6 +410,16 @@ class Fitter:
         deps = [s for s, i in self.plan.axis.items() if sig[i] != base]
         if not deps:  # varies only jointly (should not happen for polynomials): use all symbols
             deps = list(self.plan.axis)
+        if "TP" in self.plan.symbols and "DP" in self.plan.symbols and ("DP" in deps or "TP" in deps):
+            # the 2-D mesh: a size times DP^±1·TP^±1 (a shard of a shard, ...), found by the
+            # scaling that leaves the probes along the DP and TP axes equal to the base; else
+            # sizes that add whole, TP-local and shard terms (x + y/TP + z/(DP·TP)): with the
+            # denominators cleared, a polynomial the first stages find at once
+            got = self._fit_scaled(sig, what, deps)
+            if got is None and len(deps) > 2:
+                got = self._fit_cleared(sig, deps)
+            if got is not None:
+                return got
         for g in ("DP", "TP"):
             # a shard (size/DP) or DP shards (DP·size) of a size in the model's symbols: fit the
             # size itself (a block's shards sum many monomials, each /DP: too many terms for the
@@ -424,9 +434,70 @@ class Fitter:
             hinted = self._fit_hints(sig)
             if hinted is not None:
                 return hinted
+        got = self._sparse(sig, deps, EXPONENT_STAGES)
+        if got is not None:
+            return got
+        hinted = self._fit_hints(sig)
+        if hinted is not None:
+            return hinted
+        pts = ", ".join(
+            f"{{{', '.join(f'{s}={p[s]}' for s in self.plan.symbols)}}}->{v}"
+            for p, v in list(zip(self.plan.points, sig))[:4]
+        )
+        raise FitError(
+            f"a {what} cannot be expressed as a (Laurent) polynomial in {', '.join(self.plan.symbols)} "
+            f"(probes: {pts}, ...); symcost will not guess it", deps
+        )
+
+    def _fit_scaled(self, sig: tuple[int, ...], what: str, deps: list[str]):
+        """``sig`` as (a size) · DP^a · TP^b, a and b in -1, 0, 1 (not both 0), the size free of
+        each symbol scaled by, or None: the scaling is one under which the probes along those
+        symbols' axes equal the base (one division per candidate); the size is fitted, and
+        checked at every probe."""
+        mesh = [g for g in ("DP", "TP") if g in deps]
+        combos = sorted((c for c in itertools.product((-1, 1, 0), repeat=len(mesh)) if any(c)),
+                        key=lambda c: sum(map(abs, c)))
+        for combo in combos:
+            scaled = [Fraction(v) for v in sig]
+            for g, e in zip(mesh, combo):
+                scaled = [x / self.Xi[g][i] ** e for i, x in enumerate(scaled)]
+            if any(x.denominator != 1 for x in scaled):
+                continue
+            scaled_by = [g for g, e in zip(mesh, combo) if e]
+            if any(scaled[self.plan.axis[g]] != scaled[0] for g in scaled_by):
+                continue
+            try:
+                inner = self(tuple(int(x) for x in scaled), what)
+            except FitError:
+                continue
+            if not any(inner.has(SYMS[g]) for g in scaled_by):
+                return sympy.expand(inner * sympy.Mul(*[SYMS[g] ** e for g, e in zip(mesh, combo)]))
+        return None
+
+    def _fit_cleared(self, sig: tuple[int, ...], deps: list[str]):
+        """``sig`` times ``DP``, ``TP`` or ``DP·TP`` (those among ``deps``) fitted by the first
+        exponent stages (no recursion), divided back, where the result has each mesh symbol at
+        exponent -1, 0 or 1 (:data:`LINEAR_ONLY`); or None."""
+        mesh = [g for g in ("DP", "TP") if g in deps]
+        for k in range(1, len(mesh) + 1):
+            for gs in itertools.combinations(mesh, k):
+                scaled = [Fraction(v) for v in sig]
+                for g in gs:
+                    scaled = [x * self.Xi[g][i] for i, x in enumerate(scaled)]
+                got = self._sparse(tuple(int(x) for x in scaled), deps, EXPONENT_STAGES[:1] + EXPONENT_STAGES[2:3])
+                if got is None:
+                    continue
+                out = sympy.expand(got / sympy.Mul(*[SYMS[g] for g in gs]))
+                if all(abs(t.as_powers_dict().get(SYMS[g], 0)) <= 1 for t in sympy.Add.make_args(out) for g in gs):
+                    return out
+        return None
+
+    def _sparse(self, sig: tuple[int, ...], deps: list[str], stages):
+        """The sparse search: ``sig`` as at most four monomials of ``deps`` with exponents of
+        ``stages``, exact at every probe with two to spare; or None."""
         y = np.array(sig, dtype=np.float64)
         n = len(sig)
-        for exps in EXPONENT_STAGES:
+        for exps in stages:
             monos = [
                 m for m in _monomials(deps, exps)
                 if all(abs(e) + 1 <= self.distinct[s] for s, e in m.items())  # determinable
@@ -456,17 +527,7 @@ class Fitter:
                             * sympy.Mul(*[SYMS[s] ** e for s, e in m.items() if e])
                             for c, m in terms
                         ])
-        hinted = self._fit_hints(sig)
-        if hinted is not None:
-            return hinted
-        pts = ", ".join(
-            f"{{{', '.join(f'{s}={p[s]}' for s in self.plan.symbols)}}}->{v}"
-            for p, v in list(zip(self.plan.points, sig))[:4]
-        )
-        raise FitError(
-            f"a {what} cannot be expressed as a (Laurent) polynomial in {', '.join(self.plan.symbols)} "
-            f"(probes: {pts}, ...); symcost will not guess it", deps
-        )
+        return None
 
     def _fit_group(self, sig: tuple[int, ...], what: str, g: str):
         """``sig`` as (a size in the model's symbols) · ``g``^±1 (a shard, or ``g`` shards), or

@@ -18,8 +18,9 @@ from sympy.polys.rings import ring as _ring
 from symcost.tracing.fit import SYMS
 
 #: A polynomial as plain data (JSON): ``[[e_1, ..., e_n, "p/q"], ...]``, exponents in the order
-#: of the symbols it is written in (``MemorySchedule.gens``), then, where a mesh symbol (``DP`` or
-#: ``TP``, :data:`MESH`) is among them, the exponent of its inverse (:data:`INV_DP`, :data:`INV_TP`).
+#: of the symbols it is written in (``MemorySchedule.gens``), then, for each mesh symbol (``DP``,
+#: ``TP``, :data:`MESH`, in that order) among them, the exponent of its inverse (:data:`INV_DP`,
+#: :data:`INV_TP`).
 Terms = list
 
 #: The generator standing for ``1/DP`` in a data-parallel trace's ring: a rank's storages hold
@@ -32,38 +33,39 @@ INV_DP = sympy.Symbol("DP_inv", positive=True)
 #: its S/TP tokens under sequence parallelism, its 1/TP of the heads), as :data:`INV_DP`.
 INV_TP = sympy.Symbol("TP_inv", positive=True)
 
-#: The mesh symbols whose inverse is a generator of the ring, each with that generator. A trace
-#: has at most one of them (a 1-D mesh: ``--dp`` and ``--tp`` are not combined); a ring whose
-#: symbols hold more than one is refused (ValueError).
+#: The mesh symbols whose inverse is a generator of the ring, each with that generator, in the
+#: order their inverses follow the symbols. A trace has one (a 1-D mesh: ``--dp`` or ``--tp``) or
+#: both (the 2-D mesh of ``--dp`` with ``--tp``: a rank's storages are shards of shards, sizes
+#: ``x/(DP·TP)``).
 MESH = {"DP": INV_DP, "TP": INV_TP}
 
 
-def mesh_symbol(gens) -> str | None:
-    """The mesh symbol (``DP`` or ``TP``) among ``gens``, or None.
+def mesh_symbols(gens) -> tuple[str, ...]:
+    """The mesh symbols (:data:`MESH`) among ``gens``, in :data:`MESH`'s order."""
+    return tuple(g for g in MESH if g in tuple(gens))
 
-    Raises:
-        ValueError: more than one of them (a 2-D mesh, which no trace records).
-    """
-    got = [g for g in gens if g in MESH]
-    if len(got) > 1:
-        raise ValueError(f"a storage schedule over a 2-D mesh ({', '.join(got)}) is not supported")
+
+def mesh_symbol(gens) -> str | None:
+    """The first mesh symbol (``DP`` or ``TP``) among ``gens`` (:func:`mesh_symbols`), or None."""
+    got = mesh_symbols(gens)
     return got[0] if got else None
 
 
-def _inv(expr, name: str = "DP"):
-    """``expr`` with every ``name**-k`` written as its inverse generator ``**k`` (expanded
-    first); ``name`` is a mesh symbol (:data:`MESH`)."""
-    X, inv = SYMS[name], MESH[name]
+def _inv(expr, names=("DP",)):
+    """``expr`` with every ``X**-k`` of a mesh symbol ``X`` in ``names`` (:data:`MESH`) written as
+    its inverse generator ``**k`` (expanded first)."""
     expr = sympy.expand(sympy.sympify(expr))
-    if not expr.has(X):
-        return expr
-    return expr.replace(lambda e: e.is_Pow and e.base == X and e.exp.is_negative,
-                        lambda e: inv ** (-e.exp))
+    for name in (names,) if isinstance(names, str) else names:
+        X, inv = SYMS[name], MESH[name]
+        if expr.has(X):
+            expr = expr.replace(lambda e, X=X: e.is_Pow and e.base == X and e.exp.is_negative,
+                                lambda e, inv=inv: inv ** (-e.exp))
+    return expr
 
 
 def _inv_dp(expr):
     """``expr`` with every ``DP**-k`` written ``INV_DP**k`` (expanded first)."""
-    return _inv(expr, "DP")
+    return _inv(expr, ("DP",))
 
 
 class NotIntegral(ValueError):
@@ -85,20 +87,20 @@ class Algebra:
     back as ``1/DP``, and the shift leaves it alone (0 < 1/DP <= 1, so a polynomial whose
     coefficients are all >= 0 after shifting the other symbols is still >= 0; the relation
     DP·(1/DP) = 1 is not used, which keeps every sign test sufficient). With ``TP`` (a
-    tensor-parallel trace) the same holds for :data:`INV_TP` = 1/TP. ``mesh`` names the symbol
-    (``"DP"``, ``"TP"`` or None); ``inv_dp`` is True when the ring has such a generator (either
-    symbol; the name is kept from when DP was the only one).
-
-    Raises:
-        ValueError: both DP and TP among ``gens``.
+    tensor-parallel trace) the same holds for :data:`INV_TP` = 1/TP, and with both (a 2-D mesh)
+    the ring has both inverses, DP's first. ``meshes`` names the symbols (:func:`mesh_symbols`);
+    ``mesh`` the first or None; ``inv_dp`` is True when the ring has such a generator (the name is
+    kept from when DP was the only one).
     """
 
     def __init__(self, gens: tuple[str, ...], domain=QQ):
         self.gens = tuple(gens)
         self.domain = domain
-        self.mesh = mesh_symbol(self.gens)
-        self.inv_dp = self.mesh is not None
-        syms = [SYMS[g] for g in self.gens] + ([MESH[self.mesh]] if self.inv_dp else []) or [sympy.Symbol("_one")]
+        self.meshes = mesh_symbols(self.gens)
+        self.mesh = self.meshes[0] if self.meshes else None
+        self.inv_dp = bool(self.meshes)
+        self.k = len(self.gens)  # the ring's generators: the symbols, then the mesh symbols' inverses
+        syms = [SYMS[g] for g in self.gens] + [MESH[m] for m in self.meshes] or [sympy.Symbol("_one")]
         self.R, *self.x = _ring(syms, domain)
         self.n = len(syms)
         self._shifted: dict[tuple, Any] = {}
@@ -112,7 +114,7 @@ class Algebra:
         got = self._from_expr.get(expr)
         if got is None:
             try:
-                got = self._from_expr[expr] = self.R(_inv(expr, self.mesh) if self.inv_dp else sympy.sympify(expr))
+                got = self._from_expr[expr] = self.R(_inv(expr, self.meshes) if self.inv_dp else sympy.sympify(expr))
             except ValueError as e:  # a rational coefficient in ZZ
                 raise NotIntegral(str(e)) from e
         return got
@@ -140,14 +142,14 @@ class Algebra:
         if not self.gens:
             return sympy.Rational(str(p.coeff(1)) if p else 0)
         e = p.as_expr()
-        return e.xreplace({MESH[self.mesh]: 1 / SYMS[self.mesh]}) if self.inv_dp else e
+        return e.xreplace({MESH[m]: 1 / SYMS[m] for m in self.meshes}) if self.inv_dp else e
 
     def values(self, vals: tuple) -> tuple:
         """Values of the ring's generators from those of the symbols (in ``gens`` order): with
-        ``DP`` (or ``TP``), its inverse appended (an exact rational)."""
+        ``DP`` and/or ``TP``, their inverses appended (exact rationals, :data:`MESH`'s order)."""
         if not self.inv_dp:
             return tuple(vals)
-        return (*vals, QQ(1, int(vals[self.gens.index(self.mesh)])))
+        return (*vals, *(QQ(1, int(vals[self.gens.index(m)])) for m in self.meshes))
 
     def scale(self, p, k):
         """``k * p`` for a rational ``k`` (int or Fraction)."""
@@ -159,9 +161,9 @@ class Algebra:
     def shift(self, p):
         """``p(x + 1)``, a polynomial in y = x - 1 >= 0: when all its coefficients are >= 0, p >= 0
         at every positive integer point (a sufficient test). Shifted monomials are cached. The
-        generator 1/DP or 1/TP (:data:`MESH`, > 0) is not shifted."""
+        generators 1/DP and 1/TP (:data:`MESH`, > 0) are not shifted."""
         out = self.R.zero
-        k = len(self.gens)
+        k = self.k
         for m, c in p.items():
             s = self._shifted.get(m)
             if s is None:
@@ -169,17 +171,17 @@ class Algebra:
                 for x, e in zip(self.x[:k], m):
                     if e:
                         s = s * (x + 1) ** e
-                if self.inv_dp and m[-1]:
-                    s = s * self.x[-1] ** m[-1]
+                for x, e in zip(self.x[k:], m[k:]):
+                    if e:
+                        s = s * x ** e
                 self._shifted[m] = s
             out += s * c
         return out
 
 
 def terms_expr(gens, terms: Terms) -> sympy.Expr:
-    """:data:`Terms` in the symbols ``gens`` as a sympy expression (with ``DP`` or ``TP`` among
-    them, the last exponent is that of its inverse)."""
-    m = mesh_symbol(gens)
-    syms = [SYMS[g] for g in gens] + ([1 / SYMS[m]] if m else [])
+    """:data:`Terms` in the symbols ``gens`` as a sympy expression (with ``DP`` and/or ``TP`` among
+    them, the last exponents are those of their inverses, :data:`MESH`'s order)."""
+    syms = [SYMS[g] for g in gens] + [1 / SYMS[m] for m in mesh_symbols(gens)]
     return sympy.Add(*[sympy.Rational(str(t[-1])) * sympy.Mul(*[s ** e for s, e in zip(syms, t[:-1]) if e])
                        for t in terms])

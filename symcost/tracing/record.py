@@ -91,6 +91,9 @@ class OpCall:
     # backward prefetch of the previous block's parameters inside this block's backward): the
     # memory schedule cuts the step into blocks by where storages are allocated and freed
     host: str | None = None
+    # a collective on a 2-D mesh (--dp with --tp): the mesh symbol of its process group ("DP" or
+    # "TP"); None on a 1-D mesh, whose one group is the recording's (symcost.graph.build._group)
+    group: str | None = None
 
 
 @dataclass
@@ -153,6 +156,9 @@ class Recording:
     # on this rank (local shape; ``params`` keeps the global shape)
     parallel: str | None = None  # or "tp" / "tp+sp": tensor (and sequence) parallelism, group TP
     param_shards: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # the 2-D mesh (DP, TP) of a data-parallel strategy over tensor parallelism: "tp" or "tp+sp"
+    # (``parallel`` names the strategy); each collective's group is its ``OpCall.group``
+    tensor_parallel: str | None = None
 
 
 def _module_names(model: nn.Module) -> dict[int, str]:
@@ -184,6 +190,9 @@ def _grad_fns(obj) -> list:
 
 #: ops whose meta kernel returns one tensor twice where the real kernel returns two tensors
 #: (``mkldnn_rnn_layer_backward``: the LSTM's bias gradient, once per bias)
+#: the namespaces of the collectives (symcost.graph.rules.COMM_OPS)
+_COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
+
 _META_ALIASED_OUTPUTS = {torch.ops.aten.mkldnn_rnn_layer_backward.default}
 
 
@@ -256,6 +265,8 @@ class _Recorder(TorchDispatchMode):
         self.real = False  # on real tensors (see FAKE_ONLY_OPS)
         self.quiet = 0  # > 0: ops pass unrecorded (see _quiet_parameter_new)
         self.strict = False  # a real recording that may not read values (see record's strict)
+        self.groups: dict[str, str] = {}  # a 2-D mesh: process group name -> mesh symbol (DP, TP)
+        self.param_storages: set[int] = set()  # a 2-D mesh: storages of unsharded parameters (name_local_params)
 
     def leaf_name(self, t: torch.Tensor) -> str | None:
         """The ``param:``/``buffer:``/``input:`` name of a leaf tensor, or None. A parameter
@@ -269,6 +280,21 @@ class _Recorder(TorchDispatchMode):
                     weakref.finalize(t, self._leaf_names.pop, id(t), None)
                     break
         return name
+
+    def name_local_params(self, args) -> None:
+        """Data parallelism over tensor parallelism: FSDP2's unsharded parameter is a DTensor
+        whose local tensor (a view of the all-gather's output) the local ops read; at the DTensor
+        op that takes the parameter, that local tensor gets the parameter's name."""
+        for a in args:
+            if isinstance(a, nn.Parameter):
+                loc = getattr(a, "_local_tensor", None)
+                if loc is not None and id(loc) not in self._leaf_names:
+                    name = self.leaf_name(a)
+                    if name is not None:
+                        self._leaf_names[id(loc)] = name
+                        weakref.finalize(loc, self._leaf_names.pop, id(loc), None)
+                        # (autograd saves views of it, DTensors whose local tensors share its storage)
+                        self.param_storages.add(StorageWeakRef(loc.untyped_storage()).cdata)
 
     def tensor_id(self, t: torch.Tensor) -> int:
         key = id(t)
@@ -380,6 +406,8 @@ class _Recorder(TorchDispatchMode):
             # come back here (as torch.distributed.tensor.debug.CommDebugMode does); its shape
             # propagation on global-shape fake tensors is no op of the rank
             if any(issubclass(t, self.dtensor) for t in types):
+                if self.model is not None:
+                    self.name_local_params(args)
                 return NotImplemented
             from symcost.frontends.tensor_parallel import hidden
             if hidden():
@@ -468,9 +496,22 @@ class _Recorder(TorchDispatchMode):
                 outputs=outs,
                 ints=ints,
                 args_tree=args_tree,
+                group=self.group_of(args) if self.groups and func.namespace in _COMM_NAMESPACES else None,
             )
         )
         return out
+
+    def group_of(self, args) -> str | None:
+        """The mesh symbol of a collective's process group (:attr:`groups`): its name, an
+        argument of the functional collectives, or its ``ProcessGroup`` object, of c10d's."""
+        for a in args:
+            if isinstance(a, str) and a in self.groups:
+                return self.groups[a]
+            if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith(".ProcessGroup"):
+                import torch.distributed as dist
+
+                return self.groups.get(dist.ProcessGroup.unbox(a).group_name)
+        return None
 
 
 @contextlib.contextmanager
@@ -812,28 +853,41 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
 
     param_dtype, autocast = precision_context(precision)
     parallel = spec.extra.get("parallel")
-    if parallel is not None:
-        from symcost.frontends.parallel import fake_group, wrap
+    tp = spec.extra.get("tensor_parallel")
+    loss_context = contextlib.nullcontext
+    groups: dict[str, str] = {}
+    if parallel is not None or tp is not None:
+        from symcost.frontends.parallel import fake_mesh
 
         if param_dtype != torch.float32:
             model.to(param_dtype)  # on the meta device, before the parameters become DTensors
-        wrap(model, layers, parallel, fake_group(values["DP"]), spec.extra.get("fsdp_mp"))
+        # one rank of a 1-D mesh, or of the 2-D mesh (DP, TP) on DP·TP ranks (torchtitan's layout:
+        # tensor parallelism inside, data parallelism across)
+        dims = {k: values[k] for k, on in (("DP", parallel), ("TP", tp)) if on is not None}
+        mesh = fake_mesh(dims)
+        if len(dims) > 1:
+            groups = {mesh[k].get_group().group_name: k for k in dims}
+    if tp is not None:
+        from symcost.frontends.tensor_parallel import apply
+
+        # tensor parallelism first, then the data-parallel engine over its DTensors (torchtitan's
+        # parallelize order: fully_shard of a TP-sharded parameter shards its local rows again)
+        loss_context = apply(model, layers, mesh["TP"], tp["sp"])
+    if parallel is not None:
+        from symcost.frontends.parallel import wrap
+
+        wrap(model, layers, parallel, mesh["DP"], spec.extra.get("fsdp_mp"))
         # FSDP2 warns when the root returns a view (a language model's logits slice); the recorded
         # step does no in-place op on it, and the user did not write this wrapping: not theirs to see
         import warnings
 
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
                                 category=UserWarning)
-    tp = spec.extra.get("tensor_parallel")
-    loss_context = contextlib.nullcontext
-    if tp is not None:
-        from symcost.frontends.parallel import fake_group
-        from symcost.frontends.tensor_parallel import apply
-
-        if param_dtype != torch.float32:
-            model.to(param_dtype)
-        loss_context = apply(model, layers, fake_group(values["TP"]), tp["sp"])
-        parallel = "tp+sp" if tp["sp"] else "tp"
+    # the recording's ``parallel``: the data-parallel strategy, else "tp" / "tp+sp"; on the 2-D
+    # mesh the tensor parallelism is its ``tensor_parallel``
+    tensor_parallel = None if tp is None else ("tp+sp" if tp["sp"] else "tp")
+    if parallel is None:
+        parallel = tensor_parallel
     # data and tensor parallelism too: the fake process group's collectives complete at once on
     # real tensors as on fake ones (their outputs hold whatever memory held: values are not read)
     real = real_ok and real_tensors_suffice(values, model, spec.step)
@@ -912,6 +966,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         rec = _Recorder(leaf_names)
         rec.real = real
         rec.strict = real and strict
+        rec.groups = groups
         rec.param_module = param_module
         if parallel is not None:
             rec.model = model
@@ -935,7 +990,8 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             st = t.untyped_storage()
             ref = StorageWeakRef(st)
             key = ref.cdata
-            if key in static_storages or (parallel is not None and (rec.leaf_name(t) or "").startswith("param:")):
+            if key in static_storages or key in rec.param_storages or (
+                    parallel is not None and (rec.leaf_name(t) or "").startswith("param:")):
                 return t0  # a parameter (FSDP's unsharded one included) or buffer
             if key not in seen_saved:
                 saved_refs.append(ref)
@@ -1022,7 +1078,8 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             guard.close()
     return Recording(values, rec.ops, params, param_module, saved, layers, rec.events,
                      n_forward, n_backward, precision, tied, buffers, sum(input_storages.values()),
-                     events_end, spec.step, kv[0], kv[1], parallel, param_shards)
+                     events_end, spec.step, kv[0], kv[1], parallel, param_shards,
+                     tensor_parallel if parallel != tensor_parallel else None)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

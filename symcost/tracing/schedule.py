@@ -178,12 +178,16 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
     sched.inputs = alg.terms(alg.from_expr(fitter(tuple(r.input_nbytes for r in recs), "size of the inputs")))
     # a tensor-parallel rank's optimizer steps its local shards (DTensor's local tensors): their
     # shapes; a data-parallel trace keeps the whole shapes (the memory pass takes 1/DP of each)
+    # shapes; a data-parallel trace keeps the whole shapes (the memory pass takes 1/DP of each),
+    # and on the 2-D mesh (DP, TP) the TP-local ones, which the data-parallel engine shards
     local = (ref.parallel or "").startswith("tp")
+    engine = _engine_share(ref)
     for pname, (shape, _) in ref.params.items():
-        shapes = [r.param_shards[pname] if local else r.params[pname][0] for r in recs]
-        numel = fitter(tuple(math.prod(sh) for sh in shapes), f"size of {pname}")
+        shapes = [r.param_shards[pname] if local or engine else r.params[pname][0] for r in recs]
+        numel = fitter(tuple(math.prod(sh) * (engine(r) if engine else 1) for sh, r in zip(shapes, recs)),
+                       f"size of {pname}")
         fac = sympy.Integer(0)
-        if len(shape) >= 2:
+        if len(shape) >= 2 and not engine:  # (a factored optimizer is not modelled with --dp)
             sig = tuple(math.prod(sh[:-1]) + math.prod(sh[:-2]) * sh[-1] for sh in shapes)
             fac = fitter(sig, f"factored size of {pname}")
         sched.params.append((alg.terms(alg.from_expr(numel)), alg.terms(alg.from_expr(fac))))
@@ -408,3 +412,16 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, 
             alg.terms(evpolys[k]), events[k][2], k in grad_events, op.name.removeprefix("aten."),
             module, op.phase, once.get(k, "")))
     sched.units = [ScheduleUnit(a, b, str(rep), mL, label) for a, b, rep, mL, label in units]
+
+
+def _engine_share(ref):
+    """On the 2-D mesh (``Recording.tensor_parallel``): ``recording -> k`` such that a parameter's
+    TP-local elements are ``k`` times its rank-local ones (``DP`` where FSDP2 shards the TP-local
+    rows again, 1 for ``replicate``); None on a 1-D mesh."""
+    if ref.tensor_parallel is None:
+        return None
+    from symcost.frontends.parallel import SHARDS
+
+    if SHARDS[ref.parallel][0] == "fully_shard":
+        return lambda r: r.values["DP"]
+    return lambda r: 1

@@ -1,11 +1,15 @@
 """One rank of a tensor-parallel training step (tests/test_tensor_parallel.py), on real tensors,
 or on fake ones on the fake process group: the oracle of symcost's per-rank numbers.
 
-``python -m torch.distributed.run --standalone --nproc-per-node N tp_rank.py OUT SP H D L V B S``
+``python -m torch.distributed.run --standalone --nproc-per-node N tp_rank.py OUT SP H D L V B S [DP SHARD]``
 (SP: 0 or 1) builds the ``megatron-gpt`` built-in on each rank, parallelises it with the
 Megatron plan through ``torch.distributed.tensor.parallel.parallelize_module``
 (``symcost.frontends.tensor_parallel.apply``: the plan is the input; what is measured is PyTorch
-running it), runs one training step with gloo and writes ``OUT/rank{r}.json``.
+running it), runs one training step with gloo and writes ``OUT/rank{r}.json``. With ``DP SHARD``
+the ranks form the 2-D mesh ``init_device_mesh("cpu", (DP, N/DP), mesh_dim_names=("dp", "tp"))``:
+the plan over ``tp``, then the data-parallel engine (``fully_shard`` or ``replicate`` per block
+and the root, ``symcost.frontends.parallel.wrap``) over ``dp``; collective bytes are reported per
+group (``DP.all_gather``, ``TP.all_reduce``, ...), each with its own group's size.
 
 :func:`measure` is what each rank measures, also used in-process on the fake group:
 
@@ -16,7 +20,8 @@ running it), runs one training step with gloo and writes ``OUT/rank{r}.json``.
   and buffers excluded; each storage once);
 * bytes per rank of every collective seen at dispatch, with nccl-tests' ring factors typed here
   (doc/PERFORMANCE.md): all-gather (n-1)/n·output, reduce-scatter (n-1)/n·input, all-reduce
-  2(n-1)/n·input;
+  2(n-1)/n·input, n the size of the collective's process group as PyTorch resolves it (the
+  functional collectives' group name, c10d's ProcessGroup object);
 * parameter elements the rank holds (DTensor local shards).
 
 A warm-up step runs first, unmeasured: DTensor runs each op once more on global-shape fake tensors
@@ -31,19 +36,47 @@ import sys
 from fractions import Fraction
 
 
-def measure(model, spec, values, loss_context, dtype=None) -> dict:
+def _group(args, groups):
+    """``(mesh dimension name or None, size)`` of a collective's process group, as PyTorch
+    resolves it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for a in args:
+        pg = None
+        if isinstance(a, str):
+            try:
+                pg = _resolve_process_group(a)
+            except (RuntimeError, ValueError, KeyError):
+                continue
+        elif isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith(".ProcessGroup"):
+            pg = dist.ProcessGroup.unbox(a)
+        if pg is not None:
+            return (groups or {}).get(pg.group_name), pg.size()
+    raise AssertionError("a collective without a process group")
+
+
+def measure(model, spec, values, loss_context, dtype=None, groups=None) -> dict:
+    """``groups``: ``{process group name: "DP" | "TP"}`` on the 2-D mesh (collective bytes then
+    keyed ``"DP.all_gather"``, ...); None on the 1-D tensor-parallel mesh."""
     import torch
     from torch.distributed.tensor import DTensor
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import flop_registry
 
-    n = values["TP"]
-    comm = {"all_gather": Fraction(0), "reduce_scatter": Fraction(0), "all_reduce": Fraction(0)}
+    kinds = ("all_gather", "reduce_scatter", "all_reduce")
+    comm = {(f"{g}.{k}" if groups else k): Fraction(0) for g in sorted(set((groups or {"": ""}).values()))
+            for k in kinds}
     flops = [0]
 
     def size(t):
         return t.numel() * t.element_size()
+
+    def add(kind, args, nbytes, factor):
+        g, n = _group(args, groups)
+        comm[f"{g}.{kind}" if groups else kind] += factor(n) * nbytes
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -52,12 +85,19 @@ def measure(model, spec, values, loss_context, dtype=None) -> dict:
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
             name = str(func.overloadpacket)
+            ring, twice = (lambda n: Fraction(n - 1, n)), (lambda n: Fraction(2 * (n - 1), n))
             if name == "_c10d_functional.all_gather_into_tensor":
-                comm["all_gather"] += Fraction(n - 1, n) * size(out)
+                add("all_gather", args, size(out), ring)
+            elif name == "c10d._allgather_base_":  # FSDP2's (output, input, group, ...)
+                add("all_gather", args, size(args[0]), ring)
             elif name == "_c10d_functional.reduce_scatter_tensor":
-                comm["reduce_scatter"] += Fraction(n - 1, n) * size(args[0])
+                add("reduce_scatter", args, size(args[0]), ring)
+            elif name == "c10d._reduce_scatter_base_":  # (output, input, group, ...)
+                add("reduce_scatter", args, size(args[1]), ring)
             elif name == "_c10d_functional.all_reduce":
-                comm["all_reduce"] += Fraction(2 * (n - 1), n) * size(args[0])
+                add("all_reduce", args, size(args[0]), twice)
+            elif name == "c10d.allreduce_":  # ([tensors], group, ...)
+                add("all_reduce", args, sum(size(t) for t in args[0]), twice)
             elif func.overloadpacket in flop_registry:
                 flops[0] += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
             return out
@@ -71,8 +111,12 @@ def measure(model, spec, values, loss_context, dtype=None) -> dict:
     seen, saved = set(), [0]
 
     def pack(t):
+        if isinstance(t, torch.nn.Parameter):  # (FSDP2's unsharded parameters, between all-gather and reshard)
+            return t
         st = local(t).untyped_storage()
         key = StorageWeakRef(st).cdata
+        if groups and key in {StorageWeakRef(local(p).untyped_storage()).cdata for p in model.parameters()}:
+            return t
         if key not in seen and key not in static:
             seen.add(key)
             saved[0] += st.nbytes()
@@ -85,7 +129,7 @@ def measure(model, spec, values, loss_context, dtype=None) -> dict:
             loss = spec.loss(model(*args, **kwargs), (args, kwargs))
             loss.backward()
 
-    step()  # warm-up: DTensor's shape propagation
+    step()  # warm-up: DTensor's shape propagation (and FSDP2's lazy initialisation)
     model.zero_grad(set_to_none=True)
     with Count(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
@@ -108,6 +152,34 @@ def fake_rank_model(spec, values: dict, sp: bool):
         model = spec.build(values).to(torch.bfloat16)
     layers = spec.layers if spec.layers is not None else find_layer_container(spec, model, values)
     return model, apply(model, layers, fake_group(values["TP"]), sp)
+
+
+def fake_mesh_rank(spec, values: dict, sp: bool, shard: str):
+    """Rank 0 of the 2-D mesh ``(values["DP"], values["TP"])`` on the fake process group, built
+    here with PyTorch's ``init_device_mesh`` (mesh_dim_names ``dp``, ``tp``): ``spec``'s model
+    on the meta device in bf16, symcost's plan over ``tp``, then ``shard``'s engine per block and
+    the root over ``dp`` (``frontends.parallel.wrap``). Returns ``(model, loss_context,
+    groups)``, ``groups`` as :func:`measure` takes it; the caller materialises the model."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from symcost.frontends.parallel import wrap
+    from symcost.frontends.tensor_parallel import apply
+    from symcost.tracing.record import find_layer_container
+
+    world = values["DP"] * values["TP"]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    mesh = init_device_mesh("cpu", (values["DP"], values["TP"]), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = spec.build(values).to(torch.bfloat16)
+    layers = spec.layers if spec.layers is not None else find_layer_container(spec, model, values)
+    ctx = apply(model, layers, mesh["tp"], sp)
+    wrap(model, layers, shard, mesh["dp"])
+    return model, ctx, {mesh[k].get_group().group_name: k.upper() for k in ("dp", "tp")}
 
 
 def fake_peak(spec, values: dict, sp: bool, foreach: bool = False) -> int:
@@ -202,14 +274,25 @@ def main():
 
     out_dir, sp = sys.argv[1], sys.argv[2] == "1"
     H, D, L, V, B, S = (int(x) for x in sys.argv[3:9])
+    dp, shard = (int(sys.argv[9]), sys.argv[10]) if len(sys.argv) > 10 else (None, None)
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
-    values = {"H": H, "D": D, "L": L, "V": V, "B": B, "S": S, "TP": n}
+    tp = n // dp if dp else n
+    values = {"H": H, "D": D, "L": L, "V": V, "B": B, "S": S, "TP": tp, **({"DP": dp} if dp else {})}
     spec = resolve("megatron-gpt")
     torch.manual_seed(0)
     model = spec.build(values).to(torch.bfloat16)
-    loss_context = apply(model, spec.layers, init_device_mesh("cpu", (n,)), sp)
-    got = measure(model, spec, values, loss_context)
+    groups = None
+    if dp:
+        from symcost.frontends.parallel import wrap
+
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        loss_context = apply(model, spec.layers, mesh["tp"], sp)
+        wrap(model, spec.layers, shard, mesh["dp"])
+        groups = {mesh[k].get_group().group_name: k.upper() for k in ("dp", "tp")}
+    else:
+        loss_context = apply(model, spec.layers, init_device_mesh("cpu", (n,)), sp)
+    got = measure(model, spec, values, loss_context, groups=groups)
     got.update(real_peak(model, spec, values, loss_context))
     got["world"] = n
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

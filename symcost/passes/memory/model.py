@@ -99,6 +99,12 @@ class MemoryModel(Solver):
             raise SymcostError(f"{an.model}: this analysis has no memory schedule (trace it with symcost.trace)")
         self.has_L = "L" in self.gens
         P = an.params
+        if getattr(an, "tensor_parallel", None):
+            # the 2-D mesh: the data-parallel engine holds, shards and updates the TP-local
+            # parameters (1/TP of each split weight, the replicated ones whole)
+            from symcost.passes.parallel import params_tp_local
+
+            P = params_tp_local(an)
         self.P = P
         self.opt_share = None  # a data-parallel rank's optimizer updates shards (set by _rank_states)
         self.opt_local = False  # the schedule's parameter sizes are already the rank's (a --tp trace)
@@ -565,3 +571,4 @@ class MemoryModel(Solver):
             out["activations_per_layer"] = ev(self.activations_per_layer)
         out["peak"] = self.peak(**sizes)
         return out
+

@@ -49,8 +49,8 @@ class Solver:
 
         Ru, xu = _ring([X], QQ)
         vals = [int(fixed[sy]) if j != vi else None for j, sy in enumerate(self._syms)]
-        if self.alg.inv_dp:  # the ring's generator 1/DP or 1/TP (a data- or tensor-parallel trace)
-            vals.append(sympy.polys.domains.QQ(1, vals[self.gens.index(self.alg.mesh)]))
+        for m in self.alg.meshes:  # the ring's generators 1/DP, 1/TP (a data- or tensor-parallel trace)
+            vals.append(sympy.polys.domains.QQ(1, vals[self.gens.index(m)]))
 
         def univariate(p):
             """``p`` with the other sizes substituted: a polynomial in ``var`` (ring ``Ru``)."""
