@@ -74,7 +74,7 @@ def _check(an, v: dict, got: dict, what) -> None:
     assert int(an.params_shard.subs(env)) == got["shard"], what
 
 
-@pytest.mark.parametrize("shard,n", [("fsdp", 3), ("ddp", 2)])
+@pytest.mark.parametrize("shard,n", [("fsdp", 2), ("ddp", 1)])
 def test_per_rank_against_pytorch_on_the_fake_2d_mesh(shard, n):
     """At random DP, TP (2 and 4 each, so DP = TP is drawn too, where only the process group
     tells a collective's mesh dimension) and sizes: the rank's model FLOPs, saved bytes,

@@ -119,7 +119,7 @@ def _brute(N, G, L, H, mbs):
             if p > 1 and m < p:
                 continue
             for shard in (("ddp", "zero1", "fsdp") if d > 1 else ("ddp",)):
-                for ck in ("none", "full"):
+                for ck in ("none", "full", "optimal"):
                     out.add((d, t, p, b, m, shard, ck, "1f1b" if p > 1 else "none", 1))
     return out
 
@@ -139,10 +139,11 @@ def test_only_layouts_that_fit_and_fastest_first():
     an = _an()
     rows = []
     for N, G in ((8, 16), (16, 32)):
-        full = plan(an, SZ, get_device("a100-80gb"), N, 10**12, G, PREC, keep_all=True)
+        # (none and full: an "optimal" row is another layout under another cap, see the next test)
+        full = plan(an, SZ, get_device("a100-80gb"), N, 10**12, G, PREC, keep_all=True, checkpoints=("none", "full"))
         mems = sorted(r["memory"]["total"] for r in full["layouts"])
         cap = mems[len(mems) // 2]  # half of them fit
-        res = plan(an, SZ, get_device("a100-80gb"), N, cap, G, PREC, keep_all=True)
+        res = plan(an, SZ, get_device("a100-80gb"), N, cap, G, PREC, keep_all=True, checkpoints=("none", "full"))
         assert res["layouts"] and res["excluded"]
         assert all(r["memory"]["total"] <= cap for r in res["layouts"])
         assert all(r["memory"]["total"] > cap for r in res["excluded"])
@@ -169,6 +170,36 @@ def test_full_checkpoint_keeps_block_inputs():
     assert none["memory"]["activations"] - full["memory"]["activations"] == \
         pytest.approx((SZ["L"] - 1) * a - SZ["L"] * 2 * s * b * h, abs=1)
     assert full["flops_rank"] > none["flops_rank"]
+
+
+def test_optimal_checkpoint_is_the_fastest_block_plan_that_fits():
+    """``--checkpoint optimal`` checkpoints the fewest whole blocks that fit the cap: against a
+    brute force over every k of the stage's blocks (each evaluated as its own plan: k blocks'
+    inputs kept, the others' activations, one block recomputed, k block forwards again), at a
+    random cap between the none and full plans' memory, its row is the fastest k that fits, and
+    the next fewer blocks do not fit."""
+    import random
+
+    pl = _planner()
+    rng = random.Random(13)
+    lay = Layout(1, 2, 1, 2, 1, "ddp", "optimal", "none")
+    pl.cap = None
+    none = pl.evaluate(Layout(1, 2, 1, 2, 1, "ddp", "none", "none"))
+    full = pl.evaluate(Layout(1, 2, 1, 2, 1, "ddp", "full", "none"))
+    nb = SZ["L"]
+    for _ in range(3):
+        pl.cap = rng.randint(full["memory"]["total"], none["memory"]["total"] - 1)
+        got = pl.evaluate(lay)
+        k = got["layout"]["checkpointed_blocks"]
+        # brute force: each k's memory and time from its own parts (x kept for k blocks, a for the rest)
+        a, x, out = pl.f["a"](2, 2), pl.f["x"](2, 2), pl.f["outside"](2, 2)
+        states = none["memory"]["model_states"]
+        fits = [j for j in range(nb + 1) if states + int(a * (nb - j) + x * j + out + (a if j else 0)) <= pl.cap]
+        assert k == min(fits), (pl.cap, k, fits)
+        assert got["memory"]["total"] <= pl.cap
+        if k:
+            assert none["step_seconds"] < got["step_seconds"] <= full["step_seconds"]
+    pl.cap = None
 
 
 def test_cli_json_and_errors(capsys):

@@ -43,8 +43,9 @@ def _positive(text: str, what: str) -> int:
 @click.option("--precision", default="bf16-true-fp32-master", show_default=True,
               help="precision policy (Megatron-LM's: 16-bit weights and activations, fp32 master and Adam)")
 @click.option("--shard", "shards", default="ddp,zero1,fsdp", show_default=True, help="data-parallel sharding to try")
-@click.option("--checkpoint", "checkpoints", default="none,full", show_default=True,
-              help="activation checkpointing to try: none, full (every block)")
+@click.option("--checkpoint", "checkpoints", default="none,full,optimal", show_default=True,
+              help="activation checkpointing to try: none, full (every block), optimal (the fewest whole "
+                   "blocks that fit the memory cap)")
 @click.option("--schedule", "schedules", default="1f1b", show_default=True,
               help="pipeline schedules to try: 1f1b, interleaved-1f1b (v = 2), gpipe")
 @click.option("--micro-batch", "micro", default="1,2,4,8", show_default=True, help="micro-batch sizes b to try")

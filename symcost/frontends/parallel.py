@@ -129,18 +129,21 @@ _DIMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _dims0(spec, values: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
-    """``(name, dim 0)`` of every parameter of ``spec`` built on the meta device at ``values``
-    (scalars left out), memoised per model (:func:`memo_per_model`): a probe search asks this for
-    about a thousand candidate sizes, and building an ``hf:`` model costs ~20 ms."""
+    """The distinct first dimensions of the parameters of ``spec`` built on the meta device at
+    ``values`` (scalars left out; L at most the leading blocks + 2: later blocks repeat them),
+    memoised per model (:func:`memo_per_model`): a probe search asks this for about a thousand
+    candidate sizes, and building an ``hf:`` model costs ~20 ms."""
     import torch
 
     def build(v):
         with torch.device("meta"):
             model = spec.build(v)
-        return tuple((n, int(p.shape[0])) for n, p in model.named_parameters() if p.dim())
+        return tuple(sorted({int(p.shape[0]) for p in model.parameters() if p.dim()}))
 
-    return memo_per_model(_DIMS.setdefault(spec.build, {}), {k: x for k, x in values.items() if k not in ("DP", "TP")},
-                          build)
+    values = {k: x for k, x in values.items() if k not in ("DP", "TP")}
+    if "L" in values:  # (the blocks after the leading ones repeat the same first dimensions)
+        values["L"] = min(values["L"], int(getattr(spec, "lead_blocks", 0) or 0) + 2)
+    return memo_per_model(_DIMS.setdefault(spec.build, {}), values, build)
 
 
 def memo_per_model(memo: dict, values: Mapping[str, int], compute):
@@ -169,9 +172,9 @@ def _indivisible(spec, values: Mapping[str, int]) -> str | None:
     # a multiple of lcm(DP, 4): then DP = 2 and 4 both divide the base probe's dimensions, so
     # DP can vary alone from it (fit.plan_probes); on the 2-D mesh, TP too
     m = math.lcm(dp, 4) * (8 if "TP" in values else 1)
-    bad = [n for n, d0 in _dims0(spec, values) if d0 % m]
+    bad = [d0 for d0 in _dims0(spec, values) if d0 % m]
     tp = " times 8 (any TP of 2, 4, 8)" if "TP" in values else ""
-    return f"dim 0 of {bad[0]} is no multiple of lcm(DP={dp}, 4){tp}" if bad else None
+    return f"a parameter's first dimension, {bad[0]}, is no multiple of lcm(DP={dp}, 4){tp}" if bad else None
 
 
 def fake_group(world_size: int):

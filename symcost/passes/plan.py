@@ -22,7 +22,8 @@ What is traced and what is composed:
   records, docs/parallel.md §3); the pipeline's point-to-point bytes are the block input ``x``
   forward and its gradient back per micro-batch and stage boundary.
 * **Step time** (the overlap model, :data:`OVERLAP`): per micro-batch the worst stage's roofline
-  compute (plus the recomputed forward of its blocks under full checkpointing), plus its TP
+  compute (plus the recomputed forward of its checkpointed blocks: all under ``full``, the fewest
+  that fit the cap under ``optimal``), plus its TP
   collectives (on the critical path, as in Megatron-LM) and its point-to-point transfers, times
   m·(1 + bubble); plus the data-parallel collectives not hidden under the last micro-batch's
   backward (``overlap="backward"``) or all of them (``"none"``). MFU = model FLOPs of the global
@@ -42,7 +43,11 @@ from symcost.passes.parallel import model_state_bytes
 from symcost.tracing.fit import SYMS
 
 SHARDS = ("ddp", "zero1", "fsdp")
-CHECKPOINTS = ("none", "full")
+#: none; full (every block of the stage); optimal: the fewest whole blocks checkpointed for the
+#: layout to fit the memory cap (blocks are alike: each checkpointed block trades a - x bytes per
+#: micro-batch in flight for one recomputed block forward, so the fewest that fit is the fastest
+#: fitting block plan; :meth:`Planner.evaluate`)
+CHECKPOINTS = ("none", "full", "optimal")
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 OVERLAP = {
     "backward": "TP collectives and pipeline transfers on the critical path; data-parallel gradient "
@@ -151,6 +156,7 @@ class Planner:
 
         if overlap not in OVERLAP:
             raise SymcostError(f"unknown --overlap {overlap!r}; accepted: {', '.join(OVERLAP)}")
+        self.cap: int | None = None  # bytes per device: checkpoint "optimal" fits its blocks under it (plan sets it)
         ic = device.interconnect or {}
         if not ic.get("link_bandwidth") or not ic.get("network_bandwidth"):
             raise SymcostError(f"{device.key} lists no interconnect (link_bandwidth, devices_per_node, "
@@ -226,15 +232,22 @@ class Planner:
         else:
             in_flight = 1
         a, x = f["a"](b, t), f["x"](b, t)
-        per_mb = (a * nb if lay.checkpoint == "none" else x * nb) + f["outside"](b, t)
-        act = per_mb * in_flight + (a if lay.checkpoint == "full" else 0)  # + one block recomputed
         gathered = 0
         if lay.shard == "fsdp" and d > 1:  # FSDP2: the block run and the one prefetched, whole
             gathered = 2 * f["params_block"](b, t) * self.pol.param * (1 - 1 / d)
+
+        def activations(k):  # k of the nb blocks checkpointed (their inputs kept), + one block recomputed
+            return (a * (nb - k) + x * k + f["outside"](b, t)) * in_flight + (a if k else 0)
+
+        k = {"none": 0, "full": nb}.get(lay.checkpoint)
+        if k is None:  # optimal: the fewest blocks that fit the cap (all of them if none does)
+            fixed = int(states["total"]) + int(gathered)
+            k = next((j for j in range(nb + 1) if self.cap is None or fixed + int(activations(j)) <= self.cap), nb)
+        act = activations(k)
         memory = {"model_states": int(states["total"]), "activations": int(act), "fsdp_gathered": int(gathered)}
         memory["total"] = sum(memory.values())
         # --- FLOPs per rank per step ---
-        recompute = f["fwd_block"](b, t) * nb if lay.checkpoint == "full" else 0
+        recompute = f["fwd_block"](b, t) * k
         flops_mb = f["flops_block"](b, t) * nb + f["flops_rest"](b, t) + recompute
         # --- communication ---
         tp_link, tp_bw = self.link(t, t)
@@ -252,8 +265,7 @@ class Planner:
         tm = self.times(b, t)
         fwd = tm["forward_block"] * nb + tm["forward_rest"]
         bwd = tm["backward_block"] * nb + tm["backward_rest"]
-        if lay.checkpoint == "full":
-            bwd += tm["forward_block"] * nb
+        bwd += tm["forward_block"] * k  # the checkpointed blocks' forward, again
         tp_s = tp_bytes / m / tp_bw if t > 1 else 0.0
         pp_s = pp_bytes / m / pp_bw if p > 1 else 0.0
         per_mb_s = fwd + bwd + tp_s + pp_s
@@ -272,7 +284,8 @@ class Planner:
         n = d * t * p
         return {
             "layout": {"dp": d, "tp": t, "pp": p, "micro_batch": b, "microbatches": m, "shard": lay.shard,
-                       "checkpoint": lay.checkpoint, "schedule": lay.schedule, "virtual": v},
+                       "checkpoint": lay.checkpoint, "checkpointed_blocks": k, "blocks": nb,
+                       "schedule": lay.schedule, "virtual": v},
             "memory": memory, "in_flight": in_flight, "params_rank": params_rank,
             "flops_rank": float(flops_mb * m),
             "comm_bytes": {"tp": float(tp_bytes), "pp": float(pp_bytes), "dp": float(dp_bytes)},
@@ -310,6 +323,7 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     with a note when it is not given.
     """
     pl = Planner(an, sizes, device, precision, optimizer, overlap)
+    pl.cap = memory
     H = int(pl.sizes.get("H", 1))
     K = int(pl.sizes["K"]) if "K" in pl.sizes else None
     pinned = int((getattr(an, "pinned", None) or {}).get("TP", 0))
@@ -322,6 +336,8 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
         if tp not in planners:
             other = trace_at(tp) if trace_at is not None else None
             planners[tp] = None if other is None else Planner(other, sizes, device, precision, optimizer, overlap)
+            if planners[tp] is not None:
+                planners[tp].cap = memory
         return planners[tp]
 
     def why_not(tp: int):  # why the tensor-parallel plan cannot split the model over tp ranks, or None
@@ -340,7 +356,12 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
         if p is None:
             missing.add(x.tp)
         else:
-            rows.append(p.evaluate(x))
+            r = p.evaluate(x)
+            lay = r["layout"]
+            if x.checkpoint == "optimal" and {0: "none", lay["blocks"]: "full"}.get(lay["checkpointed_blocks"]) \
+                    in checkpoints:
+                continue  # (the same layout as its none or full row)
+            rows.append(r)
     fit = sorted((r for r in rows if r["memory"]["total"] <= memory), key=lambda r: r["step_seconds"])
     out = {"layouts": fit, "considered": len(rows), "overlap": OVERLAP[overlap], "params": pl.params,
            "model_flops_per_sequence": pl.model_flops_per_seq, "peak_flops": pl.peak, "devices": devices,

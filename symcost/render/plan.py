@@ -29,12 +29,15 @@ def render(res: dict, top: int = 5, width: int | None = None) -> None:
         lay, cb, ln = r["layout"], r["comm_bytes"], r["links"]
         link = lambda k: f"{cb[k] / 2**30:.1f} {short.get(ln[k], ln[k])}" if cb[k] else "0"  # noqa: E731
         t.add_row(str(i), f"{lay['dp']}×{lay['tp']}×{lay['pp']}", f"{lay['micro_batch']}×{lay['microbatches']}",
-                  lay["shard"], lay["checkpoint"], short.get(lay["schedule"], lay["schedule"]),
+                  lay["shard"], (lay["checkpoint"] if lay["checkpoint"] != "optimal" else
+                                 f"{lay['checkpointed_blocks']}/{lay['blocks']}"),
+                  short.get(lay["schedule"], lay["schedule"]),
                   f"{r['memory']['total'] / 2**30:.1f}", link("tp"), link("pp"), link("dp"), f"{r['bubble']:.3f}",
                   f"{r['mfu']:.1%}", f"{r['step_seconds']:.3f}")
     c.print(t)
     c.print("mem: per rank; TP/PP/DP: GiB per rank per step, sent (= received), and the link they cross "
-            "(node: the scale-up link; net: the network, one NIC per device); i-1f1b: interleaved 1F1B. "
+            "(node: the scale-up link; net: the network, one NIC per device); i-1f1b: interleaved 1F1B; "
+            "ckpt k/n: k of the stage's n blocks checkpointed, the fewest that fit. "
             f"Links: {res.get('links', '')}")
     for note in res.get("notes", ()):
         c.print(note)
