@@ -22,7 +22,6 @@ import pytest
 import sympy
 
 import symcost
-from symcost.errors import SymcostError
 from symcost.tracing.fit import SYMS
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
@@ -189,6 +188,17 @@ def _draw(rng: random.Random, sp: bool) -> dict:
             "V": 8 * rng.randint(1, 30), "F": 8 * rng.randint(2, 12)}
 
 
+def _assert_rank(an, v: dict, got: dict) -> None:
+    """symcost's per-rank model FLOPs, saved bytes, collective bytes by kind and parameter
+    elements at sizes ``v`` equal PyTorch's (``got``: tests/data/tp_rank.py ``measure``)."""
+    env = an.bind(**v)
+    assert int(an.flops("train").subs(env)) == got["flops"], v
+    assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], v
+    for kind, want in got["comm"].items():
+        assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (kind, v)
+    assert int(an.params_shard.subs(env)) == got["shard"], v
+
+
 @pytest.mark.parametrize("model,sp,n", [("megatron-gpt", False, 4), ("megatron-gpt", True, 4), ("gpt2", True, 2),
                                          ("cs336-lm", True, 2)])
 def test_per_rank_against_pytorch_on_the_fake_group(model, sp, n):
@@ -201,12 +211,7 @@ def test_per_rank_against_pytorch_on_the_fake_group(model, sp, n):
     for _ in range(n):
         v = {k: x for k, x in _draw(rng, sp).items() if k in an.symbols or k in ("B", "S", "L")}
         got = _fake_rank(sp, v, model)
-        env = an.bind(**v)
-        assert int(an.flops("train").subs(env)) == got["flops"], v
-        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], v
-        for kind, want in got["comm"].items():
-            assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (kind, v)
-        assert int(an.params_shard.subs(env)) == got["shard"], v
+        _assert_rank(an, v, got)
 
 
 @pytest.mark.parametrize("model,sp,n", [("megatron-gpt", False, 2), ("megatron-gpt", True, 1), ("gpt2", True, 1),
@@ -440,12 +445,7 @@ def test_hf_qwen3_replicated_norms_all_reduce_their_gradients():
     with FakeTensorMode(allow_non_fake_inputs=True):
         m.to_empty(device="cpu")
         got = measure(m, spec, values, ctx)
-    env = an.bind(**v)
-    assert int(an.flops("train").subs(env)) == got["flops"], v
-    assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], v
-    for kind, want in got["comm"].items():
-        assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (kind, v)
-    assert int(an.params_shard.subs(env)) == got["shard"], v
+    _assert_rank(an, v, got)
     D, L, TP = SYMS["D"], SYMS["L"], SYMS["TP"]
     # the norms' gradients: 2 tensors of D bf16 elements per block, all-reduced (ring: 2(TP-1)/TP)
     assert sympy.expand(an.comm_bytes("all_reduce", "backward")).coeff(D * L) == sympy.expand(2 * D * 2 * 2 * (TP - 1) / TP / D)
