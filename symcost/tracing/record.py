@@ -188,11 +188,11 @@ def _grad_fns(obj) -> list:
     return out
 
 
-#: ops whose meta kernel returns one tensor twice where the real kernel returns two tensors
-#: (``mkldnn_rnn_layer_backward``: the LSTM's bias gradient, once per bias)
 #: the namespaces of the collectives (symcost.graph.rules.COMM_OPS)
 _COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
 
+#: ops whose meta kernel returns one tensor twice where the real kernel returns two tensors
+#: (``mkldnn_rnn_layer_backward``: the LSTM's bias gradient, once per bias)
 _META_ALIASED_OUTPUTS = {torch.ops.aten.mkldnn_rnn_layer_backward.default}
 
 
