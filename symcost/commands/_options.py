@@ -288,34 +288,8 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
     tp, sp = meta.get("symcost.tp"), bool(meta.get("symcost.sp"))
     if sp and tp is None:
         raise SymcostError("--sp needs --tp N (the tensor-parallel size)")
-    if tp is not None:
-        if "TP" in sizes and sizes["TP"] != tp:
-            raise SymcostError(f"--tp {tp} and --set TP={sizes['TP']} disagree; give one")
-        if dp is not None and "DP" in sizes and sizes["DP"] != dp:
-            raise SymcostError(f"--dp {dp} and --set DP={sizes['DP']} disagree; give one")
-        if dp is not None and step is not None:
-            raise SymcostError(f"--dp traces a training step, not an inference step ({step})")
-        # one rank of tensor parallelism (with --dp: of the 2-D mesh DP x TP): kept in the trace
-        # cache under {"tp", "sp"[, "shard"]} (a TP and a TP + SP trace never share an entry);
-        # TP is served at any value by one entry, within the residue classes of the split sizes
-        # and their per-rank regime (graph/cache.py), DP at any value > 1
-        sizes = {**sizes, "TP": tp, **({"DP": dp} if dp is not None else {})}
-        opts = {"tp": True, "sp": sp, **({"routing": routing} if routing else {})}
-        mp = None
-        if dp is not None:
-            opts["shard"] = shard
-            mp = click.get_current_context().find_root().meta.get("symcost.fsdp_mp") if ctx is not None else None
-            if mp is not None:
-                from symcost.frontends.parallel import parse_fsdp_mp
-
-                mp = opts["fsdp_mp"] = ",".join(parse_fsdp_mp(mp))
-        an = cached_trace(model, cfg, attention, precision, sizes,
-                          lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing, tp=(tp, sp),
-                                               shard=shard if dp is not None else None, mp=mp),
-                          use_cache, options=opts)
-        an.bind(**sizes)
-        return an, sizes
     options = {"routing": routing} if routing is not None else {}
+    mp = None
     if dp is not None:
         if "DP" in sizes and sizes["DP"] != dp:
             raise SymcostError(f"--dp {dp} and --set DP={sizes['DP']} disagree; give one")
@@ -325,14 +299,25 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
         # and an FSDP trace never share an entry); DP is served at any value > 1 by one entry
         sizes = {**sizes, "DP": dp}
         options["shard"] = shard
-        mp = ctx.find_root().meta.get("symcost.fsdp_mp")
+        mp = meta.get("symcost.fsdp_mp")
         if mp is not None:
             from symcost.frontends.parallel import parse_fsdp_mp
 
-            mp = ",".join(parse_fsdp_mp(mp))  # bad text: one line before tracing
-            options["fsdp_mp"] = mp
-    else:
-        mp = None
+            mp = options["fsdp_mp"] = ",".join(parse_fsdp_mp(mp))  # bad text: one line before tracing
+    if tp is not None:
+        if "TP" in sizes and sizes["TP"] != tp:
+            raise SymcostError(f"--tp {tp} and --set TP={sizes['TP']} disagree; give one")
+        # one rank of tensor parallelism (with --dp: of the 2-D mesh DP x TP): kept in the trace
+        # cache under {"tp", "sp"[, "shard"]} (a TP and a TP + SP trace never share an entry);
+        # TP is served at any value by one entry, within the residue classes of the split sizes
+        # and their per-rank regime (graph/cache.py)
+        sizes = {**sizes, "TP": tp}
+        an = cached_trace(model, cfg, attention, precision, sizes,
+                          lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing, tp=(tp, sp),
+                                               shard=shard, mp=mp),
+                          use_cache, options={"tp": True, "sp": sp, **options})
+        an.bind(**sizes)
+        return an, sizes
     if step is not None:
         options.update(step=step, kv_cache=kv_cache)
     an = cached_trace(model, cfg, attention, precision, sizes,

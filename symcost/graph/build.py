@@ -25,6 +25,7 @@ from symcost.tracing.regime import digest, regime_signature
 from symcost.tracing.schedule import fit_schedule
 from symcost.graph.analysis import Analysis
 from symcost.graph.ops import COMM_KINDS, PHASES, SymOp
+from symcost.graph.totals import trace_group
 
 if TYPE_CHECKING:  # pragma: no cover
     from symcost.tracing.record import OpCall, Recording
@@ -504,13 +505,6 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
             sym = tuple(fitter(tuple(r.param_shards[name][d] for r in recs), f"shard of {name}")
                         for d in range(len(shape)))
             param_shards[folded_name[name]] = (sym,) + param_shapes[folded_name[name]][1:]
-    if ref.tensor_parallel is not None and "DP" in symbols:
-        # the 2-D mesh: FSDP2's buffers pack the rank's shards (each 1/DP of a TP-local tensor)
-        # and their all-gathered TP-local tensors, sums of these sizes (not of the whole ones)
-        DP = SYMS["DP"]
-        local = {sympy.expand(sympy.Mul(*sh)) for sh, _, _ in param_shards.values()} - {sympy.Integer(1)}
-        fitter.hints = sorted(set(fitter.hints) | local | {sympy.expand(x * DP) for x in local},
-                              key=sympy.default_sort_key)
     used, ops_with_param = _matmul_params(ref)
     matmul_params = {folded_name[n] for n in used if n in folded_name}
 
@@ -558,7 +552,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
             unsupported[op.name] = unsupported.get(op.name, 0) + repeat
         comm = None
         if family == "comm":
-            g = op.group or _group(ref)
+            g = op.group or trace_group(ref)
             n = SYMS[g] if g in symbols else pinned.get(g, ref.values.get(g, 1))
             kind, size, per_rank = rules.comm_volume(_op_view(op, in_shapes, out_shapes, ints), n)
             comm = (kind, sympy.expand(size), sympy.expand(per_rank), g)
@@ -663,13 +657,6 @@ def _fit_kv(spec: ModelSpec, recs: list[Recording], fitter, role, container: str
     return out
 
 
-def _group(rec: Recording) -> str:
-    """The symbol of the process group a recording's collectives run over on a 1-D mesh: ``TP``
-    for tensor (and sequence) parallelism, else ``DP`` (on the 2-D mesh each collective names
-    its own, ``OpCall.group``)."""
-    return "TP" if (rec.parallel or "").startswith("tp") else "DP"
-
-
 def concrete_totals(rec: Recording) -> dict[str, int]:
     """Totals of one concrete recording by the same rules: the oracle for the symbolic fit."""
     out = {f"{k}.{p}": 0 for k in ("flops", "flops_hw", "flops_all", "bytes", "transcendentals") for p in PHASES}
@@ -690,7 +677,7 @@ def concrete_totals(rec: Recording) -> dict[str, int]:
         for op in rec.ops:
             if rules.classify(op.op) == "comm":
                 v = _op_view(op, [t.shape for t in op.inputs], [t.shape for t in op.outputs], op.ints)
-                kind, _, per_rank = rules.comm_volume(v, rec.values[op.group or _group(rec)])
+                kind, _, per_rank = rules.comm_volume(v, rec.values[op.group or trace_group(rec)])
                 if kind in COMM_KINDS:  # (not a wait)
                     out[f"comm.{kind}"] += per_rank
         out["shards"] = sum(rules.numel(s) for s in rec.param_shards.values())

@@ -222,11 +222,17 @@ def params_active_matmul(an):
     ]))
 
 
+def trace_group(trace) -> str:
+    """The symbol of the one process group a 1-D mesh's collectives run over, for a
+    ``Recording`` or an ``Analysis``: ``TP`` for tensor (and sequence) parallelism, else ``DP``
+    (on the 2-D mesh each collective names its own: ``OpCall.group``, ``SymOp.comm[3]``)."""
+    return "TP" if (getattr(trace, "parallel", None) or "").startswith("tp") else "DP"
+
 
 def comm_group(an, op) -> str:
     """The mesh symbol (``"DP"`` or ``"TP"``) of the process group a collective of ``an`` runs
-    over: its own (``SymOp.comm[3]``), else the trace's one group (an analysis cached before
-    collectives named theirs: ``TP`` for a tensor-parallel trace, else ``DP``)."""
+    over: its own (``SymOp.comm[3]``), else the trace's one group (:func:`trace_group`; an
+    analysis cached before collectives named theirs)."""
     if op.comm is not None and len(op.comm) > 3 and op.comm[3]:
         return op.comm[3]
-    return "TP" if (getattr(an, "parallel", None) or "").startswith("tp") else "DP"
+    return trace_group(an)

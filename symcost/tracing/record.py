@@ -92,7 +92,7 @@ class OpCall:
     # memory schedule cuts the step into blocks by where storages are allocated and freed
     host: str | None = None
     # a collective on a 2-D mesh (--dp with --tp): the mesh symbol of its process group ("DP" or
-    # "TP"); None on a 1-D mesh, whose one group is the recording's (symcost.graph.build._group)
+    # "TP"); None on a 1-D mesh, whose one group is the recording's (symcost.graph.totals.trace_group)
     group: str | None = None
 
 

@@ -177,7 +177,6 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
     sched.buffers = alg.terms(buf)
     sched.inputs = alg.terms(alg.from_expr(fitter(tuple(r.input_nbytes for r in recs), "size of the inputs")))
     # a tensor-parallel rank's optimizer steps its local shards (DTensor's local tensors): their
-    # shapes; a data-parallel trace keeps the whole shapes (the memory pass takes 1/DP of each)
     # shapes; a data-parallel trace keeps the whole shapes (the memory pass takes 1/DP of each),
     # and on the 2-D mesh (DP, TP) the TP-local ones, which the data-parallel engine shards
     local = (ref.parallel or "").startswith("tp")
