@@ -26,6 +26,7 @@ from symcost.frontends.pipeline import schedule_order, simulate
 
 
 SEED = 7  # one draw of the sizes for every traced test here: the stage traces are shared
+CACHE = ("cs336-lm", {}, None)  # through the trace cache, as `report --pp` traces them
 
 
 def _draw(rng: random.Random) -> dict:
@@ -38,7 +39,7 @@ def _summary(pp: int, schedule: str, m: int, L: int, seed: int):
     from symcost.passes.pipeline import summary
 
     sizes = dict(_draw(random.Random(seed)), L=L)
-    return sizes, summary("cs336-lm", pp, schedule, m, sizes=sizes)
+    return sizes, summary("cs336-lm", pp, schedule, m, sizes=sizes, cache=CACHE)
 
 
 def test_schedule_bubble_and_in_flight_vs_ptdp():
@@ -186,6 +187,29 @@ def test_real_gloo_run_1f1b_pp2(tmp_path):
         assert want["memory"]["peak"] == pytest.approx(real, rel=0.05), (rank, want["memory"], got)
 
 
+@pytest.mark.heavy
+def test_stage_traces_round_trip_the_trace_cache(monkeypatch):
+    """``report --pp`` keeps each stage kind's trace in the trace cache: a second process (here:
+    the in-process traces dropped and tracing made to fail) reads them back and gives every
+    rank the same FLOPs, activations, p2p bytes and bubble, at another PP and m too (L is a
+    symbol of the stage)."""
+    import symcost
+    import symcost.passes.pipeline as P
+
+    sizes = dict(_draw(random.Random(SEED)), L=6)
+    cache = CACHE  # (the other tests' stage traces, when they ran first in this process)
+    want = {pp: P.summary("cs336-lm", pp, "1f1b", m, sizes=sizes, peak=False, cache=cache) for pp, m in ((2, 4), (3, 5))}
+    monkeypatch.setattr(P, "_TRACES", {})
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced again: the cache was not read")
+    monkeypatch.setattr(symcost, "trace", no_trace)
+    for (pp, m), w in zip(((2, 4), (3, 5)), want.values()):
+        got = P.summary("cs336-lm", pp, "1f1b", m, sizes=sizes, peak=False, cache=cache)
+        assert got["ranks"] == w["ranks"] and got["bubble"] == w["bubble"], pp
+        assert got["formulas"] == w["formulas"]
+
+
 def test_cli_pipeline_options_need_pp():
     from click.testing import CliRunner
 
@@ -198,23 +222,34 @@ def test_cli_pipeline_options_need_pp():
     assert r.exit_code == 2 and "--pp with --dp" in r.output
     r = CliRunner().invoke(main, ["report", "cs336-lm", "--pp", "4", "--microbatches", "2", "--precision", "fp32"])
     assert r.exit_code == 2 and "refuses" in r.output and r.output.count("\n") <= 2, r.output
+    for extra, said in ((["--devices-per-node", "4"], "needs --gpu"), (["--gpu", "h100", "--nodes", "2"], "--nodes"),
+                        (["--gpu", "h100", "--device", "a100"], "two devices"), (["--gpu", "tpu9"], "tpu9")):
+        r = CliRunner().invoke(main, ["report", "cs336-lm", "--pp", "2", *extra])
+        assert r.exit_code == 2 and said in r.output and r.output.count("\n") <= 2, (extra, r.output)
 
 
 @pytest.mark.heavy
 def test_cli_report_pp_json():
-    """``report --pp 2 --schedule gpipe --microbatches m --json``: per rank the bubble and the
-    micro-batches in flight of GPipe (Huang et al. 2019: all m), and the boundary's bytes counted
-    by hand (B·S·H·D fp32 elements forward, the same backward, per micro-batch)."""
+    """``report --pp 2 --schedule gpipe --microbatches m --gpu h100 --json``: per rank the bubble
+    and the micro-batches in flight of GPipe (Huang et al. 2019: all m), and the boundary's bytes
+    counted by hand (B·S·H·D fp32 elements forward, the same backward, per micro-batch).
+
+    The priced step: GPipe's makespan for identical micro-batches through stages of unequal
+    times is the flow shop's Σ_s t_s + (m − 1)·max_s t_s, forward and then backward (every
+    forward ends on the last rank before its first backward); each stage's p2p seconds are the
+    boundary's bytes over the H100's NVLink (450 GB/s per direction, both ranks in one node); a
+    rank is busy m·(t_f + t_b) of its stage; MFU = Σ ranks' FLOPs / (PP · peak · step)."""
     from click.testing import CliRunner
 
     from symcost.cli import main
+    from symcost.hardware.devices import get_device
 
     rng = random.Random(3)
     m = rng.randint(2, 6)
     sizes = dict(_draw(random.Random(SEED)), L=rng.randint(2, 6))
     args = ["report", "cs336-lm", "--pp", "2", "--schedule", "gpipe", "--microbatches", str(m), "--precision", "fp32",
-            "--json", "--set"] + [f"{k}={v}" for k, v in sizes.items()]
-    r = CliRunner().invoke(main, args)
+            "--gpu", "h100", "--set"] + [f"{k}={v}" for k, v in sizes.items()]
+    r = CliRunner().invoke(main, args + ["--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output[r.output.index("{"):])["pipeline"]
     assert d["bubble"] == pytest.approx(1 / m)
@@ -223,3 +258,16 @@ def test_cli_report_pp_json():
         assert row["in_flight"] == m
         assert row["send"] == row["recv"] == m * boundary
         assert row["blocks"] == sizes["L"] // 2 + (row["rank"] < sizes["L"] % 2)
+    st = d["step"]
+    t = {int(s): v for s, v in st["stage_seconds"].items()}
+    fwd, bwd = [t[s]["forward"] for s in (0, 1)], [t[s]["backward"] for s in (0, 1)]
+    assert st["step_seconds"] == pytest.approx(sum(fwd) + (m - 1) * max(fwd) + sum(bwd) + (m - 1) * max(bwd))
+    for s in (0, 1):
+        assert t[s]["p2p"] == pytest.approx(boundary / 450e9)
+        assert st["busy"][str(s)] == pytest.approx(m * (fwd[s] + bwd[s]))
+        assert st["idle"][str(s)] == pytest.approx(st["step_seconds"] - m * (fwd[s] + bwd[s]))
+    assert st["model_flops"] == sum(row["flops"] for row in d["ranks"])
+    peak = get_device("h100").peak_for("fp32")[0]
+    assert st["mfu"] == pytest.approx(st["model_flops"] / (2 * peak * st["step_seconds"]))
+    text = CliRunner().invoke(main, args)
+    assert text.exit_code == 0 and "step on h100-sxm" in text.output and "idle" in text.output, text.output

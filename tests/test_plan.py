@@ -85,6 +85,61 @@ def test_pp_bubble_and_in_flight_are_ptdp():
         assert r["in_flight"] == (m if sched == "gpipe" else min(p, m))
     r = pl.evaluate(Layout(1, 1, 2, 1, 4, "ddp", "none", "interleaved-1f1b", 2))
     assert r["bubble"] == pytest.approx(1 / 8)
+    assert r["in_flight"] == min(2 * 2 + 2 - 1, 2 * 4) / 2  # Korthikanti et al. 2022 §4.2.3, chunks / v
+
+
+def _pytorch_interleaved(p, m, v):
+    """PyTorch's ScheduleInterleaved1F1B for p ranks, m micro-batches, v stages per rank on a fake
+    process group: None if its constructor refuses m, else the most model chunks any rank holds
+    (walking its ``pipeline_order``: + at each F, − at each B)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p)
+    try:
+        stages = [PipelineStage(torch.nn.Identity(), s, p * v, torch.device("cpu")) for s in range(0, p * v, p)]
+        try:
+            sched = ScheduleInterleaved1F1B(stages, m, loss_fn=lambda out, target: out.sum())
+        except ValueError:
+            return None
+        most = 0
+        for acts in sched.pipeline_order.values():
+            held = peak = 0
+            for a in acts:
+                kind = a.computation_type.value if a is not None else None
+                held += {"F": 1, "B": -1}.get(kind, 0)
+                peak = max(peak, held)
+            most = max(most, peak)
+        return most
+    finally:
+        dist.destroy_process_group()
+
+
+def test_interleaved_layouts_are_the_ones_pytorch_runs():
+    """plan enumerates the interleaved micro-batch counts PyTorch's constructor accepts (its flex
+    rounds: m = 3 or 6 on 4 ranks, not only multiples of PP), and holds as many chunks in flight
+    as its action lists do; where PP divides m, the bubble is PTD-P's (PP − 1)/(v·m)."""
+    from symcost.frontends.pipeline import schedule_order, simulate
+
+    pl, rng = _planner(), _rng("interleaved")
+    cases = {(p, m) for p in (2, 4) for m in range(1, 3 * p + 1) if rng.random() < 0.5} | {(4, 6), (4, 3), (4, 9)}
+    for p, m in sorted(cases):
+        want = _pytorch_interleaved(p, m, 2)
+        got = enumerate_layouts(p, m, 8, 8, schedules=("interleaved-1f1b",), micro_batches=(1,), max_tp=1,
+                                shards=("ddp",), checkpoints=("none",))
+        assert any(x.pp == p for x in got) == (want is not None), (p, m)
+        if want is None:
+            continue
+        r = pl.evaluate(Layout(1, 1, p, 1, m, "ddp", "none", "interleaved-1f1b", 2))
+        assert r["in_flight"] == want / 2, (p, m)
+        sim = simulate(schedule_order("interleaved-1f1b", p, m, 2))
+        assert r["bubble"] == pytest.approx(sim["bubble"])
+        if m % p == 0:
+            assert r["bubble"] == pytest.approx((p - 1) / (2 * m))
 
 
 @pytest.mark.heavy

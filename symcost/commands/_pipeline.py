@@ -35,10 +35,12 @@ def pipeline_options(f):
 
 
 def pipeline_request(ctx):
-    """``(pp, schedule, microbatches, virtual)`` or None without ``--pp``.
+    """``(pp, schedule, microbatches, virtual, gpu, devices_per_node)`` or None without ``--pp``
+    (``gpu``: ``--gpu``/``--device`` to price the step on, or None).
 
     Raises:
-        SymcostError: a pipeline option without ``--pp``, or ``--pp`` with ``--dp``.
+        SymcostError: a pipeline option without ``--pp``, ``--pp`` with ``--dp`` or another option
+            it does not model, two devices named, an unknown device.
     """
     meta = ctx.find_root().meta
     pp = meta.get("symcost.pp")
@@ -52,14 +54,24 @@ def pipeline_request(ctx):
     if meta.get("symcost.dp") is not None:
         raise SymcostError("--pp with --dp (PP x DP) is not composed yet; give one of them")
     for key, flag in (("symcost.tp", "--tp"), ("symcost.sp", "--sp"), ("symcost.shard", "--shard"),
-                      ("symcost.gpu", "--gpu"), ("symcost.fsdp_mp", "--fsdp-mp"), ("symcost.nodes", "--nodes"),
-                      ("symcost.devices_per_node", "--devices-per-node")):
+                      ("symcost.fsdp_mp", "--fsdp-mp"), ("symcost.nodes", "--nodes")):
         if meta.get(key):
             raise SymcostError(f"--pp with {flag} is not modelled yet (the pipeline report is one device per "
-                               "stage, no step time); give one of them")
+                               "stage; --gpu and --devices-per-node price its step); give one of them")
+    gpu, alias = meta.get("symcost.gpu"), meta.get("symcost.gpu_alias")
+    if alias is not None and gpu not in (None, alias):
+        raise SymcostError(f"--device {alias} and --gpu {gpu} name two devices: give one")
+    gpu = gpu or alias
+    per_node = meta.get("symcost.devices_per_node")
+    if per_node is not None and gpu is None:
+        raise SymcostError("--devices-per-node with --pp needs --gpu (the device whose links price the step)")
+    if gpu is not None:  # an unknown device: say so before the trace
+        from symcost.hardware.devices import get_device
+
+        get_device(gpu)
     schedule = meta.get("symcost.pp_schedule") or "1f1b"
     virtual = meta.get("symcost.pp_virtual") or (2 if schedule == "interleaved-1f1b" else 1)
-    return pp, schedule, meta.get("symcost.pp_microbatches") or pp, virtual
+    return pp, schedule, meta.get("symcost.pp_microbatches") or pp, virtual, gpu, per_node
 
 
 def report_pipeline(req, model, sets, config, attention, precision, as_json, optimizer):
@@ -67,17 +79,29 @@ def report_pipeline(req, model, sets, config, attention, precision, as_json, opt
     from symcost.frontends.models import resolve
     from symcost.passes.pipeline import summary
 
-    pp, schedule, m, v = req
+    pp, schedule, m, v, gpu, per_node = req
     spec = resolve(model, parse_config(config), attention)
     sizes = parse_sizes(sets)
     unknown = [k for k in sizes if k not in spec.all_symbols]
     if unknown:
         raise SymcostError(f"unknown symbol {unknown[0]!r} for {spec.name}; accepted: {', '.join(spec.all_symbols)}"
                           f"{MESH_HINT.get(unknown[0], '')}")
-    r = summary(spec, pp, schedule, m, v, precision, sizes, optimizer)
+    device = None
+    if gpu is not None:
+        from symcost.hardware.devices import get_device
+
+        device = get_device(gpu)
+    no_cache = click.get_current_context().find_root().meta.get("symcost.no_cache")
+    r = summary(spec, pp, schedule, m, v, precision, sizes, optimizer, device=device, devices_per_node=per_node,
+                cache=None if no_cache else (model, parse_config(config), attention))
     if as_json:
         out = {k: r[k] for k in ("schedule", "engine", "source", "pp", "microbatches", "virtual", "bubble",
-                                 "blocks", "ranks", "divisible")}
+                                 "blocks", "ranks", "divisible") + (("step",) if "step" in r else ())}
+        if "step" in out:
+            out["step"] = {**out["step"],
+                           "stage_seconds": {str(s): t for s, t in out["step"]["stage_seconds"].items()},
+                           "busy": {str(k): t for k, t in out["step"]["busy"].items()},
+                           "idle": {str(k): t for k, t in out["step"]["idle"].items()}}
         out["bubble_formula"] = str(r["bubble_formula"])
         out["formulas"] = {p: {k: str(e) for k, e in f.items()} for p, f in r["formulas"].items()}
         out["stages"] = {str(s): d for s, d in r["stages"].items()}

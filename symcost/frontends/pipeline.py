@@ -204,12 +204,15 @@ def _executed(cls, rank: int, pp: int, microbatches: int) -> list:
     return log
 
 
-def simulate(order: Mapping[int, list], t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0) -> dict[str, Any]:
+def simulate(order: Mapping[int, list], t_f: float | Mapping[int, float] = 1.0, t_b: float | Mapping[int, float] = 2.0,
+             t_w: float = 0.0) -> dict[str, Any]:
     """Run the per-rank action lists on a dependency clock: a rank runs its actions in order;
     F of (stage s, micro-batch i) starts after F of (s-1, i) ended, B (or I) of (s, i) after B/I of
     (s+1, i) and after F of (s, i); W after I. Communication takes no time (its bytes are counted
     apart). ``t_f``, ``t_b`` are one stage's forward and backward time per micro-batch (PTD-P's
-    t_f and t_b; the backward's ``I`` takes ``t_b - t_w`` and ``W`` takes ``t_w``).
+    t_f and t_b; the backward's ``I`` takes ``t_b - t_w`` and ``W`` takes ``t_w``), seconds or any
+    unit; either may be a mapping stage -> time (stages of unequal cost: the first holds the
+    embedding, the last the head and loss).
 
     Returns:
         ``makespan``, per rank ``busy`` and ``idle`` time, ``bubble`` (the largest idle / busy
@@ -219,7 +222,12 @@ def simulate(order: Mapping[int, list], t_f: float = 1.0, t_b: float = 2.0, t_w:
     Raises:
         SymcostError: the lists deadlock (an action waits on one that never runs).
     """
-    dur = {"F": t_f, "B": t_b, "I": t_b - t_w, "W": t_w}
+    def per(t, s):
+        return t[s] if isinstance(t, Mapping) else t
+
+    def dur(kind, s):
+        return {"F": per(t_f, s), "B": per(t_b, s), "I": per(t_b, s) - t_w, "W": t_w}[kind]
+
     done: dict[tuple, float] = {}
     pos = {r: 0 for r in order}
     clock = {r: 0.0 for r in order}
@@ -247,9 +255,9 @@ def simulate(order: Mapping[int, list], t_f: float = 1.0, t_b: float = 2.0, t_w:
                 if not all(d in done for d in deps):
                     break
                 start = max([clock[r]] + [done[d] for d in deps])
-                end = start + dur[kind]
+                end = start + dur(kind, s)
                 clock[r] = end
-                busy[r] += dur[kind]
+                busy[r] += dur(kind, s)
                 done[(kind, s, i)] = end
                 if kind in ("B", "I"):
                     done[("Bx", s, i)] = end
@@ -560,8 +568,6 @@ def stage_spec(spec, part: str, layers: str, p2p: bool = True):
     def boundary(values):
         key = tuple(sorted(values.items()))
         if key not in probes:
-            import torch
-
             probes[key] = probe_spec(spec, values, layers)
         return probes[key]
 

@@ -20,6 +20,7 @@ micro-batch in the order of PyTorch's schedule (``schedule_order``), so per step
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 import sympy
@@ -40,10 +41,16 @@ def _saved(an) -> sympy.Expr:
     return sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
 
 
-def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", sizes: Mapping[str, int] | None = None):
+def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", sizes: Mapping[str, int] | None = None,
+                 cache: tuple | None = None):
     """Trace the stage modules a pipeline of ``pp`` ranks × ``virtual`` stages needs
     (``first`` and ``last``, ``middle`` when there are more than 2 stages). Returns
-    ``(spec, {part: Analysis})``; each Analysis's ``L`` is the blocks of that stage."""
+    ``(spec, {part: Analysis})``; each Analysis's ``L`` is the blocks of that stage.
+
+    ``cache``: ``(model, config, attention)`` as the command line named them: each stage kind's
+    trace is then read from (or written to) the trace cache (:mod:`symcost.graph.cache`) under
+    the options ``{"pp_stage": part}``; one entry serves every PP, m and schedule (L is a symbol
+    of the stage), within the regime of the requested sizes."""
     import symcost
     from symcost.frontends.models import resolve
     from symcost.frontends.spec import ModelSpec
@@ -54,28 +61,44 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
         raise SymcostError(f"{spec.name} has no symbol L (repeated blocks), so no pipeline stages")
     n = pp * virtual
     values = spec.values(dict(sizes or {}))
-    layers = spec.layers
-    if layers is None:
+    stage_blocks(values["L"], n)  # enough blocks for the stages
+
+    @functools.cache
+    def container():
+        if spec.layers is not None:
+            return spec.layers
         import torch
 
         with torch.device("meta"):
-            layers = find_layer_container(spec, spec.build(values), values)
-    stage_blocks(values["L"], n)  # enough blocks for the stages
+            return find_layer_container(spec, spec.build(values), values)
+
     parts = {"first", "last"} | ({"middle"} if n > 2 else set())
     # the regime is that of the requested sizes; L is each stage's own block count, a symbol
     # fitted from the probes like any other (so one trace serves every PP and split)
     req = tuple(sorted((k, v) for k, v in (sizes or {}).items() if k in spec.all_symbols and k != "L"))
     out = {}
     for part in sorted(parts):
-        key = (spec.name, tuple(sorted(spec.defaults.items())), part, layers, precision, req)
+        key = (spec.name, tuple(sorted(spec.defaults.items())), part, spec.layers, precision, req,
+               (cache[0], tuple(sorted((cache[1] or {}).items())), cache[2]) if cache else None)
         if key not in _TRACES:
-            _TRACES[key] = symcost.trace(stage_spec(spec, part, layers), sizes=dict(req), precision=precision)
+            def fresh(part=part):
+                return symcost.trace(stage_spec(spec, part, container()), sizes=dict(req), precision=precision)
+
+            if cache is not None:
+                from symcost.graph.cache import cached_trace
+
+                name, config, attention = cache
+                _TRACES[key] = cached_trace(name, config, attention, precision, dict(req), fresh,
+                                            options={"pp_stage": part})
+            else:
+                _TRACES[key] = fresh()
         out[part] = _TRACES[key]
     return spec, out
 
 
 def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, precision: str = "fp32",
-            sizes: Mapping[str, int] | None = None, optimizer: str = "adamw", peak: bool = True) -> dict[str, Any]:
+            sizes: Mapping[str, int] | None = None, optimizer: str = "adamw", peak: bool = True,
+            device=None, devices_per_node: int | None = None, cache: tuple | None = None) -> dict[str, Any]:
     """One pipeline step (``microbatches`` micro-batches of B sequences) on each of ``pp`` ranks.
 
     Args:
@@ -84,6 +107,8 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         microbatches: micro-batches per step (m). virtual: stages per rank (v, interleaved only).
         precision: precision policy of the trace (and of the model states).
         sizes: symbol values (B is the micro-batch size; L the whole model's blocks).
+        cache: ``(model, config, attention)``: the stage traces through the trace cache
+            (:func:`trace_stages`).
 
     Returns:
         ``schedule``, ``source``, ``pp``, ``microbatches``, ``virtual``, ``bubble`` (idle/busy of
@@ -97,7 +122,9 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         ``peak``, ``memory``: the rank's step run through PyTorch's schedule on fake tensors
         (:func:`symcost.tracing.pipeline.rank_memory`: ``params``, ``grads``, ``kept`` engine
         buffers, ``top`` and ``peak`` bytes of a step without the optimizer) and ``peak_with_optimizer``
-        (that peak plus the optimizer state and master weights of the policy).
+        (that peak plus the optimizer state and master weights of the policy). With ``device``
+        (and ``devices_per_node``, default the device's), ``step``: the step priced on it
+        (:func:`price`), and per rank ``busy_seconds`` and ``idle_seconds``.
 
     Raises:
         SymcostError: an invalid pipeline (:func:`check_schedule`), fewer blocks than stages, a
@@ -107,7 +134,7 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
 
     check_schedule(schedule, pp, microbatches, virtual)
     order = schedule_order(schedule, pp, microbatches, virtual)  # PyTorch's refusals before any trace
-    spec, ans = trace_stages(model, pp, virtual, precision, sizes)
+    spec, ans = trace_stages(model, pp, virtual, precision, sizes, cache)
     sim = simulate(order)
     n = pp * virtual
     values = spec.values(dict(sizes or {}))
@@ -163,8 +190,71 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
                           "send": f(an.comm_bytes("send")), "recv": f(an.comm_bytes("recv")),
                           "params": f(an.params)}
     m = sympy.Symbol("m", positive=True, integer=True)
-    return {"schedule": schedule, "engine": f"torch.distributed.pipelining.{SCHEDULES[schedule][0]}",
+    step = None
+    if device is not None:
+        step = price(ans, values, blocks, order, device, pp, microbatches, devices_per_node)
+        for row in ranks:
+            row["busy_seconds"], row["idle_seconds"] = step["busy"][row["rank"]], step["idle"][row["rank"]]
+    return {**({"step": step} if step else {}), "schedule": schedule, "engine": f"torch.distributed.pipelining.{SCHEDULES[schedule][0]}",
             "source": SCHEDULES[schedule][2], "pp": pp, "microbatches": microbatches, "virtual": virtual,
             "bubble": sim["bubble"], "bubble_formula": (PP - 1) / (v * m) if virtual > 1 else (PP - 1) / m,
             "formulas": formulas, "stages": per_stage, "ranks": ranks, "blocks": blocks,
             "divisible": values["L"] % n == 0}
+
+
+def price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: list[int], order: Mapping[int, list], device,
+          pp: int, microbatches: int, devices_per_node: int | None = None, fused: bool = True) -> dict[str, Any]:
+    """The pipeline step priced on ``device``: PyTorch's action lists (``order``) run on the
+    dependency clock of :func:`~symcost.frontends.pipeline.simulate` with each stage's own times.
+
+    A stage's forward (backward) time per micro-batch is its roofline seconds of that phase at
+    its block count (:func:`symcost.passes.roofline.roofline` on the stage's trace, ``values`` with
+    L = ``blocks[s]``) plus the bytes it sends in that phase (the activation forward, its
+    gradient backward) over the link between pipeline ranks, on the critical path as in PTD-P's
+    performance model (Narayanan et al. 2021 §3.2: point-to-point time per micro-batch and
+    stage): the scale-up link when the PP ranks share a node (PP ≤ devices per node), else the
+    network (one NIC per device). One device per rank; the optimizer step is not timed (as
+    ``report --dp --gpu``).
+
+    Returns:
+        ``stage_seconds`` {stage: {forward, backward, p2p}} (seconds per micro-batch, p2p
+        included in the first two), ``step_seconds`` (the makespan, seconds), per rank ``busy``
+        and ``idle`` seconds, ``bubble`` (idle / busy of the slowest rank at these times:
+        PTD-P's t_pb / t_id priced; (PP − 1)/m for equal stages under GPipe and 1F1B),
+        ``bubble_seconds`` (that rank's idle time), ``model_flops`` (FLOPs of the step, all ranks),
+        ``mfu`` (model FLOPs / (PP · peak FLOP/s · step seconds), the peak of the trace's training
+        precision), ``link``, ``link_bandwidth`` (byte/s per direction), ``devices_per_node``, ``device`` (its key).
+
+    Raises:
+        SymcostError: a device without a peak for the trace's precision, or without the link
+            bandwidth the pipeline's transfers need (an ``interconnect`` table).
+    """
+    from symcost.passes.roofline import roofline, training_precision
+
+    ic = device.interconnect or {}
+    per_node = devices_per_node or ic.get("devices_per_node") or pp
+    key = "link_bandwidth" if pp <= per_node else "network_bandwidth"
+    link, bw = ic.get("link" if pp <= per_node else "network", key.split("_")[0]), ic.get(key)
+    if not bw:
+        raise SymcostError(f"{device.key} lists no {key} for the pipeline's point-to-point transfers; add an "
+                           f"[{device.key}.interconnect] table with --devices-file")
+    n = len(blocks)
+    times, model_flops = {}, 0.0
+    for s in range(n):
+        an = ans[part_of(s, n)]
+        env = {k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")}
+        env["L"] = blocks[s]
+        r = roofline(an, device, env, fused=fused, with_formulas=False)
+        bound = an.bind(**env)
+        sent = {ph: float(sympy.sympify(an.comm_bytes("send", ph)).xreplace(bound)) for ph in ("forward", "backward")}
+        times[s] = {ph: r["per_phase"].get(ph, {}).get("seconds", 0.0) + sent[ph] / bw for ph in ("forward", "backward")}
+        times[s]["p2p"] = sum(sent.values()) / bw
+        model_flops += float(r["model_flops"]) * microbatches
+    sim = simulate(order, {s: t["forward"] for s, t in times.items()}, {s: t["backward"] for s, t in times.items()})
+    slow = max(sim["busy"], key=lambda r: sim["idle"][r] / sim["busy"][r] if sim["busy"][r] else 0.0)
+    peak, _ = device.peak_for(training_precision(ans["first"]))
+    step = sim["makespan"]
+    return {"stage_seconds": times, "step_seconds": step, "busy": sim["busy"], "idle": sim["idle"],
+            "bubble": sim["bubble"], "bubble_seconds": sim["idle"][slow], "model_flops": model_flops,
+            "mfu": model_flops / (pp * peak * step) if step else 0.0, "link": link, "link_bandwidth": bw,
+            "devices_per_node": per_node, "device": device.key}

@@ -14,9 +14,10 @@ What is traced and what is composed:
 * **Composed** (formulas of the papers, stated here): a pipeline stage holds L/PP blocks and, on
   the worst rank, everything outside the blocks (embedding and head together: an upper bound of
   either end stage); micro-batches in flight on the first rank: GPipe m, 1F1B min(PP, m),
-  interleaved min(v·PP + PP − 1, v·m)/v stages' worth (Narayanan et al. 2021 §2.2; Korthikanti et
-  al. 2022 §4.2.3); bubble (PP − 1)/(v·m) (Narayanan et al. 2021 §2.2, eq. 1), which
-  ``report --pp`` reads off PyTorch's schedules; data-parallel model states by
+  interleaved: the most model chunks a rank of PyTorch's schedule holds, /v (min(v·PP + PP − 1,
+  v·m)/v where PP divides m: Narayanan et al. 2021 §2.2; Korthikanti et al. 2022 §4.2.3);
+  bubble (PP − 1)/m (Narayanan et al. 2021 §2.2, eq. 1), interleaved read off PyTorch's schedule
+  ((PP − 1)/(v·m) where PP divides m; more in its flex rounds), as ``report --pp`` does; data-parallel model states by
   :func:`symcost.passes.parallel.model_state_bytes` over the rank's parameters; data-parallel
   collectives as nccl-tests' ring over the rank's gradients and parameters (the bytes a DP trace
   records, docs/parallel.md §3); the pipeline's point-to-point bytes are the block input ``x``
@@ -91,7 +92,8 @@ def enumerate_layouts(devices: int, global_batch: int, L: int, H: int, *, shards
     (uniform stages; interleaved: L/(pp·v) whole), dp divides ``global_batch``, b·m =
     global_batch/dp with b in ``micro_batches`` (default: every divisor), each shard and
     checkpoint; pipelines of one rank take no schedule (plain gradient accumulation); PyTorch's
-    1F1B needs m ≥ pp and its interleaved schedule m a multiple of pp. ``tp_ok(tp)``: whether the
+    1F1B needs m ≥ pp and its interleaved schedule m a multiple of its rounds
+    (:func:`interleaved_accepts`). ``tp_ok(tp)``: whether the
     model's tensor-parallel plan accepts ``tp`` (every dimension it shards divisible), if given.
 
     Raises:
@@ -120,12 +122,42 @@ def enumerate_layouts(devices: int, global_batch: int, L: int, H: int, *, shards
                     v = virtual if sched == "interleaved-1f1b" else 1
                     if sched == "1f1b" and m < pp:
                         continue
-                    if sched == "interleaved-1f1b" and (m % pp or L % (pp * v)):
+                    if sched == "interleaved-1f1b" and (L % (pp * v) or not interleaved_accepts(pp, m)):
                         continue
                     for shard in (shards if dp > 1 else ("ddp",)):
                         for ck in checkpoints:
                             out.append(Layout(dp, tp, pp, b, m, shard, ck, sched, v))
     return out
+
+
+def interleaved_accepts(pp: int, m: int) -> bool:
+    """Whether PyTorch's ``ScheduleInterleaved1F1B`` runs ``m`` micro-batches on ``pp`` ranks:
+    rounds = max(1, m // pp) and m a multiple of the rounds (torch/distributed/pipelining/
+    schedules.py, the "flex_pp" rule of torch ≥ 2.5; e.g. pp 4 takes m = 3, 6, 10 but not 9).
+    tests/test_plan.py checks it against the schedule's own constructor."""
+    return m % max(1, m // pp) == 0
+
+
+@functools.lru_cache(maxsize=None)
+def interleaved_schedule(pp: int, m: int, v: int) -> tuple[float, float]:
+    """``(in_flight, bubble)`` of PyTorch's interleaved 1F1B with ``pp`` ranks, ``m`` micro-batches
+    and ``v`` stages per rank: the most model chunks any rank holds, in stages' worth (/v), and
+    idle / busy time, both read off the schedule's action lists on a dependency clock
+    (:func:`symcost.frontends.pipeline.simulate`). Where m is a multiple of pp they are
+    Korthikanti et al. 2022 §4.2.3's min(v·pp + pp − 1, v·m)/v and Narayanan et al. 2021 §2.2's
+    (pp − 1)/(v·m); PyTorch's flex rounds (m = 6 on pp = 4: one round of 6) hold more and idle
+    longer than those formulas say. Where pp divides m the formulas are returned without
+    building the schedule (tests/test_pipeline_parallel.py and tests/test_plan.py check them
+    against its action lists), which keeps a plan over pp = 64 and m in the hundreds fast.
+
+    Raises:
+        SymcostError: PyTorch refuses the schedule."""
+    from symcost.frontends.pipeline import schedule_order, simulate
+
+    if m % pp == 0:
+        return min(v * pp + pp - 1, v * m) / v, (pp - 1) / (v * m)
+    sim = simulate(schedule_order("interleaved-1f1b", pp, m, v))
+    return max(sim["in_flight"].values()) / v, sim["bubble"]
 
 
 def _split_L(e) -> tuple[sympy.Expr, sympy.Expr]:
@@ -226,7 +258,7 @@ class Planner:
         if lay.schedule == "gpipe":
             in_flight = m
         elif lay.schedule == "interleaved-1f1b":
-            in_flight = min(v * p + p - 1, v * m) / v
+            in_flight, bubble = interleaved_schedule(p, m, v)
         elif lay.schedule == "1f1b":
             in_flight = min(p, m)
         else:
@@ -269,7 +301,8 @@ class Planner:
         tp_s = tp_bytes / m / tp_bw if t > 1 else 0.0
         pp_s = pp_bytes / m / pp_bw if p > 1 else 0.0
         per_mb_s = fwd + bwd + tp_s + pp_s
-        bubble = (p - 1) / (v * m) if p > 1 else 0.0
+        if lay.schedule != "interleaved-1f1b":
+            bubble = (p - 1) / m if p > 1 else 0.0
         pipe_s = m * per_mb_s * (1 + bubble)
         dp_s = dp_bytes / dp_bw if d > 1 else 0.0
         if self.overlap == "none":

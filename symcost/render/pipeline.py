@@ -24,6 +24,13 @@ def _flops(n: float) -> str:
     return f"{n:.0f} FLOP"
 
 
+def _seconds(x: float) -> str:
+    for unit, k in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if x >= k:
+            return f"{x / k:.3g} {unit}"
+    return f"{x * 1e9:.3g} ns"
+
+
 def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None) -> None:
     """Per-rank table (stages, blocks, FLOPs per step, micro-batches in flight, activations held,
     p2p bytes sent and received, model states) and the bubble, then each stage kind's formulas."""
@@ -33,18 +40,29 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
                   f"({r['engine']}), m={r['microbatches']} micro-batches"
                   + (f", v={v} stages per rank" if v > 1 else ""))
     console.print(f"  schedule: {r['source']}")
+    ptdp = (r["pp"] - 1) / (v * r["microbatches"])
+    flex = "" if abs(ptdp - r["bubble"]) < 1e-9 else \
+        f" (PyTorch's interleaved rounds: m = {r['microbatches']} is not a multiple of PP, so not PTD-P's {ptdp:.4f})"
     console.print(f"  bubble (idle/busy, PyTorch's action lists on a dependency clock): {r['bubble']:.4f}"
-                  f"   formula {r['bubble_formula']}")
+                  f"   formula {r['bubble_formula']}{flex}")
+    st = r.get("step")
+    if st:
+        console.print(f"  step on {st['device']}: {_seconds(st['step_seconds'])} "
+                      f"(PyTorch's action lists on a dependency clock, each stage's roofline time per micro-batch "
+                      f"+ its p2p bytes over the {st['link']}); bubble at these times {st['bubble']:.4f} "
+                      f"({_seconds(st['bubble_seconds'])} idle on the slowest rank); MFU {st['mfu']:.1%}")
     if not r["divisible"]:
         console.print(f"  L does not divide into {r['pp'] * v} stages: blocks per stage {r['blocks']}")
     t = Table(title="per rank, one step")
-    for col in ("rank", "stages", "blocks", "FLOPs", "in flight", "activations held", "p2p sent", "p2p recv",
-                "model states", "peak"):
+    cols = ["rank", "stages", "blocks", "FLOPs", "in flight", "activations held", "p2p sent", "p2p recv",
+            "model states", "peak"] + (["busy", "idle"] if st else [])
+    for col in cols:
         t.add_column(col, justify="right", overflow="fold")
     for row in r["ranks"]:
         t.add_row(str(row["rank"]), ",".join(map(str, row["stages"])), str(row["blocks"]), _flops(row["flops"]),
                   str(row["in_flight"]), _bytes(row["activations"]), _bytes(row["send"]), _bytes(row["recv"]),
-                  _bytes(row["model_states"]), _bytes(row["peak_with_optimizer"]) if "memory" in row else "-")
+                  _bytes(row["model_states"]), _bytes(row["peak_with_optimizer"]) if "memory" in row else "-",
+                  *([_seconds(row["busy_seconds"]), _seconds(row["idle_seconds"])] if st else []))
     console.print(t)
     if any("memory" in row for row in r["ranks"]):
         console.print("  peak: the rank's step run through PyTorch's schedule on fake tensors (parameters, "
