@@ -74,19 +74,21 @@ def _check(an, v: dict, got: dict, what) -> None:
     assert int(an.params_shard.subs(env)) == got["shard"], what
 
 
-@pytest.mark.parametrize("shard,n", [("fsdp", 2)])
-def test_per_rank_against_pytorch_on_the_fake_2d_mesh(shard, n):
+@pytest.mark.parametrize("shard,n,sp", [("fsdp", 2, False), ("fsdp", 2, True)])
+def test_per_rank_against_pytorch_on_the_fake_2d_mesh(shard, n, sp):
     """At random DP, TP (2 and 4 each, so DP = TP is drawn too, where only the process group
     tells a collective's mesh dimension) and sizes: the rank's model FLOPs, saved bytes,
     collective bytes per group and kind, and parameter elements equal PyTorch's on the fake
-    group. (``replicate`` over TP passes the same check, ``("ddp", n)``: left out of the suite
-    for its time, a 45 s trace; docs/parallel.md §11.1.)"""
-    an = _trace(shard)
-    assert {"DP", "TP"} <= set(an.symbols) and an.tensor_parallel == "tp" and an.parallel == shard
-    rng = random.Random(216 + len(shard))
+    group, without and with sequence parallelism (whose trace keeps every symbol: no size is
+    pinned). (``replicate`` over TP passes the same check, ``("ddp", n, False)``: left out of the
+    suite for its time, a 45 s trace; docs/parallel.md §11.1.)"""
+    an = _trace(shard, sp)
+    assert {"DP", "TP"} <= set(an.symbols) and an.tensor_parallel == ("tp+sp" if sp else "tp")
+    assert an.parallel == shard and not an.pinned
+    rng = random.Random(216 + len(shard) + 100 * sp)
     for _ in range(n):
-        v = _draw(rng)
-        _check(an, v, _fake(v, shard), (shard, v))
+        v = _draw(rng, sp)
+        _check(an, v, _fake(v, shard, sp), (shard, sp, v))
 
 
 def test_groups_split_the_collectives():

@@ -132,12 +132,9 @@ def _dims0(spec, values: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     """The distinct first dimensions of the parameters of ``spec`` built on the meta device at
     ``values`` (scalars left out; L at most the leading blocks + 2: later blocks repeat them),
     memoised per model (:func:`memo_per_model`): a probe search asks this for about a thousand
-    candidate sizes, and building an ``hf:`` model costs ~20 ms."""
-    import torch
-
+    candidate sizes (each build :meth:`ModelSpec.build_meta`, without parameter init)."""
     def build(v):
-        with torch.device("meta"):
-            model = spec.build(v)
+        model = spec.build_meta(v)
         return tuple(sorted({int(p.shape[0]) for p in model.parameters() if p.dim()}))
 
     values = {k: x for k, x in values.items() if k not in ("DP", "TP")}

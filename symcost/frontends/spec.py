@@ -6,6 +6,8 @@ read a specification's data without importing torch. ``symcost.frontends.models`
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -113,6 +115,24 @@ def request_facts(values: Mapping[str, int], symbols) -> dict:
     return {"ones": ones, "equal": [list(p) for p in equal]}
 
 
+@contextlib.contextmanager
+def _skip_init():
+    """``torch.nn.init``'s in-place initialisers (``normal_``, ``kaiming_uniform_``, ...) made to
+    return their tensor untouched, then restored."""
+    import torch
+
+    init = torch.nn.init
+    names = [n for n in dir(init) if n.endswith("_") and not n.startswith("_") and callable(getattr(init, n))]
+    saved = {n: getattr(init, n) for n in names}
+    try:
+        for n in names:
+            setattr(init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(init, n, f)
+
+
 @dataclass
 class ModelSpec:
     """How to build and run one training step of a model for given symbol values.
@@ -206,6 +226,19 @@ class ModelSpec:
             if b in out:
                 out[a] = out[b]
         return out
+
+    def build_meta(self, values: Mapping[str, int]):
+        """The model built at ``values`` on the meta device, with ``torch.nn.init``'s
+        initialisers skipped: on meta tensors they write nothing, and they were 95% of a build
+        (megatron-gpt: 70 ms → 2.4 ms), which a probe search does about a thousand times
+        (transformers' ``no_init_weights`` skips them the same way).
+
+        Raises:
+            whatever ``build`` raises."""
+        import torch
+
+        with torch.device("meta"), _skip_init():
+            return self.build(values)
 
     def probe_ok(self, values: Mapping[str, int]) -> str | None:
         """Why ``values`` cannot be a probe: ``check``, then ``probe_check``; None if they can."""

@@ -123,9 +123,7 @@ def _indivisible(spec, values: Mapping[str, int], sp: bool) -> str | None:
 def _sharded_dims(spec, values: Mapping[str, int]) -> dict:
     """:func:`sharded_dims` of ``spec`` built on the meta device at ``values`` (TP aside),
     memoised per model (:func:`symcost.frontends.parallel.memo_per_model`): a probe search asks
-    this for a hundred or more candidate sizes, and a build costs 20-50 ms."""
-    import torch
-
+    this for a hundred or more candidate sizes (each build :meth:`ModelSpec.build_meta`)."""
     from symcost.frontends.parallel import memo_per_model
 
     values = {k: v for k, v in values.items() if k not in ("TP", "DP")}
@@ -135,8 +133,7 @@ def _sharded_dims(spec, values: Mapping[str, int]) -> dict:
         values["L"] = min(values["L"], int(getattr(spec, "lead_blocks", 0) or 0) + 2)
 
     def build(v):
-        with torch.device("meta"):
-            return tuple(sharded_dims(spec.build(v), spec.layers).items())
+        return tuple(sharded_dims(spec.build_meta(v), spec.layers).items())
 
     return dict(memo_per_model(_SHARDED.setdefault(spec.build, {}), values, build))
 

@@ -67,10 +67,7 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
     def container():
         if spec.layers is not None:
             return spec.layers
-        import torch
-
-        with torch.device("meta"):
-            return find_layer_container(spec, spec.build(values), values)
+        return find_layer_container(spec, spec.build_meta(values), values)
 
     parts = {"first", "last"} | ({"middle"} if n > 2 else set())
     # the regime is that of the requested sizes; L is each stage's own block count, a symbol

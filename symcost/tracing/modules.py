@@ -53,11 +53,8 @@ def module_classes(an) -> dict[str, str]:
     if stored is not None:
         return dict(stored)
     try:
-        import torch
-
         values = dict(an.recordings[0].values) if an.recordings else dict(an.spec.defaults)
-        with torch.device("meta"):
-            model = an.spec.build(values)
+        model = an.spec.build_meta(values)
         c = an.layer_container
         pre = f"{c}." if c else ""
         out = {}

@@ -514,6 +514,10 @@ class _Recorder(TorchDispatchMode):
         return None
 
 
+#: process group name -> mesh symbol ("DP", "TP") of every 2-D mesh recorded in this process
+_MESH_GROUPS: dict[str, str] = {}
+
+
 @contextlib.contextmanager
 def _observe_resize(rec: _Recorder):
     """While recording, every ``UntypedStorage.resize_`` is reported to ``rec``
@@ -687,8 +691,7 @@ def find_layer_container(spec: ModelSpec, model: nn.Module, values: Mapping[str,
     if not here:
         found = set()
     else:
-        with torch.device("meta"):
-            other = _containers(spec.build(dict(values, L=n + 1)))
+        other = _containers(spec.build_meta(dict(values, L=n + 1)))
         found = {k for k in here if other.get(k) == n + 1}
     if len(found) == 1:
         return found.pop()
@@ -836,8 +839,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
     for a, b in spec.tied.items():
         values[a] = values[b]
     try:
-        with torch.device("meta"):
-            model = spec.build(values)
+        model = spec.build_meta(values)
     except SymcostError:
         raise
     except Exception as e:  # noqa: BLE001
@@ -866,7 +868,12 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         dims = {k: values[k] for k, on in (("DP", parallel), ("TP", tp)) if on is not None}
         mesh = fake_mesh(dims)
         if len(dims) > 1:
-            groups = {mesh[k].get_group().group_name: k for k in dims}
+            # every 2-D mesh's group names so far, this one's last: DTensor's caches keep the
+            # DeviceMesh of an earlier recording whose mesh compares equal (same shape and
+            # names), so a collective can name that mesh's group (seen: sequence parallelism's
+            # backward all-gathers in every recording after the first of a process)
+            _MESH_GROUPS.update({mesh[k].get_group().group_name: k for k in dims})
+            groups = dict(_MESH_GROUPS)
     if tp is not None:
         from symcost.frontends.tensor_parallel import apply
 
@@ -991,8 +998,11 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             ref = StorageWeakRef(st)
             key = ref.cdata
             if key in static_storages or key in rec.param_storages or (
-                    parallel is not None and (rec.leaf_name(t) or "").startswith("param:")):
-                return t0  # a parameter (FSDP's unsharded one included) or buffer
+                    parallel is not None and any((rec.leaf_name(x) or "").startswith("param:") for x in {t, t0})):
+                # a parameter (FSDP's unsharded one included: on the 2-D mesh a DTensor whose
+                # local tensor is saved before the op names it, as autograd saves a DTensor op's
+                # inputs before it runs: sequence parallelism's replicated norm weights) or buffer
+                return t0
             if key not in seen_saved:
                 saved_refs.append(ref)
                 seen_saved[key] = SavedTensor(st.nbytes(), t.dtype, rec.module_stack[-1], tuple(t.shape))
