@@ -17,7 +17,6 @@ import weakref
 from typing import Any, Mapping
 
 import torch
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
