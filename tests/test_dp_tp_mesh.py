@@ -30,8 +30,12 @@ PRECISION = "bf16-true"
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-@functools.lru_cache(maxsize=None)
 def _trace(shard: str, sp: bool = False):
+    return _traced(shard, sp)  # (one cache key whether sp is given or not)
+
+
+@functools.lru_cache(maxsize=None)
+def _traced(shard: str, sp: bool):
     from symcost.frontends.models import resolve
     from symcost.frontends.parallel import data_parallel
     from symcost.frontends.tensor_parallel import tensor_parallel

@@ -474,13 +474,14 @@ def test_six_n_p_of_one_rank():
     (["max-batch", "megatron-gpt", "--tp", "2", "--global-batch", "64", "--devices", "8"],
      "--global-batch with --tp is not modelled yet"),
     (["report", "cs336-lm", "--pp", "2", "--tp", "2"], "--pp with --tp is not modelled yet"),
-    (["report", "cs336-lm", "--pp", "2", "--gpu", "h100-sxm"], "--pp with --gpu is not modelled yet"),
+    (["report", "cs336-lm", "--pp", "2", "--gpu", "h100-sxm", "--nodes", "2"], "--pp with --nodes is not modelled yet"),
+    (["report", "cs336-lm", "--pp", "2", "--gpu", "nosuchgpu"], "unknown device 'nosuchgpu'"),
     (["report", "cs336-lm", "--dp", "8", "--gpu", "nosuchgpu"], "unknown device 'nosuchgpu'"),
 ])
 def test_refused_before_any_trace(args, msg, monkeypatch):
     """Options a command does not model are one line before the trace (a time --tp once charged one
-    rank's FLOPs as the whole run's; --pp ignored --tp and --gpu; an unknown --gpu came after a
-    30 s trace)."""
+    rank's FLOPs as the whole run's; --pp ignored --tp; an unknown --gpu came after a 30 s
+    trace)."""
     from click.testing import CliRunner
 
     import symcost.graph.build as build
