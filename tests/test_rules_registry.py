@@ -189,3 +189,14 @@ def test_flopcounter_mode_still_counts_real_ops():
         torch.nn.functional.linear(torch.randn(b, m, k), torch.randn(n, k), torch.randn(n))  # 3-D input
         torch.nn.functional.conv1d(x, w, groups=3)  # -> [2, 9, 11]
     assert fc.get_total_flops() == 2 * m * k * n + 2 * b * m * k * n + 2 * 2 * 9 * 2 * 3 * 11
+
+
+def test_operator_dunders_are_the_pointwise_ops_they_alias():
+    """``a | b`` on tensors dispatches ``aten.__or__``, which carries no tags in torch 2.13; each
+    operator dunder is costed as the op it aliases, ``bitwise_or`` and the rest, which PyTorch
+    tags pointwise."""
+    for dunder, alias in (("__or__", "bitwise_or"), ("__and__", "bitwise_and"), ("__xor__", "bitwise_xor"),
+                          ("__lshift__", "bitwise_left_shift"), ("__rshift__", "bitwise_right_shift")):
+        op, ref = getattr(aten, dunder).Tensor, getattr(aten, alias).Tensor
+        assert torch.Tag.pointwise in ref.tags
+        assert rules.classify(op) == rules.classify(ref) == "pointwise", dunder

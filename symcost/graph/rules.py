@@ -613,6 +613,12 @@ def bias_positions(op) -> tuple[int, ...]:
     return ()
 
 
+#: aten's operator dunders that carry no tags of their own (torch 2.13: ``a | b`` and ``a & b`` on
+#: tensors dispatch ``aten.__or__``/``__and__``, aliases of the pointwise ``bitwise_or``/``_and``;
+#: ``__xor__`` and the shifts are tagged pointwise already)
+DUNDER_POINTWISE = {"aten.__or__", "aten.__and__"}
+
+
 def classify(op) -> str:
     """The family of an aten overload: model|view|alloc|move|pointwise|reduction|special|comm|unsupported.
 
@@ -634,7 +640,7 @@ def classify(op) -> str:
     if packet in MOVE_OPS:
         return "move"
     tags = getattr(op, "tags", ())
-    if torch.Tag.pointwise in tags:
+    if torch.Tag.pointwise in tags or packet in DUNDER_POINTWISE:
         return "pointwise"
     if torch.Tag.reduction in tags:
         return "reduction"

@@ -218,7 +218,8 @@ def price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: list[int], 
         included in the first two), ``step_seconds`` (the makespan, seconds), per rank ``busy``
         and ``idle`` seconds, ``bubble`` (idle / busy of the slowest rank at these times:
         PTD-P's t_pb / t_id priced; (PP − 1)/m for equal stages under GPipe and 1F1B),
-        ``bubble_seconds`` (that rank's idle time), ``model_flops`` (FLOPs of the step, all ranks),
+        ``bubble_rank`` (that rank) and ``bubble_seconds`` (its idle time), ``busiest_rank`` (the
+        rank with the most work, which sets the pace), ``model_flops`` (FLOPs of the step, all ranks),
         ``mfu`` (model FLOPs / (PP · peak FLOP/s · step seconds), the peak of the trace's training
         precision), ``link``, ``link_bandwidth`` (byte/s per direction), ``devices_per_node``, ``device`` (its key).
 
@@ -251,7 +252,9 @@ def price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: list[int], 
     slow = max(sim["busy"], key=lambda r: sim["idle"][r] / sim["busy"][r] if sim["busy"][r] else 0.0)
     peak, _ = device.peak_for(training_precision(ans["first"]))
     step = sim["makespan"]
+    busiest = max(sim["busy"], key=sim["busy"].get)
     return {"stage_seconds": times, "step_seconds": step, "busy": sim["busy"], "idle": sim["idle"],
-            "bubble": sim["bubble"], "bubble_seconds": sim["idle"][slow], "model_flops": model_flops,
+            "bubble": sim["bubble"], "bubble_rank": slow, "bubble_seconds": sim["idle"][slow],
+            "busiest_rank": busiest, "model_flops": model_flops,
             "mfu": model_flops / (pp * peak * step) if step else 0.0, "link": link, "link_bandwidth": bw,
             "devices_per_node": per_node, "device": device.key}

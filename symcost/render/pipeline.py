@@ -49,24 +49,35 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
     if st:
         console.print(f"  step on {st['device']}: {_seconds(st['step_seconds'])} "
                       f"(PyTorch's action lists on a dependency clock, each stage's roofline time per micro-batch "
-                      f"+ its p2p bytes over the {st['link']}); bubble at these times {st['bubble']:.4f} "
-                      f"({_seconds(st['bubble_seconds'])} idle on the slowest rank); MFU {st['mfu']:.1%}")
+                      f"+ its p2p bytes over the {st['link']}); MFU {st['mfu']:.1%}")
+        console.print(f"  bubble at these times: {st['bubble']:.4f} (rank {st['bubble_rank']} idles "
+                      f"{_seconds(st['bubble_seconds'])} of the step; rank {st['busiest_rank']}, the busiest, "
+                      f"sets the pace: the stages' times differ)")
     if not r["divisible"]:
         console.print(f"  L does not divide into {r['pp'] * v} stages: blocks per stage {r['blocks']}")
     t = Table(title="per rank, one step")
-    cols = ["rank", "stages", "blocks", "FLOPs", "in flight", "activations held", "p2p sent", "p2p recv",
-            "model states", "peak"] + (["busy", "idle"] if st else [])
-    for col in cols:
+    for col in ("rank", "stages", "blocks", "FLOPs", "in flight", "activations held", "p2p sent", "p2p recv",
+                "model states", "peak"):
         t.add_column(col, justify="right", overflow="fold")
     for row in r["ranks"]:
         t.add_row(str(row["rank"]), ",".join(map(str, row["stages"])), str(row["blocks"]), _flops(row["flops"]),
                   str(row["in_flight"]), _bytes(row["activations"]), _bytes(row["send"]), _bytes(row["recv"]),
-                  _bytes(row["model_states"]), _bytes(row["peak_with_optimizer"]) if "memory" in row else "-",
-                  *([_seconds(row["busy_seconds"]), _seconds(row["idle_seconds"])] if st else []))
+                  _bytes(row["model_states"]), _bytes(row["peak_with_optimizer"]) if "memory" in row else "-")
     console.print(t)
     if any("memory" in row for row in r["ranks"]):
         console.print("  peak: the rank's step run through PyTorch's schedule on fake tensors (parameters, "
                       "gradients, the engine's buffers, the highest live set), plus optimizer state")
+    if st:
+        tt = Table(title=f"per rank, the step on {st['device']}")
+        for col in ("rank", "forward per micro-batch", "backward per micro-batch", "busy", "idle", "idle/busy"):
+            tt.add_column(col, justify="right")
+        for row in r["ranks"]:
+            mine = [st["stage_seconds"][s] for s in row["stages"]]
+            busy, idle = row["busy_seconds"], row["idle_seconds"]
+            tt.add_row(str(row["rank"]), _seconds(sum(x["forward"] for x in mine)),
+                       _seconds(sum(x["backward"] for x in mine)), _seconds(busy), _seconds(idle),
+                       f"{idle / busy:.3f}" if busy else "-")
+        console.print(tt)
     v = r.get("virtual", 1)
     each = f"L/(PP·v) blocks each, v = {v} stages per rank" if v > 1 else "L/PP blocks each"
     uneven = " where L divides evenly; the table above holds the actual split" if r.get("blocks") and \
