@@ -20,6 +20,7 @@ import sys
 from fractions import Fraction
 
 import pytest
+import sympy
 
 import symcost
 
@@ -109,6 +110,12 @@ def test_groups_split_the_collectives():
     assert not dp.has(B) and not dp.has(S) and dp.has(DP)
     assert (tp + dp - an.comm_bytes("total")).expand() == 0
     assert an.comm_bytes("all_gather", group="TP") == 0  # (no sequence parallelism)
+    # one rank of the mesh runs 1/TP of the split matmuls on its own B: 6·N·P/TP + the attention
+    # matmuls' 12·B·L·S²·h/TP (Narayanan et al. 2021, Appendix, eq. 3, over t ranks), so the
+    # report's remainder is that term, not a negative share of the whole model
+    P, rem, _ = an.train_simplified()
+    L, h, TP = SYMS["L"], SYMS["H"] * SYMS["D"], SYMS["TP"]
+    assert sympy.simplify(rem - 12 * B * L * S**2 * h / TP) == 0, rem
 
 
 @pytest.mark.heavy

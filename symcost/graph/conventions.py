@@ -238,8 +238,8 @@ class Conventions:
     def tp_share(self):
         """The tensor-parallel size a rank's matmul work is divided by: ``TP`` (the symbol, or its
         pinned value) for a ``--tp`` trace, else 1 (Shoeybi et al. 2019, §3: each rank runs 1/t
-        of every split matmul)."""
-        if not (getattr(self, "parallel", None) or "").startswith("tp"):
+        of every split matmul), on the 2-D mesh (``--dp`` with ``--tp``) too."""
+        if not ((getattr(self, "parallel", None) or "").startswith("tp") or getattr(self, "tensor_parallel", None)):
             return sympy.Integer(1)
         return sympy.Integer(self.pinned["TP"]) if "TP" in self.pinned else SYMS["TP"]
 
