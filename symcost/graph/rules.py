@@ -21,7 +21,7 @@ docs/conventions.md):
 ============================================  ===========================================
 op family                                     FLOPs
 ============================================  ===========================================
-pointwise (``torch.Tag.pointwise``)           1 per output element
+pointwise (Tag.pointwise; __or__, __and__)    1 per output element
 reduction (``torch.Tag.reduction``)           1 per input element
 bias of ``addmm``/``baddbmm``/convolution     1 per output element (see :func:`bias_adds`)
 ``_softmax`` / ``_log_softmax`` / ``_safe_``  5 per element (max, subtract, exp, sum, divide/log)
