@@ -102,3 +102,51 @@ def test_cli_option_and_refusals(tmp_path, monkeypatch):
     assert out[True]["comm"]["reduce_scatter"] == out[False]["comm"]["reduce_scatter"]
     assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in out[True]["parallel"]["engine"]
     assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
+
+
+def test_mfu_divides_by_the_peak_the_matmuls_ran_at(cache_dir):
+    """Issue 27: under ``--precision fp32 --fsdp-mp bf16`` FSDP2's policy all-gathers bf16
+    parameters and every matmul runs in bf16, so the step's compute is timed at the bf16 peak and
+    its MFU must divide by the bf16 peak too (the fp32 peak gave Llama-3-8B an MFU of 1174% on 8
+    H100s). Oracle: the peaks read from the catalogue file itself (``tomllib``), the dtypes of the
+    matmuls in the traced rank, and the MFU computed here from the run's model FLOPs / (devices ×
+    bf16 peak × time), and per rank from its step's model FLOPs / (bf16 peak × step time)."""
+    from test_parallel_time import _catalogue, _cli
+
+    from symcost.hardware.devices import get_device
+    from symcost.passes.roofline import roofline
+
+    gpu = "h100-sxm"
+    cat = _catalogue(gpu)
+    assert cat["bf16"] > 10 * cat["fp32"]  # the two peaks are far apart: the wrong one shows
+    dp, tokens = 4, 10**9
+    size_args = ["--set", "B=8", "S=512", "D=256", "L=2"]
+    base = ["mlp", "--dp", str(dp), "--shard", "fsdp", "--gpu", gpu, "--json", *size_args]
+    out = {}
+    for name, flags in (("mp", ["--precision", "fp32", "--fsdp-mp", "bf16"]), ("bf16", ["--precision", "bf16-true"]),
+                        ("fp32", ["--precision", "fp32"])):
+        t = _cli("time", *base, "--tokens", str(tokens), *flags)
+        r = _cli("report", *base, *flags)
+        out[name] = t
+        assert r["parallel"]["step"]["mfu"] == pytest.approx(t["mfu"], rel=1e-12)  # report --gpu says the same
+        assert r["parallel"]["step"]["peak_flops"] == t["peak_flops"]
+        step = t["step"]["step_seconds"]
+        assert 0 < t["mfu"] <= 1, (name, t["mfu"])
+        # the run: model FLOPs of all ranks / (devices x peak x time); one rank: its step's / (peak x step)
+        assert t["mfu"] == pytest.approx(t["compute.total"] / (dp * t["peak_flops"] * t["time.seconds"]), rel=1e-9)
+        assert t["mfu"] == pytest.approx(t["flops.train_step"] / (t["peak_flops"] * step), rel=1e-9)
+    mp, bf16, fp32 = out["mp"], out["bf16"], out["fp32"]
+    assert mp["peak_flops"] == bf16["peak_flops"] == cat["bf16"] and mp["precision"] == "bf16"
+    assert mp["step"]["precision"] == "bf16"
+    assert fp32["peak_flops"] == cat["fp32"] and fp32["precision"] == "fp32"  # no policy: fp32 matmuls
+    assert mp["mfu"] == pytest.approx(mp["flops.train_step"] / (cat["bf16"] * mp["step"]["step_seconds"]), rel=1e-9)
+    # the compute the step time holds is timed at the bf16 peak: every matmul of the rank ran in bf16
+    an = symcost.trace("mlp", sizes={"DP": dp, "B": 8, "S": 512, "D": 256, "L": 2}, precision="fp32", shard="fsdp",
+                       fsdp_mp="bf16", use_cache=False)
+    mm = [op for op in an.ops if op.cost.flops != 0]
+    assert mm and all(str(d) == "torch.bfloat16" for op in mm for d in op.out_dtypes)
+    rf = roofline(an, get_device(gpu), {"DP": dp, "B": 8, "S": 512, "D": 256, "L": 2})
+    assert {n["precision"] for n in rf["nodes"] if n["model_flops"]} == {"bf16"}
+    assert sum(rf["per_phase"][ph]["seconds"] for ph in ("forward", "backward")) == pytest.approx(
+        mp["step"]["compute"]["forward"] + mp["step"]["compute"]["backward"], rel=1e-9)
+    assert rf["mfu_ceiling"] <= 1

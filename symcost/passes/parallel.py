@@ -276,7 +276,10 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
     Returns:
         ``compute`` {forward, backward}, ``comm`` {forward, backward} (seconds), ``bytes``
         {forward, backward}, ``link``, ``link_bandwidth``, ``nodes``, ``overlap``, ``step_seconds``,
-        ``exposed_comm_seconds`` and ``mfu`` (model FLOPs / (step time × peak)). On the 2-D mesh
+        ``exposed_comm_seconds``, ``mfu`` (model FLOPs / (step time × peak)), ``precision`` and
+        ``peak_flops`` (the peak: the device's figure for the dtype the traced matmuls ran in,
+        :func:`~symcost.passes.roofline.training_precision`; bf16 under ``--precision fp32
+        --fsdp-mp bf16``, whose matmuls FSDP2's policy runs in bf16). On the 2-D mesh
         (``--dp`` with ``--tp``): ``comm`` is the DP group's, over ``link`` (the network when the
         DP·TP ranks span nodes); ``tp_comm`` {forward, backward} the TP group's over ``tp_link``
         (the scale-up link when TP ranks share a node), added exposed (Shoeybi et al. 2019 §3:
@@ -286,7 +289,7 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
         SymcostError: not a data-parallel trace, an unknown overlap, a device without an
             interconnect, a cluster that does not hold DP ranks.
     """
-    from symcost.passes.roofline import roofline, training_precision
+    from symcost.passes.roofline import roofline
 
     if an.parallel is None:
         raise SymcostError("step time over links needs a data-parallel trace (--dp N)")
@@ -344,13 +347,16 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
     else:
         step = max(sum(compute.values()), sum(comm.values()))
     step += sum(tp_comm.values())
-    peak, _ = device.peak_for(training_precision(an))
+    # the peak of the dtype the traced matmuls ran in (the roofline's: bf16 under --precision fp32
+    # --fsdp-mp bf16, whose compute the roofline timed at the bf16 peak), not the flag's
+    peak, key = device.peak_for(r["precision"])
     model_flops = r["model_flops"]
     return {"compute": compute, "comm": comm, "bytes": nbytes, "link": link, "link_bandwidth": bw,
             **({"tp_link": tp_link, "tp_link_bandwidth": tp_bw, "tp_comm": tp_comm} if mesh2 else {}),
             "nodes": nodes, "devices_per_node": per_node, "overlap": overlap, "overlap_model": OVERLAPS[overlap],
             "step_seconds": step, "exposed_comm_seconds": step - sum(compute.values()),
-            "mfu": model_flops / (step * peak) if step else 0.0, "source": ic.get("source", "")}
+            "mfu": model_flops / (step * peak) if step else 0.0, "precision": key, "peak_flops": peak,
+            "source": ic.get("source", "")}
 
 
 def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accumulate: int = 1,
@@ -381,7 +387,8 @@ def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accu
         ``tokens``, ``tokens_per_step`` (B·S·K·DP), ``steps`` (optimizer steps, exact: an int
         or a float), ``step`` (:func:`step_time`'s dict, one micro-step of one rank),
         ``mfu`` (per rank: model FLOPs of its micro-step / (step seconds × peak)), ``peak_flops``
-        and ``precision`` (the device's peak at the training precision), ``flops.train_step``
+        and ``precision`` (that peak: the device's figure for the dtype the traced matmuls ran
+        in, :func:`step_time`'s), ``flops.train_step``
         (model FLOPs of one rank's micro-step), ``flops.per_token``, ``compute.total`` (model FLOPs of
         the run on all ranks), ``compute.6NP``, ``sizes``, and ``time.seconds``, ``time.days``,
         ``time.device_hours`` (seconds × DP / 3600).
@@ -392,7 +399,7 @@ def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accu
     """
     from fractions import Fraction
 
-    from symcost.passes.roofline import _exact, tokens_compute, training_precision
+    from symcost.passes.roofline import _exact, tokens_compute
 
     if an.parallel is None:
         raise SymcostError("time over data-parallel ranks needs a data-parallel trace (--dp N)")
@@ -407,7 +414,7 @@ def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accu
     B, S = (int(an.pinned[n]) if n in an.pinned else int(env[SYMS[n]]) for n in ("B", "S"))
     micro_steps = Fraction(tokens, B * S * dp)  # per rank
     seconds = float(micro_steps) * st["step_seconds"]
-    peak, key = device.peak_for(training_precision(an))
+    peak, key = st["peak_flops"], st["precision"]
     return {
         "dp": dp, "micro_batch": B, "accumulation": accumulate, "global_batch": B * accumulate * dp,
         "tokens": tokens, "tokens_per_step": B * S * accumulate * dp,

@@ -19,6 +19,10 @@ CACM 52(4), 2009):
   stream run one after the other;
 - MFU ceiling = model FLOPs of the step / (step lower bound x peak at the training precision):
   no run of that step on that device can exceed it (PaLM's MFU, Chowdhery et al. 2022, App. B).
+  The training precision is the dtype the traced matmul-class ops ran in
+  (:func:`training_precision`), the same figure their compute time was bounded with: bf16 under
+  ``bf16-mixed`` and under ``--precision fp32 --fsdp-mp bf16`` (FSDP2 casts the parameters to
+  bf16 and the matmuls run in bf16), not the ``--precision`` flag's own dtype.
 
 An op's precision is its output dtype (``bf16`` matmuls under autocast, ``fp32`` for the fp32
 norms and losses), mapped to the device's figure by :meth:`~symcost.hardware.devices.Device.peak_for`.
@@ -57,9 +61,29 @@ def op_precision(op, default: str) -> str:
     return default
 
 
-def training_precision(an) -> str:
-    """Device precision key of the model's matmuls under its ``--precision`` (``bf16-mixed`` -> bf16)."""
-    return TRAINING_PRECISION.get(an.precision, "fp32")
+def training_precision(an, env: Mapping | None = None) -> str:
+    """Device precision key of the model's matmuls: the peak MFU divides by (issue 27).
+
+    Read from the trace, not from the ``--precision`` flag: the key (:func:`op_precision`) of
+    the traced ops that carry model FLOPs (the matmul-class ops, conventions.md), i.e. the dtype
+    they really ran in. The flag alone does not say it: under ``--precision fp32 --fsdp-mp bf16``
+    FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` all-gathers bf16 parameters and every
+    matmul runs in bf16, so the step's compute is timed at the bf16 peak and its MFU must divide
+    by that peak too (the fp32 peak put MFU above 1000%). Where the matmuls run in more than one
+    dtype, the one that carries the most model FLOPs at ``env`` (an :meth:`Analysis.bind`
+    mapping; the model's defaults when None) wins, the flag's key on a tie. A trace without
+    model FLOPs falls back to the flag (``bf16-mixed`` -> bf16, :data:`TRAINING_PRECISION`).
+    """
+    flag = TRAINING_PRECISION.get(an.precision, "fp32")
+    by_key: dict[str, list] = {}
+    for op in an.ops:
+        if op.cost.flops != 0:  # model FLOPs: the matmul-class ops only
+            by_key.setdefault(op_precision(op, flag), []).append(op)
+    if len(by_key) <= 1:
+        return next(iter(by_key), flag)
+    env = an.bind() if env is None else env
+    share = {k: sum(_num(op.repeat, env) * _num(op.cost.flops, env) for op in ops) for k, ops in by_key.items()}
+    return max(share, key=lambda k: (share[k], k == flag))
 
 
 def bound_of(flops: float, nbytes: float, peak: float, bandwidth: float, written: float = 0,
@@ -154,7 +178,7 @@ def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: 
 
     env = an.bind(**(sizes or {}))
     fe = fusion.estimate(an)
-    train_key = training_precision(an)
+    train_key = training_precision(an, env)
     bw = device.bandwidth
     notes: set[str] = set()
     if not fe.exact:
@@ -328,7 +352,7 @@ def crossings(an, device: Device, symbol: str, env: Mapping[sympy.Symbol, int]) 
     """
     if symbol not in an.symbols:
         raise SymcostError(f"--crossing {symbol}: not a symbol of {an.model}; accepted: {', '.join(an.symbols)}")
-    train_key = training_precision(an)
+    train_key = training_precision(an, env)
     seen = set()
     out = []
     for op in an.ops:

@@ -566,7 +566,9 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
                 f"+ {step['compute']['backward'] * 1e3:.3f} ms, communication {step['comm']['forward'] * 1e3:.3f} + "
                 f"{step['comm']['backward'] * 1e3:.3f} ms over {step['link']} at {step['link_bandwidth'] / 1e9:.0f} GB/s "
                 f"per direction, {step['nodes']} node(s); overlap {step['overlap']}: {step['overlap_model']}); "
-                f"MFU {100 * step['mfu']:.1f}%")
+                f"MFU {100 * step['mfu']:.1f}%" + (f" of the {step['precision']} peak {step['peak_flops'] / 1e12:.4g} "
+                                                    "TFLOP/s (the dtype the traced matmuls ran in)"
+                                                    if step.get("precision") else ""))
 
 
 def _slots(expr, env):
