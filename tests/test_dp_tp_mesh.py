@@ -38,11 +38,9 @@ def _trace(shard: str, sp: bool = False):
 @functools.lru_cache(maxsize=None)
 def _traced(shard: str, sp: bool):
     from symcost.frontends.models import resolve
-    from symcost.frontends.parallel import data_parallel
-    from symcost.frontends.tensor_parallel import tensor_parallel
+    from symcost.frontends.layout import Layout
 
-    spec = tensor_parallel(data_parallel(resolve("megatron-gpt"), shard), sp=sp)
-    return symcost.trace(spec, sizes={"DP": 2, "TP": 2, "S": 64, "H": 16, "D": 8, "V": 128}, precision=PRECISION)
+    return symcost.trace(resolve("megatron-gpt"), layout=Layout(shard=shard, tp=True, sp=sp), sizes={"DP": 2, "TP": 2, "S": 64, "H": 16, "D": 8, "V": 128}, precision=PRECISION)
 
 
 def _draw(rng: random.Random, sp: bool = False) -> dict:

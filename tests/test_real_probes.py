@@ -144,15 +144,14 @@ def test_a_parallel_recording_on_real_tensors_equals_the_fake_one(model, layout,
     included), the same graph, saved storages and memory events as on fake ones, at two probe
     points drawn at random where the layout can be probed (TP divides the sharded dimensions, DP
     the first dimension of every parameter: ``probe_ok``)."""
-    from symcost.frontends.parallel import data_parallel
-    from symcost.frontends.tensor_parallel import tensor_parallel
+    from symcost.frontends.layout import Layout
 
     rng = random.Random(f"{model}-{layout}-real-parallel")
     base = resolve(model, {}, "eager" if model.startswith("hf:") else None)
     if layout.startswith("tp"):
-        spec = tensor_parallel(base, sp=layout == "tp+sp")
+        spec = Layout(tp=True, sp=layout == "tp+sp").spec(base)
     else:
-        spec = data_parallel(base, layout, rng.choice((None, ("bf16", "fp32"))))
+        spec = Layout(shard=layout, fsdp_mp=rng.choice((None, ("bf16", "fp32")))).spec(base)
     precision = rng.choice(("fp32", "bf16-mixed", "bf16-true", "fp16-mixed"))
     pools = {**POOLS, "TP": (2, 4, 8)}
     compared = 0

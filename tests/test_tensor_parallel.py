@@ -39,9 +39,9 @@ def _trace(sp: bool, model: str = "megatron-gpt"):
 @functools.lru_cache(maxsize=None)
 def _trace_once(sp: bool, model: str):
     from symcost.frontends.models import resolve
-    from symcost.frontends.tensor_parallel import tensor_parallel
+    from symcost.frontends.layout import Layout
 
-    return symcost.trace(tensor_parallel(resolve(model), sp=sp),
+    return symcost.trace(resolve(model), layout=Layout(tp=True, sp=sp),
                          sizes={"TP": 8, "S": 64, "H": 16, "D": 8, "V": 128,
                                 **({"F": 128} if model == "cs336-lm" else {})}, precision=PRECISION)
 
@@ -115,11 +115,11 @@ def _selective_spec():
 @functools.lru_cache(maxsize=None)
 def _trace_recompute(kind: str, sp: bool):
     from symcost.frontends.models import resolve
-    from symcost.frontends.tensor_parallel import tensor_parallel
+    from symcost.frontends.layout import Layout
     from symcost.passes.checkpoint import uniform_spec
 
     spec = _selective_spec() if kind == "selective" else uniform_spec(resolve("megatron-gpt"), "layers", 1)
-    return symcost.trace(tensor_parallel(spec, sp=sp), sizes={"TP": 8, "S": 64, "H": 16, "D": 8, "V": 128},
+    return symcost.trace(spec, layout=Layout(tp=True, sp=sp), sizes={"TP": 8, "S": 64, "H": 16, "D": 8, "V": 128},
                          precision=PRECISION)
 
 
@@ -433,10 +433,10 @@ def test_hf_qwen3_replicated_norms_all_reduce_their_gradients():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from symcost.frontends.models import resolve
-    from symcost.frontends.tensor_parallel import tensor_parallel
+    from symcost.frontends.layout import Layout
 
     spec = resolve("hf:qwen3", {"num_hidden_layers": "2"}, "eager")
-    an = symcost.trace(tensor_parallel(spec), sizes={"TP": 2, "B": 2, "S": 32}, precision=PRECISION)
+    an = symcost.trace(spec, layout=Layout(tp=True), sizes={"TP": 2, "B": 2, "S": 32}, precision=PRECISION)
     assert "TP" in an.symbols
     rng = random.Random(3)
     v = {"TP": rng.choice((2, 4)), "B": rng.randint(2, 4), "S": rng.randint(8, 64), "L": rng.randint(1, 3)}

@@ -11,6 +11,7 @@ import re
 import click
 
 from symcost.errors import SymcostError
+from symcost.frontends.layout import SYMBOL_FLAG
 from symcost.frontends.spec import MESH_HINT, SYMBOL_MEANINGS
 
 _MULTI = ("--set", "--config")
@@ -175,26 +176,37 @@ def parallel_options(f):
     f = click.option("--tp", type=click.IntRange(min=2), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.tp"), metavar="N",
                      help="tensor-parallel size: trace one rank of N with the Megatron plan (symbol TP; "
-                          "not with --dp yet)")(f)
+                          "with --dp: one rank of the 2-D mesh)")(f)
+    f = click.option("--ac", type=click.Choice(["none", "full"]), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.ac"),
+                     help="activation checkpointing, under any layout: full = every block under a non-reentrant "
+                          "checkpoint (torchtitan's mode 'full'; applied after --tp, before --dp's engine)")(f)
     f = click.option("--dp", type=click.IntRange(min=1), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.dp"), metavar="N",
                      help="data-parallel size: trace one rank of N (the formulas gain the symbol DP)")(f)
     return f
 
 
-def parallel_request(ctx) -> tuple[int | None, str | None]:
-    """``(dp, shard)`` from ``--dp``/``--shard`` (``(None, None)`` without ``--dp``).
+def layout_request(ctx, pipeline: bool = False) -> tuple:
+    """The run's layout from the command line: ``(Layout, {"DP": n, "TP": n, "PP": n})``
+    (:class:`symcost.frontends.layout.Layout` from ``--dp/--shard/--fsdp-mp``, ``--tp/--sp`` and,
+    where ``pipeline``, ``--pp/--schedule/--microbatches/--virtual-stages``; the sizes of the
+    dimensions given). All checks are made here, in one line each, before any trace.
 
     Raises:
-        SymcostError: ``--shard`` without ``--dp``.
+        SymcostError: an option of a dimension without its size (``--shard`` without ``--dp``,
+            ``--sp`` without ``--tp``, ``--schedule`` without ``--pp``, ...), dimensions a
+            command does not model yet, two devices named, an unknown device.
     """
+    from symcost.frontends.layout import Layout, Pipeline
+
     meta = ctx.find_root().meta if ctx is not None else {}
     alias = meta.get("symcost.gpu_alias")  # report's --device, another spelling of --gpu
     if alias is not None:
         if meta.get("symcost.gpu") not in (None, alias):
             raise SymcostError(f"--device {alias} and --gpu {meta['symcost.gpu']} name two devices: give one")
         meta["symcost.gpu"] = alias
-    dp, shard = meta.get("symcost.dp"), meta.get("symcost.shard")
+    dp, shard, tp, pp = (meta.get(f"symcost.{k}") for k in ("dp", "shard", "tp", "pp"))
     command = ctx.command.name if ctx is not None and ctx.command is not None else None
     if command not in (None, "report", "max-batch"):
         for key, flag in (("symcost.tp", "--tp"), ("symcost.sp", "--sp")):
@@ -208,12 +220,41 @@ def parallel_request(ctx) -> tuple[int | None, str | None]:
         get_device(meta["symcost.gpu"])
     if shard is not None and dp is None:
         raise SymcostError(f"--shard {shard} needs --dp N (the data-parallel size)")
-    for key, flag in (("symcost.gpu", "--gpu" if alias is None else "--device"), ("symcost.nodes", "--nodes"),
-                      ("symcost.devices_per_node", "--devices-per-node"),
-                      ("symcost.fsdp_mp", "--fsdp-mp")):
-        if dp is None and meta.get(key) is not None:
-            raise SymcostError(f"{flag} needs --dp N (the data-parallel size)")
-    return (dp, shard or "ddp") if dp is not None else (None, None)
+    if pp is None:
+        for key, flag in (("symcost.pp_schedule", "--schedule"), ("symcost.pp_microbatches", "--microbatches"),
+                          ("symcost.pp_virtual", "--virtual-stages")):
+            if meta.get(key) is not None:
+                raise SymcostError(f"{flag} needs --pp N (the pipeline-parallel size)")
+    if dp is None and not (pp is not None and pipeline):  # (the pipeline prices its own step)
+        for key, flag in (("symcost.gpu", "--gpu" if alias is None else "--device"), ("symcost.nodes", "--nodes"),
+                          ("symcost.devices_per_node", "--devices-per-node"), ("symcost.fsdp_mp", "--fsdp-mp")):
+            if meta.get(key) is not None:
+                raise SymcostError(f"{flag} needs --dp N (the data-parallel size)")
+    mp = meta.get("symcost.fsdp_mp")
+    if mp is not None:
+        from symcost.frontends.parallel import parse_fsdp_mp
+
+        mp = parse_fsdp_mp(mp)  # bad text: one line before tracing
+    pipe = None
+    if pp is not None and pipeline:
+        schedule = meta.get("symcost.pp_schedule") or "1f1b"
+        pipe = Pipeline(schedule, meta.get("symcost.pp_microbatches") or pp,
+                        meta.get("symcost.pp_virtual") or (2 if schedule == "interleaved-1f1b" else 1))
+    ac = meta.get("symcost.ac")
+    layout = Layout(shard=(shard or "ddp") if dp is not None else None, fsdp_mp=mp, tp=tp is not None,
+                    sp=bool(meta.get("symcost.sp")), pipeline=pipe, ac=None if ac in (None, "none") else ac)
+    sizes = {k: v for k, v in (("DP", dp), ("TP", tp), ("PP", pp if pipe else None)) if v is not None}
+    return layout, sizes
+
+
+def parallel_request(ctx) -> tuple[int | None, str | None]:
+    """``(dp, shard)`` of :func:`layout_request` (``(None, None)`` without ``--dp``).
+
+    Raises:
+        SymcostError: as :func:`layout_request`.
+    """
+    layout, sizes = layout_request(ctx)
+    return sizes.get("DP"), layout.shard
 
 
 def optimizer_option(f):
@@ -283,46 +324,25 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
 
     use_cache = not needs_model and not (ctx is not None and ctx.find_root().meta.get("symcost.no_cache"))
     routing = ctx.meta.get("symcost.routing") if ctx is not None else None
-    dp, shard = parallel_request(ctx)
-    meta = ctx.find_root().meta if ctx is not None else {}
-    tp, sp = meta.get("symcost.tp"), bool(meta.get("symcost.sp"))
-    if sp and tp is None:
-        raise SymcostError("--sp needs --tp N (the tensor-parallel size)")
+    layout, mesh_sizes = layout_request(ctx)
     options = {"routing": routing} if routing is not None else {}
-    mp = None
-    if dp is not None:
-        if "DP" in sizes and sizes["DP"] != dp:
-            raise SymcostError(f"--dp {dp} and --set DP={sizes['DP']} disagree; give one")
+    for k, v in mesh_sizes.items():
+        if k in sizes and sizes[k] != v:
+            raise SymcostError(f"{SYMBOL_FLAG[k]} {v} and --set {k}={sizes[k]} disagree; give one")
+    if layout:
         if step is not None:
-            raise SymcostError(f"--dp traces a training step, not an inference step ({step})")
-        # one rank of data-parallel training: kept in the trace cache under its strategy (a DDP
-        # and an FSDP trace never share an entry); DP is served at any value > 1 by one entry
-        sizes = {**sizes, "DP": dp}
-        options["shard"] = shard
-        mp = meta.get("symcost.fsdp_mp")
-        if mp is not None:
-            from symcost.frontends.parallel import parse_fsdp_mp
-
-            mp = options["fsdp_mp"] = ",".join(parse_fsdp_mp(mp))  # bad text: one line before tracing
-    if tp is not None:
-        if "TP" in sizes and sizes["TP"] != tp:
-            raise SymcostError(f"--tp {tp} and --set TP={sizes['TP']} disagree; give one")
-        # one rank of tensor parallelism (with --dp: of the 2-D mesh DP x TP): kept in the trace
-        # cache under {"tp", "sp"[, "shard"]} (a TP and a TP + SP trace never share an entry);
-        # TP is served at any value by one entry, within the residue classes of the split sizes
-        # and their per-rank regime (graph/cache.py)
-        sizes = {**sizes, "TP": tp}
-        an = cached_trace(model, cfg, attention, precision, sizes,
-                          lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing, tp=(tp, sp),
-                                               shard=shard, mp=mp),
-                          use_cache, options={"tp": True, "sp": sp, **options})
-        an.bind(**sizes)
-        return an, sizes
+            raise SymcostError(f"--dp/--tp/--ac trace a training step, not an inference step ({step})")
+        # one rank of the layout's mesh: kept in the trace cache under the layout's options (a DDP
+        # and an FSDP trace, a TP and a TP + SP trace never share an entry); every mesh size is
+        # served by one entry, within the residue classes of the split sizes and their per-rank
+        # regime (graph/cache.py)
+        sizes = {**sizes, **mesh_sizes}
+        options.update(layout.cache_options())
     if step is not None:
         options.update(step=step, kv_cache=kv_cache)
     an = cached_trace(model, cfg, attention, precision, sizes,
                       lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing, step, kv_cache,
-                                           shard=shard, mp=mp),
+                                           layout=layout),
                       use_cache, options=options or None)
     _check_set_vs_config(model, an.spec, sizes, cfg, attention)  # (again for a cached analysis)
     an = an.with_attention_flops(ctx.meta.get("symcost.attention_flops", "full") if ctx else "full")
@@ -378,23 +398,17 @@ def every_layer_trace(an, model, config, attention, precision, sizes, quiet=Fals
 
 
 def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None, step=None, kv_cache="dynamic",
-                 shard=None, mp=None, tp=None):
-    """Resolve and trace ``model`` (the cache's miss path), with the progress line; ``shard``:
-    one rank of data-parallel training (:func:`symcost.frontends.parallel.data_parallel`)."""
+                 layout=None):
+    """Resolve and trace ``model`` (the cache's miss path), with the progress line; ``layout``:
+    one rank of the parallel layout (:meth:`symcost.frontends.layout.Layout.spec`)."""
     with progress(f"resolving {model}", quiet) as status:
         from symcost.frontends.models import resolve
 
         spec = resolve(model, cfg, attention)
         if step is not None:
             spec = spec.for_step(step, kv_cache)
-        if shard is not None:
-            from symcost.frontends.parallel import data_parallel
-
-            spec = data_parallel(spec, shard, mp)
-        if tp is not None:  # (size, sequence parallel): symcost.frontends.tensor_parallel
-            from symcost.frontends.tensor_parallel import tensor_parallel
-
-            spec = tensor_parallel(spec, tp[1])
+        if layout:
+            spec = layout.spec(spec)
         if routing is not None:  # MoE layers traced under this routing model (symcost.frontends.moe)
             from symcost.frontends.moe import with_routing
 

@@ -42,36 +42,21 @@ def pipeline_request(ctx):
         SymcostError: a pipeline option without ``--pp``, ``--pp`` with ``--dp`` or another option
             it does not model, two devices named, an unknown device.
     """
-    meta = ctx.find_root().meta
-    pp = meta.get("symcost.pp")
-    keys = {"symcost.pp_schedule": "--schedule", "symcost.pp_microbatches": "--microbatches",
-            "symcost.pp_virtual": "--virtual-stages"}
-    if pp is None:
-        for k, flag in keys.items():
-            if meta.get(k) is not None:
-                raise SymcostError(f"{flag} needs --pp N (the pipeline-parallel size)")
+    from ._options import layout_request
+
+    layout, sizes = layout_request(ctx, pipeline=True)  # (its checks: --pp with --dp or --tp, ...)
+    if layout.pipeline is None:
         return None
-    if meta.get("symcost.dp") is not None:
-        raise SymcostError("--pp with --dp (PP x DP) is not composed yet; give one of them")
-    for key, flag in (("symcost.tp", "--tp"), ("symcost.sp", "--sp"), ("symcost.shard", "--shard"),
-                      ("symcost.fsdp_mp", "--fsdp-mp"), ("symcost.nodes", "--nodes")):
-        if meta.get(key):
-            raise SymcostError(f"--pp with {flag} is not modelled yet (the pipeline report is one device per "
-                               "stage; --gpu and --devices-per-node price its step); give one of them")
-    gpu, alias = meta.get("symcost.gpu"), meta.get("symcost.gpu_alias")
-    if alias is not None and gpu not in (None, alias):
-        raise SymcostError(f"--device {alias} and --gpu {gpu} name two devices: give one")
-    gpu = gpu or alias
+    meta = ctx.find_root().meta
+    if meta.get("symcost.nodes"):
+        raise SymcostError("--pp with --nodes is not modelled yet (the pipeline report is one device per "
+                           "stage; --gpu and --devices-per-node price its step); give one of them")
+    gpu = meta.get("symcost.gpu")  # (layout_request read --device into it)
     per_node = meta.get("symcost.devices_per_node")
     if per_node is not None and gpu is None:
         raise SymcostError("--devices-per-node with --pp needs --gpu (the device whose links price the step)")
-    if gpu is not None:  # an unknown device: say so before the trace
-        from symcost.hardware.devices import get_device
-
-        get_device(gpu)
-    schedule = meta.get("symcost.pp_schedule") or "1f1b"
-    virtual = meta.get("symcost.pp_virtual") or (2 if schedule == "interleaved-1f1b" else 1)
-    return pp, schedule, meta.get("symcost.pp_microbatches") or pp, virtual, gpu, per_node
+    pipe = layout.pipeline
+    return sizes["PP"], pipe.schedule, pipe.microbatches, pipe.virtual, gpu, per_node
 
 
 def report_pipeline(req, model, sets, config, attention, precision, as_json, optimizer):

@@ -3,10 +3,10 @@ model, per block, for each ``--shard`` strategy (docs/parallel.md).
 
 A data-parallel spec is the model's own spec with one more symbol, ``DP`` (the data-parallel
 group size: ranks the batch, and for sharded strategies the parameters, gradients and optimizer
-state, are split over), and ``extra["parallel"]`` naming the strategy. The recorder
-(:mod:`symcost.tracing.record`) builds it on a fake process group of world size ``DP``
-(``torch.testing._internal.distributed.fake_pg``) and wraps every block of the model, then the
-root, the way torchtitan and accelerate do:
+state, are split over), and a layout (:class:`symcost.frontends.layout.Layout`) whose
+data-parallel dimension names the strategy. The recorder (:mod:`symcost.tracing.record`) builds
+the layout's mesh on a fake process group (``torch.testing._internal.distributed.fake_pg``) and
+wraps every block of the model, then the root, the way torchtitan and accelerate do:
 
 ========  ====================================================================================
 shard     engine recorded (one rank), and what the memory policy adds
@@ -88,10 +88,11 @@ def check_shard(shard: str) -> str:
 
 
 def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None):
-    """The :class:`~symcost.frontends.spec.ModelSpec` of ``spec`` trained data-parallel with
-    ``shard`` over ``DP`` ranks: symbols + ``DP``, ``extra["parallel"] = shard``; with ``mp``
-    (``(param, reduce)`` or ``--fsdp-mp``'s text, :func:`parse_fsdp_mp`), ``extra["fsdp_mp"]``:
-    the engine is given ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``.
+    """The data-parallel dimension's part of a layout's spec (:meth:`symcost.frontends.layout.Layout.spec`
+    calls it; a traced spec is the layout's): ``spec`` with the symbol ``DP`` (the group size:
+    ``shard`` over ``DP`` ranks) and the probe check that keeps the per-rank sizes polynomial in
+    it. ``mp`` (``(param, reduce)`` or ``--fsdp-mp``'s text, :func:`parse_fsdp_mp`) is checked
+    here; the layout gives it to the engine as ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``.
 
     Probes (never requests) must have ``DP`` (and 4) divide the first dimension of every parameter:
     FSDP2 shards each parameter on dim 0 into ``ceil(d0/DP)`` rows and pads, so sizes are
@@ -117,11 +118,8 @@ def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None):
         return _indivisible(spec, values)
 
     defaults = dict(spec.defaults, DP=spec.defaults.get("DP", 8))
-    return dataclasses.replace(
-        spec, name=spec.name, symbols=tuple(spec.symbols) + ("DP",), defaults=defaults,
-        probe_check=probe_check,
-        extra={**spec.extra, "parallel": shard, **({"fsdp_mp": list(mp)} if mp is not None else {})},
-    )
+    return dataclasses.replace(spec, symbols=tuple(spec.symbols) + ("DP",), defaults=defaults,
+                               probe_check=probe_check)
 
 
 #: spec.build -> {"inputs": whether B and S size a parameter, (config values) -> dim 0 of each parameter}
@@ -180,11 +178,11 @@ def fake_group(world_size: int):
     Call it outside ``FakeTensorMode`` (the mesh reads a real tensor)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    _fake_world(world_size)
+    fake_world(world_size)
     return init_device_mesh("cpu", (world_size,))
 
 
-def _fake_world(world_size: int) -> None:
+def fake_world(world_size: int) -> None:
     """The default process group: the fake one of ``world_size`` ranks, this process rank 0."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -193,23 +191,6 @@ def _fake_world(world_size: int) -> None:
         dist.destroy_process_group()
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-
-
-def fake_mesh(dims: Mapping[str, int]) -> dict:
-    """``{symbol: DeviceMesh}`` of one rank (rank 0) on PyTorch's fake process group of
-    ``prod(dims)`` ranks: for one symbol (``{"DP": 8}``) the 1-D mesh of :func:`fake_group`; for
-    ``{"DP": d, "TP": t}`` the 2-D mesh ``init_device_mesh("cpu", (d, t), mesh_dim_names=("dp",
-    "tp"))`` and its two sub-meshes (torchtitan's ``dp`` x ``tp`` layout: the TP groups are
-    consecutive ranks, inside a node). Call it outside ``FakeTensorMode``."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dims = dict(dims)
-    if len(dims) == 1:
-        (k, n), = dims.items()
-        return {k: fake_group(n)}
-    _fake_world(math.prod(dims.values()))
-    mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(k.lower() for k in dims))
-    return {k: mesh[k.lower()] for k in dims}
 
 
 def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list | None = None):

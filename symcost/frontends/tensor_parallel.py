@@ -3,10 +3,10 @@
 recorded (docs/parallel.md, "Tensor and sequence parallelism").
 
 A tensor-parallel spec is the model's own spec with one more symbol, ``TP`` (the tensor-parallel
-group size), and ``extra["tensor_parallel"] = {"sp": bool}``. The recorder
-(:mod:`symcost.tracing.record`) builds it on the meta device, calls :func:`apply` on a fake
-``DeviceMesh`` of ``TP`` ranks (:func:`symcost.frontends.parallel.fake_group`) and records the
-step; the ops inside DTensor's dispatch (the local matmuls on 1/TP of a weight, the collectives
+group size), and a layout (:class:`symcost.frontends.layout.Layout`) with a ``tp`` dimension. The
+recorder (:mod:`symcost.tracing.record`) builds it on the meta device, calls :func:`apply` (through
+:meth:`Layout.parallelize`) on the ``tp`` dimension of the layout's fake ``DeviceMesh`` and records
+the step; the ops inside DTensor's dispatch (the local matmuls on 1/TP of a weight, the collectives
 of a redistribution) are what the recording holds.
 
 The plan (:func:`plan`) is the Megatron-LM one (Shoeybi et al. 2019, Sec. 3), written with the
@@ -66,9 +66,9 @@ HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "num_key_
               "n_kv_heads", "num_kv_heads", "n_kv_head")
 
 def tensor_parallel(spec, sp: bool = False):
-    """The :class:`~symcost.frontends.spec.ModelSpec` of ``spec`` trained tensor-parallel over
-    ``TP`` ranks (sequence-parallel too with ``sp``): symbols + ``TP``,
-    ``extra["tensor_parallel"] = {"sp": sp}``.
+    """The tensor-parallel dimension's part of a layout's spec (:meth:`symcost.frontends.layout.Layout.spec`
+    calls it; a traced spec is the layout's): ``spec`` trained tensor-parallel over ``TP`` ranks
+    (sequence-parallel too with ``sp``), with the symbol ``TP`` and the probe rules below.
 
     Probes must have ``TP`` divide every dimension the plan shards (heads, the sharded
     projections' features, V for a vocabulary-parallel embedding or head; S with ``sp``): the
@@ -76,9 +76,9 @@ def tensor_parallel(spec, sp: bool = False):
     and 8 and keep those sizes multiples of 8 (``moduli``) where the request's are, so TP can
     vary alone. The formulas say ``/TP``.
 
-    A data-parallel ``spec`` (:func:`symcost.frontends.parallel.data_parallel`, symbol ``DP``)
-    becomes one rank of the 2-D mesh (DP, TP): the recorder applies this plan over the ``tp``
-    sub-mesh, then the data-parallel engine over the ``dp`` one (torchtitan's order).
+    With a data-parallel dimension too, the layout is the 2-D mesh (DP, TP): the recorder applies
+    this plan over the ``tp`` sub-mesh, then the data-parallel engine over the ``dp_shard`` or
+    ``dp_replicate`` one (torchtitan's order, :meth:`Layout.parallelize`).
     """
     if "TP" in spec.symbols:
         return spec
@@ -95,10 +95,8 @@ def tensor_parallel(spec, sp: bool = False):
     for s in ("H", "K", "V", "F", "M", "E") + (("S",) if sp else ()):
         if s in spec.symbols or s == "S":
             moduli[s] = math.lcm(moduli.get(s, 1), 8)
-    return dataclasses.replace(
-        spec, symbols=tuple(spec.symbols) + ("TP",), defaults=defaults, probe_check=probe_check,
-        moduli=moduli, extra={**spec.extra, "tensor_parallel": {"sp": bool(sp)}},
-    )
+    return dataclasses.replace(spec, symbols=tuple(spec.symbols) + ("TP",), defaults=defaults,
+                               probe_check=probe_check, moduli=moduli)
 
 
 #: spec.build -> its memo (symcost.frontends.parallel.memo_per_model): sizes -> sharded dims

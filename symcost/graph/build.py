@@ -17,6 +17,7 @@ import sympy
 
 from symcost._lazy import LazyModule
 from symcost.errors import SymcostError
+from symcost.frontends.layout import Layout, layout_of
 from symcost.frontends.spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, ModelSpec, request_facts
 from symcost.tracing.fit import (CHECK_L, FIT_L, N_RANDOM, SYMS, Fitter, FitError, Unvariable, find_base,
                                  leaves_moe_values, plan_probes, probe_pool, random_point, random_pools)
@@ -209,8 +210,8 @@ def _middle(spec: ModelSpec) -> int:
     cannot stand for the L - 1 before the last). Tensor parallelism without SP keeps two
     blocks: its peak equals MemTracker's on megatron-gpt (tests), gpt2 and cs336-lm
     (docs/parallel.md §11)."""
-    par = spec.extra.get("parallel") or (spec.extra.get("tensor_parallel") or {}).get("sp")
-    return 1 if par and not spec.lead_blocks and "L" in spec.symbols else 0
+    layout = layout_of(spec)
+    return 1 if (layout.shard or layout.sp) and not spec.lead_blocks and "L" in spec.symbols else 0
 
 
 def _align(recs: list[Recording], spec: ModelSpec) -> None:
@@ -233,7 +234,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
           attention: str | None = None, sizes: Mapping[str, int] | None = None,
           precision: str = "bf16-mixed", n_random: int = N_RANDOM, seed: int = 0, use_cache: bool = True,
           step: str | None = None, kv_cache: str = "dynamic", shard: str | None = None,
-          fsdp_mp: str | None = None) -> Analysis:
+          fsdp_mp: str | None = None, layout: Layout | None = None) -> Analysis:
     """Trace a model's training step (or an inference step) into a symbolic cost graph, in the
     regime of ``sizes``.
 
@@ -294,6 +295,11 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         fsdp_mp: with ``shard``, FSDP2's ``MixedPrecisionPolicy`` given to every unit:
             ``"PARAM[,REDUCE]"`` (``bf16``, ``fp16``, ``fp32``; REDUCE fp32 unless given), as
             :func:`symcost.frontends.parallel.parse_fsdp_mp` reads it.
+        layout: the parallel layout, one rank traced (:class:`symcost.frontends.layout.Layout`:
+            data parallelism, tensor and sequence parallelism, on one mesh in torchtitan's
+            order); the formulas gain each dimension's symbol (``sizes["DP"]``, ``sizes["TP"]``,
+            default 8). ``shard`` and ``fsdp_mp`` are the shorthand of a data-parallel layout
+            (not with ``layout``).
 
     Returns:
         An :class:`Analysis` (``pinned``, ``pin_reasons``, ``regime_ties``, ``request_facts``,
@@ -304,7 +310,13 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         SymcostError: bad model/config, sizes PyTorch rejects (the spec's constraints), an
             untraceable model, an inference step of a model without a KV cache.
     """
-    if use_cache and step is None and shard is None and not isinstance(model, ModelSpec):
+    if layout is None:
+        from symcost.frontends.parallel import parse_fsdp_mp
+
+        layout = Layout(shard=shard, fsdp_mp=parse_fsdp_mp(fsdp_mp) if isinstance(fsdp_mp, str) else fsdp_mp)
+    elif shard is not None or fsdp_mp is not None:
+        raise SymcostError("give the data-parallel strategy in the layout (Layout(shard=...)), not beside it")
+    if use_cache and step is None and not layout and not isinstance(model, ModelSpec):
         from symcost.graph.cache import cached_trace
 
         def fresh():
@@ -320,14 +332,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
     if step is not None:
         spec = spec.for_step(step, kv_cache)
-    if shard is not None:
-        if spec.step != "train":
-            raise SymcostError(f"--dp/--shard trace a training step, not an inference step ({spec.step})")
-        from symcost.frontends.parallel import data_parallel
-
-        spec = data_parallel(spec, shard, fsdp_mp)
-    elif fsdp_mp is not None:
-        raise SymcostError("fsdp_mp (--fsdp-mp) is a policy of data-parallel training: give shard (--dp N)")
+    spec = layout.spec(spec)
     sizes = dict(sizes or {})
     if spec.step == "decode":
         sizes.setdefault("S", 1)  # one new token per sequence: S = 1 is pinned, its own regime

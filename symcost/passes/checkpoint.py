@@ -37,6 +37,8 @@ from typing import Any, Mapping, Sequence
 import sympy
 
 from symcost.errors import SymcostError
+from symcost.frontends.checkpointing import rng_state_bytes, traced_checkpoint  # noqa: F401  (re-exported)
+from symcost.frontends.checkpointing import without_cache as _without_cache
 from symcost.passes.checkpoint_dp import Costs
 from symcost.tracing.fit import SYMS
 from symcost.tracing.poly import terms_expr
@@ -377,22 +379,6 @@ class Plan:
 
 
 #: keywords by which ``transformers`` layers take a key/value cache (names differ by version/model)
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-
-
-def _without_cache(kwargs: dict) -> dict:
-    """``kwargs`` of a checkpointed call without a key/value cache: ``use_cache`` False, cache
-    keywords None (what ``transformers``' ``GradientCheckpointingLayer`` does to a layer it
-    checkpoints)."""
-    kwargs = dict(kwargs)
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
-    for k in _CACHE_KWARGS:
-        if kwargs.get(k) is not None:
-            kwargs[k] = None
-    return kwargs
-
-
 def _no_cache_in_training(model) -> None:
     """A forward pre-hook on ``model`` passing ``use_cache=False`` in training with gradients
     enabled, where its config asks for a cache and its ``forward`` takes ``use_cache`` (what a
@@ -1043,52 +1029,6 @@ def make_plan(an, kind: str, L: int, env: Mapping | None = None, budget: int | N
 # --------------------------------------------------------------------------------------------
 # the exact prediction: trace the applied plan
 # --------------------------------------------------------------------------------------------
-
-
-_RNG_BYTES: list[int] = []
-
-
-def rng_state_bytes() -> int:
-    """Bytes of the CPU generator's state, ``torch.get_rng_state()`` (5056 for mt19937): what a
-    checkpoint with ``preserve_rng_state=True`` (the default) stashes per call
-    (torch/utils/checkpoint.py, ``_get_device_module``/``get_rng_state`` in the frame)."""
-    if not _RNG_BYTES:
-        import torch
-
-        with torch._subclasses.fake_tensor.unset_fake_temporarily():
-            _RNG_BYTES.append(torch.get_rng_state().nbytes)
-    return _RNG_BYTES[0]
-
-
-def traced_checkpoint(fn, *args, **kwargs):
-    """``torch.utils.checkpoint.checkpoint`` as symcost traces it: the same call, plus the two
-    CPU generator states a checkpoint holds that the dispatcher never sees (they are made by
-    ``torch.get_rng_state()``, outside any op), as placeholder storages of
-    :func:`rng_state_bytes`:
-
-    * the state stashed at the forward (``preserve_rng_state=True``, the default), an extra
-      (ignored) input, which the checkpoint's frame keeps as long as its inputs;
-    * the state ``torch.random.fork_rng`` saves while the segment is recomputed in the backward
-      (torch/utils/checkpoint.py, ``recompute_fn``), made when the recomputation starts and
-      dropped when it ends (also when it stops early).
-    """
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    hold = torch.empty(rng_state_bytes(), dtype=torch.uint8)
-    calls = [0]
-
-    def run(_hold, *a, **k):
-        calls[0] += 1
-        if calls[0] == 1:  # the forward
-            return fn(*a, **k)
-        fork = torch.empty(rng_state_bytes(), dtype=torch.uint8)  # noqa: F841 - held while recomputing
-        try:
-            return fn(*a, **k)
-        finally:
-            del fork
-
-    return checkpoint(run, hold, *args, **kwargs)
 
 
 def uniform_spec(spec, container: str, k: int):

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import sympy
 
 from symcost.errors import SymcostError
+from symcost.frontends.layout import layout_of
 from symcost.frontends.parallel import SHARDS, check_shard
 from symcost.graph.ops import COMM_KINDS
 from symcost.passes.memory.policies import OPTIMIZERS, policy as get_policy
@@ -202,16 +203,17 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
     engine, reshard, label = SHARDS[shard]
     engine = {"replicate": "torch.distributed._composable.replicate_with_fsdp.replicate (DDP) per block",
               "fully_shard": f"torch.distributed.fsdp.fully_shard(reshard_after_forward={reshard}) per block"}[engine]
-    mp = (an.spec.extra or {}).get("fsdp_mp")
+    mp = layout_of(an).fsdp_mp
     if mp:
         from symcost.frontends.parallel import MP_DTYPES
 
         engine += (f", MixedPrecisionPolicy(param_dtype=torch.{MP_DTYPES[mp[0]]}, "
                    f"reduce_dtype=torch.{MP_DTYPES[mp[1]]})")
     if mesh2:
+        dp_dim = next(d for d in layout_of(an).dims if d.startswith("dp"))
         engine = ("torch.distributed.tensor.parallel.parallelize_module (Megatron plan"
                   + (", SequenceParallel norms" if mesh2 == "tp+sp" else "") + ") over the mesh's tp dimension, then "
-                  + engine + " over its dp dimension")
+                  + engine + f" over its {dp_dim} dimension")
     out = {"shard": shard, "engine": engine, "label": label, "comm": comm, "memory": mem,
            "peak": rank_peak(an, precision, optimizer, sizes, impl, device)}
     if mesh2:

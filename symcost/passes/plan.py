@@ -174,7 +174,7 @@ class Planner:
     """The traced quantities of one model, evaluated per layout (see the module docstring).
 
     Args:
-        an: a ``--tp`` Analysis (``symcost.trace(tensor_parallel(spec, sp), ...)``), B free.
+        an: a ``--tp`` Analysis (``symcost.trace(spec, layout=Layout(tp=True, sp=sp), ...)``), B free.
         sizes: the request's sizes (S, H, D, L, V, ... at the model's defaults where absent).
         device: a :class:`~symcost.hardware.devices.Device` with an interconnect table.
         precision: the memory policy of the model states (bytes per parameter).
@@ -419,12 +419,12 @@ def _tp_check(an):
     from the trace cache has no code: the model is resolved again by name (None if it cannot be)."""
     if an.spec.probe_check is not None:
         return an.spec.probe_check
+    from symcost.frontends.layout import layout_of
     from symcost.frontends.models import resolve
     from symcost.frontends.tensor_parallel import tensor_parallel
 
     try:
-        sp = bool((an.spec.extra or {}).get("tensor_parallel", {}).get("sp"))
-        return tensor_parallel(resolve(an.model), sp).probe_check
+        return tensor_parallel(resolve(an.model), layout_of(an).sp).probe_check
     except SymcostError:
         return None
 
@@ -442,7 +442,7 @@ def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = F
     import symcost
     from symcost.frontends.models import resolve
     from symcost.frontends.spec import ModelSpec
-    from symcost.frontends.tensor_parallel import tensor_parallel
+    from symcost.frontends.layout import Layout
 
     spec = model if isinstance(model, ModelSpec) else resolve(model)
     req = {k: v for k, v in sizes.items() if k not in ("B", "TP")}
@@ -450,7 +450,8 @@ def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = F
     # TP = 2 when the model's plan accepts it (TP then free: every tp the layouts try); a model
     # whose heads or sharded sizes are odd is traced at TP = 1 (pinned: plan tries tp = 1 only)
     tsizes = {**req, "TP": 2 if tp is None else tp}
-    tspec = tensor_parallel(spec, sp)
+    layout = Layout(tp=True, sp=sp)
+    tspec = layout.spec(spec)
     if tp is None and tspec.probe_check and tspec.probe_check({**spec.values(req), "B": 1, "TP": 2}) is not None:
         tsizes["TP"] = 1
     vals = {**spec.values(req), "TP": tsizes["TP"]}
@@ -465,7 +466,7 @@ def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = F
     if isinstance(model, str) and use_cache:  # the disk cache: the entry `report --tp` uses (same trace)
         from symcost.graph.cache import cached_trace
 
-        an = cached_trace(model, {}, None, precision, tsizes, fresh, options={"tp": True, "sp": sp})
+        an = cached_trace(model, {}, None, precision, tsizes, fresh, options=layout.cache_options())
     else:
         an = fresh()
     _TRACES.setdefault(key, []).append(an)

@@ -19,6 +19,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from symcost.frontends.layout import layout_of
 from symcost.graph.analysis import PHASES, Analysis
 from symcost.tracing.modules import module_classes, module_group  # noqa: F401  (re-exported)
 from symcost.tracing.fit import SYMS
@@ -193,6 +194,10 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
         g.add_row("attention", "the model's own code")
     if an.spec.extra.get("routing_description"):  # mixture of experts (symcost.passes.moe)
         g.add_row("routing", an.spec.extra["routing_description"] + " (--routing)")
+    layout = layout_of(an)
+    if layout:  # the mesh one rank of which was traced (symcost.frontends.layout)
+        g.add_row("layout", f"{layout.describe(sizes)}: one rank traced, per-rank figures (mesh dimensions in "
+                            "torchtitan's order)")
     reasons = getattr(an, "pin_reasons", {}) or {}
     regime = [f"{a} = {v} pinned ({reasons.get(a, 'its regime')})" for a, v in an.pinned.items()]
     regime += [f"{a} tied to {b}" for a, b in an.spec.tied.items()]
@@ -456,6 +461,9 @@ def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None =
         "model": an.model,
         "precision": an.precision,
         "attention": an.spec.extra.get("attention"),
+        # the mesh one rank of which was traced: its dimensions (torchtitan's names and order),
+        # empty for one device (symcost.frontends.layout)
+        "layout": {"mesh": list(layout_of(an).dims), **layout_of(an).to_dict()},
         "symbols": symbols,
         "tied_symbols": dict(an.spec.tied),
         "pinned_symbols": dict(an.pinned),

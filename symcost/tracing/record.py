@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from symcost.errors import SymcostError
+from symcost.frontends.layout import layout_of
 from symcost.frontends.models import ModelSpec
 from symcost.frontends.precision import PRECISIONS, check_precision
 
@@ -854,47 +855,31 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         layers = find_layer_container(spec, model, values)
 
     param_dtype, autocast = precision_context(precision)
-    parallel = spec.extra.get("parallel")
-    tp = spec.extra.get("tensor_parallel")
+    layout = layout_of(spec)
     loss_context = contextlib.nullcontext
     groups: dict[str, str] = {}
-    if parallel is not None or tp is not None:
-        from symcost.frontends.parallel import fake_mesh
-
+    if layout.traced_dims:
         if param_dtype != torch.float32:
             model.to(param_dtype)  # on the meta device, before the parameters become DTensors
-        # one rank of a 1-D mesh, or of the 2-D mesh (DP, TP) on DP·TP ranks (torchtitan's layout:
-        # tensor parallelism inside, data parallelism across)
-        dims = {k: values[k] for k, on in (("DP", parallel), ("TP", tp)) if on is not None}
-        mesh = fake_mesh(dims)
-        if len(dims) > 1:
-            # every 2-D mesh's group names so far, this one's last: DTensor's caches keep the
-            # DeviceMesh of an earlier recording whose mesh compares equal (same shape and
+        # one rank of the layout's mesh on the fake process group (torchtitan's layout: tensor
+        # parallelism inside, data parallelism across)
+        mesh = layout.fake_mesh(values)
+        if len(layout.traced_dims) > 1:
+            # every multi-dimensional mesh's group names so far, this one's last: DTensor's caches
+            # keep the DeviceMesh of an earlier recording whose mesh compares equal (same shape and
             # names), so a collective can name that mesh's group (seen: sequence parallelism's
             # backward all-gathers in every recording after the first of a process)
-            _MESH_GROUPS.update({mesh[k].get_group().group_name: k for k in dims})
+            _MESH_GROUPS.update({m.get_group().group_name: k for k, m in mesh.items()})
             groups = dict(_MESH_GROUPS)
-    if tp is not None:
-        from symcost.frontends.tensor_parallel import apply
-
-        # tensor parallelism first, then the data-parallel engine over its DTensors (torchtitan's
-        # parallelize order: fully_shard of a TP-sharded parameter shards its local rows again)
-        loss_context = apply(model, layers, mesh["TP"], tp["sp"])
-    if parallel is not None:
-        from symcost.frontends.parallel import wrap
-
-        wrap(model, layers, parallel, mesh["DP"], spec.extra.get("fsdp_mp"))
-        # FSDP2 warns when the root returns a view (a language model's logits slice); the recorded
-        # step does no in-place op on it, and the user did not write this wrapping: not theirs to see
-        import warnings
-
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
-                                category=UserWarning)
+    if layout:
+        # tensor parallelism first, then activation checkpointing, then the data-parallel engine
+        # over its DTensors (torchtitan's parallelize order: fully_shard of a TP-sharded parameter
+        # shards its local rows again)
+        loss_context = layout.parallelize(model, layers, mesh if layout.traced_dims else {})
     # the recording's ``parallel``: the data-parallel strategy, else "tp" / "tp+sp"; on the 2-D
     # mesh the tensor parallelism is its ``tensor_parallel``
-    tensor_parallel = None if tp is None else ("tp+sp" if tp["sp"] else "tp")
-    if parallel is None:
-        parallel = tensor_parallel
+    parallel = layout.label
+    tensor_parallel = layout.tensor_parallel
     # data and tensor parallelism too: the fake process group's collectives complete at once on
     # real tensors as on fake ones (their outputs hold whatever memory held: values are not read)
     real = real_ok and real_tensors_suffice(values, model, spec.step)
@@ -910,7 +895,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 with torch.no_grad():
                     for t in list(model.parameters()) + list(model.buffers()):
                         _local(t).zero_()
-            if spec.extra.get("parallel") is not None:
+            if layout.shard is not None:
                 _lazy_init(model)
         leaf_names: dict[int, str] = {}
         params: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -923,7 +908,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 continue
             leaf_names[id(p)] = f"param:{name}"
             local = getattr(p, "_local_tensor", None)  # (to_local() would make a new view each call)
-            if tp is not None and local is not None:  # the shard DTensor's local ops read
+            if layout.tp and local is not None:  # the shard DTensor's local ops read
                 leaf_names[id(local)] = f"param:{name}"
             params[name] = (tuple(p.shape), p.dtype)
             if parallel is not None:
@@ -977,7 +962,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         rec.param_module = param_module
         if parallel is not None:
             rec.model = model
-        if tp is not None:
+        if layout.tp:
             from torch.distributed.tensor import DTensor
 
             rec.dtensor = DTensor
@@ -1034,7 +1019,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                     stack.enter_context(_wait_at_once())
             return stack
 
-        if tp is not None:
+        if layout.tp:
             from symcost.frontends.tensor_parallel import hide_shape_propagation as hide
         else:
             hide = contextlib.nullcontext

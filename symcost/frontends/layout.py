@@ -1,0 +1,304 @@
+"""The layout of a training run: one ``DeviceMesh`` with named dimensions, and the order in which
+PyTorch's parallelisms are applied to the model over it (docs/parallel.md, "The layout").
+
+A :class:`Layout` is the one concept every parallel trace goes through. It names the mesh
+dimensions the run has, in torchtitan's order (``ParallelDims.build_mesh``:
+``pp, dp_replicate, dp_shard, cp, tp``, outermost first, so the TP groups are consecutive ranks
+inside a node), and what each dimension does:
+
+=================  ======  ================================================================
+mesh dimension     symbol  what runs over it (one rank traced on a fake process group)
+=================  ======  ================================================================
+``pp``             PP      pipeline stages (:mod:`symcost.frontends.pipeline`: the stage
+                           modules of the block list, PyTorch's schedules)
+``dp_replicate``   DP      data parallelism with replicated parameters: ``--shard ddp`` and
+                           ``zero1`` (``replicate``, PyTorch's DDP on the FSDP2 engine)
+``dp_shard``       DP      data parallelism with sharded states: ``--shard fsdp``, ``zero2``,
+                           ``zero3`` (``fully_shard``, FSDP2)
+``tp``             TP      tensor parallelism, with ``sp`` sequence parallelism too
+                           (:mod:`symcost.frontends.tensor_parallel`: ``parallelize_module``)
+=================  ======  ================================================================
+
+The sizes of the dimensions are not part of the layout: they are the symbols (DP, TP, PP) of
+the formulas, and a request's values (``--dp 8`` is ``DP = 8``) bind them like any other size.
+
+Besides the mesh, a layout holds the step techniques that are applied with it: activation
+checkpointing (``ac``; torchtitan's ``activation_checkpoint.mode``), so that each composes with
+every dimension.
+
+The model is parallelised in torchtitan's order (``parallelize_llama``): tensor and sequence
+parallelism first, then activation checkpointing of every block, then the data-parallel engine
+per block and at the root (:meth:`Layout.parallelize`); a pipeline splits the model into stages
+before any of these.
+
+Torch is imported only inside the functions that need it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from symcost.errors import SymcostError
+
+#: torchtitan's order of the mesh dimensions (``ParallelDims.build_mesh``), outermost first
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+#: the symbol of each mesh dimension's size (shared/conventions.md: DP is replicate × shard)
+DIM_SYMBOL = {"pp": "PP", "dp_replicate": "DP", "dp_shard": "DP", "cp": "CP", "tp": "TP", "ep": "EP"}
+
+#: the flag that sets each symbol on the command line
+SYMBOL_FLAG = {"DP": "--dp", "TP": "--tp", "PP": "--pp"}
+
+#: activation checkpointing of a layout (``--ac``): mode -> what is checkpointed
+AC_MODES = {"full": "every block under a non-reentrant checkpoint (torchtitan's activation_checkpoint.mode = "
+                    "'full'): each block keeps its input, its forward runs again in the backward"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """The pipeline dimension's schedule: ``schedule`` a name of
+    :data:`symcost.frontends.pipeline.SCHEDULES`, ``microbatches`` per step (None: PP),
+    ``virtual`` stages per rank."""
+
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    virtual: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The parallel layout of one training step: which mesh dimensions it has and what runs
+    over each (module docstring). The empty layout is one device.
+
+    Attributes:
+        shard: the data-parallel dimension's strategy (a key of
+            :data:`symcost.frontends.parallel.SHARDS`: ``ddp``, ``zero1``, ``zero2``, ``zero3``,
+            ``fsdp``), or None without data parallelism.
+        fsdp_mp: with ``shard``, FSDP2's ``MixedPrecisionPolicy`` as ``(param, reduce)`` dtype
+            names (:data:`symcost.frontends.parallel.MP_DTYPES`), or None.
+        tp: tensor parallelism over a ``tp`` dimension (the Megatron plan, or the config's).
+        sp: with ``tp``, sequence parallelism.
+        pipeline: a ``pp`` dimension's schedule, or None.
+        ac: activation checkpointing, a key of :data:`AC_MODES` (``"full"``), or None.
+    """
+
+    shard: str | None = None
+    fsdp_mp: tuple[str, str] | None = None
+    tp: bool = False
+    sp: bool = False
+    pipeline: Pipeline | None = None
+    ac: str | None = None
+
+    def __post_init__(self):
+        from symcost.frontends.parallel import check_shard
+
+        if self.shard is not None:
+            check_shard(self.shard)
+        if self.fsdp_mp is not None:
+            if self.shard is None:
+                raise SymcostError("--fsdp-mp (fsdp_mp) is a policy of data-parallel training: give shard (--dp N)")
+            object.__setattr__(self, "fsdp_mp", tuple(self.fsdp_mp))
+        if self.ac is not None and self.ac not in AC_MODES:
+            raise SymcostError(f"unknown --ac {self.ac!r}; accepted: none, {', '.join(AC_MODES)}")
+        if self.ac is not None and self.pipeline is not None:
+            raise SymcostError("--ac with --pp is not modelled yet (the pipeline's stage traces are not checkpointed); "
+                               "give one of them")
+        if self.sp and not self.tp:
+            raise SymcostError("--sp needs --tp N (the tensor-parallel size)")
+        if self.pipeline is not None and (self.shard is not None or self.tp):
+            # one traced rank of PP x DP x TP is issue 27's next step; the refusal is said once, here
+            other = "--dp" if self.shard is not None else "--tp"
+            raise SymcostError(f"--pp with {other} is not modelled yet (the pipeline report is one device per "
+                               "stage); give one of them")
+
+    # --- what the layout is -------------------------------------------------------------------
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """The mesh dimensions present, in torchtitan's order (:data:`MESH_DIMS`)."""
+        from symcost.frontends.parallel import SHARDS
+
+        present = set()
+        if self.pipeline is not None:
+            present.add("pp")
+        if self.shard is not None:
+            present.add("dp_shard" if SHARDS[self.shard][0] == "fully_shard" else "dp_replicate")
+        if self.tp:
+            present.add("tp")
+        return tuple(d for d in MESH_DIMS if d in present)
+
+    @property
+    def symbols(self) -> tuple[str, ...]:
+        """The mesh symbols of the formulas (``DP``, ``TP``, ``PP``), in mesh order."""
+        return tuple(dict.fromkeys(DIM_SYMBOL[d] for d in self.dims))
+
+    @property
+    def traced_dims(self) -> tuple[str, ...]:
+        """The dimensions one recorded rank runs on a fake process group (``pp`` is traced as
+        stage modules, :mod:`symcost.frontends.pipeline`)."""
+        return tuple(d for d in self.dims if d != "pp")
+
+    def __bool__(self) -> bool:
+        """False for one device without any step technique (the plain step)."""
+        return bool(self.dims) or self.ac is not None
+
+    @property
+    def tensor_parallel(self) -> str | None:
+        """``"tp"``, ``"tp+sp"`` or None: the label of the tensor-parallel dimension."""
+        return None if not self.tp else ("tp+sp" if self.sp else "tp")
+
+    @property
+    def label(self) -> str | None:
+        """The recording's ``parallel`` label: the data-parallel strategy, else the
+        tensor-parallel one (:attr:`tensor_parallel`), else None."""
+        return self.shard if self.shard is not None else self.tensor_parallel
+
+    def describe(self, values: Mapping[str, int] | None = None) -> str:
+        """``"dp_shard 8 (fsdp) × tp 8 (sp)"``: the mesh in words, sizes where ``values`` has them."""
+        parts = []
+        for d in self.dims:
+            n = (values or {}).get(DIM_SYMBOL[d], DIM_SYMBOL[d])
+            what = {"dp_replicate": self.shard, "dp_shard": self.shard,
+                    "tp": "sp" if self.sp else None,
+                    "pp": self.pipeline.schedule if self.pipeline else None}.get(d)
+            parts.append(f"{d} {n}" + (f" ({what})" if what else ""))
+        mesh = " × ".join(parts) or "one device"
+        return mesh + (f", activation checkpointing {self.ac}" if self.ac else "")
+
+    # --- serialisation: the spec's ``extra["layout"]`` and the trace cache's options ------------
+    def to_dict(self) -> dict:
+        """JSON-able form (:meth:`from_dict` reads it)."""
+        out: dict[str, Any] = {}
+        if self.shard is not None:
+            out["shard"] = self.shard
+        if self.fsdp_mp is not None:
+            out["fsdp_mp"] = list(self.fsdp_mp)
+        if self.tp:
+            out.update(tp=True, sp=bool(self.sp))
+        if self.pipeline is not None:
+            out["pipeline"] = dataclasses.asdict(self.pipeline)
+        if self.ac is not None:
+            out["ac"] = self.ac
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping | None) -> "Layout":
+        """The layout of :meth:`to_dict`'s output (None or ``{}``: one device)."""
+        d = dict(d or {})
+        pipe = d.get("pipeline")
+        return cls(shard=d.get("shard"), fsdp_mp=tuple(d["fsdp_mp"]) if d.get("fsdp_mp") else None,
+                   tp=bool(d.get("tp")), sp=bool(d.get("sp")), pipeline=Pipeline(**pipe) if pipe else None,
+                   ac=d.get("ac"))
+
+    def cache_options(self) -> dict:
+        """The trace cache's options of a trace of this layout: a DDP and an FSDP trace, a TP and
+        a TP + SP trace never share an entry; every size of the mesh shares one."""
+        out: dict[str, Any] = {}
+        if self.shard is not None:
+            out["shard"] = self.shard
+        if self.fsdp_mp is not None:
+            out["fsdp_mp"] = ",".join(self.fsdp_mp)
+        if self.tp:
+            out.update(tp=True, sp=bool(self.sp))
+        if self.ac is not None:
+            out["ac"] = self.ac
+        return out
+
+    # --- the model under the layout -------------------------------------------------------------
+    def spec(self, spec):
+        """The :class:`~symcost.frontends.spec.ModelSpec` of ``spec`` trained under this layout:
+        each traced dimension's symbol added with the probe checks that keep the per-rank sizes
+        polynomial in it (:func:`symcost.frontends.parallel.data_parallel`,
+        :func:`symcost.frontends.tensor_parallel.tensor_parallel`), and ``extra["layout"]``.
+
+        Raises:
+            SymcostError: an inference step under a layout (a layout trains); activation
+                checkpointing of a model without a block list.
+        """
+        if (self.traced_dims or self.ac) and spec.step != "train":
+            raise SymcostError(f"--dp/--tp/--ac trace a training step, not an inference step ({spec.step})")
+        if self.ac and "L" not in spec.symbols and spec.layers is None:
+            raise SymcostError(f"--ac {self.ac} checkpoints each block of the model's block list; {spec.name} has none "
+                               "(no symbol L)")
+        if not self:
+            return spec
+        if self.shard is not None:
+            from symcost.frontends.parallel import data_parallel
+
+            spec = data_parallel(spec, self.shard, self.fsdp_mp)
+        if self.tp:
+            from symcost.frontends.tensor_parallel import tensor_parallel
+
+            spec = tensor_parallel(spec, self.sp)
+        mine = layout_of(spec)
+        if mine and mine != self:
+            raise SymcostError(f"{spec.name} is already laid out as {mine.describe()}; give one layout")
+        return dataclasses.replace(spec, extra={**spec.extra, "layout": self.to_dict()})
+
+    def fake_mesh(self, values: Mapping[str, int]) -> dict:
+        """``{symbol: DeviceMesh}`` of one rank (rank 0) of this layout's traced dimensions on
+        PyTorch's fake process group of ``prod(sizes)`` ranks: ``init_device_mesh`` with the
+        dimensions named as torchtitan names them, and each symbol's sub-mesh. Call it outside
+        ``FakeTensorMode`` (the mesh reads a real tensor).
+
+        Raises:
+            SymcostError: a traced dimension whose symbol ``values`` lacks.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from symcost.frontends.parallel import fake_world
+
+        dims = self.traced_dims
+        missing = [DIM_SYMBOL[d] for d in dims if DIM_SYMBOL[d] not in values]
+        if missing:
+            raise SymcostError(f"the layout {self.describe()} needs the size {missing[0]}")
+        shape = tuple(int(values[DIM_SYMBOL[d]]) for d in dims)
+        fake_world(math.prod(shape))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+        return {DIM_SYMBOL[d]: mesh[d] for d in dims}
+
+    def parallelize(self, model, layers: str | None, mesh: Mapping[str, Any]):
+        """Parallelise ``model`` in place over ``mesh`` (:meth:`fake_mesh`) in torchtitan's order:
+        the tensor-parallel plan over ``TP`` (:func:`symcost.frontends.tensor_parallel.apply`),
+        then activation checkpointing of every block (:func:`symcost.frontends.checkpointing.
+        checkpoint_blocks`), then the data-parallel engine over ``DP``, per block of ``layers``
+        and at the root
+        (:func:`symcost.frontends.parallel.wrap`: ``fully_shard`` of a TP-sharded parameter
+        shards its local rows again). Returns the context the loss and its backward run in
+        (``loss_parallel()`` where the logits are vocabulary-sharded, else a no-op).
+
+        Raises:
+            SymcostError: PyTorch refuses the plan or the wrapping (its message, one line).
+        """
+        import contextlib
+
+        loss_context = contextlib.nullcontext
+        if self.tp:
+            from symcost.frontends.tensor_parallel import apply
+
+            loss_context = apply(model, layers, mesh["TP"], self.sp)
+        if self.ac is not None:
+            from symcost.frontends.checkpointing import checkpoint_blocks
+
+            if layers is None:
+                raise SymcostError(f"--ac {self.ac}: the model has no block list to checkpoint")
+            checkpoint_blocks(model, layers)
+        if self.shard is not None:
+            import warnings
+
+            from symcost.frontends.parallel import wrap
+
+            wrap(model, layers, self.shard, mesh["DP"], self.fsdp_mp)
+            # FSDP2 warns when the root returns a view (a language model's logits slice); the
+            # recorded step does no in-place op on it, and the user did not write this wrapping
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
+                                    category=UserWarning)
+        return loss_context
+
+
+def layout_of(spec_or_analysis) -> Layout:
+    """The :class:`Layout` a spec (``extra["layout"]``) or an analysis (its spec's) was traced
+    under; the empty layout (one device) where none."""
+    spec = getattr(spec_or_analysis, "spec", spec_or_analysis)
+    extra = getattr(spec, "extra", None) or {}
+    return Layout.from_dict(extra.get("layout"))
