@@ -76,3 +76,58 @@ def test_block_graph_from_a_cached_analysis(traced):
     budget = rng.randint(0, co.op_plan(an, env, None).saved_bytes)
     a, b = co.op_plan(an, env, budget), co.op_plan(back, back.bind(**{str(k): int(v) for k, v in env.items()}), budget)
     assert (a.save, a.recompute, a.saved_bytes) == (b.save, b.recompute, b.saved_bytes)
+
+
+def test_a_collective_is_never_recomputed_on_a_tensor_parallel_rank():
+    """On one rank of tensor parallelism the block's forward holds collectives (the row-parallel
+    outputs' all-reduces). The op-level optimum kept none of them and reran them in the backward
+    (a collective costs no FLOPs): every rank would have to join the rerun. Now a collective's
+    output is always kept, as torchtitan's selective policy keeps it. Oracle: PyTorch running the
+    plan (``OpPlan.apply``) on rank 0 of the fake process group, counting the collectives it
+    dispatches in a step: as many as the step without checkpointing, at the least budget that
+    still has a plan."""
+    import sys
+    from pathlib import Path
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import symcost
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+
+    sys.path.insert(0, str(Path(__file__).parent / "data"))
+    from tp_rank import fake_rank_model
+
+    spec = resolve("megatron-gpt")
+    an = symcost.trace(spec, layout=Layout(tp=True), precision="bf16-true",
+                       sizes={"TP": 2, "S": 64, "H": 8, "D": 8, "V": 128})
+    v = {"TP": 2, "B": 2, "S": 32, "H": 8, "D": 8, "L": 2, "V": 128}
+    env = an.bind(**v)
+    bg = co.block_graph(an)
+    assert bg.collectives, "the TP block's forward has collectives"
+    rows = co.tradeoff(an, env)
+    p = co.op_plan(an, env, rows[-1]["budget"], bg)
+    assert p.recompute and not (p.recompute & bg.collectives)
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if co.is_collective(str(func)) and "wait" not in str(func):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for plan in (None, p):
+        model, ctx = fake_rank_model(spec, v, False)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            if plan is not None:
+                plan.apply(model)
+            args, kwargs = spec.make_inputs(v, torch.device("cpu"))
+            Count.n = 0
+            with Count(), ctx():
+                spec.loss(model(*args, **kwargs), (args, kwargs)).backward()
+            counts.append(Count.n)
+    assert counts[0] == counts[1] > 0, counts

@@ -13,6 +13,10 @@ selective checkpoint API):
                Σ_b bytes_b · s_b ≤ budget      (bytes kept per block)
                s_b, r_b ∈ {0, 1}
 
+and r_b = 0, s_b = 1 for a collective (a ``c10d``/``_c10d_functional`` op: recomputing it would run the
+communication again, and under tensor parallelism the other ranks would have to join it; torchtitan's
+selective policy saves every collective's output, ``_save_list`` in
+torchtitan/distributed/activation_checkpoint.py, and so does :meth:`OpPlan.policy`),
 solved with ``scipy.optimize.milp`` (HiGHS). Views are free and follow their base; inputs from
 outside the block (the block input, parameters, buffers) are always there (a checkpoint keeps
 the block input). Korthikanti et al. 2022's selective recomputation (recompute the attention
@@ -26,6 +30,7 @@ overload and their occurrence in the block's forward, as the trace recorded them
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -53,6 +58,16 @@ class BlockGraph:
     model_flops: dict[int, sympy.Expr]  # model FLOPs (FlopCounterMode's convention)
     needed: set[tuple[int, int]]
     inputs: dict[int, set[tuple[int, int]]]
+    collectives: set[int] = dataclasses.field(default_factory=set)  # bases never recomputed
+
+
+#: namespaces of the collectives: their outputs are always kept, never recomputed
+COMM_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+
+
+def is_collective(name: str) -> bool:
+    """Whether an op (``"ns.op.overload"``) is a collective (:data:`COMM_NAMESPACES`)."""
+    return name.split(".", 1)[0] in COMM_NAMESPACES
 
 
 def block_graph(an) -> BlockGraph:
@@ -107,7 +122,8 @@ def block_graph(an) -> BlockGraph:
         for t in reads:
             if tuple(t) in tensor_of:
                 needed.add(tensor_of[tuple(t)])
-    return BlockGraph(bases, name, occurrence, sorted(nbytes), nbytes, flops, mflops, needed, inputs)
+    return BlockGraph(bases, name, occurrence, sorted(nbytes), nbytes, flops, mflops, needed, inputs,
+                      {b for b in bases if is_collective(name[b])})
 
 
 @dataclass
@@ -136,7 +152,9 @@ class OpPlan:
             name = str(op)
             k = c.get(name, 0)
             c[name] = k + 1
-            return CheckpointPolicy.MUST_SAVE if (name, k) in self.keys else CheckpointPolicy.PREFER_RECOMPUTE
+            if (name, k) in self.keys or is_collective(name):  # (a collective's output: always kept)
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
 
         return policy_fn
 
@@ -203,8 +221,14 @@ def solve(bg: BlockGraph, env: Mapping, budget: int | None = None) -> tuple[set,
             row([(bpos[b], 1), (tpos[t], -1), (bpos[t[0]], -1)], -np.inf, 0)
     if budget is not None:
         row([(tpos[t], size[tpos[t]]) for t in ts], -np.inf, budget)
+    lower, upper = np.zeros(nt + nb), np.ones(nt + nb)
+    for b in bg.collectives:  # a collective is never recomputed, its outputs are kept (module docstring)
+        upper[bpos[b]] = 0
+    for t in ts:
+        if t[0] in bg.collectives:
+            lower[tpos[t]] = 1
     res = milp(c, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=np.ones(nt + nb),
-               bounds=Bounds(0, 1))
+               bounds=Bounds(lower, upper))
     if res.status != 0 or res.x is None:
         raise SymcostError(f"no selective plan keeps a block under {budget} bytes")
     x = np.round(res.x).astype(int)
