@@ -105,8 +105,8 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
         raise SymcostError("--global-batch with --tp is not modelled yet (the plan counts data-parallel devices, "
                            "not TP groups); solve the rank's batch without it")
     if (dp is not None or tp is not None) and ckpt != "none":
-        raise SymcostError(f"--checkpoint is not modelled with {'--dp' if dp is not None else '--tp'} yet; "
-                           "leave one out")
+        raise SymcostError(f"--checkpoint is not modelled with {'--dp' if dp is not None else '--tp'} yet (the "
+                           "planning pass); --ac full traces every block checkpointed under the layout")
     explicit_devices = devices is not None
     devices = devices if devices is not None else (dp or 1)
     if global_batch is not None:
