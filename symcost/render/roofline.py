@@ -116,6 +116,10 @@ def model_lines(an, sizes, tc: dict) -> list[str]:
     default = [k for k in used if k not in sizes and k not in an.pinned]
     note = ("all from --set" if not default else
             f"{' '.join(default)}: the model's defaults" + (f"; {' '.join(given)}: --set" if given else ""))
-    return [f"sizes: {' '.join(f'{k}={v}' for k, v in used.items())}", f"  ({note})",
-            f"parameters: {tc['params']:,} ({_count(tc['params'])}); matmul operands (P of 6·N·P) "
-            f"{_count(tc['params_matmul'])}"]
+    P, P_all = tc.get("params_active_matmul", tc["params_matmul"]), tc["params_matmul"]
+    lines = [f"sizes: {' '.join(f'{k}={v}' for k, v in used.items())}", f"  ({note})",
+             f"parameters: {tc['params']:,} ({_count(tc['params'])}); matmul operands"
+             + (f" (P of 6·N·P) {_count(P_all)}" if P == P_all else f" {_count(P_all)}")]
+    if P != P_all:  # a mixture of experts: 6·N·P counts what one token runs through
+        lines.append(f"  P of 6·N·P: {_count(P)} active matmul operands (R of the E experts per token)")
+    return lines
