@@ -457,6 +457,8 @@ def _cli(*args):
     (("checkpoint", "mlp", "--plan", "half"), "--plan"),
     (("checkpoint", "mlp", "--memory", "12XB"), "unit"),
     (("max-batch", "mlp", "--checkpoint", "half"), "--checkpoint"),
+    (("checkpoint", "mlp", "--optimizer-impl", "fastest"), "optimizer implementation 'fastest'"),
+    (("checkpoint", "mlp", "--torch-device", "gpu"), "unknown device 'gpu'"),
 ])
 def test_cli_bad_input_is_one_line(args, says):
     """Bad options: one line ``symcost: error: ...`` naming the option, exit 2, before tracing."""
@@ -488,6 +490,38 @@ def test_cli_json_contract(traced):
     assert mb.exit_code == 0, mb.output
     got = json.loads(mb.output)
     assert got["checkpoint"]["segments"] == [[i, i + 1] for i in range(9)] and got["check"]
+
+
+def test_cli_optimizer_impl_and_torch_device_as_eval(traced):
+    """``checkpoint --torch-device D --optimizer-impl I`` (issue 31, item 8): the step's peak without
+    checkpointing is eval's with the same --torch-device (whose default implementation it resolves the
+    same way), and, implementation by implementation, the peak torch.profiler measures for
+    torch.optim.AdamW(foreach=...) on the real step. The sizes keep the peak in the optimizer step,
+    where the implementations differ (foreach holds a temporary of every tensor at once)."""
+    an = traced("mlp", "fp32")
+    rng = random.Random(31)
+    sizes = {"L": rng.randint(3, 6), "B": 2, "S": rng.randint(4, 12), "D": rng.choice((48, 64, 80))}
+    sets = ("--set", *(f"{k}={v}" for k, v in sizes.items()), "--precision", "fp32", "--json")
+
+    def run(*args):
+        res = _cli(*args, *sets)
+        assert res.exit_code == 0, res.output
+        return json.loads(res.output)
+
+    ev = {d: run("eval", "mlp", "--torch-device", d)["memory"] for d in ("cuda", "cpu")}
+    assert (ev["cuda"]["optimizer_impl"], ev["cpu"]["optimizer_impl"]) == ("foreach", "for-loop")
+    assert ev["cuda"]["peak"] > ev["cpu"]["peak"]  # the optimizer step decides the peak
+    got = {}
+    for flags, like in ((("--torch-device", "cpu"), "cpu"), (("--torch-device", "cuda"), "cuda"),
+                        (("--torch-device", "cpu", "--optimizer-impl", "foreach"), "cuda"),
+                        (("--optimizer-impl", "for-loop"), "cpu")):
+        js = run("checkpoint", "mlp", *flags)
+        assert js["optimizer_impl"] == ev[like]["optimizer_impl"], flags
+        assert js["checkpoint"]["peak_none"] == ev[like]["peak"], flags
+        assert js["checkpoint"]["peak_where"].startswith("optimizer step"), flags
+        got[js["optimizer_impl"]] = js["checkpoint"]["peak_none"]
+    for impl, foreach in (("foreach", True), ("for-loop", False)):
+        _check_measured(step_peak(an.spec, sizes, "fp32", foreach=foreach)["peak"], got[impl], impl)
 
 
 def test_max_batch_checkpoint_exact_at_the_boundary(traced):

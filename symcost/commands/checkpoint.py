@@ -10,12 +10,13 @@ import json
 import click
 
 from symcost.errors import SymcostError
-from ._options import common, early_checks, every_layer_trace, trace_model
+from ._optimizer import optimizer_impl_option
+from ._options import common, early_checks, every_layer_trace, optimizer_option, trace_model
 
 PLANS = ("optimal", "none", "every-layer", "sqrt", "sqrt-L", "sequential")
 
 
-def _json(an, r: dict, sizes: dict) -> dict:
+def _json(an, r: dict, sizes: dict, optimizer: str, impl: str) -> dict:
     ck = {k: r[k] for k in ("plan", "interval", "segments", "activations", "peak", "recompute_flops",
                             "train_flops", "tradeoff")}
     ck.update({
@@ -26,7 +27,8 @@ def _json(an, r: dict, sizes: dict) -> dict:
         "op_tradeoff": r["op_tradeoff"], "optimality_gap": r["optimality_gap"],
         "peak_where": r.get("peak_where"),
     })
-    return {"model": an.model, "precision": an.precision, "sizes": {**sizes}, "checkpoint": ck}
+    return {"model": an.model, "precision": an.precision, "optimizer": optimizer, "optimizer_impl": impl,
+            "sizes": {**sizes}, "checkpoint": ck}
 
 
 @click.command(name="checkpoint")
@@ -41,19 +43,21 @@ def _json(an, r: dict, sizes: dict) -> dict:
               help="without --memory/--budget: optimal (least peak), none, every-layer, sqrt (uniform, "
                    "the integer k nearest k*), sqrt-L (segments of ceil(sqrt L)), sequential "
                    "(checkpoint_sequential's default split)")
-@click.option("--optimizer", default="adamw", show_default=True,
-              help="adamw, adam, sgd, sgd-nomomentum, adafactor")
+@optimizer_option
+@optimizer_impl_option
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def checkpoint(model, sets, config, attention, precision, debug, memory, budget, kind, optimizer, as_json):
+def checkpoint(model, sets, config, attention, precision, debug, memory, budget, kind, optimizer, device, impl,
+               as_json):
     """Activation checkpointing of MODEL: the √L law from the traced graph, the exact optimum
     (dynamic programming over the blocks), its peak (the checkpointed step traced), recompute
-    FLOPs and the trade-off table. See docs/checkpoint.md.
+    FLOPs and the trade-off table. See docs/checkpoint.md. The peaks include the optimizer step
+    as --optimizer runs it (--optimizer-impl; default: what torch.optim picks on --torch-device).
     """
     early_checks(model, sets, config, attention, precision)  # before sympy and torch
     if memory is not None and budget is not None:
         raise SymcostError("give --memory or --budget, not both")
     from symcost.passes import checkpoint as ckpt
-    from symcost.passes.memory import optimizer as check_optimizer, parse_memory
+    from symcost.passes.memory import optimizer as check_optimizer, parse_memory, resolve_impl
 
     cap = parse_memory(memory) if memory is not None else None
     if budget is not None and not (0 < budget <= 1):
@@ -61,24 +65,26 @@ def checkpoint(model, sets, config, attention, precision, debug, memory, budget,
     if kind not in PLANS:
         raise SymcostError(f"unknown --plan {kind!r}; accepted: {', '.join(PLANS)}")
     check_optimizer(optimizer)
+    impl = resolve_impl(impl, device)  # (as eval's memory pass: "default" is torch.optim's choice on the device)
     an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
     if "L" in an.symbols and an.layer_container is not None:
         every_layer_trace(an, model, config, attention, precision, sizes, quiet=as_json)
-    r = ckpt.analyse(an, sizes, memory=cap, budget=budget, kind=kind, optimizer=optimizer)
+    r = ckpt.analyse(an, sizes, memory=cap, budget=budget, kind=kind, optimizer=optimizer, impl=impl)
     if as_json:
-        click.echo(json.dumps(_json(an, r, sizes), indent=1))
+        click.echo(json.dumps(_json(an, r, sizes, optimizer, impl), indent=1))
         return
-    _print(an, r, sizes, cap, budget)
+    _print(an, r, sizes, cap, budget, optimizer, impl)
 
 
-def _print(an, r: dict, sizes: dict, cap, budget) -> None:
+def _print(an, r: dict, sizes: dict, cap, budget, optimizer: str, impl: str) -> None:
     from rich.table import Table
 
     from symcost.render.report import console, human
 
     c = console()
     law = r["law"]
-    c.print(f"[bold]symcost checkpoint[/bold] {an.model}: L = {r['L']} blocks, precision {an.precision}")
+    c.print(f"[bold]symcost checkpoint[/bold] {an.model}: L = {r['L']} blocks, precision {an.precision}, "
+            f"optimizer {optimizer} ({impl})")
     c.print("  per block, from the trace: a (saved inside) = "
             f"{law['a']} = {human(r['block']['a'], 'B')};  x (block input kept) = {law['x']} = "
             f"{human(r['block']['x'], 'B')} (+ {r['block']['rng_state']} B of RNG state per checkpoint);  "

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 from symcost.errors import SymcostError
+from ._optimizer import optimizer_impl_option
 from ._options import common, early_checks, every_layer_trace, parallel_options, parallel_request, trace_model
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only; sympy and torch load with the trace
@@ -61,8 +62,7 @@ NOTHING_FITS = 3
                    "a bare number is bytes and must be at least 1 MiB (80 alone is refused: write 80GiB)")
 @click.option("--optimizer", default="adamw", show_default=True,
               help="adamw, adam, sgd (momentum), sgd-nomomentum, adafactor")
-@click.option("--optimizer-impl", "impl", default="default", show_default=True,
-              help="default (what torch.optim picks on --torch-device), foreach, for-loop, fused")
+@optimizer_impl_option
 @click.option("--torch-device", "device", default="cuda", show_default=True,
               help="cuda, cpu, xpu, mtia: the device type the step runs on (decides the default optimizer implementation)")
 @click.option("--solve", "var", default="B", show_default=True, help="B (largest batch) or S (longest sequence at --set B)")
