@@ -44,9 +44,7 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
         every_layer_trace(an, model, config, attention, precision, sizes)
     from symcost.graph.fusion import estimate  # (no torch for a cached analysis: its stored estimate)
 
-    from symcost.passes.moe import with_active_params
-
-    tc = with_active_params(an, sizes, rl.tokens_compute(an, sizes, recompute=recompute))  # 6·N·P: P active
+    tc = rl.tokens_compute(an, sizes, recompute=recompute)  # 6·N·P: P active (R of E experts)
     key = rl.training_precision(an)
     peak, _ = dev.peak_for(key)
     u = rl.mfu(float(tc["flops.per_token"]), R, n_devices, peak)

@@ -42,9 +42,7 @@ def roofline(model, sets, config, attention, precision, debug, device_name, devi
         require_matplotlib()
     an, sizes = trace_model(model, sets, config, attention, precision)
     r = rl.roofline(an, dev, sizes, fused=not unfused, crossing_symbol=crossing_symbol)
-    from symcost.passes.moe import with_active_params
-
-    tc = with_active_params(an, sizes, rl.tokens_compute(an, sizes, n_tokens))  # 6·N·P: P active
+    tc = rl.tokens_compute(an, sizes, n_tokens)  # 6·N·P: P active (R of E experts)
     if plot:
         from symcost.render.plots import roofline_plot
 

@@ -68,9 +68,7 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
         every_layer_trace(an, model, config, attention, precision, sizes)
     from symcost.graph.fusion import estimate  # (no torch for a cached analysis: its stored estimate)
 
-    from symcost.passes.moe import with_active_params
-
-    tc = with_active_params(an, sizes, rl.tokens_compute(an, sizes, n_tokens, recompute))  # 6·N·P: P active
+    tc = rl.tokens_compute(an, sizes, n_tokens, recompute)  # 6·N·P: P active (R of E experts)
     key = rl.training_precision(an)
     peak, _ = dev.peak_for(key)
     ratio = tc["flops.train_step_hardware"] / tc["flops.train_step"]  # hardware / model FLOPs of a step

@@ -58,27 +58,3 @@ def summary(an) -> dict[str, Any] | None:
         "params_active": params_active(an),
         "params_active_matmul": params_active_matmul(an),
     }
-
-
-def with_active_params(an, sizes, tc: dict) -> dict:
-    """``tc`` (:func:`symcost.passes.roofline.tokens_compute`) with its Kaplan forms counted on the
-    active matmul parameters, as the report's 6·N·P form (:meth:`Analysis.train_simplified`):
-    ``params_active_matmul`` (:func:`params_active_matmul`: routed expert stacks counted R/E) and
-    ``flops.per_token_6P`` = 6·P_active, ``compute.6NP`` = 6·P_active·tokens (``8P``/``8NP`` likewise
-    under ``--recompute full``). ``params_matmul`` stays the count over all experts. A dense model's
-    P_active is ``params_matmul``: its ``tc`` comes back with the same numbers.
-
-    (tokens_compute counts 6·N·P on ``params_matmul``; ``mfu``, ``time``, ``roofline`` and the
-    data-parallel run time pass its dict through here.)
-    """
-    from symcost.passes.roofline import _num
-
-    P = _num(params_active_matmul(an), an.bind(**(sizes or {})))
-    out = {**tc, "params_active_matmul": P, "flops.per_token_6P": 6 * P}
-    if "flops.per_token_8P" in tc:
-        out["flops.per_token_8P"] = 8 * P
-    if "tokens" in tc:
-        out["compute.6NP"] = 6 * P * tc["tokens"]
-        if "compute.8NP" in tc:
-            out["compute.8NP"] = 8 * P * tc["tokens"]
-    return out

@@ -410,9 +410,7 @@ def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accu
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate <= 0:
         raise SymcostError(f"--accumulate must be a positive integer, got {accumulate!r}")
     st = step_time(an, device, sizes, overlap, nodes, devices_per_node)
-    from symcost.passes.moe import with_active_params
-
-    tc = with_active_params(an, sizes, tokens_compute(an, sizes, tokens))  # 6·N·P: P active
+    tc = tokens_compute(an, sizes, tokens)  # 6·N·P: P active (R of E experts)
     env = an.bind(**(sizes or {}))
     dp = int(env.get(SYMS["DP"], an.pinned.get("DP", 1)))
     B, S = (int(an.pinned[n]) if n in an.pinned else int(env[SYMS[n]]) for n in ("B", "S"))

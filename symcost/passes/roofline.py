@@ -476,8 +476,11 @@ def tokens_compute(an, sizes: Mapping[str, int] | None, tokens: int | None = Non
     which model was counted. With ``tokens``: ``compute.total`` = model FLOPs of a step x tokens / (B·S) and
     ``compute.hardware`` the same with hardware FLOPs, exactly (rationals; integers when B·S
     divides), next to ``compute.6NP`` = 6·P·tokens (Kaplan et al. 2020, eq. 2.1, P the matmul
-    parameters of :attr:`Analysis.params_matmul`) and, under ``full``, ``compute.8NP`` =
-    8·P·tokens (Narayanan et al. 2021, sec. 5.1: one more forward).
+    parameters one token runs through, ``params_active_matmul``: :attr:`Analysis.params_matmul`
+    for a dense model, R of the E routed experts for a mixture of experts, as the report's
+    6·N·P form and shared/conventions.md; ``params_matmul`` stays the count over all experts)
+    and, under ``full``, ``compute.8NP`` = 8·P·tokens (Narayanan et al. 2021, sec. 5.1: one
+    more forward).
 
     Raises:
         SymcostError: bad sizes or recompute mode.
@@ -489,7 +492,9 @@ def tokens_compute(an, sizes: Mapping[str, int] | None, tokens: int | None = Non
     kernel = sympy.expand(an.flops("train", "hardware") - train)
     step_flops, step_kernel, step_rec = _num(train, env), _num(kernel, env), _num(extra, env)
     step_hw = step_flops + step_kernel + step_rec
-    P = _num(an.params_matmul, env)
+    from symcost.graph.totals import params_active_matmul
+
+    P = _num(params_active_matmul(an), env)  # the P of 6·N·P: a token's matmul parameters (R of E experts)
     Bs, Ss = (sympy.Integer(an.pinned[n]) if n in an.pinned else SYMS[n] for n in ("B", "S"))
     per_token_formula = sympy.factor_terms(sympy.cancel(sympy.expand(train) / (Bs * Ss)))
     out: dict[str, Any] = {
@@ -503,7 +508,8 @@ def tokens_compute(an, sizes: Mapping[str, int] | None, tokens: int | None = Non
         "flops.kernel_extra_step": step_kernel,
         "flops.recompute_step": step_rec,
         "tokens_per_step": B * S,
-        "params_matmul": P,
+        "params_matmul": _num(an.params_matmul, env),  # (all experts)
+        "params_active_matmul": P,
         "recompute": recompute,
         "flops.per_token_6P": 6 * P,
     }
