@@ -177,10 +177,12 @@ def parallel_options(f):
                      callback=_keep_parallel("symcost.tp"), metavar="N",
                      help="tensor-parallel size: trace one rank of N with the Megatron plan (symbol TP; "
                           "with --dp: one rank of the 2-D mesh)")(f)
-    f = click.option("--ac", type=click.Choice(["none", "full"]), default=None, expose_value=False,
+    f = click.option("--ac", type=click.Choice(["none", "full", "selective"]), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.ac"),
-                     help="activation checkpointing, under any layout: full = every block under a non-reentrant "
-                          "checkpoint (torchtitan's mode 'full'; applied after --tp, before --dp's engine)")(f)
+                     help="activation checkpointing of every block, under any layout, as torchtitan applies it "
+                          "(after --tp, before --dp's engine): full = each block recomputed; selective = "
+                          "torchtitan's op-level policy (matmul outputs kept but every second, attention and "
+                          "reduce-scatter outputs kept)")(f)
     f = click.option("--dp", type=click.IntRange(min=1), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.dp"), metavar="N",
                      help="data-parallel size: trace one rank of N (the formulas gain the symbol DP)")(f)

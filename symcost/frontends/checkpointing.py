@@ -72,20 +72,74 @@ def traced_checkpoint(fn, *args, **kwargs):
     return checkpoint(run, hold, *args, **kwargs)
 
 
-def checkpoint_blocks(model, layers: str) -> None:
-    """Checkpoint every block of ``model`` (the children of the ``layers`` container) in place:
-    each block's ``forward`` runs under :func:`traced_checkpoint` (non-reentrant), as torchtitan's
-    ``full`` activation checkpointing wraps each transformer block (``ptd_checkpoint_wrapper``,
+#: the op-level selective policy's kept ops (torchtitan's ``_save_list``,
+#: torchtitan/models/llama3/infra/parallelize.py before the policy moved to named tensors;
+#: ``selective_ac_option = "op"``): matmuls (every second one recomputed), the fused attention
+#: kernels, the reduce-scatter, max. ``_scaled_dot_product_flash_attention_for_cpu`` is the CPU
+#: trace's counterpart of the GPU flash kernel (the dispatcher picks it on this machine).
+OP_SAC_SAVE = ("aten.mm.default", "aten._scaled_dot_product_efficient_attention.default",
+               "aten._scaled_dot_product_flash_attention.default",
+               "aten._scaled_dot_product_flash_attention_for_cpu.default",
+               "_c10d_functional.reduce_scatter_tensor.default", "aten.max.default")
+
+
+def op_sac_context():
+    """``context_fn`` of torchtitan's op-level selective checkpointing: a fresh
+    ``create_selective_checkpoint_contexts`` with its policy (outputs of :data:`OP_SAC_SAVE` kept,
+    except every second ``mm`` of the block's forward, counted apart in the forward and in the
+    recomputation; everything else recomputed)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    count = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        name = str(func)
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if name == "aten.mm.default":
+            count[mode] += 1
+        keep = name in OP_SAC_SAVE and not (name == "aten.mm.default" and count[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+#: activation checkpointing of a layout (``--ac``): mode -> what is checkpointed
+AC_MODES = {
+    "full": "every block under a non-reentrant checkpoint (torchtitan's mode 'full'): each block keeps its input, "
+            "its forward runs again in the backward",
+    "selective": "every block under torchtitan's op-level selective policy (mode 'selective', selective_ac_option "
+                 "'op'): matmul outputs kept except every second one, fused attention, reduce-scatter and max "
+                 "outputs kept, the rest recomputed",
+}
+
+
+def checkpoint_blocks(model, layers: str, mode: str = "full") -> None:
+    """Checkpoint every block of ``model`` (the children of the ``layers`` container) in place,
+    as torchtitan's ``apply_ac`` wraps each transformer block (``ptd_checkpoint_wrapper``,
     torchtitan/distributed/activation_checkpoint.py) after tensor parallelism and before FSDP:
-    the module's hooks (FSDP2's all-gathers) stay outside the checkpointed region and the
-    recomputation in the backward re-runs the block's own ``forward``. The module names stay
-    those of the model (no ``_checkpoint_wrapped_module`` level)."""
+    each block's ``forward`` runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
+    preserve_rng_state=False)`` (torchtitan's defaults), with :func:`op_sac_context` for
+    ``mode="selective"``. The module's hooks (FSDP2's all-gathers) stay outside the checkpointed
+    region and the recomputation re-runs the block's own ``forward``; the module names stay those
+    of the model (no ``_checkpoint_wrapped_module`` level).
+
+    Raises:
+        SymcostError: an unknown ``mode`` (:data:`AC_MODES`).
+    """
     import functools
 
+    from torch.utils.checkpoint import checkpoint
+
+    from symcost.errors import SymcostError
+
+    if mode not in AC_MODES:
+        raise SymcostError(f"unknown --ac {mode!r}; accepted: none, {', '.join(AC_MODES)}")
+    extra = {"context_fn": op_sac_context} if mode == "selective" else {}
     for block in model.get_submodule(layers).children():
         inner = block.forward
 
         def forward(*args, _inner=inner, **kwargs):
-            return traced_checkpoint(_inner, *args, use_reentrant=False, **without_cache(kwargs))
+            return checkpoint(_inner, *args, use_reentrant=False, preserve_rng_state=False, **extra,
+                              **without_cache(kwargs))
 
         block.forward = functools.update_wrapper(forward, inner)

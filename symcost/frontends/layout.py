@@ -50,11 +50,6 @@ DIM_SYMBOL = {"pp": "PP", "dp_replicate": "DP", "dp_shard": "DP", "cp": "CP", "t
 #: the flag that sets each symbol on the command line
 SYMBOL_FLAG = {"DP": "--dp", "TP": "--tp", "PP": "--pp"}
 
-#: activation checkpointing of a layout (``--ac``): mode -> what is checkpointed
-AC_MODES = {"full": "every block under a non-reentrant checkpoint (torchtitan's activation_checkpoint.mode = "
-                    "'full'): each block keeps its input, its forward runs again in the backward"}
-
-
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """The pipeline dimension's schedule: ``schedule`` a name of
@@ -80,7 +75,8 @@ class Layout:
         tp: tensor parallelism over a ``tp`` dimension (the Megatron plan, or the config's).
         sp: with ``tp``, sequence parallelism.
         pipeline: a ``pp`` dimension's schedule, or None.
-        ac: activation checkpointing, a key of :data:`AC_MODES` (``"full"``), or None.
+        ac: activation checkpointing, a key of :data:`symcost.frontends.checkpointing.AC_MODES`
+            (``"full"``, ``"selective"``: torchtitan's modes), or None.
     """
 
     shard: str | None = None
@@ -99,6 +95,8 @@ class Layout:
             if self.shard is None:
                 raise SymcostError("--fsdp-mp (fsdp_mp) is a policy of data-parallel training: give shard (--dp N)")
             object.__setattr__(self, "fsdp_mp", tuple(self.fsdp_mp))
+        from symcost.frontends.checkpointing import AC_MODES
+
         if self.ac is not None and self.ac not in AC_MODES:
             raise SymcostError(f"unknown --ac {self.ac!r}; accepted: none, {', '.join(AC_MODES)}")
         if self.ac is not None and self.pipeline is not None:
@@ -282,7 +280,7 @@ class Layout:
 
             if layers is None:
                 raise SymcostError(f"--ac {self.ac}: the model has no block list to checkpoint")
-            checkpoint_blocks(model, layers)
+            checkpoint_blocks(model, layers, self.ac)
         if self.shard is not None:
             import warnings
 
