@@ -164,7 +164,7 @@ def _torchtitan_rank(spec, values: dict, shard: str, ac: str):
     from symcost.frontends.parallel import fake_group, wrap
     from symcost.tracing.record import find_layer_container
 
-    mesh = fake_group(values["DP"])
+    mesh = fake_group(values["DP"]) if shard else None
     with torch.device("meta"):
         model = spec.build(values).to(torch.bfloat16)
     layers = spec.layers if spec.layers is not None else find_layer_container(spec, model, values)
@@ -173,16 +173,18 @@ def _torchtitan_rank(spec, values: dict, shard: str, ac: str):
     for name, block in list(blocks.named_children()):
         blocks.register_module(name, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                         preserve_rng_state=False, **extra))
-    wrap(model, layers, shard, mesh)
+    if shard:
+        wrap(model, layers, shard, mesh)
     return model, contextlib.nullcontext
 
 
-@pytest.mark.parametrize("model,ac", [("megatron-gpt", "full"), ("hf:llama", "selective")])
-def test_activation_checkpointing_under_data_parallelism_against_pytorch(model, ac):
-    """--dp N --ac full|selective (refused before the layout): one rank of FSDP2 over checkpointed
-    blocks. At random sizes and DP, the rank's FLOPs (what the backward recomputes included),
-    saved bytes, collective bytes and parameter elements equal PyTorch's running torchtitan's
-    recipe on the fake process group (tests/data/tp_rank.py ``measure``)."""
+@pytest.mark.parametrize("model,ac,shard", [("megatron-gpt", "full", "fsdp"), ("hf:llama", "selective", None)])
+def test_activation_checkpointing_against_pytorch(model, ac, shard):
+    """--dp N --ac full (refused before the layout): one rank of FSDP2 over checkpointed blocks;
+    --ac selective on one device (torchtitan's op policy; its composition with the layout is the
+    same code path as full's). At random sizes (and DP), the rank's FLOPs (what the backward
+    recomputes included), saved bytes, collective bytes and parameter elements equal PyTorch's
+    running torchtitan's recipe (on the fake process group; tests/data/tp_rank.py ``measure``)."""
     import sys
     from fractions import Fraction
     from pathlib import Path
@@ -197,11 +199,12 @@ def test_activation_checkpointing_under_data_parallelism_against_pytorch(model, 
     hf = model.startswith("hf:")
     # (eager attention: FlopCounterMode's registry has no CPU flash-attention kernel to count)
     spec = resolve(model, {"num_hidden_layers": "2"} if hf else {}, "eager" if hf else None)
-    lay = Layout(shard="fsdp", ac=ac)
-    base = {"DP": 2, "S": 64, "H": 8, "D": 8, "V": 128} if not hf else {"DP": 2, "S": 32, "H": 4, "K": 2, "D": 8,
-                                                                           "V": 128, "F": 64}
+    lay = Layout(shard=shard, ac=ac)
+    base = {"S": 64, "H": 8, "D": 8, "V": 128} if not hf else {"S": 32, "H": 4, "K": 2, "D": 8, "V": 128, "F": 64}
+    if shard:
+        base["DP"] = 2
     an = symcost.trace(spec, layout=lay, precision="bf16-true", sizes=base)
-    assert "DP" in an.symbols and layout_of(an) == lay, (an.symbols, an.pinned)
+    assert ("DP" in an.symbols) == bool(shard) and layout_of(an) == lay, (an.symbols, an.pinned)
     rng = random.Random(27 + len(model))
     for _ in range(2):
         v = {"DP": rng.choice((2, 4)), "B": rng.randint(2, 4), "S": rng.randint(8, 80), "L": rng.randint(2, 3)}
@@ -211,7 +214,7 @@ def test_activation_checkpointing_under_data_parallelism_against_pytorch(model, 
             v.update(H=8 * rng.randint(1, 2), D=rng.choice((4, 8)))
         v["V"] = 8 * v["DP"] * rng.randint(2, 4)
         v = {k: x for k, x in v.items() if k in an.symbols or k in ("B", "S")}
-        m, ctx = _torchtitan_rank(spec, {**spec.values(v), **v}, "fsdp", ac)
+        m, ctx = _torchtitan_rank(spec, {**spec.values(v), **v}, shard, ac)
         with FakeTensorMode(allow_non_fake_inputs=True):
             m.to_empty(device="cpu")
             got = measure(m, spec, {**spec.values(v), **v}, ctx)
