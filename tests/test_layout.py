@@ -170,7 +170,7 @@ def _torchtitan_rank(spec, values: dict, shard: str, ac: str):
     layers = spec.layers if spec.layers is not None else find_layer_container(spec, model, values)
     blocks = model.get_submodule(layers)
     extra = {"context_fn": _torchtitan_context} if ac == "selective" else {}
-    for name, block in list(blocks.named_children()):
+    for name, block in list(blocks.named_children()) if ac else ():
         blocks.register_module(name, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                         preserve_rng_state=False, **extra))
     if shard:
@@ -182,9 +182,11 @@ def _torchtitan_rank(spec, values: dict, shard: str, ac: str):
 def test_activation_checkpointing_against_pytorch(model, ac, shard):
     """--dp N --ac full (refused before the layout): one rank of FSDP2 over checkpointed blocks;
     --ac selective on one device (torchtitan's op policy; its composition with the layout is the
-    same code path as full's). At random sizes (and DP), the rank's FLOPs (what the backward
-    recomputes included), saved bytes, collective bytes and parameter elements equal PyTorch's
-    running torchtitan's recipe (on the fake process group; tests/data/tp_rank.py ``measure``)."""
+    same code path as full's). At random sizes (and DP), the rank's hardware FLOPs (what the
+    backward recomputes included), saved bytes, collective bytes and parameter elements equal
+    PyTorch's running torchtitan's recipe (on the fake process group; tests/data/tp_rank.py
+    ``measure``), and its model FLOPs (MFU's, 6·N·P's: no recomputation) equal PyTorch's count of
+    the same step without checkpointing."""
     import sys
     from fractions import Fraction
     from pathlib import Path
@@ -214,12 +216,17 @@ def test_activation_checkpointing_against_pytorch(model, ac, shard):
             v.update(H=8 * rng.randint(1, 2), D=rng.choice((4, 8)))
         v["V"] = 8 * v["DP"] * rng.randint(2, 4)
         v = {k: x for k, x in v.items() if k in an.symbols or k in ("B", "S")}
-        m, ctx = _torchtitan_rank(spec, {**spec.values(v), **v}, shard, ac)
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            m.to_empty(device="cpu")
-            got = measure(m, spec, {**spec.values(v), **v}, ctx)
+        got, plain = ({}, {})
+        for ac_, out in ((ac, got), (None, plain)):  # with the recipe's checkpointing, and without
+            m, ctx = _torchtitan_rank(spec, {**spec.values(v), **v}, shard, ac_)
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                m.to_empty(device="cpu")
+                out.update(measure(m, spec, {**spec.values(v), **v}, ctx))
         env = an.bind(**v)
-        assert int(an.flops("train").subs(env)) == got["flops"], v
+        # hardware FLOPs: what the step runs, the recomputation included; model FLOPs (MFU, 6·N·P):
+        # the step's without it (shared/conventions.md), what PyTorch counts without checkpointing
+        assert int(an.flops("train", "hardware").subs(env)) == got["flops"], v
+        assert int(an.flops("train").subs(env)) == plain["flops"] < got["flops"], v
         saved = int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env))
         assert saved == got["saved"], (v, saved, got["saved"])
         for kind, want in got["comm"].items():

@@ -113,6 +113,17 @@ AC_MODES = {
 }
 
 
+#: depth of activation checkpointing's recomputations running now (:func:`checkpoint_blocks`)
+_RECOMPUTING = [0]
+
+
+def recomputing() -> bool:
+    """True while a block checkpointed by :func:`checkpoint_blocks` runs its forward again in the
+    backward: the recorder marks those ops' FLOPs as hardware FLOPs only (shared/conventions.md:
+    model FLOPs do not count recomputation; HFU does)."""
+    return _RECOMPUTING[0] > 0
+
+
 def checkpoint_blocks(model, layers: str, mode: str = "full") -> None:
     """Checkpoint every block of ``model`` (the children of the ``layers`` container) in place,
     as torchtitan's ``apply_ac`` wraps each transformer block (``ptd_checkpoint_wrapper``,
@@ -139,7 +150,19 @@ def checkpoint_blocks(model, layers: str, mode: str = "full") -> None:
         inner = block.forward
 
         def forward(*args, _inner=inner, **kwargs):
-            return checkpoint(_inner, *args, use_reentrant=False, preserve_rng_state=False, **extra,
+            calls = [0]
+
+            def run(*a, **k):  # the first call is the forward, a later one the recomputation
+                calls[0] += 1
+                if calls[0] == 1:
+                    return _inner(*a, **k)
+                _RECOMPUTING[0] += 1
+                try:
+                    return _inner(*a, **k)
+                finally:
+                    _RECOMPUTING[0] -= 1
+
+            return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False, **extra,
                               **without_cache(kwargs))
 
         block.forward = functools.update_wrapper(forward, inner)

@@ -83,10 +83,17 @@ def _op_view(op: OpCall, in_shapes, out_shapes, ints) -> rules.OpView:
 
 
 def concrete_cost(op: OpCall) -> rules.Cost:
-    """Cost of a recorded op at its concrete sizes."""
-    return rules.cost(
-        _op_view(op, [t.shape for t in op.inputs], [t.shape for t in op.outputs], op.ints)
-    )
+    """Cost of a recorded op at its concrete sizes (:func:`recomputed` for an op of activation
+    checkpointing's recomputation)."""
+    c = rules.cost(_op_view(op, [t.shape for t in op.inputs], [t.shape for t in op.outputs], op.ints))
+    return recomputed(c) if getattr(op, "recompute", False) else c
+
+
+def recomputed(c: rules.Cost) -> rules.Cost:
+    """The cost of an op that activation checkpointing runs again in the backward: its matmul
+    FLOPs are hardware FLOPs only (shared/conventions.md: model FLOPs, MFU and 6·N·P do not count
+    recomputation; HFU does), bytes and all-FLOPs as executed."""
+    return dataclasses.replace(c, flops=0, flops_hw=c.flops_hw)
 
 
 def _matmul_params(rec: Recording) -> tuple[set[str], set[int]]:
@@ -536,7 +543,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
                 for k in range(len(op.ints))]
         family = rules.classify(op.op)
         key = (op.name, tuple(in_shapes), tuple(out_shapes), tuple(ints),
-               tuple(t.dtype for t in op.inputs + op.outputs))
+               tuple(t.dtype for t in op.inputs + op.outputs), getattr(op, "recompute", False))
         c = cost_cache.get(key)
         if c is None:
             try:
@@ -552,6 +559,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
                                {k: fitter(tuple(int(x.transcendentals.get(k, 0)) for x in cs), f"cost of {op.name}")
                                 for k in sorted({k for x in cs for k in x.transcendentals})},
                                fitter(tuple(int(x.flops_hw) for x in cs), f"cost of {op.name}"))
+            if getattr(op, "recompute", False):
+                c = recomputed(c)
             cost_cache[key] = c
         if family == "unsupported":
             unsupported[op.name] = unsupported.get(op.name, 0) + repeat

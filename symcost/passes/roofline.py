@@ -440,12 +440,18 @@ def recompute_flops(an, recompute: str = "none") -> sympy.Expr:
     them (hardware FLOPs, ``flops_hw``), so selective recomputation adds nothing there.
 
     Raises:
-        SymcostError: unknown mode; ``full`` on a model whose blocks cannot be traced checkpointed.
+        SymcostError: unknown mode; ``full`` on a model whose blocks cannot be traced checkpointed;
+            a mode on a step traced with ``--ac`` (its recomputation is in the trace already).
     """
     if recompute not in RECOMPUTE:
         raise SymcostError(f"--recompute takes {', '.join(RECOMPUTE)}, got {recompute!r}")
     if recompute == "none":
         return sympy.Integer(0)
+    from symcost.frontends.layout import layout_of
+
+    if layout_of(an).ac:  # the traced step recomputes already (its hardware FLOPs): counted once
+        raise SymcostError(f"--recompute {recompute} with --ac {layout_of(an).ac}: the step was traced with its "
+                           "checkpointing, whose recomputation is already in its hardware FLOPs; give one of them")
     if recompute == "selective":
         S = SYMS["S"]
         return sympy.expand(sympy.Add(*[  # the score products: an output over the keys (last dim S)

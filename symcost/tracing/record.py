@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from symcost.errors import SymcostError
+from symcost.frontends.checkpointing import recomputing
 from symcost.frontends.layout import layout_of
 from symcost.frontends.models import ModelSpec
 from symcost.frontends.precision import PRECISIONS, check_precision
@@ -95,6 +96,9 @@ class OpCall:
     # a collective on a 2-D mesh (--dp with --tp): the mesh symbol of its process group ("DP" or
     # "TP"); None on a 1-D mesh, whose one group is the recording's (symcost.graph.totals.trace_group)
     group: str | None = None
+    # an op of activation checkpointing's recomputation in the backward (--ac, symcost.frontends.
+    # checkpointing.recomputing): its matmul FLOPs are hardware FLOPs, not model FLOPs
+    recompute: bool = False
 
 
 @dataclass
@@ -371,7 +375,9 @@ class _Recorder(TorchDispatchMode):
         owner = next((o for o in reversed(self.owners) if o is not None), None) if owners else None
         if owner is not None:
             return owner
-        if self.phase == "forward":
+        if self.phase == "forward" or (recomputing() and len(self.module_stack) > 1):
+            # (activation checkpointing's recomputation in the backward runs the block's modules
+            # again: their forward hooks name the op's module, as in the forward)
             return self.module_stack[-1]
         if self.phase == "optimizer":
             return ""
@@ -498,6 +504,7 @@ class _Recorder(TorchDispatchMode):
                 ints=ints,
                 args_tree=args_tree,
                 group=self.group_of(args) if self.groups and func.namespace in _COMM_NAMESPACES else None,
+                recompute=recomputing(),
             )
         )
         return out
