@@ -117,7 +117,10 @@ def common(f):
                      help="mixture-of-experts routing model: balanced (default) or capacity=C, C >= 1")(f)
     f = click.option("--precision", default="bf16-mixed", show_default=True,
                      help="bf16-mixed (autocast over fp32 weights), fp16-mixed, fp32, bf16-true, fp16-true, "
-                          "bf16-true-fp32-state (12P), bf16-true-fp32-master; see docs/memory.md")(f)
+                          "bf16-true-fp32-state (12P), bf16-true-fp32-master; frameworks' own: megatron-bf16, "
+                          "megatron-fp16, megatron-fp32, megatron-bf16-moments (--dp N --shard zero1: Megatron's "
+                          "distributed optimizer), deepspeed-bf16, deepspeed-fp16 (--shard zero1/2/3: the ZeRO "
+                          "stages); see docs/memory.md")(f)
     f = click.option("--attention", type=click.Choice(["eager", "sdpa"]), default=None,
                      help="hf: models only: attention implementation [default: sdpa, as transformers]")(f)
     f = click.option("--config", "config", multiple=True, metavar="KEY=VALUE",
@@ -153,7 +156,8 @@ def parallel_options(f):
                      callback=_keep_parallel("symcost.shard"),
                      help="data-parallel strategy with --dp: ddp (default), fsdp = zero3 (FSDP2 "
                           "reshard_after_forward=True), zero2 (reshard_after_forward=False; DeepSpeed "
-                          "ZeRO-2 model states), zero1 (DDP trace; ZeRO-1 model states)")(f)
+                          "ZeRO-2 model states), zero1 (DDP trace; ZeRO-1 model states, what Megatron-LM's "
+                          "--use-distributed-optimizer shards)")(f)
     f = click.option("--overlap", type=click.Choice(["none", "backward", "full"]), default="backward",
                      show_default=True, expose_value=False, callback=_keep_parallel("symcost.overlap"),
                      help="with --dp and --gpu: communication hidden under compute (docs/parallel.md)")(f)

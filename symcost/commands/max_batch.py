@@ -96,6 +96,7 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     if var not in ("B", "S"):
         raise SymcostError(f"--solve takes B or S, got {var!r}")
     dp, shard = parallel_request(click.get_current_context(silent=True))
+    mem.check_layout(precision, dp, shard)  # a policy its framework runs only sharded: before the trace
     if dp is not None and devices is not None and devices != dp:
         raise SymcostError(f"--devices {devices} and --dp {dp} disagree: with --dp the devices are the DP ranks; "
                            "give one")
@@ -180,7 +181,7 @@ def _sizes_line(sol_sizes: dict, given: dict) -> str:
 #: the max-batch table's rows: what the peak is made of (they add up to it), and their labels
 PEAK_ROWS = (
     ("params", "parameters"), ("optimizer", "optimizer state"), ("master_weights", "master weights"),
-    ("buffers", "buffers"), ("inputs", "inputs"),
+    ("grad_buffer", "gradient buffer (persistent)"), ("buffers", "buffers"), ("inputs", "inputs"),
     ("gradients", "gradients allocated so far"),
     ("forward", "forward tensors still live (activations saved for backward, ...)"),
     ("backward", "backward temporaries (activation gradients, ...)"),

@@ -6,7 +6,8 @@ import json
 
 import click
 
-from ._options import common, device_alias, early_checks, memory_options, parallel_options, trace_model
+from ._options import (common, device_alias, early_checks, memory_options, parallel_options, parallel_request,
+                       trace_model)
 from ._pipeline import pipeline_options, pipeline_request, report_pipeline
 
 
@@ -34,6 +35,10 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
     check_optimizer(optimizer)
     default_impl(device)
     pipe = pipeline_request(click.get_current_context())
+    if pipe is None:  # a policy its framework runs only with the optimizer sharded: say so before the trace
+        from symcost.passes.memory.policies import check_layout
+
+        check_layout(precision, *parallel_request(click.get_current_context()))
     if pipe is not None:
         report_pipeline(pipe, model, sets, config, attention, precision, as_json, optimizer)
         return

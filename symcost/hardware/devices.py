@@ -34,6 +34,8 @@ FALLBACK = {
 TRAINING_PRECISION = {  # every --precision of symcost.frontends.precision.PRECISIONS
     "fp32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "bf16-true-fp32-state": "bf16",
     "bf16-true-fp32-master": "bf16", "fp16-mixed": "fp16", "fp16-true": "fp16",
+    "megatron-bf16": "bf16", "megatron-fp16": "fp16", "megatron-fp32": "fp32", "megatron-bf16-moments": "bf16",
+    "deepspeed-bf16": "bf16", "deepspeed-fp16": "fp16",
 }
 _DTYPE_KEY = {
     "float32": "fp32", "float": "fp32", "float64": "fp32", "double": "fp32", "bfloat16": "bf16",

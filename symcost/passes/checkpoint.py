@@ -503,7 +503,7 @@ def _unit_values(mm, env: Mapping, accumulate: bool = False, shared: frozenset =
                 if per is not None:
                     free[role] = free.get(role, 0) - per
                     continue
-            if accumulate and k in mm.grad_events:
+            if mm.grad_transient(accumulate) and k in mm.grad_events:
                 if top is None or lev + p > top:
                     top, where = lev + p, mm._label(k, label)
                 continue
@@ -873,7 +873,7 @@ def chain(an, L: int, env: Mapping, optimizer: str = "adamw", impl: str = "forea
     sched = StepSchedule(
         plain=plain, ckpt=_unit_values(mmC, envC, accumulate, held, once), L=L,
         out_bytes=xo, rng=rng, static=int(mmP.static.xreplace(env)),
-        base=int(mmP.grads.xreplace(env)) if accumulate else 0, opt=opt,
+        base=int(mmP.grads.xreplace(env)) if accumulate and not mmP.policy.grad_buffer else 0, opt=opt,
         opt_where=f"optimizer step ({opt_what})", shared=plain.pop("shared"), once=plain.pop("once"))
     sched.ckpt.pop("shared")
     sched.ckpt.pop("once")
@@ -1283,7 +1283,8 @@ class CheckpointedMemory:
         plan, ch = self.at(accumulate, **sizes)
         peak, where = ch.schedule.simulate(plan.segments)
         out: dict[str, Any] = {k: v for k, v in self.plain.peak_parts(accumulate, **sizes).items()
-                               if k in ("params", "optimizer", "master_weights", "buffers", "inputs")}
+                               if k in ("params", "optimizer", "master_weights", "grad_buffer", "buffers",
+                                        "inputs")}
         out.update(dict.fromkeys(self.plain.LIVE_PARTS, 0))
         out["checkpointed"] = int(peak) - sum(out.values())
         out["peak"], out["where"] = int(peak), where

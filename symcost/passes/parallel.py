@@ -14,7 +14,9 @@ with Ψ parameters, K bytes of optimizer state per parameter and N_d ranks, per 
 * ZeRO-3 (P_os+g+p), FSDP: (2 + 2 + K)·Ψ/N_d
 
 here with the policy's bytes in place of 2, 2 and K (mixed precision with fp32 master weights
-and Adam, ``bf16-true-fp32-master``: 2, 2 and 4 + 4·2 = 12, the paper's numbers). For FSDP/ZeRO-3
+and Adam, ``bf16-true-fp32-master``, ``deepspeed-fp16``, ``deepspeed-bf16``: 2, 2 and 4 + 4·2 = 12,
+the paper's numbers; Megatron-LM's ``--use-distributed-optimizer`` shards what ZeRO-1 shards:
+``megatron-bf16`` with ``zero1`` is its 2 + 4 + 12/DP, docs/memory.md). For FSDP/ZeRO-3
 traced with ``fully_shard`` the elements a rank holds are the traced DTensor shards
 (``Analysis.params_shard``, P/DP where DP divides the sharded dims); ZeRO-1 and ZeRO-2 are
 memory policies (DeepSpeed partitions flat buffers evenly: P/DP).
@@ -30,7 +32,7 @@ from symcost.errors import SymcostError
 from symcost.frontends.layout import layout_of
 from symcost.frontends.parallel import SHARDS, check_shard
 from symcost.graph.ops import COMM_KINDS
-from symcost.passes.memory.policies import OPTIMIZERS, policy as get_policy
+from symcost.passes.memory.policies import OPTIMIZERS, check_layout, policy as get_policy
 from symcost.tracing.fit import SYMS
 
 #: which model states each strategy shards over the DP ranks
@@ -60,15 +62,23 @@ def model_state_bytes(P, DP, shard: str, precision: str = "bf16-true-fp32-master
             shards for ``fsdp``/``zero3``).
 
     Returns:
-        The four components and their ``total`` (ints or formulas in bytes). Formula:
-        Rajbhandari et al. 2020, section 5.1 and Table 1 (module docstring).
+        The four components and their ``total`` (ints or formulas in bytes): what the rank
+        keeps from step to step. Formula: Rajbhandari et al. 2020, section 5.1 and Table 1
+        (module docstring). A policy whose optimizer makes an fp32 copy of the gradients at its
+        step (``Policy.grad_copy``: Megatron-LM fp16, DeepSpeed's ZeRO) adds ``step_grad_copy``,
+        that copy's bytes (sharded as the optimizer state), outside ``total``: it exists during
+        the step only, where the rank's peak counts it; Megatron-LM's table of bytes per
+        parameter counts it, the ZeRO paper's K = 12 does not, DeepSpeed's estimators do (18).
 
     Raises:
-        SymcostError: an unknown strategy, policy or optimizer, or Adafactor (its factored
-            state is per tensor shape, not per parameter; not modelled per rank yet).
+        SymcostError: an unknown strategy, policy or optimizer, Adafactor (its factored
+            state is per tensor shape, not per parameter; not modelled per rank yet), or a
+            policy its framework does not run under ``shard`` (:func:`~symcost.passes.memory.
+            policies.check_layout`).
     """
     check_shard(shard)
     pol = get_policy(precision)
+    check_layout(pol.name, DP, shard)
     if optimizer not in OPTIMIZERS:
         raise SymcostError(f"unknown optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
     opt = OPTIMIZERS[optimizer]
@@ -80,6 +90,8 @@ def model_state_bytes(P, DP, shard: str, precision: str = "bf16-true-fp32-master
     share = P_shard if P_shard is not None else sympy.sympify(P) / DP
     out = {k: b * (share if k in SHARDED[shard] else P) for k, b in per.items()}
     out["total"] = sum(out.values())
+    if pol.grad_copy:
+        out["step_grad_copy"] = pol.grad_copy * (share if "optimizer_state" in SHARDED[shard] else P)
     return out
 
 

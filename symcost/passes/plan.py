@@ -357,6 +357,8 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     """
     pl = Planner(an, sizes, device, precision, optimizer, overlap)
     pl.cap = memory
+    if pl.pol.sharded_optimizer_only:  # (megatron-bf16-moments: Megatron-LM runs it only with its distributed optimizer)
+        shards = tuple(s for s in shards if s != "ddp")
     H = int(pl.sizes.get("H", 1))
     K = int(pl.sizes["K"]) if "K" in pl.sizes else None
     pinned = int((getattr(an, "pinned", None) or {}).get("TP", 0))

@@ -32,6 +32,8 @@ class _Text:
 
 #: The memory table's row of :attr:`MemoryModel.static` (what the peak row adds its live set to).
 STATIC_LABEL = "static (parameters + optimizer state + master weights + buffers + inputs; no gradients)"
+#: ... under a policy that keeps its gradients in a persistent buffer (Megatron-LM's main_grad)
+STATIC_LABEL_GRAD_BUFFER = "static (parameters + optimizer state + master weights + gradient buffer + buffers + inputs)"
 
 
 def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB",
@@ -68,6 +70,7 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
         "optimizer": f"optimizer state ({opt.name}" + (f", {opt.full}×{pol.state} B each" if opt.full else "")
                      + (", factored" if opt.factored else "") + (", 4 B step per tensor" if opt.step else "") + ")",
         "master_weights": f"master weights ({pol.master} B each)",
+        "grad_buffer": f"gradient buffer ({pol.grad} B each, persistent: the backward accumulates into it)",
         "buffers": "buffers",
         "inputs": "inputs",
         "activations": "activations (saved for backward)",
@@ -76,7 +79,8 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     }
     formulas = {
         "params": mm.params, "grads": mm.grads, "optimizer": mm.optimizer,
-        "master_weights": mm.master_weights, "buffers": mm.buffers, "inputs": mm.inputs,
+        "master_weights": mm.master_weights, "grad_buffer": mm.grad_buffer if pol.grad_buffer else None,
+        "buffers": mm.buffers, "inputs": mm.inputs,
         "activations": mm.activations, "activations_per_layer": mm.activations_per_layer,
         "peak": peak_f,
     }
@@ -96,7 +100,8 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
                           win.poly)
         rows.append((label[k], shown, gib(comp[k])))
         if k == "inputs":  # what the peak row calls static: every part live all step, not gradients
-            rows.append((STATIC_LABEL, _Text(str, mm.static), gib(static_v)))
+            rows.append((STATIC_LABEL_GRAD_BUFFER if pol.grad_buffer else STATIC_LABEL, _Text(str, mm.static),
+                         gib(static_v)))
     bpp = mm.bytes_per_param()
     parts = [f"{pol.param} (params)", f"{pol.grad} (grads)"]
     if opt.full:
@@ -108,6 +113,9 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
         f"per parameter: {' + '.join(parts)} = {bpp} bytes → {bpp}·P_total = {sympy.expand(bpp * mm.P)} bytes"
         f" (P_total = {mm.P} from the trace; precision {pol.name}: {pol.note})"
     ]
+    if pol.grad_copy:
+        lines.append(f"  + {pol.grad_copy} bytes per parameter the rank updates of an fp32 gradient copy during the "
+                     "optimizer step only (in the peak's optimizer-step live set, not in the static memory)")
     if opt.step:
         lines.append(f"  + {STEP_BYTES} bytes of {opt.torch} step counter per parameter tensor × {mm.n_tensors} tensors")
     if opt.factored:
@@ -115,8 +123,10 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     at = "at the sizes above" if sizes else "at the model's defaults"
     keys = ("params", "grads", "optimizer") + (("master_weights",) if pol.master else ())
     lines.append(f"{named} {at}: {' + '.join(f'{comp[k]:,}' for k in keys)} = {sum(comp[k] for k in keys):,} bytes "
-                 f"({gib(sum(comp[k] for k in keys))}); the static row leaves the gradients out (the backward "
-                 "allocates them: the peak counts them in its live sets)")
+                 f"({gib(sum(comp[k] for k in keys))}); "
+                 + ("the gradients are a persistent buffer (static: the backward accumulates into it)"
+                    if pol.grad_buffer else "the static row leaves the gradients out (the backward allocates them: "
+                    "the peak counts them in its live sets)"))
     parts = mm.peak_parts(**vsizes)
     live = [(k, name) for k, name in (("gradients", "gradients"), ("forward", "forward tensors still live"),
                                       ("backward", "backward temporaries"),

@@ -399,7 +399,9 @@ def policy_table(c: Console, optimizer_name: str = "adamw", current: str | None 
     for name, pol in POLICIES.items():
         bpp = pol.param + pol.grad + opt.full * pol.state + pol.master
         mark = " (this report)" if name == current else ""
-        t.add_row(name + mark, str(bpp), f"{pol.param} + {pol.grad} + {opt.full}×{pol.state} + {pol.master}: "
+        step = f" (+{pol.grad_copy} at the step)" if pol.grad_copy else ""  # an fp32 gradient copy, transient
+        t.add_row(name + mark, str(bpp) + (f" +{pol.grad_copy}" if pol.grad_copy else ""),
+                  f"{pol.param} + {pol.grad} + {opt.full}×{pol.state} + {pol.master}{step}: "
                   f"{SUMMARY.get(name, pol.note)}")
     c.print(t)
 

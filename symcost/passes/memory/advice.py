@@ -95,8 +95,8 @@ def alternatives(mm, cap: int | str, var: str, sizes: Mapping[str, int], checkpo
     groups: list[list[dict]] = []
     pol_trials = []
     for name in POLICIES:
-        if name == mm.policy.name or name.startswith("fp16"):
-            continue
+        if name == mm.policy.name or name.startswith("fp16") or POLICIES[name].source:
+            continue  # (a framework's own policy, megatron-* / deepspeed-*, describes a run: not a knob offered)
         bound = activations_bound(traced, name)
         if bound is None:
             continue

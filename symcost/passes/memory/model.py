@@ -71,6 +71,11 @@ class MemoryModel(Solver):
             ``policy.state * sum(rows + cols)`` over tensors of >= 2 dims and ``numel`` over
             vectors (the shapes of the trace), plus 4 bytes per parameter tensor for a ``step``.
         master_weights: ``policy.master * P``.
+        grad_buffer: the gradients when the policy keeps them in a persistent buffer
+            (``Policy.grad_buffer``: Megatron-LM's ``main_grad``), static memory; else 0 (the
+            backward allocates them: the schedule's gradient storages, scaled to the policy's
+            bytes). With a buffer each gradient the backward allocates is a transient in the
+            parameter's dtype, added into the buffer and freed (:meth:`grad_transient`).
         buffers: the model's buffers (their traced dtypes, shared storages once).
         inputs: the step's input tensors (e.g. token ids and labels, int64).
         activations: bytes autograd saves for backward (``Analysis.saved``, folded over L).
@@ -78,7 +83,8 @@ class MemoryModel(Solver):
         kv_cache: an inference step's KV cache after the step (``Analysis.kv_bytes``; 0 for a
             training step), times ``kv_scale`` (a cache modelled in another dtype: its element
             size over the traced one, :func:`symcost.passes.inference.kv_dtype`; 1 by default).
-        static: params + optimizer + master_weights + buffers + inputs + kv_cache (live all step).
+        static: params + optimizer + master_weights + grad_buffer + buffers + inputs + kv_cache
+            (live all step).
         candidates: the :class:`Candidate` live sets (bytes on top of ``static``) of a normal
             step; ``candidates_accum`` those of an accumulation micro-step (gradients live from
             the start, each new gradient a transient).
@@ -118,6 +124,8 @@ class MemoryModel(Solver):
             self._tp_rank_states()
         elif self.parallel is not None:
             self._rank_states()
+        # a persistent gradient buffer (Megatron-LM's main_grad) is static; else the backward allocates them
+        self.grad_buffer = self.grads if pol.grad_buffer else sympy.Integer(0)
         self.buffers, self.inputs = self._buffers_inputs()
         # an inference step's KV cache after the step (0 for a training step): live all step
         self.kv_scale = Fraction(kv_scale)
@@ -126,8 +134,8 @@ class MemoryModel(Solver):
         self.activations = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
         per_layer = [nb for _, nb, _, rep in an.saved if rep != 1 and sympy.sympify(rep).has(SYMS["L"])]
         self.activations_per_layer = sympy.expand(sympy.Add(*per_layer)) if per_layer else None
-        self.static = sympy.expand(self.params + self.optimizer + self.master_weights + self.buffers
-                                   + self.inputs + self.kv_cache)
+        self.static = sympy.expand(self.params + self.optimizer + self.master_weights + self.grad_buffer
+                                   + self.buffers + self.inputs + self.kv_cache)
         for domain in (ZZ, QQ):  # integer coefficients (fast) unless a size needs fractions
             self.alg = Algebra(self.gens, domain)
             try:
@@ -229,7 +237,9 @@ class MemoryModel(Solver):
         if tuple(sched.gens) != self.gens:
             raise SymcostError(f"{self.an.model}: the memory schedule's symbols {sched.gens} are not the "
                                f"trace's {list(self.gens)}")
-        grad_ratio = Fraction(self.policy.grad, sched.grad_itemsize)
+        # with a persistent gradient buffer (static memory) a gradient the backward allocates is a
+        # transient in the parameter's dtype, added into the buffer and dropped (grad_transient)
+        grad_ratio = Fraction(self.policy.param if self.policy.grad_buffer else self.policy.grad, sched.grad_itemsize)
         cache: dict = {}
         evpolys = []
         for e in sched.events:
@@ -262,7 +272,7 @@ class MemoryModel(Solver):
         """
         alg = self.alg
         R = alg.R
-        base = self._poly(self.grads) if accumulate else R.zero
+        base = self._poly(self.grads) if accumulate and not self.policy.grad_buffer else R.zero
         out: list[Candidate] = []
         shifted = {}
 
@@ -284,8 +294,8 @@ class MemoryModel(Solver):
                     if not _in_pass(once.get(k, ""), kind):
                         continue
                     p = self._evpolys[k]
-                    if accumulate and k in self.grad_events:
-                        # a new gradient, added in place, then freed
+                    if self.grad_transient(accumulate) and k in self.grad_events:
+                        # a new gradient, added in place (or into the gradient buffer), then freed
                         local.append(Candidate(pre + p, pre_s + sh(k), 1, str(k)))
                         continue
                     pre, pre_s = pre + p, pre_s + sh(k)
@@ -330,6 +340,14 @@ class MemoryModel(Solver):
         self.end_live = base
         return _pareto(out)
 
+    def grad_transient(self, accumulate: bool) -> bool:
+        """Whether a gradient the backward allocates is a transient, added where the gradients
+        live and freed at once, rather than kept to the end of the step: in an accumulation
+        micro-step (``AccumulateGrad`` adds it to the gradient in place) and under a policy with
+        a persistent gradient buffer (Megatron-LM's DDP hook: ``param.main_grad.add_(param.grad);
+        param.grad = None``)."""
+        return accumulate or self.policy.grad_buffer
+
     def _once(self, ids: range, rep) -> dict[int, str]:
         """The events of a repeated unit that happen in one of its passes only
         (``ScheduleEvent.once``: ``"first"`` or ``"last"``); empty for a unit run once."""
@@ -362,13 +380,25 @@ class MemoryModel(Solver):
         Adafactor: foreach ``var_estimates`` of every tensor; for-loop ``var_estimate`` (row_var @
         col_var, plus row and column means; ``grad * grad`` and a clone for vectors) while the
         previous tensor's is still referenced. SGD updates in place; fused kernels keep none.
+        A policy whose optimizer steps an fp32 copy of the gradients (``Policy.grad_copy``:
+        Megatron-LM fp16, DeepSpeed's ZeRO) adds that copy of every tensor the rank updates to
+        each of them (alone where the update keeps no temporaries).
         """
+        share = self._poly(self.P if self.opt_share is None else self.opt_share)
+        update = self._update_transients(share)
+        if not self.policy.grad_copy:
+            return update
+        copy = share * self.policy.grad_copy
+        return [(t + copy, what + ", with the fp32 gradient copy") for t, what in update] or [(copy, "fp32 gradient copy")]
+
+    def _update_transients(self, share) -> list[tuple[Any, str]]:
+        """:meth:`_optimizer_transients` of the update itself (``share``: the elements the rank
+        updates, a ring element)."""
         opt, st, impl, alg = self.opt, self.policy.state, self.impl, self.alg
         if impl == "fused" or opt.name in ("sgd", "sgd-nomomentum"):
             return []
         if impl == "foreach":
-            return [(self._poly(self.P if self.opt_share is None else self.opt_share) * st,
-                     "foreach temporaries of all tensors")]
+            return [(share * st, "foreach temporaries of all tensors")]
         out = []
         prev = alg.R.zero
         for numel, fac in self._param_numels():
@@ -429,14 +459,22 @@ class MemoryModel(Solver):
     #: the parts of a live set (:meth:`peak_parts`), in the order a table shows them
     LIVE_PARTS = ("gradients", "forward", "backward", "optimizer_step")
 
+    def static_parts(self) -> tuple[str, ...]:
+        """The static parts :meth:`peak_parts` lists: ``params``, ``optimizer``,
+        ``master_weights``, ``grad_buffer`` (only with a policy that keeps a persistent gradient
+        buffer), ``buffers``, ``inputs``."""
+        return ("params", "optimizer", "master_weights") + (("grad_buffer",) if self.policy.grad_buffer else ()) \
+            + ("buffers", "inputs")
+
     def peak_parts(self, accumulate: bool = False, **sizes: int) -> dict[str, Any]:
         """What the peak at ``sizes`` is made of, in bytes, adding up to :meth:`peak` exactly.
 
         The static parts (live all step: ``params``, ``optimizer``, ``master_weights``,
-        ``buffers``, ``inputs``), then the live set where the peak is reached, split by the
-        storages in it: ``gradients`` (gradient buffers allocated so far: all of them at the
-        optimizer step, the blocks done so far in the backward; all of them from the start in an
-        accumulation micro-step), ``forward`` (storages the forward allocated that are still
+        ``grad_buffer`` where the policy keeps one, ``buffers``, ``inputs``), then the live set
+        where the peak is reached, split by the storages in it: ``gradients`` (gradient buffers
+        allocated so far: all of them at the optimizer step, the blocks done so far in the
+        backward; all of them from the start in an accumulation micro-step; none with a
+        persistent ``grad_buffer``), ``forward`` (storages the forward allocated that are still
         live: the activations saved for backward that the backward has not yet freed, and at a
         forward peak the forward's own outputs), ``backward`` (other storages the backward
         allocated: activation gradients and temporaries), ``optimizer_step`` (the optimizer's
@@ -452,8 +490,7 @@ class MemoryModel(Solver):
         vals = self._values(env)
         L = env.get(SYMS["L"])
         ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731
-        exact = {k: sympy.sympify(getattr(self, k)).xreplace(env) for k in
-                 ("params", "optimizer", "master_weights", "buffers", "inputs")}
+        exact = {k: sympy.sympify(getattr(self, k)).xreplace(env) for k in self.static_parts()}
         out: dict[str, Any] = {k: int(v) for k, v in exact.items()}
         live = dict.fromkeys(self.LIVE_PARTS, 0)
         win = max(self._cands(L, accumulate), key=lambda c: _peval(c.poly, vals))
@@ -464,7 +501,7 @@ class MemoryModel(Solver):
             a = events[events[k].alloc]
             return "gradients" if a.grad else ("forward" if a.phase == "forward" else "backward")
 
-        if accumulate:
+        if accumulate and not self.policy.grad_buffer:
             live["gradients"] += ev(self.grads)
         origin = win.origin
         in_unit = origin is not None and origin[0] != "optimizer"
@@ -482,7 +519,7 @@ class MemoryModel(Solver):
                         continue
                     d = delta[kind]
                     mine = win_kind is not None and _PASS_EVENTS.get(win_kind, win_kind) == kind if once else True
-                    if accumulate and k in self.grad_events:
+                    if self.grad_transient(accumulate) and k in self.grad_events:
                         if ui == stop and k == origin[1] and mine:  # a new gradient, added in place: the peak
                             prefix = dict(d)
                             prefix["gradients"] += size[k]
@@ -509,8 +546,7 @@ class MemoryModel(Solver):
         # unpadded formulas give fractions of a byte, each part rounded down, as the peak is)
         integral = all(int(v) == v for v in (*live.values(), *exact.values()))
         out.update({k: int(v) for k, v in live.items()})
-        out["peak"] = sum(out[k] for k in ("params", "optimizer", "master_weights", "buffers", "inputs",
-                                           *self.LIVE_PARTS))
+        out["peak"] = sum(out[k] for k in (*self.static_parts(), *self.LIVE_PARTS))
         out["where"] = win.label
         if not integral:
             out["peak"] = self.peak(accumulate, **sizes)
@@ -531,10 +567,11 @@ class MemoryModel(Solver):
         env = self._env(sizes)
         vals = self._values(env)
         end = 0
+        kept = lambda k: not (self.policy.grad_buffer and k in self.grad_events)  # noqa: E731 (a transient)
         for ids, rep, _m, _l in self.units:
             once = self._once(ids, rep)
-            mid = sum(_peval(self._evpolys[k], vals) for k in ids if k not in once)
-            end += self._unit_total(_peval(rep, vals), sum(_peval(self._evpolys[k], vals) for k in ids), mid)
+            mid = sum(_peval(self._evpolys[k], vals) for k in ids if k not in once and kept(k))
+            end += self._unit_total(_peval(rep, vals), sum(_peval(self._evpolys[k], vals) for k in ids if kept(k)), mid)
         temps = max((_peval(t, vals) for t, _ in self._optimizer_transients()), default=0)
         return int(sympy.sympify(self.static).xreplace(env)) + int(end) + int(temps)
 
@@ -562,11 +599,12 @@ class MemoryModel(Solver):
 
     def components(self, **sizes: int) -> dict[str, int]:
         """Every component in bytes at ``sizes`` (JSON names: params, grads, optimizer,
-        master_weights, buffers, inputs, activations, kv_cache, peak)."""
+        master_weights, grad_buffer, buffers, inputs, activations, kv_cache, peak)."""
         env = self._env(sizes)
         ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731
         out = {k: ev(getattr(self, k)) for k in
-               ("params", "grads", "optimizer", "master_weights", "buffers", "inputs", "activations", "kv_cache")}
+               ("params", "grads", "optimizer", "master_weights", "grad_buffer", "buffers", "inputs", "activations",
+                "kv_cache")}
         if self.activations_per_layer is not None:
             out["activations_per_layer"] = ev(self.activations_per_layer)
         out["peak"] = self.peak(**sizes)

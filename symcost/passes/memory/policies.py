@@ -18,6 +18,18 @@ class Policy:
         state: bytes per element of optimizer state (moments, momentum, factored variance).
         master: bytes per parameter of master weights (0: no master copy).
         note: one line on what the policy is.
+        grad_buffer: the gradients live in one persistent buffer allocated with the model and
+            zeroed, not freed, between steps (Megatron-LM's DDP ``main_grad`` buffer, which the
+            backward accumulates into): static memory all step. False: the backward allocates
+            them and ``zero_grad(set_to_none=True)`` frees them (``torch.optim``).
+        grad_copy: bytes per element of an fp32 copy of the gradients that the optimizer makes
+            at its step, sharded as the optimizer state and gone after it (Megatron-LM's fp16
+            ``main_param.grad = main_grad.float()``, DeepSpeed ZeRO's ``.to(fp32)`` of the
+            gradient partition); 0: the step reads the gradients as they are.
+        sharded_optimizer_only: the framework runs it only with the optimizer state sharded over
+            the data-parallel ranks (Megatron-LM's precision-aware optimizer needs its
+            distributed optimizer): ``--dp N --shard ddp`` is refused (:func:`check_layout`).
+        source: where the bytes come from (the framework's source or docs, the paper).
     """
 
     name: str
@@ -26,6 +38,10 @@ class Policy:
     state: int
     master: int
     note: str
+    grad_buffer: bool = False
+    grad_copy: int = 0
+    sharded_optimizer_only: bool = False
+    source: str = ""
 
 
 #: The precision policies (conventions.md "Memory of a training step"; names and what is traced in
@@ -47,8 +63,82 @@ POLICIES: dict[str, Policy] = {
                                    "(the conventions' 12P)"),
     "bf16-true-fp32-master": Policy("bf16-true-fp32-master", 2, 2, 4, 4,
                                     "bf16 weights and gradients, fp32 master weights and optimizer state "
-                                    "(Megatron-LM / DeepSpeed bf16; 16P)"),
+                                    "(as DeepSpeed's bf16 ZeRO optimizer keeps them; 16P)"),
+    # Training frameworks' own policies, named after them (docs/memory.md, "Policies of training
+    # frameworks"). Megatron-LM (megatron/core/optimizer/; docs/user-guide/features/
+    # dist_optimizer.md, its table of bytes per parameter): the model in its dtype, a persistent
+    # main-gradient buffer (fp32 with --bf16, which sets accumulate_allreduce_grads_in_fp32; the
+    # model's dtype with --fp16 and fp32), fp32 main weights and Adam moments, which
+    # --use-distributed-optimizer (= --shard zero1) shards over DP with the fp16 step's fp32
+    # gradient copy; gradients and weights stay whole.
+    "megatron-bf16": Policy("megatron-bf16", 2, 4, 4, 4,
+                            "Megatron-LM --bf16: bf16 weights, fp32 main-gradient buffer, fp32 main weights and "
+                            "Adam moments (18P; --use-distributed-optimizer = --shard zero1: 6 + 12/DP)",
+                            grad_buffer=True,
+                            source="Megatron-LM docs/user-guide/features/dist_optimizer.md (bf16 parameters, fp32 "
+                                   "gradients: 18, 6 + 12/d); megatron/training/arguments.py (--bf16 sets "
+                                   "accumulate_allreduce_grads_in_fp32)"),
+    "megatron-fp16": Policy("megatron-fp16", 2, 2, 4, 4,
+                            "Megatron-LM --fp16: fp16 weights and main-gradient buffer, fp32 main weights and Adam "
+                            "moments, an fp32 copy of the gradients at the step (20P; distributed optimizer: "
+                            "4 + 16/DP)",
+                            grad_buffer=True, grad_copy=4,
+                            source="Megatron-LM docs/user-guide/features/dist_optimizer.md (fp16 parameters, fp16 "
+                                   "gradients: 20, 4 + 16/d); megatron/core/optimizer/distrib_optimizer.py "
+                                   "_copy_model_grads_to_main_grads (shard_main_param.grad = shard_model_grad.float())"),
+    "megatron-fp32": Policy("megatron-fp32", 4, 4, 4, 0,
+                            "Megatron-LM in fp32: fp32 weights and main-gradient buffer, fp32 Adam moments, no main "
+                            "copy (16P; distributed optimizer: 8 + 8/DP)",
+                            grad_buffer=True,
+                            source="Megatron-LM docs/user-guide/features/dist_optimizer.md (fp32 parameters, fp32 "
+                                   "gradients: 16, 8 + 8/d)"),
+    "megatron-bf16-moments": Policy("megatron-bf16-moments", 2, 4, 2, 2,
+                                    "Megatron-LM --bf16 --use-precision-aware-optimizer --exp-avg-dtype bf16 "
+                                    "--exp-avg-sq-dtype bf16 (distributed optimizer only): fp32 main-gradient buffer, "
+                                    "bf16 moments, fp32 main weights kept as the 16 bits bf16 weights lack "
+                                    "(store_param_remainders): 6 + 6/DP",
+                                    grad_buffer=True, sharded_optimizer_only=True,
+                                    source="Megatron-LM megatron/core/optimizer/optimizer_config.py (exp_avg_dtype, "
+                                           "exp_avg_sq_dtype; store_param_remainders=True), distrib_optimizer.py "
+                                           "(master_param as int16 remainders with bf16), optimizer/__init__.py "
+                                           "(the precision-aware optimizer only with the distributed optimizer)"),
+    # DeepSpeed's ZeRO (Rajbhandari et al. 2020, section 5.1 and Table 1: mixed-precision Adam,
+    # 2 + 2 + K with K = 12; ZeRO-1/2/3 = --shard zero1/zero2/zero3); its optimizers convert the
+    # gradient partition to fp32 at the step (deepspeed/runtime/zero/stage_1_and_2.py step(),
+    # stage3.py), which the paper's K leaves out and DeepSpeed's estimators count (their 18).
+    "deepspeed-fp16": Policy("deepspeed-fp16", 2, 2, 4, 4,
+                             "DeepSpeed fp16 with ZeRO (--shard zero1/zero2/zero3): fp16 weights and gradients, fp32 "
+                             "master weights and Adam moments (the ZeRO paper's 2 + 2 + 12), an fp32 copy of the "
+                             "gradient partition at the step",
+                             grad_copy=4,
+                             source="Rajbhandari et al. 2020, ZeRO, section 5.1 and Table 1 (K = 12); DeepSpeed "
+                                    "deepspeed/runtime/zero/stage_1_and_2.py step() (.to(fp32) of the partition)"),
+    "deepspeed-bf16": Policy("deepspeed-bf16", 2, 2, 4, 4,
+                             "DeepSpeed bf16 with ZeRO (--shard zero1/zero2/zero3): bf16 weights and gradients "
+                             "(data_types.grad_accum_dtype left at the model's), fp32 master weights and Adam "
+                             "moments, an fp32 copy of the gradient partition at the step",
+                             grad_copy=4,
+                             source="Rajbhandari et al. 2020, ZeRO, section 5.1 and Table 1 (K = 12); DeepSpeed "
+                                    "deepspeed/runtime/engine.py _do_optimizer_sanity_check (bf16 under ZeRO: the "
+                                    "ZeRO optimizer)"),
 }
+
+
+def check_layout(name: str, dp, shard: str | None) -> None:
+    """Refuse a policy that its framework does not run under the data-parallel strategy asked
+    for, in one line, before any trace: ``megatron-bf16-moments`` with ``--dp N --shard ddp``
+    (N > 1), as Megatron-LM refuses ``--use-precision-aware-optimizer`` without
+    ``--use-distributed-optimizer``. ``dp``: the data-parallel size (an int, the symbol DP, or
+    None on one device).
+
+    Raises:
+        SymcostError: such a combination.
+    """
+    pol = POLICIES.get(name)
+    if pol is not None and pol.sharded_optimizer_only and dp not in (None, 1) and (shard or "ddp") == "ddp":
+        raise SymcostError(f"--precision {name} runs only with the optimizer state sharded over the data-parallel "
+                           "ranks (Megatron-LM refuses --use-precision-aware-optimizer without "
+                           "--use-distributed-optimizer): add --shard zero1, Megatron's distributed optimizer")
 
 
 @dataclass(frozen=True)

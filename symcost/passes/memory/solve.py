@@ -152,7 +152,8 @@ class Solver:
         at1 = {**{k: x for k, x in sizes.items() if k != v}, v: 1}
         comp = self.components(**at1)
         parts = {"parameters": comp["params"], "optimizer state": comp["optimizer"],
-                 "master weights": comp["master_weights"], "buffers": comp["buffers"], "inputs": comp["inputs"],
+                 "master weights": comp["master_weights"], "gradient buffer": comp["grad_buffer"],
+                 "buffers": comp["buffers"], "inputs": comp["inputs"],
                  "KV cache": comp["kv_cache"]}
         static = sum(parts.values())
         cap = f"the cap {sol.cap:,} bytes ({binary(sol.cap)})"
