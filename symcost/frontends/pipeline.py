@@ -11,9 +11,10 @@ a middle stage only its blocks. Here the deletion is generic (no model code chan
 * the modules with parameters that the model calls before its first block (``pre``) and after
   its last (``post``) are found by one forward on the meta device;
 * on a stage that does not own them they are replaced by :class:`Absent` (no parameters; it
-  returns empty tensors of the shapes the module returned, so what the model computes from the
-  micro-batch's inputs before its blocks, e.g. a causal mask or positions, still runs, as
-  torchtitan's stages recompute their rotary tables and masks);
+  returns empty tensors of the shapes and dtypes the module returned in a step of the traced
+  precision, so what the model computes from the micro-batch's inputs before its blocks, e.g. a
+  causal mask, positions or a rotary embedding's cos/sin in the embeddings' dtype, still runs as
+  in the whole model, as torchtitan's stages recompute their rotary tables and masks);
 * a stage after the first takes the activation received from the previous stage and puts it
   in place of its first block's input (a forward pre-hook); a stage before the last returns its
   last block's output (a forward hook ends the model's forward there).
@@ -296,9 +297,9 @@ def _absent_class():
     from torch.utils._pytree import tree_map
 
     class Absent(nn.Module):
-        """A module deleted from this stage: no parameters; returns empty tensors shaped like the
-        deleted module's output at the sizes it was probed at (``shapes``: a callable of the
-        current input sizes, or a fixed template)."""
+        """A module deleted from this stage: no parameters; returns empty tensors of the shapes
+        and dtypes of the deleted module's output (``template``: its output when probed at these
+        sizes in the step's precision, :func:`probe_spec`)."""
 
         def __init__(self, template):
             super().__init__()
@@ -389,23 +390,35 @@ def probe_boundary(model, layers: str, args, kwargs):
     return pre, post, templates, marks["x"]
 
 
-def probe_spec(spec, values: Mapping[str, int], layers: str):
-    """:func:`probe_boundary` of ``spec`` at ``values``: the model built on the meta device and
-    run on fake CPU tensors (``FakeTensorMode``, inside ``spec.record_context`` as the recorder
-    runs it: some models read a tensor value on the meta device). Returns ``(pre, post,
-    templates, x shape, x dtype)``."""
+def probe_spec(spec, values: Mapping[str, int], layers: str, precision: str = "fp32"):
+    """:func:`probe_boundary` of ``spec`` at ``values``, run as the recorder runs the step of
+    ``precision``: the model built on the meta device in the precision's parameter dtype, made
+    fake CPU tensors (``FakeTensorMode``), its floating inputs cast to that dtype, under the
+    precision's autocast and inside ``spec.record_context`` (some models read a tensor value on
+    the meta device). The templates then hold the dtypes the deleted modules return in that step (an
+    embedding's output is bf16 under ``bf16-true``, fp32 under ``bf16-mixed``; a rotary embedding
+    computes its cos/sin tables in that dtype, so a stage must see the same). Returns ``(pre,
+    post, templates, x shape, x dtype)``."""
     import contextlib
 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map
 
+    from symcost.frontends.precision import precision_context
+
+    param_dtype, autocast = precision_context(precision)
     with torch.device("meta"):
         m = spec.build(values)
+        m.to(param_dtype)  # (floating parameters and buffers, as the recorder casts them)
     context = spec.record_context or contextlib.nullcontext
     with FakeTensorMode(allow_non_fake_inputs=True):
         m.to_empty(device=torch.device("cpu"))
         a, k = spec.make_inputs(values, torch.device("cpu"))
-        with context():
+        if param_dtype != torch.float32:
+            a, k = tree_map(lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                            else t, (a, k))
+        with context(), autocast():
             pre, post, templates, x = probe_boundary(m, layers, a, k)
     return pre, post, templates, tuple(x.shape), x.dtype
 
@@ -547,7 +560,7 @@ def stage_inputs(spec, values: Mapping[str, int], part: str, x_shape, x_dtype, d
     return (x,), {**{f"_in{i}": a for i, a in enumerate(args)}, **kwargs}
 
 
-def stage_spec(spec, part: str, layers: str, p2p: bool = True):
+def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = "fp32", probes: dict | None = None):
     """The :class:`~symcost.frontends.spec.ModelSpec` of one stage module of ``spec`` for one
     micro-batch, with ``L`` the blocks of this stage (its formulas turn into L/PP, or
     L/(PP·v), by substitution, :mod:`symcost.passes.pipeline`).
@@ -555,6 +568,9 @@ def stage_spec(spec, part: str, layers: str, p2p: bool = True):
     ``build`` builds the model with L blocks on the current device and makes it the ``part``
     stage (:func:`make_stage`); ``make_inputs`` gives the stage's call (:func:`stage_inputs`);
     ``loss`` is the model's loss on the last stage and :func:`send_output` before it.
+    ``precision``: the precision the stage is traced in; the boundary (the deleted modules'
+    outputs and the received activation) is probed in it (:func:`probe_spec`), once per sizes;
+    ``probes``: a dict the stage kinds of one pipeline share, so they probe each size once.
 
     Raises:
         SymcostError: an unknown part, or a model without a block container.
@@ -563,12 +579,12 @@ def stage_spec(spec, part: str, layers: str, p2p: bool = True):
         raise SymcostError(f"unknown stage {part!r}; accepted: {', '.join(PARTS)}")
     if not layers:
         raise SymcostError(f"{spec.name}: no container of L blocks, so no stage split")
-    probes: dict = {}
+    probes = {} if probes is None else probes
 
     def boundary(values):
         key = tuple(sorted(values.items()))
         if key not in probes:
-            probes[key] = probe_spec(spec, values, layers)
+            probes[key] = probe_spec(spec, values, layers, precision)
         return probes[key]
 
     def build(values):

@@ -74,12 +74,14 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
     # fitted from the probes like any other (so one trace serves every PP and split)
     req = tuple(sorted((k, v) for k, v in (sizes or {}).items() if k in spec.all_symbols and k != "L"))
     out = {}
+    probes: dict = {}  # the stage boundary at each probe's sizes, shared by the stage kinds
     for part in sorted(parts):
         key = (spec.name, tuple(sorted(spec.defaults.items())), part, spec.layers, precision, req,
                (cache[0], tuple(sorted((cache[1] or {}).items())), cache[2]) if cache else None)
         if key not in _TRACES:
             def fresh(part=part):
-                return symcost.trace(stage_spec(spec, part, container()), sizes=dict(req), precision=precision)
+                return symcost.trace(stage_spec(spec, part, container(), precision=precision, probes=probes),
+                                     sizes=dict(req), precision=precision)
 
             if cache is not None:
                 from symcost.graph.cache import cached_trace

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from symcost.errors import SymcostError
-from symcost.frontends.pipeline import SCHEDULES, make_stage, part_of, probe_boundary, stage_blocks
+from symcost.frontends.pipeline import SCHEDULES, make_stage, part_of, probe_spec, stage_blocks
 from symcost.tracing.record import materialize, precision_context
 
 
@@ -105,13 +105,14 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
     param_dtype, autocast = precision_context(precision)
     cpu = torch.device("cpu")
     values = dict(values)
+    # the boundary as the step of this precision runs it (the deleted modules' outputs in its
+    # dtypes: a rotary embedding computes its tables in the embeddings' dtype)
+    pre, post, templates, x_shape, x_dtype = probe_spec(spec, values, layers, precision)
     with torch.device("meta"):
         meta = spec.build(values)
     a, k = spec.make_inputs(values, torch.device("meta"))
-    pre, post, templates, x = probe_boundary(meta, layers, a, k)
     with torch.no_grad():
         logits = meta(*a, **k)
-    x_dtype = param_dtype if param_dtype != torch.float32 else x.dtype
     models = []
     for s in mine:
         with torch.device("meta"):
@@ -128,10 +129,10 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
             stages = []
             for s, m in models:
                 materialize(m, cpu, param_dtype)
-                inp = (mb,) if s == 0 else (torch.empty(x.shape, dtype=x_dtype),)
+                inp = (mb,) if s == 0 else (torch.empty(x_shape, dtype=x_dtype),)
                 out = (torch.empty(logits.shape, dtype=logits.dtype if param_dtype == torch.float32 else param_dtype,
                                    requires_grad=True) if s == n - 1
-                       else torch.empty(x.shape, dtype=x_dtype, requires_grad=True),)
+                       else torch.empty(x_shape, dtype=x_dtype, requires_grad=True),)
                 stages.append(PipelineStage(m, s, n, cpu, input_args=inp, output_args=out))
             sched = cls(stages if SCHEDULES[schedule][1] else stages[0], microbatches,
                         loss_fn=lambda out, target: spec.loss(out, ((target,), {})))

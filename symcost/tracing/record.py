@@ -43,7 +43,7 @@ from symcost.errors import SymcostError
 from symcost.frontends.checkpointing import recomputing
 from symcost.frontends.layout import layout_of
 from symcost.frontends.models import ModelSpec
-from symcost.frontends.precision import PRECISIONS, check_precision
+from symcost.frontends.precision import precision_context
 
 _META_KEY = "symcost_module"
 
@@ -710,24 +710,6 @@ def find_layer_container(spec: ModelSpec, model: nn.Module, values: Mapping[str,
     )
 
 
-def precision_context(precision: str):
-    """``(parameter dtype, autocast context factory)`` of a precision (:data:`PRECISIONS`).
-
-    ``*-true`` and ``bf16-true-fp32-*``: the model cast to bf16 / fp16 (``model.to(dtype)``);
-    ``*-mixed``: the fp32 model run under ``torch.autocast("cpu", dtype=bf16 or fp16)`` (what
-    autocast saves, its low-precision copies of the weights included, is what the recording sees);
-    ``fp32``: the fp32 model.
-
-    Raises:
-        SymcostError: an unknown or renamed precision.
-    """
-    weights, cast, _ = PRECISIONS[check_precision(precision)]
-    dtype = getattr(torch, weights)
-    if cast is None:
-        return dtype, contextlib.nullcontext
-    return dtype, lambda: torch.autocast("cpu", dtype=getattr(torch, cast))
-
-
 def _storage_key(t: torch.Tensor) -> int | None:
     """The key of ``t``'s storage (None for a tensor without one)."""
     try:
@@ -808,7 +790,7 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
     Args:
         spec: the model.
         values: a concrete int for B, S and every config symbol of the model.
-        precision: one of :data:`PRECISIONS` (see :func:`precision_context`).
+        precision: one of :data:`symcost.frontends.precision.PRECISIONS` (see :func:`precision_context`).
         optimizer: optional ``callable(params) -> torch.optim.Optimizer``; its ``step()`` runs
             after the backward (phase ``"optimizer"``).
         strict: a real recording that reads a tensor's value (an op PyTorch tags
