@@ -146,3 +146,35 @@ def test_real_gloo_two_by_two(tmp_path):
         assert got["world"] == 4
         _check(an, v, got, rank)
         assert abs(want - got["peak_ops"]) <= 0.05 * got["peak_ops"], (rank, want, got)
+
+
+def test_one_kv_head_per_tp_rank_on_the_2d_mesh():
+    """K = TP (Llama-3-8B's 8 KV heads at --tp 8, with --dp: once refused, "could not find probe
+    sizes"): the data-parallel probe rule asked every first dimension to be a multiple of
+    lcm(DP, 4)·8 for any TP of 2, 4, 8, so K·D with K = 2 needed D a multiple of 16, while only
+    TP = 2 splits two heads. Now the rule takes the largest TP the plan splits at the probe. The
+    trace pins K and TP (one KV head per rank, a regime of its own) and keeps DP free; FLOPs,
+    saved bytes, collective bytes per group and shard elements equal PyTorch's on the fake 2-D
+    mesh at random sizes."""
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+
+    cfg = {"num_hidden_layers": "2", "num_attention_heads": "8", "num_key_value_heads": "2", "hidden_size": "256",
+           "intermediate_size": "512", "vocab_size": "512"}
+    spec = resolve("hf:llama", cfg, "eager")
+    an = symcost.trace(spec, layout=Layout(shard="fsdp", tp=True), precision=PRECISION,
+                       sizes={"DP": 2, "TP": 2, "B": 2, "S": 32})
+    assert an.pinned.get("K") == 2 and an.pinned.get("TP") == 2 and "DP" in an.symbols, an.pinned
+    rng = random.Random(2716)
+    for _ in range(2):
+        v = {**spec.values({}), "DP": rng.choice((2, 4)), "TP": 2, "K": 2, "B": rng.randint(2, 3),
+             "S": rng.randint(8, 40), "H": 8 * rng.randint(1, 2), "D": 8 * rng.randint(1, 2), "L": 2,
+             "F": 32 * rng.randint(1, 3)}
+        v["V"] = 16 * v["DP"] * rng.randint(2, 4)
+        m, ctx, groups = fake_mesh_rank(spec, v, False, "fsdp")
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            m.to_empty(device="cpu")
+            got = measure(m, spec, v, ctx, groups=groups)
+        _check(an, {k: x for k, x in v.items() if k in an.symbols or k in ("B", "S")}, got, v)

@@ -283,3 +283,37 @@ def test_inverse_dp_generator_round_trips():
         assert _peval(p, alg.values((b, d, dp))) == want
     assert _sign(alg, p) == 1 and _sign(alg, -p) == -1
     assert _sign(alg, alg.from_expr(D / DP - 1)) == 0  # negative at D = 1, DP = 2: not >= 0
+
+
+@pytest.mark.parametrize("shard", ["fsdp", "ddp"])
+def test_rank_activations_exclude_the_weights_autograd_saves(shard):
+    """Issue 31 item 5: a data-parallel rank's activations counted the unsharded (FSDP2) or
+    replicated weights an ``mm`` backward keeps (its transposed weight, a view of the parameter's
+    storage), e.g. a 2-layer Llama in fp32 at B 2, S 16: 2,611,332 bytes against 776,324 on one
+    device. Data parallelism changes no activation: the rank's saved bytes equal what PyTorch's
+    ``saved_tensors_hooks`` measure for the same micro-batch on one device (tests/data/tp_rank.py
+    ``measure`` on the plain model, parameters and buffers excluded), at random sizes."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+    from tp_rank import measure
+
+    cfg = {"num_hidden_layers": "2", "num_attention_heads": "4", "num_key_value_heads": "4", "hidden_size": "128",
+           "intermediate_size": "256", "vocab_size": "1024"}
+    spec = resolve("hf:llama", cfg, "eager")
+    an = symcost.trace(spec, layout=Layout(shard=shard), precision="fp32", sizes={"DP": 2, "B": 2, "S": 16})
+    rng = random.Random(315 + len(shard))
+    for _ in range(2):
+        v = {"B": rng.randint(2, 4), "S": rng.randint(8, 48), "DP": rng.choice((2, 4))}
+        values = {**spec.values({k: x for k, x in v.items() if k != "DP"}), **v}
+        with torch.device("meta"):
+            model = spec.build(values)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            got = measure(model, spec, values, contextlib.nullcontext)
+        env = an.bind(**{k: x for k, x in v.items() if k in an.symbols or k in ("B", "S")})
+        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], (shard, v)

@@ -223,7 +223,15 @@ class Layout:
         if self.shard is not None:
             from symcost.frontends.parallel import data_parallel
 
-            spec = data_parallel(spec, self.shard, self.fsdp_mp)
+            sizes = None
+            if self.tp:  # (on the 2-D mesh FSDP2 shards the TP-local rows of the TP sizes the plan splits)
+                from symcost.frontends.tensor_parallel import splits
+
+                base, sp = spec, self.sp
+
+                def sizes(values):
+                    return splits(base, values, sp)
+            spec = data_parallel(spec, self.shard, self.fsdp_mp, sizes)
         if self.tp:
             from symcost.frontends.tensor_parallel import tensor_parallel
 

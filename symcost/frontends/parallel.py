@@ -87,7 +87,7 @@ def check_shard(shard: str) -> str:
     return shard
 
 
-def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None):
+def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None, tp_sizes=None):
     """The data-parallel dimension's part of a layout's spec (:meth:`symcost.frontends.layout.Layout.spec`
     calls it; a traced spec is the layout's): ``spec`` with the symbol ``DP`` (the group size:
     ``shard`` over ``DP`` ranks) and the probe check that keeps the per-rank sizes polynomial in
@@ -98,7 +98,10 @@ def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None):
     FSDP2 shards each parameter on dim 0 into ``ceil(d0/DP)`` rows and pads, so sizes are
     polynomial in ``DP`` only there (``probe_check``); the formulas then say ``/DP``, exact
     where DP divides the sharded dims (a request that does not is padded by at most
-    ``DP - 1`` rows per parameter, docs/parallel.md).
+    ``DP - 1`` rows per parameter, docs/parallel.md). Over a tensor-parallel dimension (the
+    layout's 2-D mesh) FSDP2 shards the TP-local rows: ``tp_sizes(values)`` gives the tensor-
+    parallel sizes the probes can draw at ``values`` (those the TP plan splits), and the first
+    dimensions must be multiples of lcm(DP, 4) times the largest (8 where not given).
 
     Raises:
         SymcostError: an unknown ``shard``.
@@ -115,7 +118,7 @@ def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None):
         why = inner_probe(values) if inner_probe else None
         if why or "DP" not in values:
             return why
-        return _indivisible(spec, values)
+        return _indivisible(spec, values, tp_sizes)
 
     defaults = dict(spec.defaults, DP=spec.defaults.get("DP", 8))
     return dataclasses.replace(spec, symbols=tuple(spec.symbols) + ("DP",), defaults=defaults,
@@ -159,17 +162,22 @@ def memo_per_model(memo: dict, values: Mapping[str, int], compute):
     return memo[key(values)]
 
 
-def _indivisible(spec, values: Mapping[str, int]) -> str | None:
+def _indivisible(spec, values: Mapping[str, int], tp_sizes=None) -> str | None:
     """Why ``DP`` does not divide the first dimension of every parameter (built on the meta
     device), or None. With ``TP`` in ``values`` (the 2-D mesh: FSDP2 shards the rank's TP-local
-    rows, ``d0/TP`` of a column-parallel weight), 8 times that: TP is drawn from 2, 4 and 8."""
+    rows, ``d0/TP`` of a column-parallel weight), times the largest TP the probes can draw here
+    (``tp_sizes(values)``, :func:`data_parallel`; 8 of 2, 4, 8 where not given): where the plan
+    splits K = 2 heads, TP = 2 is the only one, and D need not be a multiple of 16 for 2·D."""
     dp = values["DP"]
     # a multiple of lcm(DP, 4): then DP = 2 and 4 both divide the base probe's dimensions, so
     # DP can vary alone from it (fit.plan_probes); on the 2-D mesh, TP too
-    m = math.lcm(dp, 4) * (8 if "TP" in values else 1)
+    tp = 1
+    if "TP" in values:
+        tp = max((tp_sizes(values) if tp_sizes is not None else None) or [8 if tp_sizes is None else values["TP"]])
+    m = math.lcm(dp, 4) * tp
     bad = [d0 for d0 in _dims0(spec, values) if d0 % m]
-    tp = " times 8 (any TP of 2, 4, 8)" if "TP" in values else ""
-    return f"a parameter's first dimension, {bad[0]}, is no multiple of lcm(DP={dp}, 4){tp}" if bad else None
+    why = f" times {tp} (the largest TP the plan can split here)" if "TP" in values else ""
+    return f"a parameter's first dimension, {bad[0]}, is no multiple of lcm(DP={dp}, 4){why}" if bad else None
 
 
 def fake_group(world_size: int):

@@ -99,6 +99,13 @@ def tensor_parallel(spec, sp: bool = False):
                                probe_check=probe_check, moduli=moduli)
 
 
+def splits(spec, values: Mapping[str, int], sp: bool = False, sizes=(2, 4, 8)) -> list[int]:
+    """The tensor-parallel sizes of ``sizes`` (the probes' pool) whose plan splits ``spec``'s
+    model at ``values`` (every sharded dimension a multiple, at least two heads per rank where
+    the request has that): what a probe can draw for TP there."""
+    return [t for t in sizes if _indivisible(spec, {**values, "TP": t}, sp) is None]
+
+
 #: spec.build -> its memo (symcost.frontends.parallel.memo_per_model): sizes -> sharded dims
 _SHARDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -110,6 +117,9 @@ def _indivisible(spec, values: Mapping[str, int], sp: bool) -> str | None:
     if sp and (values.get("S", tp) % tp or values.get("S", 2 * tp) < 2 * tp):
         return (f"S={values['S']} is no multiple of TP={tp} of at least 2·TP (sequence parallelism "
                 "splits S; one token per rank is a regime of its own)")
+    for h in ("H", "K"):  # the attention head counts (conventions), wherever the model keeps them
+        if h in values and h in spec.all_symbols and values[h] % tp:
+            return f"{h}={values[h]} heads do not split over TP={tp}"
     for name, (dims, heads) in _sharded_dims(spec, values).items():
         bad = [d for d in dims + heads if d % tp] or [d for d in heads if d < 2 * tp]
         if bad:

@@ -972,7 +972,8 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             ref = StorageWeakRef(st)
             key = ref.cdata
             if key in static_storages or key in rec.param_storages or (
-                    parallel is not None and any((rec.leaf_name(x) or "").startswith("param:") for x in {t, t0})):
+                    parallel is not None and any((rec.leaf_name(x) or "").startswith("param:") for x in {t, t0})) or (
+                    parallel is not None and key in _param_storages(rec.model)):
                 # a parameter (FSDP's unsharded one included: on the 2-D mesh a DTensor whose
                 # local tensor is saved before the op names it, as autograd saves a DTensor op's
                 # inputs before it runs: sequence parallelism's replicated norm weights) or buffer
@@ -1064,6 +1065,14 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                      n_forward, n_backward, precision, tied, buffers, sum(input_storages.values()),
                      events_end, spec.step, kv[0], kv[1], parallel, param_shards,
                      tensor_parallel if parallel != tensor_parallel else None)
+
+
+def _param_storages(model) -> set[int]:
+    """Storages of ``model``'s parameters as they are now (FSDP2's unsharded parameters between
+    its all-gather and reshard, a replicated module's weight on the 2-D mesh): a tensor autograd
+    saves on one of them (the transposed weight an ``mm`` backward keeps) is a parameter, not an
+    activation (shared/conventions.md), as ``saved_tensors_hooks`` measurements count it."""
+    return {StorageWeakRef(_local(p).untyped_storage()).cdata for p in model.parameters()}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
