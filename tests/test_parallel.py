@@ -28,10 +28,12 @@ def _trace(model: str, shard: str, precision: str = "bf16-mixed", dp: int = 8):
     return symcost.trace(model, sizes={"DP": dp}, precision=precision, shard=shard)
 
 
-def _run_rank(model: str, shard: str, values: dict, precision: str = "bf16-mixed") -> dict:
+def _run_rank(model: str, shard: str, values: dict, precision: str = "bf16-mixed",
+              attention: str | None = None) -> dict:
     """One training step of rank 0 of ``values["DP"]`` ranks, run by PyTorch on fake tensors:
     FLOPs by FlopCounterMode, saved bytes by saved_tensors_hooks, bytes per rank of every
-    collective seen at dispatch (ring factors), parameter elements held by the rank."""
+    collective seen at dispatch (ring factors), parameter elements held by the rank.
+    ``attention``: an ``hf:`` model's (``eager``: FlopCounterMode does not see CPU sdpa)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -43,7 +45,7 @@ def _run_rank(model: str, shard: str, values: dict, precision: str = "bf16-mixed
 
     from symcost.tracing.record import find_layer_container
 
-    spec = resolve(model)
+    spec = resolve(model, attention=attention)
     n = values["DP"]
     with torch.device("meta"):
         m = spec.build(values)
@@ -120,8 +122,8 @@ def _draw(an, rng: random.Random, dp_values=(2, 3, 4, 8)) -> dict:
             return v
 
 
-def _check_rank(model, shard, an, v):
-    got = _run_rank(model, shard, v)
+def _check_rank(model, shard, an, v, attention=None):
+    got = _run_rank(model, shard, v, attention=attention)
     env = {SYMS[k]: x for k, x in v.items() if k in an.symbols}
     assert int(an.flops("train").subs(env)) == got["flops"], (v, "FLOPs")
     assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], (v, "saved bytes")

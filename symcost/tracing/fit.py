@@ -223,12 +223,36 @@ def leaves_moe_values(p: Mapping[str, int], free, check, pools: Mapping[str, Seq
     return True
 
 
+#: the lattice of :func:`lattice_point`: multiples of this, the lcm(DP, 4) of a data-parallel
+#: probe's base DP = 2 (frontends/parallel.py), and what K | H, an even D and E | B·S·R favour too
+LATTICE = 4
+
+
+def lattice_point(p: Mapping[str, int], free, pools: Mapping[str, Sequence[int]],
+                  moduli: Mapping[str, int] | None = None, ties: Mapping[str, str] | None = None) -> dict[str, int]:
+    """``p`` with each free size moved up to the nearest multiple of :data:`LATTICE` in its probe
+    pool (where the pool holds one), for a probe that must meet several divisibilities at once:
+    every first dimension a multiple of lcm(DP, 4) under a data-parallel layout, E | B·S·R for an
+    MoE. Rounding up keeps the small base's orders (K = 2 < H = 6 becomes 4 < 8). Left alone: the
+    mesh sizes (DP, TP: the lattice is for their base value 2), symbols that keep the request's
+    residue (``moduli``) and tied followers (set from their leaders)."""
+    out = dict(p)
+    for s in free:
+        if s in ("DP", "TP") or s in (moduli or {}) or s not in out:
+            continue
+        up = [v for v in pools[s] if v % LATTICE == 0 and v >= out[s]]
+        if up:
+            out[s] = min(up)
+    return _complete(out, ties or {})
+
+
 def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, int] | None = None, *,
               accept=None, request: Mapping[str, int] | None = None, ties: Mapping[str, str] | None = None,
               moduli: Mapping[str, int] | None = None) -> dict[str, int]:
     """The base probe: the small :data:`BASE` sizes if they pass ``check`` and ``accept`` (and
     leave an MoE's E three values), else those sizes with other B, S and small E (a whole number
-    of MoE token slots per expert for three values of E), else a
+    of MoE token slots per expert for three values of E), else the same on the lattice of
+    multiples of 4 (:func:`lattice_point`: a data-parallel probe's divisibilities), else a
     random small point, else the request itself walked towards the small sizes one symbol at a
     time (each step kept only if it stays in the regime). Arguments as :func:`plan_probes`.
 
@@ -251,24 +275,36 @@ def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, 
     # few values, is repaired with other B, S (and small E) before it is given up for a random
     # point: a random point's sizes may all but rule out varying M apart from a multiple of H.
     # The checks are cheap; at most 3 candidates are recorded.
-    tried = 0
-
-    def alts(s, n=None):
-        return [base[s]] + [v for v in pools[s][:n] if v != base[s]] if s in free else [base.get(s)]
-
-    for e, b, s_ in itertools.product(alts("E", 12) if "E" in base else [None], alts("B"), alts("S")):
-        trial = dict(base)
-        for k, v in (("E", e), ("B", b), ("S", s_)):
-            if v is not None and k in base:
-                trial[k] = v
-        trial = _complete(trial, ties)
-        if trial == base or not _ok(trial, check) or not varies_e(trial):
+    #
+    # A base that misses divisibilities of sizes beyond B, S and E is tried once more on the lattice
+    # of multiples of 4 (:func:`lattice_point`): under a data-parallel layout every parameter's
+    # first dimension must be a multiple of lcm(DP, 4) at a probe (frontends/parallel.py), the
+    # small base's V = 53 and E = 7 are not, and an MoE's E must besides divide B·S·R three
+    # times over; random points meet all of that together too rarely (issue 27: Mixtral under
+    # --dp 8 was refused). At most 3 candidates are recorded per starting point.
+    for start in (base, lattice_point(base, free, pools, moduli, ties)):
+        if start is not base and start == base:
             continue
-        tried += 1
-        if accept(trial):
-            return trial
-        if tried >= 3:
-            break
+        if start is not base and good(start):
+            return start
+        tried = 0
+
+        def alts(s, n=None):
+            return [start[s]] + [v for v in pools[s][:n] if v != start[s]] if s in free else [start.get(s)]
+
+        for e, b, s_ in itertools.product(alts("E", 12) if "E" in start else [None], alts("B"), alts("S")):
+            trial = dict(start)
+            for k, v in (("E", e), ("B", b), ("S", s_)):
+                if v is not None and k in start:
+                    trial[k] = v
+            trial = _complete(trial, ties)
+            if trial == start or not _ok(trial, check) or not varies_e(trial):
+                continue
+            tried += 1
+            if accept(trial):
+                return trial
+            if tried >= 3:
+                break
     rng = random.Random(seed + 99)
     for _ in range(2):
         try:
