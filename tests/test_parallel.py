@@ -73,6 +73,11 @@ def _run_rank(model: str, shard: str, values: dict, precision: str = "bf16-mixed
         if isinstance(t, torch.nn.Parameter):  # parameters (FSDP's unsharded ones too)
             return t
         key = StorageWeakRef(t.untyped_storage()).cdata
+        # a tensor on a parameter's storage as it is now (the transposed weight an mm backward
+        # keeps, FSDP2's unsharded or mixed-precision parameter): a parameter, not an activation
+        # (shared/conventions.md); a DTensor's _local_tensor, as to_local() would add autograd edges
+        if key in {StorageWeakRef(getattr(p, "_local_tensor", p).untyped_storage()).cdata for p in m.parameters()}:
+            return t
         if key not in seen and key not in static:
             seen.add(key)
             saved[0] += t.untyped_storage().nbytes()

@@ -281,8 +281,12 @@ def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, 
     # first dimension must be a multiple of lcm(DP, 4) at a probe (frontends/parallel.py), the
     # small base's V = 53 and E = 7 are not, and an MoE's E must besides divide B·S·R three
     # times over; random points meet all of that together too rarely (issue 27: Mixtral under
-    # --dp 8 was refused). At most 3 candidates are recorded per starting point.
-    for start in (base, lattice_point(base, free, pools, moduli, ties)):
+    # --dp 8 was refused). At most 3 candidates are recorded per starting point. Only a layout's
+    # probe (DP or TP a symbol) goes to the lattice: elsewhere its sizes may leave the small pools,
+    # and random checks drawn near the request then miss a regime of few values (bloom's ALiBi:
+    # H a power of two) six times out of six.
+    starts = (base, lattice_point(base, free, pools, moduli, ties)) if {"DP", "TP"} & set(symbols) else (base,)
+    for start in starts:
         if start is not base and start == base:
             continue
         if start is not base and good(start):

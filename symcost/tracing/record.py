@@ -1072,7 +1072,9 @@ def _param_storages(model) -> set[int]:
     its all-gather and reshard, a replicated module's weight on the 2-D mesh): a tensor autograd
     saves on one of them (the transposed weight an ``mm`` backward keeps) is a parameter, not an
     activation (shared/conventions.md), as ``saved_tensors_hooks`` measurements count it."""
-    return {StorageWeakRef(_local(p).untyped_storage()).cdata for p in model.parameters()}
+    # (a DTensor's ``_local_tensor``, not ``to_local()``: an autograd function, run inside the
+    # forward it would add edges to the sharded parameters and move FSDP's gradient reduction)
+    return {StorageWeakRef(getattr(p, "_local_tensor", p).untyped_storage()).cdata for p in model.parameters()}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,8 @@ def run(shard):
         if isinstance(t, torch.nn.Parameter):
             return t
         key = StorageWeakRef(t.untyped_storage()).cdata
+        if key in {StorageWeakRef(getattr(p, "_local_tensor", p).untyped_storage()).cdata for p in model.parameters()}:
+            return t  # on a parameter's storage as it is now (a transposed weight): not an activation
         if key not in seen and key not in static:
             seen.add(key)
             saved[0] += t.untyped_storage().nbytes()

@@ -115,7 +115,10 @@ def measure(model, spec, values, loss_context, dtype=None, groups=None) -> dict:
             return t
         st = local(t).untyped_storage()
         key = StorageWeakRef(st).cdata
-        if groups and key in {StorageWeakRef(local(p).untyped_storage()).cdata for p in model.parameters()}:
+        # a tensor on a parameter's storage as it is now (the transposed weight an mm backward
+        # keeps, FSDP2's unsharded or mixed-precision parameter): a parameter, not an activation
+        # (shared/conventions.md); a DTensor's _local_tensor, as to_local() would add autograd edges
+        if key in {StorageWeakRef(getattr(p, "_local_tensor", p).untyped_storage()).cdata for p in model.parameters()}:
             return t
         if key not in seen and key not in static:
             seen.add(key)
