@@ -196,8 +196,11 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
         g.add_row("routing", an.spec.extra["routing_description"] + " (--routing)")
     layout = layout_of(an)
     if layout:  # the mesh one rank of which was traced (symcost.frontends.layout)
-        g.add_row("layout", f"{layout.describe(sizes)}: one rank traced, per-rank figures (mesh dimensions in "
-                            "torchtitan's order)")
+        if layout.dims:
+            g.add_row("layout", f"{layout.describe(sizes)}: one rank traced, per-rank figures (mesh dimensions in "
+                                "torchtitan's order)")
+        else:  # a step technique on one device (--ac): no mesh, no ranks
+            g.add_row("layout", layout.describe(sizes))
     reasons = getattr(an, "pin_reasons", {}) or {}
     regime = [f"{a} = {v} pinned ({reasons.get(a, 'its regime')})" for a, v in an.pinned.items()]
     regime += [f"{a} tied to {b}" for a, b in an.spec.tied.items()]
