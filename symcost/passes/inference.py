@@ -17,7 +17,10 @@ docs/inference.md.
   (weight bytes + KV bytes) / bandwidth) (Pope et al., "Efficiently Scaling Transformer
   Inference", MLSys 2023, sec. 2: at small batch decode is bound by loading the weights and the
   cache), and the batch at which the aggregate becomes compute-bound, FLOPs(B) = ridge x bytes(B)
-  solved for B with sympy (:func:`symcost.passes.roofline.crossing`).
+  solved for B with sympy (:func:`symcost.passes.roofline.crossing`). A mixture of experts reads
+  the weights of the experts the step's tokens hit, E·(1 − (1 − R/E)^(B·S)) per layer in
+  expectation under uniform routing, in the aggregate (:func:`weight_bytes`) and per op
+  (:func:`step_traffic`; docs/moe.md, "Experts a step reads").
 - **Prefill** (:func:`prefill`): the per-op roofline of the prefill step, the time to first token
   bound.
 - **Serving memory** (:func:`serving_memory`, :func:`max_batch`): weights + buffers + inputs + the
@@ -46,6 +49,7 @@ from symcost.errors import SymcostError
 from symcost.hardware.devices import Device
 from symcost.tracing.fit import SYMS
 from symcost.passes.memory.policies import Optimizer, policy
+from symcost.graph.totals import is_routed
 from symcost.passes.roofline import _num, crossing, roofline, training_precision
 
 #: The optimizer of an inference step: none (no state, no step, no temporaries).
@@ -213,14 +217,39 @@ def _tokens(an, env) -> tuple[int, int]:
 
 
 def weight_bytes(an) -> sympy.Expr:
-    """Bytes of the parameters a step reads in full: every parameter (tied ones once, in its
+    """Bytes of the parameters an inference step reads: every parameter (tied ones once, in its
     traced dtype) but the tables only read by an embedding lookup (a lookup reads B·S rows, which
-    the step's ops count), a polynomial. A mixture of experts counts all E experts' weights (the
-    balanced routing model dispatches slots to every expert)."""
+    the step's ops count). A mixture of experts reads the weights of the experts its tokens hit:
+    each routed expert stack (:func:`symcost.graph.totals.is_routed`) counts f =
+    :func:`symcost.passes.moe.hit_fraction` of its bytes, f = (1 − (1 − R/E)^(B·S)) under
+    ``balanced`` routing (R/E for one token, tending to 1 as B·S grows; docs/moe.md, "Experts a
+    step reads"), 1 under ``capacity``. A polynomial for a dense model; for an MoE model a sympy
+    expression with that power of B·S. Bytes."""
+    from symcost.passes.moe import hit_fraction
+
     lookup = {n for n, why in an.embedding_params.items() if why == "lookup" and n not in an.matmul_params}
-    return sympy.expand(sympy.Add(*[
+    f = hit_fraction(an)
+    routed = {n for n in an.param_shapes if is_routed(an, n)} if f != 1 else set()
+    dense = sympy.expand(sympy.Add(*[
         rep * sympy.Mul(*shape) * _itemsize(dtype)
-        for n, (shape, dtype, rep) in an.param_shapes.items() if n not in lookup]))
+        for n, (shape, dtype, rep) in an.param_shapes.items() if n not in lookup and n not in routed]))
+    experts = sympy.expand(sympy.Add(*[
+        rep * sympy.Mul(*shape) * _itemsize(dtype)
+        for n, (shape, dtype, rep) in an.param_shapes.items() if n in routed and n not in lookup]))
+    return dense + f * experts if experts != 0 else dense
+
+
+def step_traffic(an, kv: KVDtype | None = None) -> dict[int, tuple[sympy.Expr, ...]]:
+    """The modelled changes of an inference step's per-op traffic, for
+    :func:`symcost.passes.roofline.roofline`'s ``extra_bytes``: a KV cache in ``kv``'s dtype
+    (:func:`kv_traffic`) plus, for a mixture of experts, only the experts hit read
+    (:func:`symcost.passes.moe.expert_traffic`), summed per op (bytes)."""
+    from symcost.passes.moe import expert_traffic
+
+    out = dict(kv_traffic(an, kv))
+    for i, d in expert_traffic(an).items():
+        out[i] = tuple(a + b for a, b in zip(out[i], d)) if i in out else d
+    return out
 
 
 def kv_cache(an, sizes: Mapping[str, int] | None = None, kv: KVDtype | None = None) -> dict:
@@ -274,17 +303,20 @@ def decode(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bo
            with_crossing: bool = True, kv: KVDtype | None = None) -> dict:
     """The decode step on ``device``'s roofline at ``sizes`` (B, T; others at the defaults); with
     ``kv`` (:func:`kv_dtype`) the cache in that dtype: the aggregate's KV bytes x ``kv.scale`` and
-    every op's bytes from or into the cache scaled alike (:func:`kv_traffic`).
+    every op's bytes from or into the cache scaled alike (:func:`kv_traffic`). A mixture of
+    experts' expert matmuls read the experts hit (:func:`step_traffic`).
 
     Returns:
         ``seconds_per_token`` (the per-op roofline's sum: no decode step at these sizes runs
         faster; each of the B sequences gets one token per step), ``tokens_per_second`` (B /
         that), ``roofline`` (its summary: seconds per binding resource, FLOPs, fused bytes),
         ``aggregate`` (``compute_seconds`` = all FLOPs / peak, ``memory_seconds`` = (weight
-        bytes + KV bytes) / bandwidth, ``weight_bytes``, ``kv_bytes``, ``bound``),
+        bytes + KV bytes) / bandwidth, ``weight_bytes`` (:func:`weight_bytes`: an MoE's experts
+        hit), ``kv_bytes``, ``bound``),
         ``crossing`` (the batch where the aggregate turns compute-bound:
         :func:`symcost.passes.roofline.crossing` of all FLOPs against weight + KV bytes in B,
-        ``solution`` formulas in the ridge r and the other symbols, ``value`` at these sizes;
+        ``solution`` formulas in the ridge r and the other symbols (None for an MoE model: found
+        numerically), ``value`` at these sizes;
         ``compute_bound`` "never" where the KV cache's bytes grow with B as fast as the FLOPs
         relative to the ridge; left out with ``with_crossing=False``), ``precision``, ``sizes``.
 
@@ -294,14 +326,14 @@ def decode(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bo
     _check(an, "decode")
     env = an.bind(**dict(sizes or {}))
     rf = roofline(an, device, {str(k): v for k, v in env.items() if str(k) in an.symbols}, fused=fused,
-                  with_formulas=False, extra_bytes=kv_traffic(an, kv))
+                  with_formulas=False, extra_bytes=step_traffic(an, kv))
     B, _ = _tokens(an, env)
     prec = training_precision(an)
     peak, _ = device.peak_for(prec)
     flops = an.flops("forward", "all")
     W = weight_bytes(an)
     kvb = _scaled(an.kv_bytes, kv)
-    traffic = sympy.expand(W + kvb)
+    traffic = W + kvb
     F, Wn, KV = _num(flops, env), _num(W, env), _num(kvb, env)
     t_c, t_m = F / peak, (Wn + KV) / device.bandwidth
     out = {
@@ -319,7 +351,8 @@ def decode(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bo
 
 
 def prefill(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bool = True) -> dict:
-    """The prefill step (S tokens per sequence into an empty cache) on ``device``'s roofline:
+    """The prefill step (S tokens per sequence into an empty cache) on ``device``'s roofline (an
+    MoE's expert matmuls reading the experts hit, :func:`step_traffic`: all but (1 − R/E)^(B·S)):
     ``seconds`` (the per-op roofline's sum: the time to first token bound of B sequences of S
     prompt tokens), ``roofline`` (summary), ``sizes``.
 
@@ -329,7 +362,7 @@ def prefill(an, device: Device, sizes: Mapping[str, int] | None = None, fused: b
     _check(an, "prefill")
     env = an.bind(**dict(sizes or {}))
     rf = roofline(an, device, {str(k): v for k, v in env.items() if str(k) in an.symbols}, fused=fused,
-                  with_formulas=False)
+                  with_formulas=False, extra_bytes=step_traffic(an))
     return {"seconds": rf["step_seconds"], "roofline": _roofline_summary(rf),
             "sizes": {str(k): int(v) for k, v in env.items()}}
 

@@ -305,7 +305,10 @@ def crossing(flops: sympy.Expr, nbytes: sympy.Expr, symbol: str, ridge: float,
 
     Solves ``flops - r * bytes = 0`` for the symbol with sympy (symbolically in the other symbols
     and the ridge r when the equation is at most quadratic in it), then at ``env`` and
-    ``r = ridge``.
+    ``r = ridge``. Where the equation is no polynomial in the symbol (an MoE inference step's
+    weight bytes hold the power (1 − R/E)^(B·S) of the experts hit, docs/moe.md) there is no
+    closed form: ``solution`` is None and the value is the first positive root found numerically
+    (sign changes on a geometric grid from 2^-10 to 2^40, then bisection to float precision).
 
     Returns:
         ``{"symbol", "solution" (formula, or None), "value" (float or None), "compute_bound"}``
@@ -316,6 +319,8 @@ def crossing(flops: sympy.Expr, nbytes: sympy.Expr, symbol: str, ridge: float,
     r = sympy.Symbol("r", positive=True)
     eq = sympy.expand(flops - r * nbytes)
     solution = None
+    if X in eq.free_symbols and not eq.is_polynomial(X):
+        return _crossing_numeric(flops, nbytes, eq, X, r, symbol, ridge, env)
     if X in eq.free_symbols and sympy.degree(eq, X) == 1:  # a·X + b = 0 (no simplify pass: fast)
         a, b = sympy.Poly(eq, X).all_coeffs()
         solution = [str(sympy.cancel(-b / a))]
@@ -341,6 +346,43 @@ def crossing(flops: sympy.Expr, nbytes: sympy.Expr, symbol: str, ridge: float,
     x0 = roots[0]
     above = intensity_at(x0 * 2 + 1) >= ridge
     return {"symbol": symbol, "solution": solution, "value": x0,
+            "compute_bound": f"{symbol} >= {x0:.6g}" if above else f"{symbol} <= {x0:.6g}"}
+
+
+def _crossing_numeric(flops, nbytes, eq, X, r, symbol: str, ridge: float, env) -> dict:
+    """:func:`crossing` where ``eq`` (flops − r·bytes) is no polynomial in ``X``: the first
+    positive root by sign changes on a geometric grid (2^-10 .. 2^40, 4 points per octave) and
+    bisection; ``solution`` None (no closed form)."""
+    others = {k: v for k, v in env.items() if k != X}
+    g = sympy.lambdify(X, eq.xreplace(others).subs(r, sympy.Float(ridge, 15)), "mpmath")
+
+    def val(x: float) -> float:
+        return float(g(x))
+
+    grid = [2.0 ** (k / 4) for k in range(-40, 161)]
+    ys = [val(x) for x in grid]
+    x0 = None
+    for (a, ya), (b, yb) in zip(zip(grid, ys), zip(grid[1:], ys[1:])):
+        if ya == 0:
+            x0 = a
+            break
+        if (ya < 0) != (yb < 0):
+            for _ in range(200):
+                m = (a + b) / 2
+                if m in (a, b):
+                    break
+                ym = val(m)
+                if (ym < 0) == (ya < 0):
+                    a, ya = m, ym
+                else:
+                    b = m
+            x0 = (a + b) / 2
+            break
+    if x0 is None:
+        state = "always" if val(float(env.get(X, 1))) >= 0 else "never"
+        return {"symbol": symbol, "solution": None, "value": None, "compute_bound": state}
+    above = val(x0 * 2 + 1) >= 0
+    return {"symbol": symbol, "solution": None, "value": x0,
             "compute_bound": f"{symbol} >= {x0:.6g}" if above else f"{symbol} <= {x0:.6g}"}
 
 
