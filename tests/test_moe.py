@@ -498,12 +498,12 @@ def test_decode_reads_the_experts_hit(model):
         per_op = E * b - (all_e - d["roofline"]["bytes"]) / L
         mean = sum(read) / len(read)
         q = 1 - (1 - R / E) ** B
-        tol = 5 * b * (E * q * (1 - q) / len(read)) ** 0.5 + 2  # + the bytes' integer rounding
+        # 5 standard errors (none at B = 1: every token hits exactly R), + the bytes' integer rounding
+        tol = (5 * b * (E * q * (1 - q) / len(read)) ** 0.5 if B > 1 else 0) + 2
         assert agg <= min(E, B * R) * b + 2 and per_op <= min(E, B * R) * b + 2, case
         if B == 1:
             assert set(hits) == {R} and abs(agg - R * b) <= 2 and abs(per_op - R * b) <= 2, (case, agg, per_op)
         assert abs(agg - mean) <= tol and abs(per_op - mean) <= tol, (case, agg / b, per_op / b, mean / b, tol / b)
-        assert agg < E * b - tol and per_op < E * b - tol, case  # fewer than all E experts read
     # the batch where the aggregate turns compute-bound (short context: the weights dominate)
     v = {"H": 4, "D": 8, "L": 2, "V": 40, "F": 16, "K": 2, "M": 32, "T": 2, "E": 8, "R": 2, "B": 1}
     v = {s: x for s, x in v.items() if s in an.symbols}
