@@ -446,6 +446,7 @@ def test_hf_qwen3_replicated_norms_all_reduce_their_gradients():
         m.to_empty(device="cpu")
         got = measure(m, spec, values, ctx)
     _assert_rank(an, v, got)
+    _assert_replicated(an, v, m)
     D, L, TP = SYMS["D"], SYMS["L"], SYMS["TP"]
     # the norms' gradients: 2 tensors of D bf16 elements per block, all-reduced (ring: 2(TP-1)/TP)
     assert sympy.expand(an.comm_bytes("all_reduce", "backward")).coeff(D * L) == sympy.expand(2 * D * 2 * 2 * (TP - 1) / TP / D)
@@ -493,3 +494,26 @@ def test_refused_before_any_trace(args, msg, monkeypatch):
     monkeypatch.setattr(build, "trace", no_trace)
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 2 and msg in r.output, r.output
+
+
+
+def _assert_replicated(an, v, m):
+    """Issue 27 (``--tp 2`` on Mixtral left the experts whole on every rank without saying so):
+    the report's list of weight matrices every rank holds whole (``passes.tensor_parallel.
+    replicated``) equals PyTorch's parallelised model ``m`` (materialised on the fake group): the
+    parameters of two or more dimensions whose local tensor has the global shape, by module
+    (block index folded to ``{i}``) and element count at ``v``."""
+    import torch
+
+    from symcost.passes.tensor_parallel import replicated
+
+    want: dict[str, int] = {}
+    for name, p in m.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if p.dim() >= 2 and tuple(local.shape) == tuple(p.shape):
+            module = ".".join("{i}" if part.isdigit() else part for part in name.rpartition(".")[0].split("."))
+            want[module] = want.get(module, 0) + p.numel()
+    assert isinstance(m, torch.nn.Module)
+    env = an.bind(**v)
+    got = {g["module"]: int(g["elements"].xreplace(env)) for g in replicated(an)}
+    assert got == want and got, (got, want)

@@ -56,10 +56,13 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
     mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
     from symcost.passes.parallel import rank_peak
 
+    # a transformers model whose config has a plan runs that plan (frontends.tensor_parallel.apply)
+    which = "the config's base_model_tp_plan" if config_tp_plan(an) else "Megatron plan"
     out = {"sp": an.parallel == "tp+sp", "comm": comm, "memory": mem,
            "peak": rank_peak(an, precision, optimizer, sizes, impl, device),
-           "engine": "torch.distributed.tensor.parallel.parallelize_module (Megatron plan"
+           "engine": f"torch.distributed.tensor.parallel.parallelize_module ({which}"
                      + (", SequenceParallel norms)" if an.parallel == "tp+sp" else ")")}
+    out["replicated"] = replicated(an)
     if sizes is not None:
         env = an.bind(**sizes)
         out["values"] = {
@@ -68,3 +71,52 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
             "tp": env.get(sympy.Symbol("TP", positive=True, integer=True), an.pinned.get("TP")),
         }
     return out
+
+
+def replicated(an) -> list[dict[str, Any]]:
+    """The weight matrices the tensor-parallel plan leaves whole on every rank, from the traced
+    rank: parameters of two or more dimensions whose shard on the rank has the full shape
+    (``Analysis.param_shards`` against ``Analysis.param_shapes``), grouped by module.
+
+    A user reading a per-rank figure must know what the plan did not split: transformers' plans
+    for mixture-of-experts models (Mixtral, Qwen3-MoE) shard attention only and leave the experts
+    to their expert-parallel plan, so under ``--tp`` every rank holds every expert (issue 27);
+    plans without vocabulary parallelism replicate the embedding and the output head.
+
+    Returns:
+        ``[{"module": folded module path, "params": [names], "elements": formula}, ...]``, largest
+        first, ``elements`` the parameters' elements (in the symbols; each rank holds all of
+        them). Norms, biases and other vectors (one dimension) are left out.
+    """
+    shards = getattr(an, "param_shards", None) or {}
+    groups: dict[str, dict] = {}
+    for name, (shape, _, rep) in an.param_shapes.items():
+        if len(shape) < 2 or name not in shards:
+            continue
+        if any(sympy.simplify(a - b) != 0 for a, b in zip(shards[name][0], shape)):
+            continue
+        module, _, leaf = name.rpartition(".")
+        g = groups.setdefault(module, {"module": module, "params": [], "elements": sympy.Integer(0)})
+        g["params"].append(leaf)
+        g["elements"] = sympy.expand(g["elements"] + rep * sympy.Mul(*shape))
+    probe = {s: 1000 for s in an.symbols}  # order by size at a large point of every symbol
+
+    def size(g):
+        v = g["elements"].xreplace({sympy.Symbol(k, positive=True, integer=True): x for k, x in probe.items()})
+        return float(v) if v.is_number else 0.0
+
+    return sorted(groups.values(), key=size, reverse=True)
+
+
+def config_tp_plan(an) -> dict | None:
+    """The ``base_model_tp_plan`` of a ``transformers`` model's config class (the plan
+    :func:`symcost.frontends.tensor_parallel.apply` runs for it), or None (built-in models, and
+    configs without a plan: the Megatron plan)."""
+    name = ((getattr(getattr(an, "spec", None), "extra", None) or {}).get("config_class"))
+    if not isinstance(name, str):
+        return None
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return getattr(getattr(transformers, name, None), "base_model_tp_plan", None) or None

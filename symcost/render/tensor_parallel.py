@@ -17,21 +17,27 @@ def to_json(an, sizes: Mapping[str, int] | None, summary: dict) -> dict:
     """``comm`` {all_gather, reduce_scatter, all_reduce, total} (bytes one rank sends, =
     receives, per step) and ``parallel`` {tp, sp, engine, memory_per_rank {params, grads,
     optimizer_state, master, total, activations}, memory {peak, where, parts, formula}: the
-    rank's peak, :func:`symcost.render.report.peak_json`}: formulas without sizes, numbers with."""
+    rank's peak, :func:`symcost.render.report.peak_json`; replicated [{module, params, elements}]:
+    the weight matrices every rank holds whole, :func:`symcost.passes.tensor_parallel.replicated`}:
+    formulas without sizes, numbers with."""
     from symcost.render.report import peak_json
 
     vals = summary.get("values") if sizes is not None else None
     peak = peak_json(summary, vals is not None)
+    env = an.bind(**sizes) if vals is not None else None
+    whole = [{"module": g["module"], "params": g["params"],
+              "elements": fmt(g["elements"]) if env is None else _num(g["elements"].xreplace(env))}
+             for g in summary.get("replicated", [])]
     if vals is None:
         return {"comm": {k: fmt(v) for k, v in summary["comm"].items()},
                 "parallel": {"tp": "TP" if "TP" in an.symbols else an.pinned.get("TP"), "sp": summary["sp"],
                              "engine": summary["engine"],
                              "memory_per_rank": {k: fmt(v) for k, v in summary["memory"].items()},
-                             "memory": peak}}
+                             "memory": peak, "replicated": whole}}
     return {"comm": {k: _num(v) for k, v in vals["comm"].items()},
             "parallel": {"tp": _num(vals["tp"]), "sp": summary["sp"], "engine": summary["engine"],
                          "memory_per_rank": {k: _num(v) for k, v in vals["memory"].items()},
-                         "memory": peak}}
+                         "memory": peak, "replicated": whole}}
 
 
 def render(an, sizes: Mapping[str, int], summary: dict, width: int | None = None) -> None:
@@ -46,6 +52,15 @@ def render(an, sizes: Mapping[str, int], summary: dict, width: int | None = None
     t = per_rank_table(summary, js, par)
     add_peak_row(t, par["memory"])
     c.print(t)
+    if par["replicated"]:  # what the plan did not split: every rank holds all of it
+        total = an.params.xreplace(an.bind(**sizes)) if sizes else None
+        parts = []
+        for g in par["replicated"][:4]:
+            share = (f", {100 * float(g['elements'] / total):.0f}% of the parameters"
+                     if total and isinstance(g["elements"], (int, float)) else "")
+            parts.append(f"{g['module'] or '(root)'} ({', '.join(g['params'])}{share})")
+        more = f" and {len(par['replicated']) - 4} more" if len(par["replicated"]) > 4 else ""
+        c.print("left whole on every rank (the plan does not split them): " + "; ".join(parts) + more)
     if par["memory"].get("peak") is not None:
         c.print(f"peak per rank at: {par['memory']['where']} (model states of the rank's shards + the live "
                 "storages of the traced step: activations, collective outputs, gradients, optimizer temporaries)")
