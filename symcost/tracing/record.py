@@ -127,6 +127,9 @@ class MemoryEvent:
     # after a block's last op, e.g. the last unit's all-gather buffer released by the root,
     # belongs where it happens, not to that op)
     host: str | None = None
+    # an inference step: a storage of the KV cache (a DynamicCache's concatenation allocating the
+    # tensor the cache then holds, or the free of the tensor it replaced; _inference_step)
+    kv: bool = False
 
 
 @dataclass
@@ -153,7 +156,8 @@ class Recording:
     # an inference step (``ModelSpec.step`` "prefill" or "decode"): the bytes of the storages the
     # KV cache holds after the step, per cache layer (each storage once, in the first layer that
     # holds it), and how many of its tensors hold fewer elements than their storage (a sliding
-    # window that dropped tokens: part of the regime). The cache's storages are not in ``events``.
+    # window that dropped tokens: part of the regime). The cache's storages are in ``events`` only
+    # where the step allocates or frees them (``MemoryEvent.kv``: a DynamicCache's concatenation).
     step: str = "train"
     kv_layers: list[int] = field(default_factory=list)
     kv_evicted: int = 0
@@ -164,6 +168,11 @@ class Recording:
     # the 2-D mesh (DP, TP) of a data-parallel strategy over tensor parallelism: "tp" or "tp+sp"
     # (``parallel`` names the strategy); each collective's group is its ``OpCall.group``
     tensor_parallel: str | None = None
+    # an inference step, per cache layer: the bytes of the storages the step replaced (freed, each
+    # paired with the allocation of its replacement in ``events``) minus those of the storages it
+    # allocated for the cache (the cache's bytes before the step minus after, over the storages
+    # the step changed: 0 for a StaticCache, minus one token per tensor for a DynamicCache)
+    kv_start: list[int] = field(default_factory=list)
 
 
 def _module_names(model: nn.Module) -> dict[int, str]:
@@ -272,6 +281,9 @@ class _Recorder(TorchDispatchMode):
         self.strict = False  # a real recording that may not read values (see record's strict)
         self.groups: dict[str, str] = {}  # a 2-D mesh: process group name -> mesh symbol (DP, TP)
         self.param_storages: set[int] = set()  # a 2-D mesh: storages of unsharded parameters (name_local_params)
+        # an inference step: the KV cache's storages held before the step, key -> (weak
+        # reference, bytes), watched until the step frees them (see watch_kv)
+        self.kv_watch: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def leaf_name(self, t: torch.Tensor) -> str | None:
         """The ``param:``/``buffer:``/``input:`` name of a leaf tensor, or None. A parameter
@@ -331,6 +343,17 @@ class _Recorder(TorchDispatchMode):
             del self._storages[key]
             if entry[1]:
                 self.events.append(MemoryEvent(len(self.ops), -entry[1], key, self._host()))
+
+    def watch_kv(self) -> None:
+        """Record the free of each watched storage (:attr:`kv_watch`: the KV cache's tensors held
+        before an inference step, which no op of the step allocated, so :meth:`track` does not
+        follow them) that is gone: a ``kv`` event before the next op, as :meth:`_release` stamps a
+        free. Called before each recorded op and once when the step ends: a storage dies between
+        two ops (a DynamicCache drops its old tensor when it assigns the concatenation)."""
+        for key, (ref, nbytes) in list(self.kv_watch.items()):
+            if ref.expired():
+                del self.kv_watch[key]
+                self.events.append(MemoryEvent(len(self.ops), -nbytes, key, self._host(), kv=True))
 
     def resized(self, storage, old: int) -> None:
         """A storage the step allocated was resized in place (``UntypedStorage.resize_``: FSDP2
@@ -449,6 +472,8 @@ class _Recorder(TorchDispatchMode):
             # transformers' packed-sequence check); fake tensors have none to read (such a read
             # raises unless a record_context answers it), so neither recording counts it
             return out
+        if self.kv_watch:
+            self.watch_kv()
         inputs, ints = [], []
 
         def ref(a):
@@ -742,31 +767,66 @@ def _kv_storages(layers) -> tuple[list[int], int, set[int]]:
 
 def _inference_step(rec: _Recorder, model: nn.Module, args, kwargs, kv_layers, autocast):
     """Record one forward of an inference step without gradients; returns ``(ops recorded,
-    len(events), (bytes per KV-cache layer, evicted tensors))``. The storages the cache holds
-    after the step are taken out of ``rec.events``: they are the KV cache, counted apart. Each
-    op's inputs that are the cache's storages (held before the step, e.g. a DynamicCache's tensors
-    a concatenation reads, or after it, e.g. a StaticCache's or the concatenation's result the
-    attention reads) are marked in ``OpCall.kv_reads``; the outputs that allocate a storage the cache
-    holds after the step (a DynamicCache's concatenation) in ``OpCall.kv_writes``."""
+    len(events), (bytes per KV-cache layer, evicted tensors, kv_start per layer))``.
+
+    The KV cache's storages are counted apart: the cache after the step is static memory
+    (``Recording.kv_layers``). A storage the step allocates for the cache (a DynamicCache's
+    concatenation) keeps its allocation in ``rec.events`` (``MemoryEvent.kv``); a storage the
+    cache held before the step and the step frees (the tensor the concatenation replaced) gets a
+    free event (``kv``) paired with the allocation of its replacement (the op that allocated a
+    storage of the cache after the step and read the freed one), so the schedule holds both
+    tensors live together from the concatenation until the old one is freed, as the allocator
+    does. ``kv_start`` (per cache layer: bytes of the freed storages minus those of the allocated
+    ones) is where the running total of those events starts, so that static + running total is
+    the cache's bytes at every point of the step: before the step the cache holds its old
+    tensors, not the new ones. A freed storage no allocation of the cache read is left out (as
+    any free whose allocation is not seen). Storages held before and after the step (a
+    StaticCache, written in place) are static and make no event.
+
+    Each op's inputs that are the cache's storages (held before the step, e.g. a DynamicCache's
+    tensors a concatenation reads, or after it, e.g. a StaticCache's or the concatenation's result
+    the attention reads) are marked in ``OpCall.kv_reads``; the outputs that allocate a storage the
+    cache holds after the step (a DynamicCache's concatenation) in ``OpCall.kv_writes``."""
     # weak references keep the StorageImpls of the cache before the step allocated while it runs,
     # so their keys (addresses) are not reused by the step's own storages
-    before = [StorageWeakRef(t.untyped_storage()) for ts in kv_layers() for t in ts
-              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    old_layers = [[(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()) for t in ts
+                   if isinstance(t, torch.Tensor) and t.is_floating_point()] for ts in kv_layers()]
+    before = [r for refs in old_layers for r, _ in refs]
+    old_layer: dict[int, int] = {}  # storage key -> the first cache layer holding it before the step
+    for i, refs in enumerate(old_layers):
+        for r, nbytes in refs:
+            if r.cdata not in old_layer:
+                old_layer[r.cdata] = i
+                rec.kv_watch[r.cdata] = (r, nbytes)
     rec.storage_keys = True
     with rec, torch.no_grad(), autocast():
         out = model(*args, **kwargs)
     del out
-    per_layer, evicted, cache_keys = _kv_storages(kv_layers())
+    rec.watch_kv()
+    rec.kv_watch = {}
+    after = kv_layers()
+    per_layer, evicted, cache_keys = _kv_storages(after)
+    new_layer: dict[int, int] = {}  # storage key -> the first cache layer holding it after the step
+    for i, ts in enumerate(after):
+        for t in ts:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                new_layer.setdefault(StorageWeakRef(t.untyped_storage()).cdata, i)
+    del after
     # a live storage's allocation is the last event of its key (an address freed earlier in the
     # step may have been reused by it, so earlier events of the same key are other storages)
     drop, pending = set(), set(cache_keys)
     since = {r.cdata: -1 for r in before}  # storage key -> the op that allocated it (-1: before the step)
+    alloc_event: dict[int, int] = {}  # cache storage allocated by the step -> its event's position
     for k in range(len(rec.events) - 1, -1, -1):
         e = rec.events[k]
         if e.storage in pending and e.nbytes > 0:
-            drop.add(k)
             pending.discard(e.storage)
-            since[e.storage] = e.index
+            if e.storage in old_layer:  # held before the step too: a view taken as an allocation
+                drop.add(k)
+                since[e.storage] = e.index
+            else:
+                alloc_event[e.storage] = k
+                since[e.storage] = e.index
     for j, op in enumerate(rec.ops):
         reads = tuple(k for k, t in enumerate(op.inputs) if t.storage in since and j > since[t.storage])
         if reads:
@@ -775,9 +835,28 @@ def _inference_step(rec: _Recorder, model: nn.Module, args, kwargs, kv_layers, a
         if j >= 0 and key in cache_keys:
             op = rec.ops[j]
             op.kv_writes = tuple(sorted(set(op.kv_writes) | {k for k, t in enumerate(op.outputs) if t.storage == key}))
-    del before
+    kv_start = [0] * len(per_layer)
+    for key, k in alloc_event.items():
+        rec.events[k].kv = True
+        kv_start[new_layer[key]] -= rec.events[k].nbytes
+    # the free of a storage the cache held before the step: paired with the allocation that
+    # replaced it (the op that allocated a cache storage and read the old one)
+    replaced = {}  # old storage key -> the new storage's key
+    for key, k in alloc_event.items():
+        op = rec.ops[rec.events[k].index]
+        for t in op.inputs:
+            if t.storage in old_layer and t.storage not in cache_keys:
+                replaced.setdefault(t.storage, key)
+    for k, e in enumerate(rec.events):
+        if e.kv and e.nbytes < 0:
+            if e.storage in replaced and old_layer[e.storage] < len(kv_start):
+                kv_start[old_layer[e.storage]] -= e.nbytes  # (a free: nbytes < 0)
+                e.storage = replaced[e.storage]
+            else:
+                drop.add(k)
+    del before, old_layers
     rec.events = [e for k, e in enumerate(rec.events) if k not in drop]
-    return len(rec.ops), len(rec.events), (per_layer, evicted)
+    return len(rec.ops), len(rec.events), (per_layer, evicted, kv_start)
 
 
 def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
@@ -1064,7 +1143,8 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
     return Recording(values, rec.ops, params, param_module, saved, layers, rec.events,
                      n_forward, n_backward, precision, tied, buffers, sum(input_storages.values()),
                      events_end, spec.step, kv[0], kv[1], parallel, param_shards,
-                     tensor_parallel if parallel != tensor_parallel else None)
+                     tensor_parallel if parallel != tensor_parallel else None,
+                     kv_start=list(kv[2]) if len(kv) > 2 else [])
 
 
 def _param_storages(model) -> set[int]:

@@ -31,7 +31,9 @@ class ScheduleEvent:
     before which it was freed. ``once``: ``"first"`` or ``"last"`` for a free in a repeated unit
     of a storage allocated once, before the unit (rotary tables every block saves, freed with
     the backward of block 0): it happens in that pass of the unit only, not in every pass;
-    ``""`` otherwise.
+    ``""`` otherwise. ``kv``: a storage of an inference step's KV cache (a DynamicCache's
+    concatenation allocating the tensor the cache then holds, or the free of the tensor it
+    replaced, paired with that allocation: ``MemoryEvent.kv``); its bytes are the cache's dtype.
     """
 
     bytes: Terms
@@ -41,6 +43,7 @@ class ScheduleEvent:
     module: str
     phase: str
     once: str = ""
+    kv: bool = False
 
 
 @dataclass
@@ -62,8 +65,12 @@ class MemorySchedule:
     Everything the memory pass (and the checkpointing pass) needs without the probe
     recordings: the events in order with symbolic sizes, the fold over L as units, gradient
     element size, parameter sizes in the optimizer's order (elements and Adafactor's rows +
-    columns), buffers and the step's inputs (bytes). ``error``: why the schedule has no formula
-    (then only the peak is unavailable; static memory and activations still are).
+    columns), buffers and the step's inputs (bytes). ``kv_start``: an inference step's KV cache
+    before the step minus after it, over the storages the step replaces (``Recording.kv_start``,
+    folded over L; empty for a training step or a cache written in place): the running total of
+    the events starts there, since the static part counts the cache after the step.
+    ``error``: why the schedule has no formula (then only the peak is unavailable; static
+    memory and activations still are).
     """
 
     gens: list[str]
@@ -74,23 +81,28 @@ class MemorySchedule:
     buffers: Terms = field(default_factory=list)
     inputs: Terms = field(default_factory=list)
     error: str | None = None
+    kv_start: Terms = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """JSON-ready data (:meth:`from_dict` reads it back)."""
         return {
             "gens": list(self.gens), "grad_itemsize": self.grad_itemsize, "error": self.error,
-            "events": [[e.bytes, e.alloc, e.grad, e.op, e.module, e.phase] + ([e.once] if e.once else [])
+            "events": [[e.bytes, e.alloc, e.grad, e.op, e.module, e.phase]
+                       + ([e.once, True] if e.kv else [e.once] if e.once else [])
                        for e in self.events],
             "units": [[u.start, u.stop, u.repeat, u.min_L, u.label] for u in self.units],
             "params": [[a, b] for a, b in self.params], "buffers": self.buffers, "inputs": self.inputs,
+            **({"kv_start": self.kv_start} if self.kv_start else {}),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "MemorySchedule":
+        """The schedule :meth:`to_dict` wrote."""
         return cls(
             gens=list(d["gens"]), grad_itemsize=int(d["grad_itemsize"]), error=d.get("error"),
             events=[ScheduleEvent(*e) for e in d["events"]], units=[ScheduleUnit(*u) for u in d["units"]],
             params=[(a, b) for a, b in d["params"]], buffers=d["buffers"], inputs=d["inputs"],
+            kv_start=d.get("kv_start", []),
         )
 
 
@@ -194,9 +206,34 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
     sched.grad_itemsize = max((d.itemsize for d in pdtypes), default=4)
     try:
         _fit_events(sched, alg, recs, fitter, role, container if has_L else None, name, lead, middle)
+        sched.kv_start = _fit_kv_start(alg, recs, fitter, role, container if has_L else None)
     except SymcostError as e:
-        sched.events, sched.units, sched.error = [], [], str(e)
+        sched.events, sched.units, sched.error, sched.kv_start = [], [], str(e), []
     return sched
+
+
+def _fit_kv_start(alg, recs, fitter, role, container: str | None) -> Terms:
+    """``Recording.kv_start`` fitted per cache layer and folded over L as the cache's bytes are
+    (cache layer i belongs to block i, as in ``symcost.graph.build._fit_kv``): the KV cache
+    before an inference step minus after it, over the storages the step replaces (bytes,
+    :data:`Terms`; empty where no probe replaces any).
+
+    Raises:
+        SymcostError: the probes hold different numbers of cache layers; a size no polynomial fits.
+    """
+    ref = recs[0]
+    if not any(any(getattr(r, "kv_start", ())) for r in recs):
+        return []
+    n = len(ref.kv_start)
+    if any(len(r.kv_start) != n for r in recs):
+        raise SymcostError("the number of KV-cache layers changes with the sizes")
+    total = alg.R.zero
+    for i in range(n):
+        keep, repeat, _ = role(f"{container}.{i}") if container else (True, 1, None)
+        if keep:
+            size = fitter(tuple(r.kv_start[i] for r in recs), f"KV-cache bytes replaced in layer {i}")
+            total += alg.from_expr(repeat) * alg.from_expr(size)
+    return alg.terms(total)
 
 
 def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, middle: bool = False) -> None:
@@ -212,6 +249,8 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, 
             )
     events = norm[0]  # (op index, signed bytes, alloc position)
     hosts = _hosts(ref)
+    kv = ({k for k, (*_, j) in enumerate(_normalized(ref, keep_event=True)) if getattr(ref.events[j], "kv", False)}
+          if ref.step != "train" else set())
     # gradients: storages the backward allocates that are still live when the step ends
     live: dict[int, int] = {}
     for k, (_, nb, pos) in enumerate(events):
@@ -409,7 +448,7 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, 
             module = _rename_block(op.module, container, "{i}")
         sched.events.append(ScheduleEvent(
             alg.terms(evpolys[k]), events[k][2], k in grad_events, op.name.removeprefix("aten."),
-            module, op.phase, once.get(k, "")))
+            module, op.phase, once.get(k, ""), k in kv))
     sched.units = [ScheduleUnit(a, b, str(rep), mL, label) for a, b, rep, mL, label in units]
 
 

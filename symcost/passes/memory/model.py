@@ -83,6 +83,12 @@ class MemoryModel(Solver):
         kv_cache: an inference step's KV cache after the step (``Analysis.kv_bytes``; 0 for a
             training step), times ``kv_scale`` (a cache modelled in another dtype: its element
             size over the traced one, :func:`symcost.passes.inference.kv_dtype`; 1 by default).
+            Where the step replaces the cache's tensors (a DynamicCache's concatenation) the
+            schedule holds the new tensors' allocations and the old ones' frees
+            (``ScheduleEvent.kv``, also times ``kv_scale``) and the live sets start from
+            ``MemorySchedule.kv_start`` (the cache before the step minus after it), so that
+            static + live set is what the allocator holds: the old and the new tensor of a
+            layer together from the concatenation until the old one is freed.
         static: params + optimizer + master_weights + grad_buffer + buffers + inputs + kv_cache
             (live all step).
         candidates: the :class:`Candidate` live sets (bytes on top of ``static``) of a normal
@@ -243,15 +249,20 @@ class MemoryModel(Solver):
         cache: dict = {}
         evpolys = []
         for e in sched.events:
-            key = (tuple(map(tuple, e.bytes)), e.grad)
+            kv = getattr(e, "kv", False)
+            key = (tuple(map(tuple, e.bytes)), e.grad, kv)
             p = cache.get(key)
             if p is None:
                 p = alg.from_terms(e.bytes)
                 if e.grad and grad_ratio != 1:
                     p = alg.scale(p, grad_ratio)
+                if kv and self.kv_scale != 1:  # a KV-cache storage, in the modelled cache dtype
+                    p = alg.scale(p, self.kv_scale)
                 cache[key] = p
             evpolys.append(p)
         self._evpolys = evpolys
+        # where the running total starts: the KV cache before the step minus after it (static)
+        self._kv_start = alg.scale(alg.from_terms(getattr(sched, "kv_start", None) or []), self.kv_scale)
         self.grad_events = {k for k, e in enumerate(sched.events) if e.grad}
         self.units = [(range(u.start, u.stop), alg.from_expr(parse_formula(u.repeat)), u.min_L, u.label)
                       for u in sched.units]
@@ -273,6 +284,7 @@ class MemoryModel(Solver):
         alg = self.alg
         R = alg.R
         base = self._poly(self.grads) if accumulate and not self.policy.grad_buffer else R.zero
+        base = base + self._kv_start
         out: list[Candidate] = []
         shifted = {}
 
@@ -503,6 +515,7 @@ class MemoryModel(Solver):
 
         if accumulate and not self.policy.grad_buffer:
             live["gradients"] += ev(self.grads)
+        live["forward"] += int(_peval(self._kv_start, vals))  # (an inference step's cache: see _candidates)
         origin = win.origin
         in_unit = origin is not None and origin[0] != "optimizer"
         stop = origin[0] if in_unit else len(self.units)  # units before it are passed in full
@@ -566,7 +579,7 @@ class MemoryModel(Solver):
         """
         env = self._env(sizes)
         vals = self._values(env)
-        end = 0
+        end = _peval(self._kv_start, vals)
         kept = lambda k: not (self.policy.grad_buffer and k in self.grad_events)  # noqa: E731 (a transient)
         for ids, rep, _m, _l in self.units:
             once = self._once(ids, rep)
