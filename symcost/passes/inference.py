@@ -25,8 +25,10 @@ docs/inference.md.
   bound.
 - **Serving memory** (:func:`serving_memory`, :func:`max_batch`): weights + buffers + inputs + the
   KV cache after a decode step at T = context - 1 (every sequence at the full context) + the
-  step's largest transient live set (the storage schedule of the traced step, the cache's
-  storages taken out), i.e. the training memory model (:class:`~symcost.passes.memory.MemoryModel`)
+  step's largest transient live set (the storage schedule of the traced step; where the step
+  replaces the cache's tensors, a DynamicCache's ``torch.cat``, the new and the old tensor are in
+  it as the allocator holds them, from a start of the cache before the step minus after it:
+  ``MemorySchedule.kv_start``), i.e. the training memory model (:class:`~symcost.passes.memory.MemoryModel`)
   with no gradients, optimizer state or master weights; the largest B is solved by its solver and
   checked at the boundary exactly as ``max-batch`` checks it: M(B) <= cap < M(B + 1).
 - **A KV cache in another dtype** (:func:`kv_dtype`, ``serve --kv-dtype``): *modelled*, not
