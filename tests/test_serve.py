@@ -206,3 +206,44 @@ def test_serve_small_model_text_and_nothing_fits(capsys):
     assert "largest batch" in out and "KV cache" in out and "✓" in out
     code, out, err = run_cli(capsys, "serve", *small, "--memory", "1KiB")
     assert code == 3 and "parameters" in out
+
+
+def _prefill_flops_measured(hidden: int, heads: int, kv_heads: int, inter: int, vocab: int, context: int) -> int:
+    """FlopCounterMode of the real prefill forward of a 2-layer Llama built with transformers'
+    own classes (eager attention: FlopCounterMode cannot see CPU sdpa): ``context`` tokens of one
+    sequence into an empty DynamicCache, ``logits_to_keep=1`` as ``generate`` runs it."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=hidden, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, intermediate_size=inter, vocab_size=vocab,
+                      attn_implementation="eager")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    import inspect
+
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        model(input_ids=torch.randint(0, vocab, (1, context)), use_cache=True, logits_to_keep=1,
+              **{key: DynamicCache(config=cfg)})
+    return fc.get_total_flops()
+
+
+def test_serve_json_prefill_flops_equal_flop_counter(capsys):
+    """``serve --json``'s ``prefill.flops`` (issue 31 item 7) == FlopCounterMode of the real prefill
+    step (one sequence of --context tokens), at 2 random grouped-query configs and contexts."""
+    rng = random.Random("serve-prefill-flops")
+    for _ in range(2):
+        D, K = rng.choice((8, 16)), rng.choice((1, 2))
+        H = K * rng.choice((2, 3))
+        inter, vocab, context = rng.randint(20, 90), rng.randint(100, 400), rng.randint(10, 70)
+        code, out, err = run_cli(
+            capsys, "serve", "hf:llama", "--config", "num_hidden_layers=2", f"hidden_size={H * D}",
+            f"num_attention_heads={H}", f"num_key_value_heads={K}", f"intermediate_size={inter}",
+            f"vocab_size={vocab}", "--attention", "eager", "--context", str(context), "--device", "h100",
+            "--memory", "64MiB", "--json")
+        assert code == 0, err
+        pre = json.loads(out)["prefill"]
+        want = _prefill_flops_measured(H * D, H, K, inter, vocab, context)
+        assert pre["flops"] == want, (H, D, K, inter, vocab, context, pre["flops"], want)
+        assert pre["flops_all"] > pre["flops"] and pre["sizes"]["S"] == context

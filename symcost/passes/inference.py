@@ -356,7 +356,13 @@ def prefill(an, device: Device, sizes: Mapping[str, int] | None = None, fused: b
     """The prefill step (S tokens per sequence into an empty cache) on ``device``'s roofline (an
     MoE's expert matmuls reading the experts hit, :func:`step_traffic`: all but (1 − R/E)^(B·S)):
     ``seconds`` (the per-op roofline's sum: the time to first token bound of B sequences of S
-    prompt tokens), ``roofline`` (summary), ``sizes``.
+    prompt tokens), ``roofline`` (summary), ``sizes``, and the step's FLOPs at ``sizes``:
+    ``flops`` (model FLOPs, shared/conventions.md: the matmul-class ops with
+    ``torch.utils.flop_counter``'s formulas, attention counted without causal halving, what
+    ``FlopCounterMode`` counts on the real prefill forward; an integer count), ``flops_all``
+    (model FLOPs plus the per-element counts of :mod:`symcost.graph.rules`) and ``flops_formula``
+    (the model FLOPs as a polynomial in the trace's symbols). Under a tensor-parallel layout
+    these are one rank's.
 
     Raises:
         SymcostError: not a prefill analysis; bad sizes.
@@ -365,8 +371,11 @@ def prefill(an, device: Device, sizes: Mapping[str, int] | None = None, fused: b
     env = an.bind(**dict(sizes or {}))
     rf = roofline(an, device, {str(k): v for k, v in env.items() if str(k) in an.symbols}, fused=fused,
                   with_formulas=False, extra_bytes=step_traffic(an))
+    model_flops = an.flops("forward", "model")
     return {"seconds": rf["step_seconds"], "roofline": _roofline_summary(rf),
-            "sizes": {str(k): int(v) for k, v in env.items()}}
+            "sizes": {str(k): int(v) for k, v in env.items()},
+            "flops": int(_num(model_flops, env)), "flops_all": int(_num(an.flops("forward", "all"), env)),
+            "flops_formula": str(model_flops)}
 
 
 def serving_memory(an, kv: KVDtype | None = None):

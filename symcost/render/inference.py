@@ -23,7 +23,9 @@ def to_json(model: str, precision: str, dev, r: dict) -> dict:
     ``kv`` (``per_token``, ``per_sequence``, ``total``, formulas), ``seconds_per_token`` and
     ``tokens_per_second`` (at max_batch), ``decode`` and ``decode_batch_1`` (the decode
     roofline: per-op sum, aggregate bound, crossing batch), ``prefill_seconds`` (time to first
-    token bound of one sequence of ``context`` tokens)."""
+    token bound of one sequence of ``context`` tokens) and ``prefill`` (``seconds``, ``sizes``,
+    ``seconds_by_bound``, ``flops``: the prefill step's model FLOPs, what ``FlopCounterMode``
+    counts on the real forward, ``flops_all``, ``flops_formula``)."""
     d = r["decode"]
     out = {
         "model": model, "precision": precision, "device": dev.key, "context": r["context"],
@@ -43,7 +45,9 @@ def to_json(model: str, precision: str, dev, r: dict) -> dict:
     if "prefill" in r:
         out["prefill_seconds"] = r["prefill"]["seconds"]
         out["prefill"] = {"seconds": r["prefill"]["seconds"], "sizes": r["prefill"]["sizes"],
-                          "seconds_by_bound": r["prefill"]["roofline"]["seconds_by_bound"]}
+                          "seconds_by_bound": r["prefill"]["roofline"]["seconds_by_bound"],
+                          "flops": r["prefill"]["flops"], "flops_all": r["prefill"]["flops_all"],
+                          "flops_formula": r["prefill"]["flops_formula"]}
     return out
 
 
