@@ -69,12 +69,20 @@ def balanced_router():
     """Force every router's top-k (a ``torch.topk`` over ``[N, E]`` probabilities) to the
     balanced assignment: token n's k-th choice is expert (n·R + k) mod E, its weight the router's
     probability of that expert (so gradients still reach the router)."""
+    with _routed_by(lambda n, e, k, device: (torch.arange(n * k, device=device) % e).view(n, k)):
+        yield
+
+
+@contextlib.contextmanager
+def _routed_by(choose):
+    """``torch.topk`` over a router's ``[N, E]`` probabilities replaced: the indices
+    ``choose(N, E, k, device)`` (``[N, k]``), the values the probabilities at them (so gradients
+    still reach the router); every other ``topk`` unchanged."""
     orig = torch.topk
 
     def topk(x, k, dim=-1, largest=True, sorted=True):
         if x.dim() == 2 and dim in (-1, 1) and x.shape[-1] >= k:
-            n, e = x.shape
-            idx = (torch.arange(n * k, device=x.device) % e).view(n, k)
+            idx = choose(*x.shape, k, x.device)
             return torch.return_types.topk((x.gather(-1, idx), idx))
         return orig(x, k, dim=dim, largest=largest, sorted=sorted)
 
@@ -366,21 +374,9 @@ def uniform_router(seed: int):
     random sizes sends every token of a decode step to the same two experts in most draws, so the
     test states the routing model symcost assumes by forcing it, and measures what the real
     experts code then reads."""
-    orig = torch.topk
     g = torch.Generator().manual_seed(seed)
-
-    def topk(x, k, dim=-1, largest=True, sorted=True):
-        if x.dim() == 2 and dim in (-1, 1) and x.shape[-1] >= k:
-            n, e = x.shape
-            idx = torch.rand(n, e, generator=g).argsort(-1)[:, :k].to(x.device)
-            return torch.return_types.topk((x.gather(-1, idx), idx))
-        return orig(x, k, dim=dim, largest=largest, sorted=sorted)
-
-    torch.topk = topk
-    try:
+    with _routed_by(lambda n, e, k, device: torch.rand(n, e, generator=g).argsort(-1)[:, :k].to(device)):
         yield
-    finally:
-        torch.topk = orig
 
 
 class _ExpertReads(torch.overrides.TorchFunctionMode):
@@ -451,7 +447,9 @@ def measured_expert_reads(spec, values: dict, trials: int, seed: int):
     return hits, read_bytes, b, dense
 
 
-DECODE_MODELS = [pytest.param("hf:mixtral"), pytest.param("hf:qwen3_moe", marks=pytest.mark.heavy)]
+# hf:qwen3_moe runs the same path (its own experts code, the same routed stacks); it passed when
+# the test was written and is left out of the suite: 205 s on CI's two cores against its 20 minutes
+DECODE_MODELS = [pytest.param("hf:mixtral")]
 
 
 @pytest.mark.parametrize("model", DECODE_MODELS)
