@@ -215,7 +215,8 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
     dp, shard, tp, pp = (meta.get(f"symcost.{k}") for k in ("dp", "shard", "tp", "pp"))
     command = ctx.command.name if ctx is not None and ctx.command is not None else None
     if command not in (None, "report", "max-batch"):
-        for key, flag in (("symcost.tp", "--tp"), ("symcost.sp", "--sp")):
+        # (serve --tp: one rank of the inference steps; serve has no --sp)
+        for key, flag in ((("symcost.tp", "--tp"),) if command != "serve" else ()) + (("symcost.sp", "--sp"),):
             if meta.get(key):
                 raise SymcostError(f"{flag} is answered by `symcost report` and `max-batch` only for now: {command} "
                                    "with tensor parallelism (its step time, run time) is not modelled yet "
@@ -336,8 +337,9 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
         if k in sizes and sizes[k] != v:
             raise SymcostError(f"{SYMBOL_FLAG[k]} {v} and --set {k}={sizes[k]} disagree; give one")
     if layout:
-        if step is not None:
-            raise SymcostError(f"--dp/--tp/--ac trace a training step, not an inference step ({step})")
+        if step is not None and (layout.shard is not None or layout.ac is not None or layout.sp):
+            # (an inference step takes tensor parallelism alone: serve --tp)
+            raise SymcostError(f"--dp/--sp/--ac trace a training step, not an inference step ({step})")
         # one rank of the layout's mesh: kept in the trace cache under the layout's options (a DDP
         # and an FSDP trace, a TP and a TP + SP trace never share an entry); every mesh size is
         # served by one entry, within the residue classes of the split sizes and their per-rank

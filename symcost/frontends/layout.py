@@ -209,12 +209,19 @@ class Layout:
         polynomial in it (:func:`symcost.frontends.parallel.data_parallel`,
         :func:`symcost.frontends.tensor_parallel.tensor_parallel`), and ``extra["layout"]``.
 
+        An inference step (``decode``, ``prefill``: ``serve --tp``) takes tensor parallelism
+        alone: one rank of the plan runs the step through the model's own cache, which then holds
+        the rank's key/value heads (K/TP per layer). The request must split both head counts over
+        TP (:func:`check_heads`).
+
         Raises:
-            SymcostError: an inference step under a layout (a layout trains); activation
-                checkpointing of a model without a block list.
+            SymcostError: an inference step under data or pipeline parallelism, sequence
+                parallelism or activation checkpointing (they train); activation checkpointing
+                of a model without a block list.
         """
-        if (self.traced_dims or self.ac) and spec.step != "train":
-            raise SymcostError(f"--dp/--tp/--ac trace a training step, not an inference step ({spec.step})")
+        if (self.shard is not None or self.pipeline is not None or self.ac or self.sp) and spec.step != "train":
+            raise SymcostError(f"--dp/--pp/--sp/--ac trace a training step, not an inference step ({spec.step}); "
+                               "an inference step takes --tp alone")
         if self.ac and "L" not in spec.symbols and spec.layers is None:
             raise SymcostError(f"--ac {self.ac} checkpoints each block of the model's block list; {spec.name} has none "
                                "(no symbol L)")
@@ -236,6 +243,13 @@ class Layout:
             from symcost.frontends.tensor_parallel import tensor_parallel
 
             spec = tensor_parallel(spec, self.sp)
+            if spec.step != "train":
+                inner = spec.check
+
+                def check(values, inner=inner, spec=spec):
+                    return (inner(values) if inner else None) or check_heads(spec, values)
+
+                spec = dataclasses.replace(spec, check=check)
         mine = layout_of(spec)
         if mine and mine != self:
             raise SymcostError(f"{spec.name} is already laid out as {mine.describe()}; give one layout")
@@ -300,6 +314,29 @@ class Layout:
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
                                     category=UserWarning)
         return loss_context
+
+
+def check_heads(spec, values: Mapping[str, int]) -> str | None:
+    """Why ``values["TP"]`` ranks cannot run one inference step of ``spec`` under the
+    tensor-parallel plan, or None: TP must divide the query heads H and the key/value heads K
+    (K = H without grouped-query attention). The plan's column-parallel k and v projections
+    (``ColwiseParallel``, transformers' ``base_model_tp_plan`` "colwise") split K·D output
+    features over TP; where TP does not divide K a rank gets part of a head, and the attention's
+    ``view(B, S, -1, D)`` fails (PyTorch: "shape ... is invalid"). Serving engines replicate the
+    key/value heads there (vLLM: each rank holds one whole head when TP > K); that layout is not
+    PyTorch's plan and is not modelled."""
+    tp = values.get("TP")
+    if not tp:
+        return None
+    H = values.get("H")
+    K = values.get("K", H)  # (spec.values gives tied followers their leader's value)
+    for name, n, what in (("H", H, "query heads"), ("K", K, "key/value heads")):
+        if n is not None and n % tp:
+            extra = (" (TP > K: the plan's column-parallel k/v projections would give each rank part of a head; "
+                     "replicating the key/value heads, as vLLM does, is not modelled)" if name == "K" and tp > n else
+                     " (the plan's column-parallel projections would give a rank part of a head)")
+            return f"--tp {tp} does not divide the {n} {what} ({name}={n}){extra}"
+    return None
 
 
 def layout_of(spec_or_analysis) -> Layout:

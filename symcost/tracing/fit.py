@@ -464,7 +464,9 @@ class Fitter:
             # a shard (size/DP) or DP shards (DP·size) of a size in the model's symbols: fit the
             # size itself (a block's shards sum many monomials, each /DP: too many terms for the
             # sparse search below); the same for TP
-            if g in deps and len(deps) > 1:
+            # (TP alone too: a head count the request pins, K/TP, takes two values of TP where
+            # K = 2·TP leaves TP one other probe value; 3 - TP/2 fits those two as well as 4/TP)
+            if g in deps and (len(deps) > 1 or g == "TP"):
                 got = self._fit_group(sig, what, g)
                 if got is not None:
                     return got

@@ -1098,7 +1098,9 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         try:
             context = spec.record_context or contextlib.nullcontext  # (hf: the masks the real step builds)
             if inference:
-                with context():
+                # (a tensor-parallel decode or prefill: DTensor's shape propagation hidden, as in
+                # training, so the first recording of a process holds the rank's ops only)
+                with context(), parallel_contexts(), hide():
                     n_forward, events_end, kv = _inference_step(rec, model, args, kwargs, kv_layers, autocast)
                 n_backward = 0
             else:
