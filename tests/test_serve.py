@@ -11,6 +11,7 @@ training steps, and the largest batch whose measured peak fits under a cap.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -247,3 +248,113 @@ def test_serve_json_prefill_flops_equal_flop_counter(capsys):
         want = _prefill_flops_measured(H * D, H, K, inter, vocab, context)
         assert pre["flops"] == want, (H, D, K, inter, vocab, context, pre["flops"], want)
         assert pre["flops_all"] > pre["flops"] and pre["sizes"]["S"] == context
+
+
+def _tp_rank_measured(H: int, K: int, D: int, inter: int, vocab: int, tp: int, step: str, kv_cache: str,
+                      B: int, context: int) -> tuple[int, int]:
+    """Rank 0 of ``tp`` ranks of a 2-layer Llama (eager attention, bf16) parallelised by PyTorch's
+    ``parallelize_module`` on the fake process group (tests/data/tp_rank.py's
+    :func:`fake_rank_model`: transformers' ``base_model_tp_plan``), running the real step with
+    transformers' own cache on fake tensors: ``(model FLOPs of the step, KV cache bytes)``. The
+    FLOPs are ``torch.utils.flop_counter``'s registry on the local tensors DTensor computes with
+    (FlopCounterMode's formulas; DTensor ops handed back to DTensor, as tp_rank.measure does); the
+    KV bytes are the local bytes of every tensor the cache holds after the step. ``decode``: the
+    cache filled with ``context - 1`` tokens, then one token per sequence; ``prefill``: ``context``
+    tokens into an empty cache. Raises what PyTorch raises (TP > K: the attention's view)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+    from tp_rank import fake_rank_model
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+    from transformers import DynamicCache, StaticCache
+
+    from symcost.frontends.models import resolve
+
+    cfg = {"num_hidden_layers": "2", "hidden_size": str(H * D), "num_attention_heads": str(H),
+           "num_key_value_heads": str(K), "intermediate_size": str(inter), "vocab_size": str(vocab)}
+    spec = resolve("hf:llama", cfg, "eager")
+    values = dict(spec.values({}), TP=tp, B=B, S=1 if step == "decode" else context, T=context - 1)
+    model, _ = fake_rank_model(spec, values, False)
+    flops = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in flop_registry:
+                flops[0] += flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
+            return out
+
+    import inspect
+
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        model.to_empty(device="cpu")
+        model.eval()
+        for measured in (False, True):  # a warm-up first: DTensor's shape propagation runs an op
+            # once more on global-shape fake tensors the first time it meets its signature
+            cache = (StaticCache(config=model.config, max_cache_len=context) if kv_cache == "static"
+                     else DynamicCache(config=model.config))
+            if step == "decode":
+                model(input_ids=torch.randint(0, vocab, (B, context - 1)), use_cache=True, **{key: cache})
+            ids = torch.randint(0, vocab, (B, 1 if step == "decode" else context))
+            with Count() if measured else contextlib.nullcontext():
+                model(input_ids=ids, use_cache=True, logits_to_keep=1, **{key: cache})
+        kv = 0
+        for layer in cache.layers:
+            for t in (layer.keys, layer.values):
+                t = t._local_tensor if isinstance(t, DTensor) else t
+                kv += t.numel() * t.element_size()
+    return flops[0], kv
+
+
+def test_serve_tp_rank_kv_flops_equal_parallelised_model(capsys):
+    """``serve --tp N --json`` (issue 31 item 7) against rank 0 of PyTorch's parallelised model on the
+    fake process group running the real step with transformers' cache (:func:`_tp_rank_measured`):
+    the KV cache bytes a rank holds (K/TP heads per layer) at B = 1 and at the answered batch, the
+    rank's decode model FLOPs at both, the prefill's model FLOPs per rank and of the whole model
+    (FlopCounterMode of the unparallelised prefill), at random sizes with TP < K and TP = K, both
+    cache classes. TP > K: PyTorch's parallelised model cannot run the step (a rank's k/v features
+    are part of a head), and serve refuses in one line."""
+    rng = random.Random("serve-tp")
+    draws = [(4, 2, "static"), (2, 2, "dynamic")]  # (K, TP, cache): TP < K, TP = K
+    for K, tp, kv_cache in draws:
+        D = rng.choice((8, 16))
+        H = K * rng.choice((1, 2))
+        inter = 8 * rng.randint(3, 10)  # (the MLP's column-parallel width splits over TP)
+        # (V a multiple of 8: the probe rules take the Megatron plan's vocabulary-parallel head and
+        # embedding, which transformers' plan leaves whole, so an odd V finds no probe sizes)
+        vocab, context = 8 * rng.randint(12, 40), rng.randint(20, 60)
+        code, out, err = run_cli(
+            capsys, "serve", "hf:llama", "--config", "num_hidden_layers=2", f"hidden_size={H * D}",
+            f"num_attention_heads={H}", f"num_key_value_heads={K}", f"intermediate_size={inter}",
+            f"vocab_size={vocab}", "--attention", "eager", "--context", str(context), "--kv-cache", kv_cache,
+            "--tp", str(tp), "--device", "h100", "--memory", "4MiB", "--json")
+        assert code == 0, err
+        r = json.loads(out)
+        at = (H, K, D, inter, vocab, tp)
+        assert r["tp"]["size"] == tp and r["max_batch"] >= 1, at
+        B = r["max_batch"]
+        flops1, kv1 = _tp_rank_measured(H, K, D, inter, vocab, tp, "decode", kv_cache, 1, context)
+        flopsB, kvB = _tp_rank_measured(H, K, D, inter, vocab, tp, "decode", kv_cache, B, context)
+        assert (r["kv"]["per_sequence"], r["kv"]["total"]) == (kv1, kvB), (at, r["kv"], kv1, kvB)
+        assert kv1 == 2 * 2 * (K // tp) * D * context * 2  # layers × (k, v) × heads per rank × D × tokens × bf16
+        assert (r["decode_batch_1"]["model_flops"], r["decode"]["model_flops"]) == (flops1, flopsB), at
+        assert r["decode"]["tp"]["bytes"] > 0 and r["decode"]["tp"]["collectives"] == 4  # o_proj, down_proj × 2 layers
+        pre_rank, _ = _tp_rank_measured(H, K, D, inter, vocab, tp, "prefill", kv_cache, 1, context)
+        pre = r["prefill"]
+        assert pre["flops"] == pre_rank, (at, pre["flops"], pre_rank)
+        assert pre["flops_model"] == _prefill_flops_measured(H * D, H, K, inter, vocab, context), at
+        assert pre["flops"] < pre["flops_model"]
+    # TP > K: what PyTorch's parallelised model does (fails) and serve's one line
+    with pytest.raises(RuntimeError, match="invalid"):
+        _tp_rank_measured(4, 2, 8, 32, 128, 4, "decode", "dynamic", 1, 16)
+    code, _, err = run_cli(capsys, "serve", "hf:llama", "--config", "num_hidden_layers=2", "hidden_size=32",
+                           "num_attention_heads=4", "num_key_value_heads=2", "intermediate_size=32",
+                           "vocab_size=128", "--context", "16", "--tp", "4", "--device", "h100", "--json")
+    assert code == 2 and "--tp 4 does not divide the 2 key/value heads" in err
+    assert len(err.strip().splitlines()) == 1

@@ -18,6 +18,14 @@ from ._options import common, early_checks, trace_model
 NOTHING_FITS = 3
 
 
+def _keep_tp(ctx, param, value):
+    """``--tp N`` (N > 1) reaches :func:`trace_model` as ``report --tp`` does (the click
+    context's ``symcost.tp``): both inference steps are traced as one rank of N."""
+    if value is not None and value > 1:
+        ctx.meta["symcost.tp"] = value
+    return value
+
+
 @click.command()
 @click.argument("model", default="hf:llama")
 @common
@@ -34,10 +42,15 @@ NOTHING_FITS = 3
                    "sizes; int8/fp8 1 byte, their scales not counted) [default: the traced cache's dtype]")
 @click.option("--plot", default=None, metavar="FILE.png",
               help="draw tokens/s and time per output token against the batch, 1 to the largest (needs matplotlib)")
+@click.option("--tp", "tp", type=click.IntRange(min=1), default=None, metavar="N", callback=_keep_tp,
+              help="tensor-parallel size: trace one rank of N under the model's plan (transformers' base_model_tp_plan, "
+                   "else the Megatron plan); --memory is per device, the batch per rank's replica, the time per "
+                   "token the rank's step plus its all-reduces over the device's link. N must divide the query "
+                   "and the key/value heads")
 @click.option("--no-prefill", is_flag=True, help="leave out the prefill step (time to first token)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def serve(model, sets, config, attention, precision, debug, device_name, devices_file, peak_flops, bandwidth,
-          memory, context, kv_cache, kv_dtype, plot, no_prefill, as_json):
+          memory, context, kv_cache, kv_dtype, plot, tp, no_prefill, as_json):
     """Largest concurrent batch of MODEL at --context tokens per sequence under --memory, with the
     decode roofline (time per output token, tokens/s) and the prefill's time to first token.
 
@@ -45,7 +58,9 @@ def serve(model, sets, config, attention, precision, debug, device_name, devices
     step (one new token onto a cache of T = context - 1 tokens) and the prefill (context tokens)
     are traced through the model's own cache class; --precision defaults to the weights in bf16
     (bf16-true). --kv-dtype models the cache in another dtype (labelled "modelled"). Exit status 3
-    when not one sequence fits. See docs/inference.md.
+    when not one sequence fits. With --tp N one rank of N tensor-parallel ranks is traced: its
+    weights and KV cache (K/N key/value heads per layer) against --memory, its step's FLOPs and
+    all-reduces; the prefill's FLOPs are the rank's and the whole model's. See docs/inference.md.
     """
     ctx = click.get_current_context()
     if ctx.get_parameter_source("precision") == click.core.ParameterSource.DEFAULT:
@@ -76,12 +91,19 @@ def serve(model, sets, config, attention, precision, debug, device_name, devices
 
     dec, sizes = trace_model(model, sets, config, attention, precision, step="decode", kv_cache=kv_cache,
                              extra_sizes={"T": context - 1})
-    pre = None
+    pre = whole = None
     if not no_prefill:
         pre, _ = trace_model(model, sets, config, attention, precision, step="prefill", kv_cache=kv_cache,
                              extra_sizes={"S": context})
+        if ctx.meta.get("symcost.tp"):  # the whole model's prefill FLOPs: the prefill on one device
+            tp_n = ctx.meta.pop("symcost.tp")
+            try:
+                whole, _ = trace_model(model, sets, config, attention, precision, step="prefill",
+                                       kv_cache=kv_cache, extra_sizes={"S": context})
+            finally:
+                ctx.meta["symcost.tp"] = tp_n
     sizes = {k: v for k, v in sizes.items() if k not in ("T", "S")}
-    r = inference.serve(dec, pre, dev, cap, context, sizes, kv_dtype)
+    r = inference.serve(dec, pre, dev, cap, context, sizes, kv_dtype, prefill_whole=whole)
     from symcost.render import inference as text
 
     if plot and r["batch"] >= 1:

@@ -349,10 +349,45 @@ def decode(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bo
     }
     if "B" in an.symbols and with_crossing:
         out["crossing"] = crossing(flops, traffic, "B", device.ridge(prec), env)
+    tp = tp_comm(an, device, env)
+    if tp is not None:
+        out["tp"] = tp
+        if tp["seconds"] is not None:  # the all-reduces sit between the ops that make and use their tensors
+            out["seconds_per_token"] = rf["step_seconds"] + tp["seconds"]
+            out["tokens_per_second"] = B / out["seconds_per_token"] if out["seconds_per_token"] else None
     return out
 
 
-def prefill(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bool = True) -> dict:
+def tp_comm(an, device: Device, env) -> dict | None:
+    """A tensor-parallel inference step's collectives (``serve --tp``; None for one device): the
+    bytes one rank sends in them (``Analysis.comm_bytes``: the row-parallel projections'
+    all-reduces, ring algorithm 2(TP-1)/TP × the tensor's bytes, :func:`symcost.graph.rules.comm_volume`)
+    and their time over the device's scale-up link, ``bytes / link_bandwidth``
+    (``Device.interconnect``; the TP ranks of one server share it), exposed: each all-reduce sits
+    between the op that makes its tensor and the one that reads it (Shoeybi et al. 2019 §3, as
+    :func:`symcost.passes.parallel.step_time` adds the TP group's). The per-collective latency
+    (microseconds each, which dominate a decode step's small all-reduces) is not modelled.
+
+    Returns:
+        ``{"size": TP, "collectives": n per step, "bytes": per rank (B), "seconds" (None where the
+        device lists no interconnect), "link", "link_bandwidth" (B/s), "note"}``, or None.
+    """
+    if not getattr(an, "tensor_parallel", None) and not str(getattr(an, "parallel", None) or "").startswith("tp"):
+        return None
+    tp = int(env.get(SYMS["TP"], an.pinned.get("TP", 1)))
+    nbytes = _num(an.comm_bytes("total", "forward"), env)
+    count = _num(sympy.Add(*[op.repeat for op in an.ops if op.comm is not None and op.comm[0] != "wait"]), env)
+    ic = getattr(device, "interconnect", None) or {}
+    bw = ic.get("link_bandwidth")
+    return {"size": tp, "collectives": count, "bytes": nbytes, "seconds": nbytes / bw if bw else None,
+            "link": ic.get("link") if bw else None, "link_bandwidth": bw,
+            "note": ("all-reduce bytes over the scale-up link, exposed; per-collective latency not modelled" if bw
+                     else f"{device.key} lists no interconnect: the collectives are not timed "
+                          "(add an [interconnect] table with --devices-file)")}
+
+
+def prefill(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bool = True,
+            whole=None) -> dict:
     """The prefill step (S tokens per sequence into an empty cache) on ``device``'s roofline (an
     MoE's expert matmuls reading the experts hit, :func:`step_traffic`: all but (1 − R/E)^(B·S)):
     ``seconds`` (the per-op roofline's sum: the time to first token bound of B sequences of S
@@ -362,7 +397,9 @@ def prefill(an, device: Device, sizes: Mapping[str, int] | None = None, fused: b
     ``FlopCounterMode`` counts on the real prefill forward; an integer count), ``flops_all``
     (model FLOPs plus the per-element counts of :mod:`symcost.graph.rules`) and ``flops_formula``
     (the model FLOPs as a polynomial in the trace's symbols). Under a tensor-parallel layout
-    these are one rank's.
+    (``serve --tp``) these are one rank's, ``tp`` is :func:`tp_comm` and ``seconds`` adds its
+    all-reduce time; ``whole``, the same prefill traced on one device, gives ``flops_model`` (the
+    whole model's model FLOPs at ``sizes``, TP aside).
 
     Raises:
         SymcostError: not a prefill analysis; bad sizes.
@@ -372,10 +409,20 @@ def prefill(an, device: Device, sizes: Mapping[str, int] | None = None, fused: b
     rf = roofline(an, device, {str(k): v for k, v in env.items() if str(k) in an.symbols}, fused=fused,
                   with_formulas=False, extra_bytes=step_traffic(an))
     model_flops = an.flops("forward", "model")
-    return {"seconds": rf["step_seconds"], "roofline": _roofline_summary(rf),
-            "sizes": {str(k): int(v) for k, v in env.items()},
-            "flops": int(_num(model_flops, env)), "flops_all": int(_num(an.flops("forward", "all"), env)),
-            "flops_formula": str(model_flops)}
+    out = {"seconds": rf["step_seconds"], "roofline": _roofline_summary(rf),
+           "sizes": {str(k): int(v) for k, v in env.items()},
+           "flops": int(_num(model_flops, env)), "flops_all": int(_num(an.flops("forward", "all"), env)),
+           "flops_formula": str(model_flops)}
+    if whole is not None:
+        _check(whole, "prefill")
+        wenv = whole.bind(**{k: v for k, v in dict(sizes or {}).items() if k != "TP"})
+        out["flops_model"] = int(_num(whole.flops("forward", "model"), wenv))
+    tp = tp_comm(an, device, env)
+    if tp is not None:
+        out["tp"] = tp
+        if tp["seconds"] is not None:
+            out["seconds"] = rf["step_seconds"] + tp["seconds"]
+    return out
 
 
 def serving_memory(an, kv: KVDtype | None = None):
@@ -418,10 +465,12 @@ def max_batch(an, cap: int | str, context: int, sizes: Mapping[str, int] | None 
 
 
 def serve(decode_an, prefill_an, device: Device, cap: int | str, context: int,
-          sizes: Mapping[str, int] | None = None, kv_dtype_name: str | None = None) -> dict:
+          sizes: Mapping[str, int] | None = None, kv_dtype_name: str | None = None, prefill_whole=None) -> dict:
     """Everything ``symcost serve`` answers, as data; ``kv_dtype_name`` (one of
     :data:`KV_DTYPES`; None: the traced cache's dtype) models the KV cache in that dtype in the
     memory, the KV sizes and the decode roofline (:func:`kv_dtype`; the prefill stays traced).
+    ``prefill_whole``: under ``--tp``, the prefill traced on one device (the whole model's FLOPs,
+    :func:`prefill`'s ``whole``).
 
     Returns:
         ``batch`` (largest B, 0 when not one sequence fits), ``memory`` (``at``: M(B), ``next``:
@@ -430,7 +479,8 @@ def serve(decode_an, prefill_an, device: Device, cap: int | str, context: int,
         ``reason`` when nothing fits), ``kv`` (:func:`kv_cache` at B), ``decode`` (:func:`decode`
         at B), ``decode_batch_1`` (:func:`decode` at B = 1), ``prefill`` (:func:`prefill` of one
         sequence of ``context`` tokens: time to first token), ``context``, ``kv_dtype``
-        (:class:`KVDtype`).
+        (:class:`KVDtype`); for a tensor-parallel trace (``serve --tp``) ``tp`` (``size``, ``per``)
+        and every figure is one rank's (:func:`tp_comm` in ``decode`` and ``prefill``).
 
     Raises:
         SymcostError: as :func:`max_batch`, :func:`decode`, :func:`prefill`.
@@ -461,10 +511,14 @@ def serve(decode_an, prefill_an, device: Device, cap: int | str, context: int,
     out["decode"] = decode(decode_an, device, {**at, "B": b}, kv=kv)
     out["decode_batch_1"] = (decode(decode_an, device, {**at, "B": 1}, with_crossing=False, kv=kv) if b != 1
                              else out["decode"])
+    if "tp" in out["decode"]:
+        out["tp"] = {"size": out["decode"]["tp"]["size"],
+                     "per": "one rank: the cap is per device; weights, KV cache (its key/value heads), FLOPs and "
+                            "all-reduces are the rank's; the batch is the TP ranks' shared one"}
     if prefill_an is not None:
         pre = {k: v for k, v in sizes.items() if k in prefill_an.symbols}
         pre.update({k: v for k, v in (("B", 1), ("S", context)) if k in prefill_an.symbols})
-        out["prefill"] = prefill(prefill_an, device, pre)
+        out["prefill"] = prefill(prefill_an, device, pre, whole=prefill_whole)
     return out
 
 

@@ -22,10 +22,13 @@ def to_json(model: str, precision: str, dev, r: dict) -> dict:
     ``components`` at max_batch: params, buffers, inputs, kv_cache, workspace, peak),
     ``kv`` (``per_token``, ``per_sequence``, ``total``, formulas), ``seconds_per_token`` and
     ``tokens_per_second`` (at max_batch), ``decode`` and ``decode_batch_1`` (the decode
-    roofline: per-op sum, aggregate bound, crossing batch), ``prefill_seconds`` (time to first
-    token bound of one sequence of ``context`` tokens) and ``prefill`` (``seconds``, ``sizes``,
+    roofline: per-op sum, aggregate bound, crossing batch, ``model_flops`` of the step),
+    ``prefill_seconds`` (time to first token bound of one sequence of ``context`` tokens) and ``prefill`` (``seconds``, ``sizes``,
     ``seconds_by_bound``, ``flops``: the prefill step's model FLOPs, what ``FlopCounterMode``
-    counts on the real forward, ``flops_all``, ``flops_formula``)."""
+    counts on the real forward, ``flops_all``, ``flops_formula``; with ``--tp`` these are one
+    rank's, ``flops_model`` the whole model's and ``tp`` its collectives); with ``--tp``, ``tp``
+    (``size``, the per-device cap, the batch per rank's replica) and ``decode.tp`` (the rank's
+    all-reduces per step: ``collectives``, ``bytes``, ``seconds``, ``link``, ``note``)."""
     d = r["decode"]
     out = {
         "model": model, "precision": precision, "device": dev.key, "context": r["context"],
@@ -48,15 +51,23 @@ def to_json(model: str, precision: str, dev, r: dict) -> dict:
                           "seconds_by_bound": r["prefill"]["roofline"]["seconds_by_bound"],
                           "flops": r["prefill"]["flops"], "flops_all": r["prefill"]["flops_all"],
                           "flops_formula": r["prefill"]["flops_formula"]}
+        for k in ("flops_model", "tp"):  # (serve --tp: the whole model's FLOPs, the rank's collectives)
+            if k in r["prefill"]:
+                out["prefill"][k] = r["prefill"][k]
+    if r.get("tp") is not None:
+        out["tp"] = r["tp"]
     return out
 
 
 def _decode_json(d: dict) -> dict:
     out = {"batch": d["batch"], "sizes": d["sizes"], "seconds_per_token": d["seconds_per_token"],
            "tokens_per_second": d["tokens_per_second"],
-           "seconds_by_bound": d["roofline"]["seconds_by_bound"], "aggregate": d["aggregate"]}
+           "seconds_by_bound": d["roofline"]["seconds_by_bound"], "aggregate": d["aggregate"],
+           "model_flops": d["roofline"]["model_flops"]}
     if "crossing" in d:
         out["crossing"] = d["crossing"]
+    if "tp" in d:
+        out["tp"] = d["tp"]
     return out
 
 
@@ -113,6 +124,14 @@ def render_text(c, model: str, precision: str, dev, r: dict) -> None:
                  "never (the KV cache's bytes grow with B as fast as the FLOPs, below the ridge)"
                  if cr["compute_bound"] == "never" else "always")
         c.print(f"decode turns compute-bound (aggregate) at: {where}")
+    if "tp" in d:
+        tp = d["tp"]
+        c.print(f"tensor parallel: one rank of TP = {tp['size']} (memory, KV cache, time per token per rank); "
+                f"{tp['collectives']} all-reduce(s) per decode step, {tp['bytes']:,} B per rank"
+                + (f", {_fmt_s(tp['seconds'])} over {tp['link']} (in time/token)" if tp["seconds"] is not None
+                   else f": {tp['note']}"))
     if "prefill" in r:
+        p = r["prefill"]
         c.print(f"prefill, time to first token bound (1 sequence of {r['context']} tokens): "
-                f"{_fmt_s(r['prefill']['seconds'])}")
+                f"{_fmt_s(p['seconds'])}; model FLOPs {p['flops']:,}"
+                + (f" per rank, {p['flops_model']:,} the whole model" if "flops_model" in p else ""))
