@@ -96,13 +96,16 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-#: the files that take longest (measured: `--durations` of a full run, 2026-12-02, probes on real
-#: tensors), run first so that pytest-xdist's `--dist loadfile` queue ends with short files on
-#: both workers instead of one worker still in a long file while the other idles (longest-first)
-LONGEST_FIRST = ("test_tensor_parallel.py", "test_regimes.py", "test_moe_real_configs.py", "test_real_configs.py",
-                 "test_memory.py", "test_checkpoint.py", "test_inference.py", "test_parallel.py", "test_plan.py",
-                 "test_moe.py", "test_pipeline_parallel.py", "test_real_probes.py", "test_memory_peak.py",
-                 "test_cli.py", "test_solve_pinned.py")
+#: the files that take longest (measured: `--durations=0` of a full run, 2026-12-04: 1731 s of
+#: test time, 886 s wall on 2 workers), run first so that pytest-xdist's `--dist loadfile` queue
+#: ends with short files on both workers instead of one worker still in a long file while the
+#: other idles (longest-first)
+LONGEST_FIRST = ("test_tensor_parallel.py", "test_dp_tp_mesh.py", "test_serve.py", "test_pipeline_parallel.py",
+                 "test_moe_real_configs.py", "test_real_configs.py", "test_real_probes.py", "test_inference.py",
+                 "test_regimes.py", "test_checkpoint.py", "test_moe.py", "test_memory.py", "test_parallel.py",
+                 "test_moe_6np.py", "test_recompute.py", "test_flops_exact.py", "test_plan.py",
+                 "test_parallel_memory.py", "test_serve_kv.py", "test_cli.py", "test_memory_peak.py",
+                 "test_solve_pinned.py", "test_cache.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
