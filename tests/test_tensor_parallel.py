@@ -517,3 +517,29 @@ def _assert_replicated(an, v, m):
     env = an.bind(**v)
     got = {g["module"]: int(g["elements"].xreplace(env)) for g in replicated(an)}
     assert got == want and got, (got, want)
+
+
+def test_sp_with_a_sequence_tp_does_not_split_is_refused_in_one_line():
+    """--sp with S no multiple of TP: PyTorch itself cannot run the step (the fake group's rank
+    fails inside SequenceParallel's first norm), and symcost refuses before any recording, in one
+    line without PyTorch's logged traceback (the newcomer saw 34 lines and an error at L = 3)."""
+    from click.testing import CliRunner
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from symcost.cli import main
+
+    rng = random.Random(33)
+    tp = rng.choice((2, 4))
+    S = tp * rng.randint(2, 6) + rng.randint(1, tp - 1)
+    v = {"TP": tp, "B": 2, "S": S, "H": 8, "D": 8, "L": 2, "V": 64}
+    spec = resolve_spec("megatron-gpt")
+    values = spec.values(v)
+    with pytest.raises(Exception):
+        m, ctx = fake_rank_model(spec, values, True)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            m.to_empty(device="cpu")
+            measure(m, spec, values, ctx)
+    sets = [f"{k}={x}" for k, x in v.items() if k != "TP"]
+    r = CliRunner().invoke(main, ["report", "megatron-gpt", "--tp", str(tp), "--sp", "--set"] + sets)
+    assert r.exit_code == 2 and f"S={S} is no multiple of TP={tp}" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output

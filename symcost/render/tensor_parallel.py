@@ -17,7 +17,8 @@ def to_json(an, sizes: Mapping[str, int] | None, summary: dict) -> dict:
     """``comm`` {all_gather, reduce_scatter, all_reduce, total} (bytes one rank sends, =
     receives, per step) and ``parallel`` {tp, sp, engine, memory_per_rank {params, grads,
     optimizer_state, master, total, activations}, memory {peak, where, parts, formula}: the
-    rank's peak, :func:`symcost.render.report.peak_json`; replicated [{module, params, elements}]:
+    rank's peak, :func:`symcost.render.report.peak_json`; replicated [{module, params, elements,
+    share (of the model's parameters, with sizes)}]:
     the weight matrices every rank holds whole, :func:`symcost.passes.tensor_parallel.replicated`}:
     formulas without sizes, numbers with."""
     from symcost.render.report import peak_json
@@ -25,8 +26,10 @@ def to_json(an, sizes: Mapping[str, int] | None, summary: dict) -> dict:
     vals = summary.get("values") if sizes is not None else None
     peak = peak_json(summary, vals is not None)
     env = an.bind(**sizes) if vals is not None else None
+    total = an.params.xreplace(env) if env is not None else None
     whole = [{"module": g["module"], "params": g["params"],
-              "elements": fmt(g["elements"]) if env is None else _num(g["elements"].xreplace(env))}
+              "elements": fmt(g["elements"]) if env is None else _num(g["elements"].xreplace(env)),
+              **({"share": float(g["elements"].xreplace(env) / total)} if total else {})}
              for g in summary.get("replicated", [])]
     if vals is None:
         return {"comm": {k: fmt(v) for k, v in summary["comm"].items()},
@@ -53,11 +56,9 @@ def render(an, sizes: Mapping[str, int], summary: dict, width: int | None = None
     add_peak_row(t, par["memory"])
     c.print(t)
     if par["replicated"]:  # what the plan did not split: every rank holds all of it
-        total = an.params.xreplace(an.bind(**sizes)) if sizes else None
         parts = []
         for g in par["replicated"][:4]:
-            share = (f", {100 * float(g['elements'] / total):.0f}% of the parameters"
-                     if total and isinstance(g["elements"], (int, float)) else "")
+            share = f", {100 * g['share']:.0f}% of the parameters" if "share" in g else ""
             parts.append(f"{g['module'] or '(root)'} ({', '.join(g['params'])}{share})")
         more = f" and {len(par['replicated']) - 4} more" if len(par["replicated"]) > 4 else ""
         c.print("left whole on every rank (the plan does not split them): " + "; ".join(parts) + more)
