@@ -541,5 +541,6 @@ def test_sp_with_a_sequence_tp_does_not_split_is_refused_in_one_line():
             measure(m, spec, values, ctx)
     sets = [f"{k}={x}" for k, x in v.items() if k != "TP"]
     r = CliRunner().invoke(main, ["report", "megatron-gpt", "--tp", str(tp), "--sp", "--set"] + sets)
-    assert r.exit_code == 2 and f"S={S} is no multiple of TP={tp}" in r.output, r.output
+    assert r.exit_code == 2 and f"S must be a multiple of TP" in r.output, r.output
+    assert f"got S={S}, TP={tp}" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output

@@ -53,6 +53,7 @@ import weakref
 from typing import Mapping
 
 from symcost.errors import SymcostError
+from symcost.frontends.spec import Constraint, check_constraints
 
 #: last name of a Linear that reads the block's normalised input (column-parallel)
 COLWISE = re.compile(r"(q|k|v|qkv|wq|wk|wv|wqkv|query|key|value|query_key_value|c_attn|in_proj|"
@@ -95,23 +96,24 @@ def tensor_parallel(spec, sp: bool = False):
     for s in ("H", "K", "V", "F", "M", "E") + (("S",) if sp else ()):
         if s in spec.symbols or s == "S":
             moduli[s] = math.lcm(moduli.get(s, 1), 8)
-    inner_check = spec.check
+    # what PyTorch itself refuses, in one line before any recording: SequenceParallel shards the
+    # sequence dimension evenly, and S % TP != 0 fails inside the first norm's DTensor (an
+    # 'Attempting to broadcast a dimension' error and the fake-tensor log's traceback). A
+    # declarative constraint, so the trace cache keeps such a spec as data.
+    constraints = tuple(spec.constraints) + ((Constraint(
+        "multiple", "S", "TP", "--sp splits the sequence over the TP ranks: S must be a multiple of TP "
+        "(accepted: S a multiple of TP, or a TP that divides S)"),) if sp else ())
+    declarative = getattr(spec.check, "__qualname__", "").split(".<locals>")[0] == "ModelSpec.__post_init__"
+    check = None if declarative else spec.check
+    if check is not None and sp:
+        inner_check = check
 
-    def check(values: Mapping[str, int]):
-        # what PyTorch itself refuses, in one line before any recording: SequenceParallel shards
-        # the sequence dimension evenly, and S % TP != 0 fails inside the first norm's DTensor
-        # (an 'Attempting to broadcast a dimension' error and the fake-tensor log's traceback)
-        why = inner_check(values) if inner_check else None
-        if why or not sp or not values.get("TP") or not values.get("S"):
-            return why
-        if values["S"] % values["TP"]:
-            ok = ", ".join(str(t) for t in range(2, min(values["S"], 64) + 1) if values["S"] % t == 0) or "none"
-            return (f"--sp splits the sequence over the TP ranks: S={values['S']} is no multiple of "
-                    f"TP={values['TP']} (accepted: S a multiple of TP; TPs dividing {values['S']}: {ok})")
-        return None
+        def check(values: Mapping[str, int]):
+            return inner_check(values) or check_constraints(constraints[-1:], values)
 
     return dataclasses.replace(spec, symbols=tuple(spec.symbols) + ("TP",), defaults=defaults,
-                               probe_check=probe_check, moduli=moduli, check=check)
+                               probe_check=probe_check, moduli=moduli, check=check,
+                               constraints=constraints)
 
 
 def splits(spec, values: Mapping[str, int], sp: bool = False, sizes=(2, 4, 8)) -> list[int]:
