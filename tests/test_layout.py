@@ -73,8 +73,6 @@ def test_bad_layouts_are_one_line(kwargs, msg):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--pp", "2", "--dp", "2"], "--pp with --dp is not modelled yet"),
-    (["--pp", "2", "--tp", "2"], "--pp with --tp is not modelled yet"),
     (["--sp"], "--sp needs --tp N"),
     (["--shard", "fsdp"], "--shard fsdp needs --dp N"),
     (["--schedule", "gpipe"], "--schedule needs --pp N"),

@@ -410,8 +410,6 @@ def test_cli_pipeline_options_need_pp():
     for extra in (["--schedule", "gpipe"], ["--microbatches", "4"], ["--virtual-stages", "2"]):
         r = CliRunner().invoke(main, ["report", "cs336-lm", *extra])
         assert r.exit_code == 2 and "needs --pp N" in r.output, r.output
-    r = CliRunner().invoke(main, ["report", "cs336-lm", "--pp", "2", "--dp", "2"])
-    assert r.exit_code == 2 and "--pp with --dp" in r.output
     r = CliRunner().invoke(main, ["report", "cs336-lm", "--pp", "4", "--microbatches", "2", "--precision", "fp32"])
     assert r.exit_code == 2 and "refuses" in r.output and r.output.count("\n") <= 2, r.output
     for extra, said in ((["--devices-per-node", "4"], "needs --gpu"), (["--gpu", "h100", "--nodes", "2"], "--nodes"),

@@ -474,7 +474,6 @@ def test_six_n_p_of_one_rank():
      "--checkpoint is not modelled with --tp yet"),
     (["max-batch", "megatron-gpt", "--tp", "2", "--global-batch", "64", "--devices", "8"],
      "--global-batch with --tp is not modelled yet"),
-    (["report", "cs336-lm", "--pp", "2", "--tp", "2"], "--pp with --tp is not modelled yet"),
     (["report", "cs336-lm", "--pp", "2", "--gpu", "h100-sxm", "--nodes", "2"], "--pp with --nodes is not modelled yet"),
     (["report", "cs336-lm", "--pp", "2", "--gpu", "nosuchgpu"], "unknown device 'nosuchgpu'"),
     (["report", "cs336-lm", "--dp", "8", "--gpu", "nosuchgpu"], "unknown device 'nosuchgpu'"),

@@ -35,12 +35,14 @@ def pipeline_options(f):
 
 
 def pipeline_request(ctx):
-    """``(pp, schedule, microbatches, virtual, gpu, devices_per_node)`` or None without ``--pp``
-    (``gpu``: ``--gpu``/``--device`` to price the step on, or None).
+    """``(pp, schedule, microbatches, virtual, gpu, devices_per_node, layout, mesh sizes)`` or
+    None without ``--pp`` (``gpu``: ``--gpu``/``--device`` to price the step on, or None;
+    ``layout`` the whole :class:`~symcost.frontends.layout.Layout`, ``--dp``/``--tp``/``--sp``/
+    ``--ac`` with the pipeline; ``mesh sizes`` ``{"PP": n, "DP": n, "TP": n}``).
 
     Raises:
-        SymcostError: a pipeline option without ``--pp``, ``--pp`` with ``--dp`` or another option
-            it does not model, two devices named, an unknown device.
+        SymcostError: a pipeline option without ``--pp``, ``--pp`` with an option it does not
+            model (``--nodes``), two devices named, an unknown device.
     """
     from ._options import layout_request
 
@@ -56,7 +58,7 @@ def pipeline_request(ctx):
     if per_node is not None and gpu is None:
         raise SymcostError("--devices-per-node with --pp needs --gpu (the device whose links price the step)")
     pipe = layout.pipeline
-    return sizes["PP"], pipe.schedule, pipe.microbatches, pipe.virtual, gpu, per_node
+    return sizes["PP"], pipe.schedule, pipe.microbatches, pipe.virtual, gpu, per_node, layout, sizes
 
 
 def report_pipeline(req, model, sets, config, attention, precision, as_json, optimizer):
@@ -64,10 +66,11 @@ def report_pipeline(req, model, sets, config, attention, precision, as_json, opt
     from symcost.frontends.models import resolve
     from symcost.passes.pipeline import summary
 
-    pp, schedule, m, v, gpu, per_node = req
+    pp, schedule, m, v, gpu, per_node, layout, mesh = req
     spec = resolve(model, parse_config(config), attention)
     sizes = parse_sizes(sets)
     unknown = [k for k in sizes if k not in spec.all_symbols]
+    sizes.update({k: n for k, n in mesh.items() if k != "PP"})  # (--dp, --tp: the stage's mesh)
     if unknown:
         raise SymcostError(f"unknown symbol {unknown[0]!r} for {spec.name}; accepted: {', '.join(spec.all_symbols)}"
                           f"{MESH_HINT.get(unknown[0], '')}")
@@ -78,10 +81,11 @@ def report_pipeline(req, model, sets, config, attention, precision, as_json, opt
         device = get_device(gpu)
     no_cache = click.get_current_context().find_root().meta.get("symcost.no_cache")
     r = summary(spec, pp, schedule, m, v, precision, sizes, optimizer, device=device, devices_per_node=per_node,
-                cache=None if no_cache else (model, parse_config(config), attention))
+                cache=None if no_cache else (model, parse_config(config), attention), inner=layout.inner)
     if as_json:
         out = {k: r[k] for k in ("schedule", "engine", "source", "pp", "microbatches", "virtual", "bubble",
                                  "blocks", "ranks", "divisible") + (("step",) if "step" in r else ())}
+        out["layout"] = {"mesh": layout.describe(dict(mesh)), **layout.to_dict()}
         if "step" in out:
             out["step"] = {**out["step"],
                            "stage_seconds": {str(s): t for s, t in out["step"]["stage_seconds"].items()},
@@ -94,4 +98,4 @@ def report_pipeline(req, model, sets, config, attention, precision, as_json, opt
         return
     from symcost.render.pipeline import render_pipeline
 
-    render_pipeline(spec.name, r)
+    render_pipeline(spec.name, r, layout=layout.describe(dict(mesh)) if layout.inner else None)

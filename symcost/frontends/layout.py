@@ -29,7 +29,8 @@ every dimension.
 The model is parallelised in torchtitan's order (``parallelize_llama``): tensor and sequence
 parallelism first, then activation checkpointing of every block, then the data-parallel engine
 per block and at the root (:meth:`Layout.parallelize`); a pipeline splits the model into stages
-before any of these.
+before any of these (``pipeline_llm``), and each stage module is then parallelised over the
+other dimensions (:attr:`Layout.inner`): one traced rank of the composed mesh per stage kind.
 
 Torch is imported only inside the functions that need it.
 """
@@ -100,15 +101,12 @@ class Layout:
         if self.ac is not None and self.ac not in AC_MODES:
             raise SymcostError(f"unknown --ac {self.ac!r}; accepted: none, {', '.join(AC_MODES)}")
         if self.ac is not None and self.pipeline is not None:
-            raise SymcostError("--ac with --pp is not modelled yet (the pipeline's stage traces are not checkpointed); "
-                               "give one of them")
+            # the stage traces and PyTorch's run of the schedule differ in what a checkpointed
+            # block recomputes under the pipeline (docs/parallel.md §P6): said once, here
+            raise SymcostError("--ac with --pp is not modelled yet (a checkpointed stage's recomputation is not "
+                               "yet checked against a real pipeline run); give one of them")
         if self.sp and not self.tp:
             raise SymcostError("--sp needs --tp N (the tensor-parallel size)")
-        if self.pipeline is not None and (self.shard is not None or self.tp):
-            # one traced rank of PP x DP x TP is issue 27's next step; the refusal is said once, here
-            other = "--dp" if self.shard is not None else "--tp"
-            raise SymcostError(f"--pp with {other} is not modelled yet (the pipeline report is one device per "
-                               "stage); give one of them")
 
     # --- what the layout is -------------------------------------------------------------------
     @property
@@ -162,6 +160,14 @@ class Layout:
             parts.append(f"{d} {n}" + (f" ({what})" if what else ""))
         mesh = " × ".join(parts) or "one device"
         return mesh + (f", activation checkpointing {self.ac}" if self.ac else "")
+
+    @property
+    def inner(self) -> "Layout | None":
+        """The layout within one pipeline stage: this one without its ``pp`` dimension (the data
+        and tensor parallelism and the step techniques each stage module gets after the split,
+        :mod:`symcost.passes.pipeline`), or None where that is one plain device."""
+        inner = dataclasses.replace(self, pipeline=None)
+        return inner if inner else None
 
     # --- serialisation: the spec's ``extra["layout"]`` and the trace cache's options ------------
     def to_dict(self) -> dict:

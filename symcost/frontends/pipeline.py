@@ -448,24 +448,35 @@ def make_stage(model, layers: str, part: str, pre, post, templates, p2p: bool = 
     for name in gone:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, Absent(templates.get(name) if name in pre else None))
-    blocks = list(model.get_submodule(layers).children())
     state: dict[str, Any] = {}
-    if not first:
-        def swap(mod, a, k):
-            x = state.pop("x", None)
-            if x is None:
-                return None
-            if a:
-                return (x,) + tuple(a[1:]), k
-            return a, dict(k, hidden_states=x)
-        blocks[0].register_forward_pre_hook(swap, with_kwargs=True)
-    if not last:
-        def stop(mod, a, out):
-            raise _StageOut(out)
-        blocks[-1].register_forward_hook(stop)
+
+    def swap(mod, a, k):
+        x = state.pop("x", None)
+        if x is None:
+            return None
+        if a:
+            return (x,) + tuple(a[1:]), k
+        return a, dict(k, hidden_states=x)
+
+    def stop(mod, a, out):
+        raise _StageOut(out)
+
     inner = model.forward
 
+    def hooks():
+        # registered at the first call, after the layout's own hooks (FSDP2's pre- and
+        # post-forward of each block): the swap runs after the block's all-gather and the stop
+        # after its reshard, so the last block runs the ops it runs in the whole model
+        if "hooked" not in state:
+            state["hooked"] = True
+            blocks = list(model.get_submodule(layers).children())
+            if not first:
+                blocks[0].register_forward_pre_hook(swap, with_kwargs=True)
+            if not last:
+                blocks[-1].register_forward_hook(stop)
+
     def forward(*args, **kwargs):
+        hooks()
         if not first:
             x, args = args[0], args[1:]
             pos = sorted((k for k in kwargs if k.startswith("_in") and k[3:].isdigit()), key=lambda k: int(k[3:]))
@@ -547,20 +558,42 @@ def send_output(out):
     return _FNS["send"].apply(out)
 
 
-def stage_inputs(spec, values: Mapping[str, int], part: str, x_shape, x_dtype, device):
+def stage_inputs(spec, values: Mapping[str, int], part: str, x_shape, x_dtype, device, sp: bool = False):
     """The stage's call ``(args, kwargs)`` for one micro-batch: the model's inputs for the first
     stage; for a later one the received activation (an empty tensor of the boundary's shape,
-    requiring grad) and the model's inputs as keyword arguments ``_in<i>``."""
+    requiring grad) and the model's inputs as keyword arguments ``_in<i>``. With ``sp``
+    (sequence parallelism over ``values["TP"]`` ranks) the activation is the rank's S/TP
+    positions: dimension 1 split, as ``SequenceParallel``'s ``Shard(1)`` leaves it between
+    blocks and as torchtitan's stages send it."""
     import torch
 
     args, kwargs = spec.make_inputs(values, device)
     if part == "first":
         return args, kwargs
+    x_shape = local_boundary(x_shape, values, sp)
     x = torch.empty(x_shape, dtype=x_dtype, device=device, requires_grad=True)
     return (x,), {**{f"_in{i}": a for i, a in enumerate(args)}, **kwargs}
 
 
-def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = "fp32", probes: dict | None = None):
+def local_boundary(x_shape, values: Mapping[str, int], sp: bool = False) -> tuple:
+    """The boundary activation's shape on one rank: ``x_shape`` with dimension 1 (the sequence)
+    split over ``values["TP"]`` under sequence parallelism (``sp``), else as it is.
+
+    Raises:
+        SymcostError: TP does not divide that dimension.
+    """
+    x_shape = tuple(x_shape)
+    if not sp:
+        return x_shape
+    tp = int(values.get("TP", 1))
+    if len(x_shape) < 2 or x_shape[1] % tp:
+        raise SymcostError(f"--sp: the stage boundary {list(x_shape)} does not split over TP = {tp} in its "
+                           "sequence dimension (1)")
+    return (x_shape[0], x_shape[1] // tp) + x_shape[2:]
+
+
+def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = "fp32", probes: dict | None = None,
+               sp: bool = False):
     """The :class:`~symcost.frontends.spec.ModelSpec` of one stage module of ``spec`` for one
     micro-batch, with ``L`` the blocks of this stage (its formulas turn into L/PP, or
     L/(PP·v), by substitution, :mod:`symcost.passes.pipeline`).
@@ -570,7 +603,9 @@ def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = 
     ``loss`` is the model's loss on the last stage and :func:`send_output` before it.
     ``precision``: the precision the stage is traced in; the boundary (the deleted modules'
     outputs and the received activation) is probed in it (:func:`probe_spec`), once per sizes;
-    ``probes``: a dict the stage kinds of one pipeline share, so they probe each size once.
+    ``probes``: a dict the stage kinds of one pipeline share, so they probe each size once;
+    ``sp``: the stage is traced under sequence parallelism (its received activation is the
+    rank's S/TP positions, :func:`stage_inputs`).
 
     Raises:
         SymcostError: an unknown part, or a model without a block container.
@@ -596,7 +631,7 @@ def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = 
 
     def make_inputs(values, device):
         _, _, _, shape, dtype = boundary(values)
-        return stage_inputs(spec, values, part, shape, dtype, device)
+        return stage_inputs(spec, values, part, shape, dtype, device, sp)
 
     def loss(out, inputs):
         if part != "last":

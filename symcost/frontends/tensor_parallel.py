@@ -238,6 +238,11 @@ def _roles(model, layers: str | None) -> tuple[dict[str, str], dict[str, str]]:
     linears = [(n, m) for n, m in model.named_modules() if outside(n) and _linear_like(m)]
     sizes = {m.weight.shape[0] for _, m in embeddings}
     head = next(((n, m) for n, m in reversed(linears) if _features(m)[0] in sizes), None)
+    if head is None and linears and not embeddings and any(type(m).__name__ == "Absent" for m in model.modules()):
+        # the last stage of a pipeline (symcost.frontends.pipeline.make_stage): its embedding
+        # lives on the first stage, so the head is the last linear after the blocks (torchtitan's
+        # plan for the stage that owns `output`)
+        head = linears[-1]
     vocab = _features(head[1])[0] if head else (embeddings[0][1].weight.shape[0] if embeddings else None)
     token = next((n for n, m in embeddings if m.weight.shape[0] == vocab and isinstance(m, nn.Embedding)), None)
     for n, m in model.named_modules():

@@ -42,7 +42,7 @@ def _saved(an) -> sympy.Expr:
 
 
 def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", sizes: Mapping[str, int] | None = None,
-                 cache: tuple | None = None):
+                 cache: tuple | None = None, inner=None):
     """Trace the stage modules a pipeline of ``pp`` ranks × ``virtual`` stages needs
     (``first`` and ``last``, ``middle`` when there are more than 2 stages). Returns
     ``(spec, {part: Analysis})``; each Analysis's ``L`` is the blocks of that stage.
@@ -50,7 +50,12 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
     ``cache``: ``(model, config, attention)`` as the command line named them: each stage kind's
     trace is then read from (or written to) the trace cache (:mod:`symcost.graph.cache`) under
     the options ``{"pp_stage": part}``; one entry serves every PP, m and schedule (L is a symbol
-    of the stage), within the regime of the requested sizes."""
+    of the stage), within the regime of the requested sizes.
+
+    ``inner``: the layout's other dimensions and techniques (a
+    :class:`~symcost.frontends.layout.Layout` without a pipeline: ``--dp``, ``--tp``/``--sp``,
+    ``--ac``), applied to each stage module as torchtitan applies them after its pipeline split;
+    each stage is then one rank of its (DP, TP) mesh, its formulas in DP and TP too."""
     import symcost
     from symcost.frontends.models import resolve
     from symcost.frontends.spec import ModelSpec
@@ -72,23 +77,32 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
     parts = {"first", "last"} | ({"middle"} if n > 2 else set())
     # the regime is that of the requested sizes; L is each stage's own block count, a symbol
     # fitted from the probes like any other (so one trace serves every PP and split)
-    req = tuple(sorted((k, v) for k, v in (sizes or {}).items() if k in spec.all_symbols and k != "L"))
+    mesh = set(inner.symbols) if inner else set()
+    req = tuple(sorted((k, v) for k, v in (sizes or {}).items() if (k in spec.all_symbols or k in mesh) and k != "L"))
     out = {}
     probes: dict = {}  # the stage boundary at each probe's sizes, shared by the stage kinds
     for part in sorted(parts):
+        opts = inner.cache_options() if inner else {}
         key = (spec.name, tuple(sorted(spec.defaults.items())), part, spec.layers, precision, req,
-               (cache[0], tuple(sorted((cache[1] or {}).items())), cache[2]) if cache else None)
+               (cache[0], tuple(sorted((cache[1] or {}).items())), cache[2]) if cache else None,
+               tuple(sorted(opts.items())))
         if key not in _TRACES:
             def fresh(part=part):
-                return symcost.trace(stage_spec(spec, part, container(), precision=precision, probes=probes),
-                                     sizes=dict(req), precision=precision)
+                stage = stage_spec(spec, part, container(), precision=precision, probes=probes,
+                                   sp=bool(inner and inner.sp))
+                if inner:
+                    stage = inner.spec(stage)
+                # (the stage's own block count is the request's L: where the blocks of a stage
+                # cannot be folded and L is pinned, the pinned value is the stage's)
+                own = stage_blocks(values["L"], n)[{"first": 0, "middle": min(1, n - 1), "last": n - 1}[part]]
+                return symcost.trace(stage, sizes={**dict(req), "L": own}, precision=precision)
 
             if cache is not None:
                 from symcost.graph.cache import cached_trace
 
                 name, config, attention = cache
                 _TRACES[key] = cached_trace(name, config, attention, precision, dict(req), fresh,
-                                            options={"pp_stage": part})
+                                            options={"pp_stage": part, **opts})
             else:
                 _TRACES[key] = fresh()
         out[part] = _TRACES[key]
@@ -97,7 +111,8 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
 
 def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, precision: str = "fp32",
             sizes: Mapping[str, int] | None = None, optimizer: str = "adamw", peak: bool = True,
-            device=None, devices_per_node: int | None = None, cache: tuple | None = None) -> dict[str, Any]:
+            device=None, devices_per_node: int | None = None, cache: tuple | None = None,
+            inner=None) -> dict[str, Any]:
     """One pipeline step (``microbatches`` micro-batches of B sequences) on each of ``pp`` ranks.
 
     Args:
@@ -108,6 +123,15 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         sizes: symbol values (B is the micro-batch size; L the whole model's blocks).
         cache: ``(model, config, attention)``: the stage traces through the trace cache
             (:func:`trace_stages`).
+        inner: the layout's other mesh dimensions and techniques (a
+            :class:`~symcost.frontends.layout.Layout` without a pipeline): each stage is then
+            traced as one rank of its (DP, TP) mesh with AC (:func:`trace_stages`; ``sizes``
+            hold DP and TP), the model states follow the data-parallel strategy's sharding of
+            the rank's TP-local parameters (:func:`symcost.passes.parallel.model_state_bytes`),
+            and the rank's step runs through PyTorch's schedule on the composed mesh
+            (:func:`symcost.tracing.pipeline.rank_memory`), which also counts each group's
+            collectives per step (``comm``: FSDP2 under ``PipelineStage`` all-gathers and
+            reduces as the schedule drives it, not once per micro-batch).
 
     Returns:
         ``schedule``, ``source``, ``pp``, ``microbatches``, ``virtual``, ``bubble`` (idle/busy of
@@ -133,20 +157,27 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
 
     check_schedule(schedule, pp, microbatches, virtual)
     order = schedule_order(schedule, pp, microbatches, virtual)  # PyTorch's refusals before any trace
-    spec, ans = trace_stages(model, pp, virtual, precision, sizes, cache)
+    inner = inner or None
+    spec, ans = trace_stages(model, pp, virtual, precision, sizes, cache, inner)
     sim = simulate(order)
     n = pp * virtual
     values = spec.values(dict(sizes or {}))
     blocks = stage_blocks(values["L"], n)
+    shard = inner.shard if inner and inner.shard else "ddp"
+    dp = int(values.get("DP", 1)) if inner and inner.shard else 1
     per_stage = {}
     for s in range(n):
         an = ans[part_of(s, n)]
         env = an.bind(**{**{k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")}, "L": blocks[s]})
         ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731
+        local, held = _rank_params(an)
         per_stage[s] = {"flops": ev(an.flops("train")), "flops_forward": ev(an.flops("forward")),
                         "flops_backward": ev(an.flops("backward")), "saved": ev(_saved(an)),
                         "send": ev(an.comm_bytes("send")), "recv": ev(an.comm_bytes("recv")),
-                        "params": ev(an.params)}
+                        "params": ev(local), "params_held": ev(held),
+                        **({"comm": {g: ev(an.comm_bytes("total", group=g) if len(inner.traced_dims) > 1
+                                           else an.comm_bytes("total") - an.comm_bytes("send") - an.comm_bytes("recv"))
+                                     for g in inner.symbols}} if inner and inner.traced_dims else {})}
     ranks = []
     for r in range(pp):
         mine = [s for s in range(n) if s % pp == r]
@@ -158,7 +189,8 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
                 live -= per_stage[s]["saved"]
             top = max(top, live)
         params = sum(per_stage[s]["params"] for s in mine)
-        states = model_state_bytes(params, 1, "ddp", precision, optimizer)
+        held = sum(per_stage[s]["params_held"] for s in mine)
+        states = model_state_bytes(params, dp, shard, precision, optimizer, held if shard in ("fsdp", "zero3") else None)
         ranks.append({"rank": r, "stages": mine, "blocks": sum(blocks[s] for s in mine),
                       "flops": microbatches * sum(per_stage[s]["flops"] for s in mine),
                       "in_flight": sim["in_flight"][r], "activations": top,
@@ -171,11 +203,15 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         layers = ans["first"].layer_container or spec.layers
         for row in ranks:
             try:
-                mem = rank_memory(spec, values, layers, pp, schedule, microbatches, row["rank"], virtual, precision)
+                mem = rank_memory(spec, values, layers, pp, schedule, microbatches, row["rank"], virtual, precision,
+                                  inner)
             except SymcostError as e:  # (keyword inputs: hf: models) the peak is left out, and why
                 row["memory_note"] = str(e)
                 continue
-            states = model_state_bytes(row["params"], 1, "ddp", precision, optimizer)
+            held = sum(per_stage[s]["params_held"] for s in row["stages"])
+            states = model_state_bytes(row["params"], dp, shard, precision, optimizer,
+                                       held if shard in ("fsdp", "zero3") else None)
+            row["comm"] = comm_by_group(mem.pop("collectives"))
             row["memory"] = mem
             row["peak_with_optimizer"] = mem["peak"] + int(states["optimizer_state"] + states["master"])
     L = SYMS["L"]
@@ -199,6 +235,40 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             "bubble": sim["bubble"], "bubble_formula": (PP - 1) / (v * m) if virtual > 1 else (PP - 1) / m,
             "formulas": formulas, "stages": per_stage, "ranks": ranks, "blocks": blocks,
             "divisible": values["L"] % n == 0}
+
+
+def _rank_params(an) -> tuple:
+    """``(P, held)``: the parameter elements of one rank of a stage trace before data-parallel
+    sharding (the TP-local ones, :func:`symcost.passes.parallel.params_tp_local`) and those it
+    holds (its FSDP2 shards; P without sharding)."""
+    from symcost.passes.parallel import params_tp_local
+
+    if getattr(an, "parallel", None) is None:
+        return an.params, an.params
+    return params_tp_local(an), an.params_shard
+
+
+def comm_by_group(collectives) -> dict[str, dict[str, int]]:
+    """``{group symbol: {kind: bytes}}`` of a rank's step from the c10d ops it dispatched
+    (:func:`symcost.tracing.pipeline.rank_memory`'s ``collectives``): bytes each rank sends per
+    step, ring algorithm (:func:`symcost.graph.rules.comm_volume`'s sizes and factors); the
+    point-to-point ops go to ``PP``, others without a mesh group to ``world``."""
+    from symcost.graph.rules import COMM_OPS, RING_FACTOR
+
+    out: dict[str, dict[str, int]] = {}
+    for op, group, n, ins, outs in collectives:
+        if op not in COMM_OPS or COMM_OPS[op][1] is None:
+            continue
+        kind, (side, pos) = COMM_OPS[op]
+        sizes = ins if side == "in" else outs
+        size = sum(sizes) if pos == "all" else sizes[pos]
+        g = group or ("PP" if kind in P2P else "world")
+        per = out.setdefault(g, {})
+        per[kind] = per.get(kind, 0) + int(round(RING_FACTOR[kind](n) * size))
+    return out
+
+
+P2P = ("send", "recv")
 
 
 def price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: list[int], order: Mapping[int, list], device,

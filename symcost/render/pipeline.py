@@ -31,14 +31,19 @@ def _seconds(x: float) -> str:
     return f"{x * 1e9:.3g} ns"
 
 
-def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None) -> None:
+def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None, layout: str | None = None) -> None:
     """Per-rank table (stages, blocks, FLOPs per step, micro-batches in flight, activations held,
-    p2p bytes sent and received, model states) and the bubble, then each stage kind's formulas."""
+    p2p bytes sent and received, model states) and the bubble, then each stage kind's formulas.
+    ``layout``: the composed mesh in words (``pp 4 (1f1b) × dp_shard 2 (fsdp) × tp 2``), when the
+    pipeline has other dimensions; each rank's collectives per group are then listed."""
     console = console or _console()
     v = r["virtual"]
     console.print(f"[bold]{name}[/bold]: pipeline of PP={r['pp']} ranks, {r['schedule']} "
                   f"({r['engine']}), m={r['microbatches']} micro-batches"
                   + (f", v={v} stages per rank" if v > 1 else ""))
+    if layout:
+        console.print(f"  layout: {layout}; each stage module parallelised over the other dimensions in "
+                      "torchtitan's order, one rank of each traced; the numbers below are per device")
     console.print(f"  schedule: {r['source']}")
     ptdp = (r["pp"] - 1) / (v * r["microbatches"])
     flex = "" if abs(ptdp - r["bubble"]) < 1e-9 else \
@@ -67,6 +72,13 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
     if any("memory" in row for row in r["ranks"]):
         console.print("  peak: the rank's step run through PyTorch's schedule on fake tensors (parameters, "
                       "gradients, the engine's buffers, the highest live set), plus optimizer state")
+    if layout:
+        for row in r["ranks"]:
+            comm = {g: d for g, d in (row.get("comm") or {}).items() if g != "PP"}
+            if comm:
+                console.print(f"  rank {row['rank']} collectives per step: " + "; ".join(
+                    f"{g} " + ", ".join(f"{k.replace('_', '-')} {_bytes(b)}" for k, b in sorted(d.items()))
+                    for g, d in sorted(comm.items())))
     if st:
         tt = Table(title=f"per rank, the step on {st['device']}")
         for col in ("rank", "forward per micro-batch", "backward per micro-batch", "busy", "idle", "idle/busy"):

@@ -13,6 +13,8 @@ a send buffer a little longer).
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import weakref
 from typing import Any, Mapping
 
@@ -23,18 +25,56 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from symcost.errors import SymcostError
-from symcost.frontends.pipeline import SCHEDULES, make_stage, part_of, probe_spec, stage_blocks
-from symcost.tracing.record import materialize, precision_context
+from symcost.frontends.layout import DIM_SYMBOL
+from symcost.frontends.pipeline import SCHEDULES, local_boundary, make_stage, part_of, probe_spec, stage_blocks
+from symcost.tracing.record import _lazy_init, materialize, precision_context
+
+
+#: process group name -> (mesh symbol, size) of every group a measured step here ran a collective on
+_GROUPS: dict[str, tuple] = {}
 
 
 class _Live(TorchDispatchMode):
     """Bytes of the storages ops allocate while it is active, live at each moment; ``top`` the
     largest level above the level at entry."""
 
-    def __init__(self):
+    def __init__(self, groups: Mapping[str, str] | None = None):
         super().__init__()
         self.level = self.top = 0
         self.entries: dict[int, list] = {}
+        self.groups = dict(groups or {})
+        self.collectives: list[tuple] = []
+
+    def _count(self, func, args, out):
+        """A c10d op's group (its symbol in ``groups``, else None), size, and the bytes of its
+        tensor arguments and of its outputs in order, appended to ``collectives``."""
+        import torch.distributed as dist
+
+        flat = tree_flatten(args)[0]
+        pg = next((a for a in flat if isinstance(a, torch.ScriptObject)
+                   and a._type().qualified_name().endswith(".ProcessGroup")), None)
+        if pg is not None:
+            pg = dist.ProcessGroup.unbox(pg)
+        else:  # a functional collective (DTensor's): the group by name
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            name = next((a for a in reversed(flat) if isinstance(a, str)), None)  # (after a reduce op's name)
+            if name is None:
+                return
+            try:
+                pg = _resolve_process_group(name)
+            except (RuntimeError, ValueError, KeyError):
+                # DTensor's caches keep the DeviceMesh of an earlier run in this process whose mesh
+                # compares equal (symcost.tracing.record's _MESH_GROUPS): that group, as it was
+                if name not in _GROUPS:
+                    raise
+                sym, n = _GROUPS[name]
+                self.collectives.append((str(func.overloadpacket), sym, n, _sizes(flat), _sizes(tree_flatten(out)[0])))
+                return
+        sym = self.groups.get(pg.group_name) or _GROUPS.get(pg.group_name, (None,))[0]
+        self.collectives.append((str(func.overloadpacket), sym, pg.size(),
+                                 _sizes(flat), _sizes(tree_flatten(out)[0])))
+        _GROUPS[pg.group_name] = (sym, pg.size())
 
     def _free(self, key):
         e = self.entries.get(key)
@@ -47,6 +87,8 @@ class _Live(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self._count(func, args, out)
         ins = set()
         for a in tree_flatten((args, kwargs))[0]:
             if isinstance(a, torch.Tensor):
@@ -75,15 +117,27 @@ class _Live(TorchDispatchMode):
 
 
 def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule: str, microbatches: int,
-                rank: int, virtual: int = 1, precision: str = "fp32") -> dict[str, Any]:
+                rank: int, virtual: int = 1, precision: str = "fp32", inner=None) -> dict[str, Any]:
     """The memory of ``rank``'s steady-state pipeline step at concrete ``values`` (B the
     micro-batch size, L the whole model's blocks).
 
+    ``inner``: the layout's other dimensions (a :class:`~symcost.frontends.layout.Layout`
+    without a pipeline: data parallelism, tensor/sequence parallelism, activation
+    checkpointing), applied to each stage module as torchtitan's ``parallelize`` applies them
+    after ``pipeline_llm`` has split the model: the mesh is ``(pp, dp_*, tp)`` (torchtitan's
+    order, pp outermost) on a fake process group of PP·DP·TP ranks, the traced rank is pipeline
+    rank ``rank`` at coordinate 0 of the others, and ``PipelineStage`` sends over the mesh's pp
+    group. FSDP2 under the pipeline runs as ``PipelineStage`` drives it (gradients reduced once
+    per step, after the last micro-batch's backward).
+
     Returns:
-        ``params`` (bytes of the rank's parameters), ``grads`` (bytes of their gradients after a
-        step), ``kept`` (bytes the engine keeps between steps besides them: receive buffers),
-        ``top`` (the highest level of storages allocated during the measured step, above the
-        level at its start) and ``peak`` = params + grads + kept + top.
+        ``params`` (bytes of the rank's parameters: its shards), ``grads`` (bytes of their
+        gradients after a step), ``kept`` (bytes the engine keeps between steps besides them:
+        receive buffers), ``top`` (the highest level of storages allocated during the measured
+        step, above the level at its start), ``peak`` = params + grads + kept + top, and
+        ``comm``: ``{group symbol: {kind: bytes}}`` each rank sends per step (ring algorithm,
+        :func:`symcost.graph.rules.comm_volume`; ``PP``'s ``send`` and ``recv`` the point-to-point
+        bytes), counted as the step dispatches the collectives.
 
     Raises:
         SymcostError: PyTorch refuses the pipeline or the stage does not run.
@@ -118,22 +172,56 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
         with torch.device("meta"):
             m = spec.build(dict(values, L=blocks[s]))
         models.append((s, make_stage(m, layers, part_of(s, n), pre, post, templates)))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pp)
+    dims = tuple(inner.traced_dims) if inner else ()
+    shape = tuple(int(values[DIM_SYMBOL[d]]) for d in dims)
+    others = math.prod(shape)
+    if dims:
+        # the composed mesh: this process is global rank 0 of a fake world kept across the
+        # pipeline ranks' runs (DTensor's caches keep the DeviceMesh of an earlier run whose mesh
+        # compares equal, so its groups must stay alive), placed at pipeline coordinate ``rank``
+        if not dist.is_initialized() or dist.get_world_size() != pp * others or dist.get_rank() != 0:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp * others)
+    else:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pp)
+    sp = bool(inner and inner.sp)
+    x_local = local_boundary(x_shape, values, sp)
     cls = getattr(S, SCHEDULES[schedule][0])
     try:
+        group, loss_context, groups = None, contextlib.nullcontext, {}
+        if dims:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            ranks = torch.arange(pp * others).reshape((pp,) + shape).roll(rank, dims=0)
+            mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("pp",) + dims)
+            group = mesh["pp"].get_group()
+            sub = {DIM_SYMBOL[d]: mesh[d] for d in dims}
+            groups = {m.get_group().group_name: k for k, m in {**sub, "PP": mesh["pp"]}.items()}
+            for _, m in models:
+                if param_dtype != torch.float32:
+                    m.to(param_dtype)  # on the meta device, before the parameters become DTensors
+                loss_context = inner.parallelize(m, layers, sub)
         with FakeTensorMode(allow_non_fake_inputs=True):
             (mb,), _ = spec.make_inputs(values, cpu)
             (tokens,), _ = spec.make_inputs(dict(values, B=values["B"] * microbatches), cpu)
             stages = []
             for s, m in models:
-                materialize(m, cpu, param_dtype)
-                inp = (mb,) if s == 0 else (torch.empty(x_shape, dtype=x_dtype),)
+                if dims:
+                    m.to_empty(device=cpu)
+                    if inner.shard is not None:
+                        _lazy_init(m)
+                else:
+                    materialize(m, cpu, param_dtype)
+                # (a later stage's input requires grad: its backward computes the gradient it
+                # sends back, as PyTorch's stage does when the input's meta says so)
+                inp = (mb,) if s == 0 else (torch.empty(x_local, dtype=x_dtype, requires_grad=True),)
                 out = (torch.empty(logits.shape, dtype=logits.dtype if param_dtype == torch.float32 else param_dtype,
                                    requires_grad=True) if s == n - 1
-                       else torch.empty(x_shape, dtype=x_dtype, requires_grad=True),)
-                stages.append(PipelineStage(m, s, n, cpu, input_args=inp, output_args=out))
+                       else torch.empty(x_local, dtype=x_dtype, requires_grad=True),)
+                stages.append(PipelineStage(m, s, n, cpu, input_args=inp, output_args=out, group=group))
             sched = cls(stages if SCHEDULES[schedule][1] else stages[0], microbatches,
                         loss_fn=lambda out, target: spec.loss(out, ((target,), {})))
 
@@ -143,25 +231,35 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
             sched._warmup_p2p = static
 
             def step():
-                with autocast():
+                with autocast(), loss_context():
                     first = (tokens,) if 0 in mine else ()
                     target = {"target": tokens} if (n - 1) in mine else {}
                     sched.step(*first, _in0=tokens, **target)
 
-            params = sum(p.numel() * p.element_size() for _, m in models for p in m.parameters())
+            params = sum(_nbytes(p) for _, m in models for p in m.parameters())
             with _Live() as warm:
                 step()
-            with _Live() as live:
+            with _Live(groups) as live:
                 step()
-            grads = sum(p.grad.numel() * p.grad.element_size() for _, m in models for p in m.parameters()
-                        if p.grad is not None)
+            grads = sum(_nbytes(p.grad) for _, m in models for p in m.parameters() if p.grad is not None)
     except SymcostError:
         raise
     except Exception as e:  # noqa: BLE001
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SymcostError(f"running rank {rank} of the {schedule} pipeline failed: {msg}") from e
     finally:
-        dist.destroy_process_group()
+        if not dims:
+            dist.destroy_process_group()
     kept = warm.level - grads
     return {"params": params, "grads": grads, "kept": kept, "top": live.top,
-            "peak": params + grads + kept + live.top}
+            "peak": params + grads + kept + live.top, "collectives": live.collectives}
+
+
+def _sizes(flat) -> list[int]:
+    return [_nbytes(t) for t in flat if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t) -> int:
+    """Bytes of ``t`` on this rank (a DTensor's local shard)."""
+    t = getattr(t, "_local_tensor", t)
+    return t.numel() * t.element_size()

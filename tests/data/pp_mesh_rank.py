@@ -1,0 +1,156 @@
+"""One rank of a real pipeline step composed with data and tensor parallelism on CPU (gloo), for
+tests/test_pipeline_mesh.py:
+``torchrun --standalone --nproc-per-node PP*DP*TP pp_mesh_rank.py OUT PP DP TP SHARD SP AC M B S H D L V F``.
+
+The ranks form torchtitan's mesh ``init_device_mesh("cpu", (PP, DP, TP), ("pp", "dp_shard" |
+"dp_replicate", "tp"))`` (dimensions of size 1 left out). Each rank builds the whole
+``cs336-lm`` at L blocks, deletes the blocks of the other stages (torchtitan's pipeline_llm;
+``symcost.frontends.pipeline.make_stage`` swaps what runs before and after the blocks), then
+applies torchtitan's order over its sub-meshes: the Megatron plan over ``tp`` (``SP``: sequence
+parallelism too), activation checkpointing of each block (``AC``: ``none``, ``full`` or
+``selective``), the data-parallel engine over the dp dimension (``SHARD``: ``fsdp``, ``ddp`` or
+``none``) — symcost's :meth:`~symcost.frontends.layout.Layout.parallelize` applies these
+PyTorch calls (the plan is the input; what is measured is PyTorch running it). The stage goes
+into ``PipelineStage`` over the pp group and ``Schedule1F1B`` runs M micro-batches of B
+sequences. A warm-up step runs (PyTorch's shape inference, gradients, buffers), then one
+measured step writes ``OUT/rank{r}.json``:
+
+* model FLOPs, each op counted by ``torch.utils.flop_counter``'s own registry on the local
+  tensors DTensor computes with (a ``TorchDispatchMode`` that hands DTensor ops to DTensor);
+* bytes per rank of every collective seen at dispatch, by mesh dimension and kind, with
+  nccl-tests' ring factors (doc/PERFORMANCE.md) and the group's size as PyTorch resolves it
+  (``tp_rank._group``), the point-to-point sends and receives by their tensors' bytes;
+* the parameters' local bytes, the gradients' after the step, what the warm-up left allocated
+  besides them and the measured step's top level above its start (torch.profiler memory
+  events, ``memory_oracle._levels``).
+"""
+import json
+import os
+import sys
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from memory_oracle import _levels  # noqa: E402
+from tp_rank import _group  # noqa: E402
+
+from symcost.frontends.builtin.cs336_lm import spec as cs336  # noqa: E402
+from symcost.frontends.layout import Layout  # noqa: E402
+from symcost.frontends.pipeline import make_stage, probe_boundary  # noqa: E402
+
+out_dir = sys.argv[1]
+PP, DP, TP = (int(x) for x in sys.argv[2:5])
+shard, sp, ac = sys.argv[5], sys.argv[6] == "1", sys.argv[7]
+M, B, S, H, D, L, V, Fd = (int(x) for x in sys.argv[8:16])
+dist.init_process_group("gloo")
+shard = None if shard == "none" else shard
+layout = Layout(shard=shard, tp=TP > 1, sp=sp, ac=None if ac == "none" else ac)
+dims = [("pp", PP)] + [(d, n) for d, n in ((("dp_shard" if shard == "fsdp" else "dp_replicate"), DP), ("tp", TP))
+                       if n > 1]
+mesh = init_device_mesh("cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
+pp_rank = mesh["pp"].get_local_rank()
+sub = {("TP" if d == "tp" else "DP"): mesh[d] for d, _ in dims[1:]}
+groups = {m.get_group().group_name: k for k, m in {**sub, "PP": mesh["pp"]}.items()}
+
+spec = cs336()
+values = {"B": B, "S": S, "H": H, "D": D, "L": L, "V": V, "F": Fd}
+with torch.device("meta"):
+    meta = spec.build(values)
+pre, post, templates, _ = probe_boundary(meta, "layers", *spec.make_inputs(values, torch.device("meta")))
+torch.manual_seed(0)
+model = spec.build(values)
+per = [L // PP + (1 if s < L % PP else 0) for s in range(PP)]
+lo = sum(per[:pp_rank])
+model.layers = torch.nn.ModuleList(list(model.layers)[lo:lo + per[pp_rank]])  # the other stages' blocks deleted
+part = "first" if pp_rank == 0 else "last" if pp_rank == PP - 1 else "middle"
+make_stage(model, "layers", part, pre, post, templates)
+loss_context = layout.parallelize(model, "layers", sub)
+
+torch.manual_seed(1)  # every rank the same tokens (a data-parallel group would take other ones; sizes match)
+tokens = torch.randint(0, V, (M * B, S))
+stage = PipelineStage(model, pp_rank, PP, torch.device("cpu"), group=mesh["pp"].get_group())
+sched = Schedule1F1B(stage, M, loss_fn=lambda logits, target: spec.loss(logits, ((target,), {})))
+
+
+def step():
+    with loss_context():
+        if pp_rank == 0:
+            sched.step(tokens)
+        elif pp_rank == PP - 1:
+            sched.step(_in0=tokens, target=tokens)
+        else:
+            sched.step(_in0=tokens)
+
+
+def local(t):
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def nbytes(t):
+    t = local(t)
+    return t.numel() * t.element_size()
+
+
+comm, flops = {}, [0]
+
+
+def add(kind, args, size, factor):
+    g, n = _group(args, groups)
+    comm.setdefault(g or "PP", {}).setdefault(kind, Fraction(0))
+    comm[g or "PP"][kind] += factor(n) * size
+
+
+ring, twice, once = (lambda n: Fraction(n - 1, n)), (lambda n: Fraction(2 * (n - 1), n)), (lambda n: 1)
+
+
+class Count(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = str(func.overloadpacket)
+        if name == "_c10d_functional.all_gather_into_tensor":
+            add("all_gather", args, nbytes(out), ring)
+        elif name in ("c10d._allgather_base_", "c10d.allgather_into_tensor_coalesced_"):
+            add("all_gather", args, nbytes(args[0]) if name.endswith("base_") else sum(map(nbytes, args[0])), ring)
+        elif name == "_c10d_functional.reduce_scatter_tensor":
+            add("reduce_scatter", args, nbytes(args[0]), ring)
+        elif name == "c10d._reduce_scatter_base_":
+            add("reduce_scatter", args, nbytes(args[1]), ring)
+        elif name == "_c10d_functional.all_reduce":
+            add("all_reduce", args, nbytes(args[0]), twice)
+        elif name == "c10d.allreduce_":
+            add("all_reduce", args, sum(nbytes(t) for t in args[0]), twice)
+        elif name in ("c10d.send", "c10d.recv_"):
+            add("send" if name == "c10d.send" else "recv", args, sum(nbytes(t) for t in args[0]), once)
+        elif func.overloadpacket in flop_registry:
+            flops[0] += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+        return out
+
+
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    step()  # warm-up
+evs = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+warm_level = sum(e.nbytes() for e in evs)
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    step()
+top, top_ops = _levels(prof)
+grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+with Count():
+    step()
+with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump({"pp_rank": pp_rank, "top": top, "kept": warm_level - grads, "grads": grads, "flops": flops[0],
+               "params": sum(nbytes(p) for p in model.parameters()),
+               "comm": {g: {k: str(v) for k, v in d.items()} for g, d in comm.items()}}, f)
+dist.barrier()
+dist.destroy_process_group()
