@@ -125,7 +125,7 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             (:func:`trace_stages`).
         inner: the layout's other mesh dimensions and techniques (a
             :class:`~symcost.frontends.layout.Layout` without a pipeline): each stage is then
-            traced as one rank of its (DP, TP) mesh with AC (:func:`trace_stages`; ``sizes``
+            traced as one rank of its (DP, TP) mesh (:func:`trace_stages`; ``sizes``
             hold DP and TP), the model states follow the data-parallel strategy's sharding of
             the rank's TP-local parameters (:func:`symcost.passes.parallel.model_state_bytes`),
             and the rank's step runs through PyTorch's schedule on the composed mesh
@@ -157,7 +157,6 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
 
     check_schedule(schedule, pp, microbatches, virtual)
     order = schedule_order(schedule, pp, microbatches, virtual)  # PyTorch's refusals before any trace
-    inner = inner or None
     spec, ans = trace_stages(model, pp, virtual, precision, sizes, cache, inner)
     sim = simulate(order)
     n = pp * virtual
@@ -178,7 +177,7 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
                         **({"comm": {g: ev(an.comm_bytes("total", group=g) if len(inner.traced_dims) > 1
                                            else an.comm_bytes("total") - an.comm_bytes("send") - an.comm_bytes("recv"))
                                      for g in inner.symbols}} if inner and inner.traced_dims else {})}
-    ranks = []
+    ranks, extra = [], {}
     for r in range(pp):
         mine = [s for s in range(n) if s % pp == r]
         live = top = 0
@@ -191,6 +190,7 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         params = sum(per_stage[s]["params"] for s in mine)
         held = sum(per_stage[s]["params_held"] for s in mine)
         states = model_state_bytes(params, dp, shard, precision, optimizer, held if shard in ("fsdp", "zero3") else None)
+        extra[r] = int(states["optimizer_state"] + states["master"])  # (beside the peak run's parameters and gradients)
         ranks.append({"rank": r, "stages": mine, "blocks": sum(blocks[s] for s in mine),
                       "flops": microbatches * sum(per_stage[s]["flops"] for s in mine),
                       "in_flight": sim["in_flight"][r], "activations": top,
@@ -208,12 +208,9 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             except SymcostError as e:  # (keyword inputs: hf: models) the peak is left out, and why
                 row["memory_note"] = str(e)
                 continue
-            held = sum(per_stage[s]["params_held"] for s in row["stages"])
-            states = model_state_bytes(row["params"], dp, shard, precision, optimizer,
-                                       held if shard in ("fsdp", "zero3") else None)
             row["comm"] = comm_by_group(mem.pop("collectives"))
             row["memory"] = mem
-            row["peak_with_optimizer"] = mem["peak"] + int(states["optimizer_state"] + states["master"])
+            row["peak_with_optimizer"] = mem["peak"] + extra[row["rank"]]
     L = SYMS["L"]
     v = sympy.Integer(virtual)
     formulas = {}
