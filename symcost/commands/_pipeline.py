@@ -93,6 +93,7 @@ def report_pipeline(req, model, sets, config, attention, precision, as_json, opt
                            "idle": {str(k): t for k, t in out["step"]["idle"].items()}}
         out["bubble_formula"] = str(r["bubble_formula"])
         out["formulas"] = {p: {k: str(e) for k, e in f.items()} for p, f in r["formulas"].items()}
+        out["pinned"] = r["pinned"]
         out["stages"] = {str(s): d for s, d in r["stages"].items()}
         click.echo(json.dumps({"model": spec.name, "pipeline": out}, indent=1))
         return

@@ -137,7 +137,8 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         ``schedule``, ``source``, ``pp``, ``microbatches``, ``virtual``, ``bubble`` (idle/busy of
         the slowest rank, simulated on PyTorch's action lists), ``bubble_formula`` ((PP−1)/(v·m)),
         ``formulas`` per stage kind (one micro-batch: ``flops``, ``flops_forward``,
-        ``flops_backward``, ``saved``, ``send``, ``recv``, ``params``; L → L/(PP·v)), and
+        ``flops_backward``, ``saved``, ``send``, ``recv``, ``params``; L → L/(PP·v)), ``pinned``
+        per stage kind (the symbols its trace fixed at the requested value, ``Analysis.pinned``), and
         ``ranks``: per rank ``stages``, ``blocks``, ``flops`` (per step), ``in_flight``
         (micro-batch-stages held at most), ``activations`` (bytes held at most), ``send`` and
         ``recv`` (bytes per step), ``params`` and ``model_states`` (bytes, the precision
@@ -230,7 +231,7 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
     return {**({"step": step} if step else {}), "schedule": schedule, "engine": f"torch.distributed.pipelining.{SCHEDULES[schedule][0]}",
             "source": SCHEDULES[schedule][2], "pp": pp, "microbatches": microbatches, "virtual": virtual,
             "bubble": sim["bubble"], "bubble_formula": (PP - 1) / (v * m) if virtual > 1 else (PP - 1) / m,
-            "formulas": formulas, "stages": per_stage, "ranks": ranks, "blocks": blocks,
+            "formulas": formulas, "pinned": {part: dict(an.pinned) for part, an in ans.items()}, "stages": per_stage, "ranks": ranks, "blocks": blocks,
             "divisible": values["L"] % n == 0}
 
 

@@ -96,6 +96,10 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
         len(set(r["blocks"])) > 1 else ""
     console.print(f"formulas per micro-batch and stage ({each}{uneven}):")
     for part, f in r["formulas"].items():
+        pins = (r.get("pinned") or {}).get(part)
+        if pins:  # (no other value of these runs the same ops at the requested sizes: say so)
+            console.print(f"  [bold]{part}[/bold] traced with " + ", ".join(f"{k} = {v}" for k, v in pins.items())
+                          + " pinned (no other value runs the same ops in this regime)")
         console.print(f"  [bold]{part}[/bold]: flops {f['flops']}")
         console.print(f"      saved {f['saved']}")
         console.print(f"      send {f['send']}   recv {f['recv']}")
