@@ -251,11 +251,12 @@ def test_serve_json_prefill_flops_equal_flop_counter(capsys):
 
 
 def _tp_rank_measured(H: int, K: int, D: int, inter: int, vocab: int, tp: int, step: str, kv_cache: str,
-                      B: int, context: int) -> tuple[int, int]:
-    """Rank 0 of ``tp`` ranks of a 2-layer Llama (eager attention, bf16) parallelised by PyTorch's
-    ``parallelize_module`` on the fake process group (tests/data/tp_rank.py's
-    :func:`fake_rank_model`: transformers' ``base_model_tp_plan``), running the real step with
-    transformers' own cache on fake tensors: ``(model FLOPs of the step, KV cache bytes)``. The
+                      B: int, context: int) -> tuple[int, int, int]:
+    """Rank 0 of ``tp`` ranks of a 2-layer Llama (eager attention, bf16) parallelised by
+    transformers' own tensor parallelism on the fake process group (tests/data/tp_rank.py's
+    :func:`transformers_rank_model`: what ``tp_plan="auto"`` runs), running the real step with
+    transformers' own cache on fake tensors: ``(model FLOPs of the step, KV cache bytes,
+    collectives dispatched)``. The
     FLOPs are ``torch.utils.flop_counter``'s registry on the local tensors DTensor computes with
     (FlopCounterMode's formulas; DTensor ops handed back to DTensor, as tp_rank.measure does); the
     KV bytes are the local bytes of every tensor the cache holds after the step. ``decode``: the
@@ -264,7 +265,7 @@ def _tp_rank_measured(H: int, K: int, D: int, inter: int, vocab: int, tp: int, s
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
-    from tp_rank import fake_rank_model
+    from tp_rank import transformers_rank_model
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -277,8 +278,8 @@ def _tp_rank_measured(H: int, K: int, D: int, inter: int, vocab: int, tp: int, s
            "num_key_value_heads": str(K), "intermediate_size": str(inter), "vocab_size": str(vocab)}
     spec = resolve("hf:llama", cfg, "eager")
     values = dict(spec.values({}), TP=tp, B=B, S=1 if step == "decode" else context, T=context - 1)
-    model, _ = fake_rank_model(spec, values, False)
-    flops = [0]
+    model = transformers_rank_model(spec, values)
+    flops, collectives = [0], [0]
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -287,6 +288,8 @@ def _tp_rank_measured(H: int, K: int, D: int, inter: int, vocab: int, tp: int, s
             out = func(*args, **(kwargs or {}))
             if func.overloadpacket in flop_registry:
                 flops[0] += flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
+            name = str(func.overloadpacket)
+            collectives[0] += name.startswith(("_c10d_functional.", "c10d.")) and "wait" not in name
             return out
 
     import inspect
@@ -309,7 +312,7 @@ def _tp_rank_measured(H: int, K: int, D: int, inter: int, vocab: int, tp: int, s
             for t in (layer.keys, layer.values):
                 t = t._local_tensor if isinstance(t, DTensor) else t
                 kv += t.numel() * t.element_size()
-    return flops[0], kv
+    return flops[0], kv, collectives[0]
 
 
 def test_serve_tp_rank_kv_flops_equal_parallelised_model(capsys):
@@ -326,8 +329,8 @@ def test_serve_tp_rank_kv_flops_equal_parallelised_model(capsys):
         D = rng.choice((8, 16))
         H = K * rng.choice((1, 2))
         inter = 8 * rng.randint(3, 10)  # (the MLP's column-parallel width splits over TP)
-        # (V a multiple of 8: the probe rules take the Megatron plan's vocabulary-parallel head and
-        # embedding, which transformers' plan leaves whole, so an odd V finds no probe sizes)
+        # (V a multiple of 8: transformers' plan splits the embedding and the head by vocabulary
+        # rows, and the probes keep V/TP whole)
         vocab, context = 8 * rng.randint(12, 40), rng.randint(20, 60)
         code, out, err = run_cli(
             capsys, "serve", "hf:llama", "--config", "num_hidden_layers=2", f"hidden_size={H * D}",
@@ -339,13 +342,14 @@ def test_serve_tp_rank_kv_flops_equal_parallelised_model(capsys):
         at = (H, K, D, inter, vocab, tp)
         assert r["tp"]["size"] == tp and r["max_batch"] >= 1, at
         B = r["max_batch"]
-        flops1, kv1 = _tp_rank_measured(H, K, D, inter, vocab, tp, "decode", kv_cache, 1, context)
-        flopsB, kvB = _tp_rank_measured(H, K, D, inter, vocab, tp, "decode", kv_cache, B, context)
+        flops1, kv1, _ = _tp_rank_measured(H, K, D, inter, vocab, tp, "decode", kv_cache, 1, context)
+        flopsB, kvB, coll = _tp_rank_measured(H, K, D, inter, vocab, tp, "decode", kv_cache, B, context)
         assert (r["kv"]["per_sequence"], r["kv"]["total"]) == (kv1, kvB), (at, r["kv"], kv1, kvB)
         assert kv1 == 2 * 2 * (K // tp) * D * context * 2  # layers × (k, v) × heads per rank × D × tokens × bf16
         assert (r["decode_batch_1"]["model_flops"], r["decode"]["model_flops"]) == (flops1, flopsB), at
-        assert r["decode"]["tp"]["bytes"] > 0 and r["decode"]["tp"]["collectives"] == 4  # o_proj, down_proj × 2 layers
-        pre_rank, _ = _tp_rank_measured(H, K, D, inter, vocab, tp, "prefill", kv_cache, 1, context)
+        # o_proj, down_proj × 2 layers, the vocabulary-parallel embedding's all-reduce, the head's all-gather
+        assert r["decode"]["tp"]["bytes"] > 0 and r["decode"]["tp"]["collectives"] == coll == 6, (at, coll)
+        pre_rank, _, _ = _tp_rank_measured(H, K, D, inter, vocab, tp, "prefill", kv_cache, 1, context)
         pre = r["prefill"]
         assert pre["flops"] == pre_rank, (at, pre["flops"], pre_rank)
         assert pre["flops_model"] == _prefill_flops_measured(H * D, H, K, inter, vocab, context), at

@@ -25,7 +25,7 @@ import symcost
 from symcost.tracing.fit import SYMS
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
-from tp_rank import fake_peak, fake_rank_model, measure  # noqa: E402
+from tp_rank import fake_peak, fake_rank_model, measure, transformers_rank_model  # noqa: E402
 
 PRECISION = "bf16-true"  # 16-bit activations, as the paper counts (2 bytes), 1-byte dropout masks
 
@@ -446,7 +446,7 @@ def test_hf_qwen3_replicated_norms_all_reduce_their_gradients():
         m.to_empty(device="cpu")
         got = measure(m, spec, values, ctx)
     _assert_rank(an, v, got)
-    _assert_replicated(an, v, m)
+    _assert_replicated(an, v, m, nonempty=False)  # transformers splits every matrix of a dense Qwen3
     D, L, TP = SYMS["D"], SYMS["L"], SYMS["TP"]
     # the norms' gradients: 2 tensors of D bf16 elements per block, all-reduced (ring: 2(TP-1)/TP)
     assert sympy.expand(an.comm_bytes("all_reduce", "backward")).coeff(D * L) == sympy.expand(2 * D * 2 * 2 * (TP - 1) / TP / D)
@@ -496,7 +496,7 @@ def test_refused_before_any_trace(args, msg, monkeypatch):
 
 
 
-def _assert_replicated(an, v, m):
+def _assert_replicated(an, v, m, nonempty: bool = True):
     """Issue 27 (``--tp 2`` on Mixtral left the experts whole on every rank without saying so):
     the report's list of weight matrices every rank holds whole (``passes.tensor_parallel.
     replicated``) equals PyTorch's parallelised model ``m`` (materialised on the fake group): the
@@ -515,7 +515,7 @@ def _assert_replicated(an, v, m):
     assert isinstance(m, torch.nn.Module)
     env = an.bind(**v)
     got = {g["module"]: int(g["elements"].xreplace(env)) for g in replicated(an)}
-    assert got == want and got, (got, want)
+    assert got == want and (bool(got) or not nonempty), (got, want)
 
 
 def test_sp_with_a_sequence_tp_does_not_split_is_refused_in_one_line():
@@ -543,3 +543,50 @@ def test_sp_with_a_sequence_tp_does_not_split_is_refused_in_one_line():
     assert r.exit_code == 2 and f"S must be a multiple of TP" in r.output, r.output
     assert f"got S={S}, TP={tp}" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("model,config,exact", [
+    # the vocabulary-parallel embedding transformers adds to every plan ("embedding_rowwise")
+    # and its head ("colwise_gather_output": 1/TP of the rows, the logits all-gathered)
+    ("hf:llama", {"num_hidden_layers": "2"}, True),
+    # DeepSeek's MLA: "mla_kv_a_proj" (replicated, its rotary output's gradient all-reduced)
+    ("hf:deepseek_v3", {"num_hidden_layers": "2", "first_k_dense_replace": "2", "q_lora_rank": "0"}, True),
+    # gpt-oss: the plan shards the embedding and the head only (its experts are for EP)
+    ("hf:gpt_oss", {"num_hidden_layers": "2"}, False),
+])
+def test_hf_tp_as_transformers_runs_it(model, config, exact):
+    """Issue 27 (``--tp 2`` refused on gpt-oss: "style 'embedding_rowwise' is not mapped"; the
+    DeepSeek-V3 plan's ``mla_kv_a_proj`` refused; the head and embedding replicated where
+    transformers splits them): symcost runs the plan transformers runs with ``tp_plan="auto"``
+    (``model.tp_plan``: the config's plan, the embedding and the model class's head). At random
+    sizes and TP, the rank's collective bytes by kind and parameter elements equal transformers'
+    own parallelisation on the fake group, and so do its FLOPs and saved bytes where the model
+    is dense (gpt-oss's experts run symcost's routing model, whose FLOPs differ from the fake
+    step's data-dependent routing: issue 31, open)."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+
+    spec = resolve(model, config, "eager")
+    an = symcost.trace(spec, layout=Layout(tp=True), sizes={"TP": 2, "B": 2, "S": 32}, precision=PRECISION)
+    assert "TP" in an.symbols, an.pinned
+    rng = random.Random(len(model))
+    for _ in range(2):
+        v = {"TP": rng.choice((2, 4)), "B": rng.randint(2, 4), "S": rng.randint(8, 64)}
+        values = {**spec.values(v), **v}
+        m = transformers_rank_model(spec, values)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            m.to_empty(device="cpu")
+            got = measure(m, spec, values, contextlib.nullcontext)
+        if exact:
+            _assert_rank(an, v, got)
+            continue
+        env = an.bind(**v)
+        for kind, want in got["comm"].items():
+            assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (kind, v)
+        assert int(an.params_shard.subs(env)) == got["shard"], v
+        _assert_replicated(an, v, m)  # the attention and the experts: whole on every rank, and said

@@ -49,6 +49,7 @@ import dataclasses
 import inspect
 import math
 import re
+import warnings
 import weakref
 from typing import Mapping
 
@@ -336,26 +337,67 @@ def _positional(module) -> int:
     return max(1, len(ps))
 
 
-def hf_plan(model, sp: bool) -> tuple[dict, bool] | None:
-    """The ``base_model_tp_plan`` of a ``transformers`` model's config as PyTorch styles
-    (``{fqn pattern: ParallelStyle}``, loss_parallel False: the head stays replicated, as
-    transformers' own ``tp_plan="auto"`` keeps ``lm_head`` gathered), or None where the
-    config has none."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
+def model_tp_plan(model) -> dict[str, str] | None:
+    """The tensor-parallel plan ``transformers`` itself runs for ``model`` with
+    ``tp_plan="auto"`` (``{module fqn pattern: style name}``, ``*`` a block index), or None where
+    the model has none: ``model.tp_plan`` where transformers resolves it (v5: the config's
+    ``base_model_tp_plan`` under the base model's prefix, the vocabulary-parallel
+    ``embed_tokens`` it adds to every plan, ``"embedding_rowwise"``, and the model class's own
+    entries such as ``lm_head: "colwise_gather_output"``), else the config's
+    ``base_model_tp_plan`` under the prefix (older transformers). None also where the config has
+    no ``base_model_tp_plan`` (GPT-2, Falcon, GPT-J): the Megatron plan runs there."""
     config = getattr(model, "config", None)
     tp_plan = getattr(config, "base_model_tp_plan", None) if config is not None else None
     if not tp_plan:
+        # no plan for the blocks (transformers' tp_plan="auto" refuses such a model): the
+        # Megatron plan (module docstring), not the head-and-embedding rules the class adds
         return None
+    resolved = getattr(model, "tp_plan", None)
+    if isinstance(resolved, Mapping) and resolved:
+        return dict(resolved)
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and not hasattr(model, prefix):
         prefix = ""
+    return {f"{prefix}.{k}" if prefix else k: v for k, v in tp_plan.items()}
+
+
+def hf_plan(model, sp: bool) -> tuple[dict, bool] | None:
+    """The plan ``transformers`` runs for ``model`` (:func:`model_tp_plan`) as PyTorch styles
+    (``{fqn pattern: ParallelStyle}``, ``loss_parallel`` False: transformers' head,
+    ``colwise_gather_output``, holds 1/TP of the vocabulary's rows and all-gathers the logits,
+    so the loss sees them whole), or None where the model has no plan.
+
+    Each style name is transformers' registry entry (transformers/distributed/tensor_parallel.py,
+    ``ALL_PARALLEL_STYLES``) written with PyTorch's styles where one does the same:
+    ``embedding_rowwise`` (vocabulary-parallel lookup, partial sums all-reduced) is
+    ``RowwiseParallel(input_layouts=Replicate())`` on the ``nn.Embedding``,
+    ``colwise_gather_output`` ``ColwiseParallel(output_layouts=Replicate())``, and so on. A style
+    with no PyTorch counterpart (``mla_kv_a_proj``: DeepSeek's replicated compressed-KV projection
+    whose rotary part's gradient is all-reduced; ``unit_*``, ``packed_*``, ``all_reduce``) is
+    transformers' own style object, applied to the module as transformers applies it
+    (:data:`_TRANSFORMERS`).
+
+    Raises:
+        SymcostError: a style neither PyTorch nor the installed transformers has.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    tp_plan = model_tp_plan(model)
+    if not tp_plan:
+        return None
     styles = {
         "colwise": lambda: ColwiseParallel(),
         "rowwise": lambda: RowwiseParallel(),
         "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
         "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+        # the vocabulary split over the ranks (Shard(0) of the [V, h] table), every rank's
+        # partial lookup summed (an all-reduce); on an nn.Embedding PyTorch's row-wise style
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        # the hidden dimension split (Shard(1)), the slices all-gathered
+        "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
         "sequence_parallel": lambda: SequenceParallel() if sp else None,
         "local_colwise": lambda: ColwiseParallel(),
         "local_rowwise": lambda: RowwiseParallel(),
@@ -367,15 +409,53 @@ def hf_plan(model, sp: bool) -> tuple[dict, bool] | None:
         # (transformers' ReplicatedWithGradAllReduce: dist.all_reduce in a post-accumulate hook)
         "replicated_with_grad_allreduce": lambda: _GRAD_ALL_REDUCE,
     }
+    registry = _transformers_styles()
     out = {}
     for pattern, style in tp_plan.items():
-        if style not in styles:
+        if style in styles:
+            s = styles[style]()
+        elif style in registry:
+            s = (_TRANSFORMERS, style)
+        else:
             raise SymcostError(f"transformers' tp_plan style {style!r} ({pattern}) is not mapped yet; "
-                               f"mapped: {', '.join(styles)}")
-        s = styles[style]()
+                               f"mapped: {', '.join(sorted(set(styles) | set(registry)))}")
         if s is not None:
-            out[f"{prefix}.{pattern}" if prefix else pattern] = s
+            out[pattern] = s
     return out, False
+
+
+def _transformers_styles() -> dict:
+    """transformers' registry of tensor-parallel styles (``ALL_PARALLEL_STYLES``: name -> style
+    object), or {} where the installed transformers has none."""
+    try:
+        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+    except ImportError:
+        return {}
+    try:
+        return {k: ALL_PARALLEL_STYLES[k] for k in ALL_PARALLEL_STYLES}
+    except Exception:  # noqa: BLE001 - a registry of another shape: none usable
+        return {}
+
+
+#: the plan's marker for a style applied by transformers' own code (:func:`_apply_transformers`)
+_TRANSFORMERS = "transformers"
+
+
+def _apply_transformers(model, entries: dict[str, str], mesh) -> None:
+    """Apply transformers' own style objects (``ALL_PARALLEL_STYLES[name]``) to the modules whose
+    name matches a pattern of ``entries`` (``{pattern: style name}``) as transformers'
+    ``apply_tensor_parallelism`` does: each of the module's own parameters sharded
+    (``style.shard_param``), then the forward hooks installed (``style.install_forward``)."""
+    registry = _transformers_styles()
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    manager = getattr(model, "_mesh_manager", None)
+    for name, module in model.named_modules():
+        style = next((registry[s] for p, s in entries.items() if _fqn_match(p, name)), None)
+        if style is None:
+            continue
+        for pname, _ in list(module.named_parameters(recurse=False)):
+            style.shard_param(module, pname, mesh, config=config, mesh_manager=manager)
+        style.install_forward(module, mesh, config=config, mesh_manager=manager)
 
 
 #: the plan's marker for transformers' ``replicated_with_grad_allreduce`` (:func:`_grad_all_reduce`)
@@ -443,7 +523,8 @@ def apply(model, layers: str | None, mesh, sp: bool):
                                "sequence-parallel entries and its layers pass hidden_states by keyword); use --tp alone")
         styles, lp = got
         grad_all_reduce = [p for p, s in styles.items() if s is _GRAD_ALL_REDUCE]
-        styles = {p: s for p, s in styles.items() if s is not _GRAD_ALL_REDUCE}
+        own = {p: s[1] for p, s in styles.items() if isinstance(s, tuple) and s[0] == _TRANSFORMERS}
+        styles = {p: s for p, s in styles.items() if s is not _GRAD_ALL_REDUCE and p not in own}
         colwise = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)
                    and any(_fqn_match(p, n) for p, s in styles.items() if isinstance(s, ColwiseParallel))]
     if not styles:
@@ -470,13 +551,19 @@ def apply(model, layers: str | None, mesh, sp: bool):
     for n, p in model.named_parameters(remove_duplicate=False):
         tied.setdefault(id(p), []).append(n)
     try:
-        parallelize_module(model, mesh, styles)
+        with warnings.catch_warnings():
+            # a rule of transformers' plan for a module this config leaves out (DeepSeek's q_proj
+            # with a q_lora_rank, a dense model's shared_experts): transformers skips it too
+            warnings.filterwarnings("ignore", message=r".*skipping this plan entry", category=UserWarning)
+            parallelize_module(model, mesh, styles)
     except Exception as e:  # noqa: BLE001
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SymcostError(f"parallelize_module failed for --tp {tp}: {msg}") from e
     _retie(model, [names for names in tied.values() if len(names) > 1])
     if got is not None and grad_all_reduce:
         _grad_all_reduce(model, grad_all_reduce, mesh)
+    if got is not None and own:
+        _apply_transformers(model, own, mesh)
     return loss_parallel if lp else _nothing
 
 

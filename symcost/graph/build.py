@@ -24,6 +24,7 @@ from symcost.tracing.fit import (CHECK_L, FIT_L, N_RANDOM, SYMS, Fitter, FitErro
 from symcost.tracing.modules import _fold_name, _layer_of, _rename_block
 from symcost.tracing.regime import digest, regime_signature
 from symcost.tracing.schedule import fit_schedule
+from symcost.tracing.poly import MESH
 from symcost.graph.analysis import Analysis
 from symcost.graph.ops import COMM_KINDS, PHASES, SymOp
 from symcost.graph.totals import trace_group
@@ -458,6 +459,10 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     # equal pairs: tied while a probe that breaks the equality runs other ops
     ties: dict[str, str] = {}
     for a, b in facts["equal"]:
+        if b in MESH and a not in MESH:
+            # a mesh size leads (K = TP: one KV head per rank): the ring has 1/TP, not 1/K, so a
+            # rank's shard K·D/TP stays a polynomial (TP·D·TP⁻¹) where D·H·V/K would not be one
+            a, b = b, a
         if a in base_syms and b in base_syms and b not in ties and a not in ties and b not in ties.values():
             ties[b] = a
     syms = tuple(s for s in base_syms if s not in ties)

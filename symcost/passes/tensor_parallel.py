@@ -56,8 +56,9 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
     mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
     from symcost.passes.parallel import rank_peak
 
-    # a transformers model whose config has a plan runs that plan (frontends.tensor_parallel.apply)
-    which = "the config's base_model_tp_plan" if config_tp_plan(an) else "Megatron plan"
+    # a transformers model whose config has a plan runs transformers' plan (frontends.tensor_parallel.apply)
+    which = "transformers' tp_plan: the config's base_model_tp_plan with its embedding and head rules" \
+        if config_tp_plan(an) else "Megatron plan"
     out = {"sp": an.parallel == "tp+sp", "comm": comm, "memory": mem,
            "peak": rank_peak(an, precision, optimizer, sizes, impl, device),
            "engine": f"torch.distributed.tensor.parallel.parallelize_module ({which}"

@@ -157,6 +157,28 @@ def fake_rank_model(spec, values: dict, sp: bool):
     return model, apply(model, layers, fake_group(values["TP"]), sp)
 
 
+def transformers_rank_model(spec, values: dict):
+    """Rank 0 of ``values["TP"]`` on the fake process group, parallelised by transformers' own
+    code as ``from_pretrained(..., tp_plan="auto")`` does (not symcost's): ``spec``'s model
+    built on the meta device in bf16, its plans resolved by
+    ``_resolve_parallel_plans(DistributedConfig(tp_size=TP))`` and applied by
+    ``transformers.distributed.tensor_parallel.apply_tensor_parallelism``. The caller
+    materialises it (``to_empty``) under its FakeTensorMode; the loss needs no context
+    (transformers' head gathers the logits)."""
+    import torch
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    from symcost.frontends.parallel import fake_group
+
+    mesh = fake_group(values["TP"])
+    with torch.device("meta"):
+        model = spec.build(values).to(torch.bfloat16)
+    tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=values["TP"]))
+    model._mesh_manager = None
+    return apply_tensor_parallelism(model, mesh, tp_plan)
+
+
 def fake_mesh_rank(spec, values: dict, sp: bool, shard: str):
     """Rank 0 of the 2-D mesh ``(values["DP"], values["TP"])`` on the fake process group, built
     here with PyTorch's ``init_device_mesh`` (mesh_dim_names ``dp``, ``tp``): ``spec``'s model
