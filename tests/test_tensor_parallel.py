@@ -590,3 +590,42 @@ def test_hf_tp_as_transformers_runs_it(model, config, exact):
             assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (kind, v)
         assert int(an.params_shard.subs(env)) == got["shard"], v
         _assert_replicated(an, v, m)  # the attention and the experts: whole on every rank, and said
+
+
+@pytest.mark.heavy
+@pytest.mark.hf
+@pytest.mark.parametrize("config,tp,exact", [("llama-3-8b", 8, True), ("gpt-oss-20b", 2, False)])
+def test_real_config_tp_as_transformers_runs_it(config, tp, exact):
+    """Issue 27's refusals on the published configs: Llama-3-8B under ``--tp 8`` (K = TP = 8: one
+    key/value head per rank, the regime ``--dp 8 --tp 8`` runs) ended in an internal
+    ``NotIntegral`` (TP tied to K, a rank's shard D·H·V/K outside the formulas' ring);
+    gpt-oss-20b under ``--tp 2`` was refused (``embedding_rowwise``), then fitted its
+    vocabulary-parallel embedding's ``padding_idx`` (the pad id where the rank's rows hold it,
+    else -1) for half an hour. Traced at the file's full width, the rank's collective bytes and
+    parameter elements equal transformers' own tensor parallelism on the fake group (fake
+    tensors: nothing allocated) at two sizes of B, S, L, and so do FLOPs and saved bytes for the
+    dense model (gpt-oss's experts run symcost's routing model: issue 31)."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from symcost.frontends.layout import Layout
+
+    path = os.path.join(os.path.dirname(__file__), "data", "configs", f"{config}.json")
+    an = symcost.trace(path, layout=Layout(tp=True), sizes={"TP": tp, "B": 2, "S": 16}, precision=PRECISION,
+                       attention="eager")
+    spec = an.spec
+    for v in ({"B": 2, "S": 16, "L": 2}, {"B": 3, "S": 24, "L": 3}):
+        values = {**spec.values(v), **v, "TP": tp}
+        m = transformers_rank_model(spec, values)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            m.to_empty(device="cpu")
+            got = measure(m, spec, values, contextlib.nullcontext)
+        v = {**v, "TP": tp}
+        if exact:
+            _assert_rank(an, v, got)
+            continue
+        env = an.bind(**v)
+        for kind, want in got["comm"].items():
+            assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (kind, v)
+        assert int(an.params_shard.subs(env)) == got["shard"], v

@@ -213,6 +213,12 @@ _META_ALIASED_OUTPUTS = {torch.ops.aten.mkldnn_rnn_layer_backward.default}
 _PRIM_DEVICE = torch.ops.prim.device.default
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+#: ops whose ``padding_idx`` argument (position in the ``ints`` the recorder keeps) selects the one
+#: row whose gradient is zeroed: no FLOP or byte depends on it, and under a vocabulary-parallel
+#: embedding (transformers' ``embedding_rowwise``) the rank's local value is the config's pad id
+#: where the rank's rows hold it and -1 elsewhere, a step function of V/TP no size formula fits
+#: (gpt-oss's pad id 199999: the fitter searched for minutes before failing). Recorded as -1.
+_PADDING_IDX = {torch.ops.aten.embedding.default: 0, torch.ops.aten.embedding_dense_backward.default: 1}
 
 #: ops whose real CPU kernel sizes an output by the library's own choice, which no polynomial in
 #: the model's sizes gives (oneDNN's RNN workspace: 53,248 bytes at B = 3 and at D = 12, 69,632 at
@@ -504,6 +510,8 @@ class _Recorder(TorchDispatchMode):
             return a
 
         args_tree = (ref(args), ref(kwargs))
+        if func in _PADDING_IDX and len(ints) > _PADDING_IDX[func]:
+            ints[_PADDING_IDX[func]] = -1
         outs = []
         for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
