@@ -30,7 +30,8 @@ def pipeline_options(f):
     f = click.option("--pp", type=click.IntRange(min=2), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.pp"), metavar="N",
                      help="pipeline-parallel ranks: trace the stage modules, compose PyTorch's schedule "
-                          "(per-rank FLOPs, activations in flight, p2p bytes, bubble)")(f)
+                          "(per-rank FLOPs, activations in flight, p2p bytes, bubble); composes with "
+                          "--dp/--shard, --tp/--sp and --ac on one mesh")(f)
     return f
 
 

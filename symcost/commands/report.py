@@ -26,7 +26,7 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
     With --dp N [--shard ...]: one rank of data-parallel training (comm bytes, per-rank model states).
     With --tp N [--sp]: one rank of tensor (and sequence) parallel training (Megatron plan).
     With --pp N [--schedule ... --microbatches m]: pipeline parallelism (per-rank FLOPs, activations
-    in flight, p2p bytes, bubble).
+    in flight, p2p bytes, bubble), composed with --dp, --tp/--sp and --ac on one mesh.
     """
     early_checks(model, sets, config, attention, precision)  # no sympy or torch needed: answers at once
     from symcost.passes.memory import default_impl, optimizer as check_optimizer, parse_memory

@@ -117,6 +117,17 @@ AC_MODES = {
 _RECOMPUTING = [0]
 
 
+#: the blocks whose recomputation runs now, innermost last (:func:`checkpoint_blocks`)
+_RECOMPUTING_BLOCKS: list = []
+
+
+def recomputing_block():
+    """The block (``nn.Module``) whose forward :func:`checkpoint_blocks` runs again now, or None:
+    the recomputation calls the block's own ``forward``, not the module, so no module hook names
+    the ops it runs outside its submodules (the residual adds); the recorder names them by it."""
+    return _RECOMPUTING_BLOCKS[-1] if _RECOMPUTING_BLOCKS else None
+
+
 def recomputing() -> bool:
     """True while a block checkpointed by :func:`checkpoint_blocks` runs its forward again in the
     backward: the recorder marks those ops' FLOPs as hardware FLOPs only (shared/conventions.md:
@@ -149,7 +160,7 @@ def checkpoint_blocks(model, layers: str, mode: str = "full") -> None:
     for block in model.get_submodule(layers).children():
         inner = block.forward
 
-        def forward(*args, _inner=inner, **kwargs):
+        def forward(*args, _inner=inner, _block=block, **kwargs):
             calls = [0]
 
             def run(*a, **k):  # the first call is the forward, a later one the recomputation
@@ -157,9 +168,11 @@ def checkpoint_blocks(model, layers: str, mode: str = "full") -> None:
                 if calls[0] == 1:
                     return _inner(*a, **k)
                 _RECOMPUTING[0] += 1
+                _RECOMPUTING_BLOCKS.append(_block)
                 try:
                     return _inner(*a, **k)
                 finally:
+                    _RECOMPUTING_BLOCKS.pop()
                     _RECOMPUTING[0] -= 1
 
             return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False, **extra,

@@ -100,11 +100,6 @@ class Layout:
 
         if self.ac is not None and self.ac not in AC_MODES:
             raise SymcostError(f"unknown --ac {self.ac!r}; accepted: none, {', '.join(AC_MODES)}")
-        if self.ac is not None and self.pipeline is not None:
-            # the stage traces and PyTorch's run of the schedule differ in what a checkpointed
-            # block recomputes under the pipeline (docs/parallel.md §P6): said once, here
-            raise SymcostError("--ac with --pp is not modelled yet (a checkpointed stage's recomputation is not "
-                               "yet checked against a real pipeline run); give one of them")
         if self.sp and not self.tp:
             raise SymcostError("--sp needs --tp N (the tensor-parallel size)")
 

@@ -136,10 +136,12 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
     Returns:
         ``schedule``, ``source``, ``pp``, ``microbatches``, ``virtual``, ``bubble`` (idle/busy of
         the slowest rank, simulated on PyTorch's action lists), ``bubble_formula`` ((PP−1)/(v·m)),
-        ``formulas`` per stage kind (one micro-batch: ``flops``, ``flops_forward``,
+        ``formulas`` per stage kind (one micro-batch: ``flops`` (model FLOPs: MFU's, no
+        recomputation), ``flops_hardware`` (what the stage runs, activation checkpointing's
+        recomputation included; equal without ``inner.ac``), ``flops_forward``,
         ``flops_backward``, ``saved``, ``send``, ``recv``, ``params``; L → L/(PP·v)), ``pinned``
         per stage kind (the symbols its trace fixed at the requested value, ``Analysis.pinned``), and
-        ``ranks``: per rank ``stages``, ``blocks``, ``flops`` (per step), ``in_flight``
+        ``ranks``: per rank ``stages``, ``blocks``, ``flops`` and ``flops_hardware`` (per step), ``in_flight``
         (micro-batch-stages held at most), ``activations`` (bytes held at most), ``send`` and
         ``recv`` (bytes per step), ``params`` and ``model_states`` (bytes, the precision
         policy with ``optimizer``, :func:`symcost.passes.parallel.model_state_bytes`); with
@@ -171,7 +173,8 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         env = an.bind(**{**{k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")}, "L": blocks[s]})
         ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731
         local, held = _rank_params(an)
-        per_stage[s] = {"flops": ev(an.flops("train")), "flops_forward": ev(an.flops("forward")),
+        per_stage[s] = {"flops": ev(an.flops("train")), "flops_hardware": ev(an.flops("train", "hardware")),
+                        "flops_forward": ev(an.flops("forward")),
                         "flops_backward": ev(an.flops("backward")), "saved": ev(_saved(an)),
                         "send": ev(an.comm_bytes("send")), "recv": ev(an.comm_bytes("recv")),
                         "params": ev(local), "params_held": ev(held),
@@ -194,6 +197,7 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         extra[r] = int(states["optimizer_state"] + states["master"])  # (beside the peak run's parameters and gradients)
         ranks.append({"rank": r, "stages": mine, "blocks": sum(blocks[s] for s in mine),
                       "flops": microbatches * sum(per_stage[s]["flops"] for s in mine),
+                      "flops_hardware": microbatches * sum(per_stage[s]["flops_hardware"] for s in mine),
                       "in_flight": sim["in_flight"][r], "activations": top,
                       "send": microbatches * sum(per_stage[s]["send"] for s in mine),
                       "recv": microbatches * sum(per_stage[s]["recv"] for s in mine),
@@ -218,7 +222,8 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
     for part, an in ans.items():
         sub = {L: L / (PP * v)}
         f = lambda e: sympy.factor_terms(sympy.expand(sympy.sympify(e).xreplace(sub)))  # noqa: E731
-        formulas[part] = {"flops": f(an.flops("train")), "flops_forward": f(an.flops("forward")),
+        formulas[part] = {"flops": f(an.flops("train")), "flops_hardware": f(an.flops("train", "hardware")),
+                          "flops_forward": f(an.flops("forward")),
                           "flops_backward": f(an.flops("backward")), "saved": f(_saved(an)),
                           "send": f(an.comm_bytes("send")), "recv": f(an.comm_bytes("recv")),
                           "params": f(an.params)}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import sympy
 from rich.console import Console
 from rich.table import Table
 
@@ -61,14 +62,18 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
     if not r["divisible"]:
         console.print(f"  L does not divide into {r['pp'] * v} stages: blocks per stage {r['blocks']}")
     t = Table(title="per rank, one step")
-    for col in ("rank", "stages", "blocks", "FLOPs", "in flight", "activations held", "p2p sent", "p2p recv",
-                "model states", "peak"):
+    recompute = any(row.get("flops_hardware", row["flops"]) != row["flops"] for row in r["ranks"])
+    for col in ("rank", "stages", "blocks", "FLOPs") + (("FLOPs run",) if recompute else ()) + (
+            "in flight", "activations held", "p2p sent", "p2p recv", "model states", "peak"):
         t.add_column(col, justify="right", overflow="fold")
     for row in r["ranks"]:
         t.add_row(str(row["rank"]), ",".join(map(str, row["stages"])), str(row["blocks"]), _flops(row["flops"]),
+                  *((_flops(row["flops_hardware"]),) if recompute else ()),
                   str(row["in_flight"]), _bytes(row["activations"]), _bytes(row["send"]), _bytes(row["recv"]),
                   _bytes(row["model_states"]), _bytes(row["peak_with_optimizer"]) if "memory" in row else "-")
     console.print(t)
+    if recompute:
+        console.print("  FLOPs: model FLOPs (MFU's); FLOPs run: with activation checkpointing's recomputation")
     if any("memory" in row for row in r["ranks"]):
         console.print("  peak: the rank's step run through PyTorch's schedule on fake tensors (parameters, "
                       "gradients, the engine's buffers, the highest live set), plus optimizer state")
@@ -101,5 +106,7 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
             console.print(f"  [bold]{part}[/bold] traced with " + ", ".join(f"{k} = {v}" for k, v in pins.items())
                           + " pinned (no other value runs the same ops in this regime)")
         console.print(f"  [bold]{part}[/bold]: flops {f['flops']}")
+        if "flops_hardware" in f and sympy.simplify(f["flops_hardware"] - f["flops"]) != 0:
+            console.print(f"      flops run (recomputation included) {f['flops_hardware']}")
         console.print(f"      saved {f['saved']}")
         console.print(f"      send {f['send']}   recv {f['recv']}")

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from symcost.errors import SymcostError
-from symcost.frontends.checkpointing import recomputing
+from symcost.frontends.checkpointing import recomputing, recomputing_block
 from symcost.frontends.layout import layout_of
 from symcost.frontends.models import ModelSpec
 from symcost.frontends.precision import precision_context
@@ -267,6 +267,8 @@ class _Recorder(TorchDispatchMode):
         self.ops: list[OpCall] = []
         self.phase = "forward"
         self.module_stack: list[str] = [""]
+        #: id(module) -> its name in the model (set by :func:`record`)
+        self.module_names: dict[int, str] = {}
         self._tid: dict[int, int] = {}
         self._n_tid = 0
         self._leaf_names = names_of_leaves
@@ -404,9 +406,18 @@ class _Recorder(TorchDispatchMode):
         owner = next((o for o in reversed(self.owners) if o is not None), None) if owners else None
         if owner is not None:
             return owner
-        if self.phase == "forward" or (recomputing() and len(self.module_stack) > 1):
-            # (activation checkpointing's recomputation in the backward runs the block's modules
-            # again: their forward hooks name the op's module, as in the forward)
+        if self.phase != "forward" and recomputing():
+            # activation checkpointing's recomputation in the backward runs the block's modules
+            # again: their forward hooks name the op's module, as in the forward; an op of the
+            # block's own body (a residual add) is the block's (no hook fires for the block: its
+            # forward is called, not the module), not the autograd node's that asked for it
+            block = self.module_names.get(id(recomputing_block()))
+            top = self.module_stack[-1]
+            if block is not None and not (top == block or top.startswith(block + ".")):
+                return block
+            if len(self.module_stack) > 1:
+                return top
+        if self.phase == "forward":
             return self.module_stack[-1]
         if self.phase == "optimizer":
             return ""
@@ -1032,6 +1043,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 input_storages[StorageWeakRef(st).cdata] = st.nbytes()
 
         rec = _Recorder(leaf_names)
+        rec.module_names = names
         rec.real = real
         rec.strict = real and strict
         rec.groups = groups
