@@ -545,51 +545,52 @@ def test_sp_with_a_sequence_tp_does_not_split_is_refused_in_one_line():
     assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
 
 
-@pytest.mark.hf
-@pytest.mark.parametrize("model,config,exact", [
-    # the vocabulary-parallel embedding transformers adds to every plan ("embedding_rowwise")
-    # and its head ("colwise_gather_output": 1/TP of the rows, the logits all-gathered)
-    ("hf:llama", {"num_hidden_layers": "2"}, True),
-    # DeepSeek's MLA: "mla_kv_a_proj" (replicated, its rotary output's gradient all-reduced)
-    ("hf:deepseek_v3", {"num_hidden_layers": "2", "first_k_dense_replace": "2", "q_lora_rank": "0"}, True),
-    # gpt-oss: the plan shards the embedding and the head only (its experts are for EP)
-    ("hf:gpt_oss", {"num_hidden_layers": "2"}, False),
-])
-def test_hf_tp_as_transformers_runs_it(model, config, exact):
-    """Issue 27 (``--tp 2`` refused on gpt-oss: "style 'embedding_rowwise' is not mapped"; the
-    DeepSeek-V3 plan's ``mla_kv_a_proj`` refused; the head and embedding replicated where
-    transformers splits them): symcost runs the plan transformers runs with ``tp_plan="auto"``
-    (``model.tp_plan``: the config's plan, the embedding and the model class's head). At random
-    sizes and TP, the rank's collective bytes by kind and parameter elements equal transformers'
-    own parallelisation on the fake group, and so do its FLOPs and saved bytes where the model
-    is dense (gpt-oss's experts run symcost's routing model, whose FLOPs differ from the fake
-    step's data-dependent routing: issue 31, open)."""
+def _against_transformers(an, spec, v: dict, exact: bool, replicated: bool = False) -> None:
+    """symcost's rank at sizes ``v`` against transformers' own tensor parallelism
+    (:func:`transformers_rank_model`, materialised on fake tensors and measured as
+    :func:`measure` measures): every quantity of :func:`_assert_rank` where ``exact``, else the
+    collective bytes by kind and the parameter elements (and with ``replicated`` the matrices
+    left whole, :func:`_assert_replicated`)."""
     import contextlib
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    values = {**spec.values(v), **v}
+    m = transformers_rank_model(spec, values)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        m.to_empty(device="cpu")
+        got = measure(m, spec, values, contextlib.nullcontext)
+    if exact:
+        _assert_rank(an, v, got)
+        return
+    env = an.bind(**v)
+    for kind, want in got["comm"].items():
+        assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (kind, v)
+    assert int(an.params_shard.subs(env)) == got["shard"], v
+    if replicated:
+        _assert_replicated(an, v, m)  # the attention and the experts: whole on every rank, and said
+
+
+@pytest.mark.hf
+def test_hf_mla_tp_as_transformers_runs_it():
+    """Issue 27 (the DeepSeek-V3 plan's ``mla_kv_a_proj`` refused): transformers' styles without
+    a PyTorch counterpart run transformers' own style objects. A dense 2-block DeepSeek-V3 (MLA:
+    the replicated compressed-KV projection whose rotary output's gradient is all-reduced, the
+    vocabulary-parallel embedding transformers adds to every plan, the ``colwise_gather_output``
+    head): at random sizes and TP, the rank's FLOPs, saved bytes, collective bytes by kind and
+    parameter elements equal transformers' own parallelisation on the fake group. (Llama's and
+    gpt-oss's plans at their published widths: :func:`test_real_config_tp_as_transformers_runs_it`.)"""
     from symcost.frontends.layout import Layout
     from symcost.frontends.models import resolve
 
-    spec = resolve(model, config, "eager")
+    spec = resolve("hf:deepseek_v3", {"num_hidden_layers": "2", "first_k_dense_replace": "2", "q_lora_rank": "0"},
+                   "eager")
     an = symcost.trace(spec, layout=Layout(tp=True), sizes={"TP": 2, "B": 2, "S": 32}, precision=PRECISION)
     assert "TP" in an.symbols, an.pinned
-    rng = random.Random(len(model))
+    rng = random.Random(27)
     for _ in range(2):
         v = {"TP": rng.choice((2, 4)), "B": rng.randint(2, 4), "S": rng.randint(8, 64)}
-        values = {**spec.values(v), **v}
-        m = transformers_rank_model(spec, values)
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            m.to_empty(device="cpu")
-            got = measure(m, spec, values, contextlib.nullcontext)
-        if exact:
-            _assert_rank(an, v, got)
-            continue
-        env = an.bind(**v)
-        for kind, want in got["comm"].items():
-            assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (kind, v)
-        assert int(an.params_shard.subs(env)) == got["shard"], v
-        _assert_replicated(an, v, m)  # the attention and the experts: whole on every rank, and said
+        _against_transformers(an, spec, v, exact=True)
 
 
 @pytest.mark.heavy
@@ -604,28 +605,13 @@ def test_real_config_tp_as_transformers_runs_it(config, tp, exact):
     else -1) for half an hour. Traced at the file's full width, the rank's collective bytes and
     parameter elements equal transformers' own tensor parallelism on the fake group (fake
     tensors: nothing allocated) at two sizes of B, S, L, and so do FLOPs and saved bytes for the
-    dense model (gpt-oss's experts run symcost's routing model: issue 31)."""
-    import contextlib
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    dense model (gpt-oss's experts run symcost's routing model: issue 31); for gpt-oss, whose plan
+    splits the embedding and the head only (its experts are for EP), the report's list of the
+    matrices every rank holds whole equals the parallelised model's."""
     from symcost.frontends.layout import Layout
 
     path = os.path.join(os.path.dirname(__file__), "data", "configs", f"{config}.json")
     an = symcost.trace(path, layout=Layout(tp=True), sizes={"TP": tp, "B": 2, "S": 16}, precision=PRECISION,
                        attention="eager")
-    spec = an.spec
     for v in ({"B": 2, "S": 16, "L": 2}, {"B": 3, "S": 24, "L": 3}):
-        values = {**spec.values(v), **v, "TP": tp}
-        m = transformers_rank_model(spec, values)
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            m.to_empty(device="cpu")
-            got = measure(m, spec, values, contextlib.nullcontext)
-        v = {**v, "TP": tp}
-        if exact:
-            _assert_rank(an, v, got)
-            continue
-        env = an.bind(**v)
-        for kind, want in got["comm"].items():
-            assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (kind, v)
-        assert int(an.params_shard.subs(env)) == got["shard"], v
+        _against_transformers(an, an.spec, {**v, "TP": tp}, exact, replicated=not exact)
