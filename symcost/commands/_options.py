@@ -170,6 +170,11 @@ def parallel_options(f):
     f = click.option("--gpu", default=None, expose_value=False, callback=_keep_parallel("symcost.gpu"),
                      metavar="NAME", help="with --dp: step time per rank on this catalogue device "
                                           "(roofline compute + exposed communication over its interconnect)")(f)
+    f = click.option("--dp-replicate", type=click.IntRange(min=1), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.dp_replicate"), metavar="R",
+                     help="with --dp N --shard fsdp|zero3|zero2: HSDP, FSDP2 over the 2-D mesh (dp_replicate R, "
+                          "dp_shard N/R): states sharded over N/R ranks, gradients all-reduced over R "
+                          "(torchtitan's data_parallel_replicate_degree; R is pinned in the formulas)")(f)
     f = click.option("--fsdp-mp", default=None, expose_value=False, callback=_keep_parallel("symcost.fsdp_mp"),
                      metavar="PARAM[,REDUCE]",
                      help="with --dp: FSDP2's MixedPrecisionPolicy(param_dtype=PARAM, reduce_dtype=REDUCE) on every "
@@ -237,6 +242,16 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
                           ("symcost.devices_per_node", "--devices-per-node"), ("symcost.fsdp_mp", "--fsdp-mp")):
             if meta.get(key) is not None:
                 raise SymcostError(f"{flag} needs --dp N (the data-parallel size)")
+    replicate = meta.get("symcost.dp_replicate")
+    if replicate is not None:
+        if dp is None:
+            raise SymcostError("--dp-replicate R needs --dp N (the whole data-parallel size: R × shard)")
+        if shard not in ("fsdp", "zero3", "zero2"):
+            raise SymcostError(f"--dp-replicate {replicate} (HSDP) replicates FSDP2's shards: give --shard fsdp, "
+                               f"zero3 or zero2 (not {shard or 'ddp, the default'})")
+        if dp % replicate:
+            raise SymcostError(f"--dp {dp} is no multiple of --dp-replicate {replicate} (HSDP: DP = replicate × "
+                               "shard)")
     mp = meta.get("symcost.fsdp_mp")
     if mp is not None:
         from symcost.frontends.parallel import parse_fsdp_mp
@@ -249,7 +264,8 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
                         meta.get("symcost.pp_virtual") or (2 if schedule == "interleaved-1f1b" else 1))
     ac = meta.get("symcost.ac")
     layout = Layout(shard=(shard or "ddp") if dp is not None else None, fsdp_mp=mp, tp=tp is not None,
-                    sp=bool(meta.get("symcost.sp")), pipeline=pipe, ac=None if ac in (None, "none") else ac)
+                    sp=bool(meta.get("symcost.sp")), pipeline=pipe, ac=None if ac in (None, "none") else ac,
+                    replicate=replicate)
     sizes = {k: v for k, v in (("DP", dp), ("TP", tp), ("PP", pp if pipe else None)) if v is not None}
     return layout, sizes
 

@@ -15,12 +15,20 @@ mesh dimension     symbol  what runs over it (one rank traced on a fake process 
                            ``zero1`` (``replicate``, PyTorch's DDP on the FSDP2 engine)
 ``dp_shard``       DP      data parallelism with sharded states: ``--shard fsdp``, ``zero2``,
                            ``zero3`` (``fully_shard``, FSDP2)
+``dp_replicate`` ×  DP      HSDP: ``--dp N --dp-replicate R`` with a sharding strategy:
+``dp_shard``               ``fully_shard`` over the 2-D mesh ``(R, N/R)``: states sharded over the
+                           N/R ranks of ``dp_shard``, replicated over the R of ``dp_replicate``
 ``tp``             TP      tensor parallelism, with ``sp`` sequence parallelism too
                            (:mod:`symcost.frontends.tensor_parallel`: ``parallelize_module``)
 =================  ======  ================================================================
 
 The sizes of the dimensions are not part of the layout: they are the symbols (DP, TP, PP) of
 the formulas, and a request's values (``--dp 8`` is ``DP = 8``) bind them like any other size.
+One size is part of the layout: HSDP's replicate degree ``R`` (``replicate``). DP is the whole
+data-parallel size, replicate × shard (shared/conventions.md), and R is pinned at the request's
+value (the formulas hold for that R and any DP it divides; the shard degree is DP/R): the
+collectives of the ``dp_shard`` group run over DP/R ranks, those of ``dp_replicate`` (the
+gradient all-reduce of FSDP2's HSDP) over R (:meth:`Layout.group_size`).
 
 Besides the mesh, a layout holds the step techniques that are applied with it: activation
 checkpointing (``ac``; torchtitan's ``activation_checkpoint.mode``), so that each composes with
@@ -78,6 +86,9 @@ class Layout:
         pipeline: a ``pp`` dimension's schedule, or None.
         ac: activation checkpointing, a key of :data:`symcost.frontends.checkpointing.AC_MODES`
             (``"full"``, ``"selective"``: torchtitan's modes), or None.
+        replicate: HSDP's ``dp_replicate`` degree R (torchtitan's
+            ``data_parallel_replicate_degree``) with a sharding ``shard`` (``fsdp``, ``zero3``,
+            ``zero2``), or None: the data-parallel dimension is then one group.
     """
 
     shard: str | None = None
@@ -86,6 +97,7 @@ class Layout:
     sp: bool = False
     pipeline: Pipeline | None = None
     ac: str | None = None
+    replicate: int | None = None
 
     def __post_init__(self):
         from symcost.frontends.parallel import check_shard
@@ -102,6 +114,18 @@ class Layout:
             raise SymcostError(f"unknown --ac {self.ac!r}; accepted: none, {', '.join(AC_MODES)}")
         if self.sp and not self.tp:
             raise SymcostError("--sp needs --tp N (the tensor-parallel size)")
+        if self.replicate is not None:
+            from symcost.frontends.parallel import SHARDS
+
+            if self.shard is None:
+                raise SymcostError("--dp-replicate R (HSDP) needs --dp N (the whole data-parallel size, R × shard)")
+            if int(self.replicate) < 1:
+                raise SymcostError(f"--dp-replicate {self.replicate}: the replicate degree is a whole number >= 1")
+            if SHARDS[self.shard][0] != "fully_shard":
+                raise SymcostError(f"--dp-replicate {self.replicate} with --shard {self.shard}: HSDP replicates "
+                                   "FSDP2's shards; give --shard fsdp, zero3 or zero2 (DDP replicates everything "
+                                   "already: --dp N alone)")
+            object.__setattr__(self, "replicate", int(self.replicate))
 
     # --- what the layout is -------------------------------------------------------------------
     @property
@@ -114,6 +138,8 @@ class Layout:
             present.add("pp")
         if self.shard is not None:
             present.add("dp_shard" if SHARDS[self.shard][0] == "fully_shard" else "dp_replicate")
+        if self.hsdp:
+            present.add("dp_replicate")
         if self.tp:
             present.add("tp")
         return tuple(d for d in MESH_DIMS if d in present)
@@ -128,6 +154,58 @@ class Layout:
         """The dimensions one recorded rank runs on a fake process group (``pp`` is traced as
         stage modules, :mod:`symcost.frontends.pipeline`)."""
         return tuple(d for d in self.dims if d != "pp")
+
+    @property
+    def hsdp(self) -> bool:
+        """Whether the data-parallel dimension is HSDP's two (``dp_replicate`` × ``dp_shard``)."""
+        return self.replicate is not None
+
+    def dim_size(self, dim: str, size_of):
+        """The size of mesh dimension ``dim`` (a name of :data:`MESH_DIMS`) where ``size_of(symbol)``
+        gives each symbol's size (an int or a sympy symbol): the symbol's, except under HSDP, where
+        ``dp_replicate`` is R and ``dp_shard`` DP/R."""
+        if self.hsdp and dim == "dp_replicate":
+            return self.replicate
+        if self.hsdp and dim == "dp_shard":
+            n = size_of("DP")
+            return n // self.replicate if isinstance(n, int) else n / self.replicate
+        return size_of(DIM_SYMBOL[dim])
+
+    @property
+    def group_labels(self) -> tuple[str, ...]:
+        """The labels of the traced process groups collectives are counted by (``comm_bytes(...,
+        group=label)``): the mesh symbols, and under HSDP ``"DP_replicate"`` after ``"DP"``."""
+        out = []
+        for s in self.symbols:
+            out.append(s)
+            if s == "DP" and self.hsdp:
+                out.append("DP_replicate")
+        return tuple(out)
+
+    def group_size(self, label: str, size_of):
+        """The ranks of the process group a collective labelled ``label`` runs over (``"DP"``,
+        ``"TP"``, ``"PP"``, and under HSDP ``"DP_replicate"``: :meth:`group_labels`), with
+        ``size_of`` as :meth:`dim_size`. Under HSDP ``"DP"`` is the ``dp_shard`` group (DP/R)."""
+        if self.hsdp and label in ("DP", "DP_replicate"):
+            return self.dim_size("dp_shard" if label == "DP" else "dp_replicate", size_of)
+        return size_of(label)
+
+    def engine_meshes(self, mesh) -> tuple[dict, dict]:
+        """``({symbol: DeviceMesh}, {process group name: label})`` of a ``DeviceMesh`` with this
+        layout's dimension names (and maybe ``pp``): the meshes :meth:`parallelize` applies each
+        engine over (under HSDP, ``DP`` is the 2-D ``(dp_replicate, dp_shard)`` mesh FSDP2 takes),
+        and each 1-D group's label: its symbol, and under HSDP ``"DP"`` for ``dp_shard``,
+        ``"DP_replicate"`` for ``dp_replicate``."""
+        dims = [d for d in self.traced_dims]
+        sub, labels = {}, {}
+        for d in dims:
+            label = "DP_replicate" if (self.hsdp and d == "dp_replicate") else DIM_SYMBOL[d]
+            labels[mesh[d].get_group().group_name] = label
+            if not (self.hsdp and d.startswith("dp")):
+                sub[DIM_SYMBOL[d]] = mesh[d]
+        if self.hsdp:
+            sub["DP"] = mesh["dp_replicate", "dp_shard"]
+        return sub, labels
 
     def __bool__(self) -> bool:
         """False for one device without any step technique (the plain step)."""
@@ -149,7 +227,10 @@ class Layout:
         parts = []
         for d in self.dims:
             n = (values or {}).get(DIM_SYMBOL[d], DIM_SYMBOL[d])
-            what = {"dp_replicate": self.shard, "dp_shard": self.shard,
+            if self.hsdp and d.startswith("dp"):
+                dp = (values or {}).get("DP")
+                n = self.replicate if d == "dp_replicate" else (dp // self.replicate if dp else f"DP/{self.replicate}")
+            what = {"dp_replicate": self.shard if not self.hsdp else None, "dp_shard": self.shard,
                     "tp": "sp" if self.sp else None,
                     "pp": self.pipeline.schedule if self.pipeline else None}.get(d)
             parts.append(f"{d} {n}" + (f" ({what})" if what else ""))
@@ -178,6 +259,8 @@ class Layout:
             out["pipeline"] = dataclasses.asdict(self.pipeline)
         if self.ac is not None:
             out["ac"] = self.ac
+        if self.replicate is not None:
+            out["replicate"] = self.replicate
         return out
 
     @classmethod
@@ -187,7 +270,7 @@ class Layout:
         pipe = d.get("pipeline")
         return cls(shard=d.get("shard"), fsdp_mp=tuple(d["fsdp_mp"]) if d.get("fsdp_mp") else None,
                    tp=bool(d.get("tp")), sp=bool(d.get("sp")), pipeline=Pipeline(**pipe) if pipe else None,
-                   ac=d.get("ac"))
+                   ac=d.get("ac"), replicate=d.get("replicate"))
 
     def cache_options(self) -> dict:
         """The trace cache's options of a trace of this layout: a DDP and an FSDP trace, a TP and
@@ -201,6 +284,8 @@ class Layout:
             out.update(tp=True, sp=bool(self.sp))
         if self.ac is not None:
             out["ac"] = self.ac
+        if self.replicate is not None:
+            out["replicate"] = self.replicate
         return out
 
     # --- the model under the layout -------------------------------------------------------------
@@ -239,7 +324,7 @@ class Layout:
 
                 def sizes(values):
                     return splits(base, values, sp)
-            spec = data_parallel(spec, self.shard, self.fsdp_mp, sizes)
+            spec = data_parallel(spec, self.shard, self.fsdp_mp, sizes, self.replicate)
         if self.tp:
             from symcost.frontends.tensor_parallel import tensor_parallel
 
@@ -256,14 +341,17 @@ class Layout:
             raise SymcostError(f"{spec.name} is already laid out as {mine.describe()}; give one layout")
         return dataclasses.replace(spec, extra={**spec.extra, "layout": self.to_dict()})
 
-    def fake_mesh(self, values: Mapping[str, int]) -> dict:
+    def fake_mesh(self, values: Mapping[str, int], labels: dict | None = None) -> dict:
         """``{symbol: DeviceMesh}`` of one rank (rank 0) of this layout's traced dimensions on
         PyTorch's fake process group of ``prod(sizes)`` ranks: ``init_device_mesh`` with the
-        dimensions named as torchtitan names them, and each symbol's sub-mesh. Call it outside
-        ``FakeTensorMode`` (the mesh reads a real tensor).
+        dimensions named as torchtitan names them, and each symbol's sub-mesh
+        (:meth:`engine_meshes`; under HSDP ``DP`` is the 2-D ``(dp_replicate, dp_shard)`` one).
+        ``labels``, where given, receives each 1-D group's label (:meth:`engine_meshes`). Call it
+        outside ``FakeTensorMode`` (the mesh reads a real tensor).
 
         Raises:
-            SymcostError: a traced dimension whose symbol ``values`` lacks.
+            SymcostError: a traced dimension whose symbol ``values`` lacks; under HSDP, a DP that
+                R does not divide.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -273,10 +361,16 @@ class Layout:
         missing = [DIM_SYMBOL[d] for d in dims if DIM_SYMBOL[d] not in values]
         if missing:
             raise SymcostError(f"the layout {self.describe()} needs the size {missing[0]}")
-        shape = tuple(int(values[DIM_SYMBOL[d]]) for d in dims)
+        if self.hsdp and int(values["DP"]) % self.replicate:
+            raise SymcostError(f"--dp {values['DP']} is no multiple of --dp-replicate {self.replicate} "
+                               "(HSDP: DP = replicate × shard)")
+        shape = tuple(int(self.dim_size(d, lambda s: int(values[s]))) for d in dims)
         fake_world(math.prod(shape))
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
-        return {DIM_SYMBOL[d]: mesh[d] for d in dims}
+        sub, names = self.engine_meshes(mesh)
+        if labels is not None:
+            labels.update(names)
+        return sub
 
     def parallelize(self, model, layers: str | None, mesh: Mapping[str, Any]):
         """Parallelise ``model`` in place over ``mesh`` (:meth:`fake_mesh`) in torchtitan's order:

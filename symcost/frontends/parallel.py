@@ -87,7 +87,8 @@ def check_shard(shard: str) -> str:
     return shard
 
 
-def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None, tp_sizes=None):
+def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None, tp_sizes=None,
+                  replicate: int | None = None):
     """The data-parallel dimension's part of a layout's spec (:meth:`symcost.frontends.layout.Layout.spec`
     calls it; a traced spec is the layout's): ``spec`` with the symbol ``DP`` (the group size:
     ``shard`` over ``DP`` ranks) and the probe check that keeps the per-rank sizes polynomial in
@@ -118,11 +119,14 @@ def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None, tp_
         why = inner_probe(values) if inner_probe else None
         if why or "DP" not in values:
             return why
-        return _indivisible(spec, values, tp_sizes)
+        if replicate and values["DP"] % replicate:
+            return f"DP={values['DP']} is no multiple of the replicate degree {replicate} (HSDP)"
+        return _indivisible(spec, values, tp_sizes, replicate)
 
-    defaults = dict(spec.defaults, DP=spec.defaults.get("DP", 8))
+    defaults = dict(spec.defaults, DP=spec.defaults.get("DP", 8 if not replicate else 4 * replicate))
+    moduli = dict(spec.moduli, DP=replicate) if replicate and replicate > 1 else spec.moduli
     return dataclasses.replace(spec, symbols=tuple(spec.symbols) + ("DP",), defaults=defaults,
-                               probe_check=probe_check)
+                               probe_check=probe_check, moduli=moduli)
 
 
 #: spec.build -> {"inputs": whether B and S size a parameter, (config values) -> dim 0 of each parameter}
@@ -162,13 +166,13 @@ def memo_per_model(memo: dict, values: Mapping[str, int], compute):
     return memo[key(values)]
 
 
-def _indivisible(spec, values: Mapping[str, int], tp_sizes=None) -> str | None:
+def _indivisible(spec, values: Mapping[str, int], tp_sizes=None, replicate: int | None = None) -> str | None:
     """Why ``DP`` does not divide the first dimension of every parameter (built on the meta
     device), or None. With ``TP`` in ``values`` (the 2-D mesh: FSDP2 shards the rank's TP-local
     rows, ``d0/TP`` of a column-parallel weight), times the largest TP the probes can draw here
     (``tp_sizes(values)``, :func:`data_parallel`; 8 of 2, 4, 8 where not given): where the plan
     splits K = 2 heads, TP = 2 is the only one, and D need not be a multiple of 16 for 2·D."""
-    dp = values["DP"]
+    dp = values["DP"] // (replicate or 1)  # (HSDP: the dp_shard group's size)
     # a multiple of lcm(DP, 4): then DP = 2 and 4 both divide the base probe's dimensions, so
     # DP can vary alone from it (fit.plan_probes); on the 2-D mesh, TP too
     tp = 1

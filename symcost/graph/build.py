@@ -572,7 +572,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         comm = None
         if family == "comm":
             g = op.group or trace_group(ref)
-            n = SYMS[g] if g in symbols else pinned.get(g, ref.values.get(g, 1))
+            n = layout_of(spec).group_size(g, lambda x: SYMS[x] if x in symbols else pinned.get(x, ref.values.get(x, 1)))
             kind, size, per_rank = rules.comm_volume(_op_view(op, in_shapes, out_shapes, ints), n)
             comm = (kind, sympy.expand(size), sympy.expand(per_rank), g)
         ops.append(SymOp(
@@ -696,7 +696,9 @@ def concrete_totals(rec: Recording) -> dict[str, int]:
         for op in rec.ops:
             if rules.classify(op.op) == "comm":
                 v = _op_view(op, [t.shape for t in op.inputs], [t.shape for t in op.outputs], op.ints)
-                kind, _, per_rank = rules.comm_volume(v, rec.values[op.group or trace_group(rec)])
+                n = Layout(shard=rec.parallel if rec.replicate else None, replicate=rec.replicate).group_size(
+                    op.group or trace_group(rec), rec.values.__getitem__)
+                kind, _, per_rank = rules.comm_volume(v, n)
                 if kind in COMM_KINDS:  # (not a wait)
                     out[f"comm.{kind}"] += per_rank
         out["shards"] = sum(rules.numel(s) for s in rec.param_shards.values())

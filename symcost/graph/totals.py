@@ -67,7 +67,8 @@ class Totals:
         (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``broadcast``, pipeline ``send``/``recv`` or ``total``) during
         ``phase``, ring algorithm (:func:`symcost.graph.rules.comm_volume`); 0 without data
         parallelism. ``group``: only the collectives over that mesh dimension's group (``"DP"`` or
-        ``"TP"``: on the 2-D mesh of ``--dp`` with ``--tp``, the two links); None: all. A
+        ``"TP"``: on the 2-D mesh of ``--dp`` with ``--tp``, the two links; under HSDP ``"DP"`` is
+        the ``dp_shard`` group and ``"DP_replicate"`` the ``dp_replicate`` one); None: all. A
         polynomial in the symbols, ``DP`` and ``TP``."""
         if kind != "total" and kind not in COMM_KINDS + P2P_KINDS:
             raise SymcostError(f"unknown collective {kind!r}; accepted: {', '.join(COMM_KINDS + P2P_KINDS)}, total")

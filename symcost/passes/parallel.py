@@ -45,6 +45,18 @@ SHARDED: dict[str, tuple[str, ...]] = {
 }
 
 
+def shard_degree(an, dp):
+    """The ranks a data-parallel trace's states are sharded over at data-parallel size ``dp``
+    (an int or the symbol DP): ``dp``, and under HSDP (``Layout.replicate`` R) the ``dp_shard``
+    group's DP/R."""
+    r = layout_of(an).replicate
+    if not r:
+        return dp
+    if isinstance(dp, (int, sympy.Integer)):
+        return int(dp) // r
+    return dp / r
+
+
 def model_state_bytes(P, DP, shard: str, precision: str = "bf16-true-fp32-master",
                       optimizer: str = "adamw", P_shard=None) -> dict[str, Any]:
     """Bytes of model states one rank holds: ``params``, ``grads``, ``optimizer_state``,
@@ -118,9 +130,10 @@ def padded(an, env: Mapping) -> dict[str, Any]:
         each a sympy Rational/Integer; for a ``replicate`` (DDP) trace, the formulas evaluated.
     """
     env = {SYMS[str(k)] if not isinstance(k, sympy.Symbol) else k: v for k, v in env.items()}
-    dp = env.get(SYMS["DP"], an.pinned.get("DP", 1))
+    dp = shard_degree(an, env.get(SYMS["DP"], an.pinned.get("DP", 1)))
     comm = {k: sympy.Integer(0) for k in COMM_KINDS if k != "broadcast"}
-    if SHARDS[an.parallel][0] != "fully_shard" or getattr(an, "tensor_parallel", None):
+    if SHARDS[an.parallel][0] != "fully_shard" or getattr(an, "tensor_parallel", None) or layout_of(an).hsdp:
+        # (HSDP: the formulas as they are, exact where DP/R divides every first dimension)
         # (replicate pads nothing; on the 2-D mesh the formulas are taken as they are: FSDP2
         # pads the TP-local rows, which DP divides at every size the trace's probes drew)
         for k in comm:
@@ -209,7 +222,7 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
     traced_shards = SHARDS[shard][0] == "fully_shard" and "params" in SHARDED[shard]
     mesh2 = getattr(an, "tensor_parallel", None)
     P = params_tp_local(an)  # what the data-parallel engine holds (the TP-local parameters on the 2-D mesh)
-    mem = model_state_bytes(P, DP, shard, precision or an.precision, optimizer,
+    mem = model_state_bytes(P, shard_degree(an, DP), shard, precision or an.precision, optimizer,
                             an.params_shard if traced_shards else None)
     mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
     engine, reshard, label = SHARDS[shard]
@@ -222,16 +235,20 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         engine += (f", MixedPrecisionPolicy(param_dtype=torch.{MP_DTYPES[mp[0]]}, "
                    f"reduce_dtype=torch.{MP_DTYPES[mp[1]]})")
     if mesh2:
-        dp_dim = next(d for d in layout_of(an).dims if d.startswith("dp"))
+        dp_dim = ("(dp_replicate, dp_shard)" if layout_of(an).hsdp
+                  else next(d for d in layout_of(an).dims if d.startswith("dp")))
         engine = ("torch.distributed.tensor.parallel.parallelize_module (Megatron plan"
                   + (", SequenceParallel norms" if mesh2 == "tp+sp" else "") + ") over the mesh's tp dimension, then "
-                  + engine + f" over its {dp_dim} dimension")
+                  + engine + f" over its {dp_dim} dimension" + ("s" if layout_of(an).hsdp else ""))
+    elif layout_of(an).hsdp:
+        engine += " over the 2-D mesh (dp_replicate, dp_shard) (HSDP)"
     out = {"shard": shard, "engine": engine, "label": label, "comm": comm, "memory": mem,
            "peak": rank_peak(an, precision, optimizer, sizes, impl, device)}
     if mesh2:
         out["tensor_parallel"] = mesh2
+    if mesh2 or layout_of(an).hsdp:
         out["comm_by_group"] = {g: {**{k: an.comm_bytes(k, group=g) for k in COMM_KINDS if k != "broadcast"},
-                                    "total": an.comm_bytes("total", group=g)} for g in ("DP", "TP")}
+                                    "total": an.comm_bytes("total", group=g)} for g in layout_of(an).group_labels}
     if sizes is not None:
         env = an.bind(**sizes)
         ev = padded(an, env)
@@ -240,17 +257,18 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         dp = env.get(SYMS["DP"], an.pinned.get("DP", 1))
         P = int(sympy.sympify(P).xreplace(env))
         # DeepSpeed's ZeRO-1/2 partitions pad the flat buffer to a multiple of DP: ceil(P/DP) each
-        share = ev["params_shard"] if traced_shards else -(-P // dp)
-        vmem = model_state_bytes(P, dp, shard, precision or an.precision, optimizer, share)
+        share = ev["params_shard"] if traced_shards else -(-P // shard_degree(an, dp))
+        vmem = model_state_bytes(P, shard_degree(an, dp), shard, precision or an.precision, optimizer, share)
         vmem["activations"] = mem["activations"].xreplace(env)
         fsdp_sharded = SHARDS[shard][0] == "fully_shard"
         out["values"] = {"comm": vcomm, "memory": vmem, "dp": dp,
-                         "divisible": (ev["params_shard"] if fsdp_sharded else share) * dp == P}
+                         "divisible": (ev["params_shard"] if fsdp_sharded else share) * shard_degree(an, dp) == P}
         if mesh2:
             if fsdp_sharded:  # FSDP2 pads where DP does not divide a TP-local first dimension
                 out["values"]["divisible"] = all(sympy.sympify(d).xreplace(env).is_integer
                                                  for sh, _, _ in an.param_shards.values() for d in sh)
             out["values"]["tp"] = env.get(SYMS["TP"], an.pinned.get("TP", 1))
+        if "comm_by_group" in out:
             out["values"]["comm_by_group"] = {g: {k: sympy.sympify(v).xreplace(env) for k, v in d.items()}
                                               for g, d in out["comm_by_group"].items()}
     return out
@@ -334,6 +352,14 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
     # the node), a DP group one rank of each TP group: its ring crosses nodes when the mesh does
     link, bw = over(nodes)
     tp_link, tp_bw = over(1 if tp <= per_node and per_node % tp == 0 else 2)
+    hsdp = layout_of(an).replicate
+    if hsdp:
+        # HSDP's mesh (dp_replicate, dp_shard, tp), tp innermost: a dp_shard group spans
+        # shard·TP consecutive ranks (inside a node where they fit), the dp_replicate group's
+        # ring crosses nodes when the mesh does (torchtitan: shard within, replicate across nodes)
+        shard_ranks = shard_degree(an, dp) * tp
+        link, bw = over(1 if shard_ranks <= per_node and per_node % shard_ranks == 0 else 2)
+        rep_link, rep_bw = over(nodes)
     r = roofline(an, device, {str(k): v for k, v in env.items()}, fused=fused)
     compute = {ph: r["per_phase"].get(ph, {}).get("seconds", 0.0) for ph in ("forward", "backward")}
     exact = padded(an, env)
@@ -345,15 +371,17 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
             part = sympy.sympify(an.comm_bytes(k, ph)).xreplace(env)
             tot += part * (exact["comm"][k] / whole[k]) if whole[k] else 0
         nbytes[ph] = float(tot)
+        rep_part = float(sympy.sympify(an.comm_bytes("total", ph, group="DP_replicate")).xreplace(env)) if hsdp else 0.0
+        rep_time = rep_part / rep_bw if hsdp else 0.0
         if mesh2:
             # each group's bytes over its own link; the TP group's collectives sit between the
             # ops that produce and consume their tensors (Megatron's all-reduces, Shoeybi et al.
             # 2019 §3): exposed whatever the overlap model, which applies to the DP group's
             tp_part = float(sympy.sympify(an.comm_bytes("total", ph, group="TP")).xreplace(env))
-            comm[ph] = (nbytes[ph] - tp_part) / bw
+            comm[ph] = (nbytes[ph] - tp_part - rep_part) / bw + rep_time
             tp_comm[ph] = tp_part / tp_bw
         else:
-            comm[ph] = nbytes[ph] / bw
+            comm[ph] = (nbytes[ph] - rep_part) / bw + rep_time
     if overlap == "none":
         step = sum(compute.values()) + sum(comm.values())
     elif overlap == "backward":
@@ -367,6 +395,7 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
     model_flops = r["model_flops"]
     return {"compute": compute, "comm": comm, "bytes": nbytes, "link": link, "link_bandwidth": bw,
             **({"tp_link": tp_link, "tp_link_bandwidth": tp_bw, "tp_comm": tp_comm} if mesh2 else {}),
+            **({"replicate_link": rep_link, "replicate_link_bandwidth": rep_bw} if hsdp else {}),
             "nodes": nodes, "devices_per_node": per_node, "overlap": overlap, "overlap_model": OVERLAPS[overlap],
             "step_seconds": step, "exposed_comm_seconds": step - sum(compute.values()),
             "mfu": model_flops / (step * peak) if step else 0.0, "precision": key, "peak_flops": peak,

@@ -523,11 +523,13 @@ def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) 
                          "memory_per_rank": {k: fmt(v) for k, v in summary["memory"].items()},
                          "memory": peak},
         }
-        if summary.get("comm_by_group"):  # the 2-D mesh: each group's collectives
+        if summary.get("tensor_parallel"):  # the 2-D mesh
             out["parallel"].update(tp="TP" if "TP" in an.symbols else an.pinned.get("TP"),
-                                   sp=summary["tensor_parallel"] == "tp+sp",
-                                   comm_by_group={g: {k: fmt(v) for k, v in d.items()}
-                                                  for g, d in summary["comm_by_group"].items()})
+                                   sp=summary["tensor_parallel"] == "tp+sp")
+        _hsdp_json(an, out["parallel"], None)
+        if summary.get("comm_by_group"):  # each group's collectives
+            out["parallel"]["comm_by_group"] = {g: {k: fmt(v) for k, v in d.items()}
+                                                for g, d in summary["comm_by_group"].items()}
         return out
     out = {
         "comm": {k: num(v) for k, v in vals["comm"].items()},
@@ -536,11 +538,23 @@ def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) 
                      "memory_per_rank": {k: num(v) for k, v in vals["memory"].items()},
                      "memory": peak},
     }
+    if summary.get("tensor_parallel"):
+        out["parallel"].update(tp=int(vals["tp"]), sp=summary["tensor_parallel"] == "tp+sp")
+    _hsdp_json(an, out["parallel"], int(vals["dp"]))
     if vals.get("comm_by_group"):
-        out["parallel"].update(tp=int(vals["tp"]), sp=summary["tensor_parallel"] == "tp+sp",
-                               comm_by_group={g: {k: num(v) for k, v in d.items()}
-                                              for g, d in vals["comm_by_group"].items()})
+        out["parallel"]["comm_by_group"] = {g: {k: num(v) for k, v in d.items()}
+                                            for g, d in vals["comm_by_group"].items()}
     return out
+
+
+def _hsdp_json(an: Analysis, par: dict, dp: int | None) -> None:
+    """HSDP's two data-parallel sizes in ``par``: ``dp_replicate`` R and ``dp_shard`` (DP/R:
+    the formula's, or at ``dp``)."""
+    from symcost.frontends.layout import layout_of
+
+    r = layout_of(an).replicate
+    if r:
+        par.update(dp_replicate=r, dp_shard=dp // r if dp is not None else f"DP/{r}")
 
 
 def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width: int | None = None,
@@ -550,14 +564,16 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
     c = console(width)
     js = parallel_json(an, sizes, summary)
     par = js["parallel"]
-    if par.get("comm_by_group"):
+    hsdp = (f" (HSDP: dp_replicate {par['dp_replicate']} × dp_shard {par['dp_shard']}: states sharded over "
+            f"dp_shard, gradients all-reduced over dp_replicate)") if par.get("dp_replicate") else ""
+    if par.get("tp") is not None:
         c.print(f"\n[bold]data x tensor parallel[/bold]: the mesh DP = {par['dp']} x TP = {par['tp']} "
                 f"({'with' if par['sp'] else 'without'} sequence parallelism), one rank traced: "
-                f"{par['engine']}; {par['sharded']} (of the rank's TP-local parameters)")
+                f"{par['engine']}; {par['sharded']} (of the rank's TP-local parameters)" + hsdp)
     else:
         c.print(f"\n[bold]data parallel[/bold]: --shard {par['shard']} on DP = {par['dp']} ranks; traced "
-                f"{par['engine']}; {par['sharded']}")
-    if par.get("divisible") is False and par.get("comm_by_group"):
+                f"{par['engine']}; {par['sharded']}" + hsdp)
+    if par.get("divisible") is False and (par.get("tp") is not None or par.get("dp_replicate")):
         c.print("[yellow]DP does not divide every TP-local first dimension here: FSDP2 pads the shards "
                 "(ceil(d0/DP) rows per rank), which the values of the 2-D mesh leave out (docs/parallel.md)[/yellow]")
     elif par.get("divisible") is False:
@@ -578,7 +594,9 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
         c.print(f"step time per rank: {step['step_seconds'] * 1e3:.3f} ms (compute {step['compute']['forward'] * 1e3:.3f} "
                 f"+ {step['compute']['backward'] * 1e3:.3f} ms, communication {step['comm']['forward'] * 1e3:.3f} + "
                 f"{step['comm']['backward'] * 1e3:.3f} ms over {step['link']} at {step['link_bandwidth'] / 1e9:.0f} GB/s "
-                f"per direction, {step['nodes']} node(s); overlap {step['overlap']}: {step['overlap_model']}); "
+                + (f"(dp_shard) and {step['replicate_link']} at {step['replicate_link_bandwidth'] / 1e9:.0f} GB/s "
+                   "(dp_replicate) " if step.get("replicate_link") else "")
+                + f"per direction, {step['nodes']} node(s); overlap {step['overlap']}: {step['overlap_model']}); "
                 f"MFU {100 * step['mfu']:.1f}%" + (f" of the {step['precision']} peak {step['peak_flops'] / 1e12:.4g} "
                                                     "TFLOP/s (the dtype the traced matmuls ran in)"
                                                     if step.get("precision") else ""))

@@ -466,7 +466,9 @@ class Fitter:
             # sparse search below); the same for TP
             # (TP alone too: a head count the request pins, K/TP, takes two values of TP where
             # K = 2·TP leaves TP one other probe value; 3 - TP/2 fits those two as well as 4/TP)
-            if g in deps and (len(deps) > 1 or g == "TP"):
+            # (DP alone too where the probes hold two values of it, HSDP's DP = R·shard with a
+            # shard group of one rank in another regime: c - k·DP fits a shard's rows c'/DP there)
+            if g in deps and (len(deps) > 1 or g == "TP" or self.distinct[g] < 3):
                 got = self._fit_group(sig, what, g)
                 if got is not None:
                     return got

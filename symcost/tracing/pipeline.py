@@ -25,7 +25,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from symcost.errors import SymcostError
-from symcost.frontends.layout import DIM_SYMBOL
 from symcost.frontends.pipeline import SCHEDULES, local_boundary, make_stage, part_of, probe_spec, stage_blocks
 from symcost.tracing.record import _lazy_init, materialize, precision_context
 
@@ -173,7 +172,7 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
             m = spec.build(dict(values, L=blocks[s]))
         models.append((s, make_stage(m, layers, part_of(s, n), pre, post, templates)))
     dims = tuple(inner.traced_dims) if inner else ()
-    shape = tuple(int(values[DIM_SYMBOL[d]]) for d in dims)
+    shape = tuple(int(inner.dim_size(d, lambda s: int(values[s]))) for d in dims)
     others = math.prod(shape)
     if dims:
         # the composed mesh: this process is global rank 0 of a fake world kept across the
@@ -198,8 +197,8 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
             ranks = torch.arange(pp * others).reshape((pp,) + shape).roll(rank, dims=0)
             mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("pp",) + dims)
             group = mesh["pp"].get_group()
-            sub = {DIM_SYMBOL[d]: mesh[d] for d in dims}
-            groups = {m.get_group().group_name: k for k, m in {**sub, "PP": mesh["pp"]}.items()}
+            sub, groups = inner.engine_meshes(mesh)
+            groups[mesh["pp"].get_group().group_name] = "PP"
             for _, m in models:
                 if param_dtype != torch.float32:
                     m.to(param_dtype)  # on the meta device, before the parameters become DTensors

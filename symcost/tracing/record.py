@@ -168,6 +168,8 @@ class Recording:
     # the 2-D mesh (DP, TP) of a data-parallel strategy over tensor parallelism: "tp" or "tp+sp"
     # (``parallel`` names the strategy); each collective's group is its ``OpCall.group``
     tensor_parallel: str | None = None
+    # HSDP (Layout.replicate): the dp_replicate degree; the "DP" group is then dp_shard (DP/R ranks)
+    replicate: int | None = None
     # an inference step, per cache layer: the bytes of the storages the step replaced (freed, each
     # paired with the allocation of its replacement in ``events``) minus those of the storages it
     # allocated for the cache (the cache's bytes before the step minus after, over the storages
@@ -566,7 +568,8 @@ class _Recorder(TorchDispatchMode):
         return None
 
 
-#: process group name -> mesh symbol ("DP", "TP") of every 2-D mesh recorded in this process
+#: process group name -> label ("DP", "TP", HSDP's "DP_replicate": Layout.engine_meshes) of every
+#: multi-dimensional mesh recorded in this process
 _MESH_GROUPS: dict[str, str] = {}
 
 
@@ -950,13 +953,14 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             model.to(param_dtype)  # on the meta device, before the parameters become DTensors
         # one rank of the layout's mesh on the fake process group (torchtitan's layout: tensor
         # parallelism inside, data parallelism across)
-        mesh = layout.fake_mesh(values)
+        labels: dict[str, str] = {}
+        mesh = layout.fake_mesh(values, labels)
         if len(layout.traced_dims) > 1:
             # every multi-dimensional mesh's group names so far, this one's last: DTensor's caches
             # keep the DeviceMesh of an earlier recording whose mesh compares equal (same shape and
             # names), so a collective can name that mesh's group (seen: sequence parallelism's
             # backward all-gathers in every recording after the first of a process)
-            _MESH_GROUPS.update({m.get_group().group_name: k for k, m in mesh.items()})
+            _MESH_GROUPS.update(labels)
             groups = dict(_MESH_GROUPS)
     if layout:
         # tensor parallelism first, then activation checkpointing, then the data-parallel engine
@@ -1166,7 +1170,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                      n_forward, n_backward, precision, tied, buffers, sum(input_storages.values()),
                      events_end, spec.step, kv[0], kv[1], parallel, param_shards,
                      tensor_parallel if parallel != tensor_parallel else None,
-                     kv_start=list(kv[2]) if len(kv) > 2 else [])
+                     replicate=layout.replicate, kv_start=list(kv[2]) if len(kv) > 2 else [])
 
 
 def _param_storages(model) -> set[int]:

@@ -9,7 +9,9 @@ running it), runs one training step with gloo and writes ``OUT/rank{r}.json``. W
 the ranks form the 2-D mesh ``init_device_mesh("cpu", (DP, N/DP), mesh_dim_names=("dp", "tp"))``:
 the plan over ``tp``, then the data-parallel engine (``fully_shard`` or ``replicate`` per block
 and the root, ``symcost.frontends.parallel.wrap``) over ``dp``; collective bytes are reported per
-group (``DP.all_gather``, ``TP.all_reduce``, ...), each with its own group's size.
+group (``DP.all_gather``, ``TP.all_reduce``, ...), each with its own group's size. With
+``R hsdp:SHARD`` (SHARD fsdp or zero2) there is no TP: the N ranks form HSDP's mesh
+``(dp_replicate R, dp_shard N/R)`` and the engine is ``fully_shard`` over it (:func:`hsdp_mesh`).
 
 :func:`measure` is what each rank measures, also used in-process on the fake group:
 
@@ -207,6 +209,40 @@ def fake_mesh_rank(spec, values: dict, sp: bool, shard: str):
     return model, ctx, {mesh[k].get_group().group_name: k.upper() for k in ("dp", "tp")}
 
 
+def hsdp_mesh(world: int, replicate: int):
+    """PyTorch's HSDP mesh of ``world`` ranks: ``init_device_mesh("cpu", (R, world/R),
+    mesh_dim_names=("dp_replicate", "dp_shard"))`` (torchtitan's names), and ``groups`` as
+    :func:`measure` takes it (``dp_shard``'s collectives "DP", ``dp_replicate``'s
+    "DP_replicate")."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (replicate, world // replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return mesh, {mesh["dp_shard"].get_group().group_name: "DP",
+                  mesh["dp_replicate"].get_group().group_name: "DP_replicate"}
+
+
+def fake_hsdp_rank(spec, values: dict, replicate: int, shard: str = "fsdp"):
+    """Rank 0 of HSDP (``values["DP"]`` ranks, ``replicate`` R of them replicating) on the fake
+    process group: ``spec``'s model on the meta device in bf16, ``fully_shard`` per block and the
+    root over PyTorch's 2-D mesh (:func:`hsdp_mesh`). Returns ``(model, loss_context, groups)``."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from symcost.frontends.parallel import wrap
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=values["DP"])
+    mesh, groups = hsdp_mesh(values["DP"], replicate)
+    with torch.device("meta"):
+        model = spec.build(values).to(torch.bfloat16)
+    wrap(model, spec.layers, shard, mesh)
+    return model, contextlib.nullcontext, groups
+
+
 def fake_peak(spec, values: dict, sp: bool, foreach: bool = False) -> int:
     """Peak bytes of rank 0 of ``values["TP"]`` ranks in a steady-state training step (forward and
     loss under ``loss_parallel``, backward, AdamW step, ``zero_grad(set_to_none=True)``), bf16
@@ -302,6 +338,25 @@ def main():
     dp, shard = (int(sys.argv[9]), sys.argv[10]) if len(sys.argv) > 10 else (None, None)
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
+    if shard is not None and shard.startswith("hsdp:"):  # HSDP: DP = n ranks, R = dp replicating, no TP
+        import contextlib
+
+        from symcost.frontends.parallel import wrap
+
+        values = {"H": H, "D": D, "L": L, "V": V, "B": B, "S": S, "DP": n}
+        spec = resolve("megatron-gpt")
+        torch.manual_seed(0)
+        model = spec.build(values).to(torch.bfloat16)
+        mesh, groups = hsdp_mesh(n, dp)
+        wrap(model, spec.layers, shard.split(":")[1], mesh)
+        got = measure(model, spec, values, contextlib.nullcontext, groups=groups)
+        got.update(real_peak(model, spec, values, contextlib.nullcontext))
+        got["world"] = n
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(got, f)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     tp = n // dp if dp else n
     values = {"H": H, "D": D, "L": L, "V": V, "B": B, "S": S, "TP": tp, **({"DP": dp} if dp else {})}
     spec = resolve("megatron-gpt")

@@ -157,14 +157,14 @@ class MemoryModel(Solver):
         FSDP/ZeRO-3: the traced DTensor shards), plus Adam's 4-byte step counters, one per
         parameter tensor on every rank. Gradients are scaled to this size where the schedule
         allocates them (:meth:`_load_schedule`)."""
-        from symcost.passes.parallel import SHARDED, model_state_bytes
+        from symcost.passes.parallel import SHARDED, model_state_bytes, shard_degree
         from symcost.frontends.parallel import SHARDS
 
         if self.opt.factored:
             raise SymcostError(f"--optimizer {self.opt.name}: the per-rank state of a factored optimizer is not "
                                "modelled with --dp yet; use adamw, adam or sgd")
         an = self.an
-        DP = SYMS["DP"] if "DP" in an.symbols else an.pinned.get("DP", 1)
+        DP = shard_degree(an, SYMS["DP"] if "DP" in an.symbols else an.pinned.get("DP", 1))
         traced = SHARDS[self.parallel][0] == "fully_shard" and "params" in SHARDED[self.parallel]
         st = model_state_bytes(self.P, DP, self.parallel, self.policy.name, self.opt.name,
                                an.params_shard if traced else None)
