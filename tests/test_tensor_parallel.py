@@ -25,7 +25,7 @@ import symcost
 from symcost.tracing.fit import SYMS
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
-from tp_rank import fake_peak, fake_rank_model, measure, transformers_rank_model  # noqa: E402
+from tp_rank import fake_peak, fake_rank_model, measure, torchtitan_sp_rank_model, transformers_rank_model  # noqa: E402
 
 PRECISION = "bf16-true"  # 16-bit activations, as the paper counts (2 bytes), 1-byte dropout masks
 
@@ -569,6 +569,42 @@ def _against_transformers(an, spec, v: dict, exact: bool, replicated: bool = Fal
     assert int(an.params_shard.subs(env)) == got["shard"], v
     if replicated:
         _assert_replicated(an, v, m)  # the attention and the experts: whole on every rank, and said
+
+
+@pytest.mark.hf
+def test_hf_sequence_parallel_as_torchtitan_runs_it():
+    """Issue 27 (``--sp`` on transformers models was refused: their plans have no sequence-
+    parallel entries): symcost supplies torchtitan's plan for transformers models. A 2-block
+    ``hf:llama`` (GQA): at random sizes and TP, the rank's FLOPs, saved bytes, collective bytes by
+    kind and parameter elements equal PyTorch running torchtitan's plan, typed in the oracle
+    (tests/data/tp_rank.py ``torchtitan_sp_rank_model``), on the fake group; and against the same
+    model's ``--tp`` trace: the same model FLOPs, and the all-reduces of the residual stream
+    become all-gathers and reduce-scatters of the same ring bytes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+
+    spec = resolve("hf:llama", {"num_hidden_layers": "2"}, "eager")
+    an = symcost.trace(spec, layout=Layout(tp=True, sp=True), sizes={"TP": 2, "B": 2, "S": 32}, precision=PRECISION)
+    tp = symcost.trace(spec, layout=Layout(tp=True), sizes={"TP": 2, "B": 2, "S": 32}, precision=PRECISION)
+    assert "TP" in an.symbols and "S" in an.symbols, an.pinned
+    assert an.parallel == "tp+sp"
+    rng = random.Random(270)
+    for _ in range(2):
+        tp_size = rng.choice((2, 4))
+        v = {"TP": tp_size, "B": rng.randint(2, 4), "S": 8 * rng.randint(1, 8), "L": rng.randint(1, 3)}  # (S = 0 mod 8: the trace's regime under --sp)
+        values = spec.values(v)
+        m, ctx = torchtitan_sp_rank_model(spec, values)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            m.to_empty(device="cpu")
+            got = measure(m, spec, values, ctx)
+        assert Fraction(got["comm"]["reduce_scatter"]) > 0 and Fraction(got["comm"]["all_gather"]) > 0
+        _assert_rank(an, v, got)
+        env = an.bind(**v)
+        assert an.flops("train").subs(env) == tp.flops("train").subs(tp.bind(**v))
+        ring = lambda a, k: a.comm_bytes(k, "forward").subs(a.bind(**v))  # noqa: E731
+        assert ring(an, "all_gather") + ring(an, "reduce_scatter") >= ring(tp, "all_reduce") > 0
 
 
 @pytest.mark.hf

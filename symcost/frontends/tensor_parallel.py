@@ -258,10 +258,15 @@ def _roles(model, layers: str | None) -> tuple[dict[str, str], dict[str, str]]:
     return roles, parents
 
 
-def plan(model, layers: str | None, sp: bool) -> tuple[dict, bool]:
+def plan(model, layers: str | None, sp: bool, keep: bool = False) -> tuple[dict, bool]:
     """The Megatron plan of ``model`` (module docstring): ``({module name: ParallelStyle},
     loss_parallel)``; ``loss_parallel`` is True when the output head is column-parallel with
-    sharded logits (the loss must then run under ``loss_parallel()``)."""
+    sharded logits (the loss must then run under ``loss_parallel()``). ``keep`` (with ``sp``):
+    the residual stream stays a DTensor sharded over the sequence (the embedding's and the
+    row-parallel projections' ``use_local_output=False``) and the attention and MLP inputs are
+    all-gathered by :func:`_gather_inputs` instead of ``PrepareModuleInput``: a transformers
+    model reads the sequence length from its hidden states (positions, the causal mask), which
+    a local shard would cut to S/TP (:func:`sequence_parallel_plan`)."""
     from torch import nn
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -281,16 +286,17 @@ def plan(model, layers: str | None, sp: bool) -> tuple[dict, bool]:
             out[name] = col(name)
         elif role == "rowwise":
             out[name] = (RowwiseParallel if isinstance(model.get_submodule(name), nn.Linear) else Row)(
-                output_layouts=seq if sp else Replicate())
+                output_layouts=seq if sp else Replicate(), use_local_output=not keep)
         elif role == "norm" and sp:
             out[name] = SequenceParallel()
         elif role == "embedding":
-            out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+            out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate(),
+                                        use_local_output=not keep)
         elif role == "head":
             out[name] = col(name, input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1),
                             use_local_output=False)
             has_head = True
-    if sp:
+    if sp and not keep:
         for parent in parents:
             n = _positional(model.get_submodule(parent))
             out[parent] = PrepareModuleInput(input_layouts=(seq,) + (None,) * (n - 1),
@@ -424,6 +430,83 @@ def hf_plan(model, sp: bool) -> tuple[dict, bool] | None:
     return out, False
 
 
+def sequence_parallel_plan(model, layers: str | None, styles: dict) -> tuple[dict, bool]:
+    """``styles`` (transformers' plan as PyTorch styles, :func:`hf_plan`) with sequence
+    parallelism, as torchtitan applies it to a transformers model (torchtitan/experiments/
+    transformers_modeling_backend/parallelize.py, ``apply_non_moe_tp``; transformers' plans have
+    no sequence-parallel entries): the vocabulary-parallel embedding reduce-scatters its output
+    over the sequence (``RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))``);
+    each block's norms and the final norm are ``SequenceParallel``; the attention's and MLP's
+    inputs are all-gathered over the sequence before their column-parallel projections
+    (:func:`_gather_inputs`, torchtitan's ``PrepareModuleInput``: by keyword or position); the
+    row-parallel projections reduce-scatter their output (``output_layouts=Shard(1)``); the head
+    is column-parallel on the all-gathered sequence with vocabulary-sharded logits and the loss
+    under ``loss_parallel`` (torchtitan's default ``enable_loss_parallel``). The residual stream
+    stays a DTensor sharded over the sequence (``use_local_output=False``): transformers' model
+    reads the sequence length from it (positions, the causal mask), which a local shard would
+    cut to S/TP. Returns ``(styles, loss_parallel)``.
+
+    Raises:
+        SymcostError: a plan entry sequence parallelism does not cover (transformers' own style
+            objects: MLA, packed or MoE styles).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    own = sorted(p for p, s in styles.items() if isinstance(s, tuple) or s is _GRAD_ALL_REDUCE)
+    roles, _ = _roles(model, layers)
+    out: dict = {}
+    for p, s in styles.items():
+        names = [n for n, _ in model.named_modules() if _fqn_match(p, n)]
+        role = next((roles.get(n) for n in names if roles.get(n)), None)
+        if isinstance(s, tuple) and s[0] == _TRANSFORMERS:
+            raise SymcostError(f"--sp on a transformers model: its plan's {s[1]!r} style ({p}) has no sequence-"
+                               "parallel form here (torchtitan's plan covers q/k/v, o, gate/up/down, the norms, "
+                               "the embedding and the head); use --tp alone")
+        if role == "embedding":
+            out[p] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+        elif role == "head":
+            out[p] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+        elif isinstance(s, RowwiseParallel):
+            out[p] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        else:
+            out[p] = s
+    block_prefixes = tuple(f"{layers}.{n}." if layers else f"{n}." for n, _ in model.get_submodule(layers).named_children()) \
+        if layers is not None else ()
+    for n, role in roles.items():
+        # the norms on the residual stream: a block's own (input_layernorm, post_attention_layernorm,
+        # ...) and the final one; a norm inside the attention (Qwen3's q_norm) keeps its rule
+        own_norm = any(n.startswith(b) and "." not in n[len(b):] for b in block_prefixes)
+        if role == "norm" and (own_norm or not any(n.startswith(b) for b in block_prefixes)):
+            out[n] = SequenceParallel()
+    del own
+    return out, any(r == "head" for r in roles.values())
+
+
+def _gather_inputs(model, layers: str | None, mesh) -> None:
+    """With sequence parallelism on a transformers model (:func:`sequence_parallel_plan`): each
+    module that owns a column-parallel projection (the attention, the MLP) gets its hidden states
+    all-gathered over the sequence before its forward, whether they come by position or as the
+    keyword ``hidden_states`` (torchtitan's ``PrepareModuleInput(input_layouts=Shard(1),
+    desired_input_layouts=Replicate())`` and its ``input_kwarg_layouts`` form)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def gather(x):
+        if isinstance(x, DTensor) and any(getattr(pl, "dim", None) == 1 for pl in x.placements):
+            return x.redistribute(placements=[Replicate()])
+        return x
+
+    def hook(module, args, kwargs):
+        args = tuple(gather(a) if i == 0 else a for i, a in enumerate(args))
+        if "hidden_states" in kwargs:
+            kwargs = dict(kwargs, hidden_states=gather(kwargs["hidden_states"]))
+        return args, kwargs
+
+    _, parents = _roles(model, layers)
+    for parent in parents:
+        model.get_submodule(parent).register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def _transformers_styles() -> dict:
     """transformers' registry of tensor-parallel styles (``ALL_PARALLEL_STYLES``: name -> style
     object), or {} where the installed transformers has none."""
@@ -514,14 +597,20 @@ def apply(model, layers: str | None, mesh, sp: bool):
 
     tp = mesh.size()
     got = hf_plan(model, sp)
+    # a transformers model under sequence parallelism keeps its residual stream a DTensor
+    # (:func:`plan`'s ``keep``, :func:`sequence_parallel_plan`)
+    keep = sp and _transformers_model(model)
     if got is None:
-        styles, lp = plan(model, layers, sp)
+        styles, lp = plan(model, layers, sp, keep)
         colwise = [n for n, s in styles.items() if isinstance(s, ColwiseParallel) and n.count(".")]
     else:
-        if sp:
-            raise SymcostError("--sp on a transformers model is not supported yet (its base_model_tp_plan has no "
-                               "sequence-parallel entries and its layers pass hidden_states by keyword); use --tp alone")
-        styles, lp = got
+        styles, lp = got if not sp else sequence_parallel_plan(model, layers, got[0])
+        # a module a pipeline stage deleted (frontends.pipeline's Absent: no parameters) takes no
+        # style, as torchtitan's NoParallel for the stage's nn.Identity modules
+        # (transformers_modeling_backend/parallelize.py, apply_non_moe_tp)
+        deleted = {n for n, m in model.named_modules() if type(m).__name__ == "Absent"}
+        styles = {p: s for p, s in styles.items()
+                  if not deleted or not any(_fqn_match(p, n) for n in deleted)}
         grad_all_reduce = [p for p, s in styles.items() if s is _GRAD_ALL_REDUCE]
         own = {p: s[1] for p, s in styles.items() if isinstance(s, tuple) and s[0] == _TRANSFORMERS}
         styles = {p: s for p, s in styles.items() if s is not _GRAD_ALL_REDUCE and p not in own}
@@ -530,6 +619,14 @@ def apply(model, layers: str | None, mesh, sp: bool):
     if not styles:
         raise SymcostError("--tp: no projection of the model matches the Megatron plan (column- and "
                            "row-parallel Linears by name); nothing would be split")
+    if got is None and layers is not None and not any(n.startswith(layers + ".") for n in styles):
+        # (the embedding and head alone split: every block replicated on every rank, which a
+        # report would present as tensor parallelism; GPT-2's Conv1D with its fused c_attn)
+        kinds = sorted({type(m).__name__ for n, m in model.get_submodule(layers).named_modules()
+                        if getattr(m, "weight", None) is not None and getattr(m.weight, "dim", lambda: 0)() == 2})
+        raise SymcostError(f"--tp: no projection inside the blocks ({layers}) matches the Megatron plan "
+                           f"(column- and row-parallel nn.Linear by name; the blocks hold {', '.join(kinds)}), and "
+                           "the config has no base_model_tp_plan: every block would stay whole on every rank")
     # heads per rank: the attention module's head counts / TP (torchtitan's adjustment)
     done = set()
     for n in colwise:
@@ -546,7 +643,9 @@ def apply(model, layers: str | None, mesh, sp: bool):
                                        f"over {tp} ranks (accepted: a TP that divides {v}: {ok})")
                 setattr(parent, a, v // tp)
     if sp:
-        _split_positions(model, layers, mesh)
+        _split_positions(model, layers, mesh, keep)
+        if keep:
+            _gather_inputs(model, layers, mesh)
     tied: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         tied.setdefault(id(p), []).append(n)
@@ -588,15 +687,29 @@ def _retie(model, groups: list[list[str]]) -> None:
             setattr(model.get_submodule(parent) if parent else model, attr, first)
 
 
-def _split_positions(model, layers, mesh) -> None:
+def _split_positions(model, layers, mesh, keep: bool = False) -> None:
     """With sequence parallelism: a replicated position embedding's output ``[..., S, h]`` split
     over the sequence (:func:`_scatter_sequence`), so it adds to the sequence-sharded token
-    embedding."""
+    embedding (``keep``: as a DTensor sharded over the sequence, :func:`plan`)."""
     roles, _ = _roles(model, layers)
+
+    def split(module, inputs, output):
+        local = _scatter_sequence(output, mesh)
+        if not keep:
+            return local
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(local, mesh, [Shard(local.dim() - 2)], run_check=False)
+
     for name, role in roles.items():
         if role == "pos":
-            model.get_submodule(name).register_forward_hook(
-                lambda module, inputs, output: _scatter_sequence(output, mesh))
+            model.get_submodule(name).register_forward_hook(split)
+
+
+def _transformers_model(model) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (without importing transformers)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(model).__mro__)
 
 
 def _scatter_sequence(x, mesh):

@@ -209,6 +209,54 @@ def fake_mesh_rank(spec, values: dict, sp: bool, shard: str):
     return model, ctx, {mesh[k].get_group().group_name: k.upper() for k in ("dp", "tp")}
 
 
+def torchtitan_sp_rank_model(spec, values: dict):
+    """Rank 0 of ``values["TP"]`` on the fake process group, a transformers Llama-family model
+    (q/k/v/o, gate/up/down, input_layernorm, post_attention_layernorm) under tensor and sequence
+    parallelism with torchtitan's plan for transformers models, typed here from its source
+    (torchtitan/experiments/transformers_modeling_backend/parallelize.py, ``apply_non_moe_tp``:
+    the vocabulary-parallel embedding reduce-scattered over the sequence, SequenceParallel norms,
+    ``PrepareModuleInput`` all-gathers before the attention, by keyword, and the MLP, row-parallel
+    o/down reduce-scattering, the column-parallel head on the gathered sequence with sharded
+    logits, the loss under ``loss_parallel``), applied with ``parallelize_module``. One change,
+    as symcost runs it: the residual stream stays a DTensor (``use_local_output=False`` on the
+    embedding, o and down), because transformers' own forward reads the sequence length from
+    the hidden states (torchtitan's backend runs a forward of its own). The query and key/value
+    head counts are divided by TP as torchtitan's ``apply_tp`` does. Returns ``(model,
+    loss_context)``; the caller materialises it."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, loss_parallel, parallelize_module)
+
+    from symcost.frontends.parallel import fake_group
+
+    mesh = fake_group(values["TP"])
+    with torch.device("meta"):
+        model = spec.build(values).to(torch.bfloat16)
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                  use_local_output=False),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    for i, block in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        plan.update({
+            p + "input_layernorm": SequenceParallel(),
+            p + "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            p + "post_attention_layernorm": SequenceParallel(),
+            p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
+            p + "self_attn.v_proj": ColwiseParallel(),
+            p + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            p + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+            p + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+        for a in ("num_heads", "num_key_value_heads"):
+            if isinstance(getattr(block.self_attn, a, None), int):
+                setattr(block.self_attn, a, getattr(block.self_attn, a) // values["TP"])
+    parallelize_module(model, mesh, plan)
+    return model, loss_parallel
+
+
 def hsdp_mesh(world: int, replicate: int):
     """PyTorch's HSDP mesh of ``world`` ranks: ``init_device_mesh("cpu", (R, world/R),
     mesh_dim_names=("dp_replicate", "dp_shard"))`` (torchtitan's names), and ``groups`` as
