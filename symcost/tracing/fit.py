@@ -171,6 +171,27 @@ def _nearest(pool: Sequence[int], target: int) -> int:
     return target if target in pool else min(pool[:12] or pool, key=lambda v: (abs(v - target), v))
 
 
+def random_near(base: Mapping[str, int], free, check, rng: random.Random, pools: Mapping[str, Sequence[int]],
+                ties: Mapping[str, str] | None = None) -> dict[str, int]:
+    """A random probe that differs from ``base`` in two or three of the ``free`` sizes (values
+    from ``pools``) and passes ``check``: where :func:`random_point`'s draws of every size at once
+    never meet the model's constraints together. Raises SymcostError as random_point does."""
+    ties = dict(ties or {})
+    # each size's values that keep the base within the constraints when it alone changes
+    alone = {s: [x for x in list(pools.get(s) or POOLS[s])[:24]
+                 if x != base[s] and _ok(_complete(dict(base, **{s: x}), ties), check)]
+             for s in free if s not in ties}
+    free = [s for s, xs in alone.items() if xs]
+    for _ in range(2000):
+        v = dict(base)
+        for s in rng.sample(free, min(len(free), rng.choice((2, 3)))):
+            v[s] = rng.choice(alone[s])
+        v = _complete(v, ties)
+        if v != dict(base) and _ok(v, check):
+            return v
+    raise SymcostError(f"could not find probe sizes for {tuple(free)} that satisfy the model's constraints")
+
+
 def random_point(symbols, check, rng: random.Random, fixed: Mapping[str, int],
                  pools: Mapping[str, Sequence[int]] | None = None,
                  ties: Mapping[str, str] | None = None) -> dict[str, int]:
@@ -380,7 +401,13 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
     rpools = random_pools(free, base, request, moduli)
     for _ in range(n_random):
         for _attempt in range(3):
-            p = random_point(symbols, check, rng, fixed, rpools, ties)
+            try:
+                p = random_point(symbols, check, rng, fixed, rpools, ties)
+            except SymcostError:
+                # every size drawn at once rarely meets all divisibilities together (a data-
+                # parallel rank over tensor parallelism: each first dimension a multiple of
+                # lcm(DP, 4)·TP, H and V in their classes mod 8): vary a few sizes of the base
+                p = random_near(base, free, check, rng, rpools, ties)
             if accept(p):
                 points.append(p)
                 break

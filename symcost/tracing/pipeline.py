@@ -149,9 +149,13 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
 
     with torch.device("meta"):
         a, k = spec.make_inputs(dict(values), torch.device("meta"))
-    if len(a) != 1 or k:
-        raise SymcostError(f"{spec.name}: the pipeline peak runs models called with one input tensor "
-                           "(the built-in models); this one takes keyword inputs")
+    # a model called with keyword inputs (transformers': input_ids, labels; its loss computed by
+    # the model) runs with them given to every stage, as the traced stages take them
+    # (frontends.pipeline.stage_inputs); its last stage returns the model's loss
+    keywords = bool(k)
+    if (len(a) != 1 or k) and not (keywords and not a):
+        raise SymcostError(f"{spec.name}: the pipeline peak runs models called with one input tensor or with "
+                           "keyword inputs only; this one takes both")
     n = pp * virtual
     blocks = stage_blocks(values["L"], n)
     mine = [s for s in range(n) if s % pp == rank]
@@ -164,13 +168,17 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
     with torch.device("meta"):
         meta = spec.build(values)
     a, k = spec.make_inputs(values, torch.device("meta"))
-    with torch.no_grad():
-        logits = meta(*a, **k)
+    if not keywords:
+        with torch.no_grad():
+            logits = meta(*a, **k)
     models = []
     for s in mine:
         with torch.device("meta"):
             m = spec.build(dict(values, L=blocks[s]))
-        models.append((s, make_stage(m, layers, part_of(s, n), pre, post, templates)))
+        m = make_stage(m, layers, part_of(s, n), pre, post, templates)
+        if keywords and s == n - 1:
+            m.forward = _loss_of(m.forward, spec)
+        models.append((s, m))
     dims = tuple(inner.traced_dims) if inner else ()
     shape = tuple(int(inner.dim_size(d, lambda s: int(values[s]))) for d in dims)
     others = math.prod(shape)
@@ -204,8 +212,9 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
                     m.to(param_dtype)  # on the meta device, before the parameters become DTensors
                 loss_context = inner.parallelize(m, layers, sub)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            (mb,), _ = spec.make_inputs(values, cpu)
-            (tokens,), _ = spec.make_inputs(dict(values, B=values["B"] * microbatches), cpu)
+            mb_args, _ = spec.make_inputs(values, cpu)
+            all_args, all_kw = spec.make_inputs(dict(values, B=values["B"] * microbatches), cpu)
+            mb, tokens = (mb_args[0], all_args[0]) if not keywords else (None, next(iter(all_kw.values())))
             stages = []
             for s, m in models:
                 if dims:
@@ -216,24 +225,36 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
                     materialize(m, cpu, param_dtype)
                 # (a later stage's input requires grad: its backward computes the gradient it
                 # sends back, as PyTorch's stage does when the input's meta says so)
-                inp = (mb,) if s == 0 else (torch.empty(x_local, dtype=x_dtype, requires_grad=True),)
-                out = (torch.empty(logits.shape, dtype=logits.dtype if param_dtype == torch.float32 else param_dtype,
-                                   requires_grad=True) if s == n - 1
-                       else torch.empty(x_local, dtype=x_dtype, requires_grad=True),)
+                inp = (() if keywords else (mb,)) if s == 0 else (torch.empty(x_local, dtype=x_dtype, requires_grad=True),)
+                if s == n - 1 and keywords:  # (the model's own loss: a 0-dim fp32 tensor)
+                    last = torch.empty((), dtype=torch.float32, requires_grad=True)
+                elif s == n - 1:
+                    last = torch.empty(logits.shape, dtype=logits.dtype if param_dtype == torch.float32 else param_dtype,
+                                       requires_grad=True)
+                out = (last if s == n - 1 else torch.empty(x_local, dtype=x_dtype, requires_grad=True),)
                 stages.append(PipelineStage(m, s, n, cpu, input_args=inp, output_args=out, group=group))
             sched = cls(stages if SCHEDULES[schedule][1] else stages[0], microbatches,
-                        loss_fn=lambda out, target: spec.loss(out, ((target,), {})))
+                        loss_fn=(lambda out, target: out) if keywords
+                        else (lambda out, target: spec.loss(out, ((target,), {}))))
 
             def static(sts, has_backward, p2p_done):  # the shape vote reads tensor values
                 for st in sts:
                     st._inference_mode = InferenceMode.STATIC
             sched._warmup_p2p = static
 
+            record_context = spec.record_context or contextlib.nullcontext
+
             def step():
-                with autocast(), loss_context():
-                    first = (tokens,) if 0 in mine else ()
+                # (the model's own recording context: transformers' mask decisions as the real
+                # step makes them, frontends.hf.unpacked_masks; without it fake tensors build a
+                # (B, 1, S, S) mask and SDPA falls back to its math kernel)
+                with autocast(), loss_context(), record_context():
+                    first = (tokens,) if 0 in mine and not keywords else ()
                     target = {"target": tokens} if (n - 1) in mine else {}
-                    sched.step(*first, _in0=tokens, **target)
+                    # (the model's own losses are 0-dim: PyTorch's merge of the micro-batches'
+                    # outputs concatenates on dim 0, so they are not returned)
+                    sched.step(*first, **(all_kw if keywords else {"_in0": tokens}), **target,
+                               **({"return_outputs": False} if keywords else {}))
 
             params = sum(_nbytes(p) for _, m in models for p in m.parameters())
             with _Live() as warm:
@@ -252,6 +273,14 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
     kept = warm.level - grads
     return {"params": params, "grads": grads, "kept": kept, "top": live.top,
             "peak": params + grads + kept + live.top, "collectives": live.collectives}
+
+
+def _loss_of(forward, spec):
+    """The last stage's forward of a model that computes its own loss (keyword inputs, e.g.
+    transformers' ``labels``): ``spec.loss`` of its output (the model's loss, a 0-dim tensor)."""
+    def run(*args, **kwargs):
+        return spec.loss(forward(*args, **kwargs), (args, kwargs))
+    return run
 
 
 def _sizes(flat) -> list[int]:
