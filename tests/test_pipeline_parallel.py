@@ -494,3 +494,46 @@ def test_real_gloo_hf_model_rank_peaks(tmp_path):
         assert got["params"] == want["params"], rank
         real = 4 * got["params"] + got["grads"] + got["kept"] + got["top"]
         assert want["memory"]["peak"] == pytest.approx(real, rel=0.05), (rank, want["memory"], got)
+
+
+def test_max_batch_pp_exact_at_the_boundary():
+    """Issue 27 (``max-batch`` had no ``--pp``): the largest micro-batch B under a random cap fits
+    and B + 1 does not, by the peaks ``report --pp`` gives (the most loaded rank's, optimizer
+    state included), both run at those B."""
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+    from symcost.passes.pipeline import summary
+
+    rng = random.Random(2727)
+    cap = rng.randint(40, 80) * 2**20  # (B of a few sequences: each B a short fake run)
+    sizes = ["H=4", "D=16", "L=2", "V=256", "S=64"]
+    r = CliRunner().invoke(main, ["max-batch", "megatron-gpt", "--pp", "2", "--memory", f"{cap}B", "--json",
+                                  "--set", *sizes])
+    assert r.exit_code == 0, r.output
+    js = json.loads(r.output)
+    b = js["value"]
+    assert b >= 1
+    values = {k: int(v) for k, v in (s.split("=") for s in sizes)}
+    for bb, fits in ((b, True), (b + 1, False)):
+        s = summary("megatron-gpt", 2, "1f1b", 2, precision="bf16-mixed", sizes={**values, "B": bb})
+        top = max(row["peak_with_optimizer"] for row in s["ranks"])
+        assert top == js["peaks"][str(bb)]["peak"]
+        assert (top <= cap) == fits, (bb, top, cap)
+
+
+def test_pipeline_peak_with_ac_alone_checkpoints_the_blocks():
+    """``--pp N --ac full`` without another mesh dimension: the per-rank peak's run checkpoints
+    each stage's blocks (it ran them uncheckpointed: the peak of ``--pp --ac`` was that of
+    ``--pp``). With every block recomputed, the first rank's highest live set is below the
+    plain step's, by at least one micro-batch's saved activations of a block."""
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+    from symcost.tracing.pipeline import rank_memory
+
+    spec = resolve("cs336-lm")
+    v = spec.values(dict(_draw(random.Random(SEED + 1)), L=4))
+    plain = rank_memory(spec, v, "layers", 2, "1f1b", 2, 0, 1, "fp32", None)
+    ac = rank_memory(spec, v, "layers", 2, "1f1b", 2, 0, 1, "fp32", Layout(ac="full"))
+    assert ac["params"] == plain["params"]
+    assert ac["top"] < plain["top"], (ac, plain)

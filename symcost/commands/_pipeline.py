@@ -101,3 +101,80 @@ def report_pipeline(req, model, sets, config, attention, precision, as_json, opt
     from symcost.render.pipeline import render_pipeline
 
     render_pipeline(spec.name, r, layout=layout.describe(dict(mesh)) if layout.inner else None)
+
+
+def max_batch_pipeline(req, model, sets, config, attention, precision, as_json, optimizer, cap: int) -> int:
+    """``max-batch --pp``: the largest micro-batch B whose steady-state step fits under ``cap``
+    bytes on every pipeline rank (the most loaded rank sets it), from the ranks' peaks as
+    ``report --pp`` gives them (PyTorch's schedule run on fake tensors per rank, plus the
+    optimizer state: ``peak_with_optimizer``). The peak is a number per B, not a formula: B = 1
+    and 2 are run, a first guess of the boundary is extrapolated from them (the activations of
+    a step grow about linearly in B), widened until it brackets the boundary and bisected: B fits
+    and B + 1 does not, both run (exact at the boundary). Returns B (0: not even 1 fits).
+
+    Raises:
+        SymcostError: as ``report --pp``; a peak that cannot be run (its reason).
+    """
+    from symcost.frontends.models import resolve
+    from symcost.passes.pipeline import summary
+
+    pp, schedule, m, v, _, _, layout, mesh = req
+    spec = resolve(model, parse_config(config), attention)
+    sizes = parse_sizes(sets)
+    unknown = [k for k in sizes if k not in spec.all_symbols]
+    if unknown:
+        raise SymcostError(f"unknown symbol {unknown[0]!r} for {spec.name}; accepted: {', '.join(spec.all_symbols)}"
+                           f"{MESH_HINT.get(unknown[0], '')}")
+    sizes.update({k: n for k, n in mesh.items() if k != "PP"})
+    no_cache = click.get_current_context().find_root().meta.get("symcost.no_cache")
+    cache = None if no_cache else (model, parse_config(config), attention)
+    runs: dict[int, tuple[int, int]] = {}
+
+    def peak(b: int) -> tuple[int, int]:
+        """(the highest rank peak at B = b, that rank)."""
+        if b not in runs:
+            r = summary(spec, pp, schedule, m, v, precision, {**sizes, "B": b}, optimizer, cache=cache,
+                        inner=layout.inner)
+            rows = [(row.get("peak_with_optimizer"), row["rank"], row.get("memory_note")) for row in r["ranks"]]
+            missing = next((row for row in rows if row[0] is None), None)
+            if missing is not None:
+                raise SymcostError(f"max-batch --pp: rank {missing[1]}'s peak could not be run: {missing[2]}")
+            runs[b] = max((int(x), rk) for x, rk, _ in rows)
+        return runs[b]
+
+    best = 0
+    if peak(1)[0] <= cap:
+        # lo fits, hi does not: a first guess from B = 1 and 2 (the activations of a step grow
+        # about linearly in B), widened until it brackets the boundary, then bisected
+        p1, p2 = peak(1)[0], peak(2)[0]
+        guess = max(2, 1 + (cap - p1) // max(p2 - p1, 1))
+        lo, hi = 1, None
+        while hi is None:
+            if peak(guess)[0] <= cap:
+                lo, guess = guess, 2 * guess
+            else:
+                hi = guess
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if peak(mid)[0] <= cap else (lo, mid)
+        best = lo
+        peak(best + 1)
+    out = {"model": spec.name, "solve": "B", "value": best, "memory_cap": cap, "layout": layout.describe(dict(mesh)),
+           "pipeline": {"pp": pp, "schedule": schedule, "microbatches": m, "virtual": v},
+           "peaks": {str(b): {"peak": pk, "rank": rk} for b, (pk, rk) in sorted(runs.items())}}
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return best
+    from symcost.render.report import human
+
+    click.echo(f"{spec.name}: {layout.describe(dict(mesh))}, {m} micro-batches per step")
+    if best < 1:
+        click.echo(f"not even B = 1 fits under {human(cap, 'B')}: the most loaded rank ({runs[1][1]}) peaks at "
+                   f"{human(runs[1][0], 'B')}")
+        return best
+    hi = runs[best + 1]
+    click.echo(f"largest micro-batch B = {best}: peak per rank {human(runs[best][0], 'B')} (rank {runs[best][1]}) "
+               f"<= {human(cap, 'B')}; B = {best + 1} peaks at {human(hi[0], 'B')} (rank {hi[1]})")
+    click.echo("  peaks: PyTorch's schedule run per rank on fake tensors with the optimizer state (report --pp's "
+               f"peak), at B = {', '.join(str(b) for b in sorted(runs))}")
+    return best

@@ -16,6 +16,7 @@ import click
 from symcost.errors import SymcostError
 from ._optimizer import optimizer_impl_option
 from ._options import common, early_checks, every_layer_trace, parallel_options, parallel_request, trace_model
+from ._pipeline import max_batch_pipeline, pipeline_options, pipeline_request
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only; sympy and torch load with the trace
     from symcost.passes import memory as mem
@@ -74,6 +75,7 @@ NOTHING_FITS = 3
                    "the plan applied; see docs/checkpoint.md)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @parallel_options
+@pipeline_options
 def max_batch(model, sets, config, attention, precision, debug, memory, optimizer, impl, device, var,
               global_batch, devices, ckpt, as_json):
     """Largest B with peak memory <= --memory, solved from the symbolic peak with sympy.
@@ -95,6 +97,20 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     mem.resolve_impl(impl, device)
     if var not in ("B", "S"):
         raise SymcostError(f"--solve takes B or S, got {var!r}")
+    ctx = click.get_current_context(silent=True)
+    preq = pipeline_request(ctx) if ctx is not None else None
+    if preq is not None:
+        for what, given in (("--solve S", var != "B"), ("--global-batch", global_batch is not None),
+                            ("--checkpoint", ckpt != "none"), ("--devices", devices is not None)):
+            if given:
+                raise SymcostError(f"max-batch --pp solves the micro-batch B alone: {what} with --pp is not modelled "
+                                   "yet (--ac full|selective checkpoints every block under the pipeline)")
+        if any(s.partition("=")[0].strip() == "B" for s in sets):
+            raise SymcostError("--set B conflicts with solving for B; leave B out")
+        best = max_batch_pipeline(preq, model, sets, config, attention, precision, as_json, optimizer, cap)
+        if best < 1:
+            raise SystemExit(NOTHING_FITS)
+        return
     dp, shard = parallel_request(click.get_current_context(silent=True))
     mem.check_layout(precision, dp, shard)  # a policy its framework runs only sharded: before the trace
     if dp is not None and devices is not None and devices != dp:

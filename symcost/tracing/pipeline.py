@@ -211,6 +211,11 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
                 if param_dtype != torch.float32:
                     m.to(param_dtype)  # on the meta device, before the parameters become DTensors
                 loss_context = inner.parallelize(m, layers, sub)
+        elif inner is not None and inner.ac is not None:
+            # activation checkpointing alone under the pipeline (no other mesh dimension): each
+            # stage's blocks checkpointed as Layout.parallelize does it (it was left out here)
+            for _, m in models:
+                inner.parallelize(m, layers, {})
         with FakeTensorMode(allow_non_fake_inputs=True):
             mb_args, _ = spec.make_inputs(values, cpu)
             all_args, all_kw = spec.make_inputs(dict(values, B=values["B"] * microbatches), cpu)
