@@ -12,12 +12,9 @@ by hand) at random sizes, and a real ``torchrun`` + gloo run of 2 x 2 ranks on t
 from __future__ import annotations
 
 import functools
-import json
 import os
 import random
-import subprocess
 import sys
-from fractions import Fraction
 
 import pytest
 import sympy
@@ -25,7 +22,7 @@ import sympy
 import symcost
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
-from tp_rank import fake_mesh_rank, measure  # noqa: E402
+from tp_rank import check_rank as _check, fake_mesh_rank, gloo_ranks, measure  # noqa: E402
 
 PRECISION = "bf16-true"
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -65,16 +62,6 @@ def _fake(values: dict, shard: str, sp: bool = False) -> dict:
     with FakeTensorMode(allow_non_fake_inputs=True):
         m.to_empty(device="cpu")
         return measure(m, spec, values, ctx, groups=groups)
-
-
-def _check(an, v: dict, got: dict, what) -> None:
-    env = an.bind(**v)
-    assert int(an.flops("train").subs(env)) == got["flops"], what
-    assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], what
-    for key, want in got["comm"].items():
-        g, kind = key.split(".")
-        assert Fraction(str(an.comm_bytes(kind, group=g).subs(env))) == Fraction(want), (key, what)
-    assert int(an.params_shard.subs(env)) == got["shard"], what
 
 
 @pytest.mark.parametrize("shard,n,sp", [("fsdp", 2, False), ("fsdp", 2, True)])
@@ -131,19 +118,10 @@ def test_real_gloo_two_by_two(tmp_path):
     # small beside them; at B·S = 39 it is 13% of this rank's peak, docs/parallel.md §11.1)
     v = {"DP": 2, "TP": 2, "H": 8, "D": rng.choice((4, 8)), "L": rng.randint(2, 3),
          "V": 32 * rng.randint(1, 3), "B": rng.randint(2, 3), "S": rng.randint(64, 128)}
-    script = os.path.join(os.path.dirname(__file__), "data", "tp_rank.py")
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-               OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                        script, str(tmp_path), "0"] + [str(v[k]) for k in "HDLVBS"] + ["2", "fsdp"],
-                       env=env, capture_output=True, text=True, timeout=400)
-    assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
-                                        if "Error" in line or "error" in line or "rank" in line)[-4000:]
+    ranks = gloo_ranks(tmp_path, v, [2, "fsdp"])
     an = _trace("fsdp")
     want = memory_model(an, PRECISION, "adamw", impl="for-loop", device="cpu").peak(**v)
-    for rank in range(4):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert got["world"] == 4
+    for rank, got in enumerate(ranks):
         _check(an, v, got, rank)
         assert abs(want - got["peak_ops"]) <= 0.05 * got["peak_ops"], (rank, want, got)
 

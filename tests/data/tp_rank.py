@@ -257,6 +257,38 @@ def torchtitan_sp_rank_model(spec, values: dict):
     return model, loss_parallel
 
 
+def check_rank(an, v: dict, got: dict, what) -> None:
+    """symcost's rank (``an`` at sizes ``v``) against one rank's measurement ``got``
+    (:func:`measure`, collectives keyed ``GROUP.kind``): model FLOPs, saved bytes, collective
+    bytes of each group and kind, parameter elements."""
+    env = an.bind(**v)
+    assert int(an.flops("train").subs(env)) == got["flops"], what
+    assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], what
+    assert got["comm"], what
+    for key, want in got["comm"].items():
+        g, kind = key.split(".")
+        assert Fraction(str(an.comm_bytes(kind, group=g).subs(env))) == Fraction(want), (key, what)
+    assert int(an.params_shard.subs(env)) == got["shard"], what
+
+
+def gloo_ranks(out_dir, v: dict, dp_args: list, nproc: int = 4) -> list[dict]:
+    """``torchrun --standalone --nproc-per-node nproc`` of this script with gloo on this CPU at
+    sizes ``v`` (H D L V B S) and ``dp_args`` (``[DP, SHARD]``, or ``[R, "hsdp:fsdp"]``): each
+    rank's measurement (:func:`main`), in rank order."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+               OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                        os.path.abspath(__file__), str(out_dir), "0"] + [str(v[k]) for k in "HDLVBS"]
+                       + [str(a) for a in dp_args], env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
+                                        if "Error" in line or "error" in line or "rank" in line)[-4000:]
+    out = [json.loads(open(os.path.join(str(out_dir), f"rank{k}.json")).read()) for k in range(nproc)]
+    assert all(got["world"] == nproc for got in out)
+    return out
+
+
 def hsdp_mesh(world: int, replicate: int):
     """PyTorch's HSDP mesh of ``world`` ranks: ``init_device_mesh("cpu", (R, world/R),
     mesh_dim_names=("dp_replicate", "dp_shard"))`` (torchtitan's names), and ``groups`` as
