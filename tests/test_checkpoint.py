@@ -343,7 +343,7 @@ def test_peak_against_measured_three_models(traced, model, precision):
         plan = ck.Plan(an.layer_container, L, segs, name)
         pred = ck.exact(an, plan, sizes, ch=ch)["peak"]
         m = step_peak(applied(an.spec, lambda n, p=plan: p), full, precision)
-        _check_measured(m["peak"], pred, f"{model} {precision} {full} {name} {segs}")
+        _check_measured(m["peak_ops"], pred, f"{model} {precision} {full} {name} {segs}")
 
 
 @pytest.mark.parametrize("model, precision", [("gpt2", "bf16-mixed"), ("hf:llama", "bf16-mixed")])

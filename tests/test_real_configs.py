@@ -1,6 +1,6 @@
 """Real published configs (issue 6, item 3): ``symcost`` reads a transformers ``config.json``.
 
-Twelve dense configs in ``tests/data/configs/`` are written out from the values their model cards
+Thirteen dense configs in ``tests/data/configs/`` are written out from the values their model cards
 publish (the seven mixture-of-experts configs beside them are checked by
 tests/test_moe_real_configs.py, whose FLOP oracle runs transformers' own experts code). For each: the parameter count equals ``sum(p.numel())`` of the model built from that
 file on the meta device, model FLOPs (forward, backward, train) at two sizes equal
@@ -61,10 +61,10 @@ def fake_flops(spec, values: dict[str, int], experts: str | None = None) -> dict
     return {"flops.forward": f, "flops.backward": b, "flops.train": f + b}
 
 
-def test_twelve_configs_present():
-    """Twelve dense configs here; the seven MoE ones (DeepSeek-V2-Lite, DeepSeek-V3, Qwen3-30B-A3B,
+def test_thirteen_configs_present():
+    """Thirteen dense configs here (Llama-3-70B for the composed-layout command of issue 27); the seven MoE ones (DeepSeek-V2-Lite, DeepSeek-V3, Qwen3-30B-A3B,
     OLMoE-1B-7B, Mixtral-8x7B, gpt-oss-20b/120b) in tests/test_moe_real_configs.py."""
-    assert len(CONFIGS) == 12
+    assert len(CONFIGS) == 13
     assert [os.path.basename(p)[:-5] for p in MOE_CONFIGS] == [
         "deepseek-v2-lite", "deepseek-v3", "gpt-oss-120b", "gpt-oss-20b", "mixtral-8x7b", "olmoe-1b-7b",
         "qwen3-30b-a3b"]
