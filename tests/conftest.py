@@ -1,10 +1,12 @@
 """Shared fixtures: traces are slow (seconds), so each (model, options) is traced once per session."""
 from __future__ import annotations
 
+import atexit
 import functools
 import gc
 import os
 import random
+import shutil
 import tempfile
 import time
 
@@ -15,6 +17,7 @@ import symcost
 # The CLI caches traces on disk (symcost.graph.cache): the tests use a fresh folder of their own
 # (one per process: pytest-xdist's workers do not share one).
 os.environ["SYMCOST_CACHE_DIR"] = tempfile.mkdtemp(prefix="symcost-test-cache-")
+atexit.register(shutil.rmtree, os.environ["SYMCOST_CACHE_DIR"], ignore_errors=True)  # (not left in /tmp)
 if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one intra-op thread each
     import torch
 

@@ -592,8 +592,8 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
                 "and use their tensors); the figures below are the DP group's")
     if step is not None:
         c.print(f"step time per rank: {step['step_seconds'] * 1e3:.3f} ms (compute {step['compute']['forward'] * 1e3:.3f} "
-                f"+ {step['compute']['backward'] * 1e3:.3f} ms, communication {step['comm']['forward'] * 1e3:.3f} + "
-                f"{step['comm']['backward'] * 1e3:.3f} ms over {step['link']} at {step['link_bandwidth'] / 1e9:.0f} GB/s "
+                f"+ {step['compute']['backward'] * 1e3:.3f} ms forward + backward, communication "
+                f"{step['comm']['forward'] * 1e3:.3f} + {step['comm']['backward'] * 1e3:.3f} ms forward + backward over {step['link']} at {step['link_bandwidth'] / 1e9:.0f} GB/s "
                 + (f"(dp_shard) and {step['replicate_link']} at {step['replicate_link_bandwidth'] / 1e9:.0f} GB/s "
                    "(dp_replicate) " if step.get("replicate_link") else "")
                 + f"per direction, {step['nodes']} node(s); overlap {step['overlap']}: {step['overlap_model']}); "
