@@ -619,7 +619,7 @@ def test_hf_mla_tp_as_transformers_runs_it():
     from symcost.frontends.layout import Layout
     from symcost.frontends.models import resolve
 
-    spec = resolve("hf:deepseek_v3", {"num_hidden_layers": "2", "first_k_dense_replace": "2", "q_lora_rank": "0"},
+    spec = resolve("hf:deepseek_v3", {"num_hidden_layers": "2", "first_k_dense_replace": "2", "q_lora_rank": "null"},
                    "eager")
     an = symcost.trace(spec, layout=Layout(tp=True), sizes={"TP": 2, "B": 2, "S": 32}, precision=PRECISION)
     assert "TP" in an.symbols, an.pinned

@@ -654,6 +654,8 @@ def apply(model, layers: str | None, mesh, sp: bool):
             # a rule of transformers' plan for a module this config leaves out (DeepSeek's q_proj
             # with a q_lora_rank, a dense model's shared_experts): transformers skips it too
             warnings.filterwarnings("ignore", message=r".*skipping this plan entry", category=UserWarning)
+            warnings.filterwarnings("ignore", message=r"Parallelize plan key .* could not be resolved",
+                                    category=UserWarning)  # (torch 2.13's wording of the same)
             parallelize_module(model, mesh, styles)
     except Exception as e:  # noqa: BLE001
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
