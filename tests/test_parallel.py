@@ -358,3 +358,17 @@ def test_step_time_over_the_interconnect():
         step_time(an, dev, {"DP": 16}, "none", nodes=1)
     with pytest.raises(SymcostError, match="lists no interconnect"):
         step_time(an, get_device("tpu-v4"), {"DP": 8})
+
+
+def test_ddp_probes_need_no_divisibility():
+    """``--shard ddp``/``zero1`` (the replicate engine) shard nothing, so no size depends on DP and
+    no first dimension need be a multiple of it (``hf:opt --dp 2`` was refused: OPT's 2,050
+    learned positions are no multiple of lcm(DP, 4)); a sharding strategy still asks it of its
+    probes (FSDP2's shards are polynomial in DP only there)."""
+    from symcost.frontends.models import resolve
+    from symcost.frontends.parallel import data_parallel
+
+    v = {"D": 2 * random.Random(9).randint(3, 20) + 1, "L": 2, "B": 2, "S": 3, "DP": 2}  # (D odd)
+    for shard in ("ddp", "zero1"):
+        assert data_parallel(resolve("mlp"), shard).probe_check(v) is None, shard
+    assert "no multiple of lcm(DP=2, 4)" in data_parallel(resolve("mlp"), "fsdp").probe_check(v)

@@ -95,7 +95,8 @@ def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None, tp_
     it. ``mp`` (``(param, reduce)`` or ``--fsdp-mp``'s text, :func:`parse_fsdp_mp`) is checked
     here; the layout gives it to the engine as ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``.
 
-    Probes (never requests) must have ``DP`` (and 4) divide the first dimension of every parameter:
+    Probes (never requests) of a sharding strategy must have ``DP`` (and 4) divide the first
+    dimension of every parameter (``ddp``/``zero1``, the replicate engine, shard nothing):
     FSDP2 shards each parameter on dim 0 into ``ceil(d0/DP)`` rows and pads, so sizes are
     polynomial in ``DP`` only there (``probe_check``); the formulas then say ``/DP``, exact
     where DP divides the sharded dims (a request that does not is padded by at most
@@ -121,6 +122,10 @@ def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None, tp_
             return why
         if replicate and values["DP"] % replicate:
             return f"DP={values['DP']} is no multiple of the replicate degree {replicate} (HSDP)"
+        if SHARDS[shard][0] == "replicate":
+            # (DDP shards nothing: no size depends on DP, any first dimension runs as it is;
+            # OPT's 2,050 learned positions refused hf:opt --dp 2)
+            return None
         return _indivisible(spec, values, tp_sizes, replicate)
 
     defaults = dict(spec.defaults, DP=spec.defaults.get("DP", 8 if not replicate else 4 * replicate))
