@@ -458,7 +458,7 @@ class _Recorder(TorchDispatchMode):
                 if self.model is not None:
                     self.name_local_params(args)
                 return NotImplemented
-            from symcost.frontends.tensor_parallel import hidden
+            from symcost.frontends.dtensor_recording import hidden
             if hidden():
                 return func(*args, **kwargs)
             if func is torch.ops.aten.slice.Tensor:
@@ -1113,7 +1113,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             return stack
 
         if layout.tp:
-            from symcost.frontends.tensor_parallel import hide_shape_propagation as hide
+            from symcost.frontends.dtensor_recording import hide_shape_propagation as hide
         else:
             hide = contextlib.nullcontext
         guard = contextlib.ExitStack()
