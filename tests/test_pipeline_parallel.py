@@ -537,3 +537,21 @@ def test_pipeline_peak_with_ac_alone_checkpoints_the_blocks():
     ac = rank_memory(spec, v, "layers", 2, "1f1b", 2, 0, 1, "fp32", Layout(ac="full"))
     assert ac["params"] == plain["params"]
     assert ac["top"] < plain["top"], (ac, plain)
+
+
+def test_pipeline_peak_counts_the_policy_model_states():
+    """The pipeline peak with the optimizer adds, beside what the schedule's run holds (its
+    parameters and traced gradients), the rest of the precision policy's model states: under
+    Megatron's bf16 policy 18 bytes per parameter (bf16 weights, the fp32 main-gradient buffer,
+    fp32 master weights and Adam moments: Megatron-LM's table, docs/memory.md), so 14 more than
+    the run's 2 + 2; the fp32 buffer was counted at the traced gradients' 2 bytes (12P: MG8's
+    last stage short by 2P, docs/validation.md)."""
+    from symcost.passes.pipeline import summary
+
+    r = summary("megatron-gpt", 2, "1f1b", 2, precision="megatron-bf16",
+                sizes={"H": 4, "D": 16, "L": 2, "V": 256, "S": 64, "B": 2})
+    for row in r["ranks"]:
+        m = row["memory"]
+        assert m["params"] == m["grads"] == 2 * row["params"]  # (bf16 weights and their traced gradients)
+        assert row["model_states"] == 18 * row["params"]
+        assert row["peak_with_optimizer"] - m["peak"] == 14 * row["params"], row

@@ -194,7 +194,9 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         params = sum(per_stage[s]["params"] for s in mine)
         held = sum(per_stage[s]["params_held"] for s in mine)
         states = model_state_bytes(params, dp, shard, precision, optimizer, held if shard in ("fsdp", "zero3") else None)
-        extra[r] = int(states["optimizer_state"] + states["master"])  # (beside the peak run's parameters and gradients)
+        # (beside the peak run's parameters and gradients; a policy's gradient buffer wider than the
+        # traced gradients, Megatron's fp32 main_grad beside bf16 parameters, adds its difference)
+        extra[r] = (int(states["optimizer_state"] + states["master"]), int(states["grads"]))
         ranks.append({"rank": r, "stages": mine, "blocks": sum(blocks[s] for s in mine),
                       "flops": microbatches * sum(per_stage[s]["flops"] for s in mine),
                       "flops_hardware": microbatches * sum(per_stage[s]["flops_hardware"] for s in mine),
@@ -215,7 +217,8 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
                 continue
             row["comm"] = comm_by_group(mem.pop("collectives"))
             row["memory"] = mem
-            row["peak_with_optimizer"] = mem["peak"] + extra[row["rank"]]
+            opt, grads = extra[row["rank"]]
+            row["peak_with_optimizer"] = mem["peak"] + opt + max(0, grads - mem["grads"])
     L = SYMS["L"]
     v = sympy.Integer(virtual)
     formulas = {}
