@@ -62,27 +62,40 @@ def pipeline_request(ctx):
     return sizes["PP"], pipe.schedule, pipe.microbatches, pipe.virtual, gpu, per_node, layout, sizes
 
 
-def report_pipeline(req, model, sets, config, attention, precision, as_json, optimizer):
-    """Print the pipeline report (text or ``--json``)."""
-    from symcost.frontends.models import resolve
-    from symcost.passes.pipeline import summary
+def _request(model, sets, config, attention, mesh):
+    """``(spec, sizes, cache)`` of a pipeline request: the model's spec, the ``--set`` sizes with
+    the stage's mesh sizes (``--dp``, ``--tp``), and the trace cache's key (None with
+    ``--no-cache``).
 
-    pp, schedule, m, v, gpu, per_node, layout, mesh = req
+    Raises:
+        SymcostError: a ``--set`` symbol the model does not have.
+    """
+    from symcost.frontends.models import resolve
+
     spec = resolve(model, parse_config(config), attention)
     sizes = parse_sizes(sets)
     unknown = [k for k in sizes if k not in spec.all_symbols]
-    sizes.update({k: n for k, n in mesh.items() if k != "PP"})  # (--dp, --tp: the stage's mesh)
     if unknown:
         raise SymcostError(f"unknown symbol {unknown[0]!r} for {spec.name}; accepted: {', '.join(spec.all_symbols)}"
-                          f"{MESH_HINT.get(unknown[0], '')}")
+                           f"{MESH_HINT.get(unknown[0], '')}")
+    sizes.update({k: n for k, n in mesh.items() if k != "PP"})  # (--dp, --tp: the stage's mesh)
+    no_cache = click.get_current_context().find_root().meta.get("symcost.no_cache")
+    return spec, sizes, None if no_cache else (model, parse_config(config), attention)
+
+
+def report_pipeline(req, model, sets, config, attention, precision, as_json, optimizer):
+    """Print the pipeline report (text or ``--json``)."""
+    from symcost.passes.pipeline import summary
+
+    pp, schedule, m, v, gpu, per_node, layout, mesh = req
+    spec, sizes, cache = _request(model, sets, config, attention, mesh)
     device = None
     if gpu is not None:
         from symcost.hardware.devices import get_device
 
         device = get_device(gpu)
-    no_cache = click.get_current_context().find_root().meta.get("symcost.no_cache")
     r = summary(spec, pp, schedule, m, v, precision, sizes, optimizer, device=device, devices_per_node=per_node,
-                cache=None if no_cache else (model, parse_config(config), attention), inner=layout.inner)
+                cache=cache, inner=layout.inner)
     if as_json:
         out = {k: r[k] for k in ("schedule", "engine", "source", "pp", "microbatches", "virtual", "bubble",
                                  "blocks", "ranks", "divisible") + (("step",) if "step" in r else ())}
@@ -115,19 +128,10 @@ def max_batch_pipeline(req, model, sets, config, attention, precision, as_json, 
     Raises:
         SymcostError: as ``report --pp``; a peak that cannot be run (its reason).
     """
-    from symcost.frontends.models import resolve
     from symcost.passes.pipeline import summary
 
     pp, schedule, m, v, _, _, layout, mesh = req
-    spec = resolve(model, parse_config(config), attention)
-    sizes = parse_sizes(sets)
-    unknown = [k for k in sizes if k not in spec.all_symbols]
-    if unknown:
-        raise SymcostError(f"unknown symbol {unknown[0]!r} for {spec.name}; accepted: {', '.join(spec.all_symbols)}"
-                           f"{MESH_HINT.get(unknown[0], '')}")
-    sizes.update({k: n for k, n in mesh.items() if k != "PP"})
-    no_cache = click.get_current_context().find_root().meta.get("symcost.no_cache")
-    cache = None if no_cache else (model, parse_config(config), attention)
+    spec, sizes, cache = _request(model, sets, config, attention, mesh)
     runs: dict[int, tuple[int, int]] = {}
 
     def peak(b: int) -> tuple[int, int]:

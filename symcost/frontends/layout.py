@@ -164,12 +164,8 @@ class Layout:
         """The size of mesh dimension ``dim`` (a name of :data:`MESH_DIMS`) where ``size_of(symbol)``
         gives each symbol's size (an int or a sympy symbol): the symbol's, except under HSDP, where
         ``dp_replicate`` is R and ``dp_shard`` DP/R."""
-        if self.hsdp and dim == "dp_replicate":
-            return self.replicate
-        if self.hsdp and dim == "dp_shard":
-            n = size_of("DP")
-            return n // self.replicate if isinstance(n, int) else n / self.replicate
-        return size_of(DIM_SYMBOL[dim])
+        label = "DP_replicate" if (self.hsdp and dim == "dp_replicate") else DIM_SYMBOL[dim]
+        return group_size(label, size_of, self.replicate)
 
     @property
     def group_labels(self) -> tuple[str, ...]:
@@ -186,9 +182,7 @@ class Layout:
         """The ranks of the process group a collective labelled ``label`` runs over (``"DP"``,
         ``"TP"``, ``"PP"``, and under HSDP ``"DP_replicate"``: :meth:`group_labels`), with
         ``size_of`` as :meth:`dim_size`. Under HSDP ``"DP"`` is the ``dp_shard`` group (DP/R)."""
-        if self.hsdp and label in ("DP", "DP_replicate"):
-            return self.dim_size("dp_shard" if label == "DP" else "dp_replicate", size_of)
-        return size_of(label)
+        return group_size(label, size_of, self.replicate)
 
     def engine_meshes(self, mesh) -> tuple[dict, dict]:
         """``({symbol: DeviceMesh}, {process group name: label})`` of a ``DeviceMesh`` with this
@@ -409,6 +403,19 @@ class Layout:
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
                                     category=UserWarning)
         return loss_context
+
+
+def group_size(label: str, size_of, replicate: int | None = None):
+    """The ranks of the process group a collective labelled ``label`` runs over (a mesh symbol,
+    or HSDP's ``"DP_replicate"``), where ``size_of(symbol)`` gives a symbol's size (an int or a
+    sympy symbol) and ``replicate`` is HSDP's R (None without HSDP): the symbol's size, except
+    under HSDP, where ``"DP"`` is the ``dp_shard`` group (DP/R) and ``"DP_replicate"`` has R."""
+    if replicate and label == "DP_replicate":
+        return replicate
+    if replicate and label == "DP":
+        n = size_of("DP")
+        return n // replicate if isinstance(n, int) else n / replicate
+    return size_of(label)
 
 
 def check_heads(spec, values: Mapping[str, int]) -> str | None:

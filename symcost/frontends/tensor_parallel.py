@@ -453,7 +453,6 @@ def sequence_parallel_plan(model, layers: str | None, styles: dict) -> tuple[dic
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    own = sorted(p for p, s in styles.items() if isinstance(s, tuple) or s is _GRAD_ALL_REDUCE)
     roles, _ = _roles(model, layers)
     out: dict = {}
     for p, s in styles.items():
@@ -479,7 +478,6 @@ def sequence_parallel_plan(model, layers: str | None, styles: dict) -> tuple[dic
         own_norm = any(n.startswith(b) and "." not in n[len(b):] for b in block_prefixes)
         if role == "norm" and (own_norm or not any(n.startswith(b) for b in block_prefixes)):
             out[n] = SequenceParallel()
-    del own
     return out, any(r == "head" for r in roles.values())
 
 

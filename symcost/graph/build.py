@@ -17,7 +17,7 @@ import sympy
 
 from symcost._lazy import LazyModule
 from symcost.errors import SymcostError
-from symcost.frontends.layout import Layout, layout_of
+from symcost.frontends.layout import Layout, group_size, layout_of
 from symcost.frontends.spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, ModelSpec, request_facts
 from symcost.tracing.fit import (CHECK_L, FIT_L, N_RANDOM, SYMS, Fitter, FitError, Unvariable, find_base,
                                  leaves_moe_values, plan_probes, probe_pool, random_point, random_pools)
@@ -696,8 +696,7 @@ def concrete_totals(rec: Recording) -> dict[str, int]:
         for op in rec.ops:
             if rules.classify(op.op) == "comm":
                 v = _op_view(op, [t.shape for t in op.inputs], [t.shape for t in op.outputs], op.ints)
-                n = Layout(shard=rec.parallel if rec.replicate else None, replicate=rec.replicate).group_size(
-                    op.group or trace_group(rec), rec.values.__getitem__)
+                n = group_size(op.group or trace_group(rec), rec.values.__getitem__, rec.replicate)
                 kind, _, per_rank = rules.comm_volume(v, n)
                 if kind in COMM_KINDS:  # (not a wait)
                     out[f"comm.{kind}"] += per_rank
