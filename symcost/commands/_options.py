@@ -175,6 +175,11 @@ def parallel_options(f):
                      help="with --dp N --shard fsdp|zero3|zero2: HSDP, FSDP2 over the 2-D mesh (dp_replicate R, "
                           "dp_shard N/R): states sharded over N/R ranks, gradients all-reduced over R "
                           "(torchtitan's data_parallel_replicate_degree; R is pinned in the formulas)")(f)
+    f = click.option("--offload", is_flag=True, default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.offload"),
+                     help="with --dp N --shard fsdp|zero3: FSDP2's CPUOffloadPolicy (torchtitan's "
+                          "training.enable_cpu_offload): parameters, gradients and optimizer state on the host; "
+                          "the peak is the device's; host bytes and host<->device copies reported")(f)
     f = click.option("--fsdp-mp", default=None, expose_value=False, callback=_keep_parallel("symcost.fsdp_mp"),
                      metavar="PARAM[,REDUCE]",
                      help="with --dp: FSDP2's MixedPrecisionPolicy(param_dtype=PARAM, reduce_dtype=REDUCE) on every "
@@ -265,7 +270,7 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
     ac = meta.get("symcost.ac")
     layout = Layout(shard=(shard or "ddp") if dp is not None else None, fsdp_mp=mp, tp=tp is not None,
                     sp=bool(meta.get("symcost.sp")), pipeline=pipe, ac=None if ac in (None, "none") else ac,
-                    replicate=replicate)
+                    replicate=replicate, offload=bool(meta.get("symcost.offload")))
     sizes = {k: v for k, v in (("DP", dp), ("TP", tp), ("PP", pp if pipe else None)) if v is not None}
     return layout, sizes
 

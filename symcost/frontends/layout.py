@@ -89,6 +89,10 @@ class Layout:
         replicate: HSDP's ``dp_replicate`` degree R (torchtitan's
             ``data_parallel_replicate_degree``) with a sharding ``shard`` (``fsdp``, ``zero3``,
             ``zero2``), or None: the data-parallel dimension is then one group.
+        offload: with ``shard`` ``fsdp`` or ``zero3``, FSDP2's CPU offload (torchtitan's
+            ``training.enable_cpu_offload``: ``fully_shard(..., offload_policy=CPUOffloadPolicy())``;
+            :mod:`symcost.frontends.offload`): sharded parameters, their gradients and the
+            optimizer state on the host, the optimizer step on the host.
     """
 
     shard: str | None = None
@@ -98,6 +102,7 @@ class Layout:
     pipeline: Pipeline | None = None
     ac: str | None = None
     replicate: int | None = None
+    offload: bool = False
 
     def __post_init__(self):
         from symcost.frontends.parallel import check_shard
@@ -126,6 +131,10 @@ class Layout:
                                    "FSDP2's shards; give --shard fsdp, zero3 or zero2 (DDP replicates everything "
                                    "already: --dp N alone)")
             object.__setattr__(self, "replicate", int(self.replicate))
+        if self.offload and self.shard not in ("fsdp", "zero3"):
+            raise SymcostError("--offload is FSDP2's CPUOffloadPolicy: give --dp N --shard fsdp or zero3"
+                               + (f" (not {self.shard})" if self.shard else ""))
+        object.__setattr__(self, "offload", bool(self.offload))
 
     # --- what the layout is -------------------------------------------------------------------
     @property
@@ -229,7 +238,8 @@ class Layout:
                     "pp": self.pipeline.schedule if self.pipeline else None}.get(d)
             parts.append(f"{d} {n}" + (f" ({what})" if what else ""))
         mesh = " × ".join(parts) or "one device"
-        return mesh + (f", activation checkpointing {self.ac}" if self.ac else "")
+        return (mesh + (", CPU offload" if self.offload else "")
+                + (f", activation checkpointing {self.ac}" if self.ac else ""))
 
     @property
     def inner(self) -> "Layout | None":
@@ -255,6 +265,8 @@ class Layout:
             out["ac"] = self.ac
         if self.replicate is not None:
             out["replicate"] = self.replicate
+        if self.offload:
+            out["offload"] = True
         return out
 
     @classmethod
@@ -264,7 +276,7 @@ class Layout:
         pipe = d.get("pipeline")
         return cls(shard=d.get("shard"), fsdp_mp=tuple(d["fsdp_mp"]) if d.get("fsdp_mp") else None,
                    tp=bool(d.get("tp")), sp=bool(d.get("sp")), pipeline=Pipeline(**pipe) if pipe else None,
-                   ac=d.get("ac"), replicate=d.get("replicate"))
+                   ac=d.get("ac"), replicate=d.get("replicate"), offload=bool(d.get("offload")))
 
     def cache_options(self) -> dict:
         """The trace cache's options of a trace of this layout: a DDP and an FSDP trace, a TP and
@@ -280,6 +292,8 @@ class Layout:
             out["ac"] = self.ac
         if self.replicate is not None:
             out["replicate"] = self.replicate
+        if self.offload:
+            out["offload"] = True
         return out
 
     # --- the model under the layout -------------------------------------------------------------
@@ -397,7 +411,7 @@ class Layout:
 
             from symcost.frontends.parallel import wrap
 
-            wrap(model, layers, self.shard, mesh["DP"], self.fsdp_mp)
+            wrap(model, layers, self.shard, mesh["DP"], self.fsdp_mp, offload=self.offload)
             # FSDP2 warns when the root returns a view (a language model's logits slice); the
             # recorded step does no in-place op on it, and the user did not write this wrapping
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",

@@ -210,12 +210,16 @@ def fake_world(world_size: int) -> None:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
-def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list | None = None):
+def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list | None = None,
+         offload: bool = False):
     """Wrap ``model`` in place for ``shard`` (:data:`SHARDS`): each child of the ``layers``
     container (the L blocks), then the root, as torchtitan does. ``mp``: ``(param, reduce)``
     dtype names (:data:`MP_DTYPES`) given to every unit as FSDP2's
     ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)`` (all-gathers move parameters in
-    ``param``, reduce-scatters and all-reduces gradients in ``reduce``). Returns the model.
+    ``param``, reduce-scatters and all-reduces gradients in ``reduce``). ``offload``: every
+    ``fully_shard`` unit also takes ``offload_policy=CPUOffloadPolicy(...)``
+    (:func:`symcost.frontends.offload.policy`; torchtitan's ``training.enable_cpu_offload``).
+    Returns the model.
 
     Raises:
         SymcostError: PyTorch refuses to wrap the model (its message, one line).
@@ -230,6 +234,10 @@ def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list
         p, r = mp
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, MP_DTYPES[p]),
                                                reduce_dtype=getattr(torch, MP_DTYPES[r]))
+    if offload:
+        from symcost.frontends.offload import policy
+
+        kw["offload_policy"] = policy()
     if engine == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 

@@ -431,6 +431,10 @@ MOVE_OPS |= {
     # gradients into the reduce-scatter buffer
     "fsdp.all_gather_copy_in", "fsdp.split_with_sizes_copy", "fsdp.chunk_cat",
 }
+#: FSDP2's CPU offload copies between host and device (symcost.frontends.offload): data movement
+#: whose device side is the copy's bytes once (an H2D copy writes them into device memory, a D2H
+#: copy reads them), the host link's bytes are symcost.passes.offload.transfer_bytes'
+TRANSFER_OPS = {"symcost.h2d", "symcost.d2h"}
 #: Collectives: packet -> (kind, where the collective's size is: ("in"|"out", position), or
 #: ("in", "all") for the sum of every tensor input). The size is nccl-tests' ``size`` (the
 #: gathered tensor of an all-gather, the reduced input of a reduce-scatter, the tensor of an
@@ -637,7 +641,7 @@ def classify(op) -> str:
         "aten.nll_loss_forward", "aten.nll_loss_backward", "aten.nll_loss2d_forward", "aten.nll_loss2d_backward"
     ):
         return "special"
-    if packet in MOVE_OPS:
+    if packet in MOVE_OPS or packet in TRANSFER_OPS:
         return "move"
     tags = getattr(op, "tags", ())
     if torch.Tag.pointwise in tags or packet in DUNDER_POINTWISE:
@@ -683,6 +687,8 @@ def flop_cost(v: OpView, family: str | None = None) -> Cost:
         return Cost(0, 0, 2 * sum(nbytes(sh, d) for sh, d in zip(v.in_shapes[:-1], v.in_dtypes[:-1])))
     if family == "unsupported":
         return Cost()
+    if packet in TRANSFER_OPS:
+        return Cost(0, 0, nbytes(v.out_shapes[0], v.out_dtypes[0]))
     if packet in PARTIAL_WRITES:
         return Cost(0, 0, sum(partial_write_bytes(v)))
     traffic = _traffic(v, skip_first_input=packet in OVERWRITE_OPS)

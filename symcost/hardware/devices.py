@@ -291,13 +291,14 @@ def _interconnect(value, where: str) -> dict:
     """A device's ``interconnect`` table (:attr:`Device.interconnect`), checked."""
     if not isinstance(value, Mapping):
         raise SymcostError(f"{where}: must be a table (link, link_bandwidth, devices_per_node, network, "
-                           "network_bandwidth, source)")
-    known = {"link", "link_bandwidth", "devices_per_node", "network", "network_bandwidth", "source"}
+                           "network_bandwidth, host_link, host_bandwidth, source)")
+    known = {"link", "link_bandwidth", "devices_per_node", "network", "network_bandwidth", "source",
+             "host_link", "host_bandwidth"}
     unknown = sorted(set(value) - known)
     if unknown:
         raise SymcostError(f"{where}: unknown field {unknown[0]!r}; accepted: {', '.join(sorted(known))}")
-    out = {k: str(value[k]) for k in ("link", "network", "source") if k in value}
-    for k in ("link_bandwidth", "network_bandwidth"):
+    out = {k: str(value[k]) for k in ("link", "network", "source", "host_link") if k in value}
+    for k in ("link_bandwidth", "network_bandwidth", "host_bandwidth"):
         if k in value:
             out[k] = _number(value, k, where)
     if "devices_per_node" in value:

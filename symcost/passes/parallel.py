@@ -242,8 +242,15 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
                   + engine + f" over its {dp_dim} dimension" + ("s" if layout_of(an).hsdp else ""))
     elif layout_of(an).hsdp:
         engine += " over the 2-D mesh (dp_replicate, dp_shard) (HSDP)"
+    if layout_of(an).offload:
+        engine += ", CPUOffloadPolicy() (parameters, gradients and optimizer state on the host)"
     out = {"shard": shard, "engine": engine, "label": label, "comm": comm, "memory": mem,
            "peak": rank_peak(an, precision, optimizer, sizes, impl, device)}
+    if layout_of(an).offload:  # host bytes and host<->device copies (symcost.passes.offload)
+        from symcost.passes.memory import memory_model
+        from symcost.passes.offload import summary as offload_summary
+
+        out["offload"] = offload_summary(an, memory_model(an, precision, optimizer, impl, device), sizes)
     if mesh2:
         out["tensor_parallel"] = mesh2
     if mesh2 or layout_of(an).hsdp:
@@ -382,6 +389,16 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
             tp_comm[ph] = tp_part / tp_bw
         else:
             comm[ph] = (nbytes[ph] - rep_part) / bw + rep_time
+    offload = {}
+    if layout_of(an).offload:
+        # FSDP2's CPU offload: each phase's host<->device copies over the host link, on the
+        # collectives' path (the H2D copy before its all-gather, the D2H after its reduce-scatter)
+        from symcost.passes.offload import host_link, transfer_seconds
+
+        name, host_bw = host_link(device)
+        transfer = transfer_seconds(an, device, env)
+        comm = {ph: comm[ph] + transfer[ph] for ph in comm}
+        offload = {"transfer": transfer, "host_link": name, "host_bandwidth": host_bw}
     if overlap == "none":
         step = sum(compute.values()) + sum(comm.values())
     elif overlap == "backward":
@@ -395,7 +412,7 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
     model_flops = r["model_flops"]
     return {"compute": compute, "comm": comm, "bytes": nbytes, "link": link, "link_bandwidth": bw,
             **({"tp_link": tp_link, "tp_link_bandwidth": tp_bw, "tp_comm": tp_comm} if mesh2 else {}),
-            **({"replicate_link": rep_link, "replicate_link_bandwidth": rep_bw} if hsdp else {}),
+            **({"replicate_link": rep_link, "replicate_link_bandwidth": rep_bw} if hsdp else {}), **offload,
             "nodes": nodes, "devices_per_node": per_node, "overlap": overlap, "overlap_model": OVERLAPS[overlap],
             "step_seconds": step, "exposed_comm_seconds": step - sum(compute.values()),
             "mfu": model_flops / (step * peak) if step else 0.0, "precision": key, "peak_flops": peak,

@@ -530,6 +530,10 @@ def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) 
         if summary.get("comm_by_group"):  # each group's collectives
             out["parallel"]["comm_by_group"] = {g: {k: fmt(v) for k, v in d.items()}
                                                 for g, d in summary["comm_by_group"].items()}
+        if summary.get("offload"):
+            from symcost.render.offload import offload_json
+
+            out["parallel"]["offload"] = offload_json(summary["offload"], False)
         return out
     out = {
         "comm": {k: num(v) for k, v in vals["comm"].items()},
@@ -544,6 +548,10 @@ def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) 
     if vals.get("comm_by_group"):
         out["parallel"]["comm_by_group"] = {g: {k: num(v) for k, v in d.items()}
                                             for g, d in vals["comm_by_group"].items()}
+    if summary.get("offload"):
+        from symcost.render.offload import offload_json
+
+        out["parallel"]["offload"] = offload_json(summary["offload"], True)
     return out
 
 
@@ -586,6 +594,10 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
     if pk.get("peak") is not None:
         c.print(f"peak per rank at: {pk['where']} (model states + the live storages of the traced step: "
                 "unsharded parameters, collective buffers, gradients, activations)")
+    if par.get("offload"):
+        from symcost.render.offload import render_offload
+
+        render_offload(c, par["offload"], step)
     if step is not None and step.get("tp_comm") is not None:
         c.print(f"TP group: {(step['tp_comm']['forward'] + step['tp_comm']['backward']) * 1e3:.3f} ms of collectives over "
                 f"{step['tp_link']} at {step['tp_link_bandwidth'] / 1e9:.0f} GB/s, exposed (between the ops that make "

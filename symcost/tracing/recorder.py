@@ -137,6 +137,9 @@ class _Recorder(TorchDispatchMode):
         # an inference step: the KV cache's storages held before the step, key -> (weak
         # reference, bytes), watched until the step frees them (see watch_kv)
         self.kv_watch: dict[int, tuple[StorageWeakRef, int]] = {}
+        # ops whose outputs are host memory (FSDP2's CPU offload: the gradient shards' copies to
+        # the host, symcost.frontends.offload): their storages stay out of the device's schedule
+        self.host_ops: frozenset = frozenset()
 
     def leaf_name(self, t: torch.Tensor) -> str | None:
         """The ``param:``/``buffer:``/``input:`` name of a leaf tensor, or None. A parameter
@@ -369,6 +372,8 @@ class _Recorder(TorchDispatchMode):
         if func in _PADDING_IDX and len(ints) > _PADDING_IDX[func]:
             ints[_PADDING_IDX[func]] = -1
         outs = []
+        if func in self.host_ops:  # (its views too: track() skips a preexisting storage)
+            self.preexisting.add(StorageWeakRef(out.untyped_storage()).cdata)
         for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 # lift_fresh: a constant the step made (``torch.tensor([...])``) enters the step;

@@ -120,6 +120,7 @@ class MemoryModel(Solver):
         self.P = P
         self.opt_share = None  # a data-parallel rank's optimizer updates shards (set by _rank_states)
         self.opt_local = False  # the schedule's parameter sizes are already the rank's (a --tp trace)
+        self.host: dict[str, Any] = {}  # FSDP2's CPU offload: the model states on the host (_rank_states)
         self.params = sympy.expand(pol.param * P)
         self.grads = sympy.expand(pol.grad * P)
         self.master_weights = sympy.expand(pol.master * P)
@@ -178,6 +179,16 @@ class MemoryModel(Solver):
         if "optimizer_state" in SHARDED[self.parallel]:
             # the optimizer steps the rank's shards: its temporaries are a shard's (1/DP of each tensor)
             self.opt_share = sympy.expand(an.params_shard if traced else self.P / DP)
+        from symcost.frontends.layout import layout_of
+
+        if layout_of(an).offload:
+            # FSDP2's CPU offload (docs/parallel.md §0.2): the sharded parameters, their gradients,
+            # the optimizer state and its step live on the host; the schedule (the device's) holds
+            # neither the gradient shards (copied to the host) nor the step's temporaries
+            self.host = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                         "master_weights": self.master_weights}
+            zero = sympy.Integer(0)
+            self.params = self.grads = self.optimizer = self.master_weights = zero
 
     def _tp_rank_states(self) -> None:
         """One rank's model states in a tensor-parallel trace (``--tp``): the precision policy per
@@ -396,6 +407,8 @@ class MemoryModel(Solver):
         Megatron-LM fp16, DeepSpeed's ZeRO) adds that copy of every tensor the rank updates to
         each of them (alone where the update keeps no temporaries).
         """
+        if self.host:  # FSDP2's CPU offload: the step runs on the host
+            return []
         share = self._poly(self.P if self.opt_share is None else self.opt_share)
         update = self._update_transients(share)
         if not self.policy.grad_copy:

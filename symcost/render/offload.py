@@ -1,0 +1,45 @@
+"""Text and JSON of FSDP2's CPU offload on one rank (``report --dp N --shard fsdp --offload``):
+:func:`symcost.passes.offload.summary` rendered, nothing computed."""
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+
+
+def offload_json(off: dict, at_sizes: bool) -> dict[str, Any]:
+    """``parallel.offload`` of ``report --json``: ``host`` {params, grads, optimizer,
+    master_weights, total} (the rank's model states on the host, bytes), ``h2d`` and ``d2h``
+    {forward, backward, train} (bytes copied between host and device per step); formulas as
+    strings without sizes, integers with them (``at_sizes``)."""
+    from symcost.render.report import fmt
+
+    def num(v):
+        v = sympy.sympify(v)
+        return int(v) if v.is_integer else float(v)
+
+    src = off["values"] if at_sizes else off
+    conv = num if at_sizes else fmt
+    return {k: {p: conv(v) for p, v in src[k].items()} for k in ("host", "h2d", "d2h")}
+
+
+def render_offload(c, js: dict, step: dict | None) -> None:
+    """The offload lines of the text report on console ``c``: host bytes, the copies per step and,
+    with ``--gpu``, their time over the host link (``step``: :func:`symcost.passes.parallel.step_time`)."""
+    from symcost.render.report import human
+
+    def h(v):
+        return human(v, "B") if isinstance(v, (int, float)) else str(v)
+
+    host, h2d, d2h = js["host"], js["h2d"], js["d2h"]
+    c.print(f"CPU offload (FSDP2 CPUOffloadPolicy): on the host {h(host['total'])} per rank (parameters "
+            f"{h(host['params'])}, gradients {h(host['grads'])}, optimizer state {h(host['optimizer'])}"
+            + (f", master weights {h(host['master_weights'])}" if host.get("master_weights") not in (0, "0") else "")
+            + "; the optimizer steps there); the peak above is the device's")
+    c.print(f"host<->device copies per step: H2D {h(h2d['train'])} (parameter shards before each all-gather: "
+            f"{h(h2d['forward'])} forward + {h(h2d['backward'])} backward), D2H {h(d2h['train'])} (gradient shards)")
+    if step is not None and step.get("transfer") is not None:
+        tr = step["transfer"]
+        c.print(f"copies over {step['host_link']} at {step['host_bandwidth'] / 1e9:.0f} GB/s per direction: "
+                f"{tr['forward'] * 1e3:.3f} + {tr['backward'] * 1e3:.3f} ms forward + backward, counted with the "
+                "communication of their phase")
