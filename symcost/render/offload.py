@@ -7,12 +7,11 @@ from typing import Any
 import sympy
 
 
-def offload_json(off: dict, at_sizes: bool) -> dict[str, Any]:
+def offload_json(off: dict, at_sizes: bool, fmt) -> dict[str, Any]:
     """``parallel.offload`` of ``report --json``: ``host`` {params, grads, optimizer,
     master_weights, total} (the rank's model states on the host, bytes), ``h2d`` and ``d2h``
     {forward, backward, train} (bytes copied between host and device per step); formulas as
-    strings without sizes, integers with them (``at_sizes``)."""
-    from symcost.render.report import fmt
+    strings (``fmt``: the report's formula text) without sizes, integers with them (``at_sizes``)."""
 
     def num(v):
         v = sympy.sympify(v)
@@ -23,10 +22,10 @@ def offload_json(off: dict, at_sizes: bool) -> dict[str, Any]:
     return {k: {p: conv(v) for p, v in src[k].items()} for k in ("host", "h2d", "d2h")}
 
 
-def render_offload(c, js: dict, step: dict | None) -> None:
+def render_offload(c, js: dict, step: dict | None, human) -> None:
     """The offload lines of the text report on console ``c``: host bytes, the copies per step and,
-    with ``--gpu``, their time over the host link (``step``: :func:`symcost.passes.parallel.step_time`)."""
-    from symcost.render.report import human
+    with ``--gpu``, their time over the host link (``step``: :func:`symcost.passes.parallel.step_time`);
+    ``human``: the report's unit formatting."""
 
     def h(v):
         return human(v, "B") if isinstance(v, (int, float)) else str(v)

@@ -533,7 +533,7 @@ def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) 
         if summary.get("offload"):
             from symcost.render.offload import offload_json
 
-            out["parallel"]["offload"] = offload_json(summary["offload"], False)
+            out["parallel"]["offload"] = offload_json(summary["offload"], False, fmt)
         return out
     out = {
         "comm": {k: num(v) for k, v in vals["comm"].items()},
@@ -551,7 +551,7 @@ def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) 
     if summary.get("offload"):
         from symcost.render.offload import offload_json
 
-        out["parallel"]["offload"] = offload_json(summary["offload"], True)
+        out["parallel"]["offload"] = offload_json(summary["offload"], True, fmt)
     return out
 
 
@@ -597,7 +597,7 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
     if par.get("offload"):
         from symcost.render.offload import render_offload
 
-        render_offload(c, par["offload"], step)
+        render_offload(c, par["offload"], step, human)
     if step is not None and step.get("tp_comm") is not None:
         c.print(f"TP group: {(step['tp_comm']['forward'] + step['tp_comm']['backward']) * 1e3:.3f} ms of collectives over "
                 f"{step['tp_link']} at {step['tp_link_bandwidth'] / 1e9:.0f} GB/s, exposed (between the ops that make "
