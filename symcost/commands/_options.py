@@ -369,9 +369,17 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
         options.update(layout.cache_options())
     if step is not None:
         options.update(step=step, kv_cache=kv_cache)
+    torch_device = torch_device_of(ctx)
+    if torch_device != "cpu":  # (its dropout and attention kernels: symcost.tracing.device_kernels)
+        options["torch_device"] = torch_device
+    from symcost.commands._loss import loss_of
+
+    loss = loss_of(ctx)
+    if loss is not None:  # (--loss: symcost.frontends.megatron.for_run)
+        options["loss"] = loss
     an = cached_trace(model, cfg, attention, precision, sizes,
                       lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing, step, kv_cache,
-                                           layout=layout),
+                                           layout=layout, torch_device=torch_device, loss=loss),
                       use_cache, options=options or None)
     _check_set_vs_config(model, an.spec, sizes, cfg, attention)  # (again for a cached analysis)
     an = an.with_attention_flops(ctx.meta.get("symcost.attention_flops", "full") if ctx else "full")
@@ -426,8 +434,15 @@ def every_layer_trace(an, model, config, attention, precision, sizes, quiet=Fals
     return sub
 
 
+def torch_device_of(ctx) -> str:
+    """The device type a command's step runs on: its ``--torch-device`` (``cuda`` by default),
+    ``cuda`` for a command without the option."""
+    dev = ctx.params.get("device") if ctx is not None else None
+    return dev if dev in ("cuda", "cpu", "xpu", "mtia") else "cuda"
+
+
 def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None, step=None, kv_cache="dynamic",
-                 layout=None):
+                 layout=None, torch_device="cuda", loss=None):
     """Resolve and trace ``model`` (the cache's miss path), with the progress line; ``layout``:
     one rank of the parallel layout (:meth:`symcost.frontends.layout.Layout.spec`)."""
     with progress(f"resolving {model}", quiet) as status:
@@ -438,6 +453,9 @@ def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None, s
             spec = spec.for_step(step, kv_cache)
         if layout:
             spec = layout.spec(spec)
+        from symcost.frontends.megatron import for_run
+
+        spec = for_run(spec, precision, torch_device, loss)  # (--loss, --torch-device, megatron-*)
         if routing is not None:  # MoE layers traced under this routing model (symcost.frontends.moe)
             from symcost.frontends.moe import with_routing
 
@@ -460,7 +478,7 @@ def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None, s
         from symcost.graph.build import trace
 
         try:
-            return trace(spec, sizes=sizes, precision=precision)  # the regime of these sizes
+            return trace(spec, sizes=sizes, precision=precision, torch_device=torch_device)  # the regime of these sizes
         except SymcostError as e:
             raise _with_probe_hint(e, spec) from e
 

@@ -62,8 +62,9 @@ def pipeline_request(ctx):
     return sizes["PP"], pipe.schedule, pipe.microbatches, pipe.virtual, gpu, per_node, layout, sizes
 
 
-def _request(model, sets, config, attention, mesh):
-    """``(spec, sizes, cache)`` of a pipeline request: the model's spec, the ``--set`` sizes with
+def _request(model, sets, config, attention, mesh, precision=None):
+    """``(spec, sizes, cache)`` of a pipeline request: the model's spec (as the run traces it under
+    ``precision`` and ``--torch-device``: :func:`symcost.frontends.megatron.for_run`), the ``--set`` sizes with
     the stage's mesh sizes (``--dp``, ``--tp``), and the trace cache's key (None with
     ``--no-cache``).
 
@@ -72,7 +73,13 @@ def _request(model, sets, config, attention, mesh):
     """
     from symcost.frontends.models import resolve
 
-    spec = resolve(model, parse_config(config), attention)
+    from symcost.commands._options import torch_device_of
+    from symcost.frontends.megatron import for_run
+
+    from symcost.commands._loss import loss_of
+
+    ctx = click.get_current_context(silent=True)
+    spec = for_run(resolve(model, parse_config(config), attention), precision, torch_device_of(ctx), loss_of(ctx))
     sizes = parse_sizes(sets)
     unknown = [k for k in sizes if k not in spec.all_symbols]
     if unknown:
@@ -88,7 +95,7 @@ def report_pipeline(req, model, sets, config, attention, precision, as_json, opt
     from symcost.passes.pipeline import summary
 
     pp, schedule, m, v, gpu, per_node, layout, mesh = req
-    spec, sizes, cache = _request(model, sets, config, attention, mesh)
+    spec, sizes, cache = _request(model, sets, config, attention, mesh, precision)
     device = None
     if gpu is not None:
         from symcost.hardware.devices import get_device
@@ -131,7 +138,7 @@ def max_batch_pipeline(req, model, sets, config, attention, precision, as_json, 
     from symcost.passes.pipeline import summary
 
     pp, schedule, m, v, _, _, layout, mesh = req
-    spec, sizes, cache = _request(model, sets, config, attention, mesh)
+    spec, sizes, cache = _request(model, sets, config, attention, mesh, precision)
     runs: dict[int, tuple[int, int]] = {}
 
     def peak(b: int) -> tuple[int, int]:

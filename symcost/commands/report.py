@@ -8,6 +8,7 @@ import click
 
 from ._options import (common, device_alias, early_checks, memory_options, parallel_options, parallel_request,
                        trace_model)
+from ._loss import loss_option
 from ._pipeline import pipeline_options, pipeline_request, report_pipeline
 
 
@@ -19,6 +20,7 @@ from ._pipeline import pipeline_options, pipeline_request, report_pipeline
 @parallel_options
 @device_alias
 @pipeline_options
+@loss_option
 def report(model, sets, config, attention, precision, debug, as_json, memory, optimizer, device):
     """The main job: symbols, per-module costs, totals as formulas and the 6·N·P form, memory.
 

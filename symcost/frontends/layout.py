@@ -380,14 +380,16 @@ class Layout:
             labels.update(names)
         return sub
 
-    def parallelize(self, model, layers: str | None, mesh: Mapping[str, Any]):
+    def parallelize(self, model, layers: str | None, mesh: Mapping[str, Any], dp_engine: str | None = None):
         """Parallelise ``model`` in place over ``mesh`` (:meth:`fake_mesh`) in torchtitan's order:
         the tensor-parallel plan over ``TP`` (:func:`symcost.frontends.tensor_parallel.apply`),
         then activation checkpointing of every block (:func:`symcost.frontends.checkpointing.
         checkpoint_blocks`), then the data-parallel engine over ``DP``, per block of ``layers``
         and at the root
         (:func:`symcost.frontends.parallel.wrap`: ``fully_shard`` of a TP-sharded parameter
-        shards its local rows again). Returns the context the loss and its backward run in
+        shards its local rows again; ``dp_engine``: the data-parallel engine where the run names
+        one, ``"megatron-ddp"``: :func:`symcost.frontends.parallel.wrap`). Returns the context the
+        loss and its backward run in
         (``loss_parallel()`` where the logits are vocabulary-sharded, else a no-op).
 
         Raises:
@@ -411,7 +413,7 @@ class Layout:
 
             from symcost.frontends.parallel import wrap
 
-            wrap(model, layers, self.shard, mesh["DP"], self.fsdp_mp, offload=self.offload)
+            wrap(model, layers, self.shard, mesh["DP"], self.fsdp_mp, offload=self.offload, engine=dp_engine)
             # FSDP2 warns when the root returns a view (a language model's logits slice); the
             # recorded step does no in-place op on it, and the user did not write this wrapping
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",

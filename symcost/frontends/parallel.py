@@ -211,7 +211,7 @@ def fake_world(world_size: int) -> None:
 
 
 def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list | None = None,
-         offload: bool = False):
+         offload: bool = False, engine: str | None = None):
     """Wrap ``model`` in place for ``shard`` (:data:`SHARDS`): each child of the ``layers``
     container (the L blocks), then the root, as torchtitan does. ``mp``: ``(param, reduce)``
     dtype names (:data:`MP_DTYPES`) given to every unit as FSDP2's
@@ -219,6 +219,9 @@ def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list
     ``param``, reduce-scatters and all-reduces gradients in ``reduce``). ``offload``: every
     ``fully_shard`` unit also takes ``offload_policy=CPUOffloadPolicy(...)``
     (:func:`symcost.frontends.offload.policy`; torchtitan's ``training.enable_cpu_offload``).
+    ``engine``: ``"megatron-ddp"`` with ``ddp``/``zero1`` runs Megatron-LM's engine instead of
+    ``replicate`` (parameters used in place, each gradient all-reduced once accumulated:
+    :func:`symcost.frontends.megatron.wrap_in_place`; the ``megatron-*`` precisions ask for it).
     Returns the model.
 
     Raises:
@@ -226,7 +229,13 @@ def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list
     """
     import torch
 
+    asked = engine
     engine, reshard, _ = SHARDS[check_shard(shard)]
+    if asked == "megatron-ddp" and engine == "replicate" and mp is None:
+        from symcost.frontends.megatron import wrap_in_place
+
+        wrap_in_place(model, mesh)
+        return model
     kw = {}
     if mp is not None:
         from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -18,6 +18,7 @@ import sympy
 from symcost._lazy import LazyModule
 from symcost.errors import SymcostError
 from symcost.frontends.layout import Layout, group_size, layout_of
+from symcost.frontends.megatron import for_run
 from symcost.frontends.spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, ModelSpec, request_facts
 from symcost.tracing.fit import (CHECK_L, FIT_L, N_RANDOM, SYMS, Fitter, FitError, Unvariable, find_base,
                                  leaves_moe_values, plan_probes, probe_pool, random_point, random_pools)
@@ -242,7 +243,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
           attention: str | None = None, sizes: Mapping[str, int] | None = None,
           precision: str = "bf16-mixed", n_random: int = N_RANDOM, seed: int = 0, use_cache: bool = True,
           step: str | None = None, kv_cache: str = "dynamic", shard: str | None = None,
-          fsdp_mp: str | None = None, layout: Layout | None = None) -> Analysis:
+          fsdp_mp: str | None = None, layout: Layout | None = None, torch_device: str = "cpu") -> Analysis:
     """Trace a model's training step (or an inference step) into a symbolic cost graph, in the
     regime of ``sizes``.
 
@@ -308,6 +309,10 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             order); the formulas gain each dimension's symbol (``sizes["DP"]``, ``sizes["TP"]``,
             default 8). ``shard`` and ``fsdp_mp`` are the shorthand of a data-parallel layout
             (not with ``layout``).
+        torch_device: the device type the step runs on (``--torch-device``; the CLI's default
+            is ``cuda``): ``"cuda"`` records dropout and attention with dropout as CUDA
+            dispatches them (:mod:`symcost.tracing.device_kernels`); ``"cpu"`` (the default
+            here) and other types record the CPU's kernels, which the probes run on.
 
     Returns:
         An :class:`Analysis` (``pinned``, ``pin_reasons``, ``regime_ties``, ``request_facts``,
@@ -328,10 +333,13 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         from symcost.graph.cache import cached_trace
 
         def fresh():
-            return trace(model, config, attention, sizes, precision, n_random, seed, use_cache=False)
+            return trace(model, config, attention, sizes, precision, n_random, seed, use_cache=False,
+                         torch_device=torch_device)
 
         # the CLI's key (strings as --config gives them), plus the probe plan when it is not the default
         options = None if (n_random, seed) == (N_RANDOM, 0) else {"n_random": n_random, "seed": seed}
+        if torch_device not in (None, "cpu"):
+            options = {**(options or {}), "torch_device": torch_device}
         an = cached_trace(str(model), {str(k): str(v) for k, v in dict(config or {}).items()}, attention,
                           precision, dict(sizes or {}), fresh, True, options)
         if an.__dict__.get("cached_from"):
@@ -340,7 +348,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
     if step is not None:
         spec = spec.for_step(step, kv_cache)
-    spec = layout.spec(spec)
+    spec = for_run(layout.spec(spec), precision, torch_device)  # (the loss and engine of megatron-*)
     sizes = dict(sizes or {})
     if spec.step == "decode":
         sizes.setdefault("S", 1)  # one new token per sequence: S = 1 is pinned, its own regime

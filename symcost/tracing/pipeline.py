@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from symcost.errors import SymcostError
 from symcost.frontends.pipeline import SCHEDULES, local_boundary, make_stage, part_of, probe_spec, stage_blocks
+from symcost.tracing.device_kernels import device_kernels
 from symcost.tracing.record import _lazy_init, materialize, precision_context
 
 
@@ -210,7 +211,7 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
             for _, m in models:
                 if param_dtype != torch.float32:
                     m.to(param_dtype)  # on the meta device, before the parameters become DTensors
-                loss_context = inner.parallelize(m, layers, sub)
+                loss_context = inner.parallelize(m, layers, sub, spec.extra.get("dp_engine"))
         elif inner is not None and inner.ac is not None:
             # activation checkpointing alone under the pipeline (no other mesh dimension): each
             # stage's blocks checkpointed as Layout.parallelize does it (it was left out here)
@@ -248,18 +249,20 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
             sched._warmup_p2p = static
 
             record_context = spec.record_context or contextlib.nullcontext
+            # Megatron-LM's schedule keeps each micro-batch's loss, not its output (the logits)
+            megatron = spec.extra.get("dp_engine") == "megatron-ddp"
 
             def step():
                 # (the model's own recording context: transformers' mask decisions as the real
                 # step makes them, frontends.hf.unpacked_masks; without it fake tensors build a
                 # (B, 1, S, S) mask and SDPA falls back to its math kernel)
-                with autocast(), loss_context(), record_context():
+                with autocast(), loss_context(), record_context(), device_kernels(spec.extra.get("torch_device")):
                     first = (tokens,) if 0 in mine and not keywords else ()
                     target = {"target": tokens} if (n - 1) in mine else {}
                     # (the model's own losses are 0-dim: PyTorch's merge of the micro-batches'
                     # outputs concatenates on dim 0, so they are not returned)
                     sched.step(*first, **(all_kw if keywords else {"_in0": tokens}), **target,
-                               **({"return_outputs": False} if keywords else {}))
+                               **({"return_outputs": False} if keywords or megatron else {}))
 
             params = sum(_nbytes(p) for _, m in models for p in m.parameters())
             with _Live() as warm:

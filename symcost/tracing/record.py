@@ -41,6 +41,7 @@ from symcost.errors import SymcostError
 from symcost.frontends.layout import layout_of
 from symcost.frontends.models import ModelSpec
 from symcost.frontends.precision import precision_context
+from symcost.tracing.device_kernels import device_kernels
 from symcost.tracing.recording import (  # noqa: F401 (re-exported: the recording's types)
     IntRef, MemoryEvent, OpCall, Recording, SavedTensor, TensorInfo, TensorRef)
 from symcost.tracing.recorder import (  # noqa: F401 (the dispatch mode and its helpers)
@@ -434,7 +435,8 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         # tensor parallelism first, then activation checkpointing, then the data-parallel engine
         # over its DTensors (torchtitan's parallelize order: fully_shard of a TP-sharded parameter
         # shards its local rows again)
-        loss_context = layout.parallelize(model, layers, mesh if layout.traced_dims else {})
+        loss_context = layout.parallelize(model, layers, mesh if layout.traced_dims else {},
+                                          spec.extra.get("dp_engine"))
     # the recording's ``parallel``: the data-parallel strategy, else "tp" / "tp+sp"; on the 2-D
     # mesh the tensor parallelism is its ``tensor_parallel``
     parallel = layout.label
@@ -446,7 +448,8 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
     # tensor subclass); plain eager CPU/CUDA would regenerate them with as_strided instead (in
     # place on a view, then its backward): views either way, no cost, one op sequence for both
     with torch.autograd._force_original_view_tracking(True) if real else FakeTensorMode(allow_non_fake_inputs=True):
-        if parallel is None:
+        if parallel is None or (not layout.tp and spec.extra.get("dp_engine") == "megatron-ddp"):
+            # (Megatron's engine leaves the parameters plain: tied ones stay tied, as on one device)
             materialize(model, torch.device("cpu"), param_dtype, zero=real)
         else:
             model.to_empty(device=torch.device("cpu"))
@@ -594,6 +597,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             guard.enter_context(_no_host_reads())
         try:
             context = spec.record_context or contextlib.nullcontext  # (hf: the masks the real step builds)
+            kernels = spec.extra.get("torch_device")  # (--torch-device: its dropout and attention kernels)
             if inference:
                 # (a tensor-parallel decode or prefill: DTensor's shape propagation hidden, as in
                 # training, so the first recording of a process holds the rank's ops only)
@@ -602,7 +606,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 n_backward = 0
             else:
                 with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context(), \
-                        parallel_contexts(), hide(), loss_context():
+                        parallel_contexts(), hide(), loss_context(), device_kernels(kernels):
                     with autocast():
                         out = model(*args, **kwargs)
                         loss = spec.loss(out, (args, kwargs))
@@ -612,7 +616,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 n_forward = len(rec.ops)
                 rec.phase = "backward"
                 with rec, parallel_contexts(), \
-                        hide(), loss_context():
+                        hide(), loss_context(), device_kernels(kernels):
                     loss.backward()
                     del loss
                 n_backward = len(rec.ops) - n_forward

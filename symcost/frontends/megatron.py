@@ -1,0 +1,222 @@
+"""What a Megatron-LM run does where the traced PyTorch step would do otherwise (``--precision megatron-*``).
+
+The ``megatron-*`` precision policies name the framework (Megatron-LM's ``--bf16`` / ``--fp16``
+and its optimizers, docs/memory.md "Policies of training frameworks"). Under them a traced step
+also runs two parts of Megatron-LM's step that change what a rank holds, as PyTorch code:
+
+* **The loss** (:func:`vocab_parallel_cross_entropy`): Megatron's vocabulary-parallel cross
+  entropy, ``megatron/core/tensor_parallel/cross_entropy.py`` (``_VocabParallelCrossEntropy``
+  with the steps of ``VocabParallelCrossEntropy``, NVIDIA/Megatron-LM at 00611e6e), in place of
+  the model's own loss. It casts the rank's logits ``[..., V/TP]`` to fp32 once, works in that
+  buffer in place (max subtracted, ``exp``, divided by the sum: the softmax), saves it with the
+  target mask and the local targets, and in backward turns it into the gradient in place. The
+  16-bit logits and the fp32 buffer are live together at the end of the forward (6 bytes per
+  local logit in bf16), the buffer and its 16-bit cast gradient at the start of the backward.
+  transformers' loss (``logits.float()`` then ``cross_entropy``, whose ``log_softmax`` and its
+  backward each allocate another fp32 tensor) and ``loss_parallel`` hold more. The targets are
+  the input tokens shifted left by one (``roll``), as Megatron's data loader gives
+  ``labels = tokens[1:]`` of an ``S + 1`` sample; every position has a target, the loss is their
+  mean (``loss_mask`` all ones).
+* **Data parallelism** (:func:`wrap_in_place`): Megatron's ``DistributedDataParallel`` uses
+  the parameters in place (views of one contiguous buffer) and reduces each gradient over the
+  data-parallel group once it is accumulated (``_make_backward_post_hook``; the buckets'
+  all-reduce, or reduce-scatter with ``--use-distributed-optimizer``: the same bytes per rank
+  under the ring). symcost's ``--shard ddp|zero1`` otherwise traces PyTorch's
+  ``replicate_with_fsdp.replicate``, which on its shard group of 1 copies every parameter into
+  an all-gather buffer for the forward and backward. The fp32 main-gradient buffer is a model
+  state of the policy (``symcost.passes.memory.POLICIES``), not a traced tensor.
+
+Torch is imported only inside the functions that need it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+#: the loss a ``megatron-*`` trace runs (``spec.extra["loss"]``, shown by the report)
+LOSS = ("Megatron-LM vocab-parallel cross entropy (megatron/core/tensor_parallel/cross_entropy.py): "
+        "fp32 softmax computed and turned into its gradient in place")
+#: the data-parallel engine a ``megatron-*`` trace runs under --shard ddp|zero1
+ENGINE = "megatron-ddp"
+
+
+def is_megatron(precision: str | None) -> bool:
+    """Whether ``precision`` is one of Megatron-LM's policies (``megatron-*``)."""
+    return bool(precision) and str(precision).startswith("megatron-")
+
+
+def _function():
+    import torch
+    import torch.distributed as dist
+
+    class VocabParallelCrossEntropy(torch.autograd.Function):
+        """Megatron-LM's ``_VocabParallelCrossEntropy`` without label smoothing, ported step by
+        step (module docstring). ``forward(logits [..., Vp], target [...], group, rank)`` ->
+        per-position loss ``[...]`` fp32; ``group`` None: one rank holds the whole vocabulary."""
+
+        @staticmethod
+        def forward(ctx, logits, target, group, rank):
+            ctx.dtensor = None
+            if hasattr(logits, "to_local"):  # (the rank's shard, worked on as Megatron works on its logits)
+                ctx.dtensor = (logits.device_mesh, logits.placements, logits.shape, logits.stride())
+                logits = logits.to_local()
+            buf = logits.float()  # (a new fp32 tensor for 16-bit logits; fp32 logits are used in place)
+            top = torch.max(buf, dim=-1)[0]
+            if group is not None:
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            buf -= top.unsqueeze(dim=-1)
+            part = buf.size()[-1]
+            first, last = rank * part, (rank + 1) * part
+            outside = (target < first) | (target >= last)
+            local = target.clone() - first
+            local[outside] = 0
+            rows = buf.view(-1, part)
+            local_1d = local.view(-1)
+            arange = torch.arange(start=0, end=rows.size()[0], device=rows.device)
+            picked = rows[arange, local_1d].clone().contiguous().view_as(target)
+            picked[outside] = 0.0
+            torch.exp(buf, out=buf)
+            total = buf.sum(dim=-1)
+            if group is not None:
+                dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=group)
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+            loss = torch.log(total) - picked
+            buf.div_(total.unsqueeze(dim=-1))
+            ctx.save_for_backward(buf, outside, local_1d)
+            return loss
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            softmax, outside, local_1d = ctx.saved_tensors
+            grad = softmax
+            rows = grad.view(-1, grad.size()[-1])
+            arange = torch.arange(start=0, end=rows.size()[0], device=rows.device)
+            update = 1.0 - outside.view(-1).float()
+            rows[arange, local_1d] -= update
+            grad.mul_(grad_output.unsqueeze(dim=-1))
+            if ctx.dtensor is not None:
+                from torch.distributed.tensor import DTensor
+
+                mesh, placements, shape, stride = ctx.dtensor
+                grad = DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
+            return grad, None, None, None
+
+    return VocabParallelCrossEntropy
+
+
+_FN = None
+
+
+def vocab_parallel_cross_entropy(logits, target):
+    """Per-position cross entropy of ``logits [..., V]`` against ``target [...]`` (int64 token
+    ids in ``[0, V)``) computed as Megatron-LM computes it (module docstring): -> fp32 ``[...]``.
+
+    ``logits`` may be a ``DTensor`` sharded on its last (vocabulary) dimension over a 1-D mesh
+    (the tensor-parallel plan's column-parallel head): the rank's local shard ``[..., V/TP]`` is
+    used, its vocabulary range is ``[rank·V/TP, (rank + 1)·V/TP)``, and the row maximum, the
+    target logit and the sum of exponentials are all-reduced over the mesh's group, as Megatron
+    all-reduces them over the tensor-parallel group. A replicated ``DTensor`` is used whole.
+    Numerically equal to ``F.cross_entropy(logits, target, reduction="none")`` (tests).
+
+    Raises:
+        SymcostError: a ``DTensor`` sharded on another dimension or over a mesh of more than
+            one dimension.
+    """
+    global _FN
+    if _FN is None:
+        _FN = _function()
+    group, rank = None, 0
+    if hasattr(logits, "device_mesh") and hasattr(logits, "to_local"):
+        from symcost.errors import SymcostError
+
+        mesh, placements = logits.device_mesh, logits.placements
+        if mesh.ndim != 1:
+            raise SymcostError("the Megatron loss takes logits on a 1-D tensor-parallel mesh")
+        p = placements[0]
+        if p.is_shard():
+            if p.dim not in (-1, logits.ndim - 1):
+                raise SymcostError(f"the Megatron loss takes logits sharded on the vocabulary (last) dimension, "
+                                   f"not {p}")
+            group, rank = mesh.get_group(), mesh.get_local_rank()
+    return _FN.apply(logits, target, group, rank)
+
+
+def megatron_loss(out: Any, inputs) -> Any:
+    """The mean of :func:`vocab_parallel_cross_entropy` over every position of a language
+    model's output (``out``: the logits ``[B, S, V]``, or a ``transformers`` output with
+    ``.logits``), the targets being the input tokens (``inputs``: the first positional input or
+    ``input_ids``) shifted left by one."""
+    logits = getattr(out, "logits", out)
+    args, kwargs = inputs
+    tokens = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+    return vocab_parallel_cross_entropy(logits, tokens.roll(-1, dims=1)).mean()
+
+
+#: ``--loss``: the model's own loss, or Megatron-LM's (the default: Megatron's under ``megatron-*``)
+LOSSES = ("model", "megatron")
+
+
+def for_run(spec, precision: str | None, torch_device: str | None = None, loss: str | None = None):
+    """``spec`` as the run traces it: ``extra["torch_device"]`` (the target device whose kernels
+    the recording runs, :mod:`symcost.tracing.device_kernels`) where not the CPU; under a
+    Megatron-LM policy (:func:`is_megatron`) ``extra["dp_engine"]`` (Megatron's data-parallel
+    engine for ``--shard ddp|zero1``); and with ``loss`` ``"megatron"`` (None: under a
+    Megatron-LM policy) a training step's loss replaced by :func:`megatron_loss` (the inputs
+    lose ``labels``: the model returns its logits) and ``extra["loss"]`` set (module
+    docstring); ``loss="model"`` keeps the model's own. Applying it twice is applying it once.
+
+    Raises:
+        SymcostError: a ``loss`` not in :data:`LOSSES`.
+    """
+    import dataclasses
+
+    if loss is not None and loss not in LOSSES:
+        from symcost.errors import SymcostError
+
+        raise SymcostError(f"unknown --loss {loss!r}; accepted: {', '.join(LOSSES)}")
+    extra = dict(spec.extra)
+    if torch_device not in (None, "cpu"):
+        extra["torch_device"] = str(torch_device)
+    if is_megatron(precision) and spec.step == "train":
+        extra["dp_engine"] = ENGINE
+    if loss is None:  # (a spec this has run through keeps its choice)
+        loss = extra.get("loss_choice") or ("megatron" if is_megatron(precision) else "model")
+    extra["loss_choice"] = loss
+    if (loss != "megatron" or spec.step != "train" or extra.get("loss") == LOSS
+            or "pipeline_stage" in extra):  # (a stage takes its loss from the model's spec, run through this)
+        return dataclasses.replace(spec, extra=extra) if extra != spec.extra else spec
+    inner = spec.make_inputs
+
+    def make_inputs(values, device):
+        """The model's inputs without ``labels`` (its logits are the output)."""
+        args, kwargs = inner(values, device)
+        return args, {k: v for k, v in kwargs.items() if k != "labels"}
+
+    extra["loss"] = LOSS
+    return dataclasses.replace(spec, make_inputs=make_inputs, loss=megatron_loss, extra=extra)
+
+
+def wrap_in_place(model, mesh) -> None:
+    """Megatron-LM's data-parallel engine as memory sees it (module docstring): every
+    parameter of ``model`` stays where it is, and a hook all-reduces its gradient over
+    ``mesh``'s group once autograd has accumulated it (``register_post_accumulate_grad_hook``).
+    Megatron all-reduces (or, with the distributed optimizer, reduce-scatters) buckets of a
+    contiguous gradient buffer: the same bytes per rank as one all-reduce per gradient. The
+    hooks are registered at the model's first forward, on the parameters it has then (they are
+    materialised after wrapping)."""
+    import torch.distributed as dist
+
+    group = mesh.get_group()
+
+    def reduce(p):
+        g = p.grad
+        dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=group)
+
+    hooked: set[int] = set()
+
+    def hook(module, args):  # (at each forward: the parameters are materialised after wrapping)
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in hooked:
+                hooked.add(id(p))
+                p.register_post_accumulate_grad_hook(reduce)
+
+    model.register_forward_pre_hook(hook)
