@@ -43,7 +43,9 @@ def _trace_once(model, precision: str, attention, config: tuple, sizes: tuple):
     # Always a fresh trace (use_cache=False): the tests' oracles need the probe recordings, and the
     # CLI tests fill the session's cache folder with entries of the same models.
     t0 = time.perf_counter()
-    an = symcost.trace(model, dict(config), attention, sizes=dict(sizes), precision=precision, use_cache=False)
+    # (the CPU's kernels: the oracles these traces are checked against run on real CPU tensors)
+    an = symcost.trace(model, dict(config), attention, sizes=dict(sizes), precision=precision, use_cache=False,
+                       torch_device="cpu")
     if os.environ.get("SYMCOST_TRACE_LOG"):  # PREFIX: each worker appends "seconds, trace" to PREFIX + its name
         with open(os.environ["SYMCOST_TRACE_LOG"] + os.environ.get("PYTEST_XDIST_WORKER", "main"), "a") as f:
             f.write(f"{time.perf_counter() - t0:.1f}\t{model}\t{precision}\t{attention}\t{config}\t{sizes}\n")

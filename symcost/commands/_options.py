@@ -370,7 +370,7 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
     if step is not None:
         options.update(step=step, kv_cache=kv_cache)
     torch_device = torch_device_of(ctx)
-    if torch_device != "cpu":  # (its dropout and attention kernels: symcost.tracing.device_kernels)
+    if torch_device != "cuda":  # (its dropout and attention kernels: symcost.tracing.device_kernels)
         options["torch_device"] = torch_device
     from symcost.commands._loss import loss_of
 

@@ -157,7 +157,7 @@ LOSSES = ("model", "megatron")
 
 def for_run(spec, precision: str | None, torch_device: str | None = None, loss: str | None = None):
     """``spec`` as the run traces it: ``extra["torch_device"]`` (the target device whose kernels
-    the recording runs, :mod:`symcost.tracing.device_kernels`) where not the CPU; under a
+    the recording runs, :mod:`symcost.tracing.device_kernels`) where given; under a
     Megatron-LM policy (:func:`is_megatron`) ``extra["dp_engine"]`` (Megatron's data-parallel
     engine for ``--shard ddp|zero1``); and with ``loss`` ``"megatron"`` (None: under a
     Megatron-LM policy) a training step's loss replaced by :func:`megatron_loss` (the inputs
@@ -174,7 +174,7 @@ def for_run(spec, precision: str | None, torch_device: str | None = None, loss: 
 
         raise SymcostError(f"unknown --loss {loss!r}; accepted: {', '.join(LOSSES)}")
     extra = dict(spec.extra)
-    if torch_device not in (None, "cpu"):
+    if torch_device is not None:
         extra["torch_device"] = str(torch_device)
     if is_megatron(precision) and spec.step == "train":
         extra["dp_engine"] = ENGINE

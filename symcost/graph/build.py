@@ -243,7 +243,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
           attention: str | None = None, sizes: Mapping[str, int] | None = None,
           precision: str = "bf16-mixed", n_random: int = N_RANDOM, seed: int = 0, use_cache: bool = True,
           step: str | None = None, kv_cache: str = "dynamic", shard: str | None = None,
-          fsdp_mp: str | None = None, layout: Layout | None = None, torch_device: str = "cpu") -> Analysis:
+          fsdp_mp: str | None = None, layout: Layout | None = None, torch_device: str = "cuda") -> Analysis:
     """Trace a model's training step (or an inference step) into a symbolic cost graph, in the
     regime of ``sizes``.
 
@@ -309,10 +309,10 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             order); the formulas gain each dimension's symbol (``sizes["DP"]``, ``sizes["TP"]``,
             default 8). ``shard`` and ``fsdp_mp`` are the shorthand of a data-parallel layout
             (not with ``layout``).
-        torch_device: the device type the step runs on (``--torch-device``; the CLI's default
-            is ``cuda``): ``"cuda"`` records dropout and attention with dropout as CUDA
-            dispatches them (:mod:`symcost.tracing.device_kernels`); ``"cpu"`` (the default
-            here) and other types record the CPU's kernels, which the probes run on.
+        torch_device: the device type the step runs on (``--torch-device``, ``cuda`` by
+            default as in the CLI): ``"cuda"`` records dropout and attention with dropout as
+            CUDA dispatches them (:mod:`symcost.tracing.device_kernels`); ``"cpu"`` and other
+            types record the CPU's kernels (what a real CPU step runs: the tests' oracles).
 
     Returns:
         An :class:`Analysis` (``pinned``, ``pin_reasons``, ``regime_ties``, ``request_facts``,
@@ -338,7 +338,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
 
         # the CLI's key (strings as --config gives them), plus the probe plan when it is not the default
         options = None if (n_random, seed) == (N_RANDOM, 0) else {"n_random": n_random, "seed": seed}
-        if torch_device not in (None, "cpu"):
+        if torch_device not in (None, "cuda"):  # (the default device is not in the key: the CLI's)
             options = {**(options or {}), "torch_device": torch_device}
         an = cached_trace(str(model), {str(k): str(v) for k, v in dict(config or {}).items()}, attention,
                           precision, dict(sizes or {}), fresh, True, options)

@@ -83,7 +83,7 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
     probes: dict = {}  # the stage boundary at each probe's sizes, shared by the stage kinds
     for part in sorted(parts):
         opts = inner.cache_options() if inner else {}
-        if spec.extra.get("torch_device"):  # (its dropout and attention kernels: tracing.device_kernels)
+        if spec.extra.get("torch_device") not in (None, "cuda"):  # (its kernels: tracing.device_kernels)
             opts = {**opts, "torch_device": spec.extra["torch_device"]}
         if spec.extra.get("loss_choice") not in (None, "megatron" if precision.startswith("megatron-") else "model"):
             opts = {**opts, "loss": spec.extra["loss_choice"]}  # (--loss: frontends.megatron.for_run)

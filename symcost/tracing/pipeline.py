@@ -239,6 +239,12 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
                                        requires_grad=True)
                 out = (last if s == n - 1 else torch.empty(x_local, dtype=x_dtype, requires_grad=True),)
                 stages.append(PipelineStage(m, s, n, cpu, input_args=inp, output_args=out, group=group))
+            if dims:
+                # (this process is pipeline rank ``rank`` of the rolled mesh; the pp group's own rank
+                # order is the sorted global ranks, where it is 0: a multi-stage schedule picks its
+                # actions by the stage's group rank, so it is set to the rank the mesh places it at)
+                for st in stages:
+                    st.group_rank = rank
             sched = cls(stages if SCHEDULES[schedule][1] else stages[0], microbatches,
                         loss_fn=(lambda out, target: out) if keywords
                         else (lambda out, target: spec.loss(out, ((target,), {}))))
