@@ -579,13 +579,13 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             if parallel is not None:
                 stack.enter_context(_observe_resize(rec))
                 stack.enter_context(_quiet_parameter_new(rec))
+                if real:
+                    stack.enter_context(_wait_at_once())
             if layout.offload:  # FSDP2's CPU offload: its copies as ops (symcost.frontends.offload)
                 from symcost.frontends.offload import offload_transfers, transfer_ops
 
                 rec.host_ops = frozenset(transfer_ops()[1:])
                 stack.enter_context(offload_transfers())
-                if real:
-                    stack.enter_context(_wait_at_once())
             return stack
 
         if layout.tp:
