@@ -27,6 +27,11 @@ zero1     the ``ddp`` trace (all-reduce: the same bytes as ZeRO-1's reduce-scatt
           is the closest)
 ========  ====================================================================================
 
+Under a ``megatron-*`` precision, ``ddp`` and ``zero1`` trace Megatron-LM's DDP instead: the
+parameters used in place, each gradient all-reduced once accumulated
+(:func:`symcost.frontends.megatron.wrap_in_place`; ``replicate`` copies every parameter into an
+all-gather buffer on its shard group of 1, a second live copy of the weights).
+
 Torch is imported only inside the functions that need it.
 """
 from __future__ import annotations
