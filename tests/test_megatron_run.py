@@ -127,8 +127,8 @@ def test_saved_and_peak_against_real_cpu(megatron_head, sizes):
 
 def test_for_run_choices():
     """``megatron-*`` takes Megatron's loss and data-parallel engine; ``--loss model`` keeps the
-    model's own; other precisions keep the model's loss unless ``--loss megatron``; a bad name is
-    one line."""
+    model's own; other precisions keep the model's loss unless ``--loss megatron``; a model
+    without a vocabulary keeps its own; a bad name is one line."""
     spec = head_spec()
     assert for_run(spec, "megatron-bf16").extra["loss_choice"] == "megatron"
     assert for_run(spec, "megatron-bf16").extra["dp_engine"] == "megatron-ddp"
@@ -140,6 +140,10 @@ def test_for_run_choices():
     assert once.extra["torch_device"] == "cuda"
     with pytest.raises(SymcostError, match="unknown --loss"):
         for_run(spec, "fp32", loss="mine")
+    mlp = symcost.resolve("mlp")  # (no vocabulary: not a language model's loss)
+    assert for_run(mlp, "megatron-bf16").loss is mlp.loss
+    with pytest.raises(SymcostError, match="no symbol V"):
+        for_run(mlp, "megatron-bf16", loss="megatron")
 
 
 def test_megatron_ddp_uses_parameters_in_place():

@@ -162,10 +162,12 @@ def for_run(spec, precision: str | None, torch_device: str | None = None, loss: 
     engine for ``--shard ddp|zero1``); and with ``loss`` ``"megatron"`` (None: under a
     Megatron-LM policy) a training step's loss replaced by :func:`megatron_loss` (the inputs
     lose ``labels``: the model returns its logits) and ``extra["loss"]`` set (module
-    docstring); ``loss="model"`` keeps the model's own. Applying it twice is applying it once.
+    docstring); ``loss="model"`` keeps the model's own. Only a language model (one with the
+    symbol ``V``) takes Megatron's loss; under a Megatron-LM policy another model keeps its own.
+    Applying it twice is applying it once.
 
     Raises:
-        SymcostError: a ``loss`` not in :data:`LOSSES`.
+        SymcostError: a ``loss`` not in :data:`LOSSES`; ``"megatron"`` for a model without ``V``.
     """
     import dataclasses
 
@@ -178,8 +180,14 @@ def for_run(spec, precision: str | None, torch_device: str | None = None, loss: 
         extra["torch_device"] = str(torch_device)
     if is_megatron(precision) and spec.step == "train":
         extra["dp_engine"] = ENGINE
+    lm = "V" in spec.symbols  # (a language model: logits over a vocabulary V, token-id inputs)
     if loss is None:  # (a spec this has run through keeps its choice)
-        loss = extra.get("loss_choice") or ("megatron" if is_megatron(precision) else "model")
+        loss = extra.get("loss_choice") or ("megatron" if is_megatron(precision) and lm else "model")
+    if loss == "megatron" and not lm:
+        from symcost.errors import SymcostError
+
+        raise SymcostError(f"--loss megatron is a language model's loss (logits over a vocabulary V); "
+                           f"{spec.name} has no symbol V")
     extra["loss_choice"] = loss
     if (loss != "megatron" or spec.step != "train" or extra.get("loss") == LOSS
             or "pipeline_stage" in extra):  # (a stage takes its loss from the model's spec, run through this)
