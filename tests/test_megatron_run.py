@@ -164,3 +164,25 @@ def test_megatron_ddp_uses_parameters_in_place():
     assert int(ar.xreplace({s: v[s.name] for s in ar.free_symbols})) == grads * 2 * 3 // 4
     # (nothing allocated for the reduction: the rank's peak is one device's, DDP sharding no state)
     assert md.peak(**v) == m1.peak(**sizes)
+
+
+def test_interleaved_pipeline_ranks_under_megatron_ddp(capsys):
+    """Every rank of an interleaved pipeline under ``--dp`` has its peak (ranks 1 to PP − 1 ran
+    rank 0's actions and failed before), and with Megatron's DDP, which shards nothing and
+    reduces in place, each rank's peak and activations are those of the same pipeline without
+    data parallelism (the pipeline-only path, whose process is the rank itself)."""
+    import json
+
+    from conftest import run_cli
+
+    base = ["report", "megatron-gpt", "--pp", "4", "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
+            "--microbatches", "4", "--precision", "megatron-bf16", "--set", "H=2", "D=8", "L=8", "V=64", "B=1",
+            "S=16", "--json"]
+    rows = {}
+    for extra in ((), ("--dp", "2", "--shard", "ddp")):
+        code, out, err = run_cli(capsys, *base, *extra)
+        assert code == 0, err
+        rows[extra] = [(r.get("peak_with_optimizer"), r.get("memory", {}).get("top"), r.get("memory_note"))
+                       for r in json.loads(out)["pipeline"]["ranks"]]
+    assert all(p is not None and note is None for p, _, note in rows[()]), rows
+    assert rows[("--dp", "2", "--shard", "ddp")] == rows[()]
