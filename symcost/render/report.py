@@ -192,6 +192,9 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
                                       if att == "sdpa" else " (explicit matmuls)"))
     else:
         g.add_row("attention", "the model's own code")
+    if an.spec.extra.get("loss_choice") == "megatron":  # (symcost.frontends.megatron: megatron-*, --loss)
+        g.add_row("loss", "Megatron-LM's vocab-parallel cross entropy (fp32 softmax in place; --loss model: the "
+                          "model's own)")
     if an.spec.extra.get("routing_description"):  # mixture of experts (symcost.passes.moe)
         g.add_row("routing", an.spec.extra["routing_description"] + " (--routing)")
     layout = layout_of(an)
