@@ -210,9 +210,32 @@ def fake_world(world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized() and (dist.get_world_size() != world_size or dist.get_backend() != "fake"):
-        dist.destroy_process_group()
+        destroy_world()
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def destroy_world() -> None:
+    """Destroy the default process group and forget DTensor's cached sharding decisions.
+
+    DTensor caches each op's output placements and each redistribution's steps keyed by the
+    tensors' specs, and a spec's mesh compares equal to any mesh of the same shape and dimension
+    names (torch/distributed/tensor/_sharding_prop.py ``propagate_op_sharding``,
+    _redistribute.py ``_gen_transform_infos``): after the world is destroyed a cached output
+    would carry a mesh whose group names no longer resolve, or name another group of the new
+    world (process group names restart from 0)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # (the C++ fast path's own cache)
+    prop = DTensor._op_dispatcher.sharding_propagator
+    prop.propagate_op_sharding.cache.cache_clear()
+    prop._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list | None = None,

@@ -31,6 +31,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from symcost.errors import SymcostError
+from symcost.frontends.parallel import destroy_world
 
 #: --schedule -> (torch.distributed.pipelining class, virtual stages per rank allowed, source)
 SCHEDULES: dict[str, tuple[str, bool, str]] = {
@@ -94,7 +95,7 @@ def _fake_pg(world: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized() and (dist.get_backend() != "fake" or dist.get_world_size() < world):
-        dist.destroy_process_group()
+        destroy_world()
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     return dist.group.WORLD
@@ -168,7 +169,7 @@ def _executed(cls, rank: int, pp: int, microbatches: int) -> list:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        dist.destroy_process_group()
+        destroy_world()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pp)
     log: list = []
     try:
@@ -201,7 +202,7 @@ def _executed(cls, rank: int, pp: int, microbatches: int) -> list:
             else:
                 sched.step()
     finally:
-        dist.destroy_process_group()
+        destroy_world()
     return log
 
 

@@ -7,9 +7,11 @@ count) are wrapped in ``PipelineStage`` with their input and output shapes given
 schedule (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``) runs ``step`` over m
 micro-batches, twice: the first allocates what the engine keeps between steps (its receive
 buffers, the gradients); the second is measured. A ``TorchDispatchMode`` follows every storage an
-op allocates and when its last tensor dies, as :class:`symcost.tracing.record._Recorder` does;
-no memory is allocated. The transfers complete at once on the fake backend (a real one may keep
-a send buffer a little longer).
+op allocates and when its last tensor dies, as :class:`symcost.tracing.record._Recorder` does
+(and FSDP2's in-place storage resizes); no memory is allocated. The transfers complete at once on
+the fake backend; a sent tensor is held as long as the schedule holds its work, as a real
+backend's work holds it. The last stage keeps each micro-batch's loss, not its output
+(``return_outputs=False``, as torchtitan's trainer steps the schedule).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from symcost.errors import SymcostError
+from symcost.frontends.parallel import destroy_world
 from symcost.frontends.pipeline import SCHEDULES, local_boundary, make_stage, part_of, probe_spec, stage_blocks
 from symcost.tracing.device_kernels import device_kernels
 from symcost.tracing.record import _lazy_init, materialize, precision_context
@@ -75,6 +78,32 @@ class _Live(TorchDispatchMode):
         self.collectives.append((str(func.overloadpacket), sym, pg.size(),
                                  _sizes(flat), _sizes(tree_flatten(out)[0])))
         _GROUPS[pg.group_name] = (sym, pg.size())
+
+    def __enter__(self):
+        # FSDP2 frees and allocates an unsharded parameter with ``UntypedStorage.resize_``
+        # (torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``free_storage``,
+        # ``alloc_storage``), which dispatches no op: followed here, also for storages allocated
+        # before (an earlier step's all-gather outputs, resized again each step)
+        orig = self._resize = torch.UntypedStorage.resize_
+        live = self
+
+        def resize_(storage, size):
+            old = storage.nbytes()
+            out = orig(storage, size)
+            new = storage.nbytes()
+            e = live.entries.get(StorageWeakRef(storage).cdata)
+            if e is not None:
+                e[1] = new
+            live.level += new - old
+            live.top = max(live.top, live.level)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     def _free(self, key):
         e = self.entries.get(key)
@@ -131,10 +160,11 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
     per step, after the last micro-batch's backward).
 
     Returns:
-        ``params`` (bytes of the rank's parameters: its shards), ``grads`` (bytes of their
+        ``params`` (bytes of the rank's parameters: its shards), ``buffers`` (bytes of its
+        stage modules' buffers), ``grads`` (bytes of their
         gradients after a step), ``kept`` (bytes the engine keeps between steps besides them:
         receive buffers), ``top`` (the highest level of storages allocated during the measured
-        step, above the level at its start), ``peak`` = params + grads + kept + top, and
+        step, above the level at its start), ``peak`` = params + buffers + grads + kept + top, and
         ``comm``: ``{group symbol: {kind: bytes}}`` each rank sends per step (ring algorithm,
         :func:`symcost.graph.rules.comm_volume`; ``PP``'s ``send`` and ``recv`` the point-to-point
         bytes), counted as the step dispatches the collectives.
@@ -189,11 +219,11 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
         # compares equal, so its groups must stay alive), placed at pipeline coordinate ``rank``
         if not dist.is_initialized() or dist.get_world_size() != pp * others or dist.get_rank() != 0:
             if dist.is_initialized():
-                dist.destroy_process_group()
+                destroy_world()
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp * others)
     else:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_world()
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pp)
     sp = bool(inner and inner.sp)
     x_local = local_boundary(x_shape, values, sp)
@@ -255,22 +285,29 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
             sched._warmup_p2p = static
 
             record_context = spec.record_context or contextlib.nullcontext
-            # Megatron-LM's schedule keeps each micro-batch's loss, not its output (the logits)
-            megatron = spec.extra.get("dp_engine") == "megatron-ddp"
 
             def step():
                 # (the model's own recording context: transformers' mask decisions as the real
                 # step makes them, frontends.hf.unpacked_masks; without it fake tensors build a
                 # (B, 1, S, S) mask and SDPA falls back to its math kernel)
-                with autocast(), loss_context(), record_context(), device_kernels(spec.extra.get("torch_device")):
+                # (identity saved-tensor hooks: autograd then holds each saved tensor's Python
+                # object, so a saved output whose other references die stays followed by _Live
+                # until the backward frees it, as its storage does; without them autograd keeps
+                # the output's data only and _Live would count it freed)
+                with autocast(), loss_context(), record_context(), device_kernels(spec.extra.get("torch_device")), \
+                        _sends_held(S), torch.autograd.graph.saved_tensors_hooks(_same, _same):
                     first = (tokens,) if 0 in mine and not keywords else ()
                     target = {"target": tokens} if (n - 1) in mine else {}
-                    # (the model's own losses are 0-dim: PyTorch's merge of the micro-batches'
-                    # outputs concatenates on dim 0, so they are not returned)
+                    # the last stage keeps each micro-batch's loss, not its output (the logits):
+                    # torchtitan's trainer calls ``step(..., return_outputs=False)``, and
+                    # Megatron-LM's schedule frees the output after the loss
                     sched.step(*first, **(all_kw if keywords else {"_in0": tokens}), **target,
-                               **({"return_outputs": False} if keywords or megatron else {}))
+                               return_outputs=False)
 
             params = sum(_nbytes(p) for _, m in models for p in m.parameters())
+            # (the stage modules' buffers: a rotary embedding's tables, kept on every stage as
+            # torchtitan's pipeline_llm keeps the root's freqs_cis)
+            buffers = sum(_nbytes(b) for _, m in models for b in m.buffers())
             with _Live() as warm:
                 step()
             with _Live(groups) as live:
@@ -283,10 +320,42 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
         raise SymcostError(f"running rank {rank} of the {schedule} pipeline failed: {msg}") from e
     finally:
         if not dims:
-            dist.destroy_process_group()
+            destroy_world()
     kept = warm.level - grads
-    return {"params": params, "grads": grads, "kept": kept, "top": live.top,
-            "peak": params + grads + kept + live.top, "collectives": live.collectives}
+    return {"params": params, "buffers": buffers, "grads": grads, "kept": kept, "top": live.top,
+            "peak": params + buffers + grads + kept + live.top, "collectives": live.collectives}
+
+
+def _same(t):
+    return t
+
+
+class _Works(list):
+    """The works of one batch of point-to-point ops, holding the tensors they send."""
+
+
+@contextlib.contextmanager
+def _sends_held(schedules):
+    """A send's tensor lives as long as the schedule holds its work, as a real backend's work
+    holds its tensors (gloo's send work keeps the tensor it sends, NCCL's work keeps its tensors
+    until its completion is observed): the schedule waits a batch of sends one micro-batch later
+    (``Schedule1F1B``: "Clear previous chunk's forward sends"; ``PipelineScheduleMulti`` keeps
+    ``send_ops`` until its next wait) and drops the works then. The fake backend's works hold
+    nothing, so without this a gradient sent back would be freed at once."""
+    import torch.distributed as dist
+
+    orig = schedules._batch_p2p
+
+    def batch(p2p_ops, desc=None):
+        works = _Works(orig(p2p_ops, desc=desc))
+        works.tensors = [op.tensor for op in p2p_ops if op.op is dist.isend]
+        return works
+
+    schedules._batch_p2p = batch
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = orig
 
 
 def _loss_of(forward, spec):

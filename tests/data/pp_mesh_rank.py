@@ -20,9 +20,12 @@ measured step writes ``OUT/rank{r}.json``:
 * bytes per rank of every collective seen at dispatch, by mesh dimension and kind, with
   nccl-tests' ring factors (doc/PERFORMANCE.md) and the group's size as PyTorch resolves it
   (``tp_rank._group``), the point-to-point sends and receives by their tensors' bytes;
-* the parameters' local bytes, the gradients' after the step, what the warm-up left allocated
-  besides them and the measured step's top level above its start (torch.profiler memory
-  events, ``memory_oracle._levels``).
+* the parameters' and buffers' local bytes, the gradients' after the step, and the measured
+  step's peak: the highest total of PyTorch's ``MemTracker`` over the measured step (the
+  parameters, buffers, what the warm-up left allocated and every storage the step allocates).
+  (torch.profiler's allocator level is not used: on this 2-core machine it differs by up to
+  20% between two ranks doing the same work, as gloo's threads release a collective's tensors
+  late; the storages' lifetimes are the same on every rank.)
 """
 import json
 import os
@@ -33,14 +36,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
-from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from memory_oracle import _levels  # noqa: E402
 from tp_rank import _group  # noqa: E402
 
 from symcost.frontends.builtin.cs336_lm import spec as cs336  # noqa: E402
@@ -84,11 +86,11 @@ sched = Schedule1F1B(stage, M, loss_fn=lambda logits, target: spec.loss(logits, 
 def step():
     with loss_context():
         if pp_rank == 0:
-            sched.step(tokens)
+            sched.step(tokens, return_outputs=False)
         elif pp_rank == PP - 1:
-            sched.step(_in0=tokens, target=tokens)
+            sched.step(_in0=tokens, target=tokens, return_outputs=False)
         else:
-            sched.step(_in0=tokens)
+            sched.step(_in0=tokens, return_outputs=False)
 
 
 def local(t):
@@ -138,19 +140,36 @@ class Count(TorchDispatchMode):
         return out
 
 
-with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-    step()  # warm-up
-evs = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-warm_level = sum(e.nbytes() for e in evs)
-with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+class StepTracker(MemTracker):
+    """PyTorch's ``MemTracker`` (torch/distributed/_tools/mem_tracker.py: every storage an op
+    allocates, followed by weak reference to its end, ``UntypedStorage.resize_`` included, per
+    device, with the parameters and buffers given) without its per-module statistics, which
+    refuse a module called more than once per step (the pipeline runs each stage module once
+    per micro-batch)."""
+
+    def _pre_fw_hook(self, *args, **kwargs):
+        pass
+
+    _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
+
+
+cpu = torch.device("cpu")
+step()  # the first step: the schedule's shape inference (autograd.grad of leaves, which the tracker's hooks refuse)
+model.zero_grad(set_to_none=True)
+tracker = StepTracker()
+tracker.track_external(model)
+with tracker:
+    step()  # warm-up: the engine's buffers, the gradients
+    tracker._peak_mem = {d: snap["Total"] for d, snap in tracker.get_tracker_snapshot().items()}
     step()
-top, top_ops = _levels(prof)
+peak = tracker._peak_mem[cpu]
 grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
 with Count():
     step()
 with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-    json.dump({"pp_rank": pp_rank, "top": top, "kept": warm_level - grads, "grads": grads, "flops": flops[0],
+    json.dump({"pp_rank": pp_rank, "peak": peak, "grads": grads, "flops": flops[0],
                "params": sum(nbytes(p) for p in model.parameters()),
+               "buffers": sum(nbytes(b) for b in model.buffers()),
                "comm": {g: {k: str(v) for k, v in d.items()} for g, d in comm.items()}}, f)
 dist.barrier()
 dist.destroy_process_group()

@@ -108,6 +108,7 @@ with fc, P2P(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump({"top": top, "top_ops": top_ops, "kept": warm_level - grads, "grads": grads,
                "flops": fc.get_total_flops(), "saved": saved[0], "p2p": p2p, "pp": pp,
-               "params": sum(p.numel() for p in model.parameters())}, f)
+               "params": sum(p.numel() for p in model.parameters()),
+               "buffers": sum(b.numel() * b.element_size() for b in model.buffers())}, f)
 dist.barrier()
 dist.destroy_process_group()
