@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -115,6 +116,12 @@ class _Live(TorchDispatchMode):
             self.level -= e[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # DTensor runs its op first and hands its local ops (and the collectives its own
+            # handlers issue: ``loss_parallel``'s all-reduces) back to this mode, as PyTorch's
+            # MemTracker does (torch/distributed/_tools/mem_tracker.py); this mode handling the
+            # DTensor op itself would run DTensor's handler with the mode off, unseen
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         if func.namespace in ("c10d", "_c10d_functional"):
             self._count(func, args, out)
