@@ -404,6 +404,31 @@ def test_stage_traces_round_trip_the_trace_cache(monkeypatch):
         assert got["formulas"] == w["formulas"]
 
 
+def test_rank_peaks_round_trip_the_trace_cache(monkeypatch):
+    """Each rank's peak (its schedule run on fake tensors, tens of seconds at 70B) is kept in
+    the trace cache: the same request reads it back without running the schedule, to the byte
+    and with the same collectives; another micro-batch size runs it again."""
+    import symcost.passes.pipeline as P
+    import symcost.tracing.pipeline as T
+
+    sizes = dict(_draw(random.Random(SEED + 7)), L=4)
+    runs = []
+    real = T.rank_memory
+
+    def counted(*a, **k):
+        runs.append(a[6])
+        return real(*a, **k)
+    monkeypatch.setattr(T, "rank_memory", counted)
+    first = P.summary("cs336-lm", 2, "1f1b", 4, sizes=sizes, cache=CACHE)
+    assert sorted(runs) == [0, 1]
+    again = P.summary("cs336-lm", 2, "1f1b", 4, sizes=sizes, cache=CACHE)
+    assert sorted(runs) == [0, 1], "ran the schedule again: the cache was not read"
+    assert [r["memory"] for r in again["ranks"]] == [r["memory"] for r in first["ranks"]]
+    assert [r["comm"] for r in again["ranks"]] == [r["comm"] for r in first["ranks"]]
+    P.summary("cs336-lm", 2, "1f1b", 4, sizes=dict(sizes, B=sizes["B"] + 1), cache=CACHE)
+    assert sorted(runs) == [0, 0, 1, 1]
+
+
 def test_cli_pipeline_options_need_pp():
     from click.testing import CliRunner
 

@@ -332,3 +332,31 @@ def cached_trace(model: str, config: Mapping[str, str], attention: str, precisio
     if k is not None:
         store(k, sizes, an)
     return an
+
+
+def cached_result(model: str, config: Mapping[str, str], attention: str, precision: str,
+                  request: Mapping[str, Any], compute: Callable[[], dict], use_cache: bool = True) -> dict:
+    """A computed result of ``model`` that is not an analysis (a JSON-serialisable dict: one
+    pipeline rank's memory from its schedule run on fake tensors,
+    :func:`symcost.tracing.pipeline.rank_memory`), read from the cache when the same request
+    was answered with the same sources and versions, else ``compute()`` (and written).
+
+    ``request``: everything the result depends on besides the model and its key (the sizes, the
+    layout, the schedule, the rank); it is part of the key, so an entry answers that request
+    only. Entries live beside the analyses (``<cache>/results/``); one that cannot be read is
+    computed again. ``use_cache=False`` or a model that is not cacheable (:func:`key`) computes."""
+    k = key(model, config, attention, precision, {"result": dict(request)}) if use_cache else None
+    if k is None:
+        return compute()
+    path = cache_dir() / "results" / (_digest(json.dumps(k, sort_keys=True, default=str).encode())[:40] + ".json")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    out = compute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write(path, json.dumps(out, sort_keys=True))
+    except (OSError, TypeError):
+        pass
+    return out

@@ -213,9 +213,22 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
 
         layers = ans["first"].layer_container or spec.layers
         for row in ranks:
+            def run(rank=row["rank"]):
+                return rank_memory(spec, values, layers, pp, schedule, microbatches, rank, virtual, precision, inner)
             try:
-                mem = rank_memory(spec, values, layers, pp, schedule, microbatches, row["rank"], virtual, precision,
-                                  inner)
+                if cache is not None:
+                    # (the rank's run, tens of seconds at 70B, kept in the trace cache: the same
+                    # request with the same sources reads it back)
+                    from symcost.graph.cache import cached_result
+
+                    request = {"rank_memory": 1, "values": dict(values), "layers": layers, "pp": pp,
+                               "schedule": schedule, "microbatches": microbatches, "rank": row["rank"],
+                               "virtual": virtual, "inner": repr(inner),
+                               "extra": {k: v for k, v in spec.extra.items()
+                                         if isinstance(v, (str, int, float, bool, type(None)))}}
+                    mem = cached_result(cache[0], cache[1] or {}, cache[2], precision, request, run)
+                else:
+                    mem = run()
             except SymcostError as e:  # (keyword inputs: hf: models) the peak is left out, and why
                 row["memory_note"] = str(e)
                 continue
