@@ -25,7 +25,7 @@ symcost's side: one trace per (model, layout) with DP and TP symbols (HSDP's R p
 row ``symcost.passes.parallel.summary(an, sizes=..., impl="foreach")``: the rank's peak from its
 storage schedule and its model states.
 
-Usage: ``python benchmarks/bench_composed_mem_tracker.py`` (cs336-lm, the default rows, about 2
+Usage: ``python benchmarks/bench_composed_mem_tracker.py`` (cs336-lm, the default rows, 2 to 3.5
 minutes on 2 cores with cold traces); ``--models cs336-lm llama-3-8b`` adds the llama-3-8b config
 (full width, ``--llama-L`` layers, default 2; about 3.5 minutes more; two of its rows are refused
 by symcost's trace and print the tracker alone, docs/parallel.md); ``--rows fsdpxtp:64x8 hsdp:8x64 ac-selective:16``
