@@ -59,7 +59,9 @@ def draw(model_type: str, k_regime: str, rng: random.Random) -> tuple[dict[str, 
 
 
 def cli_eval(capsys, model: str, sizes: dict[str, int], config: dict[str, str]) -> dict:
-    args = ["eval", model, "--json", "--precision", "fp32", "--attention", "eager",
+    # (--torch-device cpu: the oracle measures the step on real CPU tensors, whose dropout keeps
+    # its mask in the input's dtype; the default, cuda, traces CUDA's bool mask)
+    args = ["eval", model, "--json", "--precision", "fp32", "--attention", "eager", "--torch-device", "cpu",
             "--set", *[f"{k}={x}" for k, x in sizes.items()]]
     if config:
         args += ["--config", *[f"{k}={x}" for k, x in config.items()]]
