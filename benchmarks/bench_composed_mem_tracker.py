@@ -45,12 +45,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
+from fsdp_tracker_oracle import CATEGORIES, SHORT  # noqa: E402
+
 MiB = 2 ** 20
-CATEGORIES = ("Sharded Param", "Unsharded Param", "Buffer", "Sharded Grad", "Unsharded Grad", "OptState",
-              "Activation", "Temp", "All Gather", "Reduce Scatter", "Inputs")
-SHORT = {"Sharded Param": "shP", "Unsharded Param": "unshP", "Buffer": "buf", "Sharded Grad": "shG",
-         "Unsharded Grad": "unshG", "OptState": "opt", "Activation": "act", "Temp": "temp",
-         "All Gather": "AG", "Reduce Scatter": "RS", "Inputs": "inp"}
 #: default rows: (kind, first size, second size); world sizes 8 .. 512
 DEFAULT_ROWS = ("fsdpxtp:8x1", "fsdpxtp:16x4", "fsdpxtp:64x8", "fsdpxtp:128x4", "hsdp:4x16", "hsdp:8x64",
                 "ac-selective:8", "ac-full:64")

@@ -35,15 +35,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-from fsdp_tracker_oracle import tracker_run
+from fsdp_tracker_oracle import CATEGORIES, SHORT, tracker_run
 
 MiB = 2 ** 20
-#: FSDPMemTracker's categories (``_FSDPRefType`` values), in the order printed
-CATEGORIES = ("Sharded Param", "Unsharded Param", "Buffer", "Sharded Grad", "Unsharded Grad", "OptState",
-              "Activation", "Temp", "All Gather", "Reduce Scatter", "Inputs")
-SHORT = {"Sharded Param": "shP", "Unsharded Param": "unshP", "Buffer": "buf", "Sharded Grad": "shG",
-         "Unsharded Grad": "unshG", "OptState": "opt", "Activation": "act", "Temp": "temp",
-         "All Gather": "AG", "Reduce Scatter": "RS", "Inputs": "inp"}
 
 
 def model_and_sizes(name: str, args) -> tuple:

@@ -13,6 +13,13 @@ from __future__ import annotations
 import contextlib
 
 
+#: FSDPMemTracker's categories (``_FSDPRefType`` values), in the order the benchmarks print them
+CATEGORIES = ("Sharded Param", "Unsharded Param", "Buffer", "Sharded Grad", "Unsharded Grad", "OptState",
+              "Activation", "Temp", "All Gather", "Reduce Scatter", "Inputs")
+SHORT = {"Sharded Param": "shP", "Unsharded Param": "unshP", "Buffer": "buf", "Sharded Grad": "shG",
+         "Unsharded Grad": "unshG", "OptState": "opt", "Activation": "act", "Temp": "temp",
+         "All Gather": "AG", "Reduce Scatter": "RS", "Inputs": "inp"}
+
 def tracker_run(spec, values: dict, precision: str, shard: str = "fsdp", foreach: bool = True,
                 torchtitan_loop: bool = False) -> dict:
     """Rank 0 of ``values["DP"]`` ranks (fake process group, fake tensors), wrapped as symcost
