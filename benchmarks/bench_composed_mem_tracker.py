@@ -45,6 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
+from bench_fsdp_mem_tracker import model_and_sizes  # noqa: E402  (the same models and sizes)
 from fsdp_tracker_oracle import CATEGORIES, SHORT  # noqa: E402
 
 MiB = 2 ** 20
@@ -70,19 +71,6 @@ def parse_row(text: str):
     if kind in ("ac-full", "ac-selective"):
         return kind, Layout(shard="fsdp", ac=kind[3:]), {"DP": int(size)}, int(size)
     raise SystemExit(f"unknown row {text!r}: fsdpxtp:DPxTP, hsdp:RxSHARD, ac-full:DP, ac-selective:DP")
-
-
-def model_sizes(name: str, args) -> tuple:
-    """(spec, sizes) of a built-in model or a tests/data/configs name."""
-    import symcost
-
-    path = os.path.join(HERE, "..", "tests", "data", "configs", f"{name}.json")
-    ref = os.path.abspath(path) if os.path.exists(path) else name
-    spec = symcost.resolve(ref)
-    sizes = {"B": args.B, "S": args.S}
-    if os.path.exists(path):
-        sizes["L"] = args.llama_L
-    return spec, sizes
 
 
 def tracker_layout_run(spec, layout, values: dict, precision: str, foreach: bool = True,
@@ -203,7 +191,7 @@ def main() -> None:
     print(f"FSDPMemTracker (torch {torch.__version__}) vs symcost on composed layouts, {args.precision}, "
           f"AdamW foreach; MiB per rank (rank 0)")
     for name in args.models:
-        spec, sizes = model_sizes(name, args)
+        spec, sizes, _ = model_and_sizes(name, args)
         traces: dict = {}
         print(f"\n{name} {sizes}")
         print(f"  {'row':<16} {'world':>5} {'peer s':>6} | {'peer':>9} {'sym peak':>9} {'ratio':>6} | "
