@@ -248,23 +248,54 @@ def leaves_moe_values(p: Mapping[str, int], free, check, pools: Mapping[str, Seq
 #: probe's base DP = 2 (frontends/parallel.py), and what K | H, an even D and E | B·S·R favour too
 LATTICE = 4
 
+#: the lattices :func:`find_base` tries in turn: :data:`LATTICE`, then the coarser ones a
+#: data-parallel probe over a tensor-parallel dimension needs: every first dimension a multiple of
+#: lcm(DP, 4)·t (frontends/parallel.py ``_indivisible``), t the largest TP of 2, 4, 8 the plan
+#: splits at the probe, so up to lcm(2, 4)·8 = 32 at the base DP = 2 (llama-3-8b with K = TP = 8
+#: pinned: V and F must be multiples of 32, the base's 56 and 40 are not)
+LATTICES = (LATTICE, 8, 16, 32)
+
 
 def lattice_point(p: Mapping[str, int], free, pools: Mapping[str, Sequence[int]],
-                  moduli: Mapping[str, int] | None = None, ties: Mapping[str, str] | None = None) -> dict[str, int]:
-    """``p`` with each free size moved up to the nearest multiple of :data:`LATTICE` in its probe
+                  moduli: Mapping[str, int] | None = None, ties: Mapping[str, str] | None = None,
+                  lattice: int = LATTICE) -> dict[str, int]:
+    """``p`` with each free size moved up to the nearest multiple of ``lattice`` in its probe
     pool (where the pool holds one), for a probe that must meet several divisibilities at once:
-    every first dimension a multiple of lcm(DP, 4) under a data-parallel layout, E | B·S·R for an
-    MoE. Rounding up keeps the small base's orders (K = 2 < H = 6 becomes 4 < 8). Left alone: the
-    mesh sizes (DP, TP: the lattice is for their base value 2), symbols that keep the request's
-    residue (``moduli``) and tied followers (set from their leaders)."""
+    every first dimension a multiple of lcm(DP, 4) under a data-parallel layout (times the
+    largest TP over a tensor-parallel one), E | B·S·R for an MoE. Rounding up keeps the small
+    base's orders (K = 2 < H = 6 becomes 4 < 8). Left alone: the mesh sizes (DP, TP: the lattice
+    is for their base value 2) and tied followers (set from their leaders). A symbol that keeps
+    the request's residue (``moduli``) is left alone on :data:`LATTICE` (as a TP layout's sizes,
+    kept in their class mod 8, are multiples of 4 all or none); on a coarser lattice it moves
+    within the small values of its class (its pool's first 12), never to the values around the
+    request."""
     out = dict(p)
+    moduli = moduli or {}
     for s in free:
-        if s in ("DP", "TP") or s in (moduli or {}) or s not in out:
+        if s in ("DP", "TP") or s not in out or (s in moduli and lattice <= LATTICE):
             continue
-        up = [v for v in pools[s] if v % LATTICE == 0 and v >= out[s]]
+        pool = list(pools[s])[:12] if s in moduli else pools[s]
+        up = [v for v in pool if v % lattice == 0 and v >= out[s]]
         if up:
             out[s] = min(up)
     return _complete(out, ties or {})
+
+
+def _mesh_step(p: Mapping[str, int], free, pools: Mapping[str, Sequence[int]], check,
+               ties: Mapping[str, str]) -> list[dict[str, int]]:
+    """``p`` with one free mesh size (DP, TP) moved to the next larger value of its pool that
+    passes ``check``, one point per such size: for a base whose smallest mesh value is a regime
+    of its own (HSDP's DP = R, a shard group of one rank: the pool of DP keeps multiples of R)."""
+    out = []
+    for g in ("DP", "TP"):
+        if g not in free or g in ties or g not in p:
+            continue
+        for v in sorted(x for x in pools[g] if x > p[g]):
+            q = _complete(dict(p, **{g: v}), ties)
+            if _ok(q, check):
+                out.append(q)
+                break
+    return out
 
 
 def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, int] | None = None, *,
@@ -306,10 +337,23 @@ def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, 
     # probe (DP or TP a symbol) goes to the lattice: elsewhere its sizes may leave the small pools,
     # and random checks drawn near the request then miss a regime of few values (bloom's ALiBi:
     # H a power of two) six times out of six.
-    starts = (base, lattice_point(base, free, pools, moduli, ties)) if {"DP", "TP"} & set(symbols) else (base,)
+    #
+    # Where those fail too (the lattice start checked only), the same with a mesh size one pool
+    # value up (HSDP's base DP = R is a shard group of one rank: other ops), then coarser lattices
+    # (:data:`LATTICES`: a pinned TP = 8 asks multiples of 32); each start is tried only if it
+    # passes ``check`` (no recording otherwise), so a base the first starts found is unchanged.
+    starts = [base]
+    if {"DP", "TP"} & set(symbols):
+        first = lattice_point(base, free, pools, moduli, ties)
+        starts += [first] + _mesh_step(base, free, pools, check, ties) + _mesh_step(first, free, pools, check, ties)
+        for lat in LATTICES[1:]:
+            coarse = lattice_point(base, free, pools, moduli, ties, lattice=lat)
+            starts += [coarse] + _mesh_step(coarse, free, pools, check, ties)
+    seen: list[dict[str, int]] = []
     for start in starts:
-        if start is not base and start == base:
+        if start in seen:
             continue
+        seen.append(start)
         if start is not base and good(start):
             return start
         tried = 0
@@ -341,6 +385,11 @@ def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, 
     if request and all(s in request for s in free):
         # walk from the request itself (in its regime by definition) towards small sizes
         cur = _complete({**{s: request[s] for s in free}, **fixed}, ties)
+        if not _ok(cur, check):
+            # the request need not pass the probe check (FSDP pads a first dimension DP does not
+            # divide: llama-3-8b's V = 128256 under DP = 64 over TP = 8 asks multiples of 512):
+            # its free mesh sizes at the base's values first (the check's divisibilities are theirs)
+            cur = _complete(dict(cur, **{g: base[g] for g in ("DP", "TP") if g in free and g in base}), ties)
         if good(cur):
             for s in free:
                 trial = _complete(dict(cur, **{s: base[s]}), ties)
