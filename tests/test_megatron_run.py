@@ -164,6 +164,10 @@ def test_megatron_ddp_uses_parameters_in_place():
     assert int(ar.xreplace({s: v[s.name] for s in ar.free_symbols})) == grads * 2 * 3 // 4
     # (nothing allocated for the reduction: the rank's peak is one device's, DDP sharding no state)
     assert md.peak(**v) == m1.peak(**sizes)
+    # the report names the engine that ran (was PyTorch's replicate)
+    from symcost.passes.parallel import summary
+
+    assert summary(dp, "megatron-bf16", sizes=v)["engine"].startswith("Megatron-LM's DistributedDataParallel")
 
 
 def test_interleaved_pipeline_ranks_under_megatron_ddp(capsys):

@@ -229,6 +229,13 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
     engine = {"replicate": "torch.distributed._composable.replicate_with_fsdp.replicate (DDP) per block",
               "fully_shard": f"torch.distributed.fsdp.fully_shard(reshard_after_forward={reshard}) per block"}[engine]
     mp = layout_of(an).fsdp_mp
+    from symcost.frontends.megatron import is_megatron
+
+    if SHARDS[shard][0] == "replicate" and not mp and is_megatron(an.precision):
+        # (a megatron-* policy traces Megatron-LM's engine, not PyTorch's replicate:
+        # frontends.parallel.wrap with engine="megatron-ddp")
+        engine = ("Megatron-LM's DistributedDataParallel (parameters used in place, each gradient all-reduced "
+                  "once accumulated: symcost.frontends.megatron.wrap_in_place)")
     if mp:
         from symcost.frontends.parallel import MP_DTYPES
 
