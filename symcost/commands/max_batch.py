@@ -103,8 +103,9 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
         for what, given in (("--solve S", var != "B"), ("--global-batch", global_batch is not None),
                             ("--checkpoint", ckpt != "none"), ("--devices", devices is not None)):
             if given:
+                hint = " (--ac full|selective checkpoints every block under the pipeline)" if what == "--checkpoint" else ""
                 raise SymcostError(f"max-batch --pp solves the micro-batch B alone: {what} with --pp is not modelled "
-                                   "yet (--ac full|selective checkpoints every block under the pipeline)")
+                                   f"yet{hint}")
         if any(s.partition("=")[0].strip() == "B" for s in sets):
             raise SymcostError("--set B conflicts with solving for B; leave B out")
         best = max_batch_pipeline(preq, model, sets, config, attention, precision, as_json, optimizer, cap)
@@ -230,7 +231,11 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
                 + (", sequence parallel" if an.parallel == "tp+sp" else "")
                 + f"; every rank runs the whole batch {v}, the peak is the rank's, docs/parallel.md §11)")
     elif an.parallel is not None:
-        c.print(f"  per rank: one of DP = {sol.sizes.get('DP')} ranks, --shard {an.parallel} ({v} is the rank's; "
+        from symcost.frontends.layout import layout_of
+
+        off = (", --offload: parameters, gradients and optimizer state on the host, the peak is the device's"
+               if layout_of(an).offload else "")
+        c.print(f"  per rank: one of DP = {sol.sizes.get('DP')} ranks, --shard {an.parallel}{off} ({v} is the rank's; "
                 "the peak is the rank's, docs/parallel.md)")
     c.print(f"  sizes: {_sizes_line(sol.sizes, given)}")
     c.print(f"  memory cap: {human(sol.cap, 'B')} ({sol.cap:,} bytes)")

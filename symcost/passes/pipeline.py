@@ -66,6 +66,9 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
         raise SymcostError(f"{spec.name} has no symbol L (repeated blocks), so no pipeline stages")
     n = pp * virtual
     values = spec.values(dict(sizes or {}))
+    if values["L"] < n and virtual > 1:  # (the stage count is PP·v: say where it comes from)
+        raise SymcostError(f"L = {values['L']} blocks cannot fill {n} pipeline stages (--pp {pp} × "
+                           f"--virtual-stages {virtual}, one block each at least)")
     stage_blocks(values["L"], n)  # enough blocks for the stages
 
     @functools.cache
