@@ -94,21 +94,24 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
                (cache[0], tuple(sorted((cache[1] or {}).items())), cache[2]) if cache else None,
                tuple(sorted(opts.items())))
         if key not in _TRACES:
-            def fresh(part=part):
+            own = stage_blocks(values["L"], n)[{"first": 0, "middle": min(1, n - 1), "last": n - 1}[part]]
+
+            def fresh(part=part, own=own):
                 stage = stage_spec(spec, part, container(), precision=precision, probes=probes,
                                    sp=bool(inner and inner.sp))
                 if inner:
                     stage = inner.spec(stage)
                 # (the stage's own block count is the request's L: where the blocks of a stage
                 # cannot be folded and L is pinned, the pinned value is the stage's)
-                own = stage_blocks(values["L"], n)[{"first": 0, "middle": min(1, n - 1), "last": n - 1}[part]]
                 return symcost.trace(stage, sizes={**dict(req), "L": own}, precision=precision)
 
             if cache is not None:
                 from symcost.graph.cache import cached_trace
 
                 name, config, attention = cache
-                _TRACES[key] = cached_trace(name, config, attention, precision, dict(req), fresh,
+                # (the stage's own block count in the request: a trace that pins L, as one whose
+                # single block cannot fold does, then matches the next request of that stage)
+                _TRACES[key] = cached_trace(name, config, attention, precision, {**dict(req), "L": own}, fresh,
                                             options={"pp_stage": part, **opts})
             else:
                 _TRACES[key] = fresh()
