@@ -17,7 +17,7 @@ import sympy
 
 from symcost._lazy import LazyModule
 from symcost.errors import SymcostError
-from symcost.frontends.layout import Layout, group_size, layout_of
+from symcost.frontends.layout import Layout, layout_of
 from symcost.frontends.megatron import for_run
 from symcost.frontends.spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, ModelSpec, request_facts
 from symcost.tracing.fit import (CHECK_L, FIT_L, N_RANDOM, SYMS, Fitter, FitError, Unvariable, find_base,
@@ -27,11 +27,12 @@ from symcost.tracing.regime import digest, regime_signature
 from symcost.tracing.schedule import fit_schedule
 from symcost.tracing.poly import MESH
 from symcost.graph.analysis import Analysis
+from symcost.graph.concrete import concrete_cost, concrete_totals, op_view, recomputed  # noqa: F401  (concrete_totals: API)
 from symcost.graph.ops import COMM_KINDS, PHASES, SymOp
 from symcost.graph.totals import trace_group
 
 if TYPE_CHECKING:  # pragma: no cover
-    from symcost.tracing.record import OpCall, Recording
+    from symcost.tracing.record import Recording
 
 # torch, the recorder and the cost rules load on first use
 nx = LazyModule("networkx")
@@ -51,51 +52,6 @@ def record(spec, values, precision="fp32", optimizer=None, strict=False):
     from symcost.tracing.record import record as _record
 
     return _record(spec, values, precision, optimizer, strict=strict)
-
-
-def tree_flatten(*args, **kwargs):
-    from torch.utils._pytree import tree_flatten as _f
-
-    return _f(*args, **kwargs)
-
-
-def tree_unflatten(*args, **kwargs):
-    from torch.utils._pytree import tree_unflatten as _f
-
-    return _f(*args, **kwargs)
-
-
-def _op_view(op: OpCall, in_shapes, out_shapes, ints) -> rules.OpView:
-    from symcost.tracing.record import IntRef, TensorRef
-
-    flat, spec = tree_flatten(op.args_tree, is_leaf=lambda x: isinstance(x, (TensorRef, IntRef)))
-    vals = []
-    for a in flat:
-        if isinstance(a, TensorRef):
-            vals.append(tuple(in_shapes[a.index]))
-        elif isinstance(a, IntRef):
-            vals.append(ints[a.index])
-        else:
-            vals.append(a)
-    args, kwargs = tree_unflatten(vals, spec)
-    return rules.OpView(
-        op.op, op.name, in_shapes, [t.dtype for t in op.inputs], out_shapes,
-        [t.dtype for t in op.outputs], tuple(args), dict(kwargs),
-    )
-
-
-def concrete_cost(op: OpCall) -> rules.Cost:
-    """Cost of a recorded op at its concrete sizes (:func:`recomputed` for an op of activation
-    checkpointing's recomputation)."""
-    c = rules.cost(_op_view(op, [t.shape for t in op.inputs], [t.shape for t in op.outputs], op.ints))
-    return recomputed(c) if getattr(op, "recompute", False) else c
-
-
-def recomputed(c: rules.Cost) -> rules.Cost:
-    """The cost of an op that activation checkpointing runs again in the backward: its matmul
-    FLOPs are hardware FLOPs only (shared/conventions.md: model FLOPs, MFU and 6·N·P do not count
-    recomputation; HFU does), bytes and all-FLOPs as executed."""
-    return dataclasses.replace(c, flops=0, flops_hw=c.flops_hw)
 
 
 def _matmul_params(rec: Recording) -> tuple[set[str], set[int]]:
@@ -560,7 +516,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         c = cost_cache.get(key)
         if c is None:
             try:
-                c = rules.cost(_op_view(op, in_shapes, out_shapes, ints), family)
+                c = rules.cost(op_view(op, in_shapes, out_shapes, ints), family)
                 c = rules.Cost(*(rules.expand_flops(x) for x in (c.flops, c.flops_all, c.bytes)),
                                c.transcendentals, rules.expand_flops(c.flops_hw))
             except (AssertionError, TypeError, ValueError):
@@ -581,7 +537,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         if family == "comm":
             g = op.group or trace_group(ref)
             n = layout_of(spec).group_size(g, lambda x: SYMS[x] if x in symbols else pinned.get(x, ref.values.get(x, 1)))
-            kind, size, per_rank = rules.comm_volume(_op_view(op, in_shapes, out_shapes, ints), n)
+            kind, size, per_rank = rules.comm_volume(op_view(op, in_shapes, out_shapes, ints), n)
             comm = (kind, sympy.expand(size), sympy.expand(per_rank), g)
         ops.append(SymOp(
             index=i, name=op.name, family=family, module=module,
@@ -681,34 +637,6 @@ def _fit_kv(spec: ModelSpec, recs: list[Recording], fitter, role, container: str
         keep, repeat, name = role(module) if container else (True, sympy.Integer(1), module)
         if keep:
             out.append((name, fitter(sig, f"KV-cache size of layer {i}"), repeat))
-    return out
-
-
-def concrete_totals(rec: Recording) -> dict[str, int]:
-    """Totals of one concrete recording by the same rules: the oracle for the symbolic fit."""
-    out = {f"{k}.{p}": 0 for k in ("flops", "flops_hw", "flops_all", "bytes", "transcendentals") for p in PHASES}
-    for op in rec.ops:
-        c = concrete_cost(op)
-        out[f"flops.{op.phase}"] += int(c.flops)
-        out[f"flops_hw.{op.phase}"] += int(c.flops_hw)
-        out[f"flops_all.{op.phase}"] += int(c.flops_all)
-        out[f"bytes.{op.phase}"] += int(c.bytes)
-        out[f"transcendentals.{op.phase}"] += int(c.transcendental_total)
-    out["params"] = sum(rules.numel(s) for s, _ in rec.params.values())
-    out["saved"] = sum(s.nbytes for s in rec.saved)
-    if rec.step != "train":
-        out["kv"] = sum(rec.kv_layers)
-    if rec.parallel is not None:  # bytes of every collective (ring, per rank), by kind
-        for k in COMM_KINDS:
-            out[f"comm.{k}"] = 0
-        for op in rec.ops:
-            if rules.classify(op.op) == "comm":
-                v = _op_view(op, [t.shape for t in op.inputs], [t.shape for t in op.outputs], op.ints)
-                n = group_size(op.group or trace_group(rec), rec.values.__getitem__, rec.replicate)
-                kind, _, per_rank = rules.comm_volume(v, n)
-                if kind in COMM_KINDS:  # (not a wait)
-                    out[f"comm.{kind}"] += per_rank
-        out["shards"] = sum(rules.numel(s) for s in rec.param_shards.values())
     return out
 
 
