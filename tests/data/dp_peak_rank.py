@@ -87,4 +87,5 @@ def run(shard):
 for shard in shards:
     run(shard)
     dist.barrier()
-dist.destroy_process_group()
+from gloo_teardown import finish  # (tests/data: on the path)
+finish()  # every rank past the last barrier before any closes (gloo_teardown.py)

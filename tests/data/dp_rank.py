@@ -98,4 +98,5 @@ def run(shard):
 for shard in shards:
     run(shard)
     dist.barrier()  # every rank done with this engine's collectives before the next (or teardown)
-dist.destroy_process_group()
+from gloo_teardown import finish  # (tests/data: on the path)
+finish()  # every rank past the last barrier before any closes (gloo_teardown.py)

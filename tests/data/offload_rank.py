@@ -255,8 +255,8 @@ def main():
     got["world"] = n
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(got, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    from gloo_teardown import finish  # (tests/data: on the path)
+    finish()  # gloo barrier, then every rank past it, then teardown (gloo_teardown.py)
 
 
 if __name__ == "__main__":

@@ -71,5 +71,5 @@ grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() i
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump({"top": top, "top_ops": top_ops, "kept": warm_level - grads, "grads": grads, "pp": pp,
                "params": sum(p.numel() for p in model.parameters())}, f)
-dist.barrier()
-dist.destroy_process_group()
+from gloo_teardown import finish  # (tests/data: on the path)
+finish()  # gloo barrier, then every rank past it, then teardown (gloo_teardown.py)

@@ -171,5 +171,5 @@ with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
                "params": sum(nbytes(p) for p in model.parameters()),
                "buffers": sum(nbytes(b) for b in model.buffers()),
                "comm": {g: {k: str(v) for k, v in d.items()} for g, d in comm.items()}}, f)
-dist.barrier()
-dist.destroy_process_group()
+from gloo_teardown import finish  # (tests/data: on the path)
+finish()  # gloo barrier, then every rank past it, then teardown (gloo_teardown.py)

@@ -110,5 +110,5 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
                "flops": fc.get_total_flops(), "saved": saved[0], "p2p": p2p, "pp": pp,
                "params": sum(p.numel() for p in model.parameters()),
                "buffers": sum(b.numel() * b.element_size() for b in model.buffers())}, f)
-dist.barrier()
-dist.destroy_process_group()
+from gloo_teardown import finish  # (tests/data: on the path)
+finish()  # gloo barrier, then every rank past it, then teardown (gloo_teardown.py)
