@@ -12,6 +12,7 @@ by hand) at random sizes, and a real ``torchrun`` + gloo run of 2 x 2 ranks on t
 from __future__ import annotations
 
 import functools
+from fractions import Fraction
 import os
 import random
 import sys
@@ -156,3 +157,28 @@ def test_one_kv_head_per_tp_rank_on_the_2d_mesh():
             m.to_empty(device="cpu")
             got = measure(m, spec, v, ctx, groups=groups)
         _check(an, {k: x for k, x in v.items() if k in an.symbols or k in ("B", "S")}, got, v)
+
+
+def test_fsdp_padding_on_the_2d_mesh():
+    """Where DP does not divide a TP-local first dimension (the vocabulary-parallel embedding's
+    V/TP rows, a column-parallel weight's rows), FSDP2 pads each rank's chunk to ceil(rows/DP):
+    :func:`symcost.passes.parallel.padded` gives the rank's parameter elements and each kind's
+    collective bytes (DP and TP groups together) PyTorch's fake-group run has, and the formulas
+    alone would not (checked: at least one draw differs from them)."""
+    from symcost.passes.parallel import padded
+
+    an = _trace("fsdp")
+    rng = random.Random(2161)
+    differs = 0
+    for _ in range(2):
+        tp, dp = rng.choice((2, 4)), rng.choice((3, 6))
+        v = {"DP": dp, "TP": tp, "B": rng.randint(2, 3), "S": rng.randint(2, 40), "H": 8 * rng.randint(1, 2),
+             "D": rng.choice((4, 8, 12)), "L": rng.randint(1, 2), "V": 8 * tp * (dp * rng.randint(1, 3) + 1)}
+        got = _fake(v, "fsdp")
+        ev = padded(an, an.bind(**v))
+        assert int(ev["params_shard"]) == got["shard"], v
+        for kind in KINDS:
+            want = sum((Fraction(x) for k, x in got["comm"].items() if k.endswith("." + kind)), Fraction(0))
+            assert Fraction(str(ev["comm"][kind])) == want, (kind, v)
+        differs += an.params_shard.subs(an.bind(**v)) != got["shard"]
+    assert differs, "no draw padded: the test does not exercise FSDP2's padding"

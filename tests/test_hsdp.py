@@ -92,3 +92,32 @@ def test_real_gloo_hsdp_two_by_two(tmp_path):
     for rank, got in enumerate(ranks):
         _check(an, v, got, rank)
         assert abs(want - got["peak_ops"]) <= 0.05 * got["peak_ops"], (rank, want, got)
+
+
+def test_hsdp_padding_against_pytorch_on_the_fake_mesh():
+    """Where DP/R does not divide a first dimension (shard groups of 3 ranks: megatron-gpt's 2,048
+    learned positions, V rows), FSDP2 pads each rank's chunk to ceil(rows/(DP/R)):
+    :func:`symcost.passes.parallel.padded` gives the rank's parameter elements and each kind's
+    collective bytes (dp_shard and dp_replicate together) PyTorch's HSDP on the fake group has;
+    the formulas alone differ there."""
+    from fractions import Fraction
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from symcost.frontends.models import resolve
+    from symcost.passes.parallel import padded
+
+    an, spec = _trace(), resolve("megatron-gpt")
+    rng = random.Random(2711)
+    v = {"DP": 3 * R, "B": rng.randint(1, 3), "S": rng.randint(2, 40), "H": 4 * rng.randint(1, 3),
+         "D": 4 * rng.randint(1, 3), "L": rng.randint(1, 2), "V": 8 * (3 * rng.randint(1, 3) + 1)}
+    m, ctx, groups = fake_hsdp_rank(spec, v, R)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        m.to_empty(device="cpu")
+        got = measure(m, spec, v, ctx, groups=groups)
+    ev = padded(an, an.bind(**v))
+    assert int(ev["params_shard"]) == got["shard"], v
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        want = sum((Fraction(x) for k, x in got["comm"].items() if k.endswith("." + kind)), Fraction(0))
+        assert Fraction(str(ev["comm"][kind])) == want, (kind, v)
+    assert an.params_shard.subs(an.bind(**v)) != got["shard"], "no padding at these sizes"

@@ -110,8 +110,10 @@ def model_state_bytes(P, DP, shard: str, precision: str = "bf16-true-fp32-master
 def _units(an) -> list[str]:
     """The FSDP2 units of a ``fully_shard`` trace (folded module names; ``""`` the root), longest
     first: the modules its all-gathers and reduce-scatters belong to."""
-    return sorted({op.module for op in an.ops if op.comm is not None and op.comm[0] in ("all_gather", "reduce_scatter")},
-                  key=len, reverse=True)
+    from symcost.graph.totals import comm_group
+
+    return sorted({op.module for op in an.ops if op.comm is not None and op.comm[0] in ("all_gather", "reduce_scatter")
+                   and comm_group(an, op) == "DP"}, key=len, reverse=True)
 
 
 def _owner(name: str, units: list[str]) -> str | None:
@@ -123,28 +125,45 @@ def padded(an, env: Mapping) -> dict[str, Any]:
     ``fully_shard`` gives every rank ``ceil(d0/DP)`` rows of a parameter with ``d0`` rows
     (``torch.chunk``, the last ranks padded; torch/distributed/fsdp/_fully_shard/_fsdp_param.py),
     so a unit's all-gather and reduce-scatter move ``DP·Σ ceil(d0/DP)·rest`` elements, not the
-    ``Σ d0·rest`` of the fitted formulas (equal where DP divides every d0).
+    ``Σ d0·rest`` of the fitted formulas (equal where DP divides every d0). On the 2-D mesh
+    (``--tp``) ``d0`` and ``rest`` are the TP-local shape (FSDP2 shards the TP shard); under HSDP
+    ``DP`` is the ``dp_shard`` group's DP/R, and the gradient all-reduce over ``dp_replicate``
+    moves the padded shards too. Collectives of the TP group are not padded.
+
+    Raises:
+        SymcostError: a TP-local size that is not whole at ``env`` (TP does not divide it).
 
     Returns:
         ``params_shard`` (elements rank 0 holds) and ``comm`` {kind: bytes per rank, ring},
         each a sympy Rational/Integer; for a ``replicate`` (DDP) trace, the formulas evaluated.
     """
+    from symcost.graph.totals import comm_group
+
     env = {SYMS[str(k)] if not isinstance(k, sympy.Symbol) else k: v for k, v in env.items()}
     dp = shard_degree(an, env.get(SYMS["DP"], an.pinned.get("DP", 1)))
     comm = {k: sympy.Integer(0) for k in COMM_KINDS if k != "broadcast"}
-    if SHARDS[an.parallel][0] != "fully_shard" or getattr(an, "tensor_parallel", None) or layout_of(an).hsdp:
-        # (HSDP: the formulas as they are, exact where DP/R divides every first dimension)
-        # (replicate pads nothing; on the 2-D mesh the formulas are taken as they are: FSDP2
-        # pads the TP-local rows, which DP divides at every size the trace's probes drew)
+    if SHARDS[an.parallel][0] != "fully_shard":  # (replicate pads nothing)
         for k in comm:
             comm[k] = sympy.sympify(an.comm_bytes(k)).xreplace(env)
         return {"params_shard": sympy.sympify(an.params_shard).xreplace(env), "comm": comm}
+    # On the 2-D mesh FSDP2 shards each parameter's TP-local tensor (its rows: the fitted shard's
+    # first dimension times the shard group's size), under HSDP over the dp_shard group (DP/R).
+    local = bool(getattr(an, "tensor_parallel", None)) or layout_of(an).hsdp
+    shards = getattr(an, "param_shards", None) or {}
     units = _units(an)
     whole: dict[str, Any] = {u: 0 for u in units}
     pad: dict[str, Any] = {u: 0 for u in units}
     shard = 0
     for name, (shape, _, rep) in an.param_shapes.items():
-        dims = [int(sympy.sympify(d).xreplace(env)) for d in shape]
+        if local and name in shards:
+            sh = shards[name][0]
+            dims = [sympy.sympify(d).xreplace(env) for d in sh]
+            dims = [dims[0] * dp] + dims[1:] if dims else dims
+            if not all(d.is_integer for d in dims):  # (a TP-local size the formulas cannot give)
+                raise SymcostError(f"{name}: its tensor-parallel shard {list(dims)} is not whole at these sizes")
+            dims = [int(d) for d in dims]
+        else:
+            dims = [int(sympy.sympify(d).xreplace(env)) for d in shape]
         r = int(sympy.sympify(rep).xreplace(env))
         rest = math.prod(dims[1:])
         rows = -(-dims[0] // dp) if dims else 1
@@ -158,7 +177,9 @@ def padded(an, env: Mapping) -> dict[str, Any]:
             continue
         n = int(sympy.sympify(op.repeat).xreplace(env))
         val = sympy.sympify(op.comm[2]).xreplace(env)
-        u = op.module if op.module in whole else None
+        # FSDP2's collectives (over dp_shard, and HSDP's all-reduce of the padded gradient shards
+        # over dp_replicate) move the padded rows; the TP group's move activations
+        u = op.module if op.module in whole and comm_group(an, op) in ("DP", "DP_replicate") else None
         if u is not None and whole[u]:  # every unit a folded op stands for pads alike
             val = val * sympy.Rational(pad[u], whole[u])
         comm[op.comm[0]] += n * val

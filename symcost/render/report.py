@@ -584,12 +584,10 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
     else:
         c.print(f"\n[bold]data parallel[/bold]: --shard {par['shard']} on DP = {par['dp']} ranks; traced "
                 f"{par['engine']}; {par['sharded']}" + hsdp)
-    if par.get("divisible") is False and (par.get("tp") is not None or par.get("dp_replicate")):
-        c.print("[yellow]DP does not divide every TP-local first dimension here: FSDP2 pads the shards "
-                "(ceil(d0/DP) rows per rank), which the values of the 2-D mesh leave out (docs/parallel.md)[/yellow]")
-    elif par.get("divisible") is False:
-        c.print("DP does not divide every sharded dimension here: the values include the padding of the "
-                "shards (FSDP2: ceil(d0/DP) rows per rank), the formulas do not (docs/parallel.md)")
+    if par.get("divisible") is False:
+        local = " TP-local" if par.get("tp") is not None else ""
+        c.print(f"DP does not divide every{local} sharded dimension here: the values include the padding of "
+                "the shards (FSDP2: ceil(d0/DP) rows per rank), the formulas and the peak do not (docs/parallel.md)")
     t = per_rank_table(summary, js, par)
     pk = par["memory"]
     add_peak_row(t, pk)
