@@ -142,3 +142,32 @@ def test_llama_3_8b_fsdp_over_tp_8_at_dp_64_traces():
     v = dict(SMALL, D=64, F=512, V=1024, DP=64, TP=8)
     m, _, _ = _oracle().fake_mesh_rank(spec, v, False, "fsdp")
     assert int(an.params_shard.subs(an.bind(**v))) == _rank_params(m)
+
+
+def test_the_check_probes_vary_the_base_where_random_points_never_fit(monkeypatch):
+    """Where no random point meets the model's constraints with every size drawn at once (the
+    2-D mesh's many divisibilities; stood in for here by a ``random_point`` that finds none), the
+    two check probes after the fit vary a few sizes of the base (``random_near``), as the fit's
+    random probes do, so the trace answers (it raised "could not find probe sizes" after a
+    finished fit), and its formulas equal FlopCounterMode's count of the real model at a size
+    neither fitted nor checked on."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import symcost
+    import symcost.graph.build as build
+    from symcost.errors import SymcostError
+    from symcost.frontends.models import resolve
+
+    def none_fit(*args, **kwargs):
+        raise SymcostError("could not find probe sizes (every size drawn at once)")
+
+    monkeypatch.setattr(build, "random_point", none_fit)
+    spec = resolve("mlp")
+    an = symcost.trace(spec, sizes={"B": 4, "S": 16, "D": 24}, precision="fp32")
+    rng = random.Random(31)
+    v = {"B": rng.randint(2, 9), "S": rng.randint(3, 40), "D": 2 * rng.randint(3, 30), "L": rng.randint(2, 5)}
+    model = spec.build({**spec.defaults, **v})
+    with FlopCounterMode(display=False) as fc:
+        model(torch.randn(v["B"], v["S"], v["D"])).sum().backward()
+    assert int(an.flops("train").subs(an.bind(**v))) == fc.get_total_flops(), v

@@ -21,7 +21,8 @@ from symcost.frontends.layout import Layout, layout_of
 from symcost.frontends.megatron import for_run
 from symcost.frontends.spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, ModelSpec, request_facts
 from symcost.tracing.fit import (CHECK_L, FIT_L, N_RANDOM, SYMS, Fitter, FitError, Unvariable, find_base,
-                                 leaves_moe_values, plan_probes, probe_pool, random_point, random_pools)
+                                 leaves_moe_values, plan_probes, probe_pool, random_near, random_point,
+                                 random_pools)
 from symcost.tracing.modules import _fold_name, _layer_of, _rename_block
 from symcost.tracing.regime import digest, regime_signature
 from symcost.tracing.schedule import fit_schedule
@@ -601,7 +602,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     # sizes that are no probe (an MoE's fractional N·R/E slots per expert) are answered by the
     # formulas, not recorded exactly: they are checked at the probes only
     _validate(an, spec, symbols, seed, pinned, pools=pools, ties=ties, accept=accept,
-              request=(request, req) if spec.probe_ok(request) is None else None)
+              request=(request, req) if spec.probe_ok(request) is None else None, base=plan.points[0])
     an.timings = {"record": t1 - t0, "fit": t2 - t1, "check": time.perf_counter() - t2}
     return an
 
@@ -641,9 +642,12 @@ def _fit_kv(spec: ModelSpec, recs: list[Recording], fitter, role, container: str
 
 
 def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping[str, int],
-              pools=None, ties=None, accept=None, request=None) -> None:
+              pools=None, ties=None, accept=None, request=None, base=None) -> None:
     """Check the formulas against fresh recordings: two random probes (L = 3) of the regime and,
-    given ``request = (values, recording)``, the requested sizes themselves.
+    given ``request = (values, recording)``, the requested sizes themselves. Where no random
+    point meets the model's constraints with every size drawn at once (a rank of the 2-D mesh),
+    the probes vary two or three sizes of ``base`` (the fit's base probe), as the fit does
+    (:func:`symcost.tracing.fit.random_near`).
 
     Raises:
         CheckFailed: a formula disagrees with a recording in the regime (the caller fits again on
@@ -686,7 +690,13 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
             raise CheckFailed(msg + " at the requested sizes", config_syms or symbols)
     checked = 0
     for _ in range(6):
-        p = random_point(symbols, spec.probe_ok, rng, fixed, pools, ties)
+        try:
+            p = random_point(symbols, spec.probe_ok, rng, fixed, pools, ties)
+        except SymcostError:
+            if base is None:
+                raise
+            free = [s for s in symbols if s not in fixed]
+            p = random_near(dict(base, **fixed), free, spec.probe_ok, rng, pools or {}, ties)
         try:
             rec = record(spec, p, an.precision)
         except SymcostError:
