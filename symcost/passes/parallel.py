@@ -158,7 +158,7 @@ def padded(an, env: Mapping) -> dict[str, Any]:
         if local and name in shards:
             sh = shards[name][0]
             dims = [sympy.sympify(d).xreplace(env) for d in sh]
-            dims = [dims[0] * dp] + dims[1:] if dims else dims
+            dims = [sympy.sympify(d) for d in ([dims[0] * dp] + dims[1:] if dims else dims)]
             if not all(d.is_integer for d in dims):  # (a TP-local size the formulas cannot give)
                 raise SymcostError(f"{name}: its tensor-parallel shard {list(dims)} is not whole at these sizes")
             dims = [int(d) for d in dims]
