@@ -31,11 +31,12 @@ collectives of the ``dp_shard`` group run over DP/R ranks, those of ``dp_replica
 gradient all-reduce of FSDP2's HSDP) over R (:meth:`Layout.group_size`).
 
 Besides the mesh, a layout holds the step techniques that are applied with it: activation
-checkpointing (``ac``; torchtitan's ``activation_checkpoint.mode``), so that each composes with
-every dimension.
+checkpointing (``ac``; torchtitan's ``activation_checkpoint.mode``) and FP8 training (``fp8``,
+torchao's float8 recipes, :mod:`symcost.frontends.fp8`), so that each composes with every dimension.
 
-The model is parallelised in torchtitan's order (``parallelize_llama``): tensor and sequence
-parallelism first, then activation checkpointing of every block, then the data-parallel engine
+The model is parallelised in torchtitan's order (``parallelize_llama``): its linears converted to
+torchao's ``Float8Linear`` first (torchtitan's model converters run before it), then tensor and
+sequence parallelism, then activation checkpointing of every block, then the data-parallel engine
 per block and at the root (:meth:`Layout.parallelize`); a pipeline splits the model into stages
 before any of these (``pipeline_llm``), and each stage module is then parallelised over the
 other dimensions (:attr:`Layout.inner`): one traced rank of the composed mesh per stage kind.
@@ -93,6 +94,11 @@ class Layout:
             ``training.enable_cpu_offload``: ``fully_shard(..., offload_policy=CPUOffloadPolicy())``;
             :mod:`symcost.frontends.offload`): sharded parameters, their gradients and the
             optimizer state on the host, the optimizer step on the host.
+        fp8: FP8 training, a recipe of :data:`symcost.frontends.fp8.RECIPES` (``"tensorwise"``,
+            ``"rowwise"``, ``"rowwise_with_gw_hp"``: torchao's ``Float8LinearRecipeName``), or None.
+        fp8_all_gather: with ``fp8`` tensorwise and an FSDP2 ``shard``, torchao's
+            ``enable_fsdp_float8_all_gather`` (torchtitan's ``enable_fsdp_float8_all_gather``,
+            default off): weight shards cast to fp8 before FSDP2's all-gather.
     """
 
     shard: str | None = None
@@ -103,6 +109,8 @@ class Layout:
     ac: str | None = None
     replicate: int | None = None
     offload: bool = False
+    fp8: str | None = None
+    fp8_all_gather: bool = False
 
     def __post_init__(self):
         from symcost.frontends.parallel import check_shard
@@ -138,6 +146,14 @@ class Layout:
             raise SymcostError("--offload with --pp: a pipeline stage's memory under CPU offload is not modelled yet "
                                "(docs/parallel.md §0.2); give --offload without --pp")
         object.__setattr__(self, "offload", bool(self.offload))
+        if self.fp8_all_gather and self.fp8 is None:
+            raise SymcostError("--fp8-all-gather needs --fp8 tensorwise (the recipe whose weights FSDP2 all-gathers "
+                               "in fp8)")
+        if self.fp8 is not None:
+            from symcost.frontends.fp8 import check_recipe
+
+            check_recipe(self.fp8, self.fp8_all_gather, self.shard)
+        object.__setattr__(self, "fp8_all_gather", bool(self.fp8_all_gather))
 
     # --- what the layout is -------------------------------------------------------------------
     @property
@@ -215,7 +231,7 @@ class Layout:
 
     def __bool__(self) -> bool:
         """False for one device without any step technique (the plain step)."""
-        return bool(self.dims) or self.ac is not None
+        return bool(self.dims) or self.ac is not None or self.fp8 is not None
 
     @property
     def tensor_parallel(self) -> str | None:
@@ -242,7 +258,8 @@ class Layout:
             parts.append(f"{d} {n}" + (f" ({what})" if what else ""))
         mesh = " × ".join(parts) or "one device"
         return (mesh + (", CPU offload" if self.offload else "")
-                + (f", activation checkpointing {self.ac}" if self.ac else ""))
+                + (f", activation checkpointing {self.ac}" if self.ac else "")
+                + (f", fp8 {self.fp8}" + (" (fp8 all-gather)" if self.fp8_all_gather else "") if self.fp8 else ""))
 
     @property
     def inner(self) -> "Layout | None":
@@ -270,6 +287,10 @@ class Layout:
             out["replicate"] = self.replicate
         if self.offload:
             out["offload"] = True
+        if self.fp8 is not None:
+            out["fp8"] = self.fp8
+            if self.fp8_all_gather:
+                out["fp8_all_gather"] = True
         return out
 
     @classmethod
@@ -279,7 +300,8 @@ class Layout:
         pipe = d.get("pipeline")
         return cls(shard=d.get("shard"), fsdp_mp=tuple(d["fsdp_mp"]) if d.get("fsdp_mp") else None,
                    tp=bool(d.get("tp")), sp=bool(d.get("sp")), pipeline=Pipeline(**pipe) if pipe else None,
-                   ac=d.get("ac"), replicate=d.get("replicate"), offload=bool(d.get("offload")))
+                   ac=d.get("ac"), replicate=d.get("replicate"), offload=bool(d.get("offload")),
+                   fp8=d.get("fp8"), fp8_all_gather=bool(d.get("fp8_all_gather")))
 
     def cache_options(self) -> dict:
         """The trace cache's options of a trace of this layout: a DDP and an FSDP trace, a TP and
@@ -297,6 +319,8 @@ class Layout:
             out["replicate"] = self.replicate
         if self.offload:
             out["offload"] = True
+        if self.fp8 is not None:  # (the recipe and the all-gather change the ops and their dtypes)
+            out["fp8"] = self.fp8 + (",all_gather" if self.fp8_all_gather else "")
         return out
 
     # --- the model under the layout -------------------------------------------------------------
@@ -316,14 +340,19 @@ class Layout:
                 parallelism or activation checkpointing (they train); activation checkpointing
                 of a model without a block list.
         """
-        if (self.shard is not None or self.pipeline is not None or self.ac or self.sp) and spec.step != "train":
-            raise SymcostError(f"--dp/--pp/--sp/--ac trace a training step, not an inference step ({spec.step}); "
+        if (self.shard is not None or self.pipeline is not None or self.ac or self.sp
+                or self.fp8) and spec.step != "train":
+            raise SymcostError(f"--dp/--pp/--sp/--ac/--fp8 trace a training step, not an inference step ({spec.step}); "
                                "an inference step takes --tp alone")
         if self.ac and "L" not in spec.symbols and spec.layers is None:
             raise SymcostError(f"--ac {self.ac} checkpoints each block of the model's block list; {spec.name} has none "
                                "(no symbol L)")
         if not self:
             return spec
+        if self.fp8 is not None:
+            from symcost.frontends.fp8 import fp8_spec
+
+            spec = fp8_spec(spec)
         if self.shard is not None:
             from symcost.frontends.parallel import data_parallel
 
@@ -385,7 +414,8 @@ class Layout:
 
     def parallelize(self, model, layers: str | None, mesh: Mapping[str, Any], dp_engine: str | None = None):
         """Parallelise ``model`` in place over ``mesh`` (:meth:`fake_mesh`) in torchtitan's order:
-        the tensor-parallel plan over ``TP`` (:func:`symcost.frontends.tensor_parallel.apply`),
+        FP8 training's ``Float8Linear`` swap (:func:`symcost.frontends.fp8.convert`, torchtitan's
+        model converter), then the tensor-parallel plan over ``TP`` (:func:`symcost.frontends.tensor_parallel.apply`),
         then activation checkpointing of every block (:func:`symcost.frontends.checkpointing.
         checkpoint_blocks`), then the data-parallel engine over ``DP``, per block of ``layers``
         and at the root
@@ -401,6 +431,10 @@ class Layout:
         import contextlib
 
         loss_context = contextlib.nullcontext
+        if self.fp8 is not None:
+            from symcost.frontends.fp8 import convert
+
+            convert(model, self.fp8, self.fp8_all_gather, layers)
         if self.tp:
             from symcost.frontends.tensor_parallel import apply
 

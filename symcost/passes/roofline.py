@@ -52,9 +52,14 @@ def _num(x, env) -> int:
 
 
 def op_precision(op, default: str) -> str:
-    """Device precision key of a :class:`~symcost.graph.ops.SymOp`: its first floating output
-    dtype, else its first floating input, else ``default`` (the training precision)."""
-    for d in dtype_names(op.out_dtypes) + dtype_names(op.in_dtypes):  # names: no torch for a cached analysis
+    """Device precision key of a :class:`~symcost.graph.ops.SymOp`: ``fp8`` for a matmul-class op
+    (model FLOPs) on fp8 operands (FP8 training's ``aten._scaled_mm``, whose output is bf16 or
+    fp32: the tensor cores run at the fp8 peak), else its first floating output dtype, else its
+    first floating input, else ``default`` (the training precision)."""
+    ins = dtype_names(op.in_dtypes)
+    if op.cost.flops != 0 and any(dtype_key(d) == "fp8" for d in ins):
+        return "fp8"
+    for d in dtype_names(op.out_dtypes) + ins:  # names: no torch for a cached analysis
         k = dtype_key(d)
         if k is not None:
             return k

@@ -437,6 +437,8 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         # shards its local rows again)
         loss_context = layout.parallelize(model, layers, mesh if layout.traced_dims else {},
                                           spec.extra.get("dp_engine"))
+        if layout.fp8 is not None:  # (the Float8Linear modules that replaced the linears: new objects)
+            names.update(_module_names(model))
     # the recording's ``parallel``: the data-parallel strategy, else "tp" / "tp+sp"; on the 2-D
     # mesh the tensor parallelism is its ``tensor_parallel``
     parallel = layout.label
@@ -486,7 +488,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 buffer_storages.add(bkey)
                 buffers[name] = (tuple(b.shape), b.dtype)
         static_storages = {
-            StorageWeakRef(_local(t).untyped_storage()).cdata
+            StorageWeakRef(_storage_tensor(t).untyped_storage()).cdata
             for t in list(model.parameters()) + list(model.buffers())
         }
         kv_layers = None
@@ -529,6 +531,10 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             from torch.distributed.tensor import DTensor
 
             rec.dtensor = DTensor
+        if layout.fp8 is not None:
+            from symcost.frontends.fp8 import fp8_tensor_types
+
+            rec.unwrap = fp8_tensor_types()
         rec.preexisting = static_storages | set(input_storages)
         saved: list[SavedTensor] = []
 
@@ -542,6 +548,11 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
 
         def pack(t: torch.Tensor):
             t0, t = t, _local(t)  # tensor parallelism: autograd saves DTensors; a rank holds their shards
+            if rec.unwrap and isinstance(t, rec.unwrap):
+                # FP8 training saves its inputs in high precision (torchao's
+                # matmul_with_hp_or_float8_args); a float8 tensor saved is the weight FSDP2
+                # all-gathered in fp8 (--fp8-all-gather): the unsharded parameter, not an activation
+                return t0
             st = t.untyped_storage()
             ref = StorageWeakRef(st)
             key = ref.cdata
@@ -657,7 +668,26 @@ def _param_storages(model) -> set[int]:
     activation (shared/conventions.md), as ``saved_tensors_hooks`` measurements count it."""
     # (a DTensor's ``_local_tensor``, not ``to_local()``: an autograd function, run inside the
     # forward it would add edges to the sharded parameters and move FSDP's gradient reduction)
-    return {StorageWeakRef(getattr(p, "_local_tensor", p).untyped_storage()).cdata for p in model.parameters()}
+    return {StorageWeakRef(_storage_tensor(getattr(p, "_local_tensor", p)).untyped_storage()).cdata
+            for p in model.parameters()}
+
+
+def _storage_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s data: a DTensor's local shard (:func:`_local`), and
+    inside torchao's float8 wrapper subclasses (FP8 training, symcost.frontends.fp8) the tensor
+    they wrap (``WeightWithDynamicFloat8CastTensor._tensor``, ``Float8TrainingTensor._data``): a
+    wrapper subclass has no storage of its own, and the temporary one ``untyped_storage()`` gives
+    it is freed at once, so its address, taken as a key, could name a later tensor's storage."""
+    t = _local(t)
+    for attr in ("_tensor", "_data"):
+        inner = getattr(t, attr, None)
+        if isinstance(inner, torch.Tensor) and type(t).__name__ in _FP8_WRAPPERS:
+            return _storage_tensor(inner)
+    return t
+
+
+#: torchao's float8 wrapper subclasses (symcost.frontends.fp8.fp8_tensor_types; by name: torchao is optional)
+_FP8_WRAPPERS = ("WeightWithDynamicFloat8CastTensor", "Float8TrainingTensor")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -140,6 +140,9 @@ class _Recorder(TorchDispatchMode):
         # ops whose outputs are host memory (FSDP2's CPU offload: the gradient shards' copies to
         # the host, symcost.frontends.offload): their storages stay out of the device's schedule
         self.host_ops: frozenset = frozenset()
+        # tensor subclasses looked through (FP8 training: torchao's float8 tensors,
+        # symcost.frontends.fp8.fp8_tensor_types): their ops run on plain tensors, recorded
+        self.unwrap: tuple = ()
 
     def leaf_name(self, t: torch.Tensor) -> str | None:
         """The ``param:``/``buffer:``/``input:`` name of a leaf tensor, or None. A parameter
@@ -296,6 +299,10 @@ class _Recorder(TorchDispatchMode):
             raise _FakeOnly(str(func))
         if self.strict and _VALUE_TAGS.intersection(func.tags):
             raise _FakeOnly(f"{func} reads tensor values")
+        if self.unwrap and any(issubclass(t, self.unwrap) for t in types):
+            # FP8 training: torchao's Float8TrainingTensor runs each op on its fp8 data and scale
+            # (the matmul as aten._scaled_mm), whose ops come back here, as DTensor's do
+            return NotImplemented
         if self.dtensor is not None:
             # tensor parallelism: DTensor desugars each op into local ops and collectives, which
             # come back here (as torch.distributed.tensor.debug.CommDebugMode does); its shape
