@@ -147,6 +147,8 @@ def device_alias(f):
 
 #: strategies of --shard (symcost.frontends.parallel.SHARDS; listed here so --help imports no torch)
 SHARD_CHOICES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+#: recipes of --fp8 (symcost.frontends.fp8.RECIPES, torchao's Float8LinearRecipeName)
+FP8_CHOICES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 def parallel_options(f):
@@ -197,6 +199,16 @@ def parallel_options(f):
                           "(after --tp, before --dp's engine): full = each block recomputed; selective = "
                           "torchtitan's op-level policy (matmul outputs kept but every second, attention and "
                           "reduce-scatter outputs kept)")(f)
+    f = click.option("--fp8-all-gather", is_flag=True, default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.fp8_all_gather"),
+                     help="with --fp8 tensorwise and --dp N --shard fsdp|zero3|zero2: FSDP2 all-gathers the "
+                          "weights in fp8 (torchao's enable_fsdp_float8_all_gather; torchtitan's default: off)")(f)
+    f = click.option("--fp8", type=click.Choice(FP8_CHOICES), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.fp8"),
+                     help="FP8 training as torchao's float8 recipe of that name runs it (needs torchao: "
+                          "pip install 'symcost[fp8]'): the blocks' linears whose features are multiples of 16 "
+                          "become Float8Linear (torchtitan's converter, before --tp/--ac/--dp), their matmuls "
+                          "torch._scaled_mm at the device's fp8 peak")(f)
     f = click.option("--dp", type=click.IntRange(min=1), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.dp"), metavar="N",
                      help="data-parallel size: trace one rank of N (the formulas gain the symbol DP)")(f)
@@ -270,7 +282,8 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
     ac = meta.get("symcost.ac")
     layout = Layout(shard=(shard or "ddp") if dp is not None else None, fsdp_mp=mp, tp=tp is not None,
                     sp=bool(meta.get("symcost.sp")), pipeline=pipe, ac=None if ac in (None, "none") else ac,
-                    replicate=replicate, offload=bool(meta.get("symcost.offload")))
+                    replicate=replicate, offload=bool(meta.get("symcost.offload")), fp8=meta.get("symcost.fp8"),
+                    fp8_all_gather=bool(meta.get("symcost.fp8_all_gather")))
     sizes = {k: v for k, v in (("DP", dp), ("TP", tp), ("PP", pp if pipe else None)) if v is not None}
     return layout, sizes
 
@@ -358,9 +371,9 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
         if k in sizes and sizes[k] != v:
             raise SymcostError(f"{SYMBOL_FLAG[k]} {v} and --set {k}={sizes[k]} disagree; give one")
     if layout:
-        if step is not None and (layout.shard is not None or layout.ac is not None or layout.sp):
+        if step is not None and (layout.shard is not None or layout.ac is not None or layout.sp or layout.fp8):
             # (an inference step takes tensor parallelism alone: serve --tp)
-            raise SymcostError(f"--dp/--sp/--ac trace a training step, not an inference step ({step})")
+            raise SymcostError(f"--dp/--sp/--ac/--fp8 trace a training step, not an inference step ({step})")
         # one rank of the layout's mesh: kept in the trace cache under the layout's options (a DDP
         # and an FSDP trace, a TP and a TP + SP trace never share an entry); every mesh size is
         # served by one entry, within the residue classes of the split sizes and their per-rank
