@@ -104,6 +104,16 @@ def _step(spec, values: dict, model, dtype, fake: bool, collectives=None) -> dic
     return out
 
 
+def _meta_model():
+    """megatron-gpt at two blocks on the meta device (its module names)."""
+    import torch
+
+    from symcost.frontends.models import resolve
+
+    with torch.device("meta"):
+        return resolve("megatron-gpt").build(dict(REQUEST))
+
+
 def _draw(rng: random.Random, dp: int | None = None) -> dict:
     v = {"B": rng.randint(2, 5), "S": rng.randint(3, 24), "H": rng.randint(1, 3), "D": 16 * rng.randint(1, 3),
          "L": rng.randint(2, 4), "V": rng.randint(20, 90)}
@@ -129,6 +139,9 @@ def test_one_device_matches_torchao(recipe, precision):
     assert not an.pinned, an.pin_reasons
     scaled = [op for op in an.ops if "_scaled_mm" in op.name]
     assert scaled and all(str(d).startswith("torch.float8") for op in scaled for d in op.in_dtypes[:2])
+    # 6·N·P: the weights cast to fp8 are matmul operands (P), as every linear's weight of the model
+    linears = {f"{n}.weight" for n, m in _meta_model().named_modules() if type(m).__name__ == "Linear"}
+    assert {n.replace("{i}", "0") for n in an.matmul_params} == {n for n in linears if ".1." not in n}
     spec = resolve("megatron-gpt")
     dtype = getattr(torch, "float32" if precision == "fp32" else "bfloat16")
     rng = random.Random(27 + len(recipe))

@@ -11,6 +11,7 @@ recordings (other sizes, L = 3) that took no part in the fit. The result is an
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any, Mapping
 
 import sympy
@@ -55,11 +56,30 @@ def record(spec, values, precision="fp32", optimizer=None, strict=False):
     return _record(spec, values, precision, optimizer, strict=strict)
 
 
+#: the ops of an FP8 training cast (torchao's hp_tensor_to_float8_dynamic: x · scale, clamped to
+#: the fp8 range, then ``_to_copy`` to float8) that keep a weight "the same weight" on its way to
+#: ``aten._scaled_mm`` (:func:`_fp8_cast`)
+FP8_CAST_OPS = {"aten.mul", "aten.clamp"}
+
+
+def _fp8_cast(op, origin) -> bool:
+    """Whether ``op`` scales or clamps a tensor with an origin (a parameter) into a tensor of its
+    shape, its other tensor inputs being smaller (the amax scales): a step of an FP8 cast."""
+    if str(op.op.overloadpacket) not in FP8_CAST_OPS or not op.inputs or not op.outputs:
+        return False
+    x = op.inputs[0]
+    if not ((x.source or "").startswith("param:") or x.tid in origin) or op.outputs[0].shape != x.shape:
+        return False
+    return all(math.prod(t.shape) < math.prod(x.shape) for t in op.inputs[1:])
+
+
 def _matmul_params(rec: Recording) -> tuple[set[str], set[int]]:
-    """Parameters that reach a matmul-class op (through views) in the forward, and those ops."""
+    """Parameters that reach a matmul-class op (through views, casts and, in an FP8 training step,
+    the float8 cast's scaling and clamping: :func:`_fp8_cast`) in the forward, and those ops."""
     origin: dict[int, str] = {}
     used: set[str] = set()
     ops_with_param: set[int] = set()
+    fp8 = any(op.name.startswith("aten._scaled_mm") for op in rec.ops)
     for i, op in enumerate(rec.ops):
         if op.phase != "forward":
             break
@@ -73,7 +93,8 @@ def _matmul_params(rec: Recording) -> tuple[set[str], set[int]]:
                 srcs.add(t.source[6:])
             elif t.tid in origin:
                 srcs.add(origin[t.tid])
-        if (fam == "view" or str(op.op.overloadpacket) in rules.PASS_THROUGH) and srcs:
+        passes = fam == "view" or str(op.op.overloadpacket) in rules.PASS_THROUGH or (fp8 and _fp8_cast(op, origin))
+        if passes and srcs:
             for t in op.outputs:
                 origin[t.tid] = next(iter(srcs))
         if fam == "model" and srcs:
