@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-from symcost import _compat
+from symcost import _compat, _quiet
 
 __all__ = ["Analysis", "Layout", "ModelSpec", "SYMS", "SymcostError", "parse_formula", "resolve", "trace"]
 __version__ = "0.1.0"
@@ -28,6 +28,7 @@ _LAZY = {
 }
 
 _compat.install()  # the flat layout's module paths (symcost.memory, ...) still import, deprecated
+_quiet.install()  # optional libraries' import-time noise (torchao's unloadable CUDA kernels)
 
 
 def __getattr__(name: str):
