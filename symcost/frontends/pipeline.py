@@ -67,16 +67,91 @@ def check_schedule(schedule: str, pp: int, microbatches: int, virtual: int = 1) 
     return schedule
 
 
-def stage_blocks(L: int, n_stages: int) -> list[int]:
-    """Blocks of each of ``n_stages`` stages for ``L`` blocks: L // n each, the first L mod n
-    stages one more (torchtitan's split of uneven layer counts puts the extra layers first).
+#: ``--pp-split`` words: ``even`` (Megatron-LM's default split, and torch.distributed.pipelining's
+#: ``pipeline`` split points spaced evenly), ``torchtitan`` (its default: the embedding and the
+#: output each weigh one block, ``pipeline_parallel_{first,last}_stage_less_layers = 1``)
+SPLITS = ("even", "torchtitan")
+
+
+def parse_split(text: str | None):
+    """``--pp-split`` as :func:`stage_blocks` takes it: None (``even``), ``"torchtitan"`` (weights
+    1, 1), ``("torchtitan", a, b)`` from ``torchtitan:A,B``, or the blocks of each stage as a tuple
+    of ints from ``N,N,...`` (Megatron's ``--decoder-first/last-pipeline-num-layers`` and
+    torchtitan's ``module_fqns_per_model_part`` name such splits stage by stage).
 
     Raises:
-        SymcostError: fewer blocks than stages.
+        SymcostError: text that is none of those (one line, what is accepted)."""
+    if text is None or text.strip() in ("", "even"):
+        return None
+    t = text.strip().replace(" ", "")
+    accepted = "accepted: even, torchtitan, torchtitan:A,B (first/last stage weights), or N,N,... (blocks per stage)"
+    try:
+        if t == "torchtitan":
+            return "torchtitan"
+        if t.startswith("torchtitan:"):
+            a, b = (int(x) for x in t.split(":", 1)[1].split(","))
+            if a < 0 or b < 0:
+                raise ValueError
+            return ("torchtitan", a, b)
+        blocks = tuple(int(x) for x in t.split(","))
+        if any(x < 1 for x in blocks):
+            raise ValueError
+        return blocks
+    except ValueError:
+        raise SymcostError(f"bad --pp-split {text!r}; {accepted}") from None
+
+
+def _torchtitan_split(L: int, n: int, input_weight: int, output_weight: int) -> list[int]:
+    """torchtitan's ``_generate_llm_fqn_per_model_part`` (torchtitan/distributed/pipeline_parallel.py),
+    counting blocks: ``L + input_weight + output_weight`` effective layers dealt out evenly, the
+    first ``mod`` stages one more; the first stage gives ``input_weight`` of its share to the
+    embedding, the last ``output_weight`` to the norm and head; blocks run out at the last stage."""
+    eff = L + input_weight + output_weight
+    if n > eff:
+        raise SymcostError(f"{n} pipeline stages exceed the {eff} effective layers of torchtitan's split "
+                           f"(L = {L} + input weight {input_weight} + output weight {output_weight})")
+    per, extra = divmod(eff, n)
+    if input_weight > per or output_weight > per:
+        raise SymcostError(f"torchtitan's split: a first/last stage weight ({input_weight}, {output_weight}) exceeds "
+                           f"the {per} layers per stage (L = {L}, {n} stages)")
+    out, left = [], L
+    for s in range(n):
+        share = per + (1 if s < extra else 0) - (input_weight if s == 0 else output_weight if s == n - 1 else 0)
+        take = min(max(share, 0), left)
+        out.append(take)
+        left -= take
+    if left:  # (torchtitan leaves them out of every stage: a model it would run without them)
+        raise SymcostError(f"torchtitan's split leaves {left} of L = {L} blocks in no stage ({n} stages)")
+    return out
+
+
+def stage_blocks(L: int, n_stages: int, split=None) -> list[int]:
+    """Blocks of each of ``n_stages`` stages for ``L`` blocks.
+
+    ``split`` (:func:`parse_split`): None, ``even``: L // n each, the first L mod n stages one
+    more; ``"torchtitan"`` or ``("torchtitan", a, b)``: torchtitan's default split, the embedding
+    and the output weighing ``a`` and ``b`` blocks (1 and 1 by default: Llama-3-8B's 32 blocks on
+    4 stages are 8, 9, 8, 7); a tuple: the blocks of each stage as given.
+
+    Raises:
+        SymcostError: fewer blocks than stages, a stage left without blocks, a tuple that is not
+            ``n_stages`` long or does not add up to ``L``.
     """
     if L < n_stages:
         raise SymcostError(f"L = {L} blocks cannot fill {n_stages} pipeline stages (one block each at least)")
-    return [L // n_stages + (1 if s < L % n_stages else 0) for s in range(n_stages)]
+    if split is None or split == "even":
+        return [L // n_stages + (1 if s < L % n_stages else 0) for s in range(n_stages)]
+    if split == "torchtitan" or (isinstance(split, tuple) and split and split[0] == "torchtitan"):
+        a, b = (1, 1) if split == "torchtitan" else split[1:]
+        blocks = _torchtitan_split(L, n_stages, a, b)
+    else:
+        blocks = [int(x) for x in split]
+        if len(blocks) != n_stages or sum(blocks) != L:
+            raise SymcostError(f"--pp-split {','.join(map(str, blocks))}: {len(blocks)} stages of {sum(blocks)} blocks, "
+                               f"the pipeline has {n_stages} stages of L = {L} blocks")
+    if min(blocks) < 1:
+        raise SymcostError(f"the split {blocks} of L = {L} blocks leaves a stage without blocks ({n_stages} stages)")
+    return blocks
 
 
 def part_of(stage: int, n_stages: int) -> str:
