@@ -64,11 +64,13 @@ SYMBOL_FLAG = {"DP": "--dp", "TP": "--tp", "PP": "--pp"}
 class Pipeline:
     """The pipeline dimension's schedule: ``schedule`` a name of
     :data:`symcost.frontends.pipeline.SCHEDULES`, ``microbatches`` per step (None: PP),
-    ``virtual`` stages per rank."""
+    ``virtual`` stages per rank, ``split`` the blocks of each stage
+    (:func:`symcost.frontends.pipeline.parse_split`: None is the even split)."""
 
     schedule: str = "1f1b"
     microbatches: int | None = None
     virtual: int = 1
+    split: str | tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +246,15 @@ class Layout:
         tensor-parallel one (:attr:`tensor_parallel`), else None."""
         return self.shard if self.shard is not None else self.tensor_parallel
 
+    def _pp_words(self) -> str:
+        """``1f1b``, ``1f1b, split torchtitan:1,1``, ``1f1b, split 8,9,8,7``."""
+        sp = self.pipeline.split
+        if sp is None:
+            return self.pipeline.schedule
+        words = ("torchtitan:1,1" if sp == "torchtitan" else f"torchtitan:{sp[1]},{sp[2]}" if sp[0] == "torchtitan"
+                 else ",".join(map(str, sp)))
+        return f"{self.pipeline.schedule}, split {words}"
+
     def describe(self, values: Mapping[str, int] | None = None) -> str:
         """``"dp_shard 8 (fsdp) × tp 8 (sp)"``: the mesh in words, sizes where ``values`` has them."""
         parts = []
@@ -254,7 +265,7 @@ class Layout:
                 n = self.replicate if d == "dp_replicate" else (dp // self.replicate if dp else f"DP/{self.replicate}")
             what = {"dp_replicate": self.shard if not self.hsdp else None, "dp_shard": self.shard,
                     "tp": "sp" if self.sp else None,
-                    "pp": self.pipeline.schedule if self.pipeline else None}.get(d)
+                    "pp": self._pp_words() if self.pipeline else None}.get(d)
             parts.append(f"{d} {n}" + (f" ({what})" if what else ""))
         mesh = " × ".join(parts) or "one device"
         return (mesh + (", CPU offload" if self.offload else "")
@@ -280,7 +291,8 @@ class Layout:
         if self.tp:
             out.update(tp=True, sp=bool(self.sp))
         if self.pipeline is not None:
-            out["pipeline"] = dataclasses.asdict(self.pipeline)
+            out["pipeline"] = {k: list(v) if isinstance(v, tuple) else v
+                               for k, v in dataclasses.asdict(self.pipeline).items() if k != "split" or v is not None}
         if self.ac is not None:
             out["ac"] = self.ac
         if self.replicate is not None:
@@ -299,7 +311,8 @@ class Layout:
         d = dict(d or {})
         pipe = d.get("pipeline")
         return cls(shard=d.get("shard"), fsdp_mp=tuple(d["fsdp_mp"]) if d.get("fsdp_mp") else None,
-                   tp=bool(d.get("tp")), sp=bool(d.get("sp")), pipeline=Pipeline(**pipe) if pipe else None,
+                   tp=bool(d.get("tp")), sp=bool(d.get("sp")), pipeline=Pipeline(**{k: tuple(v) if isinstance(v, list) else v
+                                                      for k, v in pipe.items()}) if pipe else None,
                    ac=d.get("ac"), replicate=d.get("replicate"), offload=bool(d.get("offload")),
                    fp8=d.get("fp8"), fp8_all_gather=bool(d.get("fp8_all_gather")))
 
