@@ -153,7 +153,7 @@ class _Live(TorchDispatchMode):
 
 
 def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule: str, microbatches: int,
-                rank: int, virtual: int = 1, precision: str = "fp32", inner=None) -> dict[str, Any]:
+                rank: int, virtual: int = 1, precision: str = "fp32", inner=None, split=None) -> dict[str, Any]:
     """The memory of ``rank``'s steady-state pipeline step at concrete ``values`` (B the
     micro-batch size, L the whole model's blocks).
 
@@ -164,7 +164,8 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
     order, pp outermost) on a fake process group of PP·DP·TP ranks, the traced rank is pipeline
     rank ``rank`` at coordinate 0 of the others, and ``PipelineStage`` sends over the mesh's pp
     group. FSDP2 under the pipeline runs as ``PipelineStage`` drives it (gradients reduced once
-    per step, after the last micro-batch's backward).
+    per step, after the last micro-batch's backward). ``split``: the blocks of each stage
+    (:func:`symcost.frontends.pipeline.stage_blocks`; None: the even split).
 
     Returns:
         ``params`` (bytes of the rank's parameters: its shards), ``buffers`` (bytes of its
@@ -195,7 +196,7 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
         raise SymcostError(f"{spec.name}: the pipeline peak runs models called with one input tensor or with "
                            "keyword inputs only; this one takes both")
     n = pp * virtual
-    blocks = stage_blocks(values["L"], n)
+    blocks = stage_blocks(values["L"], n, split)
     mine = [s for s in range(n) if s % pp == rank]
     param_dtype, autocast = precision_context(precision)
     cpu = torch.device("cpu")
