@@ -1,5 +1,7 @@
 """One rank of a real pipeline-parallel step on CPU (gloo), for tests/test_pipeline_parallel.py:
-``torchrun --standalone --nproc-per-node PP pp_rank.py OUT SCHEDULE M B S H D L V F``.
+``torchrun --standalone --nproc-per-node PP pp_rank.py OUT SCHEDULE M B S H D L V F [BLOCKS]``
+(``BLOCKS``: the blocks of each stage, comma-separated; default L // PP each, the first L mod PP
+stages one more).
 
 Each rank builds the whole ``cs336-lm`` at L blocks, deletes the blocks of the other stages
 (torchtitan's pipeline_llm does the same; symcost.frontends.pipeline.make_stage finds what
@@ -37,7 +39,9 @@ with torch.device("meta"):
 pre, post, templates, x_meta = probe_boundary(meta, "layers", *spec.make_inputs(values, torch.device("meta")))
 torch.manual_seed(0)
 model = spec.build(values)
-per = [L // pp + (1 if s < L % pp else 0) for s in range(pp)]
+per = ([int(x) for x in sys.argv[11].split(",")] if len(sys.argv) > 11
+       else [L // pp + (1 if s < L % pp else 0) for s in range(pp)])
+assert len(per) == pp and sum(per) == L, (per, pp, L)
 lo = sum(per[:rank])
 model.layers = torch.nn.ModuleList(list(model.layers)[lo:lo + per[rank]])  # the other stages' blocks deleted
 part = "first" if rank == 0 else "last" if rank == pp - 1 else "middle"
