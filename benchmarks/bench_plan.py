@@ -1,6 +1,14 @@
-"""``symcost plan`` against Narayanan et al. 2021, Table 1, and the time of a 70B plan on 64 devices.
+"""``symcost plan`` against Narayanan et al. 2021, Table 1, the time of a 70B plan on 64 devices,
+and the time of Llama-3-70B on 256 devices over the composed space (issue 27 item 6).
 
-    python benchmarks/bench_plan.py [--rows 1.7B 18.4B ...] [--skip-70b]
+    python benchmarks/bench_plan.py [--rows 1.7B 18.4B ...] [--skip-70b] [--only-256] [--cache DIR]
+
+``--only-256``: only the 256-device plan (``bench_256``): ``plan tests/data/configs/llama-3-70b.json
+--devices 256 --memory 80GiB --global-batch 512 --set S=8192`` over every shard (HSDP too) and
+checkpointing (selective too), the fastest 15 screened layouts priced by their composed traces
+(the default ``--trace-top``), timed cold and warm (a second fresh process on the same trace cache,
+``--cache DIR`` or a new temporary one) against the 60 s target, beside the screen alone
+(``--trace-top 0``, warm) measured in the same run; then where the warm time goes, in-process.
 
 For each row of Table 1 (D. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM", SC 2021, arXiv:2104.04473: GPT, V = 51200, s = 2048, A100-80GB,
@@ -75,8 +83,11 @@ def run_rows(names=None):
         sz = {"H": a, "D": h // a, "L": l, "V": 51200, "S": 2048}
         t0 = time.perf_counter()
         an = trace_for_plan("megatron-gpt", sz, PREC)
+        # (Table 1's space as measured in docs/parallel.md §13.3: no HSDP, no selective
+        # checkpointing, screened memory only)
         res = plan(an, sz, dev, n, 80 * 2**30, G, PREC, schedules=("1f1b", "interleaved-1f1b"),
-                   micro_batches=(1, 2, 4, 8), keep_all=True)
+                   micro_batches=(1, 2, 4, 8), keep_all=True, shards=("ddp", "zero1", "fsdp"),
+                   checkpoints=("none", "full", "optimal"))
         secs = time.perf_counter() - t0
         d = n // (t * p)
         rows = res["layouts"]
@@ -134,11 +145,79 @@ def bench_70b():
     return secs
 
 
+CMD_256 = ["plan", "tests/data/configs/llama-3-70b.json", "--devices", "256", "--memory", "80GiB",
+           "--global-batch", "512", "--set", "S=8192"]
+TARGET_256 = 60.0
+
+
+def bench_256(cache=None):
+    """Llama-3-70B (tests/data/configs/llama-3-70b.json, S = 8192) on 256 × h100-sxm, 80 GiB, G = 512:
+    the traced plan cold and warm and the screen alone (warm), each a fresh process on one trace
+    cache; then, in this process (warm), the seconds of its parts: the --tp trace read back, the
+    screen, and each traced candidate."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    env = {**os.environ, "COLUMNS": "160", "SYMCOST_CACHE_DIR": cache or tempfile.mkdtemp(prefix="bench-plan-256-")}
+    out = {}
+    for label, extra in (("traced, cold", []), ("traced, warm", []), ("screen only (--trace-top 0), warm",
+                                                                       ["--trace-top", "0"])):
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, "-m", "symcost.cli", *CMD_256, *extra], capture_output=True, text=True,
+                           env=env)
+        out[label] = time.perf_counter() - t0
+        ok = "" if p.returncode == 0 else f" (exit {p.returncode}: {p.stderr.strip()[-300:]})"
+        print(f"llama-3-70b on 256 devices, {label}: {out[label]:.1f} s wall{ok}", flush=True)
+        if label == "traced, warm":
+            print(p.stdout)
+    w, base = out["traced, warm"], out["screen only (--trace-top 0), warm"]
+    print(f"warm traced plan {w:.1f} s against the {TARGET_256:.0f} s target: "
+          f"{'met' if w <= TARGET_256 else 'missed'}; the screen alone {base:.1f} s (traced/screen {w / base:.2f}×)")
+    os.environ["SYMCOST_CACHE_DIR"] = env["SYMCOST_CACHE_DIR"]
+    parts(dict(env))
+    return out
+
+
+def parts(env):
+    """Where a warm traced plan's time goes (in this process, the trace cache of ``env``)."""
+    from symcost.hardware.devices import get_device
+    from symcost.passes import plan_traced
+    from symcost.passes.plan import plan, trace_for_plan
+
+    sizes = {"S": 8192}
+    model = CMD_256[1]
+    t0 = time.perf_counter()
+    an = trace_for_plan(model, sizes, PREC)
+    t1 = time.perf_counter()
+    res = plan(an, sizes, get_device("h100-sxm"), 256, 80 * 2**30, 512, PREC, micro_batches=(1, 2, 4, 8),
+               keep_all=True)
+    t2 = time.perf_counter()
+    print(f"in-process, warm: --tp trace read {t1 - t0:.1f} s; screen of {res['considered']} layouts {t2 - t1:.1f} s")
+    rows = sorted((r for r in res["layouts"] + res["excluded"]
+                   if r["memory"]["total"] <= 80 * 2**30 * 1.1 and plan_traced.mesh_of(r["layout"])),
+                  key=lambda r: r["step_seconds"])[:15]
+    for r in rows:
+        t = time.perf_counter()
+        pk = plan_traced.traced_peak(model, r["layout"], sizes, PREC)
+        x = r["layout"]
+        print(f"  traced candidate dp {x['dp']} tp {x['tp']} pp {x['pp']} b {x['micro_batch']} m {x['microbatches']} "
+              f"{x['shard']}{' R' + str(x['replicate']) if x['replicate'] > 1 else ''} {x['checkpoint']}: "
+              f"{time.perf_counter() - t:.1f} s (peak {pk['peak'] / 2**30:.1f} GiB, screened "
+              f"{r['memory']['total'] / 2**30:.1f} GiB)", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", nargs="*", default=None)
     ap.add_argument("--skip-70b", action="store_true")
+    ap.add_argument("--only-256", action="store_true")
+    ap.add_argument("--cache", default=None, help="trace cache folder of the 256-device plan (default: a new one)")
     args = ap.parse_args()
+    if args.only_256:
+        bench_256(args.cache)
+        return
     if not args.skip_70b:
         bench_70b()
     t0 = time.perf_counter()

@@ -75,6 +75,45 @@ def test_dp_states_and_bytes_follow_zero_and_ring():
             assert r["links"]["dp"] == ("node" if d * t <= 8 and 8 % (d * t) == 0 else "network")
 
 
+def test_hsdp_states_and_bytes_are_the_hsdp_trace():
+    """HSDP (dp = R × dp/R): the screen's model states and data-parallel bytes of a one-device-
+    stage layout (tp = pp = m = 1) equal those of report's HSDP trace of the same rank
+    (``Layout(shard="fsdp", replicate=R)``: FSDP2 over the 2-D mesh on the fake process group,
+    itself checked against PyTorch's HSDP in test_hsdp.py): states over the dp/R ranks of
+    dp_shard, all-gathers and reduce-scatter over dp_shard, the gradient all-reduce over the R
+    of dp_replicate; at random dp, R and micro-batch, sizes FSDP2 does not pad."""
+    from symcost.frontends.layout import Layout as Mesh
+    from symcost.frontends.models import resolve
+    from symcost.passes.parallel import summary
+
+    import symcost
+
+    pl = _planner()
+    rng = _rng("hsdp")
+    for R in (2, 4):
+        an = symcost.trace(resolve("megatron-gpt"), layout=Mesh(shard="fsdp", replicate=R),
+                           sizes={**SZ, "DP": 2 * R}, precision=PREC)
+        for _ in range(2):
+            dp, b = R * rng.choice((2, 4)), rng.randint(1, 3)
+            r = pl.evaluate(Layout(dp, 1, 1, b, 1, "hsdp", "none", "none", 1, R))
+            sz = {**SZ, "B": b, "DP": dp}
+            v = summary(an, PREC, sizes=sz)["values"]
+            assert r["memory"]["model_states"] == int(v["memory"]["total"]), (dp, R)
+            env = an.bind(**sz)
+            rep = float(sympy.sympify(an.comm_bytes("total", group="DP_replicate")).xreplace(env))
+            shard = float(sympy.sympify(an.comm_bytes("total", group="DP")).xreplace(env))
+            assert rep > 0 and r["comm_bytes"]["dp_replicate"] == pytest.approx(rep, rel=1e-9), (dp, R)
+            # dp_shard: the screen's two all-gathers and one reduce-scatter of every parameter per
+            # micro-batch are an upper bound by the root's backward all-gather (FSDP2's root keeps
+            # its parameters unsharded after the forward: reshard_after_forward=False)
+            root = pl.f["params_rest"](b, 1) * pl.pol.param * (dp // R - 1) / (dp // R)
+            assert r["comm_bytes"]["dp"] == pytest.approx(shard + root, rel=1e-9), (dp, R)
+            # the shard group stays in a node (dp/R ranks), the replicate group spans the mesh
+            assert r["links"]["dp"] == ("node" if dp // R <= 8 else "network")
+    full = plan(_an(), SZ, get_device("a100-80gb"), 16, 10**12, 16, PREC, shards=("hsdp",), checkpoints=("none",))
+    assert {x["layout"]["replicate"] for x in full["layouts"] if x["layout"]["dp"] == 16} == {2, 4, 8}
+
+
 def test_pp_bubble_and_in_flight_are_ptdp():
     """Bubble (p − 1)/(v·m) and the first rank's micro-batches in flight (1F1B min(p, m), GPipe m):
     Narayanan et al. 2021 §2.2."""
@@ -173,9 +212,11 @@ def _brute(N, G, L, H, mbs):
             m = G // d // b
             if p > 1 and m < p:
                 continue
-            for shard in (("ddp", "zero1", "fsdp") if d > 1 else ("ddp",)):
-                for ck in ("none", "full", "optimal"):
-                    out.add((d, t, p, b, m, shard, ck, "1f1b" if p > 1 else "none", 1))
+            for shard in (("ddp", "zero1", "fsdp", "hsdp") if d > 1 else ("ddp",)):
+                # (HSDP: every replicate degree R with R · shard = d, both groups of 2 or more)
+                for r in ([r for r in range(2, d) if d % r == 0] if shard == "hsdp" else (1,)):
+                    for ck in ("none", "full", "optimal", "selective"):
+                        out.add((d, t, p, b, m, shard, ck, "1f1b" if p > 1 else "none", 1, r))
     return out
 
 
@@ -260,7 +301,8 @@ def test_optimal_checkpoint_is_the_fastest_block_plan_that_fits():
 def test_cli_json_and_errors(capsys):
     _an()
     code, out, err = run_cli(capsys, "plan", "megatron-gpt", "--devices", "8", "--device", "a100-80gb",
-                             "--memory", "80GiB", "--global-batch", "16", *ARGS, "--json", "--top", "3")
+                             "--memory", "80GiB", "--global-batch", "16", *ARGS, "--json", "--top", "3",
+                             "--trace-top", "0")
     assert code == 0, err
     import json
 
@@ -270,14 +312,15 @@ def test_cli_json_and_errors(capsys):
     assert {"layout", "memory", "comm_bytes", "links", "bubble", "mfu", "step_seconds"} <= set(top)
     assert sum(top["comm_by_link"].values()) == pytest.approx(sum(top["comm_bytes"].values()))
     code, out, err = run_cli(capsys, "plan", "megatron-gpt", "--devices", "8", "--device", "a100-80gb",
-                             "--memory", "80GiB", "--global-batch", "16", *ARGS)
+                             "--memory", "80GiB", "--global-batch", "16", *ARGS, "--trace-top", "0")
     assert code == 0 and "MFU" in out and "fit" in out
     for bad, msg in (
             (["--devices", "8x", "--memory", "80GiB", "--global-batch", "16"], "--devices"),
             (["--devices", "8", "--memory", "80XB", "--global-batch", "16"], "unknown unit"),
             (["--devices", "8", "--memory", "80GiB", "--global-batch", "0"], "--global-batch"),
             (["--devices", "7", "--memory", "80GiB", "--global-batch", "16"], "no layout of 7 devices"),
-            (["--devices", "8", "--memory", "80GiB", "--global-batch", "16", "--shard", "zero9"], "--shard")):
+            (["--devices", "8", "--memory", "80GiB", "--global-batch", "16", "--shard", "zero9"], "--shard"),
+            (["--devices", "8", "--memory", "80GiB", "--global-batch", "16", "--trace-top", "-1"], "--trace-top")):
         code, out, err = run_cli(capsys, "plan", "megatron-gpt", "--device", "a100-80gb", *bad, *ARGS)
         assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
 

@@ -20,6 +20,22 @@ def _csv(text: str, accepted, what: str) -> tuple:
     return items
 
 
+def _progress():
+    """A progress line on stderr per traced candidate (only when stderr is a terminal)."""
+    import sys
+
+    if not sys.stderr.isatty():
+        return None
+    seen = [0]
+
+    def show(row):
+        seen[0] += 1
+        x = row["layout"]
+        click.echo(f"\rtracing candidate {seen[0]}: dp {x['dp']} tp {x['tp']} pp {x['pp']} b {x['micro_batch']} "
+                   f"{x['shard']} {x['checkpoint']}\033[K", err=True, nl=False)
+    return show
+
+
 def _positive(text: str, what: str) -> int:
     from symcost.errors import SymcostError
 
@@ -42,20 +58,25 @@ def _positive(text: str, what: str) -> int:
 @click.option("--set", "sets", multiple=True, metavar="SYM=INT", help="model sizes, e.g. --set H=96 D=128 L=80 S=2048")
 @click.option("--precision", default="bf16-true-fp32-master", show_default=True,
               help="precision policy (Megatron-LM's: 16-bit weights and activations, fp32 master and Adam)")
-@click.option("--shard", "shards", default="ddp,zero1,fsdp", show_default=True, help="data-parallel sharding to try")
-@click.option("--checkpoint", "checkpoints", default="none,full,optimal", show_default=True,
+@click.option("--shard", "shards", default="ddp,zero1,fsdp,hsdp", show_default=True,
+              help="data-parallel sharding to try (hsdp: FSDP2 over replicate R × shard dp/R, every R | dp)")
+@click.option("--checkpoint", "checkpoints", default="none,full,optimal,selective", show_default=True,
               help="activation checkpointing to try: none, full (every block), optimal (the fewest whole "
-                   "blocks that fit the memory cap)")
+                   "blocks that fit the memory cap), selective (torchtitan's op policy, --ac selective: priced "
+                   "by its composed trace only)")
 @click.option("--schedule", "schedules", default="1f1b", show_default=True,
               help="pipeline schedules to try: 1f1b, interleaved-1f1b (v = 2), gpipe")
 @click.option("--micro-batch", "micro", default="1,2,4,8", show_default=True, help="micro-batch sizes b to try")
 @click.option("--sp", is_flag=True, help="sequence parallelism with TP (Korthikanti et al. 2022)")
 @click.option("--overlap", default="backward", show_default=True, type=click.Choice(["backward", "none"]))
 @click.option("--top", default=5, show_default=True, type=click.IntRange(min=1), help="layouts to print")
+@click.option("--trace-top", default=None, type=click.IntRange(min=0), metavar="K",
+              help="the K fastest screened layouts within 10%% of the cap get their per-rank peak from the "
+                   "composed trace report runs for that layout (0: the screen only) [default: 3 × --top]")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--debug", is_flag=True, help="show tracebacks")
 def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, memory, global_batch, sets, precision,
-         shards, checkpoints, schedules, micro, sp, overlap, top, as_json, debug):
+         shards, checkpoints, schedules, micro, sp, overlap, top, trace_top, as_json, debug):
     """The fastest parallel layouts of N devices that fit the memory per device.
 
     Enumerates dp·tp·pp = N (tp | heads, pp | layers, dp | G), micro-batch b (G = dp·b·m),
@@ -87,7 +108,14 @@ def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, mem
     an = trace_for_plan(model, sizes, precision, sp)
     res = make_plan(an, sizes, dev, n, cap, g, precision, overlap=overlap, shards=shards, checkpoints=checkpoints,
                     schedules=schedules, micro_batches=mbs,
-                    trace_at=lambda tp: trace_for_plan(model, sizes, precision, sp, tp=tp))
+                    trace_at=lambda tp: trace_for_plan(model, sizes, precision, sp, tp=tp),
+                    model=model, trace_top=3 * top if trace_top is None else trace_top, sp=sp,
+                    progress=None if as_json else _progress())
+    if not as_json:
+        import sys
+
+        if sys.stderr.isatty():
+            click.echo("\r\033[K", err=True, nl=False)
     res["model"], res["device"] = an.model, dev.key
     if as_json:
         click.echo(json.dumps({**res, "layouts": res["layouts"][:top], "fits": len(res["layouts"])}, indent=1,

@@ -43,12 +43,16 @@ from symcost.errors import SymcostError
 from symcost.passes.parallel import model_state_bytes
 from symcost.tracing.fit import SYMS
 
-SHARDS = ("ddp", "zero1", "fsdp")
+#: hsdp: FSDP2 over the 2-D mesh (dp_replicate R, dp_shard dp/R), every R with 1 < R < dp
+#: (R = 1 is fsdp; R = dp, a shard group of one rank, is DDP's states): docs/parallel.md §0.1
+SHARDS = ("ddp", "zero1", "fsdp", "hsdp")
 #: none; full (every block of the stage); optimal: the fewest whole blocks checkpointed for the
 #: layout to fit the memory cap (blocks are alike: each checkpointed block trades a - x bytes per
 #: micro-batch in flight for one recomputed block forward, so the fewest that fit is the fastest
-#: fitting block plan; :meth:`Planner.evaluate`)
-CHECKPOINTS = ("none", "full", "optimal")
+#: fitting block plan; :meth:`Planner.evaluate`); selective: torchtitan's op-level policy
+#: (``--ac selective``), which the screen bounds only (full's memory, none's time) and the
+#: composed trace prices (:mod:`symcost.passes.plan_traced`)
+CHECKPOINTS = ("none", "full", "optimal", "selective")
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 OVERLAP = {
     "backward": "TP collectives and pipeline transfers on the critical path; data-parallel gradient "
@@ -67,7 +71,9 @@ def divisors(n: int) -> list[int]:
 class Layout:
     """One parallel layout: ``dp·tp·pp`` devices, micro-batch ``b``, ``m`` micro-batches per step
     (global batch = dp·b·m sequences), a sharding of the data-parallel states, a pipeline
-    schedule (``virtual`` stages per rank), activation checkpointing."""
+    schedule (``virtual`` stages per rank), activation checkpointing; ``replicate``: HSDP's
+    replicate degree R (``shard="hsdp"``: dp = R × dp/R, the states sharded over the dp/R ranks
+    of ``dp_shard``), 1 otherwise."""
 
     dp: int
     tp: int
@@ -78,10 +84,17 @@ class Layout:
     checkpoint: str
     schedule: str = "1f1b"
     virtual: int = 1
+    replicate: int = 1
     values: dict = field(default_factory=dict)
 
     def key(self) -> tuple:
-        return (self.dp, self.tp, self.pp, self.b, self.m, self.shard, self.checkpoint, self.schedule, self.virtual)
+        return (self.dp, self.tp, self.pp, self.b, self.m, self.shard, self.checkpoint, self.schedule, self.virtual,
+                self.replicate)
+
+    @property
+    def shard_degree(self) -> int:
+        """The ranks the data-parallel states are sharded over: dp/R under HSDP, else dp."""
+        return self.dp // self.replicate
 
 
 def enumerate_layouts(devices: int, global_batch: int, L: int, H: int, *, shards=SHARDS, checkpoints=CHECKPOINTS,
@@ -90,8 +103,8 @@ def enumerate_layouts(devices: int, global_batch: int, L: int, H: int, *, shards
     """Every layout of ``devices`` devices: dp·tp·pp = devices, tp divides H (and K) with at least
     2 heads per rank (one head per rank is a regime of its own, not probed: docs/parallel.md §11), pp divides L
     (uniform stages; interleaved: L/(pp·v) whole), dp divides ``global_batch``, b·m =
-    global_batch/dp with b in ``micro_batches`` (default: every divisor), each shard and
-    checkpoint; pipelines of one rank take no schedule (plain gradient accumulation); PyTorch's
+    global_batch/dp with b in ``micro_batches`` (default: every divisor), each shard (``hsdp``:
+    each replicate degree R dividing dp with 1 < R < dp) and checkpoint; pipelines of one rank take no schedule (plain gradient accumulation); PyTorch's
     1F1B needs m ≥ pp and its interleaved schedule m a multiple of its rounds
     (:func:`interleaved_accepts`). ``tp_ok(tp)``: whether the
     model's tensor-parallel plan accepts ``tp`` (every dimension it shards divisible), if given.
@@ -125,8 +138,9 @@ def enumerate_layouts(devices: int, global_batch: int, L: int, H: int, *, shards
                     if sched == "interleaved-1f1b" and (L % (pp * v) or not interleaved_accepts(pp, m)):
                         continue
                     for shard in (shards if dp > 1 else ("ddp",)):
-                        for ck in checkpoints:
-                            out.append(Layout(dp, tp, pp, b, m, shard, ck, sched, v))
+                        for r in ([k for k in divisors(dp) if 1 < k < dp] if shard == "hsdp" else (1,)):
+                            for ck in checkpoints:
+                                out.append(Layout(dp, tp, pp, b, m, shard, ck, sched, v, r))
     return out
 
 
@@ -254,7 +268,11 @@ class Planner:
         nb = self.L // p  # blocks per rank
         # --- memory (bytes) ---
         params_rank = int(f["params_block"](b, t) * nb + f["params_rest"](b, t))
-        states = model_state_bytes(params_rank, d, lay.shard, self.precision, self.optimizer)
+        # HSDP: FSDP2's states sharded over the dp_shard group of dp/R ranks (report's
+        # passes.parallel.shard_degree), whole on each of the R replicas (docs/parallel.md §0.1)
+        hsdp, r = lay.shard == "hsdp", lay.replicate
+        sd = lay.shard_degree
+        states = model_state_bytes(params_rank, sd, "fsdp" if hsdp else lay.shard, self.precision, self.optimizer)
         if lay.schedule == "gpipe":
             in_flight = m
         elif lay.schedule == "interleaved-1f1b":
@@ -265,13 +283,13 @@ class Planner:
             in_flight = 1
         a, x = f["a"](b, t), f["x"](b, t)
         gathered = 0
-        if lay.shard == "fsdp" and d > 1:  # FSDP2: the block run and the one prefetched, whole
-            gathered = 2 * f["params_block"](b, t) * self.pol.param * (1 - 1 / d)
+        if lay.shard in ("fsdp", "hsdp") and sd > 1:  # FSDP2: the block run and the one prefetched, whole
+            gathered = 2 * f["params_block"](b, t) * self.pol.param * (1 - 1 / sd)
 
         def activations(k):  # k of the nb blocks checkpointed (their inputs kept), + one block recomputed
             return (a * (nb - k) + x * k + f["outside"](b, t)) * in_flight + (a if k else 0)
 
-        k = {"none": 0, "full": nb}.get(lay.checkpoint)
+        k = {"none": 0, "full": nb, "selective": nb}.get(lay.checkpoint)
         if k is None:  # optimal: the fewest blocks that fit the cap (all of them if none does)
             fixed = int(states["total"]) + int(gathered)
             k = next((j for j in range(nb + 1) if self.cap is None or fixed + int(activations(j)) <= self.cap), nb)
@@ -279,35 +297,43 @@ class Planner:
         memory = {"model_states": int(states["total"]), "activations": int(act), "fsdp_gathered": int(gathered)}
         memory["total"] = sum(memory.values())
         # --- FLOPs per rank per step ---
-        recompute = f["fwd_block"](b, t) * k
+        # selective (torchtitan's op policy): bounds only, full's memory and none's time; its
+        # recomputation is read off its trace (plan_traced.refine)
+        kt = 0 if lay.checkpoint == "selective" else k
+        recompute = f["fwd_block"](b, t) * kt
         flops_mb = f["flops_block"](b, t) * nb + f["flops_rest"](b, t) + recompute
         # --- communication ---
         tp_link, tp_bw = self.link(t, t)
         pp_link, pp_bw = self.link(p, t * p)
-        dp_link, dp_bw = self.link(d, d * t * p)
+        dp_link, dp_bw = self.link(sd, sd * t) if hsdp else self.link(d, d * t * p)
+        rep_link, rep_bw = self.link(r, d * t * p)  # (HSDP's dp_replicate group; none for r = 1)
         tp_bytes = (f["comm_block"](b, t) * nb + f["comm_rest"](b, t)) * m
         pp_bytes = (2 * x * m * (1 if p > 1 else 0)) * v  # forward activation + its gradient, each boundary
         pb, gb = self.pol.param, self.pol.grad
-        ring = (d - 1) / d
-        if lay.shard == "fsdp":
+        ring = (sd - 1) / sd
+        rep_bytes = 0.0
+        if lay.shard in ("fsdp", "hsdp"):
             dp_bytes = m * ring * params_rank * (2 * pb + gb)
+            # HSDP: each micro-batch's reduce-scattered gradient shard all-reduced over the R
+            # replicas (FSDP2's foreach_reduce: all_reduce on the replicate group), ring 2(R-1)/R
+            rep_bytes = m * 2 * (r - 1) / r * params_rank / sd * gb
         else:  # ddp / zero1: one all-reduce (zero1: reduce-scatter + all-gather) of the gradients per step
             dp_bytes = 2 * ring * params_rank * gb
         # --- time ---
         tm = self.times(b, t)
         fwd = tm["forward_block"] * nb + tm["forward_rest"]
         bwd = tm["backward_block"] * nb + tm["backward_rest"]
-        bwd += tm["forward_block"] * k  # the checkpointed blocks' forward, again
+        bwd += tm["forward_block"] * kt  # the checkpointed blocks' forward, again
         tp_s = tp_bytes / m / tp_bw if t > 1 else 0.0
         pp_s = pp_bytes / m / pp_bw if p > 1 else 0.0
         per_mb_s = fwd + bwd + tp_s + pp_s
         if lay.schedule != "interleaved-1f1b":
             bubble = (p - 1) / m if p > 1 else 0.0
         pipe_s = m * per_mb_s * (1 + bubble)
-        dp_s = dp_bytes / dp_bw if d > 1 else 0.0
+        dp_s = (dp_bytes / dp_bw if sd > 1 else 0.0) + (rep_bytes / rep_bw if r > 1 else 0.0)
         if self.overlap == "none":
             exposed = dp_s
-        elif lay.shard == "fsdp":
+        elif lay.shard in ("fsdp", "hsdp"):
             exposed = m * max(0.0, dp_s / m - (fwd + bwd))
         else:
             exposed = max(0.0, dp_s - bwd)
@@ -318,18 +344,21 @@ class Planner:
         return {
             "layout": {"dp": d, "tp": t, "pp": p, "micro_batch": b, "microbatches": m, "shard": lay.shard,
                        "checkpoint": lay.checkpoint, "checkpointed_blocks": k, "blocks": nb,
-                       "schedule": lay.schedule, "virtual": v},
+                       "schedule": lay.schedule, "virtual": v, "replicate": r},
             "memory": memory, "in_flight": in_flight, "params_rank": params_rank,
             "flops_rank": float(flops_mb * m),
-            "comm_bytes": {"tp": float(tp_bytes), "pp": float(pp_bytes), "dp": float(dp_bytes)},
-            "links": {"tp": tp_link, "pp": pp_link, "dp": dp_link},
-            "comm_by_link": {ln: float(sum(bv for k, bv in (("tp", tp_bytes), ("pp", pp_bytes), ("dp", dp_bytes))
-                                           if {"tp": tp_link, "pp": pp_link, "dp": dp_link}[k] == ln))
+            "comm_bytes": {"tp": float(tp_bytes), "pp": float(pp_bytes), "dp": float(dp_bytes),
+                           "dp_replicate": float(rep_bytes)},
+            "links": {"tp": tp_link, "pp": pp_link, "dp": dp_link, "dp_replicate": rep_link},
+            "comm_by_link": {ln: float(sum(bv for k, bv in (("tp", tp_bytes), ("pp", pp_bytes), ("dp", dp_bytes),
+                                                            ("dp_replicate", rep_bytes))
+                                           if {"tp": tp_link, "pp": pp_link, "dp": dp_link,
+                                               "dp_replicate": rep_link}[k] == ln))
                              for ln in ("node", "network")},
             "bubble": bubble,
             "time": {"compute": m * (fwd + bwd), "tp_comm": m * tp_s, "pp_comm": m * pp_s,
                      "bubble": m * per_mb_s * bubble, "dp_exposed": exposed, "dp_comm": dp_s, "step": step},
-            "step_seconds": step, "model_flops": model_flops,
+            "step_seconds": step, "model_flops": model_flops, "screen_bounds": lay.checkpoint == "selective",
             "mfu": model_flops / (n * self.peak * step) if step else 0.0,
         }
 
@@ -337,7 +366,8 @@ class Planner:
 def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global_batch: int,
          precision: str, optimizer: str = "adamw", overlap: str = "backward", shards=SHARDS,
          checkpoints=CHECKPOINTS, schedules=("1f1b",), micro_batches=None, keep_all: bool = False,
-         trace_at=None) -> dict[str, Any]:
+         trace_at=None, model: str | None = None, trace_top: int = 0, near: float = 0.1, sp: bool = False,
+         progress=None) -> dict[str, Any]:
     """Rank the layouts of ``devices`` devices for a global batch of ``global_batch`` sequences.
 
     Returns:
@@ -354,6 +384,12 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     leave one per rank, so the probes cannot vary TP) serves its own tp only, and the layouts at
     another tp are evaluated on ``trace_at(tp)`` (:func:`trace_for_plan` at that TP), or left out
     with a note when it is not given.
+
+    ``trace_top`` > 0 (with ``model``, a name or config path): the fastest ``trace_top`` rows the
+    screen puts within ``near`` of the cap get the per-rank peak of their composed trace, as
+    ``report`` computes it for that layout, and are re-ranked
+    (:func:`symcost.passes.plan_traced.refine`; each row's ``peak_source``). Without it,
+    ``selective`` rows (bounds only) are left out.
     """
     pl = Planner(an, sizes, device, precision, optimizer, overlap)
     pl.cap = memory
@@ -410,8 +446,20 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     if missing:
         out["notes"].append(f"layouts with tp = {', '.join(map(str, sorted(missing)))} left out: the trace "
                             f"holds at TP = {pinned} only")
-    if keep_all:
-        out["excluded"] = [r for r in rows if r["memory"]["total"] > memory]
+    out["excluded"] = [r for r in rows if r["memory"]["total"] > memory]
+    if trace_top and model is not None:
+        from symcost.passes.plan_traced import refine
+
+        out = refine(out, model, sizes, precision, optimizer, sp, trace_top, near, progress=progress)
+        kept = {id(r) for r in out["layouts"]}
+        out["excluded"] = [r for r in rows if id(r) not in kept]
+    else:
+        out["excluded"] += [r for r in out["layouts"] if r["screen_bounds"]]
+        out["layouts"] = [r for r in out["layouts"] if not r["screen_bounds"]]
+        for r in out["layouts"]:
+            r["peak_source"] = "screened"
+    if not keep_all:
+        del out["excluded"]
     return out
 
 

@@ -27,22 +27,28 @@ def render(res: dict, top: int = 5, width: int | None = None) -> None:
     short = {"interleaved-1f1b": "i-1f1b", "network": "net"}
     for i, r in enumerate(res["layouts"][:top], 1):
         lay, cb, ln = r["layout"], r["comm_bytes"], r["links"]
-        link = lambda k: f"{cb[k] / 2**30:.1f} {short.get(ln[k], ln[k])}" if cb[k] else "0"  # noqa: E731
+        link = lambda k: f"{cb[k] / 2**30:.1f} {short.get(ln[k], ln[k])}" if cb.get(k) else "0"  # noqa: E731
+        dp_cell = link("dp") + (f" +{link('dp_replicate')} rep" if cb.get("dp_replicate") else "")
         t.add_row(str(i), f"{lay['dp']}×{lay['tp']}×{lay['pp']}", f"{lay['micro_batch']}×{lay['microbatches']}",
-                  lay["shard"], (lay["checkpoint"] if lay["checkpoint"] != "optimal" else
+                  lay["shard"] + (f" R{lay['replicate']}" if lay.get("replicate", 1) > 1 else ""), (lay["checkpoint"] if lay["checkpoint"] != "optimal" else
                                  f"{lay['checkpointed_blocks']}/{lay['blocks']}"),
                   short.get(lay["schedule"], lay["schedule"]),
-                  f"{r['memory']['total'] / 2**30:.1f}", link("tp"), link("pp"), link("dp"), f"{r['bubble']:.3f}",
+                  (f"{r['memory']['traced_peak'] / 2**30:.1f} tr" if r.get("peak_source") == "traced" else
+                   f"{r['memory']['total'] / 2**30:.1f} sc"), link("tp"), link("pp"), dp_cell, f"{r['bubble']:.3f}",
                   f"{r['mfu']:.1%}", f"{r['step_seconds']:.3f}")
     c.print(t)
-    c.print("mem: per rank; TP/PP/DP: GiB per rank per step, sent (= received), and the link they cross "
+    c.print("mem: per rank, tr: the peak of the layout's composed trace (report's for that layout), sc: "
+            "screened (model states + activations in flight, no transient working set); TP/PP/DP: GiB per rank per step, sent (= received), and the link they cross "
             "(node: the scale-up link; net: the network, one NIC per device); i-1f1b: interleaved 1F1B; "
-            "ckpt k/n: k of the stage's n blocks checkpointed, the fewest that fit. "
+            "ckpt k/n: k of the stage's n blocks checkpointed, the fewest that fit; hsdp R: R replicas of "
+            "dp/R shards, DP GiB then the dp_shard group's + the dp_replicate group's (rep). "
             f"Links: {res.get('links', '')}")
     for note in res.get("notes", ()):
         c.print(note)
     if not res["layouts"]:
         c.print("no layout fits: a larger memory cap, more devices, checkpointing or sharding")
+    if "traced" in res:
+        c.print(f"traced: the {res['traced']} fastest screened layouts within {res['near']:.0%} of the cap "
+                f"(--trace-top {res['trace_top']}); {len(res['dropped'])} of them over the cap when traced, dropped")
     c.print(f"overlap model: {res['overlap']}. Compute: the roofline at the datasheet peak (an upper "
-            "bound on MFU); memory: model states + activations in flight on the first stage (no "
-            "transient working set). docs/parallel.md §13.")
+            "bound on MFU). docs/parallel.md §13.")

@@ -1,0 +1,140 @@
+"""``symcost plan``'s traced candidates (symcost/passes/plan_traced.py; docs/parallel.md §13.5).
+
+Oracles: ``symcost report`` for the same layout (its ``--json`` per-rank peak: ``parallel.memory.peak``
+without a pipeline, the most loaded rank's ``peak_with_optimizer`` with ``--pp``; both checked
+against PyTorch in test_parallel_memory.py, test_hsdp.py, test_layout.py and
+test_pipeline_parallel.py), once from the trace cache plan filled and once traced afresh
+(``--no-cache``); the memory cap for the fit; step-time order.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import random
+
+import pytest
+
+from conftest import run_cli
+from symcost.hardware.devices import get_device
+from symcost.passes.plan import plan, trace_for_plan
+
+PREC = "bf16-true-fp32-master"
+SZ = {"H": 8, "D": 8, "L": 4, "V": 64, "S": 16}
+SETS = ["H=8", "D=8", "L=4", "V=64", "S=16"]
+
+
+@functools.lru_cache(maxsize=None)
+def _an():
+    return trace_for_plan("megatron-gpt", SZ, PREC)
+
+
+def _report_args(x):
+    """``report`` flags of a plan row's layout."""
+    args = []
+    if x["dp"] > 1:
+        shard = "fsdp" if x["shard"] == "hsdp" else x["shard"]
+        args += ["--dp", str(x["dp"]), "--shard", shard]
+        if x["shard"] == "hsdp":
+            args += ["--dp-replicate", str(x["replicate"])]
+    if x["tp"] > 1:
+        args += ["--tp", str(x["tp"])]
+    ck = x["checkpoint"] if x["checkpoint"] != "optimal" else {0: "none", x["blocks"]: "full"}[x["checkpointed_blocks"]]
+    if ck != "none":
+        args += ["--ac", ck]
+    if x["pp"] > 1:
+        args += ["--pp", str(x["pp"]), "--schedule", x["schedule"], "--microbatches", str(x["microbatches"])]
+    return args
+
+
+def _report_peak(capsys, x, *extra):
+    code, out, err = run_cli(capsys, "report", "megatron-gpt", *_report_args(x), "--precision", PREC, "--json",
+                             *extra, "--set", *SETS, f"B={x['micro_batch']}")
+    assert code == 0, err
+    js = json.loads(out)
+    if x["pp"] > 1:
+        return max(r["peak_with_optimizer"] for r in js["pipeline"]["ranks"])
+    return js["parallel"]["memory"]["peak"]
+
+
+@pytest.mark.heavy
+def test_traced_peak_is_reports_peak_and_rows_rerank(capsys):
+    """The traced rows of a plan carry the peak ``report`` gives for the same layout (the same
+    function path), fit the cap, and are ranked by step time; a selective row is priced by its
+    trace (its recomputation adds time over the same layout without checkpointing)."""
+    rng = random.Random(61)
+    res = plan(_an(), SZ, get_device("a100-80gb"), 4, 10**12, 8, PREC, shards=("fsdp", "hsdp"),
+               checkpoints=("none", "selective"), micro_batches=(1, 2), model="megatron-gpt", trace_top=3,
+               keep_all=True)
+    traced = [r for r in res["layouts"] if r["peak_source"] == "traced"]
+    assert res["traced"] == 3 and len(traced) == 3 - len(res["dropped"])
+    times = [r["step_seconds"] for r in res["layouts"]]
+    assert times == sorted(times)
+    assert all(r["memory"]["traced_peak"] <= res["memory_cap"] for r in traced)
+    # the traced rows are the fastest the screen offered: every screened row is at least as slow
+    # as the slowest traced row was before tracing priced a selective row's recomputation
+    for r in rng.sample(traced, 2):
+        assert r["memory"]["traced_peak"] == _report_peak(capsys, r["layout"]), r["layout"]
+    # a layout traced afresh (no cache) gives the same peak
+    r = traced[0]
+    assert r["memory"]["traced_peak"] == _report_peak(capsys, r["layout"], "--no-cache"), r["layout"]
+    sel = [r for r in res["layouts"] + res["excluded"] if r["layout"]["checkpoint"] == "selective"
+           and r.get("peak_source") == "traced"]
+    for r in sel:
+        same = {**r["layout"], "checkpoint": "none", "checkpointed_blocks": 0}
+        twin = next(o for o in res["layouts"] + res["excluded"] if o["layout"] == same)
+        assert r["step_seconds"] > twin["step_seconds"]
+
+
+@pytest.mark.heavy
+def test_pipeline_row_traced_peak_is_report_pp(capsys):
+    """A pipeline row (pp = 2 over dp 2 FSDP2) traced by plan: its peak is ``report --pp``'s
+    most loaded rank's, and a cap between the screened memory and the traced peak drops it."""
+    from symcost.passes.plan_traced import traced_peak
+
+    res = plan(_an(), SZ, get_device("a100-80gb"), 4, 10**12, 8, PREC, shards=("fsdp",), checkpoints=("none",),
+               micro_batches=(2,))
+    row = next(r for r in res["layouts"] if r["layout"]["pp"] == 2 and r["layout"]["dp"] == 2)
+    t = traced_peak("megatron-gpt", row["layout"], SZ, PREC)
+    assert t["peak"] == _report_peak(capsys, row["layout"])
+    cap = min(t["peak"], row["memory"]["total"]) + abs(t["peak"] - row["memory"]["total"]) // 2
+    out = plan(_an(), SZ, get_device("a100-80gb"), 4, cap, 8, PREC, shards=("fsdp",), checkpoints=("none",),
+               micro_batches=(2,), model="megatron-gpt", trace_top=100, near=10.0, keep_all=True)
+    same = [r for r in out["layouts"] if r["layout"] == row["layout"]]
+    assert (t["peak"] <= cap) == bool(same)
+    if same:
+        assert same[0]["peak_source"] == "traced" and same[0]["memory"]["traced_peak"] == t["peak"]
+
+
+def test_refine_refuses_bad_options_and_leaves_untraceable_rows():
+    """``--trace-top`` below 0 is one line; an ``optimal`` row of 0 < k < n blocks has no traced
+    counterpart and keeps its screened memory (labelled so)."""
+    from symcost.errors import SymcostError
+    from symcost.passes.plan_traced import mesh_of, refine
+
+    with pytest.raises(SymcostError, match="--trace-top"):
+        refine({"memory_cap": 1, "layouts": []}, "megatron-gpt", SZ, PREC, k=-1)
+    lay = {"dp": 2, "tp": 1, "pp": 1, "shard": "fsdp", "checkpoint": "optimal", "checkpointed_blocks": 1,
+           "blocks": 4, "schedule": "none", "microbatches": 1, "virtual": 1, "micro_batch": 1, "replicate": 1}
+    assert mesh_of(lay) is None
+    assert mesh_of({**lay, "checkpointed_blocks": 4}).ac == "full"
+    assert mesh_of({**lay, "shard": "hsdp", "dp": 4, "replicate": 2, "checkpoint": "selective"}).replicate == 2
+    assert mesh_of({**lay, "dp": 1, "checkpoint": "none"}) is None  # one plain device
+
+
+@pytest.mark.heavy
+def test_cli_labels_traced_and_screened_rows(capsys):
+    """``plan --trace-top K``: JSON rows carry ``peak_source`` and the text table says which peak
+    each row shows."""
+    _an()
+    args = ["plan", "megatron-gpt", "--devices", "4", "--device", "a100-80gb", "--memory", "80GiB",
+            "--global-batch", "8", "--shard", "fsdp", "--checkpoint", "none,selective", "--micro-batch", "2",
+            "--set", *SETS]
+    code, out, err = run_cli(capsys, *args, "--json", "--top", "4", "--trace-top", "2")
+    assert code == 0, err
+    js = json.loads(out)
+    src = [r["peak_source"] for r in js["layouts"]]
+    assert js["traced"] == 2 and src.count("traced") == 2 - len(js["dropped"]) and "screened" in src
+    code, out, err = run_cli(capsys, *args, "--top", "3", "--trace-top", "2")
+    assert code == 0, err
+    assert " tr " in out and "traced: the 2 fastest" in out
+
