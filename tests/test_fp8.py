@@ -253,3 +253,54 @@ def test_scaled_mm_runs_at_the_fp8_peak():
     assert training_precision(an, {**_env(an, {**REQUEST, "D": 128, "H": 32}), SYMS["V"]: 64}) == "fp8"
     h100 = get_device("h100")
     assert h100.peak_for("fp8")[0] > h100.peak_for("bf16")[0]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_float8_styles_match_pytorch(sp):
+    """One rank of the Megatron plan with torchao's float8 styles (torchtitan's apply_tp under
+    the tensorwise recipe: Float8ColwiseParallel / Float8RowwiseParallel on every converted
+    linear of the blocks) run by PyTorch on the fake group (tests/data/tp_rank.py ``measure``):
+    model FLOPs, saved bytes (the fp8 inputs the styles cast), collective bytes by kind (the
+    backward's fp8 gradient all-gathers under --sp) and parameter elements, at random sizes."""
+    import os
+    import sys
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from symcost.frontends.fp8 import float8_tp_styles
+    from symcost.frontends.models import resolve
+    from symcost.frontends.parallel import fake_group
+    from symcost.frontends.tensor_parallel import apply, plan
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+    from tp_rank import measure
+
+    # (the tensor-parallel probes keep H and V in the request's class mod 8, S too under --sp)
+    an = symcost.trace("megatron-gpt", sizes=dict(REQUEST, H=8, TP=2), precision="bf16-true",
+                       layout=Layout(tp=True, sp=sp, fp8="tensorwise"))
+    assert "TP" in an.symbols and not an.pinned, an.pin_reasons
+    spec = resolve("megatron-gpt")
+    rng = random.Random(2716 + sp)
+    for _ in range(2):
+        tp = rng.choice((2, 4))
+        v = {"TP": tp, "B": rng.randint(2, 4), "S": 8 * rng.randint(2, 5), "H": 8 * rng.randint(1, 2),
+             "D": 16 * rng.randint(1, 2), "L": rng.randint(1, 3), "V": 8 * rng.randint(2, 10)}
+        with torch.device("meta"):
+            model = spec.build(v).to(torch.bfloat16)
+        _convert(model, "tensorwise")  # torchtitan: the converter before apply_tp
+        styles = float8_tp_styles(model, plan(model, spec.layers, sp)[0])
+        linears = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+        assert linears and all(type(styles[n]).__name__ in ("Float8ColwiseParallel", "Float8RowwiseParallel")
+                               for n in linears)
+        ctx = apply(model, spec.layers, fake_group(tp), sp, fp8="tensorwise")
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            got = measure(model, spec, v, ctx)
+        env = _env(an, v)
+        assert int(an.flops("train").subs(env)) == got["flops"], (v, "FLOPs")
+        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], (v, "saved bytes")
+        for kind, want in got["comm"].items():
+            assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (v, kind)
+        assert int(an.params_shard.subs(env)) == got["shard"], (v, "parameter elements")

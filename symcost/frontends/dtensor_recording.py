@@ -22,15 +22,29 @@ def _view_chunk_cat(res, group_size: int, gather_dim: int):
     tensors: a trace at TP = 2 and one at TP = 4 would run different ops)."""
     if gather_dim == 0:
         return res
-    return res.unflatten(0, (group_size, -1)).movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+    data, wrap = _float8_data(res)
+    return wrap(data.unflatten(0, (group_size, -1)).movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1))
 
 
 def _chunk_cat(tensor, num_chunks: int, narrow_dim: int, cat_dim: int = 0):
     """``torch._utils._chunk_or_narrow_cat`` (a reduce-scatter's input on ``narrow_dim`` laid
     out on dim 0) by unflatten, movedim, flatten: the same copy, in ops independent of
     ``num_chunks`` (see :func:`_view_chunk_cat`)."""
-    return tensor.unflatten(narrow_dim, (num_chunks, -1)).movedim(narrow_dim, cat_dim) \
-        .flatten(cat_dim, cat_dim + 1)
+    data, wrap = _float8_data(tensor)
+    return wrap(data.unflatten(narrow_dim, (num_chunks, -1)).movedim(narrow_dim, cat_dim)
+                .flatten(cat_dim, cat_dim + 1))
+
+
+def _float8_data(t):
+    """``(data, wrap)``: FP8 training's float8 tensor (torchao's ``Float8TrainingTensor``, which
+    runs chunk and cat but no movedim: torchao's float8 TP styles all-gather and reduce-scatter
+    it) as its fp8 data and the function that wraps data moved the same way with its scale
+    (torchao's own ``cat`` keeps the scale so); any other tensor as itself."""
+    if type(t).__name__ != "Float8TrainingTensor":
+        return t, lambda d: d
+    cls = type(t)
+    return t._data, lambda d: cls(d, t._scale, t._orig_dtype, t._linear_mm_config, t._gemm_input_role,
+                                  t._axiswise_dim)
 
 
 class _Lazy:

@@ -165,6 +165,36 @@ def convert(model, recipe: str, all_gather: bool = False, layers: str | None = N
     return n
 
 
+def float8_tp_styles(model, styles: dict) -> dict:
+    """The tensor-parallel plan ``styles`` ({module name: ParallelStyle}) as torchtitan applies it
+    under the tensorwise recipe (``enable_float8_tensorwise_tp``; torchtitan/models/llama3/infra/
+    parallelize.py ``apply_tp``): a ``ColwiseParallel`` / ``RowwiseParallel`` of a ``Float8Linear``
+    becomes torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` with the same layouts
+    (the input cast to fp8 where the style redistributes it, so the linear gets, and saves, an fp8
+    input). Other styles are kept. torchtitan also swaps the attention's and the MLP's
+    ``PrepareModuleInput`` for torchao's ``PrepareFloat8ModuleInput`` (the sequence-parallel
+    all-gather in fp8); that style hands the whole module an fp8 tensor, which only a module that
+    feeds its input straight into its linears takes (megatron-gpt's attention permutes it:
+    torchao's float8 tensor refuses), so symcost keeps the plain one: under ``--sp`` the
+    all-gather moves the activations in their precision. The rowwise recipes keep the plain plan
+    (torchtitan: "for rowwise recipes, we use regular TP").
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    modules = dict(model.named_modules())
+    out = {}
+    for name, style in styles.items():
+        m = modules.get(name)
+        if isinstance(m, Float8Linear) and type(style) in (ColwiseParallel, RowwiseParallel):
+            cls = Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
+            style = cls(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                        use_local_output=style.use_local_output)
+        out[name] = style
+    return out
+
+
 def _autocast_forward(module):
     """``module.forward`` (a ``Float8Linear``) that first casts its input to the autocast dtype
     where CPU autocast is on, as torchao's forward does under CUDA autocast (its check,

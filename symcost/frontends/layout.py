@@ -451,7 +451,7 @@ class Layout:
         if self.tp:
             from symcost.frontends.tensor_parallel import apply
 
-            loss_context = apply(model, layers, mesh["TP"], self.sp)
+            loss_context = apply(model, layers, mesh["TP"], self.sp, self.fp8)
         if self.ac is not None:
             from symcost.frontends.checkpointing import checkpoint_blocks
 

@@ -581,11 +581,12 @@ def _nothing():
     yield
 
 
-def apply(model, layers: str | None, mesh, sp: bool):
+def apply(model, layers: str | None, mesh, sp: bool, fp8: str | None = None):
     """Parallelise ``model`` in place over ``mesh`` (:func:`plan`, or the config's
-    ``base_model_tp_plan``; head counts divided by the mesh size). Returns the context the loss
-    and its backward run in: ``loss_parallel()`` where the head's logits are vocabulary-sharded,
-    else a no-op.
+    ``base_model_tp_plan``; head counts divided by the mesh size; under FP8 training's tensorwise
+    recipe, ``fp8``, torchao's float8 styles for its ``Float8Linear`` modules:
+    :func:`symcost.frontends.fp8.float8_tp_styles`). Returns the context the loss and its backward
+    run in: ``loss_parallel()`` where the head's logits are vocabulary-sharded, else a no-op.
 
     Raises:
         SymcostError: the plan shards nothing, or PyTorch refuses it (its message, one line).
@@ -644,6 +645,10 @@ def apply(model, layers: str | None, mesh, sp: bool):
         _split_positions(model, layers, mesh, keep)
         if keep:
             _gather_inputs(model, layers, mesh)
+    if fp8 == "tensorwise":
+        from symcost.frontends.fp8 import float8_tp_styles
+
+        styles = float8_tp_styles(model, styles)
     tied: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         tied.setdefault(id(p), []).append(n)

@@ -548,11 +548,15 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
 
         def pack(t: torch.Tensor):
             t0, t = t, _local(t)  # tensor parallelism: autograd saves DTensors; a rank holds their shards
+            extra = 0
             if rec.unwrap and isinstance(t, rec.unwrap):
-                # FP8 training saves its inputs in high precision (torchao's
-                # matmul_with_hp_or_float8_args); a float8 tensor saved is the weight FSDP2
-                # all-gathered in fp8 (--fp8-all-gather): the unsharded parameter, not an activation
-                return t0
+                # FP8 training: a float8 tensor saved (the weight FSDP2 all-gathered in fp8, the
+                # input torchao's float8 TP styles cast before the linear) holds its fp8 data and
+                # its scale: the data's storage is the saved one (a parameter's where it is FSDP2's
+                # unsharded weight), the scale's bytes are added
+                scale = getattr(t, "_scale", None)
+                extra = scale.untyped_storage().nbytes() if isinstance(scale, torch.Tensor) else 0
+                t = _storage_tensor(t)
             st = t.untyped_storage()
             ref = StorageWeakRef(st)
             key = ref.cdata
@@ -565,7 +569,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 return t0
             if key not in seen_saved:
                 saved_refs.append(ref)
-                seen_saved[key] = SavedTensor(st.nbytes(), t.dtype, rec.module_stack[-1], tuple(t.shape))
+                seen_saved[key] = SavedTensor(st.nbytes() + extra, t.dtype, rec.module_stack[-1], tuple(t.shape))
                 saved.append(seen_saved[key])
             else:
                 seen_saved[key].also.add(rec.module_stack[-1])

@@ -73,7 +73,8 @@ def measure(model, spec, values, loss_context, dtype=None, groups=None) -> dict:
             for k in kinds}
     flops = [0]
 
-    def size(t):
+    def size(t):  # (torchao's float8 tensor, FP8 training: its fp8 data is what moves)
+        t = _float8_data(t)
         return t.numel() * t.element_size()
 
     def add(kind, args, nbytes, factor):
@@ -115,7 +116,8 @@ def measure(model, spec, values, loss_context, dtype=None, groups=None) -> dict:
     def pack(t):
         if isinstance(t, torch.nn.Parameter):  # (FSDP2's unsharded parameters, between all-gather and reshard)
             return t
-        st = local(t).untyped_storage()
+        lt = local(t)
+        st = _float8_data(lt).untyped_storage()
         key = StorageWeakRef(st).cdata
         # a tensor on a parameter's storage as it is now (the transposed weight an mm backward
         # keeps, FSDP2's unsharded or mixed-precision parameter): a parameter, not an activation
@@ -124,7 +126,8 @@ def measure(model, spec, values, loss_context, dtype=None, groups=None) -> dict:
             return t
         if key not in seen and key not in static:
             seen.add(key)
-            saved[0] += st.nbytes()
+            # a float8 tensor (FP8 training) holds its fp8 data and its scale
+            saved[0] += st.nbytes() + (lt._scale.untyped_storage().nbytes() if lt is not _float8_data(lt) else 0)
         return t
 
     args, kwargs = spec.make_inputs(values, torch.device("cpu"))
@@ -140,6 +143,12 @@ def measure(model, spec, values, loss_context, dtype=None, groups=None) -> dict:
         step()
     return {"flops": flops[0], "saved": saved[0], "comm": {k: str(v) for k, v in comm.items()},
             "shard": sum(local(p).numel() for p in model.parameters())}
+
+
+def _float8_data(t):
+    """torchao's ``Float8TrainingTensor`` (FP8 training, tests/test_fp8.py) as its fp8 data (a
+    wrapper subclass: its own storage is none of the bytes it holds); any other tensor as itself."""
+    return t._data if type(t).__name__ == "Float8TrainingTensor" else t
 
 
 def fake_rank_model(spec, values: dict, sp: bool):
