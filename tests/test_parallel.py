@@ -252,6 +252,47 @@ def test_cli_report_dp_json():
     assert d["flops"]["train"] == got["flops"]
 
 
+def test_cli_report_dp_header_and_cap():
+    """Issue 27 (newcomer walkthrough): under ``--dp`` the report's header lacked the one-device
+    report's bytes per parameter and optimizer row, a rank's peak above the memory cap was not
+    flagged, and ``--shard``'s default was only in ``--help``. The header's precision row is the
+    one-device report's; the layout line says ``ddp`` is ``--shard``'s default; with ``--memory``
+    below the rank's peak, JSON ``parallel.memory.fits`` is false and the text says so."""
+    import json
+
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    rng = random.Random(27)
+    sets = ["--set", f"B={rng.randint(24, 40)}", f"S={rng.randint(48, 80)}", f"D={8 * rng.randint(12, 20)}", "L=2"]
+    wide = {"COLUMNS": "200"}
+    plain = CliRunner().invoke(main, ["report", "mlp", *sets], env=wide)
+    assert plain.exit_code == 0, plain.output
+    r = CliRunner().invoke(main, ["report", "mlp", "--dp", "2", "--json", *sets])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    peak = d["parallel"]["memory"]["peak"]
+    assert d["parallel"]["memory"]["memory_cap"] == 80 * 2**30 and d["parallel"]["memory"]["fits"] is True
+    cap = peak - 2**10
+    assert cap >= 2**20
+    r = CliRunner().invoke(main, ["report", "mlp", "--dp", "2", "--json", "--memory", f"{cap}B", *sets])
+    d = json.loads(r.output)
+    assert d["parallel"]["memory"]["peak"] == peak
+    assert d["parallel"]["memory"]["memory_cap"] == cap and d["parallel"]["memory"]["fits"] is False
+    text = CliRunner().invoke(main, ["report", "mlp", "--dp", "2", "--memory", f"{cap}B", *sets], env=wide)
+    assert text.exit_code == 0, text.output
+    words = [" ".join(line.split()) for line in text.output.splitlines()]
+    row = next(" ".join(line.split()) for line in plain.output.splitlines() if line.startswith("precision "))
+    assert row in words and "bytes/param with adamw" in row, text.output
+    assert any(w.startswith("optimizer adamw; memory cap") and "(--memory)" in w for w in words), text.output
+    assert any(w.startswith("layout dp_replicate 2 (ddp, --shard's default)") for w in words), text.output
+    assert "does not fit: the rank peaks at" in text.output, text.output
+    assert "report in " in text.output and "the rank's collectives, peak and the rest" in text.output, text.output
+    fits = CliRunner().invoke(main, ["report", "mlp", "--dp", "2", "--shard", "ddp", *sets], env=wide)
+    assert "does not fit" not in fits.output and "--shard's default" not in fits.output, fits.output
+
+
 def test_cli_shard_needs_dp():
     from click.testing import CliRunner
 

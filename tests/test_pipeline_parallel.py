@@ -605,3 +605,71 @@ def test_pipeline_peak_counts_the_policy_model_states():
         assert m["params"] == m["grads"] == 2 * row["params"]  # (bf16 weights and their traced gradients)
         assert row["model_states"] == 18 * row["params"]
         assert row["peak_with_optimizer"] - m["peak"] == 14 * row["params"], row
+
+
+def test_cli_report_pp_json_keeps_the_report_contract():
+    """Issue 27 (newcomer walkthrough): ``report --pp --json`` held only ``model`` and ``pipeline``,
+    not the keys README.md gives as ``report --json``'s contract, and its mesh was prose. Every
+    key of the one-device report at the same sizes is there: ``params*`` the whole model's (the
+    stages' sum), ``flops`` and the other totals the most loaded rank's step, each rank's under
+    ``pipeline.ranks[i].totals``, whose model FLOPs over the ranks add up to m micro-batches of
+    the one-device step. ``layout.mesh`` is ``{dimension: size}``. With ``--memory`` between the
+    two ranks' peaks, the rank above it is flagged (JSON ``fits``, the text's ``does not fit``)
+    and the text opens with the one-device report's precision and optimizer rows."""
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    sizes = dict(_draw(random.Random(SEED)), L=2)
+    m = 2
+    sets = ["--precision", "fp32", "--set"] + [f"{k}={v}" for k, v in sizes.items()]
+    one = CliRunner().invoke(main, ["report", "cs336-lm", "--json", *sets])
+    assert one.exit_code == 0, one.output
+    one = json.loads(one.output)
+    args = ["report", "cs336-lm", "--pp", "2", "--microbatches", str(m), *sets]
+    r = CliRunner().invoke(main, args + ["--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert set(one) <= set(d), set(one) - set(d)
+    for k in ("flops_hw", "flops_all", "bytes", "transcendentals"):
+        assert set(d[k]) == set(one[k]), k
+    assert set(d["flops"]) == set(one["flops"]) - {"remainder"}  # (the 6·N·P form's: the one-device report's)
+    for k in ("params", "params_embedding", "params_nonembedding", "params_active", "params_matmul", "precision",
+              "attention", "attention_flops_count", "tied_symbols", "moe"):
+        assert d[k] == one[k], k
+    assert {s: x["value"] for s, x in d["symbols"].items()} == {s: sizes[s] for s in d["symbols"]}
+    ranks = d["pipeline"]["ranks"]
+    for kind in ("flops", "flops_hw"):
+        for ph in ("forward", "backward", "train"):
+            assert sum(row["totals"][kind][ph] for row in ranks) == m * one[kind][ph], (kind, ph)
+    assert sum(row["totals"]["attention_flops"] for row in ranks) == m * one["attention_flops"]
+    for row in ranks:
+        assert row["totals"]["flops"]["train"] == row["flops"]
+    busiest = max(ranks, key=lambda row: row["totals"]["flops_hw"]["train"])
+    assert d["rank"] == busiest["rank"]
+    for k in ("flops_hw", "flops_all", "bytes", "transcendentals", "unsupported_ops"):
+        assert d[k] == busiest["totals"][k], k
+    assert d["flops"]["train"] == d["flops"]["train_simplified"] == busiest["flops"]
+    assert d["layout"]["mesh"] == {"pp": 2}
+    peaks = {row["rank"]: row["peak_with_optimizer"] for row in ranks}
+    assert d["memory"]["peak"] == max(peaks.values()) and peaks[d["memory"]["rank"]] == d["memory"]["peak"]
+    assert d["memory"]["fits"] is True and d["memory"]["memory_cap"] == 80 * 2**30
+    lo, hi = sorted(peaks.values())
+    assert lo < hi
+    cap = (lo + hi) // 2
+    r = CliRunner().invoke(main, args + ["--json", "--memory", f"{cap}B"])
+    assert r.exit_code == 0, r.output
+    c = json.loads(r.output)
+    over = [rk for rk, pk in peaks.items() if pk > cap]
+    assert c["memory"]["fits"] is False and c["memory"]["ranks_over_cap"] == over and c["memory"]["memory_cap"] == cap
+    assert [row["fits"] for row in c["pipeline"]["ranks"]] == [peaks[rk] <= cap for rk in sorted(peaks)]
+    text = CliRunner().invoke(main, args + ["--memory", f"{cap}B"], env={"COLUMNS": "200"})
+    assert text.exit_code == 0, text.output
+    for rk in peaks:
+        assert (f"does not fit: rank {rk} peaks at" in text.output) == (rk in over), text.output
+    plain = CliRunner().invoke(main, ["report", "cs336-lm", *sets, "--memory", f"{cap}B"], env={"COLUMNS": "200"})
+    words = [" ".join(line.split()) for line in text.output.splitlines()]
+    row = next(" ".join(line.split()) for line in plain.output.splitlines() if line.startswith("precision "))
+    assert row in words, text.output  # (the one-device report's precision row, bytes per parameter included)
+    assert "optimizer  adamw; memory cap" in text.output and "(--memory)" in text.output
+    assert "computed in" in text.output and "each rank's step through the schedule" in text.output

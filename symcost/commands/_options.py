@@ -298,6 +298,35 @@ def parallel_request(ctx) -> tuple[int | None, str | None]:
     return sizes.get("DP"), layout.shard
 
 
+def report_cap(ctx, memory: str) -> tuple[int, str]:
+    """``(bytes, where from)``: the memory cap a ``report`` under ``--dp``/``--tp``/``--pp`` checks
+    each rank's peak against: ``--memory`` where given, else the memory of the ``--gpu``/``--device``
+    where one is named and the catalogue has it, else ``--memory``'s default (the one-device
+    report's cap)."""
+    from symcost.units import parse_memory
+
+    root = ctx.find_root()
+    if ctx.get_parameter_source("memory") not in (click.core.ParameterSource.DEFAULT, None):
+        return parse_memory(memory), "--memory"
+    gpu = root.meta.get("symcost.gpu") or root.meta.get("symcost.gpu_alias")
+    if gpu:
+        from symcost.hardware.devices import get_device
+
+        dev = get_device(gpu)
+        if dev.memory:
+            return int(dev.memory), f"{dev.key}'s memory; --memory sets another"
+    return parse_memory(memory), "--memory's default"
+
+
+def layout_words(ctx, layout, values=None) -> str:
+    """``Layout.describe`` for a report's layout line, saying where ``--shard`` was left at its
+    default (``dp_replicate 8 (ddp, --shard's default)``)."""
+    words = layout.describe(values)
+    if layout.shard == "ddp" and ctx.find_root().meta.get("symcost.shard") is None:
+        words = words.replace("(ddp)", "(ddp, --shard's default)", 1)
+    return words
+
+
 def optimizer_option(f):
     """``--optimizer`` and ``--torch-device`` (the memory pass's optimizer step)."""
     f = click.option("--torch-device", "device", default="cuda", show_default=True,

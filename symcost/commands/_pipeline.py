@@ -90,37 +90,104 @@ def _request(model, sets, config, attention, mesh, precision=None):
     return spec, sizes, None if no_cache else (model, parse_config(config), attention)
 
 
-def report_pipeline(req, model, sets, config, attention, precision, as_json, optimizer):
+#: the keys of ``report --json``'s contract the pipeline report fills at top level with the most
+#: loaded rank's step (``pipeline.ranks[i].totals``: each rank's)
+RANK_TOTALS = ("flops", "flops_hw", "flops_all", "bytes", "transcendentals", "attention_flops", "unsupported_ops")
+
+
+def _most_loaded(ranks) -> dict:
+    """The rank that sets the pace: the most FLOPs run per step (recomputation included), the
+    lowest rank on a tie."""
+    return max(ranks, key=lambda row: (row["totals"]["flops_hw"]["train"], -row["rank"]))
+
+
+def pipeline_json(spec, r, layout, mesh, precision, assumed, ans) -> dict:
+    """``report --pp --json``: ``report --json``'s contract keys (symcost.render.report.to_json) at
+    top level (``flops.*`` and the other totals: the most loaded rank's step, ``rank`` says which;
+    ``params*``: the whole model's, summed over the stages; ``memory``: the highest rank peak and
+    the cap), ``layout`` with ``mesh`` as ``{dimension: size}`` (torchtitan's names and order;
+    ``describe``: the same in words), and ``pipeline``: the schedule, each rank (its totals under
+    ``totals``, ``fits`` against the cap) and each stage."""
+    out = {k: r[k] for k in ("schedule", "engine", "source", "pp", "microbatches", "virtual", "bubble",
+                             "blocks", "ranks", "divisible") + (("step",) if "step" in r else ())}
+    words = layout.describe(dict(mesh))
+    dims = {d: int(layout.dim_size(d, lambda sym: mesh[sym])) for d in layout.dims}
+    out["layout"] = {"mesh": words, **layout.to_dict()}  # (pipeline.layout.mesh: the words, as before)
+    if "step" in out:
+        out["step"] = {**out["step"],
+                       "stage_seconds": {str(s): t for s, t in out["step"]["stage_seconds"].items()},
+                       "busy": {str(k): t for k, t in out["step"]["busy"].items()},
+                       "idle": {str(k): t for k, t in out["step"]["idle"].items()}}
+    out["bubble_formula"] = str(r["bubble_formula"])
+    out["formulas"] = {p: {k: str(e) for k, e in f.items()} for p, f in r["formulas"].items()}
+    out["pinned"] = r["pinned"]
+    out["stages"] = {str(s): d for s, d in r["stages"].items()}
+    busiest = _most_loaded(r["ranks"])
+    res = {"model": spec.name, "precision": precision, "attention": spec.extra.get("attention"),
+           "layout": {"mesh": dims, "describe": words, **layout.to_dict()},
+           "symbols": r["symbols"], "tied_symbols": dict(spec.tied),
+           # (L pinned in a stage is that stage's own block count: pipeline.pinned has it per stage kind)
+           "pinned_symbols": {k: v for an in ans.values() for k, v in an.pinned.items() if k != "L"},
+           **{k: sum(st["params_model"][k] for st in r["stages"].values())
+              for k in ("params", "params_embedding", "params_nonembedding", "params_active")},
+           "params_matmul": sum(st["params_matmul"] for st in r["stages"].values()),
+           **{k: busiest["totals"][k] for k in RANK_TOTALS},
+           "attention_flops_count": r["attention_flops_count"], "rank": busiest["rank"]}
+    res["flops"] = {**res["flops"], "train_simplified": res["flops"]["train"]}  # (its value at these sizes)
+    from symcost.passes.moe import summary as moe_summary
+
+    moe = [f for f in (moe_summary(an) for an in ans.values()) if f]  # (a dense model: none)
+    res["moe"] = {"routing": moe[0]["routing"]} if moe else None
+    peaks = [(row["peak_with_optimizer"], row["rank"]) for row in r["ranks"] if "peak_with_optimizer" in row]
+    cap = assumed["memory_cap"]
+    for row in r["ranks"]:
+        if "peak_with_optimizer" in row:
+            row["fits"] = row["peak_with_optimizer"] <= cap
+    if peaks:
+        peak, rank = max(peaks)
+        res["memory"] = {"peak": peak, "rank": rank, "memory_cap": cap, "memory_cap_from": assumed["memory_cap_from"],
+                         "fits": peak <= cap, "ranks_over_cap": [rk for pk, rk in peaks if pk > cap],
+                         "bytes_per_param": assumed["bytes_per_param"], "optimizer_name": assumed["optimizer_name"]}
+    res["pipeline"] = out
+    return res
+
+
+def report_pipeline(req, model, sets, config, attention, precision, as_json, optimizer, memory="80GiB", torch_device=None):
     """Print the pipeline report (text or ``--json``)."""
-    from symcost.passes.pipeline import summary
+    import time
+
+    from symcost.passes.pipeline import summary, trace_stages
+    from symcost.render.report import assumed as assumed_of
+
+    from ._options import layout_words, report_cap
 
     pp, schedule, m, v, gpu, per_node, layout, mesh = req
+    ctx = click.get_current_context()
+    cap, cap_from = report_cap(ctx, memory)
+    assumed = assumed_of(precision, optimizer, cap, torch_device, cap_from)
     spec, sizes, cache = _request(model, sets, config, attention, mesh, precision)
     device = None
     if gpu is not None:
         from symcost.hardware.devices import get_device
 
         device = get_device(gpu)
+    t0 = time.perf_counter()
+    _, ans = trace_stages(spec, pp, v, precision, sizes, cache, layout.inner)  # (summary reads them back)
+    t1 = time.perf_counter()
     r = summary(spec, pp, schedule, m, v, precision, sizes, optimizer, device=device, devices_per_node=per_node,
                 cache=cache, inner=layout.inner)
+    t2 = time.perf_counter()
     if as_json:
-        out = {k: r[k] for k in ("schedule", "engine", "source", "pp", "microbatches", "virtual", "bubble",
-                                 "blocks", "ranks", "divisible") + (("step",) if "step" in r else ())}
-        out["layout"] = {"mesh": layout.describe(dict(mesh)), **layout.to_dict()}
-        if "step" in out:
-            out["step"] = {**out["step"],
-                           "stage_seconds": {str(s): t for s, t in out["step"]["stage_seconds"].items()},
-                           "busy": {str(k): t for k, t in out["step"]["busy"].items()},
-                           "idle": {str(k): t for k, t in out["step"]["idle"].items()}}
-        out["bubble_formula"] = str(r["bubble_formula"])
-        out["formulas"] = {p: {k: str(e) for k, e in f.items()} for p, f in r["formulas"].items()}
-        out["pinned"] = r["pinned"]
-        out["stages"] = {str(s): d for s, d in r["stages"].items()}
-        click.echo(json.dumps({"model": spec.name, "pipeline": out}, indent=1))
+        click.echo(json.dumps(pipeline_json(spec, r, layout, mesh, precision, assumed, ans), indent=1))
         return
     from symcost.render.pipeline import render_pipeline
 
-    render_pipeline(spec.name, r, layout=layout.describe(dict(mesh)) if layout.inner else None)
+    cached = any(an.__dict__.get("cached_from") for an in ans.values())
+    timing = (f"computed in {t2 - t0:.1f} s: the stage traces {t1 - t0:.1f} s"
+              + (" (read back from the trace cache; --no-cache traces afresh)" if cached else "")
+              + f", each rank's step through the schedule and the rest {t2 - t1:.1f} s")
+    render_pipeline(spec.name, r, layout=layout_words(ctx, layout, dict(mesh)) if layout.inner else None,
+                    assumed=assumed, precision=precision, attention=spec.extra.get("attention"), timing=timing)
 
 
 def max_batch_pipeline(req, model, sets, config, attention, precision, as_json, optimizer, cap: int) -> int:

@@ -3,11 +3,12 @@ form, memory and the precision policies)."""
 from __future__ import annotations
 
 import json
+import time
 
 import click
 
-from ._options import (common, device_alias, early_checks, memory_options, parallel_options, parallel_request,
-                       trace_model)
+from ._options import (common, device_alias, early_checks, layout_words, memory_options, parallel_options,
+                       parallel_request, report_cap, trace_model)
 from ._loss import loss_option
 from ._pipeline import pipeline_options, pipeline_request, report_pipeline
 
@@ -42,31 +43,51 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
 
         check_layout(precision, *parallel_request(click.get_current_context()))
     if pipe is not None:
-        report_pipeline(pipe, model, sets, config, attention, precision, as_json, optimizer)
+        report_pipeline(pipe, model, sets, config, attention, precision, as_json, optimizer, memory, device)
         return
+    t0 = time.perf_counter()
     an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
+    t1 = time.perf_counter()
     from symcost.render import report as rep
 
     from symcost.passes.tensor_parallel import is_tensor_parallel
+
+    ctx = click.get_current_context()
+    if an.parallel is not None:  # one rank: the header's optimizer and cap, the layout line's --shard default
+        from symcost.frontends.layout import layout_of
+
+        cap, cap_from = report_cap(ctx, memory)
+        assumed = rep.assumed(precision, optimizer, cap, device, cap_from)
+        words = layout_words(ctx, layout_of(an), sizes or {})
+
+        def with_cap(res):  # the rank's peak against the cap (JSON: parallel.memory.memory_cap, fits)
+            pk = res["parallel"]["memory"]
+            value = pk["peak"] if isinstance(pk.get("peak"), int) else pk.get("peak_at_defaults")
+            pk["memory_cap"] = cap
+            pk["fits"] = None if value is None else value <= cap
+            return value
 
     if is_tensor_parallel(an):  # --tp [--sp]: per-rank collectives and memory (docs/parallel.md)
         from symcost.passes.tensor_parallel import summary as tp_summary
         from symcost.render import tensor_parallel as rtp
 
         par = tp_summary(an, precision, optimizer, sizes if sizes else None, device=device)
+        res = rep.to_json(an, sizes if sizes else None)
+        res.update(rtp.to_json(an, sizes if sizes else None, par))
+        peak = with_cap(res)
         if as_json:
-            res = rep.to_json(an, sizes if sizes else None)
-            res.update(rtp.to_json(an, sizes if sizes else None, par))
             click.echo(json.dumps(res, indent=1))
         else:
-            rep.render(an, sizes)
+            rep.render(an, sizes, assumed=assumed, layout_words=words)
             rtp.render(an, sizes, par)
+            _flag(rep.over_cap(peak, cap, "the rank"))
+            _flag(_seconds(t0, t1))
         return
     if an.parallel is not None:  # --dp: per-rank model states and collectives (docs/parallel.md)
         from symcost.passes.parallel import summary
 
         par = summary(an, precision, optimizer, sizes if sizes else None, device=device)
-        meta = click.get_current_context().find_root().meta
+        meta = ctx.find_root().meta
         step = None
         if meta.get("symcost.gpu"):
             from symcost.hardware.devices import get_device
@@ -74,18 +95,38 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
 
             step = step_time(an, get_device(meta["symcost.gpu"]), sizes, meta.get("symcost.overlap", "backward"),
                              meta.get("symcost.nodes"), meta.get("symcost.devices_per_node"))
+        res = rep.to_json(an, sizes if sizes else None)
+        res.update(rep.parallel_json(an, sizes if sizes else None, par))
+        peak = with_cap(res)
         if as_json:
-            res = rep.to_json(an, sizes if sizes else None)
-            res.update(rep.parallel_json(an, sizes if sizes else None, par))
             if step is not None:
                 res["parallel"]["step"] = step
             click.echo(json.dumps(res, indent=1))
         else:
-            rep.render(an, sizes)
+            rep.render(an, sizes, assumed=assumed, layout_words=words)
             rep.render_parallel(an, sizes, par, step=step)
+            _flag(rep.over_cap(peak, cap, "the rank"))
+            _flag(_seconds(t0, t1))
         return
     mem = rep.memory_section(an, sizes, memory, precision, optimizer, device=device)
     if as_json:
         click.echo(json.dumps(rep.to_json(an, sizes if sizes else None, memory=mem), indent=1))
     else:
         rep.render(an, sizes, memory=mem)
+
+
+def _flag(line: str | None) -> None:
+    """Print a report's over-the-cap line (:func:`symcost.render.report.over_cap`), if any."""
+    if line:
+        from symcost.render.report import console
+
+        console().print(line)
+
+
+def _seconds(t0: float, t1: float) -> str:
+    """The closing line of a one-rank report: the seconds of the whole command since the trace
+    started (the header's ``traced in`` are the trace's alone, and those of the run that wrote a
+    cached entry), and of the rank's collectives and peak after it."""
+    now = time.perf_counter()
+    return (f"report in {now - t0:.1f} s: the trace (or reading it back) {t1 - t0:.1f} s, the rank's collectives, "
+            f"peak and the rest {now - t1:.1f} s")

@@ -41,6 +41,37 @@ def _saved(an) -> sympy.Expr:
     return sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
 
 
+#: the totals of ``report --json``'s contract (symcost.render.report.to_json) a stage and a rank carry
+TOTALS = ("flops", "flops_hw", "flops_all", "bytes", "transcendentals")
+
+
+def _stage_totals(an, ev) -> dict[str, Any]:
+    """One micro-batch of a stage in ``report --json``'s contract keys (:data:`TOTALS` per phase,
+    ``attention_flops``, ``unsupported_ops``), integers through ``ev``."""
+    from symcost.graph.analysis import PHASES
+
+    phases = PHASES + ("train",)
+    return {"flops": {p: ev(an.flops(p)) for p in phases},
+            "flops_hw": {p: ev(an.flops(p, "hardware")) for p in phases},
+            "flops_all": {p: ev(an.flops(p, "all")) for p in phases},
+            "bytes": {p: ev(an.bytes(p)) for p in phases},
+            "transcendentals": {p: ev(an.transcendentals(p)) for p in phases},
+            "attention_flops": ev(an.attention_flops),
+            "unsupported_ops": {k: ev(v) for k, v in an.unsupported.items()}}
+
+
+def _rank_totals(stages: list[dict], microbatches: int) -> dict[str, Any]:
+    """A rank's step in the keys of :func:`_stage_totals`: ``microbatches`` times the sum over its stages."""
+    out: dict[str, Any] = {k: {} for k in TOTALS + ("unsupported_ops",)}
+    out["attention_flops"] = 0
+    for st in stages:
+        for k in TOTALS + ("unsupported_ops",):
+            for p, v in st[k].items():
+                out[k][p] = out[k].get(p, 0) + microbatches * v
+        out["attention_flops"] += microbatches * st["attention_flops"]
+    return out
+
+
 def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", sizes: Mapping[str, int] | None = None,
                  cache: tuple | None = None, inner=None):
     """Trace the stage modules a pipeline of ``pp`` ranks × ``virtual`` stages needs
@@ -154,13 +185,18 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         ``ranks``: per rank ``stages``, ``blocks``, ``flops`` and ``flops_hardware`` (per step), ``in_flight``
         (micro-batch-stages held at most), ``activations`` (bytes held at most), ``send`` and
         ``recv`` (bytes per step), ``params`` and ``model_states`` (bytes, the precision
-        policy with ``optimizer``, :func:`symcost.passes.parallel.model_state_bytes`); with
+        policy with ``optimizer``, :func:`symcost.passes.parallel.model_state_bytes`), ``totals``
+        (the rank's step in ``report --json``'s contract keys: ``flops``, ``flops_hw``,
+        ``flops_all``, ``bytes``, ``transcendentals`` per phase, ``attention_flops``,
+        ``unsupported_ops``; m times the sum over its stages, each stage's one micro-batch in
+        ``stages[s]["totals"]``, its whole-model parameter counts in ``stages[s]["params_model"]``); with
         ``peak``, ``memory``: the rank's step run through PyTorch's schedule on fake tensors
         (:func:`symcost.tracing.pipeline.rank_memory`: ``params``, ``grads``, ``kept`` engine
         buffers, ``top`` and ``peak`` bytes of a step without the optimizer) and ``peak_with_optimizer``
         (that peak plus the optimizer state and master weights of the policy). With ``device``
         (and ``devices_per_node``, default the device's), ``step``: the step priced on it
-        (:func:`price`), and per rank ``busy_seconds`` and ``idle_seconds``.
+        (:func:`price`), and per rank ``busy_seconds`` and ``idle_seconds``. ``symbols`` (the
+        stage traces' symbols with their meaning and value) and ``attention_flops_count``.
 
     Raises:
         SymcostError: an invalid pipeline (:func:`check_schedule`), fewer blocks than stages, a
@@ -188,6 +224,11 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
                         "flops_backward": ev(an.flops("backward")), "saved": ev(_saved(an)),
                         "send": ev(an.comm_bytes("send")), "recv": ev(an.comm_bytes("recv")),
                         "params": ev(local), "params_held": ev(held),
+                        "params_model": {k: ev(getattr(an, k)) for k in
+                                         ("params", "params_embedding", "params_nonembedding", "params_active")},
+                        # (report --json's params_matmul: the P of 6·N·P, params_active_matmul)
+                        "params_matmul": ev(an.train_simplified()[0]),
+                        "totals": _stage_totals(an, ev),
                         **({"comm": {g: ev(an.comm_bytes("total", group=g) if len(inner.traced_dims) > 1
                                            else an.comm_bytes("total") - an.comm_bytes("send") - an.comm_bytes("recv"))
                                      for g in inner.symbols}} if inner and inner.traced_dims else {})}
@@ -213,7 +254,8 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
                       "in_flight": sim["in_flight"][r], "activations": top,
                       "send": microbatches * sum(per_stage[s]["send"] for s in mine),
                       "recv": microbatches * sum(per_stage[s]["recv"] for s in mine),
-                      "params": params, "model_states": int(states["total"])})
+                      "params": params, "model_states": int(states["total"]),
+                      "totals": _rank_totals([per_stage[s]["totals"] for s in mine], microbatches)})
     if peak:
         from symcost.tracing.pipeline import rank_memory
 
@@ -263,7 +305,10 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             "source": SCHEDULES[schedule][2], "pp": pp, "microbatches": microbatches, "virtual": virtual,
             "bubble": sim["bubble"], "bubble_formula": (PP - 1) / (v * m) if virtual > 1 else (PP - 1) / m,
             "formulas": formulas, "pinned": {part: dict(an.pinned) for part, an in ans.items()}, "stages": per_stage, "ranks": ranks, "blocks": blocks,
-            "divisible": values["L"] % n == 0}
+            "divisible": values["L"] % n == 0,
+            "symbols": {k: {"meaning": mean, **({"value": int(values[k])} if k in values else {})}
+                        for an in ans.values() for k, mean in an.symbols.items()},
+            "attention_flops_count": getattr(ans["first"], "attention_count", "full")}
 
 
 def _rank_params(an) -> tuple:

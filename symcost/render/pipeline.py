@@ -32,16 +32,38 @@ def _seconds(x: float) -> str:
     return f"{x * 1e9:.3g} ns"
 
 
-def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None, layout: str | None = None) -> None:
+def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None, layout: str | None = None,
+                    assumed: dict | None = None, precision: str | None = None, attention: str | None = None,
+                    timing: str | None = None) -> None:
     """Per-rank table (stages, blocks, FLOPs per step, micro-batches in flight, activations held,
     p2p bytes sent and received, model states) and the bubble, then each stage kind's formulas.
     ``layout``: the composed mesh in words (``pp 4 (1f1b) × dp_shard 2 (fsdp) × tp 2``), when the
-    pipeline has other dimensions; each rank's collectives per group are then listed."""
+    pipeline has other dimensions; each rank's collectives per group are then listed.
+    ``assumed`` (:func:`symcost.render.report.assumed`) and ``precision``: the report's header
+    rows (precision, optimizer and memory cap; a rank whose peak is above the cap is flagged),
+    ``attention`` the model's attention implementation, ``timing`` the title line's seconds."""
+    from rich.table import Table as Grid
+
+    from symcost.render.report import assumption_rows, over_cap
+
     console = console or _console()
     v = r["virtual"]
     console.print(f"[bold]{name}[/bold]: pipeline of PP={r['pp']} ranks, {r['schedule']} "
                   f"({r['engine']}), m={r['microbatches']} micro-batches"
-                  + (f", v={v} stages per rank" if v > 1 else ""))
+                  + (f", v={v} stages per rank" if v > 1 else "") + (f"; {timing}" if timing else ""))
+    cap = (assumed or {}).get("memory_cap")
+    if precision is not None:  # what it assumed, as the one-device report's header says it
+        g = Grid.grid(padding=(0, 2))
+        g.add_column(no_wrap=True, style="bold")
+        g.add_column()
+        assumption_rows(g, precision, assumed or {})
+        g.add_row("attention", (attention + " (explicit matmuls)" if attention == "eager" else attention)
+                  if attention else "the model's own code")
+        values = {k: d["value"] for k, d in (r.get("symbols") or {}).items() if "value" in d}
+        if values:
+            g.add_row("sizes", " ".join(f"{k}={n}" for k, n in values.items()) + " (B: the micro-batch; L: the "
+                      "whole model's blocks)")
+        console.print(g)
     if layout:
         console.print(f"  layout: {layout}; each stage module parallelised over the other dimensions in "
                       "torchtitan's order, one rank of each traced; the numbers below are per device")
@@ -70,8 +92,14 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
         t.add_row(str(row["rank"]), ",".join(map(str, row["stages"])), str(row["blocks"]), _flops(row["flops"]),
                   *((_flops(row["flops_hardware"]),) if recompute else ()),
                   str(row["in_flight"]), _bytes(row["activations"]), _bytes(row["send"]), _bytes(row["recv"]),
-                  _bytes(row["model_states"]), _bytes(row["peak_with_optimizer"]) if "memory" in row else "-")
+                  _bytes(row["model_states"]), (_bytes(row["peak_with_optimizer"])
+                                                + (" [bold red]> cap[/bold red]" if cap and row["peak_with_optimizer"] > cap
+                                                   else "")) if "memory" in row else "-")
     console.print(t)
+    for row in r["ranks"]:
+        line = over_cap(row.get("peak_with_optimizer"), cap, f"rank {row['rank']}")
+        if line:
+            console.print("  " + line)
     if recompute:
         console.print("  FLOPs: model FLOPs (MFU's); FLOPs run: with activation checkpointing's recomputation")
     if any("memory" in row for row in r["ranks"]):

@@ -167,25 +167,55 @@ def provenance(an: Analysis) -> str:
     return out
 
 
-def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: str) -> tuple[str, Table]:
-    """The report's opening: a title line and a two-column grid of what it assumed (precision
-    and bytes per parameter, optimizer and memory cap, attention, regime with pinned and tied
-    symbols, the sizes)."""
+def assumed(precision: str, optimizer: str, cap: int | None, device: str | None, cap_from: str | None = None) -> dict:
+    """What a report without the one-device memory section assumed (``--dp``, ``--tp``, ``--pp``),
+    in the keys :func:`header` reads from the memory section's JSON: ``bytes_per_param`` (weights +
+    gradients + full-size optimizer state + master weights, unsharded), ``optimizer_name``,
+    ``optimizer_impl`` (torch.optim's default on ``device``), ``device``, ``memory_cap`` (bytes)
+    and ``memory_cap_from`` (where the cap comes from, e.g. ``"--memory"``)."""
+    from symcost.passes.memory import default_impl, optimizer as get_optimizer, policy
+
+    pol, opt = policy(precision), get_optimizer(optimizer)
+    return {"bytes_per_param": pol.param + pol.grad + opt.full * pol.state + pol.master, "optimizer_name": opt.name,
+            "optimizer_impl": default_impl(device) if device else None, "device": device, "memory_cap": cap,
+            "memory_cap_from": cap_from}
+
+
+def assumption_rows(g: Table, precision: str, js: Mapping) -> None:
+    """The ``precision`` and ``optimizer`` rows of :func:`header`'s grid from ``js`` (the memory
+    section's JSON, or :func:`assumed`)."""
     from symcost.frontends.precision import SUMMARY
 
+    bpp, opt, cap = js.get("bytes_per_param"), js.get("optimizer_name"), js.get("memory_cap")
+    g.add_row("precision", f"{precision}" + (f", {bpp} bytes/param with {opt}" if bpp else "")
+              + (f": {SUMMARY[precision]}" if precision in SUMMARY else ""))
+    if opt:
+        impl, dev, src = js.get("optimizer_impl"), js.get("device"), js.get("memory_cap_from")
+        g.add_row("optimizer", opt + (f"; memory cap {human(cap, 'B')}" + (f" ({src})" if src else "") if cap else "")
+                  + (f"; {impl} step on {dev}" if impl and dev else ""))
+
+
+def over_cap(peak: int | None, cap: int | None, who: str) -> str | None:
+    """The line that flags a peak above the memory cap (None when it fits or either is unknown)."""
+    if peak is None or cap is None or peak <= cap:
+        return None
+    return (f"[bold red]does not fit[/bold red]: {who} peaks at {human(peak, 'B')} > memory cap {human(cap, 'B')} "
+            f"(by {human(peak - cap, 'B')})")
+
+
+def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: str,
+           layout_words: str | None = None) -> tuple[str, Table]:
+    """The report's opening: a title line and a two-column grid of what it assumed (precision
+    and bytes per parameter, optimizer and memory cap, attention, regime with pinned and tied
+    symbols, the sizes). ``layout_words``: the layout row's mesh in words (default
+    ``Layout.describe``)."""
     js = (memory or {}).get("json", {})
     cls = an.spec.extra.get("config_class")
     first = f"[bold]{title}[/bold] {an.model}" + (f" ({cls})" if cls else "") + f", {provenance(an)}"
     g = Table.grid(padding=(0, 2))
     g.add_column(no_wrap=True, style="bold")
     g.add_column()
-    bpp, opt, cap = js.get("bytes_per_param"), js.get("optimizer_name"), js.get("memory_cap")
-    g.add_row("precision", f"{an.precision}" + (f", {bpp} bytes/param with {opt}" if bpp else "")
-              + (f": {SUMMARY[an.precision]}" if an.precision in SUMMARY else ""))
-    if opt:
-        impl, dev = js.get("optimizer_impl"), js.get("device")
-        g.add_row("optimizer", opt + (f"; memory cap {human(cap, 'B')}" if cap else "")
-                  + (f"; {impl} step on {dev}" if impl and dev else ""))
+    assumption_rows(g, an.precision, js)
     att = an.spec.extra.get("attention")  # what the model was built with (hf:, config.json): JSON's `attention`
     if att:
         g.add_row("attention", att + (" (transformers' default; --attention eager: explicit matmuls)"
@@ -200,7 +230,7 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
     layout = layout_of(an)
     if layout:  # the mesh one rank of which was traced (symcost.frontends.layout)
         if layout.dims:
-            g.add_row("layout", f"{layout.describe(sizes)}: one rank traced, per-rank figures (mesh dimensions in "
+            g.add_row("layout", f"{layout_words or layout.describe(sizes)}: one rank traced, per-rank figures (mesh dimensions in "
                                 "torchtitan's order)")
         else:  # a step technique on one device (--ac): no mesh, no ranks
             g.add_row("layout", layout.describe(sizes))
@@ -217,14 +247,16 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
 
 
 def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: dict | None = None,
-           width: int | None = None) -> None:
+           width: int | None = None, assumed: dict | None = None, layout_words: str | None = None) -> None:
     """Print the report: what it assumed, symbols, per-module table, totals as formulas, the
     6·N·P form (with numbers at ``sizes``), the memory section. ``width``: columns (default: the
-    terminal's, 100 when not a terminal)."""
+    terminal's, 100 when not a terminal). ``assumed``: the header's optimizer and memory cap
+    where there is no memory section (:func:`assumed`); ``layout_words``: :func:`header`'s."""
     c = console(width)
     env = an.bind(**sizes) if sizes else None
     shown = env or an.bind()
-    first, grid = header(an, sizes or {}, memory, "symcost report" if table else "symcost formulas")
+    first, grid = header(an, sizes or {}, memory or ({"json": assumed} if assumed else None),
+                         "symcost report" if table else "symcost formulas", layout_words)
     c.print(first)
     c.print(grid)
     if getattr(an, "attention_count", "full") == "causal":
