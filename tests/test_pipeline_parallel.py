@@ -570,6 +570,49 @@ def test_max_batch_pp_exact_at_the_boundary():
         top = max(row["peak_with_optimizer"] for row in s["ranks"])
         assert top == js["peaks"][str(bb)]["peak"]
         assert (top <= cap) == fits, (bb, top, cap)
+    parts = js["peak_parts"]
+    assert parts["B"] == b and sum(v for k, v in parts.items() if k not in ("B", "rank", "peak")) == parts["peak"] \
+        == js["peaks"][str(b)]["peak"]
+    # the text says it as the one-device max-batch does: M(B) ≤ cap < M(B + 1), not "<="
+    text = CliRunner().invoke(main, ["max-batch", "megatron-gpt", "--pp", "2", "--memory", f"{cap}B", "--set", *sizes],
+                              env={"COLUMNS": "200"})
+    assert text.exit_code == 0, text.output
+    assert f"largest micro-batch B = {b}" in text.output and "<=" not in text.output, text.output
+    assert f"check: M({b}) = " in text.output and f"≤ cap < M({b + 1}) = " in text.output, text.output
+    assert f"What the peak at B = {b} is made of" in text.output, text.output
+
+
+def test_max_batch_pp_nothing_fits_says_what_to_try():
+    """Issue 27 (newcomer walkthrough): ``max-batch --pp`` exited 3 with one line when not even
+    B = 1 fits. As the one-device max-batch, it shows what the smallest case's peak is made of
+    (the parts add up to the most loaded rank's peak at B = 1) and what to try: the least cap
+    (that peak), an optimizer without state (run: its peak is the same ranks' runs with no
+    optimizer state, below the AdamW one by the state), checkpointing and sharding."""
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    sizes = ["H=4", "D=16", "L=2", "V=256", "S=64"]
+    r = CliRunner().invoke(main, ["max-batch", "megatron-gpt", "--pp", "2", "--memory", "1MiB", "--json",
+                                  "--set", *sizes])
+    assert r.exit_code == 3, r.output
+    js = json.loads(r.output)
+    assert js["value"] == 0
+    at1 = js["peaks"]["1"]["peak"]
+    parts = js["peak_parts"]
+    assert parts["B"] == 1 and parts["rank"] == js["peaks"]["1"]["rank"]
+    assert sum(v for k, v in parts.items() if k not in ("B", "rank", "peak")) == parts["peak"] == at1
+    alts = {a["option"]: a for a in js["alternatives"]}
+    assert alts[f"--memory {at1}B or more"]["peak"] == at1 and alts[f"--memory {at1}B or more"]["fits"] is True
+    sgd = alts["--optimizer sgd-nomomentum"]
+    # (the most loaded rank may change without the state: its peak is at least rank X's without it)
+    assert at1 - parts["optimizer"] <= sgd["peak"] < at1 and sgd["fits"] is (sgd["peak"] <= 2**20)
+    assert any(o.startswith("--ac") for o in alts) and any("--shard fsdp" in o for o in alts)
+    text = CliRunner().invoke(main, ["max-batch", "megatron-gpt", "--pp", "2", "--memory", "1MiB", "--set", *sizes],
+                              env={"COLUMNS": "200"})
+    assert text.exit_code == 3, text.output
+    assert "even B = 1 does not fit" in text.output and "What the peak at B = 1 is made of" in text.output
+    assert "what to try" in text.output and f"--memory {at1}B or more: fits B = 1" in text.output, text.output
 
 
 def test_pipeline_peak_with_ac_alone_checkpoints_the_blocks():

@@ -207,9 +207,13 @@ def max_batch_pipeline(req, model, sets, config, attention, precision, as_json, 
     pp, schedule, m, v, _, _, layout, mesh = req
     spec, sizes, cache = _request(model, sets, config, attention, mesh, precision)
     runs: dict[int, tuple[int, int]] = {}
+    rows_at: dict[int, dict] = {}  # B -> the most loaded rank's row (what its peak is made of)
 
-    def peak(b: int) -> tuple[int, int]:
+    def peak(b: int, opt: str = optimizer) -> tuple[int, int]:
         """(the highest rank peak at B = b, that rank)."""
+        if opt != optimizer:  # (another optimizer: the same rank runs, read back; only the state differs)
+            r = summary(spec, pp, schedule, m, v, precision, {**sizes, "B": b}, opt, cache=cache, inner=layout.inner)
+            return max((int(row["peak_with_optimizer"]), row["rank"]) for row in r["ranks"])
         if b not in runs:
             r = summary(spec, pp, schedule, m, v, precision, {**sizes, "B": b}, optimizer, cache=cache,
                         inner=layout.inner)
@@ -218,6 +222,7 @@ def max_batch_pipeline(req, model, sets, config, attention, precision, as_json, 
             if missing is not None:
                 raise SymcostError(f"max-batch --pp: rank {missing[1]}'s peak could not be run: {missing[2]}")
             runs[b] = max((int(x), rk) for x, rk, _ in rows)
+            rows_at[b] = r["ranks"][runs[b][1]]
         return runs[b]
 
     best = 0
@@ -237,22 +242,85 @@ def max_batch_pipeline(req, model, sets, config, attention, precision, as_json, 
             lo, hi = (mid, hi) if peak(mid)[0] <= cap else (lo, mid)
         best = lo
         peak(best + 1)
+    shown = max(best, 1)  # the peak whose parts are shown: the answer's, else the smallest case's
+    parts = _peak_parts(rows_at[shown])
+    alts = _alternatives(runs[1], cap, optimizer, layout, sizes, pp, spec, peak) if best < 1 else None
     out = {"model": spec.name, "solve": "B", "value": best, "memory_cap": cap, "layout": layout.describe(dict(mesh)),
            "pipeline": {"pp": pp, "schedule": schedule, "microbatches": m, "virtual": v},
-           "peaks": {str(b): {"peak": pk, "rank": rk} for b, (pk, rk) in sorted(runs.items())}}
+           "peaks": {str(b): {"peak": pk, "rank": rk} for b, (pk, rk) in sorted(runs.items())},
+           "peak_parts": {"B": shown, "rank": runs[shown][1], **{k: b for k, _, b in parts}}}
+    if alts is not None:
+        out["alternatives"] = [{"option": o, "peak": pk, "fits": fits, "note": note} for o, pk, fits, note in alts]
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return best
-    from symcost.render.report import human
+    from rich.table import Table
 
-    click.echo(f"{spec.name}: {layout.describe(dict(mesh))}, {m} micro-batches per step")
+    from symcost.render.report import console, human
+
+    from ._options import layout_words
+
+    c = console()
+    c.print(f"{spec.name}: {layout_words(click.get_current_context(), layout, dict(mesh))}, {m} micro-batches per step")
+    c.print(f"  memory cap: {human(cap, 'B')} ({cap:,} bytes); M(B): the most loaded rank's peak at micro-batch B")
     if best < 1:
-        click.echo(f"not even B = 1 fits under {human(cap, 'B')}: the most loaded rank ({runs[1][1]}) peaks at "
-                   f"{human(runs[1][0], 'B')}")
-        return best
-    hi = runs[best + 1]
-    click.echo(f"largest micro-batch B = {best}: peak per rank {human(runs[best][0], 'B')} (rank {runs[best][1]}) "
-               f"<= {human(cap, 'B')}; B = {best + 1} peaks at {human(hi[0], 'B')} (rank {hi[1]})")
-    click.echo("  peaks: PyTorch's schedule run per rank on fake tensors with the optimizer state (report --pp's "
-               f"peak), at B = {', '.join(str(b) for b in sorted(runs))}")
+        c.print(f"[bold red]  even B = 1 does not fit[/bold red]: M(1) = {human(runs[1][0], 'B')} (rank {runs[1][1]}) "
+                "> cap")
+    else:
+        hi = runs[best + 1]
+        c.print(f"[bold]  largest micro-batch B = {best}[/bold]")
+        c.print(f"  check: M({best}) = {human(runs[best][0], 'B')} ({runs[best][0]:,} B, rank {runs[best][1]}) ≤ cap "
+                f"< M({best + 1}) = {human(hi[0], 'B')} (rank {hi[1]}) ✓")
+    t = Table(title=f"What the peak at B = {shown} is made of (rank {runs[shown][1]})", title_justify="left")
+    t.add_column("part")
+    t.add_column("bytes", justify="right")
+    t.add_column("")
+    for _, label, nbytes in parts:
+        t.add_row(label, f"{nbytes:,}", human(nbytes, "B"))
+    c.print(t)
+    if alts is not None:
+        c.print("  what to try (same model and sizes):")
+        for o, pk, fits, note in alts:
+            if pk is None:
+                c.print(f"    {o}: {note}")
+            else:
+                c.print(f"    {o}: " + (f"fits B = 1 (M(1) = {human(pk, 'B')})" if fits else
+                                         f"still does not fit (M(1) = {human(pk, 'B')})") + (f"; {note}" if note else ""))
+    c.print("  peaks: PyTorch's schedule run per rank on fake tensors with the optimizer state (report --pp's "
+            f"peak), at B = {', '.join(str(b) for b in sorted(runs))}")
     return best
+
+
+def _peak_parts(row: dict) -> list[tuple[str, str, int]]:
+    """``(key, label, bytes)`` of a rank's ``peak_with_optimizer`` (:func:`symcost.passes.pipeline.summary`),
+    the last row the sum."""
+    mem = row["memory"]
+    rest = row["peak_with_optimizer"] - mem["peak"]
+    parts = [("params", "parameters", mem["params"]), ("buffers", "buffers", mem["buffers"]),
+             ("grads", "gradients", mem["grads"]),
+             ("kept", "the pipeline engine's buffers (p2p, kept micro-batch outputs)", mem["kept"]),
+             ("top", "highest live set of the step (activations in flight, temporaries)", mem["top"]),
+             ("optimizer", "optimizer state and master weights (and a gradient buffer wider than the traced one)",
+              rest),
+             ("peak", "peak (the sum)", row["peak_with_optimizer"])]
+    return parts
+
+
+def _alternatives(at1, cap, optimizer, layout, sizes, pp, spec, peak) -> list[tuple[str, int | None, bool | None, str]]:
+    """What to try when not even B = 1 fits: ``(option, the most loaded rank's peak at B = 1
+    with it, whether that fits (None: not run here), note)``."""
+    out: list[tuple[str, int | None, bool | None, str]] = []
+    if optimizer != "sgd-nomomentum":
+        pk = peak(1, "sgd-nomomentum")[0]
+        out.append(("--optimizer sgd-nomomentum", pk, pk <= cap, "no optimizer state"))
+    if layout.ac is None:
+        out.append(("--ac selective or --ac full", None, None, "checkpoints every block: fewer activations held "
+                                                                "(not run here)"))
+    if layout.shard in (None, "ddp", "zero1"):
+        out.append(("--dp N --shard fsdp" if layout.shard is None else "--shard fsdp", None, None,
+                    "shards parameters, gradients and optimizer state over the data-parallel ranks (not run here)"))
+    L = spec.values(dict(sizes)).get("L", 0)
+    if L >= 2 * pp:
+        out.append((f"--pp {2 * pp}", None, None, f"half the blocks per rank (L = {L}; not run here)"))
+    out.append((f"--memory {at1[0]}B or more", at1[0], True, "the cap at the most loaded rank's peak at B = 1"))
+    return out
