@@ -232,6 +232,38 @@ def test_bad_requests_are_one_line():
         symcost.trace("cs336-lm", sizes={"B": 2, "S": 8, "L": 2}, layout=Layout(fp8="tensorwise"), use_cache=False)
 
 
+@pytest.mark.parametrize("args,msg", [
+    (["--fp8", "rowwise", "--dp", "2", "--shard", "fsdp", "--fp8-all-gather"], "tensorwise recipe only"),
+    (["--fp8-all-gather", "--dp", "2", "--shard", "fsdp"], "needs --fp8 tensorwise"),
+    (["--fp8", "tensorwise", "--fp8-all-gather"], "--shard fsdp"),
+    (["--fp8", "tensorwise", "--dp", "2", "--fp8-all-gather"], "(not ddp)"),
+])
+def test_cli_refusals_before_any_trace(args, msg, monkeypatch):
+    from click.testing import CliRunner
+
+    import symcost.graph.build as build
+    from symcost.cli import main
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced before refusing")
+
+    monkeypatch.setattr(build, "_trace_regime", no_trace)
+    r = CliRunner().invoke(main, ["report", "megatron-gpt", *args])
+    assert r.exit_code == 2 and msg in r.output and r.output.strip().count("\n") == 0, r.output
+
+
+def test_missing_torchao_is_one_line(monkeypatch):
+    """Without torchao, --fp8 says how to install it (pip install 'symcost[fp8]'), in one line."""
+    import sys
+
+    from symcost.frontends import fp8
+
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(SymcostError, match=r"pip install 'symcost\[fp8\]'") as e:
+        fp8.torchao()
+    assert "\n" not in str(e.value)
+
+
 def test_layout_keys_the_cache_and_round_trips():
     a, b = Layout(fp8="tensorwise"), Layout(shard="fsdp", fp8="tensorwise", fp8_all_gather=True)
     assert a.cache_options() != Layout().cache_options() != b.cache_options() != a.cache_options()
