@@ -151,6 +151,17 @@ SHARD_CHOICES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 FP8_CHOICES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
+def fp8_option(f):
+    """``--fp8 RECIPE``: FP8 training, one more step of the layout (:func:`layout_request`;
+    :mod:`symcost.frontends.fp8`); :func:`parallel_options` includes it."""
+    return click.option("--fp8", type=click.Choice(FP8_CHOICES), default=None, expose_value=False,
+                        callback=_keep_parallel("symcost.fp8"),
+                        help="FP8 training as torchao's float8 recipe of that name runs it (needs torchao: "
+                             "pip install 'symcost[fp8]'): the blocks' linears whose features are multiples of 16 "
+                             "become Float8Linear (torchtitan's converter, before --tp/--ac/--dp), their matmuls "
+                             "torch._scaled_mm at the device's fp8 peak")(f)
+
+
 def parallel_options(f):
     """``--dp N`` and ``--shard``: one rank of data-parallel training (docs/parallel.md). They
     reach :func:`trace_model` through the click context."""
@@ -203,12 +214,7 @@ def parallel_options(f):
                      callback=_keep_parallel("symcost.fp8_all_gather"),
                      help="with --fp8 tensorwise and --dp N --shard fsdp|zero3|zero2: FSDP2 all-gathers the "
                           "weights in fp8 (torchao's enable_fsdp_float8_all_gather; torchtitan's default: off)")(f)
-    f = click.option("--fp8", type=click.Choice(FP8_CHOICES), default=None, expose_value=False,
-                     callback=_keep_parallel("symcost.fp8"),
-                     help="FP8 training as torchao's float8 recipe of that name runs it (needs torchao: "
-                          "pip install 'symcost[fp8]'): the blocks' linears whose features are multiples of 16 "
-                          "become Float8Linear (torchtitan's converter, before --tp/--ac/--dp), their matmuls "
-                          "torch._scaled_mm at the device's fp8 peak")(f)
+    f = fp8_option(f)
     f = click.option("--dp", type=click.IntRange(min=1), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.dp"), metavar="N",
                      help="data-parallel size: trace one rank of N (the formulas gain the symbol DP)")(f)
