@@ -382,6 +382,43 @@ def test_real_gloo_run_1f1b_pp2(tmp_path):
 
 
 @pytest.mark.heavy
+def test_real_gloo_run_torchtitan_split_pp3(tmp_path):
+    """torchrun, 3 processes, gloo on CPU, the blocks split as torchtitan's default splits them
+    (the embedding and the output weigh a block each: the oracle is torchtitan's own function,
+    tests/data/torchtitan_split.py, whose module lists the real run's stages get): each rank's
+    FLOPs, saved bytes, send/receive bytes and parameters equal symcost's under --pp-split
+    torchtitan, and its peak is within 5%."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+    from torchtitan_split import _generate_llm_fqn_per_model_part
+
+    from symcost.passes.pipeline import summary
+
+    rng = random.Random(33)
+    pp, m, L = 3, 3, rng.randint(5, 7)
+    blocks = [sum(1 for n in part if n.startswith("layers.")) for part in _generate_llm_fqn_per_model_part(pp, L)]
+    assert len(set(blocks)) > 1  # (an uneven split: the case the option is for)
+    sizes = dict(_draw(random.Random(SEED)), L=L)
+    r = summary("cs336-lm", pp, "1f1b", m, sizes=sizes, cache=CACHE, split="torchtitan")
+    assert r["blocks"] == blocks and r["split"] == "torchtitan:1,1"
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
+    args = [str(x) for x in (m, sizes["B"], sizes["S"], sizes["H"], sizes["D"], L, sizes["V"], sizes["F"])]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(pp),
+           "tests/data/pp_rank.py", str(tmp_path), "1f1b", *args, ",".join(map(str, blocks))]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for rank in range(pp):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        want = r["ranks"][rank]
+        assert want["blocks"] == blocks[rank]
+        assert got["flops"] == want["flops"], rank
+        assert got["saved"] == m * r["stages"][rank]["saved"], rank
+        assert got["p2p"] == {"send": want["send"], "recv": want["recv"]}, rank
+        assert got["params"] == want["params"], rank
+        real = 4 * got["params"] + got["buffers"] + got["grads"] + got["kept"] + got["top"]
+        assert want["memory"]["peak"] == pytest.approx(real, rel=0.05), (rank, want["memory"], got)
+
+
+@pytest.mark.heavy
 def test_stage_traces_round_trip_the_trace_cache(monkeypatch):
     """``report --pp`` keeps each stage kind's trace in the trace cache: a second process (here:
     the in-process traces dropped and tracing made to fail) reads them back and gives every

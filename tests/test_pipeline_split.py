@@ -61,3 +61,15 @@ def test_even_and_explicit_splits():
     for bad in ("uneven", "3,0,2", "torchtitan:1", "torchtitan:-1,1", "3,x"):
         with pytest.raises(SymcostError, match="accepted"):
             parse_split(bad)
+
+
+def test_cli_pp_split_refusals_are_one_line():
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    for args, want in ((["--pp-split", "2,2,2"], "--pp-split needs --pp N"),
+                       (["--pp", "3", "--pp-split", "uneven"], "accepted: even, torchtitan"),
+                       (["--pp", "3", "--pp-split", "2,2"], "the pipeline has 3 stages of L = 6 blocks")):
+        r = CliRunner().invoke(main, ["report", "cs336-lm", "--set", "L=6", *args])
+        assert r.exit_code != 0 and want in r.output and "Traceback" not in r.output, (args, r.output)

@@ -257,7 +257,7 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
         raise SymcostError(f"--shard {shard} needs --dp N (the data-parallel size)")
     if pp is None:
         for key, flag in (("symcost.pp_schedule", "--schedule"), ("symcost.pp_microbatches", "--microbatches"),
-                          ("symcost.pp_virtual", "--virtual-stages")):
+                          ("symcost.pp_virtual", "--virtual-stages"), ("symcost.pp_split", "--pp-split")):
             if meta.get(key) is not None:
                 raise SymcostError(f"{flag} needs --pp N (the pipeline-parallel size)")
     if dp is None and not (pp is not None and pipeline):  # (the pipeline prices its own step)
@@ -283,8 +283,11 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
     pipe = None
     if pp is not None and pipeline:
         schedule = meta.get("symcost.pp_schedule") or "1f1b"
+        from symcost.frontends.pipeline import parse_split
+
         pipe = Pipeline(schedule, meta.get("symcost.pp_microbatches") or pp,
-                        meta.get("symcost.pp_virtual") or (2 if schedule == "interleaved-1f1b" else 1))
+                        meta.get("symcost.pp_virtual") or (2 if schedule == "interleaved-1f1b" else 1),
+                        parse_split(meta.get("symcost.pp_split")))
     ac = meta.get("symcost.ac")
     layout = Layout(shard=(shard or "ddp") if dp is not None else None, fsdp_mp=mp, tp=tp is not None,
                     sp=bool(meta.get("symcost.sp")), pipeline=pipe, ac=None if ac in (None, "none") else ac,

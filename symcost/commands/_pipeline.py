@@ -18,6 +18,11 @@ SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 def pipeline_options(f):
     """``--pp``, ``--schedule``, ``--microbatches``, ``--virtual-stages`` (through the click context)."""
+    f = click.option("--pp-split", default=None, expose_value=False, callback=_keep_parallel("symcost.pp_split"),
+                     metavar="SPLIT",
+                     help="with --pp: the blocks of each stage: even (Megatron-LM's default: L/stages each, the "
+                          "first ones one more), torchtitan (its default: the embedding and the output weigh a "
+                          "block each, torchtitan:A,B other weights), or N,N,... per stage [default: even]")(f)
     f = click.option("--virtual-stages", type=click.IntRange(min=1), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.pp_virtual"), metavar="V",
                      help="with --pp and --schedule interleaved-1f1b: stages per rank [default: 2]")(f)
@@ -172,10 +177,11 @@ def report_pipeline(req, model, sets, config, attention, precision, as_json, opt
 
         device = get_device(gpu)
     t0 = time.perf_counter()
-    _, ans = trace_stages(spec, pp, v, precision, sizes, cache, layout.inner)  # (summary reads them back)
+    # (summary reads them back)
+    _, ans = trace_stages(spec, pp, v, precision, sizes, cache, layout.inner, layout.pipeline.split)
     t1 = time.perf_counter()
     r = summary(spec, pp, schedule, m, v, precision, sizes, optimizer, device=device, devices_per_node=per_node,
-                cache=cache, inner=layout.inner)
+                cache=cache, inner=layout.inner, split=layout.pipeline.split)
     t2 = time.perf_counter()
     if as_json:
         click.echo(json.dumps(pipeline_json(spec, r, layout, mesh, precision, assumed, ans), indent=1))
@@ -212,11 +218,12 @@ def max_batch_pipeline(req, model, sets, config, attention, precision, as_json, 
     def peak(b: int, opt: str = optimizer) -> tuple[int, int]:
         """(the highest rank peak at B = b, that rank)."""
         if opt != optimizer:  # (another optimizer: the same rank runs, read back; only the state differs)
-            r = summary(spec, pp, schedule, m, v, precision, {**sizes, "B": b}, opt, cache=cache, inner=layout.inner)
+            r = summary(spec, pp, schedule, m, v, precision, {**sizes, "B": b}, opt, cache=cache, inner=layout.inner,
+                        split=layout.pipeline.split)
             return max((int(row["peak_with_optimizer"]), row["rank"]) for row in r["ranks"])
         if b not in runs:
             r = summary(spec, pp, schedule, m, v, precision, {**sizes, "B": b}, optimizer, cache=cache,
-                        inner=layout.inner)
+                        inner=layout.inner, split=layout.pipeline.split)
             rows = [(row.get("peak_with_optimizer"), row["rank"], row.get("memory_note")) for row in r["ranks"]]
             missing = next((row for row in rows if row[0] is None), None)
             if missing is not None:

@@ -73,7 +73,7 @@ def _rank_totals(stages: list[dict], microbatches: int) -> dict[str, Any]:
 
 
 def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", sizes: Mapping[str, int] | None = None,
-                 cache: tuple | None = None, inner=None):
+                 cache: tuple | None = None, inner=None, split=None):
     """Trace the stage modules a pipeline of ``pp`` ranks × ``virtual`` stages needs
     (``first`` and ``last``, ``middle`` when there are more than 2 stages). Returns
     ``(spec, {part: Analysis})``; each Analysis's ``L`` is the blocks of that stage.
@@ -86,7 +86,8 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
     ``inner``: the layout's other dimensions and techniques (a
     :class:`~symcost.frontends.layout.Layout` without a pipeline: ``--dp``, ``--tp``/``--sp``,
     ``--ac``), applied to each stage module as torchtitan applies them after its pipeline split;
-    each stage is then one rank of its (DP, TP) mesh, its formulas in DP and TP too."""
+    each stage is then one rank of its (DP, TP) mesh, its formulas in DP and TP too. ``split``:
+    the blocks of each stage (:func:`symcost.frontends.pipeline.stage_blocks`; None: even)."""
     import symcost
     from symcost.frontends.models import resolve
     from symcost.frontends.spec import ModelSpec
@@ -100,7 +101,7 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
     if values["L"] < n and virtual > 1:  # (the stage count is PP·v: say where it comes from)
         raise SymcostError(f"L = {values['L']} blocks cannot fill {n} pipeline stages (--pp {pp} × "
                            f"--virtual-stages {virtual}, one block each at least)")
-    stage_blocks(values["L"], n)  # enough blocks for the stages
+    stage_blocks(values["L"], n, split)  # enough blocks for the stages
 
     @functools.cache
     def container():
@@ -125,7 +126,7 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
                (cache[0], tuple(sorted((cache[1] or {}).items())), cache[2]) if cache else None,
                tuple(sorted(opts.items())))
         if key not in _TRACES:
-            own = stage_blocks(values["L"], n)[{"first": 0, "middle": min(1, n - 1), "last": n - 1}[part]]
+            own = stage_blocks(values["L"], n, split)[{"first": 0, "middle": min(1, n - 1), "last": n - 1}[part]]
 
             def fresh(part=part, own=own):
                 stage = stage_spec(spec, part, container(), precision=precision, probes=probes,
@@ -153,7 +154,7 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
 def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, precision: str = "fp32",
             sizes: Mapping[str, int] | None = None, optimizer: str = "adamw", peak: bool = True,
             device=None, devices_per_node: int | None = None, cache: tuple | None = None,
-            inner=None) -> dict[str, Any]:
+            inner=None, split=None) -> dict[str, Any]:
     """One pipeline step (``microbatches`` micro-batches of B sequences) on each of ``pp`` ranks.
 
     Args:
@@ -173,9 +174,12 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             (:func:`symcost.tracing.pipeline.rank_memory`), which also counts each group's
             collectives per step (``comm``: FSDP2 under ``PipelineStage`` all-gathers and
             reduces as the schedule drives it, not once per micro-batch).
+        split: the blocks of each of the PP·v stages (:func:`symcost.frontends.pipeline.parse_split`:
+            None the even split, ``"torchtitan"``, or a tuple); the per-rank rows follow it.
 
     Returns:
-        ``schedule``, ``source``, ``pp``, ``microbatches``, ``virtual``, ``bubble`` (idle/busy of
+        ``schedule``, ``source``, ``pp``, ``microbatches``, ``virtual``, ``blocks`` (of each
+        stage) and ``split`` (as ``--pp-split`` names it), ``bubble`` (idle/busy of
         the slowest rank, simulated on PyTorch's action lists), ``bubble_formula`` ((PP−1)/(v·m)),
         ``formulas`` per stage kind (one micro-batch: ``flops`` (model FLOPs: MFU's, no
         recomputation), ``flops_hardware`` (what the stage runs, activation checkpointing's
@@ -206,11 +210,11 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
 
     check_schedule(schedule, pp, microbatches, virtual)
     order = schedule_order(schedule, pp, microbatches, virtual)  # PyTorch's refusals before any trace
-    spec, ans = trace_stages(model, pp, virtual, precision, sizes, cache, inner)
+    spec, ans = trace_stages(model, pp, virtual, precision, sizes, cache, inner, split)
     sim = simulate(order)
     n = pp * virtual
     values = spec.values(dict(sizes or {}))
-    blocks = stage_blocks(values["L"], n)
+    blocks = stage_blocks(values["L"], n, split)
     shard = inner.shard if inner and inner.shard else "ddp"
     dp = int(values.get("DP", 1)) if inner and inner.shard else 1
     per_stage = {}
@@ -262,7 +266,8 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         layers = ans["first"].layer_container or spec.layers
         for row in ranks:
             def run(rank=row["rank"]):
-                return rank_memory(spec, values, layers, pp, schedule, microbatches, rank, virtual, precision, inner)
+                return rank_memory(spec, values, layers, pp, schedule, microbatches, rank, virtual, precision, inner,
+                                   split)
             try:
                 if cache is not None:
                     # (the rank's run, tens of seconds at 70B, kept in the trace cache: the same
@@ -272,6 +277,7 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
                     request = {"rank_memory": 1, "values": dict(values), "layers": layers, "pp": pp,
                                "schedule": schedule, "microbatches": microbatches, "rank": row["rank"],
                                "virtual": virtual, "inner": repr(inner),
+                               **({"split": repr(split)} if split is not None else {}),
                                "extra": {k: v for k, v in spec.extra.items()
                                          if isinstance(v, (str, int, float, bool, type(None)))}}
                     mem = cached_result(cache[0], cache[1] or {}, cache[2], precision, request, run)
@@ -305,10 +311,21 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             "source": SCHEDULES[schedule][2], "pp": pp, "microbatches": microbatches, "virtual": virtual,
             "bubble": sim["bubble"], "bubble_formula": (PP - 1) / (v * m) if virtual > 1 else (PP - 1) / m,
             "formulas": formulas, "pinned": {part: dict(an.pinned) for part, an in ans.items()}, "stages": per_stage, "ranks": ranks, "blocks": blocks,
-            "divisible": values["L"] % n == 0,
+            "divisible": values["L"] % n == 0, "split": _split_words(split),
             "symbols": {k: {"meaning": mean, **({"value": int(values[k])} if k in values else {})}
                         for an in ans.values() for k, mean in an.symbols.items()},
             "attention_flops_count": getattr(ans["first"], "attention_count", "full")}
+
+
+def _split_words(split) -> str:
+    """``even``, ``torchtitan:1,1`` or ``2,3,1``: the split as ``--pp-split`` takes it."""
+    if split is None:
+        return "even"
+    if split == "torchtitan":
+        return "torchtitan:1,1"
+    if split[0] == "torchtitan":
+        return f"torchtitan:{split[1]},{split[2]}"
+    return ",".join(map(str, split))
 
 
 def _rank_params(an) -> tuple:

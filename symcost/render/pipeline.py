@@ -50,7 +50,10 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
     v = r["virtual"]
     console.print(f"[bold]{name}[/bold]: pipeline of PP={r['pp']} ranks, {r['schedule']} "
                   f"({r['engine']}), m={r['microbatches']} micro-batches"
-                  + (f", v={v} stages per rank" if v > 1 else "") + (f"; {timing}" if timing else ""))
+                  + (f", v={v} stages per rank" if v > 1 else "")
+                  + (f", blocks per stage {', '.join(map(str, r['blocks']))} (--pp-split {r['split']})"
+                     if r.get("split", "even") != "even" or len(set(r.get("blocks") or [])) > 1 else "")
+                  + (f"; {timing}" if timing else ""))
     cap = (assumed or {}).get("memory_cap")
     if precision is not None:  # what it assumed, as the one-device report's header says it
         g = Grid.grid(padding=(0, 2))
