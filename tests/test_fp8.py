@@ -51,6 +51,8 @@ def _convert(model, recipe: str, all_gather: bool = False):
     config = (Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather) if recipe == "tensorwise"
               else Float8LinearConfig.from_recipe_name(recipe))
     convert_to_float8_training(model, config=config, module_filter_fn=_torchtitan_filter)
+    # every linear of the blocks (4 per megatron-gpt block), the head not
+    assert sum(type(m).__name__ == "Float8Linear" for m in model.modules()) == 4 * len(model.layers)
 
 
 def _size(t):
@@ -336,3 +338,40 @@ def test_tensor_parallel_float8_styles_match_pytorch(sp):
         for kind, want in got["comm"].items():
             assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (v, kind)
         assert int(an.params_shard.subs(env)) == got["shard"], (v, "parameter elements")
+
+
+@pytest.mark.heavy
+@pytest.mark.hf
+def test_hf_llama_one_device_matches_torchao():
+    """A transformers Llama (SwiGLU: F its own symbol, kept in the request's class mod 16) under
+    the tensorwise recipe, eager attention (FlopCounterMode does not see the CPU SDPA kernel),
+    against the real torchao-converted model on CPU, at random sizes: FLOPs, saved bytes,
+    parameter and gradient bytes. The head is filtered as torchtitan filters ``output``
+    (transformers names it ``lm_head``)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from symcost.frontends.models import resolve
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    request = {"B": 2, "S": 16, "H": 2, "D": 16, "L": 2, "V": 64, "F": 48}
+    an = symcost.trace("hf:llama", attention="eager", sizes=request, precision="fp32", torch_device="cpu",
+                       layout=Layout(fp8="tensorwise"))
+    assert not an.pinned, an.pin_reasons
+    assert {"F", "D"} <= set(an.symbols) and sum("_scaled_mm" in op.name for op in an.ops) == 3 * 7
+    spec = resolve("hf:llama", attention="eager")
+    rng = random.Random(2744)
+    for _ in range(2):
+        v = {"B": rng.randint(2, 4), "S": rng.randint(3, 24), "H": rng.randint(2, 4), "D": 16 * rng.randint(1, 2),
+             "L": rng.randint(2, 3), "V": rng.randint(20, 90), "F": 16 * rng.randint(2, 6)}
+        v = spec.values(v)  # (K follows H: the request's regime, K = H)
+        torch.manual_seed(0)
+        model = spec.build(v)
+        convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=lambda m, fqn: (
+            m.in_features % 16 == 0 and m.out_features % 16 == 0 and "lm_head" not in fqn))
+        assert sum(type(m).__name__ == "Float8Linear" for m in model.modules()) == 7 * v["L"]  # q k v o gate up down
+        got = _step(spec, v, model, torch.float32, fake=False)
+        env = _env(an, v)
+        assert int(an.flops("train").subs(env)) == got["flops"], (v, "FLOPs")
+        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], (v, "saved bytes")
+        assert int(an.params.subs(env)) * 4 == got["params"] == got["grads"], (v, "params")
