@@ -136,7 +136,7 @@ def test_cli_labels_traced_and_screened_rows(capsys):
     assert js["traced"] == 2 and src.count("traced") == 2 - len(js["dropped"]) and "screened" in src
     code, out, err = run_cli(capsys, *args, "--top", "3", "--trace-top", "2")
     assert code == 0, err
-    assert " tr " in out and "traced: the 2 fastest" in out
+    assert " tr " in out and "until 2 fit" in out
 
 
 
@@ -180,3 +180,43 @@ def test_traced_rows_against_fsdp_mem_tracker():
         values = spec.values({**SZ, "B": x["micro_batch"], "DP": x["dp"], "TP": x["tp"]})
         peer = tracker_layout_run(spec, mesh_of(x), values, prec, foreach=True)["peak"]
         assert abs(got - peer) <= 0.01 * peer, (x, got, peer)
+
+
+def test_refine_traces_until_k_fit_and_prunes_larger_micro_batches(monkeypatch):
+    """refine's order (no trace here: ``traced_peak`` replaced by a stand-in whose selective rows
+    peak at 3× their screened memory, the rest at 1.05×): candidates in step-time order until k
+    of them fit, the traced rows over the cap dropped, and a pipeline-free layout over the cap at
+    micro-batch b leaves out its rows at micro-batches ≥ b untraced."""
+    from symcost.passes import plan_traced
+
+    calls = []
+
+    def fake(model, lay, sizes, precision, optimizer="adamw", sp=False, use_cache=True):
+        calls.append(dict(lay))
+        row = rows_by_key[tuple(sorted(lay.items()))]
+        f = 3.0 if lay["checkpoint"] == "selective" else 1.05
+        return {"peak": int(row["memory"]["total"] * f), "rank": 0, "recompute_flops": 0.0, "source": "stand-in"}
+
+    res = plan(_an(), SZ, get_device("a100-80gb"), 8, 10**12, 16, PREC, checkpoints=("none", "full", "selective"),
+               keep_all=True)
+    mems = sorted(r["memory"]["total"] for r in res["layouts"] + res["excluded"])
+    cap = mems[len(mems) // 3]
+    res = plan(_an(), SZ, get_device("a100-80gb"), 8, cap, 16, PREC, checkpoints=("none", "full", "selective"),
+               keep_all=True)
+    rows = res["layouts"] + res["excluded"]
+    rows_by_key = {tuple(sorted(r["layout"].items())): r for r in rows}
+    monkeypatch.setattr(plan_traced, "traced_peak", fake)
+    out = plan_traced.refine(res, "megatron-gpt", SZ, PREC, k=4)
+    fitting = [r for r in out["layouts"] if r["peak_source"] == "traced"]
+    assert len(fitting) == 4 and out["traced"] == len(calls) <= 16
+    assert all(r["memory"]["traced_peak"] <= cap for r in out["layouts"] if r["peak_source"] == "traced")
+    assert all(r["layout"]["checkpoint"] != "selective" for r in out["layouts"] if r["peak_source"] == "screened")
+    over = {}
+    for c in calls:  # nothing traced at a micro-batch as large as one of the same layout over the cap
+        kind = plan_traced._kind(c)
+        assert c["micro_batch"] < over.get(kind, 10**9), c
+        row = rows_by_key[tuple(sorted(c.items()))]
+        if c["pp"] == 1 and row["memory"]["traced_peak"] > cap:
+            over[kind] = min(over.get(kind, c["micro_batch"]), c["micro_batch"])
+    times = [r["step_seconds"] for r in out["layouts"]]
+    assert times == sorted(times)

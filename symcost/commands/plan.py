@@ -71,8 +71,9 @@ def _positive(text: str, what: str) -> int:
 @click.option("--overlap", default="backward", show_default=True, type=click.Choice(["backward", "none"]))
 @click.option("--top", default=5, show_default=True, type=click.IntRange(min=1), help="layouts to print")
 @click.option("--trace-top", default=None, type=click.IntRange(min=0), metavar="K",
-              help="the K fastest screened layouts within 10%% of the cap get their per-rank peak from the "
-                   "composed trace report runs for that layout (0: the screen only) [default: 3 × --top]")
+              help="screened layouts within 10%% of the cap get their per-rank peak from the composed trace "
+                   "report runs for that layout, fastest first, until K fit (at most 4K traced; 0: the screen "
+                   "only) [default: 3 × --top]")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--debug", is_flag=True, help="show tracebacks")
 def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, memory, global_batch, sets, precision,

@@ -125,14 +125,22 @@ def traced_peak(model: str, lay: Mapping[str, Any], sizes: Mapping[str, int], pr
             "source": "passes.parallel.rank_peak on the layout's traced rank (report --dp/--tp/--ac)"}
 
 
+def _kind(x: Mapping[str, Any]) -> tuple:
+    """A plan row's layout without its micro-batch size and count."""
+    return tuple(sorted((k, v) for k, v in x.items() if k not in ("micro_batch", "microbatches")))
+
+
 def refine(res: dict[str, Any], model: str, sizes: Mapping[str, int], precision: str, optimizer: str = "adamw",
            sp: bool = False, k: int = 15, near: float = 0.1, use_cache: bool = True,
            progress=None) -> dict[str, Any]:
     """Re-rank a screened plan (:func:`symcost.passes.plan.plan` with ``keep_all=True``) with the
-    traced peaks of its best candidates: the ``k`` fastest rows whose screened memory is within
-    ``near`` (a fraction) of the cap, ``selective`` rows among them (the screen gives those
-    bounds only: full recomputation's memory, no recomputation's time), get
-    :func:`traced_peak`; a row whose traced peak exceeds the cap is dropped; a ``selective`` row
+    traced peaks of its best candidates: the rows whose screened memory is within ``near`` (a
+    fraction) of the cap, ``selective`` rows among them (the screen gives those bounds only: full
+    recomputation's memory, no recomputation's time), get :func:`traced_peak` in step-time
+    order until ``k`` of them fit the cap (at most 4·k traced); a row whose traced peak exceeds
+    the cap is dropped, and so are, untraced (``pruned``), the later rows of the same
+    pipeline-free layout at a micro-batch at least as large (one rank's step peaks higher at a
+    larger micro-batch); a ``selective`` row
     adds its traced recomputation at the peak FLOP rate to its step time; every row is labelled
     ``peak_source`` ``"traced"`` or ``"screened"`` (``memory.traced_peak`` holds the traced
     bytes), and the rows are ranked by step time again. Untraced ``selective`` rows are left out
@@ -140,7 +148,8 @@ def refine(res: dict[str, Any], model: str, sizes: Mapping[str, int], precision:
 
     Returns:
         ``res`` with ``layouts`` re-ranked, ``traced`` (rows traced), ``dropped`` (traced rows
-        over the cap), ``trace_top`` = k and ``near``.
+        over the cap), ``pruned`` (how many rows were left out by a smaller micro-batch's
+        traced peak), ``trace_top`` = k and ``near``.
 
     A candidate whose trace is refused (:class:`SymcostError`) keeps its screened memory, with
     ``trace_error`` and a line in ``notes``.
@@ -153,9 +162,21 @@ def refine(res: dict[str, Any], model: str, sizes: Mapping[str, int], precision:
     cap = res["memory_cap"]
     rows = list(res["layouts"]) + list(res.get("excluded", ()))
     pool = sorted((r for r in rows if r["memory"]["total"] <= cap * (1 + near) and mesh_of(r["layout"], sp)),
-                  key=lambda r: r["step_seconds"])[:k]
-    dropped, traced = [], 0
+                  key=lambda r: r["step_seconds"])
+    dropped, pruned, traced, fit = [], [], 0, 0
+    over: dict = {}  # a pipeline-free layout kind -> the smallest micro-batch whose traced peak was over the cap
+    tried = []
     for r in pool:
+        if fit >= k or len(tried) >= 4 * k:
+            break
+        x = r["layout"]
+        kind = _kind(x)
+        if x["pp"] == 1 and kind in over and x["micro_batch"] >= over[kind]:
+            # (one rank's step at a larger micro-batch peaks higher: the same layout at a smaller
+            # one was over the cap when traced)
+            pruned.append(r)
+            continue
+        tried.append(r)
         if progress is not None:
             progress(r)
         try:
@@ -177,6 +198,13 @@ def refine(res: dict[str, Any], model: str, sizes: Mapping[str, int], precision:
             r["mfu"] = r["model_flops"] / (n * res["peak_flops"] * r["step_seconds"])
         if t["peak"] > cap:
             dropped.append(r)
+            if x["pp"] == 1:
+                over[kind] = min(over.get(kind, x["micro_batch"]), x["micro_batch"])
+        else:
+            fit += 1
+    gone = {id(r) for r in pruned}
+    rows = [r for r in rows if id(r) not in gone]
+    pool = tried
     done = {id(r) for r in pool if "traced_peak" in r["memory"]}
     keep = [r for r in rows if id(r) in done and r["memory"]["traced_peak"] <= cap] + \
         [r for r in rows if id(r) not in done and r["memory"]["total"] <= cap and r["layout"]["checkpoint"] != "selective"]
@@ -185,6 +213,7 @@ def refine(res: dict[str, Any], model: str, sizes: Mapping[str, int], precision:
     res = dict(res)
     res["layouts"] = sorted(keep, key=lambda r: r["step_seconds"])
     res["traced"], res["dropped"], res["trace_top"], res["near"] = traced, dropped, k, near
+    res["pruned"] = len(pruned)
     refused = [r for r in pool if "trace_error" in r]
     if refused:
         res["notes"] = list(res.get("notes", ())) + [

@@ -48,7 +48,8 @@ def render(res: dict, top: int = 5, width: int | None = None) -> None:
     if not res["layouts"]:
         c.print("no layout fits: a larger memory cap, more devices, checkpointing or sharding")
     if "traced" in res:
-        c.print(f"traced: the {res['traced']} fastest screened layouts within {res['near']:.0%} of the cap "
-                f"(--trace-top {res['trace_top']}); {len(res['dropped'])} of them over the cap when traced, dropped")
+        c.print(f"traced: {res['traced']} screened layouts within {res['near']:.0%} of the cap, fastest first, until "
+                f"{res['trace_top']} fit (--trace-top); {len(res['dropped'])} of them over the cap when traced, dropped"
+                + (f", and {res['pruned']} more at a micro-batch as large of a layout that was" if res.get("pruned") else ""))
     c.print(f"overlap model: {res['overlap']}. Compute: the roofline at the datasheet peak (an upper "
             "bound on MFU). docs/parallel.md §13.")
