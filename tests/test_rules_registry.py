@@ -200,3 +200,28 @@ def test_operator_dunders_are_the_pointwise_ops_they_alias():
         op, ref = getattr(aten, dunder).Tensor, getattr(aten, alias).Tensor
         assert torch.Tag.pointwise in ref.tags
         assert rules.classify(op) == rules.classify(ref) == "pointwise", dunder
+
+
+def test_grouped_mm_rule_counts_its_groups_gemms():
+    """``aten._grouped_mm`` (transformers' grouped_mm experts) has no registry formula; symcost's
+    rule counts its groups' matmuls, by hand: the forward ``[N·R, K] × [E, K, N]`` is Σ_e
+    2·n_e·K·N = 2·(N·R)·K·N whatever the split, the weight gradient (contraction split,
+    ``[K, N·R] × [N·R, N] -> [E, K, N]``) 2·K·(N·R)·N, not E times that; bytes are the operands,
+    the offsets and the output (numel × 4 in fp32). Should torch register a formula, it must
+    agree."""
+    op = aten._grouped_mm.default
+    assert rules.classify(op) == "model"
+    E, K, N, T = sympy.symbols("E K N T", positive=True, integer=True)  # T = N·R rows
+    fwd = rules.cost(_view(op, [(T, K), (E, K, N), (E,)], [(T, N)], ((T, K), (E, K, N), (E,))))
+    assert sympy.expand(fwd.flops - 2 * T * K * N) == 0 and fwd.flops_all == fwd.flops
+    assert sympy.expand(fwd.bytes - 4 * (T * K + E * K * N + E + T * N)) == 0
+    gw = rules.cost(_view(op, [(K, T), (T, N), (E,)], [(E, K, N)], ((K, T), (T, N), (E,))))
+    assert sympy.expand(gw.flops - 2 * K * T * N) == 0
+    if op.overloadpacket in flop_registry:
+        assert sympy.expand(reg(op.overloadpacket, (T, K), (E, K, N), (E,), out=(T, N)) - fwd.flops) == 0, \
+            REVIEW.format(op)
+    # the other ops of that experts code: tokens per expert (histc), slot -> token (floor_divide)
+    assert rules.classify(aten.histc.default) == "special"
+    assert rules.classify(aten.floor_divide.default) == "pointwise"
+    h = rules.cost(_view(aten.histc.default, [(T,)], [(E,)], ((T,), E, 0, E - 1)))
+    assert h.flops == 0 and sympy.expand(h.flops_all - T) == 0

@@ -9,7 +9,8 @@ convolutions and their backward, the fused attention kernels): the same formulas
 ``FlopCounterMode``, by construction. Rules are added where that registry has none: the CPU
 flash-attention kernel ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward,
 counted with the registry's own ``sdpa_flop_count`` / ``sdpa_backward_flop_count``, and the
-oneDNN recurrent layer ``aten.mkldnn_rnn_layer`` (``nn.LSTM`` on CPU) and its backward. Rules
+oneDNN recurrent layer ``aten.mkldnn_rnn_layer`` (``nn.LSTM`` on CPU) and its backward, and the
+grouped GEMM ``aten._grouped_mm`` (the sum of its groups' matmuls, :func:`grouped_mm_flops`). Rules
 replace the registry's where it counts wrong (docs/conventions.md, "Divergences"): the raw
 ``_flash_attention_*`` / ``_efficient_attention_*`` kernels (registered ``get_raw=True``, they
 expect tensors, and read the kernels' [B, S, H, D] layout as [B, H, S, D]) and the weight
@@ -21,7 +22,8 @@ docs/conventions.md):
 ============================================  ===========================================
 op family                                     FLOPs
 ============================================  ===========================================
-pointwise (Tag.pointwise; __or__, __and__)    1 per output element
+pointwise (Tag.pointwise; __or__, __and__,    1 per output element
+floor_divide)
 reduction (``torch.Tag.reduction``)           1 per input element
 bias of ``addmm``/``baddbmm``/convolution     1 per output element (see :func:`bias_adds`)
 ``_softmax`` / ``_log_softmax`` / ``_safe_``  5 per element (max, subtract, exp, sum, divide/log)
@@ -32,6 +34,8 @@ bias of ``addmm``/``baddbmm``/convolution     1 per output element (see :func:`b
 ``native_dropout``                            2 per element (compare, scale)
 ``nll_loss_forward`` / backward               1 per target element
 ``embedding_dense_backward``                  1 per gradient element (scatter-add)
+``histc``                                     1 per input element (one bin increment)
+``_grouped_mm`` (grouped GEMM)                its GEMMs, see :func:`grouped_mm_flops`
 ``mkldnn_rnn_layer`` (+ its gate matmuls)     per hidden element and step: 2·G (+ 2·G biases)
                                               + state update (LSTM 5); backward twice that
 data movement (copy, cat, index, embedding)   0
@@ -378,6 +382,43 @@ def _rnn_layer_flops(v: OpView, w_ih: str, w_hh: str):
     return model, point
 
 
+def grouped_mm_flops(a, b, out):
+    """Model FLOPs of ``aten._grouped_mm(a, b, offs)``, shapes ``a``, ``b``, ``out``.
+
+    The groups split one dimension of the product among the experts (``offs``, int32 ``[G]``: the
+    cumulative sizes). Each group is an ordinary matmul (conventions: (m×k)·(k×n) is 2·m·k·n),
+    and the group sizes sum to the split dimension whatever ``offs`` holds, so the sum over the
+    groups needs only the shapes:
+
+    * 2-D ``[M_total, K]`` × 3-D ``[G, K, N]`` -> ``[M_total, N]`` (the experts' forward, rows
+      split): Σ_g 2·m_g·K·N = 2·M_total·K·N;
+    * 3-D ``[G, M, K]`` × 2-D ``[K, N_total]`` -> ``[M, N_total]``: 2·M·K·N_total;
+    * 2-D ``[M, K_total]`` × 2-D ``[K_total, N]`` -> ``[G, M, N]`` (a weight gradient, the
+      contraction split): Σ_g 2·M·k_g·N = 2·M·K_total·N (not 2·G·M·K_total·N: each product
+      contracts only its own group);
+    * 3-D × 3-D ``[G, M, K]·[G, K, N]``: a batched product, 2·G·M·K·N (bmm's formula).
+
+    These are the sums of the ``mm`` FLOPs that transformers' ``eager`` experts loop runs (and
+    ``FlopCounterMode`` counts) for the same slots; ``torch.utils.flop_counter`` has no formula
+    for ``_grouped_mm`` (torch 2.13), so ``FlopCounterMode`` counts 0 for it. A routing that
+    leaves slots past ``offs[-1]`` (expert-parallel sentinels) would run fewer; symcost's
+    routing models route every slot.
+    """
+    if len(a) == 2 and len(b) == 2:
+        return 2 * a[0] * a[1] * b[1]
+    return 2 * numel(out) * a[-1]
+
+
+@rule("aten._grouped_mm")
+def _grouped_mm(v: OpView) -> Cost:
+    """Grouped GEMM (transformers' ``grouped_mm`` experts): :func:`grouped_mm_flops`; a bias (the
+    op's ``bias``, unused by transformers) one add per output element in all-FLOPs; bytes of the
+    operands, ``offs`` and the output, each once."""
+    f = grouped_mm_flops(v.in_shapes[0], v.in_shapes[1], v.out_shapes[0])
+    bias = numel(v.out_shapes[0]) if _arg(v, "bias") is not None else 0
+    return Cost(f, f + bias, _traffic(v))
+
+
 @rule("aten.mkldnn_rnn_layer")
 def _mkldnn_rnn(v: OpView) -> Cost:
     """One layer and direction of ``nn.LSTM`` on the CPU (oneDNN), which FlopCounterMode counts as
@@ -508,6 +549,7 @@ PER_ELEMENT_IN = {  # FLOPs per element of the first input
     "aten._native_batch_norm_legit": 7, "aten._native_batch_norm_legit_no_training": 7,
     "aten._fused_rms_norm": 4, "aten._fused_rms_norm_backward": 8,
     "aten.embedding_dense_backward": 1,
+    "aten.histc": 1,  # one bin increment per input element (transformers' tokens per expert)
 }
 
 #: Transcendental function evaluations per output element, by function class. A roofline device
@@ -614,6 +656,8 @@ def bias_positions(op) -> tuple[int, ...]:
         return (2,)
     if packet == "aten.mkldnn_rnn_layer":
         return (3, 4)
+    if packet == "aten._grouped_mm":
+        return (3,)
     return ()
 
 
@@ -621,6 +665,9 @@ def bias_positions(op) -> tuple[int, ...]:
 #: tensors dispatch ``aten.__or__``/``__and__``, aliases of the pointwise ``bitwise_or``/``_and``;
 #: ``__xor__`` and the shifts are tagged pointwise already)
 DUNDER_POINTWISE = {"aten.__or__", "aten.__and__"}
+#: pointwise ops that carry no pointwise tag (torch 2.13): ``floor_divide`` (``//`` on tensors,
+#: transformers' ``perm // num_top_k`` slot-to-token map), 1 FLOP per output element
+UNTAGGED_POINTWISE = DUNDER_POINTWISE | {"aten.floor_divide"}
 
 
 def classify(op) -> str:
@@ -644,7 +691,7 @@ def classify(op) -> str:
     if packet in MOVE_OPS or packet in TRANSFER_OPS:
         return "move"
     tags = getattr(op, "tags", ())
-    if torch.Tag.pointwise in tags or packet in DUNDER_POINTWISE:
+    if torch.Tag.pointwise in tags or packet in UNTAGGED_POINTWISE:
         return "pointwise"
     if torch.Tag.reduction in tags:
         return "reduction"

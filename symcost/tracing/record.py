@@ -42,6 +42,7 @@ from symcost.frontends.layout import layout_of
 from symcost.frontends.models import ModelSpec
 from symcost.frontends.precision import precision_context
 from symcost.tracing.device_kernels import device_kernels
+from symcost.tracing import grouped_mm
 from symcost.tracing.recording import (  # noqa: F401 (re-exported: the recording's types)
     IntRef, MemoryEvent, OpCall, Recording, SavedTensor, TensorInfo, TensorRef)
 from symcost.tracing.recorder import (  # noqa: F401 (the dispatch mode and its helpers)
@@ -494,7 +495,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         kv_layers = None
         if inference:
             try:
-                with torch.no_grad(), autocast():
+                with torch.no_grad(), autocast(), grouped_mm.kernels():
                     args, kwargs, kv_layers = spec.infer(model, values, torch.device("cpu"), spec.step,
                                                          spec.kv_cache)
             except SymcostError as e:

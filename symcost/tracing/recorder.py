@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from symcost.errors import SymcostError
 from symcost.frontends.checkpointing import recomputing, recomputing_block
+from symcost.tracing import grouped_mm
 from symcost.tracing.recording import IntRef, MemoryEvent, OpCall, TensorInfo, TensorRef
 
 _META_KEY = "symcost_module"
@@ -92,6 +93,8 @@ def _dispatch_unaliased(func, args, kwargs):
     one by one on a cache hit (separate), so without this AccumulateGrad would copy or steal the
     gradient depending on the cache's history and the op sequence would change between probes.
     """
+    if func is grouped_mm.GROUPED_MM:  # any dtype and size, fake or real (symcost.tracing.grouped_mm)
+        return grouped_mm.run(func, args, kwargs)
     out = func(*args, **kwargs)
     if func in _META_ALIASED_OUTPUTS and isinstance(out, (tuple, list)):
         seen: set[int] = set()
