@@ -9,7 +9,9 @@ Oracles (no symcost formula involved):
   forced to the balanced assignment (token n's k-th slot goes to expert (n·R + k) mod E, so every
   expert gets exactly N·R/E slots);
 * activations: the bytes ``saved_tensors_hooks`` sees in a real forward of the traced
-  implementation (symcost's static-shaped dispatch) under the same forced routing;
+  implementation (transformers' ``grouped_mm`` experts for hf: models under balanced routing,
+  symcost's static-shaped dispatch for ``moe`` and under ``capacity``) under the same forced
+  routing;
 * parameters: ``sum(p.numel())`` of the real model; active parameters: counted by hand (the
   architecture's formula, or every parameter of the real model with its ``experts.*`` stacks
   counted R/E);
@@ -95,7 +97,8 @@ def _routed_by(choose):
 
 def sizes_for(an, rng: random.Random, n: int) -> list[dict[str, int]]:
     """``n`` small random sizes (real models are built at them) with E dividing B·S·R (balanced
-    routing then gives every expert a whole number of slots), never a probe of the fit. B >= 2:
+    routing then gives every expert a whole number of slots), never a probe of the fit, in the
+    trace's residue classes (``an.residues``). B >= 2:
     B = 1 is its own regime (traced with B pinned), not the one of these traces."""
     probes = {tuple(sorted((s, p[s]) for s in an.symbols)) for p in an.plan.points}
     out = []
@@ -108,6 +111,8 @@ def sizes_for(an, rng: random.Random, n: int) -> list[dict[str, int]]:
         full = {**v, **{a: v[b] for a, b in an.spec.tied.items()}}
         if (v["B"] * v["S"] * v["R"]) % v["E"] or tuple(sorted(v.items())) in probes or an.spec.check(full):
             continue
+        if any(s in v and v[s] % m != r for s, (m, r) in an.residues.items()):
+            continue  # outside the residue class the trace holds in (hf: the grouped experts' 16-byte rows)
         out.append(v)
     return out
 
@@ -479,7 +484,8 @@ def test_decode_reads_the_experts_hit(model):
         if (B * R < E) == (len(cases) % 2 == 1):  # alternate B·R < E and B·R >= E
             cases.append(dict(B=B, E=E, R=R))
     for case in cases:
-        v = {"H": 4, "D": 8, "L": 2, "V": rng.randint(30, 60), "F": rng.randint(8, 24), "K": 2, "M": 32,
+        # F a multiple of 8: hf: traces hold in F's residue class mod 8 (the grouped experts' 16-byte rows)
+        v = {"H": 4, "D": 8, "L": 2, "V": rng.randint(30, 60), "F": 8 * rng.randint(1, 3), "K": 2, "M": 32,
              "T": rng.randint(2, 9), **case}
         v = {s: x for s, x in v.items() if s in an.symbols}
         full = full_values(an, v)

@@ -17,6 +17,7 @@ at random small sizes of the traced regime.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 
@@ -54,6 +55,8 @@ def _draw(an, rng: random.Random) -> dict:
         v["V"] = v["DP"] * rng.randint(8, 24)
         if v["R"] == 1 or v["E"] == v["K"] or v["R"] > v["E"]:
             continue  # other regimes (R = 1 and E = K run other ops)
+        if any(s in v and v[s] % m != r for s, (m, r) in an.residues.items()):
+            continue  # D and F keep their residue mod 8 (the grouped experts' 16-byte rows)
         if an.spec.probe_ok(v) is None:
             return v
 
@@ -72,10 +75,57 @@ def test_mixtral_8x7b_shape_under_fsdp8_is_traced():
     assert int(an.params_shard.xreplace(env)) == params // 8
 
 
+@contextlib.contextmanager
+def _grouped_mm_on_fake_tensors():
+    """What the oracle needs to run transformers' ``grouped_mm`` experts (the code symcost traces
+    under balanced routing) under autocast on fake tensors, all from PyTorch or by hand:
+
+    * PyTorch's meta kernel of ``aten._grouped_mm`` asks for bf16 operands (the CUDA fast path's
+      rule), while its CPU and CUDA kernels run the fp32 operands an autocast step passes (the
+      weights' dtype): the meta kernel is replaced, while the oracle runs, by PyTorch's own output
+      constructor (torch/_meta_registrations.py ``_create_grouped_mm_output_tensor``) without
+      that check;
+    * FlopCounterMode has no formula for ``_grouped_mm``: the sum of its groups' matmuls, by hand
+      (rows split: 2·M_total·K·N; contraction split, a weight gradient: 2·M·K_total·N).
+    """
+    import warnings
+
+    import torch
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    aten = torch.ops.aten
+    lib = torch.library.Library("aten", "IMPL")
+
+    def meta(a, b, offs=None, bias=None, out_dtype=None):
+        return _create_grouped_mm_output_tensor(a, b, offs, out_dtype)
+
+    def flops(a, b, offs=None, bias=None, out_dtype=None, *, out_shape=None, **kwargs):
+        if len(a) == 2 and len(b) == 2:
+            return 2 * a[0] * a[1] * b[1]
+        rows = a[0] if len(a) == 2 else a[1]
+        return 2 * rows * a[-1] * b[-1] * (a[0] if len(a) == 3 and len(b) == 3 else 1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lib.impl("_grouped_mm", meta, "Meta")
+    registered = aten._grouped_mm not in flop_registry
+    if registered:
+        register_flop_formula(aten._grouped_mm)(flops)
+    try:
+        yield
+    finally:
+        if registered:
+            flop_registry.pop(aten._grouped_mm, None)
+        lib._destroy()
+
+
 def test_mixtral_rank_matches_pytorch_at_random_sizes():
     """Per-rank FLOPs, saved bytes, collective bytes, shard elements and model states of the
-    traced Mixtral rank equal PyTorch's on the fake process group, at random small sizes."""
+    traced Mixtral rank equal PyTorch's on the fake process group, at random small sizes, the
+    experts as transformers' grouped_mm runs them (:func:`_grouped_mm_on_fake_tensors`)."""
     an = _mixtral_dp8()
     rng = random.Random(27)
-    for _ in range(3):  # DP = 2, 3 and 8 (E = 8: one expert per rank)
-        _check_rank("hf:mixtral", "fsdp", an, _draw(an, rng), attention="eager")
+    with _grouped_mm_on_fake_tensors():
+        for _ in range(3):  # DP = 2, 3 and 8 (E = 8: one expert per rank)
+            _check_rank("hf:mixtral", "fsdp", an, _draw(an, rng), attention="eager")

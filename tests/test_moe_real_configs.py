@@ -312,17 +312,22 @@ def test_grouped_routing_constraints():
     assert spec.lead_blocks == 3 and lite.lead_blocks == 0  # V2-Lite's single dense block folds as a special first block
 
 
-def test_one_sequence_leaves_e_free():
+@pytest.mark.parametrize("routing", ["balanced", "capacity=2"])
+def test_one_sequence_leaves_e_free(routing):
     """B = 1 (``symcost report`` by default) is pinned; E must still take three probe values
-    that divide S·R (E a multiple of n_group = 8, at least 16): the base probe is chosen so
-    (S·R = 48, 80, ...), or E would be pinned and S after it."""
+    (E a multiple of n_group = 8, at least 16). Under ``capacity=c`` (symcost's padded dispatch)
+    they divide c·S·R: the base probe is chosen so (S·R = 48, 80, ...), or E would be pinned and
+    S after it; under ``balanced`` (transformers' grouped_mm experts: shapes [N·R, ·] at any
+    routing) the probes need no whole number of slots per expert."""
+    from symcost.frontends import moe
     from symcost.tracing.fit import find_base, plan_probes
 
-    spec = symcost.resolve(_path("deepseek-v3"), None, "eager")
+    spec = moe.with_routing(symcost.resolve(_path("deepseek-v3"), None, "eager"), routing)
     syms = tuple(s for s in spec.all_symbols if s not in ("B", "K"))  # K tied to H (K = H requested)
     kw = dict(fixed={"B": 1, "L": 5}, request=_full(spec, B=1, S=4096), ties={"K": "H"}, moduli=dict(spec.moduli))
     base = find_base(syms + ("B",), spec.probe_ok, 0, **kw)
     plan = plan_probes(syms + ("B",), spec.probe_ok, n_random=0, base=base, **kw)
     es = {p["E"] for p in plan.points}
     assert "E" in plan.axis and len(es) >= 3 and all(e % 8 == 0 and e >= 16 for e in es), es
-    assert all((p["B"] * p["S"] * p["R"]) % p["E"] == 0 for p in plan.points)
+    if routing != "balanced":
+        assert all((2 * p["B"] * p["S"] * p["R"]) % p["E"] == 0 for p in plan.points)

@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import difflib
 import operator
+from math import lcm as _lcm
 from typing import Any, Mapping
 
 import torch
@@ -414,7 +415,8 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
             f_attr, F = None, None
 
     # Mixture of experts (symcost.frontends.moe): E, R and the routed experts' width F, traced under a
-    # routing model (balanced by default) with symcost's static-shaped experts implementation.
+    # routing model (balanced by default: transformers' own grouped_mm experts code; capacity=c:
+    # symcost's padded dispatch), through the experts implementation "symcost".
     moe_b = moe.hf_binding(cfg)
     if moe_b is not None:
         f_attr, F = moe_b.f_attr, moe_b.F
@@ -483,6 +485,8 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         constraints.append(Constraint("max", "R", "E", "R (experts per token) must not exceed E (experts)"))
         constraints.extend(moe_b.constraints)
         moduli.update(dict(moe_b.moduli))
+        for sym in moe.row_widths(has_m):  # the grouped experts' 16-byte rows (moe.GROUPED_ROW_MODULUS)
+            moduli[sym] = _lcm(moduli.get(sym, 1), moe.GROUPED_ROW_MODULUS)
     if maxpos and not uses_rope and not alibi:  # a learned position table
         constraints.append(Constraint(
             "max", "S", int(maxpos),
@@ -569,7 +573,8 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
                                      "others mixture-of-experts")
     if moe_b is not None:
         extra.update(routing=moe.BALANCED.name, routing_description=moe.BALANCED.describe(),
-                     moe_attributes=f"E={moe_b.e_attr}, R={moe_b.r_attr}, F={moe_b.f_attr}")
+                     moe_attributes=f"E={moe_b.e_attr}, R={moe_b.r_attr}, F={moe_b.f_attr}",
+                     hf_experts=True, experts_code=moe.experts_code(moe.BALANCED))
     if model_type not in VERIFIED and model_type not in moe.VERIFIED_HF:
         extra["unverified"] = f"hf:{model_type} is not among the verified architectures ({', '.join(VERIFIED)})"
     return ModelSpec(
@@ -584,7 +589,7 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         follows=follows,
         layers=_LAYERS.get(model_type),
         extra=extra,
-        probe_check=moe.probe_check if moe_b is not None else None,
+        probe_check=moe.model_code_probe_check if moe_b is not None else None,
         record_context=unpacked_masks,
         lead_blocks=lead,
         infer=infer,

@@ -26,8 +26,10 @@ it, and the outputs are gathered back, weighted by the router's probabilities an
 Hugging Face models: :func:`experts_forward` is registered as the ``"symcost"`` experts
 implementation of ``transformers``' ``@use_experts_implementation`` hook
 (transformers/integrations/moe.py), and :func:`hf_binding` binds E, R and the expert FFN width F
-from an MoE config. Built-in models call :func:`dispatch`/:func:`combine` directly
-(``symcost/frontends/builtin/moe.py``).
+from an MoE config. Under ``balanced`` routing it runs the model's own default experts code,
+transformers' ``grouped_mm`` (static shapes ``[N·R, ·]`` whatever the router picks: the routing
+only fills the grouped GEMMs' offsets; issue 31), under ``capacity=c`` the padded dispatch above.
+Built-in models call :func:`dispatch`/:func:`combine` directly (``symcost/frontends/builtin/moe.py``).
 
 What the traced graph says about the experts (active parameters, slots per expert) is the
 MoE pass, :mod:`symcost.passes.moe`.
@@ -45,6 +47,22 @@ from symcost.errors import SymcostError
 ROUTING_ATTR = "symcost_routing"
 #: Name of the experts implementation registered with transformers' ExpertsInterface.
 HF_IMPLEMENTATION = "symcost"
+#: Residue modulus kept by the probes of the widths a grouped GEMM's rows have (F and the hidden
+#: width: M where it is a symbol, else D of H·D): PyTorch's ``_grouped_mm`` kernels pad every output
+#: row to 16 bytes and take only 16-byte operand rows (symcost.tracing.grouped_mm), so the bytes
+#: are polynomials within a residue class mod 16/itemsize (4 in fp32, 8 in bf16/fp16)
+GROUPED_ROW_MODULUS = 8
+
+
+def row_widths(has_m: bool) -> tuple[str, ...]:
+    """The symbols whose residues mod :data:`GROUPED_ROW_MODULUS` the probes keep: F and the
+    hidden width's own symbol (M, else D: with D ≡ 0 mod 8, H·D is too)."""
+    return ("F", "M") if has_m else ("F", "D")
+
+
+#: transformers' experts implementation a ``balanced`` trace runs (its default, where
+#: ``torch._grouped_mm`` exists: modeling_utils ``get_correct_experts_implementation``)
+MODEL_CODE = "grouped_mm"
 
 
 @dataclass(frozen=True)
@@ -130,18 +148,27 @@ def parse_routing(text: str | Routing | None) -> Routing:
     return Routing("balanced", Fraction(1)) if factor == 1 else Routing("capacity", factor)
 
 
-def probe_check(values: Mapping[str, int], routing: Routing = BALANCED) -> str | None:
+def probe_check(values: Mapping[str, int], routing: Routing = BALANCED, static: bool = True) -> str | None:
     """Why ``values`` are no probe for an MoE trace under ``routing``, else None.
 
-    Probes need an integer number of slots per expert, c·B·S·R/E, so that every traced size is an
-    exact polynomial; formulas fitted there are then evaluated at any size (a fractional
-    N·R/E is the balanced average). Also R <= E.
+    The static dispatch (``static``: :func:`dispatch`, every ``capacity`` trace and the built-in
+    ``moe``) needs an integer number of slots per expert, c·B·S·R/E, at a probe, so that every
+    traced size is an exact polynomial; formulas fitted there are then evaluated at any size (a
+    fractional N·R/E is the balanced average). transformers' grouped experts code
+    (:func:`experts_forward` under ``balanced``) has the shapes ``[N·R, ·]`` at any routing, so
+    it needs no such thing (``static=False``). Always: R <= E.
     """
     if values.get("R") is not None and values.get("E") is not None and values["R"] > values["E"]:
         return f"R must not exceed E (got R={values['R']}, E={values['E']})"
-    if not routing.exact(values):
+    if static and not routing.exact(values):
         return "c·B·S·R/E slots per expert must be an integer at a probe"
     return None
+
+
+def model_code_probe_check(values: Mapping[str, int]) -> str | None:
+    """:func:`probe_check` of a transformers MoE model traced with its own grouped experts code
+    (balanced routing): only R <= E."""
+    return probe_check(values, BALANCED, static=False)
 
 
 def check(values: Mapping[str, int]) -> str | None:
@@ -225,13 +252,30 @@ def routing_of(module) -> Routing:
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """transformers experts implementation ``"symcost"``: static-shaped, under a routing model.
+    """transformers experts implementation ``"symcost"``: the model's own experts code under
+    ``balanced`` routing, the static padded dispatch under ``capacity=c``.
 
     Same signature and weights as transformers' ``batched_mm``/``grouped_mm`` implementations
     (transformers/integrations/moe.py): ``hidden_states [N, M]``, ``top_k_index [N, R]``,
-    ``top_k_weights [N, R]`` -> ``[N, M]``; honours ``has_gate``, ``has_bias``,
-    ``is_transposed`` and ``has_post_expert_norm`` of ``@use_experts_implementation``.
+    ``top_k_weights [N, R]`` -> ``[N, M]``.
+
+    * ``balanced`` (the default): transformers' default implementation, ``grouped_mm``
+      (``grouped_mm_experts_forward``, :data:`MODEL_CODE`), as it is: the N·R slots sorted by
+      expert (``sort``), gathered (``[N·R, M]``), counted per expert (``histc``, ``cumsum``: the
+      offsets), two or three grouped GEMMs ``torch._grouped_mm`` (``[N·R, in] × [E, in, out]``,
+      rows split by the offsets), the gate, the routing weights, the inverse permutation and the
+      sum over a token's R slots. Its shapes do not depend on which experts the router picks;
+      the routing only fills the offsets, so any dropless routing (the balanced one included)
+      costs the same and keeps the same tensors. Recorded by :mod:`symcost.tracing.grouped_mm`.
+    * ``capacity=c``: every expert's buffer padded to C = c·N·R/E slots (:func:`dispatch`,
+      :func:`expert_linear`, :func:`combine`), honouring ``has_gate``, ``has_bias``,
+      ``is_transposed`` and ``has_post_expert_norm`` of ``@use_experts_implementation``.
     """
+    routing = routing_of(self)
+    if routing.kind == "balanced":
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     n = hidden_states.shape[0]
     e = self.num_experts
     c = routing_of(self).capacity(n, top_k_index.shape[-1], e)
@@ -295,7 +339,19 @@ def with_routing(spec, routing: str | Routing | None):
         return set_routing(base(values), r)
 
     extra = dict(spec.extra, routing=r.name, routing_description=r.describe())
-    return dataclasses.replace(spec, build=build, probe_check=lambda v: probe_check(v, r), extra=extra)
+    # the model's own grouped experts code (hf specs under balanced routing) has no C to keep whole
+    hf = bool(spec.extra.get("hf_experts"))
+    static = r.kind != "balanced" or not hf
+    if hf:
+        extra["experts_code"] = experts_code(r)
+    return dataclasses.replace(spec, build=build, probe_check=lambda v: probe_check(v, r, static), extra=extra)
+
+
+def experts_code(routing: Routing) -> str:
+    """What a transformers MoE model's experts run in a trace under ``routing`` (JSON/report)."""
+    if routing.kind == "balanced":
+        return f"transformers' {MODEL_CODE} (grouped_mm_experts_forward, transformers/integrations/moe.py)"
+    return "symcost's padded dispatch (symcost.frontends.moe.dispatch: [E, C, M] buffers, bmm)"
 
 
 def routing_of_spec(spec) -> Routing | None:

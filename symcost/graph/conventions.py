@@ -95,7 +95,12 @@ class Conventions:
           counted once.
 
         Models without V (``mlp``) have no output projection; models without a lookup have none.
+        A stack of E experts' parameters gathered per routed slot (transformers' ``grouped_mm``
+        experts read their biases as ``bias[expert_ids]``, an ``index``) is no lookup table
+        (:func:`symcost.graph.totals.is_routed`).
         """
+        from symcost.graph.totals import is_routed
+
         g = self.graph
         out: dict[str, str] = {}
         lookups = ("aten.embedding", "aten.index_select", "aten.index", "aten.gather", "aten._embedding_bag")
@@ -106,7 +111,8 @@ class Conventions:
             packet = d["op"].rsplit(".", 1)[0]
             if packet in lookups:
                 for name in self._param_sources(n):
-                    out.setdefault(name, "lookup")
+                    if not is_routed(self, name):  # (an expert bias gathered per routed slot is no table)
+                        out.setdefault(name, "lookup")
             elif packet in ("aten.slice", "aten.narrow") and d["out_shapes"]:
                 cut = {str(x) for e in d["out_shapes"][0] if isinstance(e, sympy.Basic) for x in e.free_symbols}
                 for name in self._param_sources(n):

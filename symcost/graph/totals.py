@@ -146,10 +146,14 @@ def is_routed(an, name: str) -> bool:
     """Whether parameter ``name`` of an Analysis is a stack of E experts' weights.
 
     From the traced graph: its first dimension is E (:func:`is_e`: the symbol, or its value where
-    E is pinned), and in the forward it reaches (through views and casts) an op whose output's
-    first dimension is E too (the batched expert matmul over the ``[E, C, ·]`` buffer, or an
-    expert bias added to it). The router's weight ``[E, M]`` is not: its matmul's output is
-    ``[N, E]``.
+    E is pinned), and in the forward it reaches (through views and casts) an op that applies it
+    expert by expert: one whose output's first dimension is E too (the batched expert matmul
+    over the ``[E, C, ·]`` buffer of the padded dispatch, or an expert bias added to it), a
+    grouped GEMM taking it as its ``[E, in, out]`` weight (``aten._grouped_mm``: transformers'
+    ``grouped_mm`` experts), or a gather of its rows per routed slot (``aten.index`` /
+    ``index_select`` with the stack as the source: that code's expert biases,
+    ``bias[expert_ids]``). The router's weight ``[E, M]`` is none of these: its matmul's output
+    is ``[N, E]``.
     """
     from symcost.graph.opsets import same_tensor
 
@@ -176,6 +180,25 @@ def is_routed(an, name: str) -> bool:
         outs = d.get("out_shapes") or []
         if outs and outs[0] and e(outs[0][0]):
             return True
+        if _per_expert(d, e):
+            return True
+    return False
+
+
+#: ops that apply an ``[E, ...]`` stack expert by expert without an ``[E, ...]`` output:
+#: op name prefix -> the input position that holds the stack
+_PER_EXPERT_OPS = {"aten._grouped_mm": 1, "aten.index.Tensor": 0, "aten.index_select": 0}
+
+
+def _per_expert(d, e) -> bool:
+    """Whether the forward op with graph data ``d``, reached from an ``[E, ...]`` stack through
+    views, reads it per expert: an op of :data:`_PER_EXPERT_OPS` whose input at the stack's
+    position has E rows (the ``[N·R, in]`` tokens of a grouped GEMM have none)."""
+    name = str(d.get("op") or "")
+    for prefix, pos in _PER_EXPERT_OPS.items():
+        if name.startswith(prefix):
+            ins = d.get("in_shapes") or []
+            return len(ins) > pos and bool(ins[pos]) and e(ins[pos][0])
     return False
 
 

@@ -19,7 +19,10 @@ from symcost.graph.totals import is_e, is_routed, params_active, params_active_m
 
 def slots_per_expert(an):
     """Token slots per expert buffer, read off the traced graph: the C of the ``[E, C, ·]``
-    operand of the forward expert matmuls (c·B·S·R/E under capacity factor c); None without one.
+    operand of the forward expert matmuls (c·B·S·R/E under capacity factor c); where the experts
+    run as grouped GEMMs (transformers' ``grouped_mm``: ``[N·R, in] × [E, in, out]``, balanced
+    routing) the slots N·R of its rows over the E experts (B·S·R/E, each expert's balanced
+    share); None without either.
 
     Raises:
         SymcostError: the MoE layers of one trace disagree (should not happen: one routing model).
@@ -35,6 +38,10 @@ def slots_per_expert(an):
         if op.phase != "forward" or op.family != "model" or not op.in_shapes:
             continue
         s = op.in_shapes[0]
+        if op.name.startswith("aten._grouped_mm") and len(s) == 2 and len(op.in_shapes[1]) == 3 \
+                and e(op.in_shapes[1][0]):
+            found.add(sympy.cancel(sympy.sympify(s[0]) / sympy.sympify(op.in_shapes[1][0])))
+            continue
         if len(s) != 3 or not e(s[0]):
             continue
         c = sympy.sympify(s[1])
@@ -58,6 +65,7 @@ def summary(an) -> dict[str, Any] | None:
         return None
     return {
         "routing": r.as_json(),
+        "experts_code": an.spec.extra.get("experts_code"),
         "slots_per_expert": slots_per_expert(an),
         "params_active": params_active(an),
         "params_active_matmul": params_active_matmul(an),

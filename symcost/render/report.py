@@ -227,6 +227,8 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
                           "model's own)")
     if an.spec.extra.get("routing_description"):  # mixture of experts (symcost.passes.moe)
         g.add_row("routing", an.spec.extra["routing_description"] + " (--routing)")
+    if an.spec.extra.get("experts_code"):  # which experts code ran (symcost.frontends.moe.experts_forward)
+        g.add_row("experts", an.spec.extra["experts_code"])
     layout = layout_of(an)
     if layout:  # the mesh one rank of which was traced (symcost.frontends.layout)
         if layout.dims:
@@ -526,6 +528,7 @@ def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None =
     moe_facts = _moe_summary(an)
     res["moe"] = None if moe_facts is None else {
         "routing": moe_facts["routing"],
+        "experts_code": moe_facts["experts_code"],
         "slots_per_expert": None if moe_facts["slots_per_expert"] is None else _slots(moe_facts["slots_per_expert"], env),
         "params_active_matmul": out(moe_facts["params_active_matmul"]),
     }
