@@ -181,9 +181,9 @@ def bench_256(cache=None):
 
 
 def parts(env):
-    """Where a warm traced plan's time goes (in this process, the trace cache of ``env``)."""
+    """Where a warm traced plan's time goes (in this process, the trace cache of ``env``): the
+    ``--tp`` trace read back, the screen, and each candidate ``refine`` traces, in its order."""
     from symcost.hardware.devices import get_device
-    from symcost.passes import plan_traced
     from symcost.passes.plan import plan, trace_for_plan
 
     sizes = {"S": 8192}
@@ -191,20 +191,24 @@ def parts(env):
     t0 = time.perf_counter()
     an = trace_for_plan(model, sizes, PREC)
     t1 = time.perf_counter()
-    res = plan(an, sizes, get_device("h100-sxm"), 256, 80 * 2**30, 512, PREC, micro_batches=(1, 2, 4, 8),
-               keep_all=True)
+    screen = plan(an, sizes, get_device("h100-sxm"), 256, 80 * 2**30, 512, PREC, micro_batches=(1, 2, 4, 8))
     t2 = time.perf_counter()
-    print(f"in-process, warm: --tp trace read {t1 - t0:.1f} s; screen of {res['considered']} layouts {t2 - t1:.1f} s")
-    rows = sorted((r for r in res["layouts"] + res["excluded"]
-                   if r["memory"]["total"] <= 80 * 2**30 * 1.1 and plan_traced.mesh_of(r["layout"])),
-                  key=lambda r: r["step_seconds"])[:15]
-    for r in rows:
-        t = time.perf_counter()
-        pk = plan_traced.traced_peak(model, r["layout"], sizes, PREC)
-        x = r["layout"]
-        print(f"  traced candidate dp {x['dp']} tp {x['tp']} pp {x['pp']} b {x['micro_batch']} m {x['microbatches']} "
+    print(f"in-process, warm: --tp trace read {t1 - t0:.1f} s; screen of {screen['considered']} layouts {t2 - t1:.1f} s")
+    marks = []
+
+    def hook(row):
+        marks.append((time.perf_counter(), row))
+
+    res = plan(an, sizes, get_device("h100-sxm"), 256, 80 * 2**30, 512, PREC, micro_batches=(1, 2, 4, 8),
+               model=model, trace_top=15, progress=hook)
+    end = time.perf_counter()
+    print(f"screen + refine {end - t2:.1f} s: {res['traced']} traced, {len(res['dropped'])} over the cap, "
+          f"{res['pruned']} pruned")
+    for (t, r), nxt in zip(marks, [m[0] for m in marks[1:]] + [end]):
+        x, pk = r["layout"], r["memory"].get("traced_peak")
+        print(f"  dp {x['dp']} tp {x['tp']} pp {x['pp']} b {x['micro_batch']} m {x['microbatches']} "
               f"{x['shard']}{' R' + str(x['replicate']) if x['replicate'] > 1 else ''} {x['checkpoint']}: "
-              f"{time.perf_counter() - t:.1f} s (peak {pk['peak'] / 2**30:.1f} GiB, screened "
+              f"{nxt - t:.1f} s (peak {'n/a' if pk is None else f'{pk / 2**30:.1f} GiB'}, screened "
               f"{r['memory']['total'] / 2**30:.1f} GiB)", flush=True)
 
 
