@@ -46,7 +46,7 @@ from symcost.tracing import grouped_mm
 from symcost.tracing.recording import (  # noqa: F401 (re-exported: the recording's types)
     IntRef, MemoryEvent, OpCall, Recording, SavedTensor, TensorInfo, TensorRef)
 from symcost.tracing.recorder import (  # noqa: F401 (the dispatch mode and its helpers)
-    FAKE_ONLY_OPS, _COMM_NAMESPACES, _LIFT_FRESH, _LOCAL_SCALAR_DENSE, _MESH_GROUPS, _META_ALIASED_OUTPUTS,
+    FAKE_ONLY_OPS, _COMM_NAMESPACES, _LIFT_FRESH, _LOCAL_SCALAR_DENSE, _MESH_GROUPS, _MESH_WORLD, _META_ALIASED_OUTPUTS,
     _META_KEY, _PADDING_IDX, _PRIM_DEVICE, _VALUE_TAGS, _WAIT_TENSOR, _FakeOnly, _Recorder, _dispatch_unaliased,
     _grad_fns, _label_graph, _module_names, _storage_key)
 
@@ -430,6 +430,12 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             # keep the DeviceMesh of an earlier recording whose mesh compares equal (same shape and
             # names), so a collective can name that mesh's group (seen: sequence parallelism's
             # backward all-gathers in every recording after the first of a process)
+            # (within one fake world: group names restart from 0 in a new one, where an earlier
+            # world's labels would name other groups, e.g. HSDP's "DP_replicate" on a TP group)
+            world = torch.distributed.distributed_c10d._get_default_group()
+            if _MESH_WORLD and _MESH_WORLD[0] is not world:
+                _MESH_GROUPS.clear()
+            _MESH_WORLD[:] = [world]
             _MESH_GROUPS.update(labels)
             groups = dict(_MESH_GROUPS)
     if layout:

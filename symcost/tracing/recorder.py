@@ -429,6 +429,8 @@ class _Recorder(TorchDispatchMode):
 #: process group name -> label ("DP", "TP", HSDP's "DP_replicate": Layout.engine_meshes) of every
 #: multi-dimensional mesh recorded in this process
 _MESH_GROUPS: dict[str, str] = {}
+#: the default process group those names belong to (a new fake world clears them)
+_MESH_WORLD: list = []
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
