@@ -113,7 +113,7 @@ def test_a_traced_rank_carries_its_layout(tmp_path, monkeypatch):
                                   "--set", "B=2", "S=8", "D=32", "L=2", "--json"])
     assert r.exit_code == 0, r.output
     got = json.loads(r.output)
-    assert got["layout"] == {"mesh": ["dp_shard"], "shard": "fsdp"}
+    assert got["layout"] == {"mesh": {"dp_shard": 4}, "shard": "fsdp"}  # (as report --pp has it)
     assert got["comm"]["total"] == int(a.comm_bytes("total").subs(
         {symcost.SYMS[k]: v for k, v in sizes.items()}))
 

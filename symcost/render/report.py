@@ -473,6 +473,23 @@ def render_values(an: Analysis, sizes: Mapping[str, int], memory: dict | None = 
     _unsupported(c, an, env)
 
 
+def _mesh_sizes(layout, env) -> dict:
+    """``{dimension: size}`` of ``layout``'s mesh at ``env`` (symbol -> value; the symbol's
+    name for a size not there): ``report --json``'s ``layout.mesh``."""
+    def size_of(sym):
+        v = (env or {}).get(SYMS[sym]) if sym in SYMS else None
+        return int(v) if v is not None else sym
+
+    out = {}
+    for d in layout.dims:
+        try:
+            n = layout.dim_size(d, size_of)
+        except TypeError:  # (DP/R with DP not given)
+            n = None
+        out[d] = int(n) if isinstance(n, int) or getattr(n, "is_Integer", False) else str(n)
+    return out
+
+
 def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None = None) -> dict:
     """The JSON contract: formulas (strings sympify parses) without sizes, integers with them.
 
@@ -503,9 +520,9 @@ def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None =
         "model": an.model,
         "precision": an.precision,
         "attention": an.spec.extra.get("attention"),
-        # the mesh one rank of which was traced: its dimensions (torchtitan's names and order),
-        # empty for one device (symcost.frontends.layout)
-        "layout": {"mesh": list(layout_of(an).dims), **layout_of(an).to_dict()},
+        # the mesh one rank of which was traced: {dimension: size} (torchtitan's names and order;
+        # the symbol's name where no size is given), empty for one device, as report --pp has it
+        "layout": {"mesh": _mesh_sizes(layout_of(an), env), **layout_of(an).to_dict()},
         "symbols": symbols,
         "tied_symbols": dict(an.spec.tied),
         "pinned_symbols": dict(an.pinned),
