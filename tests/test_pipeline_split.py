@@ -73,3 +73,23 @@ def test_cli_pp_split_refusals_are_one_line():
                        (["--pp", "3", "--pp-split", "2,2"], "the pipeline has 3 stages of L = 6 blocks")):
         r = CliRunner().invoke(main, ["report", "cs336-lm", "--set", "L=6", *args])
         assert r.exit_code != 0 and want in r.output and "Traceback" not in r.output, (args, r.output)
+
+
+def test_cli_schedules_pytorch_refuses_are_refused_before_any_trace(monkeypatch):
+    """1F1B with fewer micro-batches than stages and virtual stages on a one-stage schedule: one
+    line, and no stage is traced first (the stage traces are replaced by a failure here)."""
+    from click.testing import CliRunner
+
+    import symcost.passes.pipeline as pipeline
+    from symcost.cli import main
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced before refusing")
+
+    monkeypatch.setattr(pipeline, "trace_stages", no_trace)
+    monkeypatch.setattr(pipeline, "summary", no_trace)
+    for args, want in ((["--pp", "2", "--schedule", "1f1b", "--microbatches", "1"], "refuses 1f1b"),
+                       (["--pp", "2", "--virtual-stages", "2"], "runs one stage per rank")):
+        for cmd in ("report", "max-batch"):
+            r = CliRunner().invoke(main, [cmd, "cs336-lm", "--set", "L=4", *args])
+            assert r.exit_code == 2 and want in r.output and "Traceback" not in r.output, (cmd, args, r.output)

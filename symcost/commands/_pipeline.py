@@ -64,6 +64,12 @@ def pipeline_request(ctx):
     if per_node is not None and gpu is None:
         raise SymcostError("--devices-per-node with --pp needs --gpu (the device whose links price the step)")
     pipe = layout.pipeline
+    from symcost.frontends.pipeline import check_schedule, schedule_order
+
+    # PyTorch's refusals (1F1B with fewer micro-batches than stages, virtual stages on a one-stage
+    # schedule) in one line before any trace, not after the stage traces (newcomer walkthrough)
+    check_schedule(pipe.schedule, sizes["PP"], pipe.microbatches, pipe.virtual)
+    schedule_order(pipe.schedule, sizes["PP"], pipe.microbatches, pipe.virtual)
     return sizes["PP"], pipe.schedule, pipe.microbatches, pipe.virtual, gpu, per_node, layout, sizes
 
 
