@@ -131,16 +131,22 @@ def _build(spec, values, reference: bool):
     return model, values
 
 
-def measure_flops(spec, values) -> dict[str, int]:
-    """FlopCounterMode (forward + loss, backward) of the reference experts code, balanced router."""
-    model, values = _build(spec, values, reference=True)
+def step_flops(spec, model, values) -> tuple[int, int]:
+    """FlopCounterMode's (forward + loss, backward) FLOPs of one step of ``model`` on CPU at
+    ``values``, the router balanced (:func:`balanced_router`)."""
     args, kwargs = spec.make_inputs(values, torch.device("cpu"))
     with balanced_router():
         with FlopCounterMode(display=False) as fwd:
             loss = spec.loss(model(*args, **kwargs), (args, kwargs))
         with FlopCounterMode(display=False) as bwd:
             loss.backward()
-    f, b = fwd.get_total_flops(), bwd.get_total_flops()
+    return fwd.get_total_flops(), bwd.get_total_flops()
+
+
+def measure_flops(spec, values) -> dict[str, int]:
+    """FlopCounterMode (forward + loss, backward) of the reference experts code, balanced router."""
+    model, values = _build(spec, values, reference=True)
+    f, b = step_flops(spec, model, values)
     return {"flops.forward": f, "flops.backward": b, "flops.train": f + b,
             "params": sum(p.numel() for p in model.parameters())}
 

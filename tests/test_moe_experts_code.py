@@ -37,7 +37,7 @@ from symcost.passes.memory import memory_model
 from symcost.passes.moe import slots_per_expert
 from symcost.tracing import grouped_mm as gmm
 from symcost.tracing.fit import SYMS
-from test_moe import balanced_router
+from test_moe import balanced_router, step_flops
 
 #: the issue's tiny Qwen3-MoE: E 8, top-2, hidden 64, L 2 (fp32, B 2, S 64)
 QWEN = {"hidden_size": "64", "num_experts": "8", "num_experts_per_tok": "2", "num_hidden_layers": "2",
@@ -124,13 +124,8 @@ def _eager_flops(spec, values) -> dict[str, int]:
     full = oracle.full_values(spec, values)
     model = spec.build(full).train()
     model.set_experts_implementation("eager")
-    args, kwargs = spec.make_inputs(full, torch.device("cpu"))
-    with balanced_router():
-        with FlopCounterMode(display=False) as fwd:
-            loss = spec.loss(model(*args, **kwargs), (args, kwargs))
-        with FlopCounterMode(display=False) as bwd:
-            loss.backward()
-    return {"flops.forward": fwd.get_total_flops(), "flops.backward": bwd.get_total_flops()}
+    f, b = step_flops(spec, model, full)
+    return {"flops.forward": f, "flops.backward": b}
 
 
 def _draws(an, n: int) -> list[dict[str, int]]:
