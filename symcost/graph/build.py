@@ -530,8 +530,12 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
                   for d in range(len(t.shape)))
             for k, t in enumerate(op.outputs)
         ]
-        ints = [fitter(tuple(r.ops[i].ints[k] for r in recs), f"size argument of {op.name}")
-                for k in range(len(op.ints))]
+        # (an op given an optional integer argument at some probes only, e.g. a vocabulary-parallel
+        # embedding's padding_idx where the rank's rows hold the pad id: not a size; the base
+        # probe's values are kept as they are, unfitted)
+        ints = ([fitter(tuple(r.ops[i].ints[k] for r in recs), f"size argument of {op.name}")
+                 for k in range(len(op.ints))] if len({len(r.ops[i].ints) for r in recs}) == 1
+                else [sympy.Integer(x) for x in op.ints])
         family = rules.classify(op.op)
         key = (op.name, tuple(in_shapes), tuple(out_shapes), tuple(ints),
                tuple(t.dtype for t in op.inputs + op.outputs), getattr(op, "recompute", False))

@@ -15,14 +15,11 @@ def digest(sig: tuple) -> str:
 
 
 def regime_signature(rec: Recording) -> tuple:
-    """What a regime is made of: the aten op sequence with each op's number of integer
-    arguments (an embedding given a ``padding_idx`` only where the rank's rows hold the pad id: a
-    vocabulary-parallel shard of a small V holds none), the number of storages autograd saves,
+    """What a regime is made of: the aten op sequence, the number of storages autograd saves,
     and the number of storages the step allocates (copies that became views change it); for an
     inference step also the number of KV-cache tensors that hold fewer elements than their
     storage (a sliding window that drops tokens: the cache stops growing with T)."""
-    sig = (tuple((op.name, len(op.ints)) for op in rec.ops), len(rec.saved),
-           sum(1 for e in rec.events if e.nbytes > 0))
+    sig = (tuple(op.name for op in rec.ops), len(rec.saved), sum(1 for e in rec.events if e.nbytes > 0))
     if getattr(rec, "step", "train") != "train":
         sig += (rec.kv_evicted,)
     return sig
