@@ -314,6 +314,15 @@ def test_cli_json_and_errors(capsys):
     code, out, err = run_cli(capsys, "plan", "megatron-gpt", "--devices", "8", "--device", "a100-80gb",
                              "--memory", "80GiB", "--global-batch", "16", *ARGS, "--trace-top", "0")
     assert code == 0 and "MFU" in out and "fit" in out
+    # nothing fits under the cap: exit status 3, as max-batch (the text says so, JSON has fits 0);
+    # 64 blocks: about 3.1M parameters, 16 B each over 8 ranks at best, above 1 MiB everywhere
+    DEEP = ["--set", "H=8", "D=8", "L=64", "V=64", "S=16"]
+    code, out, err = run_cli(capsys, "plan", "megatron-gpt", "--devices", "8", "--device", "a100-80gb",
+                             "--memory", "1MiB", "--global-batch", "16", *DEEP, "--trace-top", "0")
+    assert code == 3 and "no layout fits" in out, (code, out, err)
+    code, out, err = run_cli(capsys, "plan", "megatron-gpt", "--devices", "8", "--device", "a100-80gb",
+                             "--memory", "1MiB", "--global-batch", "16", *DEEP, "--trace-top", "0", "--json")
+    assert code == 3 and json.loads(out)["fits"] == 0, (code, err)
     for bad, msg in (
             (["--devices", "8x", "--memory", "80GiB", "--global-batch", "16"], "--devices"),
             (["--devices", "8", "--memory", "80XB", "--global-batch", "16"], "unknown unit"),

@@ -78,7 +78,8 @@ def _positive(text: str, what: str) -> int:
 @click.option("--debug", is_flag=True, help="show tracebacks")
 def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, memory, global_batch, sets, precision,
          shards, checkpoints, schedules, micro, sp, overlap, top, trace_top, as_json, debug):
-    """The fastest parallel layouts of N devices that fit the memory per device.
+    """The fastest parallel layouts of N devices that fit the memory per device (exit status 3
+    when none does, as max-batch).
 
     Enumerates dp·tp·pp = N (tp | heads, pp | layers, dp | G), micro-batch b (G = dp·b·m),
     data-parallel sharding and checkpointing; keeps those whose per-rank memory fits; ranks them by
@@ -121,7 +122,11 @@ def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, mem
     if as_json:
         click.echo(json.dumps({**res, "layouts": res["layouts"][:top], "fits": len(res["layouts"])}, indent=1,
                               default=float))
-        return
-    from symcost.render.plan import render
+    else:
+        from symcost.render.plan import render
 
-    render(res, top)
+        render(res, top)
+    if not res["layouts"]:
+        from .max_batch import NOTHING_FITS
+
+        raise SystemExit(NOTHING_FITS)  # (as max-batch: nothing fits under --memory)
