@@ -362,3 +362,13 @@ def test_serve_tp_rank_kv_flops_equal_parallelised_model(capsys):
                            "vocab_size=128", "--context", "16", "--tp", "4", "--device", "h100", "--json")
     assert code == 2 and "--tp 4 does not divide the 2 key/value heads" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_serve_help_names_its_precision_default():
+    """``serve --help`` names the default serve runs (bf16-true), not training's bf16-mixed."""
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    r = CliRunner().invoke(main, ["serve", "--help"], terminal_width=200)
+    assert r.exit_code == 0 and "bf16-true: served weights in bf16" in r.output and "default: bf16-mixed" not in r.output

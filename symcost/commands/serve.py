@@ -123,3 +123,9 @@ def serve(model, sets, config, attention, precision, debug, device_name, devices
                             else f"no plot written to {plot}: not one sequence fits")
     if r["batch"] < 1:
         raise SystemExit(NOTHING_FITS)
+
+
+# --help says the default serve takes (the shared option's is training's bf16-mixed; serve() swaps it)
+for _p in serve.params:
+    if _p.name == "precision":
+        _p.show_default = "bf16-true: served weights in bf16"
