@@ -128,10 +128,9 @@ def padded(an, env: Mapping) -> dict[str, Any]:
     ``Σ d0·rest`` of the fitted formulas (equal where DP divides every d0). On the 2-D mesh
     (``--tp``) ``d0`` and ``rest`` are the TP-local shape (FSDP2 shards the TP shard); under HSDP
     ``DP`` is the ``dp_shard`` group's DP/R, and the gradient all-reduce over ``dp_replicate``
-    moves the padded shards too. Collectives of the TP group are not padded.
-
-    Raises:
-        SymcostError: a TP-local size that is not whole at ``env`` (TP does not divide it).
+    moves the padded shards too. Collectives of the TP group are not padded. Where TP does not
+    divide a dimension, rank 0's TP-local size is ``ceil(d/TP)`` (DTensor's ``Shard``, as
+    ``torch.chunk``).
 
     Returns:
         ``params_shard`` (elements rank 0 holds) and ``comm`` {kind: bytes per rank, ring},
@@ -159,9 +158,9 @@ def padded(an, env: Mapping) -> dict[str, Any]:
             sh = shards[name][0]
             dims = [sympy.sympify(d).xreplace(env) for d in sh]
             dims = [sympy.sympify(d) for d in ([dims[0] * dp] + dims[1:] if dims else dims)]
-            if not all(d.is_integer for d in dims):  # (a TP-local size the formulas cannot give)
-                raise SymcostError(f"{name}: its tensor-parallel shard {list(dims)} is not whole at these sizes")
-            dims = [int(d) for d in dims]
+            # where TP does not divide a dimension, DTensor's Shard chunks it as torch.chunk does:
+            # rank 0 (the traced rank) holds ceil(d/TP) of it
+            dims = [int(sympy.ceiling(d)) for d in dims]
         else:
             dims = [int(sympy.sympify(d).xreplace(env)) for d in shape]
         r = int(sympy.sympify(rep).xreplace(env))
