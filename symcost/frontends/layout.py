@@ -248,12 +248,10 @@ class Layout:
 
     def _pp_words(self) -> str:
         """``1f1b``, ``1f1b, split torchtitan:1,1``, ``1f1b, split 8,9,8,7``."""
+        from symcost.frontends.pipeline import split_words
+
         sp = self.pipeline.split
-        if sp is None:
-            return self.pipeline.schedule
-        words = ("torchtitan:1,1" if sp == "torchtitan" else f"torchtitan:{sp[1]},{sp[2]}" if sp[0] == "torchtitan"
-                 else ",".join(map(str, sp)))
-        return f"{self.pipeline.schedule}, split {words}"
+        return self.pipeline.schedule + (f", split {split_words(sp)}" if sp is not None else "")
 
     def describe(self, values: Mapping[str, int] | None = None) -> str:
         """``"dp_shard 8 (fsdp) × tp 8 (sp)"``: the mesh in words, sizes where ``values`` has them."""

@@ -101,6 +101,17 @@ def parse_split(text: str | None):
         raise SymcostError(f"bad --pp-split {text!r}; {accepted}") from None
 
 
+def split_words(split) -> str:
+    """``split`` as ``--pp-split`` names it: ``even``, ``torchtitan:1,1`` or ``2,3,1``."""
+    if split is None or split == "even":
+        return "even"
+    if split == "torchtitan":
+        return "torchtitan:1,1"
+    if split[0] == "torchtitan":
+        return f"torchtitan:{split[1]},{split[2]}"
+    return ",".join(map(str, split))
+
+
 def _torchtitan_split(L: int, n: int, input_weight: int, output_weight: int) -> list[int]:
     """torchtitan's ``_generate_llm_fqn_per_model_part`` (torchtitan/distributed/pipeline_parallel.py),
     counting blocks: ``L + input_weight + output_weight`` effective layers dealt out evenly, the

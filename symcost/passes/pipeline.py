@@ -26,8 +26,8 @@ from typing import Any, Mapping
 import sympy
 
 from symcost.errors import SymcostError
-from symcost.frontends.pipeline import (SCHEDULES, check_schedule, part_of, schedule_order, simulate, stage_blocks,
-                                        stage_spec)
+from symcost.frontends.pipeline import (SCHEDULES, check_schedule, part_of, schedule_order, simulate, split_words,
+                                        stage_blocks, stage_spec)
 from symcost.tracing.fit import SYMS
 
 PP = sympy.Symbol("PP", positive=True, integer=True)
@@ -311,21 +311,10 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             "source": SCHEDULES[schedule][2], "pp": pp, "microbatches": microbatches, "virtual": virtual,
             "bubble": sim["bubble"], "bubble_formula": (PP - 1) / (v * m) if virtual > 1 else (PP - 1) / m,
             "formulas": formulas, "pinned": {part: dict(an.pinned) for part, an in ans.items()}, "stages": per_stage, "ranks": ranks, "blocks": blocks,
-            "divisible": values["L"] % n == 0, "split": _split_words(split),
+            "divisible": values["L"] % n == 0, "split": split_words(split),
             "symbols": {k: {"meaning": mean, **({"value": int(values[k])} if k in values else {})}
                         for an in ans.values() for k, mean in an.symbols.items()},
             "attention_flops_count": getattr(ans["first"], "attention_count", "full")}
-
-
-def _split_words(split) -> str:
-    """``even``, ``torchtitan:1,1`` or ``2,3,1``: the split as ``--pp-split`` takes it."""
-    if split is None:
-        return "even"
-    if split == "torchtitan":
-        return "torchtitan:1,1"
-    if split[0] == "torchtitan":
-        return f"torchtitan:{split[1]},{split[2]}"
-    return ",".join(map(str, split))
 
 
 def _rank_params(an) -> tuple:
