@@ -22,6 +22,7 @@ from symcost.errors import SymcostError
 
 from symcost.frontends.spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, SYMBOL_ORDER, Inputs, ModelSpec  # noqa: F401
 from symcost.frontends.spec import BUILTINS, check_model_name  # noqa: F401  (the torch-free registry of names)
+from symcost.frontends.spec import model_stdout
 
 
 def resolve(model: str, config: Mapping[str, str] | None = None, attention: str | None = None) -> ModelSpec:
@@ -85,7 +86,8 @@ def _file_spec(model: str) -> ModelSpec:
     try:
         modspec = importlib.util.spec_from_file_location(f"symcost_user_{abs(hash(path))}", path)
         mod = importlib.util.module_from_spec(modspec)
-        modspec.loader.exec_module(mod)  # loaded only because the user named this file
+        with model_stdout():  # (its prints go to stderr, never into symcost's output)
+            modspec.loader.exec_module(mod)  # loaded only because the user named this file
     except Exception as e:  # noqa: BLE001 - user code can raise anything
         raise SymcostError(f"loading {path!r} failed: {type(e).__name__}: {e}") from e
     fn = getattr(mod, factory, None)
@@ -95,16 +97,32 @@ def _file_spec(model: str) -> ModelSpec:
     if any(p in SYMBOL_MEANINGS for p in sig.parameters):
         return _spec_from_factory(model, fn, sig)
     try:
-        out = fn()
+        with model_stdout():
+            out = fn()
     except Exception as e:  # noqa: BLE001 - user code can raise anything
         raise SymcostError(f"factory {factory!r} failed: {type(e).__name__}: {e}") from e
     if isinstance(out, ModelSpec):
         out.name = model
+        # the model's own code, wherever a pass calls it (a meta build, a pipeline stage, the
+        # validation's real step), prints to stderr
+        out.build, out.make_inputs, out.loss = (_quiet(f) for f in (out.build, out.make_inputs, out.loss))
         return out
     raise SymcostError(
         f"factory {factory!r} must return a symcost.ModelSpec, or take keyword arguments named by "
         "the symbols it uses (H, D, L, V, F, K) and return an nn.Module"
     )
+
+
+def _quiet(fn: Callable) -> Callable:
+    """``fn`` run under :func:`model_stdout` (a user's code prints to stderr)."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with model_stdout():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _spec_from_factory(model: str, fn: Callable, sig: inspect.Signature) -> ModelSpec:
@@ -124,7 +142,8 @@ def _spec_from_factory(model: str, fn: Callable, sig: inspect.Signature) -> Mode
 
     def build(values):
         try:
-            return fn(**{p: values[p] for p in syms})
+            with model_stdout():
+                return fn(**{p: values[p] for p in syms})
         except Exception as e:  # noqa: BLE001
             raise SymcostError(f"factory {fn.__name__!r} failed: {type(e).__name__}: {e}") from e
 

@@ -116,6 +116,20 @@ def request_facts(values: Mapping[str, int], symbols) -> dict:
 
 
 @contextlib.contextmanager
+def model_stdout():
+    """Run model code with its prints sent to stderr: symcost's stdout is its own output (the
+    ``--json`` object, the report), and a model that prints while it is built or run (nanoGPT
+    prints its parameter count in ``__init__``) would otherwise corrupt it. Torch-free.
+
+    Wraps whatever Python writes to ``sys.stdout`` (``print``); C code writing to file
+    descriptor 1 directly is not redirected."""
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+@contextlib.contextmanager
 def _skip_init():
     """``torch.nn.init``'s in-place initialisers (``normal_``, ``kaiming_uniform_``, ...) made to
     return their tensor untouched, then restored."""
@@ -237,7 +251,7 @@ class ModelSpec:
             whatever ``build`` raises."""
         import torch
 
-        with torch.device("meta"), _skip_init():
+        with torch.device("meta"), _skip_init(), model_stdout():
             return self.build(values)
 
     def probe_ok(self, values: Mapping[str, int]) -> str | None:

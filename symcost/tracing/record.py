@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from symcost.errors import SymcostError
 from symcost.frontends.layout import layout_of
 from symcost.frontends.models import ModelSpec
+from symcost.frontends.spec import model_stdout
 from symcost.frontends.precision import precision_context
 from symcost.tracing.device_kernels import device_kernels
 from symcost.tracing import grouped_mm
@@ -384,12 +385,13 @@ def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
     that fails (a kernel that checks values a fake tensor has none of, or an op whose real
     outputs are sized by the library, :data:`FAKE_ONLY_OPS`), it is recorded on fake ones.
     """
-    try:
-        return _record(spec, values, precision, optimizer, real_ok=True, strict=strict)
-    except SymcostError as e:
-        if not getattr(e, "real_tensors", False):
-            raise
-    return _record(spec, values, precision, optimizer, real_ok=False)
+    with model_stdout():  # (the model's prints go to stderr, never into symcost's output)
+        try:
+            return _record(spec, values, precision, optimizer, real_ok=True, strict=strict)
+        except SymcostError as e:
+            if not getattr(e, "real_tensors", False):
+                raise
+        return _record(spec, values, precision, optimizer, real_ok=False)
 
 
 def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimizer, real_ok: bool,
