@@ -1,0 +1,194 @@
+"""``max-batch`` with checkpointing: the memory of a step checkpointed by a plan kind chosen at
+every size, with the MemoryModel interface."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+from symcost.errors import SymcostError
+from symcost.tracing.fit import SYMS
+from symcost.passes.checkpoint.plans import KINDS, Plan
+from symcost.passes.checkpoint.schedule import Chain, chain, make_plan
+
+
+class CheckpointedMemory:
+    """The memory of a step checkpointed by the plan ``kind`` chosen at every size, with the
+    :class:`~symcost.passes.memory.MemoryModel` interface ``max-batch`` uses (``peak``,
+    ``peak_where``, ``components``, ``solve``, ``plan_accumulation``, ``no_fit_reason``).
+
+    At each size the plan is made (``optimal``: the least step peak at that size, so the largest
+    batch is that of the best plan there) and its peak is the composed schedule's
+    (:func:`exact`). ``solve`` searches the integer size (the least peak over plans grows with
+    B and S: each plan's does) and checks M(value) <= cap < M(value + 1) exactly.
+    """
+
+    def __init__(self, an, kind: str, mm, optimizer: str = "adamw", impl: str = "foreach"):
+        self.an, self.kind, self.plain = an, kind, mm
+        self.policy, self.opt, self.impl, self.device = mm.policy, mm.opt, mm.impl, mm.device
+        self.gens, self._syms = mm.gens, mm._syms
+        self.static, self.grads = mm.static, mm.grads
+        self._optimizer, self._impl = optimizer, impl
+        self._memo: dict = {}
+
+    def bytes_per_param(self) -> int:
+        return self.plain.bytes_per_param()
+
+    def _env(self, sizes):
+        return self.plain._env(sizes)
+
+    def full_values(self, sizes):
+        return self.plain.full_values(sizes)
+
+    def at(self, accumulate: bool = False, **sizes: int) -> tuple[Plan, Chain]:
+        """The plan of ``kind`` at ``sizes`` and its chain."""
+        key = (accumulate, tuple(sorted(sizes.items())))
+        hit = self._memo.get(key)
+        if hit is None:
+            env = self.an.bind(**sizes)
+            L = int(env[SYMS["L"]])
+            ch = chain(self.an, L, env, self._optimizer, self.impl, accumulate)
+            if self.kind == "optimal":
+                plan = Plan(ch.costs.container, L, ch.step_optimal()[0], "optimal")
+            else:
+                plan = make_plan(self.an, self.kind, L, env, ch=ch)
+            hit = self._memo[key] = (plan, ch)
+        return hit
+
+    def plan(self, **sizes: int) -> Plan:
+        """The plan used at ``sizes``."""
+        return self.at(**sizes)[0]
+
+    def peak(self, accumulate: bool = False, **sizes: int) -> int:
+        plan, ch = self.at(accumulate, **sizes)
+        return ch.peak(plan.segments)
+
+    def peak_where(self, **sizes: int) -> str:
+        plan, ch = self.at(**sizes)
+        return ch.schedule.simulate(plan.segments)[1]
+
+    def peak_parts(self, accumulate: bool = False, **sizes: int) -> dict[str, Any]:
+        """What the checkpointed step's peak at ``sizes`` is made of, in bytes, adding up to
+        :meth:`peak`: the static parts of :meth:`MemoryModel.peak_parts` (``params``,
+        ``optimizer``, ``master_weights``, ``buffers``, ``inputs``), and the live set where the
+        peak is reached as one part, ``checkpointed`` (gradients so far, kept block inputs and
+        RNG states, a segment's recomputed activations, temporaries: the composed schedule,
+        :class:`StepSchedule`, does not split it further); the plain step's live parts are 0.
+        Also ``peak`` and ``where``."""
+        plan, ch = self.at(accumulate, **sizes)
+        peak, where = ch.schedule.simulate(plan.segments)
+        out: dict[str, Any] = {k: v for k, v in self.plain.peak_parts(accumulate, **sizes).items()
+                               if k in ("params", "optimizer", "master_weights", "grad_buffer", "buffers",
+                                        "inputs")}
+        out.update(dict.fromkeys(self.plain.LIVE_PARTS, 0))
+        out["checkpointed"] = int(peak) - sum(out.values())
+        out["peak"], out["where"] = int(peak), where
+        return out
+
+    def components(self, **sizes: int) -> dict[str, int]:
+        """As :meth:`MemoryModel.components`, with the checkpointed step's ``peak`` and, as
+        ``activations``, the plan's activation peak (segment model)."""
+        out = self.plain.components(**sizes)
+        plan, ch = self.at(**sizes)
+        out["activations"] = ch.cost(plan.segments)[0]
+        out["peak"] = ch.peak(plan.segments)
+        out.pop("activations_per_layer", None)
+        return out
+
+    def dominant(self, **sizes: int) -> tuple[str, int]:
+        from symcost.passes.memory.solve import Solver
+
+        return Solver.dominant(self, **sizes)
+
+    def no_fit_reason(self, sol, **sizes: int):
+        from symcost.passes.memory.solve import Solver
+
+        return Solver.no_fit_reason(self, sol, **sizes)
+
+    def plan_accumulation(self, global_batch: int, devices: int, cap, **sizes: int):
+        from symcost.passes.memory.solve import Solver
+
+        return Solver.plan_accumulation(self, global_batch, devices, cap, **sizes)
+
+    def solve(self, cap, var: str = "B", accumulate: bool = False, **sizes: int):
+        """Largest integer ``var`` (B or S) whose checkpointed step fits under ``cap``: doubling
+        then bisection on the exact integer peak (the model's own limits respected, as
+        :meth:`MemoryModel.solve`).
+
+        Raises:
+            SymcostError: ``var`` not a symbol, or set in ``sizes``; a peak that does not grow.
+        """
+        from symcost.passes.memory import parse_memory
+        from symcost.passes.memory.results import Solution
+
+        t0 = time.perf_counter()
+        cap = parse_memory(cap)
+        if var not in self.gens:
+            raise SymcostError(f"cannot solve for {var!r}: not a symbol of {self.an.model} "
+                               f"(symbols: {', '.join(self.gens)})")
+        sizes = dict(sizes)
+        if var in sizes:
+            raise SymcostError(f"--set {var}=... conflicts with solving for {var}")
+        env = self._env({**sizes, var: 1})
+        fixed = {str(s): int(env[s]) for s in self._syms if str(s) != var}
+        check = self.an.spec.check
+
+        def valid(x):
+            return check(self.full_values({**fixed, var: x})) is None
+
+        def M(x):
+            return self.peak(accumulate, **fixed, **{var: x})
+
+        limited_by = None
+        if not valid(1) or M(1) > cap:
+            value = 0
+        else:
+            lo, hi = 1, 2
+            while valid(hi) and M(hi) <= cap:
+                lo, hi = hi, hi * 2
+                if hi > 2**40:
+                    raise SymcostError(f"the peak memory of {self.an.model} does not grow with {var}; "
+                                       f"no largest {var}")
+            while hi - lo > 1:  # M(lo) <= cap and valid(lo); hi is not both
+                mid = (lo + hi) // 2
+                if valid(mid) and M(mid) <= cap:
+                    lo = mid
+                else:
+                    hi = mid
+            value = lo
+            if not valid(value + 1):
+                why = check(self.full_values({**fixed, var: value + 1}))
+                limited_by = f"{why}; the model allows no larger {var}"
+        sol = Solution(var=var, value=value, cap=cap, memory_at=M(value) if value >= 1 else None,
+                       memory_next=M(value + 1) if valid(value + 1) or value == 0 else None,
+                       sizes={**dict(getattr(self.an, "pinned", {}) or {}), **fixed}, bound=None,
+                       inequality=(f"peak of the step checkpointed by the {self.kind} plan at each {var} "
+                                   f"<= {cap} (doubling and bisection on {var})"),
+                       limited_by=limited_by)
+        sol.checked = (value == 0 or sol.memory_at <= cap) and (
+            limited_by is not None or sol.memory_next is None or sol.memory_next > cap)
+        if value == 0:
+            sol.dominant = self.dominant(**fixed, **{var: 1})
+        sol.seconds = time.perf_counter() - t0
+        return sol
+
+
+def plan_memory(an, kind: str, sizes: Mapping[str, int], optimizer: str = "adamw",
+                impl: str = "foreach", device: str = "cuda"):
+    """``(memory model, sizes)`` of the step checkpointed by ``kind`` (one of :data:`KINDS`):
+    the plain :class:`~symcost.passes.memory.MemoryModel` for ``none``, else a
+    :class:`CheckpointedMemory` whose plan is chosen at every size it is asked.
+
+    Raises:
+        SymcostError: unknown kind, no repeated blocks, bad sizes.
+    """
+    from symcost.passes.memory import memory_model
+
+    if kind not in KINDS:
+        raise SymcostError(f"unknown checkpoint plan {kind!r}; accepted: {', '.join(KINDS)}")
+    mm = memory_model(an, an.precision, optimizer, impl, device)
+    if kind == "none":
+        return mm, dict(sizes)
+    if "L" not in an.symbols or an.layer_container is None:
+        raise SymcostError(f"{an.model} has no repeated blocks (no symbol L); nothing to checkpoint")
+    return CheckpointedMemory(an, kind, mm, optimizer, mm.impl), dict(sizes)
