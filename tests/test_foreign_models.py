@@ -69,3 +69,96 @@ def test_printing_model_keeps_json_clean(chatty_file, factory, capsys, tmp_path,
         meta = nn.ModuleList(nn.Linear(d, d) for _ in range(n_layers))
     assert js["params"] == sum(p.numel() for p in meta.parameters())
     assert "number of parameters" in err and "number of parameters" not in out
+
+
+# ------------------------------------------------------------------------------------------------
+# pooling, nearest resampling, mse_loss, softplus' backward: rules, no longer 0 bytes
+class PoolUp(nn.Module):
+    """conv 1×1 -> max-pool 2 -> softplus -> nearest upsample ×2 -> avg-pool 2 -> nearest ×2, on
+    [B, D, 2S, 2S] images (the side 2S keeps every size a polynomial); trained on mse_loss."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.conv = nn.Conv2d(d, d, 1)
+
+    def forward(self, x):
+        y = torch.nn.functional.softplus(torch.nn.functional.max_pool2d(self.conv(x), 2))
+        y = torch.nn.functional.avg_pool2d(torch.nn.functional.interpolate(y, scale_factor=2, mode="nearest"), 2)
+        return torch.nn.functional.interpolate(y, scale_factor=2, mode="nearest")
+
+
+def pool_spec():
+    return symcost.ModelSpec(
+        name="poolup", symbols=("D",), defaults={"B": 2, "S": 4, "D": 3},
+        build=lambda v: PoolUp(v["D"]),
+        make_inputs=lambda v, device: ((torch.randn(v["B"], v["D"], 2 * v["S"], 2 * v["S"], device=device),), {}),
+        loss=lambda out, inputs: torch.nn.functional.mse_loss(out, inputs[0][0]))
+
+
+def _tensors(tree):
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def test_pool_upsample_mse_softplus_rules_against_the_step():
+    """At random sizes, every op the step runs is counted (none unsupported); model FLOPs equal
+    FlopCounterMode's; each of the new ops' bytes equals the bytes of the real tensors PyTorch
+    hands it and returns (those it reads: a pooling backward reads ``self``'s sizes only), and
+    its all-FLOPs the hand count of rules_special's table."""
+    import sympy
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    an = symcost.trace(pool_spec(), precision="fp32")
+    assert not an.unsupported, an.unsupported
+    names = {op.name.rsplit(".", 1)[0] for op in an.ops}
+    new = {"aten.max_pool2d_with_indices", "aten.max_pool2d_with_indices_backward", "aten.avg_pool2d",
+           "aten.avg_pool2d_backward", "aten.upsample_nearest2d", "aten.upsample_nearest2d_backward",
+           "aten.mse_loss", "aten.mse_loss_backward", "aten.softplus_backward"}
+    assert new <= names, new - names
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if str(func.overloadpacket) in new:
+                self.calls.append((str(func.overloadpacket), _tensors((args, kwargs)), _tensors(out)))
+            return out
+
+    unread = {"aten.max_pool2d_with_indices_backward": 1, "aten.avg_pool2d_backward": 1}
+    rng = random.Random("poolup")
+    syms = {s: sympy.Symbol(s, positive=True, integer=True) for s in ("B", "S", "D")}
+    for _ in range(2):
+        v = {"B": rng.randint(1, 3), "S": rng.randint(2, 6), "D": rng.randint(2, 5)}
+        spec = pool_spec()
+        model = spec.build(v)
+        (x,), _ = spec.make_inputs(v, torch.device("cpu"))
+        seen = Seen()
+        with FlopCounterMode(display=False) as fc, seen:
+            spec.loss(model(x), ((x,), {})).backward()
+        got = an.subs(**v)
+        assert got["flops.train"] == fc.get_total_flops(), v
+        side, n_small = 2 * v["S"], v["B"] * v["D"] * v["S"] ** 2
+        n_big = 4 * n_small
+        hand_flops = {  # rules_special's table, at these sizes
+            "aten.max_pool2d_with_indices": 4 * n_small, "aten.max_pool2d_with_indices_backward": n_small,
+            "aten.avg_pool2d": 4 * n_small, "aten.avg_pool2d_backward": 5 * n_small,
+            "aten.upsample_nearest2d": 0, "aten.upsample_nearest2d_backward": n_big,
+            "aten.mse_loss": 3 * n_big, "aten.mse_loss_backward": 3 * n_big, "aten.softplus_backward": n_small,
+        }
+        assert side * side * v["B"] * v["D"] == n_big
+        symbolic = {}
+        for op in an.ops:
+            packet = op.name.rsplit(".", 1)[0]
+            if packet in new:
+                at = {syms[k]: val for k, val in v.items()}
+                symbolic.setdefault(packet, []).append(
+                    (int(sympy.sympify(op.cost.bytes).subs(at)), int(sympy.sympify(op.cost.flops_all).subs(at))))
+        oracle = {}
+        for packet, ins, outs in seen.calls:
+            ins = [t for i, t in enumerate(ins) if i != unread.get(packet)]
+            oracle.setdefault(packet, []).append(
+                (sum(t.numel() * t.element_size() for t in ins + outs), hand_flops[packet]))
+        assert {k: sorted(c) for k, c in symbolic.items()} == {k: sorted(c) for k, c in oracle.items()}, v

@@ -171,8 +171,9 @@ def estimate(an) -> FusionEstimate:
         total = sympy.Integer(0)
         ins, outs = [], []
         skip_first = str(op.op.overloadpacket) in rules.OVERWRITE_OPS
+        unread = rules.UNREAD_INPUTS.get(str(op.op.overloadpacket), ())  # (sizes only: a pooling backward's self)
         for k, v, tid in reads[i]:
-            if skip_first and k == 0:
+            if (skip_first and k == 0) or k in unread:
                 continue
             if v is not None and region_of.get(v[0]) == rid:
                 continue

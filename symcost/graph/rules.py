@@ -35,6 +35,7 @@ bias of ``addmm``/``baddbmm``/convolution     1 per output element (see :func:`b
 ``nll_loss_forward`` / backward               1 per target element
 ``embedding_dense_backward``                  1 per gradient element (scatter-add)
 ``histc``                                     1 per input element (one bin increment)
+pooling, nearest resampling, ``mse_loss``     see :mod:`symcost.graph.rules_special`
 ``_grouped_mm`` (grouped GEMM)                its GEMMs, see :func:`grouped_mm_flops`
 ``mkldnn_rnn_layer`` (+ its gate matmuls)     per hidden element and step: 2·G (+ 2·G biases)
                                               + state update (LSTM 5); backward twice that
@@ -55,6 +56,7 @@ import torch
 from torch.utils.flop_counter import bmm_flop, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from symcost.graph.opsets import PASS_THROUGH, ROW_NORMALISING, numel  # noqa: F401  (re-exported: torch-free facts)
+from symcost.graph.rules_special import SPECIAL_RULES, UNREAD_INPUTS  # noqa: F401  (fusion reads UNREAD_INPUTS)
 
 aten = torch.ops.aten
 
@@ -489,6 +491,10 @@ COMM_OPS: dict[str, tuple[str, tuple]] = {
     "c10d.allreduce_": ("all_reduce", ("in", "all")),  # ([tensors], group, op, ...)
     "_c10d_functional.all_reduce": ("all_reduce", ("in", 0)),
     "c10d.broadcast_": ("broadcast", ("in", "all")),
+    # expert parallelism's token dispatch and combine (symcost.frontends.expert_parallel): the
+    # size is the input the rank splits over the group (equal splits: the routing model's)
+    "_c10d_functional.all_to_all_single": ("all_to_all", ("in", 0)),  # (input, out_splits, in_splits, group)
+    "c10d.alltoall_base_": ("all_to_all", ("in", 1)),  # (output, input, group, out_splits, in_splits, ...)
     "_c10d_functional.wait_tensor": ("wait", None),
     # point-to-point (pipeline stages, symcost.frontends.pipeline): (tensors, group, peer, tag)
     "c10d.send": ("send", ("in", "all")),
@@ -502,6 +508,9 @@ RING_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "broadcast": lambda n: 1,
+    # all-to-all with equal splits: a rank keeps 1/n of its input and sends the rest, receiving as
+    # much (nccl-tests doc/PERFORMANCE.md: alltoall bus bandwidth = algbw·(n-1)/n)
+    "all_to_all": lambda n: (n - 1) / n,
     "wait": lambda n: 0,
     "send": lambda n: 1,  # point-to-point: the tensor once, whatever the group
     "recv": lambda n: 1,
@@ -668,6 +677,11 @@ DUNDER_POINTWISE = {"aten.__or__", "aten.__and__"}
 #: pointwise ops that carry no pointwise tag (torch 2.13): ``floor_divide`` (``//`` on tensors,
 #: transformers' ``perm // num_top_k`` slot-to-token map), 1 FLOP per output element
 UNTAGGED_POINTWISE = DUNDER_POINTWISE | {"aten.floor_divide"}
+#: activation gradients without the pointwise tag (torch 2.13), elementwise all the same: one
+#: grad_input element per grad_output element (``silu_backward``, ``gelu_backward`` carry the tag)
+UNTAGGED_POINTWISE |= {f"aten.{n}_backward" for n in (
+    "softplus", "elu", "hardswish", "hardsigmoid", "hardtanh", "leaky_relu", "mish", "log_sigmoid")}
+UNTAGGED_POINTWISE |= {"aten.log_sigmoid_forward"}
 
 
 def classify(op) -> str:
@@ -684,7 +698,7 @@ def classify(op) -> str:
         return "view"
     if packet in ALLOC_OPS:
         return "alloc"
-    if packet in PER_ELEMENT_OUT or packet in PER_ELEMENT_IN or packet in (
+    if packet in SPECIAL_RULES or packet in PER_ELEMENT_OUT or packet in PER_ELEMENT_IN or packet in (
         "aten.nll_loss_forward", "aten.nll_loss_backward", "aten.nll_loss2d_forward", "aten.nll_loss2d_backward"
     ):
         return "special"
@@ -734,6 +748,9 @@ def flop_cost(v: OpView, family: str | None = None) -> Cost:
         return Cost(0, 0, 2 * sum(nbytes(sh, d) for sh, d in zip(v.in_shapes[:-1], v.in_dtypes[:-1])))
     if family == "unsupported":
         return Cost()
+    if packet in SPECIAL_RULES:  # pooling, nearest resampling, mse_loss (symcost.graph.rules_special)
+        flops_all, moved = SPECIAL_RULES[packet](v)
+        return Cost(0, flops_all, moved)
     if packet in TRANSFER_OPS:
         return Cost(0, 0, nbytes(v.out_shapes[0], v.out_dtypes[0]))
     if packet in PARTIAL_WRITES:
