@@ -215,6 +215,10 @@ def parallel_options(f):
                      help="with --fp8 tensorwise and --dp N --shard fsdp|zero3|zero2: FSDP2 all-gathers the "
                           "weights in fp8 (torchao's enable_fsdp_float8_all_gather; torchtitan's default: off)")(f)
     f = fp8_option(f)
+    f = click.option("--ep", type=click.IntRange(min=2), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.ep"), metavar="N",
+                     help="expert-parallel size of a mixture-of-experts model: trace one rank of N, its E/N experts, "
+                          "tokens dispatched and combined by all-to-all (symbol EP; docs/parallel.md §14)")(f)
     f = click.option("--dp", type=click.IntRange(min=1), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.dp"), metavar="N",
                      help="data-parallel size: trace one rank of N (the formulas gain the symbol DP)")(f)
@@ -292,8 +296,9 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
     layout = Layout(shard=(shard or "ddp") if dp is not None else None, fsdp_mp=mp, tp=tp is not None,
                     sp=bool(meta.get("symcost.sp")), pipeline=pipe, ac=None if ac in (None, "none") else ac,
                     replicate=replicate, offload=bool(meta.get("symcost.offload")), fp8=meta.get("symcost.fp8"),
-                    fp8_all_gather=bool(meta.get("symcost.fp8_all_gather")))
-    sizes = {k: v for k, v in (("DP", dp), ("TP", tp), ("PP", pp if pipe else None)) if v is not None}
+                    fp8_all_gather=bool(meta.get("symcost.fp8_all_gather")), ep=meta.get("symcost.ep") is not None)
+    sizes = {k: v for k, v in (("DP", dp), ("TP", tp), ("PP", pp if pipe else None), ("EP", meta.get("symcost.ep")))
+             if v is not None}
     return layout, sizes
 
 

@@ -20,6 +20,9 @@ mesh dimension     symbol  what runs over it (one rank traced on a fake process 
                            N/R ranks of ``dp_shard``, replicated over the R of ``dp_replicate``
 ``tp``             TP      tensor parallelism, with ``sp`` sequence parallelism too
                            (:mod:`symcost.frontends.tensor_parallel`: ``parallelize_module``)
+``ep``             EP      expert parallelism: routed experts sharded, tokens dispatched and
+                           combined by all-to-all (:mod:`symcost.frontends.expert_parallel`;
+                           alone for now: torchtitan borrows the EP ranks from dp_shard·cp·tp)
 =================  ======  ================================================================
 
 The sizes of the dimensions are not part of the layout: they are the symbols (DP, TP, PP) of
@@ -58,7 +61,7 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DIM_SYMBOL = {"pp": "PP", "dp_replicate": "DP", "dp_shard": "DP", "cp": "CP", "tp": "TP", "ep": "EP"}
 
 #: the flag that sets each symbol on the command line
-SYMBOL_FLAG = {"DP": "--dp", "TP": "--tp", "PP": "--pp"}
+SYMBOL_FLAG = {"DP": "--dp", "TP": "--tp", "PP": "--pp", "EP": "--ep"}
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
@@ -113,6 +116,7 @@ class Layout:
     offload: bool = False
     fp8: str | None = None
     fp8_all_gather: bool = False
+    ep: bool = False
 
     def __post_init__(self):
         from symcost.frontends.parallel import check_shard
@@ -156,6 +160,10 @@ class Layout:
 
             check_recipe(self.fp8, self.fp8_all_gather, self.shard)
         object.__setattr__(self, "fp8_all_gather", bool(self.fp8_all_gather))
+        object.__setattr__(self, "ep", bool(self.ep))
+        if self.ep and (self.shard is not None or self.tp or self.pipeline is not None or self.fp8 is not None):
+            raise SymcostError("--ep with --dp/--tp/--pp/--fp8: expert parallelism is modelled alone for now "
+                               "(docs/parallel.md §14); give --ep N without them")
 
     # --- what the layout is -------------------------------------------------------------------
     @property
@@ -172,11 +180,13 @@ class Layout:
             present.add("dp_replicate")
         if self.tp:
             present.add("tp")
-        return tuple(d for d in MESH_DIMS if d in present)
+        if self.ep:  # (alone for now: the EP ranks are the whole mesh)
+            present.add("ep")
+        return tuple(d for d in MESH_DIMS + ("ep",) if d in present)
 
     @property
     def symbols(self) -> tuple[str, ...]:
-        """The mesh symbols of the formulas (``DP``, ``TP``, ``PP``), in mesh order."""
+        """The mesh symbols of the formulas (``DP``, ``TP``, ``PP``, ``EP``), in mesh order."""
         return tuple(dict.fromkeys(DIM_SYMBOL[d] for d in self.dims))
 
     @property
@@ -243,8 +253,11 @@ class Layout:
     @property
     def label(self) -> str | None:
         """The recording's ``parallel`` label: the data-parallel strategy, else the
-        tensor-parallel one (:attr:`tensor_parallel`), else None."""
-        return self.shard if self.shard is not None else self.tensor_parallel
+        tensor-parallel one (:attr:`tensor_parallel`), else ``"ep"`` for expert parallelism
+        alone, else None."""
+        if self.shard is not None:
+            return self.shard
+        return self.tensor_parallel or ("ep" if self.ep else None)
 
     def _pp_words(self) -> str:
         """``1f1b``, ``1f1b, split torchtitan:1,1``, ``1f1b, split 8,9,8,7``."""
@@ -301,6 +314,8 @@ class Layout:
             out["fp8"] = self.fp8
             if self.fp8_all_gather:
                 out["fp8_all_gather"] = True
+        if self.ep:
+            out["ep"] = True
         return out
 
     @classmethod
@@ -312,7 +327,8 @@ class Layout:
                    tp=bool(d.get("tp")), sp=bool(d.get("sp")), pipeline=Pipeline(**{k: tuple(v) if isinstance(v, list) else v
                                                       for k, v in pipe.items()}) if pipe else None,
                    ac=d.get("ac"), replicate=d.get("replicate"), offload=bool(d.get("offload")),
-                   fp8=d.get("fp8"), fp8_all_gather=bool(d.get("fp8_all_gather")))
+                   fp8=d.get("fp8"), fp8_all_gather=bool(d.get("fp8_all_gather")),
+                   ep=bool(d.get("ep")))
 
     def cache_options(self) -> dict:
         """The trace cache's options of a trace of this layout: a DDP and an FSDP trace, a TP and
@@ -332,6 +348,8 @@ class Layout:
             out["offload"] = True
         if self.fp8 is not None:  # (the recipe and the all-gather change the ops and their dtypes)
             out["fp8"] = self.fp8 + (",all_gather" if self.fp8_all_gather else "")
+        if self.ep:
+            out["ep"] = True
         return out
 
     # --- the model under the layout -------------------------------------------------------------
@@ -376,6 +394,10 @@ class Layout:
                 def sizes(values):
                     return splits(base, values, sp)
             spec = data_parallel(spec, self.shard, self.fsdp_mp, sizes, self.replicate)
+        if self.ep:
+            from symcost.frontends.expert_parallel import expert_parallel
+
+            spec = expert_parallel(spec)
         if self.tp:
             from symcost.frontends.tensor_parallel import tensor_parallel
 
@@ -450,6 +472,10 @@ class Layout:
             from symcost.frontends.tensor_parallel import apply
 
             loss_context = apply(model, layers, mesh["TP"], self.sp, self.fp8)
+        if self.ep:  # (torchtitan's apply_moe_ep_tp: after the dense TP plan, before AC and FSDP)
+            from symcost.frontends.expert_parallel import apply as apply_ep
+
+            apply_ep(model, mesh["EP"])
         if self.ac is not None:
             from symcost.frontends.checkpointing import checkpoint_blocks
 

@@ -160,7 +160,7 @@ def _facts(meta: Mapping, sizes: Mapping[str, int]) -> dict:
 #: (H, D, K, V, F, M, E, R) is matched by value: a regime can depend on it in ways the request
 #: facts do not show (BLOOM's ALiBi slopes run other ops when H is not a power of two), and only a
 #: recording would tell.
-FREE = ("B", "S", "L", "DP", "TP")
+FREE = ("B", "S", "L", "DP", "TP", "EP")
 
 
 def _config_values(meta: Mapping, sizes: Mapping[str, int]) -> dict[str, int]:

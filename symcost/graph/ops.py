@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 PHASES = ("forward", "backward")
 #: kinds of collectives a data-parallel step runs (symcost.graph.rules.COMM_OPS)
-COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 #: point-to-point transfers between pipeline stages (bytes this rank sends / receives)
 P2P_KINDS = ("send", "recv")
 

@@ -248,9 +248,11 @@ def params_active_matmul(an):
 
 def trace_group(trace) -> str:
     """The symbol of the one process group a 1-D mesh's collectives run over, for a
-    ``Recording`` or an ``Analysis``: ``TP`` for tensor (and sequence) parallelism, else ``DP``
+    ``Recording`` or an ``Analysis``: ``TP`` for tensor (and sequence) parallelism, ``EP`` for
+    expert parallelism alone, else ``DP``
     (on the 2-D mesh each collective names its own: ``OpCall.group``, ``SymOp.comm[3]``)."""
-    return "TP" if (getattr(trace, "parallel", None) or "").startswith("tp") else "DP"
+    parallel = getattr(trace, "parallel", None) or ""
+    return "TP" if parallel.startswith("tp") else ("EP" if parallel == "ep" else "DP")
 
 
 def comm_group(an, op) -> str:

@@ -33,7 +33,11 @@ import sympy
 from symcost.errors import SymcostError
 
 SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in ("B", "S", "H", "D", "L", "V", "F",
-                                                                          "K", "M", "E", "R", "N", "T", "DP", "TP")}
+                                                                          "K", "M", "E", "R", "N", "T", "DP", "TP", "EP")}
+
+#: the mesh sizes among the symbols: each divides a size (a shard, a rank's share) or multiplies
+#: one, at most once (:data:`LINEAR_ONLY`); probes draw them from their own pools
+MESH_SYMBOLS = ("DP", "TP", "EP")
 
 #: L of the probe recordings the formulas are fitted on, and of the fresh recordings that check them
 FIT_L = 2
@@ -58,7 +62,7 @@ def parse_formula(text: str) -> sympy.Expr:
     return sympy.sympify(text, locals=dict(SYMS))
 
 # Base probe values and one alternate per symbol. L is fixed while fitting (layers fold).
-BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 7, "R": 2, "T": 13, "DP": 2, "TP": 2}
+BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 7, "R": 2, "T": 13, "DP": 2, "TP": 2, "EP": 2}
 ALTS = {
     "B": (5, 4, 2),
     "S": (11, 9, 5),
@@ -73,6 +77,7 @@ ALTS = {
     "T": (17, 10, 6),
     "DP": (4, 3, 8, 6),
     "TP": (4, 8),
+    "EP": (4, 8),
 }
 POOLS = {
     "B": range(2, 10),
@@ -88,6 +93,7 @@ POOLS = {
     "T": range(5, 30),
     "DP": range(2, 9),
     "TP": (2, 4, 8),  # powers of two: the sizes TP splits are kept multiples of 8 (tensor_parallel)
+    "EP": (2, 4, 8),  # powers of two: E is kept a multiple of 8 (expert_parallel)
 }
 
 
@@ -272,7 +278,7 @@ def lattice_point(p: Mapping[str, int], free, pools: Mapping[str, Sequence[int]]
     out = dict(p)
     moduli = moduli or {}
     for s in free:
-        if s in ("DP", "TP") or s not in out or (s in moduli and lattice <= LATTICE):
+        if s in MESH_SYMBOLS or s not in out or (s in moduli and lattice <= LATTICE):
             continue
         pool = list(pools[s])[:12] if s in moduli else pools[s]
         up = [v for v in pool if v % lattice == 0 and v >= out[s]]
@@ -287,7 +293,7 @@ def _mesh_step(p: Mapping[str, int], free, pools: Mapping[str, Sequence[int]], c
     passes ``check``, one point per such size: for a base whose smallest mesh value is a regime
     of its own (HSDP's DP = R, a shard group of one rank: the pool of DP keeps multiples of R)."""
     out = []
-    for g in ("DP", "TP"):
+    for g in MESH_SYMBOLS:
         if g not in free or g in ties or g not in p:
             continue
         for v in sorted(x for x in pools[g] if x > p[g]):
@@ -343,7 +349,7 @@ def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, 
     # (:data:`LATTICES`: a pinned TP = 8 asks multiples of 32); each start is tried only if it
     # passes ``check`` (no recording otherwise), so a base the first starts found is unchanged.
     starts = [base]
-    if {"DP", "TP"} & set(symbols):
+    if set(MESH_SYMBOLS) & set(symbols):
         first = lattice_point(base, free, pools, moduli, ties)
         starts += [first] + _mesh_step(base, free, pools, check, ties) + _mesh_step(first, free, pools, check, ties)
         for lat in LATTICES[1:]:
@@ -389,7 +395,7 @@ def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, 
             # the request need not pass the probe check (FSDP pads a first dimension DP does not
             # divide: llama-3-8b's V = 128256 under DP = 64 over TP = 8 asks multiples of 512):
             # its free mesh sizes at the base's values first (the check's divisibilities are theirs)
-            cur = _complete(dict(cur, **{g: base[g] for g in ("DP", "TP") if g in free and g in base}), ties)
+            cur = _complete(dict(cur, **{g: base[g] for g in MESH_SYMBOLS if g in free and g in base}), ties)
         if good(cur):
             for s in free:
                 trial = _complete(dict(cur, **{s: base[s]}), ties)
@@ -485,12 +491,12 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
 #: cubes. A symbol only gets exponent e where the probes hold at least |e| + 1 distinct values
 #: of it (enough to determine it; the exact check on every probe, with two to spare, verifies).
 EXPONENT_STAGES = ((0, 1), (-1, 0, 1), (0, 1, 2), (-1, 0, 1, 2), (0, 1, 2, 3))
-DIVISORS = ("K", "E", "DP", "TP")  # H/K (query heads per kv head), N·R/E (token slots per expert), P/DP, P/TP (a shard)
+DIVISORS = ("K", "E", "DP", "TP", "EP")  # H/K (query heads per kv head), N·R/E (token slots per expert), P/DP, P/TP (a shard)
 
 
 #: symbols whose exponent is at most 1 in size: DP divides a size (a shard) or multiplies one (a
 #: buffer of DP shards, a split into DP chunks), never twice in one dimension
-LINEAR_ONLY = ("DP", "TP")
+LINEAR_ONLY = MESH_SYMBOLS
 
 
 def _monomials(deps: Sequence[str], exps: Sequence[int]):
@@ -526,7 +532,7 @@ class Fitter:
         deps = [s for s, i in self.plan.axis.items() if sig[i] != base]
         if not deps:  # varies only jointly (should not happen for polynomials): use all symbols
             deps = list(self.plan.axis)
-        if "TP" in self.plan.symbols and "DP" in self.plan.symbols and ("DP" in deps or "TP" in deps):
+        if sum(g in self.plan.symbols for g in MESH_SYMBOLS) > 1 and any(g in deps for g in MESH_SYMBOLS):
             # the 2-D mesh: a size times DP^±1·TP^±1 (a shard of a shard, ...), found by the
             # scaling that leaves the probes along the DP and TP axes equal to the base; else
             # sizes that add whole, TP-local and shard terms (x + y/TP + z/(DP·TP)): with the
@@ -536,7 +542,7 @@ class Fitter:
                 got = self._fit_cleared(sig, deps)
             if got is not None:
                 return got
-        for g in ("DP", "TP"):
+        for g in MESH_SYMBOLS:
             # a shard (size/DP) or DP shards (DP·size) of a size in the model's symbols: fit the
             # size itself (a block's shards sum many monomials, each /DP: too many terms for the
             # sparse search below); the same for TP
@@ -544,7 +550,7 @@ class Fitter:
             # K = 2·TP leaves TP one other probe value; 3 - TP/2 fits those two as well as 4/TP)
             # (DP alone too where the probes hold two values of it, HSDP's DP = R·shard with a
             # shard group of one rank in another regime: c - k·DP fits a shard's rows c'/DP there)
-            if g in deps and (len(deps) > 1 or g == "TP" or self.distinct[g] < 3):
+            if g in deps and (len(deps) > 1 or g != "DP" or self.distinct[g] < 3):
                 got = self._fit_group(sig, what, g)
                 if got is not None:
                     return got
@@ -574,7 +580,7 @@ class Fitter:
         each symbol scaled by, or None: the scaling is one under which the probes along those
         symbols' axes equal the base (one division per candidate); the size is fitted, and
         checked at every probe."""
-        mesh = [g for g in ("DP", "TP") if g in deps]
+        mesh = [g for g in MESH_SYMBOLS if g in deps]
         combos = sorted((c for c in itertools.product((-1, 1, 0), repeat=len(mesh)) if any(c)),
                         key=lambda c: sum(map(abs, c)))
         for combo in combos:
@@ -598,7 +604,7 @@ class Fitter:
         """``sig`` times ``DP``, ``TP`` or ``DP·TP`` (those among ``deps``) fitted by the first
         exponent stages (no recursion), divided back, where the result has each mesh symbol at
         exponent -1, 0 or 1 (:data:`LINEAR_ONLY`); or None."""
-        mesh = [g for g in ("DP", "TP") if g in deps]
+        mesh = [g for g in MESH_SYMBOLS if g in deps]
         for k in range(1, len(mesh) + 1):
             for gs in itertools.combinations(mesh, k):
                 scaled = [Fraction(v) for v in sig]

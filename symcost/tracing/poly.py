@@ -37,7 +37,10 @@ INV_TP = sympy.Symbol("TP_inv", positive=True)
 #: order their inverses follow the symbols. A trace has one (a 1-D mesh: ``--dp`` or ``--tp``) or
 #: both (the 2-D mesh of ``--dp`` with ``--tp``: a rank's storages are shards of shards, sizes
 #: ``x/(DP·TP)``).
-MESH = {"DP": INV_DP, "TP": INV_TP}
+#: The generator standing for ``1/EP`` in an expert-parallel trace's ring (a rank's E/EP experts).
+INV_EP = sympy.Symbol("EP_inv", positive=True)
+
+MESH = {"DP": INV_DP, "TP": INV_TP, "EP": INV_EP}
 
 
 def mesh_symbols(gens) -> tuple[str, ...]:

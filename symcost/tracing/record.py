@@ -481,7 +481,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 continue
             leaf_names[id(p)] = f"param:{name}"
             local = getattr(p, "_local_tensor", None)  # (to_local() would make a new view each call)
-            if layout.tp and local is not None:  # the shard DTensor's local ops read
+            if (layout.tp or layout.ep) and local is not None:  # the shard DTensor's local ops read
                 leaf_names[id(local)] = f"param:{name}"
             params[name] = (tuple(p.shape), p.dtype)
             if parallel is not None:
@@ -536,7 +536,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         rec.param_module = param_module
         if parallel is not None:
             rec.model = model
-        if layout.tp:
+        if layout.tp or layout.ep:  # (expert parallelism: the experts' DTensor shards)
             from torch.distributed.tensor import DTensor
 
             rec.dtensor = DTensor
@@ -612,7 +612,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 stack.enter_context(offload_transfers())
             return stack
 
-        if layout.tp:
+        if layout.tp or layout.ep:
             from symcost.frontends.dtensor_recording import hide_shape_propagation as hide
         else:
             hide = contextlib.nullcontext
