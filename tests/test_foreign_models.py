@@ -87,9 +87,13 @@ class PoolUp(nn.Module):
         return torch.nn.functional.interpolate(y, scale_factor=2, mode="nearest")
 
 
+#: what the image model says its S is (ModelSpec.extra["meanings"]), for the 6·N·P line
+POOL_MEANINGS = {"S": "half the image side (pixels)", "B": "images per step"}
+
+
 def pool_spec():
     return symcost.ModelSpec(
-        name="poolup", symbols=("D",), defaults={"B": 2, "S": 4, "D": 3},
+        name="poolup", symbols=("D",), defaults={"B": 2, "S": 4, "D": 3}, extra={"meanings": POOL_MEANINGS},
         build=lambda v: PoolUp(v["D"]),
         make_inputs=lambda v, device: ((torch.randn(v["B"], v["D"], 2 * v["S"], 2 * v["S"], device=device),), {}),
         loss=lambda out, inputs: torch.nn.functional.mse_loss(out, inputs[0][0]))
@@ -99,7 +103,12 @@ def _tensors(tree):
     return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def test_pool_upsample_mse_softplus_rules_against_the_step():
+@pytest.fixture(scope="module")
+def pool_an():
+    return symcost.trace(pool_spec(), precision="fp32")
+
+
+def test_pool_upsample_mse_softplus_rules_against_the_step(pool_an):
     """At random sizes, every op the step runs is counted (none unsupported); model FLOPs equal
     FlopCounterMode's; each of the new ops' bytes equals the bytes of the real tensors PyTorch
     hands it and returns (those it reads: a pooling backward reads ``self``'s sizes only), and
@@ -108,7 +117,7 @@ def test_pool_upsample_mse_softplus_rules_against_the_step():
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    an = symcost.trace(pool_spec(), precision="fp32")
+    an = pool_an
     assert not an.unsupported, an.unsupported
     names = {op.name.rsplit(".", 1)[0] for op in an.ops}
     new = {"aten.max_pool2d_with_indices", "aten.max_pool2d_with_indices_backward", "aten.avg_pool2d",
@@ -162,3 +171,42 @@ def test_pool_upsample_mse_softplus_rules_against_the_step():
             oracle.setdefault(packet, []).append(
                 (sum(t.numel() * t.element_size() for t in ins + outs), hand_flops[packet]))
         assert {k: sorted(c) for k, c in symbolic.items()} == {k: sorted(c) for k, c in oracle.items()}, v
+
+
+# ------------------------------------------------------------------------------------------------
+# the 6·N·P line names N by what the model declares, "tokens" only for a step that looks them up
+class TinyLM(nn.Module):
+    def __init__(self, v, d):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(v, d), nn.Linear(d, v)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def test_six_n_p_line_names_s_as_the_model_declares(pool_an, capsys):
+    from symcost.frontends.spec import SYMBOL_MEANINGS
+    from symcost.render import report as rep
+
+    def text(an):
+        capsys.readouterr()
+        rep.render(an, {"B": 2, "S": 4, "D": 3}, table=False, width=200)
+        return capsys.readouterr().out
+
+    assert pool_an.symbols["S"] == POOL_MEANINGS["S"] and pool_an.symbols["B"] == POOL_MEANINGS["B"]
+    assert rep.to_json(pool_an, None)["symbols"]["S"]["meaning"] == POOL_MEANINGS["S"]
+    line = rep.n_per_step(pool_an)
+    assert POOL_MEANINGS["S"] in line and "token" not in line
+    assert POOL_MEANINGS["S"] in text(pool_an)
+    undeclared = pool_an.symbols
+    try:  # the same image model without a declaration: no tokens, and it says the model declared none
+        pool_an.symbols = {**undeclared, "S": SYMBOL_MEANINGS["S"]}
+        assert "token" not in rep.n_per_step(pool_an).replace("no tokens", "")
+    finally:
+        pool_an.symbols = undeclared
+    lm = symcost.ModelSpec(
+        name="tinylm", symbols=("V", "D"), defaults={"B": 2, "S": 4, "V": 11, "D": 6},
+        build=lambda v: TinyLM(v["V"], v["D"]),
+        make_inputs=lambda v, device: ((torch.randint(0, v["V"], (v["B"], v["S"]), device=device),), {}),
+        loss=lambda out, inputs: out.float().pow(2).mean())
+    assert rep.n_per_step(symcost.trace(lm, precision="fp32")) == "N = B·S tokens per step"

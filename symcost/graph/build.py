@@ -603,6 +603,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     syms = {s: SYMBOL_MEANINGS[s] for s in symbols}
     if "D" in syms and "H" not in syms and "H" not in spec.tied and "H" not in pinned:
         syms["D"] = "model width (the model has no attention heads)"
+    # what the model itself says a symbol counts (ModelSpec.extra["meanings"]: an image model's S)
+    syms.update({k: str(m) for k, m in dict(spec.extra.get("meanings") or {}).items() if k in syms})
     an = Analysis(
         model=spec.name, spec=spec, graph=graph, ops=ops, symbols=syms, param_shapes=param_shapes,
         matmul_params=matmul_params, unsupported=unsupported, saved=saved, layer_container=container,

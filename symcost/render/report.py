@@ -300,10 +300,10 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     P, rem, form = an.train_simplified()
     tp = an.tp_share()
     if tp != 1:
-        c.print("[bold]Training model FLOPs of one rank = 6·N·P/TP + remainder[/bold]   (N = B·S tokens per step; "
+        c.print(f"[bold]Training model FLOPs of one rank = 6·N·P/TP + remainder[/bold]   ({n_per_step(an)}; "
                 "P: the whole model's, each of the TP ranks runs 1/TP of the split matmuls)")
     else:
-        c.print("[bold]Training model FLOPs = 6·N·P + remainder[/bold]   (N = B·S tokens per step)")
+        c.print(f"[bold]Training model FLOPs = 6·N·P + remainder[/bold]   ({n_per_step(an)})")
     c.print(f"  P (parameters used as matmul operands) = {fmt(P)}")
     c.print(f"  P_total (all parameters, tied once)    = {fmt(an.params)}")
     c.print(f"  non-embedding params (Kaplan et al. 2020's N) = {fmt(an.params_nonembedding)}"
@@ -674,6 +674,21 @@ def _slots(expr, env):
         return fmt(expr)
     v = sympy.sympify(expr).subs(env)
     return int(v) if v.is_integer else float(v)
+
+
+def n_per_step(an) -> str:
+    """What the N = B·S of the 6·N·P line counts, in the model's words: the meaning the model
+    declares for S (``ModelSpec.extra["meanings"]``, e.g. ``{"S": "patches per image"}``); else
+    tokens where the traced step looks its inputs up in an embedding table (a language model);
+    else no unit, saying that the model declares none (an image model's S is no token count)."""
+    from symcost.frontends.spec import SYMBOL_MEANINGS
+
+    meaning = an.symbols.get("S")
+    if meaning is not None and meaning != SYMBOL_MEANINGS["S"]:
+        return f"N = B·S per step, S: {meaning}"
+    if "lookup" in an.embedding_params.values():
+        return "N = B·S tokens per step"
+    return "N = B·S per step; the model declares no meaning for S and looks up no tokens"
 
 
 def _moe_summary(an: Analysis) -> dict | None:
