@@ -62,6 +62,7 @@ DIM_SYMBOL = {"pp": "PP", "dp_replicate": "DP", "dp_shard": "DP", "cp": "CP", "t
 
 #: the flag that sets each symbol on the command line
 SYMBOL_FLAG = {"DP": "--dp", "TP": "--tp", "PP": "--pp", "EP": "--ep"}
+SYMBOL_FLAG["CP"] = "--cp"
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
@@ -104,6 +105,10 @@ class Layout:
         fp8_all_gather: with ``fp8`` tensorwise and an FSDP2 ``shard``, torchao's
             ``enable_fsdp_float8_all_gather`` (torchtitan's ``enable_fsdp_float8_all_gather``,
             default off): weight shards cast to fp8 before FSDP2's all-gather.
+        cp: context parallelism over a ``cp`` dimension (:mod:`symcost.frontends.context_parallel`:
+            the sequence split over CP ranks, attention as PyTorch's ring attention).
+        cp_rotate: with ``cp``, how the keys and values go round the ring in the forward
+            (``set_rotate_method``: ``"allgather"``, PyTorch's and torchtitan's default, or ``"alltoall"``).
     """
 
     shard: str | None = None
@@ -116,6 +121,8 @@ class Layout:
     offload: bool = False
     fp8: str | None = None
     fp8_all_gather: bool = False
+    cp: bool = False
+    cp_rotate: str = "allgather"
     ep: bool = False
 
     def __post_init__(self):
@@ -165,6 +172,15 @@ class Layout:
             raise SymcostError("--ep with --dp/--tp/--pp/--fp8: expert parallelism is modelled alone for now "
                                "(docs/parallel.md §14); give --ep N without them")
 
+        object.__setattr__(self, "cp", bool(self.cp))
+        if self.cp:
+            from symcost.frontends.context_parallel import check_rotate
+
+            check_rotate(self.cp_rotate)
+            if self.shard is not None or self.tp or self.pipeline is not None:
+                raise SymcostError("--cp with --dp/--tp/--pp: context parallelism is modelled alone for now "
+                                   "(docs/parallel.md §15); give --cp N without them")
+
     # --- what the layout is -------------------------------------------------------------------
     @property
     def dims(self) -> tuple[str, ...]:
@@ -178,6 +194,8 @@ class Layout:
             present.add("dp_shard" if SHARDS[self.shard][0] == "fully_shard" else "dp_replicate")
         if self.hsdp:
             present.add("dp_replicate")
+        if self.cp:
+            present.add("cp")
         if self.tp:
             present.add("tp")
         if self.ep:  # (alone for now: the EP ranks are the whole mesh)
@@ -276,6 +294,7 @@ class Layout:
                 n = self.replicate if d == "dp_replicate" else (dp // self.replicate if dp else f"DP/{self.replicate}")
             what = {"dp_replicate": self.shard if not self.hsdp else None, "dp_shard": self.shard,
                     "tp": "sp" if self.sp else None,
+                    "cp": f"ring attention, {self.cp_rotate}" if self.cp else None,
                     "pp": self._pp_words() if self.pipeline else None}.get(d)
             parts.append(f"{d} {n}" + (f" ({what})" if what else ""))
         mesh = " × ".join(parts) or "one device"
@@ -316,6 +335,8 @@ class Layout:
                 out["fp8_all_gather"] = True
         if self.ep:
             out["ep"] = True
+        if self.cp:
+            out.update(cp=True, cp_rotate=self.cp_rotate)
         return out
 
     @classmethod
@@ -328,7 +349,8 @@ class Layout:
                                                       for k, v in pipe.items()}) if pipe else None,
                    ac=d.get("ac"), replicate=d.get("replicate"), offload=bool(d.get("offload")),
                    fp8=d.get("fp8"), fp8_all_gather=bool(d.get("fp8_all_gather")),
-                   ep=bool(d.get("ep")))
+                   ep=bool(d.get("ep")),
+                   cp=bool(d.get("cp")), cp_rotate=d.get("cp_rotate", "allgather"))
 
     def cache_options(self) -> dict:
         """The trace cache's options of a trace of this layout: a DDP and an FSDP trace, a TP and
@@ -350,6 +372,8 @@ class Layout:
             out["fp8"] = self.fp8 + (",all_gather" if self.fp8_all_gather else "")
         if self.ep:
             out["ep"] = True
+        if self.cp:
+            out["cp"] = self.cp_rotate
         return out
 
     # --- the model under the layout -------------------------------------------------------------
@@ -409,6 +433,10 @@ class Layout:
                     return (inner(values) if inner else None) or check_heads(spec, values)
 
                 spec = dataclasses.replace(spec, check=check)
+        if self.cp:
+            from symcost.frontends.context_parallel import context_parallel
+
+            spec = context_parallel(spec)
         mine = layout_of(spec)
         if mine and mine != self:
             raise SymcostError(f"{spec.name} is already laid out as {mine.describe()}; give one layout")

@@ -18,7 +18,8 @@ if TYPE_CHECKING:  # pragma: no cover
 #: Canonical symbols and their meaning (shared/conventions.md).
 #: where a mesh size goes instead of --set / sizes (a model's symbols never include them)
 MESH_HINT = {"DP": "; data parallelism is --dp N", "TP": "; tensor parallelism is --tp N",
-             "PP": "; pipeline stages are --pp N", "EP": "; expert parallelism is --ep N"}
+             "PP": "; pipeline stages are --pp N", "EP": "; expert parallelism is --ep N",
+             "CP": "; context parallelism is --cp N"}
 
 SYMBOL_MEANINGS: dict[str, str] = {
     "B": "micro-batch size (sequences per device per step)",
@@ -36,6 +37,7 @@ SYMBOL_MEANINGS: dict[str, str] = {
     "DP": "data-parallel size (ranks the batch, and with --shard the model states, are split over)",
     "TP": "tensor-parallel size (ranks each block's heads and hidden units, and with --sp its tokens, are split over)",
     "EP": "expert-parallel size (ranks the routed experts are split over; tokens reach them by all-to-all)",
+    "CP": "context-parallel size (ranks each sequence is split over; attention runs as ring attention)",
 }
 SYMBOL_ORDER = tuple(SYMBOL_MEANINGS)
 #: Sizes of the step's inputs rather than of the model (never a config symbol): B, S and, for a

@@ -531,7 +531,19 @@ def comm_volume(v: OpView, n) -> tuple[str, Any, Any]:
         size = sum(nbytes(sh, d) for sh, d in zip(shapes, dtypes))
     else:
         size = nbytes(shapes[pos], dtypes[pos])
+    if kind == "all_to_all" and _keeps_nothing(v):
+        # a permutation (``permute_tensor``: ring attention's pass of the keys and values to the
+        # next rank, symcost.frontends.context_parallel): the whole input goes to one other rank
+        return kind, size, size
     return kind, size, sympy.nsimplify(RING_FACTOR[kind](sympy.sympify(n))) * size
+
+
+def _keeps_nothing(v: OpView) -> bool:
+    """Whether an ``all_to_all_single`` (functional: ``(input, output_split_sizes,
+    input_split_sizes, group)``) sends the traced rank's (rank 0's) whole input to other ranks:
+    its input split sizes are given and the rank's own is 0, as in ``permute_tensor``."""
+    splits = v.args[2] if str(v.op.overloadpacket) == "_c10d_functional.all_to_all_single" and len(v.args) > 2 else None
+    return isinstance(splits, (list, tuple)) and len(splits) > 1 and sympy.sympify(splits[0]) == 0
 
 
 #: Ops through which a parameter stays "the same weight" (dtype casts by autocast, copies).

@@ -33,11 +33,11 @@ import sympy
 from symcost.errors import SymcostError
 
 SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in ("B", "S", "H", "D", "L", "V", "F",
-                                                                          "K", "M", "E", "R", "N", "T", "DP", "TP", "EP")}
+                                                                          "K", "M", "E", "R", "N", "T", "DP", "TP", "EP", "CP")}
 
 #: the mesh sizes among the symbols: each divides a size (a shard, a rank's share) or multiplies
 #: one, at most once (:data:`LINEAR_ONLY`); probes draw them from their own pools
-MESH_SYMBOLS = ("DP", "TP", "EP")
+MESH_SYMBOLS = ("DP", "TP", "EP", "CP")
 
 #: L of the probe recordings the formulas are fitted on, and of the fresh recordings that check them
 FIT_L = 2
@@ -62,7 +62,7 @@ def parse_formula(text: str) -> sympy.Expr:
     return sympy.sympify(text, locals=dict(SYMS))
 
 # Base probe values and one alternate per symbol. L is fixed while fitting (layers fold).
-BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 7, "R": 2, "T": 13, "DP": 2, "TP": 2, "EP": 2}
+BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 7, "R": 2, "T": 13, "DP": 2, "TP": 2, "EP": 2, "CP": 2}
 ALTS = {
     "B": (5, 4, 2),
     "S": (11, 9, 5),
@@ -78,6 +78,7 @@ ALTS = {
     "DP": (4, 3, 8, 6),
     "TP": (4, 8),
     "EP": (4, 8),
+    "CP": (4, 8),
 }
 POOLS = {
     "B": range(2, 10),
@@ -94,6 +95,7 @@ POOLS = {
     "DP": range(2, 9),
     "TP": (2, 4, 8),  # powers of two: the sizes TP splits are kept multiples of 8 (tensor_parallel)
     "EP": (2, 4, 8),  # powers of two: E is kept a multiple of 8 (expert_parallel)
+    "CP": (2, 4, 8),  # powers of two: S is kept a multiple of 16 = 2·8 (context_parallel)
 }
 
 
@@ -491,7 +493,7 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
 #: cubes. A symbol only gets exponent e where the probes hold at least |e| + 1 distinct values
 #: of it (enough to determine it; the exact check on every probe, with two to spare, verifies).
 EXPONENT_STAGES = ((0, 1), (-1, 0, 1), (0, 1, 2), (-1, 0, 1, 2), (0, 1, 2, 3))
-DIVISORS = ("K", "E", "DP", "TP", "EP")  # H/K (query heads per kv head), N·R/E (token slots per expert), P/DP, P/TP (a shard)
+DIVISORS = ("K", "E", "DP", "TP", "EP", "CP")  # H/K (query heads per kv head), N·R/E (token slots per expert), P/DP, P/TP (a shard), S/CP
 
 
 #: symbols whose exponent is at most 1 in size: DP divides a size (a shard) or multiplies one (a

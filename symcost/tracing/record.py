@@ -427,7 +427,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         # parallelism inside, data parallelism across)
         labels: dict[str, str] = {}
         mesh = layout.fake_mesh(values, labels)
-        if len(layout.traced_dims) > 1:
+        if len(layout.traced_dims) > 1 or layout.cp:  # (CP: the ring's collectives name their group)
             # every multi-dimensional mesh's group names so far, this one's last: DTensor's caches
             # keep the DeviceMesh of an earlier recording whose mesh compares equal (same shape and
             # names), so a collective can name that mesh's group (seen: sequence parallelism's
@@ -516,6 +516,10 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 raise err from e
         else:
             args, kwargs = spec.make_inputs(values, torch.device("cpu"))
+            if layout.cp:  # the rank's shard of the sequence, load-balanced (symcost.frontends.context_parallel)
+                from symcost.frontends.context_parallel import shard_inputs
+
+                args, kwargs = shard_inputs(spec, values, (args, kwargs), mesh["CP"])
         if param_dtype != torch.float32:
             args, kwargs = tree_map(
                 lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
@@ -537,6 +541,10 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         if parallel is not None:
             rec.model = model
         if layout.tp or layout.ep:  # (expert parallelism: the experts' DTensor shards)
+            from torch.distributed.tensor import DTensor
+
+            rec.dtensor = DTensor
+        if layout.cp:  # (context parallelism: the attention's q, k, v as sequence-sharded DTensors)
             from torch.distributed.tensor import DTensor
 
             rec.dtensor = DTensor
@@ -616,6 +624,18 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             from symcost.frontends.dtensor_recording import hide_shape_propagation as hide
         else:
             hide = contextlib.nullcontext
+        def cp_contexts():  # context parallelism's, for the forward and the backward
+            stack = contextlib.ExitStack()
+            if layout.cp:  # PyTorch's CP dispatcher (F.scaled_dot_product_attention as ring attention)
+                from symcost.frontends.context_parallel import enabled
+
+                stack.enter_context(enabled(mesh["CP"], layout.cp_rotate))
+                if real:
+                    stack.enter_context(_wait_at_once())
+            return stack
+
+        if layout.cp:
+            from symcost.frontends.dtensor_recording import hide_shape_propagation as hide
         guard = contextlib.ExitStack()
         if rec.strict:
             guard.enter_context(_no_host_reads())
@@ -630,7 +650,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 n_backward = 0
             else:
                 with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context(), \
-                        parallel_contexts(), hide(), loss_context(), device_kernels(kernels):
+                        parallel_contexts(), hide(), loss_context(), cp_contexts(), device_kernels(kernels):
                     with autocast():
                         out = model(*args, **kwargs)
                         loss = spec.loss(out, (args, kwargs))
@@ -638,9 +658,16 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 for fn in _grad_fns(loss):
                     _label_graph(fn, "")
                 n_forward = len(rec.ops)
+                if layout.cp:
+                    from symcost.frontends.context_parallel import ring_calls
+
+                    if not ring_calls(reset=True):
+                        raise SymcostError(f"--cp: {spec.name}'s attention does not call "
+                                           "F.scaled_dot_product_attention, which PyTorch's context parallelism "
+                                           "runs as ring attention (an hf: model with --attention sdpa does)")
                 rec.phase = "backward"
                 with rec, parallel_contexts(), \
-                        hide(), loss_context(), device_kernels(kernels):
+                        hide(), loss_context(), cp_contexts(), device_kernels(kernels):
                     loss.backward()
                     del loss
                 n_backward = len(rec.ops) - n_forward
