@@ -219,6 +219,14 @@ def parallel_options(f):
                      callback=_keep_parallel("symcost.ep"), metavar="N",
                      help="expert-parallel size of a mixture-of-experts model: trace one rank of N, its E/N experts, "
                           "tokens dispatched and combined by all-to-all (symbol EP; docs/parallel.md §14)")(f)
+    f = click.option("--cp-rotate", type=click.Choice(["allgather", "alltoall"]), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.cp_rotate"),
+                     help="with --cp: how keys and values go round the ring in the forward (PyTorch's "
+                          "set_rotate_method) [default: allgather, PyTorch's and torchtitan's]")(f)
+    f = click.option("--cp", type=click.IntRange(min=2), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.cp"), metavar="N",
+                     help="context-parallel size: trace one rank of N, its S/N tokens, attention as PyTorch's "
+                          "ring attention (symbol CP; SDPA attention only; docs/parallel.md §15)")(f)
     f = click.option("--dp", type=click.IntRange(min=1), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.dp"), metavar="N",
                      help="data-parallel size: trace one rank of N (the formulas gain the symbol DP)")(f)
@@ -299,6 +307,13 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
                     fp8_all_gather=bool(meta.get("symcost.fp8_all_gather")), ep=meta.get("symcost.ep") is not None)
     sizes = {k: v for k, v in (("DP", dp), ("TP", tp), ("PP", pp if pipe else None), ("EP", meta.get("symcost.ep")))
              if v is not None}
+    if meta.get("symcost.cp_rotate") is not None and meta.get("symcost.cp") is None:
+        raise SymcostError("--cp-rotate needs --cp N (the context-parallel size)")
+    if meta.get("symcost.cp") is not None:  # (context parallelism: symcost.frontends.context_parallel)
+        import dataclasses
+
+        layout = dataclasses.replace(layout, cp=True, cp_rotate=meta.get("symcost.cp_rotate") or "allgather")
+        sizes["CP"] = meta["symcost.cp"]
     return layout, sizes
 
 
