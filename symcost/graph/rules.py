@@ -687,6 +687,11 @@ UNTAGGED_POINTWISE = DUNDER_POINTWISE | {"aten.floor_divide"}
 UNTAGGED_POINTWISE |= {f"aten.{n}_backward" for n in (
     "softplus", "elu", "hardswish", "hardsigmoid", "hardtanh", "leaky_relu", "mish", "log_sigmoid")}
 UNTAGGED_POINTWISE |= {"aten.log_sigmoid_forward"}
+#: ``F.logsigmoid`` where it reaches the recorder whole (below autograd, inside DTensor's dispatch:
+#: ring attention's merge of its blocks' log-sum-exps, symcost.frontends.context_parallel):
+#: log(1 + exp(-|x|)) per element
+UNTAGGED_POINTWISE |= {"aten.log_sigmoid"}
+TRANSCENDENTAL_OUT["aten.log_sigmoid"] = {"exp": 1, "log": 1}
 
 
 def classify(op) -> str:
