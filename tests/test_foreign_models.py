@@ -210,3 +210,55 @@ def test_six_n_p_line_names_s_as_the_model_declares(pool_an, capsys):
         make_inputs=lambda v, device: ((torch.randint(0, v["V"], (v["B"], v["S"]), device=device),), {}),
         loss=lambda out, inputs: out.float().pow(2).mean())
     assert rep.n_per_step(symcost.trace(lm, precision="fp32")) == "N = B·S tokens per step"
+
+
+# ------------------------------------------------------------------------------------------------
+# torchtitan's Llama: blocks in an nn.ModuleDict keyed "0".."L-1"
+def _titan():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "data", "torchtitan_llama.py")
+    s = importlib.util.spec_from_file_location("torchtitan_llama", path)
+    mod = importlib.util.module_from_spec(s)
+    s.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def titan_an():
+    return symcost.trace(_titan().spec(), precision="fp32", torch_device="cpu")
+
+
+def test_torchtitan_moduledict_blocks(titan_an):
+    """The L blocks are found in the ModuleDict and folded; at random sizes (dim = H·D up to 590,
+    where the FFN width is 1024) parameters equal a meta-device count and model FLOPs equal
+    FlopCounterMode's (attention on SDPA's math path, which it sees as matmuls); a checkpointed
+    segment model keeps the ModuleDict the model's forward iterates."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from symcost.passes.checkpoint.traces import uniform_spec
+
+    t = _titan()
+    an = titan_an
+    assert an.layer_container == "layers" and "L" in an.symbols and not an.pinned
+    rng = random.Random("titan")
+    for _ in range(2):
+        h = rng.choice((2, 4, 6))
+        v = {"B": rng.randint(1, 3), "S": rng.randint(3, 12), "H": h, "D": rng.choice((4, 6, 8)),
+             "L": rng.randint(1, 3), "K": rng.choice([k for k in (1, 2, 3) if h % k == 0 and k < h]),
+             "V": rng.randint(17, 90)}
+        got = an.subs(**v)
+        with torch.device("meta"):
+            meta = t.build(v)
+        assert got["params"] == sum(p.numel() for p in meta.parameters()), v
+        model = t.build(v)
+        (ids,), _ = t.spec().make_inputs(v, torch.device("cpu"))
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+            t.spec().loss(model(ids), ((ids,), {})).backward()
+        assert got["flops.train"] == fc.get_total_flops(), v
+    seg = uniform_spec(t.spec(), "layers", 2).build_meta({**t.spec().defaults, "L": 2})
+    assert isinstance(seg.layers, nn.ModuleDict) and len(seg.layers) == 2
+    with torch.device("meta"):
+        seg(torch.zeros(2, 5, dtype=torch.long, device="meta"))

@@ -173,7 +173,7 @@ class OpPlan:
         """
         from torch.utils.checkpoint import checkpoint
 
-        blocks = list(model.get_submodule(self.container)) if self.container else list(model)
+        blocks = list((model.get_submodule(self.container) if self.container else model).children())
         if len(blocks) != self.L:
             raise SymcostError(f"the plan is for {self.L} blocks, the model has {len(blocks)}")
         for b in blocks:

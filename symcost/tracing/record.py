@@ -206,13 +206,19 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype = tor
 
 
 def _containers(model: nn.Module) -> dict[str, int]:
+    """Dotted path -> length of every block container: ``nn.ModuleList``, ``nn.Sequential``, and
+    ``nn.ModuleDict`` keyed by the positions "0".."n-1" (torchtitan's ``self.layers[str(layer_id)]``,
+    iterated with ``.values()``), whose blocks are named ``layers.0``, ``layers.1``, ... as a list's."""
     return {
-        name: len(m) for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
+        name: len(m) for name, m in model.named_modules()
+        if isinstance(m, (nn.ModuleList, nn.Sequential))
+        or (isinstance(m, nn.ModuleDict) and list(m.keys()) == [str(i) for i in range(len(m))])
     }
 
 
 def find_layer_container(spec: ModelSpec, model: nn.Module, values: Mapping[str, int]) -> str | None:
-    """Dotted path ("" for the root) of the ``nn.ModuleList``/``nn.Sequential`` of the L blocks.
+    """Dotted path ("" for the root) of the ``nn.ModuleList``/``nn.Sequential`` of the L blocks (or
+    an ``nn.ModuleDict`` keyed "0".."L-1", see :func:`_containers`).
 
     It is the container whose length is L in ``model`` and L + 1 in the same model built (on the
     meta device) with L + 1.
@@ -229,7 +235,7 @@ def find_layer_container(spec: ModelSpec, model: nn.Module, values: Mapping[str,
         found = {k for k in here if other.get(k) == n + 1}
     if len(found) == 1:
         return found.pop()
-    what = "no nn.ModuleList or nn.Sequential" if not found else f"several containers ({', '.join(sorted(found))})"
+    what = "no nn.ModuleList, nn.Sequential or nn.ModuleDict keyed 0..L-1" if not found else f"several containers ({', '.join(sorted(found))})"
     raise SymcostError(
         f"{spec.name}: {what} has length L, so the L repeated blocks cannot be found; "
         "set ModelSpec.layers to the blocks' container"

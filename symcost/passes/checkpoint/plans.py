@@ -68,7 +68,7 @@ class Plan:
         import torch
         from torch.utils.checkpoint import checkpoint
 
-        blocks = list(model.get_submodule(self.container)) if self.container else list(model)
+        blocks = list((model.get_submodule(self.container) if self.container else model).children())
         if len(blocks) != self.L:
             raise SymcostError(f"the plan is for {self.L} blocks in {self.container!r}, "
                                f"the model has {len(blocks)}")

@@ -49,8 +49,11 @@ def uniform_spec(spec, container: str, k: int):
 
     def build(values):
         model = spec.build(dict(values, L=values["L"] * k))
-        blocks = list(model.get_submodule(container)) if container else list(model)
+        held = model.get_submodule(container) if container else model
+        blocks = list(held.children())
         segs = nn.ModuleList(Segment(blocks[i:i + k]) for i in range(0, len(blocks), k))
+        if isinstance(held, nn.ModuleDict):  # (torchtitan's blocks: keyed "0".."L-1", run by .values())
+            segs = nn.ModuleDict({str(i): seg for i, seg in enumerate(segs)})
         parent, _, attr = container.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, segs)
         return model

@@ -1,0 +1,120 @@
+"""A torchtitan-style Llama 3, the model of issue 30's defects: its blocks in an ``nn.ModuleDict``
+keyed "0".."L-1" (``self.layers[str(layer_id)] = TransformerBlock(...)``, iterated with
+``self.layers.values()``) and its SwiGLU width rounded up to ``multiple_of`` after the 2/3 scaling
+and the ``ffn_dim_multiplier``: 1024·⌈⌊1.3·⌊2·4·dim/3⌋⌋/1024⌉, a step function of dim = H·D
+(14336 at Llama-3-8B's dim 4096, 1024 at every dim up to 590).
+
+Transcribed from pytorch/torchtitan, torchtitan/models/llama3/model/model.py (``FeedForward``,
+``Attention``, ``TransformerBlock``, ``Transformer``; commit 1c5be289, 2025-06-15; BSD-3-Clause,
+Copyright (c) Meta Platforms, Inc. and affiliates) with the rotary embedding left out (it moves no
+parameter and no width) and ``F.scaled_dot_product_attention`` for its ``build_attention``;
+torchtitan is not a dependency of symcost or of its tests. The 8B sizes are torchtitan's
+``llama3_configs["8B"]``: dim 4096, 32 layers, 32 heads, 8 key/value heads, vocabulary 128256,
+``multiple_of=1024``, ``ffn_dim_multiplier=1.3``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from symcost import ModelSpec
+from symcost.frontends.spec import Constraint
+
+
+def ffn_width(dim: int, multiple_of: int = 1024, ffn_dim_multiplier: float | None = 1.3) -> int:
+    """torchtitan's ``FeedForward.__init__`` width for ``hidden_dim = 4 * dim``."""
+    hidden_dim = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden_dim = int(ffn_dim_multiplier * hidden_dim)
+    return multiple_of * ((hidden_dim + multiple_of - 1) // multiple_of)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, n_heads, n_kv_heads):
+        super().__init__()
+        self.n_rep = n_heads // n_kv_heads
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x):
+        bs, seqlen, _ = x.shape
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        if self.n_rep > 1:  # torchtitan's repeat_kv
+            xk = xk.unsqueeze(3).expand(*xk.shape[:3], self.n_rep, self.head_dim).flatten(2, 3)
+            xv = xv.unsqueeze(3).expand(*xv.shape[:3], self.n_rep, self.head_dim).flatten(2, 3)
+        out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2),
+                                             is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim, multiple_of, ffn_dim_multiplier):
+        super().__init__()
+        hidden_dim = ffn_width(dim, multiple_of, ffn_dim_multiplier)
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim, n_heads, n_kv_heads, multiple_of, ffn_dim_multiplier):
+        super().__init__()
+        self.attention = Attention(dim, n_heads, n_kv_heads)
+        self.feed_forward = FeedForward(dim, multiple_of, ffn_dim_multiplier)
+        self.attention_norm = nn.RMSNorm(dim, eps=1e-5)
+        self.ffn_norm = nn.RMSNorm(dim, eps=1e-5)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, dim, n_layers, n_heads, n_kv_heads, vocab_size, multiple_of=1024, ffn_dim_multiplier=1.3):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleDict()
+        for layer_id in range(n_layers):
+            self.layers[str(layer_id)] = TransformerBlock(dim, n_heads, n_kv_heads, multiple_of, ffn_dim_multiplier)
+        self.norm = nn.RMSNorm(dim, eps=1e-5)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+#: torchtitan's llama3_configs["8B"] in the conventions' symbols (dim = H·D)
+LLAMA3_8B = {"H": 32, "D": 128, "L": 32, "K": 8, "V": 128256}
+
+
+def build(v, multiple_of=1024, ffn_dim_multiplier=1.3):
+    return Transformer(v["H"] * v["D"], v["L"], v["H"], v["K"], v["V"], multiple_of, ffn_dim_multiplier)
+
+
+def llama3(multiple_of=1024, ffn_dim_multiplier=1.3, defaults=None):
+    """The spec (defaults: a small model; ``defaults`` replaces them)."""
+    return ModelSpec(
+        name="torchtitan-llama3", symbols=("H", "D", "L", "V", "K"),
+        defaults=dict(defaults or {"B": 2, "S": 16, "H": 4, "D": 8, "L": 2, "K": 2, "V": 64}),
+        build=lambda v: build(v, multiple_of, ffn_dim_multiplier),
+        make_inputs=lambda v, device: ((torch.randint(0, v["V"], (v["B"], v["S"]), device=device),), {}),
+        loss=lambda out, inputs: F.cross_entropy(out.flatten(0, 1).float(), inputs[0][0].flatten()),
+        constraints=(Constraint("divides", "K", "H", "K must divide H"),),
+    )
+
+
+def spec():
+    """``tests/data/torchtitan_llama.py:spec``: the small defaults."""
+    return llama3()
