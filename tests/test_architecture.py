@@ -131,6 +131,25 @@ def test_no_import_cycle(graph):
     assert not cycles, f"import cycles: {cycles[:5]}"
 
 
+def test_passes_form_a_dag(graph):
+    """The passes, each package taken as one concept (``symcost.passes.memory`` with its modules),
+    import one another without a cycle at any depth (function-level imports included): issue 29's
+    "the passes form a DAG". ``test_no_import_cycle`` lets a package import its own submodules,
+    which would hide parallel -> memory -> memory.model -> parallel."""
+    def concept(m):
+        parts = m.split(".")
+        return ".".join(parts[:3]) if parts[:2] == ["symcost", "passes"] and len(parts) > 2 else None
+
+    g = nx.DiGraph()
+    for a, b in graph.edges:
+        ca, cb = concept(a), concept(b)
+        if ca and cb and ca != cb:
+            g.add_edge(ca, cb)
+    assert g.number_of_edges() > 5  # the check sees the passes' imports
+    cycles = list(nx.simple_cycles(g))
+    assert not cycles, f"cycles among the passes: {cycles[:5]}"
+
+
 def test_passes_and_graph_do_not_render(graph):
     bad = {m: sorted(graph.nodes[m]["third_party"] & RENDERING_LIBS) for m in graph
            if stage_of(m) in ("frontends", "tracing", "graph", "hardware", "passes")

@@ -30,82 +30,10 @@ import sympy
 
 from symcost.errors import SymcostError
 from symcost.frontends.layout import layout_of
-from symcost.frontends.parallel import SHARDS, check_shard
+from symcost.frontends.parallel import SHARDS
 from symcost.graph.ops import COMM_KINDS
-from symcost.passes.memory.policies import OPTIMIZERS, check_layout, policy as get_policy
+from symcost.passes.memory.states import SHARDED, model_state_bytes, params_tp_local, shard_degree  # noqa: F401  (re-exported)
 from symcost.tracing.fit import SYMS
-
-#: which model states each strategy shards over the DP ranks
-SHARDED: dict[str, tuple[str, ...]] = {
-    "ddp": (),
-    "zero1": ("optimizer_state", "master"),
-    "zero2": ("grads", "optimizer_state", "master"),
-    "zero3": ("params", "grads", "optimizer_state", "master"),
-    "fsdp": ("params", "grads", "optimizer_state", "master"),
-}
-
-
-def shard_degree(an, dp):
-    """The ranks a data-parallel trace's states are sharded over at data-parallel size ``dp``
-    (an int or the symbol DP): ``dp``, and under HSDP (``Layout.replicate`` R) the ``dp_shard``
-    group's DP/R."""
-    r = layout_of(an).replicate
-    if not r:
-        return dp
-    if isinstance(dp, (int, sympy.Integer)):
-        return int(dp) // r
-    return dp / r
-
-
-def model_state_bytes(P, DP, shard: str, precision: str = "bf16-true-fp32-master",
-                      optimizer: str = "adamw", P_shard=None) -> dict[str, Any]:
-    """Bytes of model states one rank holds: ``params``, ``grads``, ``optimizer_state``,
-    ``master`` and ``total``.
-
-    Args:
-        P: parameter count (an int or a formula).
-        DP: data-parallel size (an int or the symbol DP).
-        shard: ``ddp``, ``zero1``, ``zero2``, ``zero3`` or ``fsdp``.
-        precision: a precision policy (bytes per element of weights, gradients, optimizer
-            state and master weights).
-        optimizer: a ``torch.optim``-style optimizer with full-shape state (Adam(W): 2 moments,
-            SGD with momentum: 1); the 4-byte step counters are left out.
-        P_shard: elements of a sharded tensor set on one rank (default P/DP; the traced FSDP2
-            shards for ``fsdp``/``zero3``).
-
-    Returns:
-        The four components and their ``total`` (ints or formulas in bytes): what the rank
-        keeps from step to step. Formula: Rajbhandari et al. 2020, section 5.1 and Table 1
-        (module docstring). A policy whose optimizer makes an fp32 copy of the gradients at its
-        step (``Policy.grad_copy``: Megatron-LM fp16, DeepSpeed's ZeRO) adds ``step_grad_copy``,
-        that copy's bytes (sharded as the optimizer state), outside ``total``: it exists during
-        the step only, where the rank's peak counts it; Megatron-LM's table of bytes per
-        parameter counts it, the ZeRO paper's K = 12 does not, DeepSpeed's estimators do (18).
-
-    Raises:
-        SymcostError: an unknown strategy, policy or optimizer, Adafactor (its factored
-            state is per tensor shape, not per parameter; not modelled per rank yet), or a
-            policy its framework does not run under ``shard`` (:func:`~symcost.passes.memory.
-            policies.check_layout`).
-    """
-    check_shard(shard)
-    pol = get_policy(precision)
-    check_layout(pol.name, DP, shard)
-    if optimizer not in OPTIMIZERS:
-        raise SymcostError(f"unknown optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
-    opt = OPTIMIZERS[optimizer]
-    if opt.factored:
-        raise SymcostError(f"--optimizer {optimizer}: the per-rank state of a factored optimizer is not "
-                           "modelled with --dp yet; use adamw, adam or sgd")
-    per = {"params": pol.param, "grads": pol.grad, "optimizer_state": pol.state * opt.full,
-           "master": pol.master}
-    share = P_shard if P_shard is not None else sympy.sympify(P) / DP
-    out = {k: b * (share if k in SHARDED[shard] else P) for k, b in per.items()}
-    out["total"] = sum(out.values())
-    if pol.grad_copy:
-        out["step_grad_copy"] = pol.grad_copy * (share if "optimizer_state" in SHARDED[shard] else P)
-    return out
-
 
 def _units(an) -> list[str]:
     """The FSDP2 units of a ``fully_shard`` trace (folded module names; ``""`` the root), longest
@@ -511,16 +439,3 @@ def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accu
         "compute.6NP": tc["compute.6NP"],
         "time.seconds": seconds, "time.days": seconds / 86400, "time.device_hours": seconds * dp / 3600,
     }
-
-
-def params_tp_local(an) -> sympy.Expr:
-    """Parameter elements of one tensor-parallel rank on the 2-D mesh (``--dp`` with ``--tp``):
-    what the data-parallel engine wraps, before it shards (``Analysis.params_shard`` times DP for
-    FSDP2, whose shards split the TP-local rows; ``params_shard`` itself for ``replicate``);
-    ``params_shard`` for a tensor-parallel trace, ``params`` otherwise."""
-    if not getattr(an, "tensor_parallel", None):
-        return an.params_shard if (getattr(an, "parallel", None) or "").startswith("tp") else an.params
-    if SHARDS[an.parallel][0] != "fully_shard":
-        return an.params_shard
-    DP = SYMS["DP"] if "DP" in an.symbols else an.pinned.get("DP", 1)
-    return sympy.expand(an.params_shard * DP)

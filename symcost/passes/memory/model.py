@@ -114,7 +114,7 @@ class MemoryModel(Solver):
         if getattr(an, "tensor_parallel", None):
             # the 2-D mesh: the data-parallel engine holds, shards and updates the TP-local
             # parameters (1/TP of each split weight, the replicated ones whole)
-            from symcost.passes.parallel import params_tp_local
+            from symcost.passes.memory.states import params_tp_local
 
             P = params_tp_local(an)
         self.P = P
@@ -127,7 +127,8 @@ class MemoryModel(Solver):
         self.n_tensors = sympy.expand(sympy.Add(*[rep for _, (_, _, rep) in an.param_shapes.items()]))
         self.optimizer = self._optimizer_state()
         self.parallel = getattr(an, "parallel", None)
-        if (self.parallel or "").startswith("tp"):
+        if (self.parallel or "").startswith("tp") or self.parallel == "ep":
+            # (expert parallelism: the experts' Shard(0) DTensors, placed and updated as TP's)
             self._tp_rank_states()
         elif self.parallel is not None:
             self._rank_states()
@@ -154,11 +155,11 @@ class MemoryModel(Solver):
     # -- static ----------------------------------------------------------------------------------
     def _rank_states(self) -> None:
         """One rank's model states in a data-parallel trace: what the ``--shard`` strategy
-        shards (:func:`symcost.passes.parallel.model_state_bytes`, Rajbhandari et al. 2020 §5.1;
+        shards (:func:`symcost.passes.memory.states.model_state_bytes`, Rajbhandari et al. 2020 §5.1;
         FSDP/ZeRO-3: the traced DTensor shards), plus Adam's 4-byte step counters, one per
         parameter tensor on every rank. Gradients are scaled to this size where the schedule
         allocates them (:meth:`_load_schedule`)."""
-        from symcost.passes.parallel import SHARDED, model_state_bytes, shard_degree
+        from symcost.passes.memory.states import SHARDED, model_state_bytes, shard_degree
         from symcost.frontends.parallel import SHARDS
 
         if self.opt.factored:
