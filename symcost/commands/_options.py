@@ -162,6 +162,18 @@ def fp8_option(f):
                              "torch._scaled_mm at the device's fp8 peak")(f)
 
 
+def compile_option(f):
+    """``--compile``: every block under ``torch.compile`` (torchtitan's apply_compile), one more
+    step of the layout (:func:`layout_request`; :mod:`symcost.frontends.compile`);
+    :func:`parallel_options` includes it."""
+    return click.option("--compile", "compile_blocks", is_flag=True, default=None, expose_value=False,
+                        callback=_keep_parallel("symcost.compile"),
+                        help="a compiled step: each block under torch.compile(fullgraph=True) as torchtitan compiles "
+                             "it (after --tp/--ac, before --dp's engine): the tensors AOTAutograd's min-cut "
+                             "partitioner saves, its recomputation in the backward, fused bytes for time "
+                             "(docs/memory.md)")(f)
+
+
 def parallel_options(f):
     """``--dp N`` and ``--shard``: one rank of data-parallel training (docs/parallel.md). They
     reach :func:`trace_model` through the click context."""
@@ -215,6 +227,7 @@ def parallel_options(f):
                      help="with --fp8 tensorwise and --dp N --shard fsdp|zero3|zero2: FSDP2 all-gathers the "
                           "weights in fp8 (torchao's enable_fsdp_float8_all_gather; torchtitan's default: off)")(f)
     f = fp8_option(f)
+    f = compile_option(f)
     f = click.option("--ep", type=click.IntRange(min=2), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.ep"), metavar="N",
                      help="expert-parallel size of a mixture-of-experts model: trace one rank of N, its E/N experts, "
@@ -304,7 +317,8 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
     layout = Layout(shard=(shard or "ddp") if dp is not None else None, fsdp_mp=mp, tp=tp is not None,
                     sp=bool(meta.get("symcost.sp")), pipeline=pipe, ac=None if ac in (None, "none") else ac,
                     replicate=replicate, offload=bool(meta.get("symcost.offload")), fp8=meta.get("symcost.fp8"),
-                    fp8_all_gather=bool(meta.get("symcost.fp8_all_gather")), ep=meta.get("symcost.ep") is not None)
+                    fp8_all_gather=bool(meta.get("symcost.fp8_all_gather")),
+                    compile=bool(meta.get("symcost.compile")), ep=meta.get("symcost.ep") is not None)
     sizes = {k: v for k, v in (("DP", dp), ("TP", tp), ("PP", pp if pipe else None), ("EP", meta.get("symcost.ep")))
              if v is not None}
     if meta.get("symcost.cp_rotate") is not None and meta.get("symcost.cp") is None:

@@ -6,13 +6,14 @@ import json
 import click
 
 from ._device import device_options, resolve_device
-from ._options import common, every_layer_trace, trace_model
+from ._options import common, compile_option, every_layer_trace, trace_model
 
 
 @click.command()
 @click.argument("model", default="cs336-lm")
 @common
 @device_options
+@compile_option
 @click.option("--tokens-per-second", "tps", required=True, metavar="R", help="measured training throughput, all devices")
 @click.option("--devices", "n_devices", default=1, show_default=True, type=int, help="devices the throughput is over")
 @click.option("--recompute", default="none", show_default=True, type=click.Choice(["none", "selective", "full"]),

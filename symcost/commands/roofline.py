@@ -6,7 +6,7 @@ import json
 import click
 
 from ._device import device_options, resolve_device
-from ._options import common, fp8_option, trace_model
+from ._options import common, compile_option, fp8_option, trace_model
 
 
 @click.command()
@@ -14,6 +14,7 @@ from ._options import common, fp8_option, trace_model
 @common
 @device_options
 @fp8_option
+@compile_option
 @click.option("--unfused", is_flag=True, help="time ops with unfused bytes (eager PyTorch) instead of fused (compiled)")
 @click.option("--crossing", "crossing_symbol", default=None, metavar="SYM",
               help="solve, per matmul, the value of SYM at which it becomes compute-bound (e.g. B, S)")

@@ -105,6 +105,8 @@ class Layout:
         fp8_all_gather: with ``fp8`` tensorwise and an FSDP2 ``shard``, torchao's
             ``enable_fsdp_float8_all_gather`` (torchtitan's ``enable_fsdp_float8_all_gather``,
             default off): weight shards cast to fp8 before FSDP2's all-gather.
+        compile: every block under ``torch.compile`` (torchtitan's ``compile.enable``:
+            ``apply_compile`` after TP and AC, before FSDP2; :mod:`symcost.frontends.compile`).
         cp: context parallelism over a ``cp`` dimension (:mod:`symcost.frontends.context_parallel`:
             the sequence split over CP ranks, attention as PyTorch's ring attention).
         cp_rotate: with ``cp``, how the keys and values go round the ring in the forward
@@ -123,6 +125,7 @@ class Layout:
     fp8_all_gather: bool = False
     cp: bool = False
     cp_rotate: str = "allgather"
+    compile: bool = False
     ep: bool = False
 
     def __post_init__(self):
@@ -167,6 +170,7 @@ class Layout:
 
             check_recipe(self.fp8, self.fp8_all_gather, self.shard)
         object.__setattr__(self, "fp8_all_gather", bool(self.fp8_all_gather))
+        object.__setattr__(self, "compile", bool(self.compile))
         object.__setattr__(self, "ep", bool(self.ep))
         if self.ep and (self.shard is not None or self.tp or self.pipeline is not None or self.fp8 is not None):
             raise SymcostError("--ep with --dp/--tp/--pp/--fp8: expert parallelism is modelled alone for now "
@@ -261,7 +265,7 @@ class Layout:
 
     def __bool__(self) -> bool:
         """False for one device without any step technique (the plain step)."""
-        return bool(self.dims) or self.ac is not None or self.fp8 is not None
+        return bool(self.dims) or self.ac is not None or self.fp8 is not None or self.compile
 
     @property
     def tensor_parallel(self) -> str | None:
@@ -300,7 +304,8 @@ class Layout:
         mesh = " × ".join(parts) or "one device"
         return (mesh + (", CPU offload" if self.offload else "")
                 + (f", activation checkpointing {self.ac}" if self.ac else "")
-                + (f", fp8 {self.fp8}" + (" (fp8 all-gather)" if self.fp8_all_gather else "") if self.fp8 else ""))
+                + (f", fp8 {self.fp8}" + (" (fp8 all-gather)" if self.fp8_all_gather else "") if self.fp8 else "")
+                + (", compiled blocks" if self.compile else ""))
 
     @property
     def inner(self) -> "Layout | None":
@@ -333,6 +338,8 @@ class Layout:
             out["fp8"] = self.fp8
             if self.fp8_all_gather:
                 out["fp8_all_gather"] = True
+        if self.compile:
+            out["compile"] = True
         if self.ep:
             out["ep"] = True
         if self.cp:
@@ -348,7 +355,7 @@ class Layout:
                    tp=bool(d.get("tp")), sp=bool(d.get("sp")), pipeline=Pipeline(**{k: tuple(v) if isinstance(v, list) else v
                                                       for k, v in pipe.items()}) if pipe else None,
                    ac=d.get("ac"), replicate=d.get("replicate"), offload=bool(d.get("offload")),
-                   fp8=d.get("fp8"), fp8_all_gather=bool(d.get("fp8_all_gather")),
+                   fp8=d.get("fp8"), fp8_all_gather=bool(d.get("fp8_all_gather")), compile=bool(d.get("compile")),
                    ep=bool(d.get("ep")),
                    cp=bool(d.get("cp")), cp_rotate=d.get("cp_rotate", "allgather"))
 
@@ -370,6 +377,8 @@ class Layout:
             out["offload"] = True
         if self.fp8 is not None:  # (the recipe and the all-gather change the ops and their dtypes)
             out["fp8"] = self.fp8 + (",all_gather" if self.fp8_all_gather else "")
+        if self.compile:  # (the compiled step's ops and saved tensors are the partitioned graphs')
+            out["compile"] = True
         if self.ep:
             out["ep"] = True
         if self.cp:
@@ -394,9 +403,13 @@ class Layout:
                 of a model without a block list.
         """
         if (self.shard is not None or self.pipeline is not None or self.ac or self.sp
-                or self.fp8) and spec.step != "train":
-            raise SymcostError(f"--dp/--pp/--sp/--ac/--fp8 trace a training step, not an inference step ({spec.step}); "
-                               "an inference step takes --tp alone")
+                or self.fp8 or self.compile) and spec.step != "train":
+            raise SymcostError(f"--dp/--pp/--sp/--ac/--fp8/--compile trace a training step, not an inference step "
+                               f"({spec.step}); an inference step takes --tp alone")
+        if self.compile:
+            from symcost.frontends.compile import compile_spec
+
+            spec = compile_spec(self, spec)
         if self.ac and "L" not in spec.symbols and spec.layers is None:
             raise SymcostError(f"--ac {self.ac} checkpoints each block of the model's block list; {spec.name} has none "
                                "(no symbol L)")
@@ -473,7 +486,8 @@ class Layout:
             labels.update(names)
         return sub
 
-    def parallelize(self, model, layers: str | None, mesh: Mapping[str, Any], dp_engine: str | None = None):
+    def parallelize(self, model, layers: str | None, mesh: Mapping[str, Any], dp_engine: str | None = None,
+                    compile_cuts: str | None = None):
         """Parallelise ``model`` in place over ``mesh`` (:meth:`fake_mesh`) in torchtitan's order:
         FP8 training's ``Float8Linear`` swap (:func:`symcost.frontends.fp8.convert`, torchtitan's
         model converter), then the tensor-parallel plan over ``TP`` (:func:`symcost.frontends.tensor_parallel.apply`),
@@ -482,7 +496,9 @@ class Layout:
         and at the root
         (:func:`symcost.frontends.parallel.wrap`: ``fully_shard`` of a TP-sharded parameter
         shards its local rows again; ``dp_engine``: the data-parallel engine where the run names
-        one, ``"megatron-ddp"``: :func:`symcost.frontends.parallel.wrap`). Returns the context the
+        one, ``"megatron-ddp"``: :func:`symcost.frontends.parallel.wrap`; ``compile_cuts``: the
+        trace's key of the compiled blocks' partitions, :func:`symcost.frontends.compile.compile_blocks`,
+        which run after activation checkpointing and before the data-parallel engine). Returns the context the
         loss and its backward run in
         (``loss_parallel()`` where the logits are vocabulary-sharded, else a no-op).
 
@@ -510,6 +526,12 @@ class Layout:
             if layers is None:
                 raise SymcostError(f"--ac {self.ac}: the model has no block list to checkpoint")
             checkpoint_blocks(model, layers, self.ac)
+        if self.compile:
+            from symcost.frontends.compile import compile_blocks
+
+            if layers is None:
+                raise SymcostError("--compile: the model has no block list to compile")
+            compile_blocks(model, layers, compile_cuts)
         if self.shard is not None:
             import warnings
 

@@ -451,7 +451,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         # over its DTensors (torchtitan's parallelize order: fully_shard of a TP-sharded parameter
         # shards its local rows again)
         loss_context = layout.parallelize(model, layers, mesh if layout.traced_dims else {},
-                                          spec.extra.get("dp_engine"))
+                                          spec.extra.get("dp_engine"), spec.extra.get("compile_cuts"))
         if layout.fp8 is not None:  # (the Float8Linear modules that replaced the linears: new objects)
             names.update(_module_names(model))
     # the recording's ``parallel``: the data-parallel strategy, else "tp" / "tp+sp"; on the 2-D
@@ -599,11 +599,15 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             return t0
 
         def pre_hook(module, inputs):
+            if torch.compiler.is_compiling():  # (--compile: Dynamo traces the hooks; the block's ops are its own)
+                return
             for fn in _grad_fns(inputs):
                 _label_graph(fn, rec.module_stack[-1])
             rec.module_stack.append(names.get(id(module), rec.module_stack[-1]))
 
         def post_hook(module, inputs, output):
+            if torch.compiler.is_compiling():
+                return
             label = rec.module_stack.pop()
             for fn in _grad_fns(output):
                 _label_graph(fn, label)

@@ -1,0 +1,236 @@
+"""A compiled step (``--compile``): every block under ``torch.compile`` as torchtitan compiles it,
+recorded as the compiled code runs it (docs/memory.md, "A compiled step").
+
+torchtitan's ``apply_compile`` (torchtitan/models/llama3/infra/parallelize.py) compiles each
+transformer block on its own, ``torch.compile(block, fullgraph=True)``, after tensor parallelism
+and activation checkpointing and before FSDP2, whose hooks stay outside the compiled code. Under
+``torch.compile`` a block's forward and backward are no longer the eager ops: Dynamo captures the
+block's forward as one FX graph, AOTAutograd traces the joint forward-backward graph with
+inductor's decompositions (``torch._inductor.compile_fx.select_decomp_table``), runs inductor's
+joint-graph passes and splits it with the min-cut rematerialisation partitioner
+(``torch._functorch.partitioners.min_cut_rematerialization_partition``, Chen et al.'s "min-cut"
+formulation in AOTAutograd, https://dev-discuss.pytorch.org/t/min-cut-optimal-recomputation-i-e-
+activation-checkpointing-with-aotautograd/467): the forward graph's extra outputs are the tensors
+saved for the backward (``CompiledFunction`` keeps them with ``ctx.save_for_backward``, so
+``saved_tensors_hooks`` see them), and cheap element-wise ops whose inputs are saved instead are
+recomputed in the backward graph. Inductor then fuses each graph's element-wise chains into
+kernels; what is saved is decided before that, by the partition.
+
+:func:`compile_blocks` does exactly that, with one change: the partitioned forward and backward
+graphs are run op by op (their aten ops, as ``torch.compile(backend="aot_eager_decomp_partition")``
+runs them) instead of being lowered to inductor's kernels, inside the dispatch modes that were
+active around the block (the recorder), so the recording holds the compiled step's ops (the
+decomposed forward, the backward with its recomputation) and the tensors it saves. The partition
+is inductor's own: the partitioner function inductor passes to AOTAutograd
+(``torch._inductor.compile_fx.partition_fn``: joint-graph passes, then the min-cut partition with
+``compiler="inductor"``). The bytes the fused kernels move are :mod:`symcost.graph.fusion`'s.
+
+Torch is imported only inside the functions that need it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+#: the dispatch modes taken off the stack around a compiled call, innermost last (per thread)
+_SUSPENDED = threading.local()
+
+
+def _suspended() -> list:
+    if not hasattr(_SUSPENDED, "modes"):
+        _SUSPENDED.modes = []
+    return _SUSPENDED.modes
+
+
+@contextlib.contextmanager
+def _user_modes_suspended():
+    """Dynamo refuses to compile under a user ``TorchDispatchMode`` (the recorder: "non-infra torch
+    dispatch mode present"): take those modes off the stack around the compiled call and keep
+    them, so that the compiled graphs can run inside them again (:func:`_graph_runner`).
+    Infrastructure modes (``FakeTensorMode`` of a fake recording) stay."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+    stack = _get_current_dispatch_mode_stack()
+    popped = []
+    while stack and not stack[-1].is_infra_mode():
+        popped.append(_pop_mode())
+        stack = _get_current_dispatch_mode_stack()
+    _suspended().append(list(reversed(popped)))
+    try:
+        yield
+    finally:
+        _suspended().pop()
+        for m in reversed(popped):
+            _push_mode(m)
+
+
+def _graph_runner(gm, example_inputs):
+    """An AOTAutograd compiler (``fw_compiler``/``bw_compiler``) that runs the partitioned graph
+    ``gm`` as it is (boxed calling convention, as ``torch._dynamo.backends.debugging.boxed_nop``),
+    inside the user dispatch modes :func:`_user_modes_suspended` took off around the compiled
+    call: the forward graph runs while they are suspended, the backward graph (called by the
+    autograd engine) where the modes are active already, and is run as it is."""
+    from torch.fx.graph import _BoxedCodeGen
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+
+    def run(args):
+        modes = _suspended()[-1] if _suspended() else []
+        active = {id(m) for m in _get_current_dispatch_mode_stack()}
+        with contextlib.ExitStack() as stack:
+            for m in modes:
+                if id(m) not in active:
+                    stack.enter_context(m)
+            return gm(args)
+
+    run._boxed_call = True
+    return run
+
+
+#: the min-cut partitions decided in each trace: key (``ModelSpec.extra["compile_cuts"]``) ->
+#: {joint graph's structure: positions of the joint graph's nodes saved for the backward}
+_CUTS: dict[str, dict[tuple, list[int]]] = {}
+
+
+def new_cuts_key() -> str:
+    """A fresh key of :data:`_CUTS`: one trace's partitions (:func:`compile_spec`)."""
+    import uuid
+
+    return uuid.uuid4().hex
+
+
+def _partition(cuts: dict | None):
+    """Inductor's partition function (``torch._inductor.compile_fx.partition_fn``: its joint-graph
+    passes, then ``min_cut_rematerialization_partition(compiler="inductor")``), where the saved
+    set the min cut chooses (``choose_saved_values_set``) is decided once per joint graph
+    structure in ``cuts``: the first compile of a structure (the trace records the requested
+    sizes first) keeps the nodes the min cut saved, and a later compile of the same structure
+    (a probe of the fit, at other sizes) saves the same nodes. The min cut weighs tensors by
+    their bytes, so at a probe's tiny sizes it may cut elsewhere (seen: a softmax's output saved
+    at S = 12, recomputed from its input at S = 16); the formulas are those of the partition
+    the compiled step makes at the requested sizes. ``cuts`` None: every compile decides."""
+    from torch._inductor.compile_fx import partition_fn
+
+    def partition(joint_module, joint_inputs, **kwargs):
+        import torch._functorch.partitioners as P
+
+        orig = P.choose_saved_values_set
+
+        def choose(joint_graph, node_info, *args, **kw):
+            nodes = list(joint_graph.nodes)
+            key = tuple((n.op, str(n.target)) for n in nodes)
+            if cuts is not None and key in cuts:
+                return [nodes[i] for i in cuts[key]]
+            saved = orig(joint_graph, node_info, *args, **kw)
+            if cuts is not None:
+                index = {n: i for i, n in enumerate(nodes)}
+                cuts[key] = [index[n] for n in saved]
+            return saved
+
+        P.choose_saved_values_set = choose
+        try:
+            return partition_fn(joint_module, joint_inputs, **kwargs)
+        finally:
+            P.choose_saved_values_set = orig
+
+    return partition
+
+
+def backend(gm, example_inputs, cuts: dict | None = None):
+    """The ``torch.compile`` backend of a recorded compiled step: AOTAutograd with inductor's
+    decompositions and inductor's partition function (joint-graph passes, then
+    ``min_cut_rematerialization_partition(compiler="inductor")``; the cut kept per structure in
+    ``cuts``, :func:`_partition`), the partitioned graphs run op by op (:func:`_graph_runner`).
+    ``gm``: Dynamo's FX graph of one block's forward."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._guards import detect_fake_mode
+    from torch._inductor.compile_fx import select_decomp_table
+    from torch._inductor.virtualized import V
+
+    # (inductor's joint-graph passes read the fake mode through ``V``, as ``compile_fx`` sets it)
+    with V.set_fake_mode(detect_fake_mode(example_inputs)):
+        return aot_autograd(fw_compiler=_graph_runner, bw_compiler=_graph_runner,
+                            decompositions=select_decomp_table(), partition_fn=_partition(cuts))(gm, example_inputs)
+
+
+def compile_blocks(model, layers: str, cuts_key: str | None = None) -> None:
+    """Compile every block of ``model`` (the children of the ``layers`` container) in place, as
+    torchtitan's ``apply_compile`` does (``torch.compile(block, fullgraph=True)``, after tensor
+    parallelism and activation checkpointing, before FSDP2), with :func:`backend` and static
+    shapes (each probe of a fit is its own compile; Dynamo's caches are reset first, so the
+    recompile limit of one process never turns a later probe's block back to eager). The block's
+    ``forward`` is replaced (its module hooks, FSDP2's all-gathers, stay outside the compiled
+    code, as on torchtitan's compiled module) and the module names stay the model's.
+
+    Raises (at the first call of a block):
+        SymcostError: Dynamo cannot capture the block's forward in one graph (its reason, one
+            line): torchtitan's ``fullgraph=True`` would fail the same way.
+    """
+    import torch
+
+    from symcost.errors import SymcostError
+
+    torch._dynamo.reset()
+    cuts = _CUTS.setdefault(cuts_key, {}) if cuts_key is not None else None
+    shared: dict = {}  # the class's forward -> its compiled function, shared by the blocks of a class
+    for name, block in model.get_submodule(layers).named_children():
+        inner = block.forward
+        fn = getattr(inner, "__func__", None)
+        if fn is None or getattr(inner, "__self__", None) is not block:  # (a forward set on the instance)
+            fn = inner
+            compiled = torch.compile(fn, backend=functools.partial(backend, cuts=cuts), fullgraph=True, dynamic=False)
+            call = compiled
+        else:
+            # the unbound forward compiled once, the block an argument: Dynamo treats the
+            # blocks' parameters as inputs (inline_inbuilt_nn_modules), so the L blocks of one
+            # class share one graph (a bound forward per block would recompile per block)
+            if fn not in shared:
+                shared[fn] = torch.compile(fn, backend=functools.partial(backend, cuts=cuts), fullgraph=True,
+                                           dynamic=False)
+            call = functools.partial(shared[fn], block)
+
+        def forward(*args, _compiled=call, _name=name, **kwargs):
+            with _user_modes_suspended():
+                try:
+                    return _compiled(*args, **kwargs)
+                except SymcostError:
+                    raise
+                except torch._dynamo.exc.Unsupported as e:
+                    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    raise SymcostError(f"--compile: torch.compile(fullgraph=True) cannot capture block {_name} in "
+                                       f"one graph: {reason}") from e
+
+        block.forward = functools.update_wrapper(forward, inner)
+
+
+def compile_spec(layout, spec):
+    """``spec`` with a key of its own for the partitions of its trace (``extra["compile_cuts"]``,
+    :func:`_partition`), after :func:`check_compile`."""
+    import dataclasses
+
+    check_compile(layout, spec)
+    return dataclasses.replace(spec, extra={**spec.extra, "compile_cuts": new_cuts_key()})
+
+
+def check_compile(layout, spec) -> None:
+    """Refuse, in one line, what a compiled step is not modelled with yet (docs/memory.md, "A
+    compiled step"): a model without a block list (torchtitan compiles blocks), and the layouts
+    and techniques whose composition with ``torch.compile`` is not checked against PyTorch yet.
+
+    Raises:
+        SymcostError: the combination, and what does compose.
+    """
+    from symcost.errors import SymcostError
+
+    if "L" not in spec.symbols and spec.layers is None:
+        raise SymcostError(f"--compile compiles each block of the model's block list (torchtitan's apply_compile); "
+                           f"{spec.name} has none (no symbol L)")
+    others = [flag for flag, on in (("--tp", layout.tp), ("--pp", layout.pipeline is not None),
+                                    ("--ac", layout.ac is not None), ("--fp8", layout.fp8 is not None),
+                                    ("--offload", layout.offload)) if on]
+    if others:
+        raise SymcostError(f"--compile with {' '.join(others)} is not modelled yet: a compiled step is modelled on one "
+                           "device and with --dp N --shard ddp|fsdp|zero1|zero2|zero3 (docs/memory.md)")
