@@ -372,3 +372,34 @@ def test_serve_help_names_its_precision_default():
 
     r = CliRunner().invoke(main, ["serve", "--help"], terminal_width=200)
     assert r.exit_code == 0 and "bf16-true: served weights in bf16" in r.output and "default: bf16-mixed" not in r.output
+
+
+def test_serve_tp_says_what_the_plan_leaves_whole(capsys):
+    """``serve --tp`` on a mixture-of-experts model says that transformers' plan leaves the experts
+    whole on every rank (as ``report --tp`` does): the elements listed equal a meta-device count of
+    the experts' (and the router's) parameters of PyTorch's model at random sizes, their share of
+    all parameters too; a dense model's plan splits every block matrix."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rng = random.Random("serve-tp-whole")
+    E, R, hidden, inter = rng.choice((4, 8)), 2, 16 * rng.randint(2, 4), 8 * rng.randint(2, 6)
+    cfg = {"num_hidden_layers": 2, "hidden_size": hidden, "num_attention_heads": 8, "num_key_value_heads": 4,
+           "moe_intermediate_size": inter, "intermediate_size": 2 * inter, "num_experts": E,
+           "num_experts_per_tok": R, "vocab_size": 128}
+    code, out, err = run_cli(capsys, "serve", "hf:qwen3_moe", "--config", *[f"{k}={v}" for k, v in cfg.items()],
+                             "--context", "24", "--tp", "2", "--device", "h100", "--memory", "8MiB", "--json")
+    assert code == 0, err
+    whole = {g["module"]: g for g in json.loads(out)["tp"]["replicated"]}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **cfg))
+    total = sum(p.numel() for p in model.parameters())
+    for part in ("experts", "gate"):
+        g = whole[f"model.layers.{{i}}.mlp.{part}"]
+        n = sum(p.numel() for name, p in model.named_parameters() if f".mlp.{part}." in name)
+        assert g["elements"] == n and g["share"] == pytest.approx(n / total), (part, g, n, total)
+    code, out, err = run_cli(capsys, "serve", "hf:llama", "--config", "num_hidden_layers=2", "hidden_size=32",
+                             "num_attention_heads=4", "num_key_value_heads=2", "intermediate_size=32",
+                             "vocab_size=128", "--context", "16", "--tp", "2", "--device", "h100", "--json")
+    assert code == 0, err
+    assert not [g for g in json.loads(out)["tp"]["replicated"] if "layers" in g["module"]]

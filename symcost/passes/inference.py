@@ -514,11 +514,30 @@ def serve(decode_an, prefill_an, device: Device, cap: int | str, context: int,
     if "tp" in out["decode"]:
         out["tp"] = {"size": out["decode"]["tp"]["size"],
                      "per": "one rank: the cap is per device; weights, KV cache (its key/value heads), FLOPs and "
-                            "all-reduces are the rank's; the batch is the TP ranks' shared one"}
+                            "all-reduces are the rank's; the batch is the TP ranks' shared one",
+                     "replicated": _replicated(decode_an, {**at, "B": b})}
     if prefill_an is not None:
         pre = {k: v for k, v in sizes.items() if k in prefill_an.symbols}
         pre.update({k: v for k, v in (("B", 1), ("S", context)) if k in prefill_an.symbols})
         out["prefill"] = prefill(prefill_an, device, pre, whole=prefill_whole)
+    return out
+
+
+def _replicated(an, sizes: Mapping[str, int]) -> list[dict[str, Any]]:
+    """The weight matrices the tensor-parallel plan leaves whole on every rank of a ``serve --tp``
+    decode trace (:func:`symcost.passes.tensor_parallel.replicated`: e.g. transformers' plans for
+    Mixtral and Qwen3-MoE shard attention only, so every rank holds every expert), at ``sizes``:
+    ``[{"module", "params", "elements", "share"}]`` (elements each rank holds; share of the model's
+    parameters), largest first."""
+    from symcost.passes.tensor_parallel import replicated
+
+    env = an.bind(**{k: v for k, v in sizes.items() if k in an.symbols})
+    total = an.params.xreplace(env)
+    out = []
+    for g in replicated(an):
+        n = int(g["elements"].xreplace(env))
+        out.append({"module": g["module"], "params": g["params"], "elements": n,
+                    "share": float(n / total) if total else None})
     return out
 
 

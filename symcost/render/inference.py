@@ -27,7 +27,8 @@ def to_json(model: str, precision: str, dev, r: dict) -> dict:
     ``seconds_by_bound``, ``flops``: the prefill step's model FLOPs, what ``FlopCounterMode``
     counts on the real forward, ``flops_all``, ``flops_formula``; with ``--tp`` these are one
     rank's, ``flops_model`` the whole model's and ``tp`` its collectives); with ``--tp``, ``tp``
-    (``size``, the per-device cap, the batch per rank's replica) and ``decode.tp`` (the rank's
+    (``size``, the per-device cap, the batch per rank's replica, ``replicated``: the weight matrices
+    the plan leaves whole on every rank, elements each and share of the parameters) and ``decode.tp`` (the rank's
     all-reduces per step: ``collectives``, ``bytes``, ``seconds``, ``link``, ``note``)."""
     d = r["decode"]
     out = {
@@ -130,6 +131,12 @@ def render_text(c, model: str, precision: str, dev, r: dict) -> None:
                 f"{tp['collectives']} all-reduce(s) per decode step, {tp['bytes']:,} B per rank"
                 + (f", {_fmt_s(tp['seconds'])} over {tp['link']} (in time/token)" if tp["seconds"] is not None
                    else f": {tp['note']}"))
+    whole = (r.get("tp") or {}).get("replicated") or []
+    if whole:  # what the plan did not split: every rank holds all of it (transformers' MoE plans: the experts)
+        parts = [f"{g['module'] or '(root)'} ({', '.join(g['params'])}"
+                 + (f", {100 * g['share']:.0f}% of the parameters" if g.get("share") else "") + ")" for g in whole[:4]]
+        more = f" and {len(whole) - 4} more" if len(whole) > 4 else ""
+        c.print("left whole on every rank (the plan does not split them): " + "; ".join(parts) + more)
     if "prefill" in r:
         p = r["prefill"]
         c.print(f"prefill, time to first token bound (1 sequence of {r['context']} tokens): "
