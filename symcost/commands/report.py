@@ -83,6 +83,22 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
             _flag(rep.over_cap(peak, cap, "the rank"))
             _flag(_seconds(t0, t1))
         return
+    if an.parallel == "ep":  # --ep: per-rank all-to-all bytes, experts and memory (docs/parallel.md §14)
+        from symcost.passes.expert_parallel import summary as ep_summary
+        from symcost.render import expert_parallel as rep_ep
+
+        par = ep_summary(an, precision, optimizer, sizes if sizes else None, device=device)
+        res = rep.to_json(an, sizes if sizes else None)
+        res.update(rep_ep.to_json(an, sizes if sizes else None, par))
+        peak = with_cap(res)
+        if as_json:
+            click.echo(json.dumps(res, indent=1))
+        else:
+            rep.render(an, sizes, assumed=assumed, layout_words=words)
+            rep_ep.render(an, sizes, par)
+            _flag(rep.over_cap(peak, cap, "the rank"))
+            _flag(_seconds(t0, t1))
+        return
     if an.parallel is not None:  # --dp: per-rank model states and collectives (docs/parallel.md)
         from symcost.passes.parallel import summary
 

@@ -451,6 +451,10 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
             a, b = b, a
         if a in base_syms and b in base_syms and b not in ties and a not in ties and b not in ties.values():
             ties[b] = a
+            if b in moduli and moduli.get(a, 1) % moduli[b]:
+                # the follower takes the leader's values: the leader keeps the follower's residue
+                # too (E = H = 8 under --ep: E stays a multiple of 8, which EP must divide)
+                moduli[a] = math.lcm(moduli.get(a, 1), moduli[b])
     syms = tuple(s for s in base_syms if s not in ties)
     base = find_base(syms, spec.probe_ok, seed, fixed, accept=accept, request=request, ties=ties, moduli=moduli)
     for follower, leader in list(ties.items()):
