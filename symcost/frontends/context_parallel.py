@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Mapping
 
 from symcost.errors import SymcostError
@@ -71,8 +70,10 @@ def context_parallel(spec):
 
     PyTorch's round-robin load balancing cuts the sequence into 2·CP chunks, so S must be a
     multiple of 2·CP (a constraint: elsewhere PyTorch runs without load balancing, another
-    regime, not modelled). Probes keep S a multiple of 16 (2·CP for CP of 2, 4 and 8) and at least
-    4·CP (two tokens per chunk), so CP can vary alone. The formulas say ``S/CP``.
+    regime, not modelled). Probes keep S a multiple of 2·CP and at least 4·CP (two tokens per
+    chunk). CP itself is pinned at the request's value (:func:`symcost.graph.build.trace`): the
+    ring runs CP steps per attention call, so the rank's ops follow CP; the formulas hold for that
+    CP and any S it allows (S/CP appears as S over the pinned CP).
 
     Raises:
         SymcostError: an inference step (CP trains).
@@ -103,9 +104,8 @@ def context_parallel(spec):
         return constraint.violated({"S": values["S"], "CP2": 2 * values["CP"]})
 
     defaults = dict(spec.defaults, CP=spec.defaults.get("CP", 2))
-    moduli = dict(spec.moduli, S=math.lcm(spec.moduli.get("S", 1), 16))
     return dataclasses.replace(spec, symbols=tuple(spec.symbols) + ("CP",), defaults=defaults,
-                               probe_check=probe_check, moduli=moduli, check=check)
+                               probe_check=probe_check, check=check)
 
 
 # --- the CPU's fused attention under PyTorch's CP dispatcher ------------------------------------
@@ -223,7 +223,7 @@ def enabled(mesh, rotate: str = "allgather"):
     """The context a context-parallel step runs in: PyTorch's CP dispatcher over the 1-D ``cp``
     ``mesh`` (``F.scaled_dot_product_attention`` patched, as ``context_parallel(mesh)`` patches
     it), round-robin load balancing on, ``set_rotate_method(rotate)``, and :func:`cpu_ring`.
-    PyTorch's options are restored after."""
+    PyTorch's options are restored after; :func:`ring_calls` counts from 0 again."""
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
     check_rotate(rotate)
@@ -232,6 +232,7 @@ def enabled(mesh, rotate: str = "allgather"):
     cp._cp_options.enable_load_balance = True
     cp.set_rotate_method(rotate)
     cp._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=mesh)
+    _Calls.n = 0  # (ring_calls: this step's)
     try:
         with cpu_ring():
             yield
@@ -270,9 +271,9 @@ def sequence_dims(spec, values: Mapping[str, int], inputs) -> list:
 def shard_inputs(spec, values: Mapping[str, int], inputs, mesh):
     """``inputs`` (``(args, kwargs)``) as rank 0 of the ``cp`` ``mesh`` holds them: every tensor
     whose size follows S (:func:`sequence_dims`) permuted by PyTorch's head-tail load balancer and
-    cut to the rank's S/CP tokens (``_context_parallel_buffers``, what ``context_parallel(mesh,
-    buffers=...)`` leaves in the buffers); a tensor given twice (hf's ``input_ids`` and ``labels``)
-    stays one tensor.
+    cut to the rank's S/CP tokens (``_context_parallel_buffers``), in place as ``context_parallel(mesh,
+    buffers=...)`` does it (``resize_`` and ``copy_``: the storage keeps the bytes of all S tokens);
+    a tensor given twice (hf's ``input_ids`` and ``labels``) is sharded once.
 
     Raises:
         SymcostError: no input follows S (nothing to split).
@@ -294,6 +295,11 @@ def shard_inputs(spec, values: Mapping[str, int], inputs, mesh):
             out.append(t)
             continue
         if id(t) not in done:
-            done[id(t)] = _context_parallel_buffers(mesh, [t], [d], balancer)[0].clone()
+            # in place, as context_parallel shards its buffers: the storage keeps the S tokens' bytes
+            shard = _context_parallel_buffers(mesh, [t], [d], balancer)[0].clone()
+            with torch.no_grad():
+                t.resize_(shard.shape)
+                t.copy_(shard)
+            done[id(t)] = t
         out.append(done[id(t)])
     return tree_unflatten(out, tree)

@@ -345,6 +345,13 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         pins["L"] = values["L"]
         reasons["L"] = (f"L <= {n}: every block is one of the {n} leading blocks (no block of the "
                         f"other kind), a regime of its own whose formulas hold for L <= {n} only")
+    if layout_of(spec).cp and "CP" in values:
+        # ring attention runs CP steps per attention call (PyTorch's _templated_ring_attention):
+        # the rank's op sequence follows CP, which no probe can vary alone (a fold over the ring's
+        # steps, as over the L blocks, is not done); pinned before any probe is tried
+        pins["CP"] = values["CP"]
+        reasons["CP"] = ("ring attention runs CP steps per attention call, so the rank's ops follow CP "
+                         "(formulas for this CP; docs/parallel.md §15)")
     recordings: dict = {}
     widened, n_random0, seed0 = False, n_random, seed
     for _ in range(len(SYMS) + 2):

@@ -1,0 +1,249 @@
+"""One rank of a context-parallel training step (tests/test_context_parallel.py), on real tensors
+with gloo, or in-process on the fake process group: the oracle of symcost's per-rank numbers.
+
+``python -m torch.distributed.run --standalone --nproc-per-node CP cp_rank.py OUT ROTATE H K D L V F B S``
+builds a small ``transformers`` Llama (sdpa attention; ``hf:llama`` with those sizes, fp32) with
+the same weights on every rank, and runs it as a user of PyTorch's context parallelism does:
+
+* ``context_parallel(mesh, buffers=[input_ids], buffer_seq_dims=[1], no_restore_buffers=...)``
+  (``torch.distributed.tensor.experimental``) over the 1-D ``cp`` mesh: the rank's load-balanced
+  S/CP tokens (the ids are also the labels, as in symcost's hf inputs), ``F.scaled_dot_product_
+  attention`` patched; ``set_rotate_method(ROTATE)``;
+* inside it ``symcost.frontends.context_parallel.cpu_ring()``: PyTorch 2.13's CP rules and
+  handler cover CUDA's fused kernels only, this registers the CPU's fused kernel with the same
+  ring code (the module's docstring); :func:`ring_matches` checks on each rank that the ring's
+  output, gathered back (``context_parallel_unshard``), equals one device's causal SDPA.
+
+:func:`measure` is what each rank measures (after a warm-up step: DTensor's shape propagation):
+
+* model FLOPs, each op's count by ``torch.utils.flop_counter``'s registry, on the local tensors
+  (a ``TorchDispatchMode`` that hands DTensor ops to DTensor, as ``CommDebugMode`` does), and the
+  CPU's fused attention, which the registry lacks, by :func:`cpu_flash`;
+* bytes autograd saved for backward (``saved_tensors_hooks``; a DTensor's local tensor;
+  parameters and buffers excluded; each storage once);
+* bytes each rank sends per collective kind, typed here: all-gather (n-1)/n of its output
+  (nccl-tests' doc/PERFORMANCE.md, ring), all-to-all the input elements its split sizes send to
+  other ranks (``all_to_all_single``'s ``input_split_sizes`` less the rank's own; (n-1)/n of the
+  input where no splits are given);
+* the step's peak (zero_grad, forward, loss, backward, AdamW step in its for-loop form) by
+  PyTorch's ``MemTracker`` (a steady-state step, after the warm-up).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from fractions import Fraction
+
+SIZES = "HKDLVFBS"
+
+
+def config(v: dict) -> dict:
+    """The ``hf:llama`` config overrides of sizes ``v``."""
+    return {"num_hidden_layers": str(v["L"]), "hidden_size": str(v["H"] * v["D"]),
+            "num_attention_heads": str(v["H"]), "num_key_value_heads": str(v["K"]),
+            "intermediate_size": str(v["F"]), "vocab_size": str(v["V"]), "head_dim": str(v["D"])}
+
+
+def spec_and_values(v: dict):
+    from symcost.frontends.models import resolve
+
+    spec = resolve("hf:llama", config=config(v))
+    values = dict(spec.defaults)
+    values.update({k: v[k] for k in SIZES})
+    return spec, values
+
+
+def _group_size_rank(args):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for a in args:
+        pg = None
+        if isinstance(a, str):
+            try:
+                pg = _resolve_process_group(a)
+            except (RuntimeError, ValueError, KeyError):
+                continue
+        elif isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith(".ProcessGroup"):
+            pg = dist.ProcessGroup.unbox(a)
+        if pg is not None:
+            return pg.size(), dist.get_rank(pg)
+    raise AssertionError("a collective without a process group")
+
+
+def cpu_flash(q, k, v) -> int:
+    """Model FLOPs of the CPU flash-attention kernel, which FlopCounterMode's registry leaves out
+    (docs/conventions.md): Q·Kᵀ and P·V, 2·B·H·S_q·S_k·(D + D_v) (torch's ``sdpa_flop_count``
+    written out; it asserts as many key as query heads, grouped-query attention has fewer). Its
+    backward's four gradient products are twice that."""
+    b, h, s_q, d = q
+    return 2 * b * h * s_q * k[2] * (d + v[3])
+
+
+def measure(model, spec, args, kwargs, optimizer, step_context) -> dict:
+    """FLOPs, saved bytes, collective bytes per kind and MemTracker's peak of one rank's step
+    (module docstring). ``step_context()``: the context each step runs in (CP's)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    comm = {"all_gather": Fraction(0), "all_to_all": Fraction(0)}
+    flops = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = str(func.overloadpacket)
+            if name == "_c10d_functional.all_gather_into_tensor":
+                n, _ = _group_size_rank(args)
+                comm["all_gather"] += Fraction(n - 1, n) * out.numel() * out.element_size()
+            elif name == "_c10d_functional.all_to_all_single":  # (input, out_splits, in_splits, group)
+                n, rank = _group_size_rank(args)
+                x, splits = args[0], list(args[2])
+                row = x.numel() // x.shape[0] * x.element_size()
+                if splits:
+                    comm["all_to_all"] += sum(s for j, s in enumerate(splits) if j != rank) * row
+                else:
+                    comm["all_to_all"] += Fraction(n - 1, n) * x.numel() * x.element_size()
+            elif name == "aten._scaled_dot_product_flash_attention_for_cpu":
+                flops[0] += cpu_flash(args[0].shape, args[1].shape, args[2].shape)
+            elif name == "aten._scaled_dot_product_flash_attention_for_cpu_backward":
+                flops[0] += 2 * cpu_flash(args[1].shape, args[2].shape, args[3].shape)
+            elif func.overloadpacket in flop_registry:
+                flops[0] += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+            return out
+
+    def local(t):
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    static = {StorageWeakRef(local(p).untyped_storage()).cdata for p in list(model.parameters()) + list(model.buffers())}
+    seen, saved = set(), [0]
+
+    def pack(t):
+        st = local(t).untyped_storage()
+        key = StorageWeakRef(st).cdata
+        if key not in seen and key not in static:
+            seen.add(key)
+            saved[0] += st.nbytes()
+        return t
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with step_context():
+            loss = spec.loss(model(*args, **kwargs), (args, kwargs))
+            loss.backward()
+        del loss
+        optimizer.step()
+
+    step()  # warm-up: DTensor's shape propagation, the optimizer state
+    optimizer.zero_grad(set_to_none=True)
+    with Count(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with step_context():
+            loss = spec.loss(model(*args, **kwargs), (args, kwargs))
+            loss.backward()
+        del loss
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    optimizer.zero_grad(set_to_none=True)
+    mt = MemTracker()
+    mt.track_external(model, optimizer, *[t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)])
+    with mt:
+        step()
+    peak = max(d["Total"] for d in mt.get_tracker_snapshot("peak").values())
+    return {"flops": flops[0], "saved": saved[0], "comm": {k: str(c) for k, c in comm.items()}, "peak": peak}
+
+
+def cp_step(mesh, rotate: str):
+    """The context a CP step runs in on this CPU: ``set_rotate_method(rotate)``, and the CPU's
+    fused kernel under PyTorch's CP dispatcher (``cpu_ring``). The caller has entered
+    ``context_parallel(mesh, ...)`` (the dispatcher itself)."""
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    from symcost.frontends.context_parallel import cpu_ring
+
+    set_rotate_method(rotate)
+    return cpu_ring
+
+
+def ring_matches(mesh, v: dict, rotate: str) -> float:
+    """The largest difference between the ring's causal attention (this rank's shard, gathered
+    back by ``context_parallel_unshard``) and one device's ``F.scaled_dot_product_attention``,
+    on random q, k, v of [B, H, S, D] (the same on every rank)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard, set_rotate_method
+
+    from symcost.frontends.context_parallel import cpu_ring
+
+    set_rotate_method(rotate)
+    g = torch.Generator().manual_seed(7)
+    q, k, v_ = (torch.randn(v["B"], v["H"], v["S"], v["D"], generator=g) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v_, is_causal=True)
+    qs, ks, vs = q.clone(), k.clone(), v_.clone()
+    with context_parallel(mesh, buffers=[qs, ks, vs], buffer_seq_dims=[2, 2, 2],
+                          no_restore_buffers={qs, ks, vs}), cpu_ring():
+        got = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        full = context_parallel_unshard(mesh, [got], [2])[0]
+    return float((full - want).abs().max())
+
+
+def main():
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    out_dir, rotate = sys.argv[1], sys.argv[2]
+    v = dict(zip(SIZES, (int(x) for x in sys.argv[3:3 + len(SIZES)])))
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("cp",))
+    err = ring_matches(mesh, v, rotate)
+    spec, values = spec_and_values(v)
+    torch.manual_seed(0)
+    model = spec.build(values)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    args, kwargs = spec.make_inputs(values, torch.device("cpu"))  # (the same ids on every rank: seeded)
+    ids = kwargs["input_ids"]
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    with context_parallel(mesh, buffers=[ids], buffer_seq_dims=[1], no_restore_buffers={ids}):
+        got = measure(model, spec, args, kwargs, opt, cp_step(mesh, rotate))
+        tokens = ids.shape[1]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({**got, "ring_error": err, "tokens": tokens, "world": n}, f)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gloo_teardown import finish
+
+    finish()
+
+
+def gloo_ranks(out_dir, v: dict, rotate: str, nproc: int = 2) -> list[dict]:
+    """``torchrun --standalone --nproc-per-node nproc`` of this script with gloo on this CPU at
+    sizes ``v``: each rank's measurement, in rank order."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+               OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                        os.path.abspath(__file__), str(out_dir), rotate] + [str(v[k]) for k in SIZES],
+                       env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
+                                        if any(w in line for w in ("Error", "error", "rank", "terminate", "what()")))[-4000:]
+    out = [json.loads(open(os.path.join(str(out_dir), f"rank{k}.json")).read()) for k in range(nproc)]
+    assert all(got["world"] == nproc for got in out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
