@@ -1,0 +1,187 @@
+"""One rank of an expert-parallel training step (tests/test_expert_parallel.py), on real tensors
+over gloo, or rank 0 on the fake process group: the oracle of symcost's per-rank numbers.
+
+``python -m torch.distributed.run --standalone --nproc-per-node N ep_rank.py OUT H D L V F E R B S``
+builds the built-in ``moe`` model on each rank (fp32, each rank its own tokens), shards its
+experts over the N ranks with ``symcost.frontends.expert_parallel.apply`` (the layout is the
+input: DTensor ``Shard(0)`` experts, the all-to-all dispatch and combine; what is measured is
+PyTorch running it), forces every router to the balanced assignment (token n's k-th choice is
+expert (n·R + k) mod E), runs a warm-up step and one measured step (forward, loss, backward,
+AdamW in its for-loop form) and writes ``OUT/rank{r}.json``.
+
+:func:`measure` is what each rank measures, also used in-process on the fake group:
+
+* model FLOPs: each op's count by ``torch.utils.flop_counter``'s own registry, on the local
+  tensors (a ``TorchDispatchMode`` that hands DTensor ops to DTensor, as ``CommDebugMode`` does);
+* bytes autograd saved for backward (``saved_tensors_hooks``; parameters and buffers excluded;
+  each storage once);
+* bytes per rank of every all-to-all seen at dispatch: (n-1)/n of its input, n the size of its
+  process group as PyTorch resolves it (nccl-tests doc/PERFORMANCE.md, typed here), and of any
+  other collective (there should be none);
+* parameter elements the rank holds (DTensor local shards);
+* with ``peak``: the rank's peak of the measured step by ``torch.distributed._tools.mem_tracker.
+  MemTracker`` (the storages of the ops PyTorch dispatches).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from fractions import Fraction
+
+
+@contextlib.contextmanager
+def balanced_router():
+    """``torch.topk`` over a router's ``[N, E]`` probabilities forced to the balanced assignment
+    (token n's k-th choice expert (n·R + k) mod E, the probabilities at those indices: gradients
+    still reach the router); every other ``topk`` unchanged."""
+    import torch
+
+    orig = torch.topk
+
+    def topk(x, k, dim=-1, largest=True, sorted=True):
+        if x.dim() == 2 and dim in (-1, 1) and x.shape[-1] >= k:
+            n, e = x.shape
+            idx = (torch.arange(n * k, device=x.device) % e).view(n, k)
+            return torch.return_types.topk((x.gather(-1, idx), idx))
+        return orig(x, k, dim=dim, largest=largest, sorted=sorted)
+
+    torch.topk = topk
+    try:
+        yield
+    finally:
+        torch.topk = orig
+
+
+def _group_size(args) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for a in args:
+        if isinstance(a, str):
+            try:
+                return _resolve_process_group(a).size()
+            except (RuntimeError, ValueError, KeyError):
+                continue
+        if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith(".ProcessGroup"):
+            return dist.ProcessGroup.unbox(a).size()
+    raise AssertionError("a collective without a process group")
+
+
+def build(values: dict, mesh, seed: int = 0):
+    """The built-in ``moe`` model at ``values`` (fp32, real tensors), its experts sharded over
+    ``mesh`` by symcost's expert-parallel layout."""
+    import torch
+
+    from symcost.frontends.builtin.moe import MoELM
+    from symcost.frontends.expert_parallel import apply
+
+    torch.manual_seed(seed)
+    v = values
+    model = MoELM(v["V"], v["H"] * v["D"], v["L"], v["H"], v["F"], v["E"], v["R"])
+    apply(model, mesh)
+    return model
+
+
+def measure(model, tokens, peak: bool = False) -> dict:
+    """One training step's FLOPs, saved bytes, collective bytes per rank and parameter elements
+    (module docstring), after a warm-up step; the router balanced."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    from symcost.frontends.builtin.cs336_lm import lm_loss
+
+    comm = {"all_to_all": Fraction(0), "other": Fraction(0)}
+    flops = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = str(func.overloadpacket)
+            if name == "_c10d_functional.all_to_all_single":  # (input, out_splits, in_splits, group)
+                n = _group_size(args)
+                comm["all_to_all"] += Fraction(n - 1, n) * args[0].numel() * args[0].element_size()
+            elif name.startswith(("_c10d_functional.", "c10d.")) and not name.endswith(("wait_tensor", "_wrap_tensor_autograd")):
+                comm["other"] += 1  # (any other collective: there should be none)
+            elif func.overloadpacket in flop_registry:
+                flops[0] += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+            return out
+
+    def local(t):
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    # parameters and buffers (the RoPE tables) are no activations (conventions: "What counts as a byte")
+    params = {StorageWeakRef(local(p).untyped_storage()).cdata
+              for p in list(model.parameters()) + list(model.buffers())}
+    seen, saved = set(), [0]
+
+    def pack(t):
+        st = local(t).untyped_storage()
+        key = StorageWeakRef(st).cdata
+        if key not in seen and key not in params:
+            seen.add(key)
+            saved[0] += st.nbytes()
+        return t
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = lm_loss(model(tokens), ((tokens,), {}))
+        loss.backward()
+        del loss
+        opt.step()
+
+    with balanced_router():
+        step()  # warm-up: the optimizer state, DTensor's shape propagation
+        opt.zero_grad(set_to_none=True)
+        with Count(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = lm_loss(model(tokens), ((tokens,), {}))
+            loss.backward()
+            del loss
+        out = {"flops": flops[0], "saved": saved[0], "comm": {k: str(v) for k, v in comm.items()},
+               "shard": sum(local(p).numel() for p in model.parameters())}
+        if peak:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            opt.zero_grad(set_to_none=True)
+            mt = MemTracker()
+            mt.track_external(model, opt, tokens)
+            with mt:
+                step()
+            out["memtracker"] = max(d["Total"] for d in mt.get_tracker_snapshot("peak").values())
+    return out
+
+
+def main():
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out_dir = sys.argv[1]
+    v = dict(zip("HDLVFERBS", (int(x) for x in sys.argv[2:11])))
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("ep",))
+    model = build(v, mesh["ep"])
+    torch.manual_seed(100 + rank)  # each EP rank its own tokens
+    tokens = torch.randint(0, v["V"], (v["B"], v["S"]))
+    got = measure(model, tokens, peak=True)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({**got, "world": n}, f)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gloo_teardown import finish
+
+    finish()
+
+
+if __name__ == "__main__":
+    main()

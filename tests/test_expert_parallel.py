@@ -1,0 +1,147 @@
+"""Expert parallelism (issue 28 item 1): ``--ep N`` traces one rank of the built-in ``moe`` with
+its experts sharded over N ranks and its tokens dispatched and combined by ``all_to_all_single``
+(symcost/frontends/expert_parallel.py), EP a symbol of the formulas.
+
+Oracles, independent of symcost's recorder, rules and fit (tests/data/ep_rank.py ``measure``):
+PyTorch running the same expert-parallel step, its routers forced to the balanced assignment,
+with FLOPs by ``torch.utils.flop_counter``'s registry, ``saved_tensors_hooks``, the all-to-alls
+seen at dispatch with (n-1)/n of their input typed by hand (nccl-tests), the local shards'
+elements, and MemTracker's peak: rank 0 on the fake process group at random sizes, and a real
+``torchrun`` + gloo run of 2 ranks on this CPU.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+
+import symcost
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+from ep_rank import build, measure  # noqa: E402
+
+PRECISION = "fp32"
+#: the traced request (a small model; formulas evaluated at other sizes of its regime)
+REQUEST = {"EP": 4, "B": 2, "S": 16, "H": 4, "D": 8, "L": 2, "V": 96, "F": 24, "E": 16, "R": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _trace():
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+
+    return symcost.trace(resolve("moe"), layout=Layout(ep=True), sizes=REQUEST, precision=PRECISION)
+
+
+def _draw(rng: random.Random, ep_choices=(2, 4)) -> dict:
+    """Random sizes of the traced regime: E a multiple of 8 (the residue the trace keeps: EP of
+    2, 4, 8 divides it) with E/EP >= 2 experts per rank, B·S·R a multiple of E (balanced routing
+    gives every expert whole slots), R >= 2."""
+    ep = rng.choice(ep_choices)
+    e = rng.choice((8, 16))
+    r = rng.choice((2, 3))
+    s = e * rng.randint(1, 2)
+    return {"EP": ep, "E": e, "R": r, "B": rng.randint(1, 3), "S": s, "H": 2 * rng.randint(1, 3),
+            "D": 4 * rng.randint(1, 3), "L": rng.randint(1, 3), "V": rng.randint(40, 120), "F": 8 * rng.randint(1, 4)}
+
+
+def _check(an, v: dict, got: dict, what) -> None:
+    env = an.bind(**v)
+    assert int(an.flops("train").subs(env)) == got["flops"], what
+    assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], what
+    assert Fraction(str(an.comm_bytes("all_to_all").subs(env))) == Fraction(got["comm"]["all_to_all"]) > 0, what
+    assert Fraction(got["comm"]["other"]) == 0 and an.comm_bytes("total") == an.comm_bytes("all_to_all"), what
+    assert int(an.params_shard.subs(env)) == got["shard"], what
+
+
+def test_ep_is_a_symbol_and_divides_only_the_experts():
+    """EP is a symbol (not pinned); the rank holds E/EP of each stacked expert weight and every
+    dense parameter whole; the all-to-all bytes per rank are (EP-1)/EP of four N·R·M exchanges
+    per layer (dispatch and combine, forward and backward) plus the [E] int64 split-size
+    exchange, by hand."""
+    import sympy
+
+    from symcost.passes.expert_parallel import expert_params
+    from symcost.tracing.fit import SYMS
+
+    an = _trace()
+    assert "EP" in an.symbols and not an.pinned, an.pinned
+    B, S, H, D, L, E, R, F, EP = (SYMS[k] for k in ("B", "S", "H", "D", "L", "E", "R", "F", "EP"))
+    whole, rank = expert_params(an)
+    assert sympy.expand(whole - 3 * E * F * H * D * L) == 0
+    assert sympy.expand(rank - whole / EP) == 0
+    assert sympy.expand(an.params - an.params_shard - whole * (1 - 1 / EP)) == 0
+    per_layer = 4 * 4 * B * S * R * H * D + 8 * E  # fp32 token exchanges, int64 counts
+    assert sympy.expand(an.comm_bytes("all_to_all") - L * per_layer * (EP - 1) / EP) == 0
+
+
+def test_ep_rank_against_pytorch_on_the_fake_group():
+    """At random sizes (EP 2 or 4, E/EP 2 or 4 experts per rank): the rank's FLOPs, saved bytes,
+    all-to-all bytes and parameter elements equal PyTorch's expert-parallel step on the fake
+    group (rank 0, real tensors, the routers balanced)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from symcost.frontends.parallel import fake_world
+
+    an = _trace()
+    rng = random.Random(28)
+    for _ in range(3):
+        v = _draw(rng)
+        fake_world(v["EP"])
+        model = build(v, init_device_mesh("cpu", (v["EP"],), mesh_dim_names=("ep",))["ep"])
+        got = measure(model, torch.randint(0, v["V"], (v["B"], v["S"])))
+        _check(an, v, got, v)
+
+
+@pytest.mark.heavy
+def test_real_gloo_ep2(tmp_path):
+    """``torchrun --nproc-per-node 2`` with gloo on this CPU, real tensors, each rank its own
+    tokens, the routers balanced (tests/data/ep_rank.py): each rank's FLOPs, saved bytes,
+    all-to-all bytes and parameter elements equal symcost's, and its peak (MemTracker in the run,
+    AdamW for-loop) is within 5% of symcost's per-rank peak."""
+    from symcost.passes.memory import memory_model
+
+    nproc = 2
+    v = _draw(random.Random(2), ep_choices=(nproc,))
+    script = os.path.join(os.path.dirname(__file__), "data", "ep_rank.py")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                        script, str(tmp_path)] + [str(v[k]) for k in "HDLVFERBS"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
+                                        if any(w in line for w in ("Error", "error", "rank", "terminate", "what()")))[-4000:]
+    an = _trace()
+    want = memory_model(an, PRECISION, "adamw", impl="for-loop", device="cpu").peak(**v)
+    for rank in range(nproc):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["world"] == nproc
+        _check(an, v, got, (rank, v))
+        assert abs(want - got["memtracker"]) <= 0.05 * got["memtracker"], (rank, want, got["memtracker"], v)
+
+
+def _cli(args):
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    return CliRunner().invoke(main, args)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["report", "moe", "--ep", "3"], "does not divide the E=8 routed experts"),
+    (["report", "moe", "--ep", "2", "--dp", "2"], "expert parallelism is modelled alone for now"),
+    (["report", "cs336-lm", "--ep", "2"], "has none (no symbols E and R)"),
+])
+def test_ep_refusals_are_one_line(args, words):
+    """What --ep cannot run is refused in one line before any trace: an EP that does not divide E,
+    --ep with another dimension (not modelled yet), a dense model."""
+    r = _cli(args)
+    assert r.exit_code == 2, r.output
+    assert words in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
