@@ -230,6 +230,9 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
         c.print(f"  per rank: one of TP = {sol.sizes.get('TP')} tensor-parallel ranks (Megatron plan"
                 + (", sequence parallel" if an.parallel == "tp+sp" else "")
                 + f"; every rank runs the whole batch {v}, the peak is the rank's, docs/parallel.md §11)")
+    elif an.parallel == "ep":
+        c.print(f"  per rank: one of EP = {sol.sizes.get('EP')} expert-parallel ranks (E/EP experts each, tokens by "
+                f"all-to-all; {v} is the rank's, the peak is the rank's, docs/parallel.md §14)")
     elif an.parallel is not None:
         from symcost.frontends.layout import layout_of
 
