@@ -99,6 +99,15 @@ def test_cp_rank_matches_pytorch_at_random_sizes():
         got = _fake_rank0(w, "allgather")
         _check(an, w, got, w)
         assert mm.peak(**{k: x for k, x in w.items() if k in an.symbols}) == pytest.approx(got["peak"], rel=0.05), w
+    # report --cp's section (passes.context_parallel, render.context_parallel): the same bytes
+    from symcost.passes.context_parallel import summary
+    from symcost.render.context_parallel import to_json
+
+    js = to_json(summary(an, {k: x for k, x in w.items() if k in an.symbols}))["context_parallel"]
+    assert (js["cp"], js["rotate"]) == (2, "allgather")
+    for kind, want in got["comm"].items():
+        assert sum(js["comm"][kind].values()) == Fraction(want), kind
+    assert js["comm"]["all_to_all"]["forward"] == 0 and js["total"] == sum(Fraction(x) for x in got["comm"].values())
 
 
 @pytest.mark.heavy

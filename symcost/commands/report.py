@@ -125,10 +125,23 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
             _flag(_seconds(t0, t1))
         return
     mem = rep.memory_section(an, sizes, memory, precision, optimizer, device=device)
+    cp = None
+    from symcost.frontends.layout import layout_of
+
+    if layout_of(an).cp:  # --cp: the ring's K/V exchange per rank (docs/parallel.md §15)
+        from symcost.passes.context_parallel import summary as cp_summary
+        from symcost.render import context_parallel as rcp
+
+        cp = cp_summary(an, sizes if sizes else None)
     if as_json:
-        click.echo(json.dumps(rep.to_json(an, sizes if sizes else None, memory=mem), indent=1))
+        res = rep.to_json(an, sizes if sizes else None, memory=mem)
+        if cp is not None:
+            res.update(rcp.to_json(cp))
+        click.echo(json.dumps(res, indent=1))
     else:
         rep.render(an, sizes, memory=mem)
+        if cp is not None:
+            rcp.render(cp)
 
 
 def _flag(line: str | None) -> None:

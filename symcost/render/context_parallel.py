@@ -1,0 +1,52 @@
+"""Text and JSON of :func:`symcost.passes.context_parallel.summary` (``report --cp N``)."""
+from __future__ import annotations
+
+import sympy
+
+from symcost.render.report import console, fmt
+
+
+def _num(v):
+    v = sympy.sympify(v)
+    return int(v) if v.is_integer else float(v)
+
+
+def to_json(summary: dict) -> dict:
+    """``{"context_parallel": {cp, rotate, comm: {all_gather|all_to_all: {forward, backward}},
+    total}}``: bytes one rank sends (= receives) per step over the CP group; formulas without
+    sizes, integers with."""
+    vals = summary["values"]
+    if vals is None:
+        comm = {k: {ph: fmt(v) for ph, v in d.items()} for k, d in summary["comm"].items()}
+        total = fmt(summary["total"])
+    else:
+        comm = {k: {ph: _num(v) for ph, v in d.items()} for k, d in vals["comm"].items()}
+        total = _num(vals["total"])
+    cp = summary["cp"]
+    return {"context_parallel": {"cp": int(cp) if isinstance(cp, int) else str(cp), "rotate": summary["rotate"],
+                                 "comm": comm, "total": total}}
+
+
+def render(summary: dict, width: int | None = None) -> None:
+    """The context-parallel section of the report: the ring's exchange bytes per rank."""
+    from rich.table import Table
+
+    from symcost.units import binary
+
+    c = console(width)
+    c.print(f"\n[bold]context parallel[/bold]: CP = {summary['cp']} ranks, ring attention "
+            f"(PyTorch's context_parallel, rotate method {summary['rotate']}); bytes one rank sends "
+            "(= receives) per step over the CP group")
+    t = Table(box=None)
+    for col in ("collective", "phase", "formula (bytes)", "value"):
+        t.add_column(col, justify="right" if col == "value" else "left")
+    vals = summary["values"]
+    for k, d in summary["comm"].items():
+        for ph, f in d.items():
+            v = vals["comm"][k][ph] if vals else None
+            t.add_row(k.replace("_", "-"), ph, fmt(f), binary(int(v)) if v is not None else "")
+    t.add_row("total", "", fmt(summary["total"]), binary(int(vals["total"])) if vals else "")
+    c.print(t)
+    c.print("K/V forward by the rotate method, K/V again and the dK/dV accumulators (fp32) by all-to-all in "
+            "the backward; gradients are not reduced over the CP ranks (CP alone: torchtitan shards "
+            "them with FSDP over dp_shard × cp, not modelled yet; docs/parallel.md §15)")
