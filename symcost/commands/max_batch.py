@@ -225,7 +225,9 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
         c.print(checkpoint_line)
     pinned = getattr(an, "pinned", {}) or {}
     if pinned:
-        c.print("  pinned: " + ", ".join(f"{k} = {v} (size 1 runs other kernels)" for k, v in pinned.items()))
+        why = getattr(an, "pin_reasons", None) or {}  # (the trace's reason for each; size 1 where it kept none)
+        c.print("  pinned: " + ", ".join(f"{k} = {v} ({why.get(k, 'size 1 runs other kernels')})"
+                                         for k, v in pinned.items()))
     if an.parallel is not None and an.parallel.startswith("tp"):
         c.print(f"  per rank: one of TP = {sol.sizes.get('TP')} tensor-parallel ranks (Megatron plan"
                 + (", sequence parallel" if an.parallel == "tp+sp" else "")
