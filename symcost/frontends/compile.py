@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import threading
 
 #: the dispatch modes taken off the stack around a compiled call, innermost last (per thread)
@@ -156,6 +157,13 @@ def backend(gm, example_inputs, cuts: dict | None = None):
                             decompositions=select_decomp_table(), partition_fn=_partition(cuts))(gm, example_inputs)
 
 
+def _compiles() -> int:
+    """Graphs Dynamo has compiled in this process (``counters["stats"]["unique_graphs"]``)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def compile_blocks(model, layers: str, cuts_key: str | None = None) -> None:
     """Compile every block of ``model`` (the children of the ``layers`` container) in place, as
     torchtitan's ``apply_compile`` does (``torch.compile(block, fullgraph=True)``, after tensor
@@ -195,7 +203,15 @@ def compile_blocks(model, layers: str, cuts_key: str | None = None) -> None:
         def forward(*args, _compiled=call, _name=name, **kwargs):
             with _user_modes_suspended():
                 try:
-                    return _compiled(*args, **kwargs)
+                    before = _compiles()
+                    out = _compiled(*args, **kwargs)
+                    if _compiles() != before:
+                        # the compile's own objects hold the block's example inputs in reference
+                        # cycles (position ids passed to the block, unused by its graph): collected
+                        # now, as a steady-state step (compiled at the first step) holds them not at
+                        # all, instead of whenever the collector runs later in the step
+                        gc.collect()
+                    return out
                 except SymcostError:
                     raise
                 except torch._dynamo.exc.Unsupported as e:
