@@ -108,6 +108,11 @@ def test_cp_rank_matches_pytorch_at_random_sizes():
     for kind, want in got["comm"].items():
         assert sum(js["comm"][kind].values()) == Fraction(want), kind
     assert js["comm"]["all_to_all"]["forward"] == 0 and js["total"] == sum(Fraction(x) for x in got["comm"].values())
+    # time/mfu count a rank's tokens: B·S/CP per step
+    from symcost.passes.roofline import tokens_compute
+
+    tc = tokens_compute(an, {k: x for k, x in w.items() if k in an.symbols})
+    assert (tc["tokens_per_step"], tc["flops.train_step"]) == (w["B"] * w["S"] // 2, got["flops"])
 
 
 @pytest.mark.heavy

@@ -517,7 +517,8 @@ def tokens_compute(an, sizes: Mapping[str, int] | None, tokens: int | None = Non
                    recompute: str = "none") -> dict:
     """Per-token FLOPs and the compute of a token budget, model and hardware.
 
-    ``flops.per_token`` = model FLOPs of one training step / (B·S) (a formula and its value; the
+    ``flops.per_token`` = model FLOPs of one training step / (B·S) (B·S/CP: a context-parallel
+    rank's tokens, :mod:`symcost.frontends.context_parallel`) (a formula and its value; the
     same for every attention kernel and any recomputation: what MFU, 6·N·P and ``time --mfu``
     count). ``flops.per_token_hardware`` = what the step really multiplies: model FLOPs plus the
     kernels' own extra work (``flops.kernel_extra_step``: a fused attention backward's recomputed
@@ -549,6 +550,11 @@ def tokens_compute(an, sizes: Mapping[str, int] | None, tokens: int | None = Non
 
     P = _num(params_active_matmul(an), env)  # the P of 6·N·P: a token's matmul parameters (R of E experts)
     Bs, Ss = (sympy.Integer(an.pinned[n]) if n in an.pinned else SYMS[n] for n in ("B", "S"))
+    from symcost.frontends.layout import layout_of
+
+    if layout_of(an).cp:  # (context parallelism: the rank's step holds S/CP of each sequence's tokens)
+        cp = an.pinned.get("CP") or env[SYMS["CP"]]
+        S, Ss = int(S) // int(cp), Ss / cp  # (exact: 2·CP divides S, the spec's constraint)
     per_token_formula = sympy.factor_terms(sympy.cancel(sympy.expand(train) / (Bs * Ss)))
     out: dict[str, Any] = {
         "sizes": {str(k): int(v) for k, v in env.items()},
