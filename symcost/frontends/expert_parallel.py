@@ -75,7 +75,7 @@ def expert_parallel(spec):
         why = inner_probe(values) if inner_probe else None
         if why or "EP" not in values:
             return why
-        return indivisible(values)
+        return indivisible(values) or whole_slots(values)
 
     def check(values: Mapping[str, int]):
         return (inner_check(values) if inner_check else None) or indivisible(values)
@@ -97,13 +97,31 @@ def indivisible(values: Mapping[str, int]) -> str | None:
     return None
 
 
-def experts_modules(model) -> list[tuple[str, object]]:
-    """``[(name, module)]`` of the built-in ``moe`` model's experts modules (stacked weights
-    ``w1, w3 [E, F, M]``, ``w2 [E, M, F]``, a routing model)."""
-    from symcost.frontends.moe import ROUTING_ATTR
+def whole_slots(values: Mapping[str, int]) -> str | None:
+    """Why a probe of an expert-parallel trace has no whole number N·R/E of slots per expert
+    (the balanced split sizes of the all-to-alls, :func:`hf_forward`), or None."""
+    try:
+        if (values["B"] * values["S"] * values["R"]) % values["E"]:
+            return "B·S·R/E slots per expert must be whole at a probe (the all-to-all's split sizes)"
+    except KeyError:
+        return None
+    return None
 
-    return [(n, m) for n, m in model.named_modules()
-            if hasattr(m, ROUTING_ATTR) and all(hasattr(m, w) for w in BUILTIN_WEIGHTS)]
+
+def experts_modules(model) -> list[tuple[str, object, str]]:
+    """``[(name, module, kind)]`` of the experts modules of ``model``: ``kind`` ``"builtin"`` for
+    the built-in ``moe`` model's (stacked weights ``w1, w3 [E, F, M]``, ``w2 [E, M, F]``, a
+    routing model), ``"hf"`` for transformers' ``@use_experts_implementation`` classes
+    (``gate_up_proj``/``up_proj`` and ``down_proj`` stacked over ``num_experts``)."""
+    from symcost.frontends.moe import ROUTING_ATTR, _is_hf_experts
+
+    out = []
+    for n, m in model.named_modules():
+        if hasattr(m, ROUTING_ATTR) and all(hasattr(m, w) for w in BUILTIN_WEIGHTS):
+            out.append((n, m, "builtin"))
+        elif _is_hf_experts(m):
+            out.append((n, m, "hf"))
+    return out
 
 
 def apply(model, mesh) -> None:
@@ -123,17 +141,21 @@ def apply(model, mesh) -> None:
 
     found = experts_modules(model)
     if not found:
-        raise SymcostError("--ep: the model has no experts module symcost shards over EP ranks yet (the built-in "
-                           "`moe` model's; transformers' experts under --ep are not modelled yet)")
-    for _, m in found:
-        if m.num_experts % mesh.size():
-            raise SymcostError(f"--ep {mesh.size()} does not divide the {m.num_experts} experts")
-        for name in BUILTIN_WEIGHTS:
-            p = getattr(m, name)
-            d = distribute_tensor(p.detach(), mesh, [Shard(0)], src_data_rank=None)
-            m.register_parameter(name, torch.nn.Parameter(d, requires_grad=p.requires_grad))
+        raise SymcostError("--ep: the model has no experts module symcost shards over EP ranks (the built-in "
+                           "`moe` model's, transformers' stacked experts)")
+    for name, m, kind in found:
+        e = m.num_experts
+        if e % mesh.size():
+            raise SymcostError(f"--ep {mesh.size()} does not divide the {e} experts")
+        if kind == "hf" and (m.has_bias or not getattr(m, "is_concatenated", True)):
+            raise SymcostError(f"--ep: {type(m).__name__} has expert biases or interleaved gate/up weights "
+                               "(gpt-oss); their expert-parallel dispatch is not modelled yet")
+        for pname, p in list(m.named_parameters(recurse=False)):
+            if p.dim() and p.shape[0] == e:  # (every stacked expert tensor: Shard(0))
+                d = distribute_tensor(p.detach(), mesh, [Shard(0)], src_data_rank=None)
+                m.register_parameter(pname, torch.nn.Parameter(d, requires_grad=p.requires_grad))
         object.__setattr__(m, "ep_mesh", mesh)
-        m.forward = types.MethodType(builtin_forward, m)
+        m.forward = types.MethodType(builtin_forward if kind == "builtin" else hf_forward, m)
 
 
 def _local(t):
@@ -153,6 +175,64 @@ def exchange(x, mesh):
     return all_to_all_single_autograd(x, [k] * n, [k] * n, mesh.get_group())
 
 
+def count_exchange(expert_ids, e: int, mesh):
+    """The split-size exchange before a dispatch (torchtitan's ``_token_count_exchange``): the
+    rank's tokens per expert ``[E]`` (int64, ``histc`` of ``expert_ids``) sent as ``[EP, E/EP]``
+    by ``all_to_all_single`` (no autograd). Its values are not read: under the routing model the
+    split sizes are fixed (the module docstring)."""
+    import torch
+    from torch.distributed._functional_collectives import all_to_all_single
+
+    ep = mesh.size()
+    with torch.no_grad():
+        counts = torch.histc(expert_ids.reshape(-1).float(), bins=e, min=0, max=e - 1).to(torch.int64)
+        got = all_to_all_single(counts.view(ep, e // ep), None, None, mesh.get_group())
+        return torch.ops._c10d_functional.wait_tensor(got)  # (torchtitan waits explicitly here too)
+
+
+def hf_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' stacked experts (``grouped_mm_experts_forward``, transformers/integrations/
+    moe.py) on one EP rank, under balanced routing: ``hidden_states [N, M]``, ``top_k_index``,
+    ``top_k_weights [N, R]`` -> ``[N, M]``.
+
+    The N·R slots sorted by expert and gathered (``[N·R, M]``, expert-major: rank j's experts'
+    rows are the j-th 1/EP), the count exchange (:func:`count_exchange`), the dispatch
+    ``all_to_all_single`` of N·R/EP rows to each rank, rank-major ``[EP, E/EP, N·R/E, M]`` ->
+    expert-major (torchtitan's ``_permute``), the local experts' grouped GEMMs
+    (transformers' ``_grouped_linear`` on the weight shards ``[E/EP, …]``, offsets of
+    EP·N·R/E slots per local expert), the gate, the inverse permutation, the combine
+    ``all_to_all_single``, then the routing weights, the inverse sort and the sum over a token's R
+    slots as transformers does. Balanced routing makes every split N·R/EP rows, so N·R/E must be a
+    whole number (the probes keep it).
+    """
+    import torch
+    from transformers.integrations.moe import _grouped_linear
+
+    mesh = self.ep_mesh
+    ep, e = mesh.size(), self.num_experts
+    local = e // ep
+    n, m = hidden_states.shape
+    r = top_k_index.shape[-1]
+    s = n * r
+    ids_g, perm = torch.sort(top_k_index.reshape(-1))
+    x_g = hidden_states[perm // r]  # [N·R, M], expert-major
+    w_g = top_k_weights.reshape(-1)[perm]
+    count_exchange(ids_g, e, mesh)
+    h = exchange(x_g, mesh).view(ep, local, s // e, m).transpose(0, 1).reshape(s, m)  # expert-major
+    offsets = torch.full((local,), ep * (s // e), dtype=torch.int32, device=h.device).cumsum(0, dtype=torch.int32)
+    w_up = _local(self.gate_up_proj if self.has_gate else self.up_proj)
+    out = _grouped_linear(h, w_up, offsets, is_transposed=self.is_transposed)
+    out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
+    out = _grouped_linear(out, _local(self.down_proj), offsets, is_transposed=self.is_transposed)
+    if self.has_post_expert_norm:
+        out = self.post_expert_norm(out)
+    out = out.view(local, ep, s // e, m).transpose(0, 1).reshape(s, m)  # rank-major again
+    out = exchange(out, mesh) * w_g.unsqueeze(-1)  # back in x_g's order, weighted
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.size(0), device=perm.device)
+    return out[inv].view(n, r, m).sum(dim=1).to(hidden_states.dtype)
+
+
 def builtin_forward(self, x, weights, experts):
     """The built-in ``moe`` experts (``Experts.forward``) on one EP rank: token states
     ``x [N, M]``, the router's ``weights, experts [N, R]`` -> ``[N, M]``.
@@ -160,8 +240,8 @@ def builtin_forward(self, x, weights, experts):
     1. the static dispatch into ``[E, C, M]`` buffers (:func:`symcost.frontends.moe.dispatch`),
        C = c·N·R/E slots per expert (the routing model);
     2. the tokens per expert ``[E]`` (int64, ``histc`` of the choices) exchanged as ``[EP, E/EP]``
-       (torchtitan's ``_token_count_exchange``; with fixed capacities the split sizes do not
-       depend on it);
+       (torchtitan's ``_token_count_exchange``, :func:`count_exchange`; with fixed capacities
+       the split sizes do not depend on it);
     3. dispatch: ``all_to_all_single`` of the ``[E·C, M]`` rows, E/EP·C to each rank; the
        received rows, rank-major ``[EP, E/EP, C, M]``, permuted to expert-major
        ``[E/EP, EP·C, M]`` (torchtitan's ``_permute``);
@@ -181,12 +261,7 @@ def builtin_forward(self, x, weights, experts):
     r = experts.shape[-1]
     c = moe.routing_of(self).capacity(n, r, e)
     buf, dest, token = moe.dispatch(x, experts, e, c)  # [E, C, M]
-    with torch.no_grad():  # the split-size exchange (its values are not read: fixed capacities)
-        counts = torch.histc(experts.reshape(-1).float(), bins=e, min=0, max=e - 1).to(torch.int64)
-        from torch.distributed._functional_collectives import all_to_all_single
-
-        got = all_to_all_single(counts.view(ep, e // ep), None, None, mesh.get_group())
-        torch.ops._c10d_functional.wait_tensor(got)  # (torchtitan waits explicitly here too)
+    count_exchange(experts, e, mesh)
     m = x.shape[-1]
     local = e // ep
     got = exchange(buf.reshape(e * c, m), mesh)  # rows of this rank's experts, from every rank
