@@ -46,7 +46,6 @@ import dataclasses
 from typing import Mapping
 
 from symcost.errors import SymcostError
-from symcost.frontends.spec import Constraint
 
 #: ``set_rotate_method``'s methods: how the keys and values go round the ring in the forward
 ROTATE_METHODS = ("allgather", "alltoall")
@@ -93,15 +92,14 @@ def context_parallel(spec):
             return f"S={s} is no multiple of 2·CP={2 * cp} of at least 4·CP (two tokens per load-balancing chunk)"
         return None
 
-    constraint = Constraint("multiple", "S", "CP2", "--cp splits the sequence into 2·CP load-balancing chunks "
-                            "(PyTorch's round-robin CP): S must be a multiple of 2·CP")
     inner_check = spec.check
 
     def check(values: Mapping[str, int]):
         why = inner_check(values) if inner_check else None
-        if why or "CP" not in values or "S" not in values:
+        if why or "CP" not in values or "S" not in values or values["S"] % (2 * values["CP"]) == 0:
             return why
-        return constraint.violated({"S": values["S"], "CP2": 2 * values["CP"]})
+        return (f"--cp splits the sequence into 2·CP load-balancing chunks (PyTorch's round-robin CP): S must "
+                f"be a multiple of 2·CP = {2 * values['CP']} (got S={values['S']}, CP={values['CP']})")
 
     defaults = dict(spec.defaults, CP=spec.defaults.get("CP", 2))
     return dataclasses.replace(spec, symbols=tuple(spec.symbols) + ("CP",), defaults=defaults,
