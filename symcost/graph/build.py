@@ -711,9 +711,10 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
         got["params"] = an.params.xreplace(env)
         got["saved"] = sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]).xreplace(env)
         got["kv"] = an.kv_bytes.xreplace(env)
-        if an.parallel is not None:
+        if an.parallel is not None or layout_of(spec).cp:  # (context parallelism: the ring's collectives)
             for k in COMM_KINDS:
                 got[f"comm.{k}"] = an.comm_bytes(k).xreplace(env)
+        if an.parallel is not None:
             got["shards"] = an.params_shard.xreplace(env)
         bad = {k: (int(got[k]), want[k]) for k in want if int(got[k]) != want[k]}
         if bad:

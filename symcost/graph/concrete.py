@@ -81,15 +81,19 @@ def concrete_totals(rec: Recording) -> dict[str, int]:
     out["saved"] = sum(s.nbytes for s in rec.saved)
     if rec.step != "train":
         out["kv"] = sum(rec.kv_layers)
-    if rec.parallel is not None:  # bytes of every collective (ring, per rank), by kind
+    if rec.parallel is not None or any(op.group == "CP" for op in rec.ops):
+        # bytes of every collective (ring, per rank), by kind (context parallelism alone: the ring's)
         for k in COMM_KINDS:
             out[f"comm.{k}"] = 0
         for op in rec.ops:
             if rules.classify(op.op) == "comm":
                 v = op_view(op, [t.shape for t in op.inputs], [t.shape for t in op.outputs], op.ints)
-                n = group_size(op.group or trace_group(rec), rec.values.__getitem__, rec.replicate)
+                # (a wait names no group; without a data- or tensor-parallel label the ring's is CP)
+                n = group_size(op.group or (trace_group(rec) if rec.parallel is not None else "CP"),
+                               rec.values.__getitem__, rec.replicate)
                 kind, _, per_rank = rules.comm_volume(v, n)
                 if kind in COMM_KINDS:  # (not a wait)
                     out[f"comm.{kind}"] += per_rank
-        out["shards"] = sum(rules.numel(s) for s in rec.param_shards.values())
+        if rec.parallel is not None:
+            out["shards"] = sum(rules.numel(s) for s in rec.param_shards.values())
     return out
