@@ -58,12 +58,37 @@ def _user_modes_suspended():
         popped.append(_pop_mode())
         stack = _get_current_dispatch_mode_stack()
     _suspended().append(list(reversed(popped)))
+    kept = []  # the forward graph's outputs, alive until the compiled call returns (_graph_runner)
+    _kept().append(kept)
     try:
-        yield
+        yield popped
     finally:
         _suspended().pop()
+        _kept().pop()
         for m in reversed(popped):
             _push_mode(m)
+        del kept
+
+
+def _kept() -> list:
+    if not hasattr(_SUSPENDED, "kept"):
+        _SUSPENDED.kept = []
+    return _SUSPENDED.kept
+
+
+def hold(modes, tensors) -> None:
+    """Tell each suspended mode that follows storages by the tensor objects it saw (symcost's
+    recorder: ``hold``) that ``tensors``, made outside it, reference their storages: AOTAutograd's
+    runtime hands the caller (and ``ctx.save_for_backward``) other tensor objects than the ones
+    the forward graph made inside the mode, and those die when the compiled call returns."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    for m in modes:
+        if hasattr(m, "hold"):
+            for t in tree_flatten(tensors)[0]:
+                if isinstance(t, torch.Tensor):
+                    m.hold(t)
 
 
 def _graph_runner(gm, example_inputs):
@@ -85,7 +110,10 @@ def _graph_runner(gm, example_inputs):
             for m in modes:
                 if id(m) not in active:
                     stack.enter_context(m)
-            return gm(args)
+            out = gm(args)
+        if _kept() and any(id(m) not in active for m in modes):  # (a forward graph run by the compiled call)
+            _kept()[-1].extend(out)
+        return out
 
     run._boxed_call = True
     return run
@@ -201,10 +229,11 @@ def compile_blocks(model, layers: str, cuts_key: str | None = None) -> None:
             call = functools.partial(shared[fn], block)
 
         def forward(*args, _compiled=call, _name=name, **kwargs):
-            with _user_modes_suspended():
+            with _user_modes_suspended() as modes:
                 try:
                     before = _compiles()
                     out = _compiled(*args, **kwargs)
+                    hold(modes, out)
                     if _compiles() != before:
                         # the compile's own objects hold the block's example inputs in reference
                         # cycles (position ids passed to the block, unused by its graph): collected

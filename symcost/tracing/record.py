@@ -590,6 +590,8 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 # local tensor is saved before the op names it, as autograd saves a DTensor op's
                 # inputs before it runs: sequence parallelism's replicated norm weights) or buffer
                 return t0
+            if layout.compile and t is t0:  # (the object autograd keeps holds the storage: rec.hold)
+                rec.hold(t)
             if key not in seen_saved:
                 saved_refs.append(ref)
                 seen_saved[key] = SavedTensor(st.nbytes() + extra, t.dtype, rec.module_stack[-1], tuple(t.shape))

@@ -196,6 +196,19 @@ class _Recorder(TorchDispatchMode):
         entry[0] += 1
         weakref.finalize(t, self._release, key)
 
+    def hold(self, t: torch.Tensor) -> None:
+        """Count ``t``, a tensor object made outside this mode, as one more reference to its
+        storage where the step allocated that storage (a compiled block's saved tensors: AOTAutograd's
+        runtime hands ``ctx.save_for_backward`` objects made around the forward graph it ran, so
+        the objects :meth:`track` saw may die while the storage is saved: ``--compile``,
+        :mod:`symcost.frontends.compile`)."""
+        key = StorageWeakRef(t.untyped_storage()).cdata
+        entry = self._storages.get(key)
+        if entry is None:
+            return
+        entry[0] += 1
+        weakref.finalize(t, self._release, key)
+
     def _release(self, key: int) -> None:
         entry = self._storages.get(key)
         if entry is None:
