@@ -225,8 +225,8 @@ def enabled(mesh, rotate: str = "allgather"):
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
     check_rotate(rotate)
-    old = dataclasses.replace(cp._cp_options)
-    cp._dispatch_mode = cp._DispatchMode.MONKEY_PATCH
+    old, mode = dataclasses.replace(cp._cp_options), cp._dispatch_mode
+    cp._dispatch_mode = cp._DispatchMode.MONKEY_PATCH  # (context_parallel's: F.scaled_dot_product_attention patched)
     cp._cp_options.enable_load_balance = True
     cp.set_rotate_method(rotate)
     cp._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=mesh)
@@ -238,6 +238,7 @@ def enabled(mesh, rotate: str = "allgather"):
         cp._disable_context_parallel_dispatcher_impl()
         cp._cp_options.enable_load_balance = old.enable_load_balance
         cp._cp_options.rotate_method = old.rotate_method
+        cp._dispatch_mode = mode
 
 
 def ring_calls(reset: bool = False) -> int:
