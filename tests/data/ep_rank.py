@@ -13,6 +13,8 @@ AdamW in its for-loop form) and writes ``OUT/rank{r}.json``.
 
 * model FLOPs: each op's count by ``torch.utils.flop_counter``'s own registry, on the local
   tensors (a ``TorchDispatchMode`` that hands DTensor ops to DTensor, as ``CommDebugMode`` does);
+  ``aten._grouped_mm`` (transformers' experts), which the registry lacks, by
+  :func:`grouped_mm_flops`;
 * bytes autograd saved for backward (``saved_tensors_hooks``; parameters and buffers excluded;
   each storage once);
 * bytes per rank of every all-to-all seen at dispatch: (n-1)/n of its input, n the size of its
@@ -70,6 +72,19 @@ def _group_size(args) -> int:
     raise AssertionError("a collective without a process group")
 
 
+def grouped_mm_flops(a, b) -> int:
+    """FLOPs of ``torch._grouped_mm(a, b, offs)``, the sum of its groups' GEMMs, 2·m·k·n each,
+    whatever the offsets: ``[M, K] x [G, K, N]`` (rows split) 2·M·K·N; ``[K, M] x [M, N]`` (the
+    weight gradient: contraction split) 2·K·M·N; ``[G, m, K] x [K, N]`` (columns split) 2·m·K·N."""
+    if len(a) == 2 and len(b) == 3:
+        return 2 * a[0] * a[1] * b[2]
+    if len(a) == 2 and len(b) == 2:
+        return 2 * a[0] * a[1] * b[1]
+    if len(a) == 3 and len(b) == 2:
+        return 2 * a[1] * a[2] * b[1]
+    raise AssertionError(f"grouped mm of {a} x {b}")
+
+
 def build(values: dict, mesh, seed: int = 0):
     """The built-in ``moe`` model at ``values`` (fp32, real tensors), its experts sharded over
     ``mesh`` by symcost's expert-parallel layout."""
@@ -85,9 +100,11 @@ def build(values: dict, mesh, seed: int = 0):
     return model
 
 
-def measure(model, tokens, peak: bool = False) -> dict:
+def measure(model, tokens, peak: bool = False, spec=None) -> dict:
     """One training step's FLOPs, saved bytes, collective bytes per rank and parameter elements
-    (module docstring), after a warm-up step; the router balanced."""
+    (module docstring), after a warm-up step; the router balanced. ``tokens`` ``[B, S]``; ``spec``:
+    a transformers model's :class:`~symcost.frontends.spec.ModelSpec` (its inputs and loss; the
+    built-in ``moe``'s without)."""
     import torch
     from torch.distributed.tensor import DTensor
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -111,6 +128,8 @@ def measure(model, tokens, peak: bool = False) -> dict:
                 comm["all_to_all"] += Fraction(n - 1, n) * args[0].numel() * args[0].element_size()
             elif name.startswith(("_c10d_functional.", "c10d.")) and not name.endswith(("wait_tensor", "_wrap_tensor_autograd")):
                 comm["other"] += 1  # (any other collective: there should be none)
+            elif name == "aten._grouped_mm":  # (not in flop_counter's registry: typed here)
+                flops[0] += grouped_mm_flops(args[0].shape, args[1].shape)
             elif func.overloadpacket in flop_registry:
                 flops[0] += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
             return out
@@ -132,10 +151,18 @@ def measure(model, tokens, peak: bool = False) -> dict:
         return t
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    args, kwargs = ((tokens,), {})
+    loss_fn = lm_loss
+    if spec is not None:  # (transformers: input_ids and labels, its own loss, as symcost's hf specs)
+        args, kwargs = (), {"input_ids": tokens, "labels": tokens}
+        loss_fn = spec.loss
+
+    def loss_of():
+        return loss_fn(model(*args, **kwargs), (args, kwargs))
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = lm_loss(model(tokens), ((tokens,), {}))
+        loss = loss_of()
         loss.backward()
         del loss
         opt.step()
@@ -144,7 +171,7 @@ def measure(model, tokens, peak: bool = False) -> dict:
         step()  # warm-up: the optimizer state, DTensor's shape propagation
         opt.zero_grad(set_to_none=True)
         with Count(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = lm_loss(model(tokens), ((tokens,), {}))
+            loss = loss_of()
             loss.backward()
             del loss
         out = {"flops": flops[0], "saved": saved[0], "comm": {k: str(v) for k, v in comm.items()},
