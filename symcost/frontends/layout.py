@@ -158,9 +158,6 @@ class Layout:
         if self.offload and self.shard not in ("fsdp", "zero3"):
             raise SymcostError("--offload is FSDP2's CPUOffloadPolicy: give --dp N --shard fsdp or zero3"
                                + (f" (not {self.shard})" if self.shard else ""))
-        if self.offload and self.pipeline is not None:
-            raise SymcostError("--offload with --pp: a pipeline stage's memory under CPU offload is not modelled yet "
-                               "(docs/parallel.md §0.2); give --offload without --pp")
         object.__setattr__(self, "offload", bool(self.offload))
         if self.fp8_all_gather and self.fp8 is None:
             raise SymcostError("--fp8-all-gather needs --fp8 tensorwise (the recipe whose weights FSDP2 all-gathers "

@@ -174,6 +174,16 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             (:func:`symcost.tracing.pipeline.rank_memory`), which also counts each group's
             collectives per step (``comm``: FSDP2 under ``PipelineStage`` all-gathers and
             reduces as the schedule drives it, not once per micro-batch).
+            With ``inner.offload`` (FSDP2's ``CPUOffloadPolicy`` on every stage unit, as
+            torchtitan's ``training.enable_cpu_offload`` gives it under a pipeline too), each
+            rank's model states are on the host (``host``: ``params``, ``grads``, ``optimizer``,
+            ``master_weights``, ``total`` bytes, the policy's bytes of its shards), the peak is
+            the device's (the run's parameters and gradients are host memory,
+            :func:`~symcost.tracing.pipeline.rank_memory`; no optimizer state added), and
+            ``transfer`` ``{h2d, d2h}`` the bytes the step copied each way; with ``device``,
+            ``transfer_seconds``: the larger direction over its host link
+            (:func:`symcost.passes.offload.host_link`; not part of ``step``, as the
+            data-parallel collectives are not).
         split: the blocks of each of the PP·v stages (:func:`symcost.frontends.pipeline.parse_split`:
             None the even split, ``"torchtitan"``, or a tuple); the per-rank rows follow it.
 
@@ -236,7 +246,8 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
                         **({"comm": {g: ev(an.comm_bytes("total", group=g) if len(inner.traced_dims) > 1
                                            else an.comm_bytes("total") - an.comm_bytes("send") - an.comm_bytes("recv"))
                                      for g in inner.symbols}} if inner and inner.traced_dims else {})}
-    ranks, extra = [], {}
+    ranks, extra, host = [], {}, {}
+    offload = bool(inner and inner.offload)
     for r in range(pp):
         mine = [s for s in range(n) if s % pp == r]
         live = top = 0
@@ -252,6 +263,11 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         # (beside the peak run's parameters and gradients; a policy's gradient buffer wider than the
         # traced gradients, Megatron's fp32 main_grad beside bf16 parameters, adds its difference)
         extra[r] = (int(states["optimizer_state"] + states["master"]), int(states["grads"]))
+        if offload:  # FSDP2's CPU offload: the model states on the host, the optimizer steps there
+            host[r] = {"params": int(states["params"]), "grads": int(states["grads"]),
+                       "optimizer": int(states["optimizer_state"]), "master_weights": int(states["master"]),
+                       "total": int(states["total"])}
+            extra[r] = (0, 0)
         ranks.append({"rank": r, "stages": mine, "blocks": sum(blocks[s] for s in mine),
                       "flops": microbatches * sum(per_stage[s]["flops"] for s in mine),
                       "flops_hardware": microbatches * sum(per_stage[s]["flops_hardware"] for s in mine),
@@ -259,7 +275,8 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
                       "send": microbatches * sum(per_stage[s]["send"] for s in mine),
                       "recv": microbatches * sum(per_stage[s]["recv"] for s in mine),
                       "params": params, "model_states": int(states["total"]),
-                      "totals": _rank_totals([per_stage[s]["totals"] for s in mine], microbatches)})
+                      "totals": _rank_totals([per_stage[s]["totals"] for s in mine], microbatches),
+                      **({"host": host[r]} if offload else {})})
     if peak:
         from symcost.tracing.pipeline import rank_memory
 
@@ -287,6 +304,8 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
                 row["memory_note"] = str(e)
                 continue
             row["comm"] = comm_by_group(mem.pop("collectives"))
+            if offload:  # (the copies as the schedule drives FSDP2: bytes per step, each way)
+                row["transfer"] = mem.pop("transfers")
             row["memory"] = mem
             opt, grads = extra[row["rank"]]
             row["peak_with_optimizer"] = mem["peak"] + opt + max(0, grads - mem["grads"])
@@ -307,6 +326,13 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         step = price(ans, values, blocks, order, device, pp, microbatches, devices_per_node)
         for row in ranks:
             row["busy_seconds"], row["idle_seconds"] = step["busy"][row["rank"]], step["idle"][row["rank"]]
+        if offload and any("transfer" in row for row in ranks):
+            from symcost.passes.offload import host_link
+
+            _, bw = host_link(device)
+            for row in ranks:
+                if "transfer" in row:
+                    row["transfer_seconds"] = max(row["transfer"].values()) / bw
     return {**({"step": step} if step else {}), "schedule": schedule, "engine": f"torch.distributed.pipelining.{SCHEDULES[schedule][0]}",
             "source": SCHEDULES[schedule][2], "pp": pp, "microbatches": microbatches, "virtual": virtual,
             "bubble": sim["bubble"], "bubble_formula": (PP - 1) / (v * m) if virtual > 1 else (PP - 1) / m,

@@ -108,6 +108,15 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
     if any("memory" in row for row in r["ranks"]):
         console.print("  peak: the rank's step run through PyTorch's schedule on fake tensors (parameters, "
                       "gradients, the engine's buffers, the highest live set), plus optimizer state")
+    for row in r["ranks"]:
+        if "host" in row:  # FSDP2's CPU offload (--offload): the model states on the host
+            h, tr = row["host"], row.get("transfer")
+            console.print(f"  rank {row['rank']} CPU offload (FSDP2 CPUOffloadPolicy): on the host {_bytes(h['total'])} "
+                          f"(parameters {_bytes(h['params'])}, gradients {_bytes(h['grads'])}, optimizer state "
+                          f"{_bytes(h['optimizer'] + h['master_weights'])}); the peak is the device's"
+                          + (f"; copies per step H2D {_bytes(tr['h2d'])}, D2H {_bytes(tr['d2h'])}" if tr else "")
+                          + (f", {_seconds(row['transfer_seconds'])} over the host link (not in the step time)"
+                             if "transfer_seconds" in row else ""))
     if layout:
         for row in r["ranks"]:
             comm = {g: d for g, d in (row.get("comm") or {}).items() if g != "PP"}

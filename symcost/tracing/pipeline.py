@@ -48,6 +48,8 @@ class _Live(TorchDispatchMode):
         self.entries: dict[int, list] = {}
         self.groups = dict(groups or {})
         self.collectives: list[tuple] = []
+        # FSDP2's CPU offload (symcost.frontends.offload): bytes each copy op moved, by direction
+        self.transfers = {"h2d": 0, "d2h": 0}
 
     def _count(self, func, args, out):
         """A c10d op's group (its symbol in ``groups``, else None), size, and the bytes of its
@@ -125,6 +127,10 @@ class _Live(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace in ("c10d", "_c10d_functional"):
             self._count(func, args, out)
+        if func.namespace == "symcost" and func._opname in self.transfers:
+            self.transfers[func._opname] += _nbytes(args[0])
+            if func._opname == "d2h":
+                return out  # (its output is host memory: a gradient shard's copy, not the device's)
         ins = set()
         for a in tree_flatten((args, kwargs))[0]:
             if isinstance(a, torch.Tensor):
@@ -176,6 +182,14 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
         ``comm``: ``{group symbol: {kind: bytes}}`` each rank sends per step (ring algorithm,
         :func:`symcost.graph.rules.comm_volume`; ``PP``'s ``send`` and ``recv`` the point-to-point
         bytes), counted as the step dispatches the collectives.
+
+        Under FSDP2's CPU offload (``inner.offload``, docs/parallel.md §0.2) the step runs with
+        FSDP2's two copies as ops (:func:`symcost.frontends.offload.offload_transfers`): a
+        parameter shard's copy to the device before each all-gather is device memory like any
+        op's output, a reduced gradient shard's copy to the host is not (left out of the live
+        set). ``params`` and ``grads`` are then the device's (0: the shards and their gradients
+        live on the host), ``host`` ``{params, grads}`` their host bytes, and ``transfers``
+        ``{h2d, d2h}`` the bytes the measured step copied each way.
 
     Raises:
         SymcostError: PyTorch refuses the pipeline or the stage does not run.
@@ -234,6 +248,7 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
             destroy_world()
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pp)
     sp = bool(inner and inner.sp)
+    offload = bool(inner and inner.offload)
     x_local = local_boundary(x_shape, values, sp)
     cls = getattr(S, SCHEDULES[schedule][0])
     try:
@@ -293,6 +308,8 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
             sched._warmup_p2p = static
 
             record_context = spec.record_context or contextlib.nullcontext
+            if offload:  # FSDP2's CPU offload: its two copies as ops (symcost.frontends.offload)
+                from symcost.frontends.offload import offload_transfers
 
             def step():
                 # (the model's own recording context: transformers' mask decisions as the real
@@ -303,7 +320,8 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
                 # until the backward frees it, as its storage does; without them autograd keeps
                 # the output's data only and _Live would count it freed)
                 with autocast(), loss_context(), record_context(), device_kernels(spec.extra.get("torch_device")), \
-                        _sends_held(S), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                        _sends_held(S), torch.autograd.graph.saved_tensors_hooks(_same, _same), \
+                        (offload_transfers() if offload else contextlib.nullcontext()):
                     first = (tokens,) if 0 in mine and not keywords else ()
                     target = {"target": tokens} if (n - 1) in mine else {}
                     # the last stage keeps each micro-batch's loss, not its output (the logits):
@@ -329,9 +347,15 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
     finally:
         if not dims:
             destroy_world()
+    host = {}
+    if offload:
+        # FSDP2's CPU offload: the parameter shards and their gradients live on the host (the
+        # gradient copies were left out of the live set); the device holds neither between steps
+        host = {"host": {"params": params, "grads": grads}, "transfers": live.transfers}
+        params = grads = 0
     kept = warm.level - grads
     return {"params": params, "buffers": buffers, "grads": grads, "kept": kept, "top": live.top,
-            "peak": params + buffers + grads + kept + live.top, "collectives": live.collectives}
+            "peak": params + buffers + grads + kept + live.top, "collectives": live.collectives, **host}
 
 
 def _same(t):

@@ -1,6 +1,6 @@
 """One rank of a real pipeline step composed with data and tensor parallelism on CPU (gloo), for
 tests/test_pipeline_mesh.py:
-``torchrun --standalone --nproc-per-node PP*DP*TP pp_mesh_rank.py OUT PP DP TP SHARD SP AC M B S H D L V F``.
+``torchrun --standalone --nproc-per-node PP*DP*TP pp_mesh_rank.py OUT PP DP TP SHARD SP AC M B S H D L V F [offload]``.
 
 The ranks form torchtitan's mesh ``init_device_mesh("cpu", (PP, DP, TP), ("pp", "dp_shard" |
 "dp_replicate", "tp"))`` (dimensions of size 1 left out). Each rank builds the whole
@@ -26,6 +26,17 @@ measured step writes ``OUT/rank{r}.json``:
   (torch.profiler's allocator level is not used: on this 2-core machine it differs by up to
   20% between two ranks doing the same work, as gloo's threads release a collective's tensors
   late; the storages' lifetimes are the same on every rank.)
+
+With ``offload`` (FSDP2's ``CPUOffloadPolicy`` on every unit: ``Layout(offload=True)``, as
+torchtitan's ``training.enable_cpu_offload`` passes it to ``fully_shard``), host and device are
+one memory on this CPU, so the run makes the two copies an accelerator rank makes
+(tests/data/offload_rank.py ``accelerator_copies``: the shard copied before each all-gather, the
+reduced gradient shard copied into a host buffer allocated in the first, untracked step). The
+host's storages (the parameter shards, the host gradient buffers, which are the gradients) are
+given to the tracker before the measured step and stay the same through it, so the device peak
+is the tracker's peak minus them. Also written: the bytes copied each way per step, counted as
+what the copies feed (tests/data/offload_rank.py ``transfer_counts``): the DP all-gathers' inputs
+(H2D) and the DP reduce-scatters' outputs (D2H).
 """
 import json
 import os
@@ -53,9 +64,10 @@ out_dir = sys.argv[1]
 PP, DP, TP = (int(x) for x in sys.argv[2:5])
 shard, sp, ac = sys.argv[5], sys.argv[6] == "1", sys.argv[7]
 M, B, S, H, D, L, V, Fd = (int(x) for x in sys.argv[8:16])
+offload = sys.argv[16:17] == ["offload"]
 dist.init_process_group("gloo")
 shard = None if shard == "none" else shard
-layout = Layout(shard=shard, tp=TP > 1, sp=sp, ac=None if ac == "none" else ac)
+layout = Layout(shard=shard, tp=TP > 1, sp=sp, ac=None if ac == "none" else ac, offload=offload)
 dims = [("pp", PP)] + [(d, n) for d, n in ((("dp_shard" if shard == "fsdp" else "dp_replicate"), DP), ("tp", TP))
                        if n > 1]
 mesh = init_device_mesh("cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
@@ -83,7 +95,19 @@ stage = PipelineStage(model, pp_rank, PP, torch.device("cpu"), group=mesh["pp"].
 sched = Schedule1F1B(stage, M, loss_fn=lambda logits, target: spec.loss(logits, ((target,), {})))
 
 
+host_buffers: list = []
+if offload:
+    import contextlib
+
+    from offload_rank import accelerator_copies
+
+    _copies = contextlib.ExitStack()  # (kept: the patches stay for the whole run)
+    calls = _copies.enter_context(accelerator_copies(host_buffers))
+
+
 def step():
+    if offload:
+        calls[0] = 0  # (the host buffers in call order, reused each step)
     with loss_context():
         if pp_rank == 0:
             sched.step(tokens, return_outputs=False)
@@ -102,7 +126,7 @@ def nbytes(t):
     return t.numel() * t.element_size()
 
 
-comm, flops = {}, [0]
+comm, flops, transfers = {}, [0], {"h2d": 0, "d2h": 0}
 
 
 def add(kind, args, size, factor):
@@ -125,10 +149,14 @@ class Count(TorchDispatchMode):
             add("all_gather", args, nbytes(out), ring)
         elif name in ("c10d._allgather_base_", "c10d.allgather_into_tensor_coalesced_"):
             add("all_gather", args, nbytes(args[0]) if name.endswith("base_") else sum(map(nbytes, args[0])), ring)
+            if name.endswith("base_") and _group(args, groups)[0] == "DP":  # (FSDP2's: its input, the shards)
+                transfers["h2d"] += nbytes(args[1])
         elif name == "_c10d_functional.reduce_scatter_tensor":
             add("reduce_scatter", args, nbytes(args[0]), ring)
         elif name == "c10d._reduce_scatter_base_":
             add("reduce_scatter", args, nbytes(args[1]), ring)
+            if _group(args, groups)[0] == "DP":  # (FSDP2's: its output, the reduced gradient shards)
+                transfers["d2h"] += nbytes(args[0])
         elif name == "_c10d_functional.all_reduce":
             add("all_reduce", args, nbytes(args[0]), twice)
         elif name == "c10d.allreduce_":
@@ -158,18 +186,24 @@ step()  # the first step: the schedule's shape inference (autograd.grad of leave
 model.zero_grad(set_to_none=True)
 tracker = StepTracker()
 tracker.track_external(model)
+host = sum(nbytes(p) for p in model.parameters()) + sum(nbytes(t) for t in host_buffers)
+if offload:
+    tracker.track_external(*host_buffers)  # (host memory, the same through the step: subtracted below)
 with tracker:
     step()  # warm-up: the engine's buffers, the gradients
     tracker._peak_mem = {d: snap["Total"] for d, snap in tracker.get_tracker_snapshot().items()}
     step()
-peak = tracker._peak_mem[cpu]
+peak = tracker._peak_mem[cpu] - (host if offload else 0)
 grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
 with Count():
     step()
 with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-    json.dump({"pp_rank": pp_rank, "peak": peak, "grads": grads, "flops": flops[0],
+    json.dump({"pp_rank": pp_rank, "peak": peak,
+               "peak_parts": {str(k): v for k, v in tracker._peak_mem_snap.get(cpu, {}).items()}, "grads": grads, "flops": flops[0],
                "params": sum(nbytes(p) for p in model.parameters()),
                "buffers": sum(nbytes(b) for b in model.buffers()),
-               "comm": {g: {k: str(v) for k, v in d.items()} for g, d in comm.items()}}, f)
+               "comm": {g: {k: str(v) for k, v in d.items()} for g, d in comm.items()},
+               **({"transfers": transfers, "host_buffers": sum(nbytes(t) for t in host_buffers)} if offload else {})},
+              f)
 from gloo_teardown import finish  # (tests/data: on the path)
 finish()  # gloo barrier, then every rank past it, then teardown (gloo_teardown.py)
