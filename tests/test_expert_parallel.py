@@ -162,6 +162,37 @@ def test_real_gloo_ep2(tmp_path):
         assert abs(want - got["memtracker"]) <= 0.05 * got["memtracker"], (rank, want, got["memtracker"], v)
 
 
+@pytest.mark.heavy
+def test_report_mixtral_8x7b_ep8_parameters_per_rank():
+    """``report tests/data/configs/mixtral-8x7b.json --ep 8``: the rank's parameter elements and
+    its expert parameters equal a count of Mixtral-8x7B built by transformers on the meta device,
+    each stacked expert tensor ([E, ...], E = 8) cut to its 1/8 shard, the rest whole; the model's
+    46.7 B parameters; all-to-all bytes per rank by hand (fp32 token exchanges: transformers casts
+    the tokens to the experts' fp32 weights under bf16-mixed)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = os.path.join(os.path.dirname(__file__), "data", "configs", "mixtral-8x7b.json")
+    r = _cli(["report", path, "--ep", "8", "--set", "B=1", "S=512", "--json"])
+    assert r.exit_code == 0, r.output[-2000:]
+    got = json.loads(r.output[r.output.index("{"):])
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    e = cfg.num_local_experts
+    rank = experts_rank = 0
+    for name, p in model.named_parameters():
+        stacked = ".experts." in name + "." and p.dim() and p.shape[0] == e
+        rank += p.numel() // 8 if stacked else p.numel()
+        experts_rank += p.numel() // 8 if stacked else 0
+    assert got["params"] == sum(p.numel() for p in model.parameters())
+    assert got["parallel"]["params_rank"] == rank
+    assert got["parallel"]["experts"]["params_rank"] == experts_rank > 0
+    m, n_tokens, layers = cfg.hidden_size, 512, cfg.num_hidden_layers
+    per_layer = 4 * 4 * n_tokens * cfg.num_experts_per_tok * m + 8 * e
+    assert got["comm"]["all_to_all"] == layers * per_layer * 7 // 8
+
+
 def _cli(args):
     from click.testing import CliRunner
 

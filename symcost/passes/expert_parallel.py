@@ -48,7 +48,8 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
 
     Returns:
         ``comm`` (``all_to_all`` and the other kinds, ``total``: bytes one rank sends, equal to
-        those it receives, per step), ``experts`` (``params``: elements of the stacked expert
+        those it receives, per step), ``params_rank`` (parameter elements the rank holds: the dense
+        ones whole, E/EP of each expert stack), ``experts`` (``params``: elements of the stacked expert
         weights in the model, ``params_rank``: on the rank, E/EP experts of each),
         ``memory`` (``params``, ``grads``, ``optimizer_state``, ``master``, ``total`` of the
         rank's parameter elements, :func:`symcost.passes.parallel.model_state_bytes`;
@@ -68,7 +69,8 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
     mem = model_state_bytes(an.params_shard, 1, "ddp", precision or an.precision, optimizer)
     mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
     whole, local = expert_params(an)
-    out = {"comm": comm, "memory": mem, "experts": {"params": whole, "params_rank": local},
+    out = {"comm": comm, "memory": mem, "params_rank": an.params_shard,
+           "experts": {"params": whole, "params_rank": local},
            "peak": rank_peak(an, precision, optimizer, sizes, impl, device),
            "engine": "experts as Shard(0) DTensors over the ep mesh, tokens dispatched and combined by "
                      "all_to_all_single (torchtitan's AllToAllTokenDispatcher; symcost.frontends.expert_parallel)"}
@@ -78,6 +80,7 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
             "comm": {k: sympy.sympify(v).xreplace(env) for k, v in comm.items()},
             "memory": {k: sympy.sympify(v).xreplace(env) for k, v in mem.items()},
             "experts": {k: sympy.sympify(v).xreplace(env) for k, v in out["experts"].items()},
+            "params_rank": sympy.sympify(an.params_shard).xreplace(env),
             "ep": env.get(sympy.Symbol("EP", positive=True, integer=True), an.pinned.get("EP")),
         }
     return out

@@ -15,7 +15,8 @@ def _num(v):
 
 def to_json(an, sizes: Mapping[str, int] | None, summary: dict) -> dict:
     """``comm`` {all_gather, reduce_scatter, all_reduce, all_to_all, total} (bytes one rank
-    sends, = receives, per step) and ``parallel`` {ep, engine, experts {params, params_rank}:
+    sends, = receives, per step) and ``parallel`` {ep, engine, params_rank (parameter elements the
+    rank holds), experts {params, params_rank}:
     elements of the stacked expert weights in the model and on the rank, memory_per_rank
     {params, grads, optimizer_state, master, total, activations}, memory {peak, where, parts,
     formula}: the rank's peak, :func:`symcost.render.report.peak_json`}: formulas without sizes,
@@ -27,11 +28,12 @@ def to_json(an, sizes: Mapping[str, int] | None, summary: dict) -> dict:
     if vals is None:
         return {"comm": {k: fmt(v) for k, v in summary["comm"].items()},
                 "parallel": {"ep": "EP" if "EP" in an.symbols else an.pinned.get("EP"), "engine": summary["engine"],
+                             "params_rank": fmt(summary["params_rank"]),
                              "experts": {k: fmt(v) for k, v in summary["experts"].items()},
                              "memory_per_rank": {k: fmt(v) for k, v in summary["memory"].items()},
                              "memory": peak}}
     return {"comm": {k: _num(v) for k, v in vals["comm"].items()},
-            "parallel": {"ep": _num(vals["ep"]), "engine": summary["engine"],
+            "parallel": {"ep": _num(vals["ep"]), "engine": summary["engine"], "params_rank": _num(vals["params_rank"]),
                          "experts": {k: _num(v) for k, v in vals["experts"].items()},
                          "memory_per_rank": {k: _num(v) for k, v in vals["memory"].items()},
                          "memory": peak}}
@@ -49,6 +51,8 @@ def render(an, sizes: Mapping[str, int], summary: dict, width: int | None = None
     for k, label in (("params", "expert parameters (model)"), ("params_rank", "expert parameters (rank)")):
         v = par["experts"][k]
         t.add_row(label, fmt(summary["experts"][k]), f"{v:,}" if isinstance(v, int) else "")
+    v = par["params_rank"]
+    t.add_row("parameters (rank)", fmt(summary["params_rank"]), f"{v:,}" if isinstance(v, int) else "")
     add_peak_row(t, par["memory"])
     c.print(t)
     c.print("the dense (non-expert) parameters are whole on every EP rank; without --dp nothing reduces their "
