@@ -139,6 +139,8 @@ def apply(model, mesh) -> None:
     import torch
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from symcost.frontends.moe import routing_of
+
     found = experts_modules(model)
     if not found:
         raise SymcostError("--ep: the model has no experts module symcost shards over EP ranks (the built-in "
@@ -147,6 +149,9 @@ def apply(model, mesh) -> None:
         e = m.num_experts
         if e % mesh.size():
             raise SymcostError(f"--ep {mesh.size()} does not divide the {e} experts")
+        if kind == "hf" and routing_of(m).kind != "balanced":
+            raise SymcostError(f"--ep with --routing {routing_of(m).name}: transformers' experts under expert "
+                               "parallelism are traced under balanced routing only for now (docs/parallel.md §14.5)")
         if kind == "hf" and (m.has_bias or not getattr(m, "is_concatenated", True)):
             raise SymcostError(f"--ep: {type(m).__name__} has expert biases or interleaved gate/up weights "
                                "(gpt-oss); their expert-parallel dispatch is not modelled yet")
