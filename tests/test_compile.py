@@ -130,3 +130,31 @@ def test_compile_refusals():
         Layout(compile=True, ac="full").spec(spec)
     with pytest.raises(SymcostError, match="inference step"):
         Layout(compile=True).spec(symcost.resolve("gpt2").for_step("decode"))
+
+
+def test_compiled_fsdp_gloo_ranks(tmp_path):
+    """``torchrun --nproc-per-node 2`` with gloo (tests/data/compile_dp_rank.py): every block
+    compiled by inductor and then sharded by FSDP2, in torchtitan's order; each rank's saved
+    bytes equal symcost's ``--compile --dp 2 --shard fsdp`` rank at a random size."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    rng = random.Random(29)
+    v = {"H": rng.choice((2, 4)), "D": rng.choice((4, 8)), "L": 2, "V": rng.randint(17, 90), "B": rng.randint(2, 3),
+         "S": rng.randint(5, 20)}
+    script = os.path.join(os.path.dirname(__file__), "data", "compile_dp_rank.py")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        script, str(tmp_path)] + [str(v[k]) for k in ("H", "D", "L", "V", "B", "S")],
+                       env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
+                                        if any(w in line for w in ("Error", "error", "rank", "terminate")))[-4000:]
+    sizes = {**v, "DP": 2}
+    an = symcost.trace("megatron-gpt", sizes=sizes, precision="fp32", use_cache=False,
+                       layout=Layout(compile=True, shard="fsdp"), torch_device="cpu")
+    got = memory.memory_model(an).components(**sizes)["activations"]
+    for rank in range(2):
+        want = json.loads((tmp_path / f"rank{rank}.json").read_text())["saved"]
+        assert got == want, f"rank {rank} at {sizes}: symcost {got} B, saved_tensors_hooks {want} B"
