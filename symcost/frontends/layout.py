@@ -111,6 +111,10 @@ class Layout:
             the sequence split over CP ranks, attention as PyTorch's ring attention).
         cp_rotate: with ``cp``, how the keys and values go round the ring in the forward
             (``set_rotate_method``: ``"allgather"``, PyTorch's and torchtitan's default, or ``"alltoall"``).
+        offload_activations: every tensor autograd saves in the forward lives on the host until the
+            backward unpacks it, as under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
+            around the forward (``--offload-activations``; :mod:`symcost.frontends.offload`,
+            docs/memory.md "Activation offload").
     """
 
     shard: str | None = None
@@ -127,6 +131,7 @@ class Layout:
     cp_rotate: str = "allgather"
     compile: bool = False
     ep: bool = False
+    offload_activations: bool = False
 
     def __post_init__(self):
         from symcost.frontends.parallel import check_shard
@@ -169,6 +174,7 @@ class Layout:
         object.__setattr__(self, "fp8_all_gather", bool(self.fp8_all_gather))
         object.__setattr__(self, "compile", bool(self.compile))
         object.__setattr__(self, "ep", bool(self.ep))
+        object.__setattr__(self, "offload_activations", bool(self.offload_activations))
         if self.ep and (self.shard is not None or self.tp or self.pipeline is not None or self.fp8 is not None):
             raise SymcostError("--ep with --dp/--tp/--pp/--fp8: expert parallelism is modelled alone for now "
                                "(docs/parallel.md §14); give --ep N without them")
@@ -262,7 +268,7 @@ class Layout:
 
     def __bool__(self) -> bool:
         """False for one device without any step technique (the plain step)."""
-        return bool(self.dims) or self.ac is not None or self.fp8 is not None or self.compile
+        return bool(self.dims) or self.ac is not None or self.fp8 is not None or self.compile or self.offload_activations
 
     @property
     def tensor_parallel(self) -> str | None:
@@ -302,7 +308,8 @@ class Layout:
         return (mesh + (", CPU offload" if self.offload else "")
                 + (f", activation checkpointing {self.ac}" if self.ac else "")
                 + (f", fp8 {self.fp8}" + (" (fp8 all-gather)" if self.fp8_all_gather else "") if self.fp8 else "")
-                + (", compiled blocks" if self.compile else ""))
+                + (", compiled blocks" if self.compile else "")
+                + (", activations offloaded to the host" if self.offload_activations else ""))
 
     @property
     def inner(self) -> "Layout | None":
@@ -339,6 +346,8 @@ class Layout:
             out["compile"] = True
         if self.ep:
             out["ep"] = True
+        if self.offload_activations:
+            out["offload_activations"] = True
         if self.cp:
             out.update(cp=True, cp_rotate=self.cp_rotate)
         return out
@@ -353,7 +362,7 @@ class Layout:
                                                       for k, v in pipe.items()}) if pipe else None,
                    ac=d.get("ac"), replicate=d.get("replicate"), offload=bool(d.get("offload")),
                    fp8=d.get("fp8"), fp8_all_gather=bool(d.get("fp8_all_gather")), compile=bool(d.get("compile")),
-                   ep=bool(d.get("ep")),
+                   ep=bool(d.get("ep")), offload_activations=bool(d.get("offload_activations")),
                    cp=bool(d.get("cp")), cp_rotate=d.get("cp_rotate", "allgather"))
 
     def cache_options(self) -> dict:
@@ -378,6 +387,8 @@ class Layout:
             out["compile"] = True
         if self.ep:
             out["ep"] = True
+        if self.offload_activations:  # (the saved tensors' copies are ops of the step)
+            out["offload_activations"] = True
         if self.cp:
             out["cp"] = self.cp_rotate
         return out
@@ -400,7 +411,7 @@ class Layout:
                 of a model without a block list.
         """
         if (self.shard is not None or self.pipeline is not None or self.ac or self.sp
-                or self.fp8 or self.compile) and spec.step != "train":
+                or self.fp8 or self.compile or self.offload_activations) and spec.step != "train":
             raise SymcostError(f"--dp/--pp/--sp/--ac/--fp8/--compile trace a training step, not an inference step "
                                f"({spec.step}); an inference step takes --tp alone")
         if self.compile:
