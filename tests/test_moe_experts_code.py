@@ -223,3 +223,47 @@ def test_serve_gpt_oss_20b_at_context_8192(capsys):
     assert kinds.count("sliding_attention") == 12 and w == 128
     assert r["kv"]["per_sequence"] == want
     assert r["kv"]["total"] == r["max_batch"] * want
+
+
+def test_time_and_mfu_say_why_an_moe_step_uses_the_fp32_peak(capsys):
+    """Under ``bf16-mixed`` transformers' grouped_mm experts run in fp32 (``torch._grouped_mm`` has
+    no autocast kernel): ``time`` and ``mfu`` divide by the fp32 peak and say why, in one note
+    naming the op. Oracle: the dtype PyTorch's own step runs ``aten._grouped_mm`` in under
+    ``torch.autocast(bf16)`` on CPU (a dispatch mode on the real forward), at random sizes where the
+    experts carry most of the FLOPs; a dense model under the same flag gets no note."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rng = random.Random("moe-precision-note")
+    hidden, inter, E = 16 * rng.randint(2, 3), 32 * rng.randint(4, 6), rng.choice((4, 8))
+    cfg = {"num_hidden_layers": 2, "hidden_size": hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "moe_intermediate_size": inter, "intermediate_size": inter, "num_experts": E,
+           "num_experts_per_tok": 2, "vocab_size": 64}
+    seen = set()
+
+    class Dtypes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "grouped_mm" in str(func):
+                seen.update(str(a.dtype) for a in args[:2] if isinstance(a, torch.Tensor))
+            return func(*args, **(kwargs or {}))
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **cfg))
+    with torch.autocast("cpu", dtype=torch.bfloat16), Dtypes():
+        model(input_ids=torch.randint(0, 64, (2, 16)))
+    assert seen == {"torch.float32"}, seen  # what PyTorch runs: the expert GEMMs in fp32
+    args = ["--config", *[f"{k}={v}" for k, v in cfg.items()], "--set", "B=2", "S=16",
+            "--precision", "bf16-mixed", "--device", "h100", "--devices", "8", "--json"]
+    code, out, err = run_cli(capsys, "time", "hf:qwen3_moe", *args, "--tokens", "1e9", "--mfu", "0.0005")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["precision"] == "fp32" and "aten._grouped_mm" in r["precision_note"], r.get("precision_note")
+    code, out, err = run_cli(capsys, "mfu", "hf:qwen3_moe", *args, "--tokens-per-second", "1000")
+    assert code == 0, err
+    assert "grouped_mm" in json.loads(out)["precision_note"]
+    code, out, err = run_cli(capsys, "time", "hf:llama", "--config", "num_hidden_layers=2", "hidden_size=32",
+                             "num_attention_heads=4", "num_key_value_heads=2", "intermediate_size=64",
+                             "vocab_size=64", "--set", "B=2", "S=16", "--precision", "bf16-mixed", "--device",
+                             "h100", "--devices", "8", "--json", "--tokens", "1e9", "--mfu", "0.0005")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["precision"] == "bf16" and "precision_note" not in r

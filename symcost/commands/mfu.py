@@ -46,7 +46,7 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
     from symcost.graph.fusion import estimate  # (no torch for a cached analysis: its stored estimate)
 
     tc = rl.tokens_compute(an, sizes, recompute=recompute)  # 6·N·P: P active (R of E experts)
-    key = rl.training_precision(an)
+    key = rl.training_precision(an, an.bind(**sizes))  # the dtype carrying most model FLOPs at these sizes
     peak, _ = dev.peak_for(key)
     u = rl.mfu(float(tc["flops.per_token"]), R, n_devices, peak)
     env = an.bind(**sizes)
@@ -59,6 +59,7 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
             f"{steps_per_s:.4g} steps/s) exceeds {dev.key}'s {dev.bandwidth / 1e12:.3g} TB/s; "
             "check --tokens-per-second, --devices and the micro-batch --set B")
     ceiling = rl.roofline(an, dev, sizes)["mfu_ceiling"]
+    note = rl.precision_note(an, an.bind(**sizes))
     out = {"model": an.model, "device": dev.to_json(), "precision": key, "peak_flops": peak,
            "tokens_per_second": R, "devices": n_devices, **tc, "mfu": u, "mfu_ceiling": ceiling,
            "implied_bandwidth": implied_bw, "bytes.fused_per_step": fused}
@@ -70,11 +71,15 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
             f"kernels' own) exceeds {n_devices} x {peak:.4g} FLOP/s peak; check --tokens-per-second, --devices, "
             "--recompute")
     out["hfu"] = hfu
+    if note:
+        out["precision_note"] = note
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
     c = console()
     c.print(f"[bold]symcost mfu[/bold]: {an.model} on {n_devices} x {dev.name} ({key} peak {peak / 1e12:.4g} TFLOP/s)")
+    if note:
+        c.print(f"note: {note}")
     for line in model_lines(an, sizes, tc):
         c.print(line)
     c.print(f"model FLOPs per token: {float(tc['flops.per_token']):.6g}  = {tc['flops.per_token_formula']}  "

@@ -69,7 +69,7 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
     from symcost.graph.fusion import estimate  # (no torch for a cached analysis: its stored estimate)
 
     tc = rl.tokens_compute(an, sizes, n_tokens, recompute)  # 6·N·P: P active (R of E experts)
-    key = rl.training_precision(an)
+    key = rl.training_precision(an, an.bind(**sizes))  # the dtype carrying most model FLOPs at these sizes
     peak, _ = dev.peak_for(key)
     ratio = tc["flops.train_step_hardware"] / tc["flops.train_step"]  # hardware / model FLOPs of a step
     u_mfu, u_hfu = (utilization, utilization * ratio) if given == "mfu" else (utilization / ratio, utilization)
@@ -90,18 +90,23 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
             f"at MFU {u_mfu:.4g} a step takes {step_s:.4g} s per device and must move {fused:.4g} bytes: "
             f"{implied_bw / 1e12:.3g} TB/s, above {dev.key}'s {dev.bandwidth / 1e12:.3g} TB/s; "
             f"lower --{given} or raise the micro-batch --set B")
+    note = rl.precision_note(an, an.bind(**sizes))
     out = {"model": an.model, "device": dev.to_json(), "precision": key, "peak_flops": peak, "devices": n_devices,
            "mfu": u_mfu, "hfu": u_hfu, "utilization_given": given, **tc,
            "time.seconds": exact["seconds"], "time.days": exact["days"],
            "time.device_hours": exact["device_hours"], f"time.{k}NP.seconds": simple["seconds"],
            f"time.{k}NP.days": simple["days"], f"time.{k}NP.device_hours": simple["device_hours"],
            "implied_bandwidth": implied_bw}
+    if note:
+        out["precision_note"] = note
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
     c = console()
     c.print(f"[bold]symcost time[/bold]: {an.model}, {n_tokens:.4g} tokens on {n_devices} x {dev.name} "
             f"({key} peak {peak / 1e12:.4g} TFLOP/s)")
+    if note:
+        c.print(f"note: {note}")
     for line in model_lines(an, sizes, tc):
         c.print(line)
     mark = {"mfu": " (given)" if given == "mfu" else " (derived)", "hfu": " (given)" if given == "hfu" else " (derived)"}

@@ -330,7 +330,7 @@ def decode(an, device: Device, sizes: Mapping[str, int] | None = None, fused: bo
     rf = roofline(an, device, {str(k): v for k, v in env.items() if str(k) in an.symbols}, fused=fused,
                   with_formulas=False, extra_bytes=step_traffic(an, kv))
     B, _ = _tokens(an, env)
-    prec = training_precision(an)
+    prec = training_precision(an, env)
     peak, _ = device.peak_for(prec)
     flops = an.flops("forward", "all")
     W = weight_bytes(an)

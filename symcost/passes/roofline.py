@@ -91,6 +91,34 @@ def training_precision(an, env: Mapping | None = None) -> str:
     return max(share, key=lambda k: (share[k], k == flag))
 
 
+def precision_note(an, env: Mapping | None = None) -> str | None:
+    """Why the step's compute is timed (and MFU divided) at another peak than the ``--precision``
+    flag names, or None where they agree: the matmul-class ops that carry most of the model FLOPs
+    ran in :func:`training_precision`'s dtype, not the flag's (e.g. transformers' ``grouped_mm``
+    experts under ``bf16-mixed``: ``torch._grouped_mm`` has no autocast kernel, torch 2.13, so
+    with fp32 weights the expert GEMMs run in fp32; docs/moe.md). ``env``: as for
+    :func:`training_precision`. The sentence names the ops and their share of the model FLOPs."""
+    flag = TRAINING_PRECISION.get(an.precision, "fp32")
+    key = training_precision(an, env)
+    if key == flag:
+        return None
+    env = an.bind() if env is None else env
+    by_op: dict[str, float] = {}
+    total = 0.0
+    for op in an.ops:
+        if op.cost.flops != 0:
+            f = _num(op.repeat, env) * _num(op.cost.flops, env)
+            total += f
+            if op_precision(op, flag) == key:
+                by_op[op.name] = by_op.get(op.name, 0.0) + f
+    share = sum(by_op.values()) / total if total else 0.0
+    names = ", ".join(sorted(by_op, key=by_op.get, reverse=True)[:3])
+    why = (" (torch._grouped_mm has no autocast kernel: an MoE's grouped expert GEMMs run in their weights' "
+           "dtype)" if any("grouped_mm" in n for n in by_op) else "")
+    return (f"{100 * share:.0f}% of the model FLOPs ({names}) run in {key}, not {flag} as --precision "
+            f"{an.precision} suggests{why}: compute is timed and MFU divided at the {key} peak")
+
+
 def bound_of(flops: float, nbytes: float, peak: float, bandwidth: float, written: float = 0,
              write_bandwidth: float | None = None, transcendental_seconds: float = 0.0,
              serial: bool = False, pack_seconds: float = 0.0) -> dict:
@@ -186,6 +214,9 @@ def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: 
     train_key = training_precision(an, env)
     bw = device.bandwidth
     notes: set[str] = set()
+    why = precision_note(an, env)
+    if why:
+        notes.add(why)
     if not fe.exact:
         notes.add("this Analysis has no probe recordings: fused bytes are the unfused bytes")
     nodes = []
