@@ -5,10 +5,11 @@ registry, ``saved_tensors_hooks``, collective bytes at dispatch, ``MemTracker``)
 
 * in-process on the fake process group at random sizes (rank 0 of CP = 2): model FLOPs, saved
   bytes, all-gather and all-to-all bytes, the step's peak;
-* real ``torchrun`` + gloo, CP = 2, the all-to-all rotation (heavy): every rank's FLOPs and
-  exchange bytes equal symcost's rank; saved bytes equal on rank 0 and, on the last rank, less by
-  its attention outputs' copies (below); peaks within 5%; the ring's attention equals one
-  device's.
+* real ``torchrun`` + gloo, CP = 2 (heavy): every rank's FLOPs and exchange bytes equal
+  symcost's rank; saved bytes equal on rank 0 and, on the last rank, less by its attention
+  outputs' copies (below); peaks within 5%; the ring's attention equals one device's;
+* real gloo, 4 ranks, FSDP2 over dp_shard × cp (heavy): the same per rank, with FSDP2's
+  collectives and the parameter shard.
 """
 from __future__ import annotations
 
@@ -139,6 +140,44 @@ def test_real_gloo_cp2(tmp_path):
         assert mm.peak(**env) == pytest.approx(got["peak"], rel=0.05), (r, v)
 
 
+@pytest.mark.heavy
+def test_real_gloo_fsdp_over_dp_shard_cp(tmp_path):
+    """CP × FSDP as torchtitan composes them: 4 gloo ranks on the mesh (dp_shard 2, cp 2),
+    fully_shard per block and the root over the flattened dp_shard × cp (cp_rank.py), PyTorch's
+    context_parallel over cp. Against symcost's rank (--dp 2 --shard fsdp --cp 2) at random sizes,
+    every rank: model FLOPs, FSDP2's all-gather and reduce-scatter bytes over the DP·CP ranks, the
+    ring's all-gather and all-to-all bytes over CP, parameter elements held (1/(DP·CP) of each);
+    saved bytes equal on the first rank of each cp group and less by the attention outputs' copies
+    on the last (test_real_gloo_cp2); peaks within 5% (MemTracker)."""
+    from cp_rank import gloo_ranks
+
+    v = _draw(random.Random(2815))
+    v["V"] = 4 * (v["V"] // 4)  # (FSDP2 pads a first dimension DP·CP does not divide: not the case drawn here)
+    an = symcost.trace("hf:llama", config=config(v), layout=Layout(cp=True, shard="fsdp"),
+                       sizes={"B": v["B"], "S": v["S"], "CP": 2, "DP": 2}, precision="fp32")
+    w = dict(v, DP=2)
+    env = an.bind(**{k: x for k, x in w.items() if k in an.symbols})
+    mm = memory_model(an, "fp32", "adamw", impl="for-loop", device="cpu")
+    spec, values = spec_and_values(v)
+    block = 4 * sum(p.numel() for p in spec.build_meta(values).model.layers[0].parameters())  # (fp32, unsharded)
+    for r, got in enumerate(gloo_ranks(tmp_path, v, "allgather", nproc=4, dp=2)):
+        assert got["ring_error"] < 1e-5 and got["tokens"] == v["S"] // 2, (r, got)
+        assert int(an.flops("train").subs(env)) == got["flops"], (r, w)
+        less = 0 if r % 2 == 0 else v["L"] * v["B"] * (v["S"] // 2) * v["H"] * v["D"] * 4
+        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) - less == got["saved"], (r, w)
+        for key, want in got["comm"].items():
+            g, kind = key.split(".")
+            assert Fraction(str(an.comm_bytes(kind, group=g).subs(env))) == Fraction(want), (r, key, w)
+        assert int(an.params_shard.subs(env)) == got["shard"], (r, w)
+        # the peak within 5%; once seen (1 run in 3, on one rank) a real rank held one more block's
+        # unsharded fp32 tensors at its peak: gloo completes FSDP2's collectives in its own thread,
+        # and a block's unsharded gradient (or parameters) lives until its reduce-scatter (or
+        # all-gather) is waited on, a timing the fake group's instant collectives do not have
+        peak = mm.peak(**{k: x for k, x in w.items() if k in an.symbols})
+        assert peak == pytest.approx(got["peak"], rel=0.05) or peak + block == pytest.approx(got["peak"], rel=0.05), \
+            (r, w, peak, got["peak"], block)
+
+
 def test_alltoall_rotation_recorded_as_pytorch_runs_it():
     """set_rotate_method("alltoall"): the forward passes K/V to the next rank CP - 1 times
     (permute_tensor, an all_to_all_single whose rank keeps nothing: its whole input per rank). One
@@ -173,8 +212,10 @@ def test_cp_refusals():
     method; a model whose attention is not SDPA."""
     r = CliRunner().invoke(main, ["report", "hf:llama", "--cp-rotate", "alltoall"])
     assert r.exit_code == 2 and "--cp-rotate needs --cp N" in r.output, r.output
-    r = CliRunner().invoke(main, ["report", "hf:llama", "--cp", "2", "--dp", "2"])
-    assert r.exit_code == 2 and "modelled alone for now" in r.output and "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(main, ["report", "hf:llama", "--cp", "2", "--dp", "2"])  # (--shard ddp)
+    assert r.exit_code == 2 and "alone or under FSDP2" in r.output and "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(main, ["report", "hf:llama", "--cp", "2", "--dp", "2", "--shard", "fsdp", "--gpu", "h100"])
+    assert r.exit_code == 2 and "--gpu with --cp" in r.output, r.output
     with pytest.raises(SymcostError, match="unknown --cp-rotate"):
         Layout(cp=True, cp_rotate="ring")
     with pytest.raises(SymcostError, match="does not call F.scaled_dot_product_attention"):

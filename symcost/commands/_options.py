@@ -323,6 +323,9 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
              if v is not None}
     if meta.get("symcost.cp_rotate") is not None and meta.get("symcost.cp") is None:
         raise SymcostError("--cp-rotate needs --cp N (the context-parallel size)")
+    if meta.get("symcost.cp") is not None and meta.get("symcost.gpu"):
+        raise SymcostError("--gpu with --cp: the step time of a context-parallel rank (the ring's exchange and "
+                           "its overlap with the attention) is not modelled yet (docs/parallel.md §15)")
     if meta.get("symcost.cp") is not None:  # (context parallelism: symcost.frontends.context_parallel)
         import dataclasses
 

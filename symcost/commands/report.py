@@ -114,6 +114,15 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
         res = rep.to_json(an, sizes if sizes else None)
         res.update(rep.parallel_json(an, sizes if sizes else None, par))
         peak = with_cap(res)
+        from symcost.frontends.layout import layout_of
+
+        cp = None
+        if layout_of(an).cp:  # --cp under FSDP2: the ring's exchange too (docs/parallel.md §15)
+            from symcost.passes.context_parallel import summary as cp_summary
+            from symcost.render import context_parallel as rcp
+
+            cp = cp_summary(an, sizes if sizes else None)
+            res.update(rcp.to_json(cp))
         if as_json:
             if step is not None:
                 res["parallel"]["step"] = step
@@ -121,6 +130,8 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
         else:
             rep.render(an, sizes, assumed=assumed, layout_words=words)
             rep.render_parallel(an, sizes, par, step=step)
+            if cp is not None:
+                rcp.render(cp)
             _flag(rep.over_cap(peak, cap, "the rank"))
             _flag(_seconds(t0, t1))
         return

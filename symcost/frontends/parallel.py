@@ -182,7 +182,7 @@ def _indivisible(spec, values: Mapping[str, int], tp_sizes=None, replicate: int 
     rows, ``d0/TP`` of a column-parallel weight), times the largest TP the probes can draw here
     (``tp_sizes(values)``, :func:`data_parallel`; 8 of 2, 4, 8 where not given): where the plan
     splits K = 2 heads, TP = 2 is the only one, and D need not be a multiple of 16 for 2·D."""
-    dp = values["DP"] // (replicate or 1)  # (HSDP: the dp_shard group's size)
+    dp = values["DP"] // (replicate or 1) * values.get("CP", 1)  # (HSDP: the dp_shard group's; CP: dp_shard × cp)
     # a multiple of lcm(DP, 4): then DP = 2 and 4 both divide the base probe's dimensions, so
     # DP can vary alone from it (fit.plan_probes); on the 2-D mesh, TP too
     tp = 1

@@ -70,7 +70,7 @@ def _group_size_rank(args):
         elif isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith(".ProcessGroup"):
             pg = dist.ProcessGroup.unbox(a)
         if pg is not None:
-            return pg.size(), dist.get_rank(pg)
+            return pg.size(), dist.get_rank(pg), pg.group_name
     raise AssertionError("a collective without a process group")
 
 
@@ -83,17 +83,25 @@ def cpu_flash(q, k, v) -> int:
     return 2 * b * h * s_q * k[2] * (d + v[3])
 
 
-def measure(model, spec, args, kwargs, optimizer, step_context) -> dict:
+def measure(model, spec, args, kwargs, optimizer, step_context, groups=None) -> dict:
     """FLOPs, saved bytes, collective bytes per kind and MemTracker's peak of one rank's step
-    (module docstring). ``step_context()``: the context each step runs in (CP's)."""
+    (module docstring). ``step_context()``: the context each step runs in (CP's). ``groups``:
+    ``{process group name: label}`` where the rank has more than the CP group (FSDP2's
+    ``dp_shard × cp``): collective bytes are then keyed ``"LABEL.kind"``, FSDP2's all-gathers
+    (n-1)/n of their output and reduce-scatters (n-1)/n of their input included."""
     import torch
     from torch.distributed.tensor import DTensor
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import flop_registry
 
-    comm = {"all_gather": Fraction(0), "all_to_all": Fraction(0)}
+    comm = {"all_gather": Fraction(0), "all_to_all": Fraction(0)} if not groups else {
+        f"{g}.{k}": Fraction(0) for g in sorted(set(groups.values())) for k in ("all_gather", "reduce_scatter", "all_to_all")}
     flops = [0]
+
+    def add(kind, args, nbytes):
+        n, rank, name = _group_size_rank(args)
+        comm[f"{groups[name]}.{kind}" if groups else kind] += nbytes(n, rank)
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -103,16 +111,16 @@ def measure(model, spec, args, kwargs, optimizer, step_context) -> dict:
             out = func(*args, **kwargs)
             name = str(func.overloadpacket)
             if name == "_c10d_functional.all_gather_into_tensor":
-                n, _ = _group_size_rank(args)
-                comm["all_gather"] += Fraction(n - 1, n) * out.numel() * out.element_size()
+                add("all_gather", args, lambda n, r: Fraction(n - 1, n) * out.numel() * out.element_size())
+            elif name == "c10d._allgather_base_":  # FSDP2's (output, input, group, ...)
+                add("all_gather", args, lambda n, r: Fraction(n - 1, n) * args[0].numel() * args[0].element_size())
+            elif name == "c10d._reduce_scatter_base_":  # (output, input, group, ...)
+                add("reduce_scatter", args, lambda n, r: Fraction(n - 1, n) * args[1].numel() * args[1].element_size())
             elif name == "_c10d_functional.all_to_all_single":  # (input, out_splits, in_splits, group)
-                n, rank = _group_size_rank(args)
                 x, splits = args[0], list(args[2])
                 row = x.numel() // x.shape[0] * x.element_size()
-                if splits:
-                    comm["all_to_all"] += sum(s for j, s in enumerate(splits) if j != rank) * row
-                else:
-                    comm["all_to_all"] += Fraction(n - 1, n) * x.numel() * x.element_size()
+                add("all_to_all", args, lambda n, r: sum(s for j, s in enumerate(splits) if j != r) * row if splits
+                    else Fraction(n - 1, n) * x.numel() * x.element_size())
             elif name == "aten._scaled_dot_product_flash_attention_for_cpu":
                 flops[0] += cpu_flash(args[0].shape, args[1].shape, args[2].shape)
             elif name == "aten._scaled_dot_product_flash_attention_for_cpu_backward":
@@ -128,7 +136,11 @@ def measure(model, spec, args, kwargs, optimizer, step_context) -> dict:
     seen, saved = set(), [0]
 
     def pack(t):
+        if isinstance(t, torch.nn.Parameter):  # (FSDP2's unsharded parameters, between all-gather and reshard)
+            return t
         st = local(t).untyped_storage()
+        if StorageWeakRef(st).cdata in {StorageWeakRef(local(p).untyped_storage()).cdata for p in model.parameters()}:
+            return t  # (a view of a parameter as it is now: FSDP2's unsharded one)
         key = StorageWeakRef(st).cdata
         if key not in seen and key not in static:
             seen.add(key)
@@ -158,7 +170,8 @@ def measure(model, spec, args, kwargs, optimizer, step_context) -> dict:
     with mt:
         step()
     peak = max(d["Total"] for d in mt.get_tracker_snapshot("peak").values())
-    return {"flops": flops[0], "saved": saved[0], "comm": {k: str(c) for k, c in comm.items()}, "peak": peak}
+    return {"flops": flops[0], "saved": saved[0], "comm": {k: str(c) for k, c in comm.items()}, "peak": peak,
+            "shard": sum(local(p).numel() for p in model.parameters())}
 
 
 def cp_step(mesh, rotate: str):
@@ -204,9 +217,16 @@ def main():
 
     out_dir, rotate = sys.argv[1], sys.argv[2]
     v = dict(zip(SIZES, (int(x) for x in sys.argv[3:3 + len(SIZES)])))
+    dp = int(sys.argv[3 + len(SIZES)]) if len(sys.argv) > 3 + len(SIZES) else None
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("cp",))
+    groups = None
+    if dp:  # torchtitan's mesh: (dp_shard, cp), FSDP2 over the flattened dp_shard_cp
+        world = init_device_mesh("cpu", (dp, n // dp), mesh_dim_names=("dp_shard", "cp"))
+        mesh, flat = world["cp"], world["dp_shard", "cp"]._flatten("dp_shard_cp")
+        groups = {flat.get_group().group_name: "DP", mesh.get_group().group_name: "CP"}
+    else:
+        mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("cp",))
     err = ring_matches(mesh, v, rotate)
     spec, values = spec_and_values(v)
     torch.manual_seed(0)
@@ -214,11 +234,17 @@ def main():
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
+    if dp:  # fully_shard per block, then the root (torchtitan's apply_fsdp)
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.model.layers:
+            fully_shard(block, mesh=flat, reshard_after_forward=True)
+        fully_shard(model, mesh=flat, reshard_after_forward=False)
     args, kwargs = spec.make_inputs(values, torch.device("cpu"))  # (the same ids on every rank: seeded)
     ids = kwargs["input_ids"]
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
     with context_parallel(mesh, buffers=[ids], buffer_seq_dims=[1], no_restore_buffers={ids}):
-        got = measure(model, spec, args, kwargs, opt, cp_step(mesh, rotate))
+        got = measure(model, spec, args, kwargs, opt, cp_step(mesh, rotate), groups)
         tokens = ids.shape[1]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({**got, "ring_error": err, "tokens": tokens, "world": n}, f)
@@ -228,15 +254,17 @@ def main():
     finish()
 
 
-def gloo_ranks(out_dir, v: dict, rotate: str, nproc: int = 2) -> list[dict]:
+def gloo_ranks(out_dir, v: dict, rotate: str, nproc: int = 2, dp: int | None = None) -> list[dict]:
     """``torchrun --standalone --nproc-per-node nproc`` of this script with gloo on this CPU at
-    sizes ``v``: each rank's measurement, in rank order."""
+    sizes ``v`` (with ``dp``: the mesh (dp_shard dp, cp nproc/dp), FSDP2 over both): each rank's
+    measurement, in rank order."""
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                        os.path.abspath(__file__), str(out_dir), rotate] + [str(v[k]) for k in SIZES],
+                        os.path.abspath(__file__), str(out_dir), rotate] + [str(v[k]) for k in SIZES]
+                       + ([str(dp)] if dp else []),
                        env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
                                         if any(w in line for w in ("Error", "error", "rank", "terminate", "what()")))[-4000:]

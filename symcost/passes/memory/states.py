@@ -30,8 +30,12 @@ SHARDED: dict[str, tuple[str, ...]] = {
 def shard_degree(an, dp):
     """The ranks a data-parallel trace's states are sharded over at data-parallel size ``dp``
     (an int or the symbol DP): ``dp``, and under HSDP (``Layout.replicate`` R) the ``dp_shard``
-    group's DP/R."""
-    r = layout_of(an).replicate
+    group's DP/R; with context parallelism, FSDP2's ``dp_shard × cp`` ranks, DP·CP (CP pinned)."""
+    lay = layout_of(an)
+    if lay.cp and lay.shard is not None:
+        cp = an.pinned.get("CP", 1)
+        return int(dp) * cp if isinstance(dp, (int, sympy.Integer)) else dp * cp
+    r = lay.replicate
     if not r:
         return dp
     if isinstance(dp, (int, sympy.Integer)):
