@@ -212,3 +212,13 @@ def test_ep_refusals_are_one_line(args, words):
     r = _cli(args)
     assert r.exit_code == 2, r.output
     assert words in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_cached_ep_trace_is_not_reused_for_one_expert_per_rank():
+    """The trace cache reuses an ``--ep`` analysis at another EP (EP is a free size) but not across
+    E/EP = 1, one expert per rank, a regime of its own (the permutes' copies become views)."""
+    from symcost.graph.cache import _per_rank_ones
+
+    meta = {"residues": {"E": [8, 0]}}
+    assert _per_rank_ones(meta, {"E": 16, "EP": 2}) == _per_rank_ones(meta, {"E": 16, "EP": 8}) == []
+    assert _per_rank_ones(meta, {"E": 8, "EP": 8}) == ["E/EP"]

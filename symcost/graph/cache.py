@@ -171,11 +171,17 @@ def _config_values(meta: Mapping, sizes: Mapping[str, int]) -> dict[str, int]:
 def _per_rank_ones(meta: Mapping, values: Mapping[str, int]) -> list[str]:
     """The split sizes (those with a residue class, ``Analysis.residues``) that are 1 per rank
     (``value // TP == 1``): a tensor-parallel rank with one head or one token runs other kernels,
-    a regime of its own (docs/parallel.md §11). Empty without TP."""
+    a regime of its own (docs/parallel.md §11); under expert parallelism ``"E/EP"`` where an EP rank
+    holds one expert (its permutes' copies become views, docs/parallel.md §14.3). Empty without TP
+    and EP."""
+    out = []
     tp = values.get("TP")
-    if not tp:
-        return []
-    return sorted(s for s in (meta.get("residues") or {}) if s in values and values[s] // tp == 1)
+    if tp:
+        out = [s for s in (meta.get("residues") or {}) if s in values and values[s] // tp == 1]
+    ep = values.get("EP")
+    if ep and "E" in values and values["E"] // ep == 1:
+        out.append("E/EP")
+    return sorted(out)
 
 
 def _regime_facts(meta: Mapping, facts: Mapping) -> dict:
