@@ -184,9 +184,13 @@ class Layout:
             from symcost.frontends.context_parallel import check_rotate
 
             check_rotate(self.cp_rotate)
-            if self.shard is not None or self.tp or self.pipeline is not None:
-                raise SymcostError("--cp with --dp/--tp/--pp: context parallelism is modelled alone for now "
-                                   "(docs/parallel.md §15); give --cp N without them")
+            from symcost.frontends.parallel import SHARDS
+
+            if self.tp or self.pipeline is not None or self.replicate is not None or (
+                    self.shard is not None and SHARDS[self.shard][0] != "fully_shard"):
+                raise SymcostError("--cp with --tp, --pp, --dp-replicate or --shard ddp/zero1: context parallelism is "
+                                   "modelled alone or under FSDP2 for now (--dp N --shard fsdp|zero3|zero2: fully_shard "
+                                   "over dp_shard × cp, as torchtitan; docs/parallel.md §15)")
 
     # --- what the layout is -------------------------------------------------------------------
     @property
@@ -246,8 +250,9 @@ class Layout:
     def group_size(self, label: str, size_of):
         """The ranks of the process group a collective labelled ``label`` runs over (``"DP"``,
         ``"TP"``, ``"PP"``, and under HSDP ``"DP_replicate"``: :meth:`group_labels`), with
-        ``size_of`` as :meth:`dim_size`. Under HSDP ``"DP"`` is the ``dp_shard`` group (DP/R)."""
-        return group_size(label, size_of, self.replicate)
+        ``size_of`` as :meth:`dim_size`. Under HSDP ``"DP"`` is the ``dp_shard`` group (DP/R); under
+        FSDP with ``cp`` the flattened ``dp_shard × cp`` group (DP·CP)."""
+        return group_size(label, size_of, self.replicate, cp=self.cp and self.shard is not None)
 
     def engine_meshes(self, mesh) -> tuple[dict, dict]:
         """``({symbol: DeviceMesh}, {process group name: label})`` of a ``DeviceMesh`` with this
@@ -264,6 +269,12 @@ class Layout:
                 sub[DIM_SYMBOL[d]] = mesh[d]
         if self.hsdp:
             sub["DP"] = mesh["dp_replicate", "dp_shard"]
+        if self.cp and self.shard is not None:
+            # FSDP2 over the flattened dp_shard × cp mesh (torchtitan's "dp_shard_cp"): the
+            # parameters sharded, the gradients reduced over DP·CP ranks; its group is "DP"'s
+            flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            sub["DP"] = flat
+            labels[flat.get_group().group_name] = "DP"
         return sub, labels
 
     def __bool__(self) -> bool:
@@ -557,11 +568,15 @@ class Layout:
         return loss_context
 
 
-def group_size(label: str, size_of, replicate: int | None = None):
+def group_size(label: str, size_of, replicate: int | None = None, cp: bool = False):
     """The ranks of the process group a collective labelled ``label`` runs over (a mesh symbol,
     or HSDP's ``"DP_replicate"``), where ``size_of(symbol)`` gives a symbol's size (an int or a
     sympy symbol) and ``replicate`` is HSDP's R (None without HSDP): the symbol's size, except
-    under HSDP, where ``"DP"`` is the ``dp_shard`` group (DP/R) and ``"DP_replicate"`` has R."""
+    under HSDP, where ``"DP"`` is the ``dp_shard`` group (DP/R) and ``"DP_replicate"`` has R, and
+    with ``cp`` (FSDP2 over ``dp_shard × cp``, torchtitan's ``dp_shard_cp``), where ``"DP"`` has
+    DP·CP ranks."""
+    if cp and label == "DP":
+        return size_of("DP") * size_of("CP")
     if replicate and label == "DP_replicate":
         return replicate
     if replicate and label == "DP":
