@@ -205,6 +205,12 @@ def parallel_options(f):
                      help="with --dp N --shard fsdp|zero3: FSDP2's CPUOffloadPolicy (torchtitan's "
                           "training.enable_cpu_offload): parameters, gradients and optimizer state on the host; "
                           "the peak is the device's; host bytes and host<->device copies reported")(f)
+    f = click.option("--offload-activations", is_flag=True, default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.offload_activations"),
+                     help="every tensor autograd saves kept in pinned host memory between forward and backward "
+                          "(torch.autograd.graph.save_on_cpu(pin_memory=True) around the forward), under any "
+                          "layout: the peak is the device's; host bytes, copies and their time over the host "
+                          "link (with --gpu) reported")(f)
     f = click.option("--fsdp-mp", default=None, expose_value=False, callback=_keep_parallel("symcost.fsdp_mp"),
                      metavar="PARAM[,REDUCE]",
                      help="with --dp: FSDP2's MixedPrecisionPolicy(param_dtype=PARAM, reduce_dtype=REDUCE) on every "
@@ -318,7 +324,8 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
                     sp=bool(meta.get("symcost.sp")), pipeline=pipe, ac=None if ac in (None, "none") else ac,
                     replicate=replicate, offload=bool(meta.get("symcost.offload")), fp8=meta.get("symcost.fp8"),
                     fp8_all_gather=bool(meta.get("symcost.fp8_all_gather")),
-                    compile=bool(meta.get("symcost.compile")), ep=meta.get("symcost.ep") is not None)
+                    compile=bool(meta.get("symcost.compile")), ep=meta.get("symcost.ep") is not None,
+                    offload_activations=bool(meta.get("symcost.offload_activations")))
     sizes = {k: v for k, v in (("DP", dp), ("TP", tp), ("PP", pp if pipe else None), ("EP", meta.get("symcost.ep")))
              if v is not None}
     if meta.get("symcost.cp_rotate") is not None and meta.get("symcost.cp") is None:

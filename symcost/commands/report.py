@@ -76,10 +76,11 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
         res.update(rtp.to_json(an, sizes if sizes else None, par))
         peak = with_cap(res)
         if as_json:
-            click.echo(json.dumps(res, indent=1))
+            click.echo(json.dumps(_activations(an, sizes, res), indent=1))
         else:
             rep.render(an, sizes, assumed=assumed, layout_words=words)
             rtp.render(an, sizes, par)
+            _activations(an, sizes)
             _flag(rep.over_cap(peak, cap, "the rank"))
             _flag(_seconds(t0, t1))
         return
@@ -92,10 +93,11 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
         res.update(rep_ep.to_json(an, sizes if sizes else None, par))
         peak = with_cap(res)
         if as_json:
-            click.echo(json.dumps(res, indent=1))
+            click.echo(json.dumps(_activations(an, sizes, res), indent=1))
         else:
             rep.render(an, sizes, assumed=assumed, layout_words=words)
             rep_ep.render(an, sizes, par)
+            _activations(an, sizes)
             _flag(rep.over_cap(peak, cap, "the rank"))
             _flag(_seconds(t0, t1))
         return
@@ -126,10 +128,11 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
         if as_json:
             if step is not None:
                 res["parallel"]["step"] = step
-            click.echo(json.dumps(res, indent=1))
+            click.echo(json.dumps(_activations(an, sizes, res), indent=1))
         else:
             rep.render(an, sizes, assumed=assumed, layout_words=words)
             rep.render_parallel(an, sizes, par, step=step)
+            _activations(an, sizes)
             if cp is not None:
                 rcp.render(cp)
             _flag(rep.over_cap(peak, cap, "the rank"))
@@ -148,11 +151,40 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
         res = rep.to_json(an, sizes if sizes else None, memory=mem)
         if cp is not None:
             res.update(rcp.to_json(cp))
-        click.echo(json.dumps(res, indent=1))
+        click.echo(json.dumps(_activations(an, sizes, res), indent=1))
     else:
         rep.render(an, sizes, memory=mem)
+        _activations(an, sizes)
         if cp is not None:
             rcp.render(cp)
+
+
+def _activations(an, sizes, res: dict | None = None):
+    """Activation offload (``--offload-activations``) of the report: with ``res`` (the JSON),
+    ``res["offload_activations"]`` added (:func:`symcost.render.offload.activation_json`) and
+    ``res`` returned; without, its text lines printed. Nothing where the trace has none. With
+    ``--gpu`` the copies are priced over its host link."""
+    from symcost.frontends.layout import layout_of
+
+    if not layout_of(an).offload_activations:
+        return res
+    from symcost.passes.offload import activation_summary
+    from symcost.render.offload import activation_json, render_activation_offload
+    from symcost.render.report import console, fmt, human
+
+    gpu = click.get_current_context().find_root().meta.get("symcost.gpu")
+    device = None
+    if gpu and sizes:
+        from symcost.hardware.devices import get_device
+
+        device = get_device(gpu)
+    act = activation_summary(an, sizes if sizes else None, device)
+    js = activation_json(act, bool(sizes), fmt)
+    if res is not None:
+        res["offload_activations"] = js
+        return res
+    render_activation_offload(console(), js, human)
+    return None
 
 
 def _flag(line: str | None) -> None:

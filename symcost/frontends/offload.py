@@ -28,6 +28,9 @@ import contextlib
 
 #: the op names (``str(op.overloadpacket)``) of the two copies
 H2D, D2H = "symcost.h2d", "symcost.d2h"
+#: the op names of activation offload's copies (:func:`save_on_host`): a saved tensor to the host
+#: in the forward, back to the device when the backward unpacks it
+SAVE_H2D, SAVE_D2H = "symcost.save_h2d", "symcost.save_d2h"
 
 _OPS: dict = {}
 
@@ -47,11 +50,63 @@ def transfer_ops():
         def fake(t):
             return torch.empty_like(t, memory_format=torch.contiguous_format)
 
-        for name in ("h2d", "d2h"):
+        for name in ("h2d", "d2h", "save_h2d", "save_d2h"):
             op = torch.library.custom_op(f"symcost::{name}", copy, mutates_args=(), schema="(Tensor t) -> Tensor")
             op.register_fake(fake)
             _OPS[name] = getattr(torch.ops.symcost, name).default
     return _OPS["h2d"], _OPS["d2h"]
+
+
+def save_ops():
+    """``(save_h2d, save_d2h)``: the ``torch.library`` custom ops ``symcost::save_h2d`` and
+    ``symcost::save_d2h``, copies as :func:`transfer_ops`' (defined with them), for activation
+    offload's copies, kept apart from FSDP2's so that each is counted on its own."""
+    transfer_ops()
+    return _OPS["save_h2d"], _OPS["save_d2h"]
+
+
+def save_on_host(record_pack=None):
+    """The ``saved_tensors_hooks`` pair ``(pack, unpack)`` of activation offload (``Layout.
+    offload_activations``, ``--offload-activations``), which does in a recording what
+    ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` does on an accelerator
+    (torch/autograd/graph.py, torch 2.13):
+
+    * ``pack_to_cpu`` runs for *every* tensor autograd saves, parameters included (the weight an
+      ``mm`` keeps for its input gradient, a norm's weight), once per save: a tensor two ops save
+      is copied twice, and no storage is shared. Each copy is ``torch.empty(tensor.size(),
+      dtype, layout, pin_memory=True)`` then ``copy_``: a new contiguous pinned host tensor of the
+      saved tensor's numel (a view or an expanded tensor: its own numel, not its storage's). Here
+      it is ``save_d2h(t)``, whose output the recorder keeps out of the device's storage
+      schedule (``_Recorder.host_ops``): host memory. The device tensor is then held by autograd
+      no more, and is freed when nothing else holds it;
+    * ``unpack_from_cpu`` runs when the backward node that saved the tensor runs:
+      ``tensor.to(device, non_blocking=True)``, a device copy that lives while the node uses it.
+      Here it is ``save_h2d(packed)``, device memory as any op's output.
+
+    A DTensor (tensor parallelism) is copied by its local shard, rewrapped on unpack.
+    ``record_pack``: the recorder's own pack hook, run first on the tensor as autograd saves it
+    (it records what is saved, shared/conventions.md's activations). Torch is imported here."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    h2d, d2h = save_ops()
+
+    def pack(t):
+        if record_pack is not None:
+            record_pack(t)
+        with torch.no_grad():
+            if isinstance(t, DTensor):
+                return (d2h(t._local_tensor), t.device_mesh, t.placements, t.shape, t.stride())
+            return d2h(t)
+
+    def unpack(packed):
+        with torch.no_grad():
+            if isinstance(packed, tuple):
+                local, mesh, placements, shape, stride = packed
+                return DTensor.from_local(h2d(local), mesh, placements, run_check=False, shape=shape, stride=stride)
+            return h2d(packed)
+
+    return pack, unpack
 
 
 def policy():

@@ -477,7 +477,9 @@ MOVE_OPS |= {
 #: FSDP2's CPU offload copies between host and device (symcost.frontends.offload): data movement
 #: whose device side is the copy's bytes once (an H2D copy writes them into device memory, a D2H
 #: copy reads them), the host link's bytes are symcost.passes.offload.transfer_bytes'
-TRANSFER_OPS = {"symcost.h2d", "symcost.d2h"}
+TRANSFER_OPS = {"symcost.h2d", "symcost.d2h",
+                # activation offload's (symcost.frontends.offload.save_on_host)
+                "symcost.save_h2d", "symcost.save_d2h"}
 #: Collectives: packet -> (kind, where the collective's size is: ("in"|"out", position), or
 #: ("in", "all") for the sum of every tensor input). The size is nccl-tests' ``size`` (the
 #: gathered tensor of an all-gather, the reduced input of a reduce-scatter, the tensor of an

@@ -345,8 +345,10 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
         else:
             comm[ph] = (nbytes[ph] - rep_part) / bw + rep_time
     offload = {}
-    if layout_of(an).offload:
-        # FSDP2's CPU offload: each phase's host<->device copies over the host link, on the
+    if layout_of(an).offload or layout_of(an).offload_activations:
+        # FSDP2's CPU offload and activation offload: each phase's host<->device copies over the
+        # host link, counted with the phase's communication (a copy engine beside the kernels);
+        # FSDP2's on the
         # collectives' path (the H2D copy before its all-gather, the D2H after its reduce-scatter)
         from symcost.passes.offload import host_link, transfer_seconds
 

@@ -42,3 +42,39 @@ def render_offload(c, js: dict, step: dict | None, human) -> None:
         c.print(f"copies over {step['host_link']} at {step['host_bandwidth'] / 1e9:.0f} GB/s per direction: "
                 f"{tr['forward'] * 1e3:.3f} + {tr['backward'] * 1e3:.3f} ms forward + backward, counted with the "
                 "communication of their phase")
+
+
+def activation_json(act: dict, at_sizes: bool, fmt) -> dict[str, Any]:
+    """``offload_activations`` of ``report --json`` (:func:`symcost.passes.offload.activation_summary`):
+    ``host`` {total} (pinned host bytes of the packed saved tensors), ``d2h`` and ``h2d`` {forward,
+    backward, train} (bytes copied per step), formulas as strings (``fmt``) without sizes, integers
+    with them (``at_sizes``); with a device, ``seconds`` {forward, backward}, ``host_link``,
+    ``host_bandwidth``."""
+
+    def num(v):
+        v = sympy.sympify(v)
+        return int(v) if v.is_integer else float(v)
+
+    src = act["values"] if at_sizes else act
+    conv = num if at_sizes else fmt
+    out = {k: {p: conv(v) for p, v in src[k].items()} for k in ("host", "d2h", "h2d")}
+    for k in ("seconds", "host_link", "host_bandwidth"):
+        if k in act:
+            out[k] = act[k]
+    return out
+
+
+def render_activation_offload(c, js: dict, human) -> None:
+    """The activation offload lines of the text report on console ``c`` (``js``: :func:`activation_json`)."""
+
+    def h(v):
+        return human(v, "B") if isinstance(v, (int, float)) else str(v)
+
+    c.print(f"activation offload (save_on_cpu(pin_memory=True) around the forward): {h(js['host']['total'])} "
+            f"of pinned host memory (every tensor autograd saves, parameters included, once per save); "
+            f"D2H {h(js['d2h']['forward'])} in the forward, H2D {h(js['h2d']['backward'])} in the backward "
+            "(each copy back live on the device while its backward node runs); the peak is the device's")
+    if "seconds" in js:
+        s = js["seconds"]
+        c.print(f"copies over {js['host_link']} at {js['host_bandwidth'] / 1e9:.0f} GB/s per direction: "
+                f"{s['forward'] * 1e3:.3f} + {s['backward'] * 1e3:.3f} ms forward + backward")

@@ -628,7 +628,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             if layout.offload:  # FSDP2's CPU offload: its copies as ops (symcost.frontends.offload)
                 from symcost.frontends.offload import offload_transfers, transfer_ops
 
-                rec.host_ops = frozenset(transfer_ops()[1:])
+                rec.host_ops = rec.host_ops | frozenset(transfer_ops()[1:])
                 stack.enter_context(offload_transfers())
             return stack
 
@@ -661,7 +661,15 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                     n_forward, events_end, kv = _inference_step(rec, model, args, kwargs, kv_layers, autocast)
                 n_backward = 0
             else:
-                with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context(), \
+                hooks = (pack, lambda t: t)
+                if layout.offload_activations:
+                    # activation offload: save_on_cpu(pin_memory=True)'s copies as ops, the host's
+                    # kept out of the device's schedule (symcost.frontends.offload.save_on_host)
+                    from symcost.frontends.offload import save_on_host, save_ops
+
+                    rec.host_ops = rec.host_ops | {save_ops()[1]}
+                    hooks = save_on_host(pack)
+                with rec, torch.autograd.graph.saved_tensors_hooks(*hooks), context(), \
                         parallel_contexts(), hide(), loss_context(), cp_contexts(), device_kernels(kernels):
                     with autocast():
                         out = model(*args, **kwargs)

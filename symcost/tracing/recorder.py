@@ -143,6 +143,7 @@ class _Recorder(TorchDispatchMode):
         # ops whose outputs are host memory (FSDP2's CPU offload: the gradient shards' copies to
         # the host, symcost.frontends.offload): their storages stay out of the device's schedule
         self.host_ops: frozenset = frozenset()
+        self._host_refs: list = []
         # tensor subclasses looked through (FP8 training: torchao's float8 tensors,
         # symcost.frontends.fp8.fp8_tensor_types): their ops run on plain tensors, recorded
         self.unwrap: tuple = ()
@@ -396,7 +397,12 @@ class _Recorder(TorchDispatchMode):
             ints[_PADDING_IDX[func]] = -1
         outs = []
         if func in self.host_ops:  # (its views too: track() skips a preexisting storage)
-            self.preexisting.add(StorageWeakRef(out.untyped_storage()).cdata)
+            ref = StorageWeakRef(out.untyped_storage())
+            self.preexisting.add(ref.cdata)
+            # (the weak reference keeps the StorageImpl, not its data, for the whole step: a host
+            # copy freed in the step, activation offload's, leaves no address that a later device
+            # storage could take and be skipped as preexisting)
+            self._host_refs.append(ref)
         for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 # lift_fresh: a constant the step made (``torch.tensor([...])``) enters the step;
