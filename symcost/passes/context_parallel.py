@@ -30,7 +30,8 @@ KINDS = ("all_gather", "all_to_all")
 
 
 def summary(an, sizes: Mapping[str, int] | None = None) -> dict:
-    """``{"cp", "rotate", "comm": {kind: {phase: bytes formula}, "total": formula}, "values"}``:
+    """``{"cp", "rotate", "shard", "comm": {kind: {phase: bytes formula}, "total": formula}, "values"}``
+    (``shard``: the data-parallel strategy FSDP2 runs over dp_shard × cp, or None):
     the bytes one CP rank sends (= receives) per step over the CP group, by kind (all-gather,
     all-to-all) and phase; ``values`` the same at ``sizes`` (None without sizes).
 
@@ -42,7 +43,7 @@ def summary(an, sizes: Mapping[str, int] | None = None) -> dict:
         raise ValueError("not a context-parallel trace")
     comm = {k: {ph: an.comm_bytes(k, ph, group="CP") for ph in PHASES} for k in KINDS}
     total = sympy.Add(*[v for d in comm.values() for v in d.values()])
-    out = {"cp": an.pinned.get("CP", sympy.Symbol("CP")), "rotate": layout.cp_rotate,
+    out = {"cp": an.pinned.get("CP", sympy.Symbol("CP")), "rotate": layout.cp_rotate, "shard": layout.shard,
            "comm": comm, "total": total, "values": None}
     if sizes:
         env = an.bind(**{k: v for k, v in sizes.items() if k in an.symbols})

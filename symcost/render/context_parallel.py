@@ -12,9 +12,9 @@ def _num(v):
 
 
 def to_json(summary: dict) -> dict:
-    """``{"context_parallel": {cp, rotate, comm: {all_gather|all_to_all: {forward, backward}},
-    total}}``: bytes one rank sends (= receives) per step over the CP group; formulas without
-    sizes, integers with."""
+    """``{"context_parallel": {cp, rotate, shard, comm: {all_gather|all_to_all: {forward, backward}},
+    total}}``: bytes one rank sends (= receives) per step over the CP group (``shard``: FSDP2's
+    strategy over dp_shard × cp, or None); formulas without sizes, integers with."""
     vals = summary["values"]
     if vals is None:
         comm = {k: {ph: fmt(v) for ph, v in d.items()} for k, d in summary["comm"].items()}
@@ -24,7 +24,7 @@ def to_json(summary: dict) -> dict:
         total = _num(vals["total"])
     cp = summary["cp"]
     return {"context_parallel": {"cp": int(cp) if isinstance(cp, int) else str(cp), "rotate": summary["rotate"],
-                                 "comm": comm, "total": total}}
+                                 "shard": summary.get("shard"), "comm": comm, "total": total}}
 
 
 def render(summary: dict, width: int | None = None) -> None:
@@ -48,5 +48,9 @@ def render(summary: dict, width: int | None = None) -> None:
     t.add_row("total", "", fmt(summary["total"]), binary(int(vals["total"])) if vals else "")
     c.print(t)
     c.print("K/V forward by the rotate method, K/V again and the dK/dV accumulators (fp32) by all-to-all in "
-            "the backward; gradients are not reduced over the CP ranks (CP alone: torchtitan shards "
-            "them with FSDP over dp_shard × cp, not modelled yet; docs/parallel.md §15)")
+            "the backward; " + (f"parameters sharded and gradients reduced by FSDP2 ({summary['shard']}) over "
+                                "dp_shard × cp, the data-parallel section's DP group (docs/parallel.md §15)"
+                                if summary.get("shard") else
+                                "gradients are not reduced over the CP ranks (torchtitan shards them with FSDP2 "
+                                "over the CP ranks even without data parallelism: not modelled yet; "
+                                "docs/parallel.md §15)"))

@@ -1,8 +1,10 @@
 """One rank of a context-parallel training step (tests/test_context_parallel.py), on real tensors
 with gloo, or in-process on the fake process group: the oracle of symcost's per-rank numbers.
 
-``python -m torch.distributed.run --standalone --nproc-per-node CP cp_rank.py OUT ROTATE H K D L V F B S``
-builds a small ``transformers`` Llama (sdpa attention; ``hf:llama`` with those sizes, fp32) with
+``python -m torch.distributed.run --standalone --nproc-per-node N cp_rank.py OUT ROTATE H K D L V F B S [DP]``
+(without DP the N ranks are the cp group; with DP the mesh is torchtitan's ``(dp_shard DP, cp N/DP)``
+and ``fully_shard`` runs per block and the root over the flattened ``dp_shard_cp``) builds a small
+``transformers`` Llama (sdpa attention; ``hf:llama`` with those sizes, fp32) with
 the same weights on every rank, and runs it as a user of PyTorch's context parallelism does:
 
 * ``context_parallel(mesh, buffers=[input_ids], buffer_seq_dims=[1], no_restore_buffers=...)``
