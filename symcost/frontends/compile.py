@@ -91,26 +91,95 @@ def hold(modes, tensors) -> None:
                     m.hold(t)
 
 
+#: reductions inductor fuses with the element-wise ops that feed them (a pointwise producer read
+#: only by fusible consumers is computed inside their kernel: no buffer of its own)
+_REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "any", "all", "argmax", "argmin")
+
+
+def _in_registers(gm) -> set:
+    """The nodes of a partitioned graph ``gm`` whose outputs a fused kernel keeps in registers:
+    element-wise ops (``torch.Tag.pointwise``, and ``full``) that are no output of the graph and
+    whose every use (through views, which move nothing) is another element-wise op or a reduction.
+    Inductor inlines such a producer into the kernels of its consumers (its ``Pointwise`` IR nodes
+    are realised only where a consumer needs a buffer: a matmul, an extern kernel, a graph output);
+    the rule leaves out inductor's limits on inlining (``realize_reads_threshold`` and
+    ``realize_opcount_threshold`` in torch/_inductor/config.py), so it errs towards fewer buffers.
+    """
+    import torch
+
+    def kind(n):
+        t = n.target
+        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+            return None
+        if t.is_view:
+            return "view"
+        if torch.Tag.pointwise in t.tags or t.overloadpacket.__name__ in ("full", "scalar_tensor"):
+            return "pointwise"
+        if t.overloadpacket.__name__ in _REDUCTIONS and t.namespace == "aten":
+            return "reduction"
+        return None
+
+    outputs = set()
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            stack = list(n.args)
+            while stack:
+                a = stack.pop()
+                if isinstance(a, torch.fx.Node):
+                    outputs.add(a)
+                elif isinstance(a, (list, tuple)):
+                    stack.extend(a)
+
+    def fusible_uses(n) -> bool:
+        for u in n.users:
+            k = kind(u)
+            if u in outputs or k is None:
+                return False
+            if k == "view" and not fusible_uses(u):
+                return False
+        return True
+
+    return {n for n in gm.graph.nodes if kind(n) == "pointwise" and n not in outputs and fusible_uses(n)}
+
+
 def _graph_runner(gm, example_inputs):
     """An AOTAutograd compiler (``fw_compiler``/``bw_compiler``) that runs the partitioned graph
     ``gm`` as it is (boxed calling convention, as ``torch._dynamo.backends.debugging.boxed_nop``),
     inside the user dispatch modes :func:`_user_modes_suspended` took off around the compiled
     call: the forward graph runs while they are suspended, the backward graph (called by the
     autograd engine) where the modes are active already, and is run as it is."""
-    from torch.fx.graph import _BoxedCodeGen
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    gm.graph.set_codegen(_BoxedCodeGen())
-    gm.recompile()
+    import torch
+
+    in_registers = _in_registers(gm)
+
+    class Runner(torch.fx.Interpreter):
+        """The graph op by op; the storage of an output a fused kernel keeps in registers
+        (:func:`_in_registers`) is dropped from the schedule of each mode that follows one
+        (symcost's recorder: ``drop``)."""
+
+        def __init__(self, modes):
+            super().__init__(gm)
+            self.modes = [m for m in modes if hasattr(m, "drop")]
+
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n in in_registers and isinstance(out, torch.Tensor):
+                for m in self.modes:
+                    m.drop(out)
+            return out
 
     def run(args):
         modes = _suspended()[-1] if _suspended() else []
-        active = {id(m) for m in _get_current_dispatch_mode_stack()}
+        stack_modes = _get_current_dispatch_mode_stack()
+        active = {id(m) for m in stack_modes}
         with contextlib.ExitStack() as stack:
             for m in modes:
                 if id(m) not in active:
                     stack.enter_context(m)
-            out = gm(args)
+            # (boxed: the interpreter clears ``args``, so a saved tensor dies at its last use)
+            out = Runner(list(modes) + [m for m in stack_modes if id(m) not in {id(x) for x in modes}]).boxed_run(args)
         if _kept() and any(id(m) not in active for m in modes):  # (a forward graph run by the compiled call)
             _kept()[-1].extend(out)
         return out

@@ -210,6 +210,22 @@ class _Recorder(TorchDispatchMode):
         entry[0] += 1
         weakref.finalize(t, self._release, key)
 
+    def drop(self, t: torch.Tensor) -> None:
+        """``t``'s storage, allocated by the op just recorded, is never allocated in the step
+        that runs: a fused kernel keeps it in registers (``--compile``,
+        :func:`symcost.frontends.compile._in_registers`). Its allocation event is removed and its
+        free will not be recorded; the op's costs stay."""
+        key = StorageWeakRef(t.untyped_storage()).cdata
+        entry = self._storages.get(key)
+        if entry is None or not entry[1]:
+            return
+        for k in range(len(self.events) - 1, -1, -1):
+            e = self.events[k]
+            if e.storage == key and e.nbytes > 0:
+                del self.events[k]
+                entry[1] = 0
+                return
+
     def _release(self, key: int) -> None:
         entry = self._storages.get(key)
         if entry is None:
