@@ -182,15 +182,18 @@ def _indivisible(spec, values: Mapping[str, int], tp_sizes=None, replicate: int 
     rows, ``d0/TP`` of a column-parallel weight), times the largest TP the probes can draw here
     (``tp_sizes(values)``, :func:`data_parallel`; 8 of 2, 4, 8 where not given): where the plan
     splits K = 2 heads, TP = 2 is the only one, and D need not be a multiple of 16 for 2·D."""
-    dp = values["DP"] // (replicate or 1) * values.get("CP", 1)  # (HSDP: the dp_shard group's; CP: dp_shard × cp)
+    dp = values["DP"] // (replicate or 1)  # (HSDP: the dp_shard group's size)
     # a multiple of lcm(DP, 4): then DP = 2 and 4 both divide the base probe's dimensions, so
     # DP can vary alone from it (fit.plan_probes); on the 2-D mesh, TP too
     tp = 1
     if "TP" in values:
         tp = max((tp_sizes(values) if tp_sizes is not None else None) or [8 if tp_sizes is None else values["TP"]])
-    m = math.lcm(dp, 4) * tp
+    # with context parallelism FSDP2 shards over dp_shard × cp: times CP (pinned), so that DP = 2 and
+    # 4 both still divide the base probe's dimensions
+    m = math.lcm(dp, 4) * tp * values.get("CP", 1)
     bad = [d0 for d0 in _dims0(spec, values) if d0 % m]
-    why = f" times {tp} (the largest TP the plan can split here)" if "TP" in values else ""
+    why = (f" times {tp} (the largest TP the plan can split here)" if "TP" in values else "") + (
+        f" times CP={values['CP']} (FSDP2 over dp_shard × cp)" if "CP" in values else "")
     return f"a parameter's first dimension, {bad[0]}, is no multiple of lcm(DP={dp}, 4){why}" if bad else None
 
 
