@@ -262,3 +262,31 @@ def test_torchtitan_moduledict_blocks(titan_an):
     assert isinstance(seg.layers, nn.ModuleDict) and len(seg.layers) == 2
     with torch.device("meta"):
         seg(torch.zeros(2, 5, dtype=torch.long, device="meta"))
+
+
+def test_step_function_width_at_llama3_8b_sizes(titan_an):
+    """torchtitan's SwiGLU width is 1024 at every probe (dim <= 590) and 14336 at Llama-3-8B's
+    dim 4096. ``subs`` at the 8B sizes finds the fitted width wrong there (the model built on the
+    meta device), says so, traces again with only H and D (the symbols that move the width)
+    pinned, and answers the meta-device parameter count (8.03B) and FlopCounterMode's FLOPs of
+    the step run on meta tensors; a trace asked for those sizes pins the same two at once."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    t = _titan()
+    sizes = dict(t.LLAMA3_8B)
+    with pytest.warns(UserWarning, match=r"step function.*pinned: H=32, D=128\)"):
+        got = titan_an.subs(**sizes)
+    v = {**sizes, "B": titan_an.spec.defaults["B"], "S": titan_an.spec.defaults["S"]}
+    with torch.device("meta"):
+        model = t.build(v)
+    assert got["params"] == sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    (ids,), _ = t.spec().make_inputs(v, torch.device("meta"))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        t.spec().loss(model(ids), ((ids,), {})).backward()
+    assert got["flops.train"] == fc.get_total_flops()
+    again = titan_an.__dict__["_traced_again"][tuple(sorted(sizes.items()))]
+    assert set(again.pinned) == {"H", "D"} and "step function" in again.pin_reasons["D"]
+    with torch.device("meta"):  # V and K stay symbols of the new trace
+        other = t.build({**sizes, "V": 1000, "K": 4, "L": 3})
+    assert again.subs(V=1000, K=4, L=3)["params"] == sum(p.numel() for p in other.parameters())

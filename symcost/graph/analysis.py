@@ -196,11 +196,30 @@ class Analysis(Totals, Conventions, Serialized):
         msg = self.spec.check(values)
         if msg:
             raise SymcostError(msg)
+        if self.role is not None:  # (a live trace: the model can be built at these sizes)
+            from symcost.graph import reuse
+
+            reuse.check(self, values)  # the fitted parameter shapes hold here (a step-function width)
         return {SYMS[k]: v for k, v in values.items()}
 
     def subs(self, **sizes: int) -> dict[str, int]:
-        """Every total as an integer at the given sizes (others at the model's defaults)."""
-        env = self.bind(**sizes)
+        """Every total as an integer at the given sizes (others at the model's defaults).
+
+        Where the formulas do not hold at these sizes (a parameter's shape there is not its fitted
+        formula's: a width that is a step function of the symbols, :mod:`symcost.graph.reuse`),
+        the step is traced again at them with the options of this trace, a warning says so (and
+        what the new trace pinned), and its totals are returned.
+
+        Raises:
+            SymcostError: as :meth:`bind`; :class:`symcost.graph.reuse.NotAtTheseSizes` where the
+                formulas do not hold and this analysis cannot trace again (read from the cache).
+        """
+        from symcost.graph.reuse import NotAtTheseSizes
+
+        try:
+            env = self.bind(**sizes)
+        except NotAtTheseSizes as e:
+            return self._traced_again(e, sizes).subs(**sizes)
         ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731  (xreplace: no re-simplifying)
         out = {"params": ev(self.params), "params_matmul": ev(self.params_matmul)}
         out["params_active"] = ev(self.params_active)
@@ -211,6 +230,27 @@ class Analysis(Totals, Conventions, Serialized):
             out[f"bytes.{ph}"] = ev(self.bytes(ph))
             out[f"transcendentals.{ph}"] = ev(self.transcendentals(ph))
         return out
+
+    def _traced_again(self, e, sizes: dict) -> "Analysis":
+        """This step traced again at ``sizes`` (on top of this trace's request) with this trace's
+        options, once per sizes, with a warning naming why; ``e`` re-raised where this analysis
+        keeps no options to trace with (read from the trace cache)."""
+        import warnings
+
+        trace = self.__dict__.get("trace_again")  # (symcost.graph.build.trace with this trace's options)
+        if trace is None:
+            raise e
+        key = tuple(sorted(sizes.items()))
+        memo = self.__dict__.setdefault("_traced_again", {})
+        if key not in memo:
+            from symcost.graph.reuse import at_fault
+
+            pins = at_fault(self, e.values, e.param)  # (pinned from the start: the fit never meets the step)
+            again = trace(sizes={**dict(trace.keywords.get("sizes") or {}), **sizes}, _pins=pins)
+            pinned = ", ".join(f"{k}={v}" for k, v in again.pinned.items()) or "nothing"
+            warnings.warn(f"{e}. Traced again at these sizes (pinned: {pinned})", stacklevel=3)
+            memo[key] = again
+        return memo[key]
 
     def quantity(self, name: str) -> sympy.Expr:
         """A total by its JSON name: ``params``, ``params_matmul``, ``flops.<phase>``,

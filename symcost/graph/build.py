@@ -11,6 +11,7 @@ recordings (other sizes, L = 3) that took no part in the fit. The result is an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -31,6 +32,7 @@ from symcost.tracing.poly import MESH
 from symcost.graph.analysis import Analysis
 from symcost.graph.concrete import concrete_cost, concrete_totals, op_view, recomputed  # noqa: F401  (concrete_totals: API)
 from symcost.graph.ops import COMM_KINDS, PHASES, SymOp
+from symcost.graph.reuse import StepSize
 from symcost.graph.totals import trace_group
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -221,7 +223,8 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
           attention: str | None = None, sizes: Mapping[str, int] | None = None,
           precision: str = "bf16-mixed", n_random: int = N_RANDOM, seed: int = 0, use_cache: bool = True,
           step: str | None = None, kv_cache: str = "dynamic", shard: str | None = None,
-          fsdp_mp: str | None = None, layout: Layout | None = None, torch_device: str = "cuda") -> Analysis:
+          fsdp_mp: str | None = None, layout: Layout | None = None, torch_device: str = "cuda",
+          _pins: Mapping[str, str] | None = None) -> Analysis:
     """Trace a model's training step (or an inference step) into a symbolic cost graph, in the
     regime of ``sizes``.
 
@@ -291,6 +294,9 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             default as in the CLI): ``"cuda"`` records dropout and attention with dropout as
             CUDA dispatches them (:mod:`symcost.tracing.device_kernels`); ``"cpu"`` and other
             types record the CPU's kernels (what a real CPU step runs: the tests' oracles).
+        _pins: internal: symbol -> reason, symbols pinned at the requested value from the start
+            (:meth:`Analysis.subs` tracing again where a step-function width was fitted as a
+            constant: :func:`symcost.graph.reuse.at_fault` names the symbols that move it).
 
     Returns:
         An :class:`Analysis` (``pinned``, ``pin_reasons``, ``regime_ties``, ``request_facts``,
@@ -321,7 +327,19 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         an = cached_trace(str(model), {str(k): str(v) for k, v in dict(config or {}).items()}, attention,
                           precision, dict(sizes or {}), fresh, True, options)
         if an.__dict__.get("cached_from"):
-            an.bind(**dict(sizes or {}))  # the size checks a fresh trace makes first (S within positions, ...)
+            env = an.bind(**dict(sizes or {}))  # the size checks a fresh trace makes first (S within positions, ...)
+            from symcost.graph import reuse
+
+            values = {str(k): int(v) for k, v in env.items()}
+            if not reuse.checked_at(an, values):
+                # an analysis of the same regime traced at other sizes: its formulas must hold at
+                # these (a step-function width does not), checked on the model built on the meta device
+                live = for_run(resolve(model, config, attention), precision, torch_device)
+                try:
+                    reuse.check(an, values, spec=live)
+                except reuse.NotAtTheseSizes as e:  # traced afresh, the symbols that move the step pinned
+                    an = trace(model, config, attention, sizes, precision, n_random, seed, use_cache=False,
+                               torch_device=torch_device, _pins=reuse.at_fault(an, values, e.param, spec=live))
         return an
     spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
     if step is not None:
@@ -337,6 +355,9 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     facts = request_facts(values, spec.all_symbols)
     pins = {s: 1 for s in facts["ones"]}
     reasons = {s: "size 1 runs other kernels (copies become views)" for s in pins}
+    for s, why in dict(_pins or {}).items():
+        if s in values and s not in pins:
+            pins[s], reasons[s] = values[s], why
     n = spec.lead_blocks
     if n and "L" in values and "L" not in pins and values["L"] <= n:
         # every block is one of the n leading blocks (DeepSeek-V3's dense blocks before the MoE
@@ -356,7 +377,20 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     widened, n_random0, seed0 = False, n_random, seed
     for _ in range(len(SYMS) + 2):
         try:
-            return _trace_regime(spec, values, facts, pins, reasons, precision, n_random, seed, recordings)
+            an = _trace_regime(spec, values, facts, pins, reasons, precision, n_random, seed, recordings)
+            # (what Analysis.subs traces again with, at sizes where these formulas do not hold)
+            an.__dict__["trace_again"] = functools.partial(
+                trace, model=model, config=config, attention=attention, sizes=dict(sizes), precision=precision,
+                n_random=n_random0, seed=seed0, use_cache=use_cache, step=step, kv_cache=kv_cache,
+                layout=layout, torch_device=torch_device)
+            return an
+        except StepSize as e:
+            new = {s: why for s, why in e.pins.items() if s not in pins and s in values}
+            if not new:
+                raise SymcostError(f"{spec.name}: a parameter's shape at the requested sizes is no polynomial in "
+                                   f"the symbols, with {', '.join(e.pins)} pinned") from e
+            for s, why in new.items():
+                pins[s], reasons[s] = values[s], why
         except CheckFailed as e:
             if widened:  # more probes did not help: the regime is not polynomial in these symbols
                 n_random, seed = n_random0, seed0
@@ -636,6 +670,19 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     an.request_sizes = {k: int(v) for k, v in values.items()}
     an.residues = {s: [m, values[s] % m] for s, m in moduli.items() if s in symbols and s in values}
     an.signature = digest(want_sig)
+    if not an.parallel and not an.tensor_parallel:
+        # a parameter shape fitted at the probes that the model does not have at the request: a
+        # step function of the symbols (torchtitan's SwiGLU width), constant over every probe.
+        # The symbols that move it are pinned at the request and the regime traced again.
+        from symcost.graph import reuse
+
+        at = {**{str(k): int(v) for k, v in values.items()}, **pinned}
+        try:
+            found = reuse.mismatch(an, at)
+        except Exception:  # noqa: BLE001 - a model that does not build apart from its step: the check answers
+            found = None
+        if found is not None:
+            raise reuse.StepSize(reuse.at_fault(an, at, found[0]))
     pools = random_pools([s for s in symbols if s not in fixed], plan.points[0], request, moduli)
     # sizes that are no probe (an MoE's fractional N·R/E slots per expert) are answered by the
     # formulas, not recorded exactly: they are checked at the probes only
