@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import random
 
+import pytest
+
 import symcost
 
 PRECISION = "bf16-true"
@@ -145,3 +147,46 @@ def test_device_peak_against_memtracker():
         want = _fake_peak(spec, v)
         got = mm.peak(**v)
         assert got == want, (v, got, want, mm.peak_where(**v))
+
+
+@pytest.mark.heavy
+def test_offload_activations_under_the_layouts():
+    """``--offload-activations`` composes with every layout: under ``--dp 2 --shard fsdp`` and
+    ``--tp 2 --sp`` the rank's report carries the host bytes and its device peak is below the same
+    layout's without offload; under ``--pp 2`` each rank's step copies to the host, per step, m
+    times its stages' packed bytes of one micro-batch (the stage traces' formulas; the schedule
+    run counts them), and holds at most that on the host."""
+    import json
+
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+    from symcost.passes.offload import activation_bytes
+    from symcost.passes.pipeline import trace_stages
+
+    sets = ["--set", "B=2", "S=16", "D=32", "L=2"]
+    for layout in (["--dp", "2", "--shard", "fsdp"], ["--tp", "2", "--sp"]):
+        model = "mlp" if layout[0] == "--dp" else "megatron-gpt"
+        s = sets if model == "mlp" else ["--set", "B=4", "S=64", "H=4", "D=8", "L=2", "V=64"]
+        runs = {}
+        for off in (False, True):
+            r = CliRunner().invoke(main, ["report", model, *layout, *s, "--json"] + (["--offload-activations"] if off else []))
+            assert r.exit_code == 0, r.output
+            runs[off] = json.loads(r.output)
+        act = runs[True]["offload_activations"]
+        assert act["host"]["total"] == act["d2h"]["forward"] == act["h2d"]["backward"] > 0, (layout, act)
+        assert runs[True]["parallel"]["memory"]["peak"] < runs[False]["parallel"]["memory"]["peak"], layout
+    m = 4
+    r = CliRunner().invoke(main, ["report", "mlp", "--pp", "2", "--microbatches", str(m), "--offload-activations",
+                                  *sets, "--json"])
+    assert r.exit_code == 0, r.output
+    js = json.loads(r.output)
+    from symcost.frontends.layout import Layout
+
+    _, ans = trace_stages("mlp", 2, 1, "bf16-mixed", {"B": 2, "S": 16, "D": 32, "L": 2},
+                          inner=Layout(offload_activations=True))
+    for row, part in zip(js["pipeline"]["ranks"], ("first", "last")):
+        an = ans[part]
+        per_mb = int(activation_bytes(an, "d2h", "forward").xreplace(an.bind(B=2, S=16, D=32, L=1)))
+        a = row["activation_offload"]
+        assert a["d2h"] == m * per_mb and 0 < a["host"] <= a["d2h"], (row["rank"], a, per_mb)

@@ -183,7 +183,10 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             ``transfer`` ``{h2d, d2h}`` the bytes the step copied each way; with ``device``,
             ``transfer_seconds``: the larger direction over its host link
             (:func:`symcost.passes.offload.host_link`; not part of ``step``, as the
-            data-parallel collectives are not).
+            data-parallel collectives are not). With ``inner.offload_activations``, per rank
+            ``activation_offload`` ``{host, d2h, h2d}`` (:func:`~symcost.tracing.pipeline.rank_memory`:
+            the most pinned host bytes the packed saved tensors of the micro-batches in flight
+            hold at once, and the bytes copied each way per step); the peak is the device's.
         split: the blocks of each of the PP·v stages (:func:`symcost.frontends.pipeline.parse_split`:
             None the even split, ``"torchtitan"``, or a tuple); the per-rank rows follow it.
 
@@ -306,6 +309,8 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             row["comm"] = comm_by_group(mem.pop("collectives"))
             if offload:  # (the copies as the schedule drives FSDP2: bytes per step, each way)
                 row["transfer"] = mem.pop("transfers")
+            if "activation_offload" in mem:  # (--offload-activations: the packed tensors in flight)
+                row["activation_offload"] = mem.pop("activation_offload")
             row["memory"] = mem
             opt, grads = extra[row["rank"]]
             row["peak_with_optimizer"] = mem["peak"] + opt + max(0, grads - mem["grads"])

@@ -109,6 +109,11 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
         console.print("  peak: the rank's step run through PyTorch's schedule on fake tensors (parameters, "
                       "gradients, the engine's buffers, the highest live set), plus optimizer state")
     for row in r["ranks"]:
+        if "activation_offload" in row:  # --offload-activations
+            a = row["activation_offload"]
+            console.print(f"  rank {row['rank']} activation offload (save_on_cpu(pin_memory=True)): pinned host "
+                          f"{_bytes(a['host'])} at most (the micro-batches in flight); copies per step D2H "
+                          f"{_bytes(a['d2h'])}, H2D {_bytes(a['h2d'])}; the peak is the device's")
         if "host" in row:  # FSDP2's CPU offload (--offload): the model states on the host
             h, tr = row["host"], row.get("transfer")
             console.print(f"  rank {row['rank']} CPU offload (FSDP2 CPUOffloadPolicy): on the host {_bytes(h['total'])} "

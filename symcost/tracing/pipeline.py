@@ -48,8 +48,11 @@ class _Live(TorchDispatchMode):
         self.entries: dict[int, list] = {}
         self.groups = dict(groups or {})
         self.collectives: list[tuple] = []
-        # FSDP2's CPU offload (symcost.frontends.offload): bytes each copy op moved, by direction
-        self.transfers = {"h2d": 0, "d2h": 0}
+        # FSDP2's CPU offload (symcost.frontends.offload): bytes each copy op moved, by direction;
+        # activation offload's (save_h2d, save_d2h) apart, and the host bytes its packed tensors
+        # hold at each moment (``host_level``) and at most (``host_top``)
+        self.transfers = {"h2d": 0, "d2h": 0, "save_h2d": 0, "save_d2h": 0}
+        self.host_level = self.host_top = 0
 
     def _count(self, func, args, out):
         """A c10d op's group (its symbol in ``groups``, else None), size, and the bytes of its
@@ -108,6 +111,9 @@ class _Live(TorchDispatchMode):
         torch.UntypedStorage.resize_ = self._resize
         return super().__exit__(*exc)
 
+    def _host_free(self, n):
+        self.host_level -= n
+
     def _free(self, key):
         e = self.entries.get(key)
         if e is None:
@@ -131,6 +137,12 @@ class _Live(TorchDispatchMode):
             self.transfers[func._opname] += _nbytes(args[0])
             if func._opname == "d2h":
                 return out  # (its output is host memory: a gradient shard's copy, not the device's)
+            if func._opname == "save_d2h":  # (a packed saved tensor: host memory until unpacked and freed)
+                n = out.untyped_storage().nbytes()
+                self.host_level += n
+                self.host_top = max(self.host_top, self.host_level)
+                weakref.finalize(out, self._host_free, n)
+                return out
         ins = set()
         for a in tree_flatten((args, kwargs))[0]:
             if isinstance(a, torch.Tensor):
@@ -190,6 +202,13 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
         set). ``params`` and ``grads`` are then the device's (0: the shards and their gradients
         live on the host), ``host`` ``{params, grads}`` their host bytes, and ``transfers``
         ``{h2d, d2h}`` the bytes the measured step copied each way.
+
+        Under activation offload (``inner.offload_activations``) the step runs with
+        ``save_on_cpu(pin_memory=True)``'s copies as ops
+        (:func:`symcost.frontends.offload.save_on_host`): a packed saved tensor is host memory,
+        left out of the live set, each unpacked copy the device's; ``activation_offload``
+        ``{host, d2h, h2d}``: the most bytes the packed tensors held on the host at once (the
+        micro-batches in flight) and the bytes copied each way per step.
 
     Raises:
         SymcostError: PyTorch refuses the pipeline or the stage does not run.
@@ -310,6 +329,13 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
             record_context = spec.record_context or contextlib.nullcontext
             if offload:  # FSDP2's CPU offload: its two copies as ops (symcost.frontends.offload)
                 from symcost.frontends.offload import offload_transfers
+            hooks = (_same, _same)
+            if inner is not None and inner.offload_activations:
+                # activation offload: save_on_cpu(pin_memory=True)'s copies as ops (the packed
+                # tensors are host memory, each unpacked copy the device's)
+                from symcost.frontends.offload import save_on_host
+
+                hooks = save_on_host()
 
             def step():
                 # (the model's own recording context: transformers' mask decisions as the real
@@ -320,7 +346,7 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
                 # until the backward frees it, as its storage does; without them autograd keeps
                 # the output's data only and _Live would count it freed)
                 with autocast(), loss_context(), record_context(), device_kernels(spec.extra.get("torch_device")), \
-                        _sends_held(S), torch.autograd.graph.saved_tensors_hooks(_same, _same), \
+                        _sends_held(S), torch.autograd.graph.saved_tensors_hooks(*hooks), \
                         (offload_transfers() if offload else contextlib.nullcontext()):
                     first = (tokens,) if 0 in mine and not keywords else ()
                     target = {"target": tokens} if (n - 1) in mine else {}
@@ -348,10 +374,14 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
         if not dims:
             destroy_world()
     host = {}
+    if inner is not None and inner.offload_activations:
+        host["activation_offload"] = {"host": live.host_top, "d2h": live.transfers["save_d2h"],
+                                      "h2d": live.transfers["save_h2d"]}
     if offload:
         # FSDP2's CPU offload: the parameter shards and their gradients live on the host (the
         # gradient copies were left out of the live set); the device holds neither between steps
-        host = {"host": {"params": params, "grads": grads}, "transfers": live.transfers}
+        host.update({"host": {"params": params, "grads": grads},
+                     "transfers": {k: live.transfers[k] for k in ("h2d", "d2h")}})
         params = grads = 0
     kept = warm.level - grads
     return {"params": params, "buffers": buffers, "grads": grads, "kept": kept, "top": live.top,
