@@ -190,3 +190,22 @@ def test_offload_activations_under_the_layouts():
         per_mb = int(activation_bytes(an, "d2h", "forward").xreplace(an.bind(B=2, S=16, D=32, L=1)))
         a = row["activation_offload"]
         assert a["d2h"] == m * per_mb and 0 < a["host"] <= a["d2h"], (row["rank"], a, per_mb)
+
+
+def test_max_batch_at_the_boundary_against_memtracker():
+    """``max-batch --offload-activations`` solves the device's peak: with the cap halfway between
+    MemTracker's peaks of the step with save_on_cpu's hooks at B0 and B0 + 1 (random other sizes),
+    the largest B is B0."""
+    from symcost.frontends.models import resolve
+    from symcost.passes.memory import memory_model
+
+    an = _trace()
+    mm = memory_model(an, PRECISION, "adamw", impl="for-loop", device="cpu")
+    rng = random.Random(2732)
+    v = {k: x for k, x in _draw(rng).items() if k != "B"}
+    b0 = rng.randint(3, 9)
+    spec = resolve("megatron-gpt")
+    lo, hi = _fake_peak(spec, dict(v, B=b0)), _fake_peak(spec, dict(v, B=b0 + 1))
+    assert lo < hi
+    sol = mm.solve((lo + hi) // 2, "B", **v)
+    assert sol.value == b0, (v, b0, lo, hi, sol)
