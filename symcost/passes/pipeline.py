@@ -186,7 +186,9 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             data-parallel collectives are not). With ``inner.offload_activations``, per rank
             ``activation_offload`` ``{host, d2h, h2d}`` (:func:`~symcost.tracing.pipeline.rank_memory`:
             the most pinned host bytes the packed saved tensors of the micro-batches in flight
-            hold at once, and the bytes copied each way per step); the peak is the device's.
+            hold at once, and the bytes copied each way per step; with ``device``, ``seconds``
+            {forward, backward}: each over the host link, not part of ``step``); the peak is the
+            device's.
         split: the blocks of each of the PP·v stages (:func:`symcost.frontends.pipeline.parse_split`:
             None the even split, ``"torchtitan"``, or a tuple); the per-rank rows follow it.
 
@@ -331,13 +333,16 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         step = price(ans, values, blocks, order, device, pp, microbatches, devices_per_node)
         for row in ranks:
             row["busy_seconds"], row["idle_seconds"] = step["busy"][row["rank"]], step["idle"][row["rank"]]
-        if offload and any("transfer" in row for row in ranks):
+        if any("transfer" in row or "activation_offload" in row for row in ranks):
             from symcost.passes.offload import host_link
 
             _, bw = host_link(device)
             for row in ranks:
                 if "transfer" in row:
                     row["transfer_seconds"] = max(row["transfer"].values()) / bw
+                if "activation_offload" in row:  # (the packs in the forward, the unpacks in the backward)
+                    a = row["activation_offload"]
+                    a["seconds"] = {"forward": a["d2h"] / bw, "backward": a["h2d"] / bw}
     return {**({"step": step} if step else {}), "schedule": schedule, "engine": f"torch.distributed.pipelining.{SCHEDULES[schedule][0]}",
             "source": SCHEDULES[schedule][2], "pp": pp, "microbatches": microbatches, "virtual": virtual,
             "bubble": sim["bubble"], "bubble_formula": (PP - 1) / (v * m) if virtual > 1 else (PP - 1) / m,

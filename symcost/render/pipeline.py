@@ -113,7 +113,10 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
             a = row["activation_offload"]
             console.print(f"  rank {row['rank']} activation offload (save_on_cpu(pin_memory=True)): pinned host "
                           f"{_bytes(a['host'])} at most (the micro-batches in flight); copies per step D2H "
-                          f"{_bytes(a['d2h'])}, H2D {_bytes(a['h2d'])}; the peak is the device's")
+                          f"{_bytes(a['d2h'])}, H2D {_bytes(a['h2d'])}"
+                          + (f" ({_seconds(a['seconds']['forward'])} + {_seconds(a['seconds']['backward'])} over the "
+                             "host link, not in the step time)" if "seconds" in a else "")
+                          + "; the peak is the device's")
         if "host" in row:  # FSDP2's CPU offload (--offload): the model states on the host
             h, tr = row["host"], row.get("transfer")
             console.print(f"  rank {row['rank']} CPU offload (FSDP2 CPUOffloadPolicy): on the host {_bytes(h['total'])} "
