@@ -77,6 +77,8 @@ def test_ep_is_a_symbol_and_divides_only_the_experts():
     assert sympy.expand(whole - 3 * E * F * H * D * L) == 0
     assert sympy.expand(rank - whole / EP) == 0
     assert sympy.expand(an.params - an.params_shard - whole * (1 - 1 / EP)) == 0
+    # a token uses R of the E experts: found from the rank's GEMMs over its E/EP experts
+    assert sympy.expand(an.params_active - (an.params - whole + whole * R / E)) == 0
     per_layer = 4 * 4 * B * S * R * H * D + 8 * E  # fp32 token exchanges, int64 counts
     assert sympy.expand(an.comm_bytes("all_to_all") - L * per_layer * (EP - 1) / EP) == 0
 
@@ -167,7 +169,7 @@ def test_report_mixtral_8x7b_ep8_parameters_per_rank():
     """``report tests/data/configs/mixtral-8x7b.json --ep 8``: the rank's parameter elements and
     its expert parameters equal a count of Mixtral-8x7B built by transformers on the meta device,
     each stacked expert tensor ([E, ...], E = 8) cut to its 1/8 shard, the rest whole; the model's
-    46.7 B parameters; all-to-all bytes per rank by hand (fp32 token exchanges: transformers casts
+    46.7 B parameters and the 12.9 B a token uses (R = 2 of the E = 8 experts); all-to-all bytes per rank by hand (fp32 token exchanges: transformers casts
     the tokens to the experts' fp32 weights under bf16-mixed)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -180,12 +182,15 @@ def test_report_mixtral_8x7b_ep8_parameters_per_rank():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     e = cfg.num_local_experts
-    rank = experts_rank = 0
+    rank = experts_rank = active = 0
     for name, p in model.named_parameters():
         stacked = ".experts." in name + "." and p.dim() and p.shape[0] == e
         rank += p.numel() // 8 if stacked else p.numel()
         experts_rank += p.numel() // 8 if stacked else 0
+        active += p.numel() * cfg.num_experts_per_tok // e if stacked else p.numel()
     assert got["params"] == sum(p.numel() for p in model.parameters())
+    # the parameters a token uses (R of the E experts), found from the rank's E/EP-expert GEMMs
+    assert got["params_active"] == active
     assert got["parallel"]["params_rank"] == rank
     assert got["parallel"]["experts"]["params_rank"] == experts_rank > 0
     m, n_tokens, layers = cfg.hidden_size, 512, cfg.num_hidden_layers

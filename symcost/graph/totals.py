@@ -128,17 +128,26 @@ class Totals:
         ]))
 
 
-def is_e(an):
+def is_e(an, local: bool = False):
     """``is_e(size) -> bool``: whether a traced size is E: the symbol E or, where the trace pinned
-    E (a regime no other E runs), its pinned value, so that pinning E cannot hide the experts."""
+    E (a regime no other E runs), its pinned value, so that pinning E cannot hide the experts.
+    ``local``: also E/EP, the experts one expert-parallel rank holds (its ops see only those,
+    docs/parallel.md §14), and E itself where the trace tied E to EP (one expert per rank)."""
     import sympy
 
     from symcost.tracing.fit import SYMS
 
+    pinned = getattr(an, "pinned", None) or {}
     targets = {SYMS["E"]}
-    pinned = (getattr(an, "pinned", None) or {}).get("E")
-    if pinned is not None:
-        targets.add(sympy.Integer(pinned))
+    if pinned.get("E") is not None:
+        targets.add(sympy.Integer(pinned["E"]))
+    ties = {**(getattr(getattr(an, "spec", None), "tied", None) or {}), **(getattr(an, "regime_ties", None) or {})}
+    if ties.get("E") == "EP":  # (E = EP at the request: the formulas say EP)
+        targets.add(SYMS["EP"])
+    if local:
+        ep = SYMS["EP"] if "EP" in (getattr(an, "symbols", None) or {}) else pinned.get("EP")
+        if ep is not None:
+            targets |= {sympy.sympify(t) / ep for t in list(targets)}
     return lambda size: sympy.sympify(size) in targets
 
 
@@ -161,6 +170,7 @@ def is_routed(an, name: str) -> bool:
     shape = an.param_shapes[name][0]
     if not shape or not e(shape[0]):
         return False
+    e = is_e(an, local=True)  # (an expert-parallel rank's ops see its E/EP experts)
     g = an.graph
     node = f"param:{name}"
     if node not in g:
@@ -209,6 +219,9 @@ def _active_share(an):
     pinned = getattr(an, "pinned", None) or {}
     r = sympy.Integer(pinned["R"]) if "R" in pinned else SYMS["R"]
     e = sympy.Integer(pinned["E"]) if "E" in pinned else SYMS["E"]
+    ties = {**(getattr(getattr(an, "spec", None), "tied", None) or {}), **(getattr(an, "regime_ties", None) or {})}
+    if "E" not in pinned and ties.get("E") == "EP":  # (E = EP at the request of an --ep trace: E is EP)
+        e = SYMS["EP"]
     return r / e
 
 
