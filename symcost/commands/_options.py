@@ -330,6 +330,10 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
              if v is not None}
     if meta.get("symcost.cp_rotate") is not None and meta.get("symcost.cp") is None:
         raise SymcostError("--cp-rotate needs --cp N (the context-parallel size)")
+    if meta.get("symcost.cp") is not None and dp is not None and command == "time":
+        raise SymcostError("time --dp with --cp: the data-parallel run's step time (its collectives over links) "
+                           "leaves out the ring's exchange, not modelled yet; time --cp alone prices the rank's "
+                           "FLOPs at --mfu (docs/parallel.md §15)")
     if meta.get("symcost.cp") is not None and meta.get("symcost.gpu"):
         raise SymcostError("--gpu with --cp: the step time of a context-parallel rank (the ring's exchange and "
                            "its overlap with the attention) is not modelled yet (docs/parallel.md §15)")
