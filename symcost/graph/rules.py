@@ -493,6 +493,10 @@ COMM_OPS: dict[str, tuple[str, tuple]] = {
     "c10d.allreduce_": ("all_reduce", ("in", "all")),  # ([tensors], group, op, ...)
     "_c10d_functional.all_reduce": ("all_reduce", ("in", 0)),
     "c10d.broadcast_": ("broadcast", ("in", "all")),
+    # expert parallelism's token dispatch and combine (symcost.frontends.expert_parallel): the
+    # size is the input the rank splits over the group (equal splits: the routing model's)
+    "_c10d_functional.all_to_all_single": ("all_to_all", ("in", 0)),  # (input, out_splits, in_splits, group)
+    "c10d.alltoall_base_": ("all_to_all", ("in", 1)),  # (output, input, group, out_splits, in_splits, ...)
     "_c10d_functional.wait_tensor": ("wait", None),
     # point-to-point (pipeline stages, symcost.frontends.pipeline): (tensors, group, peer, tag)
     "c10d.send": ("send", ("in", "all")),
@@ -506,6 +510,9 @@ RING_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "broadcast": lambda n: 1,
+    # all-to-all with equal splits: a rank keeps 1/n of its input and sends the rest, receiving as
+    # much (nccl-tests doc/PERFORMANCE.md: alltoall bus bandwidth = algbw·(n-1)/n)
+    "all_to_all": lambda n: (n - 1) / n,
     "wait": lambda n: 0,
     "send": lambda n: 1,  # point-to-point: the tensor once, whatever the group
     "recv": lambda n: 1,
