@@ -144,13 +144,14 @@ def _in_registers(gm) -> set:
 
 def _graph_runner(gm, example_inputs):
     """An AOTAutograd compiler (``fw_compiler``/``bw_compiler``) that runs the partitioned graph
-    ``gm`` as it is (boxed calling convention, as ``torch._dynamo.backends.debugging.boxed_nop``),
-    inside the user dispatch modes :func:`_user_modes_suspended` took off around the compiled
-    call: the forward graph runs while they are suspended, the backward graph (called by the
-    autograd engine) where the modes are active already, and is run as it is."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
+    ``gm`` op by op (``torch.fx.Interpreter.boxed_run``: the boxed calling convention of
+    ``torch._dynamo.backends.debugging.boxed_nop``, each value freed at its last use), inside the
+    user dispatch modes :func:`_user_modes_suspended` took off around the compiled call (the
+    forward graph; the backward graph, called by the autograd engine, runs where the modes are
+    active already). The outputs a fused kernel keeps in registers (:func:`_in_registers`) are
+    dropped from the memory schedule of a mode that has ``drop`` (symcost's recorder)."""
     import torch
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     in_registers = _in_registers(gm)
 
