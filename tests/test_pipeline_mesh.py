@@ -32,12 +32,14 @@ def _draw(seed) -> dict:
             "L": rng.randint(PP, PP + 2), "V": 16 * rng.randint(2, 5), "F": 8 * rng.randint(2, 5)}
 
 
-def _gloo(tmp_path, v: dict, dp: int, tp: int, shard: str, sp: bool, ac: str, offload: bool = False) -> list[dict]:
+def _gloo(tmp_path, v: dict, dp: int, tp: int, shard: str, sp: bool, ac: str, offload: bool = False,
+          offload_activations: bool = False) -> list[dict]:
     script = os.path.join(os.path.dirname(__file__), "data", "pp_mesh_rank.py")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                OMP_NUM_THREADS="1")
     n = PP * dp * tp
-    args = [str(x) for x in (PP, dp, tp, shard, int(sp), ac, M, *(v[k] for k in "BSHDLVF"))] + (["offload"] if offload else [])
+    args = [str(x) for x in (PP, dp, tp, shard, int(sp), ac, M, *(v[k] for k in "BSHDLVF"))] + (["offload"] if offload else []) \
+        + (["offload_activations"] if offload_activations else [])
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                         script, str(tmp_path), *args], env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines() if "rror" in line)[-4000:]

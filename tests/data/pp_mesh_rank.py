@@ -1,6 +1,6 @@
 """One rank of a real pipeline step composed with data and tensor parallelism on CPU (gloo), for
 tests/test_pipeline_mesh.py:
-``torchrun --standalone --nproc-per-node PP*DP*TP pp_mesh_rank.py OUT PP DP TP SHARD SP AC M B S H D L V F [offload]``.
+``torchrun --standalone --nproc-per-node PP*DP*TP pp_mesh_rank.py OUT PP DP TP SHARD SP AC M B S H D L V F [offload] [offload_activations]``.
 
 The ranks form torchtitan's mesh ``init_device_mesh("cpu", (PP, DP, TP), ("pp", "dp_shard" |
 "dp_replicate", "tp"))`` (dimensions of size 1 left out). Each rank builds the whole
@@ -37,6 +37,14 @@ given to the tracker before the measured step and stay the same through it, so t
 is the tracker's peak minus them. Also written: the bytes copied each way per step, counted as
 what the copies feed (tests/data/offload_rank.py ``transfer_counts``): the DP all-gathers' inputs
 (H2D) and the DP reduce-scatters' outputs (D2H).
+
+With ``offload_activations`` the schedule's steps run under the hooks of
+``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (torch/autograd/graph.py), as an
+accelerator rank runs them: ``pack_to_cpu``'s new host tensor of the saved tensor's size and its
+copy, made out of the tracker's sight (the dispatch modes off: host memory), and
+``unpack_from_cpu``'s ``tensor.to(device)``, here a ``clone`` the tracker sees (the device copy;
+on this CPU ``.to`` of a tensor already there would return it). Written: the bytes packed and
+unpacked in the measured step and the most bytes the packed tensors held at once (``host``).
 """
 import json
 import os
@@ -64,7 +72,8 @@ out_dir = sys.argv[1]
 PP, DP, TP = (int(x) for x in sys.argv[2:5])
 shard, sp, ac = sys.argv[5], sys.argv[6] == "1", sys.argv[7]
 M, B, S, H, D, L, V, Fd = (int(x) for x in sys.argv[8:16])
-offload = sys.argv[16:17] == ["offload"]
+offload = "offload" in sys.argv[16:]
+offload_activations = "offload_activations" in sys.argv[16:]
 dist.init_process_group("gloo")
 shard = None if shard == "none" else shard
 layout = Layout(shard=shard, tp=TP > 1, sp=sp, ac=None if ac == "none" else ac, offload=offload)
@@ -105,10 +114,42 @@ if offload:
     calls = _copies.enter_context(accelerator_copies(host_buffers))
 
 
+act = {"d2h": 0, "h2d": 0, "level": 0, "host": 0}
+
+
+def _host_free(n):
+    act["level"] -= n
+
+
+def pack_to_cpu(t):  # save_on_cpu(pin_memory=True)'s, its host tensor out of the tracker's sight
+    import weakref
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        packed = torch.empty(t.size(), dtype=t.dtype, layout=t.layout)
+        packed.copy_(t)
+    n = packed.numel() * packed.element_size()
+    act["d2h"] += n
+    act["level"] += n
+    act["host"] = max(act["host"], act["level"])
+    weakref.finalize(packed, _host_free, n)
+    return t.device, packed
+
+
+def unpack_from_cpu(packed):  # ``tensor.to(device)``: on an accelerator a new device tensor
+    out = packed[1].clone()
+    act["h2d"] += out.numel() * out.element_size()
+    return out
+
+
 def step():
+    import contextlib
+
     if offload:
         calls[0] = 0  # (the host buffers in call order, reused each step)
-    with loss_context():
+    with loss_context(), (torch.autograd.graph.saved_tensors_hooks(pack_to_cpu, unpack_from_cpu)
+                          if offload_activations else contextlib.nullcontext()):
         if pp_rank == 0:
             sched.step(tokens, return_outputs=False)
         elif pp_rank == PP - 1:
@@ -192,7 +233,9 @@ if offload:
 with tracker:
     step()  # warm-up: the engine's buffers, the gradients
     tracker._peak_mem = {d: snap["Total"] for d, snap in tracker.get_tracker_snapshot().items()}
+    act.update(d2h=0, h2d=0, host=act["level"])
     step()
+act_step = {k: act[k] for k in ("host", "d2h", "h2d")}
 peak = tracker._peak_mem[cpu] - (host if offload else 0)
 grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
 with Count():
@@ -203,7 +246,8 @@ with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
                "params": sum(nbytes(p) for p in model.parameters()),
                "buffers": sum(nbytes(b) for b in model.buffers()),
                "comm": {g: {k: str(v) for k, v in d.items()} for g, d in comm.items()},
-               **({"transfers": transfers, "host_buffers": sum(nbytes(t) for t in host_buffers)} if offload else {})},
+               **({"transfers": transfers, "host_buffers": sum(nbytes(t) for t in host_buffers)} if offload else {}),
+               **({"activation_offload": act_step} if offload_activations else {})},
               f)
 from gloo_teardown import finish  # (tests/data: on the path)
 finish()  # gloo barrier, then every rank past it, then teardown (gloo_teardown.py)
