@@ -485,6 +485,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     moduli = {s: m for s, m in spec.moduli.items() if s in base_syms}
     # equal pairs: tied while a probe that breaks the equality runs other ops
     ties: dict[str, str] = {}
+    lent: dict[str, int | None] = {}  # leader -> its own modulus, where a follower's was lent to it
     for a, b in facts["equal"]:
         if b in MESH and a not in MESH:
             # a mesh size leads (K = TP: one KV head per rank): the ring has 1/TP, not 1/K, so a
@@ -492,9 +493,10 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
             a, b = b, a
         if a in base_syms and b in base_syms and b not in ties and a not in ties and b not in ties.values():
             ties[b] = a
-            if b in moduli and moduli.get(a, 1) % moduli[b]:
+            if b in moduli and a not in fixed and moduli.get(a, 1) % moduli[b]:
                 # the follower takes the leader's values: the leader keeps the follower's residue
-                # too (E = H = 8 under --ep: E stays a multiple of 8, which EP must divide)
+                # too while tied (E = H = 8 under --ep: E stays a multiple of 8, which EP must divide)
+                lent.setdefault(a, moduli.get(a))
                 moduli[a] = math.lcm(moduli.get(a, 1), moduli[b])
     syms = tuple(s for s in base_syms if s not in ties)
     base = find_base(syms, spec.probe_ok, seed, fixed, accept=accept, request=request, ties=ties, moduli=moduli)
@@ -511,6 +513,12 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         if valid and accept(valid[0]):
             del ties[follower]
             base = valid[0]  # the untied pair keeps distinct values in the base probe
+    for leader, own in lent.items():  # a tie broken: the leader's own residue class again (or none)
+        if leader not in ties.values():
+            if own is None:
+                moduli.pop(leader, None)
+            else:
+                moduli[leader] = own
     syms = tuple(s for s in base_syms if s not in ties)
     plan = plan_probes(syms, spec.probe_ok, n_random=n_random, seed=seed, fixed=fixed, accept=accept,
                        request=request, ties=ties, moduli=moduli, base=base)
