@@ -242,6 +242,12 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
                if layout_of(an).offload else "")
         c.print(f"  per rank: one of DP = {sol.sizes.get('DP')} ranks, --shard {an.parallel}{off} ({v} is the rank's; "
                 "the peak is the rank's, docs/parallel.md)")
+    from symcost.frontends.layout import layout_of
+
+    if layout_of(an).offload_activations:
+        c.print("  --offload-activations: every saved tensor in pinned host memory between forward and backward "
+                "(save_on_cpu(pin_memory=True)); the peak is the device's, with each copy back while its backward "
+                "node runs (docs/memory.md)")
     c.print(f"  sizes: {_sizes_line(sol.sizes, given)}")
     c.print(f"  memory cap: {human(sol.cap, 'B')} ({sol.cap:,} bytes)")
     if sol.bound is not None:
