@@ -423,7 +423,8 @@ class Layout:
         """
         if (self.shard is not None or self.pipeline is not None or self.ac or self.sp
                 or self.fp8 or self.compile or self.offload_activations) and spec.step != "train":
-            raise SymcostError(f"--dp/--pp/--sp/--ac/--fp8/--compile trace a training step, not an inference step "
+            raise SymcostError(f"--dp/--pp/--sp/--ac/--fp8/--compile/--offload-activations trace a training step, "
+                               "not an inference step "
                                f"({spec.step}); an inference step takes --tp alone")
         if self.compile:
             from symcost.frontends.compile import compile_spec
