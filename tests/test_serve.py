@@ -388,7 +388,7 @@ def test_serve_tp_says_what_the_plan_leaves_whole(capsys):
            "moe_intermediate_size": inter, "intermediate_size": 2 * inter, "num_experts": E,
            "num_experts_per_tok": R, "vocab_size": 128}
     code, out, err = run_cli(capsys, "serve", "hf:qwen3_moe", "--config", *[f"{k}={v}" for k, v in cfg.items()],
-                             "--context", "24", "--tp", "2", "--device", "h100", "--memory", "8MiB", "--json")
+                             "--context", "24", "--tp", "2", "--device", "h100", "--memory", "8MiB", "--no-prefill", "--json")
     assert code == 0, err
     whole = {g["module"]: g for g in json.loads(out)["tp"]["replicated"]}
     with torch.device("meta"):
@@ -400,6 +400,6 @@ def test_serve_tp_says_what_the_plan_leaves_whole(capsys):
         assert g["elements"] == n and g["share"] == pytest.approx(n / total), (part, g, n, total)
     code, out, err = run_cli(capsys, "serve", "hf:llama", "--config", "num_hidden_layers=2", "hidden_size=32",
                              "num_attention_heads=4", "num_key_value_heads=2", "intermediate_size=32",
-                             "vocab_size=128", "--context", "16", "--tp", "2", "--device", "h100", "--json")
+                             "vocab_size=128", "--context", "16", "--tp", "2", "--device", "h100", "--no-prefill", "--json")
     assert code == 0, err
     assert not [g for g in json.loads(out)["tp"]["replicated"] if "layers" in g["module"]]
