@@ -18,7 +18,7 @@ from symcost._lazy import LazyModule
 from symcost.errors import SymcostError
 from symcost.frontends.layout import layout_of
 from symcost.frontends.spec import ModelSpec
-from symcost.tracing.fit import FIT_L, SYMS
+from symcost.tracing.fit import FIT_L, SYMS, Unvariable
 from symcost.tracing.modules import _fold_name, _layer_of, _rename_block
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -108,6 +108,8 @@ def _layer_roles(spec: ModelSpec, ref: Recording, container: str | None, precisi
     if container is not None:
         s2 = seqs(ref)
         if len(s2) >= 2 and s2[0] != s2[1]:
+            from symcost.tracing.record import record  # (imports torch: on first use)
+
             s3 = seqs(record(spec, dict(ref.values, L=FIT_L + 1), precision))
             if s3[1] == s3[2] and s3[0] != s3[1]:
                 generic, special = 1, 0
