@@ -139,6 +139,21 @@ def test_compiled_saved_bytes_and_flops(model, config, seed):
     assert flops == compiled_model_flops(an.spec, sizes), f"{model} at {sizes}"
 
 
+def test_compiled_matmul_params_under_autocast():
+    """P of 6·N·P under --compile with autocast (bf16-mixed, the CLI's default) == a meta-device
+    count of the parameters the matmuls use (every nn.Linear weight). AOTAutograd's decomposed
+    graphs cast each weight with ``prims.convert_element_type`` (not ``aten._to_copy``): the walk
+    from a parameter to its matmul must follow it, or P holds the lm_head alone."""
+    sizes = _draw(random.Random(31), ["B", "S", "H", "D", "L", "V"])
+    an = symcost.trace("megatron-gpt", sizes=sizes, precision="bf16-mixed", use_cache=False,
+                       layout=Layout(compile=True), torch_device="cpu")
+    model = symcost.resolve("megatron-gpt").build_meta(an.spec.values(sizes))
+    want = sum({id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}.values())
+    assert an.subs(**sizes)["params_matmul"] == want, f"at {sizes}"
+    P, _, _ = an.train_simplified()
+    assert P.subs({symcost.SYMS[k]: v for k, v in sizes.items()}) == want, f"at {sizes}"
+
+
 def test_compile_refusals():
     """What a compiled step is not modelled with yet is one line."""
     spec = symcost.resolve("megatron-gpt")

@@ -8,7 +8,10 @@ from __future__ import annotations
 import math
 
 #: Ops through which a parameter stays "the same weight" (dtype casts by autocast, copies).
-PASS_THROUGH = {"aten._to_copy", "aten.clone", "aten.contiguous", "aten.expand", "aten._unsafe_view"}
+#: ``prims.convert_element_type`` is autocast's cast after AOTAutograd's decomposition (``--compile``:
+#: the partitioned graphs cast each weight to bf16 with it, not with ``aten._to_copy``).
+PASS_THROUGH = {"aten._to_copy", "prims.convert_element_type", "aten.clone", "aten.contiguous", "aten.expand",
+                "aten._unsafe_view"}
 
 #: Row-normalising ops: each output row needs a reduction over its input row first (max and sum
 #: of exps; mean and variance), so a kernel runs them in dependent passes over a row — read and
