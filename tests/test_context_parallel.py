@@ -223,3 +223,30 @@ def test_cp_refusals():
         Layout(cp=True, cp_rotate="ring")
     with pytest.raises(SymcostError, match="does not call F.scaled_dot_product_attention"):
         symcost.trace("cs336-lm", layout=Layout(cp=True), sizes={"B": 1, "S": 16, "CP": 2, "L": 2}, use_cache=False)
+
+
+def test_report_6np_counts_the_ranks_tokens(capsys):
+    """report --cp: 6·N·P counts the rank's B·S/CP tokens (as ``time --cp``), P a meta-device count
+    of the parameters the matmuls use (every nn.Linear weight, a tied one once); the remainder is
+    the rank's model FLOPs (FlopCounterMode's in test_cp_rank_matches_pytorch_at_random_sizes)
+    less that, in the text, the JSON and the formula."""
+    import torch
+
+    from symcost.render.report import human, render, to_json
+
+    an = _trace(V)
+    spec, values = spec_and_values(V)
+    model = spec.build_meta(values)
+    P = sum({id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}.values())
+    sizes = {"B": V["B"], "S": V["S"], "CP": 2}
+    env = an.bind(**{k: x for k, x in dict(V, CP=2).items() if k in an.symbols})
+    total = int(an.flops("train").subs(env))
+    sixnp = 6 * (V["B"] * V["S"] // 2) * P
+    js = to_json(an, sizes)
+    assert js["params_matmul"] == P
+    assert js["flops"]["remainder"] == total - sixnp, (V, js["flops"]["remainder"], total - sixnp)
+    assert symcost.parse_formula(an.train_simplified_str()).subs(env) == total
+    render(an, sizes, table=False, width=250)
+    out = capsys.readouterr().out
+    assert f"6·N·P = {human(sixnp, 'FLOP')}, remainder = {human(total - sixnp, 'FLOP')}" in out, out
+    assert "N = B·S/CP" in out

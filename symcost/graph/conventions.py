@@ -235,6 +235,9 @@ class Conventions:
         tp = self.tp_share()
         if tp != 1:
             head += f"/{tp}"
+        cp = self.cp_share()
+        if cp != 1:
+            head += f"/{cp}"
         if rem == 0:
             return head
         text = str(rem)
@@ -249,18 +252,30 @@ class Conventions:
             return sympy.Integer(1)
         return sympy.Integer(self.pinned["TP"]) if "TP" in self.pinned else SYMS["TP"]
 
+    def cp_share(self):
+        """The context-parallel size a rank's tokens are divided by: ``CP`` (the symbol, or its
+        pinned value) for a ``--cp`` trace, else 1. A context-parallel rank's step holds S/CP of
+        each sequence's tokens (:mod:`symcost.frontends.context_parallel`), so its N of 6·N·P is
+        B·S/CP, as ``time --cp`` counts (:func:`symcost.passes.roofline.tokens_compute`)."""
+        from symcost.frontends.layout import layout_of
+
+        if not layout_of(self).cp:
+            return sympy.Integer(1)
+        return sympy.Integer(self.pinned["CP"]) if "CP" in self.pinned else SYMS["CP"]
+
     def train_simplified(self) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
         """``(P, remainder, unevaluated 6*B*S*P + remainder)`` with remainder exact.
 
         P is ``params_active_matmul``: for a mixture of experts the parameters one token uses
         (R of E experts), else ``params_matmul``. One rank of tensor parallelism (``--tp``) runs
         1/TP of the split matmuls: its form is 6·B·S·P/TP + remainder (:meth:`tp_share`), P the
-        whole model's."""
+        whole model's. One rank of context parallelism (``--cp``) runs B·S/CP tokens: its form is
+        6·B·S·P/CP + remainder (:meth:`cp_share`)."""
         P = self.params_active_matmul
         B, S = (sympy.Integer(self.pinned[n]) if n in self.pinned else SYMS[n] for n in ("B", "S"))
-        tp = self.tp_share()
-        rem = sympy.expand(self.flops("train") - 6 * B * S * P / tp)
-        factors = [f for f in (sympy.Integer(6), B, S, sympy.factor_terms(P), 1 / tp) if f != 1]
+        tp, cp = self.tp_share(), self.cp_share()
+        rem = sympy.expand(self.flops("train") - 6 * B * S * P / (tp * cp))
+        factors = [f for f in (sympy.Integer(6), B, S, sympy.factor_terms(P), 1 / tp, 1 / cp) if f != 1]
         form = sympy.Add(sympy.Mul(*factors, evaluate=False),
                          sympy.factor_terms(rem), evaluate=False)
         return P, rem, form

@@ -298,10 +298,13 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     c.print(tt)
 
     P, rem, form = an.train_simplified()
-    tp = an.tp_share()
+    tp, cp = an.tp_share(), an.cp_share()
     if tp != 1:
         c.print(f"[bold]Training model FLOPs of one rank = 6·N·P/TP + remainder[/bold]   ({n_per_step(an)}; "
                 "P: the whole model's, each of the TP ranks runs 1/TP of the split matmuls)")
+    elif cp != 1:
+        c.print(f"[bold]Training model FLOPs of one rank = 6·N·P + remainder[/bold]   (N = B·S/CP: the rank's "
+                "tokens, S/CP of each sequence)")
     else:
         c.print(f"[bold]Training model FLOPs = 6·N·P + remainder[/bold]   ({n_per_step(an)})")
     c.print(f"  P (parameters used as matmul operands) = {fmt(P)}")
@@ -322,7 +325,7 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     c.print(f"  flops.train = {an.train_simplified_str()}")
     attn = an.attention_flops
     if env:
-        N = _value(SYMS["B"] * SYMS["S"], {**env, **{SYMS[k]: v for k, v in an.pinned.items()}})
+        N = _value(SYMS["B"] * SYMS["S"] / cp, {**env, **{SYMS[k]: v for k, v in an.pinned.items()}})
         total = _value(an.flops("train"), env)
         sixnp = 6 * N * _value(P, env) / (_value(tp, {**env, **{SYMS[k]: v for k, v in an.pinned.items()}}) if tp != 1 else 1)
         fwd, bwd = _value(an.flops("forward"), env), _value(an.flops("backward"), env)
