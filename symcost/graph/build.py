@@ -333,9 +333,10 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
             a, b = b, a
         if a in base_syms and b in base_syms and b not in ties and a not in ties and b not in ties.values():
             ties[b] = a
-            if b in moduli and a not in fixed and moduli.get(a, 1) % moduli[b]:
+            if b in moduli and a not in fixed and a not in MESH and moduli.get(a, 1) % moduli[b]:
                 # the follower takes the leader's values: the leader keeps the follower's residue
-                # too while tied (E = H = 8 under --ep: E stays a multiple of 8, which EP must divide)
+                # too while tied (E = H = 8 under --ep: E stays a multiple of 8, which EP must divide);
+                # never a mesh size's (K = TP: TP in multiples of 8 leaves the DP x TP probes no room)
                 lent.setdefault(a, moduli.get(a))
                 moduli[a] = math.lcm(moduli.get(a, 1), moduli[b])
     syms = tuple(s for s in base_syms if s not in ties)
