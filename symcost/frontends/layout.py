@@ -175,9 +175,19 @@ class Layout:
         object.__setattr__(self, "compile", bool(self.compile))
         object.__setattr__(self, "ep", bool(self.ep))
         object.__setattr__(self, "offload_activations", bool(self.offload_activations))
-        if self.ep and (self.shard is not None or self.tp or self.pipeline is not None or self.fp8 is not None):
-            raise SymcostError("--ep with --dp/--tp/--pp/--fp8: expert parallelism is modelled alone for now "
-                               "(docs/parallel.md §14); give --ep N without them")
+        if self.ep and (self.shard is not None or self.tp or self.pipeline is not None or self.fp8 is not None
+                        or self.cp or self.compile):
+            raise SymcostError("--ep with --dp/--tp/--pp/--cp/--fp8/--compile: expert parallelism is modelled alone "
+                               "for now (docs/parallel.md §14); give --ep N without them")
+        if self.compile:
+            others = [flag for flag, on in (("--tp", self.tp), ("--pp", self.pipeline is not None),
+                                            ("--cp", self.cp), ("--ac", self.ac is not None),
+                                            ("--fp8", self.fp8 is not None), ("--offload", self.offload),
+                                            ("--offload-activations", self.offload_activations)) if on]
+            if others:  # (the pipeline's stage traces never reach frontends.compile's own check)
+                raise SymcostError(f"--compile with {' '.join(others)} is not modelled yet: a compiled step is "
+                                   "modelled on one device and with --dp N --shard ddp|fsdp|zero1|zero2|zero3 "
+                                   "(docs/memory.md)")
 
         object.__setattr__(self, "cp", bool(self.cp))
         if self.cp:
