@@ -50,8 +50,6 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
     t1 = time.perf_counter()
     from symcost.render import report as rep
 
-    from symcost.passes.tensor_parallel import is_tensor_parallel
-
     ctx = click.get_current_context()
     if an.parallel is not None:  # one rank: the header's optimizer and cap, the layout line's --shard default
         from symcost.frontends.layout import layout_of
@@ -67,36 +65,18 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
             pk["fits"] = None if value is None else value <= cap
             return value
 
-    if is_tensor_parallel(an):  # --tp [--sp]: per-rank collectives and memory (docs/parallel.md)
-        from symcost.passes.tensor_parallel import summary as tp_summary
-        from symcost.render import tensor_parallel as rtp
-
-        par = tp_summary(an, precision, optimizer, sizes if sizes else None, device=device)
+    section = _rank_section(an)
+    if section is not None:  # --tp [--sp] or --ep: the rank's collectives, parameters and memory
+        summarise, text = section
+        par = summarise(an, precision, optimizer, sizes if sizes else None, device=device)
         res = rep.to_json(an, sizes if sizes else None)
-        res.update(rtp.to_json(an, sizes if sizes else None, par))
+        res.update(text.to_json(an, sizes if sizes else None, par))
         peak = with_cap(res)
         if as_json:
             click.echo(json.dumps(_activations(an, sizes, res), indent=1))
         else:
             rep.render(an, sizes, assumed=assumed, layout_words=words)
-            rtp.render(an, sizes, par)
-            _activations(an, sizes)
-            _flag(rep.over_cap(peak, cap, "the rank"))
-            _flag(_seconds(t0, t1))
-        return
-    if an.parallel == "ep":  # --ep: per-rank all-to-all bytes, experts and memory (docs/parallel.md §14)
-        from symcost.passes.expert_parallel import summary as ep_summary
-        from symcost.render import expert_parallel as rep_ep
-
-        par = ep_summary(an, precision, optimizer, sizes if sizes else None, device=device)
-        res = rep.to_json(an, sizes if sizes else None)
-        res.update(rep_ep.to_json(an, sizes if sizes else None, par))
-        peak = with_cap(res)
-        if as_json:
-            click.echo(json.dumps(_activations(an, sizes, res), indent=1))
-        else:
-            rep.render(an, sizes, assumed=assumed, layout_words=words)
-            rep_ep.render(an, sizes, par)
+            text.render(an, sizes, par)
             _activations(an, sizes)
             _flag(rep.over_cap(peak, cap, "the rank"))
             _flag(_seconds(t0, t1))
@@ -157,6 +137,25 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
         _activations(an, sizes)
         if cp is not None:
             rcp.render(cp)
+
+
+def _rank_section(an):
+    """The per-rank pass and its renderer of a ``--tp [--sp]`` trace (docs/parallel.md §11:
+    :mod:`symcost.passes.tensor_parallel`) or an ``--ep`` trace (§14:
+    :mod:`symcost.passes.expert_parallel`), as ``(summary, render module)``; None for other traces."""
+    from symcost.passes.tensor_parallel import is_tensor_parallel
+
+    if is_tensor_parallel(an):
+        from symcost.passes.tensor_parallel import summary
+        from symcost.render import tensor_parallel as text
+
+        return summary, text
+    if an.parallel == "ep":
+        from symcost.passes.expert_parallel import summary
+        from symcost.render import expert_parallel as text
+
+        return summary, text
+    return None
 
 
 def _activations(an, sizes, res: dict | None = None):
