@@ -17,7 +17,6 @@ from typing import Any, Mapping
 import sympy
 
 from symcost.errors import SymcostError
-from symcost.graph.ops import COMM_KINDS
 
 
 def is_expert_parallel(an) -> bool:
@@ -60,27 +59,17 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
     Raises:
         SymcostError: ``an`` is no expert-parallel trace.
     """
-    from symcost.passes.parallel import model_state_bytes, rank_peak
+    from symcost.passes.parallel import rank_parts
 
     if not is_expert_parallel(an):
         raise SymcostError("this trace is not expert-parallel; trace with --ep N")
-    comm = {k: an.comm_bytes(k) for k in COMM_KINDS if k != "broadcast"}
-    comm["total"] = an.comm_bytes("total")
-    mem = model_state_bytes(an.params_shard, 1, "ddp", precision or an.precision, optimizer)
-    mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
     whole, local = expert_params(an)
-    out = {"comm": comm, "memory": mem, "params_rank": an.params_shard,
+    out = {**rank_parts(an, "EP", precision, optimizer, sizes, impl, device), "params_rank": an.params_shard,
            "experts": {"params": whole, "params_rank": local},
-           "peak": rank_peak(an, precision, optimizer, sizes, impl, device),
            "engine": "experts as Shard(0) DTensors over the ep mesh, tokens dispatched and combined by "
                      "all_to_all_single (torchtitan's AllToAllTokenDispatcher; symcost.frontends.expert_parallel)"}
     if sizes is not None:
         env = an.bind(**sizes)
-        out["values"] = {
-            "comm": {k: sympy.sympify(v).xreplace(env) for k, v in comm.items()},
-            "memory": {k: sympy.sympify(v).xreplace(env) for k, v in mem.items()},
-            "experts": {k: sympy.sympify(v).xreplace(env) for k, v in out["experts"].items()},
-            "params_rank": sympy.sympify(an.params_shard).xreplace(env),
-            "ep": env.get(sympy.Symbol("EP", positive=True, integer=True), an.pinned.get("EP")),
-        }
+        out["values"]["experts"] = {k: sympy.sympify(v).xreplace(env) for k, v in out["experts"].items()}
+        out["values"]["params_rank"] = sympy.sympify(an.params_shard).xreplace(env)
     return out

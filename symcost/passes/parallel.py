@@ -143,6 +143,33 @@ def rank_peak(an, precision: str | None = None, optimizer: str = "adamw", sizes:
             "parts": {k: v for k, v in parts.items() if k not in ("peak", "where")}}
 
 
+def rank_parts(an, dim: str, precision: str | None = None, optimizer: str = "adamw",
+               sizes: Mapping[str, int] | None = None, impl: str = "default", device: str = "cuda") -> dict[str, Any]:
+    """What every one-rank summary of a model-parallel trace shares (``--tp``:
+    :func:`symcost.passes.tensor_parallel.summary`; ``--ep``:
+    :func:`symcost.passes.expert_parallel.summary`): ``comm`` (bytes one rank sends per step by
+    collective kind and ``total``, from the traced collectives), ``memory`` (model states of the
+    rank's parameter elements, :func:`model_state_bytes` with nothing sharded over DP, and
+    ``activations``: bytes autograd saves on the rank), ``peak`` (:func:`rank_peak`); with
+    ``sizes`` also ``values`` (``comm`` and ``memory`` as numbers, and the mesh size ``dim``
+    under its lower-case name, e.g. ``tp``)."""
+    from symcost.graph.ops import COMM_KINDS
+
+    comm = {k: an.comm_bytes(k) for k in COMM_KINDS if k != "broadcast"}
+    comm["total"] = an.comm_bytes("total")
+    mem = model_state_bytes(an.params_shard, 1, "ddp", precision or an.precision, optimizer)
+    mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
+    out = {"comm": comm, "memory": mem, "peak": rank_peak(an, precision, optimizer, sizes, impl, device)}
+    if sizes is not None:
+        env = an.bind(**sizes)
+        out["values"] = {
+            "comm": {k: sympy.sympify(v).xreplace(env) for k, v in comm.items()},
+            "memory": {k: sympy.sympify(v).xreplace(env) for k, v in mem.items()},
+            dim.lower(): env.get(sympy.Symbol(dim, positive=True, integer=True), an.pinned.get(dim)),
+        }
+    return out
+
+
 def summary(an, precision: str | None = None, optimizer: str = "adamw",
             sizes: Mapping[str, int] | None = None, impl: str = "default", device: str = "cuda") -> dict[str, Any]:
     """One rank of a data-parallel trace (``symcost.trace(..., shard=...)``): formulas in the

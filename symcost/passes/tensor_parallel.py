@@ -17,8 +17,6 @@ from typing import Any, Mapping
 import sympy
 
 from symcost.errors import SymcostError
-from symcost.graph.ops import COMM_KINDS
-from symcost.passes.parallel import model_state_bytes
 
 
 def is_tensor_parallel(an) -> bool:
@@ -50,27 +48,15 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
     """
     if not is_tensor_parallel(an):
         raise SymcostError("this trace is not tensor-parallel; trace with --tp N")
-    comm = {k: an.comm_bytes(k) for k in COMM_KINDS if k != "broadcast"}
-    comm["total"] = an.comm_bytes("total")
-    mem = model_state_bytes(an.params_shard, 1, "ddp", precision or an.precision, optimizer)
-    mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
-    from symcost.passes.parallel import rank_peak
+    from symcost.passes.parallel import rank_parts
 
     # a transformers model whose config has a plan runs transformers' plan (frontends.tensor_parallel.apply)
     which = "transformers' tp_plan: the config's base_model_tp_plan with its embedding and head rules" \
         if config_tp_plan(an) else "Megatron plan"
-    out = {"sp": an.parallel == "tp+sp", "comm": comm, "memory": mem,
-           "peak": rank_peak(an, precision, optimizer, sizes, impl, device),
+    out = {"sp": an.parallel == "tp+sp", **rank_parts(an, "TP", precision, optimizer, sizes, impl, device),
            "engine": f"torch.distributed.tensor.parallel.parallelize_module ({which}"
                      + (", SequenceParallel norms)" if an.parallel == "tp+sp" else ")")}
     out["replicated"] = replicated(an)
-    if sizes is not None:
-        env = an.bind(**sizes)
-        out["values"] = {
-            "comm": {k: sympy.sympify(v).xreplace(env) for k, v in comm.items()},
-            "memory": {k: sympy.sympify(v).xreplace(env) for k, v in mem.items()},
-            "tp": env.get(sympy.Symbol("TP", positive=True, integer=True), an.pinned.get("TP")),
-        }
     return out
 
 
