@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "checkpoint": "symcost.commands.checkpoint:checkpoint",
     "serve": "symcost.commands.serve:serve",
     "plan": "symcost.commands.plan:plan",
+    "explore": "symcost.commands.explore:explore",
 }
 
 
