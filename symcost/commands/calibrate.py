@@ -11,9 +11,15 @@ import click
 @click.option("--out", default=None, metavar="FILE", help="write the entry as a --devices-file (JSON)")
 @click.option("--name", default="this-machine", show_default=True, help="the entry's key (--device NAME)")
 @click.option("--quick", is_flag=True, help="smaller kernels (seconds, less accurate)")
+@click.option("--efficiency/--no-efficiency", default=True, show_default=True,
+              help="also measure the performance model's parameters (eager GEMM sweep, bandwidth, launch "
+                   "overhead, AdamW step; docs/performance-model.md) into the entry's efficiency table")
+@click.option("--threads", default=None, type=click.IntRange(min=1), metavar="N",
+              help="torch threads to measure with (torch.set_num_threads; default: torch's); validate --steps "
+                   "runs the steps with the same number")
 @click.option("--json", "as_json", is_flag=True, help="print the entry as JSON")
 @click.option("--debug", is_flag=True, help="show tracebacks")
-def calibrate(device, out, name, quick, as_json, debug):
+def calibrate(device, out, name, quick, efficiency, threads, as_json, debug):
     """Measure peak matmul FLOP/s (large square matmuls) and memory bandwidth (large copies,
     element-wise ops and a reduction), each compiled with torch.compile and timed with
     torch.utils.benchmark; print them and optionally write a device entry the other commands
@@ -25,7 +31,11 @@ def calibrate(device, out, name, quick, as_json, debug):
     from symcost.render.report import console
 
     log = (lambda s: None) if as_json else (lambda s: console().print("  " + s))
-    entry = cal.calibrate(device, quick=quick, log=log)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    entry = cal.calibrate(device, quick=quick, log=log, efficiency=efficiency)
     if out:
         write_file({name: entry}, out)
     if as_json:

@@ -59,10 +59,16 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
             f"{steps_per_s:.4g} steps/s) exceeds {dev.key}'s {dev.bandwidth / 1e12:.3g} TB/s; "
             "check --tokens-per-second, --devices and the micro-batch --set B")
     ceiling = rl.roofline(an, dev, sizes)["mfu_ceiling"]
+    from symcost.passes.performance import predict
+
+    compiled = bool(click.get_current_context().find_root().meta.get("symcost.compile"))
+    perf = predict(an, dev, sizes, mode="compiled" if compiled else "eager")
     note = rl.precision_note(an, an.bind(**sizes))
     out = {"model": an.model, "device": dev.to_json(), "precision": key, "peak_flops": peak,
            "tokens_per_second": R, "devices": n_devices, **tc, "mfu": u, "mfu_ceiling": ceiling,
-           "implied_bandwidth": implied_bw, "bytes.fused_per_step": fused}
+           "implied_bandwidth": implied_bw, "bytes.fused_per_step": fused,
+           "predicted": {k: perf[k] for k in ("mode", "step_seconds", "bound_seconds", "terms", "mfu_predicted",
+                                              "calibrated")}}
     hfu = float(tc["flops.per_token_hardware"]) * R / (n_devices * peak)
     if hfu > 1:
         raise SymcostError(
@@ -88,6 +94,10 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
     if u > ceiling:
         c.print("note: above the roofline ceiling of a step at these sizes on this device: the per-op bound "
                 "(fused bytes) says no run can reach it; check the micro-batch --set B and the throughput")
+    c.print(f"predicted MFU (performance model, {perf['mode']}): {100 * perf['mfu_predicted']:.2f}% "
+            f"(step {perf['step_seconds'] * 1e3:.4g} ms predicted, {perf['bound_seconds'] * 1e3:.4g} ms roofline bound"
+            f"{'' if perf['calibrated'] else '; efficiency parameters defaulted: calibrate the device'}; "
+            "docs/performance-model.md)")
     extra = [w for w, n in (("the kernels' repeated work", tc["flops.kernel_extra_step"]),
                             (f"{recompute} recomputation", tc["flops.recompute_step"])) if n]
     c.print(f"HFU: {100 * hfu:.2f}%   hardware FLOPs per token {float(tc['flops.per_token_hardware']):.6g} "

@@ -91,12 +91,20 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
             f"{implied_bw / 1e12:.3g} TB/s, above {dev.key}'s {dev.bandwidth / 1e12:.3g} TB/s; "
             f"lower --{given} or raise the micro-batch --set B")
     note = rl.precision_note(an, an.bind(**sizes))
+    from symcost.passes.performance import predict
+
+    compiled = bool(click.get_current_context().find_root().meta.get("symcost.compile"))
+    perf = predict(an, dev, sizes, mode="compiled" if compiled else "eager")
+    steps = n_tokens / tc["tokens_per_step"] / n_devices  # steps each device runs (data parallel, no comm)
+    predicted = {k: perf[k] for k in ("mode", "step_seconds", "bound_seconds", "terms", "mfu_predicted", "calibrated")}
+    predicted.update({"time.seconds": steps * perf["step_seconds"], "time.days": steps * perf["step_seconds"] / 86400,
+                      "bound.time.seconds": steps * perf["bound_seconds"]})
     out = {"model": an.model, "device": dev.to_json(), "precision": key, "peak_flops": peak, "devices": n_devices,
            "mfu": u_mfu, "hfu": u_hfu, "utilization_given": given, **tc,
            "time.seconds": exact["seconds"], "time.days": exact["days"],
            "time.device_hours": exact["device_hours"], f"time.{k}NP.seconds": simple["seconds"],
            f"time.{k}NP.days": simple["days"], f"time.{k}NP.device_hours": simple["device_hours"],
-           "implied_bandwidth": implied_bw}
+           "implied_bandwidth": implied_bw, "predicted": predicted}
     if note:
         out["precision_note"] = note
     if as_json:
@@ -119,6 +127,10 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
     c.print(f"{k}·N·P: {float(tc[f'compute.{k}NP']):.4g} FLOP -> {simple['days']:.4g} days, "
             f"{simple['device_hours']:.4g} device-hours")
     c.print(f"per token: {float(tc['flops.per_token']):.6g} model FLOP = {tc['flops.per_token_formula']}")
+    c.print(f"predicted (performance model, {perf['mode']} step {perf['step_seconds'] * 1e3:.4g} ms, MFU "
+            f"{100 * perf['mfu_predicted']:.1f}%): {predicted['time.days']:.4g} days; roofline bound (step "
+            f"{perf['bound_seconds'] * 1e3:.4g} ms): {predicted['bound.time.seconds'] / 86400:.4g} days"
+            f"{'' if perf['calibrated'] else ' (efficiency parameters defaulted: calibrate the device)'}")
 
 
 def _time_dp(model, sets, config, attention, precision, device_name, devices_file, peak_flops, bandwidth,

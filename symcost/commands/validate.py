@@ -19,10 +19,18 @@ import click
 @click.option("--decode", is_flag=True, help="instead of the sweep: compiled decode steps of a 62M-parameter Llama "
                                               "(StaticCache, T=255) at B=1, 8, 64 against the decode roofline "
                                               "(docs/inference.md)")
+@click.option("--steps", is_flag=True, help="instead of the sweep: the performance model's predicted wall time of "
+                                             "whole eager training steps (AdamW foreach; fp32 and bf16-mixed) "
+                                             "against their measured median, within --tolerance "
+                                             "(docs/performance-model.md; needs --devices-file from symcost "
+                                             "calibrate)")
+@click.option("--tolerance", default=0.15, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="with --steps: the largest |predicted / measured - 1| that passes")
 @click.option("--plot", default=None, metavar="FILE.png", help="draw measured vs predicted (needs matplotlib)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--debug", is_flag=True, help="show tracebacks")
-def validate(devices_file, device_name, quick, hardware, attempts, accept_contended, decode, plot, as_json, debug):
+def validate(devices_file, device_name, quick, hardware, attempts, accept_contended, decode, steps, tolerance, plot,
+             as_json, debug):
     """Compile and time a sweep of kernels (square and skinny matmuls, matrix-vector, add, GELU,
     softmax, a Linear+GELU block) and the training steps of mlp and cs336-lm on this CPU; print
     per kernel FLOPs, bytes, intensity, predicted bound and time, measured time and FLOP/s, the
@@ -53,6 +61,8 @@ def validate(devices_file, device_name, quick, hardware, attempts, accept_conten
             f"; {len(q.get('kernels', []))} kernel(s)), so its rates may be far too low and checks against it "
             "fail for the wrong reason: run symcost calibrate again on an idle machine, or pass --accept-contended")
     log = (lambda s: None) if as_json else (lambda s: console().print("  " + s))
+    if steps:
+        return _steps(dev, devices_file, quick, hardware, attempts, tolerance, as_json, log)
     if decode:
         v = val.validate_decode(dev, attempts=attempts, log=log, hardware=hardware)
     else:
@@ -104,5 +114,49 @@ def validate(devices_file, device_name, quick, hardware, attempts, accept_conten
             c.print(f"FAILED: {f}")
         if plot:
             c.print(f"plot written to {plot}")
+    if v.failures:
+        sys.exit(1)
+
+
+def _steps(dev, devices_file, quick, hardware, attempts, tolerance, as_json, log):
+    """``validate --steps``: predicted against measured eager training steps (one table or JSON;
+    exit 1 when a case is beyond the tolerance)."""
+    import sys
+
+    from symcost.errors import SymcostError
+    from symcost.render.report import console
+    from symcost.validation import steps as st
+
+    if dev is None:
+        raise SymcostError("validate --steps needs the calibrated device: symcost calibrate --out FILE, then "
+                           "--devices-file FILE (its efficiency table holds the measured parameters)")
+    if hardware != "cpu":
+        raise SymcostError("validate --steps times steps on this CPU only (benchmarks/gpu_check.sh calibrates a GPU)")
+    v = st.validate_steps(dev, st.QUICK_CASES if quick else st.STEP_CASES, tolerance=tolerance,
+                          attempts=attempts, log=log)
+    if as_json:
+        click.echo(json.dumps(v.to_json(), indent=1, default=str))
+    else:
+        from rich import box
+        from rich.table import Table
+
+        c = console()
+        c.print(f"[bold]symcost validate --steps[/bold] on {v.device.name} ({v.threads} threads): predicted "
+                f"(performance model) vs measured median of eager training steps with AdamW (foreach)")
+        t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+        t.add_column("case", overflow="fold")
+        for col in ("bound ms", "pred ms", "meas ms", "error"):
+            t.add_column(col, justify="right", no_wrap=True)
+        for r in v.rows:
+            t.add_row(r["case"], f"{r['bound'] * 1e3:.1f}", f"{r['predicted'] * 1e3:.1f}",
+                      f"{r['measured'] * 1e3:.1f}", f"{100 * r['error']:+.1f}%")
+        c.print(t)
+        if v.contention is not None:
+            c.print(f"other processes used {100 * v.contention:.0f}% of this machine's CPU while steps were timed")
+        errs = sorted(abs(r["error"]) for r in v.rows)
+        c.print(f"median |error| {100 * errs[len(errs) // 2]:.1f}%, worst {100 * errs[-1]:.1f}%; "
+                f"{len(v.failures)} case(s) beyond {100 * tolerance:.0f}%")
+        for f in v.failures:
+            c.print(f"FAILED: {f}")
     if v.failures:
         sys.exit(1)

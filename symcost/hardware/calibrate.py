@@ -318,7 +318,7 @@ PACK_GEMM = (8, 4096, 2048)
 
 def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.3,
               log: Callable[[str], None] | None = None,
-              gemms: Sequence[tuple[int, int, int]] = ()) -> dict[str, Any]:
+              gemms: Sequence[tuple[int, int, int]] = (), efficiency: bool = False) -> dict[str, Any]:
     """Measure this machine's peak matmul FLOP/s and memory bandwidth.
 
     Args:
@@ -451,7 +451,7 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
     if q["contended"]:
         log(f"WARNING: this machine stayed busy while {len(q['kernels'])} kernel(s) were timed "
             f"({'; '.join(q['reasons'])}): the rates may be far too low; calibrate again when it is idle")
-    return {
+    entry = {
         "name": f"{name} ({torch.get_num_threads()} threads, measured)" if not gpu else f"{name} (measured)",
         **peak,
         "bandwidth": bw,
@@ -464,6 +464,11 @@ def calibrate(device: str = "cpu", quick: bool = False, min_run_time: float = 0.
         "measured": {"kernels": kernels, "torch": torch.__version__, "threads": torch.get_num_threads()},
         "quality": q,
     }
+    if efficiency:
+        from symcost.hardware.calibrate_perf import efficiency as measure_efficiency
+
+        entry["efficiency"] = measure_efficiency(entry, dev, quick=quick, min_run_time=min_run_time, log=log)
+    return entry
 
 
 def _judged(runs: list[dict]) -> dict:

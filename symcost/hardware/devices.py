@@ -19,6 +19,7 @@ from importlib import resources
 from typing import Any, Mapping
 
 from symcost.errors import SymcostError
+from symcost.hardware.efficiency import parse_efficiency
 
 #: Precision keys of a device entry, in the catalogue's order.
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -131,6 +132,10 @@ class Device:
     #: ``network`` and ``network_bandwidth`` (scale-out NIC per device, per direction, byte/s)
     #: and ``source``; empty where the catalogue gives none
     interconnect: Mapping[str, Any] = field(default_factory=dict)
+    #: the performance model's parameters (:class:`symcost.hardware.efficiency.Efficiency`: GEMM
+    #: efficiency by shape, achievable bandwidth, launch overhead, optimizer step, collective
+    #: latency; docs/performance-model.md); None: the defaults of that module, labelled so
+    efficiency: Any = None
 
     @property
     def contended(self) -> bool:
@@ -220,6 +225,8 @@ class Device:
             out["quality"] = dict(self.quality)
         if self.interconnect:
             out["interconnect"] = dict(self.interconnect)
+        if self.efficiency is not None:
+            out["efficiency"] = self.efficiency.to_json()
         return out
 
 
@@ -267,7 +274,8 @@ def _device(key: str, entry: Mapping, where: str) -> Device:
     if "bandwidth" not in entry:
         raise SymcostError(f"{where} [{key}]: no bandwidth (byte/s)")
     known = set(PRECISIONS) | {"name", "bandwidth", "write_bandwidth", "memory", "source", "date", "notes", "aliases",
-                               "measured", "transcendentals", "serial_passes", "pack_bandwidth", "quality", "interconnect"}
+                               "measured", "transcendentals", "serial_passes", "pack_bandwidth", "quality", "interconnect",
+                               "efficiency"}
     unknown = sorted(set(entry) - known)
     if unknown:
         raise SymcostError(f"{where} [{key}]: unknown field {unknown[0]!r}; accepted: {', '.join(sorted(known))}")
@@ -284,6 +292,7 @@ def _device(key: str, entry: Mapping, where: str) -> Device:
         pack_bandwidth=_number(entry, "pack_bandwidth", f"{where} [{key}]") if "pack_bandwidth" in entry else None,
         quality=_quality(entry.get("quality", {}), f"{where} [{key}]"),
         interconnect=_interconnect(entry.get("interconnect", {}), f"{where} [{key}.interconnect]"),
+        efficiency=parse_efficiency(entry.get("efficiency"), f"{where} [{key}]"),
     )
 
 
@@ -453,6 +462,7 @@ def get_device(name: str | None = None, devices_file: str | None = None, peak_fl
             write_bandwidth=None if bandwidth is not None else dev.write_bandwidth,
             transcendental_rate=dev.transcendental_rate, serial_passes=dev.serial_passes,
             pack_bandwidth=None if bandwidth is not None else dev.pack_bandwidth,
+            efficiency=dev.efficiency,
         )
     return dev
 

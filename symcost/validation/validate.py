@@ -515,7 +515,8 @@ def _merge(old: Device | None, entry: Mapping[str, Any]) -> Device:
     packs = [p for p in (old.pack_bandwidth, new.pack_bandwidth) if p]
     return Device(key=new.key, name=new.name, peak=peak, bandwidth=bw, source=new.source, date=new.date,
                   measured=new.measured, write_bandwidth=wbw if wbw < bw else None, transcendental_rate=tr,
-                  serial_passes=new.serial_passes, quality=quality, pack_bandwidth=max(packs) if packs else None)
+                  serial_passes=new.serial_passes, quality=quality, pack_bandwidth=max(packs) if packs else None,
+                  efficiency=new.efficiency)
 
 
 def validate(device: Device | None = None, quick: bool = False,

@@ -1,0 +1,301 @@
+"""Measure a device's efficiency parameters (:mod:`symcost.hardware.efficiency`) on microbenchmarks.
+
+Only microbenchmarks, never a model's training step (the steps ``symcost validate --steps``
+checks are not among them):
+
+- **GEMM sweep** (:data:`GEMM_SWEEP`, eager ``torch.mm`` per precision): each shape's time less its
+  launch and (CPU) packing pass, against the peak; ``gemm_max`` (per precision) and
+  ``gemm_half`` minimise the squared log error of :meth:`Efficiency.gemm` over the sweep (a grid
+  over ``gemm_half``, ``gemm_max`` the geometric mean of the ratios at each);
+- **bandwidth**: eager ``add`` on 64 MiB operands (a CPU: beyond the last-level cache) over the
+  device's calibrated bandwidth: ``memory``;
+- **copies**: a transposing copy's rate (:func:`copy_rate`): ``copy_bandwidth``;
+- **launch overhead**: an eager chain of tiny ops with autograd (forward and backward), its time
+  over the aten ops it dispatches (counted by a dispatch mode): ``launch_eager``; a compiled
+  one-kernel function's call: ``launch_compiled``;
+- **optimizer**: ``torch.optim.AdamW(foreach=True).step()`` over many small and over a few large
+  synthetic tensors: two equations in ``optimizer_per_tensor`` and ``optimizer_per_byte``.
+
+Each time is the median CPU time per call over timed blocks (:func:`cpu_time`; on a CPU device
+the kernels run on one thread: ``symcost calibrate --threads 1``).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Callable
+
+#: GEMM shapes (m, k, n) of the sweep: square, skinny, short-k and wide, 32 to 2048; none is a
+#: training step's (the validation's models are built at other widths)
+GEMM_SWEEP = ((32, 1024, 1024), (64, 512, 2048), (128, 128, 128), (192, 768, 192), (256, 256, 256),
+              (256, 2048, 64), (384, 96, 1536), (512, 512, 512), (768, 3072, 96), (1024, 1024, 1024),
+              (1536, 256, 1536), (2048, 32, 2048), (1024, 4096, 256), (2048, 2048, 2048))
+QUICK_SWEEP = ((64, 512, 2048), (128, 128, 128), (256, 2048, 64), (512, 512, 512), (1024, 1024, 1024))
+
+
+def cpu_time(fn: Callable, *args, min_run_time: float = 0.3, min_runs: int = 5) -> dict:
+    """``{"median", "wall_median", "runs"}``: seconds of CPU time this process spends per call of
+    ``fn(*args)`` (``time.process_time``), and its wall time, medians over timed blocks after one
+    warm-up call. A block is as many calls as take about 10 ms, so a tiny op is timed in bulk.
+
+    CPU time, not wall time: on a machine shared with other processes a single-threaded kernel
+    waits for a core, which wall time counts and CPU time does not (docs/performance-model.md,
+    "Timing on a shared machine"). With one torch thread the kernel runs on the calling thread.
+    """
+    import time
+
+    fn(*args)
+    t0 = time.perf_counter()
+    fn(*args)
+    once = max(time.perf_counter() - t0, 1e-7)
+    inner = max(1, int(0.01 / once))
+    cpu, wall = [], []
+    start = time.perf_counter()
+    while len(cpu) < min_runs or time.perf_counter() - start < min_run_time:
+        c0, w0 = time.process_time(), time.perf_counter()
+        for _ in range(inner):
+            fn(*args)
+        cpu.append((time.process_time() - c0) / inner)
+        wall.append((time.perf_counter() - w0) / inner)
+    return {"median": statistics.median(cpu), "wall_median": statistics.median(wall), "runs": len(cpu) * inner}
+
+
+#: set by :func:`efficiency` for a GPU: time wall clock with a synchronize after each call (a GPU
+#: kernel's time is not this process's CPU time)
+_GPU = {"on": False}
+
+
+def _median(fn: Callable, *args, min_run_time: float) -> float:
+    if _GPU["on"]:
+        import torch
+
+        def synced(*a):
+            fn(*a)
+            torch.cuda.synchronize()
+
+        return cpu_time(synced, *args, min_run_time=min_run_time)["wall_median"]
+    return cpu_time(fn, *args, min_run_time=min_run_time)["median"]
+
+
+def launch_eager(dev, min_run_time: float = 0.3) -> dict:
+    """Seconds per aten op of an eager step: a chain of 64 tiny ops (mul, add, view) on an
+    8-element tensor that needs its gradient, forward and backward, timed and divided by the aten
+    ops it runs (a TorchDispatchMode counts them, as the trace counts a step's ops)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x = torch.randn(8, device=dev, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(16):
+            y = (y * 1.0001 + 0.001).view(2, 4).view(8)
+        y.sum().backward()
+
+    count = [0]
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            count[0] += 1
+            return func(*a, **(kw or {}))
+
+    with _Count():
+        chain()
+    t = _median(chain, min_run_time=min_run_time)
+    return {"seconds": t, "ops": count[0], "per_op": t / count[0]}
+
+
+def launch_compiled(dev, min_run_time: float = 0.3) -> float:
+    """Seconds of one call of a compiled one-kernel function on a tiny tensor (its launch and the
+    compiled graph's guards)."""
+    import torch
+
+    x = torch.randn(8, device=dev)
+    f = torch.compile(lambda a: a * 2.0 + 1.0, dynamic=False)
+    f(x)
+    return _median(f, x, min_run_time=min_run_time)
+
+
+def gemm_sweep(dev, precisions: dict, shapes=GEMM_SWEEP, min_run_time: float = 0.2,
+               log: Callable[[str], None] | None = None) -> list[dict]:
+    """Eager ``torch.mm`` of every shape at every precision: ``[{m, k, n, precision, seconds}]``."""
+    import torch
+
+    log = log or (lambda s: None)
+    out = []
+    for key, dt in precisions.items():
+        for m, k, n in shapes:
+            a = torch.randn(m, k, device=dev, dtype=dt)
+            b = torch.randn(k, n, device=dev, dtype=dt)
+            t = _median(torch.mm, a, b, min_run_time=min_run_time)
+            out.append({"m": m, "k": k, "n": n, "precision": key, "seconds": t, "itemsize": dt.itemsize})
+            log(f"eager mm [{m},{k}]x[{k},{n}] {key}: {2 * m * k * n / t / 1e9:.1f} GFLOP/s")
+    return out
+
+
+def fit_gemm(sweep: list[dict], peak: dict[str, float], launch: float, pack: Callable[[dict], float],
+             units: int = 1, tile: tuple[int, int] = (1, 1)) -> dict:
+    """``gemm_max`` per precision and ``gemm_half`` from a sweep: the measured efficiency of each
+    GEMM is 2mkn / ((seconds - launch - pack(row)) · peak); the model's
+    (:meth:`Efficiency.gemm`) at a ``gemm_half`` of the grid 1..1024 (log-spaced) and ``gemm_max``
+    the geometric mean of measured / modelled-without-it; the grid point of least squared log
+    error wins. Returns ``{"gemm_max", "gemm_half", "rms_log_error", "rows"}``."""
+    from symcost.hardware.efficiency import Efficiency
+
+    rows = []
+    for r in sweep:
+        t = r["seconds"] - launch - pack(r)
+        if t <= 0:
+            t = r["seconds"]
+        rows.append({**r, "measured_efficiency": 2 * r["m"] * r["k"] * r["n"] / (t * peak[r["precision"]])})
+    best = None
+    for i in range(41):
+        h = 2 ** (i / 4)
+        e0 = Efficiency(compute_units=units, tile=tile, gemm_max={}, gemm_half=h)
+        gm, err = {}, 0.0
+        for key in sorted({r["precision"] for r in rows}):
+            rs = [r for r in rows if r["precision"] == key]
+            logs = [math.log(r["measured_efficiency"] / (e0.gemm(r["m"], r["n"], r["k"], 1, key) / 0.8)) for r in rs]
+            gm[key] = min(1.0, math.exp(statistics.fmean(logs)))
+            err += sum((x - math.log(gm[key])) ** 2 for x in logs)
+        rms = math.sqrt(err / len(rows))
+        if best is None or rms < best["rms_log_error"]:
+            best = {"gemm_max": gm, "gemm_half": h, "rms_log_error": rms}
+    e = Efficiency(compute_units=units, tile=tile, gemm_max=best["gemm_max"], gemm_half=best["gemm_half"])
+    for r in rows:
+        r["model_efficiency"] = e.gemm(r["m"], r["n"], r["k"], 1, r["precision"])
+    best["rows"] = rows
+    return best
+
+
+def optimizer_costs(dev, min_run_time: float = 0.3) -> dict:
+    """``optimizer_per_tensor`` and ``optimizer_per_byte`` of ``AdamW(foreach=True).step()``:
+    timed over 256 tensors of 256 fp32 elements (the per-tensor cost) and over 4 tensors of
+    2^21 elements (32 MiB: the per-byte cost), solved as two linear equations."""
+    import torch
+
+    def case(n_tensors, numel):
+        ps = [torch.nn.Parameter(torch.randn(numel, device=dev)) for _ in range(n_tensors)]
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(ps, lr=1e-4, foreach=True)
+        opt.step()
+        return _median(opt.step, min_run_time=min_run_time), n_tensors, n_tensors * numel * 4
+
+    t1, n1, b1 = case(256, 256)
+    t2, n2, b2 = case(4, 1 << 21)
+    per_byte = max(0.0, (t2 - t1 * n2 / n1) / (b2 - b1 * n2 / n1))
+    per_tensor = max(0.0, (t1 - per_byte * b1) / n1)
+    return {"optimizer_per_tensor": per_tensor, "optimizer_per_byte": per_byte,
+            "cases": [{"tensors": n1, "bytes": b1, "seconds": t1}, {"tensors": n2, "bytes": b2, "seconds": t2}]}
+
+
+def memory_fraction(dev, bandwidth: float, write_bandwidth: float | None, min_run_time: float = 0.3) -> dict:
+    """Eager ``a + b`` on 2^24-element fp32 operands (64 MiB each): its time against the
+    device's memory time for its bytes (read at ``bandwidth``, written at ``write_bandwidth``)."""
+    import torch
+
+    n = 1 << 24
+    a, b = torch.randn(n, device=dev), torch.randn(n, device=dev)
+    out = torch.empty_like(a)
+    t = _median(lambda: torch.add(a, b, out=out), min_run_time=min_run_time)
+    ideal = 2 * n * 4 / bandwidth + n * 4 / (write_bandwidth or bandwidth)
+    return {"seconds": t, "ideal": ideal, "memory": min(1.0, ideal / t)}
+
+
+def copy_rate(dev, min_run_time: float = 0.3) -> dict:
+    """byte/s (read + written) of a transposing copy, ``m.t().contiguous()`` of a [1024, 512]
+    fp32 matrix (2 MiB): the layout change a training step's ``copy_``/``clone`` ops make (a
+    permuted activation made contiguous, a gradient written into a transposed weight's layout)."""
+    import torch
+
+    m = torch.randn(1024, 512, device=dev)
+    t = _median(lambda: m.t().contiguous(), min_run_time=min_run_time)
+    return {"seconds": t, "bytes": 2 * m.numel() * 4, "copy_bandwidth": 2 * m.numel() * 4 / t}
+
+
+def efficiency(entry: dict, dev, quick: bool = False, min_run_time: float = 0.3,
+               log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The ``efficiency`` table of a calibrated device entry (:func:`symcost.hardware.calibrate.calibrate`'s
+    result: its peaks, bandwidths and packing rate), measured on this machine.
+
+    Returns:
+        The table (:mod:`symcost.hardware.efficiency`'s keys, ``source``, and ``fit``: the sweep's
+        rows with measured and modelled efficiency, the launch, bandwidth and optimizer cases).
+    """
+    import torch
+
+    log = log or (lambda s: None)
+    gpu = dev.type == "cuda"
+    _GPU["on"] = gpu
+    try:
+        return _efficiency(entry, dev, gpu, quick, min_run_time, log)
+    finally:
+        _GPU["on"] = False
+
+
+def _efficiency(entry: dict, dev, gpu: bool, quick: bool, min_run_time: float, log: Callable[[str], None]) -> dict:
+    import torch
+
+    launch = launch_eager(dev, min_run_time)
+    log(f"eager launch: {launch['per_op'] * 1e6:.2f} us per aten op ({launch['ops']} ops)")
+    lc = launch_compiled(dev, min_run_time)
+    log(f"compiled call: {lc * 1e6:.2f} us")
+    mem = memory_fraction(dev, entry["bandwidth"], entry.get("write_bandwidth"), min_run_time)
+    log(f"eager add: {100 * mem['memory']:.0f}% of the calibrated bandwidth")
+    cp = copy_rate(dev, min_run_time)
+    log(f"transposing copy: {cp['copy_bandwidth'] / 1e9:.1f} GB/s")
+    precisions = {k: getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[k])
+                  for k in ("fp32", "bf16", "fp16") if k in entry and (gpu or k != "fp16")}
+    sweep = gemm_sweep(dev, precisions, QUICK_SWEEP if quick else GEMM_SWEEP, min_run_time=min_run_time / 2, log=log)
+
+    def pack(r):  # the sweep times whole GEMMs, a CPU BLAS's packing pass included: the
+        return 0.0  # efficiency covers it (the performance model adds no packing term)
+
+    if gpu:
+        units = torch.cuda.get_device_properties(dev).multi_processor_count
+        tile = (128, 128)
+    else:
+        units, tile = 1, (1, 1)  # one thread's BLAS: no waves to quantise (threads: docs/performance-model.md)
+    for key in precisions:  # a GEMM of the sweep faster than the calibrated peak raises it (a busy moment
+        # can only slow a kernel: the best rate seen is the better estimate of the peak)
+        best = max(2 * r["m"] * r["k"] * r["n"] / r["seconds"] for r in sweep if r["precision"] == key)
+        if best > entry[key]:
+            log(f"eager GEMMs ran at {best / 1e9:.1f} GFLOP/s {key}, above the calibrated {entry[key] / 1e9:.1f}: "
+                "the peak is raised to it")
+            entry[key] = best
+    g = fit_gemm(sweep, {k: entry[k] for k in precisions}, launch["per_op"], pack, units, tile)
+    log(f"GEMM fit: gemm_max {', '.join(f'{k} {v:.3f}' for k, v in g['gemm_max'].items())}, "
+        f"gemm_half {g['gemm_half']:.1f}, rms log error {g['rms_log_error']:.3f}")
+    opt = optimizer_costs(dev, min_run_time)
+    log(f"AdamW foreach: {opt['optimizer_per_tensor'] * 1e6:.1f} us per tensor, "
+        f"{opt['optimizer_per_byte'] * 1e12:.1f} ps per byte")
+    return {
+        "compute_units": units, "tile": list(tile), "gemm_max": g["gemm_max"], "gemm_half": g["gemm_half"],
+        "memory": mem["memory"], "copy_bandwidth": cp["copy_bandwidth"], "launch_eager": launch["per_op"], "launch_compiled": lc,
+        "optimizer_per_tensor": opt["optimizer_per_tensor"], "optimizer_per_byte": opt["optimizer_per_byte"],
+        "source": f"measured by symcost calibrate (microbenchmarks: eager GEMM sweep, add, op chain, AdamW; "
+                  f"{torch.get_num_threads()} threads; collective_latency not measured: default)",
+        "fit": {"gemm_rows": g["rows"], "gemm_rms_log_error": g["rms_log_error"], "launch": launch,
+                "memory": mem, "copy": cp, "optimizer": opt["cases"]},
+    }
+
+
+def measured_device(quick: bool = True, min_run_time: float = 0.2, log: Callable[[str], None] | None = None) -> dict:
+    """A CPU device entry from these microbenchmarks alone (no compiled kernels: seconds, where
+    :func:`symcost.hardware.calibrate.calibrate` compiles for minutes on a busy machine): the
+    read bandwidth of an eager ``a + b`` on 64 MiB operands (bytes read + written over its CPU
+    time), the peaks the GEMM sweep's best rates (:func:`efficiency` raises them from 1 FLOP/s),
+    and the ``efficiency`` table. What the timing test validates steps against."""
+    import torch
+
+    dev = torch.device("cpu")
+    n = 1 << 24
+    a, b = torch.randn(n), torch.randn(n)
+    out = torch.empty_like(a)
+    t = _median(lambda: torch.add(a, b, out=out), min_run_time=min_run_time)
+    entry = {"name": f"this CPU ({torch.get_num_threads()} threads, microbenchmarks)", "fp32": 1.0, "bf16": 1.0,
+             "bandwidth": 3 * n * 4 / t, "source": "symcost.hardware.calibrate_perf.measured_device",
+             "measured": {"threads": torch.get_num_threads(), "torch": torch.__version__}}
+    entry["efficiency"] = efficiency(entry, dev, quick=quick, min_run_time=min_run_time, log=log)
+    return entry

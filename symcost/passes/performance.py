@@ -1,0 +1,153 @@
+"""The performance model: a training step's predicted time, beside the roofline's lower bound.
+
+Takes an :class:`~symcost.graph.analysis.Analysis`, a :class:`~symcost.hardware.devices.Device`
+(its peaks, bandwidths and its ``efficiency`` table, :mod:`symcost.hardware.efficiency`) and
+sizes; returns plain data. Each traced op, times its repeat, costs (docs/performance-model.md):
+
+- a GEMM (``aten.mm``, ``addmm``, ``bmm``, ``baddbmm``: ``[b] [m, k] x [k, n]``): FLOPs / (peak ·
+  :meth:`Efficiency.gemm`\\ (m, n, k, b)), the shape's efficiency (wave and tile quantisation,
+  small dimensions), at least its memory time at the achievable bandwidth (a CPU BLAS's packing
+  pass is part of the efficiency the calibration's eager GEMM sweep measures, not a term of its own);
+- another op with model FLOPs (convolution, fused attention): FLOPs / (peak · gemm_max);
+- a layout copy (``copy_``, ``clone``, ``contiguous``) of an eager step: its bytes at
+  ``copy_bandwidth`` (a transposing copy's measured rate);
+- any other op: the roofline's time of the op (:meth:`Device.op_seconds`: all FLOPs at the peak,
+  special functions at their rate) with its bytes at ``memory`` x the bandwidth;
+- every op a launch cost: ``launch_eager`` per aten op of an eager step (views included: each is
+  dispatched, and autograd records it), ``launch_compiled`` per kernel of a compiled step (the
+  ops that move bytes after fusion, :mod:`symcost.graph.fusion`: an estimate of inductor's kernels);
+- the optimizer step (AdamW, foreach): ``optimizer_per_tensor`` x parameter tensors +
+  ``optimizer_per_byte`` x parameter bytes (the analysis does not trace it; measured on its own
+  microbenchmark).
+
+The step is the sum (one stream: an eager CPU step or a GPU's compute stream run ops one after
+another). Nothing here prints; the roofline pass is not changed by it.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from symcost.graph.opsets import ROW_NORMALISING, dtype_names, itemsize, numel
+from symcost.hardware.devices import Device
+from symcost.hardware.efficiency import Efficiency, default_efficiency
+from symcost.passes.roofline import _num, op_precision, roofline, training_precision
+
+#: ops that copy a tensor into another layout: timed at the efficiency's ``copy_bandwidth``
+COPIES = {"aten.copy_", "aten.clone", "aten.contiguous"}
+#: GEMM packets -> (index of the [.., m, k] operand, index of the [.., k, n] operand)
+GEMMS = {"aten.mm": (0, 1), "aten.addmm": (1, 2), "aten.bmm": (0, 1), "aten.baddbmm": (1, 2)}
+MODES = ("eager", "compiled")
+
+
+def efficiency_of(device: Device) -> Efficiency:
+    """The device's efficiency table, or the labelled defaults where it has none."""
+    return device.efficiency if device.efficiency is not None else default_efficiency(device)
+
+
+def gemm_dims(op, env) -> tuple[int, int, int, int] | None:
+    """``(m, n, k, batch)`` of a GEMM op at ``env`` (None for any other op)."""
+    packet = op.name.rsplit(".", 1)[0] if op.name.count(".") >= 2 else op.name
+    idx = GEMMS.get(packet)
+    if idx is None or len(op.in_shapes) <= max(idx):
+        return None
+    a, b = op.in_shapes[idx[0]], op.in_shapes[idx[1]]
+    if len(a) < 2 or len(b) < 2:
+        return None
+    m, k, n = _num(a[-2], env), _num(a[-1], env), _num(b[-1], env)
+    batch = 1
+    for d in a[:-2]:
+        batch *= _num(d, env)
+    return m, n, k, batch
+
+
+def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: str = "eager",
+            optimizer: bool = True) -> dict[str, Any]:
+    """Predicted seconds of one training step of ``an`` at ``sizes`` on ``device``.
+
+    Args:
+        an: the Analysis (a training step).
+        device: peaks (FLOP/s), bandwidths (byte/s) and ``efficiency``.
+        sizes: symbol values (others at the model's defaults).
+        mode: ``eager`` (unfused bytes, a launch per aten op) or ``compiled`` (fused bytes, a launch
+            per fused kernel).
+        optimizer: add the AdamW (foreach) step over the model's parameters.
+
+    Returns:
+        ``{"mode", "step_seconds" (predicted), "bound_seconds" (the roofline's, same bytes),
+        "terms": {"gemm", "other_compute", "memory", "launch", "optimizer"} (seconds),
+        "ops", "launches", "params_tensors", "params_bytes", "precision", "model_flops",
+        "mfu_predicted", "mfu_ceiling", "efficiency" (the table used), "calibrated" (False where
+        a figure came from the defaults), "nodes": [{index, op, phase, repeat, seconds,
+        efficiency (GEMMs), kind}]}``.
+
+    Raises:
+        SymcostError: bad sizes, an unknown mode, a device without a figure.
+    """
+    from symcost.errors import SymcostError
+    from symcost.graph import fusion
+
+    if mode not in MODES:
+        raise SymcostError(f"unknown performance mode {mode!r}; accepted: {', '.join(MODES)}")
+    eff = efficiency_of(device)
+    env = an.bind(**(sizes or {}))
+    fused = mode == "compiled"
+    fe = fusion.estimate(an)
+    train_key = training_precision(an, env)
+    frac = eff.memory
+    terms = {"gemm": 0.0, "other_compute": 0.0, "memory": 0.0, "launch": 0.0, "optimizer": 0.0}
+    nodes = []
+    n_ops = n_launch = 0
+    for op in an.ops:
+        rep = _num(op.repeat, env)
+        n_ops += rep
+        Bx = _num(fe.node_bytes[op.index] if fused else op.cost.bytes, env)
+        Wx = _num(fe.node_written[op.index] if fused else fusion.written_bytes(op), env)
+        if not fused or Bx:
+            n_launch += rep
+        if op.cost.bytes == 0 and op.cost.flops_all == 0:
+            continue
+        key = op_precision(op, train_key)
+        peak, _ = device.peak_for(key)
+        F = _num(op.cost.flops_all, env)
+        Fm = _num(op.cost.flops, env)
+        read, written = (Bx - Wx) / frac, Wx / frac
+        dims = gemm_dims(op, env) if Fm else None
+        e = None
+        if dims is not None:
+            m, n, k, b = dims
+            e = eff.gemm(m, n, k, b, key)
+            t_mem = device.memory_seconds(read, written)
+            t_in = F / (peak * e)
+            t, kind = max(t_mem, t_in), ("gemm" if t_in >= t_mem else "memory")
+        elif Fm:
+            t_c = F / (peak * eff.gemm_max_for(key))
+            t_mem = device.memory_seconds(read, written)
+            t, kind = max(t_c, t_mem), ("other_compute" if t_c >= t_mem else "memory")
+        elif eff.copy_bandwidth and op.name.rsplit(".", 1)[0] in COPIES and not fused:
+            t, kind = Bx / eff.copy_bandwidth, "memory"
+        else:
+            T = {c: _num(x, env) for c, x in op.cost.transcendentals.items()}
+            t, res = device.op_seconds(F / peak, read, written, device.transcendental_seconds(T),
+                                       op.name.rsplit(".", 1)[0] in ROW_NORMALISING)
+            kind = "memory" if res == "memory" else "other_compute"
+        terms[kind] += rep * t
+        nodes.append({"index": op.index, "op": op.name, "phase": op.phase, "repeat": rep, "seconds": rep * t,
+                      "kind": kind, **({"efficiency": e} if e is not None else {})})
+    terms["launch"] = n_launch * (eff.launch_compiled if fused else eff.launch_eager)
+    tensors = pbytes = 0
+    for shape, dtype, rep in an.param_shapes.values():
+        r = _num(rep, env)
+        tensors += r
+        pbytes += r * _num(numel(shape), env) * itemsize(dtype_names([dtype])[0])
+    if optimizer:
+        terms["optimizer"] = eff.optimizer_per_tensor * tensors + eff.optimizer_per_byte * pbytes
+    step = sum(terms.values())
+    rl = roofline(an, device, sizes, fused=fused, with_formulas=False)
+    peak_train, _ = device.peak_for(train_key)
+    model_flops = rl["model_flops"]
+    return {"mode": mode, "step_seconds": step, "bound_seconds": rl["step_seconds"], "terms": terms,
+            "ops": n_ops, "launches": n_launch, "params_tensors": tensors, "params_bytes": pbytes,
+            "optimizer": "adamw-foreach" if optimizer else None, "precision": train_key,
+            "model_flops": model_flops, "mfu_predicted": model_flops / (step * peak_train) if step else 0.0,
+            "mfu_ceiling": rl["mfu_ceiling"], "efficiency": eff.to_json(), "calibrated": not eff.defaulted,
+            "nodes": nodes}
