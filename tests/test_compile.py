@@ -18,6 +18,7 @@ import functools
 import random
 
 import pytest
+import sympy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -139,19 +140,45 @@ def test_compiled_saved_bytes_and_flops(model, config, seed):
     assert flops == compiled_model_flops(an.spec, sizes), f"{model} at {sizes}"
 
 
-def test_compiled_matmul_params_under_autocast():
-    """P of 6·N·P under --compile with autocast (bf16-mixed, the CLI's default) == a meta-device
-    count of the parameters the matmuls use (every nn.Linear weight). AOTAutograd's decomposed
-    graphs cast each weight with ``prims.convert_element_type`` (not ``aten._to_copy``): the walk
-    from a parameter to its matmul must follow it, or P holds the lm_head alone."""
+def test_compiled_attention_under_autocast_cpu_and_cuda():
+    """bf16-mixed, megatron-gpt (explicit ``matmul -> softmax -> dropout -> matmul``), which
+    inductor's attention pattern fuses into ``scaled_dot_product_attention`` with dropout:
+
+    * ``--torch-device cpu``: the CPU's choice for attention with dropout is the math composite,
+      which upcasts the bf16 inputs to fp32 (inductor on a CPU compiles fp32 matmuls there):
+      saved bytes == saved_tensors_hooks of the real inductor-compiled CPU step;
+    * ``cuda`` (the CLI's default): the fused kernel a CUDA device runs, dropout inside it: the
+      attention's inputs stay bf16, no ``[B, H, S, S]`` tensor is saved or multiplied, and the
+      saved bytes are the CPU step's less its attention's math-path tensors.
+
+    And P of 6·N·P under --compile with autocast == a meta-device count of the parameters the
+    matmuls use (every nn.Linear weight): AOTAutograd's decomposed graphs cast each weight with
+    ``prims.convert_element_type`` (not ``aten._to_copy``), which the walk from a parameter to
+    its matmul must follow, or P holds the lm_head alone."""
     sizes = _draw(random.Random(31), ["B", "S", "H", "D", "L", "V"])
-    an = symcost.trace("megatron-gpt", sizes=sizes, precision="bf16-mixed", use_cache=False,
-                       layout=Layout(compile=True), torch_device="cpu")
-    model = symcost.resolve("megatron-gpt").build_meta(an.spec.values(sizes))
-    want = sum({id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}.values())
-    assert an.subs(**sizes)["params_matmul"] == want, f"at {sizes}"
-    P, _, _ = an.train_simplified()
-    assert P.subs({symcost.SYMS[k]: v for k, v in sizes.items()}) == want, f"at {sizes}"
+    common = dict(sizes=sizes, precision="bf16-mixed", use_cache=False, layout=Layout(compile=True))
+    cpu = symcost.trace("megatron-gpt", torch_device="cpu", **common)
+    assert not cpu.pinned, cpu.pin_reasons
+    bmm = [op.in_dtypes for op in cpu.ops if op.name == "aten.bmm.default"]
+    assert bmm and all(d == torch.float32 for dts in bmm for d in dts), bmm
+    mm_cpu = memory.memory_model(cpu, "bf16-mixed", "adamw", "default", "cpu")
+    want, _ = compiled_step(cpu.spec, sizes, "bf16-mixed")
+    assert mm_cpu.components(**sizes)["activations"] == want, f"at {sizes}"
+    model = symcost.resolve("megatron-gpt").build_meta(cpu.spec.values(sizes))
+    linear = sum({id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}.values())
+    assert cpu.subs(**sizes)["params_matmul"] == linear, f"at {sizes}"
+    P, _, _ = cpu.train_simplified()
+    assert P.subs({symcost.SYMS[k]: v for k, v in sizes.items()}) == linear, f"at {sizes}"
+
+    cuda = symcost.trace("megatron-gpt", torch_device="cuda", **common)
+    assert not [op.name for op in cuda.ops if op.name == "aten.bmm.default"], "attention not fused under cuda"
+    fused = [op for op in cuda.ops if "scaled_dot_product" in op.name and op.phase == "forward"]
+    assert fused and all(d == torch.bfloat16 for d in fused[0].in_dtypes[:3]), [(op.name, op.in_dtypes) for op in fused]
+    S = symcost.SYMS["S"]
+    assert not [s for s in cuda.saved if sympy.degree(sympy.sympify(s[1]), S) > 1], "an S² tensor saved under cuda"
+    got = memory.memory_model(cuda, "bf16-mixed", "adamw", "default", "cpu").components(**sizes)["activations"]
+    assert got < want, (got, want)
+    assert cuda.subs(**sizes)["params_matmul"] == linear, f"at {sizes}"
 
 
 def test_compile_refusals():

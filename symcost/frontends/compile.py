@@ -201,7 +201,42 @@ def new_cuts_key() -> str:
     return uuid.uuid4().hex
 
 
-def _partition(cuts: dict | None):
+def _cuda_fused_attention():
+    """A context under which the scaled-dot-product-attention calls that inductor's attention
+    patterns put in place of an explicit ``matmul -> softmax -> dropout -> matmul``
+    (``torch/_inductor/fx_passes/fuse_attention.py``: its replacements call the module's
+    ``_scaled_dot_product_attention``, traced into the joint graph when a pattern matches) are
+    traced as a CUDA device runs them: with the dropout inside the fused kernel, i.e. with
+    ``dropout_p = 0`` on this CPU, which then runs its fused kernel
+    (``_scaled_dot_product_flash_attention_for_cpu``, kept whole by inductor) in the inputs'
+    dtype and keeps what CUDA's flash/efficient kernel keeps (query, key, value, output,
+    log-sum-exp; ``symcost.tracing.device_kernels``). Without it the CPU's choice is traced:
+    ``_fused_sdp_choice`` answers MATH for dropout on the CPU, whose composite upcasts 16-bit
+    inputs to fp32 and keeps the ``[B, H, S, S]`` probabilities and mask (what inductor really
+    compiles on a CPU)."""
+    import torch._inductor.fx_passes.fuse_attention as fa
+
+    sdpa = fa._scaled_dot_product_attention
+
+    def fused(*args, **kwargs):
+        if len(args) > 4:
+            args = (*args[:4], 0.0, *args[5:])
+        elif "dropout_p" in kwargs:
+            kwargs = {**kwargs, "dropout_p": 0.0}
+        return sdpa(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def patched():
+        fa._scaled_dot_product_attention = fused
+        try:
+            yield
+        finally:
+            fa._scaled_dot_product_attention = sdpa
+
+    return patched()
+
+
+def _partition(cuts: dict | None, torch_device: str | None = None):
     """Inductor's partition function (``torch._inductor.compile_fx.partition_fn``: its joint-graph
     passes, then ``min_cut_rematerialization_partition(compiler="inductor")``), where the saved
     set the min cut chooses (``choose_saved_values_set``) is decided once per joint graph
@@ -210,7 +245,9 @@ def _partition(cuts: dict | None):
     (a probe of the fit, at other sizes) saves the same nodes. The min cut weighs tensors by
     their bytes, so at a probe's tiny sizes it may cut elsewhere (seen: a softmax's output saved
     at S = 12, recomputed from its input at S = 16); the formulas are those of the partition
-    the compiled step makes at the requested sizes. ``cuts`` None: every compile decides."""
+    the compiled step makes at the requested sizes. ``cuts`` None: every compile decides.
+    ``torch_device`` ``"cuda"``: inductor's attention patterns (joint-graph passes) replace an
+    explicit attention with the fused kernel a CUDA device runs (:func:`_cuda_fused_attention`)."""
     from torch._inductor.compile_fx import partition_fn
 
     def partition(joint_module, joint_inputs, **kwargs):
@@ -231,18 +268,20 @@ def _partition(cuts: dict | None):
 
         P.choose_saved_values_set = choose
         try:
-            return partition_fn(joint_module, joint_inputs, **kwargs)
+            with _cuda_fused_attention() if torch_device == "cuda" else contextlib.nullcontext():
+                return partition_fn(joint_module, joint_inputs, **kwargs)
         finally:
             P.choose_saved_values_set = orig
 
     return partition
 
 
-def backend(gm, example_inputs, cuts: dict | None = None):
+def backend(gm, example_inputs, cuts: dict | None = None, torch_device: str | None = None):
     """The ``torch.compile`` backend of a recorded compiled step: AOTAutograd with inductor's
     decompositions and inductor's partition function (joint-graph passes, then
     ``min_cut_rematerialization_partition(compiler="inductor")``; the cut kept per structure in
-    ``cuts``, :func:`_partition`), the partitioned graphs run op by op (:func:`_graph_runner`).
+    ``cuts``, :func:`_partition`; ``torch_device``: the target device whose fused attention the
+    patterns choose), the partitioned graphs run op by op (:func:`_graph_runner`).
     ``gm``: Dynamo's FX graph of one block's forward."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._guards import detect_fake_mode
@@ -252,7 +291,8 @@ def backend(gm, example_inputs, cuts: dict | None = None):
     # (inductor's joint-graph passes read the fake mode through ``V``, as ``compile_fx`` sets it)
     with V.set_fake_mode(detect_fake_mode(example_inputs)):
         return aot_autograd(fw_compiler=_graph_runner, bw_compiler=_graph_runner,
-                            decompositions=select_decomp_table(), partition_fn=_partition(cuts))(gm, example_inputs)
+                            decompositions=select_decomp_table(),
+                            partition_fn=_partition(cuts, torch_device))(gm, example_inputs)
 
 
 def _compiles() -> int:
@@ -262,7 +302,7 @@ def _compiles() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def compile_blocks(model, layers: str, cuts_key: str | None = None) -> None:
+def compile_blocks(model, layers: str, cuts_key: str | None = None, torch_device: str | None = None) -> None:
     """Compile every block of ``model`` (the children of the ``layers`` container) in place, as
     torchtitan's ``apply_compile`` does (``torch.compile(block, fullgraph=True)``, after tensor
     parallelism and activation checkpointing, before FSDP2), with :func:`backend` and static
@@ -270,6 +310,8 @@ def compile_blocks(model, layers: str, cuts_key: str | None = None) -> None:
     recompile limit of one process never turns a later probe's block back to eager). The block's
     ``forward`` is replaced (its module hooks, FSDP2's all-gathers, stay outside the compiled
     code, as on torchtitan's compiled module) and the module names stay the model's.
+    ``torch_device`` (``--torch-device``): ``"cuda"`` compiles the attention inductor's patterns
+    fuse as a CUDA device runs it (:func:`_cuda_fused_attention`); else this CPU's choice.
 
     Raises (at the first call of a block):
         SymcostError: Dynamo cannot capture the block's forward in one graph (its reason, one
@@ -287,14 +329,14 @@ def compile_blocks(model, layers: str, cuts_key: str | None = None) -> None:
         fn = getattr(inner, "__func__", None)
         if fn is None or getattr(inner, "__self__", None) is not block:  # (a forward set on the instance)
             fn = inner
-            compiled = torch.compile(fn, backend=functools.partial(backend, cuts=cuts), fullgraph=True, dynamic=False)
+            compiled = torch.compile(fn, backend=functools.partial(backend, cuts=cuts, torch_device=torch_device), fullgraph=True, dynamic=False)
             call = compiled
         else:
             # the unbound forward compiled once, the block an argument: Dynamo treats the
             # blocks' parameters as inputs (inline_inbuilt_nn_modules), so the L blocks of one
             # class share one graph (a bound forward per block would recompile per block)
             if fn not in shared:
-                shared[fn] = torch.compile(fn, backend=functools.partial(backend, cuts=cuts), fullgraph=True,
+                shared[fn] = torch.compile(fn, backend=functools.partial(backend, cuts=cuts, torch_device=torch_device), fullgraph=True,
                                            dynamic=False)
             call = functools.partial(shared[fn], block)
 

@@ -521,7 +521,7 @@ class Layout:
         return sub
 
     def parallelize(self, model, layers: str | None, mesh: Mapping[str, Any], dp_engine: str | None = None,
-                    compile_cuts: str | None = None):
+                    compile_cuts: str | None = None, torch_device: str | None = None):
         """Parallelise ``model`` in place over ``mesh`` (:meth:`fake_mesh`) in torchtitan's order:
         FP8 training's ``Float8Linear`` swap (:func:`symcost.frontends.fp8.convert`, torchtitan's
         model converter), then the tensor-parallel plan over ``TP`` (:func:`symcost.frontends.tensor_parallel.apply`),
@@ -532,7 +532,8 @@ class Layout:
         shards its local rows again; ``dp_engine``: the data-parallel engine where the run names
         one, ``"megatron-ddp"``: :func:`symcost.frontends.parallel.wrap`; ``compile_cuts``: the
         trace's key of the compiled blocks' partitions, :func:`symcost.frontends.compile.compile_blocks`,
-        which run after activation checkpointing and before the data-parallel engine). Returns the context the
+        which run after activation checkpointing and before the data-parallel engine; ``torch_device``: the
+        target device whose fused attention inductor's patterns choose, ``--torch-device``). Returns the context the
         loss and its backward run in
         (``loss_parallel()`` where the logits are vocabulary-sharded, else a no-op).
 
@@ -565,7 +566,7 @@ class Layout:
 
             if layers is None:
                 raise SymcostError("--compile: the model has no block list to compile")
-            compile_blocks(model, layers, compile_cuts)
+            compile_blocks(model, layers, compile_cuts, torch_device)
         if self.shard is not None:
             import warnings
 

@@ -451,7 +451,8 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         # over its DTensors (torchtitan's parallelize order: fully_shard of a TP-sharded parameter
         # shards its local rows again)
         loss_context = layout.parallelize(model, layers, mesh if layout.traced_dims else {},
-                                          spec.extra.get("dp_engine"), spec.extra.get("compile_cuts"))
+                                          spec.extra.get("dp_engine"), spec.extra.get("compile_cuts"),
+                                          spec.extra.get("torch_device"))
         if layout.fp8 is not None:  # (the Float8Linear modules that replaced the linears: new objects)
             names.update(_module_names(model))
     # the recording's ``parallel``: the data-parallel strategy, else "tp" / "tp+sp"; on the 2-D
