@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
-# The GPU check of issue 9, prepared for a machine with a CUDA GPU (about 3-5 minutes):
-# calibrate the GPU, then run the quick validation sweep on it (GPU-sized kernels and the compiled
-# fp32 training steps of mlp and cs336-lm). Writes gpu.json (the calibrated device entry),
-# validate.json and validate.png into ${OUT:-.}. Not yet run: no GPU was lent to the session that
-# wrote it (see docs/roofline.md).
+# The GPU check of issues 9 and 29, prepared for a machine with a CUDA GPU (about 4-6 minutes,
+# under 10 by the timeouts below): calibrate the GPU (peaks, bandwidth and the performance model's
+# efficiency table: eager GEMM sweep over the SMs, bandwidth, launch overhead, AdamW foreach;
+# docs/performance-model.md), check that --devices-file reads the file it wrote (mfu prints the
+# predicted step beside the bound), then run the quick validation sweep on it (GPU-sized kernels
+# and the compiled fp32 training steps of mlp and cs336-lm). Writes gpu.json (the calibrated
+# device entry), mfu.json, validate.json and validate.png into ${OUT:-.}. Not yet run: no GPU was
+# lent to the sessions that wrote it (see docs/roofline.md, docs/performance-model.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
-python -m symcost.cli calibrate --device cuda --name gpu --out "$out/gpu.json"
-python -m symcost.cli validate --hardware cuda --quick --attempts 2 --devices-file "$out/gpu.json" --device gpu \
+timeout 300 python -m symcost.cli calibrate --device cuda --name gpu --out "$out/gpu.json"
+python - "$out/gpu.json" <<'PY'
+import json, sys
+e = json.load(open(sys.argv[1]))["gpu"]["efficiency"]
+print("efficiency:", {k: v for k, v in e.items() if k != "fit"})
+PY
+timeout 60 python -m symcost.cli mfu mlp --devices-file "$out/gpu.json" --device gpu --tokens-per-second 1e5 \
+    --set B=8 S=512 D=2048 L=4 --json > "$out/mfu.json"
+timeout 240 python -m symcost.cli validate --hardware cuda --quick --attempts 2 --devices-file "$out/gpu.json" --device gpu \
     --plot "$out/validate.png" --json > "$out/validate.json" || true
 python - "$out/validate.json" <<'PY'
 import json, sys

@@ -68,7 +68,7 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
            "tokens_per_second": R, "devices": n_devices, **tc, "mfu": u, "mfu_ceiling": ceiling,
            "implied_bandwidth": implied_bw, "bytes.fused_per_step": fused,
            "predicted": {k: perf[k] for k in ("mode", "step_seconds", "bound_seconds", "terms", "mfu_predicted",
-                                              "calibrated")}}
+                                              "calibrated", "defaulted")}}
     hfu = float(tc["flops.per_token_hardware"]) * R / (n_devices * peak)
     if hfu > 1:
         raise SymcostError(

@@ -96,7 +96,8 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
     compiled = bool(click.get_current_context().find_root().meta.get("symcost.compile"))
     perf = predict(an, dev, sizes, mode="compiled" if compiled else "eager")
     steps = n_tokens / tc["tokens_per_step"] / n_devices  # steps each device runs (data parallel, no comm)
-    predicted = {k: perf[k] for k in ("mode", "step_seconds", "bound_seconds", "terms", "mfu_predicted", "calibrated")}
+    predicted = {k: perf[k] for k in ("mode", "step_seconds", "bound_seconds", "terms", "mfu_predicted", "calibrated",
+                                                  "defaulted")}
     predicted.update({"time.seconds": steps * perf["step_seconds"], "time.days": steps * perf["step_seconds"] / 86400,
                       "bound.time.seconds": steps * perf["bound_seconds"]})
     out = {"model": an.model, "device": dev.to_json(), "precision": key, "peak_flops": peak, "devices": n_devices,

@@ -31,6 +31,9 @@ GEMM_SWEEP = ((32, 1024, 1024), (64, 512, 2048), (128, 128, 128), (192, 768, 192
               (256, 2048, 64), (384, 96, 1536), (512, 512, 512), (768, 3072, 96), (1024, 1024, 1024),
               (1536, 256, 1536), (2048, 32, 2048), (1024, 4096, 256), (2048, 2048, 2048))
 QUICK_SWEEP = ((64, 512, 2048), (128, 128, 128), (256, 2048, 64), (512, 512, 512), (1024, 1024, 1024))
+#: a GPU's sweep: sizes where launch overhead no longer dominates, across wave counts of 100-150 SMs
+GPU_SWEEP = ((256, 4096, 4096), (1024, 1024, 1024), (2048, 8192, 2048), (4096, 4096, 4096), (4096, 512, 4096),
+             (8192, 8192, 8192), (1664, 4096, 1664), (8192, 128, 8192), (384, 12288, 3072), (16384, 2048, 1024))
 
 
 def cpu_time(fn: Callable, *args, min_run_time: float = 0.3, min_runs: int = 5) -> dict:
@@ -191,11 +194,11 @@ def optimizer_costs(dev, min_run_time: float = 0.3) -> dict:
 
 
 def memory_fraction(dev, bandwidth: float, write_bandwidth: float | None, min_run_time: float = 0.3) -> dict:
-    """Eager ``a + b`` on 2^24-element fp32 operands (64 MiB each): its time against the
+    """Eager ``a + b`` on 2^24-element fp32 operands (64 MiB each; 2^28, 1 GiB, on a GPU): its time against the
     device's memory time for its bytes (read at ``bandwidth``, written at ``write_bandwidth``)."""
     import torch
 
-    n = 1 << 24
+    n = 1 << (28 if dev.type == "cuda" else 24)  # 1 GiB on a GPU (beyond its L2), 64 MiB on a CPU
     a, b = torch.randn(n, device=dev), torch.randn(n, device=dev)
     out = torch.empty_like(a)
     t = _median(lambda: torch.add(a, b, out=out), min_run_time=min_run_time)
@@ -247,7 +250,8 @@ def _efficiency(entry: dict, dev, gpu: bool, quick: bool, min_run_time: float, l
     log(f"transposing copy: {cp['copy_bandwidth'] / 1e9:.1f} GB/s")
     precisions = {k: getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[k])
                   for k in ("fp32", "bf16", "fp16") if k in entry and (gpu or k != "fp16")}
-    sweep = gemm_sweep(dev, precisions, QUICK_SWEEP if quick else GEMM_SWEEP, min_run_time=min_run_time / 2, log=log)
+    shapes = GPU_SWEEP[::2] if gpu and quick else GPU_SWEEP if gpu else QUICK_SWEEP if quick else GEMM_SWEEP
+    sweep = gemm_sweep(dev, precisions, shapes, min_run_time=min_run_time / 2, log=log)
 
     def pack(r):  # the sweep times whole GEMMs, a CPU BLAS's packing pass included: the
         return 0.0  # efficiency covers it (the performance model adds no packing term)

@@ -76,8 +76,9 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
         ``{"mode", "step_seconds" (predicted), "bound_seconds" (the roofline's, same bytes),
         "terms": {"gemm", "other_compute", "memory", "launch", "optimizer"} (seconds),
         "ops", "launches", "params_tensors", "params_bytes", "precision", "model_flops",
-        "mfu_predicted", "mfu_ceiling", "efficiency" (the table used), "calibrated" (False where
-        a figure came from the defaults), "nodes": [{index, op, phase, repeat, seconds,
+        "mfu_predicted", "mfu_ceiling", "efficiency" (the table used), "calibrated" (False: the
+        device has no efficiency table, every figure is a default), "defaulted" (the figures taken
+        from the defaults), "nodes": [{index, op, phase, repeat, seconds,
         efficiency (GEMMs), kind}]}``.
 
     Raises:
@@ -149,5 +150,6 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
             "ops": n_ops, "launches": n_launch, "params_tensors": tensors, "params_bytes": pbytes,
             "optimizer": "adamw-foreach" if optimizer else None, "precision": train_key,
             "model_flops": model_flops, "mfu_predicted": model_flops / (step * peak_train) if step else 0.0,
-            "mfu_ceiling": rl["mfu_ceiling"], "efficiency": eff.to_json(), "calibrated": not eff.defaulted,
+            "mfu_ceiling": rl["mfu_ceiling"], "efficiency": eff.to_json(), "calibrated": device.efficiency is not None,
+            "defaulted": list(eff.defaulted),
             "nodes": nodes}

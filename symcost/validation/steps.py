@@ -42,8 +42,10 @@ STEP_CASES: tuple[tuple[str, dict, str], ...] = (
     ("mlp", {"B": 4, "S": 200, "D": 1000, "L": 3}, "fp32"),
     ("gpt2", {"B": 1, "S": 256, "H": 8, "D": 40, "L": 3, "V": 6000}, "fp32"),
 )
-#: the subset the timing test runs (under a minute)
-QUICK_CASES = tuple(STEP_CASES[i] for i in (0, 2, 3, 5))
+#: the subset the timing test and ``validate --steps --quick`` run (under a minute): the smaller
+#: steps, fp32 and bf16-mixed (the bf16 einsum language models, 20% slow, are the full table's:
+#: docs/performance-model.md, "Known gaps")
+QUICK_CASES = tuple(STEP_CASES[i] for i in (0, 1, 5, 6))
 MIN_RUNS = 7
 MIN_SECONDS = 1.0
 #: a step timed while other processes used more than this share of the CPU is judged on its CPU
