@@ -331,3 +331,32 @@ def test_one_sequence_leaves_e_free(routing):
     assert "E" in plan.axis and len(es) >= 3 and all(e % 8 == 0 and e >= 16 for e in es), es
     if routing != "balanced":
         assert all((2 * p["B"] * p["S"] * p["R"]) % p["E"] == 0 for p in plan.points)
+
+
+def test_qwen3_moe_takes_head_dim_apart_from_the_width():
+    """transformers' Qwen3-MoE config class has no head_dim field, but its attention reads
+    ``config.head_dim`` (else hidden_size / heads): ``--config head_dim=96`` is accepted and binds D,
+    and the width becomes its own symbol M (as for dense Qwen3); without a head_dim, d_model = H·D."""
+    spec = symcost.resolve("hf:qwen3_moe", {"head_dim": "96"})
+    assert {"D", "M"} <= set(spec.symbols) and spec.defaults["D"] == 96 and spec.defaults["M"] == 2048
+    spec = symcost.resolve(_path("qwen3-30b-a3b"))
+    assert spec.defaults["D"] == 128 and spec.defaults["M"] == 2048
+    assert "M" not in symcost.resolve("hf:qwen3_moe").symbols
+
+
+@pytest.mark.heavy
+def test_qwen3_30b_a3b_head_dim_apart_from_the_width():
+    """Qwen3-30B-A3B's head_dim 128 is not hidden_size 2048 / 32 heads: the trace has D and M as
+    symbols (neither pinned, the head dim not folded into constants), and its parameter formula at
+    other head dims and widths equals transformers' model built on the meta device from the file
+    with that head_dim and hidden_size (2 layers)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    an = _trace("qwen3-30b-a3b")
+    assert {"D", "M"} <= set(an.symbols) and not an.pinned, an.pin_reasons
+    for d, m in ((96, 2048), (160, 1024)):
+        cfg = AutoConfig.from_pretrained(_path("qwen3-30b-a3b"), head_dim=d, hidden_size=m, num_hidden_layers=2)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        assert model.model.layers[0].self_attn.q_proj.weight.shape == (32 * d, m)
+        assert an.subs(**REQUEST, D=d, M=m, L=2)["params"] == sum(p.numel() for p in model.parameters()), (d, m)

@@ -186,15 +186,37 @@ def _make_config(AutoConfig, model_type: str, kwargs: Mapping[str, Any]):
         hf_logging.set_verbosity(level)
 
 
+def _reads_head_dim(model_type: str) -> bool:
+    """Whether transformers' modeling code of ``model_type`` reads ``config.head_dim`` where the
+    config class has no such field (``getattr(config, "head_dim", hidden_size //
+    num_attention_heads)``: Qwen3-MoE, Mixtral, Qwen2-MoE): a ``head_dim`` in a config file or
+    ``--config`` then sets the attention's head dimension apart from ``hidden_size``, as the field
+    does for dense Qwen3 (Qwen3-30B-A3B: head_dim 128, hidden_size 2048, 32 heads)."""
+    import inspect
+    import sys
+
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        _, _, CONFIG_MAPPING, _ = _import_transformers()
+        src = inspect.getsource(sys.modules[MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]].__module__])
+    except Exception:  # noqa: BLE001 - no modeling code to read: the config's fields decide
+        return False
+    return 'getattr(config, "head_dim"' in src
+
+
 def _apply_overrides(AutoConfig, model_type: str, base, overrides: Mapping[str, str],
                      base_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Turn ``key=value`` strings into constructor kwargs (field names), validating every key.
 
     ``parent.key=value`` sets one entry of a dict-valued attribute (e.g.
     ``rope_parameters.partial_rotary_factor=0.5``). ``base_kwargs`` (a config file's values) come
-    first; the result holds them with the overrides on top.
+    first; the result holds them with the overrides on top. ``head_dim`` is a key wherever the
+    model's code reads it (:func:`_reads_head_dim`).
     """
     known = _config_keys(base)
+    if "head_dim" in overrides and "head_dim" not in known and _reads_head_dim(model_type):
+        known.add("head_dim")
     kwargs: dict[str, Any] = dict(base_kwargs or {})
     for key, text in overrides.items():
         key = key.strip()
@@ -384,7 +406,9 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
                 f"hf:{model_type}: {cls} has no usable {key} ({v!r}); symcost binds H, D, L, V to "
                 "num_attention_heads, head_dim, num_hidden_layers, vocab_size"
             )
-    settable_head_dim = _is_field(cfg, "head_dim")
+    # (a class without the field whose modeling code reads config.head_dim, given one by a file or
+    # --config: Qwen3-30B-A3B's head_dim 128 apart from hidden_size 2048 / 32 heads)
+    settable_head_dim = _is_field(cfg, "head_dim") or (attr("head_dim") is not None and _reads_head_dim(model_type))
     head_dim = attr("head_dim") if settable_head_dim else None
     wide = dict(ov)
     wide[_field_name(cfg, "hidden_size")] = 2 * hidden
