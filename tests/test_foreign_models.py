@@ -290,3 +290,50 @@ def test_step_function_width_at_llama3_8b_sizes(titan_an):
     with torch.device("meta"):  # V and K stay symbols of the new trace
         other = t.build({**sizes, "V": 1000, "K": 4, "L": 3})
     assert again.subs(V=1000, K=4, L=3)["params"] == sum(p.numel() for p in other.parameters())
+
+
+# ------------------------------------------------------------------------------------------------
+# nn.LSTM on the CPU: oneDNN's workspace, saved for backward, is empty on fake tensors
+class LSTMLM(nn.Module):
+    def __init__(self, v, d, layers):
+        super().__init__()
+        self.emb, self.lstm, self.out = nn.Embedding(v, d), nn.LSTM(d, d, num_layers=layers, batch_first=True), nn.Linear(d, v)
+
+    def forward(self, ids):
+        return self.out(self.lstm(self.emb(ids))[0])
+
+
+def lstm_spec():
+    return symcost.ModelSpec(
+        name="lstm-lm", symbols=("V", "D"), defaults={"B": 2, "S": 3, "V": 11, "D": 4},
+        build=lambda v: LSTMLM(v["V"], v["D"], 2),
+        make_inputs=lambda v, device: ((torch.randint(0, v["V"], (v["B"], v["S"]), device=device),), {}),
+        loss=lambda out, inputs: out.float().pow(2).mean())
+
+
+def test_lstm_workspace_saved_bytes_on_fake_tensors():
+    """The smallest input: the step recorded on fake tensors saves what saved_tensors_hooks sees
+    on real ones (oneDNN's workspace of each layer included: 0 bytes before, activations −84%),
+    at two sizes; and the workspace formula equals the real kernel's at random sizes (two
+    layers, both directions, batch first or not)."""
+    from memory_oracle import saved_bytes
+
+    from symcost.tracing.onednn_rnn import workspace_bytes
+    from symcost.tracing.record import _record
+
+    spec = lstm_spec()
+    for v in ({"B": 1, "S": 1, "V": 5, "D": 1}, {"B": 3, "S": 7, "V": 29, "D": 20}):
+        fake = _record(spec, v, "fp32", None, real_ok=False)
+        assert sum(s.nbytes for s in fake.saved) == saved_bytes(spec, v, "fp32"), v
+    rng = random.Random("lstm")
+    for _ in range(3):
+        b, s, i, h = rng.randint(1, 9), rng.randint(1, 30), rng.randint(1, 300), rng.randint(1, 300)
+        bi, first = rng.random() < 0.5, rng.random() < 0.5
+        lstm = nn.LSTM(i, h, num_layers=2, bidirectional=bi, batch_first=first)
+        x = torch.randn((b, s, i) if first else (s, b, i), requires_grad=True)
+        seen = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: seen.append(t.numel()) or t if t.dtype == torch.uint8 else t, lambda t: t):
+            lstm(x)
+        dirs = 2 if bi else 1
+        assert seen == [workspace_bytes(s, b, i, h)] * dirs + [workspace_bytes(s, b, dirs * h, h)] * dirs, (b, s, i, h, bi)

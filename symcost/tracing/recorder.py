@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from symcost.errors import SymcostError
 from symcost.frontends.checkpointing import recomputing, recomputing_block
-from symcost.tracing import grouped_mm
+from symcost.tracing import grouped_mm, onednn_rnn
 from symcost.tracing.recording import IntRef, MemoryEvent, OpCall, TensorInfo, TensorRef
 
 _META_KEY = "symcost_module"
@@ -59,6 +59,7 @@ _META_ALIASED_OUTPUTS = {torch.ops.aten.mkldnn_rnn_layer_backward.default}
 _PRIM_DEVICE = torch.ops.prim.device.default
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_MKLDNN_RNN_LAYER = getattr(getattr(torch.ops.aten, "mkldnn_rnn_layer", None), "default", None)
 #: ops whose ``padding_idx`` argument (position in the ``ints`` the recorder keeps) selects the one
 #: row whose gradient is zeroed: no FLOP or byte depends on it, and under a vocabulary-parallel
 #: embedding (transformers' ``embedding_rowwise``) the rank's local value is the config's pad id
@@ -364,6 +365,12 @@ class _Recorder(TorchDispatchMode):
                 # declares no alias, so a FakeTensorMode cache hit rebuilds the output as a new
                 # storage: a copy the rank never holds
                 out = args[0]
+            elif func is _MKLDNN_RNN_LAYER and isinstance(out[3], FakeTensor) and out[3].numel() == 0:
+                # an LSTM layer on the CPU: PyTorch's meta kernel returns oneDNN's training
+                # workspace (saved for backward) empty; the real kernel's size, from oneDNN's layout
+                n = onednn_rnn.lstm_workspace(args, kwargs)
+                if n:
+                    out = (*out[:3], out[3].new_empty((n,)))
             elif func is _LIFT_FRESH and out is args[0]:
                 # the real kernel returns its input, a fake one a new tensor: a new tensor object
                 # (on the same storage) here too, so the constant and its lifted copy are two
