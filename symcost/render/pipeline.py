@@ -95,7 +95,7 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
         t.add_row(str(row["rank"]), ",".join(map(str, row["stages"])), str(row["blocks"]), _flops(row["flops"]),
                   *((_flops(row["flops_hardware"]),) if recompute else ()),
                   str(row["in_flight"]), _bytes(row["activations"]), _bytes(row["send"]), _bytes(row["recv"]),
-                  _bytes(row["model_states"]), (_bytes(row["peak_with_optimizer"])
+                  _bytes(row["model_states"]) + (" on the host" if "host" in row else ""), (_bytes(row["peak_with_optimizer"])
                                                 + (" [bold red]> cap[/bold red]" if cap and row["peak_with_optimizer"] > cap
                                                    else "")) if "memory" in row else "-")
     console.print(t)
