@@ -37,6 +37,8 @@ COPIES = {"aten.copy_", "aten.clone", "aten.contiguous"}
 #: GEMM packets -> (index of the [.., m, k] operand, index of the [.., k, n] operand)
 GEMMS = {"aten.mm": (0, 1), "aten.addmm": (1, 2), "aten.bmm": (0, 1), "aten.baddbmm": (1, 2)}
 MODES = ("eager", "compiled")
+#: the figures a calibration measures: a prediction is "calibrated" when none of them is a default
+MEASURED = {"gemm_max", "memory", "launch_eager"}
 
 
 def efficiency_of(device: Device) -> Efficiency:
@@ -76,8 +78,8 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
         ``{"mode", "step_seconds" (predicted), "bound_seconds" (the roofline's, same bytes),
         "terms": {"gemm", "other_compute", "memory", "launch", "optimizer"} (seconds),
         "ops", "launches", "params_tensors", "params_bytes", "precision", "model_flops",
-        "mfu_predicted", "mfu_ceiling", "efficiency" (the table used), "calibrated" (False: the
-        device has no efficiency table, every figure is a default), "defaulted" (the figures taken
+        "mfu_predicted", "mfu_ceiling", "efficiency" (the table used), "calibrated" (False: one
+        of :data:`MEASURED` is a default, not measured), "defaulted" (the figures taken
         from the defaults), "nodes": [{index, op, phase, repeat, seconds,
         efficiency (GEMMs), kind}]}``.
 
@@ -150,6 +152,6 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
             "ops": n_ops, "launches": n_launch, "params_tensors": tensors, "params_bytes": pbytes,
             "optimizer": "adamw-foreach" if optimizer else None, "precision": train_key,
             "model_flops": model_flops, "mfu_predicted": model_flops / (step * peak_train) if step else 0.0,
-            "mfu_ceiling": rl["mfu_ceiling"], "efficiency": eff.to_json(), "calibrated": device.efficiency is not None,
+            "mfu_ceiling": rl["mfu_ceiling"], "efficiency": eff.to_json(), "calibrated": not (set(eff.defaulted) & MEASURED),
             "defaulted": list(eff.defaulted),
             "nodes": nodes}
