@@ -50,7 +50,7 @@ def main() -> None:
              "except SystemExit:\n    pass\n"
              "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'TORCH_NOT_IMPORTED', file=sys.stderr)")
     with tempfile.TemporaryDirectory(prefix="symcost-bench-cache-") as d:
-        env = dict(os.environ, SYMCOST_CACHE_DIR=d)
+        env = dict(os.environ, SYMCOST_CACHE_DIR=d, SYMCOST_GRAPHS_DIR="")  # (cold: traced, not the graph library)
         cold_wall, cold_cpu, cold_out = run(cli, env)
         warm = [run(cli, env) for _ in range(args.repeat)]
         imported = subprocess.run([sys.executable, "-c", probe, *cli[3:]], env=env, capture_output=True,

@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "serve": "symcost.commands.serve:serve",
     "plan": "symcost.commands.plan:plan",
     "explore": "symcost.commands.explore:explore",
+    "graphs": "symcost.commands.graphs:graphs",
 }
 
 

@@ -18,6 +18,9 @@ import symcost
 # (one per process: pytest-xdist's workers do not share one).
 os.environ["SYMCOST_CACHE_DIR"] = tempfile.mkdtemp(prefix="symcost-test-cache-")
 atexit.register(shutil.rmtree, os.environ["SYMCOST_CACHE_DIR"], ignore_errors=True)  # (not left in /tmp)
+# The graph library (graphs/, symcost.graph.library) would answer many requests without tracing:
+# off for the tests, which check what the tracer gives (tests/test_graph_library.py turns it on).
+os.environ["SYMCOST_GRAPHS_DIR"] = ""
 if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one intra-op thread each
     import torch
 

@@ -160,7 +160,18 @@ def _count(rep) -> str:
 
 def provenance(an: Analysis) -> str:
     """``traced in X s``, and where the analysis came from the trace cache, that it was read back
-    from there (the seconds are those of the trace that wrote the entry, not of this run)."""
+    from there (the seconds are those of the trace that wrote the entry, not of this run); where
+    it came from the graph library, ``from the graph library (traced with torch X, transformers
+    Y)``, the sizes traced at where the request's differ, and any version that differs here."""
+    lib = an.__dict__.get("library")
+    if lib:  # served from the graph library (symcost.graph.library)
+        out = f"from the graph library (traced with torch {lib['torch']}, transformers {lib['transformers']})"
+        if lib.get("traced_at"):
+            at = " ".join(f"{k}={v}" for k, v in lib["traced_at"].items())
+            out += f", traced at {at}, every parameter's shape checked at these sizes on the meta device"
+        if lib.get("differs"):
+            out += f"; traced with other versions than these: {', '.join(lib['differs'])}"
+        return out + "; --no-cache traces afresh"
     out = f"traced in {sum(an.timings.values()):.1f} s"
     if an.__dict__.get("cached_from"):
         out += " (read back from the trace cache; --no-cache traces afresh)"
