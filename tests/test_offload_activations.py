@@ -209,3 +209,27 @@ def test_max_batch_at_the_boundary_against_memtracker():
     assert lo < hi
     sol = mm.solve((lo + hi) // 2, "B", **v)
     assert sol.value == b0, (v, b0, lo, hi, sol)
+
+
+def test_max_batch_prints_the_host_bytes_at_its_answer():
+    """``max-batch --offload-activations --json``: ``activation_offload_host`` at the largest B
+    == the bytes PyTorch's ``save_on_cpu(pin_memory=True)`` packs on the real step at that B."""
+    import json
+
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+    from symcost.frontends.models import resolve
+    from symcost.passes.memory import memory_model
+
+    an = _trace()
+    v = {"S": 64, "H": 16, "D": 8, "V": 128, "L": 2}
+    b0 = random.Random(2733).randint(2, 5)
+    cap = int(memory_model(an, PRECISION, "adamw", impl="foreach", device="cpu").peak(**v, B=b0)) + 1
+    r = CliRunner().invoke(main, ["max-batch", "megatron-gpt", "--offload-activations", "--precision", PRECISION,
+                                  "--torch-device", "cpu", "--set", *[f"{k}={x}" for k, x in v.items()],
+                                  "--memory", str(cap), "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["max_batch"] >= b0
+    assert out["activation_offload_host"] == _packed_bytes(resolve("megatron-gpt"), dict(v, B=out["max_batch"]))["d2h"]

@@ -47,7 +47,23 @@ def _solution_json(an, sol: mem.Solution, mm: mem.MemoryModel, seconds: float) -
         out["dominant"] = {"component": sol.dominant[0], "bytes": sol.dominant[1]}
     if sol.value >= 1:  # what the peak at the answer is made of (the parts add up to memory_at_max)
         out["peak_parts"] = mm.peak_parts(**{**sol.sizes, sol.var: sol.value})
+        host = _activation_host_bytes(an, {**sol.sizes, sol.var: sol.value})
+        if host is not None:
+            out["activation_offload_host"] = host
     return out
+
+
+def _activation_host_bytes(an, at) -> int | None:
+    """Pinned host bytes ``--offload-activations`` holds at the sizes ``at`` (the packed saved
+    tensors at the end of the forward: :func:`symcost.passes.offload.activation_summary`), None
+    without the option."""
+    from symcost.frontends.layout import layout_of
+
+    if not layout_of(an).offload_activations:
+        return None
+    from symcost.passes.offload import activation_summary
+
+    return int(activation_summary(an, at)["values"]["host"]["total"])
 
 
 #: exit status when not even B = 1 (S = 1, a micro-batch of 1) fits under the cap; the output says
@@ -277,6 +293,10 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
         c.print(f"  peak reached at: {parts['where']}")
         c.print(f"  over the whole step (not all live at once): gradients {human(comp['grads'], 'B')}, "
                 f"activations saved for backward {human(comp['activations'], 'B')}")
+        host = _activation_host_bytes(an, at)
+        if host is not None:
+            c.print(f"  --offload-activations at {v} = {sol.value}: {human(host, 'B')} of pinned host memory "
+                    "(the saved tensors packed by the end of the forward; not in the device's peak)")
     else:
         name, nbytes = sol.dominant
         c.print(f"[bold red]  even {v} = 1 does not fit[/bold red]: M(1) = {human(sol.memory_next, 'B')} > cap; "
