@@ -198,6 +198,112 @@ def test_report_mixtral_8x7b_ep8_parameters_per_rank():
     assert got["comm"]["all_to_all"] == layers * per_layer * 7 // 8
 
 
+#: the traced request of EP under FSDP2 (docs/parallel.md §14.6): DP·EP = 4 ranks, E/EP = 8 experts each
+REQUEST_DP = {"DP": 2, "EP": 2, "B": 2, "S": 16, "H": 4, "D": 8, "L": 2, "V": 96, "F": 24, "E": 16, "R": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _trace_dp():
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+
+    return symcost.trace(resolve("moe"), layout=Layout(ep=True, shard="fsdp"), sizes=REQUEST_DP, precision=PRECISION)
+
+
+def _check_groups(an, v: dict, got: dict, what) -> None:
+    """Per process group: each kind's bytes per rank equal the run's (DP: the dense parameters'
+    dp_shard × ep group, DP_expert: the experts' dp_shard group, EP: the all-to-alls')."""
+    env = an.bind(**v)
+    for g in ("DP", "DP_expert", "EP"):
+        for k in ("all_gather", "reduce_scatter", "all_to_all"):
+            want = Fraction(str(an.comm_bytes(k, group=g).subs(env)))
+            assert want == Fraction(got["by_group"].get(g, {}).get(k, "0")), (what, g, k)
+    assert Fraction(got["by_group"]["DP_expert"]["reduce_scatter"]) > 0 and Fraction(got["by_group"]["DP"]["all_gather"]) > 0
+
+
+@pytest.mark.heavy
+def test_ep_under_fsdp_divides_by_dp_and_ep():
+    """--ep N --dp M --shard fsdp: DP and EP both symbols; a rank holds P/(DP·EP) parameter
+    elements (the dense ones over DP·EP ranks, its E/EP experts over DP); the experts' gradients
+    are reduce-scattered over the DP ranks that hold the same experts: (DP-1)/DP of the rank's
+    E/EP experts' fp32 gradients, by hand; the all-to-alls are those of --ep alone."""
+    import sympy
+
+    from symcost.tracing.fit import SYMS
+
+    an, alone = _trace_dp(), _trace()
+    assert {"DP", "EP"} <= set(an.symbols) and not an.pinned, an.pinned
+    B, S, H, D, L, E, R, F, EP, DP = (SYMS[k] for k in ("B", "S", "H", "D", "L", "E", "R", "F", "EP", "DP"))
+    assert sympy.expand(an.params_shard - an.params / (DP * EP)) == 0
+    experts_local = 3 * E * F * H * D * L / EP  # w1, w3 [E/EP, F, M], w2 [E/EP, M, F] per layer
+    rs = an.comm_bytes("reduce_scatter", group="DP_expert")
+    assert sympy.expand(rs - 4 * experts_local * (DP - 1) / DP) == 0
+    assert sympy.expand(an.comm_bytes("all_to_all", group="EP") - alone.comm_bytes("all_to_all")) == 0
+
+
+@pytest.mark.heavy
+def test_ep_under_fsdp_rank_against_pytorch_on_the_fake_group():
+    """At random sizes (DP 2 or 4, EP 2 or 4, DP·EP <= E: Shard(0) of the local experts): rank 0's
+    FLOPs, saved bytes, parameter elements and each group's all-gather, reduce-scatter and
+    all-to-all bytes equal PyTorch's step with FSDP2 applied as torchtitan applies it under EP
+    (tests/data/ep_rank.py ``fsdp_as_torchtitan``) on the fake group."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ep_rank import fsdp_as_torchtitan
+    from symcost.frontends.parallel import fake_world
+
+    an = _trace_dp()
+    rng = random.Random(2828)
+    for _ in range(2):
+        dp, ep = rng.choice(((2, 2), (2, 4), (4, 2)))
+        v = {**_draw(rng, ep_choices=(ep,)), "DP": dp, "E": 16, "H": 4, "D": 8, "V": 16 * rng.randint(3, 8)}
+        v["S"] = 16 * rng.randint(1, 2)
+        fake_world(dp * ep)
+        mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp_shard", "ep"))
+        model = build(v, mesh["ep"])
+        flat = fsdp_as_torchtitan(model, mesh)
+        groups = {mesh["ep"].get_group().group_name: "EP", mesh["dp_shard"].get_group().group_name: "DP_expert",
+                  flat.get_group().group_name: "DP"}
+        got = measure(model, torch.randint(0, v["V"], (v["B"], v["S"])), groups=groups)
+        env = an.bind(**v)
+        assert int(an.flops("train").subs(env)) == got["flops"], v
+        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], v
+        assert int(an.params_shard.subs(env)) == got["shard"], v
+        _check_groups(an, v, got, v)
+
+
+@pytest.mark.heavy
+def test_real_gloo_ep2_dp2(tmp_path):
+    """``torchrun --nproc-per-node 4`` with gloo on this CPU: EP 2 × DP 2 (the mesh (dp_shard, ep),
+    FSDP2 as torchtitan applies it under EP, each rank its own tokens, the routers balanced):
+    each rank's FLOPs, saved bytes, parameter elements, all-to-all bytes and each group's
+    gradient reduce-scatter and parameter all-gather bytes equal symcost's, and its peak
+    (MemTracker, AdamW for-loop) is within 5% of symcost's per-rank peak."""
+    from symcost.passes.memory import memory_model
+
+    nproc, dp = 4, 2
+    v = {**REQUEST_DP, "B": 3, "S": 32, "L": 2, "V": 64, "F": 16, "R": 2}
+    script = os.path.join(os.path.dirname(__file__), "data", "ep_rank.py")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                        script, str(tmp_path)] + [str(v[k]) for k in "HDLVFERBS"] + [str(dp)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
+                                        if any(w in line for w in ("Error", "error", "rank", "terminate", "what()")))[-4000:]
+    an = _trace_dp()
+    want = memory_model(an, PRECISION, "adamw", impl="for-loop", device="cpu").peak(**v)
+    for rank in range(nproc):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["world"] == nproc
+        env_ = an.bind(**v)
+        assert int(an.flops("train").subs(env_)) == got["flops"], rank
+        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env_)) == got["saved"], rank
+        assert int(an.params_shard.subs(env_)) == got["shard"], rank
+        _check_groups(an, v, got, rank)
+        assert abs(want - got["memtracker"]) <= 0.05 * got["memtracker"], (rank, want, got["memtracker"], v)
+
+
 def _cli(args):
     from click.testing import CliRunner
 
@@ -208,7 +314,9 @@ def _cli(args):
 
 @pytest.mark.parametrize("args, words", [
     (["report", "moe", "--ep", "3"], "does not divide the E=8 routed experts"),
-    (["report", "moe", "--ep", "2", "--dp", "2"], "expert parallelism is modelled alone for now"),
+    (["report", "moe", "--ep", "2", "--tp", "2"], "expert parallelism is modelled alone or under FSDP2"),
+    (["report", "moe", "--ep", "2", "--dp", "2"], "DDP, HSDP and CPU offload with EP are not modelled yet"),
+    (["report", "moe", "--ep", "2", "--dp", "2", "--shard", "fsdp", "--gpu", "h100"], "not modelled yet"),
     (["report", "cs336-lm", "--ep", "2"], "has none (no symbols E and R)"),
 ])
 def test_ep_refusals_are_one_line(args, words):

@@ -328,6 +328,10 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
                     offload_activations=bool(meta.get("symcost.offload_activations")))
     sizes = {k: v for k, v in (("DP", dp), ("TP", tp), ("PP", pp if pipe else None), ("EP", meta.get("symcost.ep")))
              if v is not None}
+    if meta.get("symcost.ep") is not None and dp is not None and (meta.get("symcost.gpu") or command == "time"):
+        raise SymcostError("--ep with --dp and --gpu or `time`: the step time of an expert-parallel rank under FSDP2 "
+                           "(its all-to-alls over their links) is not modelled yet; `report` and `max-batch` answer "
+                           "its FLOPs, bytes per group and peak (docs/parallel.md §14.6)")
     if meta.get("symcost.cp_rotate") is not None and meta.get("symcost.cp") is None:
         raise SymcostError("--cp-rotate needs --cp N (the context-parallel size)")
     if meta.get("symcost.cp") is not None and dp is not None and command == "time":
@@ -465,6 +469,8 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
         # served by one entry, within the residue classes of the split sizes and their per-rank
         # regime (graph/cache.py)
         sizes = {**sizes, **mesh_sizes}
+        if layout.ep_fsdp and layout.experts_shard is None:  # (the experts' FSDP2 placement: part of the key)
+            layout = _experts_shard(layout, model, cfg, attention, sizes)
         options.update(layout.cache_options())
     if step is not None:
         options.update(step=step, kv_cache=kv_cache)
@@ -484,6 +490,25 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
     an = an.with_attention_flops(ctx.meta.get("symcost.attention_flops", "full") if ctx else "full")
     an.bind(**sizes)  # validate before rendering
     return an, sizes
+
+
+def _experts_shard(layout, model, cfg, attention, sizes):
+    """``layout`` (``--ep`` under FSDP2) with the experts' FSDP2 placement of the request
+    (:func:`symcost.frontends.expert_parallel.experts_shard_dim`: torchtitan's Shard(1) where
+    DP·EP > E), E from ``--set`` or the model's own config."""
+    import dataclasses
+
+    from symcost.frontends.expert_parallel import experts_shard_dim
+
+    e = sizes.get("E")
+    if e is None:
+        from symcost.frontends.models import resolve
+
+        spec = resolve(model, cfg, attention)
+        e = spec.values({k: v for k, v in sizes.items() if k in spec.symbols}, inputs=False).get("E")
+    if e is None:
+        return layout  # (no routed experts: the trace says so in one line)
+    return dataclasses.replace(layout, experts_shard=experts_shard_dim({**sizes, "E": e}))
 
 
 def every_layer_trace(an, model, config, attention, precision, sizes, quiet=False):

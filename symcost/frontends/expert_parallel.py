@@ -32,9 +32,14 @@ tensors cannot answer). Bytes per rank: (EP-1)/EP of each all-to-all's input
 (:data:`symcost.graph.rules.RING_FACTOR`; nccl-tests' all-to-all bus bandwidth).
 
 Without a data-parallel dimension the EP ranks each run their own micro-batch with the dense
-(non-expert) parameters replicated, and nothing reduces the dense gradients across them: that
-reduction belongs to a data-parallel dimension (torchtitan borrows the EP ranks from
-``dp_shard·cp·tp``); ``--ep`` is modelled alone for now (docs/parallel.md §14).
+(non-expert) parameters replicated, and nothing reduces the dense gradients across them. Under
+FSDP2 (``--ep N --dp M --shard fsdp|zero3|zero2``, docs/parallel.md §14.6) the layout is
+torchtitan's (``parallelize_deepseekv3``/``parallelize_qwen3``'s ``apply_fsdp``, ``ParallelDims``'
+``dp_shard_mod_ep``/``efsdp`` and ``dp_shard_in_ep``/``ep`` meshes): DP·EP ranks, each its own
+micro-batch; every experts module its own ``fully_shard`` unit over the DP ranks that hold the same
+E/EP experts (:func:`shard_experts`: ``Shard(0)`` of the local experts, ``Shard(1)`` where
+DP·EP > E), the rest of each block and the root over all DP·EP ranks (the flattened
+``dp_shard × ep`` mesh: torchtitan's ``dp_shard``, of which EP is a factor).
 
 Torch is imported only inside the functions that need it.
 """
@@ -42,9 +47,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Mapping
 
 from symcost.errors import SymcostError
+
+#: spec.build -> {experts' placement dim -> memo of :func:`fsdp_indivisible`'s parameter dimensions}
+_FSDP_DIMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 #: the built-in ``moe`` experts' stacked weights (symcost/frontends/builtin/moe.py ``Experts``)
 BUILTIN_WEIGHTS = ("w1", "w2", "w3")
@@ -84,6 +93,64 @@ def expert_parallel(spec):
     moduli = dict(spec.moduli, E=math.lcm(spec.moduli.get("E", 1), 8))
     return dataclasses.replace(spec, symbols=tuple(spec.symbols) + ("EP",), defaults=defaults,
                                probe_check=probe_check, check=check, moduli=moduli)
+
+
+def experts_shard_dim(values: Mapping[str, int]) -> int:
+    """FSDP2's placement dimension of the experts' local weights ``[E/EP, ...]`` at ``values``
+    (``DP``, ``EP``, ``E``), torchtitan's rule (``apply_fsdp``: ``Shard(1)`` where
+    ``efsdp·ep > num_experts``, so that no DP rank is left with an empty or padded shard of the
+    E/EP local experts; else ``Shard(0)``): 1 where DP·EP > E, else 0."""
+    return 1 if int(values["DP"]) * int(values["EP"]) > int(values["E"]) else 0
+
+
+def shard_experts(model, mesh, reshard: bool, kw: Mapping, dim: int = 0) -> None:
+    """``fully_shard`` every experts module of ``model`` (:func:`experts_modules`, after
+    :func:`apply`) as its own unit over ``mesh`` (the expert-data-parallel group: the DP ranks
+    that hold the same E/EP experts), as torchtitan's ``apply_fsdp`` does under EP, before the
+    blocks are wrapped over the dense mesh: its stacked weights, ``Shard(0)`` DTensors over ``ep``,
+    sharded again on dimension ``dim`` (:func:`experts_shard_dim`) of their local tensor.
+    ``reshard``: ``reshard_after_forward``; ``kw``: the other ``fully_shard`` options (mixed
+    precision). Their gradients are reduce-scattered over ``mesh`` only."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    for _, m, _ in experts_modules(model):
+        fully_shard(m, mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=lambda p: Shard(dim), **kw)
+
+
+def fsdp_indivisible(spec, values: Mapping[str, int], dim: int = 0) -> str | None:
+    """Why a probe of expert parallelism under FSDP2 (:func:`shard_experts`) has per-rank sizes
+    that are not polynomial in DP and EP, or None: the dense parameters' first dimensions must be
+    multiples of lcm(DP, 4)·lcm(EP, 4) (FSDP2 shards them over DP·EP ranks; the lcm with 4 lets DP
+    and EP each vary alone from the probe, as :func:`symcost.frontends.parallel.data_parallel`),
+    and the experts' local weights ``[E/EP, ...]`` must split over DP on dimension ``dim``
+    (``E/EP`` a multiple of lcm(DP, 4) for ``Shard(0)``, each weight's second dimension for
+    ``Shard(1)``). Parameters built on the meta device, memoised per model."""
+    from symcost.frontends.parallel import memo_per_model
+
+    def build(v):
+        model = spec.build_meta(v)
+        experts = {id(p) for _, m, _ in experts_modules(model) for p in m.parameters()}
+        dense = sorted({int(p.shape[0]) for p in model.parameters() if p.dim() and id(p) not in experts})
+        ex = sorted({int(p.shape[dim]) for _, m, _ in experts_modules(model) for p in m.parameters(recurse=False)
+                     if p.dim() > dim})
+        return tuple(dense), tuple(ex)
+
+    v = {k: x for k, x in values.items() if k not in ("DP", "EP", "TP")}
+    if "L" in v:
+        v["L"] = min(v["L"], int(getattr(spec, "lead_blocks", 0) or 0) + 2)
+    memo = _FSDP_DIMS.setdefault(spec.build, {}).setdefault(dim, {})
+    dense, ex = memo_per_model(memo, v, build)
+    dp, ep = int(values["DP"]), int(values["EP"])
+    m = math.lcm(dp, 4) * math.lcm(ep, 4)
+    bad = [d for d in dense if d % m]
+    if bad:
+        return f"a dense parameter's first dimension, {bad[0]}, is no multiple of lcm(DP={dp}, 4)·lcm(EP={ep}, 4)"
+    k = math.lcm(dp, 4)
+    bad = [d for d in ex if (d // ep if dim == 0 else d) % k]
+    if bad:
+        return f"the experts' dimension {dim} ({bad[0]}{'/EP' if dim == 0 else ''}) is no multiple of lcm(DP={dp}, 4)"
+    return None
 
 
 def indivisible(values: Mapping[str, int]) -> str | None:

@@ -115,6 +115,11 @@ class Layout:
             backward unpacks it, as under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
             around the forward (``--offload-activations``; :mod:`symcost.frontends.offload`,
             docs/memory.md "Activation offload").
+        ep: expert parallelism over an ``ep`` dimension (:mod:`symcost.frontends.expert_parallel`),
+            alone or under FSDP2 (``shard`` ``fsdp``, ``zero3``, ``zero2``: :attr:`ep_fsdp`).
+        experts_shard: with ``ep`` under FSDP2, the dimension of the experts' local weights
+            ``[E/EP, ...]`` FSDP2 shards over DP (0 or 1; torchtitan's rule at the request's sizes,
+            :func:`symcost.frontends.expert_parallel.experts_shard_dim`; None: chosen when traced).
     """
 
     shard: str | None = None
@@ -132,6 +137,7 @@ class Layout:
     compile: bool = False
     ep: bool = False
     offload_activations: bool = False
+    experts_shard: int | None = None
 
     def __post_init__(self):
         from symcost.frontends.parallel import check_shard
@@ -175,10 +181,22 @@ class Layout:
         object.__setattr__(self, "compile", bool(self.compile))
         object.__setattr__(self, "ep", bool(self.ep))
         object.__setattr__(self, "offload_activations", bool(self.offload_activations))
-        if self.ep and (self.shard is not None or self.tp or self.pipeline is not None or self.fp8 is not None
-                        or self.cp or self.compile):
-            raise SymcostError("--ep with --dp/--tp/--pp/--cp/--fp8/--compile: expert parallelism is modelled alone "
-                               "for now (docs/parallel.md §14); give --ep N without them")
+        if self.ep and (self.tp or self.pipeline is not None or self.fp8 is not None or self.cp or self.compile):
+            raise SymcostError("--ep with --tp/--pp/--cp/--fp8/--compile: expert parallelism is modelled alone or "
+                               "under FSDP2 (--dp N --shard fsdp|zero3|zero2) for now (docs/parallel.md §14); "
+                               "give --ep N without them")
+        if self.experts_shard is not None and (not self.ep or self.shard is None or self.experts_shard not in (0, 1)):
+            raise SymcostError("experts_shard (0 or 1) is the experts' FSDP2 placement under --ep with --dp")
+        if self.ep and self.shard is not None:
+            from symcost.frontends.parallel import SHARDS
+
+            if SHARDS[self.shard][0] != "fully_shard" or self.replicate is not None or self.offload:
+                raise SymcostError(f"--ep with --shard {self.shard}"
+                                   + (" --dp-replicate" if self.replicate is not None else "")
+                                   + (" --offload" if self.offload else "")
+                                   + ": expert parallelism composes with FSDP2 over dp_shard × ep, as torchtitan "
+                                   "(--dp N --shard fsdp|zero3|zero2; docs/parallel.md §14.6); DDP, HSDP and CPU "
+                                   "offload with EP are not modelled yet")
         if self.compile:
             others = [flag for flag, on in (("--tp", self.tp), ("--pp", self.pipeline is not None),
                                             ("--cp", self.cp), ("--ac", self.ac is not None),
@@ -219,7 +237,7 @@ class Layout:
             present.add("cp")
         if self.tp:
             present.add("tp")
-        if self.ep:  # (alone for now: the EP ranks are the whole mesh)
+        if self.ep:  # (the innermost: an EP group is EP consecutive ranks, torchtitan's dp_shard_in_ep)
             present.add("ep")
         return tuple(d for d in MESH_DIMS + ("ep",) if d in present)
 
@@ -255,14 +273,25 @@ class Layout:
             out.append(s)
             if s == "DP" and self.hsdp:
                 out.append("DP_replicate")
+        if self.ep_fsdp:
+            out.append("DP_expert")
         return tuple(out)
+
+    @property
+    def ep_fsdp(self) -> bool:
+        """Whether expert parallelism runs under FSDP2 (``--ep N --dp M --shard fsdp|zero3|zero2``,
+        docs/parallel.md §14.6): the dense parameters sharded over the flattened ``dp_shard × ep``
+        group (label ``"DP"``, DP·EP ranks: torchtitan's ``dp_shard``, from which it borrows the EP
+        ranks), each rank's E/EP experts over ``dp_shard`` (label ``"DP_expert"``, DP ranks: the
+        ranks holding the same experts, torchtitan's ``efsdp``, formerly ``dp_shard_mod_ep``)."""
+        return self.ep and self.shard is not None
 
     def group_size(self, label: str, size_of):
         """The ranks of the process group a collective labelled ``label`` runs over (``"DP"``,
         ``"TP"``, ``"PP"``, and under HSDP ``"DP_replicate"``: :meth:`group_labels`), with
         ``size_of`` as :meth:`dim_size`. Under HSDP ``"DP"`` is the ``dp_shard`` group (DP/R); under
         FSDP with ``cp`` the flattened ``dp_shard × cp`` group (DP·CP)."""
-        return group_size(label, size_of, self.replicate, cp=self.cp and self.shard is not None)
+        return group_size(label, size_of, self.replicate, cp=self.cp and self.shard is not None, ep=self.ep_fsdp)
 
     def engine_meshes(self, mesh) -> tuple[dict, dict]:
         """``({symbol: DeviceMesh}, {process group name: label})`` of a ``DeviceMesh`` with this
@@ -283,6 +312,15 @@ class Layout:
             # FSDP2 over the flattened dp_shard × cp mesh (torchtitan's "dp_shard_cp"): the
             # parameters sharded, the gradients reduced over DP·CP ranks; its group is "DP"'s
             flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            sub["DP"] = flat
+            labels[flat.get_group().group_name] = "DP"
+        if self.ep_fsdp:
+            # torchtitan's two FSDP meshes under EP: the dense parameters over dp_shard × ep
+            # flattened (DP·EP ranks, "DP"), the experts over dp_shard (the DP ranks that hold the
+            # same E/EP experts, "DP_expert"); the ep dimension the all-to-alls' ("EP")
+            labels[mesh["dp_shard"].get_group().group_name] = "DP_expert"
+            sub["DP_expert"] = mesh["dp_shard"]
+            flat = mesh["dp_shard", "ep"]._flatten("dp_shard_ep")
             sub["DP"] = flat
             labels[flat.get_group().group_name] = "DP"
         return sub, labels
@@ -323,7 +361,8 @@ class Layout:
             what = {"dp_replicate": self.shard if not self.hsdp else None, "dp_shard": self.shard,
                     "tp": "sp" if self.sp else None,
                     "cp": f"ring attention, {self.cp_rotate}" if self.cp else None,
-                    "pp": self._pp_words() if self.pipeline else None}.get(d)
+                    "pp": self._pp_words() if self.pipeline else None,
+                    "ep": "experts; dense parameters' FSDP over dp_shard × ep" if self.ep_fsdp else None}.get(d)
             parts.append(f"{d} {n}" + (f" ({what})" if what else ""))
         mesh = " × ".join(parts) or "one device"
         return (mesh + (", CPU offload" if self.offload else "")
@@ -367,6 +406,8 @@ class Layout:
             out["compile"] = True
         if self.ep:
             out["ep"] = True
+        if self.experts_shard is not None:
+            out["experts_shard"] = self.experts_shard
         if self.offload_activations:
             out["offload_activations"] = True
         if self.cp:
@@ -384,6 +425,7 @@ class Layout:
                    ac=d.get("ac"), replicate=d.get("replicate"), offload=bool(d.get("offload")),
                    fp8=d.get("fp8"), fp8_all_gather=bool(d.get("fp8_all_gather")), compile=bool(d.get("compile")),
                    ep=bool(d.get("ep")), offload_activations=bool(d.get("offload_activations")),
+                   experts_shard=d.get("experts_shard"),
                    cp=bool(d.get("cp")), cp_rotate=d.get("cp_rotate", "allgather"))
 
     def cache_options(self) -> dict:
@@ -408,6 +450,8 @@ class Layout:
             out["compile"] = True
         if self.ep:
             out["ep"] = True
+        if self.experts_shard is not None:  # (FSDP2's Shard(0) and Shard(1) of the experts run other copies)
+            out["experts_shard"] = self.experts_shard
         if self.offload_activations:  # (the saved tensors' copies are ops of the step)
             out["offload_activations"] = True
         if self.cp:
@@ -460,7 +504,8 @@ class Layout:
 
                 def sizes(values):
                     return splits(base, values, sp)
-            spec = data_parallel(spec, self.shard, self.fsdp_mp, sizes, self.replicate)
+            spec = data_parallel(spec, self.shard, self.fsdp_mp, sizes, self.replicate,
+                                 ep=(self.experts_shard or 0) if self.ep else None)
         if self.ep:
             from symcost.frontends.expert_parallel import expert_parallel
 
@@ -572,7 +617,8 @@ class Layout:
 
             from symcost.frontends.parallel import wrap
 
-            wrap(model, layers, self.shard, mesh["DP"], self.fsdp_mp, offload=self.offload, engine=dp_engine)
+            wrap(model, layers, self.shard, mesh["DP"], self.fsdp_mp, offload=self.offload, engine=dp_engine,
+                 experts_mesh=mesh.get("DP_expert"), experts_dim=self.experts_shard or 0)
             # FSDP2 warns when the root returns a view (a language model's logits slice); the
             # recorded step does no in-place op on it, and the user did not write this wrapping
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
@@ -580,15 +626,21 @@ class Layout:
         return loss_context
 
 
-def group_size(label: str, size_of, replicate: int | None = None, cp: bool = False):
+def group_size(label: str, size_of, replicate: int | None = None, cp: bool = False, ep: bool = False):
     """The ranks of the process group a collective labelled ``label`` runs over (a mesh symbol,
-    or HSDP's ``"DP_replicate"``), where ``size_of(symbol)`` gives a symbol's size (an int or a
-    sympy symbol) and ``replicate`` is HSDP's R (None without HSDP): the symbol's size, except
-    under HSDP, where ``"DP"`` is the ``dp_shard`` group (DP/R) and ``"DP_replicate"`` has R, and
-    with ``cp`` (FSDP2 over ``dp_shard × cp``, torchtitan's ``dp_shard_cp``), where ``"DP"`` has
-    DP·CP ranks."""
+    or HSDP's ``"DP_replicate"``, or EP under FSDP2's ``"DP_expert"``), where ``size_of(symbol)``
+    gives a symbol's size (an int or a sympy symbol) and ``replicate`` is HSDP's R (None without
+    HSDP): the symbol's size, except under HSDP, where ``"DP"`` is the ``dp_shard`` group (DP/R)
+    and ``"DP_replicate"`` has R; with ``cp`` (FSDP2 over ``dp_shard × cp``, torchtitan's
+    ``dp_shard_cp``), where ``"DP"`` has DP·CP ranks; and with ``ep`` (expert parallelism under
+    FSDP2, :attr:`Layout.ep_fsdp`), where ``"DP"`` (the dense parameters' group, dp_shard × ep)
+    has DP·EP ranks and ``"DP_expert"`` (the experts', dp_shard) DP."""
     if cp and label == "DP":
         return size_of("DP") * size_of("CP")
+    if ep and label == "DP":
+        return size_of("DP") * size_of("EP")
+    if label == "DP_expert":
+        return size_of("DP")
     if replicate and label == "DP_replicate":
         return replicate
     if replicate and label == "DP":

@@ -184,11 +184,20 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
     if step is not None:
         spec = spec.for_step(step, kv_cache)
+    base = spec
     spec = for_run(layout.spec(spec), precision, torch_device)  # (the loss and engine of megatron-*)
     sizes = dict(sizes or {})
     if spec.step == "decode":
         sizes.setdefault("S", 1)  # one new token per sequence: S = 1 is pinned, its own regime
     values = spec.values(sizes, inputs=False)
+    if layout.ep_fsdp and layout.experts_shard is None:
+        # the experts' FSDP2 placement, torchtitan's rule at the request (Shard(1) where DP·EP > E),
+        # kept for every probe (docs/parallel.md §14.6)
+        from symcost.frontends.expert_parallel import experts_shard_dim
+
+        layout = dataclasses.replace(layout, experts_shard=experts_shard_dim(values))
+        spec = for_run(layout.spec(base), precision, torch_device)
+        values = spec.values(sizes, inputs=False)
     why = spec.check({k: v for k, v in values.items() if k in spec.symbols or k in INPUT_SYMBOLS})
     if why:
         raise SymcostError(f"{spec.name}: {why}")

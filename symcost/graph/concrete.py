@@ -86,12 +86,14 @@ def concrete_totals(rec: Recording) -> dict[str, int]:
         for k in COMM_KINDS:
             out[f"comm.{k}"] = 0
         cp = rec.parallel is not None and any(op.group == "CP" for op in rec.ops)  # (FSDP2 over dp_shard × cp)
+        # (expert parallelism under FSDP2: the dense parameters' group is dp_shard × ep)
+        ep = rec.parallel not in (None, "ep") and any(op.group == "EP" for op in rec.ops)
         for op in rec.ops:
             if rules.classify(op.op) == "comm":
                 v = op_view(op, [t.shape for t in op.inputs], [t.shape for t in op.outputs], op.ints)
                 # (a wait names no group; without a data- or tensor-parallel label the ring's is CP)
                 n = group_size(op.group or (trace_group(rec) if rec.parallel is not None else "CP"),
-                               rec.values.__getitem__, rec.replicate, cp=cp)
+                               rec.values.__getitem__, rec.replicate, cp=cp, ep=ep)
                 kind, _, per_rank = rules.comm_volume(v, n)
                 if kind in COMM_KINDS:  # (not a wait)
                     out[f"comm.{kind}"] += per_rank

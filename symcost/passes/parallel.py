@@ -67,6 +67,8 @@ def padded(an, env: Mapping) -> dict[str, Any]:
     from symcost.graph.totals import comm_group
 
     env = {SYMS[str(k)] if not isinstance(k, sympy.Symbol) else k: v for k, v in env.items()}
+    if layout_of(an).ep_fsdp:
+        return _padded_ep(an, env)
     dp = shard_degree(an, env.get(SYMS["DP"], an.pinned.get("DP", 1)))
     comm = {k: sympy.Integer(0) for k in COMM_KINDS if k != "broadcast"}
     if SHARDS[an.parallel][0] != "fully_shard":  # (replicate pads nothing)
@@ -109,6 +111,50 @@ def padded(an, env: Mapping) -> dict[str, Any]:
         u = op.module if op.module in whole and comm_group(an, op) in ("DP", "DP_replicate") else None
         if u is not None and whole[u]:  # every unit a folded op stands for pads alike
             val = val * sympy.Rational(pad[u], whole[u])
+        comm[op.comm[0]] += n * val
+    return {"params_shard": sympy.Integer(shard), "comm": comm}
+
+
+def _padded_ep(an, env: Mapping) -> dict[str, Any]:
+    """:func:`padded` of expert parallelism under FSDP2 (docs/parallel.md §14.6): each parameter's
+    traced shard (the dense ones' rows over DP·EP ranks, the experts' local ``[E/EP, ...]`` over DP
+    on the dimension the layout names) evaluated at ``env`` with every split dimension rounded up
+    (rank 0 holds the first, largest chunk, as ``torch.chunk``); a unit's all-gather and
+    reduce-scatter move its group's size times its padded shard, so each of its collectives is
+    scaled by padded / whole elements (the unit's group: ``DP_expert`` for the experts modules,
+    ``DP`` for the rest)."""
+    from symcost.graph.totals import comm_group
+
+    lay = layout_of(an)
+    size = {g: int(sympy.sympify(lay.group_size(g, lambda x: env.get(SYMS[x], an.pinned.get(x, 1))))) for g in ("DP", "DP_expert")}
+    shards = getattr(an, "param_shards", None) or {}
+    units = sorted({op.module for op in an.ops if op.comm is not None and op.comm[0] in ("all_gather", "reduce_scatter")
+                    and comm_group(an, op) in size}, key=len, reverse=True)
+    group_of = {op.module: comm_group(an, op) for op in an.ops if op.comm is not None and op.module in units
+                and comm_group(an, op) in size}
+    whole = {u: 0 for u in units}
+    pad = {u: 0 for u in units}
+    shard = 0
+    for name, (shape, _, rep) in an.param_shapes.items():
+        sh = shards.get(name, (shape,))[0]
+        local = math.prod(int(sympy.ceiling(sympy.sympify(d).xreplace(env))) for d in sh)
+        r = int(sympy.sympify(rep).xreplace(env))
+        shard += r * local
+        u = _owner(name, units)
+        if u is not None:
+            whole[u] += r * math.prod(int(sympy.sympify(d).xreplace(env)) for d in shape)
+            pad[u] += r * size[group_of[u]] * local
+    comm = {k: sympy.Integer(0) for k in COMM_KINDS if k != "broadcast"}
+    for op in an.ops:
+        if op.comm is None or op.comm[0] not in comm:
+            continue
+        n = int(sympy.sympify(op.repeat).xreplace(env))
+        val = sympy.sympify(op.comm[2]).xreplace(env)
+        u = op.module if op.module in whole and comm_group(an, op) in size else None
+        if u is not None and whole[u] and comm_group(an, op) == group_of[u]:
+            # (the experts' unit's whole is its E/EP local experts' all DP shards: EP-local)
+            val = val * sympy.Rational(pad[u], whole[u] if group_of[u] == "DP" else whole[u] * size["DP_expert"]
+                                       // size["DP"])
         comm[op.comm[0]] += n * val
     return {"params_shard": sympy.Integer(shard), "comm": comm}
 
@@ -226,6 +272,11 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         engine += " over the 2-D mesh (dp_replicate, dp_shard) (HSDP)"
     if layout_of(an).offload:
         engine += ", CPUOffloadPolicy() (parameters, gradients and optimizer state on the host)"
+    if layout_of(an).ep_fsdp:  # (docs/parallel.md §14.6)
+        engine = ("experts as Shard(0) DTensors over the ep mesh, tokens by all_to_all_single (torchtitan's "
+                  "AllToAllTokenDispatcher), then per block " + engine.replace(" per block", "")
+                  + f": each experts module over dp_shard (DP ranks, Shard({layout_of(an).experts_shard or 0}) of "
+                  "the local experts), the rest over dp_shard × ep (DP·EP ranks), as torchtitan's apply_fsdp")
     out = {"shard": shard, "engine": engine, "label": label, "comm": comm, "memory": mem,
            "peak": rank_peak(an, precision, optimizer, sizes, impl, device)}
     if layout_of(an).offload:  # host bytes and host<->device copies (symcost.passes.offload)
@@ -235,7 +286,9 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         out["offload"] = offload_summary(an, memory_model(an, precision, optimizer, impl, device), sizes)
     if mesh2:
         out["tensor_parallel"] = mesh2
-    if mesh2 or layout_of(an).hsdp:
+    if layout_of(an).ep_fsdp:  # (the rank's parameter elements: P/(DP·EP), docs/parallel.md §14.6)
+        out["params_rank"] = an.params_shard
+    if mesh2 or layout_of(an).hsdp or layout_of(an).ep_fsdp:
         out["comm_by_group"] = {g: {**{k: an.comm_bytes(k, group=g) for k in COMM_KINDS if k != "broadcast"},
                                     "total": an.comm_bytes("total", group=g)} for g in layout_of(an).group_labels}
     if sizes is not None:
@@ -244,14 +297,17 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         vcomm = dict(ev["comm"])
         vcomm["total"] = sum(vcomm.values())
         dp = env.get(SYMS["DP"], an.pinned.get("DP", 1))
+        ep = int(env.get(SYMS["EP"], an.pinned.get("EP", 1))) if layout_of(an).ep_fsdp else None
         P = int(sympy.sympify(P).xreplace(env))
         # DeepSpeed's ZeRO-1/2 partitions pad the flat buffer to a multiple of DP: ceil(P/DP) each
-        share = ev["params_shard"] if traced_shards else -(-P // shard_degree(an, dp))
-        vmem = model_state_bytes(P, shard_degree(an, dp), shard, precision or an.precision, optimizer, share)
+        share = ev["params_shard"] if traced_shards else -(-P // shard_degree(an, dp, ep))
+        vmem = model_state_bytes(P, shard_degree(an, dp, ep), shard, precision or an.precision, optimizer, share)
         vmem["activations"] = mem["activations"].xreplace(env)
         fsdp_sharded = SHARDS[shard][0] == "fully_shard"
         out["values"] = {"comm": vcomm, "memory": vmem, "dp": dp,
-                         "divisible": (ev["params_shard"] if fsdp_sharded else share) * shard_degree(an, dp) == P}
+                         "divisible": (ev["params_shard"] if fsdp_sharded else share) * shard_degree(an, dp, ep) == P}
+        if ep is not None:
+            out["values"].update(ep=ep, params_rank=ev["params_shard"])
         if mesh2:
             if fsdp_sharded:  # FSDP2 pads where DP does not divide a TP-local first dimension
                 out["values"]["divisible"] = all(sympy.sympify(d).xreplace(env).is_integer

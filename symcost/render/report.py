@@ -599,6 +599,9 @@ def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) 
         if summary.get("comm_by_group"):  # each group's collectives
             out["parallel"]["comm_by_group"] = {g: {k: fmt(v) for k, v in d.items()}
                                                 for g, d in summary["comm_by_group"].items()}
+        if "params_rank" in summary:  # (--ep under FSDP2: EP and the rank's parameter elements)
+            out["parallel"].update(ep="EP" if "EP" in an.symbols else an.pinned.get("EP"),
+                                   params_rank=fmt(summary["params_rank"]))
         if summary.get("offload"):
             from symcost.render.offload import offload_json
 
@@ -617,6 +620,8 @@ def parallel_json(an: Analysis, sizes: Mapping[str, int] | None, summary: dict) 
     if vals.get("comm_by_group"):
         out["parallel"]["comm_by_group"] = {g: {k: num(v) for k, v in d.items()}
                                             for g, d in vals["comm_by_group"].items()}
+    if "params_rank" in vals:
+        out["parallel"].update(ep=int(vals["ep"]), params_rank=num(vals["params_rank"]))
     if summary.get("offload"):
         from symcost.render.offload import offload_json
 

@@ -1,13 +1,15 @@
 """One rank of an expert-parallel training step (tests/test_expert_parallel.py), on real tensors
 over gloo, or rank 0 on the fake process group: the oracle of symcost's per-rank numbers.
 
-``python -m torch.distributed.run --standalone --nproc-per-node N ep_rank.py OUT H D L V F E R B S``
+``python -m torch.distributed.run --standalone --nproc-per-node N ep_rank.py OUT H D L V F E R B S [DP]``
 builds the built-in ``moe`` model on each rank (fp32, each rank its own tokens), shards its
-experts over the N ranks with ``symcost.frontends.expert_parallel.apply`` (the layout is the
-input: DTensor ``Shard(0)`` experts, the all-to-all dispatch and combine; what is measured is
+experts over the N ranks (N/DP with DP) with ``symcost.frontends.expert_parallel.apply`` (the layout
+is the input: DTensor ``Shard(0)`` experts, the all-to-all dispatch and combine; what is measured is
 PyTorch running it), forces every router to the balanced assignment (token n's k-th choice is
 expert (n·R + k) mod E), runs a warm-up step and one measured step (forward, loss, backward,
-AdamW in its for-loop form) and writes ``OUT/rank{r}.json``.
+AdamW in its for-loop form) and writes ``OUT/rank{r}.json``. With DP, the mesh is
+``(dp_shard, ep) = (DP, N/DP)`` and FSDP2 is applied here as torchtitan's ``apply_fsdp`` applies it
+under EP (:func:`fsdp_as_torchtitan`), and the collective bytes are kept per process group.
 
 :func:`measure` is what each rank measures, also used in-process on the fake group:
 
@@ -100,11 +102,55 @@ def build(values: dict, mesh, seed: int = 0):
     return model
 
 
-def measure(model, tokens, peak: bool = False, spec=None) -> dict:
+def fsdp_as_torchtitan(model, mesh):
+    """FSDP2 over an expert-parallel ``model`` on the 2-D ``mesh`` ``(dp_shard, ep)``, as
+    torchtitan's ``apply_fsdp`` does under EP (torchtitan/models/*/parallelize.py, written out here,
+    not symcost's wrapping): each ``moe.experts`` module ``fully_shard`` over ``dp_shard`` (the ranks
+    holding the same experts; ``Shard(1)`` of the local experts where dp_shard·ep > E, else
+    ``Shard(0)``), then each block and the root over the flattened ``dp_shard × ep`` mesh, which
+    it returns."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    flat = mesh["dp_shard", "ep"]._flatten("dp_shard_ep")
+    for block in model.layers:
+        experts = block.moe.experts
+        placement = None
+        if mesh["dp_shard"].size() * mesh["ep"].size() > experts.num_experts:
+            def placement(p):
+                return Shard(1)
+        fully_shard(experts, mesh=mesh["dp_shard"], shard_placement_fn=placement)
+        fully_shard(block, mesh=flat)
+    fully_shard(model, mesh=flat, reshard_after_forward=False)
+    return flat
+
+
+def _group_label(args, groups):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for a in args:
+        pg = None
+        if isinstance(a, str):
+            try:
+                pg = _resolve_process_group(a)
+            except (RuntimeError, ValueError, KeyError):
+                continue
+        elif isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith(".ProcessGroup"):
+            pg = dist.ProcessGroup.unbox(a)
+        if pg is not None:
+            return groups[pg.group_name]
+    raise AssertionError("a collective without a process group")
+
+
+def measure(model, tokens, peak: bool = False, spec=None, groups=None) -> dict:
     """One training step's FLOPs, saved bytes, collective bytes per rank and parameter elements
     (module docstring), after a warm-up step; the router balanced. ``tokens`` ``[B, S]``; ``spec``:
     a transformers model's :class:`~symcost.frontends.spec.ModelSpec` (its inputs and loss; the
-    built-in ``moe``'s without)."""
+    built-in ``moe``'s without). ``groups``: ``{process group name: label}`` under FSDP2: the
+    bytes are then also kept per label and kind (``by_group``), FSDP2's all-gathers (n-1)/n of their
+    output, reduce-scatters (n-1)/n of their input (nccl-tests' bus bandwidth, typed here)."""
     import torch
     from torch.distributed.tensor import DTensor
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -114,7 +160,12 @@ def measure(model, tokens, peak: bool = False, spec=None) -> dict:
     from symcost.frontends.builtin.cs336_lm import lm_loss
 
     comm = {"all_to_all": Fraction(0), "other": Fraction(0)}
+    by_group: dict = {}
     flops = [0]
+
+    def add(label, kind, nbytes):
+        by_group.setdefault(label, {}).setdefault(kind, Fraction(0))
+        by_group[label][kind] += nbytes
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -126,6 +177,13 @@ def measure(model, tokens, peak: bool = False, spec=None) -> dict:
             if name == "_c10d_functional.all_to_all_single":  # (input, out_splits, in_splits, group)
                 n = _group_size(args)
                 comm["all_to_all"] += Fraction(n - 1, n) * args[0].numel() * args[0].element_size()
+                if groups:
+                    add(_group_label(args, groups), "all_to_all", Fraction(n - 1, n) * args[0].numel() * args[0].element_size())
+            elif groups and name in ("c10d._allgather_base_", "c10d._reduce_scatter_base_"):  # FSDP2's (output, input, group, ...)
+                n = _group_size(args)
+                kind, t = ("all_gather", args[0]) if "allgather" in name else ("reduce_scatter", args[1])
+                comm[kind] = comm.get(kind, Fraction(0)) + Fraction(n - 1, n) * t.numel() * t.element_size()
+                add(_group_label(args, groups), kind, Fraction(n - 1, n) * t.numel() * t.element_size())
             elif name.startswith(("_c10d_functional.", "c10d.")) and not name.endswith(("wait_tensor", "_wrap_tensor_autograd")):
                 comm["other"] += 1  # (any other collective: there should be none)
             elif name == "aten._grouped_mm":  # (not in flop_counter's registry: typed here)
@@ -143,7 +201,12 @@ def measure(model, tokens, peak: bool = False, spec=None) -> dict:
     seen, saved = set(), [0]
 
     def pack(t):
+        if isinstance(t, torch.nn.Parameter):  # (FSDP2's unsharded parameters, between all-gather and reshard)
+            return t
         st = local(t).untyped_storage()
+        if groups and StorageWeakRef(st).cdata in {StorageWeakRef(local(p).untyped_storage()).cdata
+                                                   for p in model.parameters()}:
+            return t  # (a view of a parameter as it is now: FSDP2's unsharded one)
         key = StorageWeakRef(st).cdata
         if key not in seen and key not in params:
             seen.add(key)
@@ -175,7 +238,8 @@ def measure(model, tokens, peak: bool = False, spec=None) -> dict:
             loss.backward()
             del loss
         out = {"flops": flops[0], "saved": saved[0], "comm": {k: str(v) for k, v in comm.items()},
-               "shard": sum(local(p).numel() for p in model.parameters())}
+               "shard": sum(local(p).numel() for p in model.parameters()),
+               "by_group": {g: {k: str(v) for k, v in d.items()} for g, d in by_group.items()}}
         if peak:
             from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -195,13 +259,22 @@ def main():
 
     out_dir = sys.argv[1]
     v = dict(zip("HDLVFERBS", (int(x) for x in sys.argv[2:11])))
+    dp = int(sys.argv[11]) if len(sys.argv) > 11 else None
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("ep",))
-    model = build(v, mesh["ep"])
-    torch.manual_seed(100 + rank)  # each EP rank its own tokens
+    groups = None
+    if dp is None:
+        mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("ep",))
+        model = build(v, mesh["ep"])
+    else:
+        mesh = init_device_mesh("cpu", (dp, n // dp), mesh_dim_names=("dp_shard", "ep"))
+        model = build(v, mesh["ep"])
+        flat = fsdp_as_torchtitan(model, mesh)
+        groups = {mesh["ep"].get_group().group_name: "EP", mesh["dp_shard"].get_group().group_name: "DP_expert",
+                  flat.get_group().group_name: "DP"}
+    torch.manual_seed(100 + rank)  # each rank its own tokens
     tokens = torch.randint(0, v["V"], (v["B"], v["S"]))
-    got = measure(model, tokens, peak=True)
+    got = measure(model, tokens, peak=True, groups=groups)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({**got, "world": n}, f)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

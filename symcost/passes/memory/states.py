@@ -27,11 +27,18 @@ SHARDED: dict[str, tuple[str, ...]] = {
 }
 
 
-def shard_degree(an, dp):
+def shard_degree(an, dp, ep=None):
     """The ranks a data-parallel trace's states are sharded over at data-parallel size ``dp``
     (an int or the symbol DP): ``dp``, and under HSDP (``Layout.replicate`` R) the ``dp_shard``
-    group's DP/R; with context parallelism, FSDP2's ``dp_shard × cp`` ranks, DP·CP (CP pinned)."""
+    group's DP/R; with context parallelism, FSDP2's ``dp_shard × cp`` ranks, DP·CP (CP pinned);
+    with expert parallelism (``Layout.ep_fsdp``) DP·EP, ``ep`` the EP size (an int; None: the
+    symbol EP, or its pinned value): the dense parameters over dp_shard × ep, each rank's E/EP
+    experts over DP, P/(DP·EP) elements per rank in all (docs/parallel.md §14.6)."""
     lay = layout_of(an)
+    if lay.ep_fsdp:
+        if ep is None:
+            ep = SYMS["EP"] if "EP" in an.symbols else an.pinned.get("EP", 1)
+        return dp * ep
     if lay.cp and lay.shard is not None:
         cp = an.pinned.get("CP", 1)
         return int(dp) * cp if isinstance(dp, (int, sympy.Integer)) else dp * cp
