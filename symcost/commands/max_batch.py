@@ -260,6 +260,9 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
                 "the peak is the rank's, docs/parallel.md)")
     from symcost.frontends.layout import layout_of
 
+    if layout_of(an).compile:
+        c.print("  --compile: every block compiled as torchtitan's apply_compile (AOTAutograd, inductor's partition): "
+                "the saved tensors and the peak are the compiled step's (docs/memory.md)")
     if layout_of(an).offload_activations:
         c.print("  --offload-activations: every saved tensor in pinned host memory between forward and backward "
                 "(save_on_cpu(pin_memory=True)); the peak is the device's, with each copy back while its backward "
