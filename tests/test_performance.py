@@ -123,3 +123,22 @@ def test_predicted_eager_steps_within_15_percent_of_measured():
         torch.set_num_threads(threads)
     assert len(v.rows) == len(QUICK_CASES) and all(math.isfinite(r["error"]) for r in v.rows)
     assert not v.failures, v.failures
+
+
+def test_time_dp_prints_the_predicted_step_beside_the_bound(capsys):
+    """time --dp: the DDP rank's all-reduces each pay alpha over the ring's 2(DP-1) steps on top of
+    the bound's bytes / link bandwidth (h100's defaulted 5 us); the prediction is labelled and in
+    JSON beside the bound."""
+    args = ("time", "mlp", "--dp", "2", "--shard", "ddp", "--gpu", "h100", "--tokens", "1e6",
+            "--set", "B=2", "S=32", "D=64", "L=2")
+    code, out, err = run_cli(capsys, *args, "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    p = d["predicted"]
+    assert p["collectives"] >= 1 and p["latency_seconds"] == pytest.approx(p["collectives"] * 2 * (2 - 1) * 5e-6)
+    assert p["comm"]["backward"] + p["comm"]["forward"] == pytest.approx(
+        sum(d["step"]["comm"].values()) + p["latency_seconds"])
+    assert p["time.seconds"] == pytest.approx(d["time.seconds"] * p["step_seconds"] / d["step"]["step_seconds"])
+    code, out, err = run_cli(capsys, *args)
+    flat = " ".join(out.split())
+    assert code == 0 and "predicted (performance model, eager)" in flat and "roofline bound" in flat, err

@@ -161,6 +161,13 @@ def _time_dp(model, sets, config, attention, precision, device_name, devices_fil
     out = train_time_dp(an, dev, sizes, n_tokens, accumulate, meta.get("symcost.overlap", "backward"),
                         meta.get("symcost.nodes"), meta.get("symcost.devices_per_node"))
     out = {"model": an.model, "device": dev.to_json(), "shard": shard, **out}
+    from symcost.passes.performance import predict_dp
+
+    compiled = bool(meta.get("symcost.compile"))
+    pd = predict_dp(an, dev, sizes, meta.get("symcost.overlap", "backward"), meta.get("symcost.nodes"),
+                    meta.get("symcost.devices_per_node"), mode="compiled" if compiled else "eager")
+    micro = out["time.seconds"] / out["step"]["step_seconds"] if out["step"]["step_seconds"] else 0.0
+    out["predicted"] = {**pd, "time.seconds": micro * pd["step_seconds"], "time.days": micro * pd["step_seconds"] / 86400}
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
@@ -179,3 +186,9 @@ def _time_dp(model, sets, config, attention, precision, device_name, devices_fil
     c.print(f"MFU per rank {out['mfu']:.4g} ({100 * out['mfu']:.1f}%); model FLOPs of the run {float(out['compute.total']):.4g}")
     c.print(f"time: {out['time.days']:.4g} days, {out['time.device_hours']:.4g} device-hours "
             f"({out['time.seconds']:.4g} s)")
+    c.print(f"predicted (performance model, {pd['mode']}): step {pd['step_seconds'] * 1e3:.4g} ms (compute "
+            f"{pd['compute']['forward'] * 1e3:.4g} + {pd['compute']['backward'] * 1e3:.4g} ms with launches and AdamW, "
+            f"{pd['collectives']} collectives' latency {pd['latency_seconds'] * 1e3:.3g} ms, "
+            f"{pd['exposed_comm_seconds'] * 1e3:.4g} ms exposed), MFU {100 * pd['mfu_predicted']:.1f}%: "
+            f"{out['predicted']['time.days']:.4g} days; the figures above are the roofline bound"
+            f"{'' if pd['calibrated'] else ' (efficiency parameters defaulted: calibrate the device)'}")

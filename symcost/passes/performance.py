@@ -155,3 +155,63 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
             "mfu_ceiling": rl["mfu_ceiling"], "efficiency": eff.to_json(), "calibrated": not (set(eff.defaulted) & MEASURED),
             "defaulted": list(eff.defaulted),
             "nodes": nodes}
+
+
+def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overlap: str = "backward",
+               nodes: int | None = None, devices_per_node: int | None = None, mode: str = "eager") -> dict[str, Any]:
+    """Predicted step of one data-parallel rank: the performance model's compute per phase
+    (:func:`predict`; the launches and the optimizer step with the backward) and the
+    communication of :func:`symcost.passes.parallel.step_time` (each phase's bytes per rank over
+    its link's bandwidth, FSDP2's padding included) plus alpha: every traced collective's
+    latency steps (ring: 2(n-1) for an all-reduce, n-1 for the others, n the DP ranks) times the
+    efficiency's ``collective_latency``; the same ``overlap`` rule as the bound (docs/parallel.md).
+
+    Returns:
+        ``{"step_seconds", "bound_seconds" (step_time's), "compute" {forward, backward},
+        "comm" {forward, backward}, "latency_seconds", "collectives", "exposed_comm_seconds",
+        "mfu_predicted", "calibrated", "defaulted", "overlap"}``.
+
+    Raises:
+        SymcostError: what :func:`predict` and :func:`symcost.passes.parallel.step_time` raise.
+    """
+    from symcost.graph.rules import COMM_OPS
+    from symcost.passes.parallel import step_time
+    from symcost.tracing.fit import SYMS
+
+    bound = step_time(an, device, sizes, overlap, nodes, devices_per_node, fused=mode == "compiled")
+    p = predict(an, device, sizes, mode=mode)
+    eff = efficiency_of(device)
+    env = an.bind(**(sizes or {}))
+    n = int(env.get(SYMS["DP"], an.pinned.get("DP", 1)))
+    per_op = p["terms"]["launch"] / max(1, p["ops"])  # the launches spread over the phases' ops
+    compute = {"forward": 0.0, "backward": 0.0}
+    for node in p["nodes"]:
+        compute["backward" if node["phase"] != "forward" else "forward"] += node["seconds"]
+    latency = {"forward": 0.0, "backward": 0.0}
+    count = 0
+    for op in an.ops:
+        ph = "forward" if op.phase == "forward" else "backward"
+        compute[ph] += per_op * _num(op.repeat, env)
+        packet = op.name.rsplit(".", 1)[0] if op.name.count(".") >= 2 else op.name
+        kind = COMM_OPS.get(packet, (None,))[0]
+        if kind in (None, "wait"):
+            continue
+        rep = _num(op.repeat, env)
+        steps = 2 * (n - 1) if kind == "all_reduce" else (n - 1) if kind != "send" and kind != "recv" else 1
+        latency[ph] += rep * steps * eff.collective_latency
+        count += rep
+    compute["backward"] += p["terms"]["optimizer"]
+    comm = {ph: bound["comm"][ph] + latency[ph] for ph in ("forward", "backward")}
+    if overlap == "none":
+        step = sum(compute.values()) + sum(comm.values())
+    elif overlap == "backward":
+        step = compute["forward"] + comm["forward"] + max(compute["backward"], comm["backward"])
+    else:
+        step = max(sum(compute.values()), sum(comm.values()))
+    step += sum(bound.get("tp_comm", {}).values())
+    peak = bound["peak_flops"]
+    mf = bound["mfu"] * bound["step_seconds"] * peak  # the rank's model FLOPs
+    return {"step_seconds": step, "bound_seconds": bound["step_seconds"], "compute": compute, "comm": comm,
+            "latency_seconds": sum(latency.values()), "collectives": count,
+            "exposed_comm_seconds": step - sum(compute.values()), "mfu_predicted": mf / (step * peak) if step else 0.0,
+            "calibrated": p["calibrated"], "defaulted": p["defaulted"], "overlap": overlap, "mode": mode}

@@ -3,7 +3,8 @@
 Each case is one model at one size and precision (:data:`STEP_CASES`): the eager training step as
 a user writes it — ``zero_grad(set_to_none=True)``, the forward and loss (under
 ``torch.autocast("cpu", bfloat16)`` for ``bf16-mixed``), ``backward()`` and
-``torch.optim.AdamW(foreach=True).step()`` — timed on this CPU (the median of at least
+``torch.optim.AdamW(foreach=True).step()``; a ``compiled`` case runs the forward and loss under
+``torch.compile`` (predicted with fused bytes and a launch per fused kernel) — timed on this CPU (the median of at least
 :data:`MIN_RUNS` steps after two warm-up steps), against :func:`symcost.passes.performance.predict`
 of the traced step on a calibrated device (its ``efficiency`` table measured by ``symcost
 calibrate`` on microbenchmarks only: none of these steps is among them).
@@ -27,8 +28,8 @@ from typing import Callable, Mapping
 
 from symcost.hardware.devices import Device
 
-#: (model, sizes, precision) of the validation: built-in models and a transformers Llama, fp32 and
-#: bf16-mixed, at widths and lengths that the calibration's GEMM sweep does not run
+#: (model, sizes, precision[, mode]) of the validation: built-in models, fp32 and bf16-mixed, eager
+#: (the default) or compiled, at widths and lengths that the calibration's GEMM sweep does not run
 STEP_CASES: tuple[tuple[str, dict, str], ...] = (
     ("mlp", {"B": 8, "S": 128, "D": 768, "L": 4}, "fp32"),
     ("mlp", {"B": 16, "S": 64, "D": 640, "L": 6}, "bf16-mixed"),
@@ -41,6 +42,10 @@ STEP_CASES: tuple[tuple[str, dict, str], ...] = (
     ("megatron-gpt", {"B": 2, "S": 128, "H": 8, "D": 48, "L": 2, "V": 4000}, "bf16-mixed"),
     ("mlp", {"B": 4, "S": 200, "D": 1000, "L": 3}, "fp32"),
     ("gpt2", {"B": 1, "S": 256, "H": 8, "D": 40, "L": 3, "V": 6000}, "fp32"),
+    # compiled steps: the forward and loss under torch.compile (inductor), backward and AdamW eager
+    ("mlp", {"B": 8, "S": 96, "D": 896, "L": 3}, "fp32", "compiled"),
+    ("gpt2", {"B": 2, "S": 160, "H": 4, "D": 64, "L": 2, "V": 4096}, "fp32", "compiled"),
+    ("gpt2", {"B": 4, "S": 96, "H": 6, "D": 64, "L": 2, "V": 5000}, "bf16-mixed", "compiled"),
 )
 #: the subset the timing test and ``validate --steps --quick`` run (under a minute): the smaller
 #: steps, fp32 and bf16-mixed (the bf16 einsum language models, 20% slow, are the full table's:
@@ -53,8 +58,9 @@ MIN_SECONDS = 1.0
 MAX_OTHER_SHARE = 0.25
 
 
-def eager_step(model: str, sizes: Mapping[str, int], precision: str = "fp32") -> Callable[[], None]:
-    """One eager training step of a built-in model on this CPU (see the module docstring)."""
+def eager_step(model: str, sizes: Mapping[str, int], precision: str = "fp32", mode: str = "eager") -> Callable[[], None]:
+    """One training step of a built-in model on this CPU (see the module docstring); ``mode``
+    ``compiled``: the forward and loss under ``torch.compile`` (compiled on the first call)."""
     import torch
 
     from symcost.frontends.models import resolve
@@ -70,11 +76,15 @@ def eager_step(model: str, sizes: Mapping[str, int], precision: str = "fp32") ->
     args, kwargs = spec.make_inputs(values, torch.device("cpu"))
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, foreach=True)
 
+    def fwd(*a, **kw):
+        with ctx():
+            return spec.loss(m(*a, **kw), (a, kw))
+
+    run = torch.compile(fwd, dynamic=False) if mode == "compiled" else fwd
+
     def step():
         opt.zero_grad(set_to_none=True)
-        with ctx():
-            loss = spec.loss(m(*args, **kwargs), (args, kwargs))
-        loss.backward()
+        run(*args, **kwargs).backward()
         opt.step()
 
     return step
@@ -120,8 +130,8 @@ class StepValidation:
                 "threads": self.threads}
 
 
-def _label(model, sizes, precision):
-    return f"{model} {precision} " + " ".join(f"{k}={v}" for k, v in sizes.items())
+def _label(model, sizes, precision, mode="eager"):
+    return f"{model} {precision}{' compiled' if mode == 'compiled' else ''} " + " ".join(f"{k}={v}" for k, v in sizes.items())
 
 
 def validate_steps(device: Device, cases=STEP_CASES, tolerance: float = 0.15, attempts: int = 2,
@@ -130,7 +140,8 @@ def validate_steps(device: Device, cases=STEP_CASES, tolerance: float = 0.15, at
 
     Args:
         device: a calibrated device with an ``efficiency`` table (``symcost calibrate --out``).
-        cases: ``(model, sizes, precision)`` triples.
+        cases: ``(model, sizes, precision)`` or ``(model, sizes, precision, mode)``, mode ``eager``
+            (the default) or ``compiled``.
         tolerance: the largest |predicted / measured - 1| that passes.
         attempts: rounds of timing a failing case again.
         threads: torch threads to run with (default: the calibration's, ``measured.threads``).
@@ -157,11 +168,14 @@ def validate_steps(device: Device, cases=STEP_CASES, tolerance: float = 0.15, at
     torch.set_num_threads(threads)
     steady_allocator()
     prepared = []
-    for model, sizes, precision in cases:
+    for model, sizes, precision, *rest in cases:
+        mode = rest[0] if rest else "eager"
         an = trace(model, sizes=dict(sizes), precision=precision)
-        p = predict(an, device, sizes, mode="eager")
-        prepared.append((_label(model, sizes, precision), model, sizes, precision, p,
-                         eager_step(model, sizes, precision)))
+        p = predict(an, device, sizes, mode=mode)
+        step = eager_step(model, sizes, precision, mode)
+        if mode == "compiled":
+            step()  # compile now, not while timing
+        prepared.append((_label(model, sizes, precision, mode), model, sizes, precision, p, step))
     best: dict[str, dict] = {}
     contention = Contention()
     v = StepValidation(device, tolerance=tolerance, threads=threads)
@@ -181,7 +195,7 @@ def validate_steps(device: Device, cases=STEP_CASES, tolerance: float = 0.15, at
         rows = []
         for label, model, sizes, precision, p, _ in prepared:
             t = best[label]
-            rows.append({"case": label, "model": model, "sizes": dict(sizes), "precision": precision,
+            rows.append({"case": label, "model": model, "sizes": dict(sizes), "precision": precision, "mode": p["mode"],
                          "predicted": p["step_seconds"], "bound": p["bound_seconds"], "measured": t["value"],
                          "basis": t["basis"], "wall_median": t["median"], "wall_min": t["min"],
                          "cpu_median": t["cpu_median"], "other_cpu_share": t["other_cpu_share"], "runs": t["runs"],
