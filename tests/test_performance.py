@@ -142,3 +142,14 @@ def test_time_dp_prints_the_predicted_step_beside_the_bound(capsys):
     code, out, err = run_cli(capsys, *args)
     flat = " ".join(out.split())
     assert code == 0 and "predicted (performance model, eager)" in flat and "roofline bound" in flat, err
+
+
+def test_report_gpu_dp_carries_the_prediction(capsys):
+    code, out, err = run_cli(capsys, "report", "mlp", "--dp", "2", "--shard", "ddp", "--gpu", "h100",
+                             "--set", "B=2", "S=32", "D=64", "L=2", "--json")
+    assert code == 0, err
+    step = json.loads(out)["parallel"]["step"]
+    assert step["predicted"]["step_seconds"] > 0 and step["predicted"]["calibrated"] is False
+    code, out, err = run_cli(capsys, "report", "mlp", "--dp", "2", "--shard", "ddp", "--gpu", "h100",
+                             "--set", "B=2", "S=32", "D=64", "L=2")
+    assert code == 0 and "predicted step (performance model, eager)" in " ".join(out.split()), err

@@ -93,6 +93,11 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
 
             step = step_time(an, get_device(meta["symcost.gpu"]), sizes, meta.get("symcost.overlap", "backward"),
                              meta.get("symcost.nodes"), meta.get("symcost.devices_per_node"))
+            from symcost.passes.performance import predict_dp
+
+            predicted = predict_dp(an, get_device(meta["symcost.gpu"]), sizes, meta.get("symcost.overlap", "backward"),
+                                   meta.get("symcost.nodes"), meta.get("symcost.devices_per_node"),
+                                   mode="compiled" if meta.get("symcost.compile") else "eager")
         res = rep.to_json(an, sizes if sizes else None)
         res.update(rep.parallel_json(an, sizes if sizes else None, par))
         peak = with_cap(res)
@@ -107,11 +112,19 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
             res.update(rcp.to_json(cp))
         if as_json:
             if step is not None:
-                res["parallel"]["step"] = step
+                res["parallel"]["step"] = {**step, "predicted": predicted}
             click.echo(json.dumps(_activations(an, sizes, res), indent=1))
         else:
             rep.render(an, sizes, assumed=assumed, layout_words=words)
             rep.render_parallel(an, sizes, par, step=step)
+            if step is not None:
+                from symcost.render.report import console
+
+                console().print(
+                    f"predicted step (performance model, {predicted['mode']}): {predicted['step_seconds'] * 1e3:.4g} ms, "
+                    f"MFU {100 * predicted['mfu_predicted']:.1f}% (roofline bound with the same {predicted['mode']} bytes "
+                    f"{predicted['bound_seconds'] * 1e3:.4g} ms; the step above is the fused bound"
+                    f"{'' if predicted['calibrated'] else '; efficiency parameters defaulted'})")
             _activations(an, sizes)
             if cp is not None:
                 rcp.render(cp)
