@@ -239,8 +239,7 @@ def _live_spec(model, config, attention):
 
 def _same_structure(meta: Mapping, spec) -> bool:
     """Whether ``spec`` binds the symbols the traced model bound, with the same ties."""
-    tied = {a: b for a, b in spec.tied.items() if a in meta.get("tied", {})}
-    return (set(meta.get("defaults", {})) == set(spec.defaults) and tied == meta.get("tied", {})
+    return (set(meta.get("defaults", {})) == set(spec.defaults) and dict(spec.tied) == meta.get("tied", {})
             and dict(getattr(spec, "follows", {}) or {}) == meta.get("follows", {})
             and int(getattr(spec, "lead_blocks", 0) or 0) == meta.get("lead_blocks", 0))
 
@@ -256,7 +255,9 @@ def _read(path: Path, entry: Mapping, model: str, live):
         d = dict(data["analysis"])
         if live is not None:
             sd = dict(d["spec"])
-            sd.update(defaults=dict(live.defaults), name=live.name,
+            from symcost.graph.serialize import _jsonable
+
+            sd.update(defaults=dict(live.defaults), name=live.name, extra={**sd.get("extra", {}), **_jsonable(live.extra)},
                       constraints=[[c.kind, c.a, c.b, c.why] for c in live.constraints])
             d["spec"] = sd
         d["model"] = model if model.endswith(".json") else d["model"]

@@ -1,0 +1,251 @@
+"""The graph library (``graphs/``, :mod:`symcost.graph.library`): what it holds, that a request it
+serves answers as a fresh trace does and is labelled, that another size of a family is served only
+where the formulas hold there, and that the committed graphs agree with PyTorch's own measurement
+(FlopCounterMode, saved_tensors_hooks, a meta-device parameter count) and with a fresh trace.
+
+Regenerate the library with ``symcost graphs build`` (one graph: ``--only NAME``)."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import sympy
+import torch
+
+from conftest import run_cli
+from symcost import parse_formula
+
+ROOT = Path(__file__).resolve().parent.parent
+GRAPHS = ROOT / "graphs"
+REGENERATE = "symcost graphs build"
+
+
+@pytest.fixture(autouse=True)
+def _library_on(monkeypatch):
+    """The checkout's graphs/ (conftest turns the library off for every other test)."""
+    monkeypatch.delenv("SYMCOST_GRAPHS_DIR", raising=False)
+
+
+def _index() -> dict:
+    return {e["name"]: e for e in json.loads((GRAPHS / "index.json").read_text())["graphs"]}
+
+
+def _analysis(name: str):
+    from symcost.graph.analysis import Analysis
+
+    return json.loads((GRAPHS / f"{name}.json").read_text())
+
+
+def test_library_holds_the_catalogue_with_pages():
+    """Every graph of the catalogue is in the index with its JSON and its Markdown page (formulas
+    and their LaTeX), at least 20 of them, and the index page names the versions traced with."""
+    from symcost.graph.library import CATALOGUE
+
+    idx = _index()
+    assert len(idx) >= 20
+    missing = sorted(set(CATALOGUE) - set(idx))
+    assert not missing, f"graphs/ lacks {missing}: run `{REGENERATE}`"
+    md_index = (GRAPHS / "index.md").read_text()
+    for name, e in idx.items():
+        data = _analysis(name)
+        assert data["name"] == name and data["analysis"]["totals"]["flops.train"]
+        page = (GRAPHS / f"{name}.md").read_text()
+        train = parse_formula(data["analysis"]["totals"]["flops.train"])
+        assert "$$" in page and sympy.latex(train) in page, name
+        assert f"[{name}]({name}.md)" in md_index and e["traced_with"]["torch"] in md_index
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("config", ["gemma-2b", "qwen3-4b"])
+def test_served_from_the_library_equals_a_fresh_trace(config, cache_dir, capsys):
+    """With an empty trace cache a real config at --set B=1 S=8192 is answered from the graph
+    library, labelled, with the numbers of a fresh trace (--no-cache); nothing is traced."""
+    path = f"tests/data/configs/{config}.json"
+    args = ("--set", "B=1", "S=8192")
+    code, out, err = run_cli(capsys, "report", str(ROOT / path), *args)
+    assert code == 0, err
+    assert "from the graph library (traced with torch" in " ".join(out.split())
+    code, lib, err = run_cli(capsys, "eval", str(ROOT / path), *args, "--json")
+    assert code == 0, err
+    assert not any(cache_dir.iterdir())  # served, not traced
+    code, fresh, err = run_cli(capsys, "eval", str(ROOT / path), *args, "--json", "--no-cache")
+    assert code == 0, err
+    assert json.loads(lib) == json.loads(fresh)
+
+
+@pytest.mark.heavy
+def test_another_size_of_the_family_is_checked_and_measured(cache_dir, capsys):
+    """Llama-3-70B's config is served from the Llama-3-8B graph (another H and F: checked on the
+    meta device and by one recording there, labelled with the sizes traced at); its parameters are
+    the meta-device count of the 70B model and its FLOPs FlopCounterMode's on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from symcost.frontends.models import resolve
+
+    path = str(ROOT / "tests/data/configs/llama-3-70b.json")
+    sizes = {"B": 1, "S": 40, "L": 2}
+    sets = ("--set",) + tuple(f"{k}={v}" for k, v in sizes.items())
+    code, out, err = run_cli(capsys, "report", path, *sets)
+    assert code == 0, err
+    assert "from the graph library" in " ".join(out.split()) and "traced at" in out
+    code, js, err = run_cli(capsys, "eval", path, *sets, "--json")
+    assert code == 0, err
+    got = json.loads(js)
+    spec = resolve(path, {}, "eager")  # (model FLOPs do not depend on the attention kernel)
+    values = {**spec.defaults, **sizes}
+    with torch.device("meta"):
+        model = spec.build(values)
+    assert got["params"] == sum(p.numel() for p in model.parameters())
+    model.train()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = model.to_empty(device="cpu")
+        ids = torch.randint(0, values["V"], (values["B"], values["S"]))
+        with FlopCounterMode(display=False) as fc:
+            model(input_ids=ids, labels=ids).loss.backward()
+    assert got["flops"]["train"] == fc.get_total_flops()
+
+
+def test_a_width_that_steps_is_not_served(monkeypatch):
+    """A graph is not served at sizes where a parameter's shape is not its fitted formula's (a
+    width that is a step function of a symbol): the library check builds the model there on the
+    meta device. A gpt2 graph whose fitted wpe is made a polynomial in D that differs from the
+    model's constant 1024 at D=64 (and equals it at D=16) is served at D=16 only."""
+    from symcost.frontends.models import resolve
+    from symcost.graph import library
+    from symcost.graph.analysis import Analysis
+
+    data = _analysis("gpt2")["analysis"]
+    shapes = data["param_shapes"]
+    key = next(k for k in shapes if k.endswith("wpe.weight") or k == "wpe.weight")
+    shapes[key][0][0] = "64*D"  # 1024 at D = 16 only
+    an = Analysis.from_dict(data)
+    live = resolve("gpt2", {}, None)
+    assert library._holds(an, {"B": 2, "S": 32, "D": 16, "H": 4, "L": 2}, live, "bf16-mixed")
+    assert not library._holds(an, {"B": 2, "S": 32, "D": 64, "H": 4, "L": 2}, live, "bf16-mixed")
+
+
+def test_other_versions_are_served_and_said(tmp_path, cache_dir, monkeypatch, capsys):
+    """A graph traced with another torch is still served, and the report says which version
+    differs; --no-cache traces afresh (no library line)."""
+    idx = json.loads((GRAPHS / "index.json").read_text())
+    idx["graphs"] = [e for e in idx["graphs"] if e["name"] == "mlp"]
+    idx["graphs"][0]["traced_with"]["torch"] = "2.0.0"
+    (tmp_path / "lib").mkdir()
+    shutil.copy(GRAPHS / "mlp.json", tmp_path / "lib" / "mlp.json")
+    data = json.loads((tmp_path / "lib" / "mlp.json").read_text())
+    data["traced_with"]["torch"] = "2.0.0"
+    (tmp_path / "lib" / "mlp.json").write_text(json.dumps(data))
+    (tmp_path / "lib" / "index.json").write_text(json.dumps(idx))
+    monkeypatch.setenv("SYMCOST_GRAPHS_DIR", str(tmp_path / "lib"))
+    code, out, err = run_cli(capsys, "report", "mlp", "--set", "B=4", "S=64")
+    assert code == 0, err
+    flat = " ".join(out.split())
+    assert "from the graph library (traced with torch 2.0.0" in flat and "other versions than these: torch 2.0.0" in flat
+    monkeypatch.setenv("SYMCOST_GRAPHS_DIR", "")  # (no library: the trace cache and the tracer)
+    code, out, err = run_cli(capsys, "report", "mlp", "--set", "B=4", "S=64", "--no-cache")
+    assert code == 0, err
+    assert "graph library" not in out and "traced in" in out
+
+
+def test_graphs_build_refuses_an_unknown_name_in_one_line(capsys):
+    """``symcost graphs build --only NAME`` with a name not in the catalogue: one line, exit 2."""
+    code, out, err = run_cli(capsys, "graphs", "build", "--only", "no-such-graph")
+    assert code == 2 and "no graph 'no-such-graph'" in err and "Traceback" not in err
+
+
+#: graphs re-measured (2 random sizes each): dense models of every kind the library has (built-in,
+#: hf: default, config files in the B > 1 and B = 1 regimes, GQA, MQA and MHA); the MoE graphs'
+#: FLOPs follow symcost's routing model, which FlopCounterMode on random weights does not
+#: (tests/test_moe_real_configs.py checks those).
+MEASURED = ("gpt2", "mlp", "llama-3-8b", "llama-3-8b-b1", "gemma-2b-b1", "qwen3-4b", "phi-3-mini", "pythia-1b",
+            "hf-gpt2")
+
+
+def _sizes_in_regime(an, meta, rng, n: int = 2) -> list[dict[str, int]]:
+    """``n`` random small sizes for the symbols of ``an`` that its model accepts, in its regime (as
+    the trace cache matches one: B = 1 where pinned, else B > 1; K = H, K = 1 or 1 < K < H as traced),
+    never a probe point of its fit."""
+    from symcost.graph.entries import _matches
+
+    probes = {tuple(sorted(p.items())) for p in an.plan.points}
+    out = []
+    for _ in range(2000):
+        h = rng.choice((2, 4, 6, 8))
+        v = {"B": rng.randint(2, 4), "S": rng.randint(5, 24), "H": h, "D": rng.choice((4, 6, 8, 12, 16)),
+             "L": rng.randint(2, 3), "V": rng.randint(64, 130), "F": rng.randint(8, 70),
+             "M": rng.choice((16, 24, 32, 48)), "K": rng.choice([k for k in (1, 2, 3, 4) if h % k == 0 and k < h]),
+             "E": rng.choice((4, 6, 8)), "R": 2}
+        for a, b in meta["facts"]["equal"]:  # (K = H where traced so)
+            v[a] = v[b] = min(v[a], v[b]) if {a, b} != {"H", "K"} else v["H"]
+        v = {s: v[s] for s in an.symbols if s in v}
+        full = {**v, **an.pinned, **{a: v[b] for a, b in an.spec.tied.items() if b in v}}
+        if tuple(sorted(v.items())) in probes or an.spec.check(full) or not _matches(meta, {**v, **an.pinned}, config=False):
+            continue
+        out.append(v)
+        if len(out) == n:
+            return out
+    raise AssertionError(f"no random sizes in the regime of {an.model}")
+
+
+#: graphs whose model has dropout: traced as CUDA dispatches it (the CLI's default --torch-device),
+#: whose saved mask a CPU step does not save (tests/test_device_kernels.py checks that kernel); their
+#: FLOPs and parameters are still measured here
+DROPOUT = ("hf-gpt2",)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", MEASURED)
+def test_committed_graph_matches_pytorch(name):
+    """The committed graph's model FLOPs, saved bytes and parameters at 2 random small sizes of its
+    regime equal FlopCounterMode's (a real CPU step; eager attention for transformers models: model
+    FLOPs do not depend on the kernel), saved_tensors_hooks' bytes (the model as traced, at the
+    graph's precision) and the meta-device parameter count."""
+    import memory_oracle as mo
+    from test_flops_exact import measure
+
+    from symcost.frontends.models import resolve
+    from symcost.graph.analysis import Analysis
+
+    data = _analysis(name)
+    an = Analysis.from_dict(data["analysis"])
+    model = str(ROOT / data["model"]) if data["model"].endswith(".json") else data["model"]
+    hf = model.startswith("hf:") or model.endswith(".json")
+    spec = resolve(model, data["config"], data["attention"])
+    eager = resolve(model, data["config"], "eager") if hf else spec
+    for v in _sizes_in_regime(an, data["meta"], random.Random(f"library {name}")):
+        env = an.bind(**v)
+        values = {str(k): int(x) for k, x in env.items()}
+        full = {**spec.defaults, **values}
+        ev = lambda e: int(parse_formula(str(e)).xreplace(env))  # noqa: E731
+        saved = ev(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
+        with torch.device("meta"):
+            params = sum(p.numel() for p in spec.build(full).parameters())
+        assert ev(an.params) == params, (name, values)
+        assert ev(an.flops("train")) == measure(eager, full)["flops.train"], (name, values)
+        if name not in DROPOUT:
+            assert saved == mo.saved_bytes(spec, full, data["precision"]), (name, values)
+
+
+def test_committed_graph_has_not_drifted():
+    """A fresh trace of the built-in gpt2 (the library's recipe) gives the committed graph's
+    formulas: every total, every parameter's shape, the saved tensors. A change to tracing that
+    moves a formula fails here until the library is regenerated."""
+    from symcost.commands._options import _trace_fresh
+    from symcost.graph.library import CATALOGUE, PRECISION
+
+    model, cfg, attention, sizes = CATALOGUE["gpt2"]
+    fresh = _trace_fresh(model, cfg, attention, PRECISION, dict(sizes), quiet=True).to_dict()
+    old = _analysis("gpt2")["analysis"]
+    hint = f"graphs/gpt2.json differs from a fresh trace: regenerate the library with `{REGENERATE}`"
+
+    def same(a, b):
+        return a == b or sympy.expand(parse_formula(a) - parse_formula(b)) == 0
+
+    for k, f in fresh["totals"].items():
+        assert k in old["totals"] and same(f, old["totals"][k]), f"{hint} ({k}: {old['totals'].get(k)} -> {f})"
+    assert fresh["param_shapes"] == old["param_shapes"], hint
+    assert json.dumps(fresh["saved"], sort_keys=True) == json.dumps(old["saved"], sort_keys=True), hint
