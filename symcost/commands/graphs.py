@@ -50,6 +50,10 @@ def build(only, out, no_cache):
             click.echo(f"[{i}/{len(names)}] {name}", err=True)
             entries[name] = build_one(name, folder, use_cache)
             write_index(folder, [entries[n] for n in CATALOGUE if n in entries])  # (after each: a stop keeps the rest)
+        if not only:  # (graphs no longer in the catalogue)
+            for p in folder.iterdir():
+                if p.suffix in (".json", ".md") and p.stem not in CATALOGUE and p.stem != "index":
+                    p.unlink()
     finally:
         os.chdir(cwd)
     click.echo(f"{len(names)} graph(s) written to {folder}; the index lists {len(entries)}")
