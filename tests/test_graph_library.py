@@ -249,3 +249,25 @@ def test_committed_graph_has_not_drifted():
         assert k in old["totals"] and same(f, old["totals"][k]), f"{hint} ({k}: {old['totals'].get(k)} -> {f})"
     assert fresh["param_shapes"] == old["param_shapes"], hint
     assert json.dumps(fresh["saved"], sort_keys=True) == json.dumps(old["saved"], sort_keys=True), hint
+
+
+def test_hub_name_in_the_local_cache_is_served(tmp_path, cache_dir):
+    """``hf:ORG/NAME`` whose config.json the local Hugging Face cache holds (Llama-3-8B's here) is
+    served from the library graph of that config, under the Hub name, without tracing."""
+    import os
+    import subprocess
+    import sys
+
+    repo = tmp_path / "hub" / "models--acme--llama-8b"
+    snap = repo / "snapshots" / "0123456789abcdef"
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123456789abcdef")
+    (snap / "config.json").write_text((ROOT / "tests/data/configs/llama-3-8b.json").read_text())
+    env = {k: v for k, v in os.environ.items() if k != "SYMCOST_GRAPHS_DIR"}
+    env.update(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1", SYMCOST_CACHE_DIR=str(cache_dir))
+    res = subprocess.run([sys.executable, "-m", "symcost.cli", "report", "hf:acme/llama-8b", "--set", "B=1", "S=4096"],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    first = " ".join(res.stdout.split())
+    assert first.startswith("symcost report hf:acme/llama-8b") and "from the graph library (traced with torch" in first

@@ -165,6 +165,7 @@ def cached_trace(model: str, config: Mapping[str, str], attention: str, precisio
         an = load(k, sizes)
         if an is not None:
             return an
+    if use_cache:  # (a Hub name is not kept in the trace cache, but the library may serve it)
         from symcost.graph.library import lookup  # the graphs shipped with symcost
 
         an = lookup(model, config, attention, precision, sizes, options)

@@ -12,7 +12,8 @@ transformers, symcost and the digest of its tracing sources). ``graphs/index.jso
 a training step on one device with the default probe plan and device kernels, no other options):
 
 * the same *family*: a built-in model by name, ``hf:MODEL_TYPE`` with the same ``--config``
-  overrides, or a ``config.json`` (any path) whose fields other than its sizes (:data:`SIZE_FIELDS`)
+  overrides, or a ``config.json`` (any path, or a Hub name ``hf:ORG/NAME`` whose config.json the
+  local Hugging Face cache holds) whose fields other than its sizes (:data:`SIZE_FIELDS`)
   and bookkeeping (:data:`INERT_FIELDS`) equal the traced file's: rotary scaling, sliding windows,
   activation, tied embeddings, biases must match, as must precision and attention;
 * the same *regime*, as the trace cache matches one (``symcost.graph.cache``: request facts such as
@@ -101,12 +102,14 @@ def config_family(path: str) -> dict | None:
 def library_key(model: str, config: Mapping[str, str], attention: str | None, precision: str) -> dict | None:
     """What a request must share with a library graph to be served by it (besides the regime and
     the sizes' check, :func:`lookup`); None where the library never serves it (a model file of the
-    user's, a Hub name: its config is read from the local cache)."""
+    user's, a Hub name whose config.json is not in the local Hugging Face cache)."""
     config = {str(k): str(v) for k, v in dict(config or {}).items()}
     base = {"format": FORMAT, "config": config, "attention": attention, "precision": precision}
     if model.startswith("hf:"):
-        if "/" in model:
-            return None
+        if "/" in model:  # a Hub name: its config.json in the local Hugging Face cache, as a config file
+            path = hub_config(model)
+            fam = config_family(path) if path else None
+            return None if fam is None else {**base, "kind": "config.json", "family": fam}
         return {**base, "kind": "hf", "model_type": model[3:]}
     if ".py:" in model:
         return None
@@ -116,6 +119,29 @@ def library_key(model: str, config: Mapping[str, str], attention: str | None, pr
     from symcost.frontends.spec import BUILTINS
 
     return {**base, "kind": "builtin", "name": model} if model in BUILTINS else None
+
+
+def hub_config(model: str) -> str | None:
+    """The path of ``hf:ORG/NAME``'s ``config.json`` in the local Hugging Face cache (never the
+    network: ``huggingface_hub.try_to_load_from_cache``), or None (not there, no huggingface_hub)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        path = try_to_load_from_cache(model[3:], "config.json")
+    except Exception:  # noqa: BLE001 - an odd name: not served, the resolver says why
+        return None
+    return path if isinstance(path, str) else None
+
+
+def _request_file(model: str) -> str | None:
+    """The config file a request names: ``path/config.json``, or a Hub name's in the local cache."""
+    if model.endswith(".json"):
+        return model
+    if model.startswith("hf:") and "/" in model:
+        return hub_config(model)
+    return None
 
 
 def _file_digest(path: str) -> str | None:
@@ -168,9 +194,10 @@ def differences(traced: Mapping, here: Mapping | None = None) -> list[str]:
 def _same_defaults(entry: Mapping, model: str) -> bool:
     """Whether the request's model has the traced model's default sizes without building it: a
     built-in or ``hf:`` name (its defaults are its source's), or a config file with the same bytes."""
-    if not model.endswith(".json"):
+    path = _request_file(model)
+    if path is None:
         return True
-    return _file_digest(model) == entry.get("file_sha256")
+    return _file_digest(path) == entry.get("file_sha256")
 
 
 def lookup(model: str, config: Mapping[str, str], attention: str | None, precision: str,
@@ -260,7 +287,7 @@ def _read(path: Path, entry: Mapping, model: str, live):
             sd.update(defaults=dict(live.defaults), name=live.name, extra={**sd.get("extra", {}), **_jsonable(live.extra)},
                       constraints=[[c.kind, c.a, c.b, c.why] for c in live.constraints])
             d["spec"] = sd
-        d["model"] = model if model.endswith(".json") else d["model"]
+        d["model"] = model if _request_file(model) else d["model"]  # (a config file or Hub name: the request's)
         an = Analysis.from_dict(d)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, SymcostError):
         return None
