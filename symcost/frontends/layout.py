@@ -504,8 +504,14 @@ class Layout:
 
                 def sizes(values):
                     return splits(base, values, sp)
-            spec = data_parallel(spec, self.shard, self.fsdp_mp, sizes, self.replicate,
-                                 ep=(self.experts_shard or 0) if self.ep else None)
+            indivisible = None
+            if self.ep:  # (the dense parameters over DP·EP ranks, the experts over DP: §14.6)
+                import functools
+
+                from symcost.frontends.expert_parallel import fsdp_indivisible
+
+                indivisible = functools.partial(fsdp_indivisible, dim=self.experts_shard or 0)
+            spec = data_parallel(spec, self.shard, self.fsdp_mp, sizes, self.replicate, indivisible)
         if self.ep:
             from symcost.frontends.expert_parallel import expert_parallel
 
@@ -617,8 +623,14 @@ class Layout:
 
             from symcost.frontends.parallel import wrap
 
+            inner = None
+            if self.ep_fsdp:  # (torchtitan's apply_fsdp: the experts their own units over dp_shard first)
+                from symcost.frontends.expert_parallel import shard_experts
+
+                def inner(reshard, kw):
+                    shard_experts(model, mesh["DP_expert"], reshard, kw, self.experts_shard or 0)
             wrap(model, layers, self.shard, mesh["DP"], self.fsdp_mp, offload=self.offload, engine=dp_engine,
-                 experts_mesh=mesh.get("DP_expert"), experts_dim=self.experts_shard or 0)
+                 inner=inner)
             # FSDP2 warns when the root returns a view (a language model's logits slice); the
             # recorded step does no in-place op on it, and the user did not write this wrapping
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",

@@ -93,7 +93,7 @@ def check_shard(shard: str) -> str:
 
 
 def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None, tp_sizes=None,
-                  replicate: int | None = None, ep: int | None = None):
+                  replicate: int | None = None, indivisible=None):
     """The data-parallel dimension's part of a layout's spec (:meth:`symcost.frontends.layout.Layout.spec`
     calls it; a traced spec is the layout's): ``spec`` with the symbol ``DP`` (the group size:
     ``shard`` over ``DP`` ranks) and the probe check that keeps the per-rank sizes polynomial in
@@ -108,10 +108,10 @@ def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None, tp_
     ``DP - 1`` rows per parameter, docs/parallel.md). Over a tensor-parallel dimension (the
     layout's 2-D mesh) FSDP2 shards the TP-local rows: ``tp_sizes(values)`` gives the tensor-
     parallel sizes the probes can draw at ``values`` (those the TP plan splits), and the first
-    dimensions must be multiples of lcm(DP, 4) times the largest (8 where not given). With ``ep``
-    (expert parallelism under FSDP2, docs/parallel.md §14.6: the dimension FSDP2 shards the
-    experts' local weights on, 0 or 1) the dense parameters are sharded over DP·EP ranks and each
-    rank's experts over DP: :func:`symcost.frontends.expert_parallel.fsdp_indivisible`.
+    dimensions must be multiples of lcm(DP, 4) times the largest (8 where not given). Under
+    expert parallelism (docs/parallel.md §14.6: the dense parameters sharded over DP·EP ranks, each
+    rank's experts over DP) ``indivisible(spec, values)`` says why a probe with ``EP`` is not
+    polynomial (:func:`symcost.frontends.expert_parallel.fsdp_indivisible`).
 
     Raises:
         SymcostError: an unknown ``shard``.
@@ -134,10 +134,8 @@ def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None, tp_
             # (DDP shards nothing: no size depends on DP, any first dimension runs as it is;
             # OPT's 2,050 learned positions refused hf:opt --dp 2)
             return None
-        if ep is not None and "EP" in values:
-            from symcost.frontends.expert_parallel import fsdp_indivisible
-
-            return fsdp_indivisible(spec, values, ep)
+        if indivisible is not None and "EP" in values:
+            return indivisible(spec, values)
         return _indivisible(spec, values, tp_sizes, replicate)
 
     defaults = dict(spec.defaults, DP=spec.defaults.get("DP", 8 if not replicate else 4 * replicate))
@@ -249,7 +247,7 @@ def destroy_world() -> None:
 
 
 def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list | None = None,
-         offload: bool = False, engine: str | None = None, experts_mesh=None, experts_dim: int = 0):
+         offload: bool = False, engine: str | None = None, inner=None):
     """Wrap ``model`` in place for ``shard`` (:data:`SHARDS`): each child of the ``layers``
     container (the L blocks), then the root, as torchtitan does. ``mp``: ``(param, reduce)``
     dtype names (:data:`MP_DTYPES`) given to every unit as FSDP2's
@@ -260,10 +258,10 @@ def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list
     ``engine``: ``"megatron-ddp"`` with ``ddp``/``zero1`` runs Megatron-LM's engine instead of
     ``replicate`` (parameters used in place, each gradient all-reduced once accumulated:
     :func:`symcost.frontends.megatron.wrap_in_place`; the ``megatron-*`` precisions ask for it).
-    ``experts_mesh``: under expert parallelism (``fully_shard`` only), every experts module is first
-    its own unit over this mesh, torchtitan's expert-data-parallel one, sharded on dimension
-    ``experts_dim`` of the local experts (:func:`symcost.frontends.expert_parallel.shard_experts`),
-    and ``mesh`` shards the rest.
+    ``inner(reshard, kw)``: wraps the units inside the blocks first (``fully_shard`` only; under
+    expert parallelism every experts module over the expert-data-parallel mesh,
+    :func:`symcost.frontends.expert_parallel.shard_experts`), with the blocks' ``reshard_after_forward``
+    and the other ``fully_shard`` options ``kw``; ``mesh`` then shards the rest.
     Returns the model.
 
     Raises:
@@ -301,10 +299,8 @@ def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list
             # the root's parameters stay unsharded after forward (FSDP2 and torchtitan's default)
             fully_shard(m, mesh=mesh, reshard_after_forward=False if root else reshard, **kw)
     try:
-        if experts_mesh is not None:
-            from symcost.frontends.expert_parallel import shard_experts
-
-            shard_experts(model, experts_mesh, reshard, kw, experts_dim)
+        if inner is not None:
+            inner(reshard, kw)
         if layers is not None:
             for block in model.get_submodule(layers).children():
                 apply(block, False)
