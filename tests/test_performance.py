@@ -51,6 +51,15 @@ def test_bad_efficiency_tables_are_refused(table, words):
         parse_efficiency(table, "f.json [x]")
 
 
+def test_an_efficiency_table_reads_back_what_it_writes():
+    from symcost.hardware.devices import get_device, parse_devices
+
+    e = get_device("h100").to_json()["efficiency"]
+    back = parse_devices(json.dumps({"x": {"bf16": 1e15, "bandwidth": 3e12, "efficiency": e}}), "t", "json")["x"]
+    assert back.efficiency.compute_units == 132 and back.efficiency.tile == (128, 128)
+    assert set(back.efficiency.defaulted) == set(e["defaulted"])
+
+
 def test_a_bad_devices_file_is_one_line(capsys, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"cpu": {"fp32": 1e11, "bandwidth": 4e10, "efficiency": {"memory": 2}}}))

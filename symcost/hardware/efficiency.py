@@ -45,7 +45,8 @@ DEFAULTS: dict[str, Any] = {
 
 _NUMBERS = ("gemm_half", "memory", "copy_bandwidth", "launch_eager", "launch_compiled", "optimizer_per_tensor",
             "optimizer_per_byte", "collective_latency")
-KNOWN = set(_NUMBERS) | {"compute_units", "tile", "gemm_max", "source", "fit"}
+KNOWN = set(_NUMBERS) | {"compute_units", "tile", "gemm_max", "source", "fit",
+                         "defaulted"}  # (what to_json writes back: ignored on reading, recomputed)
 
 
 @dataclass(frozen=True)
@@ -146,9 +147,10 @@ class Efficiency:
         return steps * self.collective_latency + moved / bandwidth
 
     def to_json(self) -> dict:
-        """The table as plain data (what a device file's ``efficiency`` holds)."""
+        """The table as plain data (what a device file's ``efficiency`` holds; :func:`parse_efficiency`
+        reads it back)."""
         out = {"compute_units": self.compute_units, "tile": list(self.tile), "gemm_max": dict(self.gemm_max),
-               **{k: getattr(self, k) for k in _NUMBERS}, "source": self.source}
+               **{k: getattr(self, k) for k in _NUMBERS if getattr(self, k) is not None}, "source": self.source}
         if self.defaulted:
             out["defaulted"] = list(self.defaulted)
         if self.fit:
@@ -212,7 +214,9 @@ def parse_efficiency(value: Any, where: str) -> Efficiency | None:
         kw["source"] = str(value["source"])
     if "fit" in value and isinstance(value["fit"], Mapping):
         kw["fit"] = dict(value["fit"])
-    kw["defaulted"] = tuple(k for k in (*_NUMBERS, "compute_units", "tile", "gemm_max") if k not in value)
+    said = value.get("defaulted", ())  # a table written by to_json: its defaults stay defaults
+    said = said if isinstance(said, (list, tuple)) else ()
+    kw["defaulted"] = tuple(k for k in (*_NUMBERS, "compute_units", "tile", "gemm_max") if k not in value or k in said)
     return Efficiency(**kw)
 
 
