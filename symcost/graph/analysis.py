@@ -303,6 +303,13 @@ class Analysis(Totals, Conventions, Serialized):
             + r"<br>$P = " + sympy.latex(P) + "$"
         )
 
+    def _repr_html_(self) -> str:
+        """Jupyter's inline view: the explorer page of this analysis (:func:`symcost.explore`,
+        built by the render stage through the public API, in an ``<iframe srcdoc>``)."""
+        import symcost
+
+        return symcost.explore(self)._repr_html_()
+
     def write(self, path: str) -> None:
         """Write the graph as GraphML (``.graphml``) or node-link JSON (``.json``).
 

@@ -46,9 +46,7 @@ def js_function(expr) -> str:
     """A formula as JavaScript source: ``function(v){return ...;}`` with each symbol ``X`` read
     as ``v.X`` (sympy's :class:`JavascriptCodePrinter`: ``Math.pow``, ``Math.max``, ternaries
     for ``Piecewise``)."""
-    expr = sympy.sympify(expr)
-    syms = {s: sympy.Symbol(s.name) for s in expr.free_symbols}  # (assumptions dropped: one name each)
-    code = _Printer({"strict": False}).doprint(expr.xreplace(syms))
+    code = _Printer({"strict": False}).doprint(sympy.sympify(expr))
     return f"function(v){{return {code};}}"
 
 

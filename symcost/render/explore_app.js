@@ -170,21 +170,27 @@
   const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
     "#bcbd22", "#17becf"];
   const made = {};
+  const slots = {};  // one box per plot, in a fixed order (a plot redrawn with other series keeps its place)
+  for (const id of ["memB", "memS", "step", "roofline", "law"]) {
+    slots[id] = el("div", { class: "plot", id: `plot-${id}` });
+    plots.append(slots[id]);
+  }
+  // a log axis' ticks: 0.001, 0.1, 10, 1000 (uPlot's default rounds those below 1 to 0)
+  const logTicks = (u, vals) => vals.map((v) => v == null ? "" : v >= 1 ? String(Math.round(v)) : String(+v.toPrecision(1)));
   function plot(id, title, xLabel, yLabel, series, data, opts) {
     const width = Math.min(560, Math.max(320, (app.clientWidth || 1100) / 2 - 30));
     const cfg = Object.assign({
       title, width, height: 300, scales: { x: { time: false } },
-      axes: [{ label: xLabel }, { label: yLabel, size: 80, values: opts && opts.yfmt ? (u, v) => v.map(opts.yfmt) : undefined }],
+      axes: [{ label: xLabel, values: opts && opts.log ? logTicks : undefined },
+        { label: yLabel, size: 80, values: opts && opts.log ? logTicks : undefined }],
       series: [{ label: xLabel }].concat(series),
     }, (opts && opts.cfg) || {});
     if (made[id] && made[id].sig === JSON.stringify(series.map((s) => s.label))) {
       made[id].u.setData(data);
       return;
     }
-    if (made[id]) { made[id].u.destroy(); made[id].box.remove(); }
-    const box = el("div", { class: "plot", id: `plot-${id}` });
-    plots.append(box);
-    made[id] = { u: new uPlot(cfg, data, box), box, sig: JSON.stringify(series.map((s) => s.label)) };
+    if (made[id]) made[id].u.destroy();
+    made[id] = { u: new uPlot(cfg, data, slots[id]), sig: JSON.stringify(series.map((s) => s.label)) };
   }
 
   const line = (label, i, extra) => Object.assign({ label, stroke: COLORS[i % COLORS.length], width: 1.5,
@@ -226,7 +232,7 @@
     const dots = { paths: () => null, points: { show: true, size: 6 } };
     plot("roofline", `roofline on ${dev.key}: the model's ops (TFLOP/s vs FLOP/byte)`, "FLOP/byte", "TFLOP/s",
       [line(`roof (${base.train_key})`, 7, { spanGaps: true }), line("forward ops", 0, dots), line("backward ops", 1, dots)],
-      [xs, roof, fw, bw], { cfg: { scales: { x: { time: false, distr: 3 }, y: { distr: 3 } } } });
+      [xs, roof, fw, bw], { log: true, cfg: { scales: { x: { time: false, distr: 3 }, y: { distr: 3 } } } });
   }
   function lawPlot(base) {
     const v = sizes(), L = v.L;
