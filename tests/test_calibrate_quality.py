@@ -87,7 +87,7 @@ def test_contended_calibration_is_marked_and_validate_refuses_it(monkeypatch, ca
     monkeypatch.setattr(cal, "cpu_times", Clock(0.0))
     monkeypatch.setattr(cal, "measure", fake_measure(slow_every=2))
     out = tmp_path / "busy.json"
-    code, text, err = run_cli(capsys, "calibrate", "--quick", "--out", str(out))
+    code, text, err = run_cli(capsys, "calibrate", "--quick", "--no-efficiency", "--out", str(out))
     assert code == 0, err
     flat = " ".join(text.split())
     assert "contended" in flat and "calibrate again" in flat
@@ -116,7 +116,7 @@ def test_contended_calibration_is_marked_and_validate_refuses_it(monkeypatch, ca
 
     monkeypatch.setattr(cal, "measure", fake_measure())
     calm = tmp_path / "calm.json"
-    code, text, err = run_cli(capsys, "calibrate", "--quick", "--out", str(calm))
+    code, text, err = run_cli(capsys, "calibrate", "--quick", "--no-efficiency", "--out", str(calm))
     assert code == 0, err
     entry = json.loads(calm.read_text())["this-machine"]
     assert entry["quality"]["contended"] is False and "not contended" in text
