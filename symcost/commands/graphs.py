@@ -46,10 +46,19 @@ def build(only, out, no_cache):
     try:
         names = list(only) or list(CATALOGUE)
         entries = {e["name"]: e for e in _old_index(folder) if e.get("name") in CATALOGUE}
+        failed = {}
         for i, name in enumerate(names, 1):
             click.echo(f"[{i}/{len(names)}] {name}", err=True)
-            entries[name] = build_one(name, folder, use_cache)
+            try:
+                entries[name] = build_one(name, folder, use_cache)
+            except SymcostError as e:  # (the others are still built; this one keeps its old graph, if any)
+                failed[name] = str(e)
+                click.echo(f"[{i}/{len(names)}] {name} failed: {e}", err=True)
+                continue
             write_index(folder, [entries[n] for n in CATALOGUE if n in entries])  # (after each: a stop keeps the rest)
+        if failed:
+            raise SymcostError(f"{len(failed)} of {len(names)} graph(s) could not be traced ({', '.join(failed)}; "
+                               "each keeps its previous graph, if any): " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
         if not only:  # (graphs no longer in the catalogue)
             for p in folder.iterdir():
                 if p.suffix in (".json", ".md") and p.stem not in CATALOGUE and p.stem != "index":
