@@ -499,7 +499,11 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         nb = fitter(tuple(r.saved[k].nbytes for r in recs), f"saved tensor of {s.module or 'the root'}")
         saved.append((module, nb, s.dtype, repeat))
 
-    kv_layers = _fit_kv(spec, recs, fitter, role, container, pinned) if spec.step != "train" else []
+    whole = None  # the cache at the request's own L, where a window has dropped tokens (_fit_kv)
+    if spec.step != "train" and getattr(req, "kv_evicted", 0) and values.get("L", request.get("L")) != request.get("L"):
+        whole = rec_at(dict(request, L=values["L"]))
+        whole = None if isinstance(whole, SymcostError) else whole
+    kv_layers = _fit_kv(spec, recs, fitter, role, container, pinned, whole) if spec.step != "train" else []
 
     t2 = time.perf_counter()
     graph = _build_graph(ref, ops, role)
@@ -551,7 +555,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
 
 
 def _fit_kv(spec: ModelSpec, recs: list[Recording], fitter, role, container: str | None,
-            pinned: Mapping[str, int]) -> list[tuple]:
+            pinned: Mapping[str, int], whole: Recording | None = None) -> list[tuple]:
     """The KV cache's bytes per layer after the step, fitted over the probes and folded over L:
     ``[(folded layer name, bytes formula, repeat)]``.
 
@@ -559,6 +563,9 @@ def _fit_kv(spec: ModelSpec, recs: list[Recording], fitter, role, container: str
     (layer 0 stands for all L) when every layer holds the same bytes at every probe; a cache whose
     layers differ (sliding-window and full-attention layers, or a count of layers other than L)
     cannot be folded, so L is pinned (:class:`Unvariable`) and each layer is fitted on its own.
+    ``whole``, a recording at the request's own L (taken where a sliding window has dropped
+    tokens), counts too: a config whose layer pattern follows L (Gemma 3: every sixth layer full)
+    may hold only sliding layers at the probes' small L and full ones at the request's.
 
     Raises:
         Unvariable: L must be pinned (see above).
@@ -570,6 +577,10 @@ def _fit_kv(spec: ModelSpec, recs: list[Recording], fitter, role, container: str
         raise SymcostError(f"{spec.name}: the number of KV-cache layers changes with the sizes")
     sigs = [tuple(r.kv_layers[i] for r in recs) for i in range(n)]
     fold = "L" not in pinned and container is not None
+    if fold and whole is not None and len(set(whole.kv_layers)) > 1:
+        raise Unvariable("L", (
+            f"the KV cache of {spec.name} holds layers of different sizes at the requested L = "
+            f"{whole.values.get('L')} (sliding-window and full-attention layers), so L is not folded"))
     if fold and (n != ref.values.get("L") or len(set(sigs)) > 1):
         raise Unvariable("L", (
             f"the KV cache of {spec.name} holds {n} layers of different sizes (sliding-window and full-attention "
