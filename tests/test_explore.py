@@ -167,9 +167,16 @@ def test_every_number_equals_the_cli(browser, pages, model):
     page.close()
 
 
-def test_bad_option_is_one_line(tmp_path):
-    code, out = _cli("explore", "cs336-lm", "--layout", "tp", "--out", str(tmp_path / "x.html"))
-    assert code == 2 and not (tmp_path / "x.html").exists()
+def test_bad_input_is_one_line(tmp_path, capsys):
+    from symcost.cli import main
+
+    for args in (("--layout", "tp"), ("--ac", "sometimes"), ("--device", "no-such-gpu"),
+                 ("--layout", "none", "--ac", "none", "--out", str(tmp_path / "no-dir" / "x.html"))):
+        with pytest.raises(SystemExit) as e:
+            main(["explore", "cs336-lm", *args])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("symcost: error:") and err.count("\n") == 1, (args, err)
+    assert not list(tmp_path.rglob("*.html"))
 
 
 def test_repr_html_is_the_same_view():

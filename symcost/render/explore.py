@@ -243,9 +243,18 @@ class Page:
         self.html = html_text
 
     def save(self, path: str | pathlib.Path) -> pathlib.Path:
-        """Write the page to ``path`` (UTF-8); returns the path."""
+        """Write the page to ``path`` (UTF-8); returns the path.
+
+        Raises:
+            SymcostError: the file cannot be written (one line: the path and the reason).
+        """
+        from symcost.errors import SymcostError
+
         p = pathlib.Path(path)
-        p.write_text(self.html, encoding="utf-8")
+        try:
+            p.write_text(self.html, encoding="utf-8")
+        except OSError as e:
+            raise SymcostError(f"cannot write {p}: {e.strerror or e}") from None
         return p
 
     def _repr_html_(self) -> str:
