@@ -250,3 +250,43 @@ def test_report_6np_counts_the_ranks_tokens(capsys):
     out = capsys.readouterr().out
     assert f"6·N·P = {human(sixnp, 'FLOP')}, remainder = {human(total - sixnp, 'FLOP')}" in out, out
     assert "N = B·S/CP" in out
+
+
+@pytest.mark.heavy
+@pytest.mark.hf
+def test_llama_3_8b_at_128k_parameters_per_rank():
+    """Issue 28's acceptance: ``report tests/data/configs/llama-3-8b.json --cp 4 --set S=131072``
+    and the same ``--dp 2 --shard fsdp`` answer; the parameter elements per rank equal a count on
+    the meta device: under CP alone every parameter of the model transformers builds from the file;
+    under FSDP2 over dp_shard × cp the local shard rank 0 holds after ``fully_shard`` per block and
+    on the root over a (fake) group of DP·CP = 8 ranks, as torchtitan applies it."""
+    import json
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from symcost.frontends.parallel import destroy_world, fake_world
+
+    path = os.path.join(os.path.dirname(__file__), "data", "configs", "llama-3-8b.json")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    whole = sum(p.numel() for p in model.parameters())
+    fake_world(8)
+    try:
+        mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard_cp",))
+        for block in model.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        shard = sum(p.to_local().numel() for p in model.parameters())
+    finally:
+        destroy_world()
+    for extra, want in (([], whole), (["--dp", "2", "--shard", "fsdp"], shard)):
+        r = CliRunner().invoke(main, ["report", path, "--cp", "4", "--set", "S=131072", "--json", *extra])
+        assert r.exit_code == 0, r.output[-2000:]
+        got = json.loads(r.output[r.output.index("{"):])
+        assert got["params"] == whole, (extra, got["params"], whole)
+        cp = got["context_parallel"]
+        assert (cp["cp"], cp["params_rank"]) == (4, want), (extra, cp["params_rank"], want)
+        assert cp["total"] > 0

@@ -30,10 +30,12 @@ KINDS = ("all_gather", "all_to_all")
 
 
 def summary(an, sizes: Mapping[str, int] | None = None) -> dict:
-    """``{"cp", "rotate", "shard", "comm": {kind: {phase: bytes formula}, "total": formula}, "values"}``
-    (``shard``: the data-parallel strategy FSDP2 runs over dp_shard × cp, or None):
-    the bytes one CP rank sends (= receives) per step over the CP group, by kind (all-gather,
-    all-to-all) and phase; ``values`` the same at ``sizes`` (None without sizes).
+    """``{"cp", "rotate", "shard", "comm": {kind: {phase: bytes formula}, "total": formula},
+    "params_rank", "values"}`` (``shard``: the data-parallel strategy FSDP2 runs over dp_shard × cp,
+    or None): the bytes one CP rank sends (= receives) per step over the CP group, by kind
+    (all-gather, all-to-all) and phase; ``params_rank`` the parameter elements the rank holds
+    (``Analysis.params_shard``: every parameter under CP alone, FSDP2's dim-0 shard over the DP·CP
+    ranks with ``--dp N --shard fsdp``); ``values`` the same at ``sizes`` (None without sizes).
 
     Raises:
         ValueError: ``an`` was not traced under ``--cp``.
@@ -44,10 +46,11 @@ def summary(an, sizes: Mapping[str, int] | None = None) -> dict:
     comm = {k: {ph: an.comm_bytes(k, ph, group="CP") for ph in PHASES} for k in KINDS}
     total = sympy.Add(*[v for d in comm.values() for v in d.values()])
     out = {"cp": an.pinned.get("CP", sympy.Symbol("CP")), "rotate": layout.cp_rotate, "shard": layout.shard,
-           "comm": comm, "total": total, "values": None}
+           "comm": comm, "total": total, "params_rank": an.params_shard, "values": None}
     if sizes:
         env = an.bind(**{k: v for k, v in sizes.items() if k in an.symbols})
         out["values"] = {"comm": {k: {ph: sympy.sympify(v).xreplace(env) for ph, v in d.items()}
                                   for k, d in comm.items()},
-                         "total": sympy.sympify(total).xreplace(env)}
+                         "total": sympy.sympify(total).xreplace(env),
+                         "params_rank": sympy.sympify(an.params_shard).xreplace(env)}
     return out

@@ -13,18 +13,20 @@ def _num(v):
 
 def to_json(summary: dict) -> dict:
     """``{"context_parallel": {cp, rotate, shard, comm: {all_gather|all_to_all: {forward, backward}},
-    total}}``: bytes one rank sends (= receives) per step over the CP group (``shard``: FSDP2's
-    strategy over dp_shard × cp, or None); formulas without sizes, integers with."""
+    total, params_rank}}``: bytes one rank sends (= receives) per step over the CP group (``shard``:
+    FSDP2's strategy over dp_shard × cp, or None), parameter elements the rank holds; formulas
+    without sizes, integers with."""
     vals = summary["values"]
     if vals is None:
         comm = {k: {ph: fmt(v) for ph, v in d.items()} for k, d in summary["comm"].items()}
-        total = fmt(summary["total"])
+        total, params = fmt(summary["total"]), fmt(summary["params_rank"])
     else:
         comm = {k: {ph: _num(v) for ph, v in d.items()} for k, d in vals["comm"].items()}
-        total = _num(vals["total"])
+        total, params = _num(vals["total"]), _num(vals["params_rank"])
     cp = summary["cp"]
     return {"context_parallel": {"cp": int(cp) if isinstance(cp, int) else str(cp), "rotate": summary["rotate"],
-                                 "shard": summary.get("shard"), "comm": comm, "total": total}}
+                                 "shard": summary.get("shard"), "comm": comm, "total": total,
+                                 "params_rank": params}}
 
 
 def render(summary: dict, width: int | None = None) -> None:
