@@ -60,7 +60,8 @@ def test_unknown_model(capsys, model, needles):
 
 
 @pytest.mark.parametrize("pair, needles", [
-    ("Q=3", ("unknown symbol 'Q'", "B, S, H, D, L, V, F, K")),
+    ("Q=3", ("unknown symbol 'Q'", "mlp", "B, S, D, L")),  # (any name may be a model's own size)
+    ("l-x=3", ("unknown symbol 'l-x'", "B, S, H, D, L, V, F, K")),
     ("PP=4", ("unknown symbol 'PP'", "pipeline stages are --pp N")),
     ("B=0", ("B must be a positive integer", "0")),
     ("B=-3", ("B must be a positive integer", "-3")),

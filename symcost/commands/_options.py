@@ -59,9 +59,10 @@ def parse_sizes(pairs: tuple[str, ...]) -> dict[str, int]:
         key = key.strip()
         if not eq:
             raise SymcostError(f"--set takes SYMBOL=INTEGER, got {pair!r}")
-        if key not in SYMBOL_MEANINGS:
-            raise SymcostError(f"unknown symbol {key!r} in --set; accepted: {', '.join(SYMBOL_MEANINGS)}"
-                               f"{MESH_HINT.get(key.upper(), '')}")
+        if key not in SYMBOL_MEANINGS and (not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", key) or key.upper() in MESH_HINT):
+            # (a model's own sizes, C or IMG, are any other names: checked against the model's symbols)
+            raise SymcostError(f"unknown symbol {key!r} in --set; accepted: {', '.join(SYMBOL_MEANINGS)} "
+                               f"or the model's own sizes{MESH_HINT.get(key.upper(), '')}")
         raw = val.strip()
         val = raw.replace("_", "")
         if not re.fullmatch(r"[+-]?\d+", val):

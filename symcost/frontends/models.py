@@ -72,10 +72,12 @@ def resolve(model: str, config: Mapping[str, str] | None = None, attention: str 
 def _file_spec(model: str) -> ModelSpec:
     """Load ``path/to/file.py:factory``.
 
-    Either the factory takes no arguments and returns a :class:`ModelSpec`, or it takes keyword
-    arguments named by canonical symbols (``H``, ``D``, ``L``, ``V``, ``F``, ``K``, each with an
-    integer default) and returns an ``nn.Module`` fed a float tensor ``[B, S, H*D]`` (``[B, S, D]``
-    without H), trained on the mean square of its output.
+    Either the factory takes no arguments and returns a :class:`ModelSpec` (whose symbols may be
+    the model's own sizes under any names: docs/user-guide.md, "The factory contract"), or it takes
+    keyword arguments named by canonical symbols (``H``, ``D``, ``L``, ``V``, ``F``, ``K``, each
+    with an integer default; other parameters named from a capital letter with an integer default
+    are the model's own sizes) and returns an ``nn.Module`` fed a float tensor ``[B, S, H*D]``
+    (``[B, S, D]`` without H), trained on the mean square of its output.
 
     Raises:
         SymcostError: missing file, import error, missing or failing factory.
@@ -126,7 +128,10 @@ def _quiet(fn: Callable) -> Callable:
 
 
 def _spec_from_factory(model: str, fn: Callable, sig: inspect.Signature) -> ModelSpec:
-    syms = [p for p in sig.parameters if p in SYMBOL_MEANINGS and p not in INPUT_SYMBOLS]
+    # the conventions' symbols, and the model's own sizes: keyword parameters named from a
+    # capital letter with an integer default (R_lora: int = 4)
+    syms = [p for p, par in sig.parameters.items() if p not in INPUT_SYMBOLS and (
+        p in SYMBOL_MEANINGS or (p[:1].isupper() and isinstance(par.default, int) and not isinstance(par.default, bool)))]
     defaults = {}
     for p in syms:
         d = sig.parameters[p].default

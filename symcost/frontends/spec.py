@@ -102,6 +102,13 @@ def check_constraints(constraints, values: Mapping[str, int]) -> str | None:
     return None
 
 
+def ordered(symbols) -> tuple[str, ...]:
+    """``symbols`` in canonical order (:data:`SYMBOL_ORDER`), then a model's own sizes (any other
+    name: ``C``, ``IMG``, ``L_enc``) in the order given. Torch-free."""
+    symbols = tuple(dict.fromkeys(symbols))
+    return tuple(s for s in SYMBOL_ORDER if s in symbols) + tuple(s for s in symbols if s not in SYMBOL_MEANINGS)
+
+
 def request_facts(values: Mapping[str, int], symbols) -> dict:
     """The facts of a request that choose its regime (shared/conventions.md, "Regimes").
 
@@ -111,7 +118,7 @@ def request_facts(values: Mapping[str, int], symbols) -> dict:
     (tied) and which are a coincidence; the trace cache matches a request to a traced regime by
     these facts. Torch-free.
     """
-    syms = [s for s in SYMBOL_ORDER if s in symbols and values.get(s) is not None]
+    syms = [s for s in ordered(symbols) if values.get(s) is not None]
     ones = sorted(s for s in syms if s != "L" and values[s] == 1)
     cfg = [s for s in syms if s not in INPUT_SYMBOLS and s not in ("L", "DP") and values[s] != 1]
     equal = sorted((a, b) for i, a in enumerate(cfg) for b in cfg[i + 1:] if values[a] == values[b])
@@ -156,8 +163,14 @@ class ModelSpec:
 
     Attributes:
         name: the name the user typed (``cs336-lm``, ``hf:llama``, ``file.py:factory``).
-        symbols: config symbols the model binds, a subset of ``("H","D","L","V","F","K","M",...)``.
+        symbols: config symbols the model binds: the conventions' (``H``, ``D``, ``L``, ``V``,
+            ``F``, ``K``, ``M``, ...: :data:`SYMBOL_MEANINGS`) and the model's own sizes under any
+            other name (``C``, ``IMG``, ``N_state``, ``L_enc``: a letter, then letters, digits or
+            ``_``; not N nor a mesh size), which ``--set``, the JSON and the formulas then use.
         defaults: default value of every config symbol (and of B, S) used when the user sets none.
+        meanings: symbol -> what it counts, for the report and the JSON (``{"IMG": "image side
+            (pixels)"}``); an own size without one is "a size of the model". May also restate a
+            canonical symbol's meaning for this model (an image model's S).
         build: ``build(values) -> "nn.Module"`` for a mapping symbol -> int. Called under
             ``torch.device("meta")``; it must not read weights from anywhere.
         make_inputs: ``make_inputs(values, device) -> (args, kwargs)`` for one micro-batch of
@@ -226,6 +239,7 @@ class ModelSpec:
     step: str = "train"
     kv_cache: str = "dynamic"
     infer: Callable[..., tuple] | None = None
+    meanings: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.check is None:
@@ -268,9 +282,20 @@ class ModelSpec:
 
     @property
     def all_symbols(self) -> tuple[str, ...]:
-        """B, S (T for a decode step) and the config symbols, in canonical order, without tied ones."""
-        syms = set(self.input_symbols) | set(self.symbols)
-        return tuple(s for s in SYMBOL_ORDER if s in syms and s not in self.tied)
+        """B, S (T for a decode step) and the config symbols, in canonical order (the model's own
+        sizes after), without tied ones."""
+        return tuple(s for s in ordered(self.input_symbols + tuple(self.symbols)) if s not in self.tied)
+
+    @property
+    def own_symbols(self) -> tuple[str, ...]:
+        """The model's own sizes: its symbols outside the conventions' alphabet, in order."""
+        return tuple(s for s in self.symbols if s not in SYMBOL_MEANINGS)
+
+    def meaning(self, symbol: str) -> str:
+        """What ``symbol`` counts in this model: :attr:`meanings` (or ``extra["meanings"]``), else
+        the conventions' meaning, else "a size of the model"."""
+        own = {**dict(self.extra.get("meanings") or {}), **self.meanings}
+        return str(own.get(symbol) or SYMBOL_MEANINGS.get(symbol) or f"a size of {self.name} (declared by the model)")
 
     def for_step(self, step: str, kv_cache: str = "dynamic") -> "ModelSpec":
         """This model's spec for ``step`` (:data:`STEPS`) with the KV-cache class ``kv_cache``

@@ -90,11 +90,18 @@ def _layer_roles(spec: ModelSpec, ref: Recording, container: str | None, precisi
     one = sympy.Integer(1)
 
     def seqs(rec):
+        # each block's ops, then the tensors it saves: a block whose input another module already
+        # saved (the first block of a CNN after the stem's ReLU, whose output it is) saves one
+        # tensor less than the others while running the same ops
         out: dict[int, list[str]] = {}
         for op in rec.ops:
             layer = _layer_of(op.module, container)
             if layer is not None:
                 out.setdefault(layer, []).append(op.name)
+        for s in rec.saved:
+            layers = {_layer_of(m, container) for m in s.also | {s.module}}
+            if len(layers) == 1 and None not in layers:
+                out.setdefault(layers.pop(), []).append(f"saved {s.dtype}")
         return out
 
     generic, special, repeat = 0, None, L

@@ -28,6 +28,7 @@ from symcost.tracing.fit import (CHECK_L, FIT_L, N_RANDOM, SYMS, Fitter, FitErro
 from symcost.tracing.modules import _layer_of
 from symcost.tracing.regime import digest, regime_signature
 from symcost.tracing.schedule import fit_schedule
+from symcost.tracing.symbols import own_sizes
 from symcost.tracing.poly import MESH
 from symcost.graph.align import _align, _layer_roles, _matmul_params, _middle
 from symcost.graph.analysis import Analysis
@@ -182,6 +183,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
                                torch_device=torch_device, _pins=reuse.at_fault(an, values, e.param, spec=live))
         return an
     spec = model if isinstance(model, ModelSpec) else resolve(model, config, attention)
+    spec = own_sizes(spec)
     if step is not None:
         spec = spec.for_step(step, kv_cache)
     base = spec
@@ -326,6 +328,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     if isinstance(req, SymcostError):  # PyTorch itself rejects the requested sizes
         raise SymcostError(f"{req} (at the requested sizes, before any probe)") from req
     want_sig = regime_signature(req)
+    if "L" in base_syms and req.layer_container is None and req.no_fold:
+        raise Unvariable("L", req.no_fold)  # (several block stacks follow L, or none: pinned, traced unfolded)
 
     def accept(p):
         r = rec_at(p)
@@ -507,11 +511,11 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
 
     t2 = time.perf_counter()
     graph = _build_graph(ref, ops, role)
-    syms = {s: SYMBOL_MEANINGS[s] for s in symbols}
+    syms = {s: SYMBOL_MEANINGS.get(s) or spec.meaning(s) for s in symbols}
     if "D" in syms and "H" not in syms and "H" not in spec.tied and "H" not in pinned:
         syms["D"] = "model width (the model has no attention heads)"
-    # what the model itself says a symbol counts (ModelSpec.extra["meanings"]: an image model's S)
-    syms.update({k: str(m) for k, m in dict(spec.extra.get("meanings") or {}).items() if k in syms})
+    # what the model itself says a symbol counts (ModelSpec.meanings or extra["meanings"]: an image model's S)
+    syms.update({k: spec.meaning(k) for k in {**dict(spec.extra.get("meanings") or {}), **spec.meanings} if k in syms})
     an = Analysis(
         model=spec.name, spec=spec, graph=graph, ops=ops, symbols=syms, param_shapes=param_shapes,
         matmul_params=matmul_params, unsupported=unsupported, saved=saved, layer_container=container,

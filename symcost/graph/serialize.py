@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from symcost._lazy import LazyModule
 from symcost.errors import SymcostError
 from symcost.frontends.spec import Constraint, ModelSpec
-from symcost.tracing.fit import ProbePlan, parse_formula
+from symcost.tracing.fit import SYMS, ProbePlan, parse_formula
 from symcost.tracing.poly import Algebra
 from symcost.tracing.schedule import MemorySchedule
 from symcost.graph.ops import PHASES, SymOp
@@ -187,6 +187,9 @@ class Serialized:
         """
         if d.get("format") != cls.FORMAT:
             raise SymcostError(f"analysis data of format {d.get('format')!r}, expected {cls.FORMAT}")
+        from symcost.tracing.symbols import declare
+
+        declare([k for k in list(d["spec"]["symbols"]) + list(d.get("symbols") or {}) if k not in SYMS])  # (a model's own sizes)
         P = functools.lru_cache(maxsize=None)(parse_formula)  # many sizes repeat
         ops, graph = d["ops"], d["graph"]  # parsed on first use: their layout is checked now
         if not (isinstance(ops, list) and all(isinstance(r, list) and len(r) in (13, 15, 16) for r in ops)

@@ -32,12 +32,8 @@ import sympy
 
 from symcost.errors import SymcostError
 
-SYMS = {name: sympy.Symbol(name, positive=True, integer=True) for name in ("B", "S", "H", "D", "L", "V", "F",
-                                                                          "K", "M", "E", "R", "N", "T", "DP", "TP", "EP", "CP")}
-
-#: the mesh sizes among the symbols: each divides a size (a shard, a rank's share) or multiplies
-#: one, at most once (:data:`LINEAR_ONLY`); probes draw them from their own pools
-MESH_SYMBOLS = ("DP", "TP", "EP", "CP")
+from symcost.tracing.symbols import (ALTS, BASE, MESH_SYMBOLS, POOLS, SYMS,  # noqa: F401  (their home)
+                                     parse_formula)
 
 #: L of the probe recordings the formulas are fitted on, and of the fresh recordings that check them
 FIT_L = 2
@@ -50,53 +46,6 @@ CHECK_L = 3
 #: probes with L = 3, and a mismatch, or a signature no polynomial fits, fits again on twice as
 #: many random probes before anything is pinned.
 N_RANDOM = 3
-
-
-def parse_formula(text: str) -> sympy.Expr:
-    """Parse a formula string of symcost's JSON into a sympy expression in the canonical symbols.
-
-    Plain ``sympy.sympify("B*S")`` reads ``S`` as ``sympy.S`` and ``N`` as ``sympy.N``; this
-    passes the canonical symbols as locals. Only use it on symcost's own output: sympify
-    evaluates code.
-    """
-    return sympy.sympify(text, locals=dict(SYMS))
-
-# Base probe values and one alternate per symbol. L is fixed while fitting (layers fold).
-BASE = {"B": 3, "S": 7, "H": 6, "D": 8, "L": 2, "V": 53, "F": 40, "K": 2, "M": 36, "E": 7, "R": 2, "T": 13, "DP": 2, "TP": 2, "EP": 2, "CP": 2}
-ALTS = {
-    "B": (5, 4, 2),
-    "S": (11, 9, 5),
-    "H": (10, 8, 4),
-    "D": (12, 10, 6),
-    "V": (61, 47, 59),
-    "F": (44, 52, 36),
-    "K": (3, 1),
-    "M": (44, 28, 52),
-    "E": (7, 4, 6),
-    "R": (3, 4),
-    "T": (17, 10, 6),
-    "DP": (4, 3, 8, 6),
-    "TP": (4, 8),
-    "EP": (4, 8),
-    "CP": (4, 8),
-}
-POOLS = {
-    "B": range(2, 10),
-    "S": range(5, 25),
-    "H": range(2, 13),
-    "D": range(4, 17, 2),
-    "V": range(31, 98),
-    "F": range(20, 73),
-    "K": range(2, 9),
-    "M": range(20, 65, 4),
-    "E": range(3, 10),
-    "R": range(2, 5),
-    "T": range(5, 30),
-    "DP": range(2, 9),
-    "TP": (2, 4, 8),  # powers of two: the sizes TP splits are kept multiples of 8 (tensor_parallel)
-    "EP": (2, 4, 8),  # powers of two: E is kept a multiple of 8 (expert_parallel)
-    "CP": (2, 4, 8),  # powers of two: S is kept a multiple of 16 = 2·8 (context_parallel)
-}
 
 
 @dataclass

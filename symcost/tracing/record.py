@@ -236,10 +236,12 @@ def find_layer_container(spec: ModelSpec, model: nn.Module, values: Mapping[str,
     if len(found) == 1:
         return found.pop()
     what = "no nn.ModuleList, nn.Sequential or nn.ModuleDict keyed 0..L-1" if not found else f"several containers ({', '.join(sorted(found))})"
-    raise SymcostError(
+    err = SymcostError(
         f"{spec.name}: {what} has length L, so the L repeated blocks cannot be found; "
         "set ModelSpec.layers to the blocks' container"
     )
+    err.found = sorted(found)  # (record: the step is then recorded unfolded, L pinned by the tracer)
+    raise err
 
 
 def _kv_storages(layers) -> tuple[list[int], int, set[int]]:
@@ -419,8 +421,18 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
     model.train(not inference)
     names = _module_names(model)
     layers = spec.layers
+    no_fold = None
     if layers is None and "L" in spec.symbols:
-        layers = find_layer_container(spec, model, values)
+        try:
+            layers = find_layer_container(spec, model, values)
+        except SymcostError as e:
+            if layout_of(spec).traced_dims or spec.lead_blocks or not hasattr(e, "found"):
+                raise  # (a layout, or lead blocks, works on the block list)
+            # no single block list follows L (an encoder-decoder's two stacks, or none): the step
+            # is recorded as it is, and the tracer pins L (never refused for lack of one)
+            no_fold = (f"several block stacks follow L ({', '.join(e.found)}), so no one block stands for all"
+                       if e.found else "no nn.ModuleList, nn.Sequential or nn.ModuleDict follows L") + \
+                ": the model is traced unfolded at the requested L"
 
     param_dtype, autocast = precision_context(precision)
     layout = layout_of(spec)
@@ -719,7 +731,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                      n_forward, n_backward, precision, tied, buffers, sum(input_storages.values()),
                      events_end, spec.step, kv[0], kv[1], parallel, param_shards,
                      tensor_parallel if parallel != tensor_parallel else None,
-                     replicate=layout.replicate, kv_start=list(kv[2]) if len(kv) > 2 else [])
+                     replicate=layout.replicate, kv_start=list(kv[2]) if len(kv) > 2 else [], no_fold=no_fold)
 
 
 def _param_storages(model) -> set[int]:

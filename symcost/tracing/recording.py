@@ -137,3 +137,6 @@ class Recording:
     # allocated for the cache (the cache's bytes before the step minus after, over the storages
     # the step changed: 0 for a StaticCache, minus one token per tensor for a DynamicCache)
     kv_start: list[int] = field(default_factory=list)
+    # why no block list folds over L (several stacks follow L, or none does): the step is recorded
+    # as it is, and the tracer pins L at the request (graph.build)
+    no_fold: str | None = None

@@ -1,0 +1,235 @@
+"""Issue 30, item 1: a model's own sizes are its symbols. docs/user-guide.md's three factory
+examples (a CNN, an encoder-decoder, a custom block), run as written there, against independent
+oracles at random sizes: FlopCounterMode's FLOPs of the real step, the bytes
+saved_tensors_hooks sees on real tensors (tests/memory_oracle.py), a meta-device parameter
+count; and the CLI's --set and JSON in the model's own names."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import symcost
+from conftest import run_cli
+from memory_oracle import saved_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = re.compile(r"^<!-- factory example: (\S+) -->\s*\n```python[^\n]*\n(.*?)^```", re.M | re.S)
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory) -> dict[str, Path]:
+    """The guide's factory examples written to files, by name (``cnn.py``, ...)."""
+    found = dict(EXAMPLE.findall((ROOT / "docs" / "user-guide.md").read_text()))
+    assert set(found) == {"cnn.py", "encdec.py", "lora.py"}, set(found)
+    folder = tmp_path_factory.mktemp("factories")
+    for name, code in found.items():
+        (folder / name).write_text(code)
+    return {name: folder / name for name in found}
+
+
+def _spec(path: Path, factory: str):
+    from symcost.frontends.models import resolve
+
+    return resolve(f"{path}:{factory}")
+
+
+def _check(an, spec, v: dict) -> None:
+    """symcost's params, model FLOPs and saved bytes at ``v`` against the oracles."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from symcost.passes import memory
+
+    got = an.subs(**v)
+    values = {**spec.defaults, **v}
+    with torch.device("meta"):
+        meta = spec.build(values)
+    assert got["params"] == sum(p.numel() for p in meta.parameters()), v
+    torch.manual_seed(0)
+    model = spec.build(values)
+    args, kwargs = spec.make_inputs(values, torch.device("cpu"))
+    with FlopCounterMode(display=False) as fc:
+        spec.loss(model(*args, **kwargs), (args, kwargs)).backward()
+    assert got["flops.train"] == fc.get_total_flops(), v
+    assert memory.memory_model(an).components(**v)["activations"] == saved_bytes(spec, v, "fp32"), v
+
+
+def test_cnn_own_sizes(examples):
+    """C, IMG, NCLS and L are the CNN's symbols (none pinned: IMG probed at multiples of 4, the
+    first block, whose input the stem's ReLU already saved, traced apart from the others)."""
+    spec = _spec(examples["cnn.py"], "spec")
+    an = symcost.trace(f"{examples['cnn.py']}:spec", sizes={"B": 2, "C": 6, "IMG": 16, "L": 2, "NCLS": 5},
+                       precision="fp32", torch_device="cpu")
+    assert not an.pinned and {"C", "IMG", "NCLS", "L"} <= set(an.symbols), (an.pinned, an.symbols)
+    assert an.symbols["IMG"] == "image side (pixels)"
+    assert not an.flops("train").has(symcost.SYMS["S"])  # (S is no size of the model)
+    rng = random.Random("cnn")
+    for _ in range(2):
+        v = {"B": rng.randint(2, 4), "C": rng.randint(2, 12), "IMG": 4 * rng.randint(2, 9),
+             "L": rng.randint(1, 4), "NCLS": rng.randint(2, 30)}
+        _check(an, spec, v)
+
+
+def test_lora_keyword_factory_own_size(examples):
+    """A keyword factory's parameter R_lora (a capital letter, an integer default) is a symbol."""
+    spec = _spec(examples["lora.py"], "build")
+    assert spec.symbols == ("D", "L", "R_lora")
+    an = symcost.trace(f"{examples['lora.py']}:build", sizes={"B": 2, "S": 5, "D": 12, "L": 2, "R_lora": 3},
+                       precision="fp32", torch_device="cpu")
+    assert not an.pinned and "R_lora" in an.symbols
+    rng = random.Random("lora")
+    for _ in range(2):
+        v = {"B": rng.randint(2, 4), "S": rng.randint(3, 12), "D": rng.randint(4, 40), "L": rng.randint(1, 4),
+             "R_lora": rng.randint(2, 9)}
+        _check(an, spec, v)
+
+
+@pytest.mark.heavy
+def test_encoder_decoder_own_sizes(examples):
+    """S_enc is a symbol; the stacks' lengths L_enc and L_dec are pinned at the request (stated)."""
+    spec = _spec(examples["encdec.py"], "spec")
+    req = {"B": 2, "S": 6, "S_enc": 9, "H": 3, "D": 4, "V": 37, "F": 12, "L_enc": 2, "L_dec": 1}
+    an = symcost.trace(f"{examples['encdec.py']}:spec", sizes=req, precision="fp32", torch_device="cpu")
+    assert an.pinned == {"L_enc": 2, "L_dec": 1} and "S_enc" in an.symbols, an.pinned
+    rng = random.Random("encdec")
+    for _ in range(2):
+        v = {"B": rng.randint(2, 3), "S": rng.randint(3, 12), "S_enc": rng.randint(3, 14), "H": rng.randint(2, 4),
+             "D": rng.choice((4, 6, 8)), "V": rng.randint(20, 90), "F": rng.randint(8, 40), "L_enc": 2, "L_dec": 1}
+        _check(an, spec, v)
+
+
+def test_cli_sets_and_prints_own_sizes(examples, capsys, tmp_path, monkeypatch):
+    """--set names the model's own sizes; the JSON's symbols carry them with their meanings, the
+    parameter count is the meta-device count; a size the constraints refuse, and a name that
+    cannot be a symbol, are one line each."""
+    from test_cli import assert_one_line_error
+
+    monkeypatch.setenv("SYMCOST_CACHE_DIR", str(tmp_path))
+    path = examples["cnn.py"]
+    code, out, err = run_cli(capsys, "eval", f"{path}:spec", "--set", "B=2", "C=5", "IMG=12", "L=3", "NCLS=7",
+                             "--precision", "fp32", "--json")
+    assert code == 0, err
+    js = json.loads(out)
+    assert js["symbols"]["IMG"] == {"meaning": "image side (pixels)", "value": 12}
+    spec = _spec(path, "spec")
+    with torch.device("meta"):
+        meta = spec.build({**spec.defaults, "C": 5, "IMG": 12, "L": 3, "NCLS": 7})
+    assert js["params"] == sum(p.numel() for p in meta.parameters())
+    assert_one_line_error(*run_cli(capsys, "eval", f"{path}:spec", "--set", "IMG=30"), "IMG must be a multiple of 4")
+    assert_one_line_error(*run_cli(capsys, "eval", f"{path}:spec", "--set", "W=3"), "unknown symbol 'W'", "IMG")
+    bad = tmp_path / "bad.py"
+    bad.write_text(path.read_text().replace('"NCLS"', '"pi"'))
+    assert_one_line_error(*run_cli(capsys, "eval", f"{bad}:spec", "--set", "B=2"), "'pi'", "sympy")
+
+
+def test_symbol_names_refused():
+    from symcost.tracing.symbols import name_problem
+
+    assert name_problem("IMG") is None and name_problem("N_state") is None and name_problem("L_enc") is None
+    for bad in ("N", "DP", "I", "floor", "2x", "x-y", "lambda"):
+        assert name_problem(bad), bad
+
+
+class TwoStacks(torch.nn.Module):
+    """An encoder stack and a decoder stack of L blocks each (both follow L)."""
+
+    def __init__(self, d, n):
+        super().__init__()
+        self.encoder = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.GELU()) for _ in range(n)])
+        self.decoder = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(),
+                                                                 torch.nn.Linear(2 * d, d)) for _ in range(n)])
+
+    def forward(self, x):
+        return self.decoder(self.encoder(x) + x)
+
+
+def test_several_stacks_following_l_are_traced_unfolded():
+    """Two block lists of length L (an encoder-decoder sharing its depth): never refused (it was
+    'several containers ... have length L'); traced as it is, L pinned at the request with the
+    reason, and exact there against the oracles at random other sizes."""
+    spec = symcost.ModelSpec(
+        name="two-stacks", symbols=("D", "L"), defaults={"B": 2, "S": 4, "D": 8, "L": 3},
+        build=lambda v: TwoStacks(v["D"], v["L"]),
+        make_inputs=lambda v, device: ((torch.randn(v["B"], v["S"], v["D"], device=device),), {}),
+        loss=lambda out, inputs: out.pow(2).mean())
+    an = symcost.trace(spec, sizes={"B": 2, "S": 5, "D": 6, "L": 3}, precision="fp32", torch_device="cpu")
+    assert an.pinned == {"L": 3} and "several block stacks follow L (decoder, encoder)" in an.pin_reasons["L"]
+    rng = random.Random("stacks")
+    for _ in range(2):
+        _check(an, spec, {"B": rng.randint(2, 5), "S": rng.randint(2, 12), "D": rng.randint(2, 20), "L": 3})
+
+
+def _seq2seq_spec(name: str, build, symbols=("H", "D", "M", "F", "V", "L", "S_enc")):
+    """A transformers encoder-decoder as a factory spec: source ids [B, S_enc], labels [B, S],
+    the model's own loss; both stacks follow L (T5's num_layers, BART's encoder_layers and
+    decoder_layers set together)."""
+    return symcost.ModelSpec(
+        name=name, symbols=symbols,
+        defaults={k: v for k, v in {"B": 8, "S": 128, "S_enc": 512, "H": 8, "D": 64, "M": 512, "F": 2048, "V": 32128,
+                                    "L": 6}.items() if k in symbols or k in ("B", "S")},
+        meanings={"S": "target tokens per sequence", "S_enc": "source tokens per sequence"}, build=build,
+        make_inputs=lambda v, device: ((), {"input_ids": torch.randint(1, v["V"], (v["B"], v["S_enc"]), device=device),
+                                            "labels": torch.randint(1, v["V"], (v["B"], v["S"]), device=device)}),
+        loss=lambda out, inputs: out.loss)
+
+
+def _t5(v):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(
+        vocab_size=v["V"], d_model=v["M"], d_kv=v["D"], num_heads=v["H"], d_ff=v["F"], num_layers=v["L"],
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        attn_implementation="eager")).train()  # (FlopCounterMode counts no CPU flash attention)
+
+
+def _bart(v):
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    return BartForConditionalGeneration(BartConfig(
+        vocab_size=v["V"], d_model=v["H"] * v["D"], encoder_attention_heads=v["H"], decoder_attention_heads=v["H"],
+        encoder_ffn_dim=v["F"], decoder_ffn_dim=v["F"], encoder_layers=v["L"], decoder_layers=v["L"],
+        max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=0, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=2,
+        attn_implementation="eager")).train()
+
+
+@pytest.mark.heavy
+def test_t5_small_published_parameters_and_tiny_t5_exact():
+    """T5-small: 60.5M parameters (Raffel et al. 2020's "small", as the Hugging Face model card of
+    google-t5/t5-small gives it: 60,506,624) from a meta-device count and from symcost's formula
+    (L = 6 pinned: the encoder's and decoder's blocks both follow L, traced unfolded); on tiny T5
+    configs at random sizes FLOPs, saved bytes and parameters equal the oracles."""
+    pytest.importorskip("transformers")
+    spec = _seq2seq_spec("t5", _t5)
+    small = {"H": 8, "D": 64, "M": 512, "F": 2048, "V": 32128, "L": 6}
+    with torch.device("meta"):
+        meta = sum(p.numel() for p in _t5(small).parameters())
+    assert meta == 60_506_624 and round(meta / 1e6, 1) == 60.5
+    an = symcost.trace(spec, sizes={"B": 2, "S": 5, "S_enc": 7, "H": 2, "D": 4, "M": 12, "F": 10, "V": 37, "L": 6},
+                       precision="fp32", torch_device="cpu")
+    assert an.pinned == {"L": 6} and "several block stacks follow L" in an.pin_reasons["L"]
+    assert an.subs(B=2, S=5, S_enc=7, **small)["params"] == meta
+    rng = random.Random("t5")
+    v = {"B": rng.randint(2, 3), "S": rng.randint(3, 9), "S_enc": rng.randint(3, 11), "H": rng.randint(2, 4),
+         "D": rng.choice((4, 6, 8)), "M": rng.randint(6, 24), "F": rng.randint(6, 30), "V": rng.randint(20, 80), "L": 6}
+    _check(an, spec, v)
+
+
+@pytest.mark.heavy
+def test_tiny_bart_exact():
+    """BART (eager attention) with both stacks following L: traced unfolded (L pinned), exact
+    against FlopCounterMode, saved_tensors_hooks and a meta count at random sizes."""
+    pytest.importorskip("transformers")
+    spec = _seq2seq_spec("bart", _bart, ("H", "D", "F", "V", "L", "S_enc"))  # (d_model = H·D)
+    an = symcost.trace(spec, sizes={"B": 2, "S": 5, "S_enc": 7, "H": 2, "D": 4, "F": 10, "V": 37, "L": 2},
+                       precision="fp32", torch_device="cpu")
+    assert an.pinned == {"L": 2}, an.pinned
+    rng = random.Random("bart")
+    v = {"B": rng.randint(2, 3), "S": rng.randint(3, 9), "S_enc": rng.randint(3, 11), "H": rng.randint(2, 4),
+         "D": rng.choice((4, 6, 8)), "F": rng.randint(6, 30), "V": rng.randint(20, 80), "L": 2}
+    _check(an, spec, v)
