@@ -205,6 +205,13 @@ def _reads_head_dim(model_type: str) -> bool:
     return 'getattr(config, "head_dim"' in src
 
 
+def _settable(cfg, name: str) -> bool:
+    """Whether ``name`` can be set on the config object ``cfg``: not a read-only property of its
+    class (Falcon's ``head_dim`` is computed, ``hidden_size // num_attention_heads``)."""
+    prop = getattr(type(cfg), name, None)
+    return not (isinstance(prop, property) and prop.fset is None)
+
+
 def _apply_overrides(AutoConfig, model_type: str, base, overrides: Mapping[str, str],
                      base_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Turn ``key=value`` strings into constructor kwargs (field names), validating every key.
@@ -215,7 +222,8 @@ def _apply_overrides(AutoConfig, model_type: str, base, overrides: Mapping[str, 
     model's code reads it (:func:`_reads_head_dim`).
     """
     known = _config_keys(base)
-    if "head_dim" in overrides and "head_dim" not in known and _reads_head_dim(model_type):
+    if ("head_dim" in overrides and "head_dim" not in known and _settable(base, "head_dim")
+            and _reads_head_dim(model_type)):
         known.add("head_dim")
     kwargs: dict[str, Any] = dict(base_kwargs or {})
     for key, text in overrides.items():
@@ -408,7 +416,8 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
             )
     # (a class without the field whose modeling code reads config.head_dim, given one by a file or
     # --config: Qwen3-30B-A3B's head_dim 128 apart from hidden_size 2048 / 32 heads)
-    settable_head_dim = _is_field(cfg, "head_dim") or (attr("head_dim") is not None and _reads_head_dim(model_type))
+    settable_head_dim = _is_field(cfg, "head_dim") or (attr("head_dim") is not None and _settable(cfg, "head_dim")
+                                                       and _reads_head_dim(model_type))
     head_dim = attr("head_dim") if settable_head_dim else None
     wide = dict(ov)
     wide[_field_name(cfg, "hidden_size")] = 2 * hidden
