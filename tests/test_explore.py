@@ -2,7 +2,8 @@
 playwright) without a console error or a network request, its sliders move its numbers, and every
 number it shows equals the CLI's JSON (``report``, ``report --dp --shard``, ``report --ac full``,
 ``roofline``, ``checkpoint``) at the same sizes, formatted as the CLI's text formats it, at 5
-random points per page (cs336-lm with FSDP over DP, a small gpt2 with --ac full).
+random points per page (cs336-lm with FSDP over DP; a small hf:llama with --ac full and its KV
+cache, ``serve --json``).
 
 A browser that cannot start fails the test (CI installs chromium: .ci/run)."""
 from __future__ import annotations
@@ -20,6 +21,7 @@ from symcost.render.report import human
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+LLAMA = ("L=2", "H=4", "D=32", "K=2", "F=256", "V=512")  # a small Llama: the traces take seconds
 DEVICES = {"h100-sxm": 80e9, "a100-80gb": 80e9, "h200": 141e9, "mi300x": 192e9}
 
 
@@ -56,13 +58,13 @@ def browser():
 
 @pytest.fixture(scope="module")
 def pages(tmp_path_factory):
-    """Two pages: cs336-lm (one device and FSDP over DP) and a small gpt2 (one device, with and
-    without --ac full)."""
+    """Two pages: cs336-lm (one device and FSDP over DP) and a small Llama (hf:llama with grouped-query
+    attention; one device, with and without --ac full, and its decode step's KV cache)."""
     d = tmp_path_factory.mktemp("explore")
     out = {}
     for model, extra in (("cs336-lm", ("--layout", "none,fsdp", "--ac", "none")),
-                         ("gpt2", ("--layout", "none", "--ac", "none,full", "--set", "L=2", "H=4", "D=16", "V=512"))):
-        path = d / f"{model}.html"
+                         ("hf:llama", ("--layout", "none", "--ac", "none,full", "--set", *LLAMA))):
+        path = d / f"{model.replace(':', '_')}.html"
         code, text = _cli("explore", model, *extra, "--out", str(path))
         assert code == 0 and path.exists(), text
         out[model] = path
@@ -113,8 +115,8 @@ def _check_point(page, model, B, S, device, layout, ac, DP, law: bool):
     _set(page, "B", B)
     _set(page, "S", S)
     sets = ["--set", f"B={B}", f"S={S}"]
-    if model == "gpt2":
-        sets += ["L=2", "H=4", "D=16", "V=512"]
+    if model == "hf:llama":
+        sets += list(LLAMA)
     par = ["--ac", ac] if ac != "none" else []
     if layout != "none":
         _set(page, "DP", DP)
@@ -137,6 +139,11 @@ def _check_point(page, model, B, S, device, layout, ac, DP, law: bool):
     rf = _json("roofline", model, *sets, "--device", device)["roofline"]
     assert _text(page, "step") == f"{rf['step_seconds'] * 1e3:.4f} ms"
     assert _text(page, "mfu") == f"{100 * rf['mfu_ceiling']:.2f}%"
+    if model == "hf:llama":  # serve's KV cache (its decode step, bf16 weights) at context S
+        kv = _json("serve", model, "--set", *LLAMA, "--no-prefill", "--device", device, "--context", str(S))["kv"]
+        tok = kv["per_token"]
+        assert _text(page, "kv-token") == (f"{tok:,} B" if isinstance(tok, int) else f"{tok:.1f} B")
+        assert _text(page, "kv-sequence") == human(kv["per_sequence"], "B")
     if law:
         ck = _json("checkpoint", model, *sets, "--plan", "none")["checkpoint"]
         for k, unit in (("a", "B"), ("x", "B"), ("f", "FLOP")):
@@ -147,7 +154,7 @@ def _check_point(page, model, B, S, device, layout, ac, DP, law: bool):
         assert _text(page, "law-mstar") == human(mstar, "B")
 
 
-@pytest.mark.parametrize("model", ["cs336-lm", "gpt2"])
+@pytest.mark.parametrize("model", ["cs336-lm", "hf:llama"])
 def test_every_number_equals_the_cli(browser, pages, model):
     seed = random.randrange(2**32)
     rng = random.Random(seed)
@@ -182,7 +189,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
 def test_repr_html_is_the_same_view():
     import symcost
 
-    an = symcost.trace("gpt2", sizes={"L": 2, "H": 4, "D": 16, "V": 512})
+    an = symcost.trace("cs336-lm")
     view = an._repr_html_()
     assert view.startswith("<iframe srcdoc=") and "uPlot" in view and "SYMCOST" in view
     assert symcost.explore(an).html.count("<script>") == 3

@@ -35,9 +35,12 @@ def _list(text: str, what: str, accepted: tuple[str, ...] | None = None) -> list
               help="activation checkpointing to trace, comma-separated: none, full (--ac full)")
 @click.option("--device", "device_name", default="h100", show_default=True, metavar="NAME",
               help="the device selected at first (any of `symcost devices` can be picked on the page)")
+@click.option("--kv/--no-kv", "kv", default=True, show_default=True,
+              help="also trace the decode step (a model with a KV cache: hf: models and config.json) and show "
+                   "its KV cache, under serve's precision (bf16-true unless --precision is given: the first)")
 @click.option("--out", "out", default=None, metavar="FILE.html",
               help="where to write the page [default: MODEL-explore.html]")
-def explore(model, sets, config, attention, precision, debug, layouts, acs, device_name, out):
+def explore(model, sets, config, attention, precision, debug, layouts, acs, device_name, kv, out):
     """Write an interactive page of MODEL's costs: one self-contained HTML file (no server, no
     network) with a slider for every symbol, the precision, device, layout (one device, DDP or
     FSDP over DP ranks) and activation checkpointing, and live plots of memory by category
@@ -69,14 +72,30 @@ def explore(model, sets, config, attention, precision, debug, layouts, acs, devi
             for ac in acs_:
                 layout = Layout(shard=None if lay == "none" else lay, ac=None if ac == "none" else ac)
                 analyses.append(_trace(model, cfg, attention, p, sizes, layout))
+    if kv and _has_kv_cache(model, cfg, attention):
+        dsizes = {k: v for k, v in sizes.items() if k not in ("S", "DP")}
+        dsizes["S"] = 1  # one new token per sequence (as trace_model reads a decode request)
+        ctx = click.get_current_context()
+        served = ("bf16-true" if ctx.get_parameter_source("precision") == click.core.ParameterSource.DEFAULT
+                  else precisions[0])  # (serve's default: served weights are bf16)
+        analyses.append(_trace(model, cfg, attention, served, dsizes, Layout(), step="decode"))
     page = build(analyses, sizes, dev.key)
     path = page.save(out or f"{model.replace('/', '_').replace(':', '_')}-explore.html")
     click.echo(f"wrote {path} ({len(page.html) / 2**10:.0f} KiB; open it in a browser: no server, no network)")
 
 
-def _trace(model, cfg, attention, precision, sizes, layout):
+def _has_kv_cache(model, cfg, attention) -> bool:
+    """Whether the model has an inference step (a KV cache): ``hf:`` models and config.json
+    files, not the built-in models."""
+    from symcost.frontends.models import resolve
+
+    return resolve(model, cfg, attention).infer is not None
+
+
+def _trace(model, cfg, attention, precision, sizes, layout, step=None):
     """One analysis through the trace cache, as :func:`._options.trace_model` reads it for the
-    same options (``report --dp 8 --shard fsdp --ac full`` shares the entry)."""
+    same options (``report --dp 8 --shard fsdp --ac full`` shares the entry; ``step="decode"``:
+    ``serve``'s decode step)."""
     import click as _click
 
     from symcost.graph.cache import cached_trace
@@ -88,9 +107,12 @@ def _trace(model, cfg, attention, precision, sizes, layout):
     if layout.shard is not None:
         sizes.setdefault("DP", 8)
     sizes.pop("DP", None) if layout.shard is None else None
-    options = dict(layout.cache_options()) if layout else None
+    options = dict(layout.cache_options()) if layout else {}
+    if step is not None:
+        options.update(step=step, kv_cache="dynamic")
     an = cached_trace(model, cfg, attention, precision, sizes,
-                      lambda: _trace_fresh(model, cfg, attention, precision, sizes, False, layout=layout),
+                      lambda: _trace_fresh(model, cfg, attention, precision, sizes, False, step=step,
+                                           layout=layout or None),
                       use_cache, options=options or None)
     _check_set_vs_config(model, an.spec, sizes, cfg, attention)
     return an

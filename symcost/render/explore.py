@@ -166,10 +166,20 @@ def _devices(names: Iterable[str] | None = None) -> tuple[list[dict], dict]:
     return out, {k: list(v) for k, v in FALLBACK.items()}
 
 
+def _kv(decode) -> dict | None:
+    """The KV cache of a decode step (:func:`symcost.passes.inference.kv_cache`'s ``formula``:
+    the bytes the cache holds after the step, B sequences of T + S tokens), or None."""
+    if decode is None:
+        return None
+    return {"model": decode.model, "precision": decode.precision, "total": _fn(decode.kv_bytes),
+            "pinned": dict(decode.pinned)}
+
+
 def page_data(variants: list[Variant], sizes: Mapping[str, int] | None = None, device: str = "h100-sxm",
-              devices: Iterable[str] | None = None) -> dict:
+              devices: Iterable[str] | None = None, decode=None) -> dict:
     """The page's data: symbols (name, meaning, value), the variants' formulas as JavaScript,
-    the devices, the starting ``sizes`` and ``device``.
+    the devices, the starting ``sizes`` and ``device``; with ``decode`` (a decode step's
+    analysis, ``symcost.trace(..., step="decode")``) its KV cache.
 
     The roofline ops and the checkpoint law come from each precision's one-device variant
     without checkpointing (``symcost roofline`` and ``symcost checkpoint`` trace no layout).
@@ -206,6 +216,7 @@ def page_data(variants: list[Variant], sizes: Mapping[str, int] | None = None, d
         "devices": devs,
         "fallback": fallback,
         "device": device,
+        "kv": _kv(decode),
     }
 
 
@@ -264,19 +275,25 @@ class Page:
 
 def explore(analyses, sizes: Mapping[str, int] | None = None, device: str = "h100-sxm") -> Page:
     """The explorer view of one analysis or a list of them (variants of one model: other
-    precisions, ``--dp`` ranks, ``--ac full``), as a :class:`Page` (Jupyter shows it inline).
+    precisions, ``--dp`` ranks, ``--ac full``; and at most one decode step, whose KV cache the
+    page shows), as a :class:`Page` (Jupyter shows it inline).
 
     Args:
         analyses: an :class:`~symcost.graph.analysis.Analysis` or a list of them.
         sizes: the sizes the sliders start at (others at the model's defaults).
         device: the device selected at first (a key of ``symcost devices``).
+
+    Raises:
+        SymcostError: no training step among ``analyses``, or more than one decode step.
     """
     from symcost.errors import SymcostError
 
     ans = list(analyses) if isinstance(analyses, (list, tuple)) else [analyses]
-    if not ans:
-        raise SymcostError("explore: no analysis given")
-    if any(getattr(a, "step", "train") != "train" for a in ans):
-        raise SymcostError("explore shows a training step; an inference trace (step='decode') is not one")
-    variants = sorted((variant_of(a) for a in ans), key=lambda v: (v.shard is not None, v.ac is not None))
-    return Page(render_page(page_data(variants, sizes, device)))
+    train = [a for a in ans if getattr(a, "step", "train") == "train"]
+    decode = [a for a in ans if getattr(a, "step", "train") == "decode"]
+    if not train:
+        raise SymcostError("explore shows a training step: give its analysis (a decode step adds its KV cache)")
+    if len(decode) > 1 or len(train) + len(decode) != len(ans):
+        raise SymcostError("explore takes at most one inference step, a decode step (step='decode')")
+    variants = sorted((variant_of(a) for a in train), key=lambda v: (v.shard is not None, v.ac is not None))
+    return Page(render_page(page_data(variants, sizes, device, decode=decode[0] if decode else None)))

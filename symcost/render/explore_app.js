@@ -154,6 +154,10 @@
     [["law-a", "a: one block's saved bytes"], ["law-x", "x: a block's input (kept per segment)"],
      ["law-f", "f: one block's forward FLOPs (recomputed)"], ["law-kstar", "k* = √(L·x/a) blocks per segment"],
      ["law-mstar", "M(k*) = 2·√(L·a·x)"]]);
+  if (D.kv) {
+    table(`KV cache of the decode step at context S (serve --context S --json: kv.*; ${D.kv.precision})`,
+      [["kv-token", "bytes per token (every layer)"], ["kv-sequence", "per sequence of S tokens"]]);
+  }
   const msg = el("p", { id: "message", class: "note" });
   app.append(msg);
 
@@ -171,7 +175,7 @@
     "#bcbd22", "#17becf"];
   const made = {};
   const slots = {};  // one box per plot, in a fixed order (a plot redrawn with other series keeps its place)
-  for (const id of ["memB", "memS", "step", "roofline", "law"]) {
+  for (const id of ["memB", "memS", "step", "roofline", "law", "kv"]) {
     slots[id] = el("div", { class: "plot", id: `plot-${id}` });
     plots.append(slots[id]);
   }
@@ -244,6 +248,18 @@
       [line("M(k)", 2), line("no checkpointing: L·a", 3, { dash: [6, 4] })], [ks, M, ks.map(() => L * a / 2 ** 30)]);
   }
 
+  // symcost.passes.inference.kv_cache: the cache after one decode step, B sequences of T + 1
+  // tokens (T = context - 1 cached, one new), per token total / (B·context)
+  function kvAt(ctx, b) {
+    const v = Object.assign(sizes({ B: b }), D.kv.pinned, { T: ctx - 1, S: 1 });
+    return D.kv.total(v);
+  }
+  function kvPlot() {
+    const xs = sweep(60, Math.max(4 * state.v.S, 8));
+    plot("kv", "KV cache per sequence vs context (GiB)", "context", "GiB",
+      [line("KV cache, one sequence", 4)], [xs, xs.map((c) => kvAt(c, 1) / 2 ** 30)]);
+  }
+
   // ---- one update --------------------------------------------------------------------------
   function update() {
     const v = sizes();
@@ -301,6 +317,12 @@
       const mstar = 2 * Math.sqrt(v.L * a * x);
       setText("law-mstar", human(mstar, "B"), mstar);
       lawPlot(base);
+    }
+    if (D.kv && v.S) {
+      const one = kvAt(v.S, 1), tok = kvAt(v.S, v.B) / (v.B * v.S);
+      setText("kv-token", Number.isInteger(tok) ? tok.toLocaleString("en-US") + " B" : tok.toFixed(1) + " B", tok);
+      setText("kv-sequence", human(one, "B"), one);
+      kvPlot();
     }
     document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
   }
