@@ -226,7 +226,8 @@ def test_ep_under_fsdp_divides_by_dp_and_ep():
     """--ep N --dp M --shard fsdp: DP and EP both symbols; a rank holds P/(DP·EP) parameter
     elements (the dense ones over DP·EP ranks, its E/EP experts over DP); the experts' gradients
     are reduce-scattered over the DP ranks that hold the same experts: (DP-1)/DP of the rank's
-    E/EP experts' fp32 gradients, by hand; the all-to-alls are those of --ep alone."""
+    E/EP experts' fp32 gradients, by hand; the all-to-alls are those of --ep alone; the active
+    parameters count R of the E experts, by hand."""
     import sympy
 
     from symcost.tracing.fit import SYMS
@@ -239,6 +240,9 @@ def test_ep_under_fsdp_divides_by_dp_and_ep():
     rs = an.comm_bytes("reduce_scatter", group="DP_expert")
     assert sympy.expand(rs - 4 * experts_local * (DP - 1) / DP) == 0
     assert sympy.expand(an.comm_bytes("all_to_all", group="EP") - alone.comm_bytes("all_to_all")) == 0
+    # 6·N·P's P: a token uses R of the E experts, found from the rank's GEMMs on FSDP2's unsharded experts
+    whole = 3 * E * F * H * D * L
+    assert sympy.expand(an.params_active - (an.params - whole + whole * R / E)) == 0
 
 
 @pytest.mark.heavy
@@ -302,6 +306,39 @@ def test_real_gloo_ep2_dp2(tmp_path):
         assert int(an.params_shard.subs(env_)) == got["shard"], rank
         _check_groups(an, v, got, rank)
         assert abs(want - got["memtracker"]) <= 0.05 * got["memtracker"], (rank, want, got["memtracker"], v)
+
+
+@pytest.mark.heavy
+def test_report_qwen3_30b_a3b_dp16_ep16_parameters_per_rank():
+    """``report tests/data/configs/qwen3-30b-a3b.json --dp 16 --ep 16 --shard fsdp`` (256 ranks, as
+    torchtitan lays them out: DP·EP = 256 > E = 128, so the local experts are Shard(1) over DP): the
+    rank's parameter elements equal a count of Qwen3-30B-A3B built by transformers on the meta
+    device, cut as PyTorch cuts rank 0's shard: each stacked expert tensor ``[E, a, b]`` to its
+    E/16 experts and ceil(a/16) rows of its second dimension, every other parameter to ceil(d0/256)
+    rows of its first (``torch.chunk``'s first chunk: the router's 128 rows give rank 0 one)."""
+    import math
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = os.path.join(os.path.dirname(__file__), "data", "configs", "qwen3-30b-a3b.json")
+    r = _cli(["report", path, "--ep", "16", "--dp", "16", "--shard", "fsdp", "--set", "B=1", "S=256", "--json"])
+    assert r.exit_code == 0, r.output[-2000:]
+    got = json.loads(r.output[r.output.index("{"):])
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    e, ep, dp = cfg.num_experts, 16, 16
+    rank = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name and p.dim() == 3 and p.shape[0] == e:
+            rank += e // ep * -(-p.shape[1] // dp) * p.shape[2]
+        else:
+            rank += -(-p.shape[0] // (dp * ep)) * math.prod(p.shape[1:])
+    assert got["params"] == sum(p.numel() for p in model.parameters())
+    assert got["layout"]["experts_shard"] == 1 and got["parallel"]["ep"] == ep and got["parallel"]["dp"] == dp
+    assert got["parallel"]["params_rank"] == rank
+    assert got["parallel"]["comm_by_group"]["EP"]["all_to_all"] > 0
 
 
 def _cli(args):

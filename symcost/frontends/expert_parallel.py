@@ -232,8 +232,14 @@ def apply(model, mesh) -> None:
 
 def _local(t):
     """A DTensor weight's local shard through autograd (``to_local()``: its gradient comes back
-    as a ``Shard(0)`` DTensor, the parameter's), else ``t``."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    as a ``Shard(0)`` DTensor, the parameter's), else ``t``. The local tensor is taken from a
+    DTensor view of the parameter: a DTensor op on the parameter itself, through which the
+    recorder names its local tensor (``name_local_params``) where FSDP2 set a new unsharded
+    parameter after its all-gather (EP under FSDP2, docs/parallel.md §14.6; else the rank's GEMMs
+    would not count the experts in 6·N·P's P). A view: no bytes, no FLOPs."""
+    if not hasattr(t, "to_local"):
+        return t
+    return t.view(t.shape).to_local()
 
 
 def exchange(x, mesh):

@@ -652,12 +652,19 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
         c.print(f"\n[bold]data x tensor parallel[/bold]: the mesh DP = {par['dp']} x TP = {par['tp']} "
                 f"({'with' if par['sp'] else 'without'} sequence parallelism), one rank traced: "
                 f"{par['engine']}; {par['sharded']} (of the rank's TP-local parameters)" + hsdp)
+    elif par.get("ep") is not None:  # (expert parallelism under FSDP2, docs/parallel.md §14.6)
+        n = par["dp"] * par["ep"] if isinstance(par["dp"], int) and isinstance(par["ep"], int) else f"{par['dp']}·{par['ep']}"
+        c.print(f"\n[bold]data x expert parallel[/bold]: --shard {par['shard']} on DP = {par['dp']} x EP = {par['ep']} "
+                f"({n} ranks, each its own micro-batch), one rank traced: {par['engine']}; {par['sharded']}"
+                + (f"; {par['params_rank']:,} parameter elements on the rank" if isinstance(par.get("params_rank"), int)
+                   else ""))
     else:
         c.print(f"\n[bold]data parallel[/bold]: --shard {par['shard']} on DP = {par['dp']} ranks; traced "
                 f"{par['engine']}; {par['sharded']}" + hsdp)
     if par.get("divisible") is False:
         local = " TP-local" if par.get("tp") is not None else ""
-        c.print(f"DP does not divide every{local} sharded dimension here: the values include the padding of "
+        what = "DP·EP (DP for the experts)" if par.get("ep") is not None else "DP"
+        c.print(f"{what} does not divide every{local} sharded dimension here: the values include the padding of "
                 "the shards (FSDP2: ceil(d0/DP) rows per rank), the formulas and the peak do not (docs/parallel.md)")
     t = per_rank_table(summary, js, par)
     pk = par["memory"]
