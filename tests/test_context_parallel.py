@@ -290,3 +290,98 @@ def test_llama_3_8b_at_128k_parameters_per_rank():
         cp = got["context_parallel"]
         assert (cp["cp"], cp["params_rank"]) == (4, want), (extra, cp["params_rank"], want)
         assert cp["total"] > 0
+
+
+def test_gpu_ring_time_as_pytorch_schedules_it():
+    """``report --cp 2 --gpu``: the step is the roofline's compute plus what the ring's exchange
+    leaves exposed, PyTorch's schedule (``_templated_ring_attention(_backward)``, all-gather
+    rotation; docs/parallel.md §15) derived here by hand for CP = 2 from the rank's K/V bytes
+    x = 2·B·K·(S/2)·D·4 (fp32; the per-rank bytes test_cp_rank_matches_pytorch_at_random_sizes
+    checks against PyTorch) and the roofline's seconds of the graph's attention kernels (c0, c1
+    forward; b0, b1 backward), per layer:
+
+    * a link so fast the exchange is free: nothing exposed, the step is the roofline's compute;
+    * a link so slow every kernel waits (x/bw beyond every kernel): forward, the all-gather issued
+      before block 0 and waited before block 1, x/bw - c0 exposed; backward, the same all-gather,
+      then dK/dV passes of x issued after each block on the same stream: A + 2·g - b0 - b1 with
+      A = g = x/bw (the first pass queued behind the all-gather, the second behind the first, the
+      last waited after the loop).
+
+    The link: the NVLink figure with CP inside a node, the network's with one device a node."""
+    import dataclasses
+
+    from symcost.hardware.devices import get_device
+    from symcost.passes.context_parallel import step_time
+    from symcost.passes.roofline import roofline
+
+    v = V
+    an = _trace(v)
+    env = {k: x for k, x in v.items() if k in an.symbols}
+    h100 = get_device("h100")
+    r = roofline(an, h100, {str(k): x for k, x in an.bind(**env).items()}, with_formulas=False)
+    compute = sum(p.get("seconds", 0.0) for ph, p in r["per_phase"].items() if ph in ("forward", "backward"))
+    att = {ph: [n["seconds"] / v["L"] for n in r["nodes"] if n["phase"] == ph and "attention" in n["op"]]
+           for ph in ("forward", "backward")}
+    assert [len(x) for x in att.values()] == [2, 2], att
+    (c0, c1), (b0, b1) = att["forward"], att["backward"]
+    x = 2 * v["B"] * v["K"] * (v["S"] // 2) * v["D"] * 4
+    for bw, want in ((1e30, 0.0), (1.0, v["L"] * ((x - c0) + (3 * x - b0 - b1)))):
+        dev = dataclasses.replace(h100, interconnect=dict(h100.interconnect, link_bandwidth=bw))
+        st = step_time(an, dev, env)
+        assert st["link_bandwidth"] == bw and st["inside"]
+        assert st["exposed_comm_seconds"] == pytest.approx(want, rel=1e-9, abs=1e-15), (bw, st)
+        assert st["step_seconds"] == pytest.approx(compute + want, rel=1e-9), (bw, st)
+        assert st["bytes"] == {"forward": v["L"] * x, "backward": 2 * v["L"] * x + v["L"] * x}
+    st = step_time(an, h100, env, devices_per_node=1)
+    assert (st["inside"], st["link_bandwidth"]) == (False, h100.interconnect["network_bandwidth"])
+
+
+@pytest.mark.heavy
+def test_report_cp_gpu_json_and_text(capsys):
+    """``report hf:llama --cp 2 --gpu h100 --devices-per-node 1 --json``: ``context_parallel.step``
+    (the step at least its compute, the ring's bytes the exchange table's, the ring over the network
+    with one device a node); the text's line from the same pass."""
+    import json
+
+    from symcost.hardware.devices import get_device
+    from symcost.passes.context_parallel import step_time, summary
+    from symcost.render.context_parallel import render
+
+    args = ["report", "hf:llama", "--cp", "2", "--gpu", "h100", "--devices-per-node", "1", "--set", "B=2", "S=64",
+            "L=2", "H=4", "D=8", "K=2", "V=64", "F=32", "--json"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output[-2000:]
+    cp = json.loads(r.output[r.output.index("{"):])["context_parallel"]
+    js = cp["step"]
+    assert js["step_seconds"] >= sum(js["compute"].values()) > 0 and js["cp"] == 2 and not js["inside"]
+    assert js["link_bandwidth"] == get_device("h100").interconnect["network_bandwidth"]
+    assert sum(js["bytes"].values()) == cp["total"]
+    an = _trace(V)
+    env = {k: x for k, x in V.items() if k in an.symbols}
+    summ = dict(summary(an, env), step=step_time(an, get_device("h100"), env))
+    render(summ, width=250)
+    out = capsys.readouterr().out
+    assert "step time bound on the device" in out and "inside one node" in out, out
+
+
+def test_ring_schedule_limits():
+    """PyTorch's ring schedule (passes.context_parallel.ring_seconds) in its two limits at random
+    block times, CP = 2…8: a free link hides everything but the backward's last dK/dV pass (waited
+    after the loop); a link slower than every kernel leaves the communication stream busy from the
+    first issue to the end, so the call lasts all its passes back to back plus what runs before the
+    first issue or after the last wait: forward (all-to-all) (CP-1)·kv + the last block, forward
+    (all-gather) the gather + every block but the first, backward (all-to-all) (CP-1)·kv + CP·dkv."""
+    from symcost.passes.context_parallel import ring_seconds
+
+    rng = random.Random(2816)
+    for _ in range(20):
+        n = rng.randint(2, 8)
+        blocks = [rng.uniform(1, 3) for _ in range(n)]
+        tiny, huge = rng.uniform(1e-9, 1e-6), rng.uniform(1e3, 1e4)
+        assert ring_seconds(blocks, tiny) == pytest.approx(sum(blocks))
+        assert ring_seconds(blocks, tiny, allgather=True) == pytest.approx(sum(blocks))
+        assert ring_seconds(blocks, tiny, tiny) == pytest.approx(sum(blocks) + tiny)
+        assert ring_seconds(blocks, huge) == pytest.approx((n - 1) * huge + blocks[-1])
+        assert ring_seconds(blocks, huge, allgather=True) == pytest.approx(huge + sum(blocks[1:]))
+        g = rng.uniform(1e3, 1e4)
+        assert ring_seconds(blocks, huge, g) == pytest.approx((n - 1) * huge + n * g)

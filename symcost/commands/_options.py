@@ -295,8 +295,8 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
     if dp is None and not (pp is not None and pipeline):  # (the pipeline prices its own step)
         for key, flag in (("symcost.gpu", "--gpu" if alias is None else "--device"), ("symcost.nodes", "--nodes"),
                           ("symcost.devices_per_node", "--devices-per-node"), ("symcost.fsdp_mp", "--fsdp-mp")):
-            if meta.get(key) is not None:
-                raise SymcostError(f"{flag} needs --dp N (the data-parallel size)")
+            if meta.get(key) is not None and not (meta.get("symcost.cp") is not None and key != "symcost.fsdp_mp"):
+                raise SymcostError(f"{flag} needs --dp N (the data-parallel size)")  # (--cp prices its ring)
     replicate = meta.get("symcost.dp_replicate")
     if replicate is not None:
         if dp is None:
@@ -339,9 +339,10 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
         raise SymcostError("time --dp with --cp: the data-parallel run's step time (its collectives over links) "
                            "leaves out the ring's exchange, not modelled yet; time --cp alone prices the rank's "
                            "FLOPs at --mfu (docs/parallel.md §15)")
-    if meta.get("symcost.cp") is not None and meta.get("symcost.gpu"):
-        raise SymcostError("--gpu with --cp: the step time of a context-parallel rank (the ring's exchange and "
-                           "its overlap with the attention) is not modelled yet (docs/parallel.md §15)")
+    if meta.get("symcost.cp") is not None and dp is not None and meta.get("symcost.gpu"):
+        raise SymcostError("--gpu with --cp and --dp: the step time of a context-parallel rank under FSDP2 (the "
+                           "ring's exchange beside FSDP2's collectives) is not modelled yet; --gpu with --cp alone "
+                           "prices the ring (docs/parallel.md §15)")
     if meta.get("symcost.cp") is not None:  # (context parallelism: symcost.frontends.context_parallel)
         import dataclasses
 

@@ -140,6 +140,13 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
         from symcost.render import context_parallel as rcp
 
         cp = cp_summary(an, sizes if sizes else None)
+        meta = click.get_current_context().find_root().meta
+        if meta.get("symcost.gpu"):  # the ring's exchange over the CP group's link, overlapped as PyTorch does
+            from symcost.hardware.devices import get_device
+            from symcost.passes.context_parallel import step_time as cp_step_time
+
+            cp["step"] = cp_step_time(an, get_device(meta["symcost.gpu"]), sizes, meta.get("symcost.nodes"),
+                                      meta.get("symcost.devices_per_node"))
     if as_json:
         res = rep.to_json(an, sizes if sizes else None, memory=mem)
         if cp is not None:

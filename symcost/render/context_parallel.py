@@ -26,7 +26,8 @@ def to_json(summary: dict) -> dict:
     cp = summary["cp"]
     return {"context_parallel": {"cp": int(cp) if isinstance(cp, int) else str(cp), "rotate": summary["rotate"],
                                  "shard": summary.get("shard"), "comm": comm, "total": total,
-                                 "params_rank": params}}
+                                 "params_rank": params,
+                                 **({"step": summary["step"]} if summary.get("step") else {})}}
 
 
 def render(summary: dict, width: int | None = None) -> None:
@@ -49,6 +50,15 @@ def render(summary: dict, width: int | None = None) -> None:
             t.add_row(k.replace("_", "-"), ph, fmt(f), binary(int(v)) if v is not None else "")
     t.add_row("total", "", fmt(summary["total"]), binary(int(vals["total"])) if vals else "")
     c.print(t)
+    st = summary.get("step")
+    if st:
+        c.print(f"step time bound on the device (roofline compute + the ring's exchange not hidden): "
+                f"{st['step_seconds'] * 1e3:.4g} ms = compute {sum(st['compute'].values()) * 1e3:.4g} ms + exposed "
+                f"{st['exposed_comm_seconds'] * 1e3:.4g} ms of the ring's {sum(st['ring'].values()) * 1e3:.4g} ms over "
+                f"{st['link']} ({st['link_bandwidth'] / 1e9:.4g} GB/s per direction; CP = {st['cp']} ranks "
+                f"{'inside one node' if st['inside'] else 'across nodes'}); MFU ceiling {100 * st['mfu']:.1f}% "
+                "(each K/V or dK/dV pass overlapped with the ring step's attention kernel as PyTorch's "
+                "_templated_ring_attention(_backward) issues and waits for it; docs/parallel.md §15)")
     c.print("K/V forward by the rotate method, K/V again and the dK/dV accumulators (fp32) by all-to-all in "
             "the backward; " + (f"parameters sharded and gradients reduced by FSDP2 ({summary['shard']}) over "
                                 "dp_shard × cp, the data-parallel section's DP group (docs/parallel.md §15)"
