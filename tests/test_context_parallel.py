@@ -216,6 +216,8 @@ def test_cp_refusals():
     assert r.exit_code == 2 and "alone or under FSDP2" in r.output and "Traceback" not in r.output, r.output
     r = CliRunner().invoke(main, ["report", "hf:llama", "--cp", "2", "--dp", "2", "--shard", "fsdp", "--gpu", "h100"])
     assert r.exit_code == 2 and "--gpu with --cp" in r.output, r.output
+    r = CliRunner().invoke(main, ["max-batch", "hf:llama", "--cp", "2", "--gpu", "h100", "--memory", "80GiB"])
+    assert r.exit_code == 2 and "--gpu needs --dp N" in r.output, r.output  # (report --cp alone prices the ring)
     r = CliRunner().invoke(main, ["time", "hf:llama", "--dp", "2", "--shard", "fsdp", "--cp", "2", "--tokens", "1e9",
                                   "--device", "h100", "--mfu", "0.4"])
     assert r.exit_code == 2 and "time --dp with --cp" in r.output, r.output

@@ -295,8 +295,9 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
     if dp is None and not (pp is not None and pipeline):  # (the pipeline prices its own step)
         for key, flag in (("symcost.gpu", "--gpu" if alias is None else "--device"), ("symcost.nodes", "--nodes"),
                           ("symcost.devices_per_node", "--devices-per-node"), ("symcost.fsdp_mp", "--fsdp-mp")):
-            if meta.get(key) is not None and not (meta.get("symcost.cp") is not None and key != "symcost.fsdp_mp"):
-                raise SymcostError(f"{flag} needs --dp N (the data-parallel size)")  # (--cp prices its ring)
+            if meta.get(key) is not None and not (meta.get("symcost.cp") is not None and key != "symcost.fsdp_mp"
+                                                  and command in (None, "report")):
+                raise SymcostError(f"{flag} needs --dp N (the data-parallel size)")  # (report --cp prices its ring)
     replicate = meta.get("symcost.dp_replicate")
     if replicate is not None:
         if dp is None:
