@@ -1,0 +1,159 @@
+"""Predict the published GPU training steps of docs/validation.md with the performance model.
+
+Each run below is a published measurement (docs/validation.md, "Step-time runs": the source, the
+recipe and how the step time is derived from the published tokens/s or s/iteration) and the
+exact symcost command that expresses its recipe. The script runs each command with ``--json``,
+reads the predicted step (``parallel.step.predicted.step_seconds`` of ``report --dp --gpu``, or
+``predicted.step_seconds`` of ``time --device`` for one device) and the roofline bound beside it,
+and writes ``tests/data/published-steps.json`` (what tests/test_published_steps.py checks the
+docs table and the CLI against). Nothing here is fitted: the published figure is only compared.
+
+    SYMCOST_CACHE_DIR=/tmp/cache python benchmarks/published_steps.py            # runs missing ids
+    python benchmarks/published_steps.py --only TT1 MG6 --force                  # re-run some
+    python benchmarks/published_steps.py --table                                 # print the markdown table
+
+Takes 30 s to 3 min per command on two busy cores (the traces of an 8B model at S = 8192).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "tests" / "data" / "published-steps.json"
+
+L8 = "tests/data/configs/llama-3-8b.json"
+TT = "--shard fsdp --precision fp32 --fsdp-mp bf16 --ac selective"
+GB = ("hf:gpt_bigcode --config n_embd=512 n_layer=12 n_head=8 n_positions=1024 multi_query=false attn_pdrop=0.1 "
+      "resid_pdrop=0.1 embd_pdrop=0.1 vocab_size=50304")
+L13 = ("hf:llama --config hidden_size=5120 num_hidden_layers=40 num_attention_heads=40 num_key_value_heads=40 "
+       "intermediate_size=13824 vocab_size=32000 max_position_embeddings=4096")
+L3B = ("hf:llama --config hidden_size=3072 num_hidden_layers=28 num_attention_heads=24 num_key_value_heads=8 "
+       "intermediate_size=8192 vocab_size=128256 tie_word_embeddings=true max_position_embeddings=131072")
+
+MG = "megatron-gpt --shard ddp --ac full --precision megatron-fp16"
+NS = "V=51200 S=2048 B=4 --gpu a100-80gb"
+
+
+def paper_step(hidden: int, layers: int, gpus: int, batch: int, tflops: float, s: int = 2048, V: int = 51200) -> float:
+    """Narayanan et al. 2021 (arXiv:2104.04473) eq. (3): F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))
+    FLOPs per iteration (recomputation included); the step is F / (TFLOP/s per GPU · GPUs)."""
+    F = 96 * batch * s * layers * hidden ** 2 * (1 + s / (6 * hidden) + V / (16 * layers * hidden))
+    return F / (tflops * 1e12 * gpus)
+
+
+#: Table 1 rows N1-N4: (hidden, layers, GPUs, global batch, TFLOP/s per GPU)
+NTABLE = {"N1": (2304, 24, 32, 512, 137), "N2": (3072, 30, 64, 512, 138), "N3": (4096, 36, 128, 512, 142),
+          "N4": (6144, 40, 256, 1024, 135)}
+NSTEP = {k: round(paper_step(*v), 4) for k, v in NTABLE.items()}
+
+#: id -> (symcost command after ``symcost``, published step seconds, the published figure it is
+#: derived from[, micro-batches per step K]). With K > 1 (gradient accumulation: GBS / (B · DP)) the
+#: predicted step is K x the command's predicted micro-batch step, the rule ``time --dp
+#: --accumulate`` applies to its prediction (``report`` prints one micro-batch).
+RUNS: dict[str, tuple] = {
+    "TT1": (f"report {L8} --dp 8 {TT} --set B=2 S=8192 --gpu h100-sxm", 2.843, "5,762 tok/s/GPU"),
+    "TT4": (f"report {L8} --dp 128 {TT} --set B=2 S=8192 --gpu h100-sxm", 2.923, "5,605 tok/s/GPU"),
+    "P2": (f"report {L8} --dp 64 {TT} --set B=1 S=8192 --gpu a100-80gb", 2.755, "2,973 WPS"),
+    "P4": (f"report {L13} --dp 64 --shard fsdp --precision fp32 --fsdp-mp bf16 --set B=2 S=4096 --gpu a100-80gb",
+           3.789, "2,162 WPS"),
+    "P5": (f"report {L13} --dp 64 {TT} --set B=2 S=4096 --gpu a100-80gb", 4.303, "1,904 WPS"),
+    "TN1": (f"time {L3B} --precision bf16-true --set B=2 S=4096 --device a100-80gb --tokens 8192 --mfu 0.5", 1.158,
+            "7,075 tok/s"),
+    "TN2": (f"time {L3B} --precision bf16-true --compile --set B=2 S=4096 --device a100-80gb --tokens 8192 --mfu 0.5",
+            0.9104, "8,998 tok/s"),
+    "MG6": (f"report {GB} --dp 8 --shard zero1 --precision megatron-bf16 --set B=4 S=1024 --gpu h100-sxm", 0.05288,
+            "0.05288 s/iteration"),
+    "MG9": (f"report {GB} --dp 8 --shard ddp --ac full --precision megatron-bf16 --set B=4 S=1024 --gpu h100-sxm",
+            0.10978, "0.10978 s/iteration"),
+    "MG1": ("report tests/data/megatron/mg7b.json --dp 2 --shard zero1 --tp 4 --precision megatron-bf16 --set B=2 "
+            "S=8192 --gpu h100-sxm", 1.11493, "1.11493 s/iteration", 2),
+    "MG2": ("report tests/data/megatron/mg7b.json --dp 2 --shard zero1 --tp 4 --precision megatron-bf16 --set B=2 "
+            "S=8192 --gpu a100-80gb", 2.596, "2.596 s/iteration", 2),
+    "MG7": ("report megatron-gpt --dp 2 --shard ddp --tp 4 --precision megatron-fp16 --set H=8 D=64 L=12 V=50688 B=4 "
+            "S=1024 --gpu h100-sxm", 0.20575, "0.20575 s/iteration", 4),
+    "MG10": (f"report {GB.replace('50304', '50432')} --dp 4 --shard fsdp --tp 2 --precision fp32 --fsdp-mp bf16 "
+             "--loss megatron --set B=4 S=1024 --gpu h100-sxm", 0.15847, "0.15847 s/iteration", 2),    "P3": ("report tests/data/configs/llama-3-70b.json --dp 64 --shard fsdp --precision fp32 --fsdp-mp bf16 --ac full "
+           "--set B=1 S=8192 --gpu a100-80gb", 24.75, "331 WPS"),
+    # Narayanan et al. 2021 Table 1: the micro-batch is not published; B = 4 is assumed (K = GBS / (DP · 4))
+    "N1": (f"report {MG} --dp 32 --set H=24 D=96 L=24 {NS}", NSTEP["N1"], "137 TFLOP/s/GPU (paper's F)", 4),
+    "N2": (f"report {MG} --dp 32 --tp 2 --set H=32 D=96 L=30 {NS}", NSTEP["N2"], "138 TFLOP/s/GPU (paper's F)", 4),
+    "N3": (f"report {MG} --dp 32 --tp 4 --set H=32 D=128 L=36 {NS}", NSTEP["N3"], "142 TFLOP/s/GPU (paper's F)", 4),
+    "N4": (f"report {MG} --dp 32 --tp 8 --set H=48 D=128 L=40 {NS}", NSTEP["N4"], "135 TFLOP/s/GPU (paper's F)", 8),
+}
+
+
+def run_one(rid: str) -> dict:
+    cmd, published, figure, *k = RUNS[rid]
+    k = k[0] if k else 1
+    t0 = time.time()
+    p = subprocess.run(["symcost", *shlex.split(cmd), "--json"], capture_output=True, text=True, cwd=ROOT)
+    if p.returncode:
+        return {"id": rid, "command": f"symcost {cmd} --json", "error": (p.stderr.strip().splitlines() or ["?"])[-1]}
+    d = json.loads(p.stdout)
+    if cmd.startswith("report"):
+        st = d["parallel"]["step"]
+        pred, bound, mfu = st["predicted"]["step_seconds"], st["step_seconds"], st["predicted"]["mfu_predicted"]
+    else:
+        pr = d["predicted"]
+        pred, bound, mfu = pr["step_seconds"], pr["bound_seconds"], pr["mfu_predicted"]
+    micro = pred
+    pred, bound = k * pred, k * bound
+    return {"micro_batches": k, "predicted_micro_seconds": micro, "id": rid, "command": f"symcost {cmd} --json", "published_seconds": published, "published": figure,
+            "predicted_seconds": pred, "bound_seconds": bound, "mfu_predicted": mfu,
+            "error": pred / published - 1, "bound_error": bound / published - 1, "wall_s": round(time.time() - t0)}
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| id | measured step s (published) | bound s | predicted s | predicted MFU | error (predicted) | "
+           "error (bound) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        out.append(f"| {r['id']} | {r['published_seconds']:.4g} ({r['published']}) | {r['bound_seconds']:.4g} | "
+                   f"{r['predicted_seconds']:.4g} | {100 * r['mfu_predicted']:.1f}% | {100 * r['error']:+.1f}% | "
+                   f"{100 * r['bound_error']:+.1f}% |")
+    errs = [abs(r["error"]) for r in rows]
+    out.append("")
+    out.append(f"{len(rows)} runs: median |error| {100 * statistics.median(errs):.1f}%, worst "
+               f"{100 * max(errs):.1f}%; within 15%: {sum(e <= 0.15 for e in errs)}, within 30%: "
+               f"{sum(e <= 0.30 for e in errs)}")
+    out.append("")
+    out.append("Commands (each printed the predicted and bound step read above; K micro-batches: K x the printed step):")
+    out.append("")
+    for r in rows:
+        k = f" (K = {r['micro_batches']})" if r["micro_batches"] > 1 else ""
+        out.append(f"- {r['id']}{k}: `{r['command']}`")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--force", action="store_true")
+    ap.add_argument("--table", action="store_true")
+    ap.add_argument("--out", type=Path, default=OUT, help="the results file (default tests/data/published-steps.json)")
+    a = ap.parse_args()
+    out = a.out
+    data = json.loads(out.read_text()) if out.exists() else {"runs": []}
+    have = {r["id"]: r for r in data["runs"]}
+    if not a.table:
+        for rid in a.only or list(RUNS):
+            if rid in have and not a.force and "error" in have[rid] and "predicted_seconds" in have[rid]:
+                continue
+            r = run_one(rid)
+            print(json.dumps(r), flush=True)
+            have[rid] = r
+            data["runs"] = [have[k] for k in RUNS if k in have]
+            out.write_text(json.dumps(data, indent=1) + "\n")
+    rows = [have[k] for k in RUNS if k in have and "predicted_seconds" in have[k]]
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
