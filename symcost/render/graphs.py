@@ -77,7 +77,7 @@ def index_page(entries: list[Mapping]) -> str:
              "| graph | model | sizes traced at | pinned | torch | transformers |", "| --- | --- | --- | --- | --- | --- |"]
     for e in sorted(entries, key=lambda e: e["name"]):
         tw = e.get("traced_with") or {}
-        sizes = " ".join(f"{k}={v}" for k, v in (e.get("sizes_traced") or {}).items())
+        sizes = " ".join(f"{k}={v}" for k, v in sorted((e.get("sizes_traced") or {}).items()))
         pinned = " ".join(f"{k}={v}" for k, v in (e.get("meta", {}).get("pinned") or {}).items()) or "-"
         lines.append(f"| [{e['name']}]({e['name']}.md) | `{e['model']}` | {sizes} | {pinned} | {tw.get('torch')} | "
                      f"{tw.get('transformers')} |")
