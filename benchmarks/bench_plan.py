@@ -89,6 +89,9 @@ def run_rows(names=None):
                    micro_batches=(1, 2, 4, 8), keep_all=True, shards=("ddp", "zero1", "fsdp"),
                    checkpoints=("none", "full", "optimal"))
         secs = time.perf_counter() - t0
+        # Megatron-LM 2021's own options (DDP, every block recomputed): the same ranking in that space
+        meg21 = plan(an, sz, dev, n, 80 * 2**30, G, PREC, schedules=("1f1b", "interleaved-1f1b"),
+                     micro_batches=(1, 2, 4, 8), shards=("ddp",), checkpoints=("full",))["layouts"]
         d = n // (t * p)
         rows = res["layouts"]
         same = [i for i, r in enumerate(rows) if (r["layout"]["dp"], r["layout"]["tp"], r["layout"]["pp"]) == (d, t, p)]
@@ -101,8 +104,34 @@ def run_rows(names=None):
         out.append({"name": name, "params": res["params"], "published": (t, p, d, n, G), "pub_mfu": pub_mfu,
                     "pub_hfu": tflops * 1e12 / A100_PEAK, "top": top, "pub": pub,
                     "rank_layout": (same[0] + 1) if same else None, "rank_megatron": (meg[0] + 1) if meg else None,
-                    "fits": len(rows), "considered": res["considered"], "seconds": secs})
+                    "fits": len(rows), "considered": res["considered"], "seconds": secs,
+                    "top21": meg21[0] if meg21 else None,
+                    "rank21": next((i + 1 for i, r in enumerate(meg21) if (r["layout"]["dp"], r["layout"]["tp"],
+                                                                          r["layout"]["pp"]) == (d, t, p)), None)})
     return out
+
+
+def print_ranking(out):
+    """Issue 29's check: the published layout (as run: DDP, full recompute, its fastest micro-batch
+    and schedule) ranks first or within 5% of the best predicted step, over every option and over
+    Megatron-LM 2021's (DDP, full recompute); the bound's ratio beside."""
+    print("| model | published as run: predicted s (bound s) | best predicted (any option) s | ratio | "
+          "rank | best predicted (DDP, full) s | ratio | rank |")
+    print("| --- " * 8 + "|")
+    n_any = n_21 = 0
+    for r in out:
+        pub, top, top21 = r["pub"], r["top"], r["top21"]
+        if pub is None or top is None:
+            print(f"| {r['name']} | does not fit | | | | | | |")
+            continue
+        q, q21 = pub["step_seconds"] / top["step_seconds"], pub["step_seconds"] / top21["step_seconds"]
+        n_any += q <= 1.05
+        n_21 += q21 <= 1.05
+        print(f"| {r['name']} | {pub['step_seconds']:.3f} ({pub['bound_seconds']:.3f}) | {top['step_seconds']:.3f} "
+              f"({_lay(top)}) | {q:.3f} | {r['rank_megatron']} | {top21['step_seconds']:.3f} ({_lay(top21)}) | "
+              f"{q21:.3f} | {r['rank21']} |")
+    print(f"\npublished layout first or within 5% of the best predicted step: {n_any} of {len(out)} rows over every "
+          f"option; {n_21} of {len(out)} over Megatron-LM 2021's (DDP, full recompute)")
 
 
 def print_rows(out):
@@ -227,6 +256,8 @@ def main():
     t0 = time.perf_counter()
     out = run_rows(args.rows)
     print_rows(out)
+    print()
+    print_ranking(out)
     print(f"\n{len(out)} rows in {time.perf_counter() - t0:.1f} s (one --tp trace serves them all)")
 
 

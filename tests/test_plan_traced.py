@@ -197,12 +197,13 @@ def test_refine_traces_until_k_fit_and_prunes_larger_micro_batches(monkeypatch):
         f = 3.0 if lay["checkpoint"] == "selective" else 1.05
         return {"peak": int(row["memory"]["total"] * f), "rank": 0, "recompute_flops": 0.0, "source": "stand-in"}
 
+    # (refine's mechanics on the bound's order: this scenario's 4 fitting rows among the first 16)
     res = plan(_an(), SZ, get_device("a100-80gb"), 8, 10**12, 16, PREC, checkpoints=("none", "full", "selective"),
-               keep_all=True)
+               keep_all=True, rank_by="bound")
     mems = sorted(r["memory"]["total"] for r in res["layouts"] + res["excluded"])
     cap = mems[len(mems) // 3]
     res = plan(_an(), SZ, get_device("a100-80gb"), 8, cap, 16, PREC, checkpoints=("none", "full", "selective"),
-               keep_all=True)
+               keep_all=True, rank_by="bound")
     rows = res["layouts"] + res["excluded"]
     rows_by_key = {tuple(sorted(r["layout"].items())): r for r in rows}
     monkeypatch.setattr(plan_traced, "traced_peak", fake)

@@ -195,7 +195,7 @@ class Planner:
     """
 
     def __init__(self, an, sizes: Mapping[str, int], device, precision: str, optimizer: str = "adamw",
-                 overlap: str = "backward", fused: bool = True):
+                 overlap: str = "backward", fused: bool = True, predicted: bool = True):
         from symcost.passes.checkpoint import block_costs
         from symcost.passes.memory.policies import policy
         from symcost.passes.roofline import training_precision
@@ -209,6 +209,8 @@ class Planner:
                                "network_bandwidth); add one with --devices-file")
         self.an, self.device, self.precision, self.optimizer, self.overlap, self.fused = \
             an, device, precision, optimizer, overlap, fused
+        #: rank by the performance model's step (True) or by the roofline bound (False); both are kept
+        self.predicted = predicted
         self.pol = policy(precision)
         self.sizes = {k: v for k, v in an.spec.values(dict(sizes)).items() if k in an.symbols and k not in ("B", "TP")}
         self.L = int(self.sizes["L"])
@@ -246,6 +248,34 @@ class Planner:
             ph[L] = {k: r["per_phase"].get(k, {}).get("seconds", 0.0) for k in ("forward", "backward")}
         out = {}
         for k in ("forward", "backward"):
+            blk = ph[3][k] - ph[2][k]
+            out[k + "_block"], out[k + "_rest"] = blk, ph[2][k] - 2 * blk
+        return out
+
+    @functools.lru_cache(maxsize=None)
+    def times_predicted(self, b: int, tp: int) -> dict[str, float]:
+        """The performance model's seconds (:func:`symcost.passes.performance.predict`: GEMM
+        efficiency by shape, memory-bound ops at the achievable bandwidth, a launch per kernel)
+        of one micro-batch of ``b`` sequences at TP = ``tp``, per block and outside the blocks,
+        forward and backward (the launches spread over each phase's ops), and the AdamW step's
+        (``optimizer_block``, ``optimizer_rest``), from L = 2 and L = 3 as :meth:`times`."""
+        from symcost.passes.performance import predict
+        from symcost.passes.roofline import _num
+
+        ph = {}
+        for L in (2, 3):
+            sz = {**self.sizes, "L": L, "B": b, "TP": tp}
+            p = predict(self.an, self.device, sz, mode="compiled" if self.fused else "eager")
+            env = self.an.bind(**sz)
+            per_op = p["terms"]["launch"] / max(1, p["ops"])
+            d = {"forward": 0.0, "backward": 0.0, "optimizer": p["terms"]["optimizer"]}
+            for node in p["nodes"]:
+                d["forward" if node["phase"] == "forward" else "backward"] += node["seconds"]
+            for op in self.an.ops:
+                d["forward" if op.phase == "forward" else "backward"] += per_op * _num(op.repeat, env)
+            ph[L] = d
+        out = {}
+        for k in ("forward", "backward", "optimizer"):
             blk = ph[3][k] - ph[2][k]
             out[k + "_block"], out[k + "_rest"] = blk, ph[2][k] - 2 * blk
         return out
@@ -319,25 +349,34 @@ class Planner:
             rep_bytes = m * 2 * (r - 1) / r * params_rank / sd * gb
         else:  # ddp / zero1: one all-reduce (zero1: reduce-scatter + all-gather) of the gradients per step
             dp_bytes = 2 * ring * params_rank * gb
-        # --- time ---
-        tm = self.times(b, t)
-        fwd = tm["forward_block"] * nb + tm["forward_rest"]
-        bwd = tm["backward_block"] * nb + tm["backward_rest"]
-        bwd += tm["forward_block"] * kt  # the checkpointed blocks' forward, again
+        # --- time: the bound (roofline compute) and the prediction (the performance model's
+        # compute and AdamW step), composed by the same schedule and overlap rule ---
         tp_s = tp_bytes / m / tp_bw if t > 1 else 0.0
         pp_s = pp_bytes / m / pp_bw if p > 1 else 0.0
-        per_mb_s = fwd + bwd + tp_s + pp_s
         if lay.schedule != "interleaved-1f1b":
             bubble = (p - 1) / m if p > 1 else 0.0
-        pipe_s = m * per_mb_s * (1 + bubble)
         dp_s = (dp_bytes / dp_bw if sd > 1 else 0.0) + (rep_bytes / rep_bw if r > 1 else 0.0)
-        if self.overlap == "none":
-            exposed = dp_s
-        elif lay.shard in ("fsdp", "hsdp"):
-            exposed = m * max(0.0, dp_s / m - (fwd + bwd))
-        else:
-            exposed = max(0.0, dp_s - bwd)
-        step = pipe_s + exposed
+
+        def compose(tm, optimizer: float) -> dict[str, float]:
+            fwd = tm["forward_block"] * nb + tm["forward_rest"]
+            bwd = tm["backward_block"] * nb + tm["backward_rest"]
+            bwd += tm["forward_block"] * kt  # the checkpointed blocks' forward, again
+            per_mb_s = fwd + bwd + tp_s + pp_s
+            pipe_s = m * per_mb_s * (1 + bubble)
+            if self.overlap == "none":
+                exposed = dp_s
+            elif lay.shard in ("fsdp", "hsdp"):
+                exposed = m * max(0.0, dp_s / m - (fwd + bwd))
+            else:
+                exposed = max(0.0, dp_s - bwd)
+            return {"compute": m * (fwd + bwd), "tp_comm": m * tp_s, "pp_comm": m * pp_s,
+                    "bubble": m * per_mb_s * bubble, "dp_exposed": exposed, "dp_comm": dp_s,
+                    "optimizer": optimizer, "step": pipe_s + exposed + optimizer}
+
+        bound = compose(self.times(b, t), 0.0)
+        tq = self.times_predicted(b, t) if self.predicted else None
+        pred = compose(tq, tq["optimizer_block"] * nb + tq["optimizer_rest"]) if tq is not None else bound
+        step = pred["step"]
         gbatch = d * b * m
         model_flops = self.model_flops_per_seq * gbatch
         n = d * t * p
@@ -356,10 +395,11 @@ class Planner:
                                                "dp_replicate": rep_link}[k] == ln))
                              for ln in ("node", "network")},
             "bubble": bubble,
-            "time": {"compute": m * (fwd + bwd), "tp_comm": m * tp_s, "pp_comm": m * pp_s,
-                     "bubble": m * per_mb_s * bubble, "dp_exposed": exposed, "dp_comm": dp_s, "step": step},
-            "step_seconds": step, "model_flops": model_flops, "screen_bounds": lay.checkpoint == "selective",
+            "time": pred, "time_bound": bound, "predicted": tq is not None,
+            "step_seconds": step, "bound_seconds": bound["step"], "model_flops": model_flops,
+            "screen_bounds": lay.checkpoint == "selective",
             "mfu": model_flops / (n * self.peak * step) if step else 0.0,
+            "mfu_bound": model_flops / (n * self.peak * bound["step"]) if bound["step"] else 0.0,
         }
 
 
@@ -367,7 +407,7 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
          precision: str, optimizer: str = "adamw", overlap: str = "backward", shards=SHARDS,
          checkpoints=CHECKPOINTS, schedules=("1f1b",), micro_batches=None, keep_all: bool = False,
          trace_at=None, model: str | None = None, trace_top: int = 0, near: float = 0.1, sp: bool = False,
-         progress=None) -> dict[str, Any]:
+         progress=None, rank_by: str = "predicted") -> dict[str, Any]:
     """Rank the layouts of ``devices`` devices for a global batch of ``global_batch`` sequences.
 
     Returns:
@@ -385,13 +425,19 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     another tp are evaluated on ``trace_at(tp)`` (:func:`trace_for_plan` at that TP), or left out
     with a note when it is not given.
 
+    ``rank_by``: ``predicted`` (the performance model's step, :meth:`Planner.times_predicted`:
+    ``step_seconds`` and ``mfu``; the bound beside as ``bound_seconds``, ``mfu_bound``) or ``bound``
+    (the roofline's, in both; docs/performance-model.md).
+
     ``trace_top`` > 0 (with ``model``, a name or config path): the fastest ``trace_top`` rows the
     screen puts within ``near`` of the cap get the per-rank peak of their composed trace, as
     ``report`` computes it for that layout, and are re-ranked
     (:func:`symcost.passes.plan_traced.refine`; each row's ``peak_source``). Without it,
     ``selective`` rows (bounds only) are left out.
     """
-    pl = Planner(an, sizes, device, precision, optimizer, overlap)
+    if rank_by not in ("predicted", "bound"):
+        raise SymcostError(f"unknown ranking {rank_by!r}; accepted: predicted, bound")
+    pl = Planner(an, sizes, device, precision, optimizer, overlap, predicted=rank_by == "predicted")
     pl.cap = memory
     if pl.pol.sharded_optimizer_only:  # (megatron-bf16-moments: Megatron-LM runs it only with its distributed optimizer)
         shards = tuple(s for s in shards if s != "ddp")
@@ -406,7 +452,8 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
             return pl
         if tp not in planners:
             other = trace_at(tp) if trace_at is not None else None
-            planners[tp] = None if other is None else Planner(other, sizes, device, precision, optimizer, overlap)
+            planners[tp] = None if other is None else Planner(other, sizes, device, precision, optimizer, overlap,
+                                                              predicted=pl.predicted)
             if planners[tp] is not None:
                 planners[tp].cap = memory
         return planners[tp]

@@ -196,6 +196,13 @@ def refine(res: dict[str, Any], model: str, sizes: Mapping[str, int], precision:
             r["step_seconds"] += extra
             n = r["layout"]["dp"] * r["layout"]["tp"] * r["layout"]["pp"]
             r["mfu"] = r["model_flops"] / (n * res["peak_flops"] * r["step_seconds"])
+            if "bound_seconds" in r and r["time_bound"] is not r["time"]:  # (the bound: the same FLOPs at the peak)
+                r["time_bound"]["compute"] += extra / (1 + bub)
+                r["time_bound"]["bubble"] += extra * bub / (1 + bub)
+                r["time_bound"]["step"] += extra
+            if "bound_seconds" in r:
+                r["bound_seconds"] = r["time_bound"]["step"]
+                r["mfu_bound"] = r["model_flops"] / (n * res["peak_flops"] * r["bound_seconds"])
         if t["peak"] > cap:
             dropped.append(r)
             if x["pp"] == 1:

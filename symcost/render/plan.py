@@ -21,7 +21,7 @@ def render(res: dict, top: int = 5, width: int | None = None) -> None:
     # compact (one space between columns, units in the headers): 100 columns hold the table
     t = Table(show_header=True, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False)
     for h in ("#", "dp×tp×pp", "b×m", "shard", "ckpt", "sched", "mem GiB", "TP GiB", "PP GiB",
-              "DP GiB", "bubble", "MFU", "step s"):
+              "DP GiB", "bubble", "MFU", "step s", "bound s"):
         t.add_column(h, justify="left" if h in ("shard", "ckpt", "sched") else "right",
                      no_wrap=not h[:2] in ("TP", "PP", "DP"), overflow="fold")
     short = {"interleaved-1f1b": "i-1f1b", "network": "net"}
@@ -35,7 +35,7 @@ def render(res: dict, top: int = 5, width: int | None = None) -> None:
                   short.get(lay["schedule"], lay["schedule"]),
                   (f"{r['memory']['traced_peak'] / 2**30:.1f} tr" if r.get("peak_source") == "traced" else
                    f"{r['memory']['total'] / 2**30:.1f} sc"), link("tp"), link("pp"), dp_cell, f"{r['bubble']:.3f}",
-                  f"{r['mfu']:.1%}", f"{r['step_seconds']:.3f}")
+                  f"{r['mfu']:.1%}", f"{r['step_seconds']:.3f}", f"{r.get('bound_seconds', r['step_seconds']):.3f}")
     c.print(t)
     c.print("mem: per rank, tr: the peak of the layout's composed trace (report's for that layout), sc: "
             "screened (model states + activations in flight, no transient working set); TP/PP/DP: GiB per rank per step, sent (= received), and the link they cross "
@@ -51,5 +51,6 @@ def render(res: dict, top: int = 5, width: int | None = None) -> None:
         c.print(f"traced: {res['traced']} screened layouts within {res['near']:.0%} of the cap, fastest first, until "
                 f"{res['trace_top']} fit (--trace-top); {len(res['dropped'])} of them over the cap when traced, dropped"
                 + (f", and {res['pruned']} more at a micro-batch as large of a layout that was" if res.get("pruned") else ""))
-    c.print(f"overlap model: {res['overlap']}. Compute: the roofline at the datasheet peak (an upper "
-            "bound on MFU). docs/parallel.md §13.")
+    c.print(f"overlap model: {res['overlap']}. Ranked by the predicted step (step s, MFU: the performance "
+            "model's compute, launches and AdamW step, docs/performance-model.md); bound s: the roofline at the "
+            "datasheet peak, the same communication (a lower bound). docs/parallel.md §13.")
