@@ -314,26 +314,29 @@ def lstm_spec():
 def test_lstm_workspace_saved_bytes_on_fake_tensors():
     """The smallest input: the step recorded on fake tensors saves what saved_tensors_hooks sees
     on real ones (oneDNN's workspace of each layer included: 0 bytes before, activations −84%),
-    at two sizes; and the workspace formula equals the real kernel's at random sizes (two
-    layers, both directions, batch first or not)."""
+    at two sizes in fp32 and one under bf16 autocast; and the workspace formula equals the real
+    kernel's at random sizes (two layers, both directions, batch first or not, fp32 and bf16)."""
     from memory_oracle import saved_bytes
 
     from symcost.tracing.onednn_rnn import workspace_bytes
     from symcost.tracing.record import _record
 
     spec = lstm_spec()
-    for v in ({"B": 1, "S": 1, "V": 5, "D": 1}, {"B": 3, "S": 7, "V": 29, "D": 20}):
-        fake = _record(spec, v, "fp32", None, real_ok=False)
-        assert sum(s.nbytes for s in fake.saved) == saved_bytes(spec, v, "fp32"), v
+    for v, precision in (({"B": 1, "S": 1, "V": 5, "D": 1}, "fp32"), ({"B": 3, "S": 7, "V": 29, "D": 20}, "fp32"),
+                         ({"B": 3, "S": 7, "V": 29, "D": 20}, "bf16-mixed")):
+        fake = _record(spec, v, precision, None, real_ok=False)
+        assert sum(s.nbytes for s in fake.saved) == saved_bytes(spec, v, precision), (v, precision)
     rng = random.Random("lstm")
-    for _ in range(3):
+    for k in range(4):
         b, s, i, h = rng.randint(1, 9), rng.randint(1, 30), rng.randint(1, 300), rng.randint(1, 300)
         bi, first = rng.random() < 0.5, rng.random() < 0.5
+        dtype, ctx = ("bfloat16", torch.autocast("cpu", dtype=torch.bfloat16)) if k % 2 else ("float32", torch.autocast("cpu", enabled=False))
         lstm = nn.LSTM(i, h, num_layers=2, bidirectional=bi, batch_first=first)
         x = torch.randn((b, s, i) if first else (s, b, i), requires_grad=True)
         seen = []
-        with torch.autograd.graph.saved_tensors_hooks(
+        with ctx, torch.autograd.graph.saved_tensors_hooks(
                 lambda t: seen.append(t.numel()) or t if t.dtype == torch.uint8 else t, lambda t: t):
             lstm(x)
         dirs = 2 if bi else 1
-        assert seen == [workspace_bytes(s, b, i, h)] * dirs + [workspace_bytes(s, b, dirs * h, h)] * dirs, (b, s, i, h, bi)
+        assert seen == ([workspace_bytes(s, b, i, h, dtype=dtype)] * dirs
+                        + [workspace_bytes(s, b, dirs * h, h, dtype=dtype)] * dirs), (b, s, i, h, bi, dtype)

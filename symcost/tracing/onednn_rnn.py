@@ -26,7 +26,8 @@ where ``s`` is the states' element size and ``ld(n)`` rounds n up to 64 bytes' w
 adding 64 bytes more where the result is a multiple of 256 elements (oneDNN's
 ``get_good_ld``: 64-byte aligned rows that avoid 4K aliasing). These are no polynomial in the
 sizes (the pages and the rounding), so a trace whose probes are real fits them only within a
-regime (see docs/memory.md).
+regime (see docs/memory.md). In bf16 the regions hold other element sizes (:data:`REGION_BYTES`,
+measured on the real kernel).
 """
 from __future__ import annotations
 
@@ -45,7 +46,15 @@ def _page(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
-def workspace_bytes(steps: int, batch: int, input_size: int, hidden: int, state_size: int = 4) -> int:
+#: bytes per element of the seven regions (gates, hidden output, layer states, iteration states,
+#: cell states, diff states, diff cell states) by the input's dtype: fp32 everywhere; for bf16
+#: (``torch.autocast("cpu", dtype=torch.bfloat16)``, the default bf16-mixed policy) as the real
+#: kernel's workspace measures at random sizes (tests/test_foreign_models.py)
+REGION_BYTES = {"float32": (4, 4, 4, 4, 4, 4, 4), "bfloat16": (2, 2, 4, 4, 2, 2, 4)}
+
+
+def workspace_bytes(steps: int, batch: int, input_size: int, hidden: int, state_size: int = 4,
+                    dtype: str = "float32") -> int:
     """Bytes of the training workspace ``aten.mkldnn_rnn_layer`` returns for one LSTM layer in
     one direction: ``steps`` time steps (T) of ``batch`` sequences (mb), input width
     ``input_size`` (slc), hidden width ``hidden`` (dhc), states of ``state_size`` bytes per
@@ -56,16 +65,17 @@ def workspace_bytes(steps: int, batch: int, input_size: int, hidden: int, state_
     """
     if min(steps, batch, input_size, hidden, state_size) < 1:
         raise ValueError("LSTM workspace sizes must be positive")
-    t, mb, slc, dhc, s = steps, batch, input_size, hidden, state_size
+    t, mb, slc, dhc = steps, batch, input_size, hidden
+    g, h, sl, si, c, d, dc = REGION_BYTES[dtype] if dtype != "float32" else (4, state_size, state_size, state_size, 4, 4, 4)
     states = 2 * (t + 1) * mb
     regions = (
-        t * mb * good_ld(4 * dhc, 4) * 4,  # gates
-        t * mb * good_ld(dhc, s) * s,  # hidden output of each cell
-        states * good_ld(max(slc, dhc), s) * s,  # layer states
-        states * good_ld(max(slc, dhc), s) * s,  # iteration states
-        states * dhc * 4,  # cell states
-        states * good_ld(max(slc, dhc), 4) * 4,  # diff states
-        states * dhc * 4,  # diff cell states
+        t * mb * good_ld(4 * dhc, g) * g,  # gates
+        t * mb * good_ld(dhc, h) * h,  # hidden output of each cell
+        states * good_ld(max(slc, dhc), sl) * sl,  # layer states
+        states * good_ld(max(slc, dhc), si) * si,  # iteration states
+        states * dhc * c,  # cell states
+        states * good_ld(max(slc, dhc), d) * d,  # diff states
+        states * dhc * dc,  # diff cell states
     )
     return sum(_page(r) for r in regions)
 
@@ -75,7 +85,7 @@ def lstm_workspace(args, kwargs) -> int | None:
     (``input, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode, hidden_size, num_layers,
     has_biases, bidirectional, batch_first, train``), or None where it keeps no workspace
     (inference, ``train=False``), is no LSTM (mode 2, oneDNN's vanilla LSTM) or its input
-    is not fp32 (the only precision checked against the real kernel)."""
+    is neither fp32 nor bf16 (the precisions checked against the real kernel)."""
     import torch
 
     names = ("input", "w0", "w1", "w2", "w3", "hx", "cx", "reverse", "batch_sizes", "mode", "hidden_size",
@@ -83,8 +93,9 @@ def lstm_workspace(args, kwargs) -> int | None:
     a = dict(zip(names, args))
     a.update(kwargs or {})
     x = a["input"]
-    if not a.get("train") or a.get("mode") != 2 or x.dtype != torch.float32:
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(x.dtype)
+    if not a.get("train") or a.get("mode") != 2 or dtype is None:
         return None
     # (time-major whatever ``batch_first`` says: PyTorch's mkldnn_rnn transposes a batch-first
     # input before each layer and passes the flag on)
-    return workspace_bytes(int(x.shape[0]), int(x.shape[1]), int(x.shape[-1]), int(a["hidden_size"]), 4)
+    return workspace_bytes(int(x.shape[0]), int(x.shape[1]), int(x.shape[-1]), int(a["hidden_size"]), dtype=dtype)
