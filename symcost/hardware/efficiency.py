@@ -101,13 +101,16 @@ class Efficiency:
           in ceil(tiles / units) waves; wave = tiles / (waves · units) (wave quantisation: NVIDIA,
           "Matrix Multiplication Background User's Guide", sec. 2.2);
         - pad = m · n / (ceil(m / tm) · tm · ceil(n / tn) · tn): the tiles' padding (tile
-          quantisation, same guide, sec. 2.1);
+          quantisation, same guide, sec. 2.1); a dimension shorter than the tile runs on a tile of
+          its next power of two (the libraries carry smaller tiles and GEMV kernels for skinny
+          problems, the guide's tile-size choice; without it a decode step's [1, k] x [k, n] would
+          pad one row to 128);
         - s(d) = d / (d + gemm_half): a short dimension amortises a tile's loads, stores and loop
           set-up over fewer multiply-adds (Goto & van de Geijn 2008, sec. 6: the micro-kernel's
           fixed cost per k-panel; a CPU's calibrated constant, a GPU's default 16).
         """
-        tm, tn = self.tile
         m, n, k, batch = max(1, int(m)), max(1, int(n)), max(1, int(k)), max(1, int(batch))
+        tm, tn = (min(t, 1 << (d - 1).bit_length()) for t, d in zip(self.tile, (m, n)))
         tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
         units = max(1, int(self.compute_units))
         wave = tiles / (math.ceil(tiles / units) * units)

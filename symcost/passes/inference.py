@@ -520,6 +520,41 @@ def serve(decode_an, prefill_an, device: Device, cap: int | str, context: int,
         pre = {k: v for k, v in sizes.items() if k in prefill_an.symbols}
         pre.update({k: v for k, v in (("B", 1), ("S", context)) if k in prefill_an.symbols})
         out["prefill"] = prefill(prefill_an, device, pre, whole=prefill_whole)
+    out["predicted"] = predicted(decode_an, prefill_an, device, {**at, "B": b}, pre if prefill_an is not None else None,
+                                 out, kv)
+    return out
+
+
+def predicted(decode_an, prefill_an, device: Device, at: Mapping[str, int], pre: Mapping[str, int] | None,
+              bounds: Mapping[str, Any], kv: KVDtype | None = None) -> dict[str, Any]:
+    """The performance model's time per output token and time to first token (docs/performance-model.md),
+    beside :func:`serve`'s bounds: :func:`symcost.passes.performance.predict` (compiled mode: fused
+    bytes, a launch per fused kernel, as a serving engine's compiled or CUDA-graphed step runs; no
+    optimizer) of the decode step at ``at`` (B = the batch) and at B = 1, and of the prefill at
+    ``pre``; a ``--tp`` rank's all-reduce seconds (:func:`tp_comm`) added as the bounds add them.
+
+    Returns:
+        ``{"mode", "seconds_per_token", "tokens_per_second" (at the batch), "seconds_per_token_batch_1",
+        "prefill_seconds" (None without a prefill), "calibrated", "defaulted", "kv_bytes"}``
+        (``kv_bytes``: "traced", or "traced, not the modelled --kv-dtype" when the cache's bytes
+        are modelled: the prediction reads the traced bytes).
+    """
+    from symcost.passes.performance import predict
+
+    def tp_s(d):
+        return (d.get("tp") or {}).get("seconds") or 0.0
+
+    dec = predict(decode_an, device, at, mode="compiled", optimizer=False)
+    b = int(at["B"])
+    one = dec if b == 1 else predict(decode_an, device, {**at, "B": 1}, mode="compiled", optimizer=False)
+    spt = dec["step_seconds"] + tp_s(bounds["decode"])
+    out = {"mode": "compiled", "seconds_per_token": spt, "tokens_per_second": b / spt if spt else None,
+           "seconds_per_token_batch_1": one["step_seconds"] + tp_s(bounds["decode_batch_1"]),
+           "prefill_seconds": None, "calibrated": dec["calibrated"], "defaulted": dec["defaulted"],
+           "kv_bytes": "traced" if kv is None or not kv.modelled else "traced, not the modelled --kv-dtype"}
+    if prefill_an is not None and pre is not None:
+        pf = predict(prefill_an, device, pre, mode="compiled", optimizer=False)
+        out["prefill_seconds"] = pf["step_seconds"] + tp_s(bounds["prefill"])
     return out
 
 

@@ -29,7 +29,10 @@ def to_json(model: str, precision: str, dev, r: dict) -> dict:
     rank's, ``flops_model`` the whole model's and ``tp`` its collectives); with ``--tp``, ``tp``
     (``size``, the per-device cap, the batch per rank's replica, ``replicated``: the weight matrices
     the plan leaves whole on every rank, elements each and share of the parameters) and ``decode.tp`` (the rank's
-    all-reduces per step: ``collectives``, ``bytes``, ``seconds``, ``link``, ``note``)."""
+    all-reduces per step: ``collectives``, ``bytes``, ``seconds``, ``link``, ``note``).; ``predicted`` (the performance
+    model beside these bounds, :func:`symcost.passes.inference.predicted`: ``seconds_per_token``,
+    ``tokens_per_second`` at max_batch, ``seconds_per_token_batch_1``, ``prefill_seconds``,
+    ``calibrated``, ``defaulted``)."""
     d = r["decode"]
     out = {
         "model": model, "precision": precision, "device": dev.key, "context": r["context"],
@@ -57,6 +60,8 @@ def to_json(model: str, precision: str, dev, r: dict) -> dict:
                 out["prefill"][k] = r["prefill"][k]
     if r.get("tp") is not None:
         out["tp"] = r["tp"]
+    if r.get("predicted") is not None and r["batch"] >= 1:
+        out["predicted"] = r["predicted"]
     return out
 
 
@@ -142,3 +147,10 @@ def render_text(c, model: str, precision: str, dev, r: dict) -> None:
         c.print(f"prefill, time to first token bound (1 sequence of {r['context']} tokens): "
                 f"{_fmt_s(p['seconds'])}; model FLOPs {p['flops']:,}"
                 + (f" per rank, {p['flops_model']:,} the whole model" if "flops_model" in p else ""))
+    pr = r.get("predicted")
+    if pr is not None:
+        c.print(f"predicted (performance model, {pr['mode']}): time/token {_fmt_s(pr['seconds_per_token'])} at B = "
+                f"{r['batch']} ({pr['tokens_per_second']:,.0f} tokens/s), {_fmt_s(pr['seconds_per_token_batch_1'])} at "
+                f"B = 1" + (f"; time to first token {_fmt_s(pr['prefill_seconds'])}" if pr["prefill_seconds"] is not None
+                            else "") + "; the figures above are the roofline bounds"
+                + ("" if pr["calibrated"] else " (efficiency parameters defaulted: calibrate the device)"))
