@@ -22,7 +22,7 @@ mesh dimension     symbol  what runs over it (one rank traced on a fake process 
                            (:mod:`symcost.frontends.tensor_parallel`: ``parallelize_module``)
 ``ep``             EP      expert parallelism: routed experts sharded, tokens dispatched and
                            combined by all-to-all (:mod:`symcost.frontends.expert_parallel`;
-                           alone for now: torchtitan borrows the EP ranks from dp_shard·cp·tp)
+                           alone, under FSDP2 over dp_shard × ep, inside pipeline stages)
 =================  ======  ================================================================
 
 The sizes of the dimensions are not part of the layout: they are the symbols (DP, TP, PP) of
@@ -181,10 +181,13 @@ class Layout:
         object.__setattr__(self, "compile", bool(self.compile))
         object.__setattr__(self, "ep", bool(self.ep))
         object.__setattr__(self, "offload_activations", bool(self.offload_activations))
-        if self.ep and (self.tp or self.pipeline is not None or self.fp8 is not None or self.cp or self.compile):
-            raise SymcostError("--ep with --tp/--pp/--cp/--fp8/--compile: expert parallelism is modelled alone or "
-                               "under FSDP2 (--dp N --shard fsdp|zero3|zero2) for now (docs/parallel.md §14); "
-                               "give --ep N without them")
+        if self.ep and (self.tp or self.fp8 is not None or self.cp or self.compile):
+            raise SymcostError("--ep with --tp/--cp/--fp8/--compile: expert parallelism is modelled alone or under "
+                               "FSDP2 (--dp N --shard fsdp|zero3|zero2), in pipeline stages too (--pp N), for now "
+                               "(docs/parallel.md §14); give --ep N without them")
+        if self.ep and self.pipeline is not None and self.shard is not None:
+            raise SymcostError("--ep with --pp and --dp: expert-parallel pipeline stages under FSDP2 are not modelled "
+                               "yet (docs/parallel.md §14.7); give --ep N --pp M, or --ep N --dp M without --pp")
         if self.experts_shard is not None and (not self.ep or self.shard is None or self.experts_shard not in (0, 1)):
             raise SymcostError("experts_shard (0 or 1) is the experts' FSDP2 placement under --ep with --dp")
         if self.ep and self.shard is not None:

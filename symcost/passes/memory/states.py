@@ -104,9 +104,12 @@ def params_tp_local(an) -> sympy.Expr:
     """Parameter elements of one tensor-parallel rank on the 2-D mesh (``--dp`` with ``--tp``):
     what the data-parallel engine wraps, before it shards (``Analysis.params_shard`` times DP for
     FSDP2, whose shards split the TP-local rows; ``params_shard`` itself for ``replicate``);
-    ``params_shard`` for a tensor-parallel trace, ``params`` otherwise."""
+    ``params_shard`` for a tensor-parallel trace and an expert-parallel one without data
+    parallelism (``--ep``, a pipeline stage's too: the dense parameters and E/EP experts),
+    ``params`` otherwise."""
     if not getattr(an, "tensor_parallel", None):
-        return an.params_shard if (getattr(an, "parallel", None) or "").startswith("tp") else an.params
+        label = getattr(an, "parallel", None) or ""
+        return an.params_shard if (label.startswith("tp") or label == "ep") else an.params
     if SHARDS[an.parallel][0] != "fully_shard":
         return an.params_shard
     DP = SYMS["DP"] if "DP" in an.symbols else an.pinned.get("DP", 1)
