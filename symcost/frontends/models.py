@@ -25,7 +25,8 @@ from symcost.frontends.spec import BUILTINS, check_model_name  # noqa: F401  (th
 from symcost.frontends.spec import model_stdout
 
 
-def resolve(model: str, config: Mapping[str, str] | None = None, attention: str | None = None) -> ModelSpec:
+def resolve(model: str, config: Mapping[str, str] | None = None, attention: str | None = None,
+            task: str | None = None) -> ModelSpec:
     """Return the :class:`ModelSpec` for a model name.
 
     Accepted: a built-in name (``cs336-lm``, ``gpt2``, ``mlp``, ``megatron-gpt``),
@@ -33,7 +34,9 @@ def resolve(model: str, config: Mapping[str, str] | None = None, attention: str 
     downloaded), ``path/to/config.json`` (a ``transformers`` config with its ``model_type``; all
     three need ``transformers``), or ``path/to/file.py:factory``. ``attention`` (``eager`` or
     ``sdpa``) applies to ``hf:`` models and config files only; ``None`` is what ``transformers``
-    uses by default (sdpa where the model has it).
+    uses by default (sdpa where the model has it). ``task`` (``causal-lm``, ``masked-lm``,
+    ``seq2seq``, ``image-classification``) picks an ``hf:`` model's head where it has several
+    (default: :func:`symcost.frontends.hf_tasks.task_of`; symcost.frontends.hf_tasks.any_spec).
 
     Raises:
         SymcostError: unknown name, missing optional dependency, bad factory, an attention
@@ -50,17 +53,17 @@ def resolve(model: str, config: Mapping[str, str] | None = None, attention: str 
         mod = importlib.import_module(f"symcost.frontends.builtin.{BUILTINS[model]}")
         return mod.spec()
     if model.startswith("hf:") and "/" in model:  # hf:ORG/NAME from the local Hugging Face cache
-        from symcost.frontends import hf
+        from symcost.frontends import hf, hf_tasks
 
-        return hf.spec_from_file(hf.cached_config_path(model[3:]), config, attention, name=model)
+        return hf_tasks.any_spec_from_file(hf.cached_config_path(model[3:]), config, attention, name=model, task=task)
     if model.startswith("hf:"):
-        from symcost.frontends import hf
+        from symcost.frontends import hf_tasks
 
-        return hf.spec(model[3:], config, attention)
+        return hf_tasks.any_spec(model[3:], config, attention, task=task)
     if model.endswith(".json"):
-        from symcost.frontends import hf
+        from symcost.frontends import hf_tasks
 
-        return hf.spec_from_file(model, config, attention)
+        return hf_tasks.any_spec_from_file(model, config, attention, task=task)
     if ".py:" in model:
         if config:
             raise SymcostError("--config applies to hf: models only")

@@ -168,6 +168,10 @@ class ModelSpec:
             other name (``C``, ``IMG``, ``N_state``, ``L_enc``: a letter, then letters, digits or
             ``_``; not N nor a mesh size), which ``--set``, the JSON and the formulas then use.
         defaults: default value of every config symbol (and of B, S) used when the user sets none.
+        pin: symbol -> why, for a size the model's formulas cannot follow as polynomials the fit
+            finds (a ViT's image side: its (IMG/P)^2 + 1 tokens enter the attention scores'
+            storage to the 4th power): pinned at the requested value from the start, so the fit
+            of every other symbol goes on (else the failing signatures pin all they depend on).
         meanings: symbol -> what it counts, for the report and the JSON (``{"IMG": "image side
             (pixels)"}``); an own size without one is "a size of the model". May also restate a
             canonical symbol's meaning for this model (an image model's S).
@@ -240,6 +244,7 @@ class ModelSpec:
     kv_cache: str = "dynamic"
     infer: Callable[..., tuple] | None = None
     meanings: dict[str, str] = field(default_factory=dict)
+    pin: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.check is None:

@@ -206,7 +206,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     facts = request_facts(values, spec.all_symbols)
     pins = {s: 1 for s in facts["ones"]}
     reasons = {s: "size 1 runs other kernels (copies become views)" for s in pins}
-    for s, why in dict(_pins or {}).items():
+    for s, why in {**dict(getattr(spec, "pin", None) or {}), **dict(_pins or {})}.items():  # (ModelSpec.pin)
         if s in values and s not in pins:
             pins[s], reasons[s] = values[s], why
     n = spec.lead_blocks

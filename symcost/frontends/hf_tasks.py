@@ -1,0 +1,294 @@
+"""``hf:`` models that are no causal LM: encoders (masked-LM loss), encoder-decoders (sequence-to-
+sequence loss) and vision transformers (classification loss), each trained with the loss its
+``transformers`` head computes from ``labels``.
+
+A model type's task is the first of these its ``transformers`` auto mappings have (or the one
+``task`` names): ``seq2seq`` (``AutoModelForSeq2SeqLM``: T5, BART), ``masked-lm``
+(``AutoModelForMaskedLM``: BERT, RoBERTa, ModernBERT), ``causal-lm`` (``AutoModelForCausalLM``,
+:mod:`symcost.frontends.hf`), ``image-classification`` (``AutoModelForImageClassification``: ViT).
+Symbols are bound to config fields through the config class's own ``attribute_map`` (T5's
+``num_heads`` is its ``num_attention_heads``), exactly as for causal LMs:
+
+=========== =====================================================================================
+symbol      config attribute
+=========== =====================================================================================
+H           ``num_attention_heads`` (an encoder-decoder's decoder heads follow where equal)
+D           ``head_dim`` where the config sets it apart from ``hidden_size`` (T5's ``d_kv``; then
+            M = ``hidden_size`` is a symbol), else ``hidden_size / num_attention_heads``
+L           ``num_hidden_layers``; an encoder-decoder's decoder stack (``num_decoder_layers``,
+            ``decoder_layers``) follows L where the config has them equal, else is ``L_dec``
+V, F        ``vocab_size``; ``intermediate_size``/``d_ff``/``encoder_ffn_dim`` (decoder's follows)
+S           tokens per sequence: an encoder's input, an encoder-decoder's **target** (decoder)
+S_enc       an encoder-decoder's source tokens per sequence (the encoder's input)
+IMG, C      a vision model's image side (pixels; a multiple of the config's ``patch_size``, which
+            stays a config value: the (IMG/P)^2 patches are no polynomial in P) and input channels
+NCLS        a classifier's classes (``num_labels``)
+=========== =====================================================================================
+
+Inputs: masked-LM ``input_ids`` and ``labels`` ``[B, S]`` (labels at every position: a real
+batch's ignored positions, -100, run the same ops); seq2seq ``input_ids [B, S_enc]`` and
+``labels [B, S]`` (the model shifts the labels into its decoder inputs itself); vision
+``pixel_values [B, C, IMG, IMG]`` and ``labels [B]`` in ``[0, NCLS)`` (cross entropy: the head's
+``single_label_classification``).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Mapping
+
+import torch
+
+from symcost.errors import SymcostError
+from symcost.frontends import hf
+from symcost.frontends.spec import Constraint, ModelSpec, check_constraints
+
+#: Tasks, in the order a model type's default is chosen, with their auto-model mapping.
+TASKS = {
+    "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING",
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING",
+}
+
+#: Families checked (transformers 5.x, torch 2.13) against FlopCounterMode, saved_tensors_hooks and
+#: a meta count at random tiny sizes (tests/test_hf_tasks.py).
+VERIFIED = ("bert", "roberta", "t5", "bart", "vit")
+
+#: An encoder-decoder's decoder fields that follow the encoder's where the config has them equal.
+_DECODER_TWINS = {"num_layers": "num_decoder_layers", "encoder_layers": "decoder_layers",
+                  "encoder_attention_heads": "decoder_attention_heads", "encoder_ffn_dim": "decoder_ffn_dim"}
+#: Feed-forward width fields, first present wins.
+_F_FIELDS = ("intermediate_size", "d_ff", "encoder_ffn_dim", "ffn_dim")
+#: Token ids that must lie inside the vocabulary (a probe's small V).
+_TOKENS = hf._TOKEN_ATTRS + ("decoder_start_token_id", "forced_eos_token_id", "forced_bos_token_id")
+
+
+def task_of(model_type: str, task: str | None = None) -> str:
+    """The task ``hf:model_type`` trains with: ``task`` if given (checked), else the first of
+    :data:`TASKS` whose ``transformers`` mapping has the model type.
+
+    Raises:
+        SymcostError: an unknown task, or a model type without that head.
+    """
+    from transformers.models.auto import modeling_auto
+
+    has = {t: model_type in getattr(modeling_auto, f"{m}_NAMES") for t, m in TASKS.items()}
+    if task is not None:
+        if task not in TASKS:
+            raise SymcostError(f"unknown task {task!r}; accepted: {', '.join(TASKS)}")
+        if not has[task]:
+            raise SymcostError(f"hf:{model_type} has no {task} head in transformers; it has: "
+                               f"{', '.join(t for t, h in has.items() if h) or 'none of ' + ', '.join(TASKS)}")
+        return task
+    for t, h in has.items():
+        if h:
+            return t
+    raise SymcostError(f"hf:{model_type} has none of the heads symcost trains ({', '.join(TASKS)})")
+
+
+def any_spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
+             base_kwargs: Mapping[str, Any] | None = None, name: str | None = None,
+             task: str | None = None) -> ModelSpec:
+    """The :class:`ModelSpec` of ``hf:MODEL_TYPE`` for its task (:func:`task_of`): a causal LM by
+    :func:`symcost.frontends.hf.spec`, any other task by :func:`spec`. Arguments as
+    :func:`symcost.frontends.hf.spec`; ``task`` one of :data:`TASKS` or None (the default head).
+
+    Raises:
+        SymcostError: as :func:`task_of` and the spec functions (an unknown model type: hf.spec's line).
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    mt = model_type if model_type in CONFIG_MAPPING else model_type.replace("-", "_")
+    if mt not in CONFIG_MAPPING:
+        return hf.spec(model_type, overrides, attention, base_kwargs=base_kwargs, name=name)  # (its error line)
+    chosen = task_of(mt, task)
+    if chosen == "causal-lm":
+        return hf.spec(mt, overrides, attention, base_kwargs=base_kwargs, name=name or f"hf:{model_type}")
+    return spec(mt, chosen, overrides, attention, base_kwargs, name or f"hf:{model_type}")
+
+
+def any_spec_from_file(path: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
+                       name: str | None = None, task: str | None = None) -> ModelSpec:
+    """:func:`any_spec` of a ``config.json`` file (its sizes the defaults). Raises SymcostError as
+    :func:`symcost.frontends.hf.read_config_file` and :func:`any_spec`."""
+    model_type, kwargs = hf.read_config_file(path)
+    return any_spec(model_type, overrides, attention, base_kwargs=kwargs, name=name or path, task=task)
+
+
+def _field(cfg, key: str) -> str:
+    return hf._field_name(cfg, key)
+
+
+def spec(model_type: str, task: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
+         base_kwargs: Mapping[str, Any] | None = None, name: str | None = None) -> ModelSpec:
+    """The :class:`ModelSpec` of ``hf:MODEL_TYPE`` trained on ``task`` (not ``causal-lm``:
+    :func:`symcost.frontends.hf.spec`), from the config's defaults, a config file's values
+    (``base_kwargs``) and ``--config`` overrides. Arguments as :func:`symcost.frontends.hf.spec`.
+
+    Raises:
+        SymcostError: a config symcost cannot bind (no heads, a hidden size no multiple of the
+            heads), an unknown or rejected config key, a bad attention implementation.
+    """
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    AutoConfig = transformers.AutoConfig
+    shown = name or f"hf:{model_type}"
+    base_kwargs = dict(base_kwargs or {})
+    base = hf._make_config(AutoConfig, model_type, base_kwargs)
+    ov = hf._apply_overrides(AutoConfig, model_type, base, dict(overrides or {}), base_kwargs)
+    cfg = hf._make_config(AutoConfig, model_type, ov)
+    cls = type(cfg).__name__
+    mapping = getattr(modeling_auto, TASKS[task])
+    model_cls = mapping[type(cfg)]
+    if attention is None:
+        attention = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
+    elif attention not in hf.ATTENTION:
+        raise SymcostError(f"unknown attention implementation {attention!r}; accepted: {', '.join(hf.ATTENTION)}")
+    elif attention == "sdpa" and not getattr(model_cls, "_supports_sdpa", False):
+        raise SymcostError(f"{shown} ({model_cls.__name__}) has no sdpa attention in transformers; use --attention eager")
+
+    def attr(key):
+        return getattr(cfg, key, None)
+
+    H, hidden, L = attr("num_attention_heads"), attr("hidden_size"), attr("num_hidden_layers")
+    for key, v in (("num_attention_heads", H), ("hidden_size", hidden), ("num_hidden_layers", L)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise SymcostError(f"{shown}: {cls} has no usable {key} ({v!r}); symcost binds H, D, L to "
+                               "num_attention_heads, head_dim, num_hidden_layers")
+    head_dim = attr("head_dim") if _field(cfg, "head_dim") != "head_dim" or hf._is_field(cfg, "head_dim") else None
+    has_m = isinstance(head_dim, int)
+    if has_m:
+        D = head_dim
+    elif hidden % H:
+        raise SymcostError(f"{shown}: hidden_size={hidden} is not a multiple of num_attention_heads={H}; "
+                           "set --config hidden_size=... or num_attention_heads=...")
+    else:
+        D = hidden // H
+    f_field = next((k for k in _F_FIELDS if isinstance(attr(k), int)), None)
+    V = attr("vocab_size") if task != "image-classification" else None
+
+    # (symbol, config field it sets, default) and the decoder twins that follow it
+    binds: list[tuple[str, str, int]] = [("H", _field(cfg, "num_attention_heads"), H),
+                                         ("L", _field(cfg, "num_hidden_layers"), L)]
+    if f_field:
+        binds.append(("F", f_field, attr(f_field)))
+    if V is not None:
+        binds.append(("V", "vocab_size", V))
+    if has_m:
+        binds += [("D", _field(cfg, "head_dim"), D), ("M", _field(cfg, "hidden_size"), hidden)]
+    twins, l_dec = {}, None
+    for field_, twin in _DECODER_TWINS.items():
+        if isinstance(attr(field_), int) and isinstance(attr(twin), int):
+            if attr(twin) == attr(field_):
+                twins[field_] = twin
+            elif twin in ("num_decoder_layers", "decoder_layers"):
+                l_dec = twin
+    if l_dec:
+        binds.append(("L_dec", l_dec, attr(l_dec)))
+
+    meanings: dict[str, str] = {}
+    constraints: list[Constraint] = []
+    moduli: dict[str, int] = {}
+    pin: dict[str, str] = {}
+    defaults: dict[str, int] = {"B": 8}
+    maxpos = attr("max_position_embeddings")
+    if isinstance(maxpos, int) and model_type in ("roberta", "xlm-roberta", "camembert"):
+        maxpos -= int(attr("pad_token_id") or 0) + 1  # positions count from padding_idx + 1
+    if task == "image-classification":
+        image, patch = attr("image_size"), attr("patch_size")
+        if not (isinstance(image, int) and isinstance(patch, int)):
+            raise SymcostError(f"{shown}: {cls} gives image_size={image!r}, patch_size={patch!r}; symcost binds "
+                               "IMG to the side of square images of square patches: set --config image_size=N patch_size=N")
+        binds += [("IMG", "image_size", image), ("C", "num_channels", attr("num_channels")),
+                  ("NCLS", "num_labels", cfg.num_labels if cfg.num_labels > 1 else 1000)]
+        defaults["S"] = 1
+        meanings.update(IMG=f"image side (pixels; patches of {patch}x{patch}: --config patch_size=...)",
+                        C="input channels", NCLS="classes", B="images per step", S="unused (the model reads images)")
+        # the patch side is the config's, no symbol: the tokens (IMG/P)^2 + 1 are no polynomial in
+        # P; at a fixed P they are one in IMG, for IMG a multiple of P (probes keep it one)
+        moduli["IMG"] = patch
+        pin["IMG"] = (f"the attention scores' storage holds (IMG/{patch})^4 terms, above the fit's cubes: "
+                      "formulas for this image side (another: --set IMG=...)")
+        constraints.append(Constraint("multiple", "IMG", patch, f"IMG must be a multiple of the patch side {patch} "
+                                      "(whole patches; another patch side: --config patch_size=...)"))
+        constraints.append(Constraint("min", "NCLS", 2, "NCLS must be at least 2 (one class is regression)"))
+    elif task == "seq2seq":
+        defaults.update(S=128, S_enc=512)
+        meanings.update(S="target tokens per sequence (the decoder's)",
+                        S_enc="source tokens per sequence (the encoder's)")
+        if isinstance(maxpos, int):
+            for s in ("S", "S_enc"):
+                constraints.append(Constraint("max", s, maxpos, f"{s} must be at most max_position_embeddings="
+                                              f"{maxpos} (a learned position table)"))
+    else:
+        defaults["S"] = min(512, maxpos) if isinstance(maxpos, int) else 512
+        if isinstance(maxpos, int) and attr("position_embedding_type") in (None, "absolute"):
+            constraints.append(Constraint("max", "S", maxpos, f"S must be at most {maxpos} (a learned position "
+                                          "table): raise it with --config max_position_embeddings=..."))
+    symbols = tuple(dict.fromkeys(["H", "D"] + [s for s, _, _ in binds] + (["S_enc"] if task == "seq2seq" else [])))
+    defaults.update({s: v for s, _, v in binds}, D=D)
+
+    def config_for(values: Mapping[str, int]):
+        kw = dict(ov)
+        for s, field_, _ in binds:
+            kw[field_] = operator.index(values[s])
+            if field_ in twins:
+                kw[twins[field_]] = kw[field_]
+        if not has_m:
+            kw[_field(cfg, "hidden_size")] = values["H"] * values["D"]
+        kw["use_cache"] = False
+        if task == "seq2seq" and kw.get("decoder_start_token_id", attr("decoder_start_token_id")) is None:
+            # (T5's class default has none; its published configs start the decoder at the pad id)
+            kw["decoder_start_token_id"] = attr("pad_token_id") or 0
+        if "V" in values:
+            for key in _TOKENS:  # ids outside a small probe vocabulary would break the embedding
+                t = kw.get(key, attr(key))
+                if isinstance(t, int) and t >= values["V"]:
+                    kw[key] = values["V"] - 1
+        c = hf._make_config(AutoConfig, model_type, kw)
+        c._attn_implementation = attention
+        return c
+
+    def build(values: Mapping[str, int]) -> torch.nn.Module:
+        """The model for these symbol values, in train mode, on the current default device."""
+        why = check_constraints(constraints, {k: values.get(k) for k in ("B", "S", *symbols)})
+        if why:
+            raise SymcostError(f"{shown}: {why}")
+        try:
+            model = model_cls._from_config(config_for(values), attn_implementation=attention)
+        except Exception as e:  # noqa: BLE001 - transformers raises many types
+            raise SymcostError(f"{shown}: building the model failed: {type(e).__name__}: {' '.join(str(e).split())}") from e
+        return model.train()
+
+    def make_inputs(values: Mapping[str, int], device) -> tuple[tuple, dict]:
+        """The step's batch (module docstring): ids int64, pixels float32, labels int64."""
+        i = lambda k: operator.index(values[k])  # noqa: E731
+        if task == "image-classification":
+            return (), {"pixel_values": torch.randn(i("B"), i("C"), i("IMG"), i("IMG"), device=device),
+                        "labels": torch.randint(0, i("NCLS"), (i("B"),), dtype=torch.long, device=device)}
+        ids = torch.randint(0, i("V"), (i("B"), i("S")), dtype=torch.long, device=device)
+        if task == "seq2seq":
+            src = torch.randint(0, i("V"), (i("B"), i("S_enc")), dtype=torch.long, device=device)
+            return (), {"input_ids": src, "labels": ids}
+        return (), {"input_ids": ids, "labels": ids}
+
+    def loss(out, inputs) -> torch.Tensor:
+        """The model's own loss from ``labels``: mean cross entropy over the target tokens (masked
+        LM, seq2seq) or the images' classes."""
+        return out.loss
+
+    extra = {"config_class": cls, "model_type": model_type, "task": task, "model_class": model_cls.__name__,
+             "attention": attention,
+             "hidden_size_note": "hidden_size = M, apart from H*D (head_dim = D)" if has_m else "hidden_size = H*D",
+             "config_overrides": {k: (v if isinstance(v, (int, float, bool, str, type(None))) else repr(v))
+                                  for k, v in ov.items() if k not in base_kwargs or base_kwargs[k] != v}}
+    if twins:
+        extra["decoder_follows"] = ", ".join(f"{t} = {f}" for f, t in twins.items())
+    if base_kwargs:
+        extra["config_file"] = shown
+    if model_type not in VERIFIED:
+        extra["unverified"] = f"{shown} ({task}) is not among the verified families ({', '.join(VERIFIED)})"
+    return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=make_inputs,
+                     loss=loss, constraints=tuple(constraints), moduli=moduli, pin=pin, meanings=meanings, extra=extra,
+                     record_context=hf.unpacked_masks)
