@@ -185,9 +185,6 @@ class Layout:
             raise SymcostError("--ep with --tp/--cp/--fp8/--compile: expert parallelism is modelled alone or under "
                                "FSDP2 (--dp N --shard fsdp|zero3|zero2), in pipeline stages too (--pp N), for now "
                                "(docs/parallel.md §14); give --ep N without them")
-        if self.ep and self.pipeline is not None and self.shard is not None:
-            raise SymcostError("--ep with --pp and --dp: expert-parallel pipeline stages under FSDP2 are not modelled "
-                               "yet (docs/parallel.md §14.7); give --ep N --pp M, or --ep N --dp M without --pp")
         if self.experts_shard is not None and (not self.ep or self.shard is None or self.experts_shard not in (0, 1)):
             raise SymcostError("experts_shard (0 or 1) is the experts' FSDP2 placement under --ep with --dp")
         if self.ep and self.shard is not None:

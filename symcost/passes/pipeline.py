@@ -357,10 +357,19 @@ def _rank_params(an) -> tuple:
     """``(P, held)``: the parameter elements of one rank of a stage trace before data-parallel
     sharding (the TP-local ones, :func:`symcost.passes.parallel.params_tp_local`) and those it
     holds (its FSDP2 shards; P without sharding)."""
+    from symcost.frontends.layout import layout_of
     from symcost.passes.parallel import params_tp_local
 
     if getattr(an, "parallel", None) is None:
         return an.params, an.params
+    if layout_of(an).ep_fsdp:  # (before FSDP2: the dense parameters whole, E/EP of each expert stack)
+        from symcost.tracing.fit import SYMS
+
+        ep = SYMS["EP"] if "EP" in an.symbols else an.pinned.get("EP", 1)
+        before = sympy.Add(*[rep * sympy.Mul(*shape) / (ep if ".experts." in f".{name}" and shape
+                                                        and sympy.simplify(shape[0] - SYMS["E"]) == 0 else 1)
+                             for name, (shape, _, rep) in an.param_shapes.items()])
+        return sympy.expand(before), an.params_shard
     return params_tp_local(an), an.params_shard
 
 

@@ -1,6 +1,6 @@
 """One rank of a real pipeline step whose stages are expert-parallel, on CPU (gloo), for
 tests/test_pipeline_ep.py:
-``torchrun --standalone --nproc-per-node PP*EP pp_ep_rank.py OUT PP EP M H D L V F E R B S``.
+``torchrun --standalone --nproc-per-node PP*EP*DP pp_ep_rank.py OUT PP EP M H D L V F E R B S [DP]``.
 
 The ranks form the mesh ``init_device_mesh("cpu", (PP, EP), ("pp", "ep"))``: the pipeline
 outermost, an EP group EP consecutive ranks (torchtitan's ``ParallelDims``: EP borrowed from the
@@ -14,7 +14,11 @@ each stage module after the split. The stage goes into ``PipelineStage`` over th
 ``Schedule1F1B`` runs M micro-batches of B sequences, every router forced to the balanced
 assignment (tests/data/ep_rank.py ``balanced_router``); the EP ranks of a stage take their own
 tokens (the pipeline ranks of one EP coordinate the same ones: they are one data-parallel
-replica's pipeline). After a warm-up step, one measured step writes ``OUT/rank{r}.json``:
+replica's pipeline). With DP, the mesh is ``(pp, dp_shard, ep)`` and each stage module is then
+wrapped by FSDP2 as torchtitan's ``apply_fsdp`` wraps it under EP (tests/data/ep_rank.py
+``fsdp_as_torchtitan``: the experts over ``dp_shard``, each block and the stage's root over the
+flattened ``dp_shard × ep``), and every data-parallel rank takes its own tokens. After a warm-up
+step, one measured step writes ``OUT/rank{r}.json``:
 
 * model FLOPs, each op counted by ``torch.utils.flop_counter``'s own registry on the local
   tensors DTensor computes with (a ``TorchDispatchMode`` that hands DTensor ops to DTensor);
@@ -22,7 +26,8 @@ replica's pipeline). After a warm-up step, one measured step writes ``OUT/rank{r
   each storage once);
 * bytes per rank of every all-to-all, (n-1)/n of its input (nccl-tests doc/PERFORMANCE.md, n the
   size of its process group as PyTorch resolves it), by group, and the point-to-point sends and
-  receives by their tensors' bytes; any other collective counted apart (there should be none);
+  receives by their tensors' bytes; FSDP2's all-gathers (n-1)/n of their output and
+  reduce-scatters (n-1)/n of their input, by group; any other collective counted apart;
 * the parameter elements the rank holds (DTensor local shards) and the whole stage's.
 """
 import json
@@ -41,7 +46,7 @@ from torch.utils.flop_counter import flop_registry
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from ep_rank import _group_label, _group_size, balanced_router  # noqa: E402
+from ep_rank import _group_label, _group_size, balanced_router, fsdp_as_torchtitan  # noqa: E402
 
 from symcost.frontends.builtin.cs336_lm import lm_loss  # noqa: E402
 from symcost.frontends.builtin.moe import MoELM  # noqa: E402
@@ -51,9 +56,14 @@ from symcost.frontends.pipeline import make_stage, probe_boundary  # noqa: E402
 out_dir = sys.argv[1]
 PP, EP, M = (int(x) for x in sys.argv[2:5])
 v = dict(zip("HDLVFERBS", (int(x) for x in sys.argv[5:14])))
+DP = int(sys.argv[14]) if len(sys.argv) > 14 else 1
 dist.init_process_group("gloo")
-mesh = init_device_mesh("cpu", (PP, EP), mesh_dim_names=("pp", "ep"))
+if DP > 1:
+    mesh = init_device_mesh("cpu", (PP, DP, EP), mesh_dim_names=("pp", "dp_shard", "ep"))
+else:
+    mesh = init_device_mesh("cpu", (PP, EP), mesh_dim_names=("pp", "ep"))
 pp_rank, ep_rank = mesh["pp"].get_local_rank(), mesh["ep"].get_local_rank()
+dp_rank = mesh["dp_shard"].get_local_rank() if DP > 1 else 0
 groups = {mesh["ep"].get_group().group_name: "EP", mesh["pp"].get_group().group_name: "PP"}
 
 
@@ -75,8 +85,11 @@ part = "first" if pp_rank == 0 else "last" if pp_rank == PP - 1 else "middle"
 make_stage(model, "layers", part, pre, post, templates)
 whole = sum(p.numel() for p in model.parameters())
 apply(model, mesh["ep"])  # torchtitan's apply_moe_ep_tp on the stage module, after the split
+if DP > 1:  # torchtitan's apply_fsdp under EP, on the stage module
+    flat = fsdp_as_torchtitan(model, mesh)
+    groups.update({mesh["dp_shard"].get_group().group_name: "DP_expert", flat.get_group().group_name: "DP"})
 
-torch.manual_seed(100 + ep_rank)  # each EP rank its own tokens; a pipeline the same ones on every stage
+torch.manual_seed(100 + dp_rank * EP + ep_rank)  # each data-parallel rank its own tokens, a pipeline the same
 tokens = torch.randint(0, v["V"], (M * v["B"], v["S"]))
 stage = PipelineStage(model, pp_rank, PP, torch.device("cpu"), group=mesh["pp"].get_group())
 sched = Schedule1F1B(stage, M, loss_fn=lambda logits, target: lm_loss(logits, ((target,), {})))
@@ -118,6 +131,10 @@ class Count(TorchDispatchMode):
         if name == "_c10d_functional.all_to_all_single":  # (input, out_splits, in_splits, group)
             n = _group_size(args)
             add(_group_label(args, groups), "all_to_all", Fraction(n - 1, n) * nbytes(args[0]))
+        elif name in ("c10d._allgather_base_", "c10d._reduce_scatter_base_"):  # FSDP2's (output, input, group, ...)
+            n = _group_size(args)
+            kind, t = ("all_gather", args[0]) if "allgather" in name else ("reduce_scatter", args[1])
+            add(_group_label(args, groups), kind, Fraction(n - 1, n) * nbytes(t))
         elif name in ("c10d.send", "c10d.recv_"):
             add(_group_label(args, groups), "send" if name == "c10d.send" else "recv", sum(map(nbytes, args[0])))
         elif name.startswith(("_c10d_functional.", "c10d.")) and not name.endswith(("wait_tensor",
