@@ -187,7 +187,7 @@ def _make_config(AutoConfig, model_type: str, kwargs: Mapping[str, Any]):
 
 
 def _reads_head_dim(model_type: str) -> bool:
-    """Whether transformers' modeling code of ``model_type`` reads ``config.head_dim`` where the
+    """Whether transformers' modeling code of ``model_type`` sizes its attention heads by ``config.head_dim`` where the
     config class has no such field (``getattr(config, "head_dim", hidden_size //
     num_attention_heads)``: Qwen3-MoE, Mixtral, Qwen2-MoE): a ``head_dim`` in a config file or
     ``--config`` then sets the attention's head dimension apart from ``hidden_size``, as the field
@@ -202,7 +202,10 @@ def _reads_head_dim(model_type: str) -> bool:
         src = inspect.getsource(sys.modules[MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]].__module__])
     except Exception:  # noqa: BLE001 - no modeling code to read: the config's fields decide
         return False
-    return 'getattr(config, "head_dim"' in src
+    # (the attention's own ``self.head_dim = getattr(config, "head_dim", ...)``; a rotary
+    # embedding's ``getattr(config, "head_dim", None)``, in nearly every model's code, does not
+    # make it the attention's: DeepSeek's MLA sizes its heads by qk_nope/qk_rope/v_head_dim)
+    return 'self.head_dim = getattr(config, "head_dim"' in src
 
 
 def _settable(cfg, name: str) -> bool:
