@@ -273,7 +273,20 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
                 widened, n_random, seed = True, 2 * n_random, seed + 1
                 continue
             n_random, seed = n_random0, seed0
-            _pin_for(e, pins, reasons, values)
+            try:
+                _pin_for(e, pins, reasons, values)
+            except FitError:
+                # only sizes the request left at the model's defaults are left (B, S): pinned
+                # there, said, as where no other value runs the same ops; never refused
+                full = spec.values(sizes)
+                left = [d for d in e.deps if d not in pins and d not in values and full.get(d) is not None]
+                if not left:
+                    raise
+                for d in left:
+                    values = {**values, d: full[d]}
+                    pins[d] = full[d]
+                    reasons[d] = (f"no polynomial in it fits the sizes of its regime (the model's default {d} = "
+                                  f"{full[d]}; ask for another with sizes={{{d!r}: ...}})")
     raise SymcostError(f"{spec.name}: could not find a regime to trace {values} in")
 
 
