@@ -58,22 +58,11 @@ def spec_and_values(v: dict):
 
 
 def _group_size_rank(args):
-    import torch
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from gloo_groups import process_group
 
-    for a in args:
-        pg = None
-        if isinstance(a, str):
-            try:
-                pg = _resolve_process_group(a)
-            except (RuntimeError, ValueError, KeyError):
-                continue
-        elif isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith(".ProcessGroup"):
-            pg = dist.ProcessGroup.unbox(a)
-        if pg is not None:
-            return pg.size(), dist.get_rank(pg), pg.group_name
-    raise AssertionError("a collective without a process group")
+    pg = process_group(args)
+    return pg.size(), dist.get_rank(pg), pg.group_name
 
 
 def cpu_flash(q, k, v) -> int:

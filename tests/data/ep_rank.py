@@ -59,19 +59,9 @@ def balanced_router():
 
 
 def _group_size(args) -> int:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from gloo_groups import process_group
 
-    for a in args:
-        if isinstance(a, str):
-            try:
-                return _resolve_process_group(a).size()
-            except (RuntimeError, ValueError, KeyError):
-                continue
-        if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith(".ProcessGroup"):
-            return dist.ProcessGroup.unbox(a).size()
-    raise AssertionError("a collective without a process group")
+    return process_group(args).size()
 
 
 def grouped_mm_flops(a, b) -> int:
@@ -126,22 +116,9 @@ def fsdp_as_torchtitan(model, mesh):
 
 
 def _group_label(args, groups):
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from gloo_groups import process_group
 
-    for a in args:
-        pg = None
-        if isinstance(a, str):
-            try:
-                pg = _resolve_process_group(a)
-            except (RuntimeError, ValueError, KeyError):
-                continue
-        elif isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith(".ProcessGroup"):
-            pg = dist.ProcessGroup.unbox(a)
-        if pg is not None:
-            return groups[pg.group_name]
-    raise AssertionError("a collective without a process group")
+    return groups[process_group(args).group_name]
 
 
 def measure(model, tokens, peak: bool = False, spec=None, groups=None) -> dict:

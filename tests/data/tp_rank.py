@@ -41,22 +41,10 @@ from fractions import Fraction
 def _group(args, groups):
     """``(mesh dimension name or None, size)`` of a collective's process group, as PyTorch
     resolves it."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from gloo_groups import process_group
 
-    for a in args:
-        pg = None
-        if isinstance(a, str):
-            try:
-                pg = _resolve_process_group(a)
-            except (RuntimeError, ValueError, KeyError):
-                continue
-        elif isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith(".ProcessGroup"):
-            pg = dist.ProcessGroup.unbox(a)
-        if pg is not None:
-            return (groups or {}).get(pg.group_name), pg.size()
-    raise AssertionError("a collective without a process group")
+    pg = process_group(args)
+    return (groups or {}).get(pg.group_name), pg.size()
 
 
 def measure(model, spec, values, loss_context, dtype=None, groups=None) -> dict:
