@@ -161,6 +161,9 @@ def test_every_number_equals_the_cli(browser, pages, model):
     page, errors, requests = _open(browser, pages[model])
     layouts = [o.get_attribute("value") for o in page.query_selector_all("#layout option")]
     acs = [o.get_attribute("value") for o in page.query_selector_all("#ac option")]
+    if model == "cs336-lm":  # (a value on an exact tie: the block's x at B=19 S=96 is 3.5625 MiB, which
+        # Python prints 3.562, to even, and Number.toFixed 3.563)
+        _check_point(page, model, 19, 96, sorted(DEVICES)[0], layouts[0], acs[0], 2, law=True)
     for i in range(5):
         B, S = rng.randint(2, 24), rng.choice([64, 96, 128, 192, 256, 384, 512])
         device = rng.choice(sorted(DEVICES))

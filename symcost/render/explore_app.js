@@ -10,13 +10,24 @@
     B: [["TiB", 2 ** 40], ["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]],
     FLOP: [["EFLOP", 1e18], ["PFLOP", 1e15], ["TFLOP", 1e12], ["GFLOP", 1e9], ["MFLOP", 1e6], ["kFLOP", 1e3]],
   };
+  // Python's f"{x:.{n}f}": the exact value rounded, an exact tie to even (Number.toFixed takes the
+  // larger: 3.5625 -> "3.563" where Python prints "3.562")
+  function fixed(x, n) {
+    const s = x.toFixed(n);
+    if (!Number.isFinite(x) || Math.abs(x) >= 1e21) return s;
+    const ex = Math.abs(x).toFixed(100); // the double's exact decimal expansion
+    const dot = ex.indexOf(".");
+    if (!/^50*$/.test(ex.slice(dot + 1 + n))) return s; // not an exact tie
+    const keep = n > 0 ? ex.slice(0, dot + 1 + n) : ex.slice(0, dot);
+    return Number(keep[keep.length - 1]) % 2 === 0 ? (x < 0 ? "-" : "") + keep : s;
+  }
   // symcost.render.report.human: three decimals and a unit (bytes binary, FLOPs decimal)
   function human(v, unit) {
-    for (const [u, f] of SCALES[unit]) if (Math.abs(v) >= f) return (v / f).toFixed(3) + " " + u;
+    for (const [u, f] of SCALES[unit]) if (Math.abs(v) >= f) return fixed(v / f, 3) + " " + u;
     return Math.trunc(v) + " " + unit;
   }
-  const ms = (s) => (s * 1e3).toFixed(4) + " ms";
-  const pct = (x) => (100 * x).toFixed(2) + "%";
+  const ms = (s) => fixed(s * 1e3, 4) + " ms";
+  const pct = (x) => fixed(100 * x, 2) + "%";
   const el = (tag, attrs, ...kids) => {
     const e = document.createElement(tag);
     for (const [k, v] of Object.entries(attrs || {})) {
@@ -313,14 +324,14 @@
       setText("law-a", human(a, "B"), a);
       setText("law-x", human(x, "B"), x);
       setText("law-f", human(f, "FLOP"), f);
-      setText("law-kstar", ks.toFixed(3), ks);
+      setText("law-kstar", fixed(ks, 3), ks);
       const mstar = 2 * Math.sqrt(v.L * a * x);
       setText("law-mstar", human(mstar, "B"), mstar);
       lawPlot(base);
     }
     if (D.kv && v.S) {
       const one = kvAt(v.S, 1), tok = kvAt(v.S, v.B) / (v.B * v.S);
-      setText("kv-token", Number.isInteger(tok) ? tok.toLocaleString("en-US") + " B" : tok.toFixed(1) + " B", tok);
+      setText("kv-token", Number.isInteger(tok) ? tok.toLocaleString("en-US") + " B" : fixed(tok, 1) + " B", tok);
       setText("kv-sequence", human(one, "B"), one);
       kvPlot();
     }
