@@ -101,7 +101,7 @@
   app.append(controls);
   const inputs = {};
   function symbolControl(s) {
-    const val = s.value || 2;
+    const val = Math.max(2, s.value || 2); // (the sliders start at 2: a size of 1 traces other kernels)
     const max = Math.max(4 * val, 16);
     const range = el("input", { type: "range", id: `ctl-${s.name}`, min: "2", max: String(max), step: "1",
       value: String(val) });
