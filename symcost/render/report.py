@@ -170,7 +170,8 @@ def provenance(an: Analysis) -> str:
             at = " ".join(f"{k}={v}" for k, v in lib["traced_at"].items())
             out += f", traced at {at}, every parameter's shape checked at these sizes on the meta device"
         if lib.get("differs"):
-            out += f"; traced with other versions than these: {', '.join(lib['differs'])}"
+            out += (f"; what differs from this installation: {', '.join(lib['differs'])} (`symcost graphs build` "
+                    "retraces the library)")
         return out + "; --no-cache traces afresh"
     out = f"traced in {sum(an.timings.values()):.1f} s"
     if an.__dict__.get("cached_from"):
