@@ -82,7 +82,8 @@ def test_mla_caches_the_latent():
     cache's storages and the decode FLOPs FlopCounterMode's at random sizes."""
     cfg = (("num_hidden_layers", "2"), ("first_k_dense_replace", "1"), ("kv_lora_rank", "24"),
            ("qk_rope_head_dim", "8"), ("qk_nope_head_dim", "8"), ("v_head_dim", "8"), ("q_lora_rank", "16"),
-           ("hidden_size", "32"), ("moe_intermediate_size", "16"), ("vocab_size", "64"))
+           ("hidden_size", "32"), ("num_attention_heads", "4"),
+           ("num_key_value_heads", "4"), ("moe_intermediate_size", "16"), ("vocab_size", "64"))
     an = traced_step("hf:deepseek_v3", "decode", config=cfg, sizes=(("T", 9),))
     B, T, L = (SYMS[s] for s in "BTL")
     assert sympy.expand(an.kv_bytes - (24 + 8) * 4 * B * L * (T + 1)) == 0, an.kv_bytes
