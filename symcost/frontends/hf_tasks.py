@@ -96,7 +96,7 @@ def any_spec(model_type: str, overrides: Mapping[str, str] | None = None, attent
     Raises:
         SymcostError: as :func:`task_of` and the spec functions (an unknown model type: hf.spec's line).
     """
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    _, _, CONFIG_MAPPING, _ = hf._import_transformers()  # (one line where transformers is missing)
 
     mt = model_type if model_type in CONFIG_MAPPING else model_type.replace("-", "_")
     if mt not in CONFIG_MAPPING:

@@ -228,4 +228,4 @@ def default_efficiency(device) -> Efficiency:
     :data:`DEFAULTS` (``defaulted`` lists them all), the GPU tile 128 x 128 over the device's
     ``compute_units`` unknown (1) — so a catalogue GPU's prediction says it is uncalibrated."""
     return Efficiency(source="defaults (no efficiency table for this device: symcost.hardware.efficiency.DEFAULTS)",
-                      defaulted=tuple(KNOWN - {"source", "fit"}))
+                      defaulted=tuple(sorted(KNOWN - {"source", "fit", "defaulted"})))
