@@ -329,6 +329,19 @@ OVERLAPS = {
 }
 
 
+def overlapped(compute: Mapping[str, float], comm: Mapping[str, float], overlap: str) -> float:
+    """Seconds of a step whose phases' compute and communication (``{"forward", "backward"}``,
+    seconds each) overlap as ``overlap`` says: ``"none"`` (their sum), ``"backward"`` (the
+    backward's communication hidden under the backward's compute, as DDP's buckets and FSDP2's
+    reduce-scatters run: forward + max(backward compute, backward comm)) or anything else (full
+    overlap: the larger of all compute and all communication)."""
+    if overlap == "none":
+        return sum(compute.values()) + sum(comm.values())
+    if overlap == "backward":
+        return compute["forward"] + comm["forward"] + max(compute["backward"], comm["backward"])
+    return max(sum(compute.values()), sum(comm.values()))
+
+
 def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str = "backward",
               nodes: int | None = None, devices_per_node: int | None = None, fused: bool = True) -> dict[str, Any]:
     """One rank's step time on ``device``: the roofline's compute (per phase,
@@ -439,13 +452,7 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
         transfer = transfer_seconds(an, device, env)
         comm = {ph: comm[ph] + transfer[ph] for ph in comm}
         offload = {"transfer": transfer, "host_link": name, "host_bandwidth": host_bw}
-    if overlap == "none":
-        step = sum(compute.values()) + sum(comm.values())
-    elif overlap == "backward":
-        step = compute["forward"] + comm["forward"] + max(compute["backward"], comm["backward"])
-    else:
-        step = max(sum(compute.values()), sum(comm.values()))
-    step += sum(tp_comm.values())
+    step = overlapped(compute, comm, overlap) + sum(tp_comm.values())
     # the peak of the dtype the traced matmuls ran in (the roofline's: bf16 under --precision fp32
     # --fsdp-mp bf16, whose compute the roofline timed at the bf16 peak), not the flag's
     peak, key = device.peak_for(r["precision"])

@@ -175,7 +175,7 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
         SymcostError: what :func:`predict` and :func:`symcost.passes.parallel.step_time` raise.
     """
     from symcost.graph.rules import COMM_OPS
-    from symcost.passes.parallel import step_time
+    from symcost.passes.parallel import overlapped, step_time
     from symcost.tracing.fit import SYMS
 
     bound = step_time(an, device, sizes, overlap, nodes, devices_per_node, fused=mode == "compiled")
@@ -202,13 +202,7 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
         count += rep
     compute["backward"] += p["terms"]["optimizer"]
     comm = {ph: bound["comm"][ph] + latency[ph] for ph in ("forward", "backward")}
-    if overlap == "none":
-        step = sum(compute.values()) + sum(comm.values())
-    elif overlap == "backward":
-        step = compute["forward"] + comm["forward"] + max(compute["backward"], comm["backward"])
-    else:
-        step = max(sum(compute.values()), sum(comm.values()))
-    step += sum(bound.get("tp_comm", {}).values())
+    step = overlapped(compute, comm, overlap) + sum(bound.get("tp_comm", {}).values())
     peak = bound["peak_flops"]
     mf = bound["mfu"] * bound["step_seconds"] * peak  # the rank's model FLOPs
     return {"step_seconds": step, "bound_seconds": bound["step_seconds"], "compute": compute, "comm": comm,
