@@ -32,7 +32,8 @@ from symcost.tracing.symbols import own_sizes
 from symcost.tracing.poly import MESH
 from symcost.graph.align import _align, _layer_roles, _matmul_params, _middle
 from symcost.graph.analysis import Analysis
-from symcost.graph.concrete import concrete_cost, concrete_totals, op_view, recomputed  # noqa: F401  (concrete_totals: API)
+from symcost.graph.concrete import (attention_flags, concrete_cost, concrete_totals,  # noqa: F401  (concrete_totals: API)
+                                    op_view, recomputed)
 from symcost.graph.ops import COMM_KINDS, PHASES, SymOp
 from symcost.graph.reuse import StepSize
 from symcost.graph.totals import trace_group
@@ -493,6 +494,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
             attention=family == "model" and op.phase == "forward" and i not in ops_with_param,
             comm=comm,
             kv_reads=tuple(getattr(op, "kv_reads", ())), kv_writes=tuple(getattr(op, "kv_writes", ())),
+            attn_flags=(attention_flags(op_view(op, in_shapes, out_shapes, ints))
+                        if family == "model" and "attention" in op.name else None),
         ))
     # Backward attention matmuls: those of the backward with no parameter gradient involved are
     # hard to tell apart generically; attribute by module: a module whose forward model op is

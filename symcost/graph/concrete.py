@@ -53,6 +53,25 @@ def op_view(op: OpCall, in_shapes, out_shapes, ints) -> rules.OpView:
     )
 
 
+def attention_flags(v: rules.OpView) -> tuple[bool, bool] | None:
+    """``(is_causal, masked)`` of a fused attention call (its schema's ``is_causal``, or the raw
+    memory-efficient kernel's ``custom_mask_type`` != 0; masked: an ``attn_mask``, ``attn_bias``
+    or ``bias`` tensor given), None for an op without a causal argument. What PyTorch's CUDA SDPA
+    dispatcher chooses a kernel by (symcost.hardware.attention)."""
+    try:
+        names = {a.name for a in v.op._schema.arguments}
+    except AttributeError:
+        return None
+    if "is_causal" in names:
+        causal = bool(rules._arg(v, "is_causal", False))
+    elif "custom_mask_type" in names:
+        causal = bool(rules._arg(v, "custom_mask_type", 0))
+    else:
+        return None
+    masked = any(isinstance(rules._arg(v, n), tuple) for n in ("attn_mask", "attn_bias", "bias") if n in names)
+    return causal, masked
+
+
 def concrete_cost(op: OpCall) -> rules.Cost:
     """Cost of a recorded op at its concrete sizes (:func:`recomputed` for an op of activation
     checkpointing's recomputation)."""

@@ -42,3 +42,7 @@ class SymOp:
     # ``OpCall.kv_reads``: the cache held before or after the step, read through any view)
     kv_reads: tuple[int, ...] = ()
     kv_writes: tuple[int, ...] = ()  # outputs that allocate a storage the cache holds after the step
+    #: a fused attention kernel (SDPA's, the raw flash/efficient ones): ``(is_causal, masked)`` as
+    #: called (masked: an ``attn_mask``/bias tensor given), what the CUDA dispatcher chooses by
+    #: (symcost.hardware.attention); None for other ops and in analyses saved before it was kept
+    attn_flags: tuple[bool, bool] | None = None

@@ -80,7 +80,7 @@ class Serialized:
                  {k: s(n) for k, n in op.cost.transcendentals.items()}, s(op.cost.flops_hw)],
                 op.layer, op.attention, list(getattr(op, "kv_reads", ())), list(getattr(op, "kv_writes", ())),
                 None if getattr(op, "comm", None) is None else [op.comm[0]] + [s(x) for x in op.comm[1:3]]
-                + list(op.comm[3:4])]
+                + list(op.comm[3:4])] + ([list(op.attn_flags)] if getattr(op, "attn_flags", None) is not None else [])
                for op in self.ops]
         g = self.graph
         graph = {
@@ -192,7 +192,7 @@ class Serialized:
         declare([k for k in list(d["spec"]["symbols"]) + list(d.get("symbols") or {}) if k not in SYMS])  # (a model's own sizes)
         P = functools.lru_cache(maxsize=None)(parse_formula)  # many sizes repeat
         ops, graph = d["ops"], d["graph"]  # parsed on first use: their layout is checked now
-        if not (isinstance(ops, list) and all(isinstance(r, list) and len(r) in (13, 15, 16) for r in ops)
+        if not (isinstance(ops, list) and all(isinstance(r, list) and len(r) in (13, 15, 16, 17) for r in ops)
                 and isinstance(graph["nodes"], list) and isinstance(graph["edges"], list)):
             raise ValueError("malformed ops or graph")
         sd = d["spec"]
@@ -340,7 +340,8 @@ def _load_ops(rows) -> list:
                   layer=layer, attention=attn, kv_reads=tuple(more[0]) if more else (),
                   kv_writes=tuple(more[1]) if len(more) > 1 else (),
                   comm=None if len(more) < 3 or more[2] is None else
-                  (more[2][0],) + tuple(P(x) for x in more[2][1:3]) + tuple(more[2][3:4]))
+                  (more[2][0],) + tuple(P(x) for x in more[2][1:3]) + tuple(more[2][3:4]),
+                  attn_flags=tuple(bool(x) for x in more[3]) if len(more) > 3 and more[3] is not None else None)
             for i, name, fam, mod, ph, rep, ins, ind, outs, outd, cost, layer, attn, *more in rows]
 
 

@@ -18,6 +18,7 @@ steps it is validated against (docs/performance-model.md). A device file's ``eff
     optimizer_per_tensor = 4e-5  # AdamW (foreach) step: seconds per parameter tensor
     optimizer_per_byte = 2e-10   #   ... and per byte of fp32 parameter
     collective_latency = 5e-6    # alpha of one collective step (seconds), per link hop
+    compute_capability = "9.0"   # a CUDA GPU's: its fused attention kernels (symcost.hardware.attention)
     source = "measured by symcost calibrate ..."
 
 Every key is optional; :data:`DEFAULTS` fills the rest (and says so in ``defaulted``).
@@ -45,7 +46,7 @@ DEFAULTS: dict[str, Any] = {
 
 _NUMBERS = ("gemm_half", "memory", "copy_bandwidth", "launch_eager", "launch_compiled", "optimizer_per_tensor",
             "optimizer_per_byte", "collective_latency")
-KNOWN = set(_NUMBERS) | {"compute_units", "tile", "gemm_max", "source", "fit",
+KNOWN = set(_NUMBERS) | {"compute_units", "tile", "gemm_max", "source", "fit", "compute_capability",
                          "defaulted"}  # (what to_json writes back: ignored on reading, recomputed)
 
 
@@ -64,6 +65,10 @@ class Efficiency:
         launch_eager, launch_compiled: seconds per op (eager) or kernel (compiled).
         optimizer_per_tensor, optimizer_per_byte: the AdamW (foreach) step's cost.
         collective_latency: the alpha (seconds) of one step of a ring or tree collective.
+        compute_capability: ``(major, minor)`` of a CUDA GPU (NVIDIA's "CUDA C++ Programming
+            Guide", "Compute Capabilities"): its fused attention kernels are priced by the kernel
+            PyTorch's SDPA dispatcher picks there (:mod:`symcost.hardware.attention`); None (a CPU,
+            a device without one): priced at ``gemm_max`` like any op with model FLOPs.
         source: where the figures come from; defaulted: the keys taken from :data:`DEFAULTS`.
     """
 
@@ -78,6 +83,7 @@ class Efficiency:
     optimizer_per_tensor: float = DEFAULTS["optimizer_per_tensor"]
     optimizer_per_byte: float = DEFAULTS["optimizer_per_byte"]
     collective_latency: float = DEFAULTS["collective_latency"]
+    compute_capability: tuple[int, int] | None = None
     source: str = "defaults (symcost.hardware.efficiency.DEFAULTS)"
     defaulted: tuple[str, ...] = ()
     fit: Mapping[str, Any] = field(default_factory=dict)
@@ -154,6 +160,8 @@ class Efficiency:
         reads it back)."""
         out = {"compute_units": self.compute_units, "tile": list(self.tile), "gemm_max": dict(self.gemm_max),
                **{k: getattr(self, k) for k in _NUMBERS if getattr(self, k) is not None}, "source": self.source}
+        if self.compute_capability is not None:
+            out["compute_capability"] = "%d.%d" % self.compute_capability
         if self.defaulted:
             out["defaulted"] = list(self.defaulted)
         if self.fit:
@@ -213,6 +221,13 @@ def parse_efficiency(value: Any, where: str) -> Efficiency | None:
                 raise SymcostError(f"{where}: efficiency.gemm_max.{k} is a fraction of the peak, at most 1, got {f}")
             gm[str(k)] = f
         kw["gemm_max"] = gm
+    if "compute_capability" in value:
+        cc = value["compute_capability"]
+        major, dot, minor = str(cc).partition(".")
+        if isinstance(cc, bool) or not (major.isdigit() and (not dot or minor.isdigit())):
+            raise SymcostError(f"{where}: efficiency.compute_capability must be a CUDA compute capability "
+                               f"\"major.minor\" (e.g. \"9.0\"), got {cc!r}")
+        kw["compute_capability"] = (int(major), int(minor or 0))
     if "source" in value:
         kw["source"] = str(value["source"])
     if "fit" in value and isinstance(value["fit"], Mapping):

@@ -8,7 +8,15 @@ sizes; returns plain data. Each traced op, times its repeat, costs (docs/perform
   :meth:`Efficiency.gemm`\\ (m, n, k, b)), the shape's efficiency (wave and tile quantisation,
   small dimensions), at least its memory time at the achievable bandwidth (a CPU BLAS's packing
   pass is part of the efficiency the calibration's eager GEMM sweep measures, not a term of its own);
-- another op with model FLOPs (convolution, fused attention): FLOPs / (peak · gemm_max);
+- a fused attention kernel on a CUDA GPU (the efficiency's ``compute_capability`` set): the kernel
+  PyTorch's SDPA dispatcher picks there (flash, memory-efficient or math:
+  :func:`symcost.hardware.attention.sdpa_backend`, from the op's dtype, head dims, lengths, causal
+  flag and mask) at its published rate by phase, head dim, causal mask and length
+  (:func:`symcost.hardware.attention.attention_efficiency`: FlashAttention-2 on H100 from the
+  FlashAttention-3 paper, scaled to the FlashAttention-2 paper's A100 figure), the causal kernel
+  computing only the unmasked score pairs; the math path its matmuls at the GEMM efficiency plus
+  the score matrix's passes through memory;
+- another op with model FLOPs (convolution, fused attention off a CUDA GPU): FLOPs / (peak · gemm_max);
 - a layout copy (``copy_``, ``clone``, ``contiguous``) of an eager step: its bytes at
   ``copy_bandwidth`` (a transposing copy's measured rate);
 - any other op: the roofline's time of the op (:meth:`Device.op_seconds`: all FLOPs at the peak,
@@ -28,7 +36,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from symcost.graph.opsets import ROW_NORMALISING, dtype_names, itemsize, numel
-from symcost.hardware.devices import Device
+from symcost.hardware import attention as attn
+from symcost.hardware.devices import Device, dtype_key
 from symcost.hardware.efficiency import Efficiency, default_efficiency
 from symcost.passes.roofline import _num, op_precision, roofline, training_precision
 
@@ -37,6 +46,15 @@ COPIES = {"aten.copy_", "aten.clone", "aten.contiguous"}
 #: GEMM packets -> (index of the [.., m, k] operand, index of the [.., k, n] operand)
 GEMMS = {"aten.mm": (0, 1), "aten.addmm": (1, 2), "aten.bmm": (0, 1), "aten.baddbmm": (1, 2)}
 MODES = ("eager", "compiled")
+#: fused attention kernels -> (phase, index of q, layout): BHSD (SDPA's ops) or BSHD (the raw kernels)
+ATTENTION = {
+    **{f"aten._scaled_dot_product_{k}": ("forward", 0, "bhsd")
+       for k in ("flash_attention_for_cpu", "flash_attention", "efficient_attention", "cudnn_attention")},
+    **{f"aten._scaled_dot_product_{k}_backward": ("backward", 1, "bhsd")
+       for k in ("flash_attention_for_cpu", "flash_attention", "efficient_attention", "cudnn_attention")},
+    "aten._flash_attention_forward": ("forward", 0, "bshd"), "aten._efficient_attention_forward": ("forward", 0, "bshd"),
+    "aten._flash_attention_backward": ("backward", 1, "bshd"), "aten._efficient_attention_backward": ("backward", 1, "bshd"),
+}
 #: the figures a calibration measures: a prediction is "calibrated" when none of them is a default
 MEASURED = {"gemm_max", "memory", "launch_eager"}
 
@@ -62,6 +80,53 @@ def gemm_dims(op, env) -> tuple[int, int, int, int] | None:
     return m, n, k, batch
 
 
+def attention_seconds(op, env, device: Device, eff: Efficiency, precision: str) -> tuple[float, str] | None:
+    """Seconds of one fused attention kernel ``op`` on a CUDA GPU and the backend that runs it
+    (``"flash"``, ``"efficient"``, ``"math"``), None where the op is no fused attention kernel or
+    the device has no ``compute_capability``.
+
+    - flash / efficient: the kernel's FLOPs (:func:`symcost.hardware.attention.kernel_flops`, the
+      recomputed scores included backward) times the fraction of score pairs a causal mask leaves
+      (:func:`~symcost.hardware.attention.causal_fraction`), over ``attention_efficiency`` x the
+      device's peak at ``precision``;
+    - math (the explicit matmuls and softmax the dispatcher falls back to): Q·Kᵀ and P·V forward
+      (backward the four gradient matmuls, no recomputation) at :meth:`Efficiency.gemm`, plus the
+      [B, H, S_q, S_k] scores through memory: written, read and written by the softmax, read by
+      P·V (4 passes) forward, 6 passes backward, at ``memory`` x the bandwidth.
+
+    ``env``: the symbol values; shapes BHSD (SDPA's ops) or BSHD (the raw kernels).
+    """
+    packet = op.name.rsplit(".", 1)[0] if op.name.count(".") >= 2 else op.name
+    spec = ATTENTION.get(packet)
+    cc = eff.compute_capability
+    if spec is None or cc is None or len(op.in_shapes) < spec[1] + 3:
+        return None
+    phase, qi, layout = spec
+    q, k, v = (tuple(_num(d, env) for d in op.in_shapes[qi + j]) for j in range(3))
+    if len(q) != 4 or len(k) != 4 or len(v) != 4:
+        return None
+    if layout == "bshd":
+        q, k, v = ((t[0], t[2], t[1], t[3]) for t in (q, k, v))
+    b, h, s_q, d_qk = q
+    s_k, d_v = k[2], v[3]
+    causal, masked = getattr(op, "attn_flags", None) or (False, False)
+    name = dtype_names(op.in_dtypes)[qi]
+    dtype = dtype_key(name) or precision
+    backend = attn.sdpa_backend(cc, dtype, d_qk, d_v, s_q, s_k, causal, masked)
+    peak, _ = device.peak_for(dtype)
+    if backend != "math":
+        frac = attn.attention_efficiency(cc, phase, d_qk, causal, s_k)
+        F = attn.kernel_flops(phase, b * h, s_q, s_k, d_qk, d_v) * attn.causal_fraction(s_q, s_k, causal)
+        return F / (peak * frac), backend
+    bh = b * h
+    mms = ([(s_q, s_k, d_qk), (s_q, d_v, s_k)] if phase == "forward" else
+           [(s_q, s_k, d_v), (s_k, d_v, s_q), (s_q, d_qk, s_k), (s_k, d_qk, s_q)])
+    t = sum(2 * bh * m * n * kk / (peak * eff.gemm(m, n, kk, bh, dtype)) for m, n, kk in mms)
+    scores = bh * s_q * s_k * itemsize(name)
+    passes = 4 if phase == "forward" else 6
+    return t + passes * scores / (device.bandwidth * eff.memory), backend
+
+
 def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: str = "eager",
             optimizer: bool = True) -> dict[str, Any]:
     """Predicted seconds of one training step of ``an`` at ``sizes`` on ``device``.
@@ -76,12 +141,13 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
 
     Returns:
         ``{"mode", "step_seconds" (predicted), "bound_seconds" (the roofline's, same bytes),
-        "terms": {"gemm", "other_compute", "memory", "launch", "optimizer"} (seconds),
+        "terms": {"gemm", "attention", "other_compute", "memory", "launch", "optimizer"} (seconds),
         "ops", "launches", "params_tensors", "params_bytes", "precision", "model_flops",
         "mfu_predicted", "mfu_ceiling", "efficiency" (the table used), "calibrated" (False: one
         of :data:`MEASURED` is a default, not measured), "defaulted" (the figures taken
         from the defaults), "nodes": [{index, op, phase, repeat, seconds,
-        efficiency (GEMMs), kind}]}``.
+        efficiency (GEMMs), kind, kernel (fused attention on a
+        CUDA GPU: flash, efficient or math)}]}``.
 
     Raises:
         SymcostError: bad sizes, an unknown mode, a device without a figure.
@@ -97,7 +163,7 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
     fe = fusion.estimate(an)
     train_key = training_precision(an, env)
     frac = eff.memory
-    terms = {"gemm": 0.0, "other_compute": 0.0, "memory": 0.0, "launch": 0.0, "optimizer": 0.0}
+    terms = {"gemm": 0.0, "attention": 0.0, "other_compute": 0.0, "memory": 0.0, "launch": 0.0, "optimizer": 0.0}
     nodes = []
     n_ops = n_launch = 0
     for op in an.ops:
@@ -115,13 +181,17 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
         Fm = _num(op.cost.flops, env)
         read, written = (Bx - Wx) / frac, Wx / frac
         dims = gemm_dims(op, env) if Fm else None
-        e = None
+        e = backend = None
         if dims is not None:
             m, n, k, b = dims
             e = eff.gemm(m, n, k, b, key)
             t_mem = device.memory_seconds(read, written)
             t_in = F / (peak * e)
             t, kind = max(t_mem, t_in), ("gemm" if t_in >= t_mem else "memory")
+        elif Fm and (ka := attention_seconds(op, env, device, eff, key)) is not None:
+            t_a, backend = ka
+            t_mem = device.memory_seconds(read, written)
+            t, kind = max(t_a, t_mem), ("attention" if t_a >= t_mem else "memory")
         elif Fm:
             t_c = F / (peak * eff.gemm_max_for(key))
             t_mem = device.memory_seconds(read, written)
@@ -135,7 +205,8 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
             kind = "memory" if res == "memory" else "other_compute"
         terms[kind] += rep * t
         nodes.append({"index": op.index, "op": op.name, "phase": op.phase, "repeat": rep, "seconds": rep * t,
-                      "kind": kind, **({"efficiency": e} if e is not None else {})})
+                      "kind": kind, **({"efficiency": e} if e is not None else {}),
+                      **({"kernel": backend} if backend is not None else {})})
     terms["launch"] = n_launch * (eff.launch_compiled if fused else eff.launch_eager)
     tensors = pbytes = 0
     for shape, dtype, rep in an.param_shapes.values():
