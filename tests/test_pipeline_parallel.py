@@ -515,7 +515,14 @@ def test_cli_report_pp_json():
     times is the flow shop's Σ_s t_s + (m − 1)·max_s t_s, forward and then backward (every
     forward ends on the last rank before its first backward); each stage's p2p seconds are the
     boundary's bytes over the H100's NVLink (450 GB/s per direction, both ranks in one node); a
-    rank is busy m·(t_f + t_b) of its stage; MFU = Σ ranks' FLOPs / (PP · peak · step)."""
+    rank is busy m·(t_f + t_b) of its stage; MFU = Σ ranks' FLOPs / (PP · peak · step).
+
+    The predicted step (issue 29, ``step.predicted``): the same flow shop with the performance
+    model's stage times, each at least the stage's roofline time; each stage's p2p time is α (the
+    efficiency's collective latency) + the boundary's bytes over NVLink, one send per micro-batch
+    (the activation forward from stage 0, its gradient backward from stage 1); no data
+    parallelism, so nothing exposed; the step ends when the last rank's AdamW step does, whose
+    per-byte part is the rank's fp32 parameters."""
     from click.testing import CliRunner
 
     from symcost.cli import main
@@ -546,8 +553,28 @@ def test_cli_report_pp_json():
     assert st["model_flops"] == sum(row["flops"] for row in d["ranks"])
     peak = get_device("h100").peak_for("fp32")[0]
     assert st["mfu"] == pytest.approx(st["model_flops"] / (2 * peak * st["step_seconds"]))
+    from symcost.passes.performance import efficiency_of
+
+    eff = efficiency_of(get_device("h100"))
+    pr = st["predicted"]
+    q = {int(s): v for s, v in pr["stage_seconds"].items()}
+    pf, pb = [q[s]["forward"] for s in (0, 1)], [q[s]["backward"] for s in (0, 1)]
+    finish = {int(k): v for k, v in pr["finish"].items()}
+    assert max(finish.values()) == pytest.approx(sum(pf) + (m - 1) * max(pf) + sum(pb) + (m - 1) * max(pb))
+    for s in (0, 1):
+        assert q[s]["p2p"] == pytest.approx(boundary / 450e9 + eff.collective_latency)
+        assert pf[s] > fwd[s] and pb[s] > bwd[s]  # the prediction above the bound, stage by stage
+        assert pr["dp_exposed"][str(s)] == 0
+    opt = {int(k): v for k, v in pr["optimizer"].items()}
+    for row in d["ranks"]:
+        tensors = (opt[row["rank"]] - eff.optimizer_per_byte * 4 * row["params"]) / eff.optimizer_per_tensor
+        assert tensors == pytest.approx(round(tensors), abs=1e-6) and round(tensors) >= 1
+    assert pr["step_seconds"] == pytest.approx(max(finish[r] + opt[r] for r in finish))
+    assert pr["step_seconds"] > st["step_seconds"]
+    assert pr["mfu_predicted"] == pytest.approx(st["model_flops"] / (2 * peak * pr["step_seconds"]))
     text = CliRunner().invoke(main, args)
-    assert text.exit_code == 0 and "step on h100-sxm" in text.output and "idle" in text.output, text.output
+    assert text.exit_code == 0 and "step on h100-sxm: predicted" in text.output and "step bound" in text.output \
+        and "idle" in text.output, text.output
 
 
 @pytest.mark.heavy

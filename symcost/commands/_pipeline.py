@@ -186,8 +186,11 @@ def report_pipeline(req, model, sets, config, attention, precision, as_json, opt
     # (summary reads them back)
     _, ans = trace_stages(spec, pp, v, precision, sizes, cache, layout.inner, layout.pipeline.split)
     t1 = time.perf_counter()
+    meta = ctx.find_root().meta  # (the predicted step's kernels and overlap, as report --dp --gpu takes them)
     r = summary(spec, pp, schedule, m, v, precision, sizes, optimizer, device=device, devices_per_node=per_node,
-                cache=cache, inner=layout.inner, split=layout.pipeline.split)
+                cache=cache, inner=layout.inner, split=layout.pipeline.split,
+                mode="compiled" if meta.get("symcost.compile") else "eager",
+                overlap=meta.get("symcost.overlap") or "backward")
     t2 = time.perf_counter()
     if as_json:
         click.echo(json.dumps(pipeline_json(spec, r, layout, mesh, precision, assumed, ans), indent=1))

@@ -303,7 +303,7 @@ def simulate(order: Mapping[int, list], t_f: float | Mapping[int, float] = 1.0, 
     embedding, the last the head and loss).
 
     Returns:
-        ``makespan``, per rank ``busy`` and ``idle`` time, ``bubble`` (the largest idle / busy
+        ``makespan``, per rank ``busy``, ``idle`` and ``finish`` (when its last action ends) time, ``bubble`` (the largest idle / busy
         over ranks: PTD-P's t_pb / t_id), and ``in_flight``: per rank the most micro-batch-stages
         whose forward has run and whose backward has not (the activations held at once).
 
@@ -364,7 +364,7 @@ def simulate(order: Mapping[int, list], t_f: float | Mapping[int, float] = 1.0, 
             top = max(top, live)
         in_flight[r] = top
     idle = {r: makespan - busy[r] for r in order}
-    return {"makespan": makespan, "busy": busy, "idle": idle, "in_flight": in_flight,
+    return {"makespan": makespan, "busy": busy, "idle": idle, "in_flight": in_flight, "finish": dict(clock),
             "bubble": max(idle[r] / busy[r] for r in order if busy[r])}
 
 

@@ -154,7 +154,7 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
 def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, precision: str = "fp32",
             sizes: Mapping[str, int] | None = None, optimizer: str = "adamw", peak: bool = True,
             device=None, devices_per_node: int | None = None, cache: tuple | None = None,
-            inner=None, split=None) -> dict[str, Any]:
+            inner=None, split=None, mode: str = "eager", overlap: str = "backward") -> dict[str, Any]:
     """One pipeline step (``microbatches`` micro-batches of B sequences) on each of ``pp`` ranks.
 
     Args:
@@ -189,6 +189,8 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             hold at once, and the bytes copied each way per step; with ``device``, ``seconds``
             {forward, backward}: each over the host link, not part of ``step``); the peak is the
             device's.
+        mode, overlap: the predicted step's (:func:`predict_price`): ``eager`` or ``compiled``
+            kernels; how the data-parallel collectives hide (``none``, ``backward``, ``full``).
         split: the blocks of each of the PP·v stages (:func:`symcost.frontends.pipeline.parse_split`:
             None the even split, ``"torchtitan"``, or a tuple); the per-rank rows follow it.
 
@@ -214,7 +216,9 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         buffers, ``top`` and ``peak`` bytes of a step without the optimizer) and ``peak_with_optimizer``
         (that peak plus the optimizer state and master weights of the policy). With ``device``
         (and ``devices_per_node``, default the device's), ``step``: the step priced on it
-        (:func:`price`), and per rank ``busy_seconds`` and ``idle_seconds``. ``symbols`` (the
+        (:func:`price`: the bound), ``step["predicted"]`` (:func:`predict_price`: the performance
+        model's step, each rank's data-parallel bytes those its run of the schedule counted), and
+        per rank ``busy_seconds`` and ``idle_seconds`` (the bound's). ``symbols`` (the
         stage traces' symbols with their meaning and value) and ``attention_flops_count``.
 
     Raises:
@@ -331,6 +335,10 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
     step = None
     if device is not None:
         step = price(ans, values, blocks, order, device, pp, microbatches, devices_per_node)
+        dp_bytes = {row["rank"]: float(sum(b for g, d in row["comm"].items() if g not in ("PP", "TP")
+                                           for b in d.values())) for row in ranks if "comm" in row}
+        step["predicted"] = predict_price(ans, values, blocks, order, device, pp, microbatches, devices_per_node,
+                                          mode, overlap, dp_bytes or None)
         for row in ranks:
             row["busy_seconds"], row["idle_seconds"] = step["busy"][row["rank"]], step["idle"][row["rank"]]
         if any("transfer" in row or "activation_offload" in row for row in ranks):
@@ -406,8 +414,8 @@ def price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: list[int], 
     L = ``blocks[s]``) plus the bytes it sends in that phase (the activation forward, its
     gradient backward) over the link between pipeline ranks, on the critical path as in PTD-P's
     performance model (Narayanan et al. 2021 §3.2: point-to-point time per micro-batch and
-    stage): the scale-up link when the PP ranks share a node (PP ≤ devices per node), else the
-    network (one NIC per device). One device per rank; the optimizer step is not timed (as
+    stage): the scale-up link when the PP ranks share a node (PP·DP·TP ≤ devices per node on
+    torchtitan's mesh (pp, dp, tp), :func:`_links`), else the network (one NIC per device). One device per rank; the optimizer step is not timed (as
     ``report --dp --gpu``).
 
     Returns:
@@ -428,11 +436,7 @@ def price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: list[int], 
 
     ic = device.interconnect or {}
     per_node = devices_per_node or ic.get("devices_per_node") or pp
-    key = "link_bandwidth" if pp <= per_node else "network_bandwidth"
-    link, bw = ic.get("link" if pp <= per_node else "network", key.split("_")[0]), ic.get(key)
-    if not bw:
-        raise SymcostError(f"{device.key} lists no {key} for the pipeline's point-to-point transfers; add an "
-                           f"[{device.key}.interconnect] table with --devices-file")
+    link, bw = _links(device, pp, values, devices_per_node)["PP"]
     n = len(blocks)
     times, model_flops = {}, 0.0
     for s in range(n):
@@ -455,3 +459,165 @@ def price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: list[int], 
             "busiest_rank": busiest, "model_flops": model_flops,
             "mfu": model_flops / (pp * peak * step) if step else 0.0, "link": link, "link_bandwidth": bw,
             "devices_per_node": per_node, "device": device.key}
+
+
+def _links(device, pp: int, values: Mapping[str, int], devices_per_node: int | None) -> dict[str, tuple]:
+    """``{"PP", "TP", "DP": (link name, byte/s per direction)}`` of a pipeline of ``pp`` ranks on
+    torchtitan's mesh ``(pp, dp, tp)`` (tp innermost): a group whose ranks span ``s`` consecutive
+    devices runs on the scale-up link when ``s`` fits in a node and divides it, else on the network
+    (one NIC per device): TP spans tp, DP spans dp·tp, a pipeline neighbour pp·dp·tp.
+
+    Raises:
+        SymcostError: the device lists no bandwidth for a link the pipeline needs."""
+    ic = device.interconnect or {}
+    dp, tp = int(values.get("DP", 1)), int(values.get("TP", 1))
+    per_node = devices_per_node or ic.get("devices_per_node") or pp * dp * tp
+
+    def over(group: int, span: int):
+        if group <= 1:
+            return "none", float("inf")
+        # (aligned groups of span ranks stay in a node when span divides it; all ranks when they fit in one)
+        inside = span <= per_node and (per_node % span == 0 or pp * dp * tp <= per_node)
+        key = "link_bandwidth" if inside else "network_bandwidth"
+        if not ic.get(key):
+            raise SymcostError(f"{device.key} lists no {key} for the pipeline's transfers; add an "
+                               f"[{device.key}.interconnect] table with --devices-file")
+        return ic.get("link" if key == "link_bandwidth" else "network", key.split("_")[0]), ic[key]
+
+    return {"PP": over(pp, pp * dp * tp), "TP": over(tp, tp), "DP": over(dp, dp * tp)}
+
+
+def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: list[int], order: Mapping[int, list],
+                  device, pp: int, microbatches: int, devices_per_node: int | None = None, mode: str = "eager",
+                  overlap: str = "backward", dp_bytes: Mapping[int, float] | None = None) -> dict[str, Any]:
+    """The performance model's prediction of the pipeline step (docs/performance-model.md, "A
+    pipeline rank"), beside :func:`price`'s bound; PyTorch's action lists (``order``) run on the
+    dependency clock of :func:`~symcost.frontends.pipeline.simulate` with each stage's predicted
+    times.
+
+    Per stage and micro-batch, forward and backward (seconds):
+
+    * compute: :func:`symcost.passes.performance.predict` on the stage's trace at its block count
+      (GEMM efficiency by shape, memory-bound ops at the achievable bandwidth; ``mode`` eager: a
+      launch per aten op, compiled: per fused kernel), the launches spread over each phase's ops
+      as :func:`~symcost.passes.performance.predict_dp` spreads them;
+    * the stage's tensor-parallel collectives (group TP): α–β, bytes per rank (ring) over the TP
+      link + ``collective_latency`` per ring step (2(TP−1) an all-reduce, TP−1 the others:
+      Thakur et al. 2005), exposed: each sits between the ops that make and use its tensor
+      (Shoeybi et al. 2019 §3), as ``report --dp --tp --gpu`` prices them;
+    * its point-to-point sends: ``collective_latency`` + bytes / β over the link to the next
+      pipeline rank, on the critical path (Narayanan et al. 2021 §3.2), as :func:`price` adds them.
+
+    Per rank, after its last action: its data-parallel collectives of the step (``dp_bytes[r]``,
+    bytes it sends per step, as the run of PyTorch's schedule counted them; without it, one
+    micro-batch's DP bytes of its stages' traces, once per step, as DDP reduces under
+    ``PipelineStage``) over the DP link, hidden as ``overlap`` says (``none``: all exposed;
+    ``backward``: under its last backward action, where DDP's buckets and FSDP2's reduce-scatter
+    run; ``full``: under its busy time), then the AdamW (foreach) step over its stages'
+    parameters (``optimizer_per_tensor`` x tensors + ``optimizer_per_byte`` x bytes). The step is
+    the latest rank's end (the next step's first forward waits on every rank's optimizer).
+
+    Returns:
+        ``step_seconds`` (predicted), ``mode``, ``overlap``, ``stage_seconds`` {stage:
+        {forward, backward, p2p, tp_comm}} (per micro-batch; p2p and tp_comm included in the
+        first two), per rank ``busy``, ``idle`` (to the step's end), ``finish`` (its last action),
+        ``dp_seconds``, ``dp_exposed`` and ``optimizer`` seconds, ``bubble`` (idle / busy of the
+        slowest rank at these times, before the data-parallel and optimizer tail), ``mfu_predicted``
+        (model FLOPs of the step, all ranks / (PP · peak · step)), ``links`` {PP, TP, DP: name},
+        ``calibrated`` and ``defaulted`` (:func:`~symcost.passes.performance.predict`'s).
+
+    Raises:
+        SymcostError: an unknown overlap or mode, a device without a peak for the trace's
+            precision or without a link the pipeline uses.
+    """
+    from symcost.graph.totals import comm_group
+    from symcost.passes.parallel import OVERLAPS
+    from symcost.passes.performance import efficiency_of, predict
+    from symcost.passes.roofline import _num, training_precision
+
+    if overlap not in OVERLAPS:
+        raise SymcostError(f"unknown --overlap {overlap!r}; accepted: {', '.join(OVERLAPS)}")
+    eff = efficiency_of(device)
+    links = _links(device, pp, values, devices_per_node)
+    dp, tp = int(values.get("DP", 1)), int(values.get("TP", 1))
+    alpha = eff.collective_latency
+
+    def steps(kind: str, n: int) -> int:
+        return 2 * (n - 1) if kind == "all_reduce" else 1 if kind in P2P else n - 1
+
+    n = len(blocks)
+    times, opt, dp_trace, model_flops, first = {}, {}, {}, 0.0, None
+    for s in range(n):
+        an = ans[part_of(s, n)]
+        env = {k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")}
+        env["L"] = blocks[s]
+        p = predict(an, device, env, mode=mode)
+        first = first or p
+        bound = an.bind(**env)
+        per_op = p["terms"]["launch"] / max(1, p["ops"])
+        t = {"forward": 0.0, "backward": 0.0, "p2p": 0.0, "tp_comm": 0.0}
+        for node in p["nodes"]:
+            t["forward" if node["phase"] == "forward" else "backward"] += node["seconds"]
+        dp_trace[s] = 0.0
+        for op in an.ops:
+            ph = "forward" if op.phase == "forward" else "backward"
+            rep = _num(op.repeat, bound)
+            t[ph] += per_op * rep
+            if op.comm is None:
+                continue
+            kind, nbytes = op.comm[0], rep * float(sympy.sympify(op.comm[2]).xreplace(bound))
+            group = "PP" if kind in P2P else comm_group(an, op)
+            if kind == "send":
+                x = nbytes / links["PP"][1] + rep * alpha
+                t[ph] += x
+                t["p2p"] += x
+            elif group == "TP" and kind not in P2P + ("wait",):
+                x = nbytes / links["TP"][1] + rep * steps(kind, tp) * alpha
+                t[ph] += x
+                t["tp_comm"] += x
+            elif kind not in P2P + ("wait",):
+                dp_trace[s] += nbytes / links["DP"][1] + rep * steps(kind, dp) * alpha
+        times[s] = t
+        opt[s] = p["terms"]["optimizer"]
+        model_flops += float(p["model_flops"]) * microbatches
+    sim = simulate(order, {s: t["forward"] for s, t in times.items()}, {s: t["backward"] for s, t in times.items()})
+    ends, dp_s, exposed, opt_r = {}, {}, {}, {}
+    for r, acts in order.items():
+        mine = sorted({s for _, s, _ in acts})
+        if dp_bytes is not None and r in dp_bytes:
+            dp_s[r] = dp_bytes[r] / links["DP"][1] if dp > 1 else 0.0
+            dp_s[r] += sum(_dp_latency(ans[part_of(s, n)], values, blocks[s], dp, alpha) for s in mine)
+        else:
+            dp_s[r] = sum(dp_trace[s] for s in mine)
+        last = next((times[s]["backward"] for kind, s, _ in reversed(acts) if kind in ("B", "I")), 0.0)
+        hide = {"none": 0.0, "backward": last, "full": sim["busy"][r]}[overlap]
+        exposed[r] = max(0.0, dp_s[r] - hide)
+        opt_r[r] = sum(opt[s] for s in mine)
+        ends[r] = sim["finish"][r] + exposed[r] + opt_r[r]
+    step = max(ends.values())
+    peak, _ = device.peak_for(training_precision(ans["first"]))
+    return {"step_seconds": step, "mode": mode, "overlap": overlap, "stage_seconds": times,
+            "busy": sim["busy"], "idle": {r: step - sim["busy"][r] for r in sim["busy"]}, "finish": sim["finish"],
+            "dp_seconds": dp_s, "dp_exposed": exposed, "optimizer": opt_r, "bubble": sim["bubble"],
+            "model_flops": model_flops, "mfu_predicted": model_flops / (pp * peak * step) if step else 0.0,
+            "links": {k: v[0] for k, v in links.items()}, "calibrated": first["calibrated"],
+            "defaulted": first["defaulted"]}
+
+
+def _dp_latency(an, values: Mapping[str, int], blocks: int, dp: int, alpha: float) -> float:
+    """α of one step's data-parallel collectives of a stage: its trace's DP collectives (one
+    micro-batch's, as DDP and FSDP2's reduce-scatter issue them once per step under the schedule)
+    times their ring steps times ``alpha``."""
+    from symcost.graph.totals import comm_group
+    from symcost.passes.roofline import _num
+
+    if dp <= 1:
+        return 0.0
+    env = {k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")}
+    bound = an.bind(**{**env, "L": blocks})
+    out = 0.0
+    for op in an.ops:
+        if op.comm is None or op.comm[0] in P2P + ("wait",) or comm_group(an, op) == "TP":
+            continue
+        out += _num(op.repeat, bound) * (2 * (dp - 1) if op.comm[0] == "all_reduce" else dp - 1) * alpha
+    return out

@@ -78,9 +78,16 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
                   f"   formula {r['bubble_formula']}{flex}")
     st = r.get("step")
     if st:
-        console.print(f"  step on {st['device']}: {_seconds(st['step_seconds'])} "
-                      f"(PyTorch's action lists on a dependency clock, each stage's roofline time per micro-batch "
-                      f"+ its p2p bytes over the {st['link']}); MFU {st['mfu']:.1%}")
+        pr = st.get("predicted")
+        if pr:
+            console.print(f"  step on {st['device']}: predicted {_seconds(pr['step_seconds'])} ({pr['mode']}; "
+                          "PyTorch's action lists on a dependency clock with each stage's performance-model time per "
+                          "micro-batch, its TP collectives and p2p sends α–β, then each rank's DP collectives "
+                          f"(overlap {pr['overlap']}) and AdamW step); predicted MFU {pr['mfu_predicted']:.1%}"
+                          + ("" if pr["calibrated"] else "; efficiency parameters defaulted: calibrate the device"))
+        console.print(f"  step {'bound' if pr else 'on ' + st['device']}: {_seconds(st['step_seconds'])} "
+                      f"(roofline bound: PyTorch's action lists on a dependency clock, each stage's roofline time per "
+                      f"micro-batch + its p2p bytes over the {st['link']}); MFU {st['mfu']:.1%} (a ceiling)")
         console.print(f"  bubble at these times: {st['bubble']:.4f} (rank {st['bubble_rank']} idles "
                       f"{_seconds(st['bubble_seconds'])} of the step; rank {st['busiest_rank']}, the busiest, "
                       f"sets the pace: the stages' times differ)")
@@ -134,14 +141,20 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
                     for g, d in sorted(comm.items())))
     if st:
         tt = Table(title=f"per rank, the step on {st['device']}")
-        for col in ("rank", "forward per micro-batch", "backward per micro-batch", "busy", "idle", "idle/busy"):
+        for col in ("rank", "forward per micro-batch", "backward per micro-batch", "busy", "idle", "idle/busy") + (
+                ("predicted forward", "predicted backward", "predicted busy", "DP exposed", "AdamW") if pr else ()):
             tt.add_column(col, justify="right")
         for row in r["ranks"]:
             mine = [st["stage_seconds"][s] for s in row["stages"]]
             busy, idle = row["busy_seconds"], row["idle_seconds"]
+            extra = ()
+            if pr:
+                pm, rk = [pr["stage_seconds"][s] for s in row["stages"]], row["rank"]
+                extra = (_seconds(sum(x["forward"] for x in pm)), _seconds(sum(x["backward"] for x in pm)),
+                         _seconds(pr["busy"][rk]), _seconds(pr["dp_exposed"][rk]), _seconds(pr["optimizer"][rk]))
             tt.add_row(str(row["rank"]), _seconds(sum(x["forward"] for x in mine)),
                        _seconds(sum(x["backward"] for x in mine)), _seconds(busy), _seconds(idle),
-                       f"{idle / busy:.3f}" if busy else "-")
+                       f"{idle / busy:.3f}" if busy else "-", *extra)
         console.print(tt)
     v = r.get("virtual", 1)
     each = f"L/(PP·v) blocks each, v = {v} stages per rank" if v > 1 else "L/PP blocks each"
