@@ -340,3 +340,49 @@ def test_lstm_workspace_saved_bytes_on_fake_tensors():
         dirs = 2 if bi else 1
         assert seen == ([workspace_bytes(s, b, i, h, dtype=dtype)] * dirs
                         + [workspace_bytes(s, b, dirs * h, h, dtype=dtype)] * dirs), (b, s, i, h, bi, dtype)
+
+
+class _Norms(nn.Module):
+    """Linear → LayerNorm, conv → GroupNorm, conv → BatchNorm2d: under bf16 autocast on the CPU the
+    linear and convolutions hand bf16 to normalisations whose weights are fp32 (the mixed-type
+    kernels)."""
+
+    def __init__(self, c: int, d: int):
+        super().__init__()
+        self.conv1, self.gn = nn.Conv2d(3, c, 3, padding=1), nn.GroupNorm(2, c)
+        self.conv2, self.bn = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.fc, self.ln = nn.Linear(c, d), nn.LayerNorm(d)
+
+    def forward(self, x):
+        h = self.bn(self.conv2(torch.relu(self.gn(self.conv1(x)))))
+        return self.ln(self.fc(h.mean((2, 3))))
+
+
+def norms_spec():
+    return symcost.ModelSpec(
+        name="norms", symbols=("C", "D", "IMG"), defaults={"B": 2, "S": 1, "C": 4, "D": 6, "IMG": 5},
+        meanings={"C": "channels", "IMG": "image side", "S": "unused"},
+        build=lambda v: _Norms(2 * v["C"], v["D"]),
+        make_inputs=lambda v, device: ((torch.randn(v["B"], 3, v["IMG"], v["IMG"], device=device),), {}),
+        loss=lambda out, inputs: out.float().pow(2).mean())
+
+
+def test_mixed_type_norm_statistics_on_fake_tensors():
+    """The smallest input: LayerNorm, GroupNorm and BatchNorm2d fed bf16 by autocast with fp32
+    weights keep their statistics in fp32 on the real CPU kernels; the meta kernels said bf16, so a
+    step recorded on fake tensors (every request above the probes' sizes) saved less than the real
+    one and BERT-base under bf16-mixed pinned H, D, V and F for 128 bytes. At random sizes: the
+    fake recording's saved bytes equal saved_tensors_hooks on real tensors, and every op's output
+    dtypes equal the real recording's, under bf16-mixed and fp32."""
+    from memory_oracle import saved_bytes
+
+    from symcost.tracing.record import _record
+
+    spec = norms_spec()
+    rng = random.Random("mixed-norms")
+    for precision in ("bf16-mixed", "fp32", "bf16-mixed"):
+        v = {"B": rng.randint(2, 4), "S": 1, "C": rng.randint(1, 4), "D": rng.randint(2, 9), "IMG": rng.randint(2, 7)}
+        fake = _record(spec, v, precision, None, real_ok=False)
+        real = _record(spec, v, precision, None, real_ok=True)
+        assert [[t.dtype for t in op.outputs] for op in fake.ops] == [[t.dtype for t in op.outputs] for op in real.ops]
+        assert sum(s.nbytes for s in fake.saved) == saved_bytes(spec, v, precision), (v, precision)

@@ -60,6 +60,24 @@ _PRIM_DEVICE = torch.ops.prim.device.default
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 _MKLDNN_RNN_LAYER = getattr(getattr(torch.ops.aten, "mkldnn_rnn_layer", None), "default", None)
+#: normalisations whose CPU kernel keeps its statistics (mean and rstd, or save_mean and
+#: save_invstd: outputs 1 and 2) in fp32 where a bf16/fp16 input meets an fp32 weight, bias or
+#: running statistic (the "mixed type" kernels: aten/src/ATen/native/layer_norm.cpp
+#: ``layer_norm_cpu``, group_norm.cpp, Normalization.cpp ``batch_norm_cpu``: ``param_scalar_type``
+#: / ``opmath_type``), as ``torch.autocast("cpu")`` runs them; PyTorch's meta kernels (fake
+#: tensors) give the input's dtype, so a step recorded on fake tensors held statistics of half the
+#: size the real one saves (BERT-base under bf16-mixed: 128 bytes, and every symbol pinned)
+_MIXED_NORMS = frozenset(op for op in (
+    getattr(torch.ops.aten.native_layer_norm, "default", None),
+    getattr(torch.ops.aten.native_group_norm, "default", None),
+    getattr(torch.ops.aten.native_batch_norm, "default", None),
+    getattr(torch.ops.aten._native_batch_norm_legit, "default", None),
+    getattr(torch.ops.aten._native_batch_norm_legit, "no_stats", None),
+    getattr(torch.ops.aten._native_batch_norm_legit_functional, "default", None)) if op is not None)
+_REDUCED = (torch.bfloat16, torch.float16)
+#: its backward: the real CPU kernel gives the input's gradient the input's dtype; the meta kernel
+#: takes the statistics' (fp32 once they are, above), where autograd would then add a cast
+_GROUP_NORM_BACKWARD = torch.ops.aten.native_group_norm_backward.default
 #: ops whose ``padding_idx`` argument (position in the ``ints`` the recorder keeps) selects the one
 #: row whose gradient is zeroed: no FLOP or byte depends on it, and under a vocabulary-parallel
 #: embedding (transformers' ``embedding_rowwise``) the rank's local value is the config's pad id
@@ -84,6 +102,22 @@ class _FakeOnly(Exception):
 _VALUE_TAGS = frozenset((torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape))
 _WAIT_TENSOR = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
 _WAIT_TENSOR = getattr(_WAIT_TENSOR, "default", None)
+
+
+def _mixed_norm_stats(args, kwargs, out):
+    """A normalisation's outputs on fake tensors with the statistics in the dtype the real CPU
+    kernel gives them (:data:`_MIXED_NORMS`): fp32 where a bf16/fp16 input meets an fp32 weight,
+    bias or running statistic; the others as PyTorch's meta kernel gives them. Checked against the
+    real kernels in tests/test_foreign_models.py."""
+    x = args[0]
+    if x.dtype not in _REDUCED:
+        return out
+    others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not any(a.dtype == torch.float32 for a in others):
+        return out
+    fixed = tuple(t.new_empty(t.shape, dtype=torch.float32) if k in (1, 2) and t.dtype in _REDUCED else t
+                  for k, t in enumerate(out))
+    return fixed
 
 
 def _dispatch_unaliased(func, args, kwargs):
@@ -125,6 +159,9 @@ class _Recorder(TorchDispatchMode):
         # storage liveness: storage key -> [live tensor objects, nbytes]
         self._storages: dict[int, list] = {}
         self.events: list[MemoryEvent] = []
+        #: storage key -> the module whose op allocated the storage (the key of a live storage:
+        #: a freed one's key may be taken again, and then names the new storage's maker)
+        self.made_by: dict[int, str] = {}
         # storages that exist before the step (parameters, buffers, inputs): a view of one is no
         # allocation
         self.preexisting: set[int] = set()
@@ -195,6 +232,7 @@ class _Recorder(TorchDispatchMode):
         if entry is None:
             entry = self._storages[key] = [0, st.nbytes()]
             self.events.append(MemoryEvent(op_index, st.nbytes(), key))
+            self.made_by[key] = self.module_stack[-1]
         entry[0] += 1
         weakref.finalize(t, self._release, key)
 
@@ -371,6 +409,11 @@ class _Recorder(TorchDispatchMode):
                 n = onednn_rnn.lstm_workspace(args, kwargs)
                 if n:
                     out = (*out[:3], out[3].new_empty((n,)))
+            elif func in _MIXED_NORMS and isinstance(out[1], FakeTensor):
+                out = _mixed_norm_stats(args, kwargs, out)
+            elif (func is _GROUP_NORM_BACKWARD and isinstance(out[0], FakeTensor)
+                  and out[0].dtype != args[1].dtype):
+                out = (out[0].new_empty(out[0].shape, dtype=args[1].dtype), *out[1:])
             elif func is _LIFT_FRESH and out is args[0]:
                 # the real kernel returns its input, a fake one a new tensor: a new tensor object
                 # (on the same storage) here too, so the constant and its lifted copy are two
