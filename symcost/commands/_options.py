@@ -104,6 +104,29 @@ def _keep_routing(ctx, param, value):
     return value
 
 
+def _keep_task(ctx, param, value):
+    if value is not None:
+        ctx.meta["symcost.task"] = value
+    return value
+
+
+def model_task() -> str | None:
+    """The running command's ``--task`` (None: the model's default head,
+    :func:`symcost.frontends.hf_tasks.task_of`)."""
+    ctx = click.get_current_context(silent=True)
+    return ctx.meta.get("symcost.task") if ctx is not None else None
+
+
+def resolve_model(model, cfg, attention):
+    """:func:`symcost.frontends.models.resolve` of ``model`` with the running command's ``--task``.
+
+    Raises:
+        SymcostError: as resolve (a task the family has no head for: one line naming its heads)."""
+    from symcost.frontends.models import resolve
+
+    return resolve(model, cfg, attention, task=model_task())
+
+
 def common(f):
     # --attention-flops and --no-cache reach trace_model through the click context (no command
     # signature changes): every command that traces a model honours them
@@ -124,6 +147,10 @@ def common(f):
                           "stages); see docs/memory.md")(f)
     f = click.option("--attention", type=click.Choice(["eager", "sdpa"]), default=None,
                      help="hf: models only: attention implementation [default: sdpa, as transformers]")(f)
+    f = click.option("--task", default=None, expose_value=False, callback=_keep_task, metavar="TASK",
+                     help="hf: models and config.json only: the head trained where the family has several: "
+                          "seq2seq, masked-lm, causal-lm, image-classification, ... (symcost.frontends.hf_tasks."
+                          "TASKS; an unknown one is refused with the list) [default: the first the family has]")(f)
     f = click.option("--config", "config", multiple=True, metavar="KEY=VALUE",
                      help="hf: config override (repeatable: --config a=1 b=2)")(f)
     f = click.option("--set", "sets", multiple=True, metavar="SYM=INT",
@@ -413,7 +440,7 @@ def early_checks(model, sets, config, attention, precision) -> None:
     """The checks that need neither sympy nor torch (a command runs them first, so argument
     errors answer at once): the model name (:func:`symcost.frontends.spec.check_model_name`: built-in
     names, the ``hf:`` prefix, existing files), sizes, precision, config syntax, --attention for
-    a model that is not ``hf:``.
+    a model that is not ``hf:``, --task likewise.
 
     Raises:
         SymcostError: the first problem found.
@@ -428,6 +455,10 @@ def early_checks(model, sets, config, attention, precision) -> None:
     if attention is not None and not str(model).startswith("hf:") and not str(model).endswith(".json"):
         raise SymcostError(
             f"--attention applies to hf: models only; {model} runs its own attention code (leave --attention out)")
+    task = model_task()
+    if task is not None and not str(model).startswith("hf:") and not str(model).endswith(".json"):
+        raise SymcostError(f"--task applies to hf: models and config.json files only; {model} trains with its own "
+                           "loss (leave --task out)")
 
 
 def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=False, needs_model=False,
@@ -460,6 +491,8 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
     routing = ctx.meta.get("symcost.routing") if ctx is not None else None
     layout, mesh_sizes = layout_request(ctx)
     options = {"routing": routing} if routing is not None else {}
+    if model_task() is not None:  # (another head is another model: its own cache entries)
+        options["task"] = model_task()
     for k, v in mesh_sizes.items():
         if k in sizes and sizes[k] != v:
             raise SymcostError(f"{SYMBOL_FLAG[k]} {v} and --set {k}={sizes[k]} disagree; give one")
@@ -505,9 +538,7 @@ def _experts_shard(layout, model, cfg, attention, sizes):
 
     e = sizes.get("E")
     if e is None:
-        from symcost.frontends.models import resolve
-
-        spec = resolve(model, cfg, attention)
+        spec = resolve_model(model, cfg, attention)
         e = spec.values({k: v for k, v in sizes.items() if k in spec.symbols}, inputs=False).get("E")
     if e is None:
         return layout  # (no routed experts: the trace says so in one line)
@@ -534,9 +565,7 @@ def every_layer_trace(an, model, config, attention, precision, sizes, quiet=Fals
     cfg = parse_config(config)
 
     def live_spec():
-        from symcost.frontends.models import resolve
-
-        spec = resolve(model, cfg, attention)
+        spec = resolve_model(model, cfg, attention)
         if routing is not None:
             from symcost.frontends.moe import with_routing
 
@@ -552,6 +581,8 @@ def every_layer_trace(an, model, config, attention, precision, sizes, quiet=Fals
             return trace(ck.uniform_spec(spec, an.layer_container or "", 1), sizes=sizes, precision=precision)
 
     options = {"checkpoint": "every-layer"}
+    if model_task() is not None:
+        options["task"] = model_task()
     if routing is not None:
         options["routing"] = routing
     sub = cached_trace(model, cfg, attention, precision, sizes, fresh, use_cache, options=options)
@@ -573,9 +604,7 @@ def _trace_fresh(model, cfg, attention, precision, sizes, quiet, routing=None, s
     """Resolve and trace ``model`` (the cache's miss path), with the progress line; ``layout``:
     one rank of the parallel layout (:meth:`symcost.frontends.layout.Layout.spec`)."""
     with progress(f"resolving {model}", quiet) as status:
-        from symcost.frontends.models import resolve
-
-        spec = resolve(model, cfg, attention)
+        spec = resolve_model(model, cfg, attention)
         if step is not None:
             spec = spec.for_step(step, kv_cache)
         if layout:

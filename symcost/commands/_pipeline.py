@@ -82,15 +82,13 @@ def _request(model, sets, config, attention, mesh, precision=None):
     Raises:
         SymcostError: a ``--set`` symbol the model does not have.
     """
-    from symcost.frontends.models import resolve
-
-    from symcost.commands._options import torch_device_of
+    from symcost.commands._options import resolve_model, torch_device_of
     from symcost.frontends.megatron import for_run
 
     from symcost.commands._loss import loss_of
 
     ctx = click.get_current_context(silent=True)
-    spec = for_run(resolve(model, parse_config(config), attention), precision, torch_device_of(ctx), loss_of(ctx))
+    spec = for_run(resolve_model(model, parse_config(config), attention), precision, torch_device_of(ctx), loss_of(ctx))
     sizes = parse_sizes(sets)
     unknown = [k for k in sizes if k not in spec.all_symbols]
     if unknown:

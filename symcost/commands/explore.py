@@ -87,9 +87,9 @@ def explore(model, sets, config, attention, precision, debug, layouts, acs, devi
 def _has_kv_cache(model, cfg, attention) -> bool:
     """Whether the model has an inference step (a KV cache): ``hf:`` models and config.json
     files, not the built-in models."""
-    from symcost.frontends.models import resolve
+    from ._options import resolve_model
 
-    return resolve(model, cfg, attention).infer is not None
+    return resolve_model(model, cfg, attention).infer is not None
 
 
 def _trace(model, cfg, attention, precision, sizes, layout, step=None):
@@ -99,6 +99,7 @@ def _trace(model, cfg, attention, precision, sizes, layout, step=None):
     import click as _click
 
     from symcost.graph.cache import cached_trace
+    from . import _options
     from ._options import _check_set_vs_config, _trace_fresh
 
     ctx = _click.get_current_context(silent=True)
@@ -108,6 +109,8 @@ def _trace(model, cfg, attention, precision, sizes, layout, step=None):
         sizes.setdefault("DP", 8)
     sizes.pop("DP", None) if layout.shard is None else None
     options = dict(layout.cache_options()) if layout else {}
+    if _options.model_task() is not None:
+        options["task"] = _options.model_task()
     if step is not None:
         options.update(step=step, kv_cache="dynamic")
     an = cached_trace(model, cfg, attention, precision, sizes,

@@ -31,7 +31,8 @@ def resolve(model: str, config: Mapping[str, str] | None = None, attention: str 
 
     Accepted: a built-in name (``cs336-lm``, ``gpt2``, ``mlp``, ``megatron-gpt``),
     ``hf:MODEL_TYPE``, ``hf:ORG/NAME`` (a ``config.json`` in the local Hugging Face cache, never
-    downloaded), ``path/to/config.json`` (a ``transformers`` config with its ``model_type``; all
+    downloaded), ``tv:NAME`` / ``timm:NAME`` (torchvision's / timm's image classifiers, random
+    weights: :mod:`symcost.frontends.zoo`), ``path/to/config.json`` (a ``transformers`` config with its ``model_type``; all
     three need ``transformers``), or ``path/to/file.py:factory``. ``attention`` (``eager`` or
     ``sdpa``) applies to ``hf:`` models and config files only; ``None`` is what ``transformers``
     uses by default (sdpa where the model has it). ``task`` (``causal-lm``, ``masked-lm``,
@@ -60,6 +61,12 @@ def resolve(model: str, config: Mapping[str, str] | None = None, attention: str 
         from symcost.frontends import hf_tasks
 
         return hf_tasks.any_spec(model[3:], config, attention, task=task)
+    if model.startswith(("tv:", "timm:")):  # torchvision's and timm's models by name (frontends/zoo.py)
+        if config:
+            raise SymcostError(f"--config applies to hf: models only; {model} takes --set IMG=... and B=...")
+        from symcost.frontends import zoo
+
+        return zoo.spec(model)
     if model.endswith(".json"):
         from symcost.frontends import hf_tasks
 

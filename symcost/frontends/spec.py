@@ -347,15 +347,16 @@ BUILTINS: dict[str, str] = {
 }
 
 #: What a model name may be, as the error line lists it.
-ACCEPTED_MODELS = ("hf:MODEL_TYPE (e.g. hf:llama), hf:ORG/NAME (local Hugging Face cache), path/to/config.json "
-                   "or path/to/file.py:factory")
+ACCEPTED_MODELS = ("hf:MODEL_TYPE (e.g. hf:llama), hf:ORG/NAME (local Hugging Face cache), tv:NAME (torchvision), "
+                   "timm:NAME, path/to/config.json or path/to/file.py:factory")
 
 
 def check_model_name(model: str) -> None:
     """Reject a model name that no loader accepts, without importing torch or transformers (the
     CLI calls it before anything heavy, so a typo answers at once).
 
-    Accepted here: a built-in name (:data:`BUILTINS`), anything ``hf:`` (the model type is checked
+    Accepted here: a built-in name (:data:`BUILTINS`), anything ``tv:``/``timm:`` (the package
+    checks the name: :mod:`symcost.frontends.zoo`), anything ``hf:`` (the model type is checked
     against ``transformers``' config mapping by :func:`symcost.frontends.hf.spec`, which needs transformers
     and so torch), ``path/to/config.json`` and ``path/to/file.py:factory`` whose file exists.
 
@@ -367,7 +368,7 @@ def check_model_name(model: str) -> None:
     from symcost.errors import SymcostError
 
     model = str(model)
-    if model in BUILTINS or model.startswith("hf:"):
+    if model in BUILTINS or model.startswith(("hf:", "tv:", "timm:")):
         return
     if model.endswith(".json"):  # (the order of symcost.frontends.models.resolve)
         if not os.path.isfile(model):

@@ -51,13 +51,18 @@ def _source_digest() -> str:
 
 def model_source(model: str, config: Mapping[str, str]) -> dict | None:
     """The data that defines ``model`` (file contents, model type and overrides), without
-    importing the model; None for sources the cache cannot key (``hf:ORG/NAME``, unknown)."""
+    importing the model; None for sources the cache cannot key (``hf:ORG/NAME``, a ``tv:``/``timm:``
+    name whose package has no installed version, unknown)."""
     config = {str(k): str(v) for k, v in dict(config or {}).items()}
     if model.startswith("hf:"):
         name = model[3:]
         if "/" in name:
             return None
         return {"kind": "hf", "model_type": name, "config": config}
+    if model.startswith(("tv:", "timm:")):  # a zoo's model: its code is the installed package's version
+        dist = "torchvision" if model.startswith("tv:") else "timm"
+        version = _version(dist)
+        return None if version is None else {"kind": "zoo", "name": model, dist: version, "config": config}
     if ".py:" in model:
         path, _, factory = model.rpartition(":")
         if not os.path.isfile(path):

@@ -442,6 +442,11 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
 #: cubes. A symbol only gets exponent e where the probes hold at least |e| + 1 distinct values
 #: of it (enough to determine it; the exact check on every probe, with two to spare, verifies).
 EXPONENT_STAGES = ((0, 1), (-1, 0, 1), (0, 1, 2), (-1, 0, 1, 2), (0, 1, 2, 3))
+#: Denominator bounds of a fitted coefficient, tried in turn (each rationalisation must reproduce
+#: every probe exactly): 720 first, as before; then 2^20, for a size that strides divide, a CNN's
+#: feature map after five stride-2 stages, (IMG/32)^2 = IMG^2/1024, whose coefficients 720 cannot
+#: hold (a ResNet's IMG was pinned for it)
+DENOMINATORS = (720, 1 << 20)
 DIVISORS = ("K", "E", "DP", "TP", "EP", "CP")  # H/K (query heads per kv head), N·R/E (token slots per expert), P/DP, P/TP (a shard), S/CP
 
 
@@ -594,11 +599,16 @@ class Fitter:
                     coef, *_ = np.linalg.lstsq(A, y, rcond=None)
                     if not np.allclose(A @ coef, y, rtol=0, atol=1e-6 * max(1.0, np.abs(y).max())):
                         continue
-                    fr = [Fraction(c).limit_denominator(720) for c in coef]
-                    if any(c == 0 for c in fr):
-                        continue
-                    terms = [(fr[t], monos[j]) for t, j in enumerate(subset)]
-                    if self._exact(terms, sig):
+                    terms = None
+                    for bound in DENOMINATORS:
+                        fr = [Fraction(c).limit_denominator(bound) for c in coef]
+                        if any(c == 0 for c in fr):
+                            break
+                        trial = [(fr[t], monos[j]) for t, j in enumerate(subset)]
+                        if self._exact(trial, sig):
+                            terms = trial
+                            break
+                    if terms is not None:
                         return sympy.Add(*[
                             sympy.Rational(c.numerator, c.denominator)
                             * sympy.Mul(*[SYMS[s] ** e for s, e in m.items() if e])

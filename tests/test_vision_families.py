@@ -1,0 +1,137 @@
+"""Issue 30, items 4 and 5: vision families and models by name.
+
+- ``tv:NAME`` / ``timm:NAME`` (symcost/frontends/zoo.py): neither package is installed here (PyPI's
+  torchvision does not load beside torch 2.13.0 CPU), so the tests put a stand-in module in
+  ``sys.modules`` exposing the package's own entry points (``torchvision.models.get_model``,
+  ``list_models``; ``timm.create_model``, ``is_model``) built from a tiny CNN. symcost's side is
+  real: the name resolves through the zoo frontend, the step is traced with IMG a symbol, and the
+  formulas are checked at random other sizes (in the request's residue class mod 32) against
+  FlopCounterMode, saved_tensors_hooks and a meta-device parameter count (test_own_symbols'
+  ``_check``). Without the package: one line naming it.
+- ``--task`` on the CLI (symcost/commands/_options.py): threaded to the resolver, one line for a
+  task the family has no head for or for a model that is not ``hf:``.
+"""
+from __future__ import annotations
+
+import random
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import symcost
+from conftest import run_cli
+from test_own_symbols import _check
+
+
+class TinyNet(nn.Module):
+    """A stride-32 CNN as the zoos' classifiers are: a 7x7 stride-2 stem, a 3x3 stride-2 max-pool
+    (padded), three stride-2 3x3 stages with batch norm and a residual 1x1 projection, global
+    average pooling, a linear head (its floors: ⌊(IMG - 1)/2⌋ + 1 and so on)."""
+
+    def __init__(self, num_classes=10, width=4):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+                                  nn.MaxPool2d(3, 2, 1))
+        stages, c = [], width
+        for _ in range(3):
+            stages.append(nn.ModuleDict({"conv": nn.Conv2d(c, 2 * c, 3, 2, 1, bias=False), "bn": nn.BatchNorm2d(2 * c),
+                                         "proj": nn.Conv2d(c, 2 * c, 1, 2, bias=False)}))
+            c *= 2
+        self.stages = nn.ModuleList(stages)
+        self.fc = nn.Linear(c, num_classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for st in self.stages:
+            x = torch.relu(st["bn"](st["conv"](x)) + st["proj"](x))
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+def _torchvision_stand_in(monkeypatch) -> list:
+    """``torchvision.models`` with ``get_model``/``list_models`` building :class:`TinyNet`; the
+    calls' keyword arguments are recorded."""
+    calls: list = []
+    tv, models = types.ModuleType("torchvision"), types.ModuleType("torchvision.models")
+    models.list_models = lambda: ["tinynet"]
+
+    def get_model(name, weights=None, **kw):
+        calls.append((name, weights, kw))
+        return TinyNet(**kw)
+
+    models.get_model = get_model
+    tv.models = models
+    monkeypatch.setitem(sys.modules, "torchvision", tv)
+    monkeypatch.setitem(sys.modules, "torchvision.models", models)
+    return calls
+
+
+def test_tv_name_traced_exact_at_random_sizes(monkeypatch):
+    """tv:tinynet: B and IMG symbols, num_classes the model's (10), random weights (weights=None);
+    never pinned, exact against the oracles at random sizes of the request's class mod 32; the
+    unknown name and the refused --config are one line each."""
+    calls = _torchvision_stand_in(monkeypatch)
+    spec = symcost.resolve("tv:tinynet")
+    assert spec.symbols == ("IMG",) and spec.moduli == {"IMG": 32} and spec.defaults["IMG"] == 224
+    assert calls and all(c[:2] == ("tinynet", None) for c in calls) and "image_size" not in calls[-1][2]
+    an = symcost.trace(spec, sizes={"B": 2, "IMG": 40}, precision="fp32", torch_device="cpu")
+    assert not an.pinned and "IMG" in an.symbols, an.pinned
+    rng = random.Random("tv")
+    for _ in range(2):
+        _check(an, spec, {"B": rng.randint(2, 4), "IMG": 8 + 32 * rng.randint(1, 3)})
+    with pytest.raises(symcost.SymcostError, match="torchvision has no model 'nosuch'"):
+        symcost.resolve("tv:nosuch")
+    with pytest.raises(symcost.SymcostError, match="--config applies to hf: models only"):
+        symcost.resolve("tv:tinynet", config={"a": "1"})
+
+
+def test_timm_name_takes_img_size_where_the_model_does(monkeypatch):
+    """timm:NAME builds by timm.create_model(name, pretrained=False), passing img_size where the
+    model takes it (a ViT's), its default side from the pretrained config's input_size."""
+    calls: list = []
+    timm = types.ModuleType("timm")
+    timm.is_model = lambda name: name in ("tinynet", "sized")
+    timm.get_pretrained_cfg = lambda name: types.SimpleNamespace(input_size=(3, 96, 96))
+
+    def create_model(name, pretrained=True, **kw):
+        calls.append((name, pretrained, dict(kw)))
+        if name == "tinynet" and kw:
+            raise TypeError(f"TinyNet.__init__() got an unexpected keyword argument {next(iter(kw))!r}")
+        kw.pop("img_size", None)
+        return TinyNet(**kw)
+
+    timm.create_model = create_model
+    monkeypatch.setitem(sys.modules, "timm", timm)
+    spec = symcost.resolve("timm:tinynet")
+    assert spec.defaults["IMG"] == 96 and all(not c[1] for c in calls)
+    calls.clear()
+    spec.build_meta({**spec.defaults})
+    assert calls == [("tinynet", False, {})]
+    sized = symcost.resolve("timm:sized")
+    calls.clear()
+    sized.build_meta({**sized.defaults, "IMG": 128})
+    assert calls == [("sized", False, {"img_size": 128})]
+    with pytest.raises(symcost.SymcostError, match="timm has no model 'nosuch'"):
+        symcost.resolve("timm:nosuch")
+
+
+def test_zoo_without_package_and_task_errors_one_line(capsys, tmp_path, monkeypatch):
+    """Without torchvision / timm a zoo name is one line naming the package to install; --task on
+    a model that is not hf: and a task the family has no head for are one line each (the task
+    reaches the resolver: hf:bert's default head, masked LM, would trace)."""
+    from test_cli import assert_one_line_error
+
+    monkeypatch.setenv("SYMCOST_CACHE_DIR", str(tmp_path))
+    for mod in ("torchvision", "torchvision.models", "timm"):
+        monkeypatch.setitem(sys.modules, mod, None)  # (import raises ImportError)
+    assert_one_line_error(*run_cli(capsys, "eval", "tv:resnet50"), "pip install torchvision")
+    assert_one_line_error(*run_cli(capsys, "eval", "timm:resnet50", "--set", "IMG=224"), "pip install timm")
+    assert_one_line_error(*run_cli(capsys, "eval", "cs336-lm", "--task", "causal-lm"),
+                          "--task applies to hf: models and config.json files only")
+    pytest.importorskip("transformers")
+    assert_one_line_error(*run_cli(capsys, "report", "hf:bert", "--task", "image-classification"),
+                          "hf:bert has no image-classification head", "masked-lm")
+    assert_one_line_error(*run_cli(capsys, "max-batch", "hf:bert", "--task", "mlm"), "unknown task 'mlm'",
+                          "masked-lm", "image-classification")
