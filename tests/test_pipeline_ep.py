@@ -151,7 +151,7 @@ def test_report_pp_ep_parameters_per_rank_against_meta():
 
 
 @pytest.mark.parametrize("args, words", [
-    (["report", "moe", "--ep", "2", "--pp", "2", "--tp", "2"], "expert parallelism is modelled alone or under FSDP2"),
+    (["report", "moe", "--ep", "2", "--pp", "2", "--tp", "2", "--sp"], "without sequence parallelism"),
     (["report", "moe", "--ep", "2", "--pp", "2", "--dp", "2"], "DDP, HSDP and CPU offload with EP are not modelled yet"),
 ])
 def test_pp_ep_refusals_are_one_line(args, words):

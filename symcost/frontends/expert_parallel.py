@@ -84,10 +84,10 @@ def expert_parallel(spec):
         why = inner_probe(values) if inner_probe else None
         if why or "EP" not in values:
             return why
-        return indivisible(values) or whole_slots(values)
+        return indivisible(values) or tp_indivisible(values) or whole_slots(values)
 
     def check(values: Mapping[str, int]):
-        return (inner_check(values) if inner_check else None) or indivisible(values)
+        return (inner_check(values) if inner_check else None) or indivisible(values) or tp_indivisible(values)
 
     defaults = dict(spec.defaults, EP=spec.defaults.get("EP", 8))
     moduli = dict(spec.moduli, E=math.lcm(spec.moduli.get("E", 1), 8))
@@ -166,12 +166,33 @@ def indivisible(values: Mapping[str, int]) -> str | None:
 
 def whole_slots(values: Mapping[str, int]) -> str | None:
     """Why a probe of an expert-parallel trace has no whole number N·R/E of slots per expert
-    (the balanced split sizes of the all-to-alls, :func:`hf_forward`), or None."""
+    (the balanced split sizes of the all-to-alls, :func:`hf_forward`), or None; with ``TP``
+    (``--ep --tp``: each TP rank routes N/TP tokens) N/TP·R/E."""
+    tp = int(values.get("TP", 1))
     try:
-        if (values["B"] * values["S"] * values["R"]) % values["E"]:
-            return "B·S·R/E slots per expert must be whole at a probe (the all-to-all's split sizes)"
+        n = values["B"] * values["S"]
+        if n % tp or (n // tp * values["R"]) % values["E"]:
+            return "B·S/TP·R/E slots per expert must be whole at a probe (the all-to-all's split sizes)"
     except KeyError:
         return None
+    return None
+
+
+def tp_indivisible(values: Mapping[str, int]) -> str | None:
+    """Why ``--ep`` with ``--tp`` cannot lay out ``values``, or None: the EP group borrows the TP
+    ranks (torchtitan's ``ParallelDims``: ``ep`` innermost in ``efsdp × ep = dp_shard · tp``), so TP
+    must divide EP; each TP rank routes N/TP of its micro-batch's N = B·S tokens
+    (``_split_along_sp``), so TP must divide B·S."""
+    tp, ep = values.get("TP"), values.get("EP")
+    if tp is None or ep is None:
+        return None
+    if int(ep) % int(tp):
+        return (f"--ep {ep} with --tp {tp}: the EP group borrows the TP ranks (torchtitan's layout: EP consecutive "
+                "ranks hold EP/TP tensor-parallel groups), so TP must divide EP; accepted: an EP that is a "
+                "multiple of TP")
+    if "B" in values and "S" in values and (int(values["B"]) * int(values["S"])) % int(tp):
+        return (f"--ep with --tp {tp}: each TP rank routes N/TP of the B·S = {values['B'] * values['S']} tokens; "
+                "accepted: B·S a multiple of TP")
     return None
 
 
@@ -191,11 +212,14 @@ def experts_modules(model) -> list[tuple[str, object, str]]:
     return out
 
 
-def apply(model, mesh) -> None:
+def apply(model, mesh, tp_mesh=None) -> None:
     """Shard every experts module of ``model`` over the 1-D ``mesh`` (the ``ep`` dimension) in
     place, as torchtitan's expert-parallel style does: each stacked weight a ``DTensor``
     ``Shard(0)`` (the rank's E/EP experts; ``src_data_rank=None``: every rank cuts its own shard,
     no scatter), and the module's forward the all-to-all dispatch of :func:`builtin_forward`.
+    With ``tp_mesh`` (``--ep --tp``): each TP rank routes its N/TP of the MoE layer's tokens and
+    the layer is laid over the TP group as torchtitan's ``apply_moe_ep_tp`` does
+    (:func:`symcost.frontends.expert_parallel_tp.apply`).
 
     Raises:
         SymcostError: the model has no experts module symcost can shard (``--ep`` covers the
@@ -227,7 +251,12 @@ def apply(model, mesh) -> None:
                 d = distribute_tensor(p.detach(), mesh, [Shard(0)], src_data_rank=None)
                 m.register_parameter(pname, torch.nn.Parameter(d, requires_grad=p.requires_grad))
         object.__setattr__(m, "ep_mesh", mesh)
+        object.__setattr__(m, "tp_mesh", tp_mesh)
         m.forward = types.MethodType(builtin_forward if kind == "builtin" else hf_forward, m)
+    if tp_mesh is not None:
+        from symcost.frontends import expert_parallel_tp
+
+        expert_parallel_tp.apply(model, tp_mesh)
 
 
 def _local(t):
@@ -289,6 +318,14 @@ def hf_forward(self, hidden_states, top_k_index, top_k_weights):
     mesh = self.ep_mesh
     ep, e = mesh.size(), self.num_experts
     local = e // ep
+    full = hidden_states
+    tp_mesh = getattr(self, "tp_mesh", None)
+    if tp_mesh is not None:  # (--ep --tp: this TP rank's N/TP tokens, docs/parallel.md §14.8)
+        from symcost.frontends.expert_parallel_tp import token_slice
+
+        start, rows = token_slice(hidden_states.shape[0], tp_mesh)
+        hidden_states = hidden_states[start:start + rows]
+        top_k_index, top_k_weights = top_k_index[start:start + rows], top_k_weights[start:start + rows]
     n, m = hidden_states.shape
     r = top_k_index.shape[-1]
     s = n * r
@@ -308,7 +345,12 @@ def hf_forward(self, hidden_states, top_k_index, top_k_weights):
     out = exchange(out, mesh) * w_g.unsqueeze(-1)  # back in x_g's order, weighted
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.size(0), device=perm.device)
-    return out[inv].view(n, r, m).sum(dim=1).to(hidden_states.dtype)
+    out = out[inv].view(n, r, m).sum(dim=1).to(hidden_states.dtype)
+    if tp_mesh is not None:
+        from symcost.frontends.expert_parallel_tp import place
+
+        out = place(out, start, full.shape[0])
+    return out
 
 
 def builtin_forward(self, x, weights, experts):
@@ -335,6 +377,13 @@ def builtin_forward(self, x, weights, experts):
 
     mesh = self.ep_mesh
     ep = mesh.size()
+    full = x.shape[0]
+    tp_mesh = getattr(self, "tp_mesh", None)
+    if tp_mesh is not None:  # (--ep --tp: this TP rank's N/TP tokens, docs/parallel.md §14.8)
+        from symcost.frontends.expert_parallel_tp import token_slice
+
+        start, rows = token_slice(full, tp_mesh)
+        x, weights, experts = x[start:start + rows], weights[start:start + rows], experts[start:start + rows]
     n, e = x.shape[0], self.num_experts
     r = experts.shape[-1]
     c = moe.routing_of(self).capacity(n, r, e)
@@ -349,4 +398,40 @@ def builtin_forward(self, x, weights, experts):
     out = moe.expert_linear(h, w2)  # [E/EP, EP·C, M]
     out = out.view(local, ep, c, m).transpose(0, 1).reshape(e * c, m)  # rank-major again
     out = exchange(out, mesh).view(e, c, m)
-    return moe.combine(out, dest, token, weights, n)
+    out = moe.combine(out, dest, token, weights, n)
+    if tp_mesh is not None:
+        from symcost.frontends.expert_parallel_tp import place
+
+        out = place(out, start, full)
+    return out
+
+
+def grouped_mm_shapes():
+    """A context under which ``aten._grouped_mm`` (transformers' experts code) answers with a new
+    output of its shape only, for model code run on fake tensors outside the recorder to learn
+    shapes (a pipeline stage's boundary, :func:`symcost.frontends.pipeline.probe_spec`): the meta
+    kernel PyTorch's ``FakeTensorMode`` runs asks for bf16 operands (the CUDA kernel's rule;
+    torch/_meta_registrations.py ``_meta_grouped_mm_common``) while the step passes fp32 ones under
+    fp32 and bf16-mixed (transformers casts the tokens to the weights' dtype). The shapes are
+    PyTorch's (``_create_grouped_mm_output_tensor``): ``[M, K] × [G, K, N] -> [M, N]``,
+    ``[M, K] × [K, N] -> [G, M, N]``, ``[G, M, K] × [K, N] -> [M, N]``, ``[G, M, K] × [G, K, N] ->
+    [G, M, N]``; the recorder answers the op itself (:mod:`symcost.tracing.grouped_mm`)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    op = torch.ops.aten._grouped_mm.default
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is not op:
+                return func(*args, **kwargs)
+            a, b = args[0], args[1]
+            offs = args[2] if len(args) > 2 else kwargs.get("offs")
+            a2, b2 = a.dim() == 2, b.dim() == 2
+            shape = ((offs.shape[0], a.shape[0], b.shape[1]) if a2 and b2 else (a.shape[0], b.shape[-1]) if a2
+                     else (a.shape[1], b.shape[-1]) if b2 else (a.shape[0], a.shape[1], b.shape[-1]))
+            dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 and args[4] is not None else a.dtype)
+            return a.new_empty(shape, dtype=dtype)
+
+    return Shapes()

@@ -181,10 +181,14 @@ class Layout:
         object.__setattr__(self, "compile", bool(self.compile))
         object.__setattr__(self, "ep", bool(self.ep))
         object.__setattr__(self, "offload_activations", bool(self.offload_activations))
-        if self.ep and (self.tp or self.fp8 is not None or self.cp or self.compile):
-            raise SymcostError("--ep with --tp/--cp/--fp8/--compile: expert parallelism is modelled alone or under "
-                               "FSDP2 (--dp N --shard fsdp|zero3|zero2), in pipeline stages too (--pp N), for now "
+        if self.ep and (self.fp8 is not None or self.cp or self.compile):
+            raise SymcostError("--ep with --cp/--fp8/--compile: expert parallelism is modelled alone, with --tp, under "
+                               "FSDP2 (--dp N --shard fsdp|zero3|zero2) and in pipeline stages (--pp N) for now "
                                "(docs/parallel.md §14); give --ep N without them")
+        if self.ep and self.tp and (self.sp or self.shard is not None):
+            raise SymcostError("--ep with --tp and " + ("--sp" if self.sp else "--dp") + ": expert parallelism over "
+                               "tensor-parallel ranks is modelled without sequence parallelism and data parallelism "
+                               "for now (--ep N --tp M [--pp P]; docs/parallel.md §14.8)")
         if self.experts_shard is not None and (not self.ep or self.shard is None or self.experts_shard not in (0, 1)):
             raise SymcostError("experts_shard (0 or 1) is the experts' FSDP2 placement under --ep with --dp")
         if self.ep and self.shard is not None:
@@ -293,14 +297,40 @@ class Layout:
         FSDP with ``cp`` the flattened ``dp_shard × cp`` group (DP·CP)."""
         return group_size(label, size_of, self.replicate, cp=self.cp and self.shard is not None, ep=self.ep_fsdp)
 
+    @property
+    def ep_tp(self) -> bool:
+        """Whether expert parallelism borrows the tensor-parallel ranks (``--ep N --tp M``,
+        docs/parallel.md §14.8): EP ranks per stage, TP groups of TP consecutive ones inside them."""
+        return self.ep and self.tp
+
+    def mesh_shape(self, size_of) -> tuple[tuple[str, ...], tuple]:
+        """``(names, sizes)`` of the fake ``DeviceMesh`` one rank of this layout is recorded on (its
+        traced dimensions, ``pp`` aside), ``size_of`` as :meth:`dim_size`: the traced dimensions
+        and their sizes, except with :attr:`ep_tp`, where the EP ranks are the mesh ``(ep_rest, tp)`` =
+        (EP/TP, TP) and the ``ep`` group its flattening (torchtitan: ``ep`` innermost in its sparse
+        mesh, over the ``dp_shard · tp`` ranks of its dense one)."""
+        if self.ep_tp:
+            ep, tp = size_of("EP"), size_of("TP")
+            return ("ep_rest", "tp"), (ep // tp if isinstance(ep, int) else ep / tp, tp)
+        dims = self.traced_dims
+        return dims, tuple(int(self.dim_size(d, size_of)) for d in dims)
+
     def engine_meshes(self, mesh) -> tuple[dict, dict]:
         """``({symbol: DeviceMesh}, {process group name: label})`` of a ``DeviceMesh`` with this
         layout's dimension names (and maybe ``pp``): the meshes :meth:`parallelize` applies each
         engine over (under HSDP, ``DP`` is the 2-D ``(dp_replicate, dp_shard)`` mesh FSDP2 takes),
         and each 1-D group's label: its symbol, and under HSDP ``"DP"`` for ``dp_shard``,
         ``"DP_replicate"`` for ``dp_replicate``."""
-        dims = [d for d in self.traced_dims]
         sub, labels = {}, {}
+        if self.ep_tp:
+            # the TP groups, and the EP group over the ranks that hold them (docs/parallel.md §14.8)
+            labels[mesh["tp"].get_group().group_name] = "TP"
+            sub["TP"] = mesh["tp"]
+            flat = mesh["ep_rest", "tp"]._flatten("ep")
+            labels[flat.get_group().group_name] = "EP"
+            sub["EP"] = flat
+            return sub, labels
+        dims = [d for d in self.traced_dims]
         for d in dims:
             label = "DP_replicate" if (self.hsdp and d == "dp_replicate") else DIM_SYMBOL[d]
             labels[mesh[d].get_group().group_name] = label
@@ -362,7 +392,8 @@ class Layout:
                     "tp": "sp" if self.sp else None,
                     "cp": f"ring attention, {self.cp_rotate}" if self.cp else None,
                     "pp": self._pp_words() if self.pipeline else None,
-                    "ep": "experts; dense parameters' FSDP over dp_shard × ep" if self.ep_fsdp else None}.get(d)
+                    "ep": ("experts; dense parameters' FSDP over dp_shard × ep" if self.ep_fsdp else
+                           "experts, over the TP groups' ranks" if self.ep_tp else None)}.get(d)
             parts.append(f"{d} {n}" + (f" ({what})" if what else ""))
         mesh = " × ".join(parts) or "one device"
         return (mesh + (", CPU offload" if self.offload else "")
@@ -563,7 +594,7 @@ class Layout:
             # (the flattened dp_shard × cp group is then the cp group itself: one group, two roles)
             raise SymcostError("--dp 1 with --cp: FSDP2 over the CP ranks alone (torchtitan's layout for CP without "
                                "data parallelism) is not modelled yet; give --dp 2 or more, or --cp alone")
-        shape = tuple(int(self.dim_size(d, lambda s: int(values[s]))) for d in dims)
+        dims, shape = self.mesh_shape(lambda s: int(values[s]))
         fake_world(math.prod(shape))
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
         sub, names = self.engine_meshes(mesh)
@@ -601,11 +632,16 @@ class Layout:
         if self.tp:
             from symcost.frontends.tensor_parallel import apply
 
-            loss_context = apply(model, layers, mesh["TP"], self.sp, self.fp8)
+            skip = None
+            if self.ep:  # (the MoE layers: laid over TP by apply_moe_ep_tp below, docs/parallel.md §14.8)
+                from symcost.frontends.expert_parallel_tp import skipped
+
+                skip = skipped(model)
+            loss_context = apply(model, layers, mesh["TP"], self.sp, self.fp8, skip=skip)
         if self.ep:  # (torchtitan's apply_moe_ep_tp: after the dense TP plan, before AC and FSDP)
             from symcost.frontends.expert_parallel import apply as apply_ep
 
-            apply_ep(model, mesh["EP"])
+            apply_ep(model, mesh["EP"], mesh["TP"] if self.tp else None)
         if self.ac is not None:
             from symcost.frontends.checkpointing import checkpoint_blocks
 

@@ -505,7 +505,9 @@ def probe_spec(spec, values: Mapping[str, int], layers: str, precision: str = "f
         if param_dtype != torch.float32:
             a, k = tree_map(lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
                             else t, (a, k))
-        with context(), autocast():
+        from symcost.frontends.expert_parallel import grouped_mm_shapes
+
+        with context(), autocast(), grouped_mm_shapes():  # (transformers' experts: fp32 grouped GEMMs)
             pre, post, templates, x = probe_boundary(m, layers, a, k)
     return pre, post, templates, tuple(x.shape), x.dtype
 

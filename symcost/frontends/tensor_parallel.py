@@ -581,11 +581,13 @@ def _nothing():
     yield
 
 
-def apply(model, layers: str | None, mesh, sp: bool, fp8: str | None = None):
+def apply(model, layers: str | None, mesh, sp: bool, fp8: str | None = None, skip: list[str] | None = None):
     """Parallelise ``model`` in place over ``mesh`` (:func:`plan`, or the config's
     ``base_model_tp_plan``; head counts divided by the mesh size; under FP8 training's tensorwise
     recipe, ``fp8``, torchao's float8 styles for its ``Float8Linear`` modules:
-    :func:`symcost.frontends.fp8.float8_tp_styles`). Returns the context the loss and its backward
+    :func:`symcost.frontends.fp8.float8_tp_styles`; ``skip``: module names whose submodules the plan
+    leaves alone, the MoE layers under ``--ep --tp``, :mod:`symcost.frontends.expert_parallel_tp`).
+    Returns the context the loss and its backward
     run in: ``loss_parallel()`` where the head's logits are vocabulary-sharded, else a no-op.
 
     Raises:
@@ -615,6 +617,13 @@ def apply(model, layers: str | None, mesh, sp: bool, fp8: str | None = None):
         styles = {p: s for p, s in styles.items() if s is not _GRAD_ALL_REDUCE and p not in own}
         colwise = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)
                    and any(_fqn_match(p, n) for p, s in styles.items() if isinstance(s, ColwiseParallel))]
+    if skip:
+        def inside(n):
+            return any(n == k or n.startswith(k + ".") for k in skip)
+
+        styles = {p: st for p, st in styles.items()
+                  if not any(inside(n) for n, _ in model.named_modules() if n == p or _fqn_match(p, n))}
+        colwise = [n for n in colwise if not inside(n)]
     if not styles:
         raise SymcostError("--tp: no projection of the model matches the Megatron plan (column- and "
                            "row-parallel Linears by name); nothing would be split")

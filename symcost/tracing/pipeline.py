@@ -251,8 +251,7 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
         if keywords and s == n - 1:
             m.forward = _loss_of(m.forward, spec)
         models.append((s, m))
-    dims = tuple(inner.traced_dims) if inner else ()
-    shape = tuple(int(inner.dim_size(d, lambda s: int(values[s]))) for d in dims)
+    dims, shape = inner.mesh_shape(lambda s: int(values[s])) if inner else ((), ())
     others = math.prod(shape)
     if dims:
         # the composed mesh: this process is global rank 0 of a fake world kept across the

@@ -1,7 +1,7 @@
 """One rank of an expert-parallel training step (tests/test_expert_parallel.py), on real tensors
 over gloo, or rank 0 on the fake process group: the oracle of symcost's per-rank numbers.
 
-``python -m torch.distributed.run --standalone --nproc-per-node N ep_rank.py OUT H D L V F E R B S [DP]``
+``python -m torch.distributed.run --standalone --nproc-per-node N ep_rank.py OUT H D L V F E R B S [DP] [tp=M] [own]``
 builds the built-in ``moe`` model on each rank (fp32, each rank its own tokens), shards its
 experts over the N ranks (N/DP with DP) with ``symcost.frontends.expert_parallel.apply`` (the layout
 is the input: DTensor ``Shard(0)`` experts, the all-to-all dispatch and combine; what is measured is
@@ -10,6 +10,9 @@ expert (n·R + k) mod E), runs a warm-up step and one measured step (forward, lo
 AdamW in its for-loop form) and writes ``OUT/rank{r}.json``. With DP, the mesh is
 ``(dp_shard, ep) = (DP, N/DP)`` and FSDP2 is applied here as torchtitan's ``apply_fsdp`` applies it
 under EP (:func:`fsdp_as_torchtitan`), and the collective bytes are kept per process group.
+With ``tp=M``: EP × TP (:func:`ep_tp`), N ranks, TP groups of M consecutive ones (each group its own
+tokens), the EP group all N. With ``own``: the model's own routers (not forced to the balanced
+assignment; the built-in ``moe``'s fixed capacities keep every shape).
 
 :func:`measure` is what each rank measures, also used in-process on the fake group:
 
@@ -121,13 +124,15 @@ def _group_label(args, groups):
     return groups[process_group(args).group_name]
 
 
-def measure(model, tokens, peak: bool = False, spec=None, groups=None) -> dict:
+def measure(model, tokens, peak: bool = False, spec=None, groups=None, loss_context=None, balanced: bool = True) -> dict:
     """One training step's FLOPs, saved bytes, collective bytes per rank and parameter elements
     (module docstring), after a warm-up step; the router balanced. ``tokens`` ``[B, S]``; ``spec``:
     a transformers model's :class:`~symcost.frontends.spec.ModelSpec` (its inputs and loss; the
     built-in ``moe``'s without). ``groups``: ``{process group name: label}`` under FSDP2: the
     bytes are then also kept per label and kind (``by_group``), FSDP2's all-gathers (n-1)/n of their
-    output, reduce-scatters (n-1)/n of their input (nccl-tests' bus bandwidth, typed here)."""
+    output, reduce-scatters (n-1)/n of their input, all-reduces 2(n-1)/n of their input (nccl-tests'
+    bus bandwidth, typed here). ``loss_context``: the context the loss and its backward run in
+    (``loss_parallel`` under TP); ``balanced=False``: the model's own routers."""
     import torch
     from torch.distributed.tensor import DTensor
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -161,6 +166,12 @@ def measure(model, tokens, peak: bool = False, spec=None, groups=None) -> dict:
                 kind, t = ("all_gather", args[0]) if "allgather" in name else ("reduce_scatter", args[1])
                 comm[kind] = comm.get(kind, Fraction(0)) + Fraction(n - 1, n) * t.numel() * t.element_size()
                 add(_group_label(args, groups), kind, Fraction(n - 1, n) * t.numel() * t.element_size())
+            elif groups and name in ("_c10d_functional.all_reduce", "c10d.allreduce_"):  # (input or [inputs], ...)
+                n = _group_size(args)
+                ts = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+                nbytes = sum(Fraction(2 * (n - 1), n) * t.numel() * t.element_size() for t in ts)
+                comm["all_reduce"] = comm.get("all_reduce", Fraction(0)) + nbytes
+                add(_group_label(args, groups), "all_reduce", nbytes)
             elif name.startswith(("_c10d_functional.", "c10d.")) and not name.endswith(("wait_tensor", "_wrap_tensor_autograd")):
                 comm["other"] += 1  # (any other collective: there should be none)
             elif name == "aten._grouped_mm":  # (not in flop_counter's registry: typed here)
@@ -198,21 +209,26 @@ def measure(model, tokens, peak: bool = False, spec=None, groups=None) -> dict:
         loss_fn = spec.loss
 
     def loss_of():
-        return loss_fn(model(*args, **kwargs), (args, kwargs))
+        with (loss_context or contextlib.nullcontext)():
+            return loss_fn(model(*args, **kwargs), (args, kwargs))
+
+    def backward(loss):
+        with (loss_context or contextlib.nullcontext)():
+            loss.backward()
 
     def step():
         opt.zero_grad(set_to_none=True)
         loss = loss_of()
-        loss.backward()
+        backward(loss)
         del loss
         opt.step()
 
-    with balanced_router():
+    with balanced_router() if balanced else contextlib.nullcontext():
         step()  # warm-up: the optimizer state, DTensor's shape propagation
         opt.zero_grad(set_to_none=True)
         with Count(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = loss_of()
-            loss.backward()
+            backward(loss)
             del loss
         out = {"flops": flops[0], "saved": saved[0], "comm": {k: str(v) for k, v in comm.items()},
                "shard": sum(local(p).numel() for p in model.parameters()),
@@ -229,6 +245,40 @@ def measure(model, tokens, peak: bool = False, spec=None, groups=None) -> dict:
     return out
 
 
+def ep_tp(v: dict, mesh, tokens) -> tuple:
+    """EP × TP (``tp=M``): the built-in ``moe`` at ``v`` laid out by symcost's layout over the
+    mesh ``(ep_rest, tp)`` (the EP group its flattening, docs/parallel.md §14.8), checked against
+    the same model on one device first (same seed, the TP group's ``tokens``, the routers
+    balanced): the loss and the router's gradient (all-reduced over TP) equal. Returns ``(model,
+    loss context, {group name: label}, {check: max abs difference})``."""
+    import torch
+
+    from symcost.frontends.builtin.cs336_lm import lm_loss
+    from symcost.frontends.builtin.moe import MoELM
+    from symcost.frontends.layout import Layout
+
+    def make():
+        torch.manual_seed(0)
+        return MoELM(v["V"], v["H"] * v["D"], v["L"], v["H"], v["F"], v["E"], v["R"])
+
+    flat = mesh["ep_rest", "tp"]._flatten("ep")
+    model, ref = make(), make()
+    loss_context = Layout(ep=True, tp=True).parallelize(model, "layers", {"TP": mesh["tp"], "EP": flat})
+    checks = {}
+    with balanced_router():
+        want = lm_loss(ref(tokens), ((tokens,), {}))
+        want.backward()
+        with loss_context():
+            got = lm_loss(model(tokens), ((tokens,), {}))
+            got.backward()
+    checks["loss"] = abs(float(got.full_tensor() if hasattr(got, "full_tensor") else got) - float(want))
+    g = model.layers[0].moe.router.weight.grad
+    checks["router_grad"] = float((g - ref.layers[0].moe.router.weight.grad).abs().max())
+    model.zero_grad(set_to_none=True)
+    groups = {mesh["tp"].get_group().group_name: "TP", flat.get_group().group_name: "EP"}
+    return model, loss_context, groups, checks
+
+
 def main():
     import torch
     import torch.distributed as dist
@@ -236,11 +286,19 @@ def main():
 
     out_dir = sys.argv[1]
     v = dict(zip("HDLVFERBS", (int(x) for x in sys.argv[2:11])))
-    dp = int(sys.argv[11]) if len(sys.argv) > 11 else None
+    extra = sys.argv[11:]
+    dp = next((int(x) for x in extra if x.isdigit()), None)
+    tp = next((int(x[3:]) for x in extra if x.startswith("tp=")), None)
+    balanced = "own" not in extra  # ("own": the model's own routers)
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
-    groups = None
-    if dp is None:
+    groups, loss_context, checks = None, None, {}
+    if tp is not None:
+        mesh = init_device_mesh("cpu", (n // tp, tp), mesh_dim_names=("ep_rest", "tp"))
+        torch.manual_seed(100 + rank // tp)  # each TP group its own tokens
+        tokens = torch.randint(0, v["V"], (v["B"], v["S"]))
+        model, loss_context, groups, checks = ep_tp(v, mesh, tokens)
+    elif dp is None:
         mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("ep",))
         model = build(v, mesh["ep"])
     else:
@@ -249,11 +307,12 @@ def main():
         flat = fsdp_as_torchtitan(model, mesh)
         groups = {mesh["ep"].get_group().group_name: "EP", mesh["dp_shard"].get_group().group_name: "DP_expert",
                   flat.get_group().group_name: "DP"}
-    torch.manual_seed(100 + rank)  # each rank its own tokens
-    tokens = torch.randint(0, v["V"], (v["B"], v["S"]))
-    got = measure(model, tokens, peak=True, groups=groups)
+    if tp is None:
+        torch.manual_seed(100 + rank)  # each rank its own tokens
+        tokens = torch.randint(0, v["V"], (v["B"], v["S"]))
+    got = measure(model, tokens, peak=True, groups=groups, loss_context=loss_context, balanced=balanced)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({**got, "world": n}, f)
+        json.dump({**got, "world": n, "checks": checks}, f)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gloo_teardown import finish
 
