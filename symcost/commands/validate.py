@@ -24,12 +24,15 @@ import click
                                              "against their measured median, within --tolerance "
                                              "(docs/performance-model.md; needs --devices-file from symcost "
                                              "calibrate)")
-@click.option("--tolerance", default=0.15, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="with --steps: the largest |predicted / measured - 1| that passes")
+@click.option("--dp", "dp", default=None, type=click.IntRange(min=2), metavar="N",
+              help="with --steps: DDP steps on N gloo processes of this host instead (the all-reduce's alpha-beta "
+                   "measured on its own microbenchmark first; docs/performance-model.md)")
+@click.option("--tolerance", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="with --steps: the largest |predicted / measured - 1| that passes [default: 0.15; 0.25 with --dp]")
 @click.option("--plot", default=None, metavar="FILE.png", help="draw measured vs predicted (needs matplotlib)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--debug", is_flag=True, help="show tracebacks")
-def validate(devices_file, device_name, quick, hardware, attempts, accept_contended, decode, steps, tolerance, plot,
+def validate(devices_file, device_name, quick, hardware, attempts, accept_contended, decode, steps, dp, tolerance, plot,
              as_json, debug):
     """Compile and time a sweep of kernels (square and skinny matmuls, matrix-vector, add, GELU,
     softmax, a Linear+GELU block) and the training steps of mlp and cs336-lm on this CPU; print
@@ -39,9 +42,12 @@ def validate(devices_file, device_name, quick, hardware, attempts, accept_conten
     machine) is refused unless --accept-contended."""
     import sys
 
+    from symcost.errors import SymcostError
+
+    if dp is not None and not steps:
+        raise SymcostError("--dp N applies to validate --steps (DDP steps on N gloo processes); leave it out otherwise")
     from symcost.validation import validate as val
     from symcost.hardware.devices import get_device
-    from symcost.errors import SymcostError
     from symcost.render.report import console
 
     if attempts < 1:
@@ -62,7 +68,7 @@ def validate(devices_file, device_name, quick, hardware, attempts, accept_conten
             "fail for the wrong reason: run symcost calibrate again on an idle machine, or pass --accept-contended")
     log = (lambda s: None) if as_json else (lambda s: console().print("  " + s))
     if steps:
-        return _steps(dev, devices_file, quick, hardware, attempts, tolerance, as_json, log)
+        return _steps(dev, devices_file, quick, hardware, attempts, tolerance, as_json, log, dp)
     if decode:
         v = val.validate_decode(dev, attempts=attempts, log=log, hardware=hardware)
     else:
@@ -118,7 +124,7 @@ def validate(devices_file, device_name, quick, hardware, attempts, accept_conten
         sys.exit(1)
 
 
-def _steps(dev, devices_file, quick, hardware, attempts, tolerance, as_json, log):
+def _steps(dev, devices_file, quick, hardware, attempts, tolerance, as_json, log, dp=None):
     """``validate --steps``: predicted against measured eager training steps (one table or JSON;
     exit 1 when a case is beyond the tolerance)."""
     import sys
@@ -132,8 +138,14 @@ def _steps(dev, devices_file, quick, hardware, attempts, tolerance, as_json, log
                            "--devices-file FILE (its efficiency table holds the measured parameters)")
     if hardware != "cpu":
         raise SymcostError("validate --steps times steps on this CPU only (benchmarks/gpu_check.sh calibrates a GPU)")
-    v = st.validate_steps(dev, st.QUICK_CASES if quick else st.STEP_CASES, tolerance=tolerance,
-                          attempts=attempts, log=log)
+    if dp is not None:
+        tolerance = 0.25 if tolerance is None else tolerance
+        v = st.validate_dp_steps(dev, st.DP_CASES[:1] if quick else st.DP_CASES, ranks=dp, tolerance=tolerance,
+                                 log=log)
+    else:
+        tolerance = 0.15 if tolerance is None else tolerance
+        v = st.validate_steps(dev, st.QUICK_CASES if quick else st.STEP_CASES, tolerance=tolerance,
+                              attempts=attempts, log=log)
     if as_json:
         click.echo(json.dumps(v.to_json(), indent=1, default=str))
     else:

@@ -303,3 +303,87 @@ def measured_device(quick: bool = True, min_run_time: float = 0.2, log: Callable
              "measured": {"threads": torch.get_num_threads(), "torch": torch.__version__}}
     entry["efficiency"] = efficiency(entry, dev, quick=quick, min_run_time=min_run_time, log=log)
     return entry
+
+
+#: message sizes (bytes, fp32 buffers) of the all-reduce microbenchmark: 4 KiB to 8 MiB
+ALLREDUCE_SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 21, 1 << 23)
+
+
+def fit_alpha_beta(points: dict[int, float], ranks: int) -> dict:
+    """``{"alpha", "beta", "rms_rel_error"}`` of a ring all-reduce from ``{bytes: seconds}``: the
+    least-squares line t = a + b·B, read through the alpha-beta model (Hockney 1994; Thakur,
+    Rabenseifner & Gropp 2005, Table 1) t = 2(n-1)·alpha + 2(n-1)/n · B / beta, so alpha =
+    a / (2(n-1)) seconds per step and beta = 2(n-1) / (n·b) byte/s per direction (what
+    :meth:`symcost.hardware.efficiency.Efficiency.collective_seconds` prices with).
+
+    Raises:
+        SymcostError: fewer than two sizes, fewer than two ranks, or a non-increasing time.
+    """
+    from symcost.errors import SymcostError
+
+    n = int(ranks)
+    if n < 2 or len(points) < 2:
+        raise SymcostError("an alpha-beta fit needs two ranks or more and two message sizes or more")
+    xs, ys = zip(*sorted(points.items()))
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = max(0.0, my - b * mx)
+    if b <= 0:
+        raise SymcostError(f"all-reduce times do not grow with the message size ({dict(points)}): no bandwidth to fit")
+    rms = math.sqrt(statistics.fmean(((a + b * x) / y - 1) ** 2 for x, y in zip(xs, ys)))
+    return {"alpha": a / (2 * (n - 1)), "beta": 2 * (n - 1) / (n * b), "rms_rel_error": rms}
+
+
+def _allreduce_worker(rank: int, world: int, store: str, sizes, reps: int, queue) -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        out = {}
+        for nbytes in sizes:
+            t = torch.ones(max(1, nbytes // 4))
+            for _ in range(3):
+                dist.all_reduce(t)
+            ts = []
+            for _ in range(reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                ts.append(time.perf_counter() - t0)
+            out[nbytes] = statistics.median(ts)
+        if rank == 0:
+            queue.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def collective_alpha_beta(ranks: int = 2, sizes=ALLREDUCE_SIZES, reps: int = 15) -> dict:
+    """Measure a gloo all-reduce on this machine: ``ranks`` processes (one torch thread each) on
+    one host, rendezvous through a file store, each size all-reduced ``reps`` times after three
+    warm-up calls and a barrier before each (wall time, rank 0's median per size); then
+    :func:`fit_alpha_beta`. Returns ``{"alpha", "beta", "rms_rel_error", "seconds": {bytes: s},
+    "ranks", "backend": "gloo"}``. A microbenchmark of the collective alone: the data-parallel
+    steps validated with it never run here (docs/performance-model.md)."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    fd, store = tempfile.mkstemp(prefix="symcost-gloo-")
+    os.close(fd)
+    os.unlink(store)
+    try:
+        mp.start_processes(_allreduce_worker, args=(ranks, store, tuple(sizes), reps, q), nprocs=ranks,
+                           start_method="spawn")
+        seconds = q.get()
+    finally:
+        if os.path.exists(store):
+            os.unlink(store)
+    return {**fit_alpha_beta(seconds, ranks), "seconds": seconds, "ranks": ranks, "backend": "gloo"}

@@ -58,9 +58,12 @@ MIN_SECONDS = 1.0
 MAX_OTHER_SHARE = 0.25
 
 
-def eager_step(model: str, sizes: Mapping[str, int], precision: str = "fp32", mode: str = "eager") -> Callable[[], None]:
+def eager_step(model: str, sizes: Mapping[str, int], precision: str = "fp32", mode: str = "eager",
+               ddp: bool = False) -> Callable[[], None]:
     """One training step of a built-in model on this CPU (see the module docstring); ``mode``
-    ``compiled``: the forward and loss under ``torch.compile`` (compiled on the first call)."""
+    ``compiled``: the forward and loss under ``torch.compile`` (compiled on the first call);
+    ``ddp``: the model under ``DistributedDataParallel`` (the default process group, its default
+    25 MiB buckets; the gradients' all-reduce runs inside ``backward()``)."""
     import torch
 
     from symcost.frontends.models import resolve
@@ -73,6 +76,8 @@ def eager_step(model: str, sizes: Mapping[str, int], precision: str = "fp32", mo
     m = spec.build(values)
     dtype, ctx = precision_context(precision)
     m = m.to(dtype)
+    if ddp:
+        m = torch.nn.parallel.DistributedDataParallel(m)
     args, kwargs = spec.make_inputs(values, torch.device("cpu"))
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, foreach=True)
 
@@ -211,3 +216,110 @@ def validate_steps(device: Device, cases=STEP_CASES, tolerance: float = 0.15, at
             break
         todo = [i for i, c in enumerate(prepared) if any(f.startswith(c[0] + ":") for f in failures)]
     return v
+
+
+#: (model, sizes, precision) of the 2-rank gloo data-parallel validation (:func:`validate_dp_steps`)
+DP_CASES: tuple[tuple[str, dict, str], ...] = (
+    ("mlp", {"B": 8, "S": 64, "D": 512, "L": 3}, "fp32"),
+    ("gpt2", {"B": 2, "S": 96, "H": 4, "D": 64, "L": 2, "V": 4096}, "fp32"),
+)
+
+
+def _dp_worker(rank: int, world: int, store: str, model: str, sizes: dict, precision: str, min_runs: int,
+               queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        step = eager_step(model, sizes, precision, ddp=True)
+        queue.put((rank, time_step(step, min_runs=min_runs)))
+    finally:
+        dist.destroy_process_group()
+
+
+def time_dp_step(model: str, sizes: Mapping[str, int], precision: str = "fp32", ranks: int = 2,
+                 min_runs: int = MIN_RUNS) -> dict:
+    """Time the DDP training step of a built-in model on ``ranks`` gloo processes of this host (one
+    torch thread each, a file-store rendezvous; :func:`eager_step` with ``ddp``, :func:`time_step`
+    in every rank). Returns rank 0's timing (its wall-time ``median`` counts: a rank's step waits
+    for the all-reduce, which its CPU time leaves out) with ``"ranks": [each rank's timing]``."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    q = mp.get_context("spawn").SimpleQueue()
+    fd, store = tempfile.mkstemp(prefix="symcost-gloo-")
+    os.close(fd)
+    os.unlink(store)
+    try:
+        mp.start_processes(_dp_worker, args=(ranks, store, model, dict(sizes), precision, min_runs, q),
+                           nprocs=ranks, start_method="spawn")
+        got = dict(q.get() for _ in range(ranks))
+    finally:
+        if os.path.exists(store):
+            os.unlink(store)
+    return {**got[0], "ranks": [got[r] for r in range(ranks)]}
+
+
+def gloo_device(device: Device, ranks: int = 2) -> tuple[Device, dict]:
+    """``device`` with the gloo all-reduce of this host measured on its microbenchmark
+    (:func:`symcost.hardware.calibrate_perf.collective_alpha_beta`): ``interconnect`` {link "gloo
+    (one host)", ``link_bandwidth`` beta, ``devices_per_node`` ranks} and the efficiency's
+    ``collective_latency`` alpha; and the fit itself. Nothing of a training step is measured."""
+    import dataclasses
+
+    from symcost.hardware.calibrate_perf import collective_alpha_beta
+    from symcost.passes.performance import efficiency_of
+
+    fit = collective_alpha_beta(ranks)
+    eff = dataclasses.replace(efficiency_of(device), collective_latency=fit["alpha"])
+    ic = {"link": "gloo (one host, loopback)", "link_bandwidth": fit["beta"], "devices_per_node": ranks,
+          "source": f"symcost.hardware.calibrate_perf.collective_alpha_beta: {ranks}-rank gloo all-reduce, "
+                    f"{len(fit['seconds'])} sizes"}
+    return dataclasses.replace(device, interconnect=ic, efficiency=eff), fit
+
+
+def validate_dp_steps(device: Device, cases=DP_CASES, ranks: int = 2, tolerance: float = 0.25,
+                      overlap: str = "backward", log: Callable[[str], None] | None = None) -> StepValidation:
+    """Issue 29's data-parallel line on this CPU: each case's DDP step on ``ranks`` gloo processes
+    (:func:`time_dp_step`, wall-time median of rank 0) against
+    :func:`symcost.passes.performance.predict_dp` of the traced DDP rank (``--dp ranks --shard
+    ddp``: compute by the calibrated efficiency table, the all-reduce by the alpha-beta of
+    :func:`gloo_device`'s microbenchmark, DDP's ``overlap`` with the backward). Failures: beyond
+    ``tolerance`` (25%). Rows as :func:`validate_steps`'s, plus ``comm`` and ``alpha_beta``.
+
+    Raises:
+        SymcostError: a device without an ``efficiency`` table.
+    """
+    from symcost.errors import SymcostError
+    from symcost.frontends.layout import Layout
+    from symcost.graph.build import trace
+    from symcost.passes.performance import predict_dp
+
+    if device.efficiency is None:
+        raise SymcostError(f"{device.key} has no efficiency table: calibrate it first (symcost calibrate --out FILE)")
+    log = log or (lambda s: None)
+    dev, fit = gloo_device(device, ranks)
+    log(f"gloo all-reduce ({ranks} ranks): alpha {fit['alpha'] * 1e6:.1f} us, beta {fit['beta'] / 1e9:.2f} GB/s "
+        f"(fit rms {100 * fit['rms_rel_error']:.0f}%)")
+    rows = []
+    for model, sizes, precision in cases:
+        full = {**sizes, "DP": ranks}
+        an = trace(model, sizes=full, precision=precision, layout=Layout(shard="ddp"))
+        p = predict_dp(an, dev, full, overlap=overlap)
+        t = time_dp_step(model, sizes, precision, ranks)
+        rows.append({"case": "DDP x%d " % ranks + _label(model, sizes, precision), "model": model, "sizes": dict(sizes),
+                     "precision": precision, "mode": "eager", "predicted": p["step_seconds"],
+                     "bound": p["bound_seconds"], "measured": t["median"], "basis": "wall", "wall_median": t["median"],
+                     "wall_min": t["min"], "cpu_median": t["cpu_median"], "other_cpu_share": t["other_cpu_share"],
+                     "runs": t["runs"], "error": p["step_seconds"] / t["median"] - 1, "compute": p["compute"],
+                     "comm": p["comm"], "alpha_beta": {k: fit[k] for k in ("alpha", "beta", "rms_rel_error")}})
+        r = rows[-1]
+        log(f"{r['case']}: predicted {r['predicted'] * 1e3:.1f} ms, measured {r['measured'] * 1e3:.1f} ms "
+            f"({100 * r['error']:+.1f}%), others' CPU share {t['other_cpu_share']}")
+    failures = [f"{r['case']}: predicted {r['predicted'] * 1e3:.1f} ms vs measured median {r['measured'] * 1e3:.1f} ms "
+                f"({100 * r['error']:+.0f}%, beyond {100 * tolerance:.0f}%)" for r in rows if abs(r["error"]) > tolerance]
+    return StepValidation(dev, rows, failures, tolerance, None, 1)
