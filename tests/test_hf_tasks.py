@@ -158,3 +158,98 @@ def test_bad_sizes_and_tasks_one_line(capsys, tmp_path, monkeypatch):
     with pytest.raises(SymcostError, match="unknown task 'mlm'"):
         symcost.resolve("hf:bert", task="mlm")
     assert symcost.resolve("hf:bert", task="causal-lm").extra.get("task") is None  # (the causal LM: hf.spec)
+
+
+def _split_conv1d(monkeypatch):
+    """FlopCounterMode's oracle for a grouped (depthwise) conv1d: each ``F.conv1d`` with groups > 1
+    run as ``groups`` separate convolutions on the channel slices (same weights), which it counts
+    right (it counts a grouped convolution's weight gradient as if ungrouped; docs/conventions.md,
+    test_kernels' SplitConv)."""
+    import torch.nn.functional as F
+
+    orig = F.conv1d
+
+    def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        if groups == 1:
+            return orig(input, weight, bias, stride, padding, dilation, 1)
+        bs = bias.chunk(groups) if bias is not None else [None] * groups
+        return torch.cat([orig(x, w, b, stride, padding, dilation, 1)
+                          for x, w, b in zip(input.chunk(groups, 1), weight.chunk(groups, 0), bs)], 1)
+
+    monkeypatch.setattr(F, "conv1d", conv1d)
+
+
+@pytest.mark.heavy
+def test_whisper_speech_seq2seq_exact_and_whisper_tiny_params():
+    """hf:whisper trains WhisperForConditionalGeneration on its own loss: input_features [B, N_mel,
+    2*S_enc] (the conv stem halves them to S_enc = max_source_positions), labels [B, S]; traced at
+    Whisper-tiny's L = 4 (both stacks follow L: pinned), exact at random other sizes.
+
+    Whisper-tiny's parameters: published "39M" (Radford et al. 2022, "Robust Speech Recognition via
+    Large-Scale Weak Supervision", Table 1; the openai/whisper-tiny model card), a rounded figure
+    whose count rule is not stated. WhisperConfig's defaults are tiny's sizes (d_model 384, 4 + 4
+    layers, 6 heads, FFN 1536, vocab 51865, 80 mel bins, 1500 audio and 448 text positions); the
+    rule here: every distinct parameter tensor of WhisperForConditionalGeneration (proj_out tied to
+    the decoder's token embedding, counted once; the encoder's frozen sinusoidal position table,
+    1500 x 384, counted: transformers stores it as a parameter) = 37,760,640, 37.8M, 3.2% under
+    the rounded 39M; without the frozen table (OpenAI's code keeps it as a buffer) 37,184,640."""
+    spec = _spec("hf:whisper")
+    assert spec.extra["task"] == "speech-seq2seq" and spec.extra["model_class"] == "WhisperForConditionalGeneration"
+    assert {"S_enc", "N_mel"} <= set(spec.symbols)
+    an = symcost.trace(spec, sizes={"B": 2, "S": 5, "S_enc": 7, "H": 2, "D": 4, "F": 10, "V": 37, "L": 4, "N_mel": 6},
+                       precision="fp32", torch_device="cpu")
+    assert an.pinned == {"L": 4}, an.pinned
+    rng = random.Random("whisper")
+    v = {"B": rng.randint(2, 3), "S": rng.randint(3, 9), "S_enc": rng.randint(3, 11), "H": rng.randint(2, 4),
+         "D": rng.choice((4, 6, 8)), "F": rng.randint(6, 30), "V": rng.randint(20, 80), "L": 4, "N_mel": rng.randint(2, 12)}
+    _check(an, spec, v)
+    tiny = {k: spec.defaults[k] for k in ("H", "D", "F", "V", "L", "S_enc", "N_mel")}
+    assert tiny == {"H": 6, "D": 64, "F": 1536, "V": 51865, "L": 4, "S_enc": 1500, "N_mel": 80}  # whisper-tiny
+    got = an.subs(B=1, S=448, **tiny)["params"]
+    model = spec.build_meta({**spec.defaults, **tiny})
+    assert got == _meta_params(model) == 37_760_640
+    frozen = model.model.encoder.embed_positions.weight.numel()
+    assert got - frozen == 37_184_640 and abs(got / 39e6 - 1) < 0.035
+
+
+@pytest.mark.heavy
+def test_mamba_selective_scan_exact_and_mamba_130m(monkeypatch):
+    """hf:mamba (MambaForCausalLM; refused before: "no usable num_attention_heads"): the model's own
+    symbols M, N_state, K_conv, EXPAND, R_dt; S pinned (transformers' CPU scan is a Python loop over
+    S, stated); exact at random other sizes (FLOPs against FlopCounterMode with the depthwise conv
+    split, the true count). Mamba-130m: "130M" (Gu & Dao 2023, the state-spaces/mamba-130m-hf model
+    card; its config: d_model 768, 24 layers, vocab 50277 padded to 50280, state 16, conv 4,
+    expand 2, time_step_rank auto = 48): 129,135,360 (130M to two significant digits), the meta
+    count of MambaForCausalLM with the embedding tied to the LM head."""
+    spec = _spec("hf:mamba")
+    assert spec.extra["model_class"] == "MambaForCausalLM"
+    assert set(spec.symbols) == {"M", "L", "V", "N_state", "K_conv", "EXPAND", "R_dt"}
+    an = symcost.trace(spec, sizes={"B": 2, "S": 3, "M": 8, "L": 2, "V": 37, "N_state": 3, "K_conv": 3, "EXPAND": 2,
+                                    "R_dt": 2}, precision="fp32", torch_device="cpu")
+    assert an.pinned == {"S": 3} and "loop over the S positions" in an.pin_reasons["S"], an.pinned
+    rng = random.Random("mamba")
+    v = {"B": rng.randint(2, 3), "S": 3, "M": rng.randint(4, 16), "L": rng.randint(1, 3), "V": rng.randint(20, 80),
+         "N_state": rng.randint(2, 6), "K_conv": rng.randint(2, 5), "EXPAND": rng.randint(1, 3), "R_dt": rng.randint(1, 4)}
+    _split_conv1d(monkeypatch)
+    _check(an, spec, v)
+    m130 = {"M": 768, "L": 24, "V": 50280, "N_state": 16, "K_conv": 4, "EXPAND": 2, "R_dt": 48}
+    got = an.subs(B=1, S=3, **m130)["params"]
+    assert got == _meta_params(spec.build_meta({**spec.defaults, **m130})) == 129_135_360
+    assert round(got, -7) == 130_000_000
+
+
+@pytest.mark.heavy
+def test_modernbert_masked_lm_exact():
+    """hf:modernbert (ModernBertForMaskedLM): rotary positions, global and local (sliding-window)
+    attention alternating every third block, the first block without its attention norm; L pinned
+    (each attention kind has its own rotary table, saved by its first block: the blocks do not
+    repeat alike; stated) at L = 4 (global, local, local, global); exact at random other sizes."""
+    spec = _spec("hf:modernbert")
+    assert spec.extra["task"] == "masked-lm" and spec.extra["model_class"] == "ModernBertForMaskedLM"
+    an = symcost.trace(spec, sizes={"B": 2, "S": 5, "H": 2, "D": 4, "L": 4, "F": 10, "V": 37},
+                       precision="fp32", torch_device="cpu")
+    assert an.pinned == {"L": 4} and "rotary table" in an.pin_reasons["L"], an.pinned
+    rng = random.Random("modernbert")
+    v = {"B": rng.randint(2, 3), "S": rng.randint(3, 12), "H": rng.randint(2, 4), "D": rng.choice((4, 6, 8)),
+         "L": 4, "F": rng.randint(6, 30), "V": rng.randint(20, 80)}
+    _check(an, spec, v)

@@ -1,6 +1,7 @@
 """``hf:`` models that are no causal LM: encoders (masked-LM loss), encoder-decoders (sequence-to-
-sequence loss) and vision transformers (classification loss), each trained with the loss its
-``transformers`` head computes from ``labels``.
+sequence loss, speech ones included: Whisper) and vision transformers (classification loss), each
+trained with the loss its ``transformers`` head computes from ``labels``; and the state-space
+causal LMs (Mamba: :func:`ssm_spec`), which have no attention heads to bind.
 
 A model type's task is the first of these its ``transformers`` auto mappings have (or the one
 ``task`` names): ``seq2seq`` (``AutoModelForSeq2SeqLM``: T5, BART), ``masked-lm``
@@ -19,7 +20,9 @@ L           ``num_hidden_layers``; an encoder-decoder's decoder stack (``num_dec
             ``decoder_layers``) follows L where the config has them equal, else is ``L_dec``
 V, F        ``vocab_size``; ``intermediate_size``/``d_ff``/``encoder_ffn_dim`` (decoder's follows)
 S           tokens per sequence: an encoder's input, an encoder-decoder's **target** (decoder)
-S_enc       an encoder-decoder's source tokens per sequence (the encoder's input)
+S_enc       an encoder-decoder's source tokens per sequence (the encoder's input); Whisper's audio
+            positions, ``max_source_positions`` (its encoder takes exactly 2·S_enc mel frames)
+N_mel       Whisper's mel-frequency bins (``num_mel_bins``)
 IMG, C      a vision model's image side (pixels; a multiple of the config's ``patch_size``, which
             stays a config value: the (IMG/P)^2 patches are no polynomial in P) and input channels
 NCLS        a classifier's classes (``num_labels``)
@@ -27,9 +30,20 @@ NCLS        a classifier's classes (``num_labels``)
 
 Inputs: masked-LM ``input_ids`` and ``labels`` ``[B, S]`` (labels at every position: a real
 batch's ignored positions, -100, run the same ops); seq2seq ``input_ids [B, S_enc]`` and
-``labels [B, S]`` (the model shifts the labels into its decoder inputs itself); vision
+``labels [B, S]`` (the model shifts the labels into its decoder inputs itself); speech-seq2seq
+(``AutoModelForSpeechSeq2Seq``: Whisper) ``input_features [B, N_mel, 2·S_enc]`` float32 and
+``labels [B, S]`` (S at most ``max_target_positions``; other speech models, whose inputs are not
+Whisper's, are refused in one line); vision
 ``pixel_values [B, C, IMG, IMG]`` and ``labels [B]`` in ``[0, NCLS)`` (cross entropy: the head's
 ``single_label_classification``).
+
+Layer patterns: where a config lists per-layer kinds (ModernBERT's ``layer_types``: global
+attention every third block, local sliding-window attention between, each kind with its own rotary
+table, saved by the first block of its kind) the blocks do not repeat alike, so L is pinned at the
+request (``ModelSpec.pin``, said in the report) and the list follows L by its shortest period.
+
+State-space models (:func:`ssm_spec`; Mamba-1 style configs, :func:`is_ssm`): symbols M, L, V and
+the model's own N_state, K_conv, EXPAND, R_dt; S pinned (transformers' CPU scan loops over S).
 """
 from __future__ import annotations
 
@@ -45,6 +59,7 @@ from symcost.frontends.spec import Constraint, ModelSpec, check_constraints
 #: Tasks, in the order a model type's default is chosen, with their auto-model mapping.
 TASKS = {
     "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING",
+    "speech-seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING",
     "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING",
     "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING",
     "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING",
@@ -52,7 +67,7 @@ TASKS = {
 
 #: Families checked (transformers 5.x, torch 2.13) against FlopCounterMode, saved_tensors_hooks and
 #: a meta count at random tiny sizes (tests/test_hf_tasks.py).
-VERIFIED = ("bert", "roberta", "t5", "bart", "vit")
+VERIFIED = ("bert", "roberta", "t5", "bart", "vit", "whisper", "modernbert", "mamba")
 
 #: An encoder-decoder's decoder fields that follow the encoder's where the config has them equal.
 _DECODER_TWINS = {"num_layers": "num_decoder_layers", "encoder_layers": "decoder_layers",
@@ -103,6 +118,10 @@ def any_spec(model_type: str, overrides: Mapping[str, str] | None = None, attent
         return hf.spec(model_type, overrides, attention, base_kwargs=base_kwargs, name=name)  # (its error line)
     chosen = task_of(mt, task)
     if chosen == "causal-lm":
+        import transformers
+
+        if is_ssm(hf._make_config(transformers.AutoConfig, mt, dict(base_kwargs or {}))):
+            return ssm_spec(mt, overrides, attention, base_kwargs, name or f"hf:{model_type}")
         return hf.spec(mt, overrides, attention, base_kwargs=base_kwargs, name=name or f"hf:{model_type}")
     return spec(mt, chosen, overrides, attention, base_kwargs, name or f"hf:{model_type}")
 
@@ -213,6 +232,23 @@ def spec(model_type: str, task: str, overrides: Mapping[str, str] | None = None,
         constraints.append(Constraint("multiple", "IMG", patch, f"IMG must be a multiple of the patch side {patch} "
                                       "(whole patches; another patch side: --config patch_size=...)"))
         constraints.append(Constraint("min", "NCLS", 2, "NCLS must be at least 2 (one class is regression)"))
+    elif task == "speech-seq2seq":
+        frames, mels, maxtgt = attr("max_source_positions"), attr("num_mel_bins"), attr("max_target_positions")
+        if not (isinstance(frames, int) and isinstance(mels, int)):
+            raise SymcostError(f"{shown}: {cls} has no max_source_positions and num_mel_bins; symcost traces "
+                               "speech encoder-decoders whose input is Whisper's (input_features [B, num_mel_bins, "
+                               "2*max_source_positions]); whisper is accepted")
+        # Whisper's encoder takes exactly 2*max_source_positions mel frames (its conv stem halves
+        # them to S_enc; a check in WhisperEncoder.forward): S_enc is the config's field
+        binds += [("S_enc", "max_source_positions", frames), ("N_mel", "num_mel_bins", mels)]
+        defaults["S"] = min(128, maxtgt) if isinstance(maxtgt, int) else 128
+        meanings.update(S="target tokens per sequence (the decoder's)",
+                        S_enc="audio positions per sequence (the encoder's: 2*S_enc mel frames, halved by "
+                              "the conv stem; max_source_positions)",
+                        N_mel="mel-frequency bins of the input features (num_mel_bins)")
+        if isinstance(maxtgt, int):
+            constraints.append(Constraint("max", "S", maxtgt, f"S must be at most max_target_positions={maxtgt} "
+                                          "(the decoder's learned position table)"))
     elif task == "seq2seq":
         defaults.update(S=128, S_enc=512)
         meanings.update(S="target tokens per sequence (the decoder's)",
@@ -226,6 +262,12 @@ def spec(model_type: str, task: str, overrides: Mapping[str, str] | None = None,
         if isinstance(maxpos, int) and attr("position_embedding_type") in (None, "absolute"):
             constraints.append(Constraint("max", "S", maxpos, f"S must be at most {maxpos} (a learned position "
                                           "table): raise it with --config max_position_embeddings=..."))
+    kinds = attr("layer_types")
+    if isinstance(kinds, (list, tuple)) and len(set(kinds)) > 1:
+        # ModernBERT: global and local (sliding-window) attention alternate, each kind with its own
+        # rotary table, saved once by the first block of its kind: the blocks do not repeat alike
+        pin["L"] = (f"the blocks alternate {' and '.join(sorted(set(kinds)))} (each kind with its own "
+                    "rotary table, saved by its first block): traced unfolded at this L (another: --set L=...)")
     symbols = tuple(dict.fromkeys(["H", "D"] + [s for s, _, _ in binds] + (["S_enc"] if task == "seq2seq" else [])))
     defaults.update({s: v for s, _, v in binds}, D=D)
 
@@ -238,7 +280,10 @@ def spec(model_type: str, task: str, overrides: Mapping[str, str] | None = None,
         if not has_m:
             kw[_field(cfg, "hidden_size")] = values["H"] * values["D"]
         kw["use_cache"] = False
-        if task == "seq2seq" and kw.get("decoder_start_token_id", attr("decoder_start_token_id")) is None:
+        pattern = kw.get("layer_types")
+        if isinstance(pattern, (list, tuple)) and pattern and len(pattern) != values["L"]:
+            kw["layer_types"] = hf._resize_pattern(list(pattern), values["L"])  # (as for causal LMs)
+        if task in ("seq2seq", "speech-seq2seq") and kw.get("decoder_start_token_id", attr("decoder_start_token_id")) is None:
             # (T5's class default has none; its published configs start the decoder at the pad id)
             kw["decoder_start_token_id"] = attr("pad_token_id") or 0
         if "V" in values:
@@ -262,12 +307,15 @@ def spec(model_type: str, task: str, overrides: Mapping[str, str] | None = None,
         return model.train()
 
     def make_inputs(values: Mapping[str, int], device) -> tuple[tuple, dict]:
-        """The step's batch (module docstring): ids int64, pixels float32, labels int64."""
+        """The step's batch (module docstring): ids int64, pixels and mel features float32, labels int64."""
         i = lambda k: operator.index(values[k])  # noqa: E731
         if task == "image-classification":
             return (), {"pixel_values": torch.randn(i("B"), i("C"), i("IMG"), i("IMG"), device=device),
                         "labels": torch.randint(0, i("NCLS"), (i("B"),), dtype=torch.long, device=device)}
         ids = torch.randint(0, i("V"), (i("B"), i("S")), dtype=torch.long, device=device)
+        if task == "speech-seq2seq":
+            mel = torch.randn(i("B"), i("N_mel"), 2 * i("S_enc"), device=device)
+            return (), {"input_features": mel, "labels": ids}
         if task == "seq2seq":
             src = torch.randint(0, i("V"), (i("B"), i("S_enc")), dtype=torch.long, device=device)
             return (), {"input_ids": src, "labels": ids}
@@ -292,3 +340,113 @@ def spec(model_type: str, task: str, overrides: Mapping[str, str] | None = None,
     return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=make_inputs,
                      loss=loss, constraints=tuple(constraints), moduli=moduli, pin=pin, meanings=meanings, extra=extra,
                      record_context=hf.unpacked_masks)
+
+
+#: State-space (Mamba-1 style) config fields and the model's own symbols bound to them: a config
+#: with all of these and no attention heads is traced by :func:`ssm_spec`.
+SSM_FIELDS = {"M": "hidden_size", "L": "num_hidden_layers", "V": "vocab_size", "N_state": "state_size",
+              "K_conv": "conv_kernel", "EXPAND": "expand", "R_dt": "time_step_rank"}
+
+
+def is_ssm(cfg) -> bool:
+    """Whether ``cfg`` is a selective state-space LM symcost traces by :func:`ssm_spec` (Mamba-1's
+    fields :data:`SSM_FIELDS`, integers, and no attention heads nor Mamba-2's groups)."""
+    return (all(isinstance(getattr(cfg, f, None), int) and not isinstance(getattr(cfg, f, None), bool)
+                for f in SSM_FIELDS.values())
+            and not isinstance(getattr(cfg, "num_attention_heads", None), int) and getattr(cfg, "n_groups", None) is None)
+
+
+def ssm_spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
+             base_kwargs: Mapping[str, Any] | None = None, name: str | None = None) -> ModelSpec:
+    """The :class:`ModelSpec` of a selective state-space causal LM (``hf:mamba``:
+    ``MambaForCausalLM``), trained on the model's own next-token loss.
+
+    Symbols (the model's own, bound to the config's fields, :data:`SSM_FIELDS`): M = ``hidden_size``
+    (d_model; Mamba has no heads, so no H or D), L, V, N_state = ``state_size`` (the SSM state per
+    channel), K_conv = ``conv_kernel`` (the causal depthwise convolution's width), EXPAND =
+    ``expand`` (inner width ``intermediate_size`` = EXPAND·M, as ``MambaConfig.__post_init__``
+    derives it), R_dt = ``time_step_rank`` (the rank of the Δ projection; a config's ``"auto"`` is
+    ⌈M/16⌉ at the config's M, fixed as the default: a ceiling is no polynomial, so ``--set M=...``
+    leaves R_dt at the config's value unless set too).
+
+    Inputs: ``input_ids`` and ``labels`` int64 ``[B, S]``. S is pinned at the request
+    (:attr:`ModelSpec.pin`): transformers' CPU path of the selective scan
+    (``modeling_mamba.mamba_selective_scan``, without the mamba-ssm CUDA kernels; its associative
+    scan runs only under torch.compile) is a Python loop over the S positions, so the step's op list
+    grows with S; the formulas are exact at that S and polynomial in every other symbol. The scan's
+    FLOPs there: per position a state update (2 elementwise ops on [B, EXPAND·M, N_state]) and a
+    [B, EXPAND·M, N_state] x [B, N_state, 1] matmul (2·B·EXPAND·M·N_state FLOPs, a model FLOP as
+    FlopCounterMode counts bmm).
+
+    Raises:
+        SymcostError: an unknown or rejected config key, a config that is no Mamba-1 style SSM.
+    """
+    import transformers
+
+    AutoConfig = transformers.AutoConfig
+    shown = name or f"hf:{model_type}"
+    if attention is not None and attention not in hf.ATTENTION:
+        raise SymcostError(f"unknown attention implementation {attention!r}; accepted: {', '.join(hf.ATTENTION)}")
+    base_kwargs = dict(base_kwargs or {})
+    base = hf._make_config(AutoConfig, model_type, base_kwargs)
+    ov = hf._apply_overrides(AutoConfig, model_type, base, dict(overrides or {}), base_kwargs)
+    cfg = hf._make_config(AutoConfig, model_type, ov)
+    if not is_ssm(cfg):
+        raise SymcostError(f"{shown}: {type(cfg).__name__} is no Mamba-1 style state-space model (symcost binds "
+                           f"{', '.join(f'{s} = {f}' for s, f in SSM_FIELDS.items())})")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    symbols = tuple(SSM_FIELDS)
+    defaults = {"B": 8, "S": 512, **{s: getattr(cfg, f) for s, f in SSM_FIELDS.items()}}
+    meanings = {"M": "model width d_model (hidden_size; the model has no attention heads)",
+                "N_state": "SSM state size per inner channel (state_size)",
+                "K_conv": "width of the causal depthwise convolution (conv_kernel)",
+                "EXPAND": "inner-width factor (expand): intermediate_size = EXPAND*M",
+                "R_dt": "rank of the time-step (delta) projection (time_step_rank; 'auto' is ceil(M/16) at the config's M)"}
+    pin = {"S": ("transformers' CPU selective scan (mamba_selective_scan without mamba-ssm's CUDA kernels) is a "
+                 "Python loop over the S positions: the op list grows with S, so formulas hold at this S "
+                 "(another: --set S=...)")}
+
+    def config_for(values: Mapping[str, int]):
+        kw = dict(ov)
+        for s, f in SSM_FIELDS.items():
+            kw[f] = operator.index(values[s])
+        kw["use_cache"] = False
+        for key in hf._TOKEN_ATTRS:  # ids outside a small probe vocabulary would break the embedding
+            t = kw.get(key, getattr(cfg, key, None))
+            if isinstance(t, int) and t >= values["V"]:
+                kw[key] = values["V"] - 1
+        return hf._make_config(AutoConfig, model_type, kw)
+
+    def build(values: Mapping[str, int]) -> torch.nn.Module:
+        """The model for these symbol values, in train mode, on the current default device."""
+        why = check_constraints((), {k: values.get(k) for k in ("B", "S", *symbols)})
+        if why:
+            raise SymcostError(f"{shown}: {why}")
+        try:
+            model = model_cls._from_config(config_for(values))
+        except Exception as e:  # noqa: BLE001 - transformers raises many types
+            raise SymcostError(f"{shown}: building the model failed: {type(e).__name__}: {' '.join(str(e).split())}") from e
+        return model.train()
+
+    def make_inputs(values: Mapping[str, int], device) -> tuple[tuple, dict]:
+        """``input_ids`` and ``labels``, int64 ``[B, S]`` in ``[0, V)``."""
+        ids = torch.randint(0, operator.index(values["V"]), (operator.index(values["B"]), operator.index(values["S"])),
+                            dtype=torch.long, device=device)
+        return (), {"input_ids": ids, "labels": ids}
+
+    def loss(out, inputs) -> torch.Tensor:
+        """The model's own loss: mean cross entropy of logits[:, :-1] against labels[:, 1:]."""
+        return out.loss
+
+    extra = {"config_class": type(cfg).__name__, "model_type": model_type, "task": "causal-lm",
+             "model_class": model_cls.__name__, "state_space": "selective scan, transformers' sequential CPU path",
+             "config_overrides": {k: (v if isinstance(v, (int, float, bool, str, type(None))) else repr(v))
+                                  for k, v in ov.items() if k not in base_kwargs or base_kwargs[k] != v}}
+    if base_kwargs:
+        extra["config_file"] = shown
+    if model_type not in VERIFIED:
+        extra["unverified"] = f"{shown} (causal-lm, state space) is not among the verified families ({', '.join(VERIFIED)})"
+    return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=make_inputs, loss=loss,
+                     pin=pin, meanings=meanings, extra=extra, record_context=hf.unpacked_masks)
