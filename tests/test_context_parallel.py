@@ -178,6 +178,43 @@ def test_real_gloo_fsdp_over_dp_shard_cp(tmp_path):
             (r, w, peak, got["peak"], block)
 
 
+@pytest.mark.heavy
+def test_real_gloo_cp_times_tp(tmp_path):
+    """CP × TP as torchtitan composes them: 4 gloo ranks on the mesh (cp 2, tp 2) (cp_rank.py
+    ``tp=2``), the model's tensor-parallel plan applied over tp by transformers' own code, then
+    PyTorch's context_parallel over cp on the attention of the rank's H/TP query and K/TP key/value
+    heads. Against symcost's rank (--cp 2 --tp 2) at random sizes, every rank: model FLOPs, the
+    ring's all-gather and all-to-all bytes over CP, the plan's all-reduce and all-gather bytes over
+    TP, parameter elements held; saved bytes equal on the first rank of each cp group and less by
+    the attention outputs' copies (of its H/TP heads) on the last (test_real_gloo_cp2); peaks
+    within 5% (MemTracker); the ring's attention equals one device's."""
+    from cp_rank import gloo_ranks
+
+    rng = random.Random(2817)
+    H = rng.choice((4, 8))
+    v = {"H": H, "K": rng.choice([k for k in (2, 4) if H % k == 0]), "D": rng.choice((8, 16)), "L": 2,
+         "V": 2 * rng.randrange(20, 60), "F": 4 * rng.randrange(6, 20), "B": 2, "S": 4 * rng.randrange(3, 6)}
+    an = symcost.trace("hf:llama", config=config(v), layout=Layout(cp=True, tp=True),
+                       sizes={"B": v["B"], "S": v["S"], "CP": 2, "TP": 2}, precision="fp32")
+    w = dict(v, TP=2)
+    env = an.bind(**{k: x for k, x in w.items() if k in an.symbols})
+    mm = memory_model(an, "fp32", "adamw", impl="for-loop", device="cpu")
+    peak = mm.peak(**{k: x for k, x in w.items() if k in an.symbols})
+    ranks = gloo_ranks(tmp_path, v, "allgather", nproc=4, tp=2)
+    assert {k for r in ranks for k, x in r["comm"].items() if x != "0"} == {
+        "CP.all_gather", "CP.all_to_all", "TP.all_reduce", "TP.all_gather"}
+    for r, got in enumerate(ranks):  # (rank r: cp r // 2, tp r % 2)
+        assert got["ring_error"] < 1e-5 and got["tokens"] == v["S"] // 2, (r, got)
+        assert int(an.flops("train").subs(env)) == got["flops"], (r, w)
+        less = 0 if r < 2 else v["L"] * v["B"] * (v["S"] // 2) * (v["H"] // 2) * v["D"] * 4
+        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) - less == got["saved"], (r, w)
+        for key, want in got["comm"].items():
+            g, kind = key.split(".")
+            assert Fraction(str(an.comm_bytes(kind, group=g).subs(env))) == Fraction(want), (r, key, w)
+        assert int(an.params_shard.subs(env)) == got["shard"], (r, w)
+        assert peak == pytest.approx(got["peak"], rel=0.05), (r, w, peak, got["peak"])
+
+
 def test_alltoall_rotation_recorded_as_pytorch_runs_it():
     """set_rotate_method("alltoall"): the forward passes K/V to the next rank CP - 1 times
     (permute_tensor, an all_to_all_single whose rank keeps nothing: its whole input per rank). One
@@ -258,10 +295,12 @@ def test_report_6np_counts_the_ranks_tokens(capsys):
 @pytest.mark.hf
 def test_llama_3_8b_at_128k_parameters_per_rank():
     """Issue 28's acceptance: ``report tests/data/configs/llama-3-8b.json --cp 4 --set S=131072``
-    and the same ``--dp 2 --shard fsdp`` answer; the parameter elements per rank equal a count on
-    the meta device: under CP alone every parameter of the model transformers builds from the file;
-    under FSDP2 over dp_shard × cp the local shard rank 0 holds after ``fully_shard`` per block and
-    on the root over a (fake) group of DP·CP = 8 ranks, as torchtitan applies it."""
+    and the same with ``--dp 2 --shard fsdp`` and with ``--tp 2`` answer; the parameter elements
+    per rank equal a count on the meta device: under CP alone every parameter of the model
+    transformers builds from the file; under FSDP2 over dp_shard × cp the local shard rank 0 holds
+    after ``fully_shard`` per block and on the root over a (fake) group of DP·CP = 8 ranks, as
+    torchtitan applies it; under CP × TP the local shards of transformers' own TP plan over 2
+    (fake) ranks."""
     import json
 
     import torch
@@ -269,11 +308,16 @@ def test_llama_3_8b_at_128k_parameters_per_rank():
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from cp_rank import tensor_parallel
     from symcost.frontends.parallel import destroy_world, fake_world
 
     path = os.path.join(os.path.dirname(__file__), "data", "configs", "llama-3-8b.json")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+    def meta():
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+    model = meta()
     whole = sum(p.numel() for p in model.parameters())
     fake_world(8)
     try:
@@ -284,7 +328,15 @@ def test_llama_3_8b_at_128k_parameters_per_rank():
         shard = sum(p.to_local().numel() for p in model.parameters())
     finally:
         destroy_world()
-    for extra, want in (([], whole), (["--dp", "2", "--shard", "fsdp"], shard)):
+    fake_world(2)  # (CP × TP: the rank holds the TP plan's shards; CP shards no parameter)
+    try:
+        model = meta()
+        tensor_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+        tp_shard = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    finally:
+        destroy_world()
+    assert tp_shard < whole
+    for extra, want in (([], whole), (["--dp", "2", "--shard", "fsdp"], shard), (["--tp", "2"], tp_shard)):
         r = CliRunner().invoke(main, ["report", path, "--cp", "4", "--set", "S=131072", "--json", *extra])
         assert r.exit_code == 0, r.output[-2000:]
         got = json.loads(r.output[r.output.index("{"):])

@@ -371,6 +371,10 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
         raise SymcostError("--gpu with --cp and --dp: the step time of a context-parallel rank under FSDP2 (the "
                            "ring's exchange beside FSDP2's collectives) is not modelled yet; --gpu with --cp alone "
                            "prices the ring (docs/parallel.md §15)")
+    if meta.get("symcost.cp") is not None and tp is not None and meta.get("symcost.gpu"):
+        raise SymcostError("--gpu with --cp and --tp: the step time of a context-parallel rank over tensor-parallel "
+                           "ranks (the plan's all-reduces beside the ring) is not modelled yet; report --cp --tp "
+                           "answers its FLOPs, bytes per group and peak (docs/parallel.md §15)")
     if meta.get("symcost.cp") is not None:  # (context parallelism: symcost.frontends.context_parallel)
         import dataclasses
 

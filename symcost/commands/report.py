@@ -72,12 +72,23 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
         res = rep.to_json(an, sizes if sizes else None)
         res.update(text.to_json(an, sizes if sizes else None, par))
         peak = with_cap(res)
+        from symcost.frontends.layout import layout_of
+
+        cp = None
+        if layout_of(an).cp:  # --cp with --tp: the ring's exchange too (docs/parallel.md §15)
+            from symcost.passes.context_parallel import summary as cp_summary
+            from symcost.render import context_parallel as rcp
+
+            cp = cp_summary(an, sizes if sizes else None)
+            res.update(rcp.to_json(cp))
         if as_json:
             click.echo(json.dumps(_activations(an, sizes, res), indent=1))
         else:
             rep.render(an, sizes, assumed=assumed, layout_words=words)
             text.render(an, sizes, par)
             _activations(an, sizes)
+            if cp is not None:
+                rcp.render(cp)
             _flag(rep.over_cap(peak, cap, "the rank"))
             _flag(_seconds(t0, t1))
         return

@@ -1,9 +1,12 @@
 """One rank of a context-parallel training step (tests/test_context_parallel.py), on real tensors
 with gloo, or in-process on the fake process group: the oracle of symcost's per-rank numbers.
 
-``python -m torch.distributed.run --standalone --nproc-per-node N cp_rank.py OUT ROTATE H K D L V F B S [DP]``
+``python -m torch.distributed.run --standalone --nproc-per-node N cp_rank.py OUT ROTATE H K D L V F B S [DP | tp=TP]``
 (without DP the N ranks are the cp group; with DP the mesh is torchtitan's ``(dp_shard DP, cp N/DP)``
-and ``fully_shard`` runs per block and the root over the flattened ``dp_shard_cp``) builds a small
+and ``fully_shard`` runs per block and the root over the flattened ``dp_shard_cp``; with ``tp=TP``
+the mesh is torchtitan's ``(cp N/TP, tp TP)``, the model's tensor-parallel plan applied over ``tp``
+by transformers' own code first (:func:`tensor_parallel`), then ``context_parallel`` over ``cp``,
+as torchtitan's ``parallelize_llama`` applies TP and its train context CP) builds a small
 ``transformers`` Llama (sdpa attention; ``hf:llama`` with those sizes, fp32) with
 the same weights on every rank, and runs it as a user of PyTorch's context parallelism does:
 
@@ -87,7 +90,8 @@ def measure(model, spec, args, kwargs, optimizer, step_context, groups=None) -> 
     from torch.utils.flop_counter import flop_registry
 
     comm = {"all_gather": Fraction(0), "all_to_all": Fraction(0)} if not groups else {
-        f"{g}.{k}": Fraction(0) for g in sorted(set(groups.values())) for k in ("all_gather", "reduce_scatter", "all_to_all")}
+        f"{g}.{k}": Fraction(0) for g in sorted(set(groups.values()))
+        for k in ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")}
     flops = [0]
 
     def add(kind, args, nbytes):
@@ -105,6 +109,8 @@ def measure(model, spec, args, kwargs, optimizer, step_context, groups=None) -> 
                 add("all_gather", args, lambda n, r: Fraction(n - 1, n) * out.numel() * out.element_size())
             elif name == "c10d._allgather_base_":  # FSDP2's (output, input, group, ...)
                 add("all_gather", args, lambda n, r: Fraction(n - 1, n) * args[0].numel() * args[0].element_size())
+            elif name == "_c10d_functional.all_reduce":  # (input, op, group): ring, 2(n-1)/n of the input
+                add("all_reduce", args, lambda n, r: Fraction(2 * (n - 1), n) * args[0].numel() * args[0].element_size())
             elif name == "c10d._reduce_scatter_base_":  # (output, input, group, ...)
                 add("reduce_scatter", args, lambda n, r: Fraction(n - 1, n) * args[1].numel() * args[1].element_size())
             elif name == "_c10d_functional.all_to_all_single":  # (input, out_splits, in_splits, group)
@@ -177,6 +183,24 @@ def cp_step(mesh, rotate: str):
     return cpu_ring
 
 
+def tensor_parallel(model, mesh) -> None:
+    """``model``'s tensor-parallel plan applied over the 1-D ``tp`` ``mesh`` by transformers' own
+    code, as ``from_pretrained(..., tp_plan="auto")`` applies it (``_resolve_parallel_plans``, then
+    ``transformers.distributed.tensor_parallel.apply_tensor_parallelism``), not symcost's: q, k, v
+    and gate/up column-parallel (each rank H/TP query and K/TP key/value heads), o and down
+    row-parallel, the head's logits gathered."""
+    import warnings
+
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=mesh.size()))
+    model._mesh_manager = None
+    with warnings.catch_warnings():  # (rules for modules this config leaves out: skipped, as transformers does)
+        warnings.filterwarnings("ignore", message=r"Parallelize plan key .* could not be resolved", category=UserWarning)
+        apply_tensor_parallelism(model, mesh, tp_plan)
+
+
 def ring_matches(mesh, v: dict, rotate: str) -> float:
     """The largest difference between the ring's causal attention (this rank's shard, gathered
     back by ``context_parallel_unshard``) and one device's ``F.scaled_dot_product_attention``,
@@ -208,11 +232,17 @@ def main():
 
     out_dir, rotate = sys.argv[1], sys.argv[2]
     v = dict(zip(SIZES, (int(x) for x in sys.argv[3:3 + len(SIZES)])))
-    dp = int(sys.argv[3 + len(SIZES)]) if len(sys.argv) > 3 + len(SIZES) else None
+    extra = sys.argv[3 + len(SIZES)] if len(sys.argv) > 3 + len(SIZES) else None
+    tp = int(extra[3:]) if extra and extra.startswith("tp=") else None
+    dp = int(extra) if extra and not tp else None
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     groups = None
-    if dp:  # torchtitan's mesh: (dp_shard, cp), FSDP2 over the flattened dp_shard_cp
+    if tp:  # torchtitan's mesh order: cp outside tp (a TP group is TP consecutive ranks)
+        world = init_device_mesh("cpu", (n // tp, tp), mesh_dim_names=("cp", "tp"))
+        mesh = world["cp"]
+        groups = {world[d].get_group().group_name: d.upper() for d in ("cp", "tp")}
+    elif dp:  # torchtitan's mesh: (dp_shard, cp), FSDP2 over the flattened dp_shard_cp
         world = init_device_mesh("cpu", (dp, n // dp), mesh_dim_names=("dp_shard", "cp"))
         mesh, flat = world["cp"], world["dp_shard", "cp"]._flatten("dp_shard_cp")
         groups = {flat.get_group().group_name: "DP", mesh.get_group().group_name: "CP"}
@@ -225,6 +255,8 @@ def main():
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
+    if tp:  # the plan first, then the train context's CP (torchtitan's parallelize_llama, train_context)
+        tensor_parallel(model, world["tp"])
     if dp:  # fully_shard per block, then the root (torchtitan's apply_fsdp)
         from torch.distributed.fsdp import fully_shard
 
@@ -245,17 +277,19 @@ def main():
     finish()
 
 
-def gloo_ranks(out_dir, v: dict, rotate: str, nproc: int = 2, dp: int | None = None) -> list[dict]:
+def gloo_ranks(out_dir, v: dict, rotate: str, nproc: int = 2, dp: int | None = None,
+               tp: int | None = None) -> list[dict]:
     """``torchrun --standalone --nproc-per-node nproc`` of this script with gloo on this CPU at
-    sizes ``v`` (with ``dp``: the mesh (dp_shard dp, cp nproc/dp), FSDP2 over both): each rank's
-    measurement, in rank order."""
+    sizes ``v`` (with ``dp``: the mesh (dp_shard dp, cp nproc/dp), FSDP2 over both; with ``tp``:
+    the mesh (cp nproc/tp, tp), transformers' TP plan over tp): each rank's measurement, in rank
+    order."""
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                         os.path.abspath(__file__), str(out_dir), rotate] + [str(v[k]) for k in SIZES]
-                       + ([str(dp)] if dp else []),
+                       + ([str(dp)] if dp else []) + ([f"tp={tp}"] if tp else []),
                        env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
                                         if any(w in line for w in ("Error", "error", "rank", "terminate", "what()")))[-4000:]
