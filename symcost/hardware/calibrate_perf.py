@@ -256,9 +256,11 @@ def _efficiency(entry: dict, dev, gpu: bool, quick: bool, min_run_time: float, l
     def pack(r):  # the sweep times whole GEMMs, a CPU BLAS's packing pass included: the
         return 0.0  # efficiency covers it (the performance model adds no packing term)
 
+    cc = None
     if gpu:
         units = torch.cuda.get_device_properties(dev).multi_processor_count
         tile = (128, 128)
+        cc = "%d.%d" % torch.cuda.get_device_capability(dev)  # its attention kernels (hardware/attention.py)
     else:
         units, tile = 1, (1, 1)  # one thread's BLAS: no waves to quantise (threads: docs/performance-model.md)
     for key in precisions:  # a GEMM of the sweep faster than the calibrated peak raises it (a busy moment
@@ -275,6 +277,7 @@ def _efficiency(entry: dict, dev, gpu: bool, quick: bool, min_run_time: float, l
     log(f"AdamW foreach: {opt['optimizer_per_tensor'] * 1e6:.1f} us per tensor, "
         f"{opt['optimizer_per_byte'] * 1e12:.1f} ps per byte")
     return {
+        **({"compute_capability": cc} if cc else {}),
         "compute_units": units, "tile": list(tile), "gemm_max": g["gemm_max"], "gemm_half": g["gemm_half"],
         "memory": mem["memory"], "copy_bandwidth": cp["copy_bandwidth"], "launch_eager": launch["per_op"], "launch_compiled": lc,
         "optimizer_per_tensor": opt["optimizer_per_tensor"], "optimizer_per_byte": opt["optimizer_per_byte"],
