@@ -398,7 +398,8 @@ def ssm_spec(model_type: str, overrides: Mapping[str, str] | None = None, attent
 
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
     symbols = tuple(SSM_FIELDS)
-    defaults = {"B": 8, "S": 512, **{s: getattr(cfg, f) for s, f in SSM_FIELDS.items()}}
+    # (S: every position is ~20 recorded ops per block while tracing, so the default is short)
+    defaults = {"B": 8, "S": 128, **{s: getattr(cfg, f) for s, f in SSM_FIELDS.items()}}
     meanings = {"M": "model width d_model (hidden_size; the model has no attention heads)",
                 "N_state": "SSM state size per inner channel (state_size)",
                 "K_conv": "width of the causal depthwise convolution (conv_kernel)",
