@@ -170,7 +170,7 @@ def estimate(an) -> FusionEstimate:
         rid = region_of[i]
         total = sympy.Integer(0)
         ins, outs = [], []
-        skip_first = str(op.op.overloadpacket) in rules.OVERWRITE_OPS
+        skip_first = str(op.op.overloadpacket) in rules.OVERWRITE_OPS | rules.LIKE_RANDOM_OPS
         unread = rules.UNREAD_INPUTS.get(str(op.op.overloadpacket), ())  # (sizes only: a pooling backward's self)
         for k, v, tid in reads[i]:
             if (skip_first and k == 0) or k in unread:

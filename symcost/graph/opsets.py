@@ -111,7 +111,10 @@ def same_tensor(node: dict) -> bool:
 #: source's elements into ``self``; the rest of ``self`` is neither read nor written, so its
 #: traffic is index + source read + numel(source) elements of ``self`` written (not all of
 #: ``self`` read and written, as the inputs-plus-outputs count of other ops would say).
-PARTIAL_WRITES = {"aten.index_copy_": 2}
+PARTIAL_WRITES = {"aten.index_copy_": 2,
+                  # self.scatter_(dim, index, value | src): numel(index) elements of self written
+                  # (F.one_hot's labels, symcost.tracing.one_hot)
+                  "aten.scatter_": 1}
 
 
 def partial_write_bytes(v) -> tuple:

@@ -468,6 +468,11 @@ MOVE_OPS = {
     "aten.cumsum", "aten.new_tensor", "aten._local_scalar_dense", "aten.unsqueeze_copy",
 }
 MOVE_OPS |= {"aten.index_copy", "aten.index_copy_"}
+#: random tensors shaped like their input (a VAE's reparameterisation: ``torch.randn_like(mu)``):
+#: the output written; the input gives the shape and dtype only and is not read
+LIKE_RANDOM_OPS = {"aten.randn_like", "aten.rand_like", "aten.randint_like"}
+MOVE_OPS |= LIKE_RANDOM_OPS | {"aten.triu_indices", "aten.tril_indices"}
+MOVE_OPS |= {"aten.scatter_"}  # (its bytes: opsets.PARTIAL_WRITES)
 MOVE_OPS |= {
     # FSDP2's copies around its collectives (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
     # the shards into the all-gather buffer, the gathered buffer out to the parameters, the
@@ -652,6 +657,9 @@ def transcendentals(v: OpView) -> dict:
             size = shape[dim]
             res["log"] = out // size if isinstance(out, int) and isinstance(size, int) else sympy.cancel(out / size)
         return res
+    if packet == "aten.binary_cross_entropy_with_logits":  # an exp and a log1p per input element
+        n = numel(v.in_shapes[0])
+        return {"exp": n, "log": n}
     if packet in RSTD_OUTPUT:
         i = RSTD_OUTPUT[packet]
         return {"sqrt": numel(v.out_shapes[i])} if len(v.out_shapes) > i else {}
@@ -774,7 +782,7 @@ def flop_cost(v: OpView, family: str | None = None) -> Cost:
         return Cost(0, 0, nbytes(v.out_shapes[0], v.out_dtypes[0]))
     if packet in PARTIAL_WRITES:
         return Cost(0, 0, sum(partial_write_bytes(v)))
-    traffic = _traffic(v, skip_first_input=packet in OVERWRITE_OPS)
+    traffic = _traffic(v, skip_first_input=packet in OVERWRITE_OPS or packet in LIKE_RANDOM_OPS)
     if family == "move":
         return Cost(0, 0, traffic)
     if family == "pointwise":

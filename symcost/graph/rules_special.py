@@ -114,6 +114,26 @@ def _mse_loss_backward(v):
     return 3 * numel(v.in_shapes[1]), _bytes(v)
 
 
+def _embedding_bag(v):
+    # _embedding_bag(weight, indices, offsets, scale_grad_by_freq, mode, ...): each of the n rows
+    # looked up (d wide) added into its bag; mode 1 (mean) divides every bag's d sums by its size
+    n, d = numel(v.in_shapes[1]), v.in_shapes[0][-1]
+    return n * d + (numel(v.out_shapes[0]) if _arg(v, "mode", 0) == 1 else 0), _bytes(v)
+
+
+def _embedding_bag_backward(v):
+    # each looked-up row's gradient (its bag's, times 1/size under mean) added into the table's
+    n, d = numel(v.in_shapes[1]), v.in_shapes[0][-1]
+    return n * d * (2 if _arg(v, "mode", 0) == 1 else 1), _bytes(v)
+
+
+def _bce_with_logits(v):
+    # (1 - t)·x + log(1 + exp(-x)) per element (Loss.cpp: 1 - t, a multiply, an exp, a log1p,
+    # an add), + 1 per element reduced (mean or sum)
+    n = numel(v.in_shapes[0])
+    return (5 + (_arg(v, "reduction", 1) != 0)) * n, _bytes(v)
+
+
 #: packet -> tensor-input positions whose values the op never reads (their sizes only): neither
 #: its bytes nor the fused estimate (:mod:`symcost.graph.fusion`) charge them
 UNREAD_INPUTS: dict[str, tuple[int, ...]] = {
@@ -128,6 +148,8 @@ SPECIAL_RULES: dict[str, Callable[[Any], tuple]] = {
     "aten.max_pool3d_with_indices_backward": _max_pool_backward,
     "aten.avg_pool2d": _avg_pool, "aten.avg_pool2d_backward": _avg_pool_backward,
     "aten.mse_loss": _mse_loss, "aten.mse_loss_backward": _mse_loss_backward,
+    "aten._embedding_bag": _embedding_bag, "aten._embedding_bag_backward": _embedding_bag_backward,
+    "aten.binary_cross_entropy_with_logits": _bce_with_logits,
     **{f"aten.{p}{k}d": _nearest for p in ("upsample_nearest", "_upsample_nearest_exact") for k in (1, 2, 3)},
     **{f"aten.{p}{k}d_backward": _nearest_backward
        for p in ("upsample_nearest", "_upsample_nearest_exact") for k in (1, 2, 3)},
