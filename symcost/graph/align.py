@@ -90,14 +90,17 @@ def _layer_roles(spec: ModelSpec, ref: Recording, container: str | None, precisi
     one = sympy.Integer(1)
 
     def seqs(rec):
-        # each block's ops, then the tensors it saves: a block whose input another module already
-        # saved (the first block of a CNN after the stem's ReLU, whose output it is) saves one
-        # tensor less than the others while running the same ops
+        # each block's ops with their shapes, then the tensors it saves: a block whose input
+        # another module already saved (the first block of a CNN after the stem's ReLU, whose
+        # output it is) saves one tensor less than the others while running the same ops; blocks
+        # that run the same ops on other sizes (a WaveNet's dilations 1, 2, 4: each pads by its
+        # own) are no repeats of one block either
         out: dict[int, list[str]] = {}
         for op in rec.ops:
             layer = _layer_of(op.module, container)
             if layer is not None:
-                out.setdefault(layer, []).append(op.name)
+                out.setdefault(layer, []).append(
+                    f"{op.name}{[t.shape for t in op.inputs]}{[t.shape for t in op.outputs]}")
         for s in rec.saved:
             layers = {_layer_of(m, container) for m in s.also | {s.module}}
             if len(layers) == 1 and None not in layers:
@@ -125,7 +128,7 @@ def _layer_roles(spec: ModelSpec, ref: Recording, container: str | None, precisi
             else:
                 differ = sorted(i for i in s3 if s3[i] != s3[0])
                 raise Unvariable("L", (
-                    f"the blocks of {container} run different ops (block{'s' if len(differ) > 1 else ''} "
+                    f"the blocks of {container} run different ops or sizes (block{'s' if len(differ) > 1 else ''} "
                     f"{', '.join(map(str, differ))} of 3 differ{'s' if len(differ) == 1 else ''} from block 0), "
                     "so L is not folded"))
             repeat = L - 1

@@ -509,10 +509,19 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
 
     # saved activations
     saved = []
+    folded = container is not None and "L" not in pinned and not spec.lead_blocks
+    n_blocks = len({_layer_of(op.module, container) for op in ref.ops} - {None}) if folded else 0
     for k, s in enumerate(ref.saved):
         keep, repeat, module = role(s.module)
         layers = {_layer_of(m, container) for m in s.also | {s.module}}
-        if len(layers) > 1:  # one storage saved by several blocks (e.g. rotary cos/sin): once
+        made = _layer_of(s.made_in, container) if s.made_in is not None and folded else None
+        if made is not None and layers == {made, made + 1}:
+            # a block's output saved by the block (a closing ReLU keeps its result) and by the
+            # next one: one storage per pair of neighbouring blocks, L - 1 in all (the first
+            # pair of the probe's blocks stands for all but the probe's others)
+            keep, module = True, role(s.made_in)[2]
+            repeat = SYMS["L"] - n_blocks + 1 if made == 0 else sympy.Integer(1)
+        elif len(layers) > 1:  # one storage saved by several blocks (e.g. rotary cos/sin): once
             keep, repeat, module = True, sympy.Integer(1), "(shared by blocks)"
         if not keep:
             continue

@@ -43,6 +43,7 @@ from symcost.frontends.models import ModelSpec
 from symcost.frontends.spec import model_stdout
 from symcost.frontends.precision import precision_context
 from symcost.tracing.device_kernels import device_kernels
+from symcost.tracing.one_hot import scatter_one_hot
 from symcost.tracing import grouped_mm
 from symcost.tracing.recording import (  # noqa: F401 (re-exported: the recording's types)
     IntRef, MemoryEvent, OpCall, Recording, SavedTensor, TensorInfo, TensorRef)
@@ -607,7 +608,8 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 rec.hold(t)
             if key not in seen_saved:
                 saved_refs.append(ref)
-                seen_saved[key] = SavedTensor(st.nbytes() + extra, t.dtype, rec.module_stack[-1], tuple(t.shape))
+                seen_saved[key] = SavedTensor(st.nbytes() + extra, t.dtype, rec.module_stack[-1], tuple(t.shape),
+                                              made_in=rec.made_by.get(key))
                 saved.append(seen_saved[key])
             else:
                 seen_saved[key].also.add(rec.module_stack[-1])
@@ -670,7 +672,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             if inference:
                 # (a tensor-parallel decode or prefill: DTensor's shape propagation hidden, as in
                 # training, so the first recording of a process holds the rank's ops only)
-                with context(), parallel_contexts(), hide():
+                with context(), parallel_contexts(), hide(), scatter_one_hot():
                     n_forward, events_end, kv = _inference_step(rec, model, args, kwargs, kv_layers, autocast)
                 n_backward = 0
             else:
@@ -683,7 +685,8 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                     rec.host_ops = rec.host_ops | {save_ops()[1]}
                     hooks = save_on_host(pack)
                 with rec, torch.autograd.graph.saved_tensors_hooks(*hooks), context(), \
-                        parallel_contexts(), hide(), loss_context(), cp_contexts(), device_kernels(kernels):
+                        parallel_contexts(), hide(), loss_context(), cp_contexts(), device_kernels(kernels), \
+                        scatter_one_hot():
                     with autocast():
                         out = model(*args, **kwargs)
                         loss = spec.loss(out, (args, kwargs))

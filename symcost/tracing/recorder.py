@@ -78,6 +78,7 @@ _REDUCED = (torch.bfloat16, torch.float16)
 #: its backward: the real CPU kernel gives the input's gradient the input's dtype; the meta kernel
 #: takes the statistics' (fp32 once they are, above), where autograd would then add a cast
 _GROUP_NORM_BACKWARD = torch.ops.aten.native_group_norm_backward.default
+_EMBEDDING_BAG = torch.ops.aten._embedding_bag.default
 #: ops whose ``padding_idx`` argument (position in the ``ints`` the recorder keeps) selects the one
 #: row whose gradient is zeroed: no FLOP or byte depends on it, and under a vocabulary-parallel
 #: embedding (transformers' ``embedding_rowwise``) the rank's local value is the config's pad id
@@ -409,6 +410,14 @@ class _Recorder(TorchDispatchMode):
                 n = onednn_rnn.lstm_workspace(args, kwargs)
                 if n:
                     out = (*out[:3], out[3].new_empty((n,)))
+            elif func is _EMBEDDING_BAG and isinstance(out[1], FakeTensor) and out[1].numel() > 0:
+                # nn.EmbeddingBag on the CPU: make_offset2bag_out (aten/src/ATen/native/
+                # EmbeddingBag.cpp) sizes offset2bag (saved for backward) to indices + 1 for
+                # make_offset2bag's cumulative sum, then resizes it down: its storage keeps the
+                # one element more that the meta kernel leaves out (the CPU's, also under
+                # --torch-device cuda, whose kernel allocates exactly indices)
+                n = out[1].numel()
+                out = (out[0], out[1].new_empty((n + 1,)).narrow(0, 0, n), *out[2:])
             elif func in _MIXED_NORMS and isinstance(out[1], FakeTensor):
                 out = _mixed_norm_stats(args, kwargs, out)
             elif (func is _GROUP_NORM_BACKWARD and isinstance(out[0], FakeTensor)

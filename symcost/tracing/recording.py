@@ -72,6 +72,9 @@ class SavedTensor:
     module: str  # the module that saved it first
     shape: tuple[int, ...]
     also: set[str] = field(default_factory=set)  # other modules that saved the same storage
+    # the module whose op made the storage (None: an input's, or made outside the recorded ops): a
+    # block's output saved by the next block is one storage per pair of neighbouring blocks
+    made_in: str | None = None
 
 
 @dataclass
