@@ -335,8 +335,16 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
     step = None
     if device is not None:
         step = price(ans, values, blocks, order, device, pp, microbatches, devices_per_node)
+        from symcost.frontends.megatron import ENGINE
+
         dp_bytes = {row["rank"]: float(sum(b for g, d in row["comm"].items() if g not in ("PP", "TP")
                                            for b in d.values())) for row in ranks if "comm" in row}
+        if spec.extra.get("dp_engine") == ENGINE:
+            # (Megatron-LM accumulates the micro-batches' gradients in its buffer and reduces them
+            # once per step, after the forward-backward (megatron/training.py train_step); the
+            # fake run's stand-in engine, frontends.megatron.wrap_in_place, reduces at every
+            # accumulation, m times: the stage traces' one micro-batch of DP bytes is the step's)
+            dp_bytes = {}
         step["predicted"] = predict_price(ans, values, blocks, order, device, pp, microbatches, devices_per_node,
                                           mode, overlap, dp_bytes or None)
         for row in ranks:
@@ -511,7 +519,7 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
     Per rank, after its last action: its data-parallel collectives of the step (``dp_bytes[r]``,
     bytes it sends per step, as the run of PyTorch's schedule counted them; without it, one
     micro-batch's DP bytes of its stages' traces, once per step, as DDP reduces under
-    ``PipelineStage``) over the DP link, hidden as ``overlap`` says (``none``: all exposed;
+    ``PipelineStage`` and Megatron-LM after its forward-backward) over the DP link, hidden as ``overlap`` says (``none``: all exposed;
     ``backward``: under its last backward action, where DDP's buckets and FSDP2's reduce-scatter
     run; ``full``: under its busy time), then the AdamW (foreach) step over its stages'
     parameters (``optimizer_per_tensor`` x tensors + ``optimizer_per_byte`` x bytes). The step is
