@@ -221,8 +221,10 @@ def test_mamba_selective_scan_exact_and_mamba_130m(monkeypatch):
     card; its config: d_model 768, 24 layers, vocab 50277 padded to 50280, state 16, conv 4,
     expand 2, time_step_rank auto = 48): 129,135,360 (130M to two significant digits), the meta
     count of MambaForCausalLM with the embedding tied to the LM head."""
-    spec = _spec("hf:mamba")
+    spec = symcost.resolve("hf:mamba")  # (no attention layers: --attention is refused)
     assert spec.extra["model_class"] == "MambaForCausalLM"
+    with pytest.raises(symcost.SymcostError, match="has no attention layers"):
+        _spec("hf:mamba")
     assert set(spec.symbols) == {"M", "L", "V", "N_state", "K_conv", "EXPAND", "R_dt"}
     an = symcost.trace(spec, sizes={"B": 2, "S": 3, "M": 8, "L": 2, "V": 37, "N_state": 3, "K_conv": 3, "EXPAND": 2,
                                     "R_dt": 2}, precision="fp32", torch_device="cpu")

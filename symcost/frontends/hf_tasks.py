@@ -379,14 +379,16 @@ def ssm_spec(model_type: str, overrides: Mapping[str, str] | None = None, attent
     FlopCounterMode counts bmm).
 
     Raises:
-        SymcostError: an unknown or rejected config key, a config that is no Mamba-1 style SSM.
+        SymcostError: an unknown or rejected config key, a config that is no Mamba-1 style SSM,
+            an ``attention`` given (the model has none).
     """
     import transformers
 
     AutoConfig = transformers.AutoConfig
     shown = name or f"hf:{model_type}"
-    if attention is not None and attention not in hf.ATTENTION:
-        raise SymcostError(f"unknown attention implementation {attention!r}; accepted: {', '.join(hf.ATTENTION)}")
+    if attention is not None:
+        raise SymcostError(f"{shown} has no attention layers (a state-space model), so --attention does not apply; "
+                           "leave it out")
     base_kwargs = dict(base_kwargs or {})
     base = hf._make_config(AutoConfig, model_type, base_kwargs)
     ov = hf._apply_overrides(AutoConfig, model_type, base, dict(overrides or {}), base_kwargs)
@@ -442,7 +444,7 @@ def ssm_spec(model_type: str, overrides: Mapping[str, str] | None = None, attent
         return out.loss
 
     extra = {"config_class": type(cfg).__name__, "model_type": model_type, "task": "causal-lm",
-             "model_class": model_cls.__name__, "state_space": "selective scan, transformers' sequential CPU path",
+             "model_class": model_cls.__name__, "attention": "none (no attention layers)", "state_space": "selective scan, transformers' sequential CPU path",
              "config_overrides": {k: (v if isinstance(v, (int, float, bool, str, type(None))) else repr(v))
                                   for k, v in ov.items() if k not in base_kwargs or base_kwargs[k] != v}}
     if base_kwargs:
