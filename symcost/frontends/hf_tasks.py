@@ -444,7 +444,8 @@ def ssm_spec(model_type: str, overrides: Mapping[str, str] | None = None, attent
         return out.loss
 
     extra = {"config_class": type(cfg).__name__, "model_type": model_type, "task": "causal-lm",
-             "model_class": model_cls.__name__, "attention": "none (no attention layers)", "state_space": "selective scan, transformers' sequential CPU path",
+             "model_class": model_cls.__name__, "attention": "none (no attention layers)",
+             "state_space": "selective scan, transformers' sequential CPU path",
              "config_overrides": {k: (v if isinstance(v, (int, float, bool, str, type(None))) else repr(v))
                                   for k, v in ov.items() if k not in base_kwargs or base_kwargs[k] != v}}
     if base_kwargs:
