@@ -4,7 +4,8 @@ trained with the loss its ``transformers`` head computes from ``labels``; and th
 causal LMs (Mamba: :func:`ssm_spec`), which have no attention heads to bind.
 
 A model type's task is the first of these its ``transformers`` auto mappings have (or the one
-``task`` names): ``seq2seq`` (``AutoModelForSeq2SeqLM``: T5, BART), ``masked-lm``
+``task`` names): ``seq2seq`` (``AutoModelForSeq2SeqLM``: T5, BART), ``speech-seq2seq``
+(``AutoModelForSpeechSeq2Seq``: Whisper), ``masked-lm``
 (``AutoModelForMaskedLM``: BERT, RoBERTa, ModernBERT), ``causal-lm`` (``AutoModelForCausalLM``,
 :mod:`symcost.frontends.hf`), ``image-classification`` (``AutoModelForImageClassification``: ViT).
 Symbols are bound to config fields through the config class's own ``attribute_map`` (T5's
