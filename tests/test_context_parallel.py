@@ -140,6 +140,19 @@ def test_real_gloo_cp2(tmp_path):
         assert mm.peak(**env) == pytest.approx(got["peak"], rel=0.05), (r, v)
 
 
+#: the sizes of the CP × FSDP checks (DP = CP = 2)
+V_FSDP = _draw(random.Random(2815))
+V_FSDP["V"] = 4 * (V_FSDP["V"] // 4)  # (FSDP2 pads a first dimension DP·CP does not divide: not the case drawn here)
+
+
+@functools.lru_cache(maxsize=1)
+def _trace_fsdp():
+    """symcost's rank of --dp 2 --shard fsdp --cp 2 (hf:llama at V_FSDP, fp32), once per process."""
+    v = V_FSDP
+    return symcost.trace("hf:llama", config=config(v), layout=Layout(cp=True, shard="fsdp"),
+                         sizes={"B": v["B"], "S": v["S"], "CP": 2, "DP": 2}, precision="fp32")
+
+
 @pytest.mark.heavy
 def test_real_gloo_fsdp_over_dp_shard_cp(tmp_path):
     """CP × FSDP as torchtitan composes them: 4 gloo ranks on the mesh (dp_shard 2, cp 2),
@@ -151,10 +164,8 @@ def test_real_gloo_fsdp_over_dp_shard_cp(tmp_path):
     on the last (test_real_gloo_cp2); peaks within 5% (MemTracker)."""
     from cp_rank import gloo_ranks
 
-    v = _draw(random.Random(2815))
-    v["V"] = 4 * (v["V"] // 4)  # (FSDP2 pads a first dimension DP·CP does not divide: not the case drawn here)
-    an = symcost.trace("hf:llama", config=config(v), layout=Layout(cp=True, shard="fsdp"),
-                       sizes={"B": v["B"], "S": v["S"], "CP": 2, "DP": 2}, precision="fp32")
+    v = V_FSDP
+    an = _trace_fsdp()
     w = dict(v, DP=2)
     env = an.bind(**{k: x for k, x in w.items() if k in an.symbols})
     mm = memory_model(an, "fp32", "adamw", impl="for-loop", device="cpu")
@@ -215,6 +226,86 @@ def test_real_gloo_cp_times_tp(tmp_path):
         assert peak == pytest.approx(got["peak"], rel=0.05), (r, w, peak, got["peak"])
 
 
+@pytest.mark.heavy
+def test_cp_under_fsdp_step_time_by_group(monkeypatch):
+    """``report --dp 2 --shard fsdp --cp 2 --gpu`` and ``time``: FSDP2's collectives over the DP·CP
+    group under the overlap model beside the CP ring overlapped with its attention blocks as
+    PyTorch schedules it (passes.parallel.step_time, performance.predict_dp; docs/parallel.md §15),
+    closed forms with ``--overlap none`` on nodes of 2 devices (the CP pair inside a node's link,
+    the DP·CP = 4 ranks over the network):
+
+    * a free network and a link slower than every kernel: the step is the roofline's compute plus,
+      per layer, the ring's x/bw - c0 forward and 3·x/bw - b0 - b1 backward (x the rank's K/V bytes
+      2·B·K·(S/2)·D·4 by hand, c and b the roofline's attention kernels: test_gpu_ring_time_as_pytorch_schedules_it);
+    * a free link: the step is the compute plus FSDP2's bytes over the network, by hand: all-gathers
+      of every block forward and backward and of the root once (reshard_after_forward=False), the
+      reduce-scatter of every gradient, (n-1)/n of each with n = DP·CP, fp32;
+    * the prediction with free links and an alpha far above the kernels: per layer, the forward's
+      all-gather waits alpha less block 0, the backward's all-gather and two dK/dV passes 3·alpha
+      less both blocks ((CP-1)·alpha a pass, Hockney's alpha-beta; c, b the performance model's blocks);
+    * ``report --gpu --json`` and ``time --json`` answer: DP·CP ranks, B·S·DP tokens per step."""
+    import dataclasses
+    import json
+
+    from symcost.hardware.devices import get_device
+    from symcost.passes.parallel import step_time
+    from symcost.passes.performance import predict, predict_dp
+    from symcost.passes.roofline import roofline
+
+    v = V_FSDP
+    an = _trace_fsdp()
+    sizes = {k: x for k, x in dict(v, DP=2).items() if k in an.symbols}
+    env = an.bind(**sizes)
+    h100 = get_device("h100")
+    r = roofline(an, h100, {str(k): x for k, x in env.items()}, with_formulas=False)
+    compute = sum(r["per_phase"].get(ph, {}).get("seconds", 0.0) for ph in ("forward", "backward"))
+    (c0, _), (b0, b1) = ([n["seconds"] / v["L"] for n in r["nodes"] if n["phase"] == ph and "attention" in n["op"]]
+                         for ph in ("forward", "backward"))
+    x = 2 * v["B"] * v["K"] * (v["S"] // 2) * v["D"] * 4
+
+    def dev(link, network, alpha=None):
+        d = dataclasses.replace(h100, interconnect=dict(h100.interconnect, link_bandwidth=link,
+                                                        network_bandwidth=network))
+        return d if alpha is None else dataclasses.replace(
+            d, efficiency=dataclasses.replace(h100.efficiency, collective_latency=alpha))
+
+    st = step_time(an, dev(1.0, 1e30), sizes, "none", devices_per_node=2)
+    assert st["cp"]["inside"] and st["cp"]["bandwidth"] == 1.0 and st["ranks"] == 4
+    assert st["step_seconds"] == pytest.approx(compute + v["L"] * ((x - c0) + (3 * x - b0 - b1)), rel=1e-9)
+    spec, values = spec_and_values(v)
+    model = spec.build_meta(values)
+    blocks = sum(p.numel() for p in model.model.layers.parameters())
+    root = sum(p.numel() for p in model.parameters()) - blocks
+    fsdp = Fraction(3, 4) * 4 * (3 * blocks + 2 * root)
+    st = step_time(an, dev(1e30, 50e9), sizes, "none", devices_per_node=2)
+    assert st["groups"]["DP"]["ranks"] == 4 and Fraction(sum(st["groups"]["DP"]["bytes"].values())) == fsdp
+    assert st["step_seconds"] == pytest.approx(compute + float(fsdp) / 50e9, rel=1e-9)
+    alpha = 10.0
+    p = predict(an, dev(1e30, 1e30, alpha), sizes)
+    (c0, _), (b0, b1) = ([n["seconds"] / v["L"] for n in p["nodes"] if n["phase"] == ph and "attention" in n["op"]]
+                         for ph in ("forward", "backward"))
+    pd = predict_dp(an, dev(1e30, 1e30, alpha), sizes, "none", devices_per_node=2)
+    assert sum(pd["exposed"].values()) == pytest.approx(v["L"] * ((alpha - c0) + (3 * alpha - b0 - b1)), rel=1e-9)
+    # the commands answer (the cached trace stands for the trace; their option checks run)
+    from symcost.commands import report as report_cmd, time as time_cmd
+
+    monkeypatch.setattr(report_cmd, "trace_model", lambda *a, **k: (an, sizes))
+    monkeypatch.setattr(time_cmd, "trace_model", lambda *a, **k: (an, sizes))
+    flags = ["--dp", "2", "--shard", "fsdp", "--cp", "2", "--gpu", "h100", "--precision", "fp32"]
+    res = CliRunner().invoke(main, ["report", "hf:llama", *flags, "--json"])
+    assert res.exit_code == 0, res.output[-2000:]
+    js = json.loads(res.output[res.output.index("{"):])["parallel"]["step"]
+    assert js["cp"]["exposed"] == pytest.approx(step_time(an, h100, sizes)["cp"]["exposed"])
+    assert js["predicted"]["step_seconds"] > 0
+    res = CliRunner().invoke(main, ["time", "hf:llama", *flags, "--tokens", "1e9", "--json"])
+    assert res.exit_code == 0, res.output[-2000:]
+    js = json.loads(res.output[res.output.index("{"):])
+    assert (js["ranks"], js["tokens_per_step"]) == (4, v["B"] * v["S"] * 2)
+    assert js["time.device_hours"] == pytest.approx(js["time.seconds"] * 4 / 3600)
+    res = CliRunner().invoke(main, ["report", "hf:llama", *flags])
+    assert res.exit_code == 0 and "CP ring:" in res.output, res.output[-2000:]
+
+
 def test_alltoall_rotation_recorded_as_pytorch_runs_it():
     """set_rotate_method("alltoall"): the forward passes K/V to the next rank CP - 1 times
     (permute_tensor, an all_to_all_single whose rank keeps nothing: its whole input per rank). One
@@ -245,19 +336,19 @@ def test_alltoall_rotation_recorded_as_pytorch_runs_it():
 
 
 def test_cp_refusals():
-    """One line each: --cp-rotate without --cp; --cp with --dp (not modelled yet); an unknown rotate
-    method; a model whose attention is not SDPA."""
+    """One line each: --cp-rotate without --cp; --cp with --dp under DDP and with --pp (not modelled
+    yet); --gpu with --cp --tp (the TP section prices no step); an unknown rotate method; a model
+    whose attention is not SDPA."""
     r = CliRunner().invoke(main, ["report", "hf:llama", "--cp-rotate", "alltoall"])
     assert r.exit_code == 2 and "--cp-rotate needs --cp N" in r.output, r.output
     r = CliRunner().invoke(main, ["report", "hf:llama", "--cp", "2", "--dp", "2"])  # (--shard ddp)
     assert r.exit_code == 2 and "alone or under FSDP2" in r.output and "Traceback" not in r.output, r.output
-    r = CliRunner().invoke(main, ["report", "hf:llama", "--cp", "2", "--dp", "2", "--shard", "fsdp", "--gpu", "h100"])
-    assert r.exit_code == 2 and "--gpu with --cp" in r.output, r.output
+    r = CliRunner().invoke(main, ["report", "hf:llama", "--cp", "2", "--tp", "2", "--gpu", "h100"])
+    assert r.exit_code == 2 and "--gpu with --cp and --tp" in r.output, r.output
     r = CliRunner().invoke(main, ["max-batch", "hf:llama", "--cp", "2", "--gpu", "h100", "--memory", "80GiB"])
     assert r.exit_code == 2 and "--gpu needs --dp N" in r.output, r.output  # (report --cp alone prices the ring)
-    r = CliRunner().invoke(main, ["time", "hf:llama", "--dp", "2", "--shard", "fsdp", "--cp", "2", "--tokens", "1e9",
-                                  "--device", "h100", "--mfu", "0.4"])
-    assert r.exit_code == 2 and "time --dp with --cp" in r.output, r.output
+    r = CliRunner().invoke(main, ["report", "hf:llama", "--cp", "2", "--pp", "2"])
+    assert r.exit_code == 2 and "--cp with --pp" in r.output, r.output
     with pytest.raises(SymcostError, match="unknown --cp-rotate"):
         Layout(cp=True, cp_rotate="ring")
     with pytest.raises(SymcostError, match="does not call F.scaled_dot_product_attention"):

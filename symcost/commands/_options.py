@@ -357,20 +357,8 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
                     offload_activations=bool(meta.get("symcost.offload_activations")))
     sizes = {k: v for k, v in (("DP", dp), ("TP", tp), ("PP", pp if pipe else None), ("EP", meta.get("symcost.ep")))
              if v is not None}
-    if meta.get("symcost.ep") is not None and dp is not None and (meta.get("symcost.gpu") or command == "time"):
-        raise SymcostError("--ep with --dp and --gpu or `time`: the step time of an expert-parallel rank under FSDP2 "
-                           "(its all-to-alls over their links) is not modelled yet; `report` and `max-batch` answer "
-                           "its FLOPs, bytes per group and peak (docs/parallel.md §14.6)")
     if meta.get("symcost.cp_rotate") is not None and meta.get("symcost.cp") is None:
         raise SymcostError("--cp-rotate needs --cp N (the context-parallel size)")
-    if meta.get("symcost.cp") is not None and dp is not None and command == "time":
-        raise SymcostError("time --dp with --cp: the data-parallel run's step time (its collectives over links) "
-                           "leaves out the ring's exchange, not modelled yet; time --cp alone prices the rank's "
-                           "FLOPs at --mfu (docs/parallel.md §15)")
-    if meta.get("symcost.cp") is not None and dp is not None and meta.get("symcost.gpu"):
-        raise SymcostError("--gpu with --cp and --dp: the step time of a context-parallel rank under FSDP2 (the "
-                           "ring's exchange beside FSDP2's collectives) is not modelled yet; --gpu with --cp alone "
-                           "prices the ring (docs/parallel.md §15)")
     if meta.get("symcost.cp") is not None and tp is not None and meta.get("symcost.gpu"):
         raise SymcostError("--gpu with --cp and --tp: the step time of a context-parallel rank over tensor-parallel "
                            "ranks (the plan's all-reduces beside the ring) is not modelled yet; report --cp --tp "

@@ -173,9 +173,12 @@ def _time_dp(model, sets, config, attention, precision, device_name, devices_fil
         return
     st = out["step"]
     c = console()
-    c.print(f"[bold]symcost time[/bold]: {an.model}, {n_tokens:.4g} tokens on DP = {out['dp']} x {dev.name} "
+    mesh = "" if out["ranks"] == out["dp"] else f" ({out['ranks']} ranks)"
+    c.print(f"[bold]symcost time[/bold]: {an.model}, {n_tokens:.4g} tokens on DP = {out['dp']}{mesh} x {dev.name} "
             f"(--shard {shard}; {out['precision']} peak {out['peak_flops'] / 1e12:.4g} TFLOP/s per device)")
-    c.print(f"global batch = B x K x DP = {out['micro_batch']} x {out['accumulation']} x {out['dp']} = "
+    reps = out["global_batch"] // (out["micro_batch"] * out["accumulation"])
+    c.print(f"global batch = B x K x {'DP' if reps == out['dp'] else 'DP·EP'} = {out['micro_batch']} x "
+            f"{out['accumulation']} x {reps} = "
             f"{out['global_batch']} sequences of S = {out['sizes']['S']} tokens ({out['tokens_per_step']} tokens "
             f"per optimizer step; {out['steps']:.6g} steps)")
     c.print(f"step per rank (one micro-batch): {st['step_seconds'] * 1e3:.4g} ms = compute "

@@ -127,19 +127,94 @@ def _ring_calls(an, env, seconds) -> list[dict]:
     return calls
 
 
+def ring_link(an, device, env, nodes: int | None = None, devices_per_node: int | None = None):
+    """``(link name, byte/s one direction, inside one node)`` of the CP group's ring on ``device``.
+    The mesh is torchtitan's (``pp, dp_replicate, dp_shard, cp, tp``, innermost last), so a CP group
+    is CP ranks TP apart: CP·TP consecutive ranks, inside a node's scale-up link where CP·TP divides
+    the node's devices, else the per-device network (docs/parallel.md §15).
+
+    Raises:
+        SymcostError: a device without an interconnect; a ring over nodes on a device without a
+            network figure; a cluster that cannot hold the CP ranks.
+    """
+    from symcost.errors import SymcostError
+    from symcost.tracing.fit import SYMS
+
+    ic = device.interconnect
+    if not ic.get("link_bandwidth"):
+        raise SymcostError(f"{device.key} lists no interconnect; add an [{device.key}.interconnect] table "
+                           "(link_bandwidth, devices_per_node, network_bandwidth) with --devices-file")
+    cp = int(an.pinned["CP"])
+    tp = int(env.get(SYMS["TP"], an.pinned.get("TP", 1))) if layout_of(an).tp else 1
+    span = cp * tp
+    per_node = devices_per_node or ic.get("devices_per_node") or span
+    if nodes is not None and nodes * per_node < cp:
+        raise SymcostError(f"{nodes} node(s) of {per_node} devices do not hold CP = {cp} ranks")
+    inside = span <= per_node and per_node % span == 0
+    if not inside and not ic.get("network_bandwidth"):
+        raise SymcostError(f"{device.key} lists no network_bandwidth for a ring over nodes")
+    link, bw = ((ic.get("link", "link"), ic["link_bandwidth"]) if inside
+                else (ic.get("network", "network"), ic["network_bandwidth"]))
+    return link, bw, inside
+
+
+def ring_exposure(an, env, seconds: Mapping[int, float], bw: float, latency: float = 0.0) -> dict:
+    """The ring's exchange of one CP rank's step, per phase, as PyTorch schedules it
+    (:func:`ring_seconds` per ring-attention call of the graph, :func:`_ring_calls`).
+
+    Args:
+        an: a ``--cp`` trace (CP pinned).
+        env: bound symbol values (``an.bind``).
+        seconds: ``{op index: seconds of the op, its repeats included}`` (the roofline's nodes for
+            the bound, the performance model's for the prediction): the attention blocks' times.
+        bw: the CP link's bytes per second, one direction.
+        latency: seconds added to every pass (the α of an α–β collective: CP - 1 steps of the
+            efficiency's ``collective_latency`` per pass; 0 for the bound).
+
+    Returns:
+        ``{"ring": {forward, backward}`` (the exchange's seconds in all, unhidden), ``"exposed"``
+        {forward, backward} (what the schedule does not hide behind the call's blocks), ``"bytes"``
+        {forward, backward} (per rank), ``"passes"`` (collectives issued)}.
+    """
+    cp = int(an.pinned["CP"])
+    allgather = layout_of(an).cp_rotate == "allgather"
+    ring = {"forward": 0.0, "backward": 0.0}
+    exposed = {"forward": 0.0, "backward": 0.0}
+    nbytes = {"forward": 0, "backward": 0}
+    passes = 0
+    kv_of_forward = None
+    for call in _ring_calls(an, env, seconds):
+        ph, b = call["phase"], call["bytes"]
+        total = sum(b.values())
+        if ph == "forward":
+            kv_bytes = total
+            kv_of_forward = kv_bytes
+            dkv = None
+        else:
+            kv_bytes = kv_of_forward if kv_of_forward is not None else 0
+            dkv = (total - kv_bytes) / cp / bw + latency
+        kv = (kv_bytes / bw if allgather else kv_bytes / max(cp - 1, 1) / bw) + latency
+        took = ring_seconds(call["blocks"], kv, dkv, allgather)
+        exposed[ph] += call["repeat"] * (took - sum(call["blocks"]))
+        n = call["passes"]
+        ring[ph] += call["repeat"] * (total / bw + n * latency)
+        nbytes[ph] += call["repeat"] * total
+        passes += call["repeat"] * n
+    return {"ring": ring, "exposed": exposed, "bytes": nbytes, "passes": passes}
+
+
 def step_time(an, device, sizes: Mapping[str, int] | None = None, nodes: int | None = None,
               devices_per_node: int | None = None, fused: bool = True) -> dict:
     """One context-parallel rank's step time on ``device`` (``report --cp N --gpu``): the roofline's
     compute of every op (:func:`symcost.passes.roofline.roofline`) plus, per ring-attention call,
     the exchange its schedule does not hide behind the call's attention kernels
-    (:func:`ring_seconds`); docs/parallel.md §15.
+    (:func:`ring_seconds`, :func:`ring_exposure`); docs/parallel.md §15.
 
     The collectives are the graph's own CP-group nodes, bytes per rank (the forward's K/V: one
     all-gather or CP - 1 passes; the backward's K/V the same, the rest of its all-to-all bytes the
-    CP dK/dV passes), over the link of the CP group: CP consecutive ranks (the mesh's cp
-    dimension is inside dp_shard, as torchtitan orders it) share a node's scale-up link when CP
-    divides ``devices_per_node``, else the ring crosses nodes through the per-device network.
-    The blocks are the roofline's seconds of each attention kernel.
+    CP dK/dV passes), over the link of the CP group (:func:`ring_link`). The blocks are the
+    roofline's seconds of each attention kernel. Under FSDP2 (``--dp``) the step is
+    :func:`symcost.passes.parallel.step_time`'s, which adds this ring to FSDP2's collectives.
 
     Args:
         an: a ``--cp`` trace (alone; CP pinned).
@@ -165,47 +240,16 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, nodes: int | N
     layout = layout_of(an)
     if not layout.cp or "CP" not in an.pinned:
         raise SymcostError("the ring's step time needs a context-parallel trace (--cp N)")
-    ic = device.interconnect
-    if not ic.get("link_bandwidth"):
-        raise SymcostError(f"{device.key} lists no interconnect; add an [{device.key}.interconnect] table "
-                           "(link_bandwidth, devices_per_node, network_bandwidth) with --devices-file")
-    cp = int(an.pinned["CP"])
-    per_node = devices_per_node or ic.get("devices_per_node") or cp
-    if nodes is not None and nodes * per_node < cp:
-        raise SymcostError(f"{nodes} node(s) of {per_node} devices do not hold CP = {cp} ranks")
-    inside = cp <= per_node and per_node % cp == 0
-    if not inside and not ic.get("network_bandwidth"):
-        raise SymcostError(f"{device.key} lists no network_bandwidth for a ring over nodes")
-    link, bw = ((ic.get("link", "link"), ic["link_bandwidth"]) if inside
-                else (ic.get("network", "network"), ic["network_bandwidth"]))
     env = an.bind(**{k: v for k, v in (sizes or {}).items() if k in an.symbols})
+    link, bw, inside = ring_link(an, device, env, nodes, devices_per_node)
     r = roofline(an, device, {str(k): v for k, v in env.items()}, fused=fused, with_formulas=False)
     seconds = {n["index"]: n["seconds"] for n in r["nodes"]}
     compute = {ph: r["per_phase"].get(ph, {}).get("seconds", 0.0) for ph in ("forward", "backward")}
-    allgather = layout.cp_rotate == "allgather"
-    ring = {"forward": 0.0, "backward": 0.0}
-    exposed = {"forward": 0.0, "backward": 0.0}
-    nbytes = {"forward": 0, "backward": 0}
-    kv_of_forward = None
-    for call in _ring_calls(an, env, seconds):
-        ph, b = call["phase"], call["bytes"]
-        total = sum(b.values())
-        if ph == "forward":
-            kv_bytes = total
-            kv_of_forward = kv_bytes
-            dkv = None
-        else:
-            kv_bytes = kv_of_forward if kv_of_forward is not None else 0
-            dkv = (total - kv_bytes) / cp / bw
-        kv = kv_bytes / bw if allgather else kv_bytes / max(cp - 1, 1) / bw
-        took = ring_seconds(call["blocks"], kv, dkv, allgather)
-        exposed[ph] += call["repeat"] * (took - sum(call["blocks"]))
-        ring[ph] += call["repeat"] * total / bw
-        nbytes[ph] += call["repeat"] * total
-    step = sum(compute.values()) + sum(exposed.values())
+    got = ring_exposure(an, env, seconds, bw)
+    step = sum(compute.values()) + sum(got["exposed"].values())
     peak, key = device.peak_for(r["precision"])
-    return {"compute": compute, "ring": ring, "exposed": exposed, "bytes": nbytes, "link": link,
-            "link_bandwidth": bw, "inside": inside, "cp": cp, "rotate": layout.cp_rotate, "step_seconds": step,
-            "exposed_comm_seconds": step - sum(compute.values()),
+    return {"compute": compute, "ring": got["ring"], "exposed": got["exposed"], "bytes": got["bytes"], "link": link,
+            "link_bandwidth": bw, "inside": inside, "cp": int(an.pinned["CP"]), "rotate": layout.cp_rotate,
+            "step_seconds": step, "exposed_comm_seconds": step - sum(compute.values()),
             "mfu": r["model_flops"] / (step * peak) if step else 0.0, "precision": key, "peak_flops": peak,
-            "source": ic.get("source", "")}
+            "source": device.interconnect.get("source", "")}

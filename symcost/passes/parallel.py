@@ -62,7 +62,10 @@ def padded(an, env: Mapping) -> dict[str, Any]:
 
     Returns:
         ``params_shard`` (elements rank 0 holds) and ``comm`` {kind: bytes per rank, ring},
-        each a sympy Rational/Integer; for a ``replicate`` (DDP) trace, the formulas evaluated.
+        each a sympy Rational/Integer; for a ``replicate`` (DDP) trace, the formulas evaluated;
+        ``by_group`` {(group label, phase): bytes per rank}, the same bytes by the process group
+        each collective runs over (``"DP"``, ``"TP"``, ``"CP"``, ``"EP"``, ``"DP_expert"``,
+        ``"DP_replicate"``) and phase (``"forward"``, ``"backward"``: the optimizer's with it).
     """
     from symcost.graph.totals import comm_group
 
@@ -74,7 +77,8 @@ def padded(an, env: Mapping) -> dict[str, Any]:
     if SHARDS[an.parallel][0] != "fully_shard":  # (replicate pads nothing)
         for k in comm:
             comm[k] = sympy.sympify(an.comm_bytes(k)).xreplace(env)
-        return {"params_shard": sympy.sympify(an.params_shard).xreplace(env), "comm": comm}
+        return {"params_shard": sympy.sympify(an.params_shard).xreplace(env), "comm": comm,
+                "by_group": _by_group(an, env)}
     # On the 2-D mesh FSDP2 shards each parameter's TP-local tensor (its rows: the fitted shard's
     # first dimension times the shard group's size), under HSDP over the dp_shard group (DP/R).
     local = bool(getattr(an, "tensor_parallel", None)) or layout_of(an).hsdp
@@ -101,6 +105,7 @@ def padded(an, env: Mapping) -> dict[str, Any]:
             whole[u] += r * math.prod(dims)
             pad[u] += r * dp * rows * rest
         shard += r * rows * rest
+    by_group: dict[tuple[str, str], Any] = {}
     for op in an.ops:
         if op.comm is None or op.comm[0] not in comm:
             continue
@@ -112,7 +117,26 @@ def padded(an, env: Mapping) -> dict[str, Any]:
         if u is not None and whole[u]:  # every unit a folded op stands for pads alike
             val = val * sympy.Rational(pad[u], whole[u])
         comm[op.comm[0]] += n * val
-    return {"params_shard": sympy.Integer(shard), "comm": comm}
+        _add(by_group, an, op, n * val)
+    return {"params_shard": sympy.Integer(shard), "comm": comm, "by_group": by_group}
+
+
+def _add(by_group: dict, an, op, nbytes) -> None:
+    """``by_group[(group, phase)] += nbytes`` for collective ``op`` (the optimizer's with the
+    backward)."""
+    from symcost.graph.totals import comm_group
+
+    key = (comm_group(an, op), "forward" if op.phase == "forward" else "backward")
+    by_group[key] = by_group.get(key, 0) + nbytes
+
+
+def _by_group(an, env: Mapping) -> dict[tuple[str, str], Any]:
+    """``{(group, phase): bytes per rank}`` of every collective of ``an`` at ``env``, unpadded."""
+    out: dict[tuple[str, str], Any] = {}
+    for op in an.ops:
+        if op.comm is not None and op.comm[0] in COMM_KINDS and op.comm[0] != "broadcast":
+            _add(out, an, op, sympy.sympify(op.repeat).xreplace(env) * sympy.sympify(op.comm[2]).xreplace(env))
+    return out
 
 
 def _padded_ep(an, env: Mapping) -> dict[str, Any]:
@@ -145,6 +169,7 @@ def _padded_ep(an, env: Mapping) -> dict[str, Any]:
             whole[u] += r * math.prod(int(sympy.sympify(d).xreplace(env)) for d in shape)
             pad[u] += r * size[group_of[u]] * local
     comm = {k: sympy.Integer(0) for k in COMM_KINDS if k != "broadcast"}
+    by_group: dict[tuple[str, str], Any] = {}
     for op in an.ops:
         if op.comm is None or op.comm[0] not in comm:
             continue
@@ -156,7 +181,8 @@ def _padded_ep(an, env: Mapping) -> dict[str, Any]:
             val = val * sympy.Rational(pad[u], whole[u] if group_of[u] == "DP" else whole[u] * size["DP_expert"]
                                        // size["DP"])
         comm[op.comm[0]] += n * val
-    return {"params_shard": sympy.Integer(shard), "comm": comm}
+        _add(by_group, an, op, n * val)
+    return {"params_shard": sympy.Integer(shard), "comm": comm, "by_group": by_group}
 
 
 def rank_peak(an, precision: str | None = None, optimizer: str = "adamw", sizes: Mapping[str, int] | None = None,
@@ -390,15 +416,14 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
         raise SymcostError(f"{device.key} lists no interconnect; add an [{device.key}.interconnect] table "
                            "(link_bandwidth, devices_per_node, network_bandwidth) with --devices-file")
     env = an.bind(**(sizes or {}))
-    dp = int(env.get(SYMS["DP"], an.pinned.get("DP", 1)))
-    mesh2 = bool(getattr(an, "tensor_parallel", None))
-    tp = int(env.get(SYMS["TP"], an.pinned.get("TP", 1))) if mesh2 else 1
-    ranks = dp * tp
+    lay = layout_of(an)
+    sizes_of = group_sizes(an, env)
+    ranks = sizes_of["ranks"]
+    what = "·".join(s for s, on in (("DP", True), ("CP", lay.cp), ("EP", lay.ep), ("TP", "TP" in sizes_of)) if on)
     per_node = devices_per_node or ic.get("devices_per_node") or ranks
     nodes = nodes or -(-ranks // per_node)
     if nodes * per_node < ranks:
-        raise SymcostError(f"{nodes} node(s) of {per_node} devices do not hold {'DP·TP' if mesh2 else 'DP'} = "
-                           f"{ranks} ranks")
+        raise SymcostError(f"{nodes} node(s) of {per_node} devices do not hold {what} = {ranks} ranks")
     if nodes > 1 and not ic.get("network_bandwidth"):
         raise SymcostError(f"{device.key} lists no network_bandwidth for a ring over {nodes} nodes")
 
@@ -406,42 +431,52 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
         return ((ic.get("network", "network"), ic["network_bandwidth"]) if n_nodes > 1
                 else (ic.get("link", "link"), ic["link_bandwidth"]))
 
-    # the 2-D mesh (DP, TP): a TP group is TP consecutive ranks (inside a node when TP divides
-    # the node), a DP group one rank of each TP group: its ring crosses nodes when the mesh does
-    link, bw = over(nodes)
-    tp_link, tp_bw = over(1 if tp <= per_node and per_node % tp == 0 else 2)
-    hsdp = layout_of(an).replicate
-    if hsdp:
-        # HSDP's mesh (dp_replicate, dp_shard, tp), tp innermost: a dp_shard group spans
-        # shard·TP consecutive ranks (inside a node where they fit), the dp_replicate group's
-        # ring crosses nodes when the mesh does (torchtitan: shard within, replicate across nodes)
-        shard_ranks = shard_degree(an, dp) * tp
-        link, bw = over(1 if shard_ranks <= per_node and per_node % shard_ranks == 0 else 2)
-        rep_link, rep_bw = over(nodes)
+    def inner(span):  # a group of consecutive ranks (span of them): inside a node where it divides one
+        return over(1 if span <= per_node and per_node % span == 0 else 2)
+
+    # torchtitan's mesh (dp_replicate, dp_shard, cp, tp) or (dp_shard, ep), innermost last: a TP
+    # group is TP consecutive ranks, a CP group CP ranks TP apart (CP·TP consecutive), an EP group
+    # EP consecutive ranks; the data-parallel groups stride over them and cross nodes when the mesh
+    # does, except HSDP's dp_shard (its shard·CP·TP consecutive ranks, inside a node where they fit)
+    links = {g: over(nodes) for g in ("DP", "DP_replicate", "DP_expert")}
+    links.update(TP=inner(sizes_of.get("TP", 1)), EP=inner(sizes_of.get("EP", 1)))
+    if lay.hsdp:
+        links["DP"] = inner(sizes_of["DP"] * sizes_of.get("TP", 1))
+    link, bw = links["DP"]
     r = roofline(an, device, {str(k): v for k, v in env.items()}, fused=fused)
     compute = {ph: r["per_phase"].get(ph, {}).get("seconds", 0.0) for ph in ("forward", "backward")}
-    exact = padded(an, env)
-    whole = {k: sympy.sympify(an.comm_bytes(k)).xreplace(env) for k in exact["comm"]}
-    nbytes, comm, tp_comm = {}, {}, {"forward": 0.0, "backward": 0.0}
-    for ph in ("forward", "backward"):
-        tot = 0
-        for k in exact["comm"]:  # each kind's padded total, split over the phases as the formulas split it
-            part = sympy.sympify(an.comm_bytes(k, ph)).xreplace(env)
-            tot += part * (exact["comm"][k] / whole[k]) if whole[k] else 0
-        nbytes[ph] = float(tot)
-        rep_part = float(sympy.sympify(an.comm_bytes("total", ph, group="DP_replicate")).xreplace(env)) if hsdp else 0.0
-        rep_time = rep_part / rep_bw if hsdp else 0.0
-        if mesh2:
-            # each group's bytes over its own link; the TP group's collectives sit between the
-            # ops that produce and consume their tensors (Megatron's all-reduces, Shoeybi et al.
-            # 2019 §3): exposed whatever the overlap model, which applies to the DP group's
-            tp_part = float(sympy.sympify(an.comm_bytes("total", ph, group="TP")).xreplace(env))
-            comm[ph] = (nbytes[ph] - tp_part - rep_part) / bw + rep_time
-            tp_comm[ph] = tp_part / tp_bw
-        else:
-            comm[ph] = (nbytes[ph] - rep_part) / bw + rep_time
+    by_group = padded(an, env)["by_group"]
+    groups = sorted({g for g, _ in by_group})
+    per_group = {}
+    for g in groups:
+        if g == "CP":
+            continue
+        gl, gbw = links.get(g, links["DP"])
+        b = {ph: float(by_group.get((g, ph), 0)) for ph in ("forward", "backward")}
+        per_group[g] = {"link": gl, "bandwidth": gbw, "ranks": sizes_of.get(g, 1), "bytes": b,
+                        "seconds": {ph: b[ph] / gbw for ph in b},
+                        "overlapped": g in OVERLAPPED_GROUPS}
+    cp = None
+    if lay.cp:  # the ring's exchange overlapped with its own blocks as PyTorch schedules it (§15)
+        from symcost.passes.context_parallel import ring_exposure, ring_link
+
+        cp_link, cp_bw, inside = ring_link(an, device, env, None, per_node)
+        ring = ring_exposure(an, env, {n["index"]: n["seconds"] for n in r["nodes"]}, cp_bw)
+        cp = {"link": cp_link, "bandwidth": cp_bw, "inside": inside, "ranks": sizes_of["CP"], **ring}
+    nbytes = {ph: sum(d["bytes"][ph] for d in per_group.values()) + (cp["bytes"][ph] if cp else 0)
+              for ph in ("forward", "backward")}
+    # the data-parallel engine's collectives under the overlap model; the TP group's (Megatron's
+    # all-reduces between the ops that make and use their tensors, Shoeybi et al. 2019 §3) and the
+    # EP group's all-to-alls (the dispatch's output is the experts' input, the combine's the next
+    # op's: torchtitan's token dispatcher waits on each) on the critical path, exposed
+    comm = {ph: sum(d["seconds"][ph] for d in per_group.values() if d["overlapped"]) for ph in ("forward", "backward")}
+    exposed = {ph: sum(d["seconds"][ph] for d in per_group.values() if not d["overlapped"])
+               for ph in ("forward", "backward")}
+    if cp:
+        exposed = {ph: exposed[ph] + cp["exposed"][ph] for ph in exposed}
+    tp_comm = {ph: per_group["TP"]["seconds"][ph] if "TP" in per_group else 0.0 for ph in ("forward", "backward")}
     offload = {}
-    if layout_of(an).offload or layout_of(an).offload_activations:
+    if lay.offload or lay.offload_activations:
         # FSDP2's CPU offload and activation offload: each phase's host<->device copies over the
         # host link, counted with the phase's communication (a copy engine beside the kernels);
         # FSDP2's on the
@@ -452,18 +487,63 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
         transfer = transfer_seconds(an, device, env)
         comm = {ph: comm[ph] + transfer[ph] for ph in comm}
         offload = {"transfer": transfer, "host_link": name, "host_bandwidth": host_bw}
-    step = overlapped(compute, comm, overlap) + sum(tp_comm.values())
+    step = overlapped(compute, comm, overlap) + sum(exposed.values())
     # the peak of the dtype the traced matmuls ran in (the roofline's: bf16 under --precision fp32
     # --fsdp-mp bf16, whose compute the roofline timed at the bf16 peak), not the flag's
     peak, key = device.peak_for(r["precision"])
     model_flops = r["model_flops"]
-    return {"compute": compute, "comm": comm, "bytes": nbytes, "link": link, "link_bandwidth": bw,
-            **({"tp_link": tp_link, "tp_link_bandwidth": tp_bw, "tp_comm": tp_comm} if mesh2 else {}),
-            **({"replicate_link": rep_link, "replicate_link_bandwidth": rep_bw} if hsdp else {}), **offload,
+    mesh2 = bool(getattr(an, "tensor_parallel", None))
+    extra = {}
+    if mesh2:
+        extra.update(tp_link=links["TP"][0], tp_link_bandwidth=links["TP"][1], tp_comm=tp_comm)
+    if lay.hsdp:
+        extra.update(replicate_link=links["DP_replicate"][0], replicate_link_bandwidth=links["DP_replicate"][1])
+    if "EP" in per_group:
+        extra.update(ep_link=links["EP"][0], ep_link_bandwidth=links["EP"][1],
+                     ep_comm=dict(per_group["EP"]["seconds"]))
+    if cp:
+        extra["cp"] = cp
+    return {"compute": compute, "comm": comm, "bytes": nbytes, "link": link, "link_bandwidth": bw, **extra,
+            **offload, "groups": per_group, "exposed": exposed, "ranks": ranks,
             "nodes": nodes, "devices_per_node": per_node, "overlap": overlap, "overlap_model": OVERLAPS[overlap],
             "step_seconds": step, "exposed_comm_seconds": step - sum(compute.values()),
             "mfu": model_flops / (step * peak) if step else 0.0, "precision": key, "peak_flops": peak,
             "source": ic.get("source", "")}
+
+
+#: the process groups whose collectives the overlap model hides under compute (the data-parallel
+#: engine's: FSDP2's all-gathers and reduce-scatters, DDP's all-reduces, HSDP's replicate
+#: all-reduce, the experts' FSDP2 group under EP); the others (TP, EP, CP) sit on the critical path
+OVERLAPPED_GROUPS = ("DP", "DP_replicate", "DP_expert")
+
+
+def group_sizes(an, env: Mapping) -> dict[str, int]:
+    """``{label: ranks}`` of each process group of a data-parallel trace at ``env`` (``"DP"`` the
+    FSDP2 / DDP group: DP, DP/R under HSDP, DP·CP with context parallelism, DP·EP with expert
+    parallelism; ``"DP_replicate"`` R; ``"DP_expert"`` DP; ``"TP"``, ``"CP"``, ``"EP"`` their
+    sizes) and ``"ranks"``, the ranks of the whole mesh (DP·TP, DP·CP, DP·EP, DP·CP·TP)."""
+    lay = layout_of(an)
+
+    def size_of(sym):
+        return int(env.get(SYMS[sym], an.pinned.get(sym, 1)))
+
+    out = {"DP": int(lay.group_size("DP", size_of))}
+    dp = size_of("DP")
+    ranks = dp
+    if getattr(an, "tensor_parallel", None) or lay.tp:
+        out["TP"] = size_of("TP")
+        ranks *= out["TP"]
+    if lay.cp:
+        out["CP"] = size_of("CP")
+        ranks *= out["CP"]
+    if lay.ep:
+        out["EP"] = size_of("EP")
+        out["DP_expert"] = dp
+        ranks *= out["EP"]
+    if lay.hsdp:
+        out["DP_replicate"] = lay.replicate
+    out["ranks"] = ranks
+    return out
 
 
 def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accumulate: int = 1,
@@ -490,7 +570,9 @@ def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accu
         overlap, nodes, devices_per_node: as :func:`step_time`.
 
     Returns:
-        ``dp``, ``micro_batch`` (B), ``accumulation`` (K), ``global_batch`` (B·K·DP),
+        ``dp``, ``ranks`` (the mesh's: DP, DP·CP, DP·EP), ``micro_batch`` (B), ``accumulation``
+        (K), ``global_batch`` (B·K·DP; B·K·DP·EP under expert parallelism, each EP rank its own
+        tokens),
         ``tokens``, ``tokens_per_step`` (B·S·K·DP), ``steps`` (optimizer steps, exact: an int
         or a float), ``step`` (:func:`step_time`'s dict, one micro-step of one rank),
         ``mfu`` (per rank: model FLOPs of its micro-step / (step seconds × peak)), ``peak_flops``
@@ -498,7 +580,7 @@ def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accu
         in, :func:`step_time`'s), ``flops.train_step``
         (model FLOPs of one rank's micro-step), ``flops.per_token``, ``compute.total`` (model FLOPs of
         the run on all ranks), ``compute.6NP``, ``sizes``, and ``time.seconds``, ``time.days``,
-        ``time.device_hours`` (seconds × DP / 3600).
+        ``time.device_hours`` (seconds × ranks / 3600).
 
     Raises:
         SymcostError: not a data-parallel trace, ``tokens`` or ``accumulate`` not positive, and
@@ -519,15 +601,20 @@ def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accu
     env = an.bind(**(sizes or {}))
     dp = int(env.get(SYMS["DP"], an.pinned.get("DP", 1)))
     B, S = (int(an.pinned[n]) if n in an.pinned else int(env[SYMS[n]]) for n in ("B", "S"))
-    micro_steps = Fraction(tokens, B * S * dp)  # per rank
+    # the ranks with a micro-batch of their own: DP, and under expert parallelism DP·EP (every EP
+    # rank runs its own tokens, docs/parallel.md §14.6); a CP group of CP ranks shares its B
+    # sequences (each rank S/CP tokens of them, §15)
+    replicas = dp * (st["groups"]["EP"]["ranks"] if "EP" in st["groups"] else 1)
+    micro_steps = Fraction(tokens, B * S * replicas)  # per rank
     seconds = float(micro_steps) * st["step_seconds"]
     peak, key = st["peak_flops"], st["precision"]
     return {
-        "dp": dp, "micro_batch": B, "accumulation": accumulate, "global_batch": B * accumulate * dp,
-        "tokens": tokens, "tokens_per_step": B * S * accumulate * dp,
+        "dp": dp, "ranks": st["ranks"], "micro_batch": B, "accumulation": accumulate,
+        "global_batch": B * accumulate * replicas,
+        "tokens": tokens, "tokens_per_step": B * S * accumulate * replicas,
         "steps": _exact(micro_steps / accumulate), "step": st, "mfu": st["mfu"], "peak_flops": peak,
         "precision": key, "sizes": tc["sizes"], "flops.train_step": tc["flops.train_step"],
         "flops.per_token": tc["flops.per_token"], "compute.total": tc["compute.total"],
         "compute.6NP": tc["compute.6NP"],
-        "time.seconds": seconds, "time.days": seconds / 86400, "time.device_hours": seconds * dp / 3600,
+        "time.seconds": seconds, "time.days": seconds / 86400, "time.device_hours": seconds * st["ranks"] / 3600,
     }

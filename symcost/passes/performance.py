@@ -232,33 +232,39 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
                nodes: int | None = None, devices_per_node: int | None = None, mode: str = "eager") -> dict[str, Any]:
     """Predicted step of one data-parallel rank: the performance model's compute per phase
     (:func:`predict`; the launches and the optimizer step with the backward) and the
-    communication of :func:`symcost.passes.parallel.step_time` (each phase's bytes per rank over
-    its link's bandwidth, FSDP2's padding included) plus alpha: every traced collective's
-    latency steps (ring: 2(n-1) for an all-reduce, n-1 for the others, n the DP ranks) times the
-    efficiency's ``collective_latency``; the same ``overlap`` rule as the bound (docs/parallel.md).
+    communication of :func:`symcost.passes.parallel.step_time`, each process group's bytes per rank
+    over its link's bandwidth (FSDP2's padding included) plus alpha: every traced collective's
+    latency steps (ring: 2(n-1) for an all-reduce, n-1 for the others, n the ranks of the group it
+    runs over: DP·CP or DP·EP for FSDP2's, TP, EP, DP for the experts' FSDP2 group) times the
+    efficiency's ``collective_latency`` (Hockney's alpha-beta, :meth:`Efficiency.collective_seconds`);
+    the data-parallel groups under the same ``overlap`` rule as the bound, the TP and EP groups'
+    on the critical path, and the CP ring's passes (each its bytes / bandwidth + (CP-1) alphas)
+    overlapped with the performance model's attention blocks as PyTorch schedules the ring
+    (:func:`symcost.passes.context_parallel.ring_exposure`; docs/parallel.md §15).
 
     Returns:
         ``{"step_seconds", "bound_seconds" (step_time's), "compute" {forward, backward},
-        "comm" {forward, backward}, "latency_seconds", "collectives", "exposed_comm_seconds",
-        "mfu_predicted", "calibrated", "defaulted", "overlap"}``.
+        "comm" {forward, backward} (the overlapped groups'), "exposed" {forward, backward} (the
+        critical path's: TP, EP, the ring's unhidden part), "latency_seconds", "collectives",
+        "exposed_comm_seconds", "mfu_predicted", "calibrated", "defaulted", "overlap"}``.
 
     Raises:
         SymcostError: what :func:`predict` and :func:`symcost.passes.parallel.step_time` raise.
     """
     from symcost.graph.rules import COMM_OPS
-    from symcost.passes.parallel import overlapped, step_time
-    from symcost.tracing.fit import SYMS
+    from symcost.graph.totals import comm_group
+    from symcost.passes.parallel import OVERLAPPED_GROUPS, group_sizes, overlapped, step_time
 
     bound = step_time(an, device, sizes, overlap, nodes, devices_per_node, fused=mode == "compiled")
     p = predict(an, device, sizes, mode=mode)
     eff = efficiency_of(device)
     env = an.bind(**(sizes or {}))
-    n = int(env.get(SYMS["DP"], an.pinned.get("DP", 1)))
+    ranks = group_sizes(an, env)
     per_op = p["terms"]["launch"] / max(1, p["ops"])  # the launches spread over the phases' ops
     compute = {"forward": 0.0, "backward": 0.0}
     for node in p["nodes"]:
         compute["backward" if node["phase"] != "forward" else "forward"] += node["seconds"]
-    latency = {"forward": 0.0, "backward": 0.0}
+    latency: dict[str, dict[str, float]] = {}
     count = 0
     for op in an.ops:
         ph = "forward" if op.phase == "forward" else "backward"
@@ -268,15 +274,39 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
         if kind in (None, "wait"):
             continue
         rep = _num(op.repeat, env)
-        steps = 2 * (n - 1) if kind == "all_reduce" else (n - 1) if kind != "send" and kind != "recv" else 1
-        latency[ph] += rep * steps * eff.collective_latency
         count += rep
+        g = comm_group(an, op)
+        if g == "CP":  # (the ring's passes: their alphas in its schedule below)
+            continue
+        n = ranks.get(g, ranks["DP"])
+        steps = 2 * (n - 1) if kind == "all_reduce" else (n - 1) if kind != "send" and kind != "recv" else 1
+        latency.setdefault(g, {"forward": 0.0, "backward": 0.0})[ph] += rep * steps * eff.collective_latency
     compute["backward"] += p["terms"]["optimizer"]
-    comm = {ph: bound["comm"][ph] + latency[ph] for ph in ("forward", "backward")}
-    step = overlapped(compute, comm, overlap) + sum(bound.get("tp_comm", {}).values())
+    groups = bound["groups"]
+    phases = ("forward", "backward")
+
+    def part(on: bool, ph: str) -> float:
+        return sum(d["seconds"][ph] + latency.get(g, {}).get(ph, 0.0) for g, d in groups.items()
+                   if (g in OVERLAPPED_GROUPS) == on)
+
+    comm = {ph: part(True, ph) for ph in phases}
+    if "transfer" in bound:  # (CPU offload's host copies, with the overlapped communication as in the bound)
+        comm = {ph: comm[ph] + bound["transfer"][ph] for ph in phases}
+    exposed = {ph: part(False, ph) for ph in phases}
+    ring_latency = 0.0
+    if "cp" in bound:
+        from symcost.passes.context_parallel import ring_exposure
+
+        cp = bound["cp"]
+        alpha = (cp["ranks"] - 1) * eff.collective_latency
+        ring = ring_exposure(an, env, {n["index"]: n["seconds"] for n in p["nodes"]}, cp["bandwidth"], alpha)
+        exposed = {ph: exposed[ph] + ring["exposed"][ph] for ph in phases}
+        ring_latency = ring["passes"] * alpha
+    step = overlapped(compute, comm, overlap) + sum(exposed.values())
     peak = bound["peak_flops"]
     mf = bound["mfu"] * bound["step_seconds"] * peak  # the rank's model FLOPs
     return {"step_seconds": step, "bound_seconds": bound["step_seconds"], "compute": compute, "comm": comm,
-            "latency_seconds": sum(latency.values()), "collectives": count,
+            "exposed": exposed,
+            "latency_seconds": sum(sum(d.values()) for d in latency.values()) + ring_latency, "collectives": count,
             "exposed_comm_seconds": step - sum(compute.values()), "mfu_predicted": mf / (step * peak) if step else 0.0,
             "calibrated": p["calibrated"], "defaulted": p["defaulted"], "overlap": overlap, "mode": mode}

@@ -682,6 +682,15 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
         c.print(f"TP group: {(step['tp_comm']['forward'] + step['tp_comm']['backward']) * 1e3:.3f} ms of collectives over "
                 f"{step['tp_link']} at {step['tp_link_bandwidth'] / 1e9:.0f} GB/s, exposed (between the ops that make "
                 "and use their tensors); the figures below are the DP group's")
+    if step is not None and step.get("ep_comm") is not None:
+        c.print(f"EP group: {sum(step['ep_comm'].values()) * 1e3:.3f} ms of all-to-alls over {step['ep_link']} at "
+                f"{step['ep_link_bandwidth'] / 1e9:.0f} GB/s, exposed (the token dispatch feeds the experts, the "
+                "combine the next op); the experts' FSDP2 group (DP_expert) is overlapped as the DP group's")
+    if step is not None and step.get("cp") is not None:
+        cp = step["cp"]
+        c.print(f"CP ring: {sum(cp['ring'].values()) * 1e3:.3f} ms of K/V and dK/dV passes over {cp['link']} at "
+                f"{cp['bandwidth'] / 1e9:.0f} GB/s, {sum(cp['exposed'].values()) * 1e3:.3f} ms of it exposed (PyTorch's "
+                "ring schedule: each pass beside one attention block); the figures below are the DP·CP group's")
     if step is not None:
         c.print(f"step time per rank: {step['step_seconds'] * 1e3:.3f} ms (compute {step['compute']['forward'] * 1e3:.3f} "
                 f"+ {step['compute']['backward'] * 1e3:.3f} ms forward + backward, communication "
