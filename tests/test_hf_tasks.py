@@ -255,3 +255,30 @@ def test_modernbert_masked_lm_exact():
     v = {"B": rng.randint(2, 3), "S": rng.randint(3, 12), "H": rng.randint(2, 4), "D": rng.choice((4, 6, 8)),
          "L": 4, "F": rng.randint(6, 30), "V": rng.randint(20, 80)}
     _check(an, spec, v)
+
+
+def test_whisper_mamba_bad_input_one_line(capsys, tmp_path, monkeypatch):
+    """A decoder longer than Whisper's position table (448: a real step fails there), a speech
+    model whose inputs are not Whisper's, and --attention on Mamba (no attention layers) are one
+    line each, before any trace."""
+    from test_cli import assert_one_line_error
+
+    from symcost.errors import SymcostError
+
+    monkeypatch.setenv("SYMCOST_CACHE_DIR", str(tmp_path))
+    assert_one_line_error(*run_cli(capsys, "eval", "hf:whisper", "--set", "S=449"),
+                          "S must be at most max_target_positions=448")
+    assert_one_line_error(*run_cli(capsys, "eval", "hf:mamba", "--attention", "eager"), "has no attention layers")
+    with pytest.raises(SymcostError, match="Speech2TextConfig has no num_mel_bins; .* whisper is accepted"):
+        symcost.resolve("hf:speech_to_text")
+    spec = symcost.resolve("hf:whisper", config={"max_target_positions": "4"})
+    small = {"B": 1, "S": 4, "S_enc": 3, "H": 2, "D": 4, "L": 1, "F": 8, "V": 30, "N_mel": 5}
+    model = spec.build(small)
+    for s, runs in ((4, True), (5, False)):  # (PyTorch's own answer at the limit)
+        args, kwargs = spec.make_inputs({**small, "S": s}, torch.device("cpu"))
+        try:
+            model(*args, **kwargs)
+            ran = True
+        except (IndexError, RuntimeError, ValueError):
+            ran = False
+        assert ran == runs and (spec.check({**small, "S": s}) is None) == runs, s

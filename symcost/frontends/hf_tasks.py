@@ -236,9 +236,11 @@ def spec(model_type: str, task: str, overrides: Mapping[str, str] | None = None,
     elif task == "speech-seq2seq":
         frames, mels, maxtgt = attr("max_source_positions"), attr("num_mel_bins"), attr("max_target_positions")
         if not (isinstance(frames, int) and isinstance(mels, int)):
-            raise SymcostError(f"{shown}: {cls} has no max_source_positions and num_mel_bins; symcost traces "
-                               "speech encoder-decoders whose input is Whisper's (input_features [B, num_mel_bins, "
-                               "2*max_source_positions]); whisper is accepted")
+            lacks = " and ".join(k for k, v in (("max_source_positions", frames), ("num_mel_bins", mels))
+                                 if not isinstance(v, int))
+            raise SymcostError(f"{shown}: {cls} has no {lacks}; symcost traces speech encoder-decoders whose input "
+                               "is Whisper's (input_features [B, num_mel_bins, 2*max_source_positions]); whisper "
+                               "is accepted")
         # Whisper's encoder takes exactly 2*max_source_positions mel frames (its conv stem halves
         # them to S_enc; a check in WhisperEncoder.forward): S_enc is the config's field
         binds += [("S_enc", "max_source_positions", frames), ("N_mel", "num_mel_bins", mels)]
