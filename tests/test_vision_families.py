@@ -135,3 +135,119 @@ def test_zoo_without_package_and_task_errors_one_line(capsys, tmp_path, monkeypa
                           "hf:bert has no image-classification head", "masked-lm")
     assert_one_line_error(*run_cli(capsys, "max-batch", "hf:bert", "--task", "mlm"), "unknown task 'mlm'",
                           "masked-lm", "image-classification")
+
+
+# ------------------------------------------------------------------------------------------------
+# hf:convnext, hf:swin (symcost/frontends/hf_vision.py)
+def _split_grouped_convs():
+    """A context in which every grouped ``nn.Conv2d`` runs as ``groups`` separate convolutions
+    with the same weights (test_kernels.split_any): FlopCounterMode then counts a grouped
+    convolution's true weight-gradient FLOPs, which its formula over-counts groups times
+    (docs/conventions.md, "Divergences from FlopCounterMode")."""
+    from unittest import mock
+
+    from test_kernels import split_any
+
+    plain = nn.Conv2d._conv_forward
+
+    def forward(self, x, weight, bias):
+        return split_any(self, x) if self.groups > 1 else plain(self, x, weight, bias)
+
+    return mock.patch.object(nn.Conv2d, "_conv_forward", forward)
+
+
+def _check_exact(an, spec, v: dict) -> None:
+    """test_own_symbols' oracles at ``v``: a meta-device parameter count, FlopCounterMode on the
+    real step (grouped convolutions split), saved_tensors_hooks' bytes."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from memory_oracle import saved_bytes
+    from symcost.passes import memory
+
+    got = an.subs(**v)
+    values = {**spec.defaults, **v}
+    assert got["params"] == sum(p.numel() for p in spec.build_meta(values).parameters()), v
+    torch.manual_seed(0)
+    model = spec.build(values)
+    args, kwargs = spec.make_inputs(values, torch.device("cpu"))
+    with _split_grouped_convs(), FlopCounterMode(display=False) as fc:
+        spec.loss(model(*args, **kwargs), (args, kwargs)).backward()
+    assert got["flops.train"] == fc.get_total_flops(), v
+    assert memory.memory_model(an).components(**v)["activations"] == saved_bytes(spec, v, "fp32"), v
+
+
+def _forward_flops_meta(model, side: int) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as fc:
+        model(pixel_values=torch.empty(1, 3, side, side, device="meta"))
+    return fc.get_total_flops()
+
+
+@pytest.mark.heavy
+def test_convnext_exact_and_convnext_t_published():
+    """hf:convnext at ConvNeXt-T's stages (depths 3, 3, 9, 3; widths W, 2W, 4W, 8W): W, IMG, C,
+    NCLS symbols, none pinned (IMG probed in its class mod 32); exact at random tiny sizes;
+    ConvNeXt-T at 224² from the formulas: 28,589,128 parameters (= a meta count; "28M" in Liu et
+    al. 2022, Table 10 of the paper, 28.6M on timm's convnext_tiny card) and 4.5 GFLOPs forward,
+    which are multiply-accumulates (the paper counts a MAC as a FLOP, as fvcore does; timm's card:
+    "GMACs: 4.5"): symcost's forward model FLOPs / 2 = 4.47e9 (= FlopCounterMode's on the meta model)."""
+    pytest.importorskip("transformers")
+    spec = symcost.resolve("hf:convnext")
+    assert spec.symbols == ("W", "IMG", "C", "NCLS") and spec.moduli == {"IMG": 32}
+    an = symcost.trace(spec, sizes={"B": 2, "W": 4, "IMG": 64, "C": 3, "NCLS": 5}, precision="fp32",
+                       torch_device="cpu")
+    assert not an.pinned, an.pin_reasons
+    rng = random.Random("convnext")
+    _check_exact(an, spec, {"B": rng.randint(2, 3), "W": rng.randint(2, 6), "IMG": 32 * rng.randint(1, 3),
+                            "C": rng.randint(1, 4), "NCLS": rng.randint(2, 9)})
+    t = {"W": 96, "IMG": 224, "C": 3, "NCLS": 1000}
+    got = an.subs(B=1, **t)
+    model = spec.build_meta({**spec.defaults, **t, "B": 1})
+    assert got["params"] == sum(p.numel() for p in model.parameters()) == 28_589_128
+    assert got["flops.forward"] == _forward_flops_meta(model, 224)
+    assert round(got["flops.forward"] / 2 / 1e8) / 10 == 4.5, got["flops.forward"]
+    with pytest.raises(symcost.SymcostError, match="IMG must be at least 32"):
+        symcost.trace(spec, sizes={"IMG": 31}, precision="fp32", torch_device="cpu")
+
+
+@pytest.mark.heavy
+def test_swin_tiny_exact_off_the_modulus():
+    """hf:swin, a tiny config (patches of 2, windows of 2, two stages of two blocks: a shifted
+    window in each): H, D, IMG, C, NCLS symbols; a request IMG = 36, off the class 0 mod 8 (its
+    second stage, 9x9, padded to whole windows), traced in its own class, none pinned; exact at
+    random sizes of that class."""
+    pytest.importorskip("transformers")
+    cfg = {"patch_size": "2", "window_size": "2", "depths": "[2, 2]", "num_heads": "[2, 4]", "embed_dim": "8",
+           "drop_path_rate": "0.0"}
+    spec = symcost.resolve("hf:swin", config=cfg, attention="eager")  # (FlopCounterMode counts no CPU flash attention)
+    assert spec.symbols == ("H", "D", "IMG", "C", "NCLS") and spec.moduli == {"IMG": 8}
+    an = symcost.trace(spec, sizes={"B": 2, "H": 2, "D": 4, "IMG": 36, "C": 3, "NCLS": 5}, precision="fp32",
+                       torch_device="cpu")
+    assert not an.pinned, an.pin_reasons
+    rng = random.Random("swin")
+    _check_exact(an, spec, {"B": rng.randint(2, 3), "H": rng.randint(2, 3), "D": rng.choice((2, 4)),
+                            "IMG": 4 + 8 * rng.randint(2, 5), "C": rng.randint(1, 4), "NCLS": rng.randint(2, 9)})
+
+
+@pytest.mark.heavy
+def test_swin_t_published():
+    """hf:swin (SwinConfig's defaults are Swin-T's: patches of 4, windows of 7, depths 2, 2, 6, 2,
+    3-24 heads of 32) at 224²: its last stage (7x7) is one window, which no other IMG of the class
+    mod 224 runs (larger images shift it), so IMG is pinned at 224, said; H and D are formulas.
+    Swin-T: 28,288,354 parameters with 1000 classes (= a meta count; "28M" in Liu et al. 2021,
+    Table 1; 28.3M on timm's swin_tiny_patch4_window7_224 card) and "4.5G" FLOPs, which are
+    multiply-accumulates (timm's card: "GMACs: 4.5"): symcost's forward model FLOPs / 2 (= the
+    meta model's under FlopCounterMode, attention's matmuls included)."""
+    pytest.importorskip("transformers")
+    spec = symcost.resolve("hf:swin", attention="eager")
+    assert spec.moduli == {"IMG": 224}
+    an = symcost.trace(spec, sizes={"B": 2, "H": 2, "D": 4, "IMG": 224, "C": 3, "NCLS": 5}, precision="fp32",
+                       torch_device="cpu")
+    assert an.pinned == {"IMG": 224}, an.pin_reasons
+    t = {"H": 3, "D": 32, "IMG": 224, "C": 3, "NCLS": 1000}
+    got = an.subs(B=1, **t)
+    model = spec.build_meta({**spec.defaults, **t, "B": 1})
+    assert got["params"] == sum(p.numel() for p in model.parameters()) == 28_288_354
+    assert got["flops.forward"] == _forward_flops_meta(model, 224)
+    assert round(got["flops.forward"] / 2 / 1e8) / 10 == 4.5, got["flops.forward"]

@@ -115,10 +115,11 @@ _NEED_TRANSFORMERS = (
 
 
 def parse_value(text: str) -> Any:
-    """Parse one ``--config`` value without eval: int, then float, then true/false/none, else str.
+    """Parse one ``--config`` value without eval: int, then float, then a JSON list of numbers,
+    then true/false/none, else str.
 
-    ``"8"`` -> 8, ``"1e-5"`` -> 1e-05, ``"True"`` -> True, ``"none"``/``"null"`` -> None,
-    ``"silu"`` -> ``"silu"``. Raises nothing.
+    ``"8"`` -> 8, ``"1e-5"`` -> 1e-05, ``"[3,3,9,3]"`` -> [3, 3, 9, 3], ``"True"`` -> True,
+    ``"none"``/``"null"`` -> None, ``"silu"`` -> ``"silu"``. Raises nothing.
     """
     s = text.strip()
     try:
@@ -129,6 +130,15 @@ def parse_value(text: str) -> Any:
         return float(s)
     except ValueError:
         pass
+    if s.startswith("[") and s.endswith("]"):  # a list of numbers (a staged model's depths=[3,3,9,3])
+        import json
+
+        try:
+            got = json.loads(s)
+        except ValueError:
+            got = None
+        if isinstance(got, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in got):
+            return got
     low = s.lower()
     if low == "true":
         return True

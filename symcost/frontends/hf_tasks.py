@@ -7,7 +7,8 @@ A model type's task is the first of these its ``transformers`` auto mappings hav
 ``task`` names): ``seq2seq`` (``AutoModelForSeq2SeqLM``: T5, BART), ``speech-seq2seq``
 (``AutoModelForSpeechSeq2Seq``: Whisper), ``masked-lm``
 (``AutoModelForMaskedLM``: BERT, RoBERTa, ModernBERT), ``causal-lm`` (``AutoModelForCausalLM``,
-:mod:`symcost.frontends.hf`), ``image-classification`` (``AutoModelForImageClassification``: ViT).
+:mod:`symcost.frontends.hf`), ``image-classification`` (``AutoModelForImageClassification``: ViT;
+ConvNeXt and Swin, whose configs list stages: :mod:`symcost.frontends.hf_vision`).
 Symbols are bound to config fields through the config class's own ``attribute_map`` (T5's
 ``num_heads`` is its ``num_attention_heads``), exactly as for causal LMs:
 
@@ -118,6 +119,10 @@ def any_spec(model_type: str, overrides: Mapping[str, str] | None = None, attent
     if mt not in CONFIG_MAPPING:
         return hf.spec(model_type, overrides, attention, base_kwargs=base_kwargs, name=name)  # (its error line)
     chosen = task_of(mt, task)
+    from symcost.frontends import hf_vision
+
+    if hf_vision.handles(mt, chosen):  # (staged image classifiers: ConvNeXt, Swin)
+        return hf_vision.spec(mt, overrides, attention, base_kwargs, name or f"hf:{model_type}")
     if chosen == "causal-lm":
         import transformers
 

@@ -8,9 +8,12 @@ sparse polynomial with exact rational coefficients:
    symbols the size depends on;
 2. sparse fit: monomials in those symbols (exponents in {0, 1}, then {-1, 0, 1} for ratios such as
    H/K, then up to 3; never above what the probes' distinct values can pin down) are tried as
-   supports of 1, 2, 3, ... terms; the coefficients are solved in floating point, rationalised, and accepted only if the
+   supports of 1, 2, 3, ... terms; the coefficients are solved in floating point, rationalised
+   (denominators up to 720, then up to 2^20: :data:`DENOMINATORS`), and accepted only if the
    polynomial reproduces *every* probe exactly in integer arithmetic, with at least two probes to
-   spare;
+   spare; where none does, a monomial in all but one symbol times any polynomial (up to cubic) in
+   that one, interpolated exactly through its distinct values with two to spare
+   (``Fitter._fit_separable``: a feature map in a residue class of the image side);
 3. a signature that no such polynomial reproduces is reported, never guessed.
 
 Probes keep symbols apart (distinct values, none 0 or 1, so PyTorch cannot specialise or merge
@@ -519,6 +522,9 @@ class Fitter:
         got = self._sparse(sig, deps, EXPONENT_STAGES)
         if got is not None:
             return got
+        got = self._fit_separable(sig, deps)
+        if got is not None:
+            return got
         hinted = self._fit_hints(sig)
         if hinted is not None:
             return hinted
@@ -614,6 +620,47 @@ class Fitter:
                             * sympy.Mul(*[SYMS[s] ** e for s, e in m.items() if e])
                             for c, m in terms
                         ])
+        return None
+
+    def _fit_separable(self, sig: tuple[int, ...], deps: list[str]):
+        """``sig`` as (a monomial in every dependency but one, x) times (a polynomial in x of
+        degree up to 3, every term allowed), or None: a feature map's size in a residue class of
+        the image side, B·H·D·(IMG/8 + 1/2)^2 (a Swin stage padded to whole windows), is a dense
+        quadratic in IMG times the other sizes, more terms than the sparse search tries over
+        four symbols. The quotient by the monomial must be equal at probes of equal x; the
+        polynomial in x is the interpolant of its distinct values (exact, rational) and holds
+        only with two of them to spare."""
+        if not 2 <= len(deps) <= 5:
+            return None
+        for x in deps:
+            xs = self.Xi[x]
+            distinct = sorted(set(xs))
+            if len(distinct) < 4:  # (a degree-1 polynomial with two values to spare)
+                continue
+            others = [s for s in deps if s != x]
+            choices = [(1, -1, 2) if s in DIVISORS else (1, 2) for s in others]
+            for exps in sorted(itertools.product(*choices), key=lambda e: sum(map(abs, e))):
+                q: dict[Fraction, Fraction] = {}
+                ok = True
+                for i, v in enumerate(sig):
+                    m = Fraction(1)
+                    for s, e in zip(others, exps):
+                        m *= self.Xi[s][i] ** e
+                    val = Fraction(v) / m
+                    if q.setdefault(xs[i], val) != val:
+                        ok = False
+                        break
+                if not ok:
+                    continue
+                X = SYMS[x]
+                poly = sympy.expand(sympy.interpolate([(sympy.Rational(k.numerator, k.denominator),
+                                                        sympy.Rational(w.numerator, w.denominator))
+                                                       for k, w in sorted(q.items())], X))
+                degree = sympy.Poly(poly, X).degree() if poly.has(X) else 0
+                if degree > 3 or degree > len(distinct) - 3 or poly == 0:
+                    continue
+                mono = sympy.Mul(*[SYMS[s] ** e for s, e in zip(others, exps)])
+                return sympy.expand(poly * mono)
         return None
 
     def _fit_group(self, sig: tuple[int, ...], what: str, g: str):

@@ -101,6 +101,20 @@ class _FakeOnly(Exception):
 #: tags of ops whose output (a host value, or a shape) depends on tensor values: FakeTensorMode
 #: raises at them unless it knows the value; a strict real recording gives way to a fake one
 _VALUE_TAGS = frozenset((torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape))
+_INDEX = torch.ops.aten.index.Tensor
+
+
+def _integer_index(func, args) -> bool:
+    """Whether ``func`` is ``aten.index.Tensor`` with integer indices only: tagged
+    ``dynamic_output_shape`` for boolean masks (their output has as many rows as true values),
+    its output shape is the indices' broadcast shape otherwise, read from no value (Swin's
+    relative position bias, ``table[index]``: such a step need not be recorded on fake tensors)."""
+    if func is not _INDEX or len(args) < 2:
+        return False
+    return all(i is None or (isinstance(i, torch.Tensor) and not i.dtype.is_floating_point
+                             and i.dtype not in (torch.bool, torch.uint8)) for i in args[1])
+
+
 _WAIT_TENSOR = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
 _WAIT_TENSOR = getattr(_WAIT_TENSOR, "default", None)
 
@@ -370,7 +384,7 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if func in FAKE_ONLY_OPS and self.real:
             raise _FakeOnly(str(func))
-        if self.strict and _VALUE_TAGS.intersection(func.tags):
+        if self.strict and _VALUE_TAGS.intersection(func.tags) and not _integer_index(func, args):
             raise _FakeOnly(f"{func} reads tensor values")
         if self.unwrap and any(issubclass(t, self.unwrap) for t in types):
             # FP8 training: torchao's Float8TrainingTensor runs each op on its fp8 data and scale
