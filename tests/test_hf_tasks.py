@@ -146,14 +146,14 @@ def test_vit_classification_exact_and_vit_b16_published():
 
 
 def test_bad_sizes_and_tasks_one_line(capsys, tmp_path, monkeypatch):
-    """An image side that is no whole number of patches and a size outside BERT's position table
-    are one line each, before any trace; an unknown task is refused by name."""
+    """An image side smaller than one patch (PyTorch's convolution refuses it) and a size outside
+    BERT's position table are one line each, before any trace; an unknown task is refused by name."""
     from test_cli import assert_one_line_error
 
     from symcost.errors import SymcostError
 
     monkeypatch.setenv("SYMCOST_CACHE_DIR", str(tmp_path))
-    assert_one_line_error(*run_cli(capsys, "eval", "hf:vit", "--set", "IMG=100"), "IMG must be a multiple of the patch side 16")
+    assert_one_line_error(*run_cli(capsys, "eval", "hf:vit", "--set", "IMG=8"), "IMG must be at least the patch side 16")
     assert_one_line_error(*run_cli(capsys, "eval", "hf:bert", "--set", "S=600"), "S must be at most 512")
     with pytest.raises(SymcostError, match="unknown task 'mlm'"):
         symcost.resolve("hf:bert", task="mlm")

@@ -251,3 +251,18 @@ def test_swin_t_published():
     assert got["params"] == sum(p.numel() for p in model.parameters()) == 28_288_354
     assert got["flops.forward"] == _forward_flops_meta(model, 224)
     assert round(got["flops.forward"] / 2 / 1e8) / 10 == 4.5, got["flops.forward"]
+
+
+@pytest.mark.heavy
+def test_vit_side_off_the_patch_multiples_is_traced():
+    """hf:vit at an image side that is no multiple of the patch side (PyTorch's patch convolution
+    floors: ⌊10/4⌋² + 1 = 5 tokens) is traced, IMG pinned at it (said), not refused; exact there
+    against the oracles at random other sizes."""
+    pytest.importorskip("transformers")
+    spec = symcost.resolve("hf:vit", config={"patch_size": "4"}, attention="eager")
+    req = {"B": 2, "H": 2, "D": 4, "L": 1, "F": 8, "IMG": 10, "C": 3, "NCLS": 3}
+    an = symcost.trace(spec, sizes=req, precision="fp32", torch_device="cpu")
+    assert an.pinned == {"IMG": 10} and "IMG" in an.pin_reasons, an.pinned
+    rng = random.Random("vit-off")
+    _check_exact(an, spec, {"B": rng.randint(2, 3), "H": rng.randint(2, 3), "D": rng.choice((2, 4)), "L": 1,
+                            "F": rng.randint(4, 12), "IMG": 10, "C": rng.randint(1, 3), "NCLS": rng.randint(2, 6)})

@@ -25,8 +25,8 @@ S           tokens per sequence: an encoder's input, an encoder-decoder's **targ
 S_enc       an encoder-decoder's source tokens per sequence (the encoder's input); Whisper's audio
             positions, ``max_source_positions`` (its encoder takes exactly 2·S_enc mel frames)
 N_mel       Whisper's mel-frequency bins (``num_mel_bins``)
-IMG, C      a vision model's image side (pixels; a multiple of the config's ``patch_size``, which
-            stays a config value: the (IMG/P)^2 patches are no polynomial in P) and input channels
+IMG, C      a vision model's image side (pixels; at least the config's ``patch_size``, which
+            stays a config value: the ⌊IMG/P⌋^2 patches are no polynomial in P) and input channels
 NCLS        a classifier's classes (``num_labels``)
 =========== =====================================================================================
 
@@ -231,12 +231,14 @@ def spec(model_type: str, task: str, overrides: Mapping[str, str] | None = None,
         meanings.update(IMG=f"image side (pixels; patches of {patch}x{patch}: --config patch_size=...)",
                         C="input channels", NCLS="classes", B="images per step", S="unused (the model reads images)")
         # the patch side is the config's, no symbol: the tokens (IMG/P)^2 + 1 are no polynomial in
-        # P; at a fixed P they are one in IMG, for IMG a multiple of P (probes keep it one)
+        # P; at a fixed P they are one in IMG, within IMG's residue class mod P (probes keep it)
         moduli["IMG"] = patch
         pin["IMG"] = (f"the attention scores' storage holds (IMG/{patch})^4 terms, above the fit's cubes: "
                       "formulas for this image side (another: --set IMG=...)")
-        constraints.append(Constraint("multiple", "IMG", patch, f"IMG must be a multiple of the patch side {patch} "
-                                      "(whole patches; another patch side: --config patch_size=...)"))
+        # a side off the multiples runs too (the patch convolution floors: floor(IMG/P)^2 + 1 tokens, a
+        # polynomial in IMG within its class mod P, pinned as every side is); below one patch PyTorch refuses
+        constraints.append(Constraint("min", "IMG", patch, f"IMG must be at least the patch side {patch} (one whole "
+                                      "patch; another patch side: --config patch_size=...)"))
         constraints.append(Constraint("min", "NCLS", 2, "NCLS must be at least 2 (one class is regression)"))
     elif task == "speech-seq2seq":
         frames, mels, maxtgt = attr("max_source_positions"), attr("num_mel_bins"), attr("max_target_positions")
