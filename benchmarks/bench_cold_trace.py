@@ -39,10 +39,13 @@ tv:resnet50    100.9      20.9      profiled run (101.7 s, 29.4 CPU-s): 93 % rec
 =============  =========  ========  ========================================================
 
 (Before this benchmark's commit the ResNet-50's IMG was pinned: its (IMG/32)^2 = IMG^2/1024
-terms needed denominators above the fitter's 720, symcost/tracing/fit.py ``DENOMINATORS``.) Where
-it is over on idle cores the next cut is the probes' image sides: no symbol scales a zoo model's
-widths, so every probe is the full-width network, and a smaller IMG pool (32..128) would cut the
-recording several-fold.
+terms needed denominators above the fitter's 720, symcost/tracing/fit.py ``DENOMINATORS``.)
+No symbol scales a zoo model's widths, so every probe is the full-width network: the zoo's probe
+image sides were then capped at 223 (symcost/frontends/zoo.py ``PROBE_MAX_SIDE``, six values of
+each class mod 32), after which, at load 10 on 2 cores: ``tv:resnet50`` 56.9 s wall, 18.9 CPU-s
+(record 51.7 s, fit 0.4 s, check 3.7 s), nothing pinned. What remains is the real and fake
+recordings of the full-width network (the request at 224² and B = 8 on fake tensors, the probes
+at sides up to 192).
 """
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ feature maps are ⌊(IMG + 2p − k)/s⌋ + 1 after each stride, no polynomial i
 class of IMG mod 32 (the total stride of torchvision's and timm's classifiers) every one of them
 is affine in IMG, so the probes keep the request's residue (``ModelSpec.moduli``) and the formulas
 hold for every IMG in that class (224 and 256 are both 0 mod 32; 225 is its own class, traced in
-its own regime). A size the model's own code refuses (a ViT built for one image size) is pinned
+its own regime). No symbol scales a zoo model's widths, so every probe runs the full network:
+probe image sides stay at most :data:`PROBE_MAX_SIDE` (six values of each class; the request
+may be any size). A size the model's own code refuses (a ViT built for one image size) is pinned
 by the tracer at the requested value, with the reason.
 
 Neither package is a dependency of symcost: without it a ``tv:``/``timm:`` name is one line
@@ -28,6 +30,9 @@ from symcost.frontends.spec import Constraint, ModelSpec
 ZOOS = {"tv": ("torchvision.models", "torchvision", 224), "timm": ("timm", "timm", 224)}
 #: the total stride of the zoos' image classifiers: the probes keep IMG's residue mod this
 STRIDE = 32
+
+#: the largest image side of a probe (the request may be any): 6 values of each class mod 32
+PROBE_MAX_SIDE = 6 * STRIDE + STRIDE - 1
 
 _MEANINGS = {"IMG": "image side (pixels; inputs [B, 3, IMG, IMG])", "B": "images per step",
              "S": "unused (the model reads images)"}
@@ -109,8 +114,14 @@ def image_spec(name: str, make: Callable[..., torch.nn.Module], default_side: in
         labels = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
         return torch.nn.functional.cross_entropy(logits, labels)
 
+    def probe_check(values: Mapping[str, int]) -> str | None:
+        # no symbol scales a zoo model's widths: every probe is the full network, so its image
+        # side is kept small (six values of a class mod 32 fit IMG's quadratic terms with two to
+        # spare); the request itself may be any size
+        return None if values["IMG"] <= PROBE_MAX_SIDE else f"probe image sides stay at most {PROBE_MAX_SIDE}"
+
     return ModelSpec(
-        name=name, symbols=("IMG",), defaults={"B": 8, "S": 1, "IMG": default_side},
+        name=name, symbols=("IMG",), defaults={"B": 8, "S": 1, "IMG": default_side}, probe_check=probe_check,
         build=build, make_inputs=make_inputs, loss=loss, moduli={"IMG": STRIDE}, meanings=dict(_MEANINGS),
         constraints=(Constraint("min", "IMG", STRIDE, f"IMG must be at least {STRIDE} (the classifier's strides "
                                 "leave no pixel below)"),),
