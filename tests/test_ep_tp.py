@@ -101,6 +101,21 @@ def test_real_gloo_ep4_tp2(tmp_path):
         assert abs(want - g["memtracker"]) <= 0.05 * g["memtracker"], (rank, want, g["memtracker"])
 
 
+@pytest.mark.heavy
+def test_real_gloo_ep4_tp2_deepseek_v3_trains_as_one_device(tmp_path):
+    """A tiny DeepSeek-V3 (transformers' model: MLA attention under transformers' TP plan, a dense
+    first layer, a shared expert, the sigmoid router with its correction bias; tests/data/ep_rank.py
+    ``TINY_DSV3``) laid out EP 4 × TP 2 on 4 gloo ranks: on every rank the loss, the router's
+    gradient (all-reduced over TP) and the rank's rows of the shared expert's gradient (its
+    column-parallel up projection) equal the same model's on one device with the TP group's tokens;
+    the step's all-to-alls run over EP and its all-reduces over TP."""
+    got = _run(tmp_path, 4, {**REQUEST, "B": 2, "S": 16}, ["tp=2", "hf"])
+    for rank, g in enumerate(got):
+        assert g["checks"]["loss"] < 1e-5 and g["checks"]["router_grad"] < 1e-5, (rank, g["checks"])
+        assert g["checks"]["shared_grad"] < 1e-5, (rank, g["checks"])
+        assert Fraction(g["by_group"]["EP"]["all_to_all"]) > 0 and Fraction(g["by_group"]["TP"]["all_reduce"]) > 0
+
+
 def _cli(args):
     from click.testing import CliRunner
 
@@ -120,3 +135,48 @@ def test_ep_tp_refusals_are_one_line(args, words):
     r = _cli(args)
     assert r.exit_code == 2, r.output
     assert words in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+@pytest.mark.heavy
+def test_report_deepseek_v3_ep64_pp8_tp2_parameters_per_rank():
+    """``report tests/data/configs/deepseek-v3.json --ep 64 --pp 8 --tp 2`` (DeepSeek-V3's published
+    config: MLA, 256 routed experts, top-8, one shared expert, 61 layers of which the first 3 dense;
+    512 ranks: 8 stages of 32 TP pairs, one EP group of 64 per stage): every pipeline rank's
+    parameter elements equal a count of DeepSeek-V3 built by transformers on the meta device, its
+    stage's layers (the even split: 8, 8, 8, 8, 8, 7, 7, 7; the embedding on the first stage, the
+    final norm and head on the last) cut as the layout cuts a rank's shard: each routed expert stack
+    ``[256, …]`` to its 256/64 experts; over TP = 2 (transformers' ``tp_plan``, read here: colwise
+    and rowwise projections, the vocabulary-parallel embedding and head) half of q_b, kv_b and o
+    projections, the dense layers' FFNs, the shared experts (torchtitan's apply_moe_ep_tp), the
+    embedding and head; whole the router, the norms, q_a and the replicated kv_a (``mla_kv_a_proj``)."""
+    import re
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = os.path.join(os.path.dirname(__file__), "data", "configs", "deepseek-v3.json")
+    r = _cli(["report", path, "--ep", "64", "--pp", "8", "--tp", "2", "--set", "B=1", "S=256", "--json"])
+    assert r.exit_code == 0, r.output[-2000:]
+    got = json.loads(r.output[r.output.index("{"):])
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    e, ep, tp, pp, layers = cfg.n_routed_experts, 64, 2, 8, cfg.num_hidden_layers
+    plan = model.tp_plan
+    split = [layers // pp + (1 if s < layers % pp else 0) for s in range(pp)]
+    start = [sum(split[:s]) for s in range(pp)]
+    want = [0] * pp
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if ".mlp.experts." in name and p.shape[0] == e:
+            n //= ep
+        elif ".mlp.shared_experts." in name or any(
+                plan[k] in ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output")
+                and re.fullmatch(k.replace(".", r"\.").replace("*", r"\d+"), name.rpartition(".")[0]) for k in plan):
+            n //= tp
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        stage = (max(s for s in range(pp) if start[s] <= int(m.group(1))) if m else
+                 0 if "embed_tokens" in name else pp - 1)
+        want[stage] += n
+    rows = {row["rank"]: row for row in got["pipeline"]["ranks"]}
+    assert [rows[s]["params"] for s in range(pp)] == want

@@ -139,19 +139,21 @@ def test_hf_qwen3_moe_rank_against_pytorch_on_the_fake_group():
 
 
 @pytest.mark.heavy
-def test_real_gloo_ep2(tmp_path):
-    """``torchrun --nproc-per-node 2`` with gloo on this CPU, real tensors, each rank its own
-    tokens, the routers balanced (tests/data/ep_rank.py): each rank's FLOPs, saved bytes,
-    all-to-all bytes and parameter elements equal symcost's, and its peak (MemTracker in the run,
-    AdamW for-loop) is within 5% of symcost's per-rank peak."""
+@pytest.mark.parametrize("nproc, router", [(2, "balanced"), (4, "own")])
+def test_real_gloo_ep(tmp_path, nproc, router):
+    """``torchrun --nproc-per-node 2`` (the routers balanced) and ``4`` (the model's own routers:
+    the built-in ``moe``'s fixed capacities C = N·R/E keep every shape whatever they choose, tokens
+    over an expert's capacity dropped) with gloo on this CPU, real tensors, each rank its own tokens
+    (tests/data/ep_rank.py): each rank's FLOPs, saved bytes, all-to-all bytes and parameter
+    elements equal symcost's, and its peak (MemTracker in the run, AdamW for-loop) is within 5% of
+    symcost's per-rank peak."""
     from symcost.passes.memory import memory_model
 
-    nproc = 2
-    v = _draw(random.Random(2), ep_choices=(nproc,))
+    v = _draw(random.Random(nproc), ep_choices=(nproc,))
     script = os.path.join(os.path.dirname(__file__), "data", "ep_rank.py")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                        script, str(tmp_path)] + [str(v[k]) for k in "HDLVFERBS"],
+                        script, str(tmp_path)] + [str(v[k]) for k in "HDLVFERBS"] + ([] if router == "balanced" else ["own"]),
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
                                         if any(w in line for w in ("Error", "error", "rank", "terminate", "what()")))[-4000:]

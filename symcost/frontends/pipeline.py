@@ -711,9 +711,11 @@ def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = 
             probes[key] = probe_spec(spec, values, layers, precision)
         return probes[key]
 
+    lead = int(getattr(spec, "lead_blocks", 0) or 0) if part != "first" else 0
+
     def build(values):
         pre, post, templates, _, _ = boundary(values)
-        model = spec.build(values)
+        model = build_blocks(spec, values, layers, lead)
         if p2p:
             _peers()
         return make_stage(model, layers, part, pre, post, templates, p2p=p2p)
@@ -733,4 +735,24 @@ def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = 
         return spec.loss(out, (tuple(kw.pop(k) for k in pos), kw))
 
     return dataclasses.replace(spec, name=f"{spec.name}[pp:{part}]", build=build, make_inputs=make_inputs,
-                               loss=loss, layers=layers, extra={**spec.extra, "pipeline_stage": part})
+                               loss=loss, layers=layers, extra={**spec.extra, "pipeline_stage": part},
+                               lead_blocks=0 if lead else spec.lead_blocks)
+
+
+def build_blocks(spec, values: Mapping[str, int], layers: str, lead: int = 0):
+    """``spec``'s model at ``values`` on the current device, its block list ``layers`` holding
+    ``values["L"]`` blocks of the kind that follows the ``lead`` leading blocks (``ModelSpec.
+    lead_blocks``, DeepSeek-V3's ``first_k_dense_replace`` dense blocks): a stage after the first
+    holds later blocks only (torchtitan's ``pipeline_llm`` cuts the model's own layers), so it is
+    built with L + lead blocks and the first ``lead`` dropped. The first stage is assumed to hold
+    all ``lead`` of them (L/PP >= lead)."""
+    if not lead:
+        return spec.build(values)
+    from torch import nn
+
+    model = spec.build(dict(values, L=int(values["L"]) + lead))
+    parent, _, attr = layers.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    blocks = getattr(owner, attr)
+    setattr(owner, attr, nn.ModuleList(list(blocks)[lead:]) if isinstance(blocks, nn.ModuleList) else blocks[lead:])
+    return model

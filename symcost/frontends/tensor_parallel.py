@@ -138,7 +138,10 @@ def _indivisible(spec, values: Mapping[str, int], sp: bool) -> str | None:
     for h in ("H", "K"):  # the attention head counts (conventions), wherever the model keeps them
         if h in values and h in spec.all_symbols and values[h] % tp:
             return f"{h}={values[h]} heads do not split over TP={tp}"
-    for name, (dims, heads) in _sharded_dims(spec, values).items():
+    sharded = _sharded_dims(spec, values)
+    if isinstance(sharded, str):
+        return f"the model does not build at these sizes ({sharded})"
+    for name, (dims, heads) in sharded.items():
         bad = [d for d in dims + heads if d % tp] or [d for d in heads if d < 2 * tp]
         if bad:
             return (f"{name}: {bad[0]} is no multiple of TP={tp}" if bad[0] % tp else
@@ -149,7 +152,8 @@ def _indivisible(spec, values: Mapping[str, int], sp: bool) -> str | None:
 def _sharded_dims(spec, values: Mapping[str, int]) -> dict:
     """:func:`sharded_dims` of ``spec`` built on the meta device at ``values`` (TP aside),
     memoised per model (:func:`symcost.frontends.parallel.memo_per_model`): a probe search asks
-    this for a hundred or more candidate sizes (each build :meth:`ModelSpec.build_meta`)."""
+    this for a hundred or more candidate sizes (each build :meth:`ModelSpec.build_meta`); the
+    first line of the error where the model does not build there (a str)."""
     from symcost.frontends.parallel import memo_per_model
 
     values = {k: v for k, v in values.items() if k not in ("TP", "DP")}
@@ -159,9 +163,15 @@ def _sharded_dims(spec, values: Mapping[str, int]) -> dict:
         values["L"] = min(values["L"], int(getattr(spec, "lead_blocks", 0) or 0) + 2)
 
     def build(v):
-        return tuple(sharded_dims(spec.build_meta(v), spec.layers).items())
+        try:
+            return tuple(sharded_dims(spec.build_meta(v), spec.layers).items())
+        except Exception as e:  # noqa: BLE001 - sizes the model cannot run at: no probe
+            # (a pipeline stage's build runs the model on fake tensors to find its boundary,
+            # frontends.pipeline.probe_spec: DeepSeek's MLA at K != H fails in its attention)
+            return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
-    return dict(memo_per_model(_SHARDED.setdefault(spec.build, {}), values, build))
+    got = memo_per_model(_SHARDED.setdefault(spec.build, {}), values, build)
+    return got if isinstance(got, str) else dict(got)
 
 
 def sharded_dims(model, layers: str | None) -> dict[str, tuple[list[int], list[int]]]:

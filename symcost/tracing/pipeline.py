@@ -29,7 +29,9 @@ from torch.utils._pytree import tree_flatten
 
 from symcost.errors import SymcostError
 from symcost.frontends.parallel import destroy_world
-from symcost.frontends.pipeline import SCHEDULES, local_boundary, make_stage, part_of, probe_spec, stage_blocks
+from symcost.frontends.pipeline import (SCHEDULES, build_blocks, local_boundary, make_stage, part_of, probe_spec,
+                                       stage_blocks)
+from symcost.tracing import grouped_mm
 from symcost.tracing.device_kernels import device_kernels
 from symcost.tracing.record import _lazy_init, materialize, precision_context
 
@@ -244,9 +246,10 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
         with torch.no_grad():
             logits = meta(*a, **k)
     models = []
+    lead = int(getattr(spec, "lead_blocks", 0) or 0)
     for s in mine:
-        with torch.device("meta"):
-            m = spec.build(dict(values, L=blocks[s]))
+        with torch.device("meta"):  # (a stage after the first: blocks after the lead ones, frontends.pipeline)
+            m = build_blocks(spec, dict(values, L=blocks[s]), layers, lead if s else 0)
         m = make_stage(m, layers, part_of(s, n), pre, post, templates)
         if keywords and s == n - 1:
             m.forward = _loss_of(m.forward, spec)
@@ -344,8 +347,9 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
                 # object, so a saved output whose other references die stays followed by _Live
                 # until the backward frees it, as its storage does; without them autograd keeps
                 # the output's data only and _Live would count it freed)
+                # (grouped_mm.kernels: transformers' experts' fp32 grouped GEMMs, which the meta kernel refuses)
                 with autocast(), loss_context(), record_context(), device_kernels(spec.extra.get("torch_device")), \
-                        _sends_held(S), torch.autograd.graph.saved_tensors_hooks(*hooks), \
+                        grouped_mm.kernels(), _sends_held(S), torch.autograd.graph.saved_tensors_hooks(*hooks), \
                         (offload_transfers() if offload else contextlib.nullcontext()):
                     first = (tokens,) if 0 in mine and not keywords else ()
                     target = {"target": tokens} if (n - 1) in mine else {}

@@ -245,7 +245,23 @@ def measure(model, tokens, peak: bool = False, spec=None, groups=None, loss_cont
     return out
 
 
-def ep_tp(v: dict, mesh, tokens) -> tuple:
+#: a tiny DeepSeek-V3 (MLA, shared expert, a dense first layer, sigmoid router with its bias):
+#: ``ep_rank.py ... tp=M hf`` runs it instead of the built-in ``moe``
+TINY_DSV3 = {"hidden_size": "64", "n_routed_experts": "8", "num_experts_per_tok": "2", "num_hidden_layers": "3",
+             "moe_intermediate_size": "32", "intermediate_size": "96", "num_attention_heads": "4",
+             "num_key_value_heads": "4", "vocab_size": "128", "first_k_dense_replace": "1", "n_shared_experts": "1",
+             "q_lora_rank": "32", "kv_lora_rank": "16", "qk_rope_head_dim": "8", "qk_nope_head_dim": "16",
+             "v_head_dim": "16", "n_group": "1", "topk_group": "1"}
+
+
+def tiny_dsv3():
+    """The :class:`ModelSpec` of :data:`TINY_DSV3` (transformers' eager attention)."""
+    import symcost
+
+    return symcost.resolve("hf:deepseek_v3", TINY_DSV3, "eager")
+
+
+def ep_tp(v: dict, mesh, tokens, spec=None) -> tuple:
     """EP × TP (``tp=M``): the built-in ``moe`` at ``v`` laid out by symcost's layout over the
     mesh ``(ep_rest, tp)`` (the EP group its flattening, docs/parallel.md §14.8), checked against
     the same model on one device first (same seed, the TP group's ``tokens``, the routers
@@ -259,21 +275,37 @@ def ep_tp(v: dict, mesh, tokens) -> tuple:
 
     def make():
         torch.manual_seed(0)
+        if spec is not None:
+            return spec.build(v)
         return MoELM(v["V"], v["H"] * v["D"], v["L"], v["H"], v["F"], v["E"], v["R"])
+
+    def loss_of(m):
+        if spec is not None:
+            return spec.loss(m(input_ids=tokens, labels=tokens), ((), {"input_ids": tokens, "labels": tokens}))
+        return lm_loss(m(tokens), ((tokens,), {}))
 
     flat = mesh["ep_rest", "tp"]._flatten("ep")
     model, ref = make(), make()
-    loss_context = Layout(ep=True, tp=True).parallelize(model, "layers", {"TP": mesh["tp"], "EP": flat})
+    layers = "model.layers" if spec is not None else "layers"
+    loss_context = Layout(ep=True, tp=True).parallelize(model, layers, {"TP": mesh["tp"], "EP": flat})
     checks = {}
     with balanced_router():
-        want = lm_loss(ref(tokens), ((tokens,), {}))
+        want = loss_of(ref)
         want.backward()
         with loss_context():
-            got = lm_loss(model(tokens), ((tokens,), {}))
+            got = loss_of(model)
             got.backward()
-    checks["loss"] = abs(float(got.full_tensor() if hasattr(got, "full_tensor") else got) - float(want))
-    g = model.layers[0].moe.router.weight.grad
-    checks["router_grad"] = float((g - ref.layers[0].moe.router.weight.grad).abs().max())
+    checks["loss"] = abs(float(got.detach().full_tensor() if hasattr(got, "full_tensor") else got.detach())
+                         - float(want.detach()))
+    router = "model.layers.2.mlp.gate.weight" if spec is not None else "layers.0.moe.router.weight"
+    g, g_ref = model.get_parameter(router).grad, ref.get_parameter(router).grad
+    checks["router_grad"] = float((g - g_ref).abs().max())
+    if spec is not None:  # (the shared expert, split over TP: this rank's rows of its up projection)
+        name = "model.layers.2.mlp.shared_experts.up_proj.weight"
+        g, g_ref = model.get_parameter(name).grad, ref.get_parameter(name).grad
+        rows = g.to_local() if hasattr(g, "to_local") else g
+        r, n = mesh["tp"].get_local_rank(), rows.shape[0]
+        checks["shared_grad"] = float((rows - g_ref[r * n:(r + 1) * n]).abs().max())
     model.zero_grad(set_to_none=True)
     groups = {mesh["tp"].get_group().group_name: "TP", flat.get_group().group_name: "EP"}
     return model, loss_context, groups, checks
@@ -293,11 +325,15 @@ def main():
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     groups, loss_context, checks = None, None, {}
+    spec = None
+    if "hf" in extra:  # (the tiny DeepSeek-V3 at its config's sizes, B and S from the command line)
+        spec = tiny_dsv3()
+        v = {**spec.values({}, inputs=False), "B": v["B"], "S": v["S"]}
     if tp is not None:
         mesh = init_device_mesh("cpu", (n // tp, tp), mesh_dim_names=("ep_rest", "tp"))
         torch.manual_seed(100 + rank // tp)  # each TP group its own tokens
         tokens = torch.randint(0, v["V"], (v["B"], v["S"]))
-        model, loss_context, groups, checks = ep_tp(v, mesh, tokens)
+        model, loss_context, groups, checks = ep_tp(v, mesh, tokens, spec)
     elif dp is None:
         mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("ep",))
         model = build(v, mesh["ep"])
@@ -310,7 +346,8 @@ def main():
     if tp is None:
         torch.manual_seed(100 + rank)  # each rank its own tokens
         tokens = torch.randint(0, v["V"], (v["B"], v["S"]))
-    got = measure(model, tokens, peak=True, groups=groups, loss_context=loss_context, balanced=balanced)
+    got = measure(model, tokens, peak=spec is None, groups=groups, loss_context=loss_context, balanced=balanced,
+                  spec=spec)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({**got, "world": n, "checks": checks}, f)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
