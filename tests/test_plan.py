@@ -216,7 +216,7 @@ def _brute(N, G, L, H, mbs):
                 # (HSDP: every replicate degree R with R · shard = d, both groups of 2 or more)
                 for r in ([r for r in range(2, d) if d % r == 0] if shard == "hsdp" else (1,)):
                     for ck in ("none", "full", "optimal", "selective"):
-                        out.add((d, t, p, b, m, shard, ck, "1f1b" if p > 1 else "none", 1, r))
+                        out.add((d, t, p, b, m, shard, ck, "1f1b" if p > 1 else "none", 1, r, 1, 1))  # (ep, cp: a dense model, no --cp)
     return out
 
 

@@ -86,10 +86,14 @@ class Layout:
     virtual: int = 1
     replicate: int = 1
     values: dict = field(default_factory=dict)
+    #: expert-parallel ranks (borrowed from dp·cp·tp, torchtitan's etp = 1) and context-parallel
+    #: ranks (a factor of the devices: dp·tp·pp·cp of them); docs/parallel.md §13.6
+    ep: int = 1
+    cp: int = 1
 
     def key(self) -> tuple:
         return (self.dp, self.tp, self.pp, self.b, self.m, self.shard, self.checkpoint, self.schedule, self.virtual,
-                self.replicate)
+                self.replicate, self.ep, self.cp)
 
     @property
     def shard_degree(self) -> int:
@@ -99,8 +103,11 @@ class Layout:
 
 def enumerate_layouts(devices: int, global_batch: int, L: int, H: int, *, shards=SHARDS, checkpoints=CHECKPOINTS,
                       schedules=("1f1b",), micro_batches=None, max_tp: int | None = None, K: int | None = None,
-                      virtual: int = 2, tp_ok=None) -> list[Layout]:
-    """Every layout of ``devices`` devices: dp·tp·pp = devices, tp divides H (and K) with at least
+                      virtual: int = 2, tp_ok=None, E: int | None = None, cps=(1,)) -> list[Layout]:
+    """Every layout of ``devices`` devices: dp·tp·pp·cp = devices (``cps``: the context-parallel
+    sizes to try, :func:`symcost.passes.plan_dims.cp_options`), and for ``E`` routed experts every
+    expert-parallel size :func:`symcost.passes.plan_dims.ep_options` allows (torchtitan's rule; the
+    data-sharding ranks it borrows from are dp, or dp/R under HSDP), tp divides H (and K) with at least
     2 heads per rank (one head per rank is a regime of its own, not probed: docs/parallel.md §11), pp divides L
     (uniform stages; interleaved: L/(pp·v) whole), dp divides ``global_batch``, b·m =
     global_batch/dp with b in ``micro_batches`` (default: every divisor), each shard (``hsdp``:
@@ -114,16 +121,18 @@ def enumerate_layouts(devices: int, global_batch: int, L: int, H: int, *, shards
     """
     if devices < 1 or global_batch < 1:
         raise SymcostError("--devices and --global-batch must be positive integers")
+    from symcost.passes.plan_dims import ep_options
+
     out = []
-    for tp in divisors(devices):
+    for tp, cp in ((t, c) for t in divisors(devices) for c in cps if devices % (t * c) == 0):
         if H % tp or (tp > 1 and H // tp < 2) or (K and K % tp) or (max_tp and tp > max_tp):
             continue
         if tp > 1 and tp_ok is not None and not tp_ok(tp):
             continue
-        for pp in divisors(devices // tp):
+        for pp in divisors(devices // (tp * cp)):
             if L % pp:
                 continue
-            dp = devices // (tp * pp)
+            dp = devices // (tp * pp * cp)
             if global_batch % dp:
                 continue
             per = global_batch // dp
@@ -137,10 +146,11 @@ def enumerate_layouts(devices: int, global_batch: int, L: int, H: int, *, shards
                         continue
                     if sched == "interleaved-1f1b" and (L % (pp * v) or not interleaved_accepts(pp, m)):
                         continue
-                    for shard in (shards if dp > 1 else ("ddp",)):
+                    for shard in (shards if dp * cp > 1 else ("ddp",)):
                         for r in ([k for k in divisors(dp) if 1 < k < dp] if shard == "hsdp" else (1,)):
-                            for ck in checkpoints:
-                                out.append(Layout(dp, tp, pp, b, m, shard, ck, sched, v, r))
+                            for ep in ep_options(E, dp // r, cp, tp):
+                                for ck in checkpoints:
+                                    out.append(Layout(dp, tp, pp, b, m, shard, ck, sched, v, r, ep=ep, cp=cp))
     return out
 
 
@@ -216,44 +226,90 @@ class Planner:
         self.L = int(self.sizes["L"])
         self.peak, _ = device.peak_for(training_precision(an))
         self.ic = ic
-        B, TP = SYMS["B"], SYMS["TP"]
-        fix = {SYMS[k]: v for k, v in self.sizes.items() if k != "L"}
-        bc = block_costs(an)
-        def lam(e):
-            e = sympy.sympify(e).xreplace(fix)
-            return sympy.lambdify((B, TP), e, "math")
+        from symcost.passes import plan_dims
+
+        B, TP, S = SYMS["B"], SYMS["TP"], SYMS["S"]
+        #: S, the sequence, is an argument (a context-parallel rank runs S/CP tokens: §13.6)
+        fix = {SYMS[k]: v for k, v in self.sizes.items() if k not in ("L", "S")}
+        self.S = int(self.sizes.get("S", 0) or 0)
+        bc = block_costs(an, lead_outside=True)
+        def lam(e):  # f(b, tp, s = S)
+            fn = sympy.lambdify((B, TP, S), sympy.sympify(e).xreplace(fix), "math")
+            return lambda b, t, s=self.S: fn(b, t, s)
+        def split(e):
+            return tuple(map(lam, _split_L(e)))
         flops_b, flops_r = _split_L(an.flops("train"))
         comm_b, comm_r = _split_L(an.comm_bytes("total"))
-        comm_bb, _ = _split_L(an.comm_bytes("total", "backward"))
         par_b, par_r = _split_L(an.params_shard)
         self.f = {"flops_block": lam(flops_b), "flops_rest": lam(flops_r), "fwd_block": lam(bc.f),
                   "a": lam(bc.a), "x": lam(bc.x), "outside": lam(bc.outside),
                   "comm_block": lam(comm_b), "comm_rest": lam(comm_r),
                   "params_block": lam(par_b), "params_rest": lam(par_r)}
-        one = {TP: 1, B: 1, SYMS["L"]: self.L, **fix}
+        # expert parallelism: the routed stacks (whole, and as the traced rank holds them) and the
+        # all-to-alls' payload per micro-batch, per block and outside the blocks
+        names, whole, held = plan_dims.routed_params(an)
+        ex = plan_dims.expert_exchange(an) if names else None
+        self.experts = ex is not None
+        if self.experts:
+            (self.f["experts_block"], self.f["experts_rest"]), (self.f["held_block"], self.f["held_rest"]) = \
+                split(whole), split(held)
+            self.f["a2a_block"], self.f["a2a_rest"] = split(ex["payload"])
+            self.f["moe_layers_block"], self.f["moe_layers_rest"] = split(ex["layers"])
+        self.E = int(self.sizes["E"]) if self.experts and "E" in self.sizes else \
+            (int(an.pinned["E"]) if self.experts and "E" in (an.pinned or {}) else None)
+        # context parallelism: the attention kernels' K/V and FLOPs (None: not every attention is SDPA)
+        att = plan_dims.attention_kv(an)
+        self.cp_ok = att is not None and "S" in an.symbols
+        if self.cp_ok:
+            for k in ("kv", "kv_fp32", "flops", "flops_forward", "calls"):
+                self.f[f"att_{k}_block"], self.f[f"att_{k}_rest"] = split(att[k])
+        one = {TP: 1, B: 1, SYMS["L"]: self.L, S: self.S, **fix}
         #: model FLOPs of one sequence on one device (the traced step at TP = 1, B = 1)
         self.model_flops_per_seq = int(sympy.sympify(an.flops("train")).xreplace(one))
         self.params = int(sympy.sympify(an.params).xreplace(one))
 
-    @functools.lru_cache(maxsize=None)
-    def times(self, b: int, tp: int) -> dict[str, float]:
-        """Roofline seconds of one micro-batch of ``b`` sequences at TP = ``tp``: per block and
-        outside the blocks, forward and backward (from the roofline at L = 2 and L = 3)."""
-        from symcost.passes.roofline import roofline
+    def _sizes(self, L: int, b: int, tp: int, s: int | None) -> dict:
+        return {**self.sizes, "L": L, "B": b, **({"TP": tp} if "TP" in self.an.symbols else {}),
+                **({"S": s} if s else {})}
 
-        ph = {}
-        for L in (2, 3):
-            r = roofline(self.an, self.device, {**self.sizes, "L": L, "B": b, "TP": tp}, fused=self.fused,
-                         with_formulas=False)
-            ph[L] = {k: r["per_phase"].get(k, {}).get("seconds", 0.0) for k in ("forward", "backward")}
-        out = {}
+    def _attention_split(self, nodes, ph: dict, L: int) -> None:
+        """Add the attention kernels' seconds per phase (``attn_forward``, ``attn_backward``) of a
+        roofline or performance model's ``nodes`` to ``ph[L]``."""
+        att = {op.index for op in self.an.ops if op.attention}
         for k in ("forward", "backward"):
-            blk = ph[3][k] - ph[2][k]
-            out[k + "_block"], out[k + "_rest"] = blk, ph[2][k] - 2 * blk
+            ph[L]["attn_" + k] = sum(n["seconds"] for n in nodes if n["index"] in att and n["phase"] == k)
+
+    @property
+    def _two(self) -> tuple[int, int]:
+        """The two block counts the per-block seconds are differenced at: 2 and 3, or past a
+        model's leading blocks of another kind (DeepSeek-V3's 3 dense ones: 5 and 6)."""
+        lead = int(getattr(self.an.spec, "lead_blocks", 0) or 0)
+        return lead + 2, lead + 3
+
+    def _per_block(self, ph: dict, keys) -> dict[str, float]:
+        lo, hi = self._two
+        out = {}
+        for k in keys:
+            blk = ph[hi][k] - ph[lo][k]
+            out[k + "_block"], out[k + "_rest"] = blk, ph[lo][k] - lo * blk
         return out
 
     @functools.lru_cache(maxsize=None)
-    def times_predicted(self, b: int, tp: int) -> dict[str, float]:
+    def times(self, b: int, tp: int, s: int | None = None) -> dict[str, float]:
+        """Roofline seconds of one micro-batch of ``b`` sequences at TP = ``tp`` (``s`` tokens each,
+        default S): per block and outside the blocks, forward and backward, and of the attention
+        kernels among them (``attn_forward_block``, …), from the roofline at L = 2 and L = 3."""
+        from symcost.passes.roofline import roofline
+
+        ph = {}
+        for L in self._two:
+            r = roofline(self.an, self.device, self._sizes(L, b, tp, s), fused=self.fused, with_formulas=False)
+            ph[L] = {k: r["per_phase"].get(k, {}).get("seconds", 0.0) for k in ("forward", "backward")}
+            self._attention_split(r["nodes"], ph, L)
+        return self._per_block(ph, ("forward", "backward", "attn_forward", "attn_backward"))
+
+    @functools.lru_cache(maxsize=None)
+    def times_predicted(self, b: int, tp: int, s: int | None = None) -> dict[str, float]:
         """The performance model's seconds (:func:`symcost.passes.performance.predict`: GEMM
         efficiency by shape, memory-bound ops at the achievable bandwidth, a launch per kernel)
         of one micro-batch of ``b`` sequences at TP = ``tp``, per block and outside the blocks,
@@ -263,8 +319,8 @@ class Planner:
         from symcost.passes.roofline import _num
 
         ph = {}
-        for L in (2, 3):
-            sz = {**self.sizes, "L": L, "B": b, "TP": tp}
+        for L in self._two:
+            sz = self._sizes(L, b, tp, s)
             p = predict(self.an, self.device, sz, mode="compiled" if self.fused else "eager")
             env = self.an.bind(**sz)
             per_op = p["terms"]["launch"] / max(1, p["ops"])
@@ -274,11 +330,8 @@ class Planner:
             for op in self.an.ops:
                 d["forward" if op.phase == "forward" else "backward"] += per_op * _num(op.repeat, env)
             ph[L] = d
-        out = {}
-        for k in ("forward", "backward", "optimizer"):
-            blk = ph[3][k] - ph[2][k]
-            out[k + "_block"], out[k + "_rest"] = blk, ph[2][k] - 2 * blk
-        return out
+            self._attention_split(p["nodes"], ph, L)
+        return self._per_block(ph, ("forward", "backward", "optimizer", "attn_forward", "attn_backward"))
 
     def link(self, group: int, span: int) -> tuple[str, float]:
         """The link a ring of ``group`` ranks spread over ``span`` consecutive devices runs on:
@@ -293,16 +346,43 @@ class Planner:
 
     def evaluate(self, lay: Layout) -> dict[str, Any]:
         """Per-rank memory, FLOPs, comm bytes by link, bubble, step time and MFU of ``lay`` (the
-        worst rank: the first pipeline stage with everything outside the blocks)."""
+        worst rank: the first pipeline stage with everything outside the blocks). A layout with
+        expert- or context-parallel ranks is composed from the same trace by the rules of
+        :mod:`symcost.passes.plan_dims` (its ``composed`` lists them)."""
+        from symcost.passes.context_parallel import ring_seconds
+        from symcost.passes.plan_dims import alltoall_seconds, ring_blocks
+
         f, b, t, p, d, m, v = self.f, lay.b, lay.tp, lay.pp, lay.dp, lay.m, lay.virtual
+        ep, c = lay.ep, lay.cp
+        if ep > 1 and not self.experts:
+            raise SymcostError("expert parallelism needs routed experts; this model has none")
+        if c > 1 and (not self.cp_ok or self.S % (2 * c)):
+            raise SymcostError(f"context parallelism over {c} ranks needs SDPA attention and S a multiple of 2·CP")
+        sv = self.S // c  # the tokens per sequence on the rank
         nb = self.L // p  # blocks per rank
+
+        def at(key):  # a per-micro-batch quantity of the worst stage: nb blocks and the rest
+            return f[key + "_block"](b, t, sv) * nb + f[key + "_rest"](b, t, sv)
         # --- memory (bytes) ---
-        params_rank = int(f["params_block"](b, t) * nb + f["params_rest"](b, t))
+        # the dense parameters as the tensor-parallel rank holds them; with EP, E/EP whole experts
+        # (torchtitan's etp = 1), their states sharded over the dp·cp·tp/ep ranks holding them
+        params_rank = int(at("params"))
+        experts_rank = experts_block = 0
+        if self.experts and ep > 1:
+            params_rank -= int(at("held"))
+            experts_rank = int(at("experts")) // ep
+            experts_block = f["experts_block"](b, t, sv) / ep
         # HSDP: FSDP2's states sharded over the dp_shard group of dp/R ranks (report's
-        # passes.parallel.shard_degree), whole on each of the R replicas (docs/parallel.md §0.1)
+        # passes.parallel.shard_degree), whole on each of the R replicas (docs/parallel.md §0.1);
+        # CP ranks hold the same parameters as their dp peers (FSDP over dp_shard × cp, torchtitan)
         hsdp, r = lay.shard == "hsdp", lay.replicate
-        sd = lay.shard_degree
-        states = model_state_bytes(params_rank, sd, "fsdp" if hsdp else lay.shard, self.precision, self.optimizer)
+        sd = lay.shard_degree * c
+        se = max(1, sd * t // ep) if ep > 1 else sd  # the expert-data-parallel shard group
+        shard = "fsdp" if hsdp else lay.shard
+        states = model_state_bytes(params_rank, sd, shard if sd > 1 else "ddp", self.precision, self.optimizer)
+        if experts_rank:
+            es = model_state_bytes(experts_rank, se, shard if se > 1 else "ddp", self.precision, self.optimizer)
+            states = {k: states[k] + es[k] for k in ("params", "grads", "optimizer_state", "master", "total")}
         if lay.schedule == "gpipe":
             in_flight = m
         elif lay.schedule == "interleaved-1f1b":
@@ -311,13 +391,14 @@ class Planner:
             in_flight = min(p, m)
         else:
             in_flight = 1
-        a, x = f["a"](b, t), f["x"](b, t)
+        a, x = f["a"](b, t, sv), f["x"](b, t, sv)
         gathered = 0
+        dense_block = f["params_block"](b, t, sv) - (f["held_block"](b, t, sv) if experts_rank else 0)
         if lay.shard in ("fsdp", "hsdp") and sd > 1:  # FSDP2: the block run and the one prefetched, whole
-            gathered = 2 * f["params_block"](b, t) * self.pol.param * (1 - 1 / sd)
+            gathered = 2 * self.pol.param * (dense_block * (1 - 1 / sd) + experts_block * (1 - 1 / se))
 
         def activations(k):  # k of the nb blocks checkpointed (their inputs kept), + one block recomputed
-            return (a * (nb - k) + x * k + f["outside"](b, t)) * in_flight + (a if k else 0)
+            return (a * (nb - k) + x * k + f["outside"](b, t, sv)) * in_flight + (a if k else 0)
 
         k = {"none": 0, "full": nb, "selective": nb}.get(lay.checkpoint)
         if k is None:  # optimal: the fewest blocks that fit the cap (all of them if none does)
@@ -330,38 +411,64 @@ class Planner:
         # selective (torchtitan's op policy): bounds only, full's memory and none's time; its
         # recomputation is read off its trace (plan_traced.refine)
         kt = 0 if lay.checkpoint == "selective" else k
-        recompute = f["fwd_block"](b, t) * kt
-        flops_mb = f["flops_block"](b, t) * nb + f["flops_rest"](b, t) + recompute
+        ring_extra = (c - 1) / 2 if c > 1 else 0.0  # the ring's attention: (CP+1)/2 kernels at S/CP
+        recompute = (f["fwd_block"](b, t, sv) + (f["att_flops_forward_block"](b, t, sv) * ring_extra if c > 1 else 0)) * kt
+        flops_mb = at("flops") + recompute + (at("att_flops") * ring_extra if c > 1 else 0)
         # --- communication ---
         tp_link, tp_bw = self.link(t, t)
-        pp_link, pp_bw = self.link(p, t * p)
-        dp_link, dp_bw = self.link(sd, sd * t) if hsdp else self.link(d, d * t * p)
-        rep_link, rep_bw = self.link(r, d * t * p)  # (HSDP's dp_replicate group; none for r = 1)
-        tp_bytes = (f["comm_block"](b, t) * nb + f["comm_rest"](b, t)) * m
+        pp_link, pp_bw = self.link(p, t * p * c)
+        n = d * t * p * c
+        dp_link, dp_bw = self.link(sd, sd * t) if hsdp else self.link(d * c, n)
+        rep_link, rep_bw = self.link(r, n)  # (HSDP's dp_replicate group; none for r = 1)
+        tp_bytes = at("comm") * m
         pp_bytes = (2 * x * m * (1 if p > 1 else 0)) * v  # forward activation + its gradient, each boundary
         pb, gb = self.pol.param, self.pol.grad
-        ring = (sd - 1) / sd
+
+        def ring(g):
+            return (g - 1) / g
         rep_bytes = 0.0
         if lay.shard in ("fsdp", "hsdp"):
-            dp_bytes = m * ring * params_rank * (2 * pb + gb)
+            dp_bytes = m * (ring(sd) * params_rank + (ring(se) * experts_rank if se > 1 else 0)) * (2 * pb + gb)
             # HSDP: each micro-batch's reduce-scattered gradient shard all-reduced over the R
             # replicas (FSDP2's foreach_reduce: all_reduce on the replicate group), ring 2(R-1)/R
-            rep_bytes = m * 2 * (r - 1) / r * params_rank / sd * gb
+            rep_bytes = m * 2 * (r - 1) / r * (params_rank / sd + experts_rank / se) * gb
         else:  # ddp / zero1: one all-reduce (zero1: reduce-scatter + all-gather) of the gradients per step
-            dp_bytes = 2 * ring * params_rank * gb
+            dp_bytes = 2 * (ring(sd) * params_rank + (ring(se) * experts_rank if se > 1 else 0)) * gb
+        # EP: dispatch and combine, forward and backward, (EP-1)/EP of each, and the forward's
+        # E int64 split sizes per MoE layer, per micro-batch (docs/parallel.md §14.2)
+        ep_bytes, ep_link, ep_s = 0.0, "none", 0.0
+        if ep > 1:
+            ep_bytes = m * ring(ep) * (2 * at("a2a") + 8 * self.E * at("moe_layers"))
+            ep_link, ep_s = alltoall_seconds(ep_bytes / m, ep, self.ic)
+        # CP: per attention call the K/V all-gather forward and backward, CP fp32 dK/dV passes
+        cp_bytes, cp_link, cp_bw = 0.0, "none", math.inf
+        if c > 1:
+            calls = max(1.0, at("att_calls"))
+            kv, kv32 = at("att_kv") / calls, at("att_kv_fp32") / calls
+            cp_bytes = m * calls * (2 * (c - 1) * kv + c * kv32)
+            cp_link, cp_bw = self.link(c, c * t)
         # --- time: the bound (roofline compute) and the prediction (the performance model's
         # compute and AdamW step), composed by the same schedule and overlap rule ---
         tp_s = tp_bytes / m / tp_bw if t > 1 else 0.0
         pp_s = pp_bytes / m / pp_bw if p > 1 else 0.0
         if lay.schedule != "interleaved-1f1b":
             bubble = (p - 1) / m if p > 1 else 0.0
-        dp_s = (dp_bytes / dp_bw if sd > 1 else 0.0) + (rep_bytes / rep_bw if r > 1 else 0.0)
+        dp_s = (dp_bytes / dp_bw if sd > 1 or se > 1 else 0.0) + (rep_bytes / rep_bw if r > 1 else 0.0)
 
         def compose(tm, optimizer: float) -> dict[str, float]:
             fwd = tm["forward_block"] * nb + tm["forward_rest"]
             bwd = tm["backward_block"] * nb + tm["backward_rest"]
-            bwd += tm["forward_block"] * kt  # the checkpointed blocks' forward, again
-            per_mb_s = fwd + bwd + tp_s + pp_s
+            cp_exp = 0.0
+            if c > 1:  # the ring: (CP+1)/2 kernels per call, and the exchange its schedule leaves exposed
+                af = tm["attn_forward_block"] * nb + tm["attn_forward_rest"]
+                ab = tm["attn_backward_block"] * nb + tm["attn_backward_rest"]
+                fwd += af * ring_extra
+                bwd += ab * ring_extra
+                blk_f, blk_b = ring_blocks(c, af / calls), ring_blocks(c, ab / calls)
+                cp_exp = calls * (ring_seconds(blk_f, (c - 1) * kv / cp_bw, None, True) - sum(blk_f)
+                                  + ring_seconds(blk_b, (c - 1) * kv / cp_bw, kv32 / cp_bw, True) - sum(blk_b))
+            bwd += (tm["forward_block"] + (tm["attn_forward_block"] * ring_extra if c > 1 else 0)) * kt  # recomputed
+            per_mb_s = fwd + bwd + tp_s + pp_s + ep_s + cp_exp
             pipe_s = m * per_mb_s * (1 + bubble)
             if self.overlap == "none":
                 exposed = dp_s
@@ -369,31 +476,29 @@ class Planner:
                 exposed = m * max(0.0, dp_s / m - (fwd + bwd))
             else:
                 exposed = max(0.0, dp_s - bwd)
-            return {"compute": m * (fwd + bwd), "tp_comm": m * tp_s, "pp_comm": m * pp_s,
-                    "bubble": m * per_mb_s * bubble, "dp_exposed": exposed, "dp_comm": dp_s,
-                    "optimizer": optimizer, "step": pipe_s + exposed + optimizer}
+            return {"compute": m * (fwd + bwd), "tp_comm": m * tp_s, "pp_comm": m * pp_s, "ep_comm": m * ep_s,
+                    "cp_exposed": m * cp_exp, "bubble": m * per_mb_s * bubble, "dp_exposed": exposed,
+                    "dp_comm": dp_s, "optimizer": optimizer, "step": pipe_s + exposed + optimizer}
 
-        bound = compose(self.times(b, t), 0.0)
-        tq = self.times_predicted(b, t) if self.predicted else None
+        s_arg = sv if c > 1 else None
+        bound = compose(self.times(b, t, s_arg), 0.0)
+        tq = self.times_predicted(b, t, s_arg) if self.predicted else None
         pred = compose(tq, tq["optimizer_block"] * nb + tq["optimizer_rest"]) if tq is not None else bound
         step = pred["step"]
         gbatch = d * b * m
         model_flops = self.model_flops_per_seq * gbatch
-        n = d * t * p
+        parts = (("tp", tp_bytes, tp_link), ("pp", pp_bytes, pp_link), ("dp", dp_bytes, dp_link),
+                 ("dp_replicate", rep_bytes, rep_link), ("ep", ep_bytes, ep_link), ("cp", cp_bytes, cp_link))
         return {
             "layout": {"dp": d, "tp": t, "pp": p, "micro_batch": b, "microbatches": m, "shard": lay.shard,
                        "checkpoint": lay.checkpoint, "checkpointed_blocks": k, "blocks": nb,
-                       "schedule": lay.schedule, "virtual": v, "replicate": r},
-            "memory": memory, "in_flight": in_flight, "params_rank": params_rank,
+                       "schedule": lay.schedule, "virtual": v, "replicate": r, "ep": ep, "cp": c},
+            "memory": memory, "in_flight": in_flight, "params_rank": params_rank + experts_rank,
             "flops_rank": float(flops_mb * m),
-            "comm_bytes": {"tp": float(tp_bytes), "pp": float(pp_bytes), "dp": float(dp_bytes),
-                           "dp_replicate": float(rep_bytes)},
-            "links": {"tp": tp_link, "pp": pp_link, "dp": dp_link, "dp_replicate": rep_link},
-            "comm_by_link": {ln: float(sum(bv for k, bv in (("tp", tp_bytes), ("pp", pp_bytes), ("dp", dp_bytes),
-                                                            ("dp_replicate", rep_bytes))
-                                           if {"tp": tp_link, "pp": pp_link, "dp": dp_link,
-                                               "dp_replicate": rep_link}[k] == ln))
-                             for ln in ("node", "network")},
+            "comm_bytes": {k: float(bv) for k, bv, _ in parts},
+            "links": {k: ln for k, _, ln in parts},
+            "comm_by_link": {ln: float(sum(bv for _, bv, lk in parts if lk == ln)) for ln in ("node", "network")},
+            "composed": [k for k, on in (("ep", ep > 1), ("cp", c > 1)) if on],
             "bubble": bubble,
             "time": pred, "time_bound": bound, "predicted": tq is not None,
             "step_seconds": step, "bound_seconds": bound["step"], "model_flops": model_flops,
@@ -407,7 +512,7 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
          precision: str, optimizer: str = "adamw", overlap: str = "backward", shards=SHARDS,
          checkpoints=CHECKPOINTS, schedules=("1f1b",), micro_batches=None, keep_all: bool = False,
          trace_at=None, model: str | None = None, trace_top: int = 0, near: float = 0.1, sp: bool = False,
-         progress=None, rank_by: str = "predicted") -> dict[str, Any]:
+         progress=None, rank_by: str = "predicted", ep: bool = True, cps=None) -> dict[str, Any]:
     """Rank the layouts of ``devices`` devices for a global batch of ``global_batch`` sequences.
 
     Returns:
@@ -428,6 +533,13 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     ``rank_by``: ``predicted`` (the performance model's step, :meth:`Planner.times_predicted`:
     ``step_seconds`` and ``mfu``; the bound beside as ``bound_seconds``, ``mfu_bound``) or ``bound``
     (the roofline's, in both; docs/performance-model.md).
+
+    ``ep``: for a model with routed experts, also the expert-parallel sizes torchtitan allows
+    (:func:`symcost.passes.plan_dims.ep_options`); ``cps``: the context-parallel sizes to try
+    (None: every power of two leaving at least 4096 tokens per rank,
+    :func:`symcost.passes.plan_dims.cp_options`; offered only where every attention is an SDPA
+    kernel). Rows with EP or CP are composed from the trace (docs/parallel.md §13.6; their
+    ``composed`` names the dimensions) and keep their screened memory (no traced peak).
 
     ``trace_top`` > 0 (with ``model``, a name or config path): the fastest ``trace_top`` rows the
     screen puts within ``near`` of the cap get the per-rank peak of their composed trace, as
@@ -461,12 +573,17 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     def why_not(tp: int):  # why the tensor-parallel plan cannot split the model over tp ranks, or None
         return None if check is None else check({**an.spec.values(dict(pl.sizes)), "B": 1, "TP": tp})
 
+    from symcost.passes.plan_dims import cp_options
+
+    # a trace without tensor parallelism (no TP among its symbols) serves tp = 1 only
+    no_tp = pinned == 1 or ("TP" not in an.symbols and not pinned)
+    cp_sizes = cp_options(pl.S, devices, cps) if pl.cp_ok and pl.S else [1]
     lays = enumerate_layouts(devices, global_batch, pl.L, H, shards=shards, checkpoints=checkpoints,
                              schedules=schedules, micro_batches=micro_batches, K=K, tp_ok=lambda tp: why_not(tp) is None,
-                             max_tp=1 if pinned == 1 else None)
+                             max_tp=1 if no_tp else None, E=pl.E if ep else None, cps=cp_sizes)
     if not lays:
         raise SymcostError(f"no layout of {devices} devices fits the model and global batch {global_batch}: "
-                           f"dp·tp·pp = {devices} needs tp | H ({H}) and every size the TP plan shards, "
+                           f"dp·tp·pp·cp = {devices} needs tp | H ({H}) and every size the TP plan shards, "
                            f"pp | L ({pl.L}), dp | {global_batch}")
     rows, missing = [], set()
     for x in lays:
@@ -487,6 +604,22 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
            "links": f"node {pl.ic['link_bandwidth'] / 1e9:g} GB/s per direction ({pl.ic.get('devices_per_node')} "
                     f"per node), network {pl.ic['network_bandwidth'] / 1e9:g} GB/s per device"}
     out["notes"] = []
+    out["ep_sizes"] = sorted({x.ep for x in lays})
+    out["cp_sizes"] = cp_sizes
+    if pl.experts and ep:
+        out["notes"].append(f"expert parallelism: ep in {{{', '.join(map(str, out['ep_sizes']))}}} (E = {pl.E}; "
+                            "torchtitan's rule: ep | E, a multiple of cp·tp dividing dp_shard·cp·tp); EP rows are "
+                            "composed from the trace (screened: their all-to-alls over the EP group's link, "
+                            "docs/parallel.md §13.6), not traced per layout")
+    if cps is not None and not pl.cp_ok:
+        out["notes"].append("context parallelism not offered: some attention of this model is no "
+                            "scaled_dot_product_attention kernel (PyTorch's context_parallel dispatches those only)")
+    elif len(cp_sizes) > 1:
+        out["notes"].append(f"context parallelism: cp in {{{', '.join(map(str, cp_sizes))}}}; CP rows are composed "
+                            "from the trace at S/CP with the load-balanced ring's (CP+1)/2 attention kernels and its "
+                            "K/V all-gathers and fp32 dK/dV passes (screened, docs/parallel.md §13.6)")
+    if no_tp and pinned != 1:
+        out["notes"].append("tensor parallelism not offered: the trace has no TP (a one-device trace)")
     if pinned == 1:
         out["notes"].append(f"tensor parallelism not offered: TP = 2 cannot split this model ({why_not(2)}); "
                             "layouts with tp = 1 only")

@@ -32,9 +32,11 @@ def mesh_of(lay: Mapping[str, Any], sp: bool = False):
     """The :class:`~symcost.frontends.layout.Layout` ``report`` traces for a plan row's
     ``layout`` dict (dp, tp, pp, shard, replicate, checkpoint, checkpointed_blocks, blocks,
     schedule, microbatches, virtual), or None where it has none (partial block checkpointing;
-    a single plain device). ``sp``: sequence parallelism with tp > 1."""
+    a single plain device; expert or context parallelism, which plan composes). ``sp``: sequence parallelism with tp > 1."""
     from symcost.frontends.layout import Layout, Pipeline
 
+    if lay.get("ep", 1) > 1 or lay.get("cp", 1) > 1:
+        return None  # (EP and CP rows are composed: docs/parallel.md §13.6)
     ck = lay["checkpoint"]
     if ck == "optimal":
         k = lay.get("checkpointed_blocks")

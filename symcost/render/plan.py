@@ -20,28 +20,38 @@ def render(res: dict, top: int = 5, width: int | None = None) -> None:
             f"({human(res['params'], '').strip()} parameters): {len(res['layouts'])} of {res['considered']} layouts fit")
     # compact (one space between columns, units in the headers): 100 columns hold the table
     t = Table(show_header=True, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False)
-    for h in ("#", "dp×tp×pp", "b×m", "shard", "ckpt", "sched", "mem GiB", "TP GiB", "PP GiB",
-              "DP GiB", "bubble", "MFU", "step s", "bound s"):
+    rows = res["layouts"][:top]
+    # expert and context parallelism: two more columns where any row shown has them (§13.6)
+    ep_cp = any(r["layout"].get("ep", 1) > 1 or r["layout"].get("cp", 1) > 1 for r in rows)
+    for h in ("#", "dp×tp×pp" + ("×cp ep" if ep_cp else ""), "b×m", "shard", "ckpt", "sched", "mem GiB", "TP GiB",
+              "PP GiB", "DP GiB", *(("EP/CP GiB",) if ep_cp else ()), "bubble", "MFU", "step s", "bound s"):
         t.add_column(h, justify="left" if h in ("shard", "ckpt", "sched") else "right",
-                     no_wrap=not h[:2] in ("TP", "PP", "DP"), overflow="fold")
+                     no_wrap=not h[:2] in ("TP", "PP", "DP", "EP"), overflow="fold")
     short = {"interleaved-1f1b": "i-1f1b", "network": "net"}
-    for i, r in enumerate(res["layouts"][:top], 1):
+    for i, r in enumerate(rows, 1):
         lay, cb, ln = r["layout"], r["comm_bytes"], r["links"]
         link = lambda k: f"{cb[k] / 2**30:.1f} {short.get(ln[k], ln[k])}" if cb.get(k) else "0"  # noqa: E731
         dp_cell = link("dp") + (f" +{link('dp_replicate')} rep" if cb.get("dp_replicate") else "")
-        t.add_row(str(i), f"{lay['dp']}×{lay['tp']}×{lay['pp']}", f"{lay['micro_batch']}×{lay['microbatches']}",
+        mesh = f"{lay['dp']}×{lay['tp']}×{lay['pp']}"
+        extra = ()
+        if ep_cp:
+            mesh += f"×{lay.get('cp', 1)} {lay.get('ep', 1)}"
+            extra = (" ".join(x for x in ((link("ep") + " ep") if cb.get("ep") else "",
+                                          (link("cp") + " cp") if cb.get("cp") else "") if x) or "0",)
+        t.add_row(str(i), mesh + (" c" if r.get("composed") else ""), f"{lay['micro_batch']}×{lay['microbatches']}",
                   lay["shard"] + (f" R{lay['replicate']}" if lay.get("replicate", 1) > 1 else ""), (lay["checkpoint"] if lay["checkpoint"] != "optimal" else
                                  f"{lay['checkpointed_blocks']}/{lay['blocks']}"),
                   short.get(lay["schedule"], lay["schedule"]),
                   (f"{r['memory']['traced_peak'] / 2**30:.1f} tr" if r.get("peak_source") == "traced" else
-                   f"{r['memory']['total'] / 2**30:.1f} sc"), link("tp"), link("pp"), dp_cell, f"{r['bubble']:.3f}",
+                   f"{r['memory']['total'] / 2**30:.1f} sc"), link("tp"), link("pp"), dp_cell, *extra, f"{r['bubble']:.3f}",
                   f"{r['mfu']:.1%}", f"{r['step_seconds']:.3f}", f"{r.get('bound_seconds', r['step_seconds']):.3f}")
     c.print(t)
     c.print("mem: per rank, tr: the peak of the layout's composed trace (report's for that layout), sc: "
             "screened (model states + activations in flight, no transient working set); TP/PP/DP: GiB per rank per step, sent (= received), and the link they cross "
             "(node: the scale-up link; net: the network, one NIC per device); i-1f1b: interleaved 1F1B; "
             "ckpt k/n: k of the stage's n blocks checkpointed, the fewest that fit; hsdp R: R replicas of "
-            "dp/R shards, DP GiB then the dp_shard group's + the dp_replicate group's (rep). "
+            "dp/R shards, DP GiB then the dp_shard group's + the dp_replicate group's (rep); "
+            "×cp ep: context- and expert-parallel ranks, c: composed from the trace (EP/CP, docs/parallel.md §13.6). "
             f"Links: {res.get('links', '')}")
     for note in res.get("notes", ()):
         c.print(note)

@@ -64,8 +64,13 @@ def _special(an) -> str | None:
     return None
 
 
-def block_costs(an) -> BlockCosts:
+def block_costs(an, lead_outside: bool = False) -> BlockCosts:
     """The per-block ``a``, ``x``, ``f`` of a traced model (see :class:`BlockCosts`).
+
+    ``lead_outside``: a model whose first blocks are of another kind (``ModelSpec.lead_blocks``)
+    is described by its repeated kind, the leading blocks' saved bytes counted in ``outside``
+    (``symcost plan``'s screen: every pipeline stage priced as one of L/PP repeated blocks, an
+    upper bound of the stage that holds the lighter leading ones) instead of refused.
 
     ``a`` is the trace's saved bytes of a block (``saved_tensors_hooks``, docs/memory.md), ``x``
     the bytes of the output of the block's last forward op (the tensor the next block takes and
@@ -74,14 +79,14 @@ def block_costs(an) -> BlockCosts:
     Raises:
         SymcostError: the model has no repeated blocks (L is not a symbol), or its first blocks
             are of another kind than the rest (``ModelSpec.lead_blocks``: DeepSeek-V3's dense
-            blocks), which the per-block costs here do not describe.
+            blocks), which the per-block costs here do not describe (unless ``lead_outside``).
     """
     from symcost.graph import rules
 
     if "L" not in an.symbols or an.layer_container is None:
         raise SymcostError(f"{an.model} has no repeated blocks (no symbol L); nothing to checkpoint")
     lead = getattr(an.spec, "lead_blocks", 0) or 0
-    if lead:
+    if lead and not lead_outside:
         raise SymcostError(
             f"{an.model}: its first {lead} blocks are of another kind than the rest "
             f"({an.spec.extra.get('lead_blocks_note', 'leading blocks')}); checkpoint planning folds one kind "
