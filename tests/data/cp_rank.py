@@ -1,12 +1,13 @@
 """One rank of a context-parallel training step (tests/test_context_parallel.py), on real tensors
 with gloo, or in-process on the fake process group: the oracle of symcost's per-rank numbers.
 
-``python -m torch.distributed.run --standalone --nproc-per-node N cp_rank.py OUT ROTATE H K D L V F B S [DP | tp=TP]``
+``python -m torch.distributed.run --standalone --nproc-per-node N cp_rank.py OUT ROTATE H K D L V F B S [DP] [tp=TP]``
 (without DP the N ranks are the cp group; with DP the mesh is torchtitan's ``(dp_shard DP, cp N/DP)``
 and ``fully_shard`` runs per block and the root over the flattened ``dp_shard_cp``; with ``tp=TP``
 the mesh is torchtitan's ``(cp N/TP, tp TP)``, the model's tensor-parallel plan applied over ``tp``
 by transformers' own code first (:func:`tensor_parallel`), then ``context_parallel`` over ``cp``,
-as torchtitan's ``parallelize_llama`` applies TP and its train context CP) builds a small
+as torchtitan's ``parallelize_llama`` applies TP and its train context CP; with both, the mesh
+``(dp_shard DP, cp, tp TP)``, the plan over ``tp``, then ``fully_shard`` over ``dp_shard_cp``) builds a small
 ``transformers`` Llama (sdpa attention; ``hf:llama`` with those sizes, fp32) with
 the same weights on every rank, and runs it as a user of PyTorch's context parallelism does:
 
@@ -232,13 +233,21 @@ def main():
 
     out_dir, rotate = sys.argv[1], sys.argv[2]
     v = dict(zip(SIZES, (int(x) for x in sys.argv[3:3 + len(SIZES)])))
-    extra = sys.argv[3 + len(SIZES)] if len(sys.argv) > 3 + len(SIZES) else None
-    tp = int(extra[3:]) if extra and extra.startswith("tp=") else None
-    dp = int(extra) if extra and not tp else None
+    tp = dp = None
+    for extra in sys.argv[3 + len(SIZES):]:
+        if extra.startswith("tp="):
+            tp = int(extra[3:])
+        else:
+            dp = int(extra)
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     groups = None
-    if tp:  # torchtitan's mesh order: cp outside tp (a TP group is TP consecutive ranks)
+    if tp and dp:  # torchtitan's mesh (dp_shard, cp, tp), FSDP2 over the flattened dp_shard_cp
+        world = init_device_mesh("cpu", (dp, n // (dp * tp), tp), mesh_dim_names=("dp_shard", "cp", "tp"))
+        mesh, flat = world["cp"], world["dp_shard", "cp"]._flatten("dp_shard_cp")
+        groups = {flat.get_group().group_name: "DP", mesh.get_group().group_name: "CP",
+                  world["tp"].get_group().group_name: "TP"}
+    elif tp:  # torchtitan's mesh order: cp outside tp (a TP group is TP consecutive ranks)
         world = init_device_mesh("cpu", (n // tp, tp), mesh_dim_names=("cp", "tp"))
         mesh = world["cp"]
         groups = {world[d].get_group().group_name: d.upper() for d in ("cp", "tp")}
