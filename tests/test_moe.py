@@ -332,8 +332,8 @@ def test_dense_model_active_equals_all(traced):
 
 @pytest.mark.parametrize("text, ok", [
     ("balanced", "balanced"), ("capacity=1.25", "capacity=1.25"), ("capacity:2", "capacity=2"),
-    ("capacity", "capacity=1.25"), ("capacity=1", "balanced"), ("capacity=0.5", None),
-    ("capacity=x", None), ("topk", None),
+    ("capacity", "capacity=1.25"), ("capacity=1", "balanced"), ("capacity=0.5", "capacity=0.5"),
+    ("capacity=0", None), ("capacity=-1", None), ("capacity=x", None), ("topk", None),
 ])
 def test_parse_routing(text, ok):
     if ok is None:
@@ -346,7 +346,7 @@ def test_parse_routing(text, ok):
 def test_cli_routing_errors(capsys):
     from symcost.cli import main as cli_main
 
-    for args, msg in ((["eval", "moe", "--routing", "capacity=0.5"], "capacity factor must be >= 1"),
+    for args, msg in ((["eval", "moe", "--routing", "capacity=0"], "capacity factor must be a positive number"),
                       (["eval", "mlp", "--routing", "capacity=2"], "mixture-of-experts")):
         with pytest.raises(SystemExit) as e:
             cli_main(args)
@@ -559,3 +559,31 @@ def test_mixtral_8x7b_decode_reads_the_active_parameters():
     kv = 2 * cfg.num_key_value_heads * head_dim * cfg.num_hidden_layers * 4096 * 2
     assert d["aggregate"]["kv_bytes"] == kv
     assert abs(d["seconds_per_token"] / ((active_bytes + kv) / dev.bandwidth) - 1) < 0.03, d["seconds_per_token"]
+
+
+@pytest.mark.heavy
+def test_capacity_below_one_drops_the_slots_beyond_it(traced):
+    """Capacity c = 1/2 (GShard's and Switch Transformer's token dropping: each expert's N·R/E
+    balanced slots capped at c·N·R/E): the trace's FLOPs equal FlopCounterMode of a real CPU step
+    of the same dispatch (the router balanced, so half of every expert's slots overflow into the
+    spare row), its saved bytes ``saved_tensors_hooks``' of that step, at random sizes; and by hand
+    the expert part is half the balanced one (c·N·R slots of 18·F·M FLOPs per layer, graphs/moe.py's
+    SwiGLU experts in fp32)."""
+    cap = _capacity_trace("0.5")
+    assert cap.spec.extra["routing"] == "capacity=0.5" and "dropped" in cap.spec.extra["routing_description"]
+    B, S, R, E = (SYMS[s] for s in "BSRE")
+    assert sympy.simplify(slots_per_expert(cap) - B * S * R / (2 * E)) == 0
+    rng = random.Random(2801)
+    for _ in range(2):
+        e = rng.choice((2, 4))
+        v = dict(B=2, S=e * rng.randint(2, 4), H=rng.choice((2, 4)), D=rng.choice((4, 8)), L=rng.randint(1, 2),
+                 V=rng.randint(20, 60), F=rng.randint(6, 24), E=e, R=2)
+        model, values = _build(cap.spec, v, reference=False)
+        f, b = step_flops(cap.spec, model, values)
+        got = cap.subs(**v)
+        assert (got["flops.forward"], got["flops.train"]) == (f, f + b), v
+        with balanced_router():
+            assert memory_model(cap, "fp32").components(**v)["activations"] == oracle.saved_bytes(cap.spec, v, "fp32")
+        M, slots = v["H"] * v["D"], v["B"] * v["S"] * v["R"]
+        base = _trace(traced, "moe").subs(**v)  # (balanced: every slot through its expert)
+        assert base["flops.train"] - got["flops.train"] == slots // 2 * 18 * v["F"] * M * v["L"]

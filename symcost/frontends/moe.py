@@ -8,12 +8,16 @@ MoE layer under a stated **routing model** that fixes how many token slots each 
 
 * ``balanced`` (the default): every expert receives exactly N·R/E token slots (the ideal a
   load-balancing loss aims at);
-* ``capacity`` with a capacity factor c >= 1: every expert's buffer holds C = c·N·R/E slots, the
-  load of the busiest expert (worst case for memory and time). This is the expert capacity of
-  GShard (Lepikhin et al. 2020, Sec. 2.2) and Switch Transformer (Fedus et al. 2021, Sec. 2.2:
-  "expert capacity = tokens per batch / number of experts × capacity factor"), the padded
-  dispatch of Megatron-Core's ``--moe-pad-expert-input-to-capacity``: all E buffers are padded
-  to C, so the experts' FLOPs and activations scale with c.
+* ``capacity`` with a capacity factor c > 0: every expert's buffer holds C = c·N·R/E slots. With
+  c >= 1 that is the load of the busiest expert (worst case for memory and time); with c < 1
+  the balanced N·R/E slots of each expert are capped at C and the rest dropped (they skip the
+  experts; the residual carries the token on), as GShard and Switch Transformer drop tokens
+  beyond the capacity. This is the expert capacity of GShard (Lepikhin et al. 2020, Sec. 2.2)
+  and Switch Transformer (Fedus et al. 2021, Sec. 2.2: "expert capacity = tokens per batch /
+  number of experts × capacity factor"; its Table 1 trains at factors 1.0 to 2.0 and evaluates
+  0.5 and 0.75 too), the padded dispatch of Megatron-Core's ``--moe-pad-expert-input-to-capacity``:
+  all E buffers are padded to C, so the experts' FLOPs, activations and (under expert
+  parallelism) all-to-all bytes scale with c.
 
 The dispatch (:func:`dispatch` / :func:`combine`) is plain PyTorch with static shapes, whatever
 the router chose: each routed slot gets its position inside its expert's buffer from a cumulative
@@ -103,6 +107,10 @@ class Routing:
         """One line for the report: the assumption and what it implies."""
         if self.kind == "balanced":
             return "balanced: every expert receives exactly N·R/E token slots (N = B·S tokens)"
+        if self.factor < 1:
+            return (f"capacity c={_fmt(self.factor)}: every expert's buffer holds c·N·R/E token slots; of the "
+                    "N·R/E balanced slots of each expert those beyond it are dropped (they skip the experts: "
+                    "expert FLOPs, activations and all-to-all bytes scale with c)")
         return (f"capacity c={_fmt(self.factor)}: every expert's buffer holds c·N·R/E token slots, the "
                 "busiest expert's load (padded dispatch: expert FLOPs and activations scale with c)")
 
@@ -119,12 +127,12 @@ def _fmt(f: Fraction) -> str:
 
 
 def parse_routing(text: str | Routing | None) -> Routing:
-    """Parse ``--routing``: ``balanced`` (default), ``capacity=C`` or ``capacity:C`` (C >= 1,
-    e.g. 1.25 or 5/4); plain ``capacity`` means c = 1.25 (Switch Transformer's training value).
+    """Parse ``--routing``: ``balanced`` (default), ``capacity=C`` or ``capacity:C`` (C > 0,
+    e.g. 1.25 or 5/4; below 1 the slots beyond C·N·R/E per expert are dropped); plain
+    ``capacity`` means c = 1.25 (Switch Transformer's training value).
 
     Raises:
-        SymcostError: anything else, or a factor below 1 (slots would be dropped even under
-            balanced routing) or not a finite number.
+        SymcostError: anything else, or a factor that is not a positive finite number.
     """
     if text is None:
         return BALANCED
@@ -135,16 +143,17 @@ def parse_routing(text: str | Routing | None) -> Routing:
         return BALANCED
     kind, sep, val = s.replace(":", "=").partition("=")
     if kind.strip() != "capacity":
-        raise SymcostError(f"unknown routing model {text!r}; accepted: balanced, capacity=C (C >= 1, e.g. capacity=1.25)")
+        raise SymcostError(f"unknown routing model {text!r}; accepted: balanced, capacity=C (C > 0, e.g. capacity=1.25)")
     if not sep:
         val = "1.25"
     try:
         factor = Fraction(val.strip()).limit_denominator(1000)
     except (ValueError, ZeroDivisionError):
-        raise SymcostError(f"capacity factor must be a number >= 1 (e.g. capacity=1.25), got {val.strip()!r}") from None
-    if factor < 1:
-        raise SymcostError(f"capacity factor must be >= 1 (got {_fmt(factor)}): below 1 some slots are dropped "
-                           "even when routing is balanced")
+        raise SymcostError(f"capacity factor must be a positive number (e.g. capacity=1.25), got {val.strip()!r}") \
+            from None
+    if factor <= 0:
+        raise SymcostError(f"capacity factor must be a positive number (got {_fmt(factor)}; e.g. capacity=1.25, "
+                           "or capacity=0.5: each expert's slots capped at half its balanced share, the rest dropped)")
     return Routing("balanced", Fraction(1)) if factor == 1 else Routing("capacity", factor)
 
 
