@@ -73,12 +73,6 @@ def cp_options(S: int, devices: int, cps: Iterable[int] | None) -> list[int]:
     return out
 
 
-def _split(e) -> tuple[sympy.Expr, sympy.Expr]:
-    from symcost.passes.plan import _split_L
-
-    return _split_L(e)
-
-
 def routed_params(an) -> tuple[set, sympy.Expr, sympy.Expr]:
     """``(names, whole, held)``: the routed expert stacks of the trace (their names), their
     elements in the model and on the traced (tensor-parallel) rank. Formulas."""
