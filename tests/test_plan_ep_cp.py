@@ -58,9 +58,9 @@ def test_ep_and_cp_enumeration_is_every_factorisation_torchtitan_accepts():
                         want.add((dp, tp, pp, cp, ep, shard, r))
     assert got == want
     assert any(x[4] > 1 for x in got) and any(x[3] > 1 for x in got)
-    # a dense model (E None) gets ep = 1 only; default CP sizes keep >= 4096 tokens per rank
+    # a dense model (E None) gets ep = 1 only; default CP sizes keep >= 8192 tokens per rank
     assert {x.ep for x in enumerate_layouts(n, G, L, H, checkpoints=("none",), micro_batches=(1,))} == {1}
-    assert cp_options(8192, 64, None) == [1, 2] and cp_options(2048, 64, None) == [1]
+    assert cp_options(32768, 64, None) == [1, 2, 4] and cp_options(8192, 64, None) == [1]
 
 
 @functools.lru_cache(maxsize=None)

@@ -71,7 +71,7 @@ def _positive(text: str, what: str) -> int:
 @click.option("--ep/--no-ep", "ep", default=True, show_default=True,
               help="for a model with routed experts, also try expert parallelism (every EP torchtitan allows)")
 @click.option("--cp", "cps", default=None, metavar="N,N,...",
-              help="context-parallel sizes to try [default: powers of two leaving >= 4096 tokens per rank; "
+              help="context-parallel sizes to try [default: powers of two leaving >= 8192 tokens per rank; "
                    "1: none]")
 @click.option("--overlap", default="backward", show_default=True, type=click.Choice(["backward", "none"]))
 @click.option("--top", default=5, show_default=True, type=click.IntRange(min=1), help="layouts to print")

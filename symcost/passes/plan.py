@@ -536,7 +536,7 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
 
     ``ep``: for a model with routed experts, also the expert-parallel sizes torchtitan allows
     (:func:`symcost.passes.plan_dims.ep_options`); ``cps``: the context-parallel sizes to try
-    (None: every power of two leaving at least 4096 tokens per rank,
+    (None: every power of two leaving at least 8192 tokens per rank,
     :func:`symcost.passes.plan_dims.cp_options`; offered only where every attention is an SDPA
     kernel). Rows with EP or CP are composed from the trace (docs/parallel.md §13.6; their
     ``composed`` names the dimensions) and keep their screened memory (no traced peak).

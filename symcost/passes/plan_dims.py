@@ -60,15 +60,19 @@ def ep_options(E: int | None, dp_shard: int, cp: int, tp: int) -> list[int]:
     return [1] + [e for e in range(2, E + 1) if E % e == 0 and e % (cp * tp) == 0 and span % e == 0]
 
 
+#: the fewest tokens per rank the default CP sizes leave (CP is for long sequences: torchtitan's
+#: and Megatron-LM's long-context recipes split 32k–1M tokens; S = 8192 gets no CP by default)
+MIN_CP_TOKENS = 8192
+
+
 def cp_options(S: int, devices: int, cps: Iterable[int] | None) -> list[int]:
     """The CP sizes to try: ``cps`` (or, by default, every power of two) that divide
     ``devices`` and leave the load balancer 2·CP whole chunks of S (``S % (2·CP) == 0``), with
-    at least 4096 tokens per rank (``cps`` None; CP is for long sequences: torchtitan's and
-    Megatron-LM's long-context recipes split 32k–1M tokens). 1 always."""
+    at least :data:`MIN_CP_TOKENS` tokens per rank (``cps`` None). 1 always."""
     out = [1]
     cand = sorted(set(cps)) if cps is not None else [2 ** k for k in range(1, 21)]
     for c in cand:
-        if c > 1 and devices % c == 0 and S % (2 * c) == 0 and (cps is not None or S // c >= 4096):
+        if c > 1 and devices % c == 0 and S % (2 * c) == 0 and (cps is not None or S // c >= MIN_CP_TOKENS):
             out.append(c)
     return out
 
