@@ -182,7 +182,7 @@ def parse_efficiency(value: Any, where: str) -> Efficiency | None:
 
     Raises:
         SymcostError: not a table, an unknown key, a figure out of range (fractions in (0, 1],
-            times and sizes positive).
+            times and sizes positive), a ``compute_capability`` that is not ``"major.minor"``.
     """
     if value is None:
         return None
