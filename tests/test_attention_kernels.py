@@ -131,3 +131,21 @@ def test_a_traced_sdpa_step_is_priced_by_its_kernel(traced):
     cpu = predict(an, get_device("h100-sxm").__class__(key="cpu", name="cpu", peak={"fp32": 1e11}, bandwidth=4e10),
                   {"B": 1, "S": 64})
     assert cpu["terms"]["attention"] == 0 and not any("kernel" in n for n in cpu["nodes"])
+
+
+def test_compute_capability_is_read_and_written():
+    """A device file's ``efficiency.compute_capability`` ("major.minor", NVIDIA's numbering) reads
+    as a pair, is written back the same, and anything else is refused in one line; the catalogue's
+    A100 is 8.0 and H100 9.0 (CUDA C++ Programming Guide, "Compute Capabilities")."""
+    from symcost.errors import SymcostError
+    from symcost.hardware.devices import get_device
+    from symcost.hardware.efficiency import parse_efficiency
+
+    e = parse_efficiency({"compute_capability": "8.6"}, "f [x]")
+    assert e.compute_capability == (8, 6) and e.to_json()["compute_capability"] == "8.6"
+    assert "compute_capability" not in e.defaulted
+    for bad in ("sm90", "9.x", True):
+        with pytest.raises(SymcostError, match="compute_capability"):
+            parse_efficiency({"compute_capability": bad}, "f [x]")
+    assert get_device("a100-80gb").efficiency.compute_capability == (8, 0)
+    assert get_device("h100-sxm").efficiency.compute_capability == (9, 0)
