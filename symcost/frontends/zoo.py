@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from symcost.errors import SymcostError
-from symcost.frontends.spec import Constraint, ModelSpec
+from symcost.frontends.spec import ModelSpec
 
 #: prefix -> (the package to import, what to install, the default image side)
 ZOOS = {"tv": ("torchvision.models", "torchvision", 224), "timm": ("timm", "timm", 224)}
@@ -95,8 +95,10 @@ def image_spec(name: str, make: Callable[..., torch.nn.Module], default_side: in
     keyword by which ``make`` takes the image side (a ViT's ``image_size``/``img_size``), or None
     (a CNN takes any side as it is).
 
-    Constraints: IMG >= 32 (five stride-2 stages leave at least one pixel); probes keep IMG's
-    residue mod 32 (module docstring)."""
+    No constraint on IMG: the model's own code decides which sides it runs (a ResNet runs any,
+    its maps floored to 1x1; a side it refuses is one line at the request). Probes keep IMG's
+    residue mod 32 and stay in 32..:data:`PROBE_MAX_SIDE` (module docstring); a request whose ops
+    no probe of its class runs has IMG pinned there (the tracer says so)."""
 
     def build(values: Mapping[str, int]) -> torch.nn.Module:
         kw = {size_kw: int(values["IMG"])} if size_kw else {}
@@ -118,13 +120,13 @@ def image_spec(name: str, make: Callable[..., torch.nn.Module], default_side: in
         # no symbol scales a zoo model's widths: every probe is the full network, so its image
         # side is kept small (six values of a class mod 32 fit IMG's quadratic terms with two to
         # spare); the request itself may be any size
-        return None if values["IMG"] <= PROBE_MAX_SIDE else f"probe image sides stay at most {PROBE_MAX_SIDE}"
+        # (and at least 32: below, a stride-32 network's last maps are 1x1, a regime of its own)
+        side = values["IMG"]
+        return None if STRIDE <= side <= PROBE_MAX_SIDE else f"probe image sides stay in {STRIDE}..{PROBE_MAX_SIDE}"
 
     return ModelSpec(
         name=name, symbols=("IMG",), defaults={"B": 8, "S": 1, "IMG": default_side}, probe_check=probe_check,
         build=build, make_inputs=make_inputs, loss=loss, moduli={"IMG": STRIDE}, meanings=dict(_MEANINGS),
-        constraints=(Constraint("min", "IMG", STRIDE, f"IMG must be at least {STRIDE} (the classifier's strides "
-                                "leave no pixel below)"),),
         extra={"image_side_note": f"formulas hold for IMG in the request's residue class mod {STRIDE}",
                **dict(extra or {})})
 
