@@ -266,3 +266,47 @@ def test_vit_side_off_the_patch_multiples_is_traced():
     rng = random.Random("vit-off")
     _check_exact(an, spec, {"B": rng.randint(2, 3), "H": rng.randint(2, 3), "D": rng.choice((2, 4)), "L": 1,
                             "F": rng.randint(4, 12), "IMG": 10, "C": rng.randint(1, 3), "NCLS": rng.randint(2, 6)})
+
+
+def test_fitter_reaches_stride_floors():
+    """The fitter's two additions for strided image sizes, on signatures computed by hand from the
+    floors themselves at random probe points: a stride-32 map's area (⌊(IMG-1)/2⌋ + 1, ...)^2 in
+    the class 0 mod 32 is IMG^2/1024 (a denominator above the 720 tried first), and a Swin stage
+    padded to whole windows in the class 4 mod 8, B·H·D·(2·⌈⌈⌈IMG/2⌉/2⌉/2⌉)^2, a dense quadratic in
+    IMG times B·H·D (three terms: more than the sparse search tries over four symbols). Each
+    formula holds at every side of its class, beyond the probes."""
+    import sympy
+
+    from symcost.tracing.fit import Fitter, ProbePlan
+    from symcost.tracing.symbols import SYMS, declare
+
+    declare(["IMG"])
+    rng = random.Random("floors")
+
+    def side32(img):  # conv 7/2 p3, max-pool 3/2 p1, three 3x3/2 p1: floors
+        x = (img + 6 - 7) // 2 + 1
+        x = (x + 2 - 3) // 2 + 1
+        for _ in range(3):
+            x = (x + 2 - 3) // 2 + 1
+        return x
+
+    def swin_tokens(img, ws=2):  # patches of 2 (padded), a merge (padded), the stage padded to windows
+        g = -(-img // 2)
+        s = -(-g // 2)
+        return (-(-s // ws) * ws) ** 2
+
+    syms = ("B", "H", "D", "IMG")
+    for residue, mod, size, want in (
+            (0, 32, lambda p: side32(p["IMG"]) ** 2, lambda IMG: IMG ** 2 / 1024),
+            (4, 8, lambda p: p["B"] * p["H"] * p["D"] * swin_tokens(p["IMG"]), None)):
+        base = {"B": 3, "H": 5, "D": 4, "IMG": residue + mod * 3}
+        points = [base] + [dict(base, **{s: v}) for s, v in (("B", 4), ("H", 6), ("D", 6), ("IMG", residue + mod * 5))]
+        points += [{"B": rng.randint(2, 9), "H": rng.randint(2, 9), "D": rng.randint(2, 9),
+                    "IMG": residue + mod * rng.randint(2, 12)} for _ in range(6)]
+        plan = ProbePlan(syms, points, {s: i + 1 for i, s in enumerate(syms)})
+        got = Fitter(plan)(tuple(size(p) for p in points), "size")
+        at = {"B": 2, "H": 3, "D": 5}
+        for img in (residue + mod * k for k in range(1, 20)):  # every side of the class, beyond the probes
+            assert got.subs({SYMS[k]: v for k, v in {**at, "IMG": img}.items()}) == size({**at, "IMG": img}), (got, img)
+        if want is not None:
+            assert sympy.expand(got - want(SYMS["IMG"])) == 0, got
