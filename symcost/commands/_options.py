@@ -359,10 +359,11 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
              if v is not None}
     if meta.get("symcost.cp_rotate") is not None and meta.get("symcost.cp") is None:
         raise SymcostError("--cp-rotate needs --cp N (the context-parallel size)")
-    if meta.get("symcost.cp") is not None and tp is not None and meta.get("symcost.gpu"):
-        raise SymcostError("--gpu with --cp and --tp: the step time of a context-parallel rank over tensor-parallel "
-                           "ranks (the plan's all-reduces beside the ring) is not modelled yet; report --cp --tp "
-                           "answers its FLOPs, bytes per group and peak (docs/parallel.md §15)")
+    if meta.get("symcost.cp") is not None and tp is not None and dp is None and meta.get("symcost.gpu"):
+        raise SymcostError("--gpu with --cp and --tp without --dp: the step time of a context-parallel rank over "
+                           "tensor-parallel ranks alone is not modelled yet (with --dp N --shard fsdp it is, per "
+                           "process group); report --cp --tp answers its FLOPs, bytes per group and peak "
+                           "(docs/parallel.md §15)")
     if meta.get("symcost.cp") is not None:  # (context parallelism: symcost.frontends.context_parallel)
         import dataclasses
 

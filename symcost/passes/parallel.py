@@ -336,7 +336,8 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
             out["values"].update(ep=ep, params_rank=ev["params_shard"])
         if mesh2:
             if fsdp_sharded:  # FSDP2 pads where DP does not divide a TP-local first dimension
-                out["values"]["divisible"] = all(sympy.sympify(d).xreplace(env).is_integer
+                # (xreplace of a bare symbol returns the bound value itself: a Python int)
+                out["values"]["divisible"] = all(sympy.sympify(sympy.sympify(d).xreplace(env)).is_integer
                                                  for sh, _, _ in an.param_shards.values() for d in sh)
             out["values"]["tp"] = env.get(SYMS["TP"], an.pinned.get("TP", 1))
         if "comm_by_group" in out:

@@ -312,7 +312,8 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     P, rem, form = an.train_simplified()
     tp, cp = an.tp_share(), an.cp_share()
     if tp != 1:
-        c.print(f"[bold]Training model FLOPs of one rank = 6·N·P/TP + remainder[/bold]   ({n_per_step(an)}; "
+        n_words = n_per_step(an) if cp == 1 else "N = B·S/CP: the rank's tokens, S/CP of each sequence"
+        c.print(f"[bold]Training model FLOPs of one rank = 6·N·P/TP + remainder[/bold]   ({n_words}; "
                 "P: the whole model's, each of the TP ranks runs 1/TP of the split matmuls)")
     elif cp != 1:
         c.print(f"[bold]Training model FLOPs of one rank = 6·N·P + remainder[/bold]   (N = B·S/CP: the rank's "
