@@ -46,6 +46,10 @@ each class mod 32), after which, at load 10 on 2 cores: ``tv:resnet50`` 56.9 s w
 (record 51.7 s, fit 0.4 s, check 3.7 s), nothing pinned. What remains is the real and fake
 recordings of the full-width network (the request at 224² and B = 8 on fake tensors, the probes
 at sides up to 192).
+
+Last run (this commit, load average 4.5 at start on 2 cores, still not idle): ``hf:vit`` 10.0 s
+wall, 5.0 CPU-s (IMG pinned at 224); ``tv:resnet50`` 37.3 s wall, 17.3 CPU-s (record 35.5 s, fit
+0.1 s, check 0.9 s), nothing pinned: both under the 60 s target.
 """
 from __future__ import annotations
 
