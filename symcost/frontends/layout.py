@@ -595,8 +595,19 @@ class Layout:
             raise SymcostError("--dp 1 with --cp: FSDP2 over the CP ranks alone (torchtitan's layout for CP without "
                                "data parallelism) is not modelled yet; give --dp 2 or more, or --cp alone")
         dims, shape = self.mesh_shape(lambda s: int(values[s]))
-        fake_world(math.prod(shape))
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+        if self.ep_tp:
+            # (a fake world of twice the mesh: the EP group, the mesh flattened, is then a process
+            # group of its own, not the world's, and never the TP group's, even where EP = TP:
+            # PyTorch reuses the world's group for a mesh dimension over all its ranks, and the
+            # collectives are told apart by their group's name)
+            import torch
+            from torch.distributed.device_mesh import DeviceMesh
+
+            fake_world(2 * math.prod(shape))
+            mesh = DeviceMesh("cpu", torch.arange(math.prod(shape)).reshape(shape), mesh_dim_names=dims)
+        else:
+            fake_world(math.prod(shape))
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
         sub, names = self.engine_meshes(mesh)
         if labels is not None:
             labels.update(names)
