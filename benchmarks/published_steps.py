@@ -3,8 +3,9 @@
 Each run below is a published measurement (docs/validation.md, "Step-time runs": the source, the
 recipe and how the step time is derived from the published tokens/s or s/iteration) and the
 exact symcost command that expresses its recipe. The script runs each command with ``--json``,
-reads the predicted step (``parallel.step.predicted.step_seconds`` of ``report --dp --gpu``, or
-``predicted.step_seconds`` of ``time --device`` for one device) and the roofline bound beside it,
+reads the predicted step (``parallel.step.predicted.step_seconds`` of ``report --dp --gpu``,
+``pipeline.step.predicted.step_seconds`` of ``report --pp --gpu`` (the whole step of m micro-batches),
+or ``predicted.step_seconds`` of ``time --device`` for one device) and the roofline bound beside it,
 and writes ``tests/data/published-steps.json`` (what tests/test_published_steps.py checks the
 docs table and the CLI against). Nothing here is fitted: the published figure is only compared.
 
@@ -52,9 +53,11 @@ def paper_step(hidden: int, layers: int, gpus: int, batch: int, tflops: float, s
     return F / (tflops * 1e12 * gpus)
 
 
-#: Table 1 rows N1-N4: (hidden, layers, GPUs, global batch, TFLOP/s per GPU)
+#: Table 1 rows N1-N10: (hidden, layers, GPUs, global batch, TFLOP/s per GPU)
 NTABLE = {"N1": (2304, 24, 32, 512, 137), "N2": (3072, 30, 64, 512, 138), "N3": (4096, 36, 128, 512, 142),
-          "N4": (6144, 40, 256, 1024, 135)}
+          "N4": (6144, 40, 256, 1024, 135), "N5": (8192, 48, 512, 1536, 138), "N6": (10240, 60, 1024, 1792, 140),
+          "N7": (12288, 80, 1536, 2304, 148), "N8": (16384, 96, 1920, 2160, 155),
+          "N9": (20480, 105, 2520, 2520, 163), "N10": (25600, 128, 3072, 3072, 163)}
 NSTEP = {k: round(paper_step(*v), 4) for k, v in NTABLE.items()}
 
 #: id -> (symcost command after ``symcost``, published step seconds, the published figure it is
@@ -90,6 +93,19 @@ RUNS: dict[str, tuple] = {
     "N2": (f"report {MG} --dp 32 --tp 2 --set H=32 D=96 L=30 {NS}", NSTEP["N2"], "138 TFLOP/s/GPU (paper's F)", 4),
     "N3": (f"report {MG} --dp 32 --tp 4 --set H=32 D=128 L=36 {NS}", NSTEP["N3"], "142 TFLOP/s/GPU (paper's F)", 4),
     "N4": (f"report {MG} --dp 32 --tp 8 --set H=48 D=128 L=40 {NS}", NSTEP["N4"], "135 TFLOP/s/GPU (paper's F)", 8),
+    # pipelines (report --pp: the whole step of m = GBS / (DP · B) micro-batches, K = 1). MG8: Megatron's
+    # local DDP, 1F1B, 4 micro-batches per DP rank, no gradient-reduce overlap (Per-run notes)
+    "MG8": (f"report {GB} --pp 4 --dp 2 --shard ddp --precision megatron-bf16 --microbatches 4 --set B=4 S=1024 "
+            f"--gpu h100-sxm {NO_OVERLAP}", 0.10226, "0.10226 s/iteration"),
+    # Narayanan et al. 2021 Table 1 with pipelines: B = 4 assumed as for N1-N4 (m = GBS / (DP · 4)), 1F1B
+    # (Table 1 states neither); Megatron-LM 2021 all-reduces the gradients after the whole
+    # forward-backward (megatron/training.py train_step at a8d172b, 2021-04-28): --overlap none
+    "N5": (f"report {MG} --pp 2 --dp 32 --tp 8 --microbatches 12 {NO_OVERLAP} --set H=64 D=128 L=48 {NS}",
+           NSTEP["N5"], "138 TFLOP/s/GPU (paper's F)"),
+    "N6": (f"report {MG} --pp 4 --dp 32 --tp 8 --microbatches 14 {NO_OVERLAP} --set H=80 D=128 L=60 {NS}",
+           NSTEP["N6"], "140 TFLOP/s/GPU (paper's F)"),
+    "N7": (f"report {MG} --pp 8 --dp 24 --tp 8 --microbatches 24 {NO_OVERLAP} --set H=96 D=128 L=80 {NS}",
+           NSTEP["N7"], "148 TFLOP/s/GPU (paper's F)"),
 }
 
 
@@ -101,7 +117,10 @@ def run_one(rid: str) -> dict:
     if p.returncode:
         return {"id": rid, "command": f"symcost {cmd} --json", "error": (p.stderr.strip().splitlines() or ["?"])[-1]}
     d = json.loads(p.stdout)
-    if cmd.startswith("report"):
+    if cmd.startswith("report") and " --pp " in cmd:  # (the pipeline's whole step: predicted beside the bound)
+        st = d["pipeline"]["step"]
+        pred, bound, mfu = st["predicted"]["step_seconds"], st["step_seconds"], st["predicted"]["mfu_predicted"]
+    elif cmd.startswith("report"):
         st = d["parallel"]["step"]
         pred, bound, mfu = st["predicted"]["step_seconds"], st["step_seconds"], st["predicted"]["mfu_predicted"]
     else:

@@ -51,10 +51,12 @@ def test_every_run_is_recorded_with_its_script_command():
 def test_published_steps_follow_from_the_published_figures():
     """tokens/s per GPU (torchtitan's tps and WPS, torchtune's tokens/s on one device): step = B·S /
     rate; s/iteration: the figure itself (docs/validation.md, Conventions)."""
-    # Narayanan et al. 2021 (arXiv:2104.04473) Table 1, rows 1-4: hidden, layers, GPUs, batch, TFLOP/s
+    # Narayanan et al. 2021 (arXiv:2104.04473) Table 1, rows 1-10: hidden, layers, GPUs, batch, TFLOP/s
     # per GPU; F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) per iteration (eq. 3), s = 2048, V = 51200
     table1 = {"N1": (2304, 24, 32, 512, 137), "N2": (3072, 30, 64, 512, 138), "N3": (4096, 36, 128, 512, 142),
-              "N4": (6144, 40, 256, 1024, 135)}
+              "N4": (6144, 40, 256, 1024, 135), "N5": (8192, 48, 512, 1536, 138), "N6": (10240, 60, 1024, 1792, 140),
+              "N7": (12288, 80, 1536, 2304, 148), "N8": (16384, 96, 1920, 2160, 155),
+              "N9": (20480, 105, 2520, 2520, 163), "N10": (25600, 128, 3072, 3072, 163)}
     for r in DATA:
         fig = r["published"]
         rate = float(fig.split()[0].replace(",", ""))
