@@ -255,6 +255,9 @@ class Planner:
                 split(whole), split(held)
             self.f["a2a_block"], self.f["a2a_rest"] = split(ex["payload"])
             self.f["moe_layers_block"], self.f["moe_layers_rest"] = split(ex["layers"])
+            self._experts_ops = plan_dims.expert_ops(an)
+            self.f["exflops_block"], self.f["exflops_rest"] = split(sympy.Add(*[
+                op.repeat * op.cost.flops for op in an.ops if op.index in self._experts_ops]))
         self.E = int(self.sizes["E"]) if self.experts and "E" in self.sizes else \
             (int(an.pinned["E"]) if self.experts and "E" in (an.pinned or {}) else None)
         # context parallelism: the attention kernels' K/V and FLOPs (None: not every attention is SDPA)
@@ -273,11 +276,14 @@ class Planner:
                 **({"S": s} if s else {})}
 
     def _attention_split(self, nodes, ph: dict, L: int) -> None:
-        """Add the attention kernels' seconds per phase (``attn_forward``, ``attn_backward``) of a
-        roofline or performance model's ``nodes`` to ``ph[L]``."""
+        """Add the attention kernels' seconds per phase (``attn_forward``, ``attn_backward``) and the
+        routed experts' (``experts_forward``, ``experts_backward``) of a roofline or performance
+        model's ``nodes`` to ``ph[L]``."""
         att = {op.index for op in self.an.ops if op.attention}
+        ex = getattr(self, "_experts_ops", set())
         for k in ("forward", "backward"):
             ph[L]["attn_" + k] = sum(n["seconds"] for n in nodes if n["index"] in att and n["phase"] == k)
+            ph[L]["experts_" + k] = sum(n["seconds"] for n in nodes if n["index"] in ex and n["phase"] == k)
 
     @property
     def _two(self) -> tuple[int, int]:
@@ -306,7 +312,7 @@ class Planner:
             r = roofline(self.an, self.device, self._sizes(L, b, tp, s), fused=self.fused, with_formulas=False)
             ph[L] = {k: r["per_phase"].get(k, {}).get("seconds", 0.0) for k in ("forward", "backward")}
             self._attention_split(r["nodes"], ph, L)
-        return self._per_block(ph, ("forward", "backward", "attn_forward", "attn_backward"))
+        return self._per_block(ph, ("forward", "backward", "attn_forward", "attn_backward", "experts_forward", "experts_backward"))
 
     @functools.lru_cache(maxsize=None)
     def times_predicted(self, b: int, tp: int, s: int | None = None) -> dict[str, float]:
@@ -331,7 +337,8 @@ class Planner:
                 d["forward" if op.phase == "forward" else "backward"] += per_op * _num(op.repeat, env)
             ph[L] = d
             self._attention_split(p["nodes"], ph, L)
-        return self._per_block(ph, ("forward", "backward", "optimizer", "attn_forward", "attn_backward"))
+        return self._per_block(ph, ("forward", "backward", "optimizer", "attn_forward", "attn_backward", "experts_forward",
+                                       "experts_backward"))
 
     def link(self, group: int, span: int) -> tuple[str, float]:
         """The link a ring of ``group`` ranks spread over ``span`` consecutive devices runs on:
@@ -414,6 +421,9 @@ class Planner:
         ring_extra = (c - 1) / 2 if c > 1 else 0.0  # the ring's attention: (CP+1)/2 kernels at S/CP
         recompute = (f["fwd_block"](b, t, sv) + (f["att_flops_forward_block"](b, t, sv) * ring_extra if c > 1 else 0)) * kt
         flops_mb = at("flops") + recompute + (at("att_flops") * ring_extra if c > 1 else 0)
+        # EP over TP ranks (etp = 1, §14.8): each TP rank dispatches N/TP tokens' slots
+        ex_cut = (1 - 1 / t) if ep > 1 and t > 1 else 0.0
+        flops_mb -= at("exflops") * ex_cut if ex_cut else 0
         # --- communication ---
         tp_link, tp_bw = self.link(t, t)
         pp_link, pp_bw = self.link(p, t * p * c)
@@ -438,7 +448,7 @@ class Planner:
         # E int64 split sizes per MoE layer, per micro-batch (docs/parallel.md §14.2)
         ep_bytes, ep_link, ep_s = 0.0, "none", 0.0
         if ep > 1:
-            ep_bytes = m * ring(ep) * (2 * at("a2a") + 8 * self.E * at("moe_layers"))
+            ep_bytes = m * ring(ep) * (2 * at("a2a") / t + 8 * self.E * at("moe_layers"))
             ep_link, ep_s = alltoall_seconds(ep_bytes / m, ep, self.ic)
         # CP: per attention call the K/V all-gather forward and backward, CP fp32 dK/dV passes
         cp_bytes, cp_link, cp_bw = 0.0, "none", math.inf
@@ -458,6 +468,9 @@ class Planner:
         def compose(tm, optimizer: float) -> dict[str, float]:
             fwd = tm["forward_block"] * nb + tm["forward_rest"]
             bwd = tm["backward_block"] * nb + tm["backward_rest"]
+            if ex_cut:  # (the experts' share of the TP rank's tokens)
+                fwd -= (tm["experts_forward_block"] * nb + tm["experts_forward_rest"]) * ex_cut
+                bwd -= (tm["experts_backward_block"] * nb + tm["experts_backward_rest"]) * ex_cut
             cp_exp = 0.0
             if c > 1:  # the ring: (CP+1)/2 kernels per call, and the exchange its schedule leaves exposed
                 af = tm["attn_forward_block"] * nb + tm["attn_forward_rest"]

@@ -19,7 +19,9 @@ CP and TP rank and some of ``dp_shard``, ``ep % (cp·tp) == 0`` and ``(dp_shard�
   expert GEMM, before any dtype cast (the EP rank exchanges them before its GEMMs cast them), the
   combine the last expert GEMM's output; backward moves their gradients, the same sizes and dtypes;
 * the routed FLOPs per rank are unchanged (EP ranks run E·C slots through E/EP experts: GShard
-  §3.2), so the step's compute is the trace's.
+  §3.2), so the step's compute is the trace's; over TP ranks (ep a multiple of tp, §14.8) each TP
+  rank dispatches N/TP of the tokens: the experts' work (:func:`expert_ops`, FLOPs and seconds)
+  and the all-to-all payload are 1/TP of the tensor-parallel trace's.
 
 Context parallelism (CP ranks, PyTorch's ``context_parallel`` with the all-gather rotation,
 torchtitan's default; the load-balanced causal ring of §15):
@@ -163,6 +165,16 @@ def expert_exchange(an) -> dict[str, sympy.Expr] | None:
         payload += first.repeat * (send + back)
         layers += first.repeat
     return {"payload": sympy.expand(payload), "layers": sympy.expand(layers)}
+
+
+def expert_ops(an) -> set[int]:
+    """Indices of the ops of the routed experts' modules (those of the forward expert GEMMs),
+    forward and backward: the work that follows the routed slots. Under EP over TP ranks
+    (torchtitan's ``etp = 1``, docs/parallel.md §14.8) each TP rank dispatches N/TP of the tokens,
+    so this work is 1/TP of a tensor-parallel trace's, whose TP ranks all run every slot."""
+    names, _, _ = routed_params(an)
+    mods = {op.module for op in _routed_gemms(an, names)} if names else set()
+    return {op.index for op in an.ops if op.module in mods and op.phase in ("forward", "backward")}
 
 
 def attention_kv(an) -> dict[str, sympy.Expr] | None:
