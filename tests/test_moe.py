@@ -561,7 +561,6 @@ def test_mixtral_8x7b_decode_reads_the_active_parameters():
     assert abs(d["seconds_per_token"] / ((active_bytes + kv) / dev.bandwidth) - 1) < 0.03, d["seconds_per_token"]
 
 
-@pytest.mark.heavy
 def test_capacity_below_one_drops_the_slots_beyond_it(traced):
     """Capacity c = 1/2 (GShard's and Switch Transformer's token dropping: each expert's N·R/E
     balanced slots capped at c·N·R/E): the trace's FLOPs equal FlopCounterMode of a real CPU step

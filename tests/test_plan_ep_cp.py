@@ -9,6 +9,7 @@ parameter elements against PyTorch running that expert-parallel rank (tests/data
 all-to-alls seen at dispatch, the DTensor shards' elements), and a composed CP row's FLOPs and
 ring bytes against PyTorch's ``context_parallel`` rank (tests/data/cp_rank.py ``measure``), at
 random sizes. The plan's one trace there is the model's plain one-device trace (tp = 1 layouts).
+Each test takes 3-4 s on an idle machine (tiny sizes; the fake group).
 """
 from __future__ import annotations
 
@@ -71,7 +72,6 @@ def _moe_trace():
                                                 "R": 2}, precision="fp32")
 
 
-@pytest.mark.heavy
 def test_composed_ep_rank_equals_pytorch_expert_parallel_rank():
     """The built-in ``moe`` (fp32) planned from its one-device trace: a row with EP ranks (dp = EP,
     each rank its own micro-batch, as ``report --ep`` traces it) has the FLOPs, all-to-all bytes
@@ -108,7 +108,6 @@ def test_composed_ep_rank_equals_pytorch_expert_parallel_rank():
     assert any("expert parallelism" in n for n in res["notes"])
 
 
-@pytest.mark.heavy
 def test_composed_cp_rank_equals_pytorch_context_parallel_rank():
     """hf:llama (sdpa, fp32) planned from its one-device trace: a row with CP = 2 (PyTorch's
     all-gather rotation, the load-balanced causal ring) has the model FLOPs and the ring's bytes
