@@ -138,7 +138,7 @@ def common(f):
                      help="trace afresh: neither read nor write the trace cache (see symcost.graph.cache)")(f)
     f = click.option("--debug", is_flag=True, help="show tracebacks")(f)
     f = click.option("--routing", default=None, expose_value=False, callback=_keep_routing, metavar="MODEL",
-                     help="mixture-of-experts routing model: balanced (default) or capacity=C, C > 0 (below 1: slots beyond C·N·R/E per expert dropped)")(f)
+                     help="mixture-of-experts routing model: balanced (default), capacity=C, C > 0 (below 1: slots beyond C·N·R/E per expert dropped), or skew=X with --ep (the most loaded rank: X times the balanced slots)")(f)
     f = click.option("--precision", default="bf16-mixed", show_default=True,
                      help="bf16-mixed (autocast over fp32 weights), fp16-mixed, fp32, bf16-true, fp16-true, "
                           "bf16-true-fp32-state (12P), bf16-true-fp32-master; frameworks' own: megatron-bf16, "

@@ -271,15 +271,17 @@ def _local(t):
     return t.view(t.shape).to_local()
 
 
-def exchange(x, mesh):
+def exchange(x, mesh, received: int | None = None):
     """``all_to_all_single`` of ``x [EP·k, ...]`` over ``mesh``'s group with equal splits (k rows
-    to each rank), with autograd (its backward is the same exchange of the gradient):
+    to each rank; ``received``: the rows received from each rank, default k), with autograd (its
+    backward is the same exchange of the gradient, splits swapped):
     ``torch.distributed._functional_collectives.all_to_all_single_autograd``."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     n = mesh.size()
     k = x.shape[0] // n
-    return all_to_all_single_autograd(x, [k] * n, [k] * n, mesh.get_group())
+    r = k if received is None else received
+    return all_to_all_single_autograd(x, [r] * n, [k] * n, mesh.get_group())
 
 
 def count_exchange(expert_ids, e: int, mesh):
@@ -369,6 +371,10 @@ def builtin_forward(self, x, weights, experts):
        2·(E/EP)·(EP·C)·M·F FLOPs per GEMM, the same as one device's 2·E·C·M·F / EP;
     5. the inverse permutation and the combine ``all_to_all_single`` back to ``[E, C, M]``,
        then :func:`symcost.frontends.moe.combine`.
+
+    Under ``--routing skew=X`` the rank is the most loaded one: it receives X·C rows per local
+    expert from every rank (the dispatch's output splits), its experts run on EP·X·C slots each,
+    and the combine sends those X·C rows back (its input splits); its own tokens go out balanced.
     """
     import torch
     import torch.nn.functional as F
@@ -386,18 +392,24 @@ def builtin_forward(self, x, weights, experts):
         x, weights, experts = x[start:start + rows], weights[start:start + rows], experts[start:start + rows]
     n, e = x.shape[0], self.num_experts
     r = experts.shape[-1]
-    c = moe.routing_of(self).capacity(n, r, e)
+    routing = moe.routing_of(self)
+    if routing.skew > ep:
+        raise SymcostError(f"--routing {routing.name} with --ep {ep}: the most loaded rank receives at most every "
+                           f"rank's slots (accepted: 1 <= X <= EP)")
+    c = routing.capacity(n, r, e)
+    # skew=X: the most loaded rank's experts receive X·C rows from every rank (moe.Routing)
+    xc = int(routing.skew * c)
     buf, dest, token = moe.dispatch(x, experts, e, c)  # [E, C, M]
     count_exchange(experts, e, mesh)
     m = x.shape[-1]
     local = e // ep
-    got = exchange(buf.reshape(e * c, m), mesh)  # rows of this rank's experts, from every rank
-    h = got.view(ep, local, c, m).transpose(0, 1).reshape(local, ep * c, m)  # expert-major
+    got = exchange(buf.reshape(e * c, m), mesh, local * xc)  # rows of this rank's experts, from every rank
+    h = got.view(ep, local, xc, m).transpose(0, 1).reshape(local, ep * xc, m)  # expert-major
     w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
     h = F.silu(moe.expert_linear(h, w1)) * moe.expert_linear(h, w3)
-    out = moe.expert_linear(h, w2)  # [E/EP, EP·C, M]
-    out = out.view(local, ep, c, m).transpose(0, 1).reshape(e * c, m)  # rank-major again
-    out = exchange(out, mesh).view(e, c, m)
+    out = moe.expert_linear(h, w2)  # [E/EP, EP·X·C, M]
+    out = out.view(local, ep, xc, m).transpose(0, 1).reshape(ep * local * xc, m)  # rank-major again
+    out = exchange(out, mesh, local * c).view(e, c, m)
     out = moe.combine(out, dest, token, weights, n)
     if tp_mesh is not None:
         from symcost.frontends.expert_parallel_tp import place

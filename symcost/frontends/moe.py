@@ -19,6 +19,14 @@ MoE layer under a stated **routing model** that fixes how many token slots each 
   all E buffers are padded to C, so the experts' FLOPs, activations and (under expert
   parallelism) all-to-all bytes scale with c.
 
+* ``skew`` with a factor X (1 <= X <= EP, under ``--ep`` only): the traced expert-parallel rank is
+  the most loaded one: from every rank its E/EP experts receive X times their balanced slots
+  (X·N·R/EP rows from each rank instead of N·R/EP), the other ranks' tokens being routed
+  unevenly; its expert FLOPs and activations scale by X, and so do the dispatch's received and
+  the combine's sent all-to-all bytes (the critical path of each exchange is X times the
+  balanced one). The rank's own tokens are dispatched as balanced (:func:`symcost.frontends.
+  expert_parallel.builtin_forward`).
+
 The dispatch (:func:`dispatch` / :func:`combine`) is plain PyTorch with static shapes, whatever
 the router chose: each routed slot gets its position inside its expert's buffer from a cumulative
 sum over the one-hot expert mask (GShard's ``cumsum`` positions), slots beyond the capacity are
@@ -80,6 +88,11 @@ class Routing:
     kind: str = "balanced"
     factor: Fraction = Fraction(1)
 
+    @property
+    def skew(self) -> Fraction:
+        """X of ``skew=X``: the traced EP rank's load over the balanced one (1 for the others)."""
+        return self.factor if self.kind == "skew" else Fraction(1)
+
     def capacity(self, n_tokens: int, top_k: int, n_experts: int) -> int:
         """Slots per expert C = factor·N·R/E for N tokens, R experts per token, E experts.
 
@@ -87,26 +100,32 @@ class Routing:
         up, as implementations do (Switch Transformer rounds the capacity to an integer), so no
         routed slot is dropped under the balanced assignment. Unitless (token slots).
         """
-        c = self.factor * n_tokens * top_k / n_experts
+        c = (self.factor if self.kind == "capacity" else 1) * Fraction(n_tokens * top_k, n_experts)
         return math.ceil(c)
 
     def exact(self, values: Mapping[str, int]) -> bool:
-        """Whether factor·B·S·R/E is an integer at these symbol values (missing ones pass)."""
+        """Whether factor·B·S·R/E is an integer at these symbol values (missing ones pass); under
+        ``skew`` B·S·R/E too (the rank's own slots per expert)."""
         try:
             c = self.factor * values["B"] * values["S"] * values["R"] / values["E"]
+            own = Fraction(values["B"] * values["S"] * values["R"], values["E"])
         except KeyError:
             return True
-        return c.denominator == 1
+        return c.denominator == 1 and (self.kind != "skew" or own.denominator == 1)
 
     @property
     def name(self) -> str:
-        """``balanced`` or ``capacity=<factor>`` (what ``--routing`` accepts)."""
-        return "balanced" if self.kind == "balanced" else f"capacity={_fmt(self.factor)}"
+        """``balanced``, ``capacity=<factor>`` or ``skew=<X>`` (what ``--routing`` accepts)."""
+        return "balanced" if self.kind == "balanced" else f"{self.kind}={_fmt(self.factor)}"
 
     def describe(self) -> str:
         """One line for the report: the assumption and what it implies."""
         if self.kind == "balanced":
             return "balanced: every expert receives exactly N·R/E token slots (N = B·S tokens)"
+        if self.kind == "skew":
+            return (f"skew X={_fmt(self.factor)}: the traced expert-parallel rank is the most loaded, its experts "
+                    "receive X times the balanced slots from every rank (expert FLOPs, activations, the dispatch's "
+                    "received and the combine's sent all-to-all bytes scale with X)")
         if self.factor < 1:
             return (f"capacity c={_fmt(self.factor)}: every expert's buffer holds c·N·R/E token slots; of the "
                     "N·R/E balanced slots of each expert those beyond it are dropped (they skip the experts: "
@@ -142,8 +161,18 @@ def parse_routing(text: str | Routing | None) -> Routing:
     if s in ("", "balanced"):
         return BALANCED
     kind, sep, val = s.replace(":", "=").partition("=")
+    if kind.strip() == "skew":
+        try:
+            x = Fraction(val.strip()).limit_denominator(1000) if sep else None
+        except (ValueError, ZeroDivisionError):
+            x = None
+        if x is None or x < 1:
+            raise SymcostError(f"skew must be a number >= 1 (the most loaded EP rank's load over the balanced one, "
+                               f"e.g. skew=1.5), got {val.strip() or 'nothing'!r}")
+        return BALANCED if x == 1 else Routing("skew", x)
     if kind.strip() != "capacity":
-        raise SymcostError(f"unknown routing model {text!r}; accepted: balanced, capacity=C (C > 0, e.g. capacity=1.25)")
+        raise SymcostError(f"unknown routing model {text!r}; accepted: balanced, capacity=C (C > 0, e.g. capacity=1.25), "
+                           "skew=X (X >= 1, with --ep)")
     if not sep:
         val = "1.25"
     try:
@@ -169,6 +198,8 @@ def probe_check(values: Mapping[str, int], routing: Routing = BALANCED, static: 
     """
     if values.get("R") is not None and values.get("E") is not None and values["R"] > values["E"]:
         return f"R must not exceed E (got R={values['R']}, E={values['E']})"
+    if routing.kind == "skew" and values.get("EP") is not None and routing.factor > values["EP"]:
+        return f"skew {_fmt(routing.factor)} exceeds EP={values['EP']} (a rank receives at most every slot)"
     if static and not routing.exact(values):
         return "c·B·S·R/E slots per expert must be an integer at a probe"
     return None

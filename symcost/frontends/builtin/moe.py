@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from symcost.errors import SymcostError
 from symcost.frontends import moe
 from symcost.frontends.builtin.cs336_lm import (
     MAX_SEQ_LEN,
@@ -73,6 +74,9 @@ class Experts(nn.Module):
         if self.reference:
             return self._loop(x, weights, experts)
         n, e = x.shape[0], self.num_experts
+        if moe.routing_of(self).kind == "skew":
+            raise SymcostError(f"--routing {moe.routing_of(self).name} is the load of the most loaded expert-parallel "
+                               "rank; it needs --ep N (on one device every expert is there: balanced or capacity=C)")
         capacity = moe.routing_of(self).capacity(n, experts.shape[-1], e)
         buf, dest, token = moe.dispatch(x, experts, e, capacity)  # [E, C, M]
         h = F.silu(moe.expert_linear(buf, self.w1)) * moe.expert_linear(buf, self.w3)  # [E, C, F]
