@@ -256,7 +256,7 @@ def apply(model, mesh, tp_mesh=None) -> None:
     if tp_mesh is not None:
         from symcost.frontends import expert_parallel_tp
 
-        expert_parallel_tp.apply(model, tp_mesh)
+        expert_parallel_tp.apply(model, tp_mesh, found)
 
 
 def _local(t):

@@ -138,31 +138,32 @@ def _colwise_partial_grad():
     return ColwisePartialGrad()
 
 
-def moe_layers(model) -> list[tuple[str, object, str, object]]:
-    """``[(name, layer, experts attribute, experts module)]``: the MoE layers of ``model`` (the
-    module whose child is an experts module, :func:`symcost.frontends.expert_parallel.experts_modules`)."""
-    from symcost.frontends.expert_parallel import experts_modules
-
+def moe_layers(model, experts) -> list[tuple[str, object, str, object]]:
+    """``[(name, layer, experts attribute, experts module)]``: the MoE layers of ``model``, each the
+    module whose child is one of ``experts`` (``[(name, module, kind)]``,
+    :func:`symcost.frontends.expert_parallel.experts_modules`: passed in, so that this module,
+    which :mod:`symcost.frontends.expert_parallel` uses, does not import it back)."""
     out = []
-    for name, m, _ in experts_modules(model):
+    for name, m, _ in experts:
         parent, _, attr = name.rpartition(".")
         out.append((parent, model.get_submodule(parent) if parent else model, attr, m))
     return out
 
 
-def skipped(model) -> list[str]:
+def skipped(model, experts) -> list[str]:
     """The module names the dense tensor-parallel plan leaves to this module under ``--ep --tp``:
     each MoE layer (its router and shared experts are laid out here, as torchtitan's
-    ``apply_moe_ep_tp`` does after ``apply_non_moe_tp``)."""
-    return [name for name, *_ in moe_layers(model)]
+    ``apply_moe_ep_tp`` does after ``apply_non_moe_tp``); ``experts`` as :func:`moe_layers`."""
+    return [name for name, *_ in moe_layers(model, experts)]
 
 
-def apply(model, tp_mesh) -> None:
+def apply(model, tp_mesh, experts) -> None:
     """Lay every MoE layer of ``model`` over ``tp_mesh`` (module docstring), after its experts were
     sharded over the EP group (:func:`symcost.frontends.expert_parallel.apply`, which reads
     ``tp_mesh`` from the experts module to route the rank's N/TP tokens): the boundary
     (:func:`enter`, :func:`leave`), shared experts TP-split, the other parameters of the layer
-    (the router) replicated with their gradients all-reduced over TP.
+    (the router) replicated with their gradients all-reduced over TP. ``experts``: the model's
+    experts modules, ``[(name, module, kind)]`` (:func:`moe_layers`).
 
     Raises:
         SymcostError: a shared expert that is no SwiGLU of ``nn.Linear`` modules
@@ -179,7 +180,7 @@ def apply(model, tp_mesh) -> None:
     col = re.compile(r"(gate_proj|up_proj|w1|w3)$")
     row = re.compile(r"(down_proj|w2)$")
     replicated = []
-    for name, layer, attr, experts in moe_layers(model):
+    for name, layer, attr, _ in moe_layers(model, experts):
         plan = {}
         for sub, m in layer.named_modules():
             if not sub or sub == attr or sub.startswith(attr + "."):

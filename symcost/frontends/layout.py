@@ -645,9 +645,10 @@ class Layout:
 
             skip = None
             if self.ep:  # (the MoE layers: laid over TP by apply_moe_ep_tp below, docs/parallel.md §14.8)
+                from symcost.frontends.expert_parallel import experts_modules
                 from symcost.frontends.expert_parallel_tp import skipped
 
-                skip = skipped(model)
+                skip = skipped(model, experts_modules(model))
             loss_context = apply(model, layers, mesh["TP"], self.sp, self.fp8, skip=skip)
         if self.ep:  # (torchtitan's apply_moe_ep_tp: after the dense TP plan, before AC and FSDP)
             from symcost.frontends.expert_parallel import apply as apply_ep
