@@ -134,8 +134,13 @@ class Routing:
                 "busiest expert's load (padded dispatch: expert FLOPs and activations scale with c)")
 
     def as_json(self) -> dict[str, Any]:
-        """``{"model": "balanced"|"capacity", "capacity_factor": float, "description": str}``."""
-        return {"model": self.kind, "capacity_factor": float(self.factor), "description": self.describe()}
+        """``{"model": "balanced"|"capacity"|"skew", "capacity_factor": float, "description": str}``,
+        and ``skew`` (X) under ``skew`` (its capacity factor is 1: the rank's own slots balanced)."""
+        out = {"model": self.kind, "capacity_factor": float(self.factor) if self.kind == "capacity" else 1.0,
+               "description": self.describe()}
+        if self.kind == "skew":
+            out["skew"] = float(self.factor)
+        return out
 
 
 BALANCED = Routing()
