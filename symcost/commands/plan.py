@@ -68,8 +68,9 @@ def _positive(text: str, what: str) -> int:
               help="pipeline schedules to try: 1f1b, interleaved-1f1b (v = 2), gpipe")
 @click.option("--micro-batch", "micro", default="1,2,4,8", show_default=True, help="micro-batch sizes b to try")
 @click.option("--sp", is_flag=True, help="sequence parallelism with TP (Korthikanti et al. 2022)")
-@click.option("--ep/--no-ep", "ep", default=True, show_default=True,
-              help="for a model with routed experts, also try expert parallelism (every EP torchtitan allows)")
+@click.option("--ep", "eps", default=None, metavar="N,N,...",
+              help="expert-parallel sizes to try for a model with routed experts [default: every EP torchtitan "
+                   "allows; 1: none]")
 @click.option("--cp", "cps", default=None, metavar="N,N,...",
               help="context-parallel sizes to try [default: powers of two leaving >= 8192 tokens per rank; "
                    "1: none]")
@@ -82,7 +83,7 @@ def _positive(text: str, what: str) -> int:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--debug", is_flag=True, help="show tracebacks")
 def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, memory, global_batch, sets, precision,
-         shards, checkpoints, schedules, micro, sp, ep, cps, overlap, top, trace_top, as_json, debug):
+         shards, checkpoints, schedules, micro, sp, eps, cps, overlap, top, trace_top, as_json, debug):
     """The fastest parallel layouts of N devices that fit the memory per device (exit status 3
     when none does, as max-batch).
 
@@ -108,6 +109,7 @@ def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, mem
     schedules = _csv(schedules, SCHEDULES, "--schedule")
     mbs = tuple(_positive(x, "--micro-batch") for x in micro.split(",") if x.strip())
     cp_sizes = None if cps is None else tuple(_positive(x, "--cp") for x in cps.split(",") if x.strip())
+    ep_sizes = None if eps is None else tuple(_positive(x, "--ep") for x in eps.split(",") if x.strip())
     if "B" in sizes or "TP" in sizes:
         raise SymcostError("plan chooses the micro-batch B and TP itself: drop B/TP from --set "
                            "(--micro-batch lists the micro-batch sizes to try)")
@@ -119,7 +121,7 @@ def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, mem
                     schedules=schedules, micro_batches=mbs,
                     trace_at=lambda tp: trace_for_plan(model, sizes, precision, sp, tp=tp),
                     model=model, trace_top=3 * top if trace_top is None else trace_top, sp=sp,
-                    progress=None if as_json else _progress(), ep=ep, cps=cp_sizes)
+                    progress=None if as_json else _progress(), eps=ep_sizes, cps=cp_sizes)
     if not as_json:
         import sys
 

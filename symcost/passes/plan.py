@@ -103,11 +103,12 @@ class Layout:
 
 def enumerate_layouts(devices: int, global_batch: int, L: int, H: int, *, shards=SHARDS, checkpoints=CHECKPOINTS,
                       schedules=("1f1b",), micro_batches=None, max_tp: int | None = None, K: int | None = None,
-                      virtual: int = 2, tp_ok=None, E: int | None = None, cps=(1,)) -> list[Layout]:
+                      virtual: int = 2, tp_ok=None, E: int | None = None, cps=(1,), eps=None) -> list[Layout]:
     """Every layout of ``devices`` devices: dp·tp·pp·cp = devices (``cps``: the context-parallel
     sizes to try, :func:`symcost.passes.plan_dims.cp_options`), and for ``E`` routed experts every
     expert-parallel size :func:`symcost.passes.plan_dims.ep_options` allows (torchtitan's rule; the
-    data-sharding ranks it borrows from are dp, or dp/R under HSDP), tp divides H (and K) with at least
+    data-sharding ranks it borrows from are dp, or dp/R under HSDP; ``eps``: only those sizes, 1
+    always), tp divides H (and K) with at least
     2 heads per rank (one head per rank is a regime of its own, not probed: docs/parallel.md §11), pp divides L
     (uniform stages; interleaved: L/(pp·v) whole), dp divides ``global_batch``, b·m =
     global_batch/dp with b in ``micro_batches`` (default: every divisor), each shard (``hsdp``:
@@ -148,7 +149,7 @@ def enumerate_layouts(devices: int, global_batch: int, L: int, H: int, *, shards
                         continue
                     for shard in (shards if dp * cp > 1 else ("ddp",)):
                         for r in ([k for k in divisors(dp) if 1 < k < dp] if shard == "hsdp" else (1,)):
-                            for ep in ep_options(E, dp // r, cp, tp):
+                            for ep in (e for e in ep_options(E, dp // r, cp, tp) if eps is None or e == 1 or e in eps):
                                 for ck in checkpoints:
                                     out.append(Layout(dp, tp, pp, b, m, shard, ck, sched, v, r, ep=ep, cp=cp))
     return out
@@ -525,7 +526,7 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
          precision: str, optimizer: str = "adamw", overlap: str = "backward", shards=SHARDS,
          checkpoints=CHECKPOINTS, schedules=("1f1b",), micro_batches=None, keep_all: bool = False,
          trace_at=None, model: str | None = None, trace_top: int = 0, near: float = 0.1, sp: bool = False,
-         progress=None, rank_by: str = "predicted", ep: bool = True, cps=None) -> dict[str, Any]:
+         progress=None, rank_by: str = "predicted", eps=None, cps=None) -> dict[str, Any]:
     """Rank the layouts of ``devices`` devices for a global batch of ``global_batch`` sequences.
 
     Returns:
@@ -547,8 +548,9 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     ``step_seconds`` and ``mfu``; the bound beside as ``bound_seconds``, ``mfu_bound``) or ``bound``
     (the roofline's, in both; docs/performance-model.md).
 
-    ``ep``: for a model with routed experts, also the expert-parallel sizes torchtitan allows
-    (:func:`symcost.passes.plan_dims.ep_options`); ``cps``: the context-parallel sizes to try
+    ``eps``: for a model with routed experts, the expert-parallel sizes to try (None: every size
+    torchtitan allows, :func:`symcost.passes.plan_dims.ep_options`; those of ``eps`` it allows
+    otherwise, ``(1,)`` none); ``cps``: the context-parallel sizes to try
     (None: every power of two leaving at least 8192 tokens per rank,
     :func:`symcost.passes.plan_dims.cp_options`; offered only where every attention is an SDPA
     kernel). Rows with EP or CP are composed from the trace (docs/parallel.md §13.6; their
@@ -593,7 +595,7 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     cp_sizes = cp_options(pl.S, devices, cps) if pl.cp_ok and pl.S else [1]
     lays = enumerate_layouts(devices, global_batch, pl.L, H, shards=shards, checkpoints=checkpoints,
                              schedules=schedules, micro_batches=micro_batches, K=K, tp_ok=lambda tp: why_not(tp) is None,
-                             max_tp=1 if no_tp else None, E=pl.E if ep else None, cps=cp_sizes)
+                             max_tp=1 if no_tp else None, E=pl.E, cps=cp_sizes, eps=eps)
     if not lays:
         raise SymcostError(f"no layout of {devices} devices fits the model and global batch {global_batch}: "
                            f"dp·tp·pp·cp = {devices} needs tp | H ({H}) and every size the TP plan shards, "
@@ -619,7 +621,7 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     out["notes"] = []
     out["ep_sizes"] = sorted({x.ep for x in lays})
     out["cp_sizes"] = cp_sizes
-    if pl.experts and ep:
+    if pl.experts and len(out["ep_sizes"]) > 1:
         out["notes"].append(f"expert parallelism: ep in {{{', '.join(map(str, out['ep_sizes']))}}} (E = {pl.E}; "
                             "torchtitan's rule: ep | E, a multiple of cp·tp dividing dp_shard·cp·tp); EP rows are "
                             "composed from the trace (screened: their all-to-alls over the EP group's link, "
