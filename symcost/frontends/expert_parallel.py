@@ -233,6 +233,10 @@ def apply(model, mesh, tp_mesh=None) -> None:
     from symcost.frontends.moe import routing_of
 
     found = experts_modules(model)
+    if not found and getattr(model, "symcost_stage", None) is not None:
+        # a pipeline stage of dense blocks only (DeepSeek-V3's first stage at PP >= 21): its
+        # blocks run whole on every rank, as torchtitan's apply_moe_ep_tp visits MoE blocks only
+        return
     if not found:
         raise SymcostError("--ep: the model has no experts module symcost shards over EP ranks (the built-in "
                            "`moe` model's, transformers' stacked experts)")

@@ -533,6 +533,7 @@ def make_stage(model, layers: str, part: str, pre, post, templates, p2p: bool = 
     first, last = part == "first", part == "last"
     if part not in PARTS:
         raise SymcostError(f"unknown stage {part!r}; accepted: {', '.join(PARTS)}")
+    model.symcost_stage = part  # (a stage of dense blocks only holds no experts: --ep leaves it whole)
     gone = ([] if first else [n for n in pre if n not in post]) + ([] if last else [n for n in post if n not in pre])
     for name in gone:
         parent, _, attr = name.rpartition(".")
