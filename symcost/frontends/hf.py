@@ -642,6 +642,31 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
     )
 
 
+def head_builder(shown: str, constraints, symbols, model_cls, config_for, attention: str | None):
+    """The ``build(values) -> nn.Module`` of an ``hf:`` spec built from its task's model class
+    (:mod:`symcost.frontends.hf_tasks`, :mod:`symcost.frontends.hf_vision`): ``constraints``
+    checked on B, S and ``symbols``, then ``model_cls._from_config(config_for(values))`` (with
+    ``attn_implementation=attention`` where given) on the current default device, in train mode.
+
+    The returned ``build`` raises SymcostError: a constraint the values break, or the config
+    transformers refuses (its message on one line, prefixed with ``shown``)."""
+
+    def build(values: Mapping[str, int]):
+        """The model for these symbol values, in train mode, on the current default device."""
+        why = check_constraints(constraints, {k: values.get(k) for k in ("B", "S", *symbols)})
+        if why:
+            raise SymcostError(f"{shown}: {why}")
+        try:
+            model = model_cls._from_config(config_for(values), **({"attn_implementation": attention}
+                                                                  if attention is not None else {}))
+        except Exception as e:  # noqa: BLE001 - transformers raises many types
+            raise SymcostError(f"{shown}: building the model failed: {type(e).__name__}: "
+                               f"{' '.join(str(e).split())}") from e
+        return model.train()
+
+    return build
+
+
 @contextlib.contextmanager
 def unpacked_masks():
     """Make ``transformers``' mask decisions under ``FakeTensorMode`` the ones the real step makes.

@@ -43,7 +43,7 @@ import torch
 
 from symcost.errors import SymcostError
 from symcost.frontends import hf
-from symcost.frontends.spec import Constraint, ModelSpec, check_constraints
+from symcost.frontends.spec import Constraint, ModelSpec
 
 #: model types built here (image classification only)
 FAMILIES = ("convnext", "swin")
@@ -146,17 +146,7 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
             c._attn_implementation = attention
         return c
 
-    def build(values: Mapping[str, int]) -> torch.nn.Module:
-        """The model for these symbol values, in train mode, on the current default device."""
-        why = check_constraints(constraints, {k: values.get(k) for k in ("B", "S", *symbols)})
-        if why:
-            raise SymcostError(f"{shown}: {why}")
-        try:
-            model = model_cls._from_config(config_for(values), **({"attn_implementation": attention}
-                                                                  if attention is not None else {}))
-        except Exception as e:  # noqa: BLE001 - transformers raises many types
-            raise SymcostError(f"{shown}: building the model failed: {type(e).__name__}: {' '.join(str(e).split())}") from e
-        return model.train()
+    build = hf.head_builder(shown, constraints, symbols, model_cls, config_for, attention)
 
     def make_inputs(values: Mapping[str, int], device) -> tuple[tuple, dict]:
         """``pixel_values [B, C, IMG, IMG]`` float32, ``labels [B]`` int64 in ``[0, NCLS)``."""
