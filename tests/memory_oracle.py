@@ -311,3 +311,31 @@ def accumulation_peak(spec, sizes, precision, optimizer="adamw", foreach=True) -
         opt.step()
     top, top_ops = _levels(prof)
     return {"peak": baseline + top, "peak_ops": baseline + top_ops, "baseline": baseline}
+
+
+def exact_at(an, spec, v: dict, prepare=None, sdpa_math: bool = False) -> None:
+    """Assert symcost's parameters, model FLOPs and saved bytes at sizes ``v`` (fp32) against
+    PyTorch's: a meta-device parameter count, FlopCounterMode over one real forward + loss +
+    backward, and :func:`saved_bytes`. ``prepare(model)`` changes the real model before it runs
+    (e.g. grouped convolutions split, which FlopCounterMode miscounts); ``sdpa_math`` runs SDPA's
+    math kernel (FlopCounterMode counts no CPU flash attention)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from symcost.passes import memory
+
+    got = an.subs(**v)
+    values = {**spec.defaults, **v}
+    with torch.device("meta"):
+        meta = spec.build(values)
+    assert got["params"] == sum(p.numel() for p in meta.parameters()), v
+    torch.manual_seed(0)
+    model = spec.build(values)
+    if prepare is not None:
+        prepare(model)
+    args, kwargs = spec.make_inputs(values, torch.device("cpu"))
+    kernel = sdpa_kernel(SDPBackend.MATH) if sdpa_math else contextlib.nullcontext()
+    with kernel, FlopCounterMode(display=False) as fc:
+        spec.loss(model(*args, **kwargs), (args, kwargs)).backward()
+    assert got["flops.train"] == fc.get_total_flops(), v
+    assert memory.memory_model(an).components(**v)["activations"] == saved_bytes(spec, v, "fp32"), v

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 import symcost
-from memory_oracle import saved_bytes, step_peak
+from memory_oracle import exact_at, saved_bytes, step_peak
 
 MODELS = Path(__file__).resolve().parent / "data" / "any_models.py"
 
@@ -123,25 +123,9 @@ def traces():
 
 
 def _check(an, spec, v: dict) -> None:
-    """symcost's parameters, model FLOPs and saved bytes at ``v`` against PyTorch's."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from symcost.passes import memory
-
-    got = an.subs(**v)
-    values = {**spec.defaults, **v}
-    with torch.device("meta"):
-        meta = spec.build(values)
-    assert got["params"] == sum(p.numel() for p in meta.parameters()), v
-    torch.manual_seed(0)
-    model = spec.build(values)
-    _ungrouped(model)
-    args, kwargs = spec.make_inputs(values, torch.device("cpu"))
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
-        spec.loss(model(*args, **kwargs), (args, kwargs)).backward()
-    assert got["flops.train"] == fc.get_total_flops(), v
-    assert memory.memory_model(an).components(**v)["activations"] == saved_bytes(spec, v, "fp32"), v
+    """symcost's parameters, model FLOPs and saved bytes at ``v`` against PyTorch's (grouped
+    convolutions split, SDPA's math kernel: the FlopCounterMode conventions above)."""
+    exact_at(an, spec, v, prepare=_ungrouped, sdpa_math=True)
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.heavy) if f in HEAVY else f

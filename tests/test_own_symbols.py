@@ -5,7 +5,6 @@ saved_tensors_hooks sees on real tensors (tests/memory_oracle.py), a meta-device
 count; and the CLI's --set and JSON in the model's own names."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import re
@@ -16,7 +15,7 @@ import torch
 
 import symcost
 from conftest import run_cli
-from memory_oracle import saved_bytes
+from memory_oracle import exact_at
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = re.compile(r"^<!-- factory example: (\S+) -->\s*\n```python[^\n]*\n(.*?)^```", re.M | re.S)
@@ -41,22 +40,7 @@ def _spec(path: Path, factory: str):
 
 def _check(an, spec, v: dict) -> None:
     """symcost's params, model FLOPs and saved bytes at ``v`` against the oracles."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from symcost.passes import memory
-
-    got = an.subs(**v)
-    values = {**spec.defaults, **v}
-    with torch.device("meta"):
-        meta = spec.build(values)
-    assert got["params"] == sum(p.numel() for p in meta.parameters()), v
-    torch.manual_seed(0)
-    model = spec.build(values)
-    args, kwargs = spec.make_inputs(values, torch.device("cpu"))
-    with FlopCounterMode(display=False) as fc:
-        spec.loss(model(*args, **kwargs), (args, kwargs)).backward()
-    assert got["flops.train"] == fc.get_total_flops(), v
-    assert memory.memory_model(an).components(**v)["activations"] == saved_bytes(spec, v, "fp32"), v
+    exact_at(an, spec, v)
 
 
 def test_cnn_own_sizes(examples):
