@@ -530,3 +530,24 @@ def test_ring_schedule_limits():
         assert ring_seconds(blocks, huge, allgather=True) == pytest.approx(huge + sum(blocks[1:]))
         g = rng.uniform(1e3, 1e4)
         assert ring_seconds(blocks, huge, g) == pytest.approx((n - 1) * huge + n * g)
+
+
+def test_cp_with_as_many_key_value_heads_as_heads_answers():
+    """The smallest input of a crash a newcomer met (hf:llama, K = H, --cp 2 at B = 2): the storage
+    schedule's fit gave a parameter's size a Laurent term (… − 192·H/K), no polynomial, and the
+    report stopped with an internal error; now such a fit is a FitError the tracer answers by more
+    probes (then pinning). The report answers, and its parameters equal a meta-device count."""
+    import json
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "intermediate_size": 128, "vocab_size": 128}
+    r = CliRunner().invoke(main, ["report", "hf:llama", "--config", *(f"{k}={v}" for k, v in cfg.items()),
+                                  "--cp", "2", "--set", "B=2", "S=64", "--json"])
+    assert r.exit_code == 0, r.output[-1500:]
+    got = json.loads(r.output[r.output.index("{"):])
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(LlamaConfig(**cfg))
+    assert got["params"] == sum(p.numel() for p in meta.parameters())

@@ -15,9 +15,9 @@ from typing import Any, Mapping
 import sympy
 
 from symcost.errors import SymcostError
-from symcost.tracing.fit import SYMS
+from symcost.tracing.fit import SYMS, FitError
 from symcost.tracing.modules import _layer_of, _rename_block
-from symcost.tracing.poly import Algebra, Terms
+from symcost.tracing.poly import Algebra, NotIntegral, Terms
 
 @dataclass
 class ScheduleEvent:
@@ -201,7 +201,8 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
         if len(shape) >= 2 and not engine:  # (a factored optimizer is not modelled with --dp)
             sig = tuple(math.prod(sh[:-1]) + math.prod(sh[:-2]) * sh[-1] for sh in shapes)
             fac = fitter(sig, f"factored size of {pname}")
-        sched.params.append((alg.terms(alg.from_expr(numel)), alg.terms(alg.from_expr(fac))))
+        sched.params.append((alg.terms(_poly(alg, numel, f"size of {pname}")),
+                             alg.terms(_poly(alg, fac, f"factored size of {pname}"))))
     pdtypes = {d for _, d in ref.params.values() if d.is_floating_point}
     sched.grad_itemsize = max((d.itemsize for d in pdtypes), default=4)
     try:
@@ -210,6 +211,21 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
     except SymcostError as e:
         sched.events, sched.units, sched.error, sched.kv_start = [], [], str(e), []
     return sched
+
+
+def _poly(alg, expr, what: str):
+    """``expr`` in ``alg``'s polynomial ring.
+
+    Raises:
+        FitError: the fit's formula has a term no polynomial holds (a Laurent term such as H/K that
+            the probes could not rule out): the tracer fits on more probes, then pins the symbols
+            it names, as for any signature no polynomial reproduces.
+    """
+    try:
+        return alg.from_expr(expr)
+    except NotIntegral as e:
+        syms = sorted(str(x) for x in sympy.sympify(expr).free_symbols)
+        raise FitError(f"the {what} fitted as {expr}, which is no polynomial in the symbols", syms) from e
 
 
 def _fit_kv_start(alg, recs, fitter, role, container: str | None) -> Terms:
