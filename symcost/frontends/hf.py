@@ -642,6 +642,23 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
     )
 
 
+def configs(model_type: str, overrides: Mapping[str, str] | None, base_kwargs: Mapping[str, Any] | None):
+    """``(AutoConfig, base_kwargs, ov, cfg)`` of an ``hf:`` task spec (:mod:`symcost.frontends.hf_tasks`,
+    :mod:`symcost.frontends.hf_vision`): the config class's defaults with a config file's values
+    (``base_kwargs``), the user's ``--config`` overrides applied on top (``ov``: the keyword
+    arguments) and the config they make.
+
+    Raises:
+        SymcostError: as :func:`_apply_overrides` (an unknown or rejected key, one line)."""
+    import transformers
+
+    AutoConfig = transformers.AutoConfig
+    base_kwargs = dict(base_kwargs or {})
+    base = _make_config(AutoConfig, model_type, base_kwargs)
+    ov = _apply_overrides(AutoConfig, model_type, base, dict(overrides or {}), base_kwargs)
+    return AutoConfig, base_kwargs, ov, _make_config(AutoConfig, model_type, ov)
+
+
 def head_builder(shown: str, constraints, symbols, model_cls, config_for, attention: str | None):
     """The ``build(values) -> nn.Module`` of an ``hf:`` spec built from its task's model class
     (:mod:`symcost.frontends.hf_tasks`, :mod:`symcost.frontends.hf_vision`): ``constraints``

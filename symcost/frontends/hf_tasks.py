@@ -154,15 +154,10 @@ def spec(model_type: str, task: str, overrides: Mapping[str, str] | None = None,
         SymcostError: a config symcost cannot bind (no heads, a hidden size no multiple of the
             heads), an unknown or rejected config key, a bad attention implementation.
     """
-    import transformers
     from transformers.models.auto import modeling_auto
 
-    AutoConfig = transformers.AutoConfig
     shown = name or f"hf:{model_type}"
-    base_kwargs = dict(base_kwargs or {})
-    base = hf._make_config(AutoConfig, model_type, base_kwargs)
-    ov = hf._apply_overrides(AutoConfig, model_type, base, dict(overrides or {}), base_kwargs)
-    cfg = hf._make_config(AutoConfig, model_type, ov)
+    AutoConfig, base_kwargs, ov, cfg = hf.configs(model_type, overrides, base_kwargs)
     cls = type(cfg).__name__
     mapping = getattr(modeling_auto, TASKS[task])
     model_cls = mapping[type(cfg)]

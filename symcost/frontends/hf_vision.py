@@ -77,17 +77,12 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         SymcostError: a model type not in :data:`FAMILIES`, an unknown or rejected config key,
             an attention implementation for ConvNeXt (it has none) or other than eager/sdpa (Swin).
     """
-    import transformers
     from transformers.models.auto import modeling_auto
 
     if model_type not in FAMILIES:
         raise SymcostError(f"hf:{model_type}: not a staged image classifier; accepted: {', '.join(FAMILIES)}")
-    AutoConfig = transformers.AutoConfig
     shown = name or f"hf:{model_type}"
-    base_kwargs = dict(base_kwargs or {})
-    base = hf._make_config(AutoConfig, model_type, base_kwargs)
-    ov = hf._apply_overrides(AutoConfig, model_type, base, dict(overrides or {}), base_kwargs)
-    cfg = hf._make_config(AutoConfig, model_type, ov)
+    AutoConfig, base_kwargs, ov, cfg = hf.configs(model_type, overrides, base_kwargs)
     model_cls = modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING[type(cfg)]
     if model_type == "convnext" and attention is not None:
         raise SymcostError(f"{shown} ({model_cls.__name__}) has no attention; leave --attention out")
