@@ -18,12 +18,13 @@ import importlib
 
 from symcost import _compat, _quiet
 
-__all__ = ["Analysis", "Layout", "ModelSpec", "SYMS", "SymcostError", "explore", "parse_formula", "resolve", "trace"]
+__all__ = ["Analysis", "Constraint", "Layout", "ModelSpec", "SYMS", "SymcostError", "explore", "parse_formula", "resolve", "trace"]
 __version__ = "0.1.0"
 
 _LAZY = {
     "Analysis": "symcost.graph.analysis", "trace": "symcost.graph.build", "SymcostError": "symcost.errors",
     "SYMS": "symcost.tracing.fit", "parse_formula": "symcost.tracing.fit", "ModelSpec": "symcost.frontends.spec",
+    "Constraint": "symcost.frontends.spec",
     "resolve": "symcost.frontends.models", "Layout": "symcost.frontends.layout",
     "explore": "symcost.render.explore",
 }

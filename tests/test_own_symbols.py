@@ -109,6 +109,11 @@ def test_cli_sets_and_prints_own_sizes(examples, capsys, tmp_path, monkeypatch):
     bad = tmp_path / "bad.py"
     bad.write_text(path.read_text().replace('"NCLS"', '"pi"'))
     assert_one_line_error(*run_cli(capsys, "eval", f"{bad}:spec", "--set", "B=2"), "'pi'", "sympy")
+    # a symbol without a default: one line naming it, before any build (was KeyError: 'NCLS' at a probe)
+    nodefault = tmp_path / "nodefault.py"
+    nodefault.write_text(path.read_text().replace('"L": 4, "NCLS": 100}', '"L": 4}'))
+    assert_one_line_error(*run_cli(capsys, "eval", f"{nodefault}:spec", "--set", "B=2"), "NCLS", "default")
+    assert symcost.Constraint is __import__("symcost.frontends.spec").frontends.spec.Constraint
 
 
 def test_symbol_names_refused():

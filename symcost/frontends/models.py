@@ -115,6 +115,12 @@ def _file_spec(model: str) -> ModelSpec:
         raise SymcostError(f"factory {factory!r} failed: {type(e).__name__}: {e}") from e
     if isinstance(out, ModelSpec):
         out.name = model
+        lacking = [s for s in out.symbols if s not in out.defaults and s not in out.follows and s not in out.tied]
+        if lacking:  # (else the model's own build fails at the first probe on a KeyError)
+            raise SymcostError(
+                f"factory {factory!r}: symbol{'s' if len(lacking) > 1 else ''} {', '.join(lacking)} "
+                f"{'have' if len(lacking) > 1 else 'has'} no value in the ModelSpec's defaults; give every "
+                f"symbol a default (defaults={{{', '.join(repr(s) + ': ...' for s in lacking)}}}), which --set overrides")
         # the model's own code, wherever a pass calls it (a meta build, a pipeline stage, the
         # validation's real step), prints to stderr
         out.build, out.make_inputs, out.loss = (_quiet(f) for f in (out.build, out.make_inputs, out.loss))

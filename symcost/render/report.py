@@ -234,6 +234,9 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
                                       if att == "sdpa" else " (explicit matmuls)"))
     else:
         g.add_row("attention", "the model's own code")
+    if an.spec.extra.get("task"):  # the head and loss an hf: model trains with (--task)
+        cls_name = an.spec.extra.get("model_class")
+        g.add_row("task", an.spec.extra["task"] + (f" ({cls_name})" if cls_name else "") + " (--task)")
     if an.spec.extra.get("loss_choice") == "megatron":  # (symcost.frontends.megatron: megatron-*, --loss)
         g.add_row("loss", "Megatron-LM's vocab-parallel cross entropy (fp32 softmax in place; --loss model: the "
                           "model's own)")
@@ -536,6 +539,7 @@ def to_json(an: Analysis, sizes: Mapping[str, int] | None, memory: dict | None =
         "model": an.model,
         "precision": an.precision,
         "attention": an.spec.extra.get("attention"),
+        "task": an.spec.extra.get("task"),  # (hf: models with a head other than the causal LM's: --task)
         # the mesh one rank of which was traced: {dimension: size} (torchtitan's names and order;
         # the symbol's name where no size is given), empty for one device, as report --pp has it
         "layout": {"mesh": _mesh_sizes(layout_of(an), env), **layout_of(an).to_dict()},
