@@ -335,7 +335,15 @@ def spec(model_type: str, task: str, overrides: Mapping[str, str] | None = None,
         extra["unverified"] = f"{shown} ({task}) is not among the verified families ({', '.join(VERIFIED)})"
     return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=make_inputs,
                      loss=loss, constraints=tuple(constraints), moduli=moduli, pin=pin, meanings=meanings, extra=extra,
-                     record_context=hf.unpacked_masks)
+                     record_context=hf.unpacked_masks, infer=_encdec_infer(task))
+
+
+def _encdec_infer(task: str):
+    """An encoder-decoder's inference steps (:mod:`symcost.frontends.hf_encdec`), None for the
+    other tasks (no KV cache)."""
+    from symcost.frontends import hf_encdec
+
+    return hf_encdec.infer_for(task) if task in hf_encdec.TASKS else None
 
 
 #: State-space (Mamba-1 style) config fields and the model's own symbols bound to them: a config
