@@ -266,6 +266,12 @@ def parallel_options(f):
                      callback=_keep_parallel("symcost.ep"), metavar="N",
                      help="expert-parallel size of a mixture-of-experts model: trace one rank of N, its E/N experts, "
                           "tokens dispatched and combined by all-to-all (symbol EP; docs/parallel.md §14)")(f)
+    f = click.option("--etp", type=click.IntRange(min=1), default=None, expose_value=False,
+                     callback=_keep_parallel("symcost.etp"), metavar="M",
+                     help="with --ep N --tp M: expert-tensor-parallel degree, 1 (default: each EP rank's experts "
+                          "whole, the EP group over the TP ranks) or M (torchtitan's etp = tp, ExpertTensorParallel: "
+                          "N·M ranks, each expert's hidden width split over the M TP ranks, every TP rank "
+                          "dispatching all its tokens; docs/parallel.md §14.10)")(f)
     f = click.option("--cp-rotate", type=click.Choice(["allgather", "alltoall"]), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.cp_rotate"),
                      help="with --cp: how keys and values go round the ring in the forward (PyTorch's "
@@ -349,12 +355,19 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
                         meta.get("symcost.pp_virtual") or (2 if schedule == "interleaved-1f1b" else 1),
                         parse_split(meta.get("symcost.pp_split")))
     ac = meta.get("symcost.ac")
+    etp = meta.get("symcost.etp")
+    if etp is not None and (meta.get("symcost.ep") is None or tp is None):
+        raise SymcostError(f"--etp {etp} is the expert-tensor-parallel degree of --ep N --tp M: give both")
+    if etp is not None and etp not in (1, tp):
+        raise SymcostError(f"--etp {etp} with --tp {tp}: the expert-tensor-parallel degree is 1 or the "
+                           f"tensor-parallel one, as torchtitan (accepted: --etp 1 or --etp {tp})")
     layout = Layout(shard=(shard or "ddp") if dp is not None else None, fsdp_mp=mp, tp=tp is not None,
                     sp=bool(meta.get("symcost.sp")), pipeline=pipe, ac=None if ac in (None, "none") else ac,
                     replicate=replicate, offload=bool(meta.get("symcost.offload")), fp8=meta.get("symcost.fp8"),
                     fp8_all_gather=bool(meta.get("symcost.fp8_all_gather")),
                     compile=bool(meta.get("symcost.compile")), ep=meta.get("symcost.ep") is not None,
-                    offload_activations=bool(meta.get("symcost.offload_activations")))
+                    offload_activations=bool(meta.get("symcost.offload_activations")),
+                    etp=etp is not None and etp > 1)
     sizes = {k: v for k, v in (("DP", dp), ("TP", tp), ("PP", pp if pipe else None), ("EP", meta.get("symcost.ep")))
              if v is not None}
     if meta.get("symcost.cp_rotate") is not None and meta.get("symcost.cp") is None:

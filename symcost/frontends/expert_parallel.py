@@ -58,8 +58,11 @@ _FSDP_DIMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 #: the built-in ``moe`` experts' stacked weights (symcost/frontends/builtin/moe.py ``Experts``)
 BUILTIN_WEIGHTS = ("w1", "w2", "w3")
 
+#: spec.build -> memo of :func:`etp_indivisible`'s experts' hidden widths
+_ETP_DIMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-def expert_parallel(spec):
+
+def expert_parallel(spec, etp: bool = False):
     """The expert-parallel dimension's part of a layout's spec (:meth:`symcost.frontends.layout.
     Layout.spec` calls it): ``spec`` with the symbol ``EP`` (the ranks the E routed experts are
     sharded over) and the probe rules that keep the per-rank sizes polynomial in it.
@@ -68,6 +71,10 @@ def expert_parallel(spec):
     stacked weights, which PyTorch would otherwise split unevenly); probes draw EP from 2, 4 and
     8 and keep E in the request's residue class mod 8 (``moduli``), so EP can vary alone. The
     formulas say ``/EP`` where a rank holds a share of the experts.
+
+    With ``etp`` (``--ep N --tp M --etp M``, docs/parallel.md §14.10) every TP rank routes all of
+    its micro-batch's tokens and holds 1/TP of each local expert's hidden width: probes must have
+    TP divide that width (:func:`etp_indivisible`), and TP need not divide EP nor B·S.
 
     Raises:
         SymcostError: ``spec`` has no routed experts (no symbols E and R).
@@ -84,9 +91,14 @@ def expert_parallel(spec):
         why = inner_probe(values) if inner_probe else None
         if why or "EP" not in values:
             return why
+        if etp:
+            return indivisible(values) or etp_indivisible(spec, values) or whole_slots(values, tp=1)
         return indivisible(values) or tp_indivisible(values) or whole_slots(values)
 
     def check(values: Mapping[str, int]):
+        if etp:
+            return ((inner_check(values) if inner_check else None) or indivisible(values)
+                    or etp_indivisible(spec, values))
         return (inner_check(values) if inner_check else None) or indivisible(values) or tp_indivisible(values)
 
     defaults = dict(spec.defaults, EP=spec.defaults.get("EP", 8))
@@ -164,11 +176,12 @@ def indivisible(values: Mapping[str, int]) -> str | None:
     return None
 
 
-def whole_slots(values: Mapping[str, int]) -> str | None:
+def whole_slots(values: Mapping[str, int], tp: int | None = None) -> str | None:
     """Why a probe of an expert-parallel trace has no whole number N·R/E of slots per expert
     (the balanced split sizes of the all-to-alls, :func:`hf_forward`), or None; with ``TP``
-    (``--ep --tp``: each TP rank routes N/TP tokens) N/TP·R/E."""
-    tp = int(values.get("TP", 1))
+    (``--ep --tp``: each TP rank routes N/TP tokens) N/TP·R/E; ``tp``: the ranks the tokens are
+    split over where not ``values["TP"]`` (1 under ``--etp``: every TP rank routes all N)."""
+    tp = int(values.get("TP", 1)) if tp is None else tp
     try:
         n = values["B"] * values["S"]
         if n % tp or (n // tp * values["R"]) % values["E"]:
@@ -196,6 +209,69 @@ def tp_indivisible(values: Mapping[str, int]) -> str | None:
     return None
 
 
+def hidden_dims(m, kind: str) -> dict[str, tuple[int, int]]:
+    """``{parameter name: (dimension, packs)}`` of an experts module's stacked weights along
+    each expert's hidden width F, the dimension expert-tensor parallelism splits over TP
+    (torchtitan's ``ExpertTensorParallel``: ``w1``, ``w3 [E, F, M]`` ``Shard(1)``, ``w2 [E, M, F]``
+    ``Shard(2)``): the built-in ``moe``'s ``w1``/``w3`` 1 and ``w2`` 2; transformers' ``gate_up_proj``
+    (``[E, 2F, M]``, ``[E, M, 2F]`` where ``is_transposed``: the gate's F rows, then the up's, so
+    ``packs`` = 2: each half split alike) or ``up_proj``, and ``down_proj`` (``[E, M, F]``, ``[E, F, M]``
+    transposed). ``kind`` as :func:`experts_modules`."""
+    if kind == "builtin":
+        return {"w1": (1, 1), "w3": (1, 1), "w2": (2, 1)}
+    t = bool(getattr(m, "is_transposed", False))
+    up = ("gate_up_proj", 2) if m.has_gate else ("up_proj", 1)
+    return {up[0]: (2 if t else 1, up[1]), "down_proj": (1 if t else 2, 1)}
+
+
+def etp_indivisible(spec, values: Mapping[str, int]) -> str | None:
+    """Why ``values["TP"]`` ranks cannot each hold 1/TP of every local expert's hidden width
+    (:func:`hidden_dims`, ``--etp``), or None: TP must divide each expert's F (the model built on
+    the meta device at ``values``, memoised per model). Checked at the request as at probes: an
+    uneven split (a DTensor ``Shard`` of F/TP rounded up on some ranks) is not modelled."""
+    from symcost.frontends.parallel import memo_per_model
+
+    tp = values.get("TP")
+    if tp is None:
+        return None
+
+    def build(v):
+        model = spec.build_meta(v)
+        return tuple(sorted({int(getattr(m, n).shape[d]) // k for _, m, kind in experts_modules(model)
+                             for n, (d, k) in hidden_dims(m, kind).items()}))
+
+    v = {k: x for k, x in values.items() if k not in ("DP", "EP", "TP")}
+    if "L" in v:
+        v["L"] = min(v["L"], int(getattr(spec, "lead_blocks", 0) or 0) + 2)
+    widths = memo_per_model(_ETP_DIMS.setdefault(spec.build, {}), v, build)
+    bad = [w for w in widths if w % int(tp)]
+    if bad:
+        return (f"--etp {tp} splits each expert's hidden width over the TP ranks, and {bad[0]} does not split "
+                f"over {tp} (accepted: a TP that divides the experts' hidden width)")
+    return None
+
+
+def shard_hidden(p, mesh, dim: int, packs: int):
+    """The stacked expert weight ``p [E, ...]`` as a ``DTensor`` on the 2-D ``(ep, tp)`` ``mesh``:
+    ``[Shard(0), Shard(dim)]`` (torchtitan's ``ExpertTensorParallel._partition_fn``; each rank cuts
+    its own shard, ``src_data_rank=None``). A packed weight (``packs`` = 2: transformers'
+    ``gate_up_proj``, the gate's F rows then the up's) is cut half by half, so that the rank's
+    local tensor holds its F/TP rows of the gate, then of the up projection (the local shard a
+    split gate and up weight would give; the DTensor's global order is then rank-major, which
+    only ``full_tensor`` would see)."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    if packs == 1:
+        return distribute_tensor(p.detach(), mesh, [Shard(0), Shard(dim)], src_data_rank=None)
+    shape = list(p.shape)
+    split = shape[:dim] + [packs, shape[dim] // packs] + shape[dim + 1:]
+    d = distribute_tensor(p.detach().reshape(split), mesh, [Shard(0), Shard(dim + 1)], src_data_rank=None)
+    local = d.to_local()
+    local = local.reshape(list(local.shape[:dim]) + [-1] + list(local.shape[dim + 2:]))
+    return DTensor.from_local(local, mesh, [Shard(0), Shard(dim)], run_check=False, shape=p.shape,
+                              stride=p.stride())
+
+
 def experts_modules(model) -> list[tuple[str, object, str]]:
     """``[(name, module, kind)]`` of the experts modules of ``model``: ``kind`` ``"builtin"`` for
     the built-in ``moe`` model's (stacked weights ``w1, w3 [E, F, M]``, ``w2 [E, M, F]``, a
@@ -212,14 +288,19 @@ def experts_modules(model) -> list[tuple[str, object, str]]:
     return out
 
 
-def apply(model, mesh, tp_mesh=None) -> None:
+def apply(model, mesh, tp_mesh=None, experts_mesh=None) -> None:
     """Shard every experts module of ``model`` over the 1-D ``mesh`` (the ``ep`` dimension) in
     place, as torchtitan's expert-parallel style does: each stacked weight a ``DTensor``
     ``Shard(0)`` (the rank's E/EP experts; ``src_data_rank=None``: every rank cuts its own shard,
     no scatter), and the module's forward the all-to-all dispatch of :func:`builtin_forward`.
     With ``tp_mesh`` (``--ep --tp``): each TP rank routes its N/TP of the MoE layer's tokens and
     the layer is laid over the TP group as torchtitan's ``apply_moe_ep_tp`` does
-    (:func:`symcost.frontends.expert_parallel_tp.apply`).
+    (:func:`symcost.frontends.expert_parallel_tp.apply`). With ``experts_mesh``, the 2-D
+    ``(ep, tp)`` mesh (``--etp``, torchtitan's ``ExpertTensorParallel``, docs/parallel.md §14.10):
+    each stacked weight ``[Shard(0), Shard(d)]`` along the experts' hidden width
+    (:func:`hidden_dims`, :func:`shard_hidden`), the tokens not split over TP (every TP rank
+    dispatches all N of its micro-batch over ``mesh``, the EP group of its TP coordinate), the
+    experts' outputs partial sums over TP, reduced at the layer's boundary as under etp = 1.
 
     Raises:
         SymcostError: the model has no experts module symcost can shard (``--ep`` covers the
@@ -250,12 +331,17 @@ def apply(model, mesh, tp_mesh=None) -> None:
         if kind == "hf" and (m.has_bias or not getattr(m, "is_concatenated", True)):
             raise SymcostError(f"--ep: {type(m).__name__} has expert biases or interleaved gate/up weights "
                                "(gpt-oss); their expert-parallel dispatch is not modelled yet")
+        hidden = hidden_dims(m, kind) if experts_mesh is not None else {}
         for pname, p in list(m.named_parameters(recurse=False)):
-            if p.dim() and p.shape[0] == e:  # (every stacked expert tensor: Shard(0))
+            if pname in hidden:  # (--etp: Shard(0) over ep, the hidden width over tp)
+                d = shard_hidden(p, experts_mesh, *hidden[pname])
+                m.register_parameter(pname, torch.nn.Parameter(d, requires_grad=p.requires_grad))
+            elif p.dim() and p.shape[0] == e:  # (every stacked expert tensor: Shard(0))
                 d = distribute_tensor(p.detach(), mesh, [Shard(0)], src_data_rank=None)
                 m.register_parameter(pname, torch.nn.Parameter(d, requires_grad=p.requires_grad))
         object.__setattr__(m, "ep_mesh", mesh)
-        object.__setattr__(m, "tp_mesh", tp_mesh)
+        # (the rank's N/TP tokens under etp = 1; all N under --etp, whose TP ranks split the experts)
+        object.__setattr__(m, "tp_mesh", tp_mesh if experts_mesh is None else None)
         m.forward = types.MethodType(builtin_forward if kind == "builtin" else hf_forward, m)
     if tp_mesh is not None:
         from symcost.frontends import expert_parallel_tp

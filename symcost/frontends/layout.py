@@ -120,6 +120,10 @@ class Layout:
         experts_shard: with ``ep`` under FSDP2, the dimension of the experts' local weights
             ``[E/EP, ...]`` FSDP2 shards over DP (0 or 1; torchtitan's rule at the request's sizes,
             :func:`symcost.frontends.expert_parallel.experts_shard_dim`; None: chosen when traced).
+        etp: with ``ep`` and ``tp``, expert-tensor parallelism of degree TP (torchtitan's
+            ``expert_tensor_parallel_degree`` = ``tensor_parallel_degree``, ``ExpertTensorParallel``;
+            docs/parallel.md §14.10): EP·TP ranks, the experts over the 2-D ``(ep, tp)`` mesh, each
+            rank's E/EP experts split over TP; False: degree 1 (the EP group over the TP ranks, §14.8).
     """
 
     shard: str | None = None
@@ -138,6 +142,7 @@ class Layout:
     ep: bool = False
     offload_activations: bool = False
     experts_shard: int | None = None
+    etp: bool = False
 
     def __post_init__(self):
         from symcost.frontends.parallel import check_shard
@@ -189,6 +194,14 @@ class Layout:
             raise SymcostError("--ep with --tp and " + ("--sp" if self.sp else "--dp") + ": expert parallelism over "
                                "tensor-parallel ranks is modelled without sequence parallelism and data parallelism "
                                "for now (--ep N --tp M [--pp P]; docs/parallel.md §14.8)")
+        object.__setattr__(self, "etp", bool(self.etp))
+        if self.etp and not (self.ep and self.tp):
+            raise SymcostError("--etp M (expert-tensor parallelism) splits the experts of --ep N over the ranks of "
+                               "--tp M: give --ep N --tp M --etp M")
+        if self.etp and (self.sp or self.shard is not None):
+            raise SymcostError("--etp with " + ("--sp" if self.sp else "--dp") + ": expert-tensor parallelism is "
+                               "modelled without sequence and data parallelism for now (--ep N --tp M --etp M "
+                               "[--pp P]; docs/parallel.md §14.10)")
         if self.experts_shard is not None and (not self.ep or self.shard is None or self.experts_shard not in (0, 1)):
             raise SymcostError("experts_shard (0 or 1) is the experts' FSDP2 placement under --ep with --dp")
         if self.ep and self.shard is not None:
@@ -309,6 +322,8 @@ class Layout:
         and their sizes, except with :attr:`ep_tp`, where the EP ranks are the mesh ``(ep_rest, tp)`` =
         (EP/TP, TP) and the ``ep`` group its flattening (torchtitan: ``ep`` innermost in its sparse
         mesh, over the ``dp_shard · tp`` ranks of its dense one)."""
+        if self.etp:  # (expert-tensor parallelism: EP·TP ranks, the (ep, tp) mesh, §14.10)
+            return ("ep", "tp"), (size_of("EP"), size_of("TP"))
         if self.ep_tp:
             ep, tp = size_of("EP"), size_of("TP")
             return ("ep_rest", "tp"), (ep // tp if isinstance(ep, int) else ep / tp, tp)
@@ -322,6 +337,14 @@ class Layout:
         and each 1-D group's label: its symbol, and under HSDP ``"DP"`` for ``dp_shard``,
         ``"DP_replicate"`` for ``dp_replicate``."""
         sub, labels = {}, {}
+        if self.etp:
+            # the TP groups, the EP groups across them (ranks of one TP coordinate), and the 2-D
+            # mesh the experts are sharded over (torchtitan's ep × etp, etp = tp; §14.10)
+            for d, label in (("tp", "TP"), ("ep", "EP")):
+                labels[mesh[d].get_group().group_name] = label
+                sub[label] = mesh[d]
+            sub["EP_TP"] = mesh["ep", "tp"]
+            return sub, labels
         if self.ep_tp:
             # the TP groups, and the EP group over the ranks that hold them (docs/parallel.md §14.8)
             labels[mesh["tp"].get_group().group_name] = "TP"
@@ -393,6 +416,7 @@ class Layout:
                     "cp": f"ring attention, {self.cp_rotate}" if self.cp else None,
                     "pp": self._pp_words() if self.pipeline else None,
                     "ep": ("experts; dense parameters' FSDP over dp_shard × ep" if self.ep_fsdp else
+                           "experts split over tp too (etp = tp)" if self.etp else
                            "experts, over the TP groups' ranks" if self.ep_tp else None)}.get(d)
             parts.append(f"{d} {n}" + (f" ({what})" if what else ""))
         mesh = " × ".join(parts) or "one device"
@@ -439,6 +463,8 @@ class Layout:
             out["ep"] = True
         if self.experts_shard is not None:
             out["experts_shard"] = self.experts_shard
+        if self.etp:
+            out["etp"] = True
         if self.offload_activations:
             out["offload_activations"] = True
         if self.cp:
@@ -456,7 +482,7 @@ class Layout:
                    ac=d.get("ac"), replicate=d.get("replicate"), offload=bool(d.get("offload")),
                    fp8=d.get("fp8"), fp8_all_gather=bool(d.get("fp8_all_gather")), compile=bool(d.get("compile")),
                    ep=bool(d.get("ep")), offload_activations=bool(d.get("offload_activations")),
-                   experts_shard=d.get("experts_shard"),
+                   experts_shard=d.get("experts_shard"), etp=bool(d.get("etp")),
                    cp=bool(d.get("cp")), cp_rotate=d.get("cp_rotate", "allgather"))
 
     def cache_options(self) -> dict:
@@ -483,6 +509,8 @@ class Layout:
             out["ep"] = True
         if self.experts_shard is not None:  # (FSDP2's Shard(0) and Shard(1) of the experts run other copies)
             out["experts_shard"] = self.experts_shard
+        if self.etp:  # (the experts split over TP: other shapes, no token split)
+            out["etp"] = True
         if self.offload_activations:  # (the saved tensors' copies are ops of the step)
             out["offload_activations"] = True
         if self.cp:
@@ -546,7 +574,7 @@ class Layout:
         if self.ep:
             from symcost.frontends.expert_parallel import expert_parallel
 
-            spec = expert_parallel(spec)
+            spec = expert_parallel(spec, etp=self.etp)
         if self.tp:
             from symcost.frontends.tensor_parallel import tensor_parallel
 
@@ -653,7 +681,7 @@ class Layout:
         if self.ep:  # (torchtitan's apply_moe_ep_tp: after the dense TP plan, before AC and FSDP)
             from symcost.frontends.expert_parallel import apply as apply_ep
 
-            apply_ep(model, mesh["EP"], mesh["TP"] if self.tp else None)
+            apply_ep(model, mesh["EP"], mesh["TP"] if self.tp else None, mesh.get("EP_TP") if self.etp else None)
         if self.ac is not None:
             from symcost.frontends.checkpointing import checkpoint_blocks
 
