@@ -66,6 +66,20 @@ def cache_bytes(cache) -> int:
     return total
 
 
+def cache_bytes_of(an, values) -> int:
+    """Bytes of the real cross-attention cache of the first decoder step at ``values``."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    model = an.spec.build(values).float().eval()
+    with torch.no_grad():
+        enc = BaseModelOutput(last_hidden_state=model.get_encoder()(
+            input_ids=torch.randint(0, 9, (values["B"], values["S_enc"]))).last_hidden_state)
+        out = model(encoder_outputs=enc, decoder_input_ids=torch.zeros(values["B"], 1, dtype=torch.long),
+                    use_cache=True)
+    return sum(t.untyped_storage().nbytes() for layer in out.cache.cross_attention_cache.layers
+               for t in (layer.keys, layer.values))
+
+
 def generate_steps(an, values, kv_cache: str = "dynamic"):
     """The real model at ``values`` run as ``generate`` runs it: ``(prefill FLOPs, decode FLOPs, KV
     bytes after the measured step)``: prefill = the encoder + the first decoder step of S tokens;
@@ -125,12 +139,59 @@ def check(model: str, step: str, seed: str, kv_cache: str = "dynamic", sizes: tu
 def test_t5_prefill_and_decode_equal_generate():
     """hf:t5 (relative position bias, D = d_kv apart from M): prefill (encoder + the decoder's start
     token) and one decode step onto T tokens equal FlopCounterMode over generate's calls; the cache
-    holds 2·B·(T + 1)·H·D self- and 2·B·S_enc·H·D cross-attention elements per decoder layer."""
-    check("hf:t5", "prefill", "t5:prefill", sizes=(("S", 1),))
-    an, _ = check("hf:t5", "decode", "t5:decode")
+    holds 2·B·(T + 1)·H·D self- and 2·B·S_enc·H·D cross-attention elements per decoder layer; serve's
+    prefill (B = 1, the start token), cross-attention bytes and serving peak equal the real run's."""
+    pre, _ = check("hf:t5", "prefill", "t5:prefill", sizes=(("S", 1),))
+    an, v = check("hf:t5", "decode", "t5:decode")
     B, T, S_enc, H, D = (symcost.SYMS[s] for s in ("B", "T", "S_enc", "H", "D"))
     L = an.pinned["L"]  # (two stacks: traced unfolded at the config's L)
     assert (an.kv_bytes - 4 * 2 * B * H * D * L * (T + 1 + S_enc)).expand() == 0
+    # serve's request: its prefill is the encoder + the first step of the start token (B = 1), its
+    # cross-attention bytes those of the real cross cache of one sequence
+    from symcost.hardware.devices import get_device
+    from symcost.passes import inference
+
+    sizes = {k: x for k, x in v.items() if k not in ("B", "T")}
+    r = inference.serve(an, pre, get_device("h100"), "1GiB", 9, sizes)
+    full = {**an.spec.defaults, **an.pinned, **sizes, "B": 1, "S": 1}
+    flops, _, _ = generate_steps(pre, {**full, "T": 0})
+    _, _, kv = generate_steps(an, {**full, "T": 8})
+    cross = cache_bytes_of(an, full)
+    assert r["encoder"] == {"S_enc": v["S_enc"], "prompt": 1} and r["prefill"]["flops"] == flops
+    assert (r["kv"]["per_sequence"], r["kv"]["cross_per_sequence"]) == (kv, cross)
+    # serving memory: the decode step's peak (weights, the encoder's output, both caches, the step's
+    # transients) within 0.2% of torch.profiler's on the real step, at op boundaries (equal today:
+    # 17,272 B at the drawn sizes, the encoder's output 448 B of it)
+    full = {**an.spec.defaults, **an.pinned, **v, "B": max(v["B"], 2)}
+    m = decode_peak(an, full)
+    pred = inference.serving_memory(an).peak(**{**v, "B": full["B"]})
+    assert abs(pred - m) <= 0.002 * m, (full, pred, m)
+
+
+def decode_peak(an, values) -> int:
+    """Peak bytes of one real decode step (DynamicCache, fp32) from torch.profiler's allocator events
+    (tests/memory_oracle.py, as tests/test_serve.py measures decoder-only steps): baseline =
+    parameters, buffers, the encoder's output, both caches' tensors before the step and the step's
+    token ids; the step's concatenations allocate the new self-attention tensors and free the old."""
+    from memory_oracle import _levels, _storages, profiled
+    from transformers.modeling_outputs import BaseModelOutput
+
+    torch.manual_seed(0)
+    model = an.spec.build(values).float().eval()
+    B, T, V = values["B"], values["T"], model.config.vocab_size
+    with torch.no_grad(), profiled():
+        h = model.get_encoder()(input_ids=torch.randint(0, V, (B, values["S_enc"]))).last_hidden_state
+        enc = BaseModelOutput(last_hidden_state=h)
+        cache = model(encoder_outputs=enc, decoder_input_ids=torch.randint(0, V, (B, T)), use_cache=True).cache
+    ids = torch.randint(0, V, (B, 1))
+    kv = [t for c in (cache.self_attention_cache, cache.cross_attention_cache) for layer in c.layers
+          for t in (layer.keys, layer.values)]
+    baseline = sum(_storages(list(model.parameters()) + list(model.buffers()) + kv + [ids, h]).values())
+    del kv
+    with torch.no_grad(), profiled() as prof:
+        out = model(encoder_outputs=enc, decoder_input_ids=ids, cache=cache, use_cache=True)
+        del out
+    return baseline + _levels(prof)[1]
 
 
 @pytest.mark.heavy
@@ -156,7 +217,7 @@ def test_decoder_positions_past_the_table_one_line():
     v = {**spec.defaults, "H": 2, "D": 4, "F": 8, "V": 20, "S_enc": 3, "N_mel": 4, "B": 1, "S": 1, "T": 48}
     with torch.device("meta"):
         model = spec.build(v)
-    with pytest.raises(SymcostError, match=r"T \+ S = 49 decoder positions past its learned position table \(48\)"):
+    with pytest.raises(SymcostError, match=r"T \+ S = 49 decoder positions \(serve: --context\) past its learned position table \(48\)"):
         hf_encdec.infer("speech-seq2seq", model.eval(), v, "meta", "decode")
 
 

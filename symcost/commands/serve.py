@@ -54,7 +54,9 @@ def serve(model, sets, config, attention, precision, debug, device_name, devices
     """Largest concurrent batch of MODEL at --context tokens per sequence under --memory, with the
     decode roofline (time per output token, tokens/s) and the prefill's time to first token.
 
-    MODEL: hf:MODEL_TYPE, hf:ORG/NAME or path/config.json (a model with a KV cache). The decode
+    MODEL: hf:MODEL_TYPE, hf:ORG/NAME or path/config.json (a model with a KV cache; an encoder-decoder,
+    T5, BART, Whisper: --context counts decoder tokens, the source is S_enc, its prefill the encoder
+    and the first decoder step, its cache the cross-attention keys and values too). The decode
     step (one new token onto a cache of T = context - 1 tokens) and the prefill (context tokens)
     are traced through the model's own cache class; --precision defaults to the weights in bf16
     (bf16-true). --kv-dtype models the cache in another dtype (labelled "modelled"). Exit status 3
@@ -92,14 +94,17 @@ def serve(model, sets, config, attention, precision, debug, device_name, devices
     dec, sizes = trace_model(model, sets, config, attention, precision, step="decode", kv_cache=kv_cache,
                              extra_sizes={"T": context - 1})
     pre = whole = None
+    # a request's first step: a decoder-only model's prompt of --context tokens; an encoder-decoder's
+    # encoder over S_enc and its first decoder step over the start token (symcost.frontends.hf_encdec)
+    first = inference.ENCDEC_PROMPT if inference.encoder_decoder(dec) else context
     if not no_prefill:
         pre, _ = trace_model(model, sets, config, attention, precision, step="prefill", kv_cache=kv_cache,
-                             extra_sizes={"S": context})
+                             extra_sizes={"S": first})
         if ctx.meta.get("symcost.tp"):  # the whole model's prefill FLOPs: the prefill on one device
             tp_n = ctx.meta.pop("symcost.tp")
             try:
                 whole, _ = trace_model(model, sets, config, attention, precision, step="prefill",
-                                       kv_cache=kv_cache, extra_sizes={"S": context})
+                                       kv_cache=kv_cache, extra_sizes={"S": first})
             finally:
                 ctx.meta["symcost.tp"] = tp_n
     sizes = {k: v for k, v in sizes.items() if k not in ("T", "S")}

@@ -87,13 +87,14 @@ def make_cache(model, kv_cache: str, self_len: int, cross_len: int):
     raise SymcostError(f"unknown KV cache {kv_cache!r}; accepted: dynamic, static")
 
 
-def encoder_inputs(task: str, values: Mapping[str, int], device) -> dict:
+def encoder_inputs(task: str, values: Mapping[str, int], device, dtype=torch.float32) -> dict:
     """The encoder's input of one request batch: ``input_ids [B, S_enc]`` int64 in ``[0, V)``
-    (``seq2seq``), ``input_features [B, N_mel, 2·S_enc]`` float32 (``speech-seq2seq``: Whisper's
-    conv stem halves the frames to S_enc positions)."""
+    (``seq2seq``), ``input_features [B, N_mel, 2·S_enc]`` in ``dtype``, the weights' (``speech-seq2seq``:
+    Whisper's conv stem halves the frames to S_enc positions; a bf16 model is fed bf16 features, as
+    transformers' Whisper examples cast them)."""
     i = lambda k: operator.index(values[k])  # noqa: E731
     if task == "speech-seq2seq":
-        return {"input_features": torch.randn(i("B"), i("N_mel"), 2 * i("S_enc"), device=device)}
+        return {"input_features": torch.randn(i("B"), i("N_mel"), 2 * i("S_enc"), device=device, dtype=dtype)}
     return {"input_ids": torch.randint(0, i("V"), (i("B"), i("S_enc")), dtype=torch.long, device=device)}
 
 
@@ -144,14 +145,14 @@ def infer(task: str, model, values: Mapping[str, int], device, step: str, kv_cac
     T = operator.index(values.get("T", 0)) if step == "decode" else 0
     top = max_target(model)
     if top is not None and T + S > top:
-        raise SymcostError(f"{type(model).__name__}: T + S = {T + S} decoder positions past its learned position "
+        raise SymcostError(f"{type(model).__name__}: T + S = {T + S} decoder positions (serve: --context) past its learned position "
                            f"table ({top}); raise it with --config (max_target_positions / max_position_embeddings)")
     V = operator.index(values["V"]) if "V" in values else model.config.vocab_size
     cache = make_cache(model, kv_cache, T + S, operator.index(values["S_enc"]))
     params = inspect.signature(model.forward).parameters
     key = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
     extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-    enc = encoder_inputs(task, values, device)
+    enc = encoder_inputs(task, values, device, next(model.parameters()).dtype)
     if T:
         ids = torch.randint(0, V, (B, T), dtype=torch.long, device=device)
         out = model(**enc, decoder_input_ids=ids, use_cache=True, **{key: cache}, **extra)

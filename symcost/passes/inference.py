@@ -205,6 +205,18 @@ def _scaled(x, kv: KVDtype | None):
     return int(v) if v.denominator == 1 else float(v)
 
 
+def encoder_decoder(an) -> bool:
+    """Whether ``an`` is an inference step of an encoder-decoder (``hf:`` T5, BART, Whisper:
+    :mod:`symcost.frontends.hf_encdec`): its prefill is the encoder over S_enc positions and the
+    first decoder step, and its KV cache holds the cross-attention keys and values too."""
+    return (getattr(an.spec, "extra", {}) or {}).get("task") in ("seq2seq", "speech-seq2seq")
+
+
+#: The decoder tokens of an encoder-decoder's first step (``generate``'s ``decoder_input_ids``: the
+#: decoder start token; Whisper's forced task tokens would be a few more).
+ENCDEC_PROMPT = 1
+
+
 def _check(an, step: str) -> None:
     if getattr(an, "step", "train") != step:
         raise SymcostError(f"{an.model}: this analysis is of a {getattr(an, 'step', 'train')} step, not {step} "
@@ -288,6 +300,11 @@ def kv_cache(an, sizes: Mapping[str, int] | None = None, kv: KVDtype | None = No
     if "T" in an.symbols:
         Bs = SYMS["B"] if "B" in an.symbols else sympy.Integer(B)
         out["per_token_formula"] = str(sympy.factor_terms(sympy.cancel(sympy.diff(kvb, SYMS["T"]) / Bs)))
+        if encoder_decoder(an):
+            # the cross-attention keys and values over the S_enc source positions: the bytes that do
+            # not grow with the decoder's tokens, the traced total at T + S = 0 (one sequence)
+            S = int(an.pinned["S"]) if "S" in an.pinned else env[SYMS["S"]]
+            out["cross_per_sequence"] = _scaled(_num(an.kv_bytes, {**env, SYMS["B"]: 1, SYMS["T"]: -S}), kv)
     return out
 
 
@@ -494,6 +511,9 @@ def serve(decode_an, prefill_an, device: Device, cap: int | str, context: int,
     T = context - int(decode_an.pinned.get("S", 1))
     at = {**{k: v for k, v in sizes.items() if k in decode_an.symbols}, "T": T}
     out: dict[str, Any] = {"context": context, "batch": sol.value, "kv_cache": decode_an.kv_cache, "kv_dtype": kv}
+    if encoder_decoder(decode_an):
+        env = {str(k): int(v) for k, v in decode_an.bind(**at).items()}
+        out["encoder"] = {"S_enc": env.get("S_enc", int(decode_an.pinned.get("S_enc", 0))), "prompt": ENCDEC_PROMPT}
     mem = {"cap": capb, "at": sol.memory_at, "next": sol.memory_next, "checked": sol.checked,
            "inequality": sol.inequality, "bound": None if sol.bound is None else str(sol.bound),
            "limited_by": sol.limited_by}
@@ -518,7 +538,10 @@ def serve(decode_an, prefill_an, device: Device, cap: int | str, context: int,
                      "replicated": _replicated(decode_an, {**at, "B": b})}
     if prefill_an is not None:
         pre = {k: v for k, v in sizes.items() if k in prefill_an.symbols}
-        pre.update({k: v for k, v in (("B", 1), ("S", context)) if k in prefill_an.symbols})
+        # one request: a decoder-only model's prompt of context tokens; an encoder-decoder's encoder
+        # over S_enc source positions and its first decoder step over the start token
+        first = ENCDEC_PROMPT if encoder_decoder(prefill_an) else context
+        pre.update({k: v for k, v in (("B", 1), ("S", first)) if k in prefill_an.symbols})
         out["prefill"] = prefill(prefill_an, device, pre, whole=prefill_whole)
     out["predicted"] = predicted(decode_an, prefill_an, device, {**at, "B": b}, pre if prefill_an is not None else None,
                                  out, kv)

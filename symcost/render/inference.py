@@ -20,7 +20,10 @@ def to_json(model: str, precision: str, dev, r: dict) -> dict:
     the cache's bytes are scaled from the traced ones rather than traced, ``scale``), ``max_batch``,
     ``memory`` (``cap``, ``at_max`` = M(max_batch), ``at_next`` = M(max_batch + 1), ``check``,
     ``components`` at max_batch: params, buffers, inputs, kv_cache, workspace, peak),
-    ``kv`` (``per_token``, ``per_sequence``, ``total``, formulas), ``seconds_per_token`` and
+    ``kv`` (``per_token``, ``per_sequence``, ``total``, formulas; an encoder-decoder's
+    ``cross_per_sequence``: its cross-attention keys and values, bytes), ``encoder`` (an
+    encoder-decoder only: ``S_enc`` source positions, ``prompt`` = the first decoder step's
+    tokens; its prefill is the encoder and that step), ``seconds_per_token`` and
     ``tokens_per_second`` (at max_batch), ``decode`` and ``decode_batch_1`` (the decode
     roofline: per-op sum, aggregate bound, crossing batch, ``model_flops`` of the step),
     ``prefill_seconds`` (time to first token bound of one sequence of ``context`` tokens) and ``prefill`` (``seconds``, ``sizes``,
@@ -41,10 +44,12 @@ def to_json(model: str, precision: str, dev, r: dict) -> dict:
                    "check": r["memory"]["checked"], "components": r["memory"]["components"],
                    "peak_where": r["memory"]["peak_where"], "inequality": r["memory"]["inequality"]},
         "kv": {k: r["kv"][k] for k in ("per_token", "per_sequence", "total", "tokens", "formula", "per_token_formula",
-                                        "layers") if k in r["kv"]},
+                                        "cross_per_sequence", "layers") if k in r["kv"]},
         "seconds_per_token": d["seconds_per_token"], "tokens_per_second": d["tokens_per_second"],
         "decode": _decode_json(d), "decode_batch_1": _decode_json(r["decode_batch_1"]),
     }
+    if "encoder" in r:  # (an encoder-decoder: S_enc source positions, the decoder's first-step tokens)
+        out["encoder"] = r["encoder"]
     if r["memory"].get("reason"):
         out["memory"]["reason"] = r["memory"]["reason"]
     if r["memory"].get("limited_by"):
@@ -88,8 +93,17 @@ def render_text(c, model: str, precision: str, dev, r: dict) -> None:
             f"(transformers' {'StaticCache' if r['kv_cache'] == 'static' else 'DynamicCache'}); memory cap "
             f"{human(mem['cap'], 'B')}")
     kd = r["kv_dtype"]
-    c.print(f"KV cache: {kv['per_token']:,} bytes per token ({kv.get('per_token_formula', '-')}), "
-            f"{human(kv['per_sequence'], 'B')} per sequence of {kv['tokens']} tokens")
+    if "encoder" in r:
+        e = r["encoder"]
+        c.print(f"encoder-decoder: the encoder runs once per request over S_enc = {e['S_enc']} source positions; "
+                "each decoder step reads the cross-attention keys and values (computed by the first step) and "
+                "its own KV cache")
+        c.print(f"KV cache: {human(kv['per_sequence'], 'B')} per sequence of {kv['tokens']} decoder tokens = "
+                f"{human(kv.get('cross_per_sequence', 0), 'B')} cross-attention (S_enc = {e['S_enc']}) + "
+                f"{kv.get('per_token_formula', '-')} bytes per decoder token")
+    else:
+        c.print(f"KV cache: {kv['per_token']:,} bytes per token ({kv.get('per_token_formula', '-')}), "
+                f"{human(kv['per_sequence'], 'B')} per sequence of {kv['tokens']} tokens")
     if kd.modelled:
         c.print(f"  KV dtype {kd.name} ({kd.dtype}): [bold]modelled[/bold] from the traced {kd.traced} cache, its bytes "
                 f"× {kd.scale} (memory, KV sizes, decode bytes; quantisation scales not counted)")
@@ -108,7 +122,8 @@ def render_text(c, model: str, precision: str, dev, r: dict) -> None:
     t.add_column("component")
     t.add_column("bytes", justify="right", no_wrap=True)
     t.add_column("", justify="right", no_wrap=True)
-    names = {"params": "weights", "buffers": "buffers", "inputs": "inputs (token ids)", "kv_cache": "KV cache",
+    inputs = "inputs (token ids; the encoder's output)" if "encoder" in r else "inputs (token ids)"
+    names = {"params": "weights", "buffers": "buffers", "inputs": inputs, "kv_cache": "KV cache",
              "workspace": "workspace (the step's largest transient set)", "peak": "peak"}
     for k, label in names.items():
         v = mem["components"][k]
@@ -144,7 +159,9 @@ def render_text(c, model: str, precision: str, dev, r: dict) -> None:
         c.print("left whole on every rank (the plan does not split them): " + "; ".join(parts) + more)
     if "prefill" in r:
         p = r["prefill"]
-        c.print(f"prefill, time to first token bound (1 sequence of {r['context']} tokens): "
+        what = (f"the encoder over {r['encoder']['S_enc']} positions + the first decoder step of "
+                f"{r['encoder']['prompt']} token" if "encoder" in r else f"1 sequence of {r['context']} tokens")
+        c.print(f"prefill, time to first token bound ({what}): "
                 f"{_fmt_s(p['seconds'])}; model FLOPs {p['flops']:,}"
                 + (f" per rank, {p['flops_model']:,} the whole model" if "flops_model" in p else ""))
     pr = r.get("predicted")
