@@ -469,7 +469,7 @@ def test_six_n_p_of_one_rank():
 
 @pytest.mark.parametrize("args,msg", [
     (["time", "megatron-gpt", "--tp", "2", "--device", "h100", "--tokens", "1e9", "--mfu", "0.45"],
-     "--tp is answered by `symcost report` and `max-batch` only"),
+     "time --tp needs --gpu NAME"),
     (["max-batch", "megatron-gpt", "--tp", "2", "--memory", "80GiB", "--checkpoint", "every-layer"],
      "--checkpoint is not modelled with --tp yet"),
     (["max-batch", "megatron-gpt", "--tp", "2", "--global-batch", "64", "--devices", "8"],

@@ -307,9 +307,12 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
         meta["symcost.gpu"] = alias
     dp, shard, tp, pp = (meta.get(f"symcost.{k}") for k in ("dp", "shard", "tp", "pp"))
     command = ctx.command.name if ctx is not None and ctx.command is not None else None
-    if command not in (None, "report", "max-batch"):
-        # (serve --tp: one rank of the inference steps; serve has no --sp)
+    if command not in (None, "report", "max-batch") and not (command == "time" and meta.get("symcost.gpu")):
+        # (serve --tp: one rank of the inference steps; serve has no --sp; time --tp --gpu prices the step)
         for key, flag in ((("symcost.tp", "--tp"),) if command != "serve" else ()) + (("symcost.sp", "--sp"),):
+            if meta.get(key) and command == "time":
+                raise SymcostError(f"time {flag} needs --gpu NAME: the step of a tensor-parallel rank is priced per "
+                                   "process group over the device's links (docs/performance-model.md)")
             if meta.get(key):
                 raise SymcostError(f"{flag} is answered by `symcost report` and `max-batch` only for now: {command} "
                                    "with tensor parallelism (its step time, run time) is not modelled yet "
@@ -326,11 +329,14 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
             if meta.get(key) is not None:
                 raise SymcostError(f"{flag} needs --pp N (the pipeline-parallel size)")
     if dp is None and not (pp is not None and pipeline):  # (the pipeline prices its own step)
+        # (report and time price a --tp, --ep or --cp rank's step per process group without --dp)
+        ranked = any(meta.get(f"symcost.{k}") is not None for k in ("tp", "ep", "cp")) and command in (
+            None, "report", "time")
         for key, flag in (("symcost.gpu", "--gpu" if alias is None else "--device"), ("symcost.nodes", "--nodes"),
                           ("symcost.devices_per_node", "--devices-per-node"), ("symcost.fsdp_mp", "--fsdp-mp")):
-            if meta.get(key) is not None and not (meta.get("symcost.cp") is not None and key != "symcost.fsdp_mp"
-                                                  and command in (None, "report")):
-                raise SymcostError(f"{flag} needs --dp N (the data-parallel size)")  # (report --cp prices its ring)
+            if meta.get(key) is not None and not (ranked and key != "symcost.fsdp_mp"):
+                raise SymcostError(f"{flag} needs --dp N (the data-parallel size)" + (
+                    "" if key == "symcost.fsdp_mp" else ", or --tp, --ep or --cp N on report and time"))
     replicate = meta.get("symcost.dp_replicate")
     if replicate is not None:
         if dp is None:
@@ -372,11 +378,6 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
              if v is not None}
     if meta.get("symcost.cp_rotate") is not None and meta.get("symcost.cp") is None:
         raise SymcostError("--cp-rotate needs --cp N (the context-parallel size)")
-    if meta.get("symcost.cp") is not None and tp is not None and dp is None and meta.get("symcost.gpu"):
-        raise SymcostError("--gpu with --cp and --tp without --dp: the step time of a context-parallel rank over "
-                           "tensor-parallel ranks alone is not modelled yet (with --dp N --shard fsdp it is, per "
-                           "process group); report --cp --tp answers its FLOPs, bytes per group and peak "
-                           "(docs/parallel.md §15)")
     if meta.get("symcost.cp") is not None:  # (context parallelism: symcost.frontends.context_parallel)
         import dataclasses
 

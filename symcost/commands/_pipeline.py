@@ -338,3 +338,50 @@ def _alternatives(at1, cap, optimizer, layout, sizes, pp, spec, peak) -> list[tu
         out.append((f"--pp {2 * pp}", None, None, f"half the blocks per rank (L = {L}; not run here)"))
     out.append((f"--memory {at1[0]}B or more", at1[0], True, "the cap at the most loaded rank's peak at B = 1"))
     return out
+
+
+def predicted_pipeline(req, model, sets, config, attention, precision, device, optimizer: str = "adamw") -> dict:
+    """The pipeline step of ``report --pp ... --gpu`` for ``time --pp`` and ``mfu --pp``: the same
+    :func:`symcost.passes.pipeline.summary` (stage traces, PyTorch's schedule, the bound's
+    ``step`` and its ``step["predicted"]``, docs/performance-model.md "A pipeline rank") on
+    ``device`` (a :class:`~symcost.hardware.devices.Device` with an interconnect), and what a run
+    of it is made of.
+
+    Returns:
+        ``{"spec", "summary" (summary's dict), "step" (the bound's), "predicted" (the
+        prediction's), "microbatches" m, "B", "S", "precision" and "peak_flops" (the device's
+        peak for the dtype the stages' matmuls ran in), "ranks" (PP × the stage's mesh: DP·TP, DP·EP
+        under --ep, EP under --ep --tp), "replicas" (pipelines with their own micro-batches: DP,
+        DP·EP under --ep, DP·EP/TP under --ep --tp), "tokens_per_step" (B·S·m·replicas),
+        "flops_per_token" (model FLOPs of one optimizer step on all ranks / its tokens)}``.
+
+    Raises:
+        SymcostError: as ``report --pp``; a device without an interconnect.
+    """
+    from symcost.passes.pipeline import summary, trace_stages
+    from symcost.passes.roofline import training_precision
+
+    pp, schedule, m, v, _, per_node, layout, mesh = req
+    spec, sizes, cache = _request(model, sets, config, attention, mesh, precision)
+    # (as report --pp: the stage traces once, summary reads them back)
+    _, ans = trace_stages(spec, pp, v, precision, sizes, cache, layout.inner, layout.pipeline.split)
+    meta = click.get_current_context().find_root().meta
+    r = summary(spec, pp, schedule, m, v, precision, sizes, optimizer, device=device, devices_per_node=per_node,
+                cache=cache, inner=layout.inner, split=layout.pipeline.split,
+                mode="compiled" if meta.get("symcost.compile") else "eager",
+                overlap=meta.get("symcost.overlap") or "backward")
+    values = spec.values(dict(sizes))
+    dp, tp, ep = (int(mesh.get(k, 1)) for k in ("DP", "TP", "EP"))
+    # (--ep --tp: the EP ranks hold the TP groups, §14.8; with --etp the (ep, tp) mesh: EP·TP ranks)
+    stage = dp * (ep * (tp if layout.etp else 1) if layout.ep else tp)
+    replicas = dp * ((ep // tp if layout.tp and not layout.etp else ep) if layout.ep else 1)
+    B, S = int(values["B"]), int(values["S"])
+    pr = r["step"]["predicted"]
+    # the pipeline's model FLOPs per step are its PP ranks' (pr["model_flops"]); every rank of a
+    # stage's mesh runs its own share
+    total = pr["model_flops"] * stage
+    key = training_precision(ans["first"])  # (the peak predict_price divides by)
+    return {"spec": spec, "summary": r, "step": r["step"], "predicted": pr, "microbatches": m, "B": B, "S": S,
+            "precision": key, "peak_flops": device.peak_for(key)[0],
+            "ranks": pp * stage, "replicas": replicas, "tokens_per_step": B * S * m * replicas,
+            "flops_per_token": total / (B * S * m * replicas)}

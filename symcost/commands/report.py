@@ -81,6 +81,9 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
 
             cp = cp_summary(an, sizes if sizes else None)
             res.update(rcp.to_json(cp))
+        priced = _priced_step(an, sizes)  # --gpu: the step per process group and its prediction
+        if priced is not None:
+            res["parallel"]["step"] = {**priced[0], "predicted": priced[1]}
         if as_json:
             click.echo(json.dumps(_activations(an, sizes, res), indent=1))
         else:
@@ -89,6 +92,8 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
             _activations(an, sizes)
             if cp is not None:
                 rcp.render(cp)
+            if priced is not None:
+                _render_priced(*priced)
             _flag(rep.over_cap(peak, cap, "the rank"))
             _flag(_seconds(t0, t1))
         return
@@ -158,6 +163,7 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
 
             cp["step"] = cp_step_time(an, get_device(meta["symcost.gpu"]), sizes, meta.get("symcost.nodes"),
                                       meta.get("symcost.devices_per_node"))
+            cp["step"]["predicted"] = _priced_step(an, sizes)[1]
     if as_json:
         res = rep.to_json(an, sizes if sizes else None, memory=mem)
         if cp is not None:
@@ -168,6 +174,44 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
         _activations(an, sizes)
         if cp is not None:
             rcp.render(cp)
+
+
+def _priced_step(an, sizes):
+    """``(bound, predicted)`` of a ``--tp``/``--ep``/``--cp`` rank (their pairs too) without ``--dp``
+    under ``--gpu``: :func:`symcost.passes.parallel.step_time` and
+    :func:`symcost.passes.performance.predict_dp`, each process group over its own link as
+    torchtitan's mesh places it (docs/performance-model.md); None without ``--gpu``."""
+    meta = click.get_current_context().find_root().meta
+    if not meta.get("symcost.gpu"):
+        return None
+    from symcost.hardware.devices import get_device
+    from symcost.passes.parallel import step_time
+    from symcost.passes.performance import predict_dp
+
+    dev = get_device(meta["symcost.gpu"])
+    args = (an, dev, sizes, meta.get("symcost.overlap", "backward"), meta.get("symcost.nodes"),
+            meta.get("symcost.devices_per_node"))
+    return step_time(*args), predict_dp(*args, mode="compiled" if meta.get("symcost.compile") else "eager")
+
+
+def _render_priced(step, predicted) -> None:
+    """The text lines of :func:`_priced_step`: the bound's compute and each group's exposed time,
+    then the prediction."""
+    from symcost.render.report import console, human
+
+    c = console()
+    groups = ", ".join(f"{g} {human(sum(d['bytes'].values()), 'B')} over {d['link']} ({d['ranks']} ranks)"
+                       for g, d in step["groups"].items())
+    ring = (f"; CP ring {human(sum(step['cp']['bytes'].values()), 'B')} over {step['cp']['link']}, "
+            f"{sum(step['cp']['exposed'].values()) * 1e3:.4g} ms exposed") if "cp" in step else ""
+    c.print(f"step per rank on the device (roofline bound, {step['ranks']} ranks on {step['nodes']} node(s)): "
+            f"{step['step_seconds'] * 1e3:.4g} ms = compute {step['compute']['forward'] * 1e3:.4g} + "
+            f"{step['compute']['backward'] * 1e3:.4g} ms + {step['exposed_comm_seconds'] * 1e3:.4g} ms exposed "
+            f"communication ({groups or 'no collectives'}{ring}); MFU {100 * step['mfu']:.1f}%")
+    c.print(f"predicted step (performance model, {predicted['mode']}): {predicted['step_seconds'] * 1e3:.4g} ms, "
+            f"MFU {100 * predicted['mfu_predicted']:.1f}% ({predicted['collectives']} collectives' latency "
+            f"{predicted['latency_seconds'] * 1e3:.3g} ms, {predicted['exposed_comm_seconds'] * 1e3:.4g} ms exposed"
+            f"{'' if predicted['calibrated'] else '; efficiency parameters defaulted'})")
 
 
 def _rank_section(an):

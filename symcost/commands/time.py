@@ -7,6 +7,7 @@ import click
 
 from ._device import device_options, resolve_device
 from ._options import common, every_layer_trace, parallel_options, parallel_request, trace_model
+from ._pipeline import pipeline_options, pipeline_request
 
 
 @click.command(name="time")
@@ -28,6 +29,7 @@ from ._options import common, every_layer_trace, parallel_options, parallel_requ
               help="with --dp: gradient-accumulation micro-steps per optimizer step (global batch = B x K x DP)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @parallel_options
+@pipeline_options
 def time_(model, sets, config, attention, precision, debug, device_name, devices_file, peak_flops, bandwidth,
           tokens, n_devices, mfu_text, hfu_text, recompute, accumulate, as_json):
     """Days and device-hours to train MODEL on --tokens, from the traced step's exact FLOPs and
@@ -38,9 +40,14 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
     the other is derived and both are printed. MODEL is counted at its own default sizes unless
     --set gives others; the sizes used are printed.
 
+    With --pp N [--schedule ... --microbatches m] --gpu NAME (and --dp, --tp, --ep): the run from
+    the pipeline step report --pp --gpu predicts (PyTorch's schedule over the stages' predicted
+    times), m micro-batches of B sequences per step and pipeline.
+
     With --dp N [--shard S] --gpu NAME: the whole run on N data-parallel ranks from one rank's
     step time (roofline compute + the communication --overlap leaves exposed, over the device's
-    interconnect; docs/parallel.md), its MFU derived, not given.
+    interconnect; docs/parallel.md), its MFU derived, not given. The same with --tp, --ep, --cp
+    (alone, paired, or with --dp) and --gpu: each process group over its own link.
     """
     from symcost.passes import roofline as rl
     from symcost.errors import SymcostError
@@ -49,8 +56,14 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
 
     n_tokens = rl.parse_count(tokens, "--tokens")
     ctx = click.get_current_context()
+    pipe = pipeline_request(ctx)
+    if pipe is not None:  # --pp: report --pp --gpu's predicted pipeline step
+        return _time_pp(pipe, model, sets, config, attention, precision, device_name, devices_file, peak_flops,
+                        bandwidth, n_tokens, n_devices, mfu_text, hfu_text, recompute, accumulate, as_json)
     dp, shard = parallel_request(ctx)
-    if dp is not None:
+    meta = ctx.find_root().meta
+    ranked = meta.get("symcost.gpu") and any(meta.get(f"symcost.{k}") is not None for k in ("tp", "ep", "cp"))
+    if dp is not None or ranked:  # (a --tp/--ep/--cp rank without --dp: priced per process group too)
         return _time_dp(model, sets, config, attention, precision, device_name, devices_file, peak_flops,
                         bandwidth, n_tokens, n_devices, mfu_text, hfu_text, recompute, accumulate, as_json, dp, shard)
     if accumulate != 1:
@@ -148,18 +161,22 @@ def _time_dp(model, sets, config, attention, precision, device_name, devices_fil
         raise SymcostError(f"--gpu {gpu} and --device {device_name} name two devices; give one")
     if not (gpu or device_name):
         raise SymcostError("time --dp needs the device its ranks run on: --gpu NAME (e.g. --gpu h100-sxm)")
+    flag = "--dp" if dp is not None else "--gpu"
     if mfu_text is not None or hfu_text is not None:
-        raise SymcostError("with --dp the step time, hence the MFU, comes from the roofline and the interconnect "
+        raise SymcostError(f"with {flag} the step time, hence the MFU, comes from the roofline and the interconnect "
                            "(docs/parallel.md); leave out --mfu/--hfu")
     if recompute != "none":
         raise SymcostError("--recompute applies to --hfu on one device; with --dp trace the recomputation itself "
                            "(e.g. symcost checkpoint) ")
-    if n_devices not in (1, dp):
+    if dp is not None and n_devices not in (1, dp):
         raise SymcostError(f"--devices {n_devices} and --dp {dp} disagree: with --dp the devices are the DP ranks")
     dev = resolve_device(gpu or device_name, devices_file, peak_flops, bandwidth)
     an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
     out = train_time_dp(an, dev, sizes, n_tokens, accumulate, meta.get("symcost.overlap", "backward"),
                         meta.get("symcost.nodes"), meta.get("symcost.devices_per_node"))
+    if dp is None and n_devices not in (1, out["ranks"]):
+        raise SymcostError(f"--devices {n_devices} and the mesh's {out['ranks']} ranks disagree: the devices are "
+                           "the mesh's ranks")
     out = {"model": an.model, "device": dev.to_json(), "shard": shard, **out}
     from symcost.passes.performance import predict_dp
 
@@ -174,10 +191,14 @@ def _time_dp(model, sets, config, attention, precision, device_name, devices_fil
     st = out["step"]
     c = console()
     mesh = "" if out["ranks"] == out["dp"] else f" ({out['ranks']} ranks)"
-    c.print(f"[bold]symcost time[/bold]: {an.model}, {n_tokens:.4g} tokens on DP = {out['dp']}{mesh} x {dev.name} "
-            f"(--shard {shard}; {out['precision']} peak {out['peak_flops'] / 1e12:.4g} TFLOP/s per device)")
+    from symcost.frontends.layout import layout_of
+
+    where = f"DP = {out['dp']}{mesh}" if dp is not None else f"{out['ranks']} ranks ({layout_of(an).describe(sizes)})"
+    c.print(f"[bold]symcost time[/bold]: {an.model}, {n_tokens:.4g} tokens on {where} x {dev.name} "
+            f"({'--shard ' + shard + '; ' if shard else ''}{out['precision']} peak {out['peak_flops'] / 1e12:.4g} "
+            "TFLOP/s per device)")
     reps = out["global_batch"] // (out["micro_batch"] * out["accumulation"])
-    c.print(f"global batch = B x K x {'DP' if reps == out['dp'] else 'DP·EP'} = {out['micro_batch']} x "
+    c.print(f"global batch = B x K x {'DP' if reps == out['dp'] else 'replicas'} = {out['micro_batch']} x "
             f"{out['accumulation']} x {reps} = "
             f"{out['global_batch']} sequences of S = {out['sizes']['S']} tokens ({out['tokens_per_step']} tokens "
             f"per optimizer step; {out['steps']:.6g} steps)")
@@ -195,3 +216,63 @@ def _time_dp(model, sets, config, attention, precision, device_name, devices_fil
             f"{pd['exposed_comm_seconds'] * 1e3:.4g} ms exposed), MFU {100 * pd['mfu_predicted']:.1f}%: "
             f"{out['predicted']['time.days']:.4g} days; the figures above are the roofline bound"
             f"{'' if pd['calibrated'] else ' (efficiency parameters defaulted: calibrate the device)'}")
+
+
+def _time_pp(pipe, model, sets, config, attention, precision, device_name, devices_file, peak_flops, bandwidth,
+             n_tokens, n_devices, mfu_text, hfu_text, recompute, accumulate, as_json):
+    """``time --pp``: the run's time from the pipeline step ``report --pp --gpu`` predicts
+    (:func:`symcost.commands._pipeline.predicted_pipeline`): tokens / (B·S·m·replicas) optimizer
+    steps, each the predicted step (and the bound's beside it); one JSON object or text."""
+    from fractions import Fraction
+
+    from symcost.errors import SymcostError
+    from symcost.render.report import console
+
+    from ._pipeline import predicted_pipeline
+
+    gpu = pipe[4]
+    if gpu and device_name and gpu != device_name:
+        raise SymcostError(f"--gpu {gpu} and --device {device_name} name two devices; give one")
+    if not (gpu or device_name):
+        raise SymcostError("time --pp needs the device its ranks run on: --gpu NAME (e.g. --gpu h100-sxm)")
+    if mfu_text is not None or hfu_text is not None:
+        raise SymcostError("with --pp the step time, hence the MFU, is predicted (report --pp --gpu's pipeline step, "
+                           "docs/performance-model.md); leave out --mfu/--hfu")
+    if recompute != "none" or accumulate != 1:
+        raise SymcostError("--recompute and --accumulate do not apply with --pp: give --ac for recomputation and "
+                           "--microbatches for the micro-batches of a step")
+    dev = resolve_device(gpu or device_name, devices_file, peak_flops, bandwidth)
+    p = predicted_pipeline(pipe, model, sets, config, attention, precision, dev)
+    if n_devices not in (1, p["ranks"]):
+        raise SymcostError(f"--devices {n_devices} and the mesh's {p['ranks']} ranks disagree: with --pp the devices "
+                           "are the mesh's ranks")
+    steps = Fraction(n_tokens, p["tokens_per_step"])
+    pr, st = p["predicted"], p["step"]
+    seconds, bound = float(steps) * pr["step_seconds"], float(steps) * st["step_seconds"]
+    pp, schedule, m = pipe[0], pipe[1], pipe[2]
+    out = {"model": p["spec"].name, "device": dev.to_json(), "precision": p["precision"], "peak_flops": p["peak_flops"],
+           "pp": pp, "schedule": schedule, "microbatches": m,
+           "ranks": p["ranks"], "micro_batch": p["B"], "replicas": p["replicas"],
+           "global_batch": p["B"] * m * p["replicas"], "tokens": n_tokens, "tokens_per_step": p["tokens_per_step"],
+           "steps": float(steps), "flops.per_token": p["flops_per_token"],
+           "compute.total": p["flops_per_token"] * n_tokens,
+           "time.seconds": seconds, "time.days": seconds / 86400, "time.device_hours": seconds * p["ranks"] / 3600,
+           "mfu": pr["mfu_predicted"],
+           "predicted": {k: pr[k] for k in ("step_seconds", "mode", "overlap", "bubble", "model_flops", "mfu_predicted",
+                                            "calibrated", "defaulted")},
+           "bound": {"step_seconds": st["step_seconds"], "mfu": st["mfu"], "time.seconds": bound}}
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return
+    c = console()
+    c.print(f"[bold]symcost time[/bold]: {out['model']}, {n_tokens:.4g} tokens on {p['ranks']} x {dev.name} "
+            f"(--pp {pp}, {schedule}, {m} micro-batches of B = {p['B']} per step and pipeline, {p['replicas']} "
+            f"pipeline(s) with their own micro-batches)")
+    c.print(f"global batch {out['global_batch']} sequences of S = {p['S']} ({out['tokens_per_step']} tokens per "
+            f"optimizer step; {out['steps']:.6g} steps); model FLOPs per token {out['flops.per_token']:.6g}")
+    c.print(f"predicted (performance model, {pr['mode']}; report --pp --gpu's step): step "
+            f"{pr['step_seconds'] * 1e3:.4g} ms, MFU {100 * pr['mfu_predicted']:.1f}%: {out['time.days']:.4g} days, "
+            f"{out['time.device_hours']:.4g} device-hours"
+            f"{'' if pr['calibrated'] else ' (efficiency parameters defaulted: calibrate the device)'}")
+    c.print(f"roofline bound: step {st['step_seconds'] * 1e3:.4g} ms, MFU {100 * st['mfu']:.1f}%: "
+            f"{bound / 86400:.4g} days")

@@ -74,7 +74,7 @@ def padded(an, env: Mapping) -> dict[str, Any]:
         return _padded_ep(an, env)
     dp = shard_degree(an, env.get(SYMS["DP"], an.pinned.get("DP", 1)))
     comm = {k: sympy.Integer(0) for k in COMM_KINDS if k != "broadcast"}
-    if SHARDS[an.parallel][0] != "fully_shard":  # (replicate pads nothing)
+    if SHARDS.get(an.parallel, ("none",))[0] != "fully_shard":  # (replicate, or no DP engine: nothing padded)
         for k in comm:
             comm[k] = sympy.sympify(an.comm_bytes(k)).xreplace(env)
         return {"params_shard": sympy.sympify(an.params_shard).xreplace(env), "comm": comm,
@@ -381,10 +381,15 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
     (a ring over nodes passes every node boundary through one NIC per device; nccl-tests' bus
     bandwidth is measured against exactly this figure).
 
+    Without ``--dp`` (``--tp``, ``--ep``, ``--cp`` and their pairs ``--ep --tp``, ``--cp --tp``) the
+    same per process group with no data-parallel group: the mesh is torchtitan's (``cp, tp`` or,
+    under ``--ep --tp``, ``(ep_rest, tp)`` with the EP group over all EP ranks: :func:`group_sizes`),
+    each group's collectives over its own link, all exposed (docs/performance-model.md).
+
     Args:
-        an: a data-parallel trace.
+        an: a parallel trace (``--dp``, ``--tp``, ``--ep``, ``--cp``; any of them composed).
         device: a :class:`~symcost.hardware.devices.Device` with an ``interconnect`` table.
-        sizes: symbol values (DP among them).
+        sizes: symbol values (the mesh's sizes among them).
         overlap: ``none``, ``backward`` or ``full`` (:data:`OVERLAPS`).
         nodes, devices_per_node: the cluster (default: DP ranks on as few nodes of the device's
             ``devices_per_node`` as hold them).
@@ -403,13 +408,13 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
         each all-reduce sits between the ops that make and use its tensor).
 
     Raises:
-        SymcostError: not a data-parallel trace, an unknown overlap, a device without an
-            interconnect, a cluster that does not hold DP ranks.
+        SymcostError: a trace of one device (no layout), an unknown overlap, a device without an
+            interconnect, a cluster that does not hold the mesh's ranks.
     """
     from symcost.passes.roofline import roofline
 
-    if an.parallel is None:
-        raise SymcostError("step time over links needs a data-parallel trace (--dp N)")
+    if an.parallel is None and not layout_of(an).cp:  # (--cp alone: no engine label, a CP group)
+        raise SymcostError("step time over links needs a parallel trace (--dp, --tp, --ep or --cp N)")
     if overlap not in OVERLAPS:
         raise SymcostError(f"unknown --overlap {overlap!r}; accepted: {', '.join(OVERLAPS)}")
     ic = device.interconnect
@@ -420,7 +425,8 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
     lay = layout_of(an)
     sizes_of = group_sizes(an, env)
     ranks = sizes_of["ranks"]
-    what = "·".join(s for s, on in (("DP", True), ("CP", lay.cp), ("EP", lay.ep), ("TP", "TP" in sizes_of)) if on)
+    what = "·".join(s for s, on in (("DP", lay.shard is not None), ("CP", lay.cp), ("EP", lay.ep),
+                                    ("TP", "TP" in sizes_of and not (lay.ep_tp and not lay.etp))) if on)
     per_node = devices_per_node or ic.get("devices_per_node") or ranks
     nodes = nodes or -(-ranks // per_node)
     if nodes * per_node < ranks:
@@ -440,7 +446,8 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
     # EP consecutive ranks; the data-parallel groups stride over them and cross nodes when the mesh
     # does, except HSDP's dp_shard (its shard·CP·TP consecutive ranks, inside a node where they fit)
     links = {g: over(nodes) for g in ("DP", "DP_replicate", "DP_expert")}
-    links.update(TP=inner(sizes_of.get("TP", 1)), EP=inner(sizes_of.get("EP", 1)))
+    links.update(TP=inner(sizes_of.get("TP", 1)),
+                 EP=inner(sizes_of.get("EP", 1) * (sizes_of.get("TP", 1) if lay.etp else 1)))
     if lay.hsdp:
         links["DP"] = inner(sizes_of["DP"] * sizes_of.get("TP", 1))
     link, bw = links["DP"]
@@ -540,7 +547,9 @@ def group_sizes(an, env: Mapping) -> dict[str, int]:
     if lay.ep:
         out["EP"] = size_of("EP")
         out["DP_expert"] = dp
-        ranks *= out["EP"]
+        # (under --ep --tp the EP group borrows the TP ranks: EP/TP TP groups, docs/parallel.md §14.8;
+        # with --etp the mesh (ep, tp) has EP·TP ranks, an EP group EP ranks TP apart)
+        ranks = ranks // out["TP"] * out["EP"] if lay.ep_tp and not lay.etp else ranks * out["EP"]
     if lay.hsdp:
         out["DP_replicate"] = lay.replicate
     out["ranks"] = ranks
@@ -591,8 +600,8 @@ def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accu
 
     from symcost.passes.roofline import _exact, tokens_compute
 
-    if an.parallel is None:
-        raise SymcostError("time over data-parallel ranks needs a data-parallel trace (--dp N)")
+    if an.parallel is None and not layout_of(an).cp:
+        raise SymcostError("time over parallel ranks needs a parallel trace (--dp, --tp, --ep or --cp N)")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
         raise SymcostError(f"--tokens must be a positive integer, got {tokens!r}")
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate <= 0:
@@ -603,10 +612,15 @@ def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accu
     dp = int(env.get(SYMS["DP"], an.pinned.get("DP", 1)))
     B, S = (int(an.pinned[n]) if n in an.pinned else int(env[SYMS[n]]) for n in ("B", "S"))
     # the ranks with a micro-batch of their own: DP, and under expert parallelism DP·EP (every EP
-    # rank runs its own tokens, docs/parallel.md §14.6); a CP group of CP ranks shares its B
-    # sequences (each rank S/CP tokens of them, §15)
-    replicas = dp * (st["groups"]["EP"]["ranks"] if "EP" in st["groups"] else 1)
+    # rank runs its own tokens, docs/parallel.md §14.6; under --ep --tp the EP/TP tensor-parallel
+    # groups, §14.8); a CP group of CP ranks shares its B sequences (each rank S/CP tokens of them,
+    # §15), as a TP group's ranks do; without --dp the same with DP = 1
+    g = group_sizes(an, env)
+    lay = layout_of(an)
+    replicas = dp * ((g["EP"] // g["TP"] if lay.ep_tp and not lay.etp else g["EP"]) if "EP" in g else 1)
     micro_steps = Fraction(tokens, B * S * replicas)  # per rank
+    # the run's model FLOPs: every rank's micro-steps (a TP rank runs 1/TP of its tokens' FLOPs)
+    total = _exact(micro_steps * st["ranks"] * int(tc["flops.train_step"]))
     seconds = float(micro_steps) * st["step_seconds"]
     peak, key = st["peak_flops"], st["precision"]
     return {
@@ -615,7 +629,7 @@ def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accu
         "tokens": tokens, "tokens_per_step": B * S * accumulate * replicas,
         "steps": _exact(micro_steps / accumulate), "step": st, "mfu": st["mfu"], "peak_flops": peak,
         "precision": key, "sizes": tc["sizes"], "flops.train_step": tc["flops.train_step"],
-        "flops.per_token": tc["flops.per_token"], "compute.total": tc["compute.total"],
+        "flops.per_token": tc["flops.per_token"], "compute.total": total,
         "compute.6NP": tc["compute.6NP"],
         "time.seconds": seconds, "time.days": seconds / 86400, "time.device_hours": seconds * st["ranks"] / 3600,
     }
