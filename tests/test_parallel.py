@@ -413,3 +413,19 @@ def test_ddp_probes_need_no_divisibility():
     for shard in ("ddp", "zero1"):
         assert data_parallel(resolve("mlp"), shard).probe_check(v) is None, shard
     assert "no multiple of lcm(DP=2, 4)" in data_parallel(resolve("mlp"), "fsdp").probe_check(v)
+
+
+def test_a_data_parallel_size_that_does_not_divide_the_bytes_answers():
+    """DP = 3 under DDP: the ring all-reduce's (DP-1)/DP share of the gradient bytes is a fraction
+    of a byte where 3 does not divide them (as DP = 15 at Narayanan et al.'s 1,920 GPUs). The check
+    of the formulas against a fresh recording at the requested sizes compared the formula's value
+    truncated to an int with the recording's exact fraction, so every such request was refused
+    ("the recovered formula for comm.all_reduce gives 109226 but a fresh trace ... measures
+    327680/3"). Oracle: a ring all-reduce sends 2·(DP-1)/DP of its buffer (nccl-tests' bus
+    bandwidth factor, docs/parallel.md §3), here the fp32 gradients of a meta-device parameter count."""
+    from symcost.frontends.models import resolve
+
+    an = symcost.trace("mlp", sizes={"DP": 3, "D": 7, "L": 2, "B": 2, "S": 3}, precision="fp32", shard="ddp")
+    p = sum(t.numel() for t in resolve("mlp").build_meta({"D": 7, "L": 2, "B": 2, "S": 3}).parameters())
+    env = an.bind(DP=3, D=7, L=2, B=2, S=3)
+    assert sympy.Rational(an.comm_bytes("all_reduce").xreplace(env)) == sympy.Rational(2 * 2 * p * 4, 3)
