@@ -67,6 +67,14 @@ def resolve(model: str, config: Mapping[str, str] | None = None, attention: str 
         from symcost.frontends import zoo
 
         return zoo.spec(model)
+    if model.startswith("diffusers:") or (model.endswith(".json") and _diffusers_config(model)):
+        if attention is not None:  # (checked above for diffusers:NAME; a diffusers config.json too)
+            raise SymcostError(f"--attention applies to hf: models only; {model} runs diffusers' attention")
+        if task is not None:
+            raise SymcostError(f"--task: {model} has one step (noise prediction); leave --task out")
+        from symcost.frontends import diffusion  # diffusers' U-Nets and DiT (frontends/diffusion.py)
+
+        return diffusion.resolve(model, config)
     if model.endswith(".json"):
         from symcost.frontends import hf_tasks
 
@@ -77,6 +85,13 @@ def resolve(model: str, config: Mapping[str, str] | None = None, attention: str 
         return _file_spec(model)
     check_model_name(model)  # raises: unknown name, listing what is accepted
     raise SymcostError(f"cannot resolve model {model!r}")  # (unreachable: check_model_name accepts only the above)
+
+
+def _diffusers_config(path: str) -> bool:
+    """Whether ``path`` is a diffusers model config (symcost.frontends.diffusion.is_config_file)."""
+    from symcost.frontends.diffusion import is_config_file
+
+    return is_config_file(path)
 
 
 def _file_spec(model: str) -> ModelSpec:

@@ -348,7 +348,8 @@ BUILTINS: dict[str, str] = {
 
 #: What a model name may be, as the error line lists it.
 ACCEPTED_MODELS = ("hf:MODEL_TYPE (e.g. hf:llama), hf:ORG/NAME (local Hugging Face cache), tv:NAME (torchvision), "
-                   "timm:NAME, path/to/config.json or path/to/file.py:factory")
+                   "timm:NAME, diffusers:CLASS (e.g. diffusers:UNet2DModel), path/to/config.json (transformers' or "
+                   "diffusers') or path/to/file.py:factory")
 
 
 def check_model_name(model: str) -> None:
@@ -368,7 +369,7 @@ def check_model_name(model: str) -> None:
     from symcost.errors import SymcostError
 
     model = str(model)
-    if model in BUILTINS or model.startswith(("hf:", "tv:", "timm:")):
+    if model in BUILTINS or model.startswith(("hf:", "tv:", "timm:", "diffusers:")):
         return
     if model.endswith(".json"):  # (the order of symcost.frontends.models.resolve)
         if not os.path.isfile(model):

@@ -63,6 +63,10 @@ def model_source(model: str, config: Mapping[str, str]) -> dict | None:
         dist = "torchvision" if model.startswith("tv:") else "timm"
         version = _version(dist)
         return None if version is None else {"kind": "zoo", "name": model, dist: version, "config": config}
+    if model.startswith("diffusers:"):  # (symcost.frontends.diffusion: the installed package's code)
+        version = _version("diffusers")
+        return None if version is None else {"kind": "diffusers", "name": model, "diffusers": version,
+                                             "config": config}
     if ".py:" in model:
         path, _, factory = model.rpartition(":")
         if not os.path.isfile(path):
@@ -70,8 +74,11 @@ def model_source(model: str, config: Mapping[str, str]) -> dict | None:
         return {"kind": "file", "path": os.path.abspath(path), "factory": factory,
                 "file": _digest(Path(path).read_bytes()), "config": config}
     if model.endswith(".json") and os.path.isfile(model):
-        return {"kind": "config.json", "path": os.path.abspath(model), "file": _digest(Path(model).read_bytes()),
-                "config": config}
+        data = Path(model).read_bytes()
+        out = {"kind": "config.json", "path": os.path.abspath(model), "file": _digest(data), "config": config}
+        if b'"_class_name"' in data:  # a diffusers model's config: its code is the installed package's
+            out["diffusers"] = _version("diffusers")
+        return out
     # a built-in name: the contents of every built-in graph file (symcost/graphs, not imported)
     import importlib.util
 
