@@ -243,6 +243,7 @@ def etp_indivisible(spec, values: Mapping[str, int]) -> str | None:
     v = {k: x for k, x in values.items() if k not in ("DP", "EP", "TP")}
     if "L" in v:
         v["L"] = min(v["L"], int(getattr(spec, "lead_blocks", 0) or 0) + 2)
+    v = {k: x for k, x in spec.values(v, inputs=False).items() if k not in ("DP", "EP", "TP")}  # (tied followers: K)
     widths = memo_per_model(_ETP_DIMS.setdefault(spec.build, {}), v, build)
     bad = [w for w in widths if w % int(tp)]
     if bad:

@@ -1,7 +1,7 @@
 """One rank of an expert-parallel training step (tests/test_expert_parallel.py), on real tensors
 over gloo, or rank 0 on the fake process group: the oracle of symcost's per-rank numbers.
 
-``python -m torch.distributed.run --standalone --nproc-per-node N ep_rank.py OUT H D L V F E R B S [DP] [tp=M] [own]``
+``python -m torch.distributed.run --standalone --nproc-per-node N ep_rank.py OUT H D L V F E R B S [DP] [tp=M [etp]] [own]``
 builds the built-in ``moe`` model on each rank (fp32, each rank its own tokens), shards its
 experts over the N ranks (N/DP with DP) with ``symcost.frontends.expert_parallel.apply`` (the layout
 is the input: DTensor ``Shard(0)`` experts, the all-to-all dispatch and combine; what is measured is
@@ -11,7 +11,9 @@ AdamW in its for-loop form) and writes ``OUT/rank{r}.json``. With DP, the mesh i
 ``(dp_shard, ep) = (DP, N/DP)`` and FSDP2 is applied here as torchtitan's ``apply_fsdp`` applies it
 under EP (:func:`fsdp_as_torchtitan`), and the collective bytes are kept per process group.
 With ``tp=M``: EP × TP (:func:`ep_tp`), N ranks, TP groups of M consecutive ones (each group its own
-tokens), the EP group all N. With ``own``: the model's own routers (not forced to the balanced
+tokens), the EP group all N; with ``etp`` too, expert-tensor parallelism (etp = tp: the mesh
+``(ep, tp)`` = (N/M, M), the experts over both, each EP group the ranks of one TP coordinate,
+docs/parallel.md §14.10). With ``own``: the model's own routers (not forced to the balanced
 assignment; the built-in ``moe``'s fixed capacities keep every shape).
 
 :func:`measure` is what each rank measures, also used in-process on the fake group:
@@ -261,9 +263,10 @@ def tiny_dsv3():
     return symcost.resolve("hf:deepseek_v3", TINY_DSV3, "eager")
 
 
-def ep_tp(v: dict, mesh, tokens, spec=None) -> tuple:
+def ep_tp(v: dict, mesh, tokens, spec=None, etp: bool = False) -> tuple:
     """EP × TP (``tp=M``): the built-in ``moe`` at ``v`` laid out by symcost's layout over the
-    mesh ``(ep_rest, tp)`` (the EP group its flattening, docs/parallel.md §14.8), checked against
+    mesh ``(ep_rest, tp)`` (the EP group its flattening, docs/parallel.md §14.8; with ``etp`` the
+    mesh ``(ep, tp)``, the experts over both, §14.10), checked against
     the same model on one device first (same seed, the TP group's ``tokens``, the routers
     balanced): the loss and the router's gradient (all-reduced over TP) equal. Returns ``(model,
     loss context, {group name: label}, {check: max abs difference})``."""
@@ -284,10 +287,11 @@ def ep_tp(v: dict, mesh, tokens, spec=None) -> tuple:
             return spec.loss(m(input_ids=tokens, labels=tokens), ((), {"input_ids": tokens, "labels": tokens}))
         return lm_loss(m(tokens), ((tokens,), {}))
 
-    flat = mesh["ep_rest", "tp"]._flatten("ep")
+    flat = mesh["ep"] if etp else mesh["ep_rest", "tp"]._flatten("ep")
     model, ref = make(), make()
     layers = "model.layers" if spec is not None else "layers"
-    loss_context = Layout(ep=True, tp=True).parallelize(model, layers, {"TP": mesh["tp"], "EP": flat})
+    meshes = {"TP": mesh["tp"], "EP": flat, **({"EP_TP": mesh} if etp else {})}
+    loss_context = Layout(ep=True, tp=True, etp=etp).parallelize(model, layers, meshes)
     checks = {}
     with balanced_router():
         want = loss_of(ref)
@@ -330,10 +334,11 @@ def main():
         spec = tiny_dsv3()
         v = {**spec.values({}, inputs=False), "B": v["B"], "S": v["S"]}
     if tp is not None:
-        mesh = init_device_mesh("cpu", (n // tp, tp), mesh_dim_names=("ep_rest", "tp"))
+        etp = "etp" in extra
+        mesh = init_device_mesh("cpu", (n // tp, tp), mesh_dim_names=("ep" if etp else "ep_rest", "tp"))
         torch.manual_seed(100 + rank // tp)  # each TP group its own tokens
         tokens = torch.randint(0, v["V"], (v["B"], v["S"]))
-        model, loss_context, groups, checks = ep_tp(v, mesh, tokens, spec)
+        model, loss_context, groups, checks = ep_tp(v, mesh, tokens, spec, etp)
     elif dp is None:
         mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("ep",))
         model = build(v, mesh["ep"])
