@@ -7,6 +7,7 @@ import click
 
 from ._device import device_options, resolve_device
 from ._options import common, compile_option, every_layer_trace, trace_model
+from ._pipeline import pipeline_options, pipeline_request
 
 
 @click.command()
@@ -20,6 +21,7 @@ from ._options import common, compile_option, every_layer_trace, trace_model
               help="activation recomputation in the hardware FLOPs (HFU; MFU never counts it): full (every "
                    "block's forward once more) or selective (the attention core, Korthikanti et al. 2022)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@pipeline_options
 def mfu(model, sets, config, attention, precision, debug, device_name, devices_file, peak_flops, bandwidth,
         tps, n_devices, recompute, as_json):
     """MFU = model FLOPs per token x tokens/s / (devices x peak at the training precision);
@@ -29,6 +31,10 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
     for every attention kernel) at --set sizes (B is the micro-batch per device; unset sizes are
     the model's defaults, printed). An implied MFU or HFU above 100% or an implied memory traffic
     above the device's bandwidth is an error.
+
+    With --pp N [--schedule ... --microbatches m]: the model FLOPs per token are the pipeline's
+    (all its stages, m micro-batches), --devices its ranks unless given, and the predicted MFU is
+    report --pp --gpu's predicted pipeline step on --device (a catalogue GPU with an interconnect).
     """
     from symcost.passes import roofline as rl
     from symcost.hardware.devices import parse_rate
@@ -40,6 +46,9 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
     R = parse_rate(tps, "--tokens-per-second")
     if n_devices <= 0:
         raise SymcostError("--devices must be a positive integer")
+    pipe = pipeline_request(click.get_current_context())
+    if pipe is not None:
+        return _mfu_pp(pipe, model, sets, config, attention, precision, dev, R, n_devices, recompute, as_json)
     an, sizes = trace_model(model, sets, config, attention, precision)
     if recompute == "full":  # the step with every block checkpointed: from the trace cache, or traced
         every_layer_trace(an, model, config, attention, precision, sizes)
@@ -104,3 +113,45 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
             f"(model FLOPs{' + ' + ' + '.join(extra) if extra else ', nothing repeated'})")
     c.print(f"implied memory traffic per device: {implied_bw / 1e9:.4g} GB/s of {dev.bandwidth / 1e9:.4g} GB/s "
             "(fused bytes of a step)")
+
+
+def _mfu_pp(pipe, model, sets, config, attention, precision, dev, R, n_devices, recompute, as_json):
+    """``mfu --pp``: the measured MFU = the pipeline's model FLOPs per token x R / (devices x peak),
+    beside the predicted MFU of ``report --pp --gpu``'s pipeline step
+    (:func:`symcost.commands._pipeline.predicted_pipeline`: model FLOPs of the step / (ranks x
+    peak x predicted step)); one JSON object or text."""
+    from symcost.errors import SymcostError
+    from symcost.render.report import console
+
+    from ._pipeline import predicted_pipeline
+
+    if recompute != "none":
+        raise SymcostError("--recompute does not apply with --pp: give --ac (the stages trace the recomputation)")
+    p = predicted_pipeline(pipe, model, sets, config, attention, precision, dev)
+    devices = p["ranks"] if n_devices == 1 else n_devices
+    pr, st = p["predicted"], p["step"]
+    key, peak = p["precision"], p["peak_flops"]
+    u = p["flops_per_token"] * R / (devices * peak)
+    if u > 1:
+        raise SymcostError(f"implied MFU is {100 * u:.1f}%: {R:.6g} tokens/s x {p['flops_per_token']:.6g} model "
+                           f"FLOP/token exceeds {devices} x {peak:.4g} FLOP/s peak; check --tokens-per-second, --devices")
+    out = {"model": p["spec"].name, "device": dev.to_json(), "peak_flops": peak, "tokens_per_second": R,
+           "devices": devices, "pp": pipe[0], "schedule": pipe[1], "microbatches": pipe[2], "ranks": p["ranks"],
+           "tokens_per_step": p["tokens_per_step"], "flops.per_token": p["flops_per_token"], "mfu": u,
+           "predicted": {k: pr[k] for k in ("step_seconds", "mode", "overlap", "bubble", "model_flops", "mfu_predicted",
+                                            "calibrated", "defaulted")},
+           "bound": {"step_seconds": st["step_seconds"], "mfu": st["mfu"]}}
+    out["precision"] = key
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return
+    c = console()
+    c.print(f"[bold]symcost mfu[/bold]: {out['model']} on {devices} x {dev.name} (--pp {pipe[0]}, {pipe[1]}, "
+            f"{pipe[2]} micro-batches; peak {peak / 1e12:.4g} TFLOP/s)")
+    c.print(f"model FLOPs per token: {p['flops_per_token']:.6g} (the pipeline's step, all its ranks, over its "
+            f"{p['tokens_per_step']} tokens)")
+    c.print(f"MFU: {100 * u:.3g}%   at {R:.6g} tokens/s")
+    c.print(f"predicted MFU (performance model, {pr['mode']}; report --pp --gpu's step "
+            f"{pr['step_seconds'] * 1e3:.4g} ms): {100 * pr['mfu_predicted']:.3g}%; roofline bound: step "
+            f"{st['step_seconds'] * 1e3:.4g} ms, MFU {100 * st['mfu']:.3g}%"
+            f"{'' if pr['calibrated'] else ' (efficiency parameters defaulted: calibrate the device)'}")
