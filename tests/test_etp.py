@@ -105,3 +105,40 @@ def test_etp_refusals_are_one_line(args, words):
     r = _cli(args)
     assert r.exit_code == 2, r.output
     assert words in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+@pytest.mark.heavy
+def test_report_deepseek_v3_etp_parameters_per_rank():
+    """``report tests/data/configs/deepseek-v3.json --ep 8 --tp 2 --etp 2`` at the published
+    per-layer shapes (MLA, 256 routed experts of width 2048, one shared expert) with L = 5 (the 3
+    dense layers and 2 MoE ones): the rank's parameter elements equal transformers' model on the
+    meta device cut as the layout cuts a rank's shard: each routed expert stack ``[256, …]`` to
+    256/8 experts of half their width (EP · TP = 16); over TP = 2 (transformers' ``tp_plan``: colwise
+    and rowwise projections, the vocabulary-parallel embedding and head, and the shared experts as
+    torchtitan's apply_moe_ep_tp) half; whole the router, the norms, q_a and kv_a. fp32: 4 bytes
+    a parameter."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = os.path.join(os.path.dirname(__file__), "data", "configs", "deepseek-v3.json")
+    layers, ep, tp = 5, 8, 2
+    r = _cli(["report", path, "--ep", str(ep), "--tp", str(tp), "--etp", str(tp), "--precision", "fp32",
+              "--set", "B=1", "S=64", f"L={layers}", "--json"])
+    assert r.exit_code == 0, r.output[-2000:]
+    got = json.loads(r.output[r.output.index("{"):])
+    assert got["layout"]["etp"] is True
+    cfg = AutoConfig.from_pretrained(path, num_hidden_layers=layers)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    plan = model.tp_plan
+    want = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if ".mlp.experts." in name and p.shape[0] == cfg.n_routed_experts:
+            n //= ep * tp
+        elif ".mlp.shared_experts." in name or any(
+                plan[k] in ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output")
+                and re.fullmatch(k.replace(".", r"\.").replace("*", r"\d+"), name.rpartition(".")[0]) for k in plan):
+            n //= tp
+        want += n
+    assert got["parallel"]["memory_per_rank"]["params"] == 4 * want
