@@ -126,6 +126,10 @@ def any_spec(model_type: str, overrides: Mapping[str, str] | None = None, attent
     if chosen == "causal-lm":
         import transformers
 
+        from symcost.frontends import hf_ssm
+
+        if hf_ssm.handles(mt):  # (Mamba-2 and the attention/Mamba hybrids)
+            return hf_ssm.spec(mt, overrides, attention, base_kwargs, name or f"hf:{model_type}")
         if is_ssm(hf._make_config(transformers.AutoConfig, mt, dict(base_kwargs or {}))):
             return ssm_spec(mt, overrides, attention, base_kwargs, name or f"hf:{model_type}")
         return hf.spec(mt, overrides, attention, base_kwargs=base_kwargs, name=name or f"hf:{model_type}")

@@ -1,0 +1,255 @@
+"""``hf:`` state-space and hybrid causal LMs beyond Mamba-1 (:func:`symcost.frontends.hf_tasks.ssm_spec`):
+Mamba-2 (``hf:mamba2``: :func:`mamba2_spec`), and the hybrids of attention and Mamba blocks
+Jamba (``hf:jamba``), Zamba (``hf:zamba``) and Zamba2 (``hf:zamba2``: :func:`hybrid_spec`). Each
+trains the model's own next-token loss (``input_ids`` and ``labels`` int64 ``[B, S]``), on
+transformers' CPU paths (no mamba-ssm / causal-conv1d kernels: ``use_mamba_kernels=False``).
+
+Symbols (the model's own, bound to config fields; shared/conventions.md):
+
+========== ==========================================================================================
+symbol     config field
+========== ==========================================================================================
+H, D       Mamba-2: ``num_heads`` (SSM heads) and ``head_dim`` (channels per head, the SSD paper's
+           P); the inner width ``H*D`` = ``expand * hidden_size``, so d_model = H·D/EXPAND with
+           ``expand`` a config value (default 2; ``--config expand=...``): no polynomial is
+           ⌈H·D/EXPAND⌉, so EXPAND is no symbol. Hybrids: the attention's heads and head
+           dimension (``num_attention_heads``; Jamba's d_model = H·D)
+K          Mamba-2: ``n_groups``, the groups of heads sharing the SSM's B and C (H/K heads each, as
+           grouped-query attention's K key/value heads serve H/K query heads: the SSD paper's
+           grouped heads; K divides H, and K = 1, 1 < K < H, K = H are regimes as for attention)
+N_state    ``state_size`` / ``mamba_d_state`` (the SSM state per channel)
+K_conv     ``conv_kernel`` / ``mamba_d_conv`` (the causal depthwise convolution's width)
+L, V       ``num_hidden_layers``, ``vocab_size``
+========== ==========================================================================================
+
+Mamba-2's chunked scan (``modeling_mamba2.mamba2_chunk_scan``, the SSD algorithm in plain torch)
+pads S up to whole chunks of ``chunk_size`` (a config value); S and K_conv are pinned at the
+request (:attr:`ModelSpec.pin`, stated in the report) because the depthwise convolution's padded
+output, B·(H·D + 2·K·N_state)·(S + K_conv − 1) elements, sums more monomials than the fit's sparse
+search finds (symcost/tracing/fit.py); every other symbol is a formula. Jamba pins L (its blocks
+are not alike) and S (its Mamba blocks' CPU scan loops over S).
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Mapping
+
+import torch
+
+from symcost.errors import SymcostError
+from symcost.frontends import hf
+from symcost.frontends.spec import Constraint, ModelSpec, check_constraints
+
+#: Families checked (transformers 5.x, torch 2.13) against FlopCounterMode, saved_tensors_hooks and
+#: a meta count at random tiny sizes (tests/test_hf_ssm.py).
+VERIFIED = ("mamba2",)
+
+#: Mamba-2's symbols and the config fields they set (``hidden_size`` = H*D/expand is built).
+MAMBA2_FIELDS = {"H": "num_heads", "D": "head_dim", "K": "n_groups", "N_state": "state_size",
+                 "K_conv": "conv_kernel", "L": "num_hidden_layers", "V": "vocab_size"}
+
+
+#: A hybrid's Mamba-block symbols and the config fields they set (Jamba's names).
+HYBRID_SSM_FIELDS = {"jamba": {"N_state": "mamba_d_state", "K_conv": "mamba_d_conv", "EXPAND": "mamba_expand",
+                               "R_dt": "mamba_dt_rank"}}
+
+
+def handles(model_type: str) -> bool:
+    """Whether ``hf:model_type`` (a causal LM) is traced by this module."""
+    return model_type == "mamba2" or model_type in HYBRID_SSM_FIELDS
+
+
+def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
+         base_kwargs: Mapping[str, Any] | None = None, name: str | None = None) -> ModelSpec:
+    """The :class:`ModelSpec` of ``hf:model_type`` (one :func:`handles`); arguments as
+    :func:`symcost.frontends.hf.spec`. Raises SymcostError as :func:`mamba2_spec` and :func:`hybrid_spec`."""
+    if model_type == "mamba2":
+        return mamba2_spec(model_type, overrides, attention, base_kwargs, name)
+    return hybrid_spec(model_type, overrides, attention, base_kwargs, name)
+
+
+def _tokens_inside(kw: dict, cfg, V: int) -> None:
+    for key in hf._TOKEN_ATTRS:  # ids outside a small probe vocabulary would break the embedding
+        t = kw.get(key, getattr(cfg, key, None))
+        if isinstance(t, int) and t >= V:
+            kw[key] = V - 1
+
+
+def _inputs(values: Mapping[str, int], device) -> tuple[tuple, dict]:
+    """``input_ids`` and ``labels``, int64 ``[B, S]`` in ``[0, V)``."""
+    ids = torch.randint(0, operator.index(values["V"]), (operator.index(values["B"]), operator.index(values["S"])),
+                        dtype=torch.long, device=device)
+    return (), {"input_ids": ids, "labels": ids}
+
+
+def _loss(out, inputs) -> torch.Tensor:
+    """The model's own loss: mean cross entropy of logits[:, :-1] against labels[:, 1:]."""
+    return out.loss
+
+
+def _extra(cfg, model_type, model_cls, ov, base_kwargs, shown, **more) -> dict:
+    extra = {"config_class": type(cfg).__name__, "model_type": model_type, "task": "causal-lm",
+             "model_class": model_cls.__name__, **more,
+             "config_overrides": {k: (v if isinstance(v, (int, float, bool, str, type(None))) else repr(v))
+                                  for k, v in ov.items() if k not in base_kwargs or base_kwargs[k] != v}}
+    if base_kwargs:
+        extra["config_file"] = shown
+    if model_type not in VERIFIED:
+        extra["unverified"] = f"{shown} is not among the verified state-space families ({', '.join(VERIFIED)})"
+    return extra
+
+
+def mamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
+                base_kwargs: Mapping[str, Any] | None = None, name: str | None = None) -> ModelSpec:
+    """The :class:`ModelSpec` of a Mamba-2 causal LM (``hf:mamba2``: ``Mamba2ForCausalLM``, the
+    state space duality of Dao & Gu 2024), trained on the model's own next-token loss.
+
+    Symbols (:data:`MAMBA2_FIELDS`): H = ``num_heads``, D = ``head_dim``, K = ``n_groups``,
+    N_state = ``state_size``, K_conv = ``conv_kernel``, L, V; d_model ``hidden_size`` = H·D/EXPAND
+    (``Mamba2Config`` requires ``hidden_size * expand == num_heads * head_dim``; ``expand`` stays a
+    config value). ``chunk_size`` is a config value and S is probed within its class modulo
+    ``chunk_size`` (module docstring). ``time_step_rank`` is unused by the model (Δ comes out of
+    ``in_proj``, one per head), so no symbol.
+
+    Per block (transformers' ``Mamba2Mixer`` without kernels): ``in_proj`` M → 2·H·D + 2·K·N_state + H,
+    a depthwise causal conv1d of width K_conv over H·D + 2·K·N_state channels, the chunked scan
+    (per chunk of c positions: C·Bᵀ scores [c, c] per head, their product with X, the chunk's state
+    Bᵀ·X [D, N_state] per head, the chunk-to-chunk recurrence and C·state), a gated RMSNorm over K
+    groups and ``out_proj`` H·D → M. The scan's einsums are bmm's, model FLOPs as FlopCounterMode
+    counts them.
+
+    Raises:
+        SymcostError: an unknown or rejected config key, ``attention`` given (the model has none).
+    """
+    shown = name or f"hf:{model_type}"
+    if attention is not None:
+        raise SymcostError(f"{shown} has no attention layers (a state-space model), so --attention does not apply; "
+                           "leave it out")
+    AutoConfig, base_kwargs, ov, cfg = hf.configs(model_type, overrides, base_kwargs)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    expand, chunk = int(cfg.expand), int(cfg.chunk_size)
+    symbols = tuple(MAMBA2_FIELDS)
+    defaults = {"B": 8, "S": 2 * chunk, **{s: getattr(cfg, f) for s, f in MAMBA2_FIELDS.items()}}
+    constraints = (Constraint("divides", "K", "H", "K (n_groups) must divide H (num_heads): each group's B and C "
+                              "serve H/K heads"),)
+    meanings = {"H": "SSM heads (num_heads)", "D": "channels per SSM head (head_dim)",
+                "K": "groups of SSM heads sharing B and C (n_groups; H/K heads per group, as grouped-query attention)",
+                "N_state": "SSM state size per head channel (state_size)",
+                "K_conv": "width of the causal depthwise convolution (conv_kernel)",
+                "L": "number of Mamba-2 blocks",
+                "S": f"tokens per sequence (the scan pads them to whole chunks of {chunk}; --config chunk_size=...)"}
+    # hidden_size = H*D/expand: the probes keep H and D in the request's classes mod expand, so
+    # that H*D stays a multiple of expand
+    moduli = {"H": expand, "D": expand} if expand > 1 else {}
+    # The depthwise convolution's padded output, whose storage its SiLU saves, holds
+    # B*(H*D + 2*K*N_state)*(S + K_conv - 1) elements: six monomials in seven sizes, more than the fit's
+    # sparse search finds (at most four terms, fewer over many monomials: symcost/tracing/fit.py);
+    # with S and K_conv at the request's values it is two, and every other size a formula
+    conv = ("the depthwise convolution's padded output, B*(H*D + 2*K*N_state)*(S + K_conv - 1) elements, sums "
+            "more monomials than the fit finds (symcost/tracing/fit.py's sparse search): formulas hold at this {} "
+            "(another: --set {}=...)")
+    pin = {"S": conv.format("S", "S"), "K_conv": conv.format("K_conv", "K_conv")}
+
+    def check(values: Mapping[str, int]) -> str | None:
+        why = check_constraints(constraints, values)
+        h, d = values.get("H"), values.get("D")
+        if why is None and isinstance(h, int) and isinstance(d, int) and (h * d) % expand:
+            why = (f"H*D must be a multiple of expand={expand} (Mamba2Config: hidden_size * expand == num_heads * "
+                   f"head_dim) (got H={h}, D={d}); another expand: --config expand=...")
+        return why
+
+    def config_for(values: Mapping[str, int]):
+        kw = dict(ov)
+        for s, f in MAMBA2_FIELDS.items():
+            kw[f] = operator.index(values[s])
+        kw["hidden_size"] = kw["num_heads"] * kw["head_dim"] // expand
+        kw["use_cache"] = False
+        _tokens_inside(kw, cfg, kw["vocab_size"])
+        return hf._make_config(AutoConfig, model_type, kw)
+
+    def build(values: Mapping[str, int]) -> torch.nn.Module:
+        """The model for these symbol values, in train mode, on the current default device."""
+        why = check({k: values.get(k) for k in ("B", "S", *symbols)})
+        if why:
+            raise SymcostError(f"{shown}: {why}")
+        try:
+            model = model_cls._from_config(config_for(values))
+        except Exception as e:  # noqa: BLE001 - transformers raises many types
+            raise SymcostError(f"{shown}: building the model failed: {type(e).__name__}: {' '.join(str(e).split())}") from e
+        return model.train()
+
+    extra = _extra(cfg, model_type, model_cls, ov, base_kwargs, shown, attention="none (no attention layers)",
+                   state_space=f"chunked SSD scan (chunks of {chunk}), transformers' torch path",
+                   hidden_size_note=f"hidden_size = H*D/{expand} (expand = {expand})")
+    return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=_inputs, loss=_loss,
+                     check=check, constraints=constraints, moduli=moduli, pin=pin, meanings=meanings, extra=extra,
+                     record_context=hf.unpacked_masks)
+
+
+def hybrid_spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
+                base_kwargs: Mapping[str, Any] | None = None, name: str | None = None) -> ModelSpec:
+    """The :class:`ModelSpec` of a hybrid of attention and Mamba blocks (``hf:jamba``:
+    ``JambaForCausalLM``; Lieber et al. 2024), trained on the model's own next-token loss.
+
+    The attention, feed-forward and mixture-of-experts symbols are the causal LM's
+    (:func:`symcost.frontends.hf.spec`: H, D, K, L, V, F, E, R; d_model = H·D; the experts traced
+    under the balanced routing model, :mod:`symcost.frontends.moe`); the Mamba blocks add the
+    model's own (:data:`HYBRID_SSM_FIELDS`): N_state = ``mamba_d_state``, K_conv = ``mamba_d_conv``,
+    EXPAND = ``mamba_expand`` (inner width EXPAND·H·D), R_dt = ``mamba_dt_rank``.
+
+    Pinned (:attr:`ModelSpec.pin`, the reasons in the report): L, since the blocks are not alike
+    (attention every ``attn_layer_period`` blocks from ``attn_layer_offset``, Mamba elsewhere; a
+    mixture of experts every ``expert_layer_period`` from ``expert_layer_offset``, a dense MLP
+    elsewhere: traced unfolded at the request's L, the periods and offsets config values); S, since
+    the Mamba blocks' CPU selective scan (``modeling_jamba.mamba_selective_scan`` without mamba-ssm's
+    kernels; its associative scan runs only under torch.compile) is a Python loop over the S
+    positions, as for ``hf:mamba``.
+
+    Raises:
+        SymcostError: as :func:`symcost.frontends.hf.spec` (an unknown or rejected config key, a bad
+            attention implementation).
+    """
+    fields = HYBRID_SSM_FIELDS[model_type]
+    overrides = dict(overrides or {})
+    base = hf.spec(model_type, overrides, attention, base_kwargs=base_kwargs, name=name)
+    shown = base.name
+    _, _, ov, cfg = hf.configs(model_type, overrides, base_kwargs)
+    own = {s: getattr(cfg, f) for s, f in fields.items()}
+    for s, v in own.items():
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise SymcostError(f"{shown}: {type(cfg).__name__}.{fields[s]} is {v!r}; symcost binds {s} to it: set "
+                               f"--config {fields[s]}=N")
+    symbols = base.symbols + tuple(own)
+
+    def build(values: Mapping[str, int]) -> torch.nn.Module:
+        """The model for these symbol values (the Mamba fields set from them), in train mode."""
+        more = {**overrides, **{f: str(operator.index(values[s])) for s, f in fields.items()}}
+        return hf.spec(model_type, more, attention, base_kwargs=base_kwargs, name=name).build(values)
+
+    kinds = ", ".join(f"{k}={getattr(cfg, k)}" for k in ("attn_layer_period", "attn_layer_offset",
+                                                           "expert_layer_period", "expert_layer_offset")
+                      if hasattr(cfg, k))
+    pin = {"L": (f"the blocks are not alike (attention or Mamba, mixture of experts or dense MLP by layer index: "
+                 f"{kinds}): traced unfolded at this L (another: --set L=...)"),
+           "S": ("transformers' CPU selective scan (mamba_selective_scan without mamba-ssm's CUDA kernels) is a "
+                 "Python loop over the S positions: the op list grows with S, so formulas hold at this S "
+                 "(another: --set S=...)")}
+    meanings = {**base.meanings,
+                "L": "number of blocks (attention or Mamba mixer, each with an MLP or a mixture of experts)",
+                "N_state": f"SSM state size per inner channel ({fields['N_state']})",
+                "K_conv": f"width of the causal depthwise convolution ({fields['K_conv']})",
+                "EXPAND": f"inner-width factor of the Mamba blocks ({fields['EXPAND']}): inner width EXPAND*H*D",
+                "R_dt": f"rank of the time-step (delta) projection ({fields['R_dt']})"}
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    extra = {**base.extra, "task": "causal-lm", "model_class": MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)].__name__,
+             "state_space": "selective scan (Mamba blocks), transformers' sequential CPU path", "layer_pattern": kinds}
+    extra.pop("unverified", None)
+    if model_type not in VERIFIED:
+        extra["unverified"] = f"{shown} is not among the verified state-space families ({', '.join(VERIFIED)})"
+    return dataclasses.replace(base, symbols=symbols, defaults={**base.defaults, "B": 8, "S": 64, **own},
+                               build=build, pin={**base.pin, **pin}, meanings=meanings, extra=extra,
+                               check=None, infer=None)

@@ -1,0 +1,122 @@
+"""Issue 30 item 4: ``hf:`` state-space and hybrid models beyond Mamba-1 (symcost/frontends/hf_ssm.py):
+Mamba-2 (chunked SSD scan) and Jamba (attention, Mamba and mixture-of-experts blocks interleaved).
+Each traced at tiny sizes and checked at random others against independent oracles
+(FlopCounterMode on the real step, saved_tensors_hooks on real tensors, a meta-device parameter
+count), and the published parameter counts reproduced (the meta count of the published config as
+the oracle, the published rounded figure as the check):
+
+- Mamba-2-130m / -370m: "130M" / "370M" (Dao & Gu 2024, "Transformers are SSMs", the
+  state-spaces/mamba2-130m and mamba2-370m checkpoints; their configs: d_model 768 / 1024, 24 / 48
+  layers, d_state 128, d_conv 4, expand 2, headdim 64 (so 24 / 32 heads), ngroups 1, vocabulary
+  50277 padded to a multiple of 16 = 50288, embeddings tied).
+- Jamba-v0.1: "12B active parameters and 52B total available parameters" (Lieber et al. 2024,
+  "Jamba: A Hybrid Transformer-Mamba Language Model", §3; the ai21labs/Jamba-v0.1 model card).
+  JambaConfig's defaults are Jamba-v0.1's sizes (hidden 4096, 32 layers, attention every 8th from
+  the 4th, 32 heads of 128 with 8 KV heads, 16 experts top-2 every 2nd block, FFN 14336, vocabulary
+  65536, Mamba state 16, conv 4, expand 2, Δ rank 256).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import symcost
+from test_hf_tasks import _meta_params, _split_conv1d
+from test_own_symbols import _check
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.heavy
+def test_mamba2_chunked_scan_exact_and_mamba2_130m_370m(monkeypatch):
+    """hf:mamba2 (Mamba2ForCausalLM): the model's own symbols H (SSM heads), D (head_dim), K
+    (n_groups, H/K heads per group as in grouped-query attention), N_state; S and K_conv pinned (the convolution's padded output sums more monomials
+    than the fit finds; stated), at K_conv = 4 (every published Mamba-2's) and S = 6 (one whole and
+    one padded chunk of 4); exact at random other sizes (FLOPs against FlopCounterMode with the
+    depthwise conv split, the true count); the published 130M and 370M from the same trace."""
+    spec = symcost.resolve("hf:mamba2", config={"chunk_size": "4"})
+    assert spec.extra["model_class"] == "Mamba2ForCausalLM"
+    assert set(spec.symbols) == {"H", "D", "K", "N_state", "K_conv", "L", "V"}
+    with pytest.raises(symcost.SymcostError, match="has no attention layers"):
+        symcost.resolve("hf:mamba2", attention="eager")
+    an = symcost.trace(spec, sizes={"B": 2, "S": 6, "H": 4, "D": 2, "K": 2, "N_state": 3, "K_conv": 4, "L": 2,
+                                    "V": 37}, precision="fp32", torch_device="cpu")
+    assert an.pinned == {"S": 6, "K_conv": 4} and "padded output" in an.pin_reasons["K_conv"], an.pinned
+    rng = random.Random("mamba2")
+    K = rng.randint(2, 3)  # (1 < K < H, the trace's regime; H and D even: their classes mod expand = 2)
+    v = {"B": rng.randint(2, 3), "S": 6, "H": K * rng.choice((2, 4)), "D": 2 * rng.randint(1, 4), "K": K,
+         "N_state": rng.randint(2, 6), "K_conv": 4, "L": rng.randint(1, 3), "V": rng.randint(20, 80)}
+    _split_conv1d(monkeypatch)
+    _check(an, spec, v)
+    tied = symcost.resolve("hf:mamba2", config={"chunk_size": "4", "tie_word_embeddings": "true"})
+    for (h, layers, want), pub in (((24, 24, 128_989_632), 130e6), ((32, 48, 368_346_624), 370e6)):
+        pub_sizes = {"H": h, "D": 64, "K": 1, "N_state": 128, "K_conv": 4, "L": layers, "V": 50288}
+        got = an.subs(B=1, S=6, **pub_sizes)["params"]
+        model = tied.build_meta({**tied.defaults, **pub_sizes})
+        assert model.config.hidden_size == h * 64 // 2
+        # the trace is untied (Mamba2Config's default): the tied model has one V x M matrix fewer
+        assert got - pub_sizes["V"] * h * 32 == _meta_params(model) == want
+        assert round(want, -7) == pub
+
+#: A tiny Jamba whose two blocks are the two kinds: block 0 Mamba with a mixture of experts, block 1
+#: attention with a dense MLP (Jamba-v0.1: attention every 8th block from the 4th, experts every 2nd
+#: from the 1st; the periods and offsets are config values).
+JAMBA_TINY = {"attn_layer_period": "2", "attn_layer_offset": "1", "expert_layer_period": "2", "expert_layer_offset": "0"}
+
+
+@pytest.mark.heavy
+def test_jamba_hybrid_exact(monkeypatch):
+    """hf:jamba (JambaForCausalLM): attention (H, D, K), Mamba (N_state, K_conv, EXPAND, R_dt) and
+    mixture-of-experts (E, R, F) blocks interleaved; L pinned (the blocks are not alike) and S
+    pinned (the Mamba blocks' CPU scan loops over S), both stated; every other symbol a formula,
+    exact at random sizes (FLOPs: FlopCounterMode over transformers' own eager experts loop with the
+    router forced to the balanced assignment and the depthwise conv split; saved bytes under the
+    same routing; parameters and active parameters counted on the model)."""
+    from test_moe import active_by_names, balanced_router, measure_flops
+
+    import memory_oracle as oracle
+    from symcost.passes.memory import memory_model
+
+    spec = symcost.resolve("hf:jamba", config=JAMBA_TINY, attention="eager")
+    assert spec.extra["model_class"] == "JambaForCausalLM"
+    assert {"H", "D", "K", "E", "R", "F", "N_state", "K_conv", "EXPAND", "R_dt"} <= set(spec.symbols)
+    an = symcost.trace(spec, sizes={"B": 2, "S": 3, "H": 4, "D": 8, "K": 2, "L": 2, "V": 37, "F": 8, "E": 4, "R": 2,
+                                    "N_state": 3, "K_conv": 3, "EXPAND": 2, "R_dt": 2}, precision="fp32",
+                       torch_device="cpu")
+    assert an.pinned == {"L": 2, "S": 3}, an.pinned
+    assert "not alike" in an.pin_reasons["L"] and "loop over the S positions" in an.pin_reasons["S"]
+    rng = random.Random("jamba")
+    while True:
+        v = {"B": rng.randint(2, 4), "S": 3, "H": rng.choice((4, 6)), "D": 8, "L": 2, "V": rng.randint(20, 80),
+             "F": 8 * rng.randint(1, 3), "E": rng.randint(2, 6), "R": 2, "N_state": rng.randint(2, 6),
+             "K_conv": rng.randint(2, 5), "EXPAND": rng.randint(1, 3), "R_dt": rng.randint(1, 4)}
+        v["K"] = rng.choice([k for k in (2, 3) if v["H"] % k == 0])
+        if (v["B"] * v["S"] * v["R"]) % v["E"] == 0:  # (balanced routing: whole slots per expert)
+            break
+    _split_conv1d(monkeypatch)
+    got = an.subs(**v)
+    want = measure_flops(spec, v)
+    assert (got["flops.train"], got["params"]) == (want["flops.train"], want["params"]), v
+    assert got["params"] == _meta_params(spec.build_meta({**spec.defaults, **v}))
+    assert an.subs(**v)["params_active"] == active_by_names(spec, v)
+    with balanced_router():
+        saved = oracle.saved_bytes(spec, v, "fp32")
+    assert memory_model(an, "fp32").components(**v)["activations"] == saved, v
+
+
+def test_jamba_v01_published_52b_total_12b_active():
+    """Jamba-v0.1 (JambaConfig's defaults): 52B total, 12B active parameters (module docstring). The
+    oracle: the meta-device count of JambaForCausalLM at the published config (every parameter;
+    active: each block's stacked experts counted R/E = 2/16), built by hf:jamba's own factory."""
+    spec = symcost.resolve("hf:jamba")
+    pub = {k: spec.defaults[k] for k in ("H", "D", "K", "L", "V", "F", "E", "R", "N_state", "K_conv", "EXPAND", "R_dt")}
+    assert pub == {"H": 32, "D": 128, "K": 8, "L": 32, "V": 65536, "F": 14336, "E": 16, "R": 2, "N_state": 16,
+                   "K_conv": 4, "EXPAND": 2, "R_dt": 256}
+    model = spec.build_meta({**spec.defaults})
+    total = _meta_params(model)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = total - experts + experts * pub["R"] // pub["E"]
+    assert (total, active) == (51_570_323_328, 12_110_311_296)
+    assert round(total, -9) == 52e9 and round(active, -9) == 12e9
