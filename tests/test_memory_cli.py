@@ -22,7 +22,8 @@ def run(*args):
     (["max-batch", "mlp", "--memory", "-1"], "must be positive"),
     (["max-batch", "mlp", "--global-batch", "1000", "--devices", "7"], "not divisible by 7 devices"),
     (["max-batch", "mlp", "--optimizer", "lion"], "unknown optimizer 'lion'"),
-    (["max-batch", "mlp", "--solve", "V"], "--solve takes B or S"),
+    (["max-batch", "mlp", "--solve", "V"], "cannot solve for 'V': not a symbol of mlp"),  # (a model's own size may be solved)
+    (["max-batch", "mlp", "--solve", "B=1"], "--solve takes B, S or a size of the model"),
     (["max-batch", "mlp", "--set", "B=8"], "conflicts with solving for B"),
     (["report", "mlp", "--memory", "80XB"], "unknown unit"),
 ])

@@ -41,6 +41,10 @@ def _solution_json(an, sol: mem.Solution, mm: mem.MemoryModel, seconds: float) -
         out["max_batch"] = sol.value
     else:
         out[f"max_{sol.var}"] = sol.value
+    if sol.modulus > 1:  # (formulas in a residue class of var: the answer and the next are of that class)
+        out["residue_class"] = {"modulus": sol.modulus, "residue": sol.value % sol.modulus if sol.value
+                                 else sol.next_value % sol.modulus}
+        out["next_admissible"] = sol.next_value
     if sol.limited_by:
         out["limited_by"] = sol.limited_by
     if sol.dominant:
@@ -82,7 +86,9 @@ NOTHING_FITS = 3
 @optimizer_impl_option
 @click.option("--torch-device", "device", default="cuda", show_default=True,
               help="cuda, cpu, xpu, mtia: the device type the step runs on (decides the default optimizer implementation)")
-@click.option("--solve", "var", default="B", show_default=True, help="B (largest batch) or S (longest sequence at --set B)")
+@click.option("--solve", "var", default="B", show_default=True,
+              help="B (largest batch), S (longest sequence at --set B) or a size of the model, such as a vision "
+                   "model's image side IMG (largest side at --set B, within the residue class its formulas hold in)")
 @click.option("--global-batch", type=int, default=None, help="plan gradient accumulation for this global batch")
 @click.option("--devices", type=int, default=None,
               help="data-parallel devices (with --global-batch) [default: --dp N, else 1]")
@@ -101,7 +107,9 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     and --devices: the micro-batch and accumulation steps K, B_global = B_micro x K x N_devices.
     With --dp N [--shard ...]: per rank of N data-parallel ranks (B is the rank's batch; the peak
     is the rank's, docs/parallel.md); --devices is then N. With --tp N [--sp]: per rank of N
-    tensor-parallel ranks (Megatron plan), each running the whole batch.
+    tensor-parallel ranks (Megatron plan), each running the whole batch. --solve IMG: the largest
+    image side of a vision model whose side is a formula (hf:convnext, tv:, a factory's IMG), in
+    the residue class mod the strides its formulas hold in (checked: M(IMG) <= cap < M(IMG + m)).
     Exit status 3 when not even 1 fits under --memory (the output names what dominates and what
     would fit: another precision or optimizer, checkpointing, the least cap).
     """
@@ -111,8 +119,10 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     cap = mem.parse_memory(memory)
     mem.optimizer(optimizer)
     mem.resolve_impl(impl, device)
-    if var not in ("B", "S"):
-        raise SymcostError(f"--solve takes B or S, got {var!r}")
+    import re
+
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", var or "") or var in ("DP", "TP", "PP", "CP", "EP", "T"):
+        raise SymcostError(f"--solve takes B, S or a size of the model (a vision model's image side IMG), got {var!r}")
     ctx = click.get_current_context(silent=True)
     preq = pipeline_request(ctx) if ctx is not None else None
     if preq is not None:
@@ -138,6 +148,9 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     if tp is not None and global_batch is not None:
         raise SymcostError("--global-batch with --tp is not modelled yet (the plan counts data-parallel devices, "
                            "not TP groups); solve the rank's batch without it")
+    if var not in ("B", "S") and ckpt != "none":
+        raise SymcostError(f"--checkpoint with --solve {var} is not modelled yet (the plans are searched over B and S); "
+                           f"solve for B at --set {var}=... instead")
     if (dp is not None or tp is not None) and ckpt != "none":
         raise SymcostError(f"--checkpoint is not modelled with {'--dp' if dp is not None else '--tp'} yet (the "
                            "planning pass); --ac full traces every block checkpointed under the layout")
@@ -183,7 +196,8 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     seconds = time.perf_counter() - t0
     ck_plan = mm.plan(**{**sizes, var: max(sol.value, 1)}) if ckpt != "none" else None
     # nothing fits: what would, from the same trace (other policies, optimizers, checkpointing, cap)
-    alts = mem.alternatives(mm, cap, var, sizes, checkpointing=ck_plan is None and an.parallel is None) \
+    alts = mem.alternatives(mm, cap, var, sizes, checkpointing=ck_plan is None and an.parallel is None,
+                            least=sol.next_value or 1) \
         if sol.value < 1 and not sol.limited_by else None
     if as_json:
         js = _solution_json(an, sol, mm, seconds)
@@ -279,10 +293,15 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
         c.print(f"  solved with sympy: {sol.inequality}  →  {v} ≤ {sympy.N(sol.bound, 12)}")
     else:
         c.print(f"  solved: {sol.inequality}")
+    if sol.modulus > 1:
+        r = (sol.value or sol.next_value) % sol.modulus
+        c.print(f"  {v} ≡ {r} (mod {sol.modulus}): the values this trace's formulas hold for (its strides floor {v}) "
+                f"and the model accepts; the answer is the largest of them, checked against the next, {v} + "
+                f"{sol.modulus} (another class: trace with --set {v}=... and solve for B)")
     if sol.value >= 1:
         c.print(f"[bold]  largest {v} = {sol.value}[/bold]")
         ok = "✓" if sol.checked else "✗ (check failed)"
-        nxt = f"< M({sol.value + 1}) = {human(sol.memory_next, 'B')}" if not sol.limited_by else ""
+        nxt = f"< M({sol.next_value}) = {human(sol.memory_next, 'B')}" if not sol.limited_by else ""
         c.print(f"  check: M({sol.value}) = {human(sol.memory_at, 'B')} ({sol.memory_at:,} B) ≤ cap {nxt} {ok}")
         if sol.limited_by:
             c.print(f"  limited by the model: {sol.limited_by}")
@@ -308,7 +327,8 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
                     "(the saved tensors packed by the end of the forward; not in the device's peak)")
     else:
         name, nbytes = sol.dominant
-        c.print(f"[bold red]  even {v} = 1 does not fit[/bold red]: M(1) = {human(sol.memory_next, 'B')} > cap; "
+        c.print(f"[bold red]  even {v} = {sol.next_value} does not fit[/bold red]: M({sol.next_value}) = "
+                f"{human(sol.memory_next, 'B')} > cap; "
                 f"{mem.dominant_text(name, nbytes, sol.cap)}")
         if alts:
             c.print("  what would fit (same model and sizes, from this trace's memory model):")

@@ -57,11 +57,14 @@ def activations_bound(traced: str, other: str) -> str | None:
     return None
 
 
-def alternatives(mm, cap: int | str, var: str, sizes: Mapping[str, int], checkpointing: bool = True) -> list[dict]:
+def alternatives(mm, cap: int | str, var: str, sizes: Mapping[str, int], checkpointing: bool = True,
+                 least: int = 1) -> list[dict]:
     """What would fit where ``mm.solve(cap, var, **sizes)`` found nothing (see the module
     docstring). ``mm``: a :class:`~symcost.passes.memory.model.MemoryModel`; ``sizes``: the
     other sizes, as given to ``solve``; ``checkpointing``: whether to say what activation
-    checkpointing can do (False when the step is checkpointed already).
+    checkpointing can do (False when the step is checkpointed already); ``least``: the smallest
+    admissible ``var`` (1; an image side in a residue class: ``Solution.next_value``), where
+    "M(1)" below is taken (each dict's ``at``).
 
     Returns a list of dicts, one per option, all sizes in bytes:
 
@@ -79,7 +82,7 @@ def alternatives(mm, cap: int | str, var: str, sizes: Mapping[str, int], checkpo
     """
     cap = parse_memory(cap)
     sizes = {k: v for k, v in sizes.items() if k != var}
-    at1 = {**sizes, var: 1}
+    at1 = {**sizes, var: least}
     out: list[dict] = []
     traced = mm.an.precision
 
@@ -90,7 +93,7 @@ def alternatives(mm, cap: int | str, var: str, sizes: Mapping[str, int], checkpo
         except SymcostError:
             return None
         return {"option": option, "kind": kind, "precision": other.policy.name, "optimizer": other.opt.name,
-                "fits": sol.value >= 1, "max": sol.value, "memory_at_1": m1, "exact": bound == "exact"}
+                "fits": sol.value >= 1, "max": sol.value, "memory_at_1": m1, "exact": bound == "exact", "at": least}
 
     groups: list[list[dict]] = []
     pol_trials = []
@@ -124,8 +127,9 @@ def alternatives(mm, cap: int | str, var: str, sizes: Mapping[str, int], checkpo
         out += fit if fit else sorted(g, key=lambda r: r["memory_at_1"])[:1]
     if checkpointing:
         floor = mm.step_floor(**at1)
-        out.append({"option": "--checkpoint optimal", "kind": "checkpoint", "floor": floor, "may_fit": floor <= cap})
-    out.append({"option": "--memory", "kind": "memory", "min_cap": mm.peak(**at1)})
+        out.append({"option": "--checkpoint optimal", "kind": "checkpoint", "floor": floor, "may_fit": floor <= cap,
+                    "at": least})
+    out.append({"option": "--memory", "kind": "memory", "min_cap": mm.peak(**at1), "at": least})
     return out
 
 
@@ -149,14 +153,16 @@ def alternatives_text(alts: list[dict], var: str, cap: int) -> list[str]:
             if a["fits"]:
                 lines.append(f"{a['option']}: fits, largest {var} = {a['max']}{tag}")
             else:
-                lines.append(f"{a['option']}: still does not fit (M(1) = {binary(a['memory_at_1'])})")
+                lines.append(f"{a['option']}: still does not fit (M({a.get('at', 1)}) = {binary(a['memory_at_1'])})")
         elif a["kind"] == "checkpoint":
             if a["may_fit"]:
                 lines.append(f"{a['option']}: may fit: it lowers only the activations; static memory + gradients + "
-                             f"optimizer step need {binary(a['floor'])} at {var} = 1, under the cap (traces the plan)")
+                             f"optimizer step need {binary(a['floor'])} at {var} = {a.get('at', 1)}, under the cap "
+                             "(traces the plan)")
             else:
                 lines.append(f"activation checkpointing cannot fit it: static memory + gradients + optimizer step "
-                             f"alone need {binary(a['floor'])} at {var} = 1, above the cap {binary(cap)}")
+                             f"alone need {binary(a['floor'])} at {var} = {a.get('at', 1)}, above the cap {binary(cap)}")
         elif a["kind"] == "memory":
-            lines.append(f"--memory {cap_arg(a['min_cap'])} or more (M(1) = {a['min_cap']:,} bytes): fits {var} = 1")
+            at = a.get("at", 1)
+            lines.append(f"--memory {cap_arg(a['min_cap'])} or more (M({at}) = {a['min_cap']:,} bytes): fits {var} = {at}")
     return lines

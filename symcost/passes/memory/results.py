@@ -14,7 +14,8 @@ class NothingFits(SymcostError):
 
 @dataclass
 class Solution:
-    """The largest ``var`` (B or S) whose peak fits under ``cap`` at the other sizes.
+    """The largest ``var`` (B, S or a size of the model: the image side) whose peak fits under ``cap``
+    at the other sizes.
 
     ``value`` is 0 when even ``var = 1`` does not fit (``dominant`` then names the component
     that dominates at 1). ``memory_at`` / ``memory_next`` are M(value) and M(value + 1) in bytes,
@@ -35,6 +36,11 @@ class Solution:
     seconds: float = 0.0
     checked: bool = False
     adjusted: int = 0
+    # the next admissible value after ``value`` (``memory_next`` is M there): value + 1, or
+    # value + modulus where the formulas hold in a residue class of ``var`` (an image side mod 32);
+    # the least admissible value when ``value`` is 0
+    next_value: int | None = None
+    modulus: int = 1
 
 
 @dataclass

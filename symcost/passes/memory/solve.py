@@ -4,6 +4,7 @@ boundary, the component that dominates, why nothing fits, and gradient-accumulat
 """
 from __future__ import annotations
 
+import math
 import time
 
 import sympy
@@ -23,25 +24,40 @@ class Solver:
 
     # -- solving -------------------------------------------------------------------------------------
     def solve(self, cap: int | str, var: str = "B", accumulate: bool = False, **sizes: int) -> Solution:
-        """Largest integer ``var`` (``B`` or ``S``) with peak <= ``cap`` at the other ``sizes``.
+        """Largest integer ``var`` (``B``, ``S``, or a size of the model such as the image side
+        ``IMG``) with peak <= ``cap`` at the other ``sizes``.
 
         Each candidate live set, with the other sizes substituted, is a polynomial in ``var``
         (non-decreasing: a sum of storage sizes); sympy solves ``static + c(var) <= cap`` for each
         that can win (``solve_univariate_inequality``) and the answer is the floor of the smallest
         supremum. Then M(value) <= cap < M(value + 1) is checked by exact integer evaluation.
+        Where the trace's formulas hold for ``var`` only within a residue class (``an.residues``:
+        an image side that strides floor, ConvNeXt's IMG ≡ r mod 32), the answer is the largest
+        value of that class, checked against the next one: M(value) <= cap < M(value + m)
+        (``Solution.next_value``, ``modulus``); the model's limits (``spec.check``: IMG at least
+        a patch) are met by the answer.
 
         Raises:
-            SymcostError: ``var`` not a symbol of the model, or set in ``sizes``; bad sizes/cap.
+            SymcostError: ``var`` not a symbol of the model, pinned by the trace (its peak is no
+                formula in it), or set in ``sizes``; bad sizes/cap.
         """
         t0 = time.perf_counter()
         cap = parse_memory(cap)
+        if var in (getattr(self.an, "pinned", {}) or {}):
+            why = (getattr(self.an, "pin_reasons", {}) or {}).get(var, "its regime")
+            raise SymcostError(f"cannot solve for {var}: this trace pinned it at {self.an.pinned[var]} ({why}), so its "
+                               f"peak is no formula in {var}; solve for B at --set {var}=... instead")
         if var not in self.gens:
             raise SymcostError(f"cannot solve for {var!r}: not a symbol of {self.an.model} "
                                f"(symbols: {', '.join(self.gens)})")
         sizes = dict(sizes)
         if var in sizes:
             raise SymcostError(f"--set {var}=... conflicts with solving for {var}")
-        env = self._env({**sizes, var: 1})
+        # a symbol whose sizes are polynomials only within a residue class (an image side that
+        # strides floor: ConvNeXt's IMG mod 32): the admissible values are first, first + m, ...
+        m, r = (getattr(self.an, "residues", {}) or {}).get(var, (1, 0))
+        first = r if r >= 1 else m
+        env = self._env({**sizes, var: first})
         fixed = {s: env[s] for s in self._syms if str(s) != var}
         L = fixed.get(SYMS["L"])
         X = sympy.Symbol(var, positive=True)
@@ -101,30 +117,61 @@ class Solver:
         while M(value + 1) <= cap:
             value += 1
             adjusted += 1
-        # the model's own limits (e.g. S <= n_positions), checked on the full set of values:
-        # pinned (B = 1), defaulted and tied symbols included
+        # the model's own limits (e.g. S <= n_positions, IMG a multiple of 4), checked on the full
+        # set of values: pinned (B = 1), defaulted and tied symbols included
         check = self.an.spec.check
+        named = {str(s): int(v) for s, v in fixed.items()}
+
         def valid(x):
-            return check(self.full_values({**{str(s): int(v) for s, v in fixed.items()}, var: x}))
+            return check(self.full_values({**named, var: x}))
+
+        # the admissible values are periodic: the trace's residue class (m, r) and the model's
+        # "multiple" limits on var (and "divides" ones where var is the multiple) repeat every period
+        period = m
+        for c in getattr(self.an.spec, "constraints", ()) or ():
+            if c.kind == "multiple" and c.a == var and isinstance(c.b, int):
+                period = math.lcm(period, c.b)
+            elif c.kind == "divides" and c.b == var and isinstance(named.get(c.a), int):
+                period = math.lcm(period, named[c.a])
+
+        def periodic(x):
+            return (x - r) % m == 0 and not any(
+                (c.kind == "multiple" and c.a == var and isinstance(c.b, int) and x % c.b)
+                or (c.kind == "divides" and c.b == var and isinstance(named.get(c.a), int) and x % named[c.a])
+                for c in getattr(self.an.spec, "constraints", ()) or ())
+
+        def down(x):  # the largest periodic-admissible value <= x (0: none)
+            for y in range(x, max(0, x - period), -1):
+                if periodic(y):
+                    return y
+            return 0
+
+        least = next((y for y in range(1, period + 1) if periodic(y)), 1)
+        memory_value = value
+        value = down(value) if value >= 1 else 0
         if value >= 1 and valid(value):
-            lo, hi = 0, value
+            # the largest admissible value the model's other limits allow (a limit such as S <=
+            # n_positions: valid below it), by bisection over value - k*period
             why = valid(value)
+            # (bisection on the smallest k whose value is valid: valid for every larger k)
+            lo, hi = 0, (value - least) // period + 1
             while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if valid(mid) is None:
-                    lo = mid
+                mid = (lo + hi) // 2
+                if valid(value - mid * period) is None:
+                    hi = mid
                 else:
-                    hi = mid - 1
-            limited_by = f"{why}; memory alone would allow {var} = {value}"
-            value = lo
+                    lo = mid + 1
+            limited_by = f"{why}; memory alone would allow {var} = {memory_value}"
+            value = value - lo * period if lo <= (value - least) // period else 0
+        nxt = value + period if value >= 1 else least
         sol = Solution(var=var, value=value, cap=cap,
                        memory_at=M(value) if value >= 1 else None,
-                       memory_next=M(value + 1),
+                       memory_next=M(nxt), next_value=nxt, modulus=period,
                        sizes={**dict(getattr(self.an, "pinned", {}) or {}), **{str(s): int(v) for s, v in fixed.items()}},
                        bound=sup, inequality=shown, limited_by=limited_by, adjusted=adjusted)
         sol.checked = (value == 0 or sol.memory_at <= cap) and (limited_by is not None or sol.memory_next > cap)
         if value == 0:
-            sol.dominant = self.dominant(**{**{str(s): int(v) for s, v in fixed.items()}, var: 1})
+            sol.dominant = self.dominant(**{**{str(s): int(v) for s, v in fixed.items()}, var: least})
         sol.seconds = time.perf_counter() - t0
         return sol
 
