@@ -1,8 +1,11 @@
 """``hf:`` state-space and hybrid causal LMs beyond Mamba-1 (:func:`symcost.frontends.hf_tasks.ssm_spec`):
-Mamba-2 (``hf:mamba2``: :func:`mamba2_spec`), and the hybrids of attention and Mamba blocks
-Jamba (``hf:jamba``), Zamba (``hf:zamba``) and Zamba2 (``hf:zamba2``: :func:`hybrid_spec`). Each
+Mamba-2 (``hf:mamba2``: :func:`mamba2_spec`) and the hybrid of attention, Mamba and
+mixture-of-experts blocks Jamba (``hf:jamba``: :func:`hybrid_spec`). Zamba and Zamba2 (shared
+attention blocks, widths derived from ``hidden_size`` by floor division) are not bound yet: they
+go through :func:`symcost.frontends.hf.spec` unverified. Each
 trains the model's own next-token loss (``input_ids`` and ``labels`` int64 ``[B, S]``), on
-transformers' CPU paths (no mamba-ssm / causal-conv1d kernels: ``use_mamba_kernels=False``).
+transformers' torch paths (its fallback where the mamba-ssm and causal-conv1d kernels are absent or do
+not run on the device, as on CPU and the meta device).
 
 Symbols (the model's own, bound to config fields; shared/conventions.md):
 
@@ -10,15 +13,17 @@ Symbols (the model's own, bound to config fields; shared/conventions.md):
 symbol     config field
 ========== ==========================================================================================
 H, D       Mamba-2: ``num_heads`` (SSM heads) and ``head_dim`` (channels per head, the SSD paper's
-           P); the inner width ``H*D`` = ``expand * hidden_size``, so d_model = H·D/EXPAND with
-           ``expand`` a config value (default 2; ``--config expand=...``): no polynomial is
-           ⌈H·D/EXPAND⌉, so EXPAND is no symbol. Hybrids: the attention's heads and head
-           dimension (``num_attention_heads``; Jamba's d_model = H·D)
+           P); the inner width ``H*D`` = ``expand * hidden_size``, so d_model = H·D/expand with
+           ``expand`` a config value (default 2; ``--config expand=...``): H·D/EXPAND is no
+           polynomial, so expand is no symbol. Jamba: the attention's heads and head dimension
+           (``num_attention_heads``; d_model = H·D), with K, F, E, R as for causal LMs
 K          Mamba-2: ``n_groups``, the groups of heads sharing the SSM's B and C (H/K heads each, as
            grouped-query attention's K key/value heads serve H/K query heads: the SSD paper's
            grouped heads; K divides H, and K = 1, 1 < K < H, K = H are regimes as for attention)
-N_state    ``state_size`` / ``mamba_d_state`` (the SSM state per channel)
+N_state    ``state_size`` / Jamba's ``mamba_d_state`` (the SSM state per channel)
 K_conv     ``conv_kernel`` / ``mamba_d_conv`` (the causal depthwise convolution's width)
+EXPAND     Jamba's ``mamba_expand`` (its Mamba blocks' inner width EXPAND·H·D)
+R_dt       Jamba's ``mamba_dt_rank`` (the rank of the Δ projection)
 L, V       ``num_hidden_layers``, ``vocab_size``
 ========== ==========================================================================================
 
@@ -43,7 +48,7 @@ from symcost.frontends.spec import Constraint, ModelSpec, check_constraints
 
 #: Families checked (transformers 5.x, torch 2.13) against FlopCounterMode, saved_tensors_hooks and
 #: a meta count at random tiny sizes (tests/test_hf_ssm.py).
-VERIFIED = ("mamba2",)
+VERIFIED = ("mamba2", "jamba")
 
 #: Mamba-2's symbols and the config fields they set (``hidden_size`` = H*D/expand is built).
 MAMBA2_FIELDS = {"H": "num_heads", "D": "head_dim", "K": "n_groups", "N_state": "state_size",
