@@ -336,19 +336,19 @@ def test_alltoall_rotation_recorded_as_pytorch_runs_it():
 
 
 def test_cp_refusals():
-    """One line each: --cp-rotate without --cp; --cp with --dp under DDP and with --pp (not modelled
-    yet); time --cp --tp without --gpu (a tensor-parallel rank's step is priced per process group
-    only); an unknown rotate method; a model whose attention is not SDPA."""
+    """One line each: --cp-rotate without --cp; --cp with --dp under DDP (not modelled yet; the
+    line lists what CP composes with, pipeline stages among them: tests/test_context_parallel_pp.py);
+    time --cp --tp without --gpu (a tensor-parallel rank's step is priced per process group only);
+    an unknown rotate method; a model whose attention is not SDPA."""
     r = CliRunner().invoke(main, ["report", "hf:llama", "--cp-rotate", "alltoall"])
     assert r.exit_code == 2 and "--cp-rotate needs --cp N" in r.output, r.output
     r = CliRunner().invoke(main, ["report", "hf:llama", "--cp", "2", "--dp", "2"])  # (--shard ddp)
     assert r.exit_code == 2 and "alone or under FSDP2" in r.output and "Traceback" not in r.output, r.output
+    assert "pipeline stages (--pp N)" in r.output, r.output
     r = CliRunner().invoke(main, ["time", "hf:llama", "--cp", "2", "--tp", "2", "--tokens", "1e9", "--mfu", "0.4"])
     assert r.exit_code == 2 and "time --tp needs --gpu NAME" in r.output, r.output
     r = CliRunner().invoke(main, ["max-batch", "hf:llama", "--cp", "2", "--gpu", "h100", "--memory", "80GiB"])
     assert r.exit_code == 2 and "--gpu needs --dp N" in r.output, r.output  # (report --cp alone prices the ring)
-    r = CliRunner().invoke(main, ["report", "hf:llama", "--cp", "2", "--pp", "2"])
-    assert r.exit_code == 2 and "--cp with --pp" in r.output, r.output
     with pytest.raises(SymcostError, match="unknown --cp-rotate"):
         Layout(cp=True, cp_rotate="ring")
     with pytest.raises(SymcostError, match="does not call F.scaled_dot_product_attention"):

@@ -251,17 +251,21 @@ def ring_calls(reset: bool = False) -> int:
 
 def sequence_dims(spec, values: Mapping[str, int], inputs) -> list:
     """For each tensor of ``inputs`` (``(args, kwargs)``, pytree order), the dimension that is the
-    sequence (its size follows S: compared with the inputs made at S + 2), or None."""
+    sequence (its size follows S: compared with the inputs made at S + 2·CP·TP, a length the
+    ranks still split, so a pipeline stage's received activation, already the rank's S/CP tokens
+    and maybe S/(CP·TP), can be made there: :func:`symcost.frontends.pipeline.stage_inputs`), or
+    None. Such an activation is not S long, so it is never taken for one to split."""
     import torch
     from torch.utils._pytree import tree_flatten
 
-    other = spec.make_inputs(dict(values, S=values["S"] + 2), torch.device("meta"))
+    step = 2 * int(values.get("CP", 1)) * int(values.get("TP", 1))
+    other = spec.make_inputs(dict(values, S=values["S"] + step), torch.device("meta"))
     a, b = tree_flatten(inputs)[0], tree_flatten(other)[0]
     out = []
     for x, y in zip(a, b):
         dim = None
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dim() == y.dim():
-            moved = [d for d in range(x.dim()) if x.shape[d] == values["S"] and y.shape[d] == values["S"] + 2]
+            moved = [d for d in range(x.dim()) if x.shape[d] == values["S"] and y.shape[d] == values["S"] + step]
             dim = moved[0] if len(moved) == 1 else None
         out.append(dim)
     return out

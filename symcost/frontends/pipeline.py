@@ -654,7 +654,8 @@ def stage_inputs(spec, values: Mapping[str, int], part: str, x_shape, x_dtype, d
     requiring grad) and the model's inputs as keyword arguments ``_in<i>``. With ``sp``
     (sequence parallelism over ``values["TP"]`` ranks) the activation is the rank's S/TP
     positions: dimension 1 split, as ``SequenceParallel``'s ``Shard(1)`` leaves it between
-    blocks and as torchtitan's stages send it."""
+    blocks and as torchtitan's stages send it. (Under context parallelism ``x_shape`` is
+    already the rank's S/CP tokens': :func:`cp_values`.)"""
     import torch
 
     args, kwargs = spec.make_inputs(values, device)
@@ -682,8 +683,28 @@ def local_boundary(x_shape, values: Mapping[str, int], sp: bool = False) -> tupl
     return (x_shape[0], x_shape[1] // tp) + x_shape[2:]
 
 
+def cp_values(values: Mapping[str, int], cp: bool) -> dict:
+    """The sizes a stage's boundary is probed at (:func:`probe_spec`): ``values``, with S the
+    rank's S/CP tokens under context parallelism (``cp``). torchtitan shards each micro-batch's
+    inputs over the ``cp`` mesh before the pipeline schedule runs (``prepare_context_parallel_input``
+    in torchtitan/trainer.py ``pp_forward_backward_step``, inside the CP ``train_context``), so
+    every stage computes on the rank's S/CP tokens: the activation it receives and sends, and
+    what the modules deleted from it would have returned (an embedding's output, from which a
+    model derives its positions and rotary tables), are of S/CP tokens.
+
+    Raises:
+        SymcostError: CP does not divide S.
+    """
+    if not cp:
+        return dict(values)
+    S, n = int(values["S"]), int(values["CP"])
+    if S % n:
+        raise SymcostError(f"--cp {n} does not divide S = {S}")
+    return dict(values, S=S // n)
+
+
 def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = "fp32", probes: dict | None = None,
-               sp: bool = False):
+               sp: bool = False, cp: bool = False):
     """The :class:`~symcost.frontends.spec.ModelSpec` of one stage module of ``spec`` for one
     micro-batch, with ``L`` the blocks of this stage (its formulas turn into L/PP, or
     L/(PP·v), by substitution, :mod:`symcost.passes.pipeline`).
@@ -695,7 +716,8 @@ def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = 
     outputs and the received activation) is probed in it (:func:`probe_spec`), once per sizes;
     ``probes``: a dict the stage kinds of one pipeline share, so they probe each size once;
     ``sp``: the stage is traced under sequence parallelism (its received activation is the
-    rank's S/TP positions, :func:`stage_inputs`).
+    rank's S/TP positions, :func:`stage_inputs`); ``cp``: under context parallelism (the boundary is
+    probed at the rank's S/CP tokens, :func:`cp_values`).
 
     Raises:
         SymcostError: an unknown part, or a model without a block container.
@@ -709,7 +731,12 @@ def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = 
     def boundary(values):
         key = tuple(sorted(values.items()))
         if key not in probes:
-            probes[key] = probe_spec(spec, values, layers, precision)
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            # (a probe asked for inside the recording's FakeTensorMode, as context parallelism's
+            # input split asks for the inputs at another S: the probe runs in its own mode)
+            with unset_fake_temporarily():
+                probes[key] = probe_spec(spec, cp_values(values, cp), layers, precision)
         return probes[key]
 
     lead = int(getattr(spec, "lead_blocks", 0) or 0) if part != "first" else 0

@@ -130,7 +130,7 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
 
             def fresh(part=part, own=own):
                 stage = stage_spec(spec, part, container(), precision=precision, probes=probes,
-                                   sp=bool(inner and inner.sp))
+                                   sp=bool(inner and inner.sp), cp=bool(inner and inner.cp))
                 if inner:
                     stage = inner.spec(stage)
                 # (the stage's own block count is the request's L: where the blocks of a stage
@@ -392,12 +392,13 @@ def _rank_params(an) -> tuple:
 def comm_by_group(collectives) -> dict[str, dict[str, int]]:
     """``{group symbol: {kind: bytes}}`` of a rank's step from the c10d ops it dispatched
     (:func:`symcost.tracing.pipeline.rank_memory`'s ``collectives``): bytes each rank sends per
-    step, ring algorithm (:func:`symcost.graph.rules.comm_volume`'s sizes and factors); the
-    point-to-point ops go to ``PP``, others without a mesh group to ``world``."""
+    step, ring algorithm (:func:`symcost.graph.rules.comm_volume`'s sizes and factors), an
+    all-to-all with split sizes the rows it sends to other ranks (a sixth element, the bytes
+    counted at dispatch); the point-to-point ops go to ``PP``, others without a mesh group to ``world``."""
     from symcost.graph.rules import COMM_OPS, RING_FACTOR
 
     out: dict[str, dict[str, int]] = {}
-    for op, group, n, ins, outs in collectives:
+    for op, group, n, ins, outs, *sent in collectives:
         if op not in COMM_OPS or COMM_OPS[op][1] is None:
             continue
         kind, (side, pos) = COMM_OPS[op]
@@ -405,7 +406,10 @@ def comm_by_group(collectives) -> dict[str, dict[str, int]]:
         size = sum(sizes) if pos == "all" else sizes[pos]
         g = group or ("PP" if kind in P2P else "world")
         per = out.setdefault(g, {})
-        per[kind] = per.get(kind, 0) + int(round(RING_FACTOR[kind](n) * size))
+        # (an all-to-all with split sizes: the rows the rank sends to the others, as counted at
+        # dispatch; ring attention's permute_tensor sends its whole input to one rank)
+        per[kind] = per.get(kind, 0) + (sent[0] if sent and sent[0] is not None
+                                        else int(round(RING_FACTOR[kind](n) * size)))
     return out
 
 

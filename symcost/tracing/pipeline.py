@@ -29,8 +29,8 @@ from torch.utils._pytree import tree_flatten
 
 from symcost.errors import SymcostError
 from symcost.frontends.parallel import destroy_world
-from symcost.frontends.pipeline import (SCHEDULES, build_blocks, local_boundary, make_stage, part_of, probe_spec,
-                                       stage_blocks)
+from symcost.frontends.pipeline import (SCHEDULES, build_blocks, cp_values, local_boundary, make_stage, part_of,
+                                       probe_spec, stage_blocks)
 from symcost.tracing import grouped_mm
 from symcost.tracing.device_kernels import device_kernels
 from symcost.tracing.record import _lazy_init, materialize, precision_context
@@ -84,7 +84,7 @@ class _Live(TorchDispatchMode):
                 return
         sym = self.groups.get(pg.group_name) or _GROUPS.get(pg.group_name, (None,))[0]
         self.collectives.append((str(func.overloadpacket), sym, pg.size(),
-                                 _sizes(flat), _sizes(tree_flatten(out)[0])))
+                                 _sizes(flat), _sizes(tree_flatten(out)[0]), _split_sent(func, args, pg)))
         _GROUPS[pg.group_name] = (sym, pg.size())
 
     def __enter__(self):
@@ -238,10 +238,14 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
     values = dict(values)
     # the boundary as the step of this precision runs it (the deleted modules' outputs in its
     # dtypes: a rotary embedding computes its tables in the embeddings' dtype)
-    pre, post, templates, x_shape, x_dtype = probe_spec(spec, values, layers, precision)
+    # (under context parallelism at the rank's S/CP tokens: frontends.pipeline.cp_values)
+    pre, post, templates, x_shape, x_dtype = probe_spec(spec, cp_values(values, bool(inner and inner.cp)), layers,
+                                                        precision)
     with torch.device("meta"):
         meta = spec.build(values)
-    a, k = spec.make_inputs(values, torch.device("meta"))
+    # (under context parallelism the last stage's output is the rank's S/CP tokens' logits)
+    a, k = spec.make_inputs(dict(values, S=values["S"] // int(values["CP"])) if inner and inner.cp else values,
+                            torch.device("meta"))
     if not keywords:
         with torch.no_grad():
             logits = meta(*a, **k)
@@ -270,6 +274,7 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pp)
     sp = bool(inner and inner.sp)
     offload = bool(inner and inner.offload)
+    cp = bool(inner and inner.cp)
     x_local = local_boundary(x_shape, values, sp)
     cls = getattr(S, SCHEDULES[schedule][0])
     try:
@@ -294,7 +299,18 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
         with FakeTensorMode(allow_non_fake_inputs=True):
             mb_args, _ = spec.make_inputs(values, cpu)
             all_args, all_kw = spec.make_inputs(dict(values, B=values["B"] * microbatches), cpu)
+            if cp:
+                # context parallelism: the step's inputs sharded over the cp mesh before the schedule
+                # splits them into micro-batches (torchtitan's train step shards each micro-batch's,
+                # the same tokens: the load balancer permutes every sequence alike), so each stage
+                # computes on, and sends, the rank's S/CP tokens
+                from symcost.frontends.context_parallel import shard_inputs
+
+                all_args, all_kw = shard_inputs(spec, dict(values, B=values["B"] * microbatches),
+                                                (all_args, all_kw), sub["CP"])
             mb, tokens = (mb_args[0], all_args[0]) if not keywords else (None, next(iter(all_kw.values())))
+            if cp and not keywords:  # (the first stage's micro-batch: the rank's S/CP tokens)
+                mb = tokens[: values["B"]]
             stages = []
             for s, m in models:
                 if dims:
@@ -329,6 +345,8 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
             sched._warmup_p2p = static
 
             record_context = spec.record_context or contextlib.nullcontext
+            if cp:  # PyTorch's CP dispatcher around the schedule's step (torchtitan's train_context)
+                from symcost.frontends.context_parallel import enabled as cp_enabled
             if offload:  # FSDP2's CPU offload: its two copies as ops (symcost.frontends.offload)
                 from symcost.frontends.offload import offload_transfers
             hooks = (_same, _same)
@@ -348,7 +366,11 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
                 # until the backward frees it, as its storage does; without them autograd keeps
                 # the output's data only and _Live would count it freed)
                 # (grouped_mm.kernels: transformers' experts' fp32 grouped GEMMs, which the meta kernel refuses)
-                with autocast(), loss_context(), record_context(), device_kernels(spec.extra.get("torch_device")), \
+                # (CP's dispatcher before --torch-device's kernels, as the recorder enters them:
+                # PyTorch's monkey patch replaces F's function by the patched one's own name)
+                with autocast(), loss_context(), record_context(), \
+                        (cp_enabled(sub["CP"], inner.cp_rotate) if cp else contextlib.nullcontext()), \
+                        device_kernels(spec.extra.get("torch_device")), \
                         grouped_mm.kernels(), _sends_held(S), torch.autograd.graph.saved_tensors_hooks(*hooks), \
                         (offload_transfers() if offload else contextlib.nullcontext()):
                     first = (tokens,) if 0 in mine and not keywords else ()
@@ -367,6 +389,12 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
                 step()
             with _Live(groups) as live:
                 step()
+            if cp:
+                from symcost.frontends.context_parallel import ring_calls
+
+                if not ring_calls(reset=True):  # (the attention ran as one device's: not the step asked for)
+                    raise SymcostError(f"--cp: {spec.name}'s attention did not run as ring attention in the "
+                                       "pipeline step (it does not call F.scaled_dot_product_attention)")
             grads = sum(_nbytes(p.grad) for _, m in models for p in m.parameters() if p.grad is not None)
     except SymcostError:
         raise
@@ -393,6 +421,23 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
 
 def _same(t):
     return t
+
+
+def _split_sent(func, args, pg):
+    """The bytes this rank sends in an ``all_to_all_single`` (``(input, output_split_sizes,
+    input_split_sizes, group)``) that keeps none of its input, its own input split 0 (ring
+    attention's ``permute_tensor``, which passes the whole input to the next rank): the whole
+    input, as :func:`symcost.graph.rules.comm_volume` counts it (``_keeps_nothing``); None for any
+    other collective (the ring factor of its kind applies,
+    :func:`symcost.passes.pipeline.comm_by_group`)."""
+    import torch.distributed as dist
+
+    if str(func.overloadpacket) != "_c10d_functional.all_to_all_single" or len(args) < 3:
+        return None
+    splits = list(args[2] or ())
+    if len(splits) < 2 or int(splits[dist.get_rank(pg)]) != 0:
+        return None
+    return _nbytes(args[0])
 
 
 class _Works(list):
