@@ -231,11 +231,11 @@ class Layout:
             check_rotate(self.cp_rotate)
             from symcost.frontends.parallel import SHARDS
 
-            if self.pipeline is not None or self.replicate is not None or (
-                    self.shard is not None and SHARDS[self.shard][0] != "fully_shard"):
-                raise SymcostError("--cp with --pp, --dp-replicate or --shard ddp/zero1: context parallelism is "
+            if self.replicate is not None or (self.shard is not None and SHARDS[self.shard][0] != "fully_shard"):
+                raise SymcostError("--cp with --dp-replicate or --shard ddp/zero1: context parallelism is "
                                    "modelled alone or under FSDP2 (--dp N --shard fsdp|zero3|zero2: fully_shard over "
-                                   "dp_shard × cp, as torchtitan), with --tp M too, for now (docs/parallel.md §15)")
+                                   "dp_shard × cp, as torchtitan), with --tp M and in pipeline stages (--pp N) too, "
+                                   "for now (docs/parallel.md §15)")
 
     # --- what the layout is -------------------------------------------------------------------
     @property
