@@ -116,6 +116,75 @@ def test_real_gloo_ep4_tp2_deepseek_v3_trains_as_one_device(tmp_path):
         assert Fraction(g["by_group"]["EP"]["all_to_all"]) > 0 and Fraction(g["by_group"]["TP"]["all_reduce"]) > 0
 
 
+#: --ep --tp --dp (docs/parallel.md §14.9): EP 2 over one TP group of 2, DP 2 ranks holding the same
+#: experts; 4 ranks: TP {0, 1}, {2, 3}; EP the same; DP (dense, DP·EP/TP = 2) and DP_expert (DP = 2)
+#: {0, 2}, {1, 3}, four process groups of their own
+REQUEST_DP = {"DP": 2, "EP": 2, "TP": 2, "B": 2, "S": 16, "H": 8, "D": 4, "L": 2, "V": 64, "F": 16, "E": 16, "R": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _trace_dp():
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+
+    # (the config sizes pinned at the request: the gloo run is one point; B, S, L and the mesh
+    # symbols DP, EP, TP stay symbols)
+    pins = {s: "the gloo run's size" for s in ("H", "D", "V", "F", "E", "R")}
+    return symcost.trace(resolve("moe"), layout=Layout(ep=True, tp=True, shard="fsdp", experts_shard=0),
+                         sizes=REQUEST_DP, precision=PRECISION, _pins=pins)
+
+
+@pytest.mark.heavy
+def test_real_gloo_ep2_tp2_dp2_fsdp(tmp_path):
+    """``torchrun --nproc-per-node 4`` with gloo: ``--ep 2 --tp 2 --dp 2 --shard fsdp`` (the mesh
+    ``(dp_shard, ep_rest, tp)`` = (2, 1, 2), tests/data/ep_tp_dp_rank.py: EP × TP by symcost's layout,
+    FSDP2 written out as torchtitan's ``apply_fsdp`` applies it with etp = 1, each TP group its own
+    tokens, the routers balanced). On every rank the loss equals the same model's on one device; the
+    rank's FLOPs, saved bytes, parameter elements and each process group's bytes per kind (TP
+    all-reduce, EP all-to-all, DP (dense, DP·EP/TP ranks) and DP_expert (DP ranks) all-gather and
+    gradient reduce-scatter) equal symcost's, and its peak (MemTracker, AdamW for-loop) is within 5%
+    of symcost's. Both gradient groups reduce: the dense gradients over DP, the experts' over
+    DP_expert, each a collective node of the graph."""
+    from symcost.passes.memory import memory_model
+
+    v = dict(REQUEST_DP)
+    script = os.path.join(os.path.dirname(__file__), "data", "ep_tp_dp_rank.py")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
+    nproc = v["DP"] * v["EP"]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                        script, str(tmp_path)] + [str(v[k]) for k in "HDLVFERBS"] + [str(v["DP"]), str(v["TP"])],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
+                                        if any(w in line for w in ("Error", "error", "rank", "terminate", "what()")))[-4000:]
+    an = _trace_dp()
+    # (TP is pinned at this request: no other TP runs the request's ops with H = 8 and EP = 2)
+    assert {"DP", "EP", "B", "L"} <= set(an.symbols), (an.symbols, an.pinned)
+    ops = {op.comm[3] for op in an.ops if op.comm is not None and op.comm[0] == "reduce_scatter"}
+    assert ops == {"DP", "DP_expert"}, ops  # (the two gradient groups, each a collective node)
+    envv = an.bind(**v)
+    want = memory_model(an, PRECISION, "adamw", impl="for-loop", device="cpu").peak(**v)
+    for rank in range(nproc):
+        g = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert g["world"] == nproc and g["checks"]["loss"] < 1e-5, (rank, g["checks"])
+        assert g["ranks"]["DP"] == g["ranks"]["DP_expert"] == [rank % 2, rank % 2 + 2], g["ranks"]
+        assert g["ranks"]["TP"] == g["ranks"]["EP"] == [rank // 2 * 2, rank // 2 * 2 + 1], g["ranks"]
+        assert int(an.flops("train").subs(envv)) == g["flops"], rank
+        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(envv)) == g["saved"], rank
+        assert int(an.params_shard.subs(envv)) == g["shard"], rank
+        assert Fraction(g["comm"]["other"]) == 0
+        kinds = {"DP": ("all_gather", "reduce_scatter"), "DP_expert": ("all_gather", "reduce_scatter"),
+                 "EP": ("all_to_all",), "TP": ("all_reduce",)}
+        assert set(g["by_group"]) == set(kinds), g["by_group"]
+        for group, ks in kinds.items():
+            assert set(g["by_group"][group]) == set(ks), (group, g["by_group"][group])
+            for k in ks:
+                assert Fraction(str(an.comm_bytes(k, group=group).subs(envv))) == Fraction(g["by_group"][group][k]) > 0, (
+                    rank, group, k)
+        assert Fraction(str(an.comm_bytes("total").subs(envv))) == sum(
+            Fraction(x) for d in g["by_group"].values() for x in d.values())
+        assert abs(want - g["memtracker"]) <= 0.05 * g["memtracker"], (rank, want, g["memtracker"])
+
+
 def _cli(args):
     from click.testing import CliRunner
 
@@ -127,11 +196,10 @@ def _cli(args):
 @pytest.mark.parametrize("args, words", [
     (["report", "moe", "--ep", "2", "--tp", "4"], "TP must divide EP"),
     (["report", "moe", "--ep", "4", "--tp", "2", "--sp"], "without sequence parallelism"),
-    (["report", "moe", "--ep", "4", "--tp", "2", "--dp", "2", "--shard", "fsdp"], "without sequence parallelism and data"),
 ])
 def test_ep_tp_refusals_are_one_line(args, words):
     """What --ep --tp does not run is one line before any trace: a TP that does not divide EP (the
-    EP group borrows the TP ranks), --sp and --dp with both (not modelled yet)."""
+    EP group borrows the TP ranks), --sp with both (not modelled yet)."""
     r = _cli(args)
     assert r.exit_code == 2, r.output
     assert words in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output

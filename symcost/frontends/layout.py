@@ -190,10 +190,10 @@ class Layout:
             raise SymcostError("--ep with --cp/--fp8/--compile: expert parallelism is modelled alone, with --tp, under "
                                "FSDP2 (--dp N --shard fsdp|zero3|zero2) and in pipeline stages (--pp N) for now "
                                "(docs/parallel.md §14); give --ep N without them")
-        if self.ep and self.tp and (self.sp or self.shard is not None):
-            raise SymcostError("--ep with --tp and " + ("--sp" if self.sp else "--dp") + ": expert parallelism over "
-                               "tensor-parallel ranks is modelled without sequence parallelism and data parallelism "
-                               "for now (--ep N --tp M [--pp P]; docs/parallel.md §14.8)")
+        if self.ep and self.tp and self.sp:
+            raise SymcostError("--ep with --tp and --sp: expert parallelism over tensor-parallel ranks is modelled "
+                               "without sequence parallelism for now (--ep N --tp M [--dp D --shard fsdp|zero3|zero2] "
+                               "[--pp P]; docs/parallel.md §14.8-14.9)")
         object.__setattr__(self, "etp", bool(self.etp))
         if self.etp and not (self.ep and self.tp):
             raise SymcostError("--etp M (expert-tensor parallelism) splits the experts of --ep N over the ranks of "
@@ -300,7 +300,9 @@ class Layout:
         docs/parallel.md §14.6): the dense parameters sharded over the flattened ``dp_shard × ep``
         group (label ``"DP"``, DP·EP ranks: torchtitan's ``dp_shard``, from which it borrows the EP
         ranks), each rank's E/EP experts over ``dp_shard`` (label ``"DP_expert"``, DP ranks: the
-        ranks holding the same experts, torchtitan's ``efsdp``, formerly ``dp_shard_mod_ep``)."""
+        ranks holding the same experts, torchtitan's ``efsdp``, formerly ``dp_shard_mod_ep``). With
+        ``tp`` (§14.9) the dense group is ``dp_shard × ep_rest``, DP·EP/TP ranks, each holding the
+        TP-local shards of its TP rank."""
         return self.ep and self.shard is not None
 
     def group_size(self, label: str, size_of):
@@ -308,7 +310,8 @@ class Layout:
         ``"TP"``, ``"PP"``, and under HSDP ``"DP_replicate"``: :meth:`group_labels`), with
         ``size_of`` as :meth:`dim_size`. Under HSDP ``"DP"`` is the ``dp_shard`` group (DP/R); under
         FSDP with ``cp`` the flattened ``dp_shard × cp`` group (DP·CP)."""
-        return group_size(label, size_of, self.replicate, cp=self.cp and self.shard is not None, ep=self.ep_fsdp)
+        return group_size(label, size_of, self.replicate, cp=self.cp and self.shard is not None, ep=self.ep_fsdp,
+                          tp=self.ep_fsdp and self.tp)
 
     @property
     def ep_tp(self) -> bool:
@@ -321,12 +324,17 @@ class Layout:
         traced dimensions, ``pp`` aside), ``size_of`` as :meth:`dim_size`: the traced dimensions
         and their sizes, except with :attr:`ep_tp`, where the EP ranks are the mesh ``(ep_rest, tp)`` =
         (EP/TP, TP) and the ``ep`` group its flattening (torchtitan: ``ep`` innermost in its sparse
-        mesh, over the ``dp_shard · tp`` ranks of its dense one)."""
+        mesh, over the ``dp_shard · tp`` ranks of its dense one); under FSDP2 too the mesh is
+        ``(dp_shard, ep_rest, tp)`` = (DP, EP/TP, TP), DP·EP ranks (docs/parallel.md §14.9:
+        torchtitan's ``dp_shard_mod_ep × dp_shard_in_ep × tp`` with etp = 1)."""
         if self.etp:  # (expert-tensor parallelism: EP·TP ranks, the (ep, tp) mesh, §14.10)
             return ("ep", "tp"), (size_of("EP"), size_of("TP"))
         if self.ep_tp:
             ep, tp = size_of("EP"), size_of("TP")
-            return ("ep_rest", "tp"), (ep // tp if isinstance(ep, int) else ep / tp, tp)
+            rest = ep // tp if isinstance(ep, int) else ep / tp
+            if self.shard is not None:
+                return ("dp_shard", "ep_rest", "tp"), (size_of("DP"), rest, tp)
+            return ("ep_rest", "tp"), (rest, tp)
         dims = self.traced_dims
         return dims, tuple(int(self.dim_size(d, size_of)) for d in dims)
 
@@ -352,6 +360,15 @@ class Layout:
             flat = mesh["ep_rest", "tp"]._flatten("ep")
             labels[flat.get_group().group_name] = "EP"
             sub["EP"] = flat
+            if self.ep_fsdp:
+                # under FSDP2 (docs/parallel.md §14.9): the experts over dp_shard (the DP ranks that hold
+                # the same E/EP experts, torchtitan's dp_shard_mod_ep / efsdp), the dense parameters over
+                # dp_shard × ep_rest flattened (DP·EP/TP ranks: torchtitan's dp_shard, its 2-D mesh with tp)
+                labels[mesh["dp_shard"].get_group().group_name] = "DP_expert"
+                sub["DP_expert"] = mesh["dp_shard"]
+                dense = mesh["dp_shard", "ep_rest"]._flatten("dp_shard_ep")
+                labels[dense.get_group().group_name] = "DP"
+                sub["DP"] = dense
             return sub, labels
         dims = [d for d in self.traced_dims]
         for d in dims:
@@ -415,7 +432,9 @@ class Layout:
                     "tp": "sp" if self.sp else None,
                     "cp": f"ring attention, {self.cp_rotate}" if self.cp else None,
                     "pp": self._pp_words() if self.pipeline else None,
-                    "ep": ("experts; dense parameters' FSDP over dp_shard × ep" if self.ep_fsdp else
+                    "ep": ("experts over the TP groups' ranks; dense parameters' FSDP over dp_shard × EP/TP"
+                           if self.ep_fsdp and self.ep_tp else
+                           "experts; dense parameters' FSDP over dp_shard × ep" if self.ep_fsdp else
                            "experts split over tp too (etp = tp)" if self.etp else
                            "experts, over the TP groups' ranks" if self.ep_tp else None)}.get(d)
             parts.append(f"{d} {n}" + (f" ({what})" if what else ""))
@@ -714,7 +733,8 @@ class Layout:
         return loss_context
 
 
-def group_size(label: str, size_of, replicate: int | None = None, cp: bool = False, ep: bool = False):
+def group_size(label: str, size_of, replicate: int | None = None, cp: bool = False, ep: bool = False,
+               tp: bool = False):
     """The ranks of the process group a collective labelled ``label`` runs over (a mesh symbol,
     or HSDP's ``"DP_replicate"``, or EP under FSDP2's ``"DP_expert"``), where ``size_of(symbol)``
     gives a symbol's size (an int or a sympy symbol) and ``replicate`` is HSDP's R (None without
@@ -722,9 +742,14 @@ def group_size(label: str, size_of, replicate: int | None = None, cp: bool = Fal
     and ``"DP_replicate"`` has R; with ``cp`` (FSDP2 over ``dp_shard × cp``, torchtitan's
     ``dp_shard_cp``), where ``"DP"`` has DP·CP ranks; and with ``ep`` (expert parallelism under
     FSDP2, :attr:`Layout.ep_fsdp`), where ``"DP"`` (the dense parameters' group, dp_shard × ep)
-    has DP·EP ranks and ``"DP_expert"`` (the experts', dp_shard) DP."""
+    has DP·EP ranks and ``"DP_expert"`` (the experts', dp_shard) DP; with ``ep`` and ``tp`` (the
+    EP group over the TP ranks under FSDP2, docs/parallel.md §14.9) ``"DP"`` (dp_shard × ep_rest)
+    has DP·EP/TP ranks."""
     if cp and label == "DP":
         return size_of("DP") * size_of("CP")
+    if ep and tp and label == "DP":
+        n, t = size_of("DP") * size_of("EP"), size_of("TP")
+        return n // t if isinstance(n, int) and isinstance(t, int) else n / t
     if ep and label == "DP":
         return size_of("DP") * size_of("EP")
     if label == "DP_expert":

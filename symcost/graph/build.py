@@ -422,6 +422,10 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     # a buffer packing parameters (FSDP2's all-gather buffer of a block) is a sum of their sizes
     fitter.hints = sorted({sympy.expand(sympy.Mul(*sh)) for sh, _, _ in param_shapes.values()}
                           - {sympy.Integer(1)}, key=sympy.default_sort_key)
+    lay = layout_of(spec)
+    if lay.ep_fsdp and lay.tp:  # (FSDP2's groups of --ep --tp --dp, whose shards its buffers hold: §14.9)
+        fitter.hint_groups = tuple(dict.fromkeys(sympy.sympify(lay.group_size(
+            g, lambda x: SYMS[x] if x in symbols else pinned.get(x, ref.values.get(x, 1)))) for g in ("DP", "DP_expert")))
     # data-parallel: each parameter's shard on one rank (FSDP2: dim 0 split over DP ranks)
     param_shards: dict[str, tuple] = {}
     for name, shape in ref.param_shards.items():

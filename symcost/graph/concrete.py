@@ -107,12 +107,13 @@ def concrete_totals(rec: Recording) -> dict[str, int]:
         cp = rec.parallel is not None and any(op.group == "CP" for op in rec.ops)  # (FSDP2 over dp_shard × cp)
         # (expert parallelism under FSDP2: the dense parameters' group is dp_shard × ep)
         ep = rec.parallel not in (None, "ep") and any(op.group == "EP" for op in rec.ops)
+        tp = ep and any(op.group == "TP" for op in rec.ops)  # (and over the TP ranks: DP·EP/TP, §14.9)
         for op in rec.ops:
             if rules.classify(op.op) == "comm":
                 v = op_view(op, [t.shape for t in op.inputs], [t.shape for t in op.outputs], op.ints)
                 # (a wait names no group; without a data- or tensor-parallel label the ring's is CP)
                 n = group_size(op.group or (trace_group(rec) if rec.parallel is not None else "CP"),
-                               rec.values.__getitem__, rec.replicate, cp=cp, ep=ep)
+                               rec.values.__getitem__, rec.replicate, cp=cp, ep=ep, tp=tp)
                 kind, _, per_rank = rules.comm_volume(v, n)
                 if kind in COMM_KINDS:  # (not a wait)
                     out[f"comm.{kind}"] += per_rank

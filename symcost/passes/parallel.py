@@ -141,7 +141,8 @@ def _by_group(an, env: Mapping) -> dict[tuple[str, str], Any]:
 
 def _padded_ep(an, env: Mapping) -> dict[str, Any]:
     """:func:`padded` of expert parallelism under FSDP2 (docs/parallel.md §14.6): each parameter's
-    traced shard (the dense ones' rows over DP·EP ranks, the experts' local ``[E/EP, ...]`` over DP
+    traced shard (the dense ones' rows over DP·EP ranks, DP·EP/TP of their TP-local rows under
+    ``--tp``, §14.9; the experts' local ``[E/EP, ...]`` over DP
     on the dimension the layout names) evaluated at ``env`` with every split dimension rounded up
     (rank 0 holds the first, largest chunk, as ``torch.chunk``); a unit's all-gather and
     reduce-scatter move its group's size times its padded shard, so each of its collectives is
@@ -166,7 +167,9 @@ def _padded_ep(an, env: Mapping) -> dict[str, Any]:
         shard += r * local
         u = _owner(name, units)
         if u is not None:
-            whole[u] += r * math.prod(int(sympy.sympify(d).xreplace(env)) for d in shape)
+            # (what the fitted collectives move: the group's size times the exact shard, the unit's
+            # TP-local (and EP-local) elements; FSDP2 moves the group's size times the padded one)
+            whole[u] += r * size[group_of[u]] * math.prod(sympy.sympify(d).xreplace(env) for d in sh)
             pad[u] += r * size[group_of[u]] * local
     comm = {k: sympy.Integer(0) for k in COMM_KINDS if k != "broadcast"}
     by_group: dict[tuple[str, str], Any] = {}
@@ -177,9 +180,7 @@ def _padded_ep(an, env: Mapping) -> dict[str, Any]:
         val = sympy.sympify(op.comm[2]).xreplace(env)
         u = op.module if op.module in whole and comm_group(an, op) in size else None
         if u is not None and whole[u] and comm_group(an, op) == group_of[u]:
-            # (the experts' unit's whole is its E/EP local experts' all DP shards: EP-local)
-            val = val * sympy.Rational(pad[u], whole[u] if group_of[u] == "DP" else whole[u] * size["DP_expert"]
-                                       // size["DP"])
+            val = val * pad[u] / sympy.nsimplify(whole[u])
         comm[op.comm[0]] += n * val
         _add(by_group, an, op, n * val)
     return {"params_shard": sympy.Integer(shard), "comm": comm, "by_group": by_group}

@@ -478,6 +478,9 @@ class Fitter:
         #: sizes a signature may combine where the sparse search fails (build.py sets the
         #: parameters' sizes: buffers that pack parameters)
         self.hints: list[sympy.Expr] = []
+        #: the sizes of the data-parallel process groups whose shards a buffer may hold, in the
+        #: symbols (build.py sets them under --tp with --ep: FSDP2's dense group DP·EP/TP)
+        self.hint_groups: tuple[sympy.Expr, ...] = ()
 
     def __call__(self, sig: tuple[int, ...], what: str = "size") -> sympy.Expr:
         if sig not in self.cache:
@@ -697,10 +700,42 @@ class Fitter:
         variants = [list(self.hints)]
         if "DP" in self.plan.symbols:  # shards, then whole and shards mixed
             variants += [[h / SYMS["DP"] for h in self.hints], list(self.hints) + [h / SYMS["DP"] for h in self.hints]]
+        if "TP" in self.plan.symbols and self.hint_groups:
+            # a block's TP-local parameters, some split over TP and some replicated (the router and
+            # norms under --ep --tp), whole (FSDP2's all-gather buffer) or as one rank's shards over
+            # a data-parallel group (its reduce-scatter output; docs/parallel.md §14.9)
+            # (the columns are near-collinear on the probes, where lstsq's least-norm answer is no
+            # rational combination: their subsets of up to 4 sizes are tried, fewest first)
+            local = list(self.hints) + [h / SYMS["TP"] for h in self.hints]
+            for exprs in [local] + [[h / g for h in local] for g in self.hint_groups]:
+                got = self._fit_subsets(sig, exprs)
+                if got is not None:
+                    return got
         for exprs in variants:
             got = self._fit_combination(sig, exprs)
             if got is not None:
                 return got
+        return None
+
+    def _fit_subsets(self, sig: tuple[int, ...], exprs: list, most: int = 4):
+        """``sig`` as a rational combination of at most ``most`` of ``exprs`` (fewest first), or None
+        (:meth:`_fit_combination` on each subset)."""
+        import itertools
+
+        syms = [SYMS[s] for s in self.plan.symbols]
+        rows = [[p[s] for s in self.plan.symbols] for p in self.plan.points]
+        cols = [np.array([float(f(*r)) for r in rows]) for f in (sympy.lambdify(syms, e, "math") for e in exprs)]
+        y = np.array(sig, dtype=np.float64)
+        tol = 1e-9 * max(1.0, float(np.abs(y).max()))
+        for k in range(1, min(most, len(exprs), len(sig) - 2) + 1):
+            for sub in itertools.combinations(range(len(exprs)), k):
+                A = np.stack([cols[i] for i in sub], axis=1)
+                coef, *_ = np.linalg.lstsq(A, y, rcond=None)
+                if np.abs(A @ coef - y).max() > tol:  # (floats first: the exact check on a near fit only)
+                    continue
+                got = self._fit_combination(sig, [exprs[i] for i in sub])
+                if got is not None:
+                    return got
         return None
 
     def _fit_combination(self, sig: tuple[int, ...], exprs: list):
