@@ -242,3 +242,34 @@ def test_cache_layers_follow_the_decoder():
         model(encoder_outputs=enc, decoder_input_ids=torch.randint(0, 20, (2, 1)), cache=out.cache, use_cache=True)
     assert len(kv_layers()) == len(ours.self_attention_cache.layers) == len(out.cache.self_attention_cache.layers) == 3
     assert cache_bytes(ours) == cache_bytes(out.cache) == 4 * 3 * 2 * 2 * 2 * 4 * (3 + 1 + 5)
+
+
+@pytest.mark.heavy
+def test_mamba_decode_recurrent_state_equals_real_step():
+    """hf:mamba's decode step through generate's cache (DynamicCache of LinearAttentionLayers: per
+    layer a conv state [B, EXPAND·M, K_conv] and an SSM state [B, EXPAND·M, N_state], written in
+    place): FLOPs == FlopCounterMode over the real step after T tokens, the cache's bytes == the real
+    states' storages, at random tiny sizes; neither grows with T."""
+    from transformers import DynamicCache
+
+    config = {"hidden_size": "16", "num_hidden_layers": "2", "vocab_size": "40", "state_size": "4",
+              "time_step_rank": "2"}
+    an = symcost.trace("hf:mamba", config, sizes={"B": 2, "T": 5}, precision="fp32", step="decode", torch_device="cpu")
+    assert an.pinned == {"S": 1} and "T" in an.symbols
+    T_ = symcost.SYMS["T"]
+    assert not an.flops("forward", "model").has(T_) and not an.kv_bytes.has(T_) and an.kv_bytes != 0
+    rng = random.Random("mamba:decode")
+    v = {"B": rng.randint(1, 3), "T": rng.randint(2, 9), "M": rng.choice((8, 16)), "N_state": rng.randint(2, 6),
+         "K_conv": rng.randint(2, 4), "EXPAND": rng.randint(1, 2), "R_dt": rng.randint(1, 3), "V": rng.randint(20, 50)}
+    full = {**an.spec.defaults, **an.pinned, **v}
+    torch.manual_seed(0)
+    model = an.spec.build(full).float().eval().requires_grad_(False)  # (FlopCounterMode's module hooks)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, v["V"], (v["B"], v["T"])), cache=cache, use_cache=True)
+        with FlopCounterMode(display=False) as fc:
+            model(input_ids=torch.randint(0, v["V"], (v["B"], 1)), cache=cache, use_cache=True, logits_to_keep=1)
+    states = [t for layer in cache.layers for d in (layer.conv_states, layer.recurrent_states) for t in d.values()]
+    assert len(states) == 2 * full["L"]
+    real = sum(t.untyped_storage().nbytes() for t in states)
+    assert (an.subs(**v)["flops.forward"], int(an.kv_bytes.xreplace(an.bind(**v)))) == (fc.get_total_flops(), real), v

@@ -776,7 +776,8 @@ def infer(model, values: Mapping[str, int], device, step: str, kv_cache: str = "
 
     Returns:
         ``((), kwargs, kv_layers)``: the step's call, and ``kv_layers()`` -> one list of tensors
-        per cache layer (every tensor attribute of ``cache.layers[i]``).
+        per cache layer (every tensor attribute of ``cache.layers[i]``, inside lists and dicts too:
+        a state-space layer's conv and recurrent states, Mamba's ``LinearAttentionLayer``).
 
     Raises:
         SymcostError: an unknown cache class.
@@ -802,7 +803,11 @@ def infer(model, values: Mapping[str, int], device, step: str, kv_cache: str = "
     ids = torch.randint(0, V, (B, S), dtype=torch.long, device=device)
 
     def kv_layers():
-        return [[t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        # (a state-space layer, transformers' LinearAttentionLayer, keeps its conv and recurrent
+        # states in dicts by state index: their tensors are found inside the containers)
+        from torch.utils._pytree import tree_leaves
+
+        return [[t for t in tree_leaves(list(vars(layer).values())) if isinstance(t, torch.Tensor)]
                 for layer in getattr(cache, "layers", [])]
 
     return (), {"input_ids": ids, key: cache, "use_cache": True, **extra}, kv_layers

@@ -386,6 +386,11 @@ def ssm_spec(model_type: str, overrides: Mapping[str, str] | None = None, attent
     [B, EXPAND·M, N_state] x [B, N_state, 1] matmul (2·B·EXPAND·M·N_state FLOPs, a model FLOP as
     FlopCounterMode counts bmm).
 
+    Inference (``step="decode"`` / ``"prefill"``, ``symcost serve``): through the cache ``generate``
+    builds, ``DynamicCache(config=...)`` of ``LinearAttentionLayer``s (:func:`symcost.frontends.hf.infer`):
+    per layer a conv state [B, EXPAND·M, K_conv] and a recurrent (SSM) state [B, EXPAND·M, N_state],
+    written in place, so a decode step's cost and the cache's bytes do not grow with T.
+
     Raises:
         SymcostError: an unknown or rejected config key, a config that is no Mamba-1 style SSM,
             an ``attention`` given (the model has none).
@@ -461,4 +466,5 @@ def ssm_spec(model_type: str, overrides: Mapping[str, str] | None = None, attent
     if model_type not in VERIFIED:
         extra["unverified"] = f"{shown} (causal-lm, state space) is not among the verified families ({', '.join(VERIFIED)})"
     return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=make_inputs, loss=loss,
-                     pin=pin, meanings=meanings, extra=extra, record_context=hf.unpacked_masks)
+                     pin=pin, meanings=meanings, extra=extra, record_context=hf.unpacked_masks,
+                     infer=hf.infer)  # (generate's DynamicCache: per layer the conv and recurrent states)
