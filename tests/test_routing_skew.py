@@ -80,3 +80,48 @@ def test_skew_is_one_line_where_it_does_not_apply():
     with pytest.raises(SymcostError, match="needs --ep"):
         symcost.trace(spec, sizes={"B": 2, "S": 8, "H": 2, "D": 4, "L": 1, "V": 32, "F": 8, "E": 4, "R": 2},
                       precision="fp32")
+
+
+#: a tiny Mixtral (transformers' experts code: packed gate_up, grouped GEMMs)
+TINY_MIXTRAL = {"hidden_size": "32", "num_local_experts": "8", "num_experts_per_tok": "2", "num_hidden_layers": "2",
+                "intermediate_size": "32", "num_attention_heads": "4", "num_key_value_heads": "4", "vocab_size": "64"}
+
+
+@pytest.mark.heavy
+def test_skewed_rank_of_transformers_experts_against_pytorch_on_the_fake_group():
+    """``--routing skew=2`` on transformers' experts (a tiny Mixtral, EP 2): the traced rank's
+    FLOPs, saved bytes, all-to-all bytes and parameter elements equal PyTorch running it on the
+    fake group (ep_rank.measure: transformers' grouped GEMMs counted by their shapes), and by hand
+    X = 2 adds one balanced expert part, 18·F·M FLOPs per slot and layer, and the rank sends
+    (EP−1)/EP of 2 + 2·X slot exchanges of N·R·M fp32 per layer plus the E int64 counts
+    (symcost/frontends/expert_parallel.py ``hf_forward``). One trace, ~25 s CPU."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ep_rank import measure
+    from symcost.frontends.expert_parallel import apply
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.parallel import fake_world
+
+    spec = moe.with_routing(symcost.resolve("hf:mixtral", TINY_MIXTRAL, "eager"), "skew=2")
+    v = {**spec.values({}, inputs=False), "B": 2, "S": 16, "EP": 2}
+    an = symcost.trace(spec, layout=Layout(ep=True), sizes=v, precision="fp32")
+    assert "EP" in an.symbols and not an.pinned, an.pinned
+    fake_world(2)
+    model = spec.build({k: x for k, x in v.items() if k != "EP"})
+    apply(model, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))["ep"])
+    got = measure(model, torch.randint(0, v["V"], (v["B"], v["S"])), spec=spec)
+    env = an.bind(**v)
+    assert int(an.flops("train").subs(env)) == got["flops"]
+    assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"]
+    a2a = Fraction(str(an.comm_bytes("all_to_all").subs(env)))
+    assert a2a == Fraction(got["comm"]["all_to_all"])
+    assert int(an.params_shard.subs(env)) == got["shard"]
+    m, slots, e = v["H"] * v["D"], v["B"] * v["S"] * v["R"], v["E"]
+    assert a2a == Fraction(1, 2) * v["L"] * ((2 + 2 * 2) * slots * m * 4 + 8 * e)
+    # (the balanced rank's FLOPs, by the same oracle, one expert part less)
+    fake_world(2)
+    model = moe.set_routing(spec.build({k: x for k, x in v.items() if k != "EP"}), moe.BALANCED)
+    apply(model, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))["ep"])
+    bal = measure(model, torch.randint(0, v["V"], (v["B"], v["S"])), spec=spec)
+    assert got["flops"] - bal["flops"] == slots * 18 * v["F"] * m * v["L"]

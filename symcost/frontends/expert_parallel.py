@@ -326,9 +326,10 @@ def apply(model, mesh, tp_mesh=None, experts_mesh=None) -> None:
         e = m.num_experts
         if e % mesh.size():
             raise SymcostError(f"--ep {mesh.size()} does not divide the {e} experts")
-        if kind == "hf" and routing_of(m).kind != "balanced":
+        if kind == "hf" and routing_of(m).kind == "capacity":
             raise SymcostError(f"--ep with --routing {routing_of(m).name}: transformers' experts under expert "
-                               "parallelism are traced under balanced routing only for now (docs/parallel.md §14.5)")
+                               "parallelism are traced under balanced routing and skew=X only for now "
+                               "(docs/parallel.md §14.5)")
         if kind == "hf" and (m.has_bias or not getattr(m, "is_concatenated", True)):
             raise SymcostError(f"--ep: {type(m).__name__} has expert biases or interleaved gate/up weights "
                                "(gpt-oss); their expert-parallel dispatch is not modelled yet")
@@ -404,9 +405,16 @@ def hf_forward(self, hidden_states, top_k_index, top_k_weights):
     ``all_to_all_single``, then the routing weights, the inverse sort and the sum over a token's R
     slots as transformers does. Balanced routing makes every split N·R/EP rows, so N·R/E must be a
     whole number (the probes keep it).
+
+    Under ``--routing skew=X`` the rank is the most loaded one, as in :func:`builtin_forward`: it
+    receives X·N·R/E rows per local expert from every rank (the dispatch's output splits), its
+    grouped GEMMs run on EP·X·N·R/E rows per expert, and the combine sends those rows back (its
+    input splits); its own N·R slots go out balanced. X·N·R/E must be whole (the probes keep it).
     """
     import torch
     from transformers.integrations.moe import _grouped_linear
+
+    from symcost.frontends.moe import routing_of
 
     mesh = self.ep_mesh
     ep, e = mesh.size(), self.num_experts
@@ -422,20 +430,29 @@ def hf_forward(self, hidden_states, top_k_index, top_k_weights):
     n, m = hidden_states.shape
     r = top_k_index.shape[-1]
     s = n * r
+    routing = routing_of(self)
+    if routing.skew > ep:
+        raise SymcostError(f"--routing {routing.name} with --ep {ep}: the most loaded rank receives at most every "
+                           f"rank's slots (accepted: 1 <= X <= EP)")
+    xq = routing.skew * (s // e)  # (skew=X: the rows per local expert this rank receives from each rank)
+    if xq.denominator != 1:
+        raise SymcostError(f"--routing {routing.name}: X·N·R/E = {xq} rows per expert is no whole number "
+                           "(accepted: an X that makes it whole)")
+    xq = int(xq)
     ids_g, perm = torch.sort(top_k_index.reshape(-1))
     x_g = hidden_states[perm // r]  # [N·R, M], expert-major
     w_g = top_k_weights.reshape(-1)[perm]
     count_exchange(ids_g, e, mesh)
-    h = exchange(x_g, mesh).view(ep, local, s // e, m).transpose(0, 1).reshape(s, m)  # expert-major
-    offsets = torch.full((local,), ep * (s // e), dtype=torch.int32, device=h.device).cumsum(0, dtype=torch.int32)
+    h = exchange(x_g, mesh, local * xq).view(ep, local, xq, m).transpose(0, 1).reshape(ep * local * xq, m)  # expert-major
+    offsets = torch.full((local,), ep * xq, dtype=torch.int32, device=h.device).cumsum(0, dtype=torch.int32)
     w_up = _local(self.gate_up_proj if self.has_gate else self.up_proj)
     out = _grouped_linear(h, w_up, offsets, is_transposed=self.is_transposed)
     out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
     out = _grouped_linear(out, _local(self.down_proj), offsets, is_transposed=self.is_transposed)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
-    out = out.view(local, ep, s // e, m).transpose(0, 1).reshape(s, m)  # rank-major again
-    out = exchange(out, mesh) * w_g.unsqueeze(-1)  # back in x_g's order, weighted
+    out = out.view(local, ep, xq, m).transpose(0, 1).reshape(ep * local * xq, m)  # rank-major again
+    out = exchange(out, mesh, local * (s // e)) * w_g.unsqueeze(-1)  # back in x_g's order, weighted
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.size(0), device=perm.device)
     out = out[inv].view(n, r, m).sum(dim=1).to(hidden_states.dtype)

@@ -396,6 +396,9 @@ def experts_code(routing: Routing) -> str:
     """What a transformers MoE model's experts run in a trace under ``routing`` (JSON/report)."""
     if routing.kind == "balanced":
         return f"transformers' {MODEL_CODE} (grouped_mm_experts_forward, transformers/integrations/moe.py)"
+    if routing.kind == "skew":  # (under --ep only: symcost.frontends.expert_parallel.hf_forward)
+        return (f"transformers' {MODEL_CODE} on the most loaded expert-parallel rank (symcost.frontends."
+                "expert_parallel.hf_forward: X times the balanced rows per local expert)")
     return "symcost's padded dispatch (symcost.frontends.moe.dispatch: [E, C, M] buffers, bmm)"
 
 
