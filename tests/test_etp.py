@@ -98,10 +98,11 @@ def test_real_gloo_ep2_tp2_etp2(tmp_path):
     (["report", "moe", "--ep", "4", "--tp", "2", "--etp", "4"], "1 or the tensor-parallel one"),
     (["report", "moe", "--ep", "4", "--etp", "2"], "give both"),
     (["report", "moe", "--ep", "4", "--tp", "2", "--etp", "2", "--sp"], "--sp"),
+    (["report", "moe", "--ep", "4", "--tp", "2", "--etp", "2", "--dp", "2", "--shard", "fsdp"], "--etp with --dp"),
 ])
 def test_etp_refusals_are_one_line(args, words):
     """What --etp does not take is one line before any trace: a degree other than 1 or --tp (as
-    torchtitan's ParallelDims), --etp without --ep and --tp, --etp with --sp."""
+    torchtitan's ParallelDims), --etp without --ep and --tp, --etp with --sp or --dp (not modelled yet)."""
     r = _cli(args)
     assert r.exit_code == 2, r.output
     assert words in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
