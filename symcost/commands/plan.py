@@ -75,6 +75,9 @@ def _positive(text: str, what: str) -> int:
               help="context-parallel sizes to try [default: powers of two leaving >= 8192 tokens per rank; "
                    "1: none]")
 @click.option("--overlap", default="backward", show_default=True, type=click.Choice(["backward", "none"]))
+@click.option("--routing", default=None, metavar="MODEL",
+              help="mixture-of-experts routing model, as report's: balanced (default), capacity=C (traced under it), "
+                   "or skew=X (each EP row's most loaded rank: min(X, EP) times the balanced slots)")
 @click.option("--top", default=5, show_default=True, type=click.IntRange(min=1), help="layouts to print")
 @click.option("--trace-top", default=None, type=click.IntRange(min=0), metavar="K",
               help="screened layouts within 10%% of the cap get their per-rank peak from the composed trace "
@@ -83,7 +86,7 @@ def _positive(text: str, what: str) -> int:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--debug", is_flag=True, help="show tracebacks")
 def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, memory, global_batch, sets, precision,
-         shards, checkpoints, schedules, micro, sp, eps, cps, overlap, top, trace_top, as_json, debug):
+         shards, checkpoints, schedules, micro, sp, eps, cps, overlap, routing, top, trace_top, as_json, debug):
     """The fastest parallel layouts of N devices that fit the memory per device (exit status 3
     when none does, as max-batch).
 
@@ -113,15 +116,19 @@ def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, mem
     if "B" in sizes or "TP" in sizes:
         raise SymcostError("plan chooses the micro-batch B and TP itself: drop B/TP from --set "
                            "(--micro-batch lists the micro-batch sizes to try)")
+    if routing is not None:
+        from symcost.frontends.moe import parse_routing
+
+        parse_routing(routing)  # (bad text: one line before the trace)
     dev = resolve_device(device_name or "h100-sxm", devices_file, peak_flops, bandwidth)
     from symcost.passes.plan import plan as make_plan, trace_for_plan
 
-    an = trace_for_plan(model, sizes, precision, sp)
+    an = trace_for_plan(model, sizes, precision, sp, routing=routing)
     res = make_plan(an, sizes, dev, n, cap, g, precision, overlap=overlap, shards=shards, checkpoints=checkpoints,
                     schedules=schedules, micro_batches=mbs,
-                    trace_at=lambda tp: trace_for_plan(model, sizes, precision, sp, tp=tp),
+                    trace_at=lambda tp: trace_for_plan(model, sizes, precision, sp, tp=tp, routing=routing),
                     model=model, trace_top=3 * top if trace_top is None else trace_top, sp=sp,
-                    progress=None if as_json else _progress(), eps=ep_sizes, cps=cp_sizes)
+                    progress=None if as_json else _progress(), eps=ep_sizes, cps=cp_sizes, routing=routing)
     if not as_json:
         import sys
 

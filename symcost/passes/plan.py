@@ -206,7 +206,7 @@ class Planner:
     """
 
     def __init__(self, an, sizes: Mapping[str, int], device, precision: str, optimizer: str = "adamw",
-                 overlap: str = "backward", fused: bool = True, predicted: bool = True):
+                 overlap: str = "backward", fused: bool = True, predicted: bool = True, skew: float = 1.0):
         from symcost.passes.checkpoint import block_costs
         from symcost.passes.memory.policies import policy
         from symcost.passes.roofline import training_precision
@@ -222,6 +222,9 @@ class Planner:
             an, device, precision, optimizer, overlap, fused
         #: rank by the performance model's step (True) or by the roofline bound (False); both are kept
         self.predicted = predicted
+        #: ``--routing skew=X``: an EP row's most loaded rank receives min(X, EP) times the balanced
+        #: slots (symcost.frontends.moe.Routing): its experts' work and all-to-all payload scale by it
+        self.skew = float(skew)
         self.pol = policy(precision)
         self.sizes = {k: v for k, v in an.spec.values(dict(sizes)).items() if k in an.symbols and k not in ("B", "TP")}
         self.L = int(self.sizes["L"])
@@ -422,8 +425,11 @@ class Planner:
         ring_extra = (c - 1) / 2 if c > 1 else 0.0  # the ring's attention: (CP+1)/2 kernels at S/CP
         recompute = (f["fwd_block"](b, t, sv) + (f["att_flops_forward_block"](b, t, sv) * ring_extra if c > 1 else 0)) * kt
         flops_mb = at("flops") + recompute + (at("att_flops") * ring_extra if c > 1 else 0)
-        # EP over TP ranks (etp = 1, §14.8): each TP rank dispatches N/TP tokens' slots
-        ex_cut = (1 - 1 / t) if ep > 1 and t > 1 else 0.0
+        # under EP each TP rank dispatches N/TP of the tokens (§14.8), and under --routing skew=X the
+        # most loaded EP rank's experts receive xs = min(X, EP) times the balanced slots: its experts'
+        # work is xs/TP of the tensor-parallel trace's (ex_cut the share taken off; negative: added)
+        xs = min(self.skew, ep) if ep > 1 else 1.0
+        ex_cut = (1 - xs / t) if ep > 1 and (t > 1 or xs != 1) else 0.0
         flops_mb -= at("exflops") * ex_cut if ex_cut else 0
         # --- communication ---
         tp_link, tp_bw = self.link(t, t)
@@ -446,10 +452,12 @@ class Planner:
         else:  # ddp / zero1: one all-reduce (zero1: reduce-scatter + all-gather) of the gradients per step
             dp_bytes = 2 * (ring(sd) * params_rank + (ring(se) * experts_rank if se > 1 else 0)) * gb
         # EP: dispatch and combine, forward and backward, (EP-1)/EP of each, and the forward's
-        # E int64 split sizes per MoE layer, per micro-batch (docs/parallel.md §14.2)
+        # E int64 split sizes per MoE layer, per micro-batch (docs/parallel.md §14.2); what the rank sends
         ep_bytes, ep_link, ep_s = 0.0, "none", 0.0
         if ep > 1:
-            ep_bytes = m * ring(ep) * (2 * at("a2a") / t + 8 * self.E * at("moe_layers"))
+            # (skew: the dispatch and the combine's gradient go out balanced, the combine and the
+            # dispatch's gradient carry the xs-fold slots: 2 + 2·xs exchanges, symcost.frontends.moe)
+            ep_bytes = m * ring(ep) * ((1 + xs) * at("a2a") / t + 8 * self.E * at("moe_layers"))
             ep_link, ep_s = alltoall_seconds(ep_bytes / m, ep, self.ic)
         # CP: per attention call the K/V all-gather forward and backward, CP fp32 dK/dV passes
         cp_bytes, cp_link, cp_bw = 0.0, "none", math.inf
@@ -526,7 +534,7 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
          precision: str, optimizer: str = "adamw", overlap: str = "backward", shards=SHARDS,
          checkpoints=CHECKPOINTS, schedules=("1f1b",), micro_batches=None, keep_all: bool = False,
          trace_at=None, model: str | None = None, trace_top: int = 0, near: float = 0.1, sp: bool = False,
-         progress=None, rank_by: str = "predicted", eps=None, cps=None) -> dict[str, Any]:
+         progress=None, rank_by: str = "predicted", eps=None, cps=None, routing=None) -> dict[str, Any]:
     """Rank the layouts of ``devices`` devices for a global batch of ``global_batch`` sequences.
 
     Returns:
@@ -556,6 +564,12 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     kernel). Rows with EP or CP are composed from the trace (docs/parallel.md §13.6; their
     ``composed`` names the dimensions) and keep their screened memory (no traced peak).
 
+    ``routing`` (``--routing``, :func:`symcost.frontends.moe.parse_routing`'s text; None: balanced):
+    ``capacity=C`` is the trace's own (``an`` traced under it, :func:`trace_for_plan`'s
+    ``routing``; the traced peaks of ``trace_top`` too); ``skew=X`` prices each EP row's most
+    loaded rank: its experts' work and all-to-all payload min(X, EP) times the balanced (the
+    screened memory stays the balanced rank's). The result's ``routing`` says which.
+
     ``trace_top`` > 0 (with ``model``, a name or config path): the fastest ``trace_top`` rows the
     screen puts within ``near`` of the cap get the per-rank peak of their composed trace, as
     ``report`` computes it for that layout, and are re-ranked
@@ -564,7 +578,11 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     """
     if rank_by not in ("predicted", "bound"):
         raise SymcostError(f"unknown ranking {rank_by!r}; accepted: predicted, bound")
-    pl = Planner(an, sizes, device, precision, optimizer, overlap, predicted=rank_by == "predicted")
+    from symcost.frontends.moe import parse_routing
+
+    rt = parse_routing(routing)
+    pl = Planner(an, sizes, device, precision, optimizer, overlap, predicted=rank_by == "predicted",
+                 skew=float(rt.skew))
     pl.cap = memory
     if pl.pol.sharded_optimizer_only:  # (megatron-bf16-moments: Megatron-LM runs it only with its distributed optimizer)
         shards = tuple(s for s in shards if s != "ddp")
@@ -580,7 +598,7 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
         if tp not in planners:
             other = trace_at(tp) if trace_at is not None else None
             planners[tp] = None if other is None else Planner(other, sizes, device, precision, optimizer, overlap,
-                                                              predicted=pl.predicted)
+                                                              predicted=pl.predicted, skew=pl.skew)
             if planners[tp] is not None:
                 planners[tp].cap = memory
         return planners[tp]
@@ -619,6 +637,13 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
            "links": f"node {pl.ic['link_bandwidth'] / 1e9:g} GB/s per direction ({pl.ic.get('devices_per_node')} "
                     f"per node), network {pl.ic['network_bandwidth'] / 1e9:g} GB/s per device"}
     out["notes"] = []
+    out["routing"] = rt.as_json() if pl.experts else None
+    if rt.kind == "skew" and pl.experts:
+        out["notes"].append(f"--routing {rt.name}: each EP row's most loaded rank receives min({float(rt.skew):g}, EP) "
+                            "times the balanced slots (its experts' time and all-to-all payload; memory screened "
+                            "balanced); rows without EP run balanced")
+    elif routing is not None and not pl.experts:
+        raise SymcostError(f"--routing applies to mixture-of-experts models; {an.model} has no routed experts")
     out["ep_sizes"] = sorted({x.ep for x in lays})
     out["cp_sizes"] = cp_sizes
     if pl.experts and len(out["ep_sizes"]) > 1:
@@ -645,7 +670,8 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     if trace_top and model is not None:
         from symcost.passes.plan_traced import refine
 
-        out = refine(out, model, sizes, precision, optimizer, sp, trace_top, near, progress=progress)
+        out = refine(out, model, sizes, precision, optimizer, sp, trace_top, near, progress=progress,
+                     routing=routing if rt.kind == "capacity" else None)
         kept = {id(r) for r in out["layouts"]}
         out["excluded"] = [r for r in rows if id(r) not in kept]
     else:
@@ -678,20 +704,34 @@ _TRACES: dict = {}
 
 
 def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = False, use_cache: bool = True,
-                   tp: int | None = None):
+                   tp: int | None = None, routing: str | None = None):
     """The ``--tp`` trace plan evaluates (B and TP free): kept in this process for requests whose
     sizes fall in the same regime, and for a model given by name in the trace cache under the
     entry ``report --tp`` keeps (options ``{"tp", "sp"}``, the same trace; a round trip gives the
     same layouts' numbers, tested); ``use_cache=False`` traces afresh. ``tp``: trace at that TP
-    (default 2, or 1 for a model TP = 2 cannot split); the trace may pin it (``Analysis.pinned``)."""
+    (default 2, or 1 for a model TP = 2 cannot split); the trace may pin it (``Analysis.pinned``).
+    ``routing``: ``--routing capacity=C`` traces the MoE layers under it
+    (:func:`symcost.frontends.moe.with_routing`; the trace cache's entry of ``report --tp 2
+    --routing capacity=C``); balanced and ``skew=X`` (priced per EP row, :class:`Planner`) trace
+    balanced.
+
+    Raises:
+        SymcostError: the model cannot be traced; ``routing`` on a model without routed experts."""
     import symcost
     from symcost.frontends.models import resolve
     from symcost.frontends.spec import ModelSpec
     from symcost.frontends.layout import Layout
 
+    from symcost.frontends.moe import parse_routing, with_routing
+
     spec = model if isinstance(model, ModelSpec) else resolve(model)
+    traced_routing = routing if routing is not None and parse_routing(routing).kind == "capacity" else None
+    if routing is not None:
+        with_routing(spec, routing)  # (a dense model: one line)
+    if traced_routing is not None:
+        spec = with_routing(spec, traced_routing)
     req = {k: v for k, v in sizes.items() if k not in ("B", "TP")}
-    key = (spec.name, tuple(sorted(spec.defaults.items())), precision, sp)
+    key = (spec.name, tuple(sorted(spec.defaults.items())), precision, sp, traced_routing)
     # TP = 2 when the model's plan accepts it (TP then free: every tp the layouts try); a model
     # whose heads or sharded sizes are odd is traced at TP = 1 (pinned: plan tries tp = 1 only)
     tsizes = {**req, "TP": 2 if tp is None else tp}
@@ -711,7 +751,8 @@ def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = F
     if isinstance(model, str) and use_cache:  # the disk cache: the entry `report --tp` uses (same trace)
         from symcost.graph.cache import cached_trace
 
-        an = cached_trace(model, {}, None, precision, tsizes, fresh, options=layout.cache_options())
+        options = {**({"routing": traced_routing} if traced_routing is not None else {}), **layout.cache_options()}
+        an = cached_trace(model, {}, None, precision, tsizes, fresh, options=options)
     else:
         an = fresh()
     _TRACES.setdefault(key, []).append(an)

@@ -56,7 +56,8 @@ def mesh_of(lay: Mapping[str, Any], sp: bool = False):
 
 
 def traced_peak(model: str, lay: Mapping[str, Any], sizes: Mapping[str, int], precision: str,
-                optimizer: str = "adamw", sp: bool = False, use_cache: bool = True) -> dict[str, Any] | None:
+                optimizer: str = "adamw", sp: bool = False, use_cache: bool = True,
+                routing: str | None = None) -> dict[str, Any] | None:
     """The per-rank peak (bytes) of a plan row's layout from its composed trace, as ``report``
     gives it for ``report MODEL --dp dp [--shard s --dp-replicate R] [--tp tp [--sp]] [--pp pp
     --schedule … --microbatches m --virtual-stages v] [--ac …] --set B=b …`` (module docstring).
@@ -66,6 +67,8 @@ def traced_peak(model: str, lay: Mapping[str, Any], sizes: Mapping[str, int], pr
         lay: the row's ``layout`` (:meth:`symcost.passes.plan.Planner.evaluate`).
         sizes: the request's ``--set`` sizes (B, DP, TP, PP are the layout's).
         precision, optimizer: the memory policy.
+        routing: ``--routing capacity=C`` (the MoE layers traced under it, as ``report --routing``;
+            a pipeline's stages then traced afresh, not through the trace cache); None: balanced.
 
     Returns:
         ``peak`` (bytes per rank: the most loaded pipeline rank's), ``source`` (the function that
@@ -83,15 +86,23 @@ def traced_peak(model: str, lay: Mapping[str, Any], sizes: Mapping[str, int], pr
     mesh = mesh_of(lay, sp)
     if mesh is None:
         return None
+
+    def resolved():  # (the model as report --routing traces it)
+        spec = resolve(model)
+        if routing is None:
+            return spec
+        from symcost.frontends.moe import with_routing
+
+        return with_routing(spec, routing)
     req = {k: v for k, v in sizes.items() if k not in ("B", "DP", "TP", "PP")}
     mesh_sizes = {"B": lay["micro_batch"], **({"DP": lay["dp"]} if mesh.shard else {}),
                   **({"TP": lay["tp"]} if mesh.tp else {})}
     if mesh.pipeline is not None:  # report --pp (commands/_pipeline.py report_pipeline)
         from symcost.passes.pipeline import summary
 
-        spec = for_run(resolve(model), precision, "cuda", None)
+        spec = for_run(resolved(), precision, "cuda", None)
         r = summary(spec, lay["pp"], mesh.pipeline.schedule, lay["microbatches"], mesh.pipeline.virtual, precision,
-                    {**req, **mesh_sizes}, optimizer, cache=(model, {}, None) if use_cache else None,
+                    {**req, **mesh_sizes}, optimizer, cache=(model, {}, None) if use_cache and routing is None else None,
                     inner=mesh.inner)
         rows = [(row.get("peak_with_optimizer"), row) for row in r["ranks"]]
         missing = next((row for pk, row in rows if pk is None), None)
@@ -109,10 +120,11 @@ def traced_peak(model: str, lay: Mapping[str, Any], sizes: Mapping[str, int], pr
     tsizes = {**req, **mesh_sizes}
 
     def fresh():  # (commands/_options.py _trace_fresh: the layout's spec, then the run's)
-        return symcost.trace(for_run(mesh.spec(resolve(model)), precision, "cuda", None), sizes=tsizes,
+        return symcost.trace(for_run(mesh.spec(resolved()), precision, "cuda", None), sizes=tsizes,
                              precision=precision)
 
-    an = cached_trace(model, {}, None, precision, tsizes, fresh, use_cache, options=mesh.cache_options()) \
+    options = {**({"routing": routing} if routing is not None else {}), **mesh.cache_options()}
+    an = cached_trace(model, {}, None, precision, tsizes, fresh, use_cache, options=options) \
         if isinstance(model, str) else fresh()
     pk = rank_peak(an, precision, optimizer, tsizes)
     if "error" in pk:
@@ -134,7 +146,7 @@ def _kind(x: Mapping[str, Any]) -> tuple:
 
 def refine(res: dict[str, Any], model: str, sizes: Mapping[str, int], precision: str, optimizer: str = "adamw",
            sp: bool = False, k: int = 15, near: float = 0.1, use_cache: bool = True,
-           progress=None) -> dict[str, Any]:
+           progress=None, routing: str | None = None) -> dict[str, Any]:
     """Re-rank a screened plan (:func:`symcost.passes.plan.plan` with ``keep_all=True``) with the
     traced peaks of its best candidates: the rows whose screened memory is within ``near`` (a
     fraction) of the cap, ``selective`` rows among them (the screen gives those bounds only: full
@@ -147,6 +159,8 @@ def refine(res: dict[str, Any], model: str, sizes: Mapping[str, int], precision:
     ``peak_source`` ``"traced"`` or ``"screened"`` (``memory.traced_peak`` holds the traced
     bytes), and the rows are ranked by step time again. Untraced ``selective`` rows are left out
     (bounds are not estimates).
+
+    ``routing``: ``--routing capacity=C``, passed to :func:`traced_peak` (None: balanced).
 
     Returns:
         ``res`` with ``layouts`` re-ranked, ``traced`` (rows traced), ``dropped`` (traced rows
@@ -182,7 +196,7 @@ def refine(res: dict[str, Any], model: str, sizes: Mapping[str, int], precision:
         if progress is not None:
             progress(r)
         try:
-            t = traced_peak(model, r["layout"], sizes, precision, optimizer, sp, use_cache)
+            t = traced_peak(model, r["layout"], sizes, precision, optimizer, sp, use_cache, routing)
         except SymcostError as e:  # (a layout the trace refuses keeps its screened memory, and says why)
             r["trace_error"] = str(e)
             continue
