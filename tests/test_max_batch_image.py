@@ -112,3 +112,27 @@ def test_solve_image_side_cli_and_one_line_errors(cnn, capsys):
                        sizes={**SIZES, "IMG": 8}, precision="fp32", torch_device="cpu")
     with pytest.raises(SymcostError, match=r"cannot solve for IMG: this trace pinned it at 8 \(pinned for the test\)"):
         memory.memory_model(an, "fp32", "adamw", "foreach", "cpu").solve("1GiB", "IMG", **SIZES)
+
+
+@pytest.mark.heavy
+def test_pinned_side_solved_by_tracing_sides_equals_real_peak(cnn, capsys):
+    """A side the trace pins (the guide's CNN with ``pin={"IMG": ...}``, as ViT's image side is
+    pinned) has no formula: max-batch --solve IMG traces the admissible sides (multiples of 4) by
+    doubling and bisection; under a cap halfway between torch.profiler's peaks of the real step at
+    two neighbouring sides the answer is the smaller one, M from the traces at it and the next."""
+    factory = cnn.parent / "pinned_cnn.py"
+    factory.write_text("import dataclasses, sys\nsys.path.insert(0, %r)\nfrom cnn import spec as _spec\n\n\n"
+                       "def spec():\n    return dataclasses.replace(_spec(), pin={'IMG': 'pinned for the test'})\n"
+                       % str(cnn.parent))
+    x = random.Random("img:pinned").choice((20, 24, 28))
+    spec = _module(cnn).spec()
+    lo, hi = (step_peak(spec, {**SIZES, "IMG": s}, "fp32", "adamw", foreach=False)["peak_ops"] for s in (x, x + 4))
+    cap = (lo + hi) // 2
+    code, out, err = run_cli(capsys, "max-batch", f"{factory}:spec", "--solve", "IMG", "--set", "B=2", "C=4", "L=2",
+                             "NCLS=5", "--precision", "fp32", "--torch-device", "cpu", "--memory", f"{cap}B", "--json")
+    assert code == 0, err
+    import json
+
+    js = json.loads(out)
+    assert (js["max_IMG"], js["next_admissible"], js["check"]) == (x, x + 4, True), (js, lo, cap, hi)
+    assert js["memory_at_max"] == lo and js["memory_at_next"] == hi  # (the traces' peaks: the profiler's)

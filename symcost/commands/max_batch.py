@@ -109,7 +109,8 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     is the rank's, docs/parallel.md); --devices is then N. With --tp N [--sp]: per rank of N
     tensor-parallel ranks (Megatron plan), each running the whole batch. --solve IMG: the largest
     image side of a vision model whose side is a formula (hf:convnext, tv:, a factory's IMG), in
-    the residue class mod the strides its formulas hold in (checked: M(IMG) <= cap < M(IMG + m)).
+    the residue class mod the strides its formulas hold in (checked: M(IMG) <= cap < M(IMG + m));
+    a side the trace pins (ViT's) is traced side by side, doubling then bisecting.
     Exit status 3 when not even 1 fits under --memory (the output names what dominates and what
     would fit: another precision or optimizer, checkpointing, the least cap).
     """
@@ -192,7 +193,12 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
         seconds = time.perf_counter() - t0
         _print_plan(an, mm, plan, seconds, as_json, sizes)
         return
-    sol = mm.solve(cap, var, **sizes)
+    if var in (getattr(an, "pinned", {}) or {}) and var not in ("B", "S") and global_batch is None:
+        # a size the trace pinned (ViT's image side): no formula in it, so the sides are traced
+        an, mm, sol = _solve_by_traces(an, var, cap, sizes, model, sets, config, attention, precision, as_json,
+                                       optimizer, impl, device)
+    else:
+        sol = mm.solve(cap, var, **sizes)
     seconds = time.perf_counter() - t0
     ck_plan = mm.plan(**{**sizes, var: max(sol.value, 1)}) if ckpt != "none" else None
     # nothing fits: what would, from the same trace (other policies, optimizers, checkpointing, cap)
@@ -219,6 +225,87 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
         _print_solution(an, mm, sol, seconds, sizes, alts, line)
     if sol.value < 1:
         raise SystemExit(NOTHING_FITS)
+
+
+def _solve_by_traces(an, var, cap, sizes, model, sets, config, attention, precision, quiet, optimizer, impl, device):
+    """The largest ``var`` whose traced peak fits under ``cap``, for a size the trace pinned (a
+    ViT's image side: its (IMG/P)^4 attention-score terms are above the fit's cubes, so no formula
+    in IMG exists): each candidate is traced at its own value (its own regime, pinned there) and
+    its memory model's peak taken at ``sizes``; the peak does not decrease as the side grows, so
+    the answer is found by doubling from the traced value, then bisection, over the sides the
+    model accepts (``spec.check``; its "multiple" limits make them periodic, period m). Returns
+    ``(analysis at the answer, its memory model, Solution)``, the Solution checked M(x) <= cap <
+    M(x + m) from the traces at x and x + m (``inequality`` says how many sides were traced).
+
+    Raises:
+        SymcostError: as the trace (a side PyTorch refuses is skipped as not admissible)."""
+    from symcost.passes import memory as mem
+
+    others = {k: v for k, v in sizes.items() if k != var}
+    traced: dict[int, tuple] = {}
+
+    def admissible(x):
+        vals = {**an.spec.defaults, **dict(getattr(an, "pinned", {}) or {}), **others, var: x}
+        vals.update({a: vals[b] for a, b in an.spec.tied.items() if b in vals})
+        return x >= 1 and an.spec.check(vals) is None
+
+    def M(x):
+        if x not in traced:
+            a, _ = trace_model(model, tuple(sets) + (f"{var}={x}",), config, attention, precision, quiet=quiet)
+            m = mem.memory_model(a, precision, optimizer, impl, device)
+            traced[x] = (a, m, m.peak(**others))
+        return traced[x][2]
+
+    # the admissible sides repeat every period (the model's "multiple" limits on var); among them
+    # the peak does not decrease, so: doubling from the traced side, then bisection, over k in
+    # x_k = least + k * period
+    import math
+
+    period = 1
+    for c in getattr(an.spec, "constraints", ()) or ():
+        if c.kind == "multiple" and c.a == var and isinstance(c.b, int):
+            period = math.lcm(period, c.b)
+    x0 = int(an.pinned[var])
+    least = next((y for y in range(1, x0 + period + 1) if admissible(y)), x0)
+
+    def x(k):
+        return least + k * period
+
+    def fits(k):
+        return k >= 0 and admissible(x(k)) and M(x(k)) <= cap
+
+    k0 = max(0, (x0 - least) // period)
+    if not fits(0):
+        lo, hi = -1, 0
+    elif fits(k0):
+        lo, hi = k0, max(2 * k0, 1)
+        while fits(hi):
+            lo, hi = hi, 2 * hi
+    else:
+        lo, hi = 0, k0
+    while hi - lo > 1:  # fits(lo) (lo = -1: nothing), not fits(hi)
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    lo = x(lo) if lo >= 0 else 0
+    value = lo
+    at = value if value >= 1 else least
+    M(at)
+    a, m, _ = traced[at]
+    nxt = value + period if value >= 1 else least
+    limited = None if admissible(nxt) else an.spec.check({**an.spec.defaults, **others, var: nxt})
+    sol = mem.Solution(var=var, value=value, cap=cap, memory_at=M(value) if value >= 1 else None,
+                       memory_next=M(nxt) if admissible(nxt) else None,
+                       sizes={**{k: v for k, v in a.pinned.items() if k != var}, **others},
+                       inequality=f"peak({var}) <= {cap}, {var} traced at {len(traced)} sides ({var} is pinned in "
+                                  f"each trace: {a.pin_reasons.get(var, 'its regime')})",
+                       limited_by=limited, next_value=nxt, modulus=period)
+    sol.checked = (value == 0 or sol.memory_at <= cap) and (limited is not None or sol.memory_next > cap)
+    if value == 0:
+        sol.dominant = m.dominant(**others)
+    return a, m, sol
 
 
 def _sizes_line(sol_sizes: dict, given: dict) -> str:
