@@ -1,5 +1,6 @@
 """Issue 30 item 4: ``hf:`` state-space and hybrid models beyond Mamba-1 (symcost/frontends/hf_ssm.py):
-Mamba-2 (chunked SSD scan) and Jamba (attention, Mamba and mixture-of-experts blocks interleaved).
+Mamba-2 (chunked SSD scan), Jamba (attention, Mamba and mixture-of-experts blocks interleaved) and
+Zamba2 (Mamba-2 blocks with a shared transformer block reused at the hybrid entries).
 Each traced at tiny sizes and checked at random others against independent oracles
 (FlopCounterMode on the real step, saved_tensors_hooks on real tensors, a meta-device parameter
 count), and the published parameter counts reproduced (the meta count of the published config as
@@ -120,3 +121,30 @@ def test_jamba_v01_published_52b_total_12b_active():
     active = total - experts + experts * pub["R"] // pub["E"]
     assert (total, active) == (51_570_323_328, 12_110_311_296)
     assert round(total, -9) == 52e9 and round(active, -9) == 12e9
+
+
+@pytest.mark.heavy
+def test_zamba2_shared_blocks_exact(monkeypatch):
+    """hf:zamba2 (Zamba2ForCausalLM): Mamba-2 blocks and, at the pattern's "hybrid" entries, a shared
+    transformer block (attention of width 2*d_model over the hidden state and the input embeddings,
+    an MLP, LoRA adapters per use) before the Mamba-2 block. Symbols H, D (attention_head_dim, so
+    d_model = H*D/2), F, N_state, V (no K: with the adapters transformers runs only K = H, built);
+    L pinned (Mamba-2 and hybrid blocks alternate: traced unfolded), S and K_conv pinned (the Mamba-2 convolution's padded output), all stated; exact at random sizes,
+    the shared block's parameters counted once (the meta count's rule)."""
+    from symcost.frontends import hf_ssm
+
+    cfg = {"n_mamba_heads": "2", "mamba_ngroups": "1", "adapter_rank": "3", "use_shared_attention_adapter": "true",
+           "chunk_size": "4"}
+    base = {"layers_block_type": ["mamba", "hybrid"], "num_hidden_layers": 2}
+    spec = hf_ssm.zamba2_spec("zamba2", cfg, "eager", base_kwargs=base)
+    assert spec.extra["model_class"] == "Zamba2ForCausalLM" and "K" not in spec.symbols
+    an = symcost.trace(spec, sizes={"B": 2, "S": 6, "H": 4, "D": 4, "F": 6, "N_state": 3, "K_conv": 4, "L": 3,
+                                    "V": 37}, precision="fp32", torch_device="cpu")
+    assert an.pinned == {"L": 3, "S": 6, "K_conv": 4}, an.pinned
+    assert "shared transformer block" in an.pin_reasons["L"]
+    rng = random.Random("zamba2")
+    h = 4 * rng.randint(1, 3)  # (H and D in the trace's classes mod 2*n_mamba_heads = 4)
+    v = {"B": rng.randint(2, 3), "S": 6, "H": h, "D": 4 * rng.randint(1, 3), "F": rng.randint(4, 20),
+         "N_state": rng.randint(2, 6), "K_conv": 4, "L": 3, "V": rng.randint(20, 80)}
+    _split_conv1d(monkeypatch)
+    _check(an, spec, v)

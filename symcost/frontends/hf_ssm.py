@@ -1,8 +1,9 @@
 """``hf:`` state-space and hybrid causal LMs beyond Mamba-1 (:func:`symcost.frontends.hf_tasks.ssm_spec`):
-Mamba-2 (``hf:mamba2``: :func:`mamba2_spec`) and the hybrid of attention, Mamba and
-mixture-of-experts blocks Jamba (``hf:jamba``: :func:`hybrid_spec`). Zamba and Zamba2 (shared
-attention blocks, widths derived from ``hidden_size`` by floor division) are not bound yet: they
-go through :func:`symcost.frontends.hf.spec` unverified. Each
+Mamba-2 (``hf:mamba2``: :func:`mamba2_spec`), the hybrid of attention, Mamba and
+mixture-of-experts blocks Jamba (``hf:jamba``: :func:`hybrid_spec`) and Zamba2's Mamba-2 blocks
+with shared transformer blocks (``hf:zamba2``: :func:`zamba2_spec`). Zamba (v1: its attention and
+Mamba head widths derived from ``hidden_size`` by floor division, ``mamba_dt_rank`` "auto") is not
+bound yet: it goes through :func:`symcost.frontends.hf.spec` unverified. Each
 trains the model's own next-token loss (``input_ids`` and ``labels`` int64 ``[B, S]``), on
 transformers' torch paths (its fallback where the mamba-ssm and causal-conv1d kernels are absent or do
 not run on the device, as on CPU and the meta device).
@@ -16,11 +17,13 @@ H, D       Mamba-2: ``num_heads`` (SSM heads) and ``head_dim`` (channels per hea
            P); the inner width ``H*D`` = ``expand * hidden_size``, so d_model = H·D/expand with
            ``expand`` a config value (default 2; ``--config expand=...``): H·D/EXPAND is no
            polynomial, so expand is no symbol. Jamba: the attention's heads and head dimension
-           (``num_attention_heads``; d_model = H·D), with K, F, E, R as for causal LMs
+           (``num_attention_heads``; d_model = H·D), with K, F, E, R as for causal LMs. Zamba2: the
+           shared attention's heads and ``attention_head_dim`` (= 2·d_model/H: d_model = H·D/2),
+           with K = ``num_key_value_heads`` (none with the attention adapters: K = H) and F
 K          Mamba-2: ``n_groups``, the groups of heads sharing the SSM's B and C (H/K heads each, as
            grouped-query attention's K key/value heads serve H/K query heads: the SSD paper's
            grouped heads; K divides H, and K = 1, 1 < K < H, K = H are regimes as for attention)
-N_state    ``state_size`` / Jamba's ``mamba_d_state`` (the SSM state per channel)
+N_state    ``state_size`` / ``mamba_d_state`` (the SSM state per channel)
 K_conv     ``conv_kernel`` / ``mamba_d_conv`` (the causal depthwise convolution's width)
 EXPAND     Jamba's ``mamba_expand`` (its Mamba blocks' inner width EXPAND·H·D)
 R_dt       Jamba's ``mamba_dt_rank`` (the rank of the Δ projection)
@@ -32,7 +35,8 @@ pads S up to whole chunks of ``chunk_size`` (a config value); S and K_conv are p
 request (:attr:`ModelSpec.pin`, stated in the report) because the depthwise convolution's padded
 output, B·(H·D + 2·K·N_state)·(S + K_conv − 1) elements, sums more monomials than the fit's sparse
 search finds (symcost/tracing/fit.py); every other symbol is a formula. Jamba pins L (its blocks
-are not alike) and S (its Mamba blocks' CPU scan loops over S).
+are not alike) and S (its Mamba blocks' CPU scan loops over S); Zamba2 pins L (Mamba-2 and
+hybrid blocks), S and K_conv (its Mamba-2 convolution).
 """
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ from symcost.frontends.spec import Constraint, ModelSpec, check_constraints
 
 #: Families checked (transformers 5.x, torch 2.13) against FlopCounterMode, saved_tensors_hooks and
 #: a meta count at random tiny sizes (tests/test_hf_ssm.py).
-VERIFIED = ("mamba2", "jamba")
+VERIFIED = ("mamba2", "jamba", "zamba2")
 
 #: Mamba-2's symbols and the config fields they set (``hidden_size`` = H*D/expand is built).
 MAMBA2_FIELDS = {"H": "num_heads", "D": "head_dim", "K": "n_groups", "N_state": "state_size",
@@ -62,7 +66,7 @@ HYBRID_SSM_FIELDS = {"jamba": {"N_state": "mamba_d_state", "K_conv": "mamba_d_co
 
 def handles(model_type: str) -> bool:
     """Whether ``hf:model_type`` (a causal LM) is traced by this module."""
-    return model_type == "mamba2" or model_type in HYBRID_SSM_FIELDS
+    return model_type in ("mamba2", "zamba2") or model_type in HYBRID_SSM_FIELDS
 
 
 def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
@@ -71,6 +75,8 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
     :func:`symcost.frontends.hf.spec`. Raises SymcostError as :func:`mamba2_spec` and :func:`hybrid_spec`."""
     if model_type == "mamba2":
         return mamba2_spec(model_type, overrides, attention, base_kwargs, name)
+    if model_type == "zamba2":
+        return zamba2_spec(model_type, overrides, attention, base_kwargs, name)
     return hybrid_spec(model_type, overrides, attention, base_kwargs, name)
 
 
@@ -258,3 +264,117 @@ def hybrid_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
     return dataclasses.replace(base, symbols=symbols, defaults={**base.defaults, "B": 8, "S": 64, **own},
                                build=build, pin={**base.pin, **pin}, meanings=meanings, extra=extra,
                                check=None, infer=None)
+
+
+#: Zamba2's symbols and the config fields they set (``hidden_size`` = H*D/2 is built).
+ZAMBA2_FIELDS = {"H": "num_attention_heads", "K": "num_key_value_heads", "F": "intermediate_size",
+                 "N_state": "mamba_d_state", "K_conv": "mamba_d_conv", "L": "num_hidden_layers", "V": "vocab_size"}
+
+
+def zamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
+                base_kwargs: Mapping[str, Any] | None = None, name: str | None = None) -> ModelSpec:
+    """The :class:`ModelSpec` of Zamba2 (``hf:zamba2``: ``Zamba2ForCausalLM``; Glorioso et al. 2024):
+    Mamba-2 blocks, and at the ``"hybrid"`` entries of ``layers_block_type`` a shared transformer
+    block (attention over the concatenated hidden state and input embeddings, width 2·d_model, and
+    an MLP; ``num_mem_blocks`` of them, reused in turn, with LoRA adapters where
+    ``use_shared_attention_adapter``) before the Mamba-2 block; trained on the next-token loss.
+
+    Symbols (:data:`ZAMBA2_FIELDS`): H = ``num_attention_heads``, D = ``attention_head_dim``
+    (= 2·``hidden_size``/H as ``Zamba2Config`` derives it; so d_model = H·D/2 is built), K =
+    ``num_key_value_heads`` (no symbol with ``use_shared_attention_adapter``: the adapters add an
+    H·D-wide projection to the K·D-wide keys and values, which transformers runs only with K = H,
+    so K = H is built), F = ``intermediate_size``, N_state = ``mamba_d_state``, K_conv =
+    ``mamba_d_conv``, L, V. ``n_mamba_heads``, ``mamba_ngroups``, ``mamba_expand``, ``adapter_rank``
+    and ``num_mem_blocks`` stay config values (the Mamba head width ``mamba_expand``·d_model/
+    ``n_mamba_heads`` is then H·D times a constant; the probes keep H and D in the request's classes
+    mod 2·``n_mamba_heads``, so it stays whole).
+
+    Pinned (stated): L (``layers_block_type`` mixes Mamba and hybrid blocks, followed by its shortest
+    period: traced unfolded), S and K_conv (the Mamba-2 convolution's padded output, as for
+    :func:`mamba2_spec`).
+
+    Raises:
+        SymcostError: an unknown or rejected config key, a bad attention implementation.
+    """
+    shown = name or f"hf:{model_type}"
+    AutoConfig, base_kwargs, ov, cfg = hf.configs(model_type, overrides, base_kwargs)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    if attention is None:
+        attention = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
+    elif attention not in hf.ATTENTION:
+        raise SymcostError(f"unknown attention implementation {attention!r}; accepted: {', '.join(hf.ATTENTION)}")
+    nm, expand = int(cfg.n_mamba_heads), int(cfg.mamba_expand)
+    symbols = ("H", "D", *[s for s in ZAMBA2_FIELDS if s != "H"])
+    defaults = {"B": 8, "S": 64, **{s: getattr(cfg, f) for s, f in ZAMBA2_FIELDS.items()},
+                "D": int(cfg.attention_head_dim)}
+    constraints = (Constraint("divides", "K", "H", "K must divide H: each of the K key/value heads serves H/K "
+                              "query heads"),)
+    # with use_shared_attention_adapter the adapters add a [B, S, H*D] projection to the keys and
+    # values, which have K*D channels: transformers runs it only with K = H, so K is no size of its own
+    has_k = not cfg.use_shared_attention_adapter
+    fields = {s: f for s, f in ZAMBA2_FIELDS.items() if has_k or s != "K"}
+    if not has_k:
+        constraints = ()
+        symbols = tuple(x for x in symbols if x != "K")
+        defaults.pop("K")
+    moduli = {"H": 2 * nm, "D": 2 * nm}
+
+    def check(values: Mapping[str, int]) -> str | None:
+        why = check_constraints(constraints, values)
+        h, d = values.get("H"), values.get("D")
+        if why is None and isinstance(h, int) and isinstance(d, int) and ((h * d) % 2 or (expand * h * d // 2) % nm):
+            why = (f"H*D must be even and mamba_expand*H*D/2 a multiple of n_mamba_heads={nm} (d_model = H*D/2; the "
+                   f"Mamba heads' width mamba_expand*d_model/n_mamba_heads) (got H={h}, D={d})")
+        return why
+
+    pattern = list(cfg.layers_block_type)
+
+    def config_for(values: Mapping[str, int]):
+        kw = dict(ov)
+        for s, f in fields.items():
+            kw[f] = operator.index(values[s])
+        if not has_k:
+            kw["num_key_value_heads"] = kw["num_attention_heads"]
+        kw["hidden_size"] = operator.index(values["H"]) * operator.index(values["D"]) // 2
+        kw["layers_block_type"] = hf._resize_pattern(pattern, kw["num_hidden_layers"])
+        kw["use_cache"] = False
+        _tokens_inside(kw, cfg, kw["vocab_size"])
+        c = hf._make_config(AutoConfig, model_type, kw)
+        c._attn_implementation = attention
+        return c
+
+    def build(values: Mapping[str, int]) -> torch.nn.Module:
+        """The model for these symbol values, in train mode, on the current default device."""
+        why = check({k: values.get(k) for k in ("B", "S", *symbols)})
+        if why:
+            raise SymcostError(f"{shown}: {why}")
+        try:
+            model = model_cls._from_config(config_for(values), attn_implementation=attention)
+        except Exception as e:  # noqa: BLE001 - transformers raises many types
+            raise SymcostError(f"{shown}: building the model failed: {type(e).__name__}: {' '.join(str(e).split())}") from e
+        return model.train()
+
+    conv = ("the Mamba-2 depthwise convolution's padded output sums more monomials than the fit finds "
+            "(symcost/tracing/fit.py's sparse search): formulas hold at this {} (another: --set {}=...)")
+    pin = {"L": ("layers_block_type mixes Mamba-2 blocks and hybrid blocks (a shared transformer block before the "
+                 "Mamba-2 block): traced unfolded at this L, the pattern followed by its shortest period "
+                 "(another: --set L=...)"),
+           "S": conv.format("S", "S"), "K_conv": conv.format("K_conv", "K_conv")}
+    meanings = {"H": "attention heads of the shared transformer blocks (num_attention_heads)",
+                "D": "per-head dimension of the shared attention (attention_head_dim = 2*hidden_size/H): d_model = H*D/2",
+                "L": "number of blocks (Mamba-2, or hybrid: a shared transformer block, then Mamba-2)",
+                "F": "feed-forward width of the shared blocks' MLP (intermediate_size)",
+                "N_state": "SSM state size per head channel (mamba_d_state)",
+                "K_conv": "width of the causal depthwise convolution (mamba_d_conv)"}
+    extra = _extra(cfg, model_type, model_cls, ov, base_kwargs, shown, attention=attention,
+                   state_space="chunked SSD scan (Mamba-2 blocks), transformers' torch path",
+                   hidden_size_note="hidden_size = H*D/2 (attention_head_dim = D)",
+                   config_values=f"n_mamba_heads={nm}, mamba_expand={expand}, mamba_ngroups={cfg.mamba_ngroups}, "
+                                 f"num_mem_blocks={cfg.num_mem_blocks}, adapter_rank={cfg.adapter_rank}")
+    # (the config's None is K = H: K follows H unless set)
+    follows = {"K": "H"} if has_k and cfg.num_key_value_heads == cfg.num_attention_heads else {}
+    return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=_inputs, loss=_loss,
+                     check=check, constraints=constraints, moduli=moduli, pin=pin, meanings=meanings, extra=extra,
+                     follows=follows, record_context=hf.unpacked_masks)
