@@ -690,17 +690,15 @@ def cp_values(values: Mapping[str, int], cp: bool) -> dict:
     in torchtitan/trainer.py ``pp_forward_backward_step``, inside the CP ``train_context``), so
     every stage computes on the rank's S/CP tokens: the activation it receives and sends, and
     what the modules deleted from it would have returned (an embedding's output, from which a
-    model derives its positions and rotary tables), are of S/CP tokens.
-
-    Raises:
-        SymcostError: CP does not divide S.
+    model derives its positions and rotary tables), are of S/CP tokens. Sizes that CP does not
+    divide are returned as they are: no step runs at them (the CP spec's checks refuse them,
+    :func:`symcost.frontends.context_parallel.context_parallel`), but a spec's probe check may
+    build the stage there to read its parameters, which S does not change.
     """
     if not cp:
         return dict(values)
     S, n = int(values["S"]), int(values["CP"])
-    if S % n:
-        raise SymcostError(f"--cp {n} does not divide S = {S}")
-    return dict(values, S=S // n)
+    return dict(values, S=S // n) if S % n == 0 else dict(values)
 
 
 def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = "fp32", probes: dict | None = None,

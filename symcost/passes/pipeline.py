@@ -252,7 +252,10 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
                         # (report --json's params_matmul: the P of 6·N·P, params_active_matmul)
                         "params_matmul": ev(an.train_simplified()[0]),
                         "totals": _stage_totals(an, ev),
-                        **({"comm": {g: ev(an.comm_bytes("total", group=g) if len(inner.traced_dims) > 1
+                        # (the stage's p2p left out: on a mesh whose flattened group spans the fake
+                        # world, FSDP2's dp_shard × cp, the world's send and receive carry its label)
+                        **({"comm": {g: ev(an.comm_bytes("total", group=g) - an.comm_bytes("send", group=g)
+                                           - an.comm_bytes("recv", group=g) if len(inner.traced_dims) > 1
                                            else an.comm_bytes("total") - an.comm_bytes("send") - an.comm_bytes("recv"))
                                      for g in inner.symbols}} if inner and inner.traced_dims else {})}
     ranks, extra, host = [], {}, {}
