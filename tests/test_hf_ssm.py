@@ -1,6 +1,7 @@
 """Issue 30 item 4: ``hf:`` state-space and hybrid models beyond Mamba-1 (symcost/frontends/hf_ssm.py):
 Mamba-2 (chunked SSD scan), Jamba (attention, Mamba and mixture-of-experts blocks interleaved) and
-Zamba2 (Mamba-2 blocks with a shared transformer block reused at the hybrid entries).
+Zamba2 and Zamba (Mamba-2 / multi-head Mamba blocks with shared transformer blocks reused at the
+hybrid blocks).
 Each traced at tiny sizes and checked at random others against independent oracles
 (FlopCounterMode on the real step, saved_tensors_hooks on real tensors, a meta-device parameter
 count), and the published parameter counts reproduced (the meta count of the published config as
@@ -146,5 +147,31 @@ def test_zamba2_shared_blocks_exact(monkeypatch):
     h = 4 * rng.randint(1, 3)  # (H and D in the trace's classes mod 2*n_mamba_heads = 4)
     v = {"B": rng.randint(2, 3), "S": 6, "H": h, "D": 4 * rng.randint(1, 3), "F": rng.randint(4, 20),
          "N_state": rng.randint(2, 6), "K_conv": 4, "L": 3, "V": rng.randint(20, 80)}
+    _split_conv1d(monkeypatch)
+    _check(an, spec, v)
+
+
+@pytest.mark.heavy
+def test_zamba_shared_block_exact(monkeypatch):
+    """hf:zamba (ZambaForCausalLM): multi-head Mamba blocks and one shared transformer block (with a
+    per-use linear map) at the hybrid blocks. Symbols H, D (attention_head_dim, a field of its own), K,
+    M, F, N_state, K_conv, R_dt, V; L pinned (ZambaConfig's blocks are Mamba, Mamba, hybrid, then
+    its period: traced unfolded; transformers builds it only with two hybrid blocks or more, so L = 4
+    with a hybrid every block after the third) and S pinned (the CPU scan loops over S), both
+    stated; exact at random sizes, the shared block counted once."""
+    from symcost.frontends import hf_ssm
+
+    spec = hf_ssm.zamba_spec("zamba", {"n_mamba_heads": "2", "attn_layer_period": "1", "attn_layer_offset": "0"},
+                             "eager")
+    assert spec.extra["model_class"] == "ZambaForCausalLM" and spec.follows == {"K": "H"}
+    an = symcost.trace(spec, sizes={"B": 2, "S": 3, "H": 2, "D": 4, "K": 2, "M": 6, "F": 6, "N_state": 3, "K_conv": 3,
+                                    "R_dt": 2, "L": 4, "V": 37}, precision="fp32", torch_device="cpu")
+    assert an.pinned == {"L": 4, "S": 3}, an.pinned
+    assert "hybrid" in an.pin_reasons["L"] and "loop over the S" in an.pin_reasons["S"]
+    rng = random.Random("zamba")
+    h = rng.randint(2, 4)
+    v = {"B": rng.randint(2, 3), "S": 3, "H": h, "D": rng.randint(2, 8), "K": h, "M": 2 * rng.randint(2, 6),
+         "F": rng.randint(4, 20), "N_state": rng.randint(2, 6), "K_conv": rng.randint(2, 5), "R_dt": rng.randint(1, 4),
+         "L": 4, "V": rng.randint(20, 80)}
     _split_conv1d(monkeypatch)
     _check(an, spec, v)

@@ -1,9 +1,8 @@
 """``hf:`` state-space and hybrid causal LMs beyond Mamba-1 (:func:`symcost.frontends.hf_tasks.ssm_spec`):
 Mamba-2 (``hf:mamba2``: :func:`mamba2_spec`), the hybrid of attention, Mamba and
 mixture-of-experts blocks Jamba (``hf:jamba``: :func:`hybrid_spec`) and Zamba2's Mamba-2 blocks
-with shared transformer blocks (``hf:zamba2``: :func:`zamba2_spec`). Zamba (v1: its attention and
-Mamba head widths derived from ``hidden_size`` by floor division, ``mamba_dt_rank`` "auto") is not
-bound yet: it goes through :func:`symcost.frontends.hf.spec` unverified. Each
+with shared transformer blocks (``hf:zamba2``: :func:`zamba2_spec`), and Zamba's multi-head Mamba
+blocks with one shared transformer block (``hf:zamba``: :func:`zamba_spec`). Each
 trains the model's own next-token loss (``input_ids`` and ``labels`` int64 ``[B, S]``), on
 transformers' torch paths (its fallback where the mamba-ssm and causal-conv1d kernels are absent or do
 not run on the device, as on CPU and the meta device).
@@ -19,14 +18,15 @@ H, D       Mamba-2: ``num_heads`` (SSM heads) and ``head_dim`` (channels per hea
            polynomial, so expand is no symbol. Jamba: the attention's heads and head dimension
            (``num_attention_heads``; d_model = H·D), with K, F, E, R as for causal LMs. Zamba2: the
            shared attention's heads and ``attention_head_dim`` (= 2·d_model/H: d_model = H·D/2),
-           with K = ``num_key_value_heads`` (none with the attention adapters: K = H) and F
+           with K = ``num_key_value_heads`` (none with the attention adapters: K = H) and F.
+           Zamba: H, D = ``attention_head_dim`` (a field of its own), K, M = ``hidden_size``, F
 K          Mamba-2: ``n_groups``, the groups of heads sharing the SSM's B and C (H/K heads each, as
            grouped-query attention's K key/value heads serve H/K query heads: the SSD paper's
            grouped heads; K divides H, and K = 1, 1 < K < H, K = H are regimes as for attention)
 N_state    ``state_size`` / ``mamba_d_state`` (the SSM state per channel)
 K_conv     ``conv_kernel`` / ``mamba_d_conv`` (the causal depthwise convolution's width)
 EXPAND     Jamba's ``mamba_expand`` (its Mamba blocks' inner width EXPAND·H·D)
-R_dt       Jamba's ``mamba_dt_rank`` (the rank of the Δ projection)
+R_dt       Jamba's and Zamba's ``mamba_dt_rank`` (the rank of the Δ projection)
 L, V       ``num_hidden_layers``, ``vocab_size``
 ========== ==========================================================================================
 
@@ -36,7 +36,7 @@ request (:attr:`ModelSpec.pin`, stated in the report) because the depthwise conv
 output, B·(H·D + 2·K·N_state)·(S + K_conv − 1) elements, sums more monomials than the fit's sparse
 search finds (symcost/tracing/fit.py); every other symbol is a formula. Jamba pins L (its blocks
 are not alike) and S (its Mamba blocks' CPU scan loops over S); Zamba2 pins L (Mamba-2 and
-hybrid blocks), S and K_conv (its Mamba-2 convolution).
+hybrid blocks), S and K_conv (its Mamba-2 convolution); Zamba pins L and S (its CPU scan).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from symcost.frontends.spec import Constraint, ModelSpec, check_constraints
 
 #: Families checked (transformers 5.x, torch 2.13) against FlopCounterMode, saved_tensors_hooks and
 #: a meta count at random tiny sizes (tests/test_hf_ssm.py).
-VERIFIED = ("mamba2", "jamba", "zamba2")
+VERIFIED = ("mamba2", "jamba", "zamba", "zamba2")
 
 #: Mamba-2's symbols and the config fields they set (``hidden_size`` = H*D/expand is built).
 MAMBA2_FIELDS = {"H": "num_heads", "D": "head_dim", "K": "n_groups", "N_state": "state_size",
@@ -66,7 +66,7 @@ HYBRID_SSM_FIELDS = {"jamba": {"N_state": "mamba_d_state", "K_conv": "mamba_d_co
 
 def handles(model_type: str) -> bool:
     """Whether ``hf:model_type`` (a causal LM) is traced by this module."""
-    return model_type in ("mamba2", "zamba2") or model_type in HYBRID_SSM_FIELDS
+    return model_type in ("mamba2", "zamba", "zamba2") or model_type in HYBRID_SSM_FIELDS
 
 
 def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
@@ -77,6 +77,8 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         return mamba2_spec(model_type, overrides, attention, base_kwargs, name)
     if model_type == "zamba2":
         return zamba2_spec(model_type, overrides, attention, base_kwargs, name)
+    if model_type == "zamba":
+        return zamba_spec(model_type, overrides, attention, base_kwargs, name)
     return hybrid_spec(model_type, overrides, attention, base_kwargs, name)
 
 
@@ -375,6 +377,104 @@ def zamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
                                  f"num_mem_blocks={cfg.num_mem_blocks}, adapter_rank={cfg.adapter_rank}")
     # (the config's None is K = H: K follows H unless set)
     follows = {"K": "H"} if has_k and cfg.num_key_value_heads == cfg.num_attention_heads else {}
+    return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=_inputs, loss=_loss,
+                     check=check, constraints=constraints, moduli=moduli, pin=pin, meanings=meanings, extra=extra,
+                     follows=follows, record_context=hf.unpacked_masks)
+
+
+#: Zamba's symbols and the config fields they set.
+ZAMBA_FIELDS = {"H": "num_attention_heads", "D": "attention_head_dim", "K": "num_key_value_heads",
+                "M": "hidden_size", "F": "intermediate_size", "N_state": "mamba_d_state", "K_conv": "mamba_d_conv",
+                "R_dt": "mamba_dt_rank", "L": "num_hidden_layers", "V": "vocab_size"}
+
+
+def zamba_spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
+               base_kwargs: Mapping[str, Any] | None = None, name: str | None = None) -> ModelSpec:
+    """The :class:`ModelSpec` of Zamba (``hf:zamba``: ``ZambaForCausalLM``; Glorioso et al. 2024,
+    Zamba-7B-v1): multi-head Mamba blocks and, every ``attn_layer_period`` blocks from
+    ``attn_layer_offset``, one shared transformer block (attention over the concatenated hidden state
+    and input embeddings, ``attention_hidden_size`` = 2·d_model wide, and an MLP) with a per-use
+    linear map, before the Mamba block; trained on the next-token loss.
+
+    Symbols (:data:`ZAMBA_FIELDS`): H, D = ``attention_head_dim`` (a field of its own: the query
+    projection maps 2·M to H·D), K, M = ``hidden_size``, F = ``intermediate_size``, N_state =
+    ``mamba_d_state``, K_conv = ``mamba_d_conv``, R_dt = ``mamba_dt_rank`` (a config's ``"auto"`` is
+    ⌈M/16⌉ at the config's M, kept as the default), L, V. ``n_mamba_heads`` (transformers loops over
+    the heads) and ``mamba_expand`` stay config values; the probes keep M in the request's class mod
+    ``n_mamba_heads`` (each head is ``mamba_expand``·M/``n_mamba_heads`` wide).
+
+    Pinned (stated): L (Mamba and hybrid blocks by layer index) and S (the Mamba blocks' CPU scan is
+    a Python loop over the S positions, as for ``hf:mamba``).
+
+    Raises:
+        SymcostError: an unknown or rejected config key, a bad attention implementation.
+    """
+    shown = name or f"hf:{model_type}"
+    AutoConfig, base_kwargs, ov, cfg = hf.configs(model_type, overrides, base_kwargs)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    if attention is None:
+        attention = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
+    elif attention not in hf.ATTENTION:
+        raise SymcostError(f"unknown attention implementation {attention!r}; accepted: {', '.join(hf.ATTENTION)}")
+    nm, expand = int(cfg.n_mamba_heads), int(cfg.mamba_expand)
+    symbols = tuple(ZAMBA_FIELDS)
+    defaults = {"B": 8, "S": 64, **{s: getattr(cfg, f) for s, f in ZAMBA_FIELDS.items()}}
+    constraints = (Constraint("divides", "K", "H", "K must divide H: each of the K key/value heads serves H/K "
+                              "query heads"),
+                   Constraint("min", "L", 3, "L must be at least 3: ZambaConfig's first three blocks are Mamba, Mamba "
+                              "and hybrid, its pattern the rest"))
+    moduli = {"M": nm} if nm > 1 else {}
+
+    def check(values: Mapping[str, int]) -> str | None:
+        why = check_constraints(constraints, values)
+        m = values.get("M")
+        if why is None and isinstance(m, int) and (expand * m) % nm:
+            why = (f"mamba_expand*M must be a multiple of n_mamba_heads={nm} (each Mamba head is mamba_expand*M/"
+                   f"n_mamba_heads wide) (got M={m})")
+        return why
+
+    def config_for(values: Mapping[str, int]):
+        kw = dict(ov)
+        for s, f in ZAMBA_FIELDS.items():
+            kw[f] = operator.index(values[s])
+        kw["attention_hidden_size"] = 2 * kw["hidden_size"]  # (the concatenated hidden state and embeddings)
+        kw.pop("layers_block_type", None)  # (derived from attn_layer_period/offset at this L)
+        kw["use_cache"] = False
+        _tokens_inside(kw, cfg, kw["vocab_size"])
+        c = hf._make_config(AutoConfig, model_type, kw)
+        c._attn_implementation = attention
+        return c
+
+    def build(values: Mapping[str, int]) -> torch.nn.Module:
+        """The model for these symbol values, in train mode, on the current default device."""
+        why = check({k: values.get(k) for k in ("B", "S", *symbols)})
+        if why:
+            raise SymcostError(f"{shown}: {why}")
+        try:
+            model = model_cls._from_config(config_for(values), attn_implementation=attention)
+        except Exception as e:  # noqa: BLE001 - transformers raises many types
+            raise SymcostError(f"{shown}: building the model failed: {type(e).__name__}: {' '.join(str(e).split())}") from e
+        return model.train()
+
+    kinds = f"attn_layer_period={cfg.attn_layer_period}, attn_layer_offset={cfg.attn_layer_offset}"
+    pin = {"L": (f"Mamba blocks and hybrid blocks (the shared transformer block, then Mamba) by layer index ({kinds}): "
+                 "traced unfolded at this L (another: --set L=...)"),
+           "S": ("transformers' CPU selective scan (without mamba-ssm's CUDA kernels) is a Python loop over the S "
+                 "positions: the op list grows with S, so formulas hold at this S (another: --set S=...)")}
+    meanings = {"H": "attention heads of the shared transformer block (num_attention_heads)",
+                "D": "per-head dimension of the shared attention (attention_head_dim)",
+                "M": "model width d_model (hidden_size); the shared attention reads 2*M (hidden state and embeddings)",
+                "L": "number of blocks (Mamba, or hybrid: the shared transformer block, then Mamba)",
+                "F": "feed-forward width of the shared block's MLP (intermediate_size)",
+                "N_state": "SSM state size per inner channel (mamba_d_state)",
+                "K_conv": "width of the causal depthwise convolution (mamba_d_conv)",
+                "R_dt": "rank of the time-step (delta) projection (mamba_dt_rank)"}
+    follows = {"K": "H"} if cfg.num_key_value_heads == cfg.num_attention_heads else {}
+    extra = _extra(cfg, model_type, model_cls, ov, base_kwargs, shown, attention=attention,
+                   state_space="multi-head selective scan (Mamba blocks), transformers' sequential CPU path",
+                   layer_pattern=kinds, config_values=f"n_mamba_heads={nm}, mamba_expand={expand}")
     return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=_inputs, loss=_loss,
                      check=check, constraints=constraints, moduli=moduli, pin=pin, meanings=meanings, extra=extra,
                      follows=follows, record_context=hf.unpacked_masks)
