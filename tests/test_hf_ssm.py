@@ -175,3 +175,17 @@ def test_zamba_shared_block_exact(monkeypatch):
          "L": 4, "V": rng.randint(20, 80)}
     _split_conv1d(monkeypatch)
     _check(an, spec, v)
+
+
+def test_state_space_bad_sizes_one_line(capsys, tmp_path, monkeypatch):
+    """Sizes the model cannot be built at are one line each, before any trace: Mamba-2's groups not
+    dividing its heads, a head width H*D that expand does not divide into d_model, a Zamba shorter than
+    its config's three fixed blocks."""
+    from conftest import run_cli
+    from test_cli import assert_one_line_error
+
+    monkeypatch.setenv("SYMCOST_CACHE_DIR", str(tmp_path))
+    assert_one_line_error(*run_cli(capsys, "eval", "hf:mamba2", "--set", "H=4", "K=3"), "K (n_groups) must divide H")
+    assert_one_line_error(*run_cli(capsys, "eval", "hf:mamba2", "--set", "H=3", "D=3", "K=1"),
+                          "H*D must be a multiple of expand=2")
+    assert_one_line_error(*run_cli(capsys, "eval", "hf:zamba", "--set", "L=2"), "L must be at least 3")
