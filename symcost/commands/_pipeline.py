@@ -75,9 +75,10 @@ def pipeline_request(ctx):
 
 def _request(model, sets, config, attention, mesh, precision=None):
     """``(spec, sizes, cache)`` of a pipeline request: the model's spec (as the run traces it under
-    ``precision`` and ``--torch-device``: :func:`symcost.frontends.megatron.for_run`), the ``--set`` sizes with
-    the stage's mesh sizes (``--dp``, ``--tp``), and the trace cache's key (None with
-    ``--no-cache``).
+    ``precision``, ``--torch-device`` and ``--routing``: :func:`symcost.frontends.megatron.for_run`,
+    :func:`symcost.frontends.moe.with_routing`), the ``--set`` sizes with the stage's mesh sizes
+    (``--dp``, ``--tp``), and the trace cache's key (None with ``--no-cache`` or ``--routing``: the
+    stage entries do not carry the routing).
 
     Raises:
         SymcostError: a ``--set`` symbol the model does not have.
@@ -88,7 +89,13 @@ def _request(model, sets, config, attention, mesh, precision=None):
     from symcost.commands._loss import loss_of
 
     ctx = click.get_current_context(silent=True)
-    spec = for_run(resolve_model(model, parse_config(config), attention), precision, torch_device_of(ctx), loss_of(ctx))
+    spec = resolve_model(model, parse_config(config), attention)
+    routing = ctx.meta.get("symcost.routing") if ctx is not None else None
+    if routing is not None:  # (--routing: the stages' MoE layers traced under it, as report's one rank)
+        from symcost.frontends.moe import with_routing
+
+        spec = with_routing(spec, routing)
+    spec = for_run(spec, precision, torch_device_of(ctx), loss_of(ctx))
     sizes = parse_sizes(sets)
     unknown = [k for k in sizes if k not in spec.all_symbols]
     if unknown:
@@ -96,7 +103,8 @@ def _request(model, sets, config, attention, mesh, precision=None):
                            f"{MESH_HINT.get(unknown[0], '')}")
     sizes.update({k: n for k, n in mesh.items() if k != "PP"})  # (--dp, --tp: the stage's mesh)
     no_cache = click.get_current_context().find_root().meta.get("symcost.no_cache")
-    return spec, sizes, None if no_cache else (model, parse_config(config), attention)
+    # (the stage traces' cache key has no routing: a routed request traces its stages afresh)
+    return spec, sizes, None if no_cache or routing is not None else (model, parse_config(config), attention)
 
 
 #: the keys of ``report --json``'s contract the pipeline report fills at top level with the most

@@ -204,9 +204,12 @@ def _time_dp(model, sets, config, attention, precision, device_name, devices_fil
             f"per optimizer step; {out['steps']:.6g} steps)")
     c.print(f"step per rank (one micro-batch): {st['step_seconds'] * 1e3:.4g} ms = compute "
             f"{st['compute']['forward'] * 1e3:.4g} + {st['compute']['backward'] * 1e3:.4g} ms, communication "
-            f"{human(sum(st['bytes'].values()), 'B')} per rank over {st['link']} at "
-            f"{st['link_bandwidth'] / 1e9:.4g} GB/s per direction ({st['nodes']} node(s)), "
-            f"{st['exposed_comm_seconds'] * 1e3:.4g} ms exposed (--overlap {st['overlap']})")
+            + (f"{human(sum(st['bytes'].values()), 'B')} per rank over {st['link']} at "
+               f"{st['link_bandwidth'] / 1e9:.4g} GB/s per direction" if dp is not None else
+               ", ".join(f"{g} {human(sum(d['bytes'].values()), 'B')} over {d['link']}" for g, d in st["groups"].items())
+               + (f", CP ring {human(sum(st['cp']['bytes'].values()), 'B')} over {st['cp']['link']}" if "cp" in st
+                  else "") + " per rank")
+            + f" ({st['nodes']} node(s)), {st['exposed_comm_seconds'] * 1e3:.4g} ms exposed (--overlap {st['overlap']})")
     c.print(f"MFU per rank {out['mfu']:.4g} ({100 * out['mfu']:.1f}%); model FLOPs of the run {float(out['compute.total']):.4g}")
     c.print(f"time: {out['time.days']:.4g} days, {out['time.device_hours']:.4g} device-hours "
             f"({out['time.seconds']:.4g} s)")
