@@ -120,3 +120,16 @@ def test_llama_3_8b_cp4_pp2_at_128k_parameters_per_rank():
         assert row["send"] == row["recv"] == 2 * 1 * (S // 4) * d * 2, row
     for st in r["stages"].values():
         assert st["comm"]["CP"] > 0, st
+
+
+def test_cp_pp_gpu_refused_in_one_line():
+    """``--gpu`` with ``--cp --pp`` (report and time): the pipeline's priced step adds no ring
+    exposure and places no CP ranks in its links yet, so it is refused in one line that says what
+    ``report --cp N --pp P`` answers, before any trace."""
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    for cmd in (["report", "hf:llama"], ["time", "hf:llama", "--tokens", "1e9"]):
+        r = CliRunner().invoke(main, [*cmd, "--cp", "2", "--pp", "2", "--gpu", "h100"])
+        assert r.exit_code == 2 and "--gpu with --cp and --pp" in r.output and "Traceback" not in r.output, r.output

@@ -378,6 +378,11 @@ def layout_request(ctx, pipeline: bool = False) -> tuple:
              if v is not None}
     if meta.get("symcost.cp_rotate") is not None and meta.get("symcost.cp") is None:
         raise SymcostError("--cp-rotate needs --cp N (the context-parallel size)")
+    if meta.get("symcost.cp") is not None and pp is not None and (meta.get("symcost.gpu") or alias):
+        raise SymcostError("--gpu with --cp and --pp: the pipeline's priced step does not add the ring's exposed "
+                           "exchange nor place the CP ranks in the mesh's links yet; report --cp N --pp P answers "
+                           "each rank's FLOPs, collective bytes per group, p2p bytes, bubble and peak "
+                           "(docs/parallel.md §15)")
     if meta.get("symcost.cp") is not None:  # (context parallelism: symcost.frontends.context_parallel)
         import dataclasses
 
