@@ -98,7 +98,8 @@ _REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_
 
 def _in_registers(gm) -> set:
     """The nodes of a partitioned graph ``gm`` whose outputs a fused kernel keeps in registers:
-    element-wise ops (``torch.Tag.pointwise``, and ``full``) that are no output of the graph and
+    element-wise ops (``torch.Tag.pointwise``, ``full``, and inductor's random prims, lowered as
+    ``Pointwise`` in torch/_inductor/lowering.py) that are no output of the graph and
     whose every use (through views, which move nothing) is another element-wise op or a reduction.
     Inductor inlines such a producer into the kernels of its consumers (its ``Pointwise`` IR nodes
     are realised only where a consumer needs a buffer: a matmul, an extern kernel, a graph output);
@@ -113,7 +114,8 @@ def _in_registers(gm) -> set:
             return None
         if t.is_view:
             return "view"
-        if torch.Tag.pointwise in t.tags or t.overloadpacket.__name__ in ("full", "scalar_tensor"):
+        if torch.Tag.pointwise in t.tags or t.overloadpacket.__name__ in ("full", "scalar_tensor") or (
+                t.namespace == "prims" and t.overloadpacket.__name__ in ("inductor_random", "inductor_lookup_seed")):
             return "pointwise"
         if t.overloadpacket.__name__ in _REDUCTIONS and t.namespace == "aten":
             return "reduction"
@@ -153,7 +155,8 @@ def _graph_runner(gm, example_inputs):
     import torch
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    in_registers = _in_registers(gm)
+    recomputed = _RECOMPUTED.get(_names(gm), set())
+    in_registers = {n for n in _in_registers(gm) if n.name not in recomputed}  # (read again by the backward: realized)
 
     class Runner(torch.fx.Interpreter):
         """The graph op by op; the storage of an output a fused kernel keeps in registers
@@ -164,8 +167,35 @@ def _graph_runner(gm, example_inputs):
             super().__init__(gm)
             self.modes = [m for m in modes if hasattr(m, "drop")]
 
+        def call_function(self, target, args, kwargs):
+            # AOTAutograd's functionalised RNG around a checkpointed region's random ops (dropout
+            # under --ac): the CPU kernels of torch/_prims/rng_prims.py, the generator's state as a
+            # storage the recorder sees (it is made by torch.get_rng_state(), outside any op)
+            from torch._prims import rng_prims
+
+            if target is rng_prims.run_and_save_rng_state:
+                from symcost.frontends.checkpointing import rng_state_bytes
+
+                state = torch.empty(rng_state_bytes(), dtype=torch.uint8)
+                return state, args[0](*args[1:], **kwargs)
+            if target is rng_prims.run_with_rng_state:
+                from symcost.frontends.checkpointing import rng_state_bytes
+
+                current = torch.empty(rng_state_bytes(), dtype=torch.uint8)  # noqa: F841 - held while it runs
+                return args[1](*args[2:], **kwargs)
+            return super().call_function(target, args, kwargs)
+
         def run_node(self, n):
-            out = super().run_node(n)
+            if n.name in recomputed:  # (activation checkpointing's forward op, run again: checkpointing.recomputing)
+                from symcost.frontends import checkpointing
+
+                checkpointing._RECOMPUTING[0] += 1
+                try:
+                    out = super().run_node(n)
+                finally:
+                    checkpointing._RECOMPUTING[0] -= 1
+            else:
+                out = super().run_node(n)
             if n in in_registers and isinstance(out, torch.Tensor):
                 for m in self.modes:
                     m.drop(out)
@@ -188,6 +218,15 @@ def _graph_runner(gm, example_inputs):
     run._boxed_call = True
     return run
 
+
+#: a partitioned backward graph (:func:`_names`: AOTAutograd hands its compiler a copy) -> names of
+#: its nodes that run a forward op again (``--ac``)
+_RECOMPUTED: dict[tuple, set[str]] = {}
+
+
+def _names(gm) -> tuple:
+    """The names and targets of ``gm``'s calls, in order: a partitioned graph and its copies alike."""
+    return tuple((n.name, str(n.target)) for n in gm.graph.nodes if n.op == "call_function")
 
 #: the min-cut partitions decided in each trace: key (``ModelSpec.extra["compile_cuts"]``) ->
 #: {joint graph's structure: positions of the joint graph's nodes saved for the backward}
@@ -236,7 +275,7 @@ def _cuda_fused_attention():
     return patched()
 
 
-def _partition(cuts: dict | None, torch_device: str | None = None):
+def _partition(cuts: dict | None, torch_device: str | None = None, ac: bool = False):
     """Inductor's partition function (``torch._inductor.compile_fx.partition_fn``: its joint-graph
     passes, then ``min_cut_rematerialization_partition(compiler="inductor")``), where the saved
     set the min cut chooses (``choose_saved_values_set``) is decided once per joint graph
@@ -247,7 +286,10 @@ def _partition(cuts: dict | None, torch_device: str | None = None):
     at S = 12, recomputed from its input at S = 16); the formulas are those of the partition
     the compiled step makes at the requested sizes. ``cuts`` None: every compile decides.
     ``torch_device`` ``"cuda"``: inductor's attention patterns (joint-graph passes) replace an
-    explicit attention with the fused kernel a CUDA device runs (:func:`_cuda_fused_attention`)."""
+    explicit attention with the fused kernel a CUDA device runs (:func:`_cuda_fused_attention`).
+    ``ac``: the blocks are checkpointed (``--ac``): the forward ops the backward graph runs again
+    (the partitioner's recomputation of the checkpointed region) are noted in :data:`_RECOMPUTED`,
+    so the recorder counts their FLOPs as hardware FLOPs only, as in an eager checkpointed step."""
     from torch._inductor.compile_fx import partition_fn
 
     def partition(joint_module, joint_inputs, **kwargs):
@@ -269,14 +311,22 @@ def _partition(cuts: dict | None, torch_device: str | None = None):
         P.choose_saved_values_set = choose
         try:
             with _cuda_fused_attention() if torch_device == "cuda" else contextlib.nullcontext():
-                return partition_fn(joint_module, joint_inputs, **kwargs)
+                fw, bw = partition_fn(joint_module, joint_inputs, **kwargs)
         finally:
             P.choose_saved_values_set = orig
+        if ac:  # the forward ops the backward graph runs again (same joint-graph node, same name)
+            ran = {n.name for n in fw.graph.nodes if n.op == "call_function"}
+            from torch._prims import rng_prims
+
+            # (a random op's replay, run_with_rng_state, is the forward's run_and_save_rng_state again)
+            _RECOMPUTED[_names(bw)] = {n.name for n in bw.graph.nodes if n.op == "call_function"
+                                       and (n.name in ran or n.target is rng_prims.run_with_rng_state)}
+        return fw, bw
 
     return partition
 
 
-def backend(gm, example_inputs, cuts: dict | None = None, torch_device: str | None = None):
+def backend(gm, example_inputs, cuts: dict | None = None, torch_device: str | None = None, ac: bool = False):
     """The ``torch.compile`` backend of a recorded compiled step: AOTAutograd with inductor's
     decompositions and inductor's partition function (joint-graph passes, then
     ``min_cut_rematerialization_partition(compiler="inductor")``; the cut kept per structure in
@@ -292,7 +342,7 @@ def backend(gm, example_inputs, cuts: dict | None = None, torch_device: str | No
     with V.set_fake_mode(detect_fake_mode(example_inputs)):
         return aot_autograd(fw_compiler=_graph_runner, bw_compiler=_graph_runner,
                             decompositions=select_decomp_table(),
-                            partition_fn=_partition(cuts, torch_device))(gm, example_inputs)
+                            partition_fn=_partition(cuts, torch_device, ac))(gm, example_inputs)
 
 
 def _compiles() -> int:
@@ -302,7 +352,26 @@ def _compiles() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def compile_blocks(model, layers: str, cuts_key: str | None = None, torch_device: str | None = None) -> None:
+def _checkpointed(fn, mode: str):
+    """``fn`` under activation checkpointing as torchtitan's ``apply_ac`` wraps a block before
+    ``apply_compile`` compiles it (``torch.utils.checkpoint.checkpoint``, non-reentrant, no RNG
+    state preserved; torchtitan's op-level selective policy for ``mode="selective"``): Dynamo
+    captures the checkpoint as its higher-order op, AOTAutograd tags the region's nodes for
+    recomputation and the partitioner runs them again in the backward graph."""
+    from torch.utils.checkpoint import checkpoint
+
+    from symcost.frontends.checkpointing import op_sac_context, without_cache
+
+    extra = {"context_fn": op_sac_context} if mode == "selective" else {}
+
+    def run(*args, **kwargs):
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, **extra, **without_cache(kwargs))
+
+    return functools.update_wrapper(run, fn)
+
+
+def compile_blocks(model, layers: str, cuts_key: str | None = None, torch_device: str | None = None,
+                   ac: str | None = None) -> None:
     """Compile every block of ``model`` (the children of the ``layers`` container) in place, as
     torchtitan's ``apply_compile`` does (``torch.compile(block, fullgraph=True)``, after tensor
     parallelism and activation checkpointing, before FSDP2), with :func:`backend` and static
@@ -312,6 +381,9 @@ def compile_blocks(model, layers: str, cuts_key: str | None = None, torch_device
     code, as on torchtitan's compiled module) and the module names stay the model's.
     ``torch_device`` (``--torch-device``): ``"cuda"`` compiles the attention inductor's patterns
     fuse as a CUDA device runs it (:func:`_cuda_fused_attention`); else this CPU's choice.
+    ``ac`` (``--ac``: ``"full"`` or ``"selective"``): each block's forward checkpointed first
+    (:func:`_checkpointed`), then compiled with the checkpoint inside, as torchtitan applies AC
+    before compile; the backward graph's recomputed forward ops count as hardware FLOPs only.
 
     Raises (at the first call of a block):
         SymcostError: Dynamo cannot capture the block's forward in one graph (its reason, one
@@ -324,20 +396,22 @@ def compile_blocks(model, layers: str, cuts_key: str | None = None, torch_device
     torch._dynamo.reset()
     cuts = _CUTS.setdefault(cuts_key, {}) if cuts_key is not None else None
     shared: dict = {}  # the class's forward -> its compiled function, shared by the blocks of a class
+    chosen = functools.partial(backend, cuts=cuts, torch_device=torch_device, ac=ac is not None)
     for name, block in model.get_submodule(layers).named_children():
         inner = block.forward
         fn = getattr(inner, "__func__", None)
         if fn is None or getattr(inner, "__self__", None) is not block:  # (a forward set on the instance)
             fn = inner
-            compiled = torch.compile(fn, backend=functools.partial(backend, cuts=cuts, torch_device=torch_device), fullgraph=True, dynamic=False)
+            compiled = torch.compile(fn if ac is None else _checkpointed(fn, ac), backend=chosen, fullgraph=True,
+                                     dynamic=False)
             call = compiled
         else:
             # the unbound forward compiled once, the block an argument: Dynamo treats the
             # blocks' parameters as inputs (inline_inbuilt_nn_modules), so the L blocks of one
             # class share one graph (a bound forward per block would recompile per block)
             if fn not in shared:
-                shared[fn] = torch.compile(fn, backend=functools.partial(backend, cuts=cuts, torch_device=torch_device), fullgraph=True,
-                                           dynamic=False)
+                shared[fn] = torch.compile(fn if ac is None else _checkpointed(fn, ac), backend=chosen,
+                                           fullgraph=True, dynamic=False)
             call = functools.partial(shared[fn], block)
 
         def forward(*args, _compiled=call, _name=name, **kwargs):
@@ -386,8 +460,8 @@ def check_compile(layout, spec) -> None:
         raise SymcostError(f"--compile compiles each block of the model's block list (torchtitan's apply_compile); "
                            f"{spec.name} has none (no symbol L)")
     others = [flag for flag, on in (("--tp", layout.tp), ("--pp", layout.pipeline is not None),
-                                    ("--ac", layout.ac is not None), ("--fp8", layout.fp8 is not None),
+                                    ("--fp8", layout.fp8 is not None),
                                     ("--offload", layout.offload)) if on]
     if others:
         raise SymcostError(f"--compile with {' '.join(others)} is not modelled yet: a compiled step is modelled on one "
-                           "device and with --dp N --shard ddp|fsdp|zero1|zero2|zero3 (docs/memory.md)")
+                           "device and with --dp N --shard ddp|fsdp|zero1|zero2|zero3, --ac full|selective (docs/memory.md)")

@@ -216,13 +216,13 @@ class Layout:
                                    "offload with EP are not modelled yet")
         if self.compile:
             others = [flag for flag, on in (("--tp", self.tp), ("--pp", self.pipeline is not None),
-                                            ("--cp", self.cp), ("--ac", self.ac is not None),
+                                            ("--cp", self.cp),
                                             ("--fp8", self.fp8 is not None), ("--offload", self.offload),
                                             ("--offload-activations", self.offload_activations)) if on]
             if others:  # (the pipeline's stage traces never reach frontends.compile's own check)
                 raise SymcostError(f"--compile with {' '.join(others)} is not modelled yet: a compiled step is "
-                                   "modelled on one device and with --dp N --shard ddp|fsdp|zero1|zero2|zero3 "
-                                   "(docs/memory.md)")
+                                   "modelled on one device and with --dp N --shard ddp|fsdp|zero1|zero2|zero3, "
+                                   "--ac full|selective (docs/memory.md)")
 
         object.__setattr__(self, "cp", bool(self.cp))
         if self.cp:
@@ -701,7 +701,7 @@ class Layout:
             from symcost.frontends.expert_parallel import apply as apply_ep
 
             apply_ep(model, mesh["EP"], mesh["TP"] if self.tp else None, mesh.get("EP_TP") if self.etp else None)
-        if self.ac is not None:
+        if self.ac is not None and not self.compile:  # (under --compile the compiled block checkpoints)
             from symcost.frontends.checkpointing import checkpoint_blocks
 
             if layers is None:
@@ -712,7 +712,7 @@ class Layout:
 
             if layers is None:
                 raise SymcostError("--compile: the model has no block list to compile")
-            compile_blocks(model, layers, compile_cuts, torch_device)
+            compile_blocks(model, layers, compile_cuts, torch_device, ac=self.ac)
         if self.shard is not None:
             import warnings
 

@@ -434,6 +434,10 @@ MOVE_OPS |= {"aten.index_copy", "aten.index_copy_"}
 LIKE_RANDOM_OPS = {"aten.randn_like", "aten.rand_like", "aten.randint_like"}
 MOVE_OPS |= LIKE_RANDOM_OPS | {"aten.triu_indices", "aten.tril_indices"}
 MOVE_OPS |= {"aten.scatter_"}  # (its bytes: opsets.PARTIAL_WRITES)
+#: inductor's random prims (torch/_inductor/inductor_prims.py) that its decompositions put in place
+#: of dropout's random mask under --compile: the seeds buffer, one seed looked up, the random tensor
+#: written (inductor lowers the last two as Pointwise: symcost.frontends.compile keeps them in registers)
+MOVE_OPS |= {"prims.inductor_seeds", "prims.inductor_lookup_seed", "prims.inductor_random"}
 MOVE_OPS |= {
     # FSDP2's copies around its collectives (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
     # the shards into the all-gather buffer, the gathered buffer out to the parameters, the
