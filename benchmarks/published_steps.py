@@ -106,6 +106,9 @@ RUNS: dict[str, tuple] = {
            NSTEP["N6"], "140 TFLOP/s/GPU (paper's F)"),
     "N7": (f"report {MG} --pp 8 --dp 24 --tp 8 --microbatches 24 {NO_OVERLAP} --set H=96 D=128 L=80 {NS}",
            NSTEP["N7"], "148 TFLOP/s/GPU (paper's F)"),
+    # 1,920 A100s: DP 15 x TP 8 x PP 16, m = 2160 / (15 · 4) = 36 (B = 4 assumed as above)
+    "N8": (f"report {MG} --pp 16 --dp 15 --tp 8 --microbatches 36 {NO_OVERLAP} --set H=128 D=128 L=96 {NS}",
+           NSTEP["N8"], "155 TFLOP/s/GPU (paper's F)"),
 }
 
 
