@@ -262,6 +262,17 @@ def spec(name: str, overrides: Mapping[str, str] | None = None, base_kwargs: Map
             meanings["S"] = "text tokens per image (encoder_hidden_states [B, S, XD])"
     if "NCLS" in defaults:
         constraints.append(Constraint("min", "NCLS", 2, "NCLS must be at least 2 (one class conditions nothing)"))
+    # probes only (a request may be any size): a U-Net's deepest map at least 2x2 and G at least 2,
+    # so that a probe breaking a coincidence of the request (IMG = W = 64, G = W = 32) runs the
+    # request's ops (a 1x1 map or one group is a regime of its own) and the pair is not tied
+    min_side = 0 if dit else 2 ** len(cfg["block_out_channels"])
+
+    def probe_check(values: Mapping[str, int]) -> str | None:
+        if values.get("IMG", min_side) < min_side:
+            return f"probe image sides stay at least {min_side} (the deepest map at least 2x2)"
+        if "G" in defaults and values.get("G", 2) < 2:
+            return "probes keep at least 2 groups"
+        return None
     symbols = tuple(s for s in ("H", "D", "L", "W", "G", "IMG", "C", "XD", "NCLS") if s in defaults)
     meanings = {k: v for k, v in meanings.items() if k in symbols or k in ("B", "S")}
 
@@ -317,6 +328,7 @@ def spec(name: str, overrides: Mapping[str, str] | None = None, base_kwargs: Map
         extra["layers_per_block"] = cfg.get("layers_per_block")
     return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=make_inputs,
                      loss=_loss, constraints=tuple(constraints), moduli=moduli, pin=pin, meanings=meanings,
+                     probe_check=probe_check,
                      extra=extra, layers="model.transformer_blocks" if dit else None)
 
 
