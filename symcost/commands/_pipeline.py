@@ -149,7 +149,8 @@ def pipeline_json(spec, r, layout, mesh, precision, assumed, ans) -> dict:
               for k in ("params", "params_embedding", "params_nonembedding", "params_active")},
            "params_matmul": sum(st["params_matmul"] for st in r["stages"].values()),
            **{k: busiest["totals"][k] for k in RANK_TOTALS},
-           "attention_flops_count": r["attention_flops_count"], "rank": busiest["rank"]}
+           "attention_flops_count": r["attention_flops_count"], "rank": busiest["rank"],
+           "task": spec.extra.get("task")}  # (as report --json: hf: models' head other than the causal LM's)
     res["flops"] = {**res["flops"], "train_simplified": res["flops"]["train"]}  # (its value at these sizes)
     from symcost.passes.moe import summary as moe_summary
 
