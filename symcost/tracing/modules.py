@@ -19,6 +19,32 @@ def _layer_of(module: str, container: str | None) -> int | None:
     return None
 
 
+def outside_its_block(name: str, stack: list[str], entered: set[str]) -> str:
+    """The module name an op is recorded under when the module ``name`` is called in the forward.
+
+    A submodule of a numbered block (``blocks.0.norm1.emb``) called after that block's own call
+    has ended, from outside it (diffusers' DiT recomputes its conditioning with
+    ``self.transformer_blocks[0].norm1.emb(...)`` after the loop over its blocks), is work of the
+    caller, not of block 0: it is named ``blocks[0].norm1.emb``, which lies in no block, so the
+    blocks' ops and memory events stay in block order (the fold over L; else "the memory events
+    of the blocks interleave"). A block called now is added to ``entered``. Names are kept where
+    a block of the same container is running (a module shared by the blocks, Zamba's shared
+    attention) and for submodules of a block never called as a module (its ``forward`` called
+    directly)."""
+    parts = name.split(".")
+    if parts[-1].isdigit():
+        entered.add(name)
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            block = ".".join(parts[:i + 1])
+            if block in entered and block not in stack:
+                container = ".".join(parts[:i]) + "."
+                running = any(s.startswith(container) and s[len(container):].split(".", 1)[0].isdigit()
+                              for s in stack)
+                return name if running else ".".join(parts[:i]) + f"[{part}]." + ".".join(parts[i + 1:])
+    return name
+
+
 def _rename_block(path: str, container: str | None, label: str) -> str:
     if container is None:
         return path

@@ -45,6 +45,7 @@ from symcost.frontends.precision import precision_context
 from symcost.tracing.device_kernels import device_kernels
 from symcost.tracing.one_hot import scatter_one_hot
 from symcost.tracing import grouped_mm
+from symcost.tracing.modules import outside_its_block
 from symcost.tracing.recording import (  # noqa: F401 (re-exported: the recording's types)
     IntRef, MemoryEvent, OpCall, Recording, SavedTensor, TensorInfo, TensorRef)
 from symcost.tracing.recorder import (  # noqa: F401 (the dispatch mode and its helpers)
@@ -615,7 +616,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 seen_saved[key].also.add(rec.module_stack[-1])
             return t0
 
-        entered: set[str] = set()  # blocks (ModuleList items) whose own call has run (_outside_its_block)
+        entered: set[str] = set()  # blocks (ModuleList items) whose own call has run (modules.outside_its_block)
 
         def pre_hook(module, inputs):
             if torch.compiler.is_compiling():  # (--compile: Dynamo traces the hooks; the block's ops are its own)
@@ -624,7 +625,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 _label_graph(fn, rec.module_stack[-1])
             name = names.get(id(module), rec.module_stack[-1])
             if rec.phase == "forward":
-                name = _outside_its_block(name, rec.module_stack, entered)
+                name = outside_its_block(name, rec.module_stack, entered)
             rec.module_stack.append(name)
 
         def post_hook(module, inputs, output):
@@ -740,32 +741,6 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                      events_end, spec.step, kv[0], kv[1], parallel, param_shards,
                      tensor_parallel if parallel != tensor_parallel else None,
                      replicate=layout.replicate, kv_start=list(kv[2]) if len(kv) > 2 else [], no_fold=no_fold)
-
-
-def _outside_its_block(name: str, stack: list[str], entered: set[str]) -> str:
-    """The module name an op is recorded under when the module ``name`` is called in the forward.
-
-    A submodule of a numbered block (``blocks.0.norm1.emb``) called after that block's own call
-    has ended, from outside it (diffusers' DiT recomputes its conditioning with
-    ``self.transformer_blocks[0].norm1.emb(...)`` after the loop over its blocks), is work of the
-    caller, not of block 0: it is named ``blocks[0].norm1.emb``, which lies in no block, so the
-    blocks' ops and memory events stay in block order (the fold over L; else "the memory events
-    of the blocks interleave"). A block called now is added to ``entered``. Names are kept where
-    a block of the same container is running (a module shared by the blocks, Zamba's shared
-    attention) and for submodules of a block never called as a module (its ``forward`` called
-    directly)."""
-    parts = name.split(".")
-    if parts[-1].isdigit():
-        entered.add(name)
-    for i, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            block = ".".join(parts[:i + 1])
-            if block in entered and block not in stack:
-                container = ".".join(parts[:i]) + "."
-                running = any(s.startswith(container) and s[len(container):].split(".", 1)[0].isdigit()
-                              for s in stack)
-                return name if running else ".".join(parts[:i]) + f"[{part}]." + ".".join(parts[i + 1:])
-    return name
 
 
 def _param_storages(model) -> set[int]:
