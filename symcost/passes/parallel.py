@@ -303,7 +303,9 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         engine = ("experts as Shard(0) DTensors over the ep mesh, tokens by all_to_all_single (torchtitan's "
                   "AllToAllTokenDispatcher), then per block " + engine.replace(" per block", "")
                   + f": each experts module over dp_shard (DP ranks, Shard({layout_of(an).experts_shard or 0}) of "
-                  "the local experts), the rest over dp_shard × ep (DP·EP ranks), as torchtitan's apply_fsdp")
+                  "the local experts), the rest over "
+                  + ("dp_shard × ep_rest (DP·EP/TP ranks, beside tp: §14.9)" if layout_of(an).tp
+                     else "dp_shard × ep (DP·EP ranks)") + ", as torchtitan's apply_fsdp")
     out = {"shard": shard, "engine": engine, "label": label, "comm": comm, "memory": mem,
            "peak": rank_peak(an, precision, optimizer, sizes, impl, device)}
     if layout_of(an).offload:  # host bytes and host<->device copies (symcost.passes.offload)

@@ -654,7 +654,14 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
     par = js["parallel"]
     hsdp = (f" (HSDP: dp_replicate {par['dp_replicate']} × dp_shard {par['dp_shard']}: states sharded over "
             f"dp_shard, gradients all-reduced over dp_replicate)") if par.get("dp_replicate") else ""
-    if par.get("tp") is not None:
+    if par.get("tp") is not None and par.get("ep") is not None:  # (docs/parallel.md §14.9)
+        n = par["dp"] * par["ep"] if isinstance(par["dp"], int) and isinstance(par["ep"], int) else f"{par['dp']}·{par['ep']}"
+        c.print(f"\n[bold]data x expert x tensor parallel[/bold]: --shard {par['shard']} on DP = {par['dp']} x EP = "
+                f"{par['ep']} ({n} ranks in TP groups of {par['tp']}), one rank traced: {par['engine']}; "
+                f"{par['sharded']} (of the rank's TP-local parameters)"
+                + (f"; {par['params_rank']:,} parameter elements on the rank" if isinstance(par.get("params_rank"), int)
+                   else ""))
+    elif par.get("tp") is not None:
         c.print(f"\n[bold]data x tensor parallel[/bold]: the mesh DP = {par['dp']} x TP = {par['tp']} "
                 f"({'with' if par['sp'] else 'without'} sequence parallelism), one rank traced: "
                 f"{par['engine']}; {par['sharded']} (of the rank's TP-local parameters)" + hsdp)
