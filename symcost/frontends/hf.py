@@ -659,18 +659,20 @@ def configs(model_type: str, overrides: Mapping[str, str] | None, base_kwargs: M
     return AutoConfig, base_kwargs, ov, _make_config(AutoConfig, model_type, ov)
 
 
-def head_builder(shown: str, constraints, symbols, model_cls, config_for, attention: str | None):
+def head_builder(shown: str, constraints, symbols, model_cls, config_for, attention: str | None, check=None):
     """The ``build(values) -> nn.Module`` of an ``hf:`` spec built from its task's model class
     (:mod:`symcost.frontends.hf_tasks`, :mod:`symcost.frontends.hf_vision`): ``constraints``
     checked on B, S and ``symbols``, then ``model_cls._from_config(config_for(values))`` (with
     ``attn_implementation=attention`` where given) on the current default device, in train mode.
+    ``check``: ``check(values) -> str | None`` in place of ``constraints`` (a spec's own rule).
 
     The returned ``build`` raises SymcostError: a constraint the values break, or the config
     transformers refuses (its message on one line, prefixed with ``shown``)."""
 
     def build(values: Mapping[str, int]):
         """The model for these symbol values, in train mode, on the current default device."""
-        why = check_constraints(constraints, {k: values.get(k) for k in ("B", "S", *symbols)})
+        given = {k: values.get(k) for k in ("B", "S", *symbols)}
+        why = check(given) if check is not None else check_constraints(constraints, given)
         if why:
             raise SymcostError(f"{shown}: {why}")
         try:

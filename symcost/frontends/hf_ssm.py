@@ -183,16 +183,7 @@ def mamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
         _tokens_inside(kw, cfg, kw["vocab_size"])
         return hf._make_config(AutoConfig, model_type, kw)
 
-    def build(values: Mapping[str, int]) -> torch.nn.Module:
-        """The model for these symbol values, in train mode, on the current default device."""
-        why = check({k: values.get(k) for k in ("B", "S", *symbols)})
-        if why:
-            raise SymcostError(f"{shown}: {why}")
-        try:
-            model = model_cls._from_config(config_for(values))
-        except Exception as e:  # noqa: BLE001 - transformers raises many types
-            raise SymcostError(f"{shown}: building the model failed: {type(e).__name__}: {' '.join(str(e).split())}") from e
-        return model.train()
+    build = hf.head_builder(shown, (), symbols, model_cls, config_for, None, check=check)
 
     extra = _extra(cfg, model_type, model_cls, ov, base_kwargs, shown, attention="none (no attention layers)",
                    state_space=f"chunked SSD scan (chunks of {chunk}), transformers' torch path",
@@ -347,16 +338,7 @@ def zamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
         c._attn_implementation = attention
         return c
 
-    def build(values: Mapping[str, int]) -> torch.nn.Module:
-        """The model for these symbol values, in train mode, on the current default device."""
-        why = check({k: values.get(k) for k in ("B", "S", *symbols)})
-        if why:
-            raise SymcostError(f"{shown}: {why}")
-        try:
-            model = model_cls._from_config(config_for(values), attn_implementation=attention)
-        except Exception as e:  # noqa: BLE001 - transformers raises many types
-            raise SymcostError(f"{shown}: building the model failed: {type(e).__name__}: {' '.join(str(e).split())}") from e
-        return model.train()
+    build = hf.head_builder(shown, (), symbols, model_cls, config_for, attention, check=check)
 
     conv = ("the Mamba-2 depthwise convolution's padded output sums more monomials than the fit finds "
             "(symcost/tracing/fit.py's sparse search): formulas hold at this {} (another: --set {}=...)")
@@ -447,16 +429,7 @@ def zamba_spec(model_type: str, overrides: Mapping[str, str] | None = None, atte
         c._attn_implementation = attention
         return c
 
-    def build(values: Mapping[str, int]) -> torch.nn.Module:
-        """The model for these symbol values, in train mode, on the current default device."""
-        why = check({k: values.get(k) for k in ("B", "S", *symbols)})
-        if why:
-            raise SymcostError(f"{shown}: {why}")
-        try:
-            model = model_cls._from_config(config_for(values), attn_implementation=attention)
-        except Exception as e:  # noqa: BLE001 - transformers raises many types
-            raise SymcostError(f"{shown}: building the model failed: {type(e).__name__}: {' '.join(str(e).split())}") from e
-        return model.train()
+    build = hf.head_builder(shown, (), symbols, model_cls, config_for, attention, check=check)
 
     kinds = f"attn_layer_period={cfg.attn_layer_period}, attn_layer_offset={cfg.attn_layer_offset}"
     pin = {"L": (f"Mamba blocks and hybrid blocks (the shared transformer block, then Mamba) by layer index ({kinds}): "

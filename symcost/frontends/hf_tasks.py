@@ -56,7 +56,7 @@ import torch
 
 from symcost.errors import SymcostError
 from symcost.frontends import hf
-from symcost.frontends.spec import Constraint, ModelSpec, check_constraints
+from symcost.frontends.spec import Constraint, ModelSpec
 
 #: Tasks, in the order a model type's default is chosen, with their auto-model mapping.
 TASKS = {
@@ -435,16 +435,7 @@ def ssm_spec(model_type: str, overrides: Mapping[str, str] | None = None, attent
                 kw[key] = values["V"] - 1
         return hf._make_config(AutoConfig, model_type, kw)
 
-    def build(values: Mapping[str, int]) -> torch.nn.Module:
-        """The model for these symbol values, in train mode, on the current default device."""
-        why = check_constraints((), {k: values.get(k) for k in ("B", "S", *symbols)})
-        if why:
-            raise SymcostError(f"{shown}: {why}")
-        try:
-            model = model_cls._from_config(config_for(values))
-        except Exception as e:  # noqa: BLE001 - transformers raises many types
-            raise SymcostError(f"{shown}: building the model failed: {type(e).__name__}: {' '.join(str(e).split())}") from e
-        return model.train()
+    build = hf.head_builder(shown, (), symbols, model_cls, config_for, None)
 
     def make_inputs(values: Mapping[str, int], device) -> tuple[tuple, dict]:
         """``input_ids`` and ``labels``, int64 ``[B, S]`` in ``[0, V)``."""
