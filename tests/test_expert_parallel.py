@@ -280,6 +280,53 @@ def test_ep_under_fsdp_rank_against_pytorch_on_the_fake_group():
 
 
 @pytest.mark.heavy
+def test_ep_under_fsdp_at_dp1_rank_against_pytorch_on_the_fake_group():
+    """``--ep N --dp 1 --shard fsdp``, torchtitan's single-node EP (dp_shard = ep: FSDP2's dense group,
+    dp_shard × ep flattened, has the EP group's ranks; the experts' dp_shard group one rank): rank 0's
+    FLOPs, saved bytes, parameter elements and each group's all-gather, reduce-scatter and all-to-all
+    bytes equal PyTorch's step with FSDP2 applied as torchtitan applies it
+    (tests/data/ep_rank.py ``fsdp_as_torchtitan``) on the fake group, at random B, S, L and EP 2 or 4
+    (the model's widths pinned, as the request gives them: the trace then takes ~25 s). The dense
+    all-gathers were labelled EP (the flattened group and the ep group were both the world's), and
+    the fit failed ("... measures 0"). DP is pinned at 1 (a size of 1)."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ep_rank import fsdp_as_torchtitan
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+    from symcost.frontends.parallel import fake_world
+
+    sizes = dict(REQUEST_DP, DP=1)
+    pins = {s: "the test's widths" for s in ("H", "D", "V", "F", "E", "R")}
+    an = symcost.trace(resolve("moe"), layout=Layout(ep=True, shard="fsdp"), sizes=sizes, precision=PRECISION,
+                       _pins=pins)
+    assert an.pinned.get("DP") == 1 and {"EP", "B", "S", "L"} <= set(an.symbols), an.pinned
+    rng = random.Random(2801)
+    for ep in (2, 4):
+        v = {**{k: sizes[k] for k in pins}, "DP": 1, "EP": ep, "B": rng.randint(1, 3), "S": 16 * rng.randint(1, 2),
+             "L": rng.randint(1, 3)}
+        # (a world of twice the mesh, so that the ep group and the flattened one are told apart by name:
+        # under torchrun with EP ranks they are one group, the bytes the same)
+        fake_world(2 * ep)
+        mesh = DeviceMesh("cpu", torch.arange(ep).reshape(1, ep), mesh_dim_names=("dp_shard", "ep"))
+        model = build(v, mesh["ep"])
+        flat = fsdp_as_torchtitan(model, mesh)
+        groups = {mesh["ep"].get_group().group_name: "EP", mesh["dp_shard"].get_group().group_name: "DP_expert",
+                  flat.get_group().group_name: "DP"}
+        got = measure(model, torch.randint(0, v["V"], (v["B"], v["S"])), groups=groups)
+        env = an.bind(**{k: x for k, x in v.items() if k in an.symbols})
+        assert int(an.flops("train").subs(env)) == got["flops"], v
+        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], v
+        assert int(an.params_shard.subs(env)) == got["shard"], v
+        for g in ("DP", "DP_expert", "EP"):
+            for k in ("all_gather", "reduce_scatter", "all_to_all"):
+                want = Fraction(str(an.comm_bytes(k, group=g).subs(env)))
+                assert want == Fraction(got["by_group"].get(g, {}).get(k, "0")), (v, g, k)
+        assert Fraction(got["by_group"]["DP"]["all_gather"]) > 0 and Fraction(got["by_group"]["EP"]["all_to_all"]) > 0
+
+
+@pytest.mark.heavy
 def test_real_gloo_ep2_dp2(tmp_path):
     """``torchrun --nproc-per-node 4`` with gloo on this CPU: EP 2 × DP 2 (the mesh (dp_shard, ep),
     FSDP2 as torchtitan applies it under EP, each rank its own tokens, the routers balanced):

@@ -642,11 +642,14 @@ class Layout:
             raise SymcostError("--dp 1 with --cp: FSDP2 over the CP ranks alone (torchtitan's layout for CP without "
                                "data parallelism) is not modelled yet; give --dp 2 or more, or --cp alone")
         dims, shape = self.mesh_shape(lambda s: int(values[s]))
-        if self.ep_tp:
+        if self.ep_tp or (self.ep_fsdp and int(values["DP"]) == 1):
             # (a fake world of twice the mesh: the EP group, the mesh flattened, is then a process
             # group of its own, not the world's, and never the TP group's, even where EP = TP:
             # PyTorch reuses the world's group for a mesh dimension over all its ranks, and the
-            # collectives are told apart by their group's name)
+            # collectives are told apart by their group's name. So too under FSDP2 at DP = 1,
+            # torchtitan's single-node EP (docs/parallel.md §14.6): the dense FSDP2 group,
+            # dp_shard × ep flattened, then has the ranks of the ep group, and both were the
+            # world's group, the all-to-alls and the dense all-gathers one label)
             import torch
             from torch.distributed.device_mesh import DeviceMesh
 
