@@ -153,3 +153,23 @@ def test_several_stacks_following_l_are_traced_unfolded():
         _check(an, spec, {"B": rng.randint(2, 5), "S": rng.randint(2, 12), "D": rng.randint(2, 20), "L": 3})
 
 
+
+
+def test_factory_imports_a_module_beside_it(tmp_path):
+    """A factory file imports its own modules from its folder, as ``python file.py`` would (the
+    folder need not be the working directory, nor on PYTHONPATH)."""
+    from symcost.frontends.models import resolve
+
+    folder = tmp_path / "proj"
+    folder.mkdir()
+    (folder / "mylayers_beside.py").write_text("import torch\n\ndef make(d):\n    return torch.nn.Linear(d, d)\n")
+    (folder / "fac.py").write_text(
+        "import torch\nfrom symcost import ModelSpec\nfrom mylayers_beside import make\n\n"
+        "def spec():\n"
+        "    return ModelSpec(name='x', symbols=('W',), defaults={'B': 2, 'S': 1, 'W': 3},\n"
+        "                     build=lambda v: make(v['W']),\n"
+        "                     make_inputs=lambda v, device: ((torch.randn(v['B'], v['W'], device=device),), {}),\n"
+        "                     loss=lambda out, inputs: out.sum())\n")
+    spec = resolve(f"{folder / 'fac.py'}:spec")
+    with torch.device("meta"):
+        assert sum(p.numel() for p in spec.build({"W": 5}).parameters()) == 5 * 5 + 5

@@ -601,6 +601,7 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
     extra = {
         "config_class": cls,
         "model_type": model_type,
+        "task": "causal-lm",
         "attention": attention,
         "hidden_size_note": ("hidden_size = M, apart from H*D (head_dim = D)" if has_m
                              else "hidden_size = H*D" + (" (head_dim = D)" if settable_head_dim else "")),
@@ -608,6 +609,12 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
         "config_overrides": {k: (v if isinstance(v, (int, float, bool, str, type(None))) else repr(v))
                              for k, v in ov.items() if k not in base_kwargs or base_kwargs[k] != v},
     }
+    try:  # (the class AutoModelForCausalLM builds: the report's task line)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        extra["model_class"] = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)].__name__
+    except Exception:  # noqa: BLE001 - a mapping that cannot load its class: no name to show
+        pass
     if base_kwargs:
         extra["config_file"] = shown_name
     if f_attr:

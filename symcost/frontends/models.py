@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import sys
 from typing import Callable, Mapping
 
 import torch
@@ -110,6 +111,9 @@ def _file_spec(model: str) -> ModelSpec:
     path, _, factory = model.rpartition(":")
     if not os.path.isfile(path):
         raise SymcostError(f"model file {path!r} not found; expected path/to/file.py:factory")
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:  # (its own modules beside it import, as when Python runs the file)
+        sys.path.insert(0, folder)
     try:
         modspec = importlib.util.spec_from_file_location(f"symcost_user_{abs(hash(path))}", path)
         mod = importlib.util.module_from_spec(modspec)

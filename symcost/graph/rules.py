@@ -438,6 +438,9 @@ MOVE_OPS |= {"aten.scatter_"}  # (its bytes: opsets.PARTIAL_WRITES)
 #: of dropout's random mask under --compile: the seeds buffer, one seed looked up, the random tensor
 #: written (inductor lowers the last two as Pointwise: symcost.frontends.compile keeps them in registers)
 MOVE_OPS |= {"prims.inductor_seeds", "prims.inductor_lookup_seed", "prims.inductor_random"}
+#: the functional forms of in-place writes into a view (AOTAutograd's functionalisation under
+#: --compile): the base read, the source read, the whole output written
+MOVE_OPS |= {"aten.slice_scatter", "aten.select_scatter", "aten.diagonal_scatter", "aten.as_strided_scatter"}
 MOVE_OPS |= {
     # FSDP2's copies around its collectives (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
     # the shards into the all-gather buffer, the gathered buffer out to the parameters, the

@@ -236,7 +236,8 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
         g.add_row("attention", "the model's own code")
     if an.spec.extra.get("task"):  # the head and loss an hf: model trains with (--task)
         cls_name = an.spec.extra.get("model_class")
-        g.add_row("task", an.spec.extra["task"] + (f" ({cls_name})" if cls_name else "") + " (--task)")
+        g.add_row("task", an.spec.extra["task"] + (f": {cls_name}" if cls_name else "")
+                  + " (the head and loss trained; --task chooses among the model type's heads)")
     if an.spec.extra.get("loss_choice") == "megatron":  # (symcost.frontends.megatron: megatron-*, --loss)
         g.add_row("loss", "Megatron-LM's vocab-parallel cross entropy (fp32 softmax in place; --loss model: the "
                           "model's own)")
