@@ -254,3 +254,66 @@ def test_report_deepseek_v3_ep64_pp8_tp2_parameters_per_rank():
         want[stage] += n
     rows = {row["rank"]: row for row in got["pipeline"]["ranks"]}
     assert [rows[s]["params"] for s in range(pp)] == want
+
+
+@pytest.mark.heavy
+def test_qwen3_30b_a3b_ep16_tp2_dp16_parameters_per_rank():
+    """Qwen3-30B-A3B's published config (tests/data/configs/qwen3-30b-a3b.json) under ``--ep 16 --tp 2
+    --dp 16 --shard fsdp`` (256 ranks per stage: torchtitan's tp = 2, ep = 16, dp_shard = 128;
+    docs/parallel.md §14.9), at L = 2 of its per-layer shapes, traced with the config's sizes and
+    the mesh pinned (L the one symbol: with free mesh sizes the fit fails, and with all of them pinned
+    no probe passed the FSDP check's lcm(DP, 4)·lcm(EP, 4) = 256 at the request (128 router and q/k-norm
+    rows) until ``tracing.fit.NoProbes`` waived it, docs/parallel.md §14.9): rank 0's parameter elements at the request
+    (``passes.parallel.padded``, what ``report``'s ``parallel.params_rank`` prints) equal a count of
+    Qwen3-30B-A3B built by transformers on the meta device and cut as PyTorch cuts rank 0's shards:
+    over TP = 2 by the model's ``tp_plan`` (read here: colwise and vocabulary-parallel rows halved,
+    rowwise columns halved; the router, norms and the MoE layer's experts not TP-split), then
+    FSDP2's first chunk (``torch.chunk``) of every dense parameter's first dimension over the
+    DP·EP/TP = 128 ranks of the dense group (the router's 128 rows: one), and each stacked expert
+    tensor ``[E, a, b]`` to its E/EP = 8 experts and ceil(a/16) rows of its second dimension
+    (``Shard(1)``: DP·EP = 256 > E = 128, torchtitan's rule)."""
+    import math
+    import re
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+    from symcost.passes.parallel import padded
+
+    path = os.path.join(os.path.dirname(__file__), "data", "configs", "qwen3-30b-a3b.json")
+    layers, e, ep, tp, dp = 2, 128, 16, 2, 16
+    spec = resolve(path)
+    sizes = {"B": 1, "S": 256, "L": layers, "DP": dp, "EP": ep, "TP": tp}
+    pins = {s: "the published config's size" for s in spec.symbols if s != "L"}
+    pins.update({s: "the test's mesh" for s in ("DP", "EP", "TP")})
+    an = symcost.trace(spec, layout=Layout(ep=True, tp=True, shard="fsdp", experts_shard=1), sizes=sizes,
+                       precision="bf16-mixed", _pins=pins)
+    assert "L" in an.symbols and an.pinned["DP"] == dp and an.pinned["EP"] == ep, an.pinned
+    got = int(padded(an, an.bind(**{k: v for k, v in sizes.items() if k in an.symbols}))["params_shard"])
+    cfg = AutoConfig.from_pretrained(path, num_hidden_layers=layers)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert cfg.num_experts == e
+    dense = dp * ep // tp
+    plan = model.tp_plan
+    rank = 0
+    for name, p in model.named_parameters():
+        shape = list(p.shape)
+        if ".mlp.experts." in name and p.dim() == 3 and shape[0] == e:
+            rank += e // ep * -(-shape[1] // dp) * shape[2]
+            continue
+        style = next((plan[k] for k in plan
+                      if re.fullmatch(k.replace(".", r"\.").replace("*", r"\d+"), name.rpartition(".")[0])), None)
+        if style in ("colwise", "embedding_rowwise", "colwise_gather_output"):
+            shape[0] //= tp
+        elif style == "rowwise" and p.dim() == 2:
+            shape[1] //= tp
+        rank += -(-shape[0] // dense) * math.prod(shape[1:])
+    assert got == rank
+    env = an.bind(**{k: v for k, v in sizes.items() if k in an.symbols})
+    for g in ("DP", "DP_expert", "EP", "TP"):
+        assert an.comm_bytes("total", group=g).subs(env) > 0, g
+
+

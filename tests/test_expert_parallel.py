@@ -280,15 +280,19 @@ def test_ep_under_fsdp_rank_against_pytorch_on_the_fake_group():
 
 
 @pytest.mark.heavy
-def test_ep_under_fsdp_at_dp1_rank_against_pytorch_on_the_fake_group():
+@pytest.mark.parametrize("experts, pin_ep", [(16, False), (8, True)])
+def test_ep_under_fsdp_at_dp1_rank_against_pytorch_on_the_fake_group(experts, pin_ep):
     """``--ep N --dp 1 --shard fsdp``, torchtitan's single-node EP (dp_shard = ep: FSDP2's dense group,
     dp_shard × ep flattened, has the EP group's ranks; the experts' dp_shard group one rank): rank 0's
     FLOPs, saved bytes, parameter elements and each group's all-gather, reduce-scatter and all-to-all
     bytes equal PyTorch's step with FSDP2 applied as torchtitan applies it
-    (tests/data/ep_rank.py ``fsdp_as_torchtitan``) on the fake group, at random B, S, L and EP 2 or 4
-    (the model's widths pinned, as the request gives them: the trace then takes ~25 s). The dense
-    all-gathers were labelled EP (the flattened group and the ep group were both the world's), and
-    the fit failed ("... measures 0"). DP is pinned at 1 (a size of 1)."""
+    (tests/data/ep_rank.py ``fsdp_as_torchtitan``) on the fake group, at random B, S, L (the model's
+    widths pinned, as the request gives them: each trace ~20 s) and EP 2 or 4 (EP a symbol), or EP 2
+    pinned with E = 8: every mesh size pinned, the router's 8 rows no multiple of lcm(DP, 4)·lcm(EP, 4)
+    = 16 at the request, where no probe passed the FSDP probe check (``tracing.fit.NoProbes``: the
+    check is waived, ``frontends.parallel.MESH_PINNED``). Before the fake world of twice the mesh
+    the dense all-gathers were labelled EP (the flattened group and the ep group were both the
+    world's) and the fit failed ("... measures 0"). DP is pinned at 1 (a size of 1)."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -297,13 +301,13 @@ def test_ep_under_fsdp_at_dp1_rank_against_pytorch_on_the_fake_group():
     from symcost.frontends.models import resolve
     from symcost.frontends.parallel import fake_world
 
-    sizes = dict(REQUEST_DP, DP=1)
-    pins = {s: "the test's widths" for s in ("H", "D", "V", "F", "E", "R")}
+    sizes = dict(REQUEST_DP, DP=1, E=experts)
+    pins = {s: "the test's widths" for s in ("H", "D", "V", "F", "E", "R") + (("EP",) if pin_ep else ())}
     an = symcost.trace(resolve("moe"), layout=Layout(ep=True, shard="fsdp"), sizes=sizes, precision=PRECISION,
                        _pins=pins)
-    assert an.pinned.get("DP") == 1 and {"EP", "B", "S", "L"} <= set(an.symbols), an.pinned
+    assert an.pinned.get("DP") == 1 and {"B", "S", "L"} | (set() if pin_ep else {"EP"}) <= set(an.symbols), an.pinned
     rng = random.Random(2801)
-    for ep in (2, 4):
+    for ep in (2,) if pin_ep else (2, 4):
         v = {**{k: sizes[k] for k in pins}, "DP": 1, "EP": ep, "B": rng.randint(1, 3), "S": 16 * rng.randint(1, 2),
              "L": rng.randint(1, 3)}
         # (a world of twice the mesh, so that the ep group and the flattened one are told apart by name:

@@ -36,6 +36,7 @@ Torch is imported only inside the functions that need it.
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 import weakref
@@ -134,6 +135,11 @@ def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None, tp_
             # (DDP shards nothing: no size depends on DP, any first dimension runs as it is;
             # OPT's 2,050 learned positions refused hf:opt --dp 2)
             return None
+        if MESH_PINNED.get():
+            # (every mesh size pinned at the request's: a first dimension the group does not divide
+            # is padded to the same ceil(d0/n) rows at every probe that keeps it, and one that
+            # follows a free symbol and stops being polynomial is caught by the fit's checks)
+            return None
         if indivisible is not None and "EP" in values:
             return indivisible(spec, values)
         return _indivisible(spec, values, tp_sizes, replicate)
@@ -143,6 +149,13 @@ def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None, tp_
     return dataclasses.replace(spec, symbols=tuple(spec.symbols) + ("DP",), defaults=defaults,
                                probe_check=probe_check, moduli=moduli)
 
+
+#: True while a trace runs with every mesh size of its layout pinned and no probe passed the checks
+#: (``graph.build.trace``, on ``tracing.fit.NoProbes``): the sharding probe checks' divisibilities
+#: (lcm(DP, 4)·lcm(EP, 4), ...) exist so that DP, EP, TP can vary from a probe, and at a pinned size
+#: they ask the request's own mesh to divide every first dimension (Qwen3-30B-A3B's 128-row router
+#: over DP·EP = 256 ranks: no probe at all); then waived
+MESH_PINNED: "contextvars.ContextVar[bool]" = contextvars.ContextVar("symcost_mesh_pinned", default=False)
 
 #: spec.build -> {"inputs": whether B and S size a parameter, (config values) -> dim 0 of each parameter}
 _DIMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

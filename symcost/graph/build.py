@@ -21,8 +21,9 @@ from symcost._lazy import LazyModule
 from symcost.errors import SymcostError
 from symcost.frontends.layout import Layout, layout_of
 from symcost.frontends.megatron import for_run
+from symcost.frontends.parallel import MESH_PINNED
 from symcost.frontends.spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, ModelSpec, request_facts
-from symcost.tracing.fit import (CHECK_L, FIT_L, N_RANDOM, SYMS, Fitter, FitError, Unvariable, find_base,
+from symcost.tracing.fit import (CHECK_L, FIT_L, N_RANDOM, SYMS, Fitter, FitError, NoProbes, Unvariable, find_base,
                                  leaves_moe_values, plan_probes, probe_pool, random_near, random_point,
                                  random_pools)
 from symcost.tracing.modules import _layer_of
@@ -227,15 +228,30 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
                          "(formulas for this CP; docs/parallel.md §15)")
     recordings: dict = {}
     widened, n_random0, seed0 = False, n_random, seed
+    relax = False  # (the sharding probe checks waived: NoProbes below)
     for _ in range(len(SYMS) + 2):
         try:
-            an = _trace_regime(spec, values, facts, pins, reasons, precision, n_random, seed, recordings)
+            token = MESH_PINNED.set(relax)
+            try:
+                an = _trace_regime(spec, values, facts, pins, reasons, precision, n_random, seed, recordings)
+            finally:
+                MESH_PINNED.reset(token)
             # (what Analysis.subs traces again with, at sizes where these formulas do not hold)
             an.__dict__["trace_again"] = functools.partial(
                 trace, model=model, config=config, attention=attention, sizes=dict(sizes), precision=precision,
                 n_random=n_random0, seed=seed0, use_cache=use_cache, step=step, kv_cache=kv_cache,
                 layout=layout, torch_device=torch_device)
             return an
+        except NoProbes:
+            # every mesh size pinned (after failures of the free ones): the sharding probe checks'
+            # divisibilities, there so that DP, EP, TP can vary, would ask the request's own mesh to
+            # divide each first dimension (Qwen3-30B-A3B's 128 router rows over DP·EP = 256 ranks);
+            # once more without them (frontends.parallel.MESH_PINNED: FSDP2's padding at the pinned
+            # mesh is constant where the first dimension is; where not, the fit's checks say so)
+            mesh = [s for s in MESH if s in spec.all_symbols]
+            if relax or not mesh or not all(s in pins for s in mesh):
+                raise
+            relax = True
         except StepSize as e:
             new = {s: why for s, why in e.pins.items() if s not in pins and s in values}
             if not new:

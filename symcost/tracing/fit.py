@@ -72,6 +72,11 @@ class Unvariable(SymcostError):
         self.symbol = symbol
 
 
+class NoProbes(SymcostError):
+    """No base probe passes the model's constraints and stays in the request's regime
+    (:func:`find_base`)."""
+
+
 class FitError(SymcostError):
     """A signature no polynomial reproduces; ``deps`` are the symbols it changes with."""
 
@@ -356,7 +361,7 @@ def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, 
                 if trial != cur and good(trial):
                     cur = trial
             return cur
-    raise SymcostError(f"no probe sizes for {', '.join(free)} stay in the regime of the requested sizes")
+    raise NoProbes(f"no probe sizes for {', '.join(free)} stay in the regime of the requested sizes")
 
 
 def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
