@@ -191,7 +191,7 @@ def test_refine_traces_until_k_fit_and_prunes_larger_micro_batches(monkeypatch):
 
     calls = []
 
-    def fake(model, lay, sizes, precision, optimizer="adamw", sp=False, use_cache=True):
+    def fake(model, lay, sizes, precision, optimizer="adamw", sp=False, use_cache=True, routing=None):
         calls.append(dict(lay))
         row = rows_by_key[tuple(sorted(lay.items()))]
         f = 3.0 if lay["checkpoint"] == "selective" else 1.05

@@ -65,8 +65,8 @@ class Solver:
 
         Ru, xu = _ring([X], QQ)
         vals = [int(fixed[sy]) if j != vi else None for j, sy in enumerate(self._syms)]
-        for m in self.alg.meshes:  # the ring's generators 1/DP, 1/TP (a data- or tensor-parallel trace)
-            vals.append(sympy.polys.domains.QQ(1, vals[self.gens.index(m)]))
+        for mesh in self.alg.meshes:  # the ring's generators 1/DP, 1/TP (a data- or tensor-parallel trace)
+            vals.append(sympy.polys.domains.QQ(1, vals[self.gens.index(mesh)]))
 
         def univariate(p):
             """``p`` with the other sizes substituted: a polynomial in ``var`` (ring ``Ru``)."""
