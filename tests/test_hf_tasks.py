@@ -157,7 +157,9 @@ def test_bad_sizes_and_tasks_one_line(capsys, tmp_path, monkeypatch):
     assert_one_line_error(*run_cli(capsys, "eval", "hf:bert", "--set", "S=600"), "S must be at most 512")
     with pytest.raises(SymcostError, match="unknown task 'mlm'"):
         symcost.resolve("hf:bert", task="mlm")
-    assert symcost.resolve("hf:bert", task="causal-lm").extra.get("task") is None  # (the causal LM: hf.spec)
+    causal = symcost.resolve("hf:bert", task="causal-lm")  # (the causal LM: hf.spec, the head named)
+    assert (causal.extra.get("task"), causal.extra.get("model_class")) == ("causal-lm", "BertLMHeadModel")
+    assert symcost.resolve("hf:llama").extra.get("task") is None  # (a decoder LM without --task: JSON null)
 
 
 def _split_conv1d(monkeypatch):

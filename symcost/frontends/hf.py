@@ -601,7 +601,6 @@ def spec(model_type: str, overrides: Mapping[str, str] | None = None, attention:
     extra = {
         "config_class": cls,
         "model_type": model_type,
-        "task": "causal-lm",
         "attention": attention,
         "hidden_size_note": ("hidden_size = M, apart from H*D (head_dim = D)" if has_m
                              else "hidden_size = H*D" + (" (head_dim = D)" if settable_head_dim else "")),

@@ -132,7 +132,10 @@ def any_spec(model_type: str, overrides: Mapping[str, str] | None = None, attent
             return hf_ssm.spec(mt, overrides, attention, base_kwargs, name or f"hf:{model_type}")
         if is_ssm(hf._make_config(transformers.AutoConfig, mt, dict(base_kwargs or {}))):
             return ssm_spec(mt, overrides, attention, base_kwargs, name or f"hf:{model_type}")
-        return hf.spec(mt, overrides, attention, base_kwargs=base_kwargs, name=name or f"hf:{model_type}")
+        out = hf.spec(mt, overrides, attention, base_kwargs=base_kwargs, name=name or f"hf:{model_type}")
+        if task is not None:  # (asked for by --task: the report says which head; a plain decoder LM's JSON keeps null)
+            out.extra["task"] = "causal-lm"
+        return out
     return spec(mt, chosen, overrides, attention, base_kwargs, name or f"hf:{model_type}")
 
 
