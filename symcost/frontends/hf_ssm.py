@@ -264,6 +264,24 @@ ZAMBA2_FIELDS = {"H": "num_attention_heads", "K": "num_key_value_heads", "F": "i
                  "N_state": "mamba_d_state", "K_conv": "mamba_d_conv", "L": "num_hidden_layers", "V": "vocab_size"}
 
 
+def _zamba_config(model_type: str, overrides, attention: str | None, base_kwargs):
+    """``(AutoConfig, base_kwargs, overrides, config, causal-LM class, attention)`` of a Zamba or
+    Zamba2 spec: :func:`symcost.frontends.hf.configs`, the class AutoModelForCausalLM builds, and
+    the attention implementation (transformers' default where None).
+
+    Raises:
+        SymcostError: an unknown or rejected config key, an unknown attention implementation."""
+    AutoConfig, base_kwargs, ov, cfg = hf.configs(model_type, overrides, base_kwargs)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    if attention is None:
+        attention = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
+    elif attention not in hf.ATTENTION:
+        raise SymcostError(f"unknown attention implementation {attention!r}; accepted: {', '.join(hf.ATTENTION)}")
+    return AutoConfig, base_kwargs, ov, cfg, model_cls, attention
+
+
 def zamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
                 base_kwargs: Mapping[str, Any] | None = None, name: str | None = None) -> ModelSpec:
     """The :class:`ModelSpec` of Zamba2 (``hf:zamba2``: ``Zamba2ForCausalLM``; Glorioso et al. 2024):
@@ -290,14 +308,8 @@ def zamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
         SymcostError: an unknown or rejected config key, a bad attention implementation.
     """
     shown = name or f"hf:{model_type}"
-    AutoConfig, base_kwargs, ov, cfg = hf.configs(model_type, overrides, base_kwargs)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
-    if attention is None:
-        attention = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
-    elif attention not in hf.ATTENTION:
-        raise SymcostError(f"unknown attention implementation {attention!r}; accepted: {', '.join(hf.ATTENTION)}")
+    AutoConfig, base_kwargs, ov, cfg, model_cls, attention = _zamba_config(model_type, overrides, attention,
+                                                                           base_kwargs)
     nm, expand = int(cfg.n_mamba_heads), int(cfg.mamba_expand)
     symbols = ("H", "D", *[s for s in ZAMBA2_FIELDS if s != "H"])
     defaults = {"B": 8, "S": 64, **{s: getattr(cfg, f) for s, f in ZAMBA2_FIELDS.items()},
@@ -392,14 +404,8 @@ def zamba_spec(model_type: str, overrides: Mapping[str, str] | None = None, atte
         SymcostError: an unknown or rejected config key, a bad attention implementation.
     """
     shown = name or f"hf:{model_type}"
-    AutoConfig, base_kwargs, ov, cfg = hf.configs(model_type, overrides, base_kwargs)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
-    if attention is None:
-        attention = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
-    elif attention not in hf.ATTENTION:
-        raise SymcostError(f"unknown attention implementation {attention!r}; accepted: {', '.join(hf.ATTENTION)}")
+    AutoConfig, base_kwargs, ov, cfg, model_cls, attention = _zamba_config(model_type, overrides, attention,
+                                                                           base_kwargs)
     nm, expand = int(cfg.n_mamba_heads), int(cfg.mamba_expand)
     symbols = tuple(ZAMBA_FIELDS)
     defaults = {"B": 8, "S": 64, **{s: getattr(cfg, f) for s, f in ZAMBA_FIELDS.items()}}
