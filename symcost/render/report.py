@@ -356,6 +356,10 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
             ratio = f"1 : {bwd / fwd:.3f}" if fwd else "- (no forward model FLOPs)"
             c.print(f"  forward : backward = {ratio}    attention (matmuls without a parameter"
                     f" operand) = {_value(attn, env) / total:.1%} of model FLOPs")
+            hw = _value(an.flops("train", "hardware"), env)
+            if hw != total:  # (JSON flops_hw.train)
+                c.print(f"  hardware FLOPs, train = {human(hw, 'FLOP')} (+{(hw - total) / total:.1%}: what activation "
+                        "checkpointing and a fused attention backward run again; HFU counts them, MFU does not)")
     else:
         c.print(f"  attention matmuls (no parameter operand), train = {fmt(attn)}")
     _unsupported(c, an, env)
