@@ -132,7 +132,9 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
             click.echo(json.dumps(_activations(an, sizes, res), indent=1))
         else:
             rep.render(an, sizes, assumed=assumed, layout_words=words)
-            rep.render_parallel(an, sizes, par, step=step)
+            from symcost.render.data_parallel import render_parallel as render_data_parallel
+
+            render_data_parallel(an, sizes, par, step=step)
             if step is not None:
                 from symcost.render.report import console
 
