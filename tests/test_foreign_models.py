@@ -292,6 +292,27 @@ def test_step_function_width_at_llama3_8b_sizes(titan_an):
     assert again.subs(V=1000, K=4, L=3)["params"] == sum(p.numel() for p in other.parameters())
 
 
+def test_factory_module_compiles_under_a_checkpoint():
+    """A factory file's module is registered in ``sys.modules`` as an import registers it: Dynamo's
+    checkpoint higher-order op (``--compile --ac``) looks the module of the code it captures up by
+    name (``ModuleNotFoundError: No module named 'symcost_user_...'`` before). Dynamo is the
+    oracle: torchtitan's block (with its rotary embedding), loaded through symcost and wrapped as
+    ``--compile --ac selective`` wraps it, is captured in one graph and runs, equal to eager."""
+    import functools
+    import os
+
+    from symcost.frontends.compile import _checkpointed
+
+    spec = symcost.resolve(os.path.join(os.path.dirname(__file__), "data", "torchtitan_llama.py") + ":rope_spec")
+    v = dict(spec.defaults)
+    model = spec.build(v)
+    block, freqs = model.layers["0"], model.freqs_cis
+    torch._dynamo.reset()
+    compiled = torch.compile(_checkpointed(type(block).forward, "selective"), backend="eager", fullgraph=True)
+    x = torch.randn(v["B"], v["S"], v["H"] * v["D"])
+    torch.testing.assert_close(functools.partial(compiled, block)(x, freqs), block(x, freqs))
+
+
 # ------------------------------------------------------------------------------------------------
 # nn.LSTM on the CPU: oneDNN's workspace, saved for backward, is empty on fake tensors
 class LSTMLM(nn.Module):

@@ -117,6 +117,9 @@ def _file_spec(model: str) -> ModelSpec:
     try:
         modspec = importlib.util.spec_from_file_location(f"symcost_user_{abs(hash(path))}", path)
         mod = importlib.util.module_from_spec(modspec)
+        # registered under its name, as an imported module is: torch.compile (--compile) looks the
+        # module of the code it captures up in sys.modules (else ModuleNotFoundError)
+        sys.modules[modspec.name] = mod
         with model_stdout():  # (its prints go to stderr, never into symcost's output)
             modspec.loader.exec_module(mod)  # loaded only because the user named this file
     except Exception as e:  # noqa: BLE001 - user code can raise anything
