@@ -11,8 +11,9 @@ Copyright (c) Meta Platforms, Inc. and affiliates) with ``F.scaled_dot_product_a
 ``rope=True``: then it is torchtitan's at 9dec370 (2024-12-26, the commit of its published Llama 3.1
 8B runs; torchtitan/models/llama/model.py ``precompute_freqs_cis``, ``reshape_for_broadcast``,
 ``apply_rotary_emb``): a complex64 buffer ``freqs_cis`` of ``[max_seq_len, head_dim / 2]``
-(``max_seq_len`` = the training sequence length, train.py), passed to every block, multiplying q
-and k viewed as complex in fp32 (``rope_theta`` 500000, llama3_configs["8B"]);
+(``max_seq_len`` = the job's ``seq_len``, train.py: 8192 in the published runs' tomls, S at most
+that), passed to every block, multiplying q and k viewed as complex in fp32 (``rope_theta`` 500000,
+llama3_configs["8B"]);
 torchtitan is not a dependency of symcost or of its tests. The 8B sizes are torchtitan's
 ``llama3_configs["8B"]``: dim 4096, 32 layers, 32 heads, 8 key/value heads, vocabulary 128256,
 ``multiple_of=1024``, ``ffn_dim_multiplier=1.3``.
@@ -140,21 +141,29 @@ class Transformer(nn.Module):
 LLAMA3_8B = {"H": 32, "D": 128, "L": 32, "K": 8, "V": 128256}
 
 
+#: torchtitan's ``max_seq_len`` in the published Llama 3.1 8B runs (the tomls' ``seq_len``)
+MAX_SEQ_LEN = 8192
+
+
 def build(v, multiple_of=1024, ffn_dim_multiplier=1.3, rope=False):
-    """The model at sizes ``v``; ``rope``: with torchtitan's rotary embedding, ``max_seq_len`` = S."""
+    """The model at sizes ``v``; ``rope``: with torchtitan's rotary embedding (``max_seq_len``
+    :data:`MAX_SEQ_LEN`; a model's build never depends on B or S)."""
     return Transformer(v["H"] * v["D"], v["L"], v["H"], v["K"], v["V"], multiple_of, ffn_dim_multiplier,
-                       max_seq_len=v["S"] if rope else None)
+                       max_seq_len=MAX_SEQ_LEN if rope else None)
 
 
 def llama3(multiple_of=1024, ffn_dim_multiplier=1.3, defaults=None, rope=False):
-    """The spec (defaults: a small model; ``defaults`` replaces them; ``rope``: :func:`build`'s)."""
+    """The spec (defaults: a small model; ``defaults`` replaces them; ``rope``: :func:`build`'s, S at
+    most :data:`MAX_SEQ_LEN`)."""
     return ModelSpec(
         name="torchtitan-llama3", symbols=("H", "D", "L", "V", "K"),
         defaults=dict(defaults or {"B": 2, "S": 16, "H": 4, "D": 8, "L": 2, "K": 2, "V": 64}),
         build=lambda v: build(v, multiple_of, ffn_dim_multiplier, rope),
         make_inputs=lambda v, device: ((torch.randint(0, v["V"], (v["B"], v["S"]), device=device),), {}),
         loss=lambda out, inputs: F.cross_entropy(out.flatten(0, 1).float(), inputs[0][0].flatten()),
-        constraints=(Constraint("divides", "K", "H", "K must divide H"),),
+        constraints=(Constraint("divides", "K", "H", "K must divide H"),) + (
+            (Constraint("max", "S", MAX_SEQ_LEN, f"the rotary table holds max_seq_len = {MAX_SEQ_LEN} positions"),)
+            if rope else ()),
     )
 
 
