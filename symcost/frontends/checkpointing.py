@@ -100,7 +100,70 @@ def op_sac_context():
         keep = name in OP_SAC_SAVE and not (name == "aten.mm.default" and count[mode] % 2 == 0)
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    return _without_profiler_ops(create_selective_checkpoint_contexts(policy))
+
+
+#: the profiler's ``record_function`` ops (torch/autograd/profiler.py ``record_function``), which
+#: selective checkpointing must not replay (:func:`_without_profiler_ops`)
+_PROFILER_OPS = ("_record_function_enter", "_record_function_enter_new", "_record_function_exit")
+
+
+def _without_profiler_ops(contexts):
+    """The two modes of ``create_selective_checkpoint_contexts`` (the forward's caching mode and
+    the recomputation's cached one) with the profiler's ``record_function`` ops run as they are,
+    outside the replay's per-op invocation counters, as ``SAC_IGNORED_OPS`` runs ``detach``.
+
+    Why: PyTorch 2.13's selective checkpointing replays by invocation index per op
+    (``_CachedTorchDispatchMode``: "``{func}`` invocation index ``i`` encountered during backward
+    but not found in storage"), and FSDP2's hooks open ``record_function`` regions a different
+    number of times in the recomputation than in the forward: a ``fully_shard`` unit nested in a
+    checkpointed block (torchtitan's experts module under EP, its own unit over the experts'
+    data-parallel group) runs ``_root_pre_forward`` again in the recomputation, whose
+    ``record_function("FSDP::root_pre_forward")`` the forward skipped (there the root's forward
+    was running: ``iter_forward_root`` set), so the recomputation asks the storage for one more
+    ``profiler._record_function_enter_new`` than the forward stored. An annotation, not a value of
+    the model: the fixes proposed in PyTorch ignore these ops in selective checkpointing
+    (pytorch/pytorch PRs #185178 and #196862: "Profiler record-function enter/exit ops are also
+    ignored by SAC", for torchtitan issue #3427, DeepSeek-V3 with FSDP + EP and selective AC, which
+    fails as symcost's trace did). The ops the block computes are stored and replayed as before.
+    """
+    return tuple(_replaying_class(mode) for mode in contexts)
+
+
+#: a selective-checkpoint mode's class -> its subclass that runs the profiler ops outside the replay
+_REPLAYING: dict = {}
+
+
+def _replaying_class(mode):
+    """``mode`` with its class swapped for the subclass that runs :func:`_profiler_overloads`'
+    ops directly (the same instance, storage and policy)."""
+    base = type(mode)
+    cls = _REPLAYING.get(base)
+    if cls is None:
+        ignored = _profiler_overloads()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in ignored:
+                return func(*args, **(kwargs or {}))
+            return base.__torch_dispatch__(self, func, types, args, kwargs)
+
+        cls = _REPLAYING[base] = type(base.__name__, (base,), {"__torch_dispatch__": __torch_dispatch__,
+                                                                 "__module__": __name__})
+    mode.__class__ = cls
+    return mode
+
+
+def _profiler_overloads() -> frozenset:
+    """Every overload of the :data:`_PROFILER_OPS` this torch build registers."""
+    import torch
+
+    ops = set()
+    for name in _PROFILER_OPS:
+        packet = getattr(torch.ops.profiler, name, None)
+        if packet is None:
+            continue
+        ops.update(getattr(packet, o) for o in packet.overloads())
+    return frozenset(ops)
 
 
 #: activation checkpointing of a layout (``--ac``): mode -> what is checkpointed
