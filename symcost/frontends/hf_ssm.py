@@ -37,6 +37,14 @@ output, B·(H·D + 2·K·N_state)·(S + K_conv − 1) elements, sums more monomi
 search finds (symcost/tracing/fit.py); every other symbol is a formula. Jamba pins L (its blocks
 are not alike) and S (its Mamba blocks' CPU scan loops over S); Zamba2 pins L (Mamba-2 and
 hybrid blocks), S and K_conv (its Mamba-2 convolution); Zamba pins L and S (its CPU scan).
+
+Inference (``step="prefill"`` / ``"decode"``, ``symcost serve``; docs/inference.md): every family
+runs through the cache ``generate`` builds, ``DynamicCache(config=...)`` (or ``StaticCache``), by
+:func:`symcost.frontends.hf.infer`; transformers picks each layer's class from the config's
+``layer_types``: a Mamba or Mamba-2 block a ``LinearAttentionLayer`` (its conv state and SSM state,
+fixed in size, written in place), Jamba's attention blocks a ``DynamicLayer`` (keys and values,
+one token more per step), Zamba's and Zamba2's hybrid blocks a ``LinearAttentionAndFullAttentionLayer``
+(the shared attention's keys and values and the Mamba block's states).
 """
 from __future__ import annotations
 
@@ -190,7 +198,7 @@ def mamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
                    hidden_size_note=f"hidden_size = H*D/{expand} (expand = {expand})")
     return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=_inputs, loss=_loss,
                      check=check, constraints=constraints, moduli=moduli, pin=pin, meanings=meanings, extra=extra,
-                     record_context=hf.unpacked_masks)
+                     record_context=hf.unpacked_masks, infer=hf.infer)
 
 
 def hybrid_spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
@@ -256,7 +264,7 @@ def hybrid_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
         extra["unverified"] = f"{shown} is not among the verified state-space families ({', '.join(VERIFIED)})"
     return dataclasses.replace(base, symbols=symbols, defaults={**base.defaults, "B": 8, "S": 64, **own},
                                build=build, pin={**base.pin, **pin}, meanings=meanings, extra=extra,
-                               check=None, infer=None)
+                               check=None, infer=hf.infer)
 
 
 #: Zamba2's symbols and the config fields they set (``hidden_size`` = H*D/2 is built).
@@ -373,7 +381,7 @@ def zamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
     follows = {"K": "H"} if has_k and cfg.num_key_value_heads == cfg.num_attention_heads else {}
     return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=_inputs, loss=_loss,
                      check=check, constraints=constraints, moduli=moduli, pin=pin, meanings=meanings, extra=extra,
-                     follows=follows, record_context=hf.unpacked_masks)
+                     follows=follows, record_context=hf.unpacked_masks, infer=hf.infer)
 
 
 #: Zamba's symbols and the config fields they set.
@@ -456,4 +464,4 @@ def zamba_spec(model_type: str, overrides: Mapping[str, str] | None = None, atte
                    layer_pattern=kinds, config_values=f"n_mamba_heads={nm}, mamba_expand={expand}")
     return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=_inputs, loss=_loss,
                      check=check, constraints=constraints, moduli=moduli, pin=pin, meanings=meanings, extra=extra,
-                     follows=follows, record_context=hf.unpacked_masks)
+                     follows=follows, record_context=hf.unpacked_masks, infer=hf.infer)
