@@ -219,7 +219,11 @@ def test_report_deepseek_v3_ep64_pp8_tp2_parameters_per_rank():
     embedding and head; whole the router, the norms, q_a and the replicated kv_a (``mla_kv_a_proj``).
 
     Sized for the suite: the published per-layer shapes at L = 19 (stages of 3, 3, 3, 2, …: the
-    first stage holds only the 3 dense blocks, which EP leaves whole; ~75 s on 2 idle cores). The
+    first stage holds only the 3 dense blocks, which EP leaves whole), and ``--schedule gpipe
+    --microbatches 1``: a rank's parameters do not depend on the schedule or the micro-batches
+    (the same stage split and layout), but each rank's peak, which ``report --pp`` computes by
+    running the rank's schedule on fake tensors, costs one micro-batch instead of the default
+    PP = 8 (1F1B needs m >= PP): 61 CPU-s instead of 92 (2026-12-05, loaded machine). The
     published 61 layers (8, 8, 8, 8, 8, 7, 7, 7) pass the same assertions (run by hand at 1fd5a08:
     12 min 44 s on the loaded 2-core machine, 3 min 50 s CPU; docs/parallel.md §14.8)."""
     import re
@@ -229,7 +233,8 @@ def test_report_deepseek_v3_ep64_pp8_tp2_parameters_per_rank():
 
     path = os.path.join(os.path.dirname(__file__), "data", "configs", "deepseek-v3.json")
     layers = 19
-    r = _cli(["report", path, "--ep", "64", "--pp", "8", "--tp", "2", "--set", "B=1", "S=256", f"L={layers}", "--json"])
+    r = _cli(["report", path, "--ep", "64", "--pp", "8", "--tp", "2", "--schedule", "gpipe", "--microbatches", "1",
+              "--set", "B=1", "S=256", f"L={layers}", "--json"])
     assert r.exit_code == 0, r.output[-2000:]
     got = json.loads(r.output[r.output.index("{"):])
     cfg = AutoConfig.from_pretrained(path, num_hidden_layers=layers)
