@@ -640,8 +640,33 @@ def _fit_kv(spec: ModelSpec, recs: list[Recording], fitter, role, container: str
         module = f"{container}.{i}" if container else f"kv.{i}"
         keep, repeat, name = role(module) if container else (True, sympy.Integer(1), module)
         if keep:
-            out.append((name, fitter(sig, f"KV-cache size of layer {i}"), repeat))
+            out.append((name, _fit_kv_layer(recs, i, sig, fitter), repeat))
     return out
+
+
+def _fit_kv_layer(recs: list[Recording], i: int, sig: tuple[int, ...], fitter) -> sympy.Expr:
+    """Bytes of cache layer ``i`` (``sig``: at each probe), fitted as a whole or, where that sum
+    is no polynomial the fit finds, storage by storage (``Recording.kv_parts``) and summed: a
+    hybrid layer (Zamba's ``LinearAttentionAndFullAttentionLayer``) holds keys and values that
+    grow with T beside a conv and an SSM state that do not, four or more monomials together, each
+    storage one or two.
+
+    Raises:
+        FitError: the whole does not fit and neither do the storages one by one (the whole's error).
+    """
+    what = f"KV-cache size of layer {i}"
+    try:
+        return fitter(sig, what)
+    except FitError:
+        parts = [r.kv_parts[i] if i < len(getattr(r, "kv_parts", [])) else None for r in recs]
+        if any(p is None or len(p) != len(parts[0]) for p in parts) or len(parts[0]) < 2:
+            raise
+        try:
+            return sympy.expand(sympy.Add(*[fitter(tuple(p[j] for p in parts), f"{what}, storage {j}")
+                                            for j in range(len(parts[0]))]))
+        except FitError:
+            pass
+        raise
 
 
 def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping[str, int],

@@ -246,14 +246,16 @@ def find_layer_container(spec: ModelSpec, model: nn.Module, values: Mapping[str,
     raise err
 
 
-def _kv_storages(layers) -> tuple[list[int], int, set[int]]:
+def _kv_storages(layers) -> tuple[list[int], int, set[int], list[tuple[int, ...]]]:
     """Per-layer bytes of the storages of floating-point tensors a KV cache holds (each storage
     once, in the first layer holding it), the number of those tensors that view fewer elements
-    than their storage holds, and the storage keys."""
+    than their storage holds, the storage keys, and per layer each storage's bytes in the order
+    the layer holds them (their sum is the layer's bytes: a hybrid layer's keys, values and
+    recurrent states, fitted one by one where the sum is no polynomial the fit finds)."""
     seen: set[int] = set()
-    per_layer, evicted = [], 0
+    per_layer, evicted, parts = [], 0, []
     for tensors in layers:
-        total = 0
+        total, part = 0, []
         for t in tensors:
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 continue
@@ -264,8 +266,10 @@ def _kv_storages(layers) -> tuple[list[int], int, set[int]]:
             if key not in seen:
                 seen.add(key)
                 total += st.nbytes()
+                part.append(st.nbytes())
         per_layer.append(total)
-    return per_layer, evicted, seen
+        parts.append(tuple(part))
+    return per_layer, evicted, seen, parts
 
 
 def _inference_step(rec: _Recorder, model: nn.Module, args, kwargs, kv_layers, autocast):
@@ -308,7 +312,7 @@ def _inference_step(rec: _Recorder, model: nn.Module, args, kwargs, kv_layers, a
     rec.watch_kv()
     rec.kv_watch = {}
     after = kv_layers()
-    per_layer, evicted, cache_keys = _kv_storages(after)
+    per_layer, evicted, cache_keys, parts = _kv_storages(after)
     new_layer: dict[int, int] = {}  # storage key -> the first cache layer holding it after the step
     for i, ts in enumerate(after):
         for t in ts:
@@ -359,7 +363,7 @@ def _inference_step(rec: _Recorder, model: nn.Module, args, kwargs, kv_layers, a
                 drop.add(k)
     del before, old_layers
     rec.events = [e for k, e in enumerate(rec.events) if k not in drop]
-    return len(rec.ops), len(rec.events), (per_layer, evicted, kv_start)
+    return len(rec.ops), len(rec.events), (per_layer, evicted, kv_start, parts)
 
 
 def record(spec: ModelSpec, values: Mapping[str, int], precision: str = "fp32",
@@ -740,7 +744,8 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                      n_forward, n_backward, precision, tied, buffers, sum(input_storages.values()),
                      events_end, spec.step, kv[0], kv[1], parallel, param_shards,
                      tensor_parallel if parallel != tensor_parallel else None,
-                     replicate=layout.replicate, kv_start=list(kv[2]) if len(kv) > 2 else [], no_fold=no_fold)
+                     replicate=layout.replicate, kv_start=list(kv[2]) if len(kv) > 2 else [], no_fold=no_fold,
+                     kv_parts=list(kv[3]) if len(kv) > 3 else [])
 
 
 def _param_storages(model) -> set[int]:

@@ -143,3 +143,6 @@ class Recording:
     # why no block list folds over L (several stacks follow L, or none does): the step is recorded
     # as it is, and the tracer pins L at the request (graph.build)
     no_fold: str | None = None
+    # an inference step, per cache layer: the bytes of each of its storages, in the order the layer
+    # holds them (``kv_layers`` are their sums; a hybrid layer holds keys, values and recurrent states)
+    kv_parts: list[tuple[int, ...]] = field(default_factory=list)
