@@ -70,6 +70,13 @@ class Analysis(Totals, Conventions, Serialized):
     unsupported: dict[str, Any]
     saved: list[tuple] = field(default_factory=list)
     layer_container: str | None = None
+    # several stacks of repeated blocks folded each under its own length symbol (container ->
+    # symbol: T5's encoder.block and decoder.block -> L; graph/stacks.py); empty where one block
+    # list (layer_container) or none folds
+    stacks: dict[str, str] = field(default_factory=dict)
+    # blocks of each stack symbol in the probes (2; 3 where both end blocks stand apart, T5: its
+    # formulas then hold for the symbol >= 2)
+    stack_blocks: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     precision: str = "fp32"
     tied: dict[str, list[str]] = field(default_factory=dict)
@@ -122,6 +129,8 @@ class Analysis(Totals, Conventions, Serialized):
             values[s] = sizes.get(s, self.pinned.get(s, {"B": 2, "S": 16, "T": 16}[s]))
         if "L" in values and "L" not in self.pinned:
             values["L"] = FIT_L + getattr(self.spec, "lead_blocks", 0)
+        for s in set(self.stacks.values()):  # (every stack holds its probe blocks, FIT_L or 3)
+            values[s] = self.stack_blocks.get(s, FIT_L)
         values.update({a: values[b] for a, b in self.spec.tied.items() if b in values})
         try:
             rec = record(self.spec, values, self.precision)
@@ -190,6 +199,13 @@ class Analysis(Totals, Conventions, Serialized):
                 f"hold for L > {lead}, and a model of L <= {lead} blocks is all leading blocks, a regime of "
                 f"its own: trace again for L={values['L']} (symcost.trace(..., sizes={{'L': {values['L']}}}) "
                 f"or --set L={values['L']})")
+        for s, n in (self.stack_blocks or {}).items():
+            if n > FIT_L and s not in self.pinned and values.get(s, 2) < 2:
+                raise SymcostError(
+                    f"{s}={values[s]}: the first and the last block of {self.model}'s stack of {s} blocks differ "
+                    f"from the others, so this trace's formulas hold for {s} >= 2; a stack of one block is a "
+                    f"regime of its own: trace again for {s}={values[s]} (symcost.trace(..., sizes={{'{s}': "
+                    f"{values[s]}}}) or --set {s}={values[s]})")
         missing = [s for s in self.symbols if s not in values]
         if missing:
             raise SymcostError(f"no value for {', '.join(missing)}; set it with --set")

@@ -32,6 +32,7 @@ from symcost.tracing.schedule import fit_schedule
 from symcost.tracing.symbols import own_sizes
 from symcost.tracing.poly import MESH
 from symcost.graph.align import _align, _layer_roles, _matmul_params, _middle
+from symcost.graph.stacks import check_blocks, own_stacks, request_stacks, saved_role, stack_roles
 from symcost.graph.analysis import Analysis
 from symcost.graph.concrete import (attention_flags, concrete_cost, concrete_totals,  # noqa: F401  (concrete_totals: API)
                                     op_view, recomputed)
@@ -282,7 +283,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
                 continue
             pins[e.symbol] = values[e.symbol]
             reasons[e.symbol] = ("no other value of it runs the same ops as the requested one"
-                                 if e.symbol != "L" else str(e))
+                                 if e.symbol != "L" and not getattr(e, "stack", False) else str(e))
         except FitError as e:
             if not widened:
                 # a signature with more terms than the probes to spare can fit: more probes
@@ -335,7 +336,10 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     t0 = time.perf_counter()
     pinned = dict(pins)
     base_syms = tuple(s for s in spec.all_symbols if s not in pinned)
-    fixed = dict(pinned, **({"L": FIT_L + spec.lead_blocks + _middle(spec)} if "L" in base_syms else {}))
+    # several stacks of blocks, each folded under its own length (T5; L_enc, L_dec: graph/stacks.py)
+    own, stacks = own_stacks(spec, {**values, **pinned}, base_syms)
+    fixed = {**pinned, **{s: FIT_L for s in set(stacks.values())},
+             **({"L": FIT_L + spec.lead_blocks + _middle(spec)} if "L" in base_syms else {})}
     request = {**{k: v for k, v in values.items() if k in spec.all_symbols or k in spec.tied},
                **{s: v for s, v in fixed.items()}}
     for s in spec.input_symbols:  # B, S (T) not requested: the regime of any size other than 1
@@ -357,8 +361,13 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     req = rec_at(request, strict=True)
     if isinstance(req, SymcostError):  # PyTorch itself rejects the requested sizes
         raise SymcostError(f"{req} (at the requested sizes, before any probe)") from req
+    stacks, blocks = request_stacks(spec, own, stacks, base_syms, req, rec_at, request)
+    if blocks:  # (a stack whose end blocks both stand apart, T5's, is probed with three blocks)
+        fixed.update(blocks)
+        request.update(blocks)
+        req = rec_at(request, strict=True)
     want_sig = regime_signature(req)
-    if "L" in base_syms and req.layer_container is None and req.no_fold:
+    if "L" in base_syms and "L" not in stacks.values() and req.layer_container is None and req.no_fold:
         raise Unvariable("L", req.no_fold)  # (several block stacks follow L, or none: pinned, traced unfolded)
 
     def accept(p):
@@ -370,6 +379,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     ties: dict[str, str] = {}
     lent: dict[str, int | None] = {}  # leader -> its own modulus, where a follower's was lent to it
     for a, b in facts["equal"]:
+        if {a, b} & set(stacks.values()):
+            continue  # (a stack's length is fixed in every probe: equal to nothing)
         if b in MESH and a not in MESH:
             # a mesh size leads (K = TP: one KV head per rank): the ring has 1/TP, not 1/K, so a
             # rank's shard K·D/TP stays a polynomial (TP·D·TP⁻¹) where D·H·V/K would not be one
@@ -413,7 +424,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     _align(recs, spec)
     fitter = Fitter(plan)
     ref = recs[0]
-    container = ref.layer_container
+    container = None if stacks else ref.layer_container
 
     def fit_shape(getter, what):
         shapes0 = getter(ref)
@@ -423,7 +434,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         ]
 
     # with L pinned (blocks that differ), every block is traced on its own: nothing is folded
-    role = _layer_roles(spec, ref, None if "L" in pinned else container, precision)
+    role = (stack_roles(spec, ref, stacks, precision, blocks) if stacks
+            else _layer_roles(spec, ref, None if "L" in pinned else container, precision))
 
     # parameters
     param_shapes: dict[str, tuple] = {}
@@ -532,7 +544,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     folded = container is not None and "L" not in pinned and not spec.lead_blocks
     n_blocks = len({_layer_of(op.module, container) for op in ref.ops} - {None}) if folded else 0
     for k, s in enumerate(ref.saved):
-        keep, repeat, module = role(s.module)
+        keep, repeat, module = saved_role(s, stacks, role) if stacks else role(s.module)
         layers = {_layer_of(m, container) for m in s.also | {s.module}}
         made = _layer_of(s.made_in, container) if s.made_in is not None and folded else None
         if made is not None and layers == {made, made + 1}:
@@ -564,17 +576,20 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     an = Analysis(
         model=spec.name, spec=spec, graph=graph, ops=ops, symbols=syms, param_shapes=param_shapes,
         matmul_params=matmul_params, unsupported=unsupported, saved=saved, layer_container=container,
+        stacks=dict(stacks),
         precision=precision, tied={folded_name.get(k, k): v for k, v in ref.tied.items()},
         recordings=recs, plan=plan, fitter=fitter, role=role,
         # (a data-parallel step's storages hold shards: sizes in DP and 1/DP, a tensor-parallel
         # step's in TP and 1/TP: tracing/poly.py)
         schedule=fit_schedule(recs, fitter, role, container, symbols, spec.name,
                      lead=0 if "L" in pinned else spec.lead_blocks,
-                     middle=bool(_middle(spec)) and "L" not in pinned),
+                     middle=bool(_middle(spec)) and "L" not in pinned, stacks=stacks,
+                     special=getattr(role, "special", None)),
         step=spec.step, kv_cache=spec.kv_cache if spec.step != "train" else None, kv_layers=kv_layers,
         parallel=ref.parallel, param_shards=param_shards, tensor_parallel=ref.tensor_parallel,
     )
     an.pinned = pinned
+    an.stack_blocks = {s: blocks.get(s, FIT_L) for s in set(stacks.values())}
     an.pin_reasons = {k: reasons[k] for k in pinned}
     an.regime_ties = dict(ties)
     an.request_facts = facts
@@ -684,8 +699,9 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
     import random
 
     rng = random.Random(seed + 1000)
-    fixed = dict(pinned, **({"L": CHECK_L + spec.lead_blocks} if "L" in symbols else {}))
-    config_syms = [s for s in symbols if s not in INPUT_SYMBOLS and s != "L"]
+    fit_blocks = dict(getattr(an, "stack_blocks", None) or {})  # (several stacks: check_blocks)
+    fixed = {**pinned, **check_blocks(fit_blocks), **({"L": CHECK_L + spec.lead_blocks} if "L" in symbols else {})}
+    config_syms = [s for s in symbols if s not in INPUT_SYMBOLS and s != "L" and s not in fit_blocks]
 
     def compare(p, rec):
         want = concrete_totals(rec)
@@ -734,7 +750,8 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
         except SymcostError:
             continue
         msg = compare(p, rec)
-        if msg and accept is not None and "L" in p and not accept(dict(p, L=FIT_L + spec.lead_blocks + _middle(spec))):
+        fit_at = {**fit_blocks, **({"L": FIT_L + spec.lead_blocks + _middle(spec)} if "L" in p else {})}
+        if msg and accept is not None and fit_at and not accept(dict(p, **fit_at)):
             continue  # the random point left the regime: draw another
         if msg:
             raise CheckFailed(msg, config_syms or symbols)

@@ -187,6 +187,9 @@ def _matches(meta: Mapping, sizes: Mapping[str, int], config: bool = True) -> bo
     lead = meta.get("lead_blocks", 0)
     if lead and "L" not in meta["pinned"] and values.get("L", lead + 1) <= lead:
         return False  # L <= n leading blocks: all blocks of one kind, a regime of its own
+    for s, n in (meta.get("stack_blocks") or {}).items():  # (a stack probed with 3 blocks: X >= 2)
+        if n > 2 and s not in meta["pinned"] and values.get(s, 2) < 2:
+            return False
     return all(values.get(s) == v for s, v in meta["pinned"].items())
 
 
@@ -203,6 +206,8 @@ def entry_meta(k: dict, sizes: Mapping[str, int], an) -> dict | None:
                             "follows": dict(getattr(spec, "follows", {}) or {}),
                             "all_symbols": all_symbols, "pinned": dict(an.pinned),
                             "lead_blocks": int(getattr(spec, "lead_blocks", 0) or 0)}
+    if getattr(an, "stack_blocks", None):
+        meta["stack_blocks"] = dict(an.stack_blocks)
     meta["facts"] = _facts(meta, sizes)
     meta["config_values"] = _config_values(meta, sizes)
     meta["residues"] = {s: [int(m), int(r)] for s, (m, r) in (getattr(an, "residues", None) or {}).items()}

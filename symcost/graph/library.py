@@ -325,6 +325,8 @@ def _holds(an, sizes: Mapping[str, int], live, precision: str) -> bool:
             values[s] = int(sizes.get(s, an.pinned.get(s, {"B": 2, "S": 16, "T": 16}[s])))
         if "L" in values and "L" not in an.pinned:
             values["L"] = FIT_L + (getattr(run, "lead_blocks", 0) or 0)
+        for st in set((getattr(an, "stacks", None) or {}).values()):  # (each stack's probe blocks)
+            values[st] = (getattr(an, "stack_blocks", None) or {}).get(st, FIT_L)
         values.update({a: values[b] for a, b in run.tied.items() if b in values})
         return digest(regime_signature(record(run, values, an.precision))) == sig
     except SymcostError:

@@ -80,6 +80,14 @@ def _folded(an, name: str) -> str | None:
         folded = pre + ("0." if int(m.group(1)) < lead else "{i}.") + name[m.end():]
         if folded in an.param_shapes:
             return folded
+    for c, sym in (getattr(an, "stacks", None) or {}).items():  # several stacks (graph/stacks.py)
+        pre = f"{c}." if c else ""
+        m = re.match(rf"^{re.escape(pre)}(\d+)\.", name)
+        if m is not None:
+            for label in ("{i}", "{" + f"{sym}-1" + "}", "0"):
+                folded = pre + label + "." + name[m.end():]
+                if folded in an.param_shapes:
+                    return folded
     return None
 
 
@@ -153,7 +161,8 @@ def at_fault(an, values: Mapping[str, int], param: str, spec=None) -> dict[str, 
     single one shows it.
     """
     spec = spec or an.spec
-    own = [s for s in spec.symbols if s not in INPUT_SYMBOLS and s != "L" and s not in spec.tied]
+    stack = set((getattr(an, "stacks", None) or {}).values())
+    own = [s for s in spec.symbols if s not in INPUT_SYMBOLS and s != "L" and s not in spec.tied and s not in stack]
     base = {str(k): int(v) for k, v in values.items()}
     base.update({a: base[b] for a, b in spec.follows.items() if a not in base and b in base})
     base.update({a: base[b] for a, b in spec.tied.items() if b in base})

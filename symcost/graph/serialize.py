@@ -105,6 +105,8 @@ class Serialized:
             "unsupported": {k: s(v) for k, v in self.unsupported.items()},
             "saved": [[m, s(nb), dt(d), s(rep)] for m, nb, d, rep in self.saved],
             "layer_container": self.layer_container, "timings": dict(self.timings),
+            **({"stacks": dict(self.stacks), "stack_blocks": dict(getattr(self, "stack_blocks", {}) or {})}
+               if getattr(self, "stacks", None) else {}),
             "tied": {k: list(v) for k, v in self.tied.items()}, "pinned": dict(self.pinned),
             "plan": None if plan is None else {"symbols": list(plan.symbols), "points": plan.points,
                                                "axis": plan.axis},
@@ -223,6 +225,7 @@ class Serialized:
             unsupported={k: P(v) for k, v in d["unsupported"].items()},
             saved=[(m, P(nb), dtype, P(rep)) for m, nb, dtype, rep in d["saved"]],
             layer_container=d["layer_container"], timings=dict(d["timings"]), precision=d["precision"],
+            stacks=dict(d.get("stacks") or {}), stack_blocks=dict(d.get("stack_blocks") or {}),
             tied={k: list(v) for k, v in d["tied"].items()}, recordings=[],
             plan=None if plan is None else ProbePlan(tuple(plan["symbols"]), [dict(p) for p in plan["points"]],
                                                      dict(plan["axis"])),

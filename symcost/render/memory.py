@@ -6,7 +6,6 @@ from typing import Any, Mapping
 
 import sympy
 
-from symcost.tracing.fit import SYMS
 from symcost.units import binary, gib, parse_memory
 from symcost.passes.memory import STEP_BYTES, memory_model
 from symcost.passes.memory.live import _pareto, _peval
@@ -87,9 +86,9 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     live_sets = _pareto(mm._cands(None, False))  # what peak_terms() lists, as ring elements
     env = mm._env(vsizes)
     static_v = int(mm.static.xreplace(env))
-    L = env.get(SYMS["L"])
+    lens = mm._lengths(env)  # (every stack's length: L, or each stack's own symbol)
     vals = mm._values(env)
-    win = max((c for c in live_sets if L is None or c.min_L <= L), key=lambda c: _peval(c.poly, vals))
+    win = max((c for c in live_sets if mm._valid(c, lens)), key=lambda c: _peval(c.poly, vals))
     for k, f in formulas.items():
         if f is None:
             continue

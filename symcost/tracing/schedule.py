@@ -18,6 +18,7 @@ from symcost.errors import SymcostError
 from symcost.tracing.fit import SYMS, FitError
 from symcost.tracing.modules import _layer_of, _rename_block
 from symcost.tracing.poly import Algebra, NotIntegral, Terms
+from symcost.tracing.stacks import stack_of, stack_units
 
 @dataclass
 class ScheduleEvent:
@@ -49,13 +50,15 @@ class ScheduleEvent:
 @dataclass
 class ScheduleUnit:
     """Events ``[start, stop)`` of the schedule, run ``repeat`` times (``"1"``, ``"L - 1"``: a
-    formula string) in a row; valid only for ``L >= min_L``."""
+    formula string) in a row; valid only for ``sym >= min_L`` (``sym``: ``L``, or the length
+    symbol of the unit's stack where several stacks fold, ``"L_dec"``)."""
 
     start: int
     stop: int
     repeat: str
     min_L: int
     label: str
+    sym: str = "L"
 
 
 @dataclass
@@ -90,7 +93,8 @@ class MemorySchedule:
             "events": [[e.bytes, e.alloc, e.grad, e.op, e.module, e.phase]
                        + ([e.once, True] if e.kv else [e.once] if e.once else [])
                        for e in self.events],
-            "units": [[u.start, u.stop, u.repeat, u.min_L, u.label] for u in self.units],
+            "units": [[u.start, u.stop, u.repeat, u.min_L, u.label] + ([u.sym] if u.sym != "L" else [])
+                      for u in self.units],
             "params": [[a, b] for a, b in self.params], "buffers": self.buffers, "inputs": self.inputs,
             **({"kv_start": self.kv_start} if self.kv_start else {}),
         }
@@ -150,7 +154,8 @@ def _hosts(rec) -> dict[int, str]:
 
 
 def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...], name: str,
-                 lead: int = 0, middle: bool = False) -> MemorySchedule:
+                 lead: int = 0, middle: bool = False, stacks: Mapping[str, str] | None = None,
+                 special: Mapping[str, int | None] | None = None) -> MemorySchedule:
     """Fit the probe recordings' memory events into a :class:`MemorySchedule` (at trace time).
 
     Args:
@@ -168,6 +173,11 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
             the L - 2 blocks between them. FSDP2 holds a unit's all-gather and reduce-scatter
             buffers until the next unit's collective, so the first and last blocks of each
             direction differ from the others in what they free. Valid for L >= 2.
+        stacks: several stacks folded each under its own symbol (container -> symbol,
+            :func:`symcost.tracing.stacks.find_stacks`; ``container`` is then None): each stack's
+            two probe blocks give units of their own in the stack's symbol
+            (:func:`symcost.tracing.stacks.stack_units`), with ``special`` (container -> the end
+            block that stands apart, 0, 1 or None: ``graph.stacks.stack_roles``).
 
     Each event's size is fitted across the probes (a polynomial); the schedule is cut into units
     folded over L (docs/memory.md, "Folding over L"). A schedule whose events change order with
@@ -206,7 +216,8 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
     pdtypes = {d for _, d in ref.params.values() if d.is_floating_point}
     sched.grad_itemsize = max((d.itemsize for d in pdtypes), default=4)
     try:
-        _fit_events(sched, alg, recs, fitter, role, container if has_L else None, name, lead, middle)
+        _fit_events(sched, alg, recs, fitter, role, container if has_L else None, name, lead, middle,
+                    stacks=stacks or {}, special=special or {})
         sched.kv_start = _fit_kv_start(alg, recs, fitter, role, container if has_L else None)
     except SymcostError as e:
         sched.events, sched.units, sched.error, sched.kv_start = [], [], str(e), []
@@ -252,7 +263,8 @@ def _fit_kv_start(alg, recs, fitter, role, container: str | None) -> Terms:
     return alg.terms(total)
 
 
-def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, middle: bool = False) -> None:
+def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, middle: bool = False,
+                stacks: Mapping[str, str] | None = None, special: Mapping[str, int | None] | None = None) -> None:
     ref = recs[0]
     norm = [_normalized(r) for r in recs]
     n = len(norm[0])
@@ -291,13 +303,17 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, 
         host = hosts.get(k)
         if host is None:
             host = op.host if getattr(op, "host", None) is not None else op.module
-        return op, _layer_of(host, container)
+        return op, (stack_of(host, stacks) if stacks else _layer_of(host, container))
 
     info = [where(k) for k in range(n)]
     units: list[tuple[int, int, Any, int, str]] = []  # (start, stop, repeat, min_L, label)
     siblings: list[tuple[range, range]] = []
     probe_first = False  # the repeated units' probe block is block 0 (the last block differs)
-    if container is not None:
+    firsts: dict[int, bool] = {}  # (several stacks) unit -> its probe_first
+    middles: set[int] = set()  # (several stacks) siblings of a three-block stack
+    if stacks:
+        units, siblings, firsts, middles = stack_units(info, n, stacks, special or {}, name)
+    elif container is not None:
         spans = {}
         for k in range(n):
             op, layer = info[k]
@@ -400,15 +416,21 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, 
     # output, freed by the head) by its sibling: the storage the other block of the L = 2 trace
     # allocated at the same place is freed at the same place too.
     unit_of = {}
-    for u, (a, b, _, _, _) in enumerate(units):
+    for u, (a, b, *_) in enumerate(units):
         for k in range(a, b):
             unit_of[k] = u
     freed_in = {events[k][2]: unit_of[k] for k in range(n) if events[k][1] < 0}
     sibling_of: dict[int, int] = {}
 
+    def generic(module: str, label: str) -> str:  # a module's name with its block's index replaced
+        if stacks:
+            where = stack_of(module, stacks)
+            return module if where is None else _rename_block(module, where[0], label)
+        return _rename_block(module, container, label)
+
     def key(k):  # what an allocation is, wherever its block is
         op, _ = info[k]
-        return op.name, _rename_block(op.module, container, "#"), tuple(sorted(evpolys[k].items()))
+        return op.name, generic(op.module, "#"), tuple(sorted(evpolys[k].items()))
 
     for rep_ids, sib_ids in siblings:
         # match the repeated block's allocations, in order, to the sibling's (greedy: the
@@ -430,7 +452,8 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, 
             sib = sibling_of.get(events[k][2])
             if (ua != uf and rep_a != 1 and units[uf][2] == 1 and sib is not None
                     and freed_in.get(sib) == uf):
-                evpolys[k] = evpolys[k] * alg.from_expr(L - 2 if middle else L - 1 - lead)
+                times = (sympy.sympify(rep_a) if stacks else L - 2 if middle else L - 1 - lead)
+                evpolys[k] = evpolys[k] * alg.from_expr(times)
     # A free in a repeated unit of a storage allocated once, in a unit run once before it (the
     # rotary tables every block saves, freed with the backward of block 0), happens in one pass of
     # the unit, not in every pass. It is told apart from a free each pass makes of a storage the
@@ -442,9 +465,11 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, 
     if not middle:
         def fkey(k):
             op, _ = info[k]
-            return op.name, _rename_block(op.module, container, "#"), tuple(sorted(evpolys[k].items()))
+            return op.name, generic(op.module, "#"), tuple(sorted(evpolys[k].items()))
 
-        for rep_ids, sib_ids in siblings:
+        for j, (rep_ids, sib_ids) in enumerate(siblings):
+            if j in middles:
+                continue  # (as in the data-parallel fold's middle block)
             sib_frees = {fkey(k) for k in sib_ids if events[k][1] < 0}
             for k in rep_ids:
                 if events[k][1] > 0 or k not in unit_of:
@@ -453,7 +478,7 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, 
                 if units[u][2] == 1 or ua == u or units[ua][2] != 1 or fkey(k) in sib_frees:
                     continue
                 forward = units[u][4].startswith("forward")
-                once[k] = "first" if forward == probe_first else "last"
+                once[k] = "first" if forward == firsts.get(u, probe_first) else "last"
     for k in range(n):
         op, _ = info[k]
         keep, _, module = role(op.module)
@@ -461,11 +486,11 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, 
         if lead and layer is not None and layer < lead:
             module = op.module  # a leading block, kept as it ran
         elif not keep:  # a probe block that stands for the generic one: name it as folded
-            module = _rename_block(op.module, container, "{i}")
+            module = generic(op.module, "{i}")
         sched.events.append(ScheduleEvent(
             alg.terms(evpolys[k]), events[k][2], k in grad_events, op.name.removeprefix("aten."),
             module, op.phase, once.get(k, ""), k in kv))
-    sched.units = [ScheduleUnit(a, b, str(rep), mL, label) for a, b, rep, mL, label in units]
+    sched.units = [ScheduleUnit(a, b, str(rep), mL, label, *rest) for a, b, rep, mL, label, *rest in units]
 
 
 def _engine_share(ref):

@@ -66,15 +66,23 @@ class Candidate:
     #: for a live set after event ``event`` of unit ``unit`` (in its last pass, else its first),
     #: ``("optimizer", temporaries)`` for the optimizer step; None where it has no parts
     origin: Any = None
+    #: the length symbol ``min_L`` counts: ``L``, or the symbol of a stack folded on its own
+    #: (several stacks: ``MemorySchedule.units``' ``sym``)
+    sym: str = "L"
+
+
+def _valid_where(k: Candidate, c: Candidate) -> bool:
+    """Whether ``k`` is valid wherever ``c`` is (blocks enough: ``min_L`` of the same symbol)."""
+    return k.min_L <= 1 or (k.sym == c.sym and k.min_L <= c.min_L)
 
 
 def _pareto(cands: list[Candidate]) -> list[Candidate]:
     """Drop candidates that another one dominates for every positive integer size."""
     kept: list[Candidate] = []
     for c in cands:
-        if any(k.min_L <= c.min_L and _geq(k.shifted, c.shifted) for k in kept):
+        if any(_valid_where(k, c) and _geq(k.shifted, c.shifted) for k in kept):
             continue
-        kept = [k for k in kept if not (c.min_L <= k.min_L and _geq(c.shifted, k.shifted))]
+        kept = [k for k in kept if not (_valid_where(c, k) and _geq(c.shifted, k.shifted))]
         kept.append(c)
     return kept
 

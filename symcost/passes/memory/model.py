@@ -278,6 +278,8 @@ class MemoryModel(Solver):
         self.grad_events = {k for k, e in enumerate(sched.events) if e.grad}
         self.units = [(range(u.start, u.stop), alg.from_expr(parse_formula(u.repeat)), u.min_L, u.label)
                       for u in sched.units]
+        # the length symbol each unit's min_L counts (several stacks: their own symbols)
+        self.unit_syms = [getattr(u, "sym", "L") or "L" for u in sched.units]
         self._poly(self.static)  # (in the same ring: raises NotIntegral here, not in solve)
         self.candidates = self._candidates(accumulate=False)
         self.candidates_accum = self._candidates(accumulate=True)
@@ -353,7 +355,7 @@ class MemoryModel(Solver):
                 off_s = alg.shift(off)
                 for c in deltas[_PASS_EVENTS.get(kind, kind)][1] if once else locs:
                     out.append(Candidate(off + c.poly, off_s + c.shifted, mL, self._label(int(c.label), ulabel),
-                                         (ui, int(c.label), kind)))
+                                         (ui, int(c.label), kind), self.unit_syms[ui]))
             base = base + self._unit_total(rep, deltas["single"][0] if once else delta, delta)
         # optimizer step: gradients (and whatever else is live) plus its temporaries
         base_s = alg.shift(base)
@@ -452,14 +454,42 @@ class MemoryModel(Solver):
         vals.update({a: vals[b] for a, b in an.spec.tied.items() if b in vals})
         return vals
 
-    def _cands(self, L: int | None, accumulate: bool) -> list[Candidate]:
-        least = min((u[2] for u in self.units), default=1)
-        if L is not None and L < least:
-            raise SymcostError(f"{self.an.model}: this trace's storage schedule holds for L >= {least} "
-                               f"(its first and last blocks differ from the others); trace at L = {L} "
-                               f"for the peak there (symcost.trace(..., sizes={{'L': {L}}}) or --set L={L})")
+    def _cands(self, L: int | Mapping | None, accumulate: bool) -> list[Candidate]:
+        """The live sets valid at ``L`` (an int: the blocks of L; a mapping, sympy symbol ->
+        value: every stack's symbol, where several stacks fold; None: all).
+
+        Raises:
+            SymcostError: fewer blocks than the schedule's fold holds for."""
+        lens = self._lengths(L)
+        for sym, v in lens.items():
+            least = min((u[2] for u, s in zip(self.units, self.unit_syms) if s == sym), default=1)
+            if v < least:
+                raise SymcostError(f"{self.an.model}: this trace's storage schedule holds for {sym} >= {least} "
+                                   f"(its first and last blocks differ from the others); trace at {sym} = {v} "
+                                   f"for the peak there (symcost.trace(..., sizes={{'{sym}': {v}}}) or --set {sym}={v})")
         cs = self.candidates_accum + self.candidates if accumulate else self.candidates
-        return [c for c in cs if L is None or c.min_L <= L]
+        return [c for c in cs if self._valid(c, lens)]
+
+    def _lengths(self, L: int | Mapping | None) -> dict[str, int]:
+        """Length symbol -> value, from ``_cands``' argument (symbols the schedule's units count only)."""
+        if L is None:
+            return {}
+        if not isinstance(L, Mapping):
+            return {"L": int(L)}
+        out = {}
+        for sym in set(self.unit_syms):
+            v = L.get(SYMS[sym]) if sym in SYMS else None
+            if v is None:
+                v = L.get(sym)
+            if v is not None:
+                out[sym] = int(v)
+        return out
+
+    @staticmethod
+    def _valid(c: Candidate, lens: Mapping[str, int]) -> bool:
+        """Whether live set ``c`` exists at the stack lengths ``lens`` (a symbol absent: yes)."""
+        v = lens.get(c.sym)
+        return v is None or c.min_L <= v
 
     def peak(self, accumulate: bool = False, **sizes: int) -> int:
         """Peak bytes of a steady-state step at ``sizes`` (others at the model's defaults).
@@ -471,16 +501,14 @@ class MemoryModel(Solver):
         """
         env = self._env(sizes)
         vals = self._values(env)
-        L = env.get(SYMS["L"])
-        dyn = max(_peval(c.poly, vals) for c in self._cands(L, accumulate))
+        dyn = max(_peval(c.poly, vals) for c in self._cands(env, accumulate))
         return int(sympy.sympify(self.static).xreplace(env)) + int(dyn)
 
     def peak_where(self, **sizes: int) -> str:
         """Where in the schedule the peak is reached at ``sizes`` (a label)."""
         env = self._env(sizes)
         vals = self._values(env)
-        L = env.get(SYMS["L"])
-        return max(self._cands(L, False), key=lambda c: _peval(c.poly, vals)).label
+        return max(self._cands(env, False), key=lambda c: _peval(c.poly, vals)).label
 
     #: the parts of a live set (:meth:`peak_parts`), in the order a table shows them
     LIVE_PARTS = ("gradients", "forward", "backward", "optimizer_step")
@@ -519,7 +547,7 @@ class MemoryModel(Solver):
         exact = {k: sympy.sympify(getattr(self, k)).xreplace(env) for k in self.static_parts()}
         out: dict[str, Any] = {k: int(v) for k, v in exact.items()}
         live = dict.fromkeys(self.LIVE_PARTS, 0)
-        win = max(self._cands(L, accumulate), key=lambda c: _peval(c.poly, vals))
+        win = max(self._cands(env, accumulate), key=lambda c: _peval(c.poly, vals))
         events = self.schedule.events
         size = [_peval(p, vals) for p in self._evpolys]
 
@@ -617,10 +645,25 @@ class MemoryModel(Solver):
             inner = exprs[0] if len(exprs) == 1 else sympy.Max(*exprs, evaluate=False)
             return sympy.Add(self.static, inner, evaluate=False) if self.static != 0 else inner
 
-        if self.has_L and any(c.min_L > 1 for c in cs):
+        if self.has_L and any(c.min_L > 1 for c in cs) and set(self.unit_syms) <= {"L"}:
             # a candidate of a repeated block needs min_L blocks (2; n + 2 after n leading blocks)
             cuts = sorted({c.min_L for c in cs if c.min_L > 1}, reverse=True)
             pieces = [(mx([c for c in cs if c.min_L <= m]), SYMS["L"] >= m) for m in cuts]
+            return sympy.Piecewise(*pieces, (mx([c for c in cs if c.min_L <= 1]), True))
+        syms = sorted({c.sym for c in cs if c.min_L > 1})
+        if syms:
+            # several stacks: a candidate of a repeated block of a stack needs min_L blocks there;
+            # one piece per combination of the stacks' cuts
+            import itertools
+
+            cuts = [sorted({c.min_L for c in cs if c.sym == s} | {1}, reverse=True) for s in syms]
+            pieces = []
+            for combo in itertools.product(*cuts):  # (most blocks first: the first true piece holds)
+                if all(m == 1 for m in combo):
+                    continue
+                lens = dict(zip(syms, combo))
+                pieces.append((mx([c for c in cs if self._valid(c, lens)]),
+                               sympy.And(*[SYMS[s] >= m for s, m in lens.items() if m > 1])))
             return sympy.Piecewise(*pieces, (mx([c for c in cs if c.min_L <= 1]), True))
         return mx(cs)
 

@@ -12,7 +12,6 @@ from sympy.polys.domains import QQ
 from sympy.polys.rings import ring as _ring
 
 from symcost.errors import SymcostError
-from symcost.tracing.fit import SYMS
 from symcost.units import binary, dominant_text, gib, parse_memory
 from symcost.passes.memory.live import _feasible_sup, _geq, _peval
 from symcost.passes.memory.results import AccumulationPlan, NothingFits, Solution
@@ -59,7 +58,7 @@ class Solver:
         first = r if r >= 1 else m
         env = self._env({**sizes, var: first})
         fixed = {s: env[s] for s in self._syms if str(s) != var}
-        L = fixed.get(SYMS["L"])
+        L = fixed  # (every stack's length but var's: MemoryModel._cands)
         X = sympy.Symbol(var, positive=True)
         vi = self.gens.index(var)
 
