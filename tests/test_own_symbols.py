@@ -184,3 +184,75 @@ def test_factory_imports_a_module_beside_it(tmp_path):
     spec = resolve(f"{folder / 'fac.py'}:spec")
     with torch.device("meta"):
         assert sum(p.numel() for p in spec.build({"W": 5}).parameters()) == 5 * 5 + 5
+
+
+#: A user factory (docs/user-guide.md, "The factory contract") whose sizes need W/G: each of G
+#: groups of W/G channels is mapped to W outputs (a [G, W/G, W] weight, one batched matmul over the
+#: groups: [G, B*S, W/G] x [G, W/G, W]), the groups' outputs summed; G declared to divide W.
+GROUPED = '''
+import torch
+from torch import nn
+from symcost import ModelSpec
+from symcost.frontends.spec import Constraint
+
+
+class Block(nn.Module):
+    """x + relu(sum over the G groups of x_g @ w_g), x_g the g-th W/G channels, w_g [W/G, W]."""
+
+    def __init__(self, W, G):
+        super().__init__()
+        self.groups = G
+        self.weight = nn.Parameter(torch.randn(G, W // G, W) / W ** 0.5)
+
+    def forward(self, x):
+        b, s, w = x.shape
+        parts = x.view(b * s, self.groups, w // self.groups).transpose(0, 1)   # [G, B*S, W/G]
+        y = torch.bmm(parts, self.weight).sum(0)                                # [B*S, W]
+        return x + torch.relu(y.view(b, s, w))
+
+
+class Grouped(nn.Module):
+    def __init__(self, W, G, L):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(W, G) for _ in range(L))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def spec():
+    return ModelSpec(
+        name="grouped", symbols=("W", "G", "L"), defaults={"B": 2, "S": 4, "W": 64, "G": 4, "L": 2},
+        meanings={"W": "width", "G": "groups of W/G channels"},
+        constraints=(Constraint("divides", "G", "W", "G must divide W (G groups of W/G channels)"),),
+        build=lambda v: Grouped(v["W"], v["G"], v["L"]),
+        make_inputs=lambda v, device: ((torch.randn(v["B"], v["S"], v["W"], device=device),), {}),
+        loss=lambda out, inputs: out.pow(2).mean())
+'''
+
+
+def test_own_divisor_symbol_in_denominators(tmp_path):
+    """A model's own size that divides another (a factory's G groups, declared by its
+    ``Constraint("divides", "G", "W")``) may stand in a denominator as K does: the groups' batched
+    matmul [G, B*S, W/G] x [G, W/G, W] is fitted with W/G, so nothing is pinned (the fit allowed
+    exponent -1 to the conventions' K, E and the mesh sizes only: W/G pinned W and G); exact at
+    random sizes against the oracles."""
+    from symcost.frontends.models import resolve
+    from symcost.tracing.fit import model_divisors
+
+    path = tmp_path / "grouped.py"
+    path.write_text(GROUPED)
+    spec = resolve(f"{path}:spec")
+    assert model_divisors(spec.constraints) == ("G",)
+    an = symcost.trace(spec, sizes={"B": 2, "S": 3, "W": 12, "G": 3, "L": 2}, precision="fp32", torch_device="cpu")
+    assert not an.pinned, an.pin_reasons
+    B, S, W, G, L = (symcost.SYMS[s] for s in ("B", "S", "W", "G", "L"))
+    assert an.params == L * W**2, an.params
+    assert any(tuple(sh) == (G, B * S, W / G) for op in an.ops for sh in op.in_shapes), "no [G, B*S, W/G] operand"
+    rng = random.Random("grouped")
+    for _ in range(2):
+        g = rng.randint(2, 4)
+        _check(an, spec, {"B": rng.randint(2, 4), "S": rng.randint(2, 6), "W": g * rng.randint(2, 6), "G": g,
+                          "L": rng.randint(1, 3)})

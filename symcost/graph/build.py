@@ -24,7 +24,7 @@ from symcost.frontends.megatron import for_run
 from symcost.frontends.parallel import MESH_PINNED
 from symcost.frontends.spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, ModelSpec, request_facts
 from symcost.tracing.fit import (CHECK_L, FIT_L, N_RANDOM, SYMS, Fitter, FitError, NoProbes, Unvariable, find_base,
-                                 leaves_moe_values, plan_probes, probe_pool, random_near, random_point,
+                                 leaves_moe_values, model_divisors, plan_probes, probe_pool, random_near, random_point,
                                  random_pools)
 from symcost.tracing.modules import _layer_of
 from symcost.tracing.regime import digest, regime_signature
@@ -416,7 +416,8 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
                 moduli[leader] = own
     syms = tuple(s for s in base_syms if s not in ties)
     plan = plan_probes(syms, spec.probe_ok, n_random=n_random, seed=seed, fixed=fixed, accept=accept,
-                       request=request, ties=ties, moduli=moduli, base=base)
+                       request=request, ties=ties, moduli=moduli, base=base,
+                       divisors=model_divisors(spec.constraints))
     symbols = syms
     spec = dataclasses.replace(spec, tied={**spec.tied, **ties})
     recs = [rec_at(p) for p in plan.points]

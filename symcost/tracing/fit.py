@@ -25,6 +25,7 @@ no part in the fit.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from dataclasses import dataclass
 from fractions import Fraction
@@ -62,6 +63,9 @@ class ProbePlan:
     symbols: tuple[str, ...]
     points: list[dict[str, int]]
     axis: dict[str, int]
+    #: the model's own symbols that divide another (:func:`model_divisors`): the fit lets them take
+    #: exponent -1 besides :data:`DIVISORS`
+    divisors: tuple[str, ...] = ()
 
 
 class Unvariable(SymcostError):
@@ -368,7 +372,7 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
                 fixed: Mapping[str, int] | None = None, *, accept=None,
                 request: Mapping[str, int] | None = None, ties: Mapping[str, str] | None = None,
                 moduli: Mapping[str, int] | None = None, tries: int = 4,
-                base: Mapping[str, int] | None = None) -> ProbePlan:
+                base: Mapping[str, int] | None = None, divisors: Sequence[str] = ()) -> ProbePlan:
     """Base probe, one single-symbol change per symbol, and ``n_random`` random probes.
 
     Args:
@@ -383,6 +387,8 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
         moduli: symbol -> m: probes keep the request's residue mod m.
         tries: probes recorded per symbol (``accept`` calls) before giving up on varying it.
         base: the base probe (default: :func:`find_base`).
+        divisors: the model's own symbols that divide another (:func:`model_divisors`), besides
+            :data:`DIVISORS`: each gets a third probe value, as K does.
 
     Raises:
         Unvariable: no probe changes one symbol alone and stays in the regime (pin it).
@@ -427,7 +433,7 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
                 break
     # On two distinct values a ratio (K or E with exponent -1: H/K, N·R/E) and a linear term fit
     # alike: give each divisor symbol a third value (one more single-symbol probe) if it lacks one.
-    for s in DIVISORS:
+    for s in dict.fromkeys((*DIVISORS, *divisors)):
         seen = {p[s] for p in points} if s in axis else set()
         if s not in axis or len(seen) >= 3:
             continue
@@ -442,7 +448,7 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
                 break
             if n >= tries:
                 break
-    return ProbePlan(tuple(symbols), points, axis)
+    return ProbePlan(tuple(symbols), points, axis, tuple(divisors))
 
 
 #: Exponent sets tried in turn: multilinear first, then the ratio H/K (query heads per key/value
@@ -458,13 +464,34 @@ DENOMINATORS = (720, 1 << 20)
 DIVISORS = ("K", "E", "DP", "TP", "EP", "CP")  # H/K (query heads per kv head), N·R/E (token slots per expert), P/DP, P/TP (a shard), S/CP
 
 
+def model_divisors(constraints) -> tuple[str, ...]:
+    """The symbols a model declares to divide another (``Constraint("divides", a, b)`` with b a
+    symbol: a factory's ``G`` groups of ``W`` channels, a patch side ``P`` of ``IMG``), besides
+    :data:`DIVISORS`: in a fitted size they may take exponent -1 as K does (W/G channels per
+    group, (IMG/P)^2 patches), and the probes give them a third value. Torch-free.
+
+    Args:
+        constraints: a :class:`symcost.frontends.spec.Constraint` sequence (``ModelSpec.constraints``).
+    """
+    return tuple(dict.fromkeys(c.a for c in constraints
+                               if c.kind == "divides" and isinstance(c.b, str) and c.a not in DIVISORS))
+
+
+#: Combinations of monomials the sparse search of a factor's cofactor (:meth:`Fitter._fit_factored`)
+#: may try per exponent stage: its number of terms grows while C(monomials, terms) stays within
+#: this (the main search keeps its fixed 4 / 3 / 2 terms, so no other signature is slowed)
+COFACTOR_BUDGET = 100_000
+#: The most terms a cofactor may have (tried fewest first)
+COFACTOR_TERMS = 6
+
+
 #: symbols whose exponent is at most 1 in size: DP divides a size (a shard) or multiplies one (a
 #: buffer of DP shards, a split into DP chunks), never twice in one dimension
 LINEAR_ONLY = MESH_SYMBOLS
 
 
-def _monomials(deps: Sequence[str], exps: Sequence[int]):
-    choices = [[e for e in exps if (e >= 0 or s in DIVISORS) and (abs(e) <= 1 or s not in LINEAR_ONLY)]
+def _monomials(deps: Sequence[str], exps: Sequence[int], divisors: Sequence[str] = DIVISORS):
+    choices = [[e for e in exps if (e >= 0 or s in divisors) and (abs(e) <= 1 or s not in LINEAR_ONLY)]
                for s in deps]
     for combo in itertools.product(*choices):
         yield dict(zip(deps, combo))
@@ -486,6 +513,9 @@ class Fitter:
         #: the sizes of the data-parallel process groups whose shards a buffer may hold, in the
         #: symbols (build.py sets them under --tp with --ep: FSDP2's dense group DP·EP/TP)
         self.hint_groups: tuple[sympy.Expr, ...] = ()
+        #: the symbols that may take exponent -1 (that divide another): :data:`DIVISORS` and the
+        #: model's own (``plan.divisors``: :func:`model_divisors` of the model's constraints)
+        self.divisors: tuple[str, ...] = tuple(dict.fromkeys((*DIVISORS, *plan.divisors)))
 
     def __call__(self, sig: tuple[int, ...], what: str = "size") -> sympy.Expr:
         if sig not in self.cache:
@@ -527,7 +557,14 @@ class Fitter:
             hinted = self._fit_hints(sig)
             if hinted is not None:
                 return hinted
-        got = self._sparse(sig, deps, EXPONENT_STAGES)
+        # multilinear and ratios first; then a product of a size fitted before and a cofactor
+        # (a convolution's padded output, channels times positions: more terms than the search
+        # below tries over many symbols, and its squares and cubes take minutes to fail there)
+        got = self._sparse(sig, deps, EXPONENT_STAGES[:2])
+        if got is None:
+            got = self._fit_factored(sig, deps)
+        if got is None:
+            got = self._sparse(sig, deps, EXPONENT_STAGES[2:])
         if got is not None:
             return got
         got = self._fit_separable(sig, deps)
@@ -588,19 +625,76 @@ class Fitter:
                     return out
         return None
 
-    def _sparse(self, sig: tuple[int, ...], deps: list[str], stages):
+    def _fit_factored(self, sig: tuple[int, ...], deps: list[str]):
+        """``sig`` as (a size fitted before, of two or more terms) times a cofactor, or None: a
+        depthwise convolution's padded output holds B·(H·D + 2·K·N_state)·(S + K_conv − 1)
+        elements, six monomials in seven symbols (Mamba-2), more than :meth:`_sparse` tries, but
+        its channels H·D + 2·K·N_state are the convolution weight's size, fitted before. Each
+        earlier signature (:attr:`cache`) that divides ``sig`` at every probe is tried, most
+        symbols first, then each symbol alone (a batch B times a sum of three monomials in four
+        other symbols, beyond the sparse search over five); the quotient is fitted by the sparse search over its own dependencies
+        (multilinear, ratios, squares; as many terms as :data:`COFACTOR_BUDGET` allows). Exact at
+        every probe (with two to spare), since both factors are."""
+        out = None
+        sig_set = set(deps)
+        cands = []
+        for dsig, expr in self.cache.items():
+            if len(dsig) != len(sig) or not isinstance(expr, sympy.Expr) or not isinstance(expr, sympy.Add):
+                continue
+            names = {str(x) for x in expr.free_symbols}
+            if not names or not names <= sig_set or any(v == 0 for v in dsig):
+                continue
+            if any(a % b for a, b in zip(sig, dsig)):
+                continue
+            cands.append((-len(names), len(sympy.Add.make_args(expr)), dsig, expr))
+        cands.sort(key=lambda c: (c[0], c[1], c[2]))
+        cands = cands[:24]
+        for s in deps:  # then one symbol: B·(8·C·IMG² + 4·S·XD + 8), a U-Net's inputs' bytes
+            col = tuple(int(x) for x in self.Xi[s])
+            if not any(a % b for a, b in zip(sig, col)):
+                cands.append((0, 1, col, SYMS[s]))
+        for _, _, dsig, expr in cands:
+            q = tuple(a // b for a, b in zip(sig, dsig))
+            if all(v == q[0] for v in q):
+                out = sympy.Integer(q[0]) * expr
+            else:
+                qdeps = [s for s, i in self.plan.axis.items() if q[i] != q[0]]
+                if not qdeps or not set(qdeps) <= sig_set:
+                    continue
+                # fewest terms first over every stage (a cofactor of three monomials with a square
+                # before one of eight multilinear ones that the probes cannot tell apart)
+                co = None
+                for k in range(1, COFACTOR_TERMS + 1):
+                    co = self._sparse(q, qdeps, EXPONENT_STAGES[:3], budget=COFACTOR_BUDGET, terms=k)
+                    if co is not None:
+                        break
+                if co is None:
+                    continue
+                out = co * expr
+            # the product must need every dependency (as the sparse search's supports do)
+            if {str(x) for x in out.free_symbols} == sig_set:
+                return sympy.expand(out)
+        return None
+
+    def _sparse(self, sig: tuple[int, ...], deps: list[str], stages, budget: int | None = None,
+                terms: int | None = None):
         """The sparse search: ``sig`` as at most four monomials of ``deps`` with exponents of
-        ``stages``, exact at every probe with two to spare; or None."""
+        ``stages`` (three over more than 16 monomials, two over more than 64; with ``budget``,
+        as many as keep the combinations tried per stage within it; with ``terms``, exactly that
+        many, within those bounds), exact at every probe with two to spare; or None."""
         y = np.array(sig, dtype=np.float64)
         n = len(sig)
         for exps in stages:
             monos = [
-                m for m in _monomials(deps, exps)
+                m for m in _monomials(deps, exps, self.divisors)
                 if all(abs(e) + 1 <= self.distinct[s] for s, e in m.items())  # determinable
             ]
             cols = [self._column(m) for m in monos]
             max_terms = 4 if len(monos) <= 16 else (3 if len(monos) <= 64 else 2)
-            for k in range(1, max_terms + 1):
+            if budget is not None:
+                while max_terms < len(monos) and math.comb(len(monos), max_terms + 1) <= budget:
+                    max_terms += 1
+            for k in range(terms or 1, (min(terms, max_terms) if terms else max_terms) + 1):
                 if n - k < 2:
                     break
                 for subset in itertools.combinations(range(len(monos)), k):
@@ -646,7 +740,7 @@ class Fitter:
             if len(distinct) < 4:  # (a degree-1 polynomial with two values to spare)
                 continue
             others = [s for s in deps if s != x]
-            choices = [(1, -1, 2) if s in DIVISORS else (1, 2) for s in others]
+            choices = [(1, -1, 2) if s in self.divisors else (1, 2) for s in others]
             for exps in sorted(itertools.product(*choices), key=lambda e: sum(map(abs, e))):
                 q: dict[Fraction, Fraction] = {}
                 ok = True
