@@ -112,3 +112,57 @@ def test_sdpa_with_dropout_keeps_what_the_fused_kernel_keeps():
     assert any("flash_attention" in op for op, _ in log.ops)
     math = _saved(attn, q)
     assert any(shape[-2:] == (S, S) for _, shape in math)
+
+
+@pytest.mark.parametrize("seed", [291, 292])
+def test_mla_attention_runs_cuda_memory_efficient_kernel(seed):
+    """SDPA with query and value head dims apart (DeepSeek's MLA), which the CPU decomposes into
+    the math path, runs CUDA's memory-efficient kernel under ``cuda``: at random sizes, dtypes and
+    causal flags the op recorded is ``aten._scaled_dot_product_efficient_attention`` (and its
+    backward), the output and the gradients equal PyTorch's own SDPA on the CPU, and autograd keeps
+    exactly q, k, v and the tensors the kernel's meta kernel returns on fake CUDA tensors
+    (the output and the log-sum-exp; derivatives.yaml) with no [B, H, S, S] tensor, where the
+    CPU's math path keeps S × S probabilities. With a mask or equal head dims the CPU's choice
+    stays."""
+    import random
+
+    rng = random.Random(seed)
+    dtype = rng.choice((torch.float32, torch.bfloat16))
+    a = 4 if dtype == torch.float32 else 8
+    B, H, S = rng.randint(1, 3), rng.randint(1, 4), rng.randint(5, 40)
+    Dq, Dv = a * rng.randint(2, 5), a * rng.randint(1, 3)
+    Dq += a if Dq == Dv else 0
+    causal = rng.random() < 0.5
+    q, k = (torch.randn(B, H, S, Dq, dtype=dtype, requires_grad=True) for _ in range(2))
+    v = torch.randn(B, H, S, Dv, dtype=dtype, requires_grad=True)
+
+    def attn(*t):
+        return F.scaled_dot_product_attention(*t, is_causal=causal)
+
+    want = attn(q.float(), k.float(), v.float())
+    grads = torch.autograd.grad(want.sum(), (q, k, v))
+    with device_kernels("cuda"), _Ops() as log:
+        saved = _saved(lambda *t: attn(*t).float().sum().backward(), q, k, v)
+    names = [op for op, _ in log.ops]
+    assert "aten._scaled_dot_product_efficient_attention.default" in names
+    assert "aten._scaled_dot_product_efficient_attention_backward.default" in names
+    tol = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    with device_kernels("cuda"):
+        got = attn(q, k, v)
+        torch.testing.assert_close(got.float(), want.detach(), **tol)
+        for g, w in zip(torch.autograd.grad(got.float().sum(), (q, k, v)), grads):
+            torch.testing.assert_close(g.float(), w.float(), **tol)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        qc, kc, vc = (torch.empty(t.shape, device="cuda", dtype=dtype) for t in (q, k, v))
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(qc, kc, vc, None, True, 0.0, causal)
+    kernel = [(out[0].dtype, tuple(out[0].shape)), (out[1].dtype, tuple(out[1].shape))]
+    inputs = [(dtype, tuple(t.shape)) for t in (q, k, v)]
+    tensors = [s for s in saved if s[1] != ()]  # (the Philox seed and offset: int64 scalars, aside)
+    assert sorted(tensors, key=str) == sorted(inputs + kernel, key=str), (tensors, inputs + kernel)
+    assert not any(len(s) == 4 and s[-2:] == (S, S) for _, s in saved)
+    math = _saved(lambda *t: attn(*t).float().sum().backward(), q, k, v)
+    assert any(shape[-2:] == (S, S) for _, shape in math)
+    with device_kernels("cuda"), _Ops() as log:  # (a mask, or one head dim: the CPU's kernels)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(S, S, dtype=torch.bool))
+        F.scaled_dot_product_attention(q, k, k)
+    assert not any("efficient" in op for op, _ in log.ops)
