@@ -109,6 +109,10 @@ RUNS: dict[str, tuple] = {
     # 1,920 A100s: DP 15 x TP 8 x PP 16, m = 2160 / (15 · 4) = 36 (B = 4 assumed as above)
     "N8": (f"report {MG} --pp 16 --dp 15 --tp 8 --microbatches 36 {NO_OVERLAP} --set H=128 D=128 L=96 {NS}",
            NSTEP["N8"], "155 TFLOP/s/GPU (paper's F)"),
+    # torchtitan's DeepSeek-V3 16B (the shapes of DeepSeek-V2-Lite) with EP 8 on 8 H100s: FSDP over
+    # dp_shard = ep = 8 (efsdp 1, symcost's --dp 1), selective-op AC, B = 4 (inferred: PR #1792's value)
+    "TM1": (f"report tests/data/configs/deepseek-v2-lite.json --ep 8 --dp 1 {TT} --set B=4 S=4096 --gpu h100-sxm",
+            1.456, "11,254 tok/s/GPU"),
 }
 
 
