@@ -17,8 +17,9 @@ Oracles (no symcost formula involved):
 * FLOPs: ``FlopCounterMode`` of one real step with transformers' ``eager`` experts loop (one
   ``mm`` per expert hit, the balanced router forced), whose per-expert GEMMs the grouped GEMMs
   must equal;
-* ``serve``: the KV bytes of gpt-oss-20b's published config by hand (24 layers alternating a
-  128-token sliding window and full attention; 8 key/value heads of 64, bf16).
+* ``serve``: the KV bytes of gpt-oss-20b's published config by hand (layers alternating a
+  128-token sliding window and full attention; 8 key/value heads of 64, bf16), cut to its first 4
+  of 24 layers.
 """
 from __future__ import annotations
 
@@ -207,20 +208,29 @@ def test_serve_tiny_qwen3_moe_at_context_65(capsys):
 
 
 @pytest.mark.heavy
-def test_serve_gpt_oss_20b_at_context_8192(capsys):
+def test_serve_gpt_oss_20b_at_context_8192(capsys, tmp_path):
     """serve answers gpt-oss-20b's published config at context 8192 (refused before: "no probe
     sizes for B, H, V, F, K, E, R, T stay in the regime"): a batch and a time per token, and the
-    KV cache of the 12 sliding-window layers holds W = 128 tokens, the 12 full layers 8192."""
-    code, out, err = run_cli(capsys, "serve", GPT_OSS_20B, "--context", "8192", "--device", "h100-sxm", "--json")
+    KV cache of each sliding-window layer holds W = 128 tokens, of each full layer 8192.
+
+    Sized for the suite: the published config cut to its first 4 of 24 layers (2 sliding, 2 full,
+    alternating as published; every width, the 32 experts, top-4 and the window as published):
+    the refusal was the probes' regime (E | c·B·S·R), not the depth, and the traces record every
+    layer of the config's list (the command alone: 24 layers 73 CPU-s, 4 layers 29; 2026-12-05, loaded machine)."""
+    cfg = json.load(open(GPT_OSS_20B))
+    assert cfg["layer_types"].count("sliding_attention") == 12 and cfg["sliding_window"] == 128
+    cfg = dict(cfg, num_hidden_layers=4, layer_types=cfg["layer_types"][:4])
+    path = tmp_path / "gpt-oss-20b-4-layers.json"
+    path.write_text(json.dumps(cfg))
+    code, out, err = run_cli(capsys, "serve", str(path), "--context", "8192", "--device", "h100-sxm", "--json")
     assert code == 0, err
     r = json.loads(out)
     assert r["max_batch"] >= 1 and r["seconds_per_token"] > 0 and r["tokens_per_second"] > 0
-    cfg = json.load(open(GPT_OSS_20B))
     kinds = cfg["layer_types"]
     w, kv_heads, head_dim = cfg["sliding_window"], cfg["num_key_value_heads"], cfg["head_dim"]
     per_token_layer = 2 * kv_heads * head_dim * 2  # keys and values, bf16
     want = sum(per_token_layer * (min(w, 8192) if k == "sliding_attention" else 8192) for k in kinds)
-    assert kinds.count("sliding_attention") == 12 and w == 128
+    assert kinds.count("sliding_attention") == kinds.count("full_attention") == 2
     assert r["kv"]["per_sequence"] == want
     assert r["kv"]["total"] == r["max_batch"] * want
 
