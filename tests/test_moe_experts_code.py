@@ -215,7 +215,8 @@ def test_serve_gpt_oss_20b_at_context_8192(capsys, tmp_path):
 
     Sized for the suite: the published config cut to its first 4 of 24 layers (2 sliding, 2 full,
     alternating as published; every width, the 32 experts, top-4 and the window as published):
-    the refusal was the probes' regime (E | c·B·S·R), not the depth, and the traces record every
+    the refusal was the probes' regime (E | c·B·S·R), not the depth (the 4-layer config is refused
+    with the same message at 2d5023f^, the commit before the fix), and the traces record every
     layer of the config's list (the command alone: 24 layers 73 CPU-s, 4 layers 29; 2026-12-05, loaded machine)."""
     cfg = json.load(open(GPT_OSS_20B))
     assert cfg["layer_types"].count("sliding_attention") == 12 and cfg["sliding_window"] == 128
