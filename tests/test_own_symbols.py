@@ -152,7 +152,7 @@ def test_several_stacks_following_l_fold_each():
     """Two block lists of length L (an encoder-decoder sharing its depth): never refused (it was
     'several containers ... have length L'), and no longer traced unfolded with L pinned: each
     stack folds under L (docs/tracing.md §4, "Several stacks"), exact against the oracles at
-    random other sizes and depths, the peak within 1% of the profiler's."""
+    random other sizes and depths, the peak within 1% of the profiler's, also read back from JSON."""
     from memory_oracle import step_peak
 
     from symcost.passes.memory import memory_model
@@ -170,6 +170,11 @@ def test_several_stacks_following_l_fold_each():
         _check(an, spec, v)
         got, want = memory_model(an).peak(**v), step_peak(spec, v, "fp32")["peak"]
         assert abs(got / want - 1) < 0.01, (got, want, v)
+    # the fold of the stacks travels with the analysis as data (the trace cache's JSON)
+    from symcost.graph.analysis import Analysis
+
+    back = Analysis.from_dict(json.loads(json.dumps(an.to_dict())))
+    assert back.stacks == an.stacks and memory_model(back).peak(**v) == got
 
 
 def test_factory_imports_a_module_beside_it(tmp_path):
