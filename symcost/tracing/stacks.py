@@ -61,7 +61,10 @@ def find_stacks(spec: ModelSpec, values: Mapping[str, int], symbols) -> dict[str
         same = [c for c, k in here.items() if k == n and c not in found]
         if not same:
             continue
-        other = _containers(spec.build_meta(_with_ties(spec, dict(values, **{sym: n + 1}))))
+        more = _with_ties(spec, dict(values, **{sym: n + 1}))
+        if spec.check(more) is not None:  # (X + 1 breaks a constraint: G + 1 need not divide W)
+            continue
+        other = _containers(spec.build_meta(more))
         for c in same:
             if other.get(c) == n + 1:
                 found[c] = sym
