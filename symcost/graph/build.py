@@ -661,28 +661,26 @@ def _fit_kv(spec: ModelSpec, recs: list[Recording], fitter, role, container: str
 
 
 def _fit_kv_layer(recs: list[Recording], i: int, sig: tuple[int, ...], fitter) -> sympy.Expr:
-    """Bytes of cache layer ``i`` (``sig``: at each probe), fitted as a whole or, where that sum
-    is no polynomial the fit finds, storage by storage (``Recording.kv_parts``) and summed: a
-    hybrid layer (Zamba's ``LinearAttentionAndFullAttentionLayer``) holds keys and values that
-    grow with T beside a conv and an SSM state that do not, four or more monomials together, each
-    storage one or two.
+    """Bytes of cache layer ``i`` (``sig``: at each probe), fitted storage by storage
+    (``Recording.kv_parts``) and summed, else as a whole. A hybrid layer (Zamba's
+    ``LinearAttentionAndFullAttentionLayer``) holds keys and values that grow with T beside a conv
+    and an SSM state that do not: four monomials or more together, which the fit's sparse search
+    does not find (or takes minutes to give up on, over a model's dozen sizes), each storage one or
+    two. The whole is fitted where the layer holds one storage, or where the probes' layers do not
+    hold alike storages or one of them does not fit.
 
     Raises:
-        FitError: the whole does not fit and neither do the storages one by one (the whole's error).
+        FitError: neither the storages one by one nor the whole fit (the whole's error).
     """
     what = f"KV-cache size of layer {i}"
-    try:
-        return fitter(sig, what)
-    except FitError:
-        parts = [r.kv_parts[i] if i < len(getattr(r, "kv_parts", [])) else None for r in recs]
-        if any(p is None or len(p) != len(parts[0]) for p in parts) or len(parts[0]) < 2:
-            raise
+    parts = [r.kv_parts[i] if i < len(getattr(r, "kv_parts", [])) else None for r in recs]
+    if all(p is not None and len(p) == len(parts[0]) for p in parts) and len(parts[0]) > 1:
         try:
             return sympy.expand(sympy.Add(*[fitter(tuple(p[j] for p in parts), f"{what}, storage {j}")
                                             for j in range(len(parts[0]))]))
         except FitError:
             pass
-        raise
+    return fitter(sig, what)
 
 
 def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping[str, int],
