@@ -38,6 +38,17 @@ L13 = ("hf:llama --config hidden_size=5120 num_hidden_layers=40 num_attention_he
 L3B = ("hf:llama --config hidden_size=3072 num_hidden_layers=28 num_attention_heads=24 num_key_value_heads=8 "
        "intermediate_size=8192 vocab_size=128256 tie_word_embeddings=true max_position_embeddings=131072")
 
+#: torchtitan's own Llama 3 (tests/data/torchtitan_llama.py: its rotary embedding at 9dec370, the
+#: commit of its published runs) at llama3_configs["8B"]: its compiled runs (TT2, TT5, AO1) compile
+#: each block with the checkpoint inside (apply_ac, then apply_compile), which transformers' Llama
+#: cannot: PyTorch's torch.compile(fullgraph=True) of its checkpointed decoder layer raises "HOP:
+#: Unsafe side effect" (the kernels package's forward wrapper writes a global while compiling)
+TTL = "tests/data/torchtitan_llama.py:rope_spec"
+TT8B = "H=32 D=128 L=32 K=8 V=128256"
+#: torchtune's Llama 3.2 3B with its chunked output and chunked cross entropy (tests/data/torchtune_llama.py)
+TN3B = "tests/data/torchtune_llama.py:spec"
+TN3B_SIZES = "H=24 D=128 L=28 K=8 F=8192 V=128256"
+
 MG = "megatron-gpt --shard ddp --ac full --precision megatron-fp16"
 #: Megatron-LM's small-GPT functional tests (MG6, MG7, MG9, MG10) set neither --overlap-grad-reduce nor
 #: --overlap-param-gather (their model_config.yaml, docs/validation.md Per-run notes), whose defaults are
@@ -67,6 +78,10 @@ NSTEP = {k: round(paper_step(*v), 4) for k, v in NTABLE.items()}
 RUNS: dict[str, tuple] = {
     "TT1": (f"report {L8} --dp 8 {TT} --set B=2 S=8192 --gpu h100-sxm", 2.843, "5,762 tok/s/GPU"),
     "TT4": (f"report {L8} --dp 128 {TT} --set B=2 S=8192 --gpu h100-sxm", 2.923, "5,605 tok/s/GPU"),
+    "TT2": (f"report {TTL} --dp 8 {TT} --compile --set B=2 S=8192 {TT8B} --gpu h100-sxm", 2.457, "6,667 tok/s/GPU"),
+    "TT5": (f"report {TTL} --dp 128 {TT} --compile --set B=2 S=8192 {TT8B} --gpu h100-sxm", 2.515,
+            "6,514 tok/s/GPU"),
+    "AO1": (f"report {TTL} --dp 8 {TT} --compile --set B=1 S=8192 {TT8B} --gpu h100-sxm", 1.332, "6,150 tok/s/GPU"),
     "P2": (f"report {L8} --dp 64 {TT} --set B=1 S=8192 --gpu a100-80gb", 2.755, "2,973 WPS"),
     "P4": (f"report {L13} --dp 64 --shard fsdp --precision fp32 --fsdp-mp bf16 --set B=2 S=4096 --gpu a100-80gb",
            3.789, "2,162 WPS"),
@@ -75,6 +90,13 @@ RUNS: dict[str, tuple] = {
             "7,075 tok/s"),
     "TN2": (f"time {L3B} --precision bf16-true --compile --set B=2 S=4096 --device a100-80gb --tokens 8192 --mfu 0.5",
             0.9104, "8,998 tok/s"),
+    # torchtune compiles each layer, then wraps it in full AC (the checkpoint outside the compiled
+    # layer), and compiles the loss's upcast + cross entropy; --compile --ac full compiles the
+    # checkpoint inside the block, as torchtitan does, and runs the loss eager
+    "TN3": (f"time {TN3B} --precision bf16-true --compile --set B=2 S=4096 {TN3B_SIZES} --device a100-80gb --tokens 8192 "
+            "--mfu 0.5", 0.893, "9,174 tok/s"),
+    "TN4": (f"time {TN3B} --precision bf16-true --compile --ac full --set B=2 S=4096 {TN3B_SIZES} --device a100-80gb "
+            "--tokens 8192 --mfu 0.5", 1.136, "7,210 tok/s"),
     "MG6": (f"report {GB} --dp 8 --shard zero1 --precision megatron-bf16 --set B=4 S=1024 --gpu h100-sxm {NO_OVERLAP}", 0.05288,
             "0.05288 s/iteration"),
     "MG9": (f"report {GB} --dp 8 --shard ddp --ac full --precision megatron-bf16 --set B=4 S=1024 --gpu h100-sxm {NO_OVERLAP}",
