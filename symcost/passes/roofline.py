@@ -271,7 +271,7 @@ def roofline(an, device: Device, sizes: Mapping[str, int] | None = None, fused: 
     per_module: dict[str, dict] = defaultdict(lambda: {"seconds": 0.0, "flops": 0, "bytes": 0, "fused_bytes": 0,
                                                        "memory_bound_seconds": 0.0})
     for n in nodes:
-        for acc in (per_phase[n["phase"]], per_module[module_group(n["module"], an.layer_container)]):
+        for acc in (per_phase[n["phase"]], per_module[module_group(n["module"], an.layer_container, getattr(an, "stacks", None))]):
             acc["seconds"] += n["seconds"]
             acc["flops"] += n["repeat"] * n["flops"]
             acc["bytes"] += n["repeat"] * n["bytes"]

@@ -112,7 +112,7 @@ def module_rows(an: Analysis) -> list[dict[str, Any]]:
         "flops.forward": zero, "flops.backward": zero, "flops_all": zero, "bytes": zero, "repeat": 1})
     order: list[str] = []
     for op in an.ops:
-        key = module_group(op.module, an.layer_container)
+        key = module_group(op.module, an.layer_container, getattr(an, "stacks", None))
         if key not in acc:
             order.append(key)
         row = acc[key]

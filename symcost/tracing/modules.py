@@ -56,11 +56,17 @@ def _fold_name(module: str, container: str | None) -> str:
     return _rename_block(module, container, "{i}")
 
 
-def module_group(module: str, container: str | None) -> str:
-    """Row key of the per-module table: one level below each block, top-level parts as is."""
+def module_group(module: str, container: str | None, stacks=None) -> str:
+    """Row key of the per-module table: one level below each block, top-level parts as is
+    (``stacks``: container -> symbol where several stacks fold, ``Analysis.stacks``: one level
+    below each block of each stack)."""
     if not module:
         return "(loss / top level)"
     parts = module.split(".")
+    for c in sorted(stacks or (), key=len, reverse=True):
+        cparts = c.split(".") if c else []
+        if parts[:len(cparts)] == cparts and len(parts) > len(cparts):
+            return ".".join(parts[: len(cparts) + 2])
     if container is not None:
         cparts = container.split(".") if container else []
         n = len(cparts)
