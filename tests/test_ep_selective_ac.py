@@ -13,7 +13,9 @@ recipe (its op policy, ``checkpoint_wrapper``, FSDP2 written out as torchtitan's
 applies it under EP) on the fake process group with the profiler ops added to
 ``torch.utils.checkpoint.SAC_IGNORED_OPS`` (the fix proposed in PyTorch, pytorch/pytorch PR #185178),
 measured by tests/data/ep_rank.py ``measure`` (FLOPs by flop_counter's registry, saved_tensors_hooks,
-collective bytes per process group).
+collective bytes per process group), with SDPA run as ``--torch-device cuda`` records it
+(``device_kernels("cuda")``: MLA's attention as CUDA's memory-efficient kernel, checked on its own
+in tests/test_device_kernels.py).
 """
 from __future__ import annotations
 
@@ -113,25 +115,33 @@ def _fsdp_as_torchtitan_hf(model, mesh):
 @pytest.mark.heavy
 def test_ep_fsdp_dp1_selective_ac_deepseek_v3_against_pytorch(monkeypatch):
     """``--ep 2 --dp 1 --shard fsdp --ac selective`` on a tiny DeepSeek-V3 (tests/data/ep_rank.py
-    ``TINY_DSV3``: MLA, a dense first layer, a shared expert; transformers' eager attention): the
+    ``TINY_DSV3``: MLA, a dense first layer, a shared expert; transformers' SDPA attention, which
+    ``--torch-device cuda`` (the default) records as CUDA's memory-efficient kernel for MLA's
+    unequal head dims, and the oracle runs so too, under ``device_kernels("cuda")``: TM1's path): the
     trace that failed in PyTorch's replay now fits, and at random B, S (the widths and EP pinned at
     the request) rank 0's hardware FLOPs (the recomputation included), model FLOPs, saved bytes,
     parameter elements and each group's bytes (EP all-to-all, DP all-gather and reduce-scatter) equal
     PyTorch running torchtitan's recipe on the fake group (module docstring), and (at the first
-    draw) its model FLOPs equal the same step's without checkpointing.
-    ~40 s of CPU (the trace ~25 s)."""
+    draw) its model FLOPs equal the same step's without checkpointing with eager attention (model
+    FLOPs do not depend on the attention kernel; FlopCounterMode counts a fused backward's
+    recomputed scores, hardware FLOPs).
+    ~35 s of CPU."""
     import torch
     import torch.utils.checkpoint as tcp
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ep_rank import TINY_DSV3, measure, tiny_dsv3
+    from ep_rank import TINY_DSV3, measure
     from symcost.frontends.expert_parallel import apply
     from symcost.frontends.layout import Layout
     from symcost.frontends.parallel import fake_world
+    from symcost.tracing.device_kernels import device_kernels
     from test_layout import _torchtitan_context
 
-    spec = tiny_dsv3()
+    spec = symcost.resolve("hf:deepseek_v3", TINY_DSV3, "sdpa")
+    # (the plain step's model FLOPs: eager attention's matmuls, which FlopCounterMode counts as model
+    # FLOPs; its count of a fused attention backward includes the recomputed scores: hardware FLOPs)
+    eager = symcost.resolve("hf:deepseek_v3", TINY_DSV3, "eager")
     sizes = {"DP": 1, "EP": 2, "B": 2, "S": 16}
     pins = {s: "the test's widths" for s in ("H", "D", "V", "F", "K", "E", "R", "L", "EP")}
     an = symcost.trace(spec, layout=Layout(ep=True, shard="fsdp", ac="selective"), sizes=sizes, precision="fp32",
@@ -152,7 +162,7 @@ def test_ep_fsdp_dp1_selective_ac_deepseek_v3_against_pytorch(monkeypatch):
             fake_world(2 * v["EP"])
             mesh = DeviceMesh("cpu", torch.arange(v["EP"]).reshape(1, v["EP"]), mesh_dim_names=("dp_shard", "ep"))
             torch.manual_seed(0)
-            model = spec.build(values)
+            model = (spec if ac else eager).build(values)
             apply(model, mesh["ep"])
             if ac:
                 for name, block in list(model.model.layers.named_children()):
@@ -163,7 +173,8 @@ def test_ep_fsdp_dp1_selective_ac_deepseek_v3_against_pytorch(monkeypatch):
             groups = {mesh["ep"].get_group().group_name: "EP", mesh["dp_shard"].get_group().group_name: "DP_expert",
                       flat.get_group().group_name: "DP"}
             tokens = torch.randint(0, int(TINY_DSV3["vocab_size"]), (v["B"], v["S"]))
-            got[ac] = measure(model, tokens, spec=spec, groups=groups)
+            with device_kernels("cuda" if ac else None):
+                got[ac] = measure(model, tokens, spec=spec if ac else eager, groups=groups)
         env = an.bind(**{k: x for k, x in v.items() if k in an.symbols})
         assert int(an.flops("train", "hardware").subs(env)) == got[True]["flops"], v
         if not checked_plain:
@@ -176,3 +187,4 @@ def test_ep_fsdp_dp1_selective_ac_deepseek_v3_against_pytorch(monkeypatch):
                 want = Fraction(str(an.comm_bytes(k, group=g).subs(env)))
                 assert want == Fraction(got[True]["by_group"].get(g, {}).get(k, "0")), (v, g, k)
         assert Fraction(got[True]["by_group"]["EP"]["all_to_all"]) > 0
+    assert any("efficient_attention" in op.name for op in an.ops), "MLA's attention: CUDA's kernel"
