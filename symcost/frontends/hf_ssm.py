@@ -31,12 +31,14 @@ L, V       ``num_hidden_layers``, ``vocab_size``
 ========== ==========================================================================================
 
 Mamba-2's chunked scan (``modeling_mamba2.mamba2_chunk_scan``, the SSD algorithm in plain torch)
-pads S up to whole chunks of ``chunk_size`` (a config value); S and K_conv are pinned at the
-request (:attr:`ModelSpec.pin`, stated in the report) because the depthwise convolution's padded
-output, B·(H·D + 2·K·N_state)·(S + K_conv − 1) elements, sums more monomials than the fit's sparse
-search finds (symcost/tracing/fit.py); every other symbol is a formula. Jamba pins L (its blocks
-are not alike) and S (its Mamba blocks' CPU scan loops over S); Zamba2 pins L (Mamba-2 and
-hybrid blocks), S and K_conv (its Mamba-2 convolution); Zamba pins L and S (its CPU scan).
+pads S up to whole chunks of ``chunk_size`` (a config value): c·⌈S/c⌉ is S plus a constant within
+S's residue class mod c (and class 0 runs no padding op), so S is probed in the request's class
+(:attr:`ModelSpec.moduli`) and is a formula there, as every other symbol of Mamba-2 is. The
+depthwise convolution's padded output, B·(H·D + 2·K·N_state)·(S + K_conv − 1) elements, six
+monomials in seven sizes, is fitted as the convolution's channels (a size fitted before) times the
+rest (``symcost.tracing.fit.Fitter._fit_factored``). Jamba pins L (its blocks are not alike) and S
+(its Mamba blocks' CPU scan loops over S); Zamba2 pins L (Mamba-2 and hybrid blocks); Zamba pins L
+and S (its CPU scan).
 
 Inference (``step="prefill"`` / ``"decode"``, ``symcost serve``; docs/inference.md): every family
 runs through the cache ``generate`` builds, ``DynamicCache(config=...)`` (or ``StaticCache``), by
@@ -163,16 +165,15 @@ def mamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
                 "L": "number of Mamba-2 blocks",
                 "S": f"tokens per sequence (the scan pads them to whole chunks of {chunk}; --config chunk_size=...)"}
     # hidden_size = H*D/expand: the probes keep H and D in the request's classes mod expand, so
-    # that H*D stays a multiple of expand
+    # that H*D stays a multiple of expand; the scan pads S up to whole chunks, c*ceil(S/c) = S plus
+    # a constant within S's class mod chunk_size (and no padding op at all in class 0): S keeps its
+    # class too. The depthwise convolution's padded output, whose storage its SiLU saves, holds
+    # B*(H*D + 2*K*N_state)*(S + K_conv - 1) elements: six monomials in seven sizes, fitted as the
+    # convolution's channels (a size fitted before) times B*(S + K_conv - 1) (fit.Fitter._fit_factored)
     moduli = {"H": expand, "D": expand} if expand > 1 else {}
-    # The depthwise convolution's padded output, whose storage its SiLU saves, holds
-    # B*(H*D + 2*K*N_state)*(S + K_conv - 1) elements: six monomials in seven sizes, more than the fit's
-    # sparse search finds (at most four terms, fewer over many monomials: symcost/tracing/fit.py);
-    # with S and K_conv at the request's values it is two, and every other size a formula
-    conv = ("the depthwise convolution's padded output, B*(H*D + 2*K*N_state)*(S + K_conv - 1) elements, sums "
-            "more monomials than the fit finds (symcost/tracing/fit.py's sparse search): formulas hold at this {} "
-            "(another: --set {}=...)")
-    pin = {"S": conv.format("S", "S"), "K_conv": conv.format("K_conv", "K_conv")}
+    if chunk > 1:
+        moduli["S"] = chunk
+    pin: dict[str, str] = {}
 
     def check(values: Mapping[str, int]) -> str | None:
         why = check_constraints(constraints, values)
@@ -309,8 +310,8 @@ def zamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
     mod 2·``n_mamba_heads``, so it stays whole).
 
     Pinned (stated): L (``layers_block_type`` mixes Mamba and hybrid blocks, followed by its shortest
-    period: traced unfolded), S and K_conv (the Mamba-2 convolution's padded output, as for
-    :func:`mamba2_spec`).
+    period: traced unfolded). S is a formula within its class mod ``chunk_size`` and K_conv a
+    formula, as for :func:`mamba2_spec`.
 
     Raises:
         SymcostError: an unknown or rejected config key, a bad attention implementation.
@@ -360,12 +361,13 @@ def zamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
 
     build = hf.head_builder(shown, (), symbols, model_cls, config_for, attention, check=check)
 
-    conv = ("the Mamba-2 depthwise convolution's padded output sums more monomials than the fit finds "
-            "(symcost/tracing/fit.py's sparse search): formulas hold at this {} (another: --set {}=...)")
+    # S and K_conv are formulas as for mamba2_spec: S within its class mod chunk_size (the scan pads
+    # S to whole chunks), the convolution's padded output fitted as its channels times the rest
+    if int(cfg.chunk_size) > 1:
+        moduli["S"] = int(cfg.chunk_size)
     pin = {"L": ("layers_block_type mixes Mamba-2 blocks and hybrid blocks (a shared transformer block before the "
                  "Mamba-2 block): traced unfolded at this L, the pattern followed by its shortest period "
-                 "(another: --set L=...)"),
-           "S": conv.format("S", "S"), "K_conv": conv.format("K_conv", "K_conv")}
+                 "(another: --set L=...)")}
     meanings = {"H": "attention heads of the shared transformer blocks (num_attention_heads)",
                 "D": "per-head dimension of the shared attention (attention_head_dim = 2*hidden_size/H): d_model = H*D/2",
                 "L": "number of blocks (Mamba-2, or hybrid: a shared transformer block, then Mamba-2)",
