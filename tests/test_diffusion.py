@@ -76,6 +76,31 @@ def test_unet2d_declared_constraints_exact_at_random_sizes():
         an.subs(W=6, G=4)
 
 
+#: a one-level UNet2DConditionModel: a ResNet down and up block, the mid block's text
+#: cross-attention (UNetMidBlock2DCrossAttn) between them: the cheapest conditional U-Net
+TINY_COND = {"block_out_channels": "[32]", "down_block_types": '["DownBlock2D"]', "up_block_types": '["UpBlock2D"]',
+             "layers_per_block": "1", "attention_head_dim": "2"}
+
+
+@pytest.mark.heavy
+def test_unet2d_condition_exact_at_random_sizes():
+    """diffusers:UNet2DConditionModel (Stable Diffusion's U-Net: text states [B, S, XD] through
+    cross-attention) answers with nothing pinned: IMG, C and XD were pinned at tiny sizes (the
+    inputs' bytes B*(8*C*IMG^2 + 4*S*XD + 8), three terms over five symbols, beyond the fit's
+    sparse search; now B times a cofactor, fit.Fitter._fit_factored); exact at random sizes of
+    every symbol against FlopCounterMode, saved_tensors_hooks and a meta count."""
+    spec = symcost.resolve("diffusers:UNet2DConditionModel", config=TINY_COND)
+    assert spec.symbols == ("W", "G", "IMG", "C", "XD")
+    an = symcost.trace(spec, sizes={"B": 2, "S": 3, "W": 4, "G": 2, "IMG": 5, "C": 3, "XD": 5}, precision="fp32",
+                       torch_device="cpu", use_cache=False)
+    assert not an.pinned, an.pin_reasons
+    rng = random.Random("unet2d-cond")
+    for _ in range(2):
+        g = rng.randint(2, 3)
+        v = {"B": rng.randint(2, 3), "S": rng.randint(2, 6), "G": g, "W": 2 * g * rng.randint(1, 2),
+             "IMG": rng.randint(3, 9), "C": rng.randint(1, 4), "XD": rng.randint(2, 9)}
+        exact_at(an, spec, v, sdpa_math=True)
+
 @pytest.mark.heavy
 def test_dit_exact_and_dit_xl2_published():
     """DiT-XL/2's published config (legacy class name Transformer2DModel, out_channels = 2C for
