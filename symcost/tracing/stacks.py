@@ -43,8 +43,8 @@ def find_stacks(spec: ModelSpec, values: Mapping[str, int], symbols) -> dict[str
     an inference step (its KV-cache layers fold with one container), a spec naming its block
     list (``ModelSpec.layers``).
 
-    Raises:
-        SymcostError: the model does not build at ``values`` (the caller's request check says why).
+    A model that does not build at ``values`` has no stacks here (its request's recording says
+    why); a symbol whose X + 1 breaks the model's constraints, or does not build, counts no stack.
     """
     if spec.layers is not None or spec.lead_blocks or spec.step != "train" or layout_of(spec).traced_dims:
         return {}
@@ -54,7 +54,10 @@ def find_stacks(spec: ModelSpec, values: Mapping[str, int], symbols) -> dict[str
     from symcost.tracing.record import _containers  # (imports torch: on first use)
 
     values = _with_ties(spec, values)
-    here = _containers(spec.build_meta(values))
+    try:
+        here = _containers(spec.build_meta(values))
+    except Exception:  # noqa: BLE001 - the request's own recording says why the model does not build
+        return {}
     found: dict[str, str] = {}
     for sym in cands:
         n = int(values[sym])
@@ -64,7 +67,10 @@ def find_stacks(spec: ModelSpec, values: Mapping[str, int], symbols) -> dict[str
         more = _with_ties(spec, dict(values, **{sym: n + 1}))
         if spec.check(more) is not None:  # (X + 1 breaks a constraint: G + 1 need not divide W)
             continue
-        other = _containers(spec.build_meta(more))
+        try:
+            other = _containers(spec.build_meta(more))
+        except Exception:  # noqa: BLE001 - X + 1 is no model (a check the spec does not declare): no stack of X
+            continue
         for c in same:
             if other.get(c) == n + 1:
                 found[c] = sym
