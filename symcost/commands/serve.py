@@ -56,7 +56,9 @@ def serve(model, sets, config, attention, precision, debug, device_name, devices
 
     MODEL: hf:MODEL_TYPE, hf:ORG/NAME or path/config.json (a model with a KV cache; an encoder-decoder,
     T5, BART, Whisper: --context counts decoder tokens, the source is S_enc, its prefill the encoder
-    and the first decoder step, its cache the cross-attention keys and values too). The decode
+    and the first decoder step, its cache the cross-attention keys and values too; a state-space
+    model, Mamba, Mamba-2: a state cache, fixed per sequence; Jamba, Zamba, Zamba2: states and the
+    attention blocks' keys and values). The decode
     step (one new token onto a cache of T = context - 1 tokens) and the prefill (context tokens)
     are traced through the model's own cache class; --precision defaults to the weights in bf16
     (bf16-true). --kv-dtype models the cache in another dtype (labelled "modelled"). Exit status 3

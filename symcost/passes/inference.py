@@ -212,6 +212,20 @@ def encoder_decoder(an) -> bool:
     return (getattr(an.spec, "extra", {}) or {}).get("task") in ("seq2seq", "speech-seq2seq")
 
 
+def cache_kind(an) -> str:
+    """What the cache of ``an`` (an inference step) holds: ``"kv"`` (attention keys and values,
+    one token more per step: decoder-only and encoder-decoder transformers), ``"state"`` (a
+    state-space model's recurrent states, ``hf:mamba``, ``hf:mamba2``: per layer a conv state and an
+    SSM state of fixed size, written in place, the bytes do not grow with T) or ``"kv+state"`` (a
+    hybrid, ``hf:jamba``, ``hf:zamba``, ``hf:zamba2``: the Mamba layers' states beside the attention
+    layers' keys and values, which alone grow with T). A state-space model is one whose spec says
+    so (``extra["state_space"]``: :mod:`symcost.frontends.hf_ssm`, ``hf_tasks.ssm_spec``); whether
+    it also holds keys and values is read off the trace (the cache's bytes depend on T)."""
+    if not (getattr(an.spec, "extra", {}) or {}).get("state_space"):
+        return "kv"
+    return "kv+state" if an.kv_bytes.has(SYMS["T"]) else "state"
+
+
 #: The decoder tokens of an encoder-decoder's first step (``generate``'s ``decoder_input_ids``: the
 #: decoder start token; Whisper's forced task tokens would be a few more).
 ENCDEC_PROMPT = 1
@@ -277,7 +291,11 @@ def kv_cache(an, sizes: Mapping[str, int] | None = None, kv: KVDtype | None = No
         ``tokens`` (T + S), ``formula`` (the total, a polynomial string), ``per_token_formula``
         (d total / d T / B where T is a symbol: the bytes each further cached token adds),
         ``layers`` (per folded layer: name, bytes formula, repeat), ``kv_cache`` (the class),
-        ``kv_dtype`` (:meth:`KVDtype.to_json`, with ``kv``).
+        ``kv_dtype`` (:meth:`KVDtype.to_json`, with ``kv``), ``cache`` (:func:`cache_kind`); a
+        state-space model's decode step (``cache`` "state" or "kv+state") ``state_per_sequence``:
+        the recurrent states' bytes of one sequence, which do not grow with its tokens (the traced
+        total at T + S = 0, B = 1: the Mamba layers' conv and SSM states; the attention layers'
+        keys and values are the rest, ``per_token_formula`` bytes per token).
 
     Raises:
         SymcostError: a training analysis; bad sizes.
@@ -293,7 +311,7 @@ def kv_cache(an, sizes: Mapping[str, int] | None = None, kv: KVDtype | None = No
     total, one = _scaled(total, kv), _scaled(one, kv)
     out = {"total": total, "per_sequence": one,
            "per_token": int(per_token) if per_token.denominator == 1 else float(per_token),
-           "tokens": n, "batch": B, "formula": str(kvb), "kv_cache": an.kv_cache,
+           "tokens": n, "batch": B, "formula": str(kvb), "kv_cache": an.kv_cache, "cache": cache_kind(an),
            "layers": [[name, str(_scaled(nb, kv)), str(rep)] for name, nb, rep in an.kv_layers]}
     if kv is not None:
         out["kv_dtype"] = kv.to_json()
@@ -305,6 +323,11 @@ def kv_cache(an, sizes: Mapping[str, int] | None = None, kv: KVDtype | None = No
             # not grow with the decoder's tokens, the traced total at T + S = 0 (one sequence)
             S = int(an.pinned["S"]) if "S" in an.pinned else env[SYMS["S"]]
             out["cross_per_sequence"] = _scaled(_num(an.kv_bytes, {**env, SYMS["B"]: 1, SYMS["T"]: -S}), kv)
+        elif out["cache"] != "kv":
+            # the recurrent states: the bytes that do not grow with the tokens, the traced total at
+            # T + S = 0 (one sequence; the attention layers' keys and values are 0 there)
+            S = int(an.pinned["S"]) if "S" in an.pinned else env[SYMS["S"]]
+            out["state_per_sequence"] = _scaled(_num(an.kv_bytes, {**env, SYMS["B"]: 1, SYMS["T"]: -S}), kv)
     return out
 
 

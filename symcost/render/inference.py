@@ -20,8 +20,9 @@ def to_json(model: str, precision: str, dev, r: dict) -> dict:
     the cache's bytes are scaled from the traced ones rather than traced, ``scale``), ``max_batch``,
     ``memory`` (``cap``, ``at_max`` = M(max_batch), ``at_next`` = M(max_batch + 1), ``check``,
     ``components`` at max_batch: params, buffers, inputs, kv_cache, workspace, peak),
-    ``kv`` (``per_token``, ``per_sequence``, ``total``, formulas; an encoder-decoder's
-    ``cross_per_sequence``: its cross-attention keys and values, bytes), ``encoder`` (an
+    ``kv`` (``per_token``, ``per_sequence``, ``total``, formulas, ``cache``: "kv", "state" or
+    "kv+state"; an encoder-decoder's ``cross_per_sequence``: its cross-attention keys and values,
+    bytes; a state-space model's ``state_per_sequence``: its recurrent states), ``encoder`` (an
     encoder-decoder only: ``S_enc`` source positions, ``prompt`` = the first decoder step's
     tokens; its prefill is the encoder and that step), ``seconds_per_token`` and
     ``tokens_per_second`` (at max_batch), ``decode`` and ``decode_batch_1`` (the decode
@@ -44,7 +45,7 @@ def to_json(model: str, precision: str, dev, r: dict) -> dict:
                    "check": r["memory"]["checked"], "components": r["memory"]["components"],
                    "peak_where": r["memory"]["peak_where"], "inequality": r["memory"]["inequality"]},
         "kv": {k: r["kv"][k] for k in ("per_token", "per_sequence", "total", "tokens", "formula", "per_token_formula",
-                                        "cross_per_sequence", "layers") if k in r["kv"]},
+                                        "cross_per_sequence", "state_per_sequence", "cache", "layers") if k in r["kv"]},
         "seconds_per_token": d["seconds_per_token"], "tokens_per_second": d["tokens_per_second"],
         "decode": _decode_json(d), "decode_batch_1": _decode_json(r["decode_batch_1"]),
     }
@@ -89,7 +90,10 @@ def render_text(c, model: str, precision: str, dev, r: dict) -> None:
     c.print(f"[bold]symcost serve[/bold]: {model} on {dev.name}   precision {precision} ({prec} peak "
             f"{dev.peak_for(prec)[0] / 1e12:.4g} TFLOP/s, bandwidth {dev.bandwidth / 1e12:.4g} TB/s, "
             f"ridge {dev.ridge(prec):.1f} FLOP/byte)")
-    c.print(f"context {r['context']} tokens per sequence; KV cache: {r['kv_cache']} "
+    kind = kv.get("cache", "kv")
+    # (a state-space model's cache holds recurrent states, fixed per sequence: no "KV" for them)
+    cname = {"kv": "KV cache", "state": "state cache", "kv+state": "cache (KV + states)"}[kind]
+    c.print(f"context {r['context']} tokens per sequence; {cname}: {r['kv_cache']} "
             f"(transformers' {'StaticCache' if r['kv_cache'] == 'static' else 'DynamicCache'}); memory cap "
             f"{human(mem['cap'], 'B')}")
     kd = r["kv_dtype"]
@@ -101,14 +105,23 @@ def render_text(c, model: str, precision: str, dev, r: dict) -> None:
         c.print(f"KV cache: {human(kv['per_sequence'], 'B')} per sequence of {kv['tokens']} decoder tokens = "
                 f"{human(kv.get('cross_per_sequence', 0), 'B')} cross-attention (S_enc = {e['S_enc']}) + "
                 f"{kv.get('per_token_formula', '-')} bytes per decoder token")
+    elif kind == "state":
+        c.print(f"state cache (the Mamba layers' conv and SSM states, fixed in size: "
+                f"{kv.get('per_token_formula', '0')} bytes more per token): "
+                f"{human(kv['per_sequence'], 'B')} per sequence, at any of its {kv['tokens']} tokens")
+    elif kind == "kv+state":
+        c.print(f"cache: {human(kv['per_sequence'], 'B')} per sequence of {kv['tokens']} tokens = "
+                f"{human(kv.get('state_per_sequence', 0), 'B')} recurrent states (Mamba layers, fixed) + "
+                f"{kv.get('per_token_formula', '-')} bytes per token (attention layers' keys and values)")
     else:
         c.print(f"KV cache: {kv['per_token']:,} bytes per token ({kv.get('per_token_formula', '-')}), "
                 f"{human(kv['per_sequence'], 'B')} per sequence of {kv['tokens']} tokens")
+    what = "KV" if kind == "kv" else "cache"
     if kd.modelled:
-        c.print(f"  KV dtype {kd.name} ({kd.dtype}): [bold]modelled[/bold] from the traced {kd.traced} cache, its bytes "
-                f"× {kd.scale} (memory, KV sizes, decode bytes; quantisation scales not counted)")
+        c.print(f"  {what} dtype {kd.name} ({kd.dtype}): [bold]modelled[/bold] from the traced {kd.traced} cache, its "
+                f"bytes × {kd.scale} (memory, {what} sizes, decode bytes; quantisation scales not counted)")
     else:
-        c.print(f"  KV dtype {kd.traced} (traced)")
+        c.print(f"  {what} dtype {kd.traced} (traced)")
     if r["batch"] < 1:
         c.print(f"[bold red]not one sequence of {r['context']} tokens fits[/bold red]: {mem.get('reason', '')}")
         return
@@ -123,14 +136,15 @@ def render_text(c, model: str, precision: str, dev, r: dict) -> None:
     t.add_column("bytes", justify="right", no_wrap=True)
     t.add_column("", justify="right", no_wrap=True)
     inputs = "inputs (token ids; the encoder's output)" if "encoder" in r else "inputs (token ids)"
-    names = {"params": "weights", "buffers": "buffers", "inputs": inputs, "kv_cache": "KV cache",
+    names = {"params": "weights", "buffers": "buffers", "inputs": inputs, "kv_cache": cname,
              "workspace": "workspace (the step's largest transient set)", "peak": "peak"}
     for k, label in names.items():
         v = mem["components"][k]
         t.add_row(label, f"{v:,}", human(v, "B"))
     c.print(t)
     dt = Table(title="Decode (one token per sequence per step)", **_NARROW)
-    for col in ("batch", "time/token", "tokens/s", "(weights+KV)/BW", "FLOPs/peak", "bound"):
+    for col in ("batch", "time/token", "tokens/s", f"(weights+{'KV' if kind == 'kv' else 'cache'})/BW", "FLOPs/peak",
+                "bound"):
         dt.add_column(col, justify="right", no_wrap=True)
     for x in ([d1, d] if d1 is not d else [d]):
         a = x["aggregate"]
@@ -138,11 +152,12 @@ def render_text(c, model: str, precision: str, dev, r: dict) -> None:
                    _fmt_s(a["memory_seconds"]), _fmt_s(a["compute_seconds"]), a["bound"])
     c.print(dt)
     c.print("  time/token: the per-op roofline of the traced decode step (fused bytes), summed; "
-            "(weights+KV)/BW and FLOPs/peak: the aggregate bounds")
+            f"(weights+{'KV' if kind == 'kv' else 'cache'})/BW and FLOPs/peak: the aggregate bounds")
     cr = d.get("crossing")
     if cr:
         where = (f"B ≈ {cr['value']:.4g}" if cr["value"] is not None else
-                 "never (the KV cache's bytes grow with B as fast as the FLOPs, below the ridge)"
+                 f"never (the {'KV ' if kind == 'kv' else ''}cache's bytes grow with B as fast as the FLOPs, below the "
+                 "ridge)"
                  if cr["compute_bound"] == "never" else "always")
         c.print(f"decode turns compute-bound (aggregate) at: {where}")
     if "tp" in d:
