@@ -211,7 +211,8 @@ def test_zamba2_prefill_and_decode_equal_generate():
     an, v, cache = check("zamba2", "decode", "zamba2:decode")
     assert [type(x).__name__ for x in cache.layers] == ["LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer",
                                                         "LinearAttentionLayer"]
-    assert set(an.pinned) == {"S", "L"}, an.pinned  # (H, D, N_state formulas: the hybrid layer's sum is not fitted whole)
+    # (H, D, N_state formulas: the hybrid layer's storages fitted one by one, not its sum)
+    assert {"S", "L"} <= set(an.pinned) and not {"H", "D", "N_state"} & set(an.pinned), an.pinned
     one = {**full_values(an, v), "B": 1}
     assert inference.kv_cache(an, {**v, "B": 1})["state_per_sequence"] == cache_bytes(
         generate_step(an.spec, one, "decode")[1], states_only=True)
