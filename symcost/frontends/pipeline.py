@@ -746,6 +746,21 @@ def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = 
             _peers()
         return make_stage(model, layers, part, pre, post, templates, p2p=p2p)
 
+    def param_bounds(values):
+        # (without the boundary probe, a forward of the whole model: the distinct first dimensions
+        # of the parameters outside every module the stage may delete, and of all; the stage's own
+        # lie between. frontends.parallel._first_bad reads them in a probe search)
+        model = build_blocks(spec, values, layers, lead)
+        if p2p:
+            _peers()
+        _, cands = _split_points(model, layers)
+        maybe_gone = {id(p) for c in cands.values() for p in c.parameters()}
+        ps = [p for p in model.parameters() if p.dim()]
+        return (tuple(sorted({int(p.shape[0]) for p in ps if id(p) not in maybe_gone})),
+                tuple(sorted({int(p.shape[0]) for p in ps})))
+
+    build.param_bounds = param_bounds
+
     def make_inputs(values, device):
         _, _, _, shape, dtype = boundary(values)
         return stage_inputs(spec, values, part, shape, dtype, device, sp)
