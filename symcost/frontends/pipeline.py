@@ -170,6 +170,27 @@ def part_of(stage: int, n_stages: int) -> str:
     return "first" if stage == 0 else "last" if stage == n_stages - 1 else "middle"
 
 
+def stage_kind(stage: int, blocks, lead: int) -> tuple[str, int]:
+    """``(kind, before)`` of stage ``stage`` of a pipeline whose stages hold ``blocks`` blocks
+    each (:func:`stage_blocks`), for a model whose first ``lead`` blocks are of another kind
+    (``ModelSpec.lead_blocks``: DeepSeek-V3's ``first_k_dense_replace`` dense blocks).
+
+    ``before``: the leading blocks that come before the stage, min(Σ blocks[:stage], lead) (the
+    stage module is built with L + before blocks and the first ``before`` dropped,
+    :func:`build_blocks`), so the stage holds ``lead - before`` leading blocks at its front (all of
+    its blocks where that is at least its block count). ``kind`` names the stage kind one trace
+    stands for: :func:`part_of`'s ``first``, ``middle`` or ``last`` for the first stage and for a
+    stage after all the leading blocks (the one kind every such stage shares), else
+    ``"{part}:lead{k}"``, k = lead - before (a stage that still holds leading blocks: at L = 8 over
+    8 stages, DeepSeek-V3's stages 1 and 2 hold its dense blocks 1 and 2, ``middle:lead2`` and
+    ``middle:lead1``; each such kind is one stage)."""
+    part = part_of(stage, len(blocks))
+    before = min(sum(blocks[:stage]), lead)
+    if stage == 0 or before == lead:
+        return part, before
+    return f"{part}:lead{lead - before}", before
+
+
 # ----------------------------------------------------------------------------------------------
 # the schedule: PyTorch's action lists
 
@@ -702,7 +723,7 @@ def cp_values(values: Mapping[str, int], cp: bool) -> dict:
 
 
 def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = "fp32", probes: dict | None = None,
-               sp: bool = False, cp: bool = False):
+               sp: bool = False, cp: bool = False, before: int | None = None):
     """The :class:`~symcost.frontends.spec.ModelSpec` of one stage module of ``spec`` for one
     micro-batch, with ``L`` the blocks of this stage (its formulas turn into L/PP, or
     L/(PP·v), by substitution, :mod:`symcost.passes.pipeline`).
@@ -715,7 +736,12 @@ def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = 
     ``probes``: a dict the stage kinds of one pipeline share, so they probe each size once;
     ``sp``: the stage is traced under sequence parallelism (its received activation is the
     rank's S/TP positions, :func:`stage_inputs`); ``cp``: under context parallelism (the boundary is
-    probed at the rank's S/CP tokens, :func:`cp_values`).
+    probed at the rank's S/CP tokens, :func:`cp_values`); ``before``: the model's leading blocks of
+    another kind (``ModelSpec.lead_blocks``) that come before this stage (:func:`stage_kind`): the
+    stage holds the other ``lead_blocks - before`` of them at its front, then blocks of the
+    repeated kind (its own ``lead_blocks``, where that is 2 or more; one such block is a special
+    first block, which the tracer finds on its own); None: none before the first stage, all of
+    them before any other.
 
     Raises:
         SymcostError: an unknown part, or a model without a block container.
@@ -737,7 +763,10 @@ def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = 
                 probes[key] = probe_spec(spec, cp_values(values, cp), layers, precision)
         return probes[key]
 
-    lead = int(getattr(spec, "lead_blocks", 0) or 0) if part != "first" else 0
+    n_lead = int(getattr(spec, "lead_blocks", 0) or 0)
+    # (the leading blocks before the stage, dropped from its build: build_blocks)
+    lead = (0 if part == "first" else n_lead) if before is None else min(int(before), n_lead)
+    own = n_lead - lead  # (the leading blocks the stage holds)
 
     def build(values):
         pre, post, templates, _, _ = boundary(values)
@@ -775,18 +804,21 @@ def stage_spec(spec, part: str, layers: str, p2p: bool = True, precision: str = 
         pos = sorted((k for k in kw if k.startswith("_in") and k[3:].isdigit()), key=lambda k: int(k[3:]))
         return spec.loss(out, (tuple(kw.pop(k) for k in pos), kw))
 
-    return dataclasses.replace(spec, name=f"{spec.name}[pp:{part}]", build=build, make_inputs=make_inputs,
+    name = f"{spec.name}[pp:{part}]" if part == "first" or not own else f"{spec.name}[pp:{part}:lead{own}]"
+    return dataclasses.replace(spec, name=name, build=build, make_inputs=make_inputs,
                                loss=loss, layers=layers, extra={**spec.extra, "pipeline_stage": part},
-                               lead_blocks=0 if lead else spec.lead_blocks)
+                               lead_blocks=own if own >= 2 else 0)
 
 
 def build_blocks(spec, values: Mapping[str, int], layers: str, lead: int = 0):
     """``spec``'s model at ``values`` on the current device, its block list ``layers`` holding
     ``values["L"]`` blocks of the kind that follows the ``lead`` leading blocks (``ModelSpec.
-    lead_blocks``, DeepSeek-V3's ``first_k_dense_replace`` dense blocks): a stage after the first
-    holds later blocks only (torchtitan's ``pipeline_llm`` cuts the model's own layers), so it is
-    built with L + lead blocks and the first ``lead`` dropped. The first stage is assumed to hold
-    all ``lead`` of them (L/PP >= lead)."""
+    lead_blocks``, DeepSeek-V3's ``first_k_dense_replace`` dense blocks) that come before the
+    stage: a stage after the first holds later blocks only (torchtitan's ``pipeline_llm`` cuts the
+    model's own layers), so it is built with L + lead blocks and the first ``lead`` dropped.
+    ``lead`` is :func:`stage_kind`'s ``before``: fewer than the model's leading blocks where the
+    earlier stages do not hold them all (L = 8 over 8 stages: stage 1 is built with 2 blocks, the
+    first dropped, and holds dense block 1)."""
     if not lead:
         return spec.build(values)
     from torch import nn

@@ -26,8 +26,8 @@ from typing import Any, Mapping
 import sympy
 
 from symcost.errors import SymcostError
-from symcost.frontends.pipeline import (SCHEDULES, check_schedule, part_of, schedule_order, simulate, split_words,
-                                        stage_blocks, stage_spec)
+from symcost.frontends.pipeline import (SCHEDULES, check_schedule, schedule_order, simulate, split_words,
+                                        stage_blocks, stage_kind, stage_spec)
 from symcost.tracing.fit import SYMS
 
 PP = sympy.Symbol("PP", positive=True, integer=True)
@@ -72,11 +72,23 @@ def _rank_totals(stages: list[dict], microbatches: int) -> dict[str, Any]:
     return out
 
 
+def stage_analysis(ans: Mapping[str, Any], s: int, blocks: list[int]):
+    """The trace (of :func:`trace_stages`'s ``ans``) that stands for stage ``s`` of a pipeline whose
+    stages hold ``blocks`` blocks: its kind (:func:`symcost.frontends.pipeline.stage_kind`, the
+    model's leading blocks read from the first stage's spec, which keeps them)."""
+    lead = int(getattr(ans["first"].spec, "lead_blocks", 0) or 0) if "first" in ans else 0
+    return ans[stage_kind(s, blocks, lead)[0]]
+
+
 def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", sizes: Mapping[str, int] | None = None,
                  cache: tuple | None = None, inner=None, split=None):
     """Trace the stage modules a pipeline of ``pp`` ranks × ``virtual`` stages needs
     (``first`` and ``last``, ``middle`` when there are more than 2 stages). Returns
-    ``(spec, {part: Analysis})``; each Analysis's ``L`` is the blocks of that stage.
+    ``(spec, {kind: Analysis})``; each Analysis's ``L`` is the blocks of that stage. The kinds
+    are ``first`` and ``last`` (``middle`` when there are more than 2 stages) and, for a model
+    whose leading blocks of another kind (``ModelSpec.lead_blocks``) reach past the first stage,
+    ``"{part}:lead{k}"`` for each stage that holds k of them
+    (:func:`symcost.frontends.pipeline.stage_kind`; :func:`stage_analysis` finds a stage's).
 
     ``cache``: ``(model, config, attention)`` as the command line named them: each stage kind's
     trace is then read from (or written to) the trace cache (:mod:`symcost.graph.cache`) under
@@ -101,7 +113,8 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
     if values["L"] < n and virtual > 1:  # (the stage count is PP·v: say where it comes from)
         raise SymcostError(f"L = {values['L']} blocks cannot fill {n} pipeline stages (--pp {pp} × "
                            f"--virtual-stages {virtual}, one block each at least)")
-    stage_blocks(values["L"], n, split)  # enough blocks for the stages
+    blocks = stage_blocks(values["L"], n, split)  # (enough blocks for the stages)
+    lead = int(getattr(spec, "lead_blocks", 0) or 0)
 
     @functools.cache
     def container():
@@ -109,28 +122,34 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
             return spec.layers
         return find_layer_container(spec, spec.build_meta(values), values)
 
-    parts = {"first", "last"} | ({"middle"} if n > 2 else set())
+    # each stage kind once: its part, the leading blocks before it and its own block count (that
+    # of its first stage: a kind holding leading blocks is one stage)
+    kinds: dict = {}
+    for s in range(n):
+        kind, before = stage_kind(s, blocks, lead)
+        kinds.setdefault(kind, (kind.split(":")[0], before, blocks[s]))
     # the regime is that of the requested sizes; L is each stage's own block count, a symbol
     # fitted from the probes like any other (so one trace serves every PP and split)
     mesh = set(inner.symbols) if inner else set()
     req = tuple(sorted((k, v) for k, v in (sizes or {}).items() if (k in spec.all_symbols or k in mesh) and k != "L"))
     out = {}
     probes: dict = {}  # the stage boundary at each probe's sizes, shared by the stage kinds
-    for part in sorted(parts):
+    for kind in sorted(kinds):
+        part, before, own = kinds[kind]
         opts = inner.cache_options() if inner else {}
         if spec.extra.get("torch_device") not in (None, "cuda"):  # (its kernels: tracing.device_kernels)
             opts = {**opts, "torch_device": spec.extra["torch_device"]}
         if spec.extra.get("loss_choice") not in (None, "megatron" if precision.startswith("megatron-") else "model"):
             opts = {**opts, "loss": spec.extra["loss_choice"]}  # (--loss: frontends.megatron.for_run)
-        key = (spec.name, tuple(sorted(spec.defaults.items())), part, spec.layers, precision, req,
+        if kind != part:  # (a stage holding some of the leading blocks: its own cache entry)
+            opts = {**opts, "pp_lead": lead - before}
+        key = (spec.name, tuple(sorted(spec.defaults.items())), kind, spec.layers, precision, req,
                (cache[0], tuple(sorted((cache[1] or {}).items())), cache[2]) if cache else None,
                tuple(sorted(opts.items())))
         if key not in _TRACES:
-            own = stage_blocks(values["L"], n, split)[{"first": 0, "middle": min(1, n - 1), "last": n - 1}[part]]
-
-            def fresh(part=part, own=own):
+            def fresh(part=part, own=own, before=before):
                 stage = stage_spec(spec, part, container(), precision=precision, probes=probes,
-                                   sp=bool(inner and inner.sp), cp=bool(inner and inner.cp))
+                                   sp=bool(inner and inner.sp), cp=bool(inner and inner.cp), before=before)
                 if inner:
                     stage = inner.spec(stage)
                 # (the stage's own block count is the request's L: where the blocks of a stage
@@ -147,7 +166,7 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
                                             options={"pp_stage": part, **opts})
             else:
                 _TRACES[key] = fresh()
-        out[part] = _TRACES[key]
+        out[kind] = _TRACES[key]
     return spec, out
 
 
@@ -238,7 +257,7 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
     dp = int(values.get("DP", 1)) if inner and inner.shard else 1
     per_stage = {}
     for s in range(n):
-        an = ans[part_of(s, n)]
+        an = stage_analysis(ans, s, blocks)
         env = an.bind(**{**{k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")}, "L": blocks[s]})
         ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731
         local, held = _rank_params(an)
@@ -455,7 +474,7 @@ def price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: list[int], 
     n = len(blocks)
     times, model_flops = {}, 0.0
     for s in range(n):
-        an = ans[part_of(s, n)]
+        an = stage_analysis(ans, s, blocks)
         env = {k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")}
         env["L"] = blocks[s]
         r = roofline(an, device, env, fused=fused, with_formulas=False)
@@ -563,7 +582,7 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
     n = len(blocks)
     times, opt, dp_trace, model_flops, first = {}, {}, {}, 0.0, None
     for s in range(n):
-        an = ans[part_of(s, n)]
+        an = stage_analysis(ans, s, blocks)
         env = {k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")}
         env["L"] = blocks[s]
         p = predict(an, device, env, mode=mode)
@@ -601,7 +620,7 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
         mine = sorted({s for _, s, _ in acts})
         if dp_bytes is not None and r in dp_bytes:
             dp_s[r] = dp_bytes[r] / links["DP"][1] if dp > 1 else 0.0
-            dp_s[r] += sum(_dp_latency(ans[part_of(s, n)], values, blocks[s], dp, alpha) for s in mine)
+            dp_s[r] += sum(_dp_latency(stage_analysis(ans, s, blocks), values, blocks[s], dp, alpha) for s in mine)
         else:
             dp_s[r] = sum(dp_trace[s] for s in mine)
         last = next((times[s]["backward"] for kind, s, _ in reversed(acts) if kind in ("B", "I")), 0.0)

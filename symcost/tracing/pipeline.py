@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from symcost.errors import SymcostError
 from symcost.frontends.parallel import destroy_world
 from symcost.frontends.pipeline import (SCHEDULES, build_blocks, cp_values, local_boundary, make_stage, part_of,
-                                       probe_spec, stage_blocks)
+                                       probe_spec, stage_blocks, stage_kind)
 from symcost.tracing import grouped_mm
 from symcost.tracing.device_kernels import device_kernels
 from symcost.tracing.record import _lazy_init, materialize, precision_context
@@ -252,8 +252,10 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
     models = []
     lead = int(getattr(spec, "lead_blocks", 0) or 0)
     for s in mine:
-        with torch.device("meta"):  # (a stage after the first: blocks after the lead ones, frontends.pipeline)
-            m = build_blocks(spec, dict(values, L=blocks[s]), layers, lead if s else 0)
+        # (a stage after the first: the blocks after those of the stages before it, the leading ones
+        # it holds included: frontends.pipeline.stage_kind)
+        with torch.device("meta"):
+            m = build_blocks(spec, dict(values, L=blocks[s]), layers, stage_kind(s, blocks, lead)[1])
         m = make_stage(m, layers, part_of(s, n), pre, post, templates)
         if keywords and s == n - 1:
             m.forward = _loss_of(m.forward, spec)
