@@ -16,6 +16,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.hf  # (transformers' DeepSeek-V3)
+
 SEED = 1508
 
 #: a tiny DeepSeek-V3: MLA, a shared expert, 8 routed experts (top-2); ``first_k_dense_replace`` set per test
