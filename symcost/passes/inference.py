@@ -104,6 +104,20 @@ def cache_dtype(an) -> str:
     Raises:
         SymcostError: a training step; no op touches the cache; the cache holds several dtypes.
     """
+    names = cache_dtypes(an)
+    if len(names) > 1:
+        raise SymcostError(f"{an.model}: the KV cache holds several dtypes ({', '.join(sorted(names))}); "
+                           "--kv-dtype needs one")
+    return names.pop()
+
+
+def cache_dtypes(an) -> set[str]:
+    """The dtypes of the cache's tensors in the trace (:func:`cache_dtype`), all of them: a Mamba-2
+    cache in bf16 holds its conv states in bf16 and its SSM states in fp32.
+
+    Raises:
+        SymcostError: a training step; no op touches the cache.
+    """
     if getattr(an, "step", "train") == "train":
         raise SymcostError(f"{an.model}: a training step has no KV cache; trace step='decode' or 'prefill'")
     from symcost.graph.opsets import dtype_names  # by name: a warm run imports no torch
@@ -119,16 +133,14 @@ def cache_dtype(an) -> str:
     if not names:
         raise SymcostError(f"{an.model}: no op of this trace reads or writes the KV cache's storages; "
                            "cannot tell its dtype (trace it again: symcost trace --no-cache)")
-    if len(names) > 1:
-        raise SymcostError(f"{an.model}: the KV cache holds several dtypes ({', '.join(sorted(names))}); "
-                           "--kv-dtype needs one")
-    return names.pop()
+    return names
 
 
 def kv_dtype(an, name: str | None = None) -> KVDtype:
     """The KV-cache dtype to cost ``an``'s cache in: ``name`` (one of :data:`KV_DTYPES`, modelled
     unless it is the traced dtype) or, with None, the traced cache's own (:func:`cache_dtype`;
-    ``"unknown"`` where the trace cannot tell it: nothing is scaled then).
+    ``"unknown"`` where the trace cannot tell it, the dtypes joined by "+" where the cache holds
+    several, e.g. ``"bfloat16+float32"``: nothing is scaled then).
 
     Raises:
         SymcostError: an unknown name (the message lists the accepted ones); with a name, as
@@ -138,7 +150,7 @@ def kv_dtype(an, name: str | None = None) -> KVDtype:
         raise SymcostError(f"unknown --kv-dtype {name!r}; accepted: {', '.join(KV_DTYPES)}")
     if name is None:
         try:
-            traced = cache_dtype(an)
+            traced = "+".join(sorted(cache_dtypes(an)))
         except SymcostError:  # nothing to scale: the traced cache as it is, its dtype unnamed
             return KVDtype("traced", "unknown", "unknown", Fraction(1), False)
         return KVDtype(traced, traced, traced, Fraction(1), False)
