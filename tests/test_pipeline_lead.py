@@ -63,7 +63,7 @@ def test_stage_modules_hold_the_leading_blocks_before_them():
     blocks (so later stages hold some: the case that was wrong), and at DeepSeek-V3's L = 8 over 8
     stages: each stage module as the pipeline builds it (``stage_spec`` with ``stage_kind``'s
     leading blocks before it, on the meta device) holds the parameters of the model's stage cut
-    by hand, and the stage kinds name the stages that hold leading blocks. ~10 s."""
+    by hand, and the stage kinds name the stages that hold leading blocks. ~5 s."""
     import torch
 
     from symcost.frontends.pipeline import part_of, stage_kind, stage_spec
@@ -107,7 +107,8 @@ def test_report_pp_stage_holding_leading_blocks_vs_pytorch(monkeypatch):
     regime, the FLOPs (FlopCounterMode) and saved bytes (saved_tensors_hooks) of PyTorch running
     that stage cut by hand from transformers' model with symcost's balanced routing installed
     (``spec.build``; ``aten._grouped_mm`` counted by :func:`_grouped_mm_flops`), and its boundary
-    bytes. ~45 CPU-s (two stage kinds traced)."""
+    bytes. ~40 CPU-s (two stage kinds traced; 68 s wall cold on the loaded 2-core machine,
+    2026-12-05)."""
     import torch
     from test_pipeline_parallel import _check_stage
     from torch.utils import flop_counter
