@@ -76,10 +76,12 @@ def block_graph(an) -> BlockGraph:
     flow (``Analysis.dataflow``: the reference recording's, kept with a cached analysis).
 
     Raises:
-        SymcostError: no repeated blocks.
+        SymcostError: no one list of repeated blocks (several stacks:
+            :func:`require_block_list`).
     """
     from symcost.graph import rules
 
+    require_block_list(an)
     L = SYMS["L"]
     ops = [op for op in an.ops if op.phase == "forward" and op.layer is not None
            and sympy.sympify(op.repeat).has(L)]
@@ -266,3 +268,24 @@ def tradeoff(an, env: Mapping, steps: int = 8) -> list[dict]:
                     "recompute_model_flops": p.recompute_model_flops,
                     "recompute_ops": sorted(bg.name[b].removeprefix("aten.") for b in p.recompute)})
     return out
+
+
+def require_block_list(an) -> None:
+    """Check that ``an`` has the one list of ``L`` repeated blocks the checkpoint planner plans
+    over (a chain of blocks: the √L law, optimal segments, docs/checkpoint.md).
+
+    Raises:
+        SymcostError: several stacks of blocks (an encoder-decoder's, each folded under its own
+            length symbol, :attr:`Analysis.stacks`): one line saying the planner plans one block
+            list and that ``--ac full|selective`` checkpoints every block of every stack; or no
+            repeated blocks (L is not a symbol).
+    """
+    stacks = getattr(an, "stacks", None) or {}
+    if stacks:
+        raise SymcostError(
+            f"{an.model} has {len(stacks)} stacks of blocks ({', '.join(f'{c}: {s}' for c, s in stacks.items())}); "
+            "the checkpoint planner plans one chain of L blocks and does not plan several stacks yet; "
+            "report --ac full|selective checkpoints every block of every stack")
+    if "L" not in an.symbols or an.layer_container is None:
+        raise SymcostError(f"{an.model} has no repeated blocks (no symbol L); nothing to checkpoint")
+

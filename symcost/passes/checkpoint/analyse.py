@@ -10,6 +10,7 @@ from symcost.frontends.checkpointing import rng_state_bytes
 from symcost.tracing.fit import SYMS
 from symcost.passes.checkpoint.segments import uniform_segments
 from symcost.passes.checkpoint.costs import integer_k
+from symcost.passes.checkpoint_ops import require_block_list
 from symcost.passes.checkpoint.plans import Plan
 from symcost.passes.checkpoint.schedule import Chain, chain, exact, law_of, make_plan
 
@@ -34,15 +35,17 @@ def analyse(an, sizes: Mapping[str, int] | None = None, memory: int | None = Non
     (:meth:`StepSchedule.costs`).
 
     Raises:
-        SymcostError: no repeated blocks; bad sizes; a budget outside (0, 1]; a cap no plan
-            meets (the message gives the least peak).
+        SymcostError: no one list of repeated blocks (several stacks:
+            :func:`~symcost.passes.checkpoint_ops.require_block_list`); bad sizes; a budget
+            outside (0, 1]; a cap no plan meets (the message gives the least peak).
     """
     from symcost.passes.memory import memory_model
 
     t0 = time.perf_counter()
     sizes = dict(sizes or {})
     env = an.bind(**sizes)
-    if SYMS["L"] not in env or an.layer_container is None:
+    require_block_list(an)
+    if SYMS["L"] not in env:
         raise SymcostError(f"{an.model} has no repeated blocks (no symbol L); nothing to checkpoint")
     L = int(env[SYMS["L"]])
     ch = chain(an, L, env, optimizer, impl)

@@ -12,6 +12,7 @@ import sympy
 from symcost.errors import SymcostError
 from symcost.tracing.fit import SYMS
 from symcost.passes.checkpoint.segments import plan_cost, uniform_segments
+from symcost.passes.checkpoint_ops import require_block_list
 
 
 @dataclass
@@ -77,14 +78,13 @@ def block_costs(an, lead_outside: bool = False) -> BlockCosts:
     a checkpoint keeps), ``f`` the block's forward model FLOPs (FlopCounterMode's convention).
 
     Raises:
-        SymcostError: the model has no repeated blocks (L is not a symbol), or its first blocks
+        SymcostError: the model has no one list of repeated blocks (:func:`require_block_list`), or its first blocks
             are of another kind than the rest (``ModelSpec.lead_blocks``: DeepSeek-V3's dense
             blocks), which the per-block costs here do not describe (unless ``lead_outside``).
     """
     from symcost.graph import rules
 
-    if "L" not in an.symbols or an.layer_container is None:
-        raise SymcostError(f"{an.model} has no repeated blocks (no symbol L); nothing to checkpoint")
+    require_block_list(an)
     lead = getattr(an.spec, "lead_blocks", 0) or 0
     if lead and not lead_outside:
         raise SymcostError(

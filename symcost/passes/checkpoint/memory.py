@@ -189,6 +189,7 @@ def plan_memory(an, kind: str, sizes: Mapping[str, int], optimizer: str = "adamw
     mm = memory_model(an, an.precision, optimizer, impl, device)
     if kind == "none":
         return mm, dict(sizes)
-    if "L" not in an.symbols or an.layer_container is None:
-        raise SymcostError(f"{an.model} has no repeated blocks (no symbol L); nothing to checkpoint")
+    from symcost.passes.checkpoint_ops import require_block_list
+
+    require_block_list(an)
     return CheckpointedMemory(an, kind, mm, optimizer, mm.impl), dict(sizes)
