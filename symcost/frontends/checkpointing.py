@@ -198,8 +198,10 @@ def recomputing() -> bool:
     return _RECOMPUTING[0] > 0
 
 
-def checkpoint_blocks(model, layers: str, mode: str = "full") -> None:
-    """Checkpoint every block of ``model`` (the children of the ``layers`` container) in place,
+def checkpoint_blocks(model, layers, mode: str = "full") -> None:
+    """Checkpoint every block of ``model`` (the children of the ``layers`` container, or of each
+    container of a list of them: every stack of an encoder-decoder's blocks, as ``transformers``'
+    ``gradient_checkpointing_enable()`` checkpoints each layer of both stacks) in place,
     as torchtitan's ``apply_ac`` wraps each transformer block (``ptd_checkpoint_wrapper``,
     torchtitan/distributed/activation_checkpoint.py) after tensor parallelism and before FSDP:
     each block's ``forward`` runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
@@ -220,7 +222,8 @@ def checkpoint_blocks(model, layers: str, mode: str = "full") -> None:
     if mode not in AC_MODES:
         raise SymcostError(f"unknown --ac {mode!r}; accepted: none, {', '.join(AC_MODES)}")
     extra = {"context_fn": op_sac_context} if mode == "selective" else {}
-    for block in model.get_submodule(layers).children():
+    blocks = [b for c in ([layers] if isinstance(layers, str) else layers) for b in model.get_submodule(c).children()]
+    for block in blocks:
         inner = block.forward
 
         def forward(*args, _inner=inner, _block=block, **kwargs):

@@ -562,7 +562,8 @@ class Layout:
             from symcost.frontends.compile import compile_spec
 
             spec = compile_spec(self, spec)
-        if self.ac and "L" not in spec.symbols and spec.layers is None:
+        if self.ac and "L" not in spec.symbols and spec.layers is None and not any(
+                s not in ("B", "S", "T") for s in spec.own_symbols):  # (own sizes may count stacks: L_enc, L_dec)
             raise SymcostError(f"--ac {self.ac} checkpoints each block of the model's block list; {spec.name} has none "
                                "(no symbol L)")
         if not self:
@@ -664,7 +665,7 @@ class Layout:
         return sub
 
     def parallelize(self, model, layers: str | None, mesh: Mapping[str, Any], dp_engine: str | None = None,
-                    compile_cuts: str | None = None, torch_device: str | None = None):
+                    compile_cuts: str | None = None, torch_device: str | None = None, ac_stacks=()):
         """Parallelise ``model`` in place over ``mesh`` (:meth:`fake_mesh`) in torchtitan's order:
         FP8 training's ``Float8Linear`` swap (:func:`symcost.frontends.fp8.convert`, torchtitan's
         model converter), then the tensor-parallel plan over ``TP`` (:func:`symcost.frontends.tensor_parallel.apply`),
@@ -676,7 +677,9 @@ class Layout:
         one, ``"megatron-ddp"``: :func:`symcost.frontends.parallel.wrap`; ``compile_cuts``: the
         trace's key of the compiled blocks' partitions, :func:`symcost.frontends.compile.compile_blocks`,
         which run after activation checkpointing and before the data-parallel engine; ``torch_device``: the
-        target device whose fused attention inductor's patterns choose, ``--torch-device``). Returns the context the
+        target device whose fused attention inductor's patterns choose, ``--torch-device``; ``ac_stacks``: where
+        ``layers`` is None, the containers of the model's several block stacks that activation
+        checkpointing wraps block by block, :func:`symcost.tracing.stacks.checkpointed_stacks`). Returns the context the
         loss and its backward run in
         (``loss_parallel()`` where the logits are vocabulary-sharded, else a no-op).
 
@@ -707,9 +710,9 @@ class Layout:
         if self.ac is not None and not self.compile:  # (under --compile the compiled block checkpoints)
             from symcost.frontends.checkpointing import checkpoint_blocks
 
-            if layers is None:
+            if layers is None and not ac_stacks:
                 raise SymcostError(f"--ac {self.ac}: the model has no block list to checkpoint")
-            checkpoint_blocks(model, layers, self.ac)
+            checkpoint_blocks(model, layers if layers is not None else list(ac_stacks), self.ac)
         if self.compile:
             from symcost.frontends.compile import compile_blocks
 

@@ -98,3 +98,17 @@ def module_classes(an) -> dict[str, str]:
         return out
     except Exception:  # noqa: BLE001 - names are a nicety; the numbers do not depend on them
         return {}
+
+
+def _containers(model) -> dict[str, int]:
+    """Dotted path -> length of every block container: ``nn.ModuleList``, ``nn.Sequential``, and
+    ``nn.ModuleDict`` keyed by the positions "0".."n-1" (torchtitan's ``self.layers[str(layer_id)]``,
+    iterated with ``.values()``), whose blocks are named ``layers.0``, ``layers.1``, ... as a list's
+    (:func:`symcost.tracing.record.find_layer_container`, :mod:`symcost.tracing.stacks`)."""
+    from torch import nn
+
+    return {
+        name: len(m) for name, m in model.named_modules()
+        if isinstance(m, (nn.ModuleList, nn.Sequential))
+        or (isinstance(m, nn.ModuleDict) and list(m.keys()) == [str(i) for i in range(len(m))])
+    }

@@ -45,7 +45,7 @@ from symcost.frontends.precision import precision_context
 from symcost.tracing.device_kernels import device_kernels
 from symcost.tracing.one_hot import scatter_one_hot
 from symcost.tracing import grouped_mm
-from symcost.tracing.modules import outside_its_block
+from symcost.tracing.modules import _containers, outside_its_block
 from symcost.tracing.recording import (  # noqa: F401 (re-exported: the recording's types)
     IntRef, MemoryEvent, OpCall, Recording, SavedTensor, TensorInfo, TensorRef)
 from symcost.tracing.recorder import (  # noqa: F401 (the dispatch mode and its helpers)
@@ -205,17 +205,6 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype = tor
                         new = nn.Parameter(new, requires_grad=t.requires_grad)
                     memo[id(t)] = new
                 table[name] = memo[id(t)]
-
-
-def _containers(model: nn.Module) -> dict[str, int]:
-    """Dotted path -> length of every block container: ``nn.ModuleList``, ``nn.Sequential``, and
-    ``nn.ModuleDict`` keyed by the positions "0".."n-1" (torchtitan's ``self.layers[str(layer_id)]``,
-    iterated with ``.values()``), whose blocks are named ``layers.0``, ``layers.1``, ... as a list's."""
-    return {
-        name: len(m) for name, m in model.named_modules()
-        if isinstance(m, (nn.ModuleList, nn.Sequential))
-        or (isinstance(m, nn.ModuleDict) and list(m.keys()) == [str(i) for i in range(len(m))])
-    }
 
 
 def find_layer_container(spec: ModelSpec, model: nn.Module, values: Mapping[str, int]) -> str | None:
@@ -468,9 +457,14 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         # tensor parallelism first, then activation checkpointing, then the data-parallel engine
         # over its DTensors (torchtitan's parallelize order: fully_shard of a TP-sharded parameter
         # shards its local rows again)
+        ac_stacks = ()
+        if layout.ac and layers is None:  # (several stacks: each block of each checkpointed)
+            from symcost.tracing.stacks import checkpointed_stacks
+
+            ac_stacks = checkpointed_stacks(spec, values)
         loss_context = layout.parallelize(model, layers, mesh if layout.traced_dims else {},
                                           spec.extra.get("dp_engine"), spec.extra.get("compile_cuts"),
-                                          spec.extra.get("torch_device"))
+                                          spec.extra.get("torch_device"), ac_stacks=ac_stacks)
         if layout.fp8 is not None:  # (the Float8Linear modules that replaced the linears: new objects)
             names.update(_module_names(model))
     # the recording's ``parallel``: the data-parallel strategy, else "tp" / "tp+sp"; on the 2-D

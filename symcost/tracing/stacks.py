@@ -15,7 +15,7 @@ from typing import Mapping
 
 from symcost.frontends.layout import layout_of
 from symcost.frontends.spec import INPUT_SYMBOLS, ModelSpec
-from symcost.tracing.modules import _layer_of
+from symcost.tracing.modules import _containers, _layer_of
 
 
 def stack_candidates(spec: ModelSpec, symbols) -> list[str]:
@@ -31,7 +31,7 @@ def find_stacks(spec: ModelSpec, values: Mapping[str, int], symbols) -> dict[str
     counts a stack) or no fold of several stacks is done.
 
     A container (an ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict`` keyed 0..n-1:
-    :func:`symcost.tracing.record._containers`) follows a symbol X of ``symbols``
+    :func:`symcost.tracing.modules._containers`) follows a symbol X of ``symbols``
     (:func:`stack_candidates`) when its length is X's value in the model built (on the meta
     device) at ``values`` and X + 1 in the model built with X + 1, as
     :func:`symcost.tracing.record.find_layer_container` finds L's. Several containers may follow
@@ -48,10 +48,21 @@ def find_stacks(spec: ModelSpec, values: Mapping[str, int], symbols) -> dict[str
     """
     if spec.layers is not None or spec.lead_blocks or spec.step != "train" or layout_of(spec).traced_dims:
         return {}
-    cands = [s for s in stack_candidates(spec, symbols) if int(values.get(s, 0) or 0) >= 2]
+    found = _following(spec, values, stack_candidates(spec, symbols), least=2)
+    if not found:
+        return {}
+    if list(found.values()) == ["L"]:
+        return {}  # one block list of L blocks: the single-container fold
+    return found
+
+
+def _following(spec: ModelSpec, values: Mapping[str, int], cands, least: int) -> dict[str, str]:
+    """``{container: symbol}`` of the outermost containers whose length follows a symbol of
+    ``cands`` valued at least ``least`` (length X at ``values``, X + 1 built with X + 1), as
+    :func:`find_stacks` describes; ``{}`` where the model does not build at ``values``."""
+    cands = [s for s in cands if int(values.get(s, 0) or 0) >= least]
     if not cands:
         return {}
-    from symcost.tracing.record import _containers  # (imports torch: on first use)
 
     values = _with_ties(spec, values)
     try:
@@ -78,11 +89,18 @@ def find_stacks(spec: ModelSpec, values: Mapping[str, int], symbols) -> dict[str
         return {}
     # nested containers (a stack inside a block of another): the outer one folds, the inner
     # ones are parts of its blocks
-    found = {c: s for c, s in found.items()
-             if not any(o != c and (o == "" or c.startswith(o + ".")) for o in found)}
-    if list(found.values()) == ["L"]:
-        return {}  # one block list of L blocks: the single-container fold
-    return found
+    return {c: s for c, s in found.items()
+            if not any(o != c and (o == "" or c.startswith(o + ".")) for o in found)}
+
+
+def checkpointed_stacks(spec: ModelSpec, values: Mapping[str, int]) -> list[str]:
+    """The block containers activation checkpointing (``--ac``) wraps where no one block list
+    follows ``L``: every stack of repeated blocks, each block of each checkpointed on its own, as
+    ``transformers``' ``gradient_checkpointing_enable()`` checkpoints every layer of T5's or
+    BART's encoder and decoder. The containers following ``L`` or a model's own stack size
+    (:func:`stack_candidates`) at any length, one block included (a stack of one block is
+    checkpointed too, though not folded); outermost only. ``[]`` where there is none."""
+    return sorted(_following(spec, values, stack_candidates(spec, spec.symbols), least=1))
 
 
 def _with_ties(spec: ModelSpec, values: Mapping[str, int]) -> dict[str, int]:
