@@ -241,8 +241,8 @@ class Conventions:
         if rem == 0:
             return head
         text = str(rem)
-        return f"{head} - {text[1:]}" if text.startswith("-") and "+" not in text and " - " not in text \
-            else f"{head} + {text}"
+        # (sympy prints a leading minus on the first term only: "-36*x + 2*y" is head - 36*x + 2*y)
+        return f"{head} - {text[1:]}" if text.startswith("-") else f"{head} + {text}"
 
     def tp_share(self):
         """The tensor-parallel size a rank's matmul work is divided by: ``TP`` (the symbol, or its
