@@ -121,3 +121,22 @@ def test_encdec_selective_ac_own_stack_sizes(examples):  # noqa: F811 - the fixt
          "D": rng.choice((4, 6, 8)), "V": rng.randint(20, 90), "F": rng.randint(8, 40),
          "L_enc": rng.randint(4, 6), "L_dec": rng.randint(4, 6)}
     _check(an, spec, ("encoder", "decoder"), "selective", v, peak=False)
+
+
+def test_every_stack_is_checkpointed_at_any_depth(examples):  # noqa: F811 - the fixture
+    """The containers --ac wraps (tracing/stacks.py ``checkpointed_stacks``) are the stacks a user
+    names by hand, a stack of one block included (it is checkpointed though not folded); a model
+    whose only stack sizes are its own (no L) is not refused by the layout."""
+    from symcost.frontends.models import resolve
+    from symcost.tracing.stacks import checkpointed_stacks
+
+    spec = _factory(examples["encdec.py"], "spec")
+    base = {"B": 2, "S": 6, "S_enc": 9, "H": 3, "D": 4, "V": 37, "F": 12}
+    rng = random.Random("stacks")
+    for depths in ((rng.randint(2, 6), rng.randint(2, 6)), (rng.randint(2, 6), 1), (1, 1)):
+        got = checkpointed_stacks(spec, {**base, "L_enc": depths[0], "L_dec": depths[1]})
+        assert got == ["decoder", "encoder"], (depths, got)
+    assert Layout(ac="full").spec(spec) is not None  # (was: "has none (no symbol L)")
+    bart = resolve("hf:bart", attention="eager")
+    got = checkpointed_stacks(bart, {**bart.defaults, **base, "L": rng.randint(1, 4)})
+    assert got == ["model.decoder.layers", "model.encoder.layers"], got
