@@ -267,3 +267,39 @@ def test_own_divisor_symbol_in_denominators(tmp_path):
         g = rng.randint(2, 4)
         _check(an, spec, {"B": rng.randint(2, 4), "S": rng.randint(2, 6), "W": g * rng.randint(2, 6), "G": g,
                           "L": rng.randint(1, 3)})
+
+
+def test_stack_depths_served_from_the_trace_cache(examples, capsys, tmp_path, monkeypatch):
+    """A trace of the guide's encoder-decoder serves every other depth of its two stacks from the
+    trace cache, as L is served (newcomer: each new (L_enc, L_dec) was traced again, and a request
+    with L_enc = L_dec, or a length equal to H, was never cached: its equal pairs were keyed, in
+    another orientation than the tracer's). The served depths' parameters equal a meta-device
+    count and their model FLOPs FlopCounterMode's."""
+    from test_flops_exact import measure
+
+    from symcost.commands import _options
+
+    monkeypatch.setenv("SYMCOST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SYMCOST_GRAPHS_DIR", "")
+    path = examples["encdec.py"]
+    base = ["B=2", "S=8", "S_enc=12", "H=3", "D=8", "V=40", "F=24"]
+    code, _, err = run_cli(capsys, "eval", f"{path}:spec", "--set", *base, "L_enc=3", "L_dec=3", "--precision", "fp32")
+    assert code == 0, err
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced again: the cache did not serve this depth")
+
+    monkeypatch.setattr(_options, "_trace_fresh", no_trace)
+    spec = _spec(path, "spec")
+    rng = random.Random("stack depths")
+    for _ in range(2):
+        le, ld = rng.randint(2, 6), rng.randint(2, 6)
+        code, out, err = run_cli(capsys, "eval", f"{path}:spec", "--set", *base, f"L_enc={le}", f"L_dec={ld}",
+                                 "--precision", "fp32", "--json")
+        assert code == 0, err
+        js = json.loads(out)
+        v = {**spec.defaults, **dict(x.split("=") for x in base), "L_enc": le, "L_dec": ld}
+        v = {k: int(x) for k, x in v.items()}
+        with torch.device("meta"):
+            assert js["params"] == sum(p.numel() for p in spec.build(v).parameters())
+        assert js["flops"]["train"] == measure(spec, v)["flops.train"], (le, ld)

@@ -118,7 +118,11 @@ def request_facts(values: Mapping[str, int], symbols) -> dict:
     (tied) and which are a coincidence; the trace cache matches a request to a traced regime by
     these facts. Torch-free.
     """
-    syms = [s for s in ordered(symbols) if values.get(s) is not None]
+    # (canonical symbols in their order, a model's own sizes by name: a pair's orientation must not
+    # depend on the order a list of symbols came in, or a cached entry's facts would not match)
+    rank = {s: i for i, s in enumerate(SYMBOL_ORDER)}
+    syms = sorted((s for s in dict.fromkeys(symbols) if values.get(s) is not None),
+                  key=lambda s: (rank.get(s, len(rank)), s))
     ones = sorted(s for s in syms if s != "L" and values[s] == 1)
     cfg = [s for s in syms if s not in INPUT_SYMBOLS and s not in ("L", "DP") and values[s] != 1]
     equal = sorted((a, b) for i, a in enumerate(cfg) for b in cfg[i + 1:] if values[a] == values[b])

@@ -125,7 +125,23 @@ def _request_values(meta: Mapping, sizes: Mapping[str, int]) -> dict[str, int]:
 
 
 def _facts(meta: Mapping, sizes: Mapping[str, int]) -> dict:
-    return request_facts(_request_values(meta, sizes), meta["all_symbols"])
+    return _free_stack_facts(meta, request_facts(_request_values(meta, sizes), meta["all_symbols"]))
+
+
+def _free_stacks(meta: Mapping) -> set[str]:
+    """The stack lengths an entry serves at any value, as L (``Analysis.stack_blocks``: a model's own
+    ``L_enc``, ``L_dec``, each folded under its symbol; docs/tracing.md §4 "Several stacks"), unless
+    pinned."""
+    return {s for s in (meta.get("stack_blocks") or {}) if s not in (meta.get("pinned") or {})}
+
+
+def _free_stack_facts(meta: Mapping, facts: Mapping) -> dict:
+    """``facts`` without the equal pairs of a free stack length (L_dec = H is a coincidence of
+    values: the tracer holds every stack's length fixed in its probes and ties it to nothing)."""
+    free = _free_stacks(meta)
+    if not free:
+        return dict(facts)
+    return {**facts, "equal": [p for p in facts["equal"] if not set(p) & free]}
 
 
 #: Symbols a cached regime serves at any value (with the same request facts and pins): the
@@ -142,7 +158,8 @@ FREE = ("B", "S", "L", "DP", "TP", "EP")
 
 def _config_values(meta: Mapping, sizes: Mapping[str, int]) -> dict[str, int]:
     values = _request_values(meta, sizes)
-    return {s: values[s] for s in sorted(values) if s not in FREE}
+    free = _free_stacks(meta)
+    return {s: values[s] for s in sorted(values) if s not in FREE and s not in free}
 
 
 def _per_rank_ones(meta: Mapping, values: Mapping[str, int]) -> list[str]:
@@ -213,6 +230,6 @@ def entry_meta(k: dict, sizes: Mapping[str, int], an) -> dict | None:
     meta["residues"] = {s: [int(m), int(r)] for s, (m, r) in (getattr(an, "residues", None) or {}).items()}
     meta["per_rank_ones"] = _per_rank_ones(meta, _request_values(meta, sizes))
     traced = getattr(an, "request_facts", None)
-    if traced and json.loads(json.dumps(traced)) != meta["facts"]:
+    if traced and _free_stack_facts(meta, json.loads(json.dumps(traced))) != meta["facts"]:
         return None  # the tracer read this request otherwise: do not guess which requests match
     return meta

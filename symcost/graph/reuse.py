@@ -55,11 +55,12 @@ def config_values(an, values: Mapping[str, int]) -> dict[str, int]:
 
 def checked_at(an, values: Mapping[str, int]) -> bool:
     """Whether the formulas of ``an`` were checked at ``values``' model sizes: the trace's own
-    request (its check recorded the step there; L alone may differ: the blocks repeat), or sizes
-    a previous :func:`check` passed."""
+    request (its check recorded the step there; L or a folded stack's own length alone may differ:
+    the blocks repeat), or sizes a previous :func:`check` passed."""
     cfg = config_values(an, values)
     req = config_values(an, getattr(an, "request_sizes", {}) or {})
-    if req and all(req.get(k) == v for k, v in cfg.items() if k != "L"):
+    lengths = {"L"} | {s for s in (getattr(an, "stack_blocks", None) or {}) if s not in (an.pinned or {})}
+    if req and all(req.get(k) == v for k, v in cfg.items() if k not in lengths):
         return True
     return tuple(sorted(cfg.items())) in an.__dict__.get("_checked_sizes", set())
 
