@@ -115,6 +115,11 @@ def test_cli_sets_and_prints_own_sizes(examples, capsys, tmp_path, monkeypatch):
     with torch.device("meta"):
         meta = spec.build({**spec.defaults, "C": 5, "IMG": 12, "L": 3, "NCLS": 7})
     assert js["params"] == sum(p.numel() for p in meta.parameters())
+    # the report's regime line says the class the formulas hold in (the factory's IMG multiple of 4)
+    code, out, err = run_cli(capsys, "report", f"{path}:spec", "--set", "B=2", "C=5", "IMG=12", "L=3", "NCLS=7",
+                             "--precision", "fp32")
+    assert code == 0, err
+    assert "IMG ≡ 0 (mod 4)" in " ".join(out.split()), out[:2000]
     assert_one_line_error(*run_cli(capsys, "eval", f"{path}:spec", "--set", "IMG=30"), "IMG must be a multiple of 4")
     assert_one_line_error(*run_cli(capsys, "eval", f"{path}:spec", "--set", "W=3"), "unknown symbol 'W'", "IMG")
     bad = tmp_path / "bad.py"

@@ -255,6 +255,10 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
     reasons = getattr(an, "pin_reasons", {}) or {}
     regime = [f"{a} = {v} pinned ({reasons.get(a, 'its regime')})" for a, v in an.pinned.items()]
     regime += [f"{a} tied to {b}" for a, b in an.spec.tied.items()]
+    # sizes the probes kept in the request's residue class (Mamba-2's S mod its chunk size, a split
+    # size mod 8 under --tp): the formulas hold in that class only (Analysis.subs says so elsewhere)
+    regime += [f"{a} ≡ {r} (mod {m}): the formulas hold for {a} in this class"
+               for a, (m, r) in sorted((getattr(an, "residues", None) or {}).items()) if m > 1]
     g.add_row("regime", "; ".join(regime) if regime else "no pinned or tied symbols")
     env = an.bind(**sizes)
     given = [f"{s}={env[SYMS[s]]}" for s in an.symbols if s in sizes]
