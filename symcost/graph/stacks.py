@@ -24,7 +24,7 @@ import sympy
 from symcost.frontends.spec import ModelSpec
 from symcost.tracing.fit import CHECK_L, FIT_L, SYMS, Unvariable
 from symcost.tracing.modules import _fold_name, _rename_block
-from symcost.tracing.stacks import find_stacks, stack_candidates, stack_of
+from symcost.tracing.stacks import _following, find_stacks, stack_candidates, stack_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from symcost.tracing.record import Recording
@@ -102,7 +102,21 @@ def own_stacks(spec: ModelSpec, values: Mapping[str, int], symbols) -> tuple[lis
     fixed in every probe, so the request is recorded with them at ``FIT_L``); ``{}`` otherwise
     (L's stacks are found from the request's recording: :func:`request_stacks`)."""
     own = [s for s in stack_candidates(spec, symbols) if s != "L"]
-    return own, (find_stacks(spec, values, symbols) if own else {})
+    stacks = find_stacks(spec, values, symbols) if own else {}
+    from symcost.frontends.layout import layout_of
+
+    lay = layout_of(spec)
+    if own and not stacks and (lay.traced_dims or spec.step != "train"):
+        # a stack counted by a model's own size under a parallel layout or in an inference step
+        # (find_stacks folds neither yet): pinned at once with that reason, not after probes
+        # that could only show its other values running other ops
+        found = _following(spec, values, own, least=1)
+        if found:
+            sym = next(iter(found.values()))
+            what = "a parallel layout (its plans work on one block list)" if lay.traced_dims else f"a {spec.step} step"
+            raise _unvariable(sym, f"{what} does not fold several stacks yet "
+                                   f"({', '.join(c for c, x in found.items() if x == sym)}): traced unfolded at the requested {sym}")
+    return own, stacks
 
 
 def request_stacks(spec: ModelSpec, own, stacks: Mapping[str, str], symbols, req: Recording, rec_at,
