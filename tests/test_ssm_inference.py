@@ -203,6 +203,11 @@ def test_jamba_prefill_and_decode_equal_generate():
     assert kv["state_per_sequence"] == cache_bytes(generate_step(an.spec, one, "decode")[1], states_only=True)
     # (S = 8 > K_conv: a prompt shorter than the convolution pads its conv state, another regime)
     check("jamba", "prefill", "jamba:prefill", n=8)
+    # a prompt no longer than the convolution (S = 3 = K_conv): no random size of its regime records
+    # (K_conv drawn above S pads), so its config sizes are pinned, not refused (was: "no fresh probe
+    # of this regime could be recorded")
+    short = check("jamba", "prefill", "jamba:short", n=3)[0]
+    assert "K_conv" in short.pinned and "no random size" in short.pin_reasons["K_conv"], short.pin_reasons
 
 
 @pytest.mark.heavy

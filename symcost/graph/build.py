@@ -239,8 +239,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
                 an = _trace_regime(spec, values, facts, pins, reasons, precision, n_random, seed, recordings)
             finally:
                 MESH_PINNED.reset(token)
-            # attempts before this one (each pin traces the regime again): the header's "traced in"
-            earlier = time.perf_counter() - started - sum(an.timings.values())
+            earlier = time.perf_counter() - started - sum(an.timings.values())  # (each pin traces again)
             if earlier > 0.05:
                 an.timings["earlier attempts"] = earlier
             # (what Analysis.subs traces again with, at sizes where these formulas do not hold)
@@ -330,7 +329,7 @@ def _pin_for(e: FitError, pins: dict, reasons: dict, values: Mapping[str, int]) 
         raise e
     for d in new:
         pins[d] = values[d]
-        reasons[d] = "no polynomial in it fits the sizes of its regime"
+        reasons[d] = getattr(e, "pin_reason", None) or "no polynomial in it fits the sizes of its regime"
 
 
 def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins: Mapping[str, int],
@@ -764,7 +763,11 @@ def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping
         if checked == 2:
             return
     if checked == 0:
-        raise SymcostError(f"{spec.name}: no fresh probe of this regime could be recorded to check the formulas")
+        # (no random size records: a regime narrower than the pools, e.g. K_conv drawn above S): pinned, not refused
+        e = CheckFailed(f"{spec.name}: no fresh probe of this regime could be recorded to check the formulas",
+                        config_syms or symbols)
+        e.pin_reason = "no random size of its regime records the same ops, so the formulas could not be checked away from it"
+        raise e
 
 
 def _build_graph(ref: Recording, ops: list[SymOp], role) -> nx.DiGraph:
