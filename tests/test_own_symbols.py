@@ -308,6 +308,8 @@ def test_stack_depths_served_from_the_trace_cache(examples, capsys, tmp_path, mo
         with torch.device("meta"):
             assert js["params"] == sum(p.numel() for p in spec.build(v).parameters())
         assert js["flops"]["train"] == measure(spec, v)["flops.train"], (le, ld)
+    code, out, err = run_cli(capsys, "report", f"{path}:spec", "--set", *base, "L_enc=4", "L_dec=2", "--precision", "fp32")
+    assert code == 0 and "blocks folded over L_dec, L_enc" in " ".join(out.split()), err or out[-1500:]
 
 
 @pytest.mark.heavy

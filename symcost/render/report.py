@@ -397,8 +397,9 @@ def _module_table(c: Console, an: Analysis, env, shown) -> None:
         title = ("Per module, per training step (forward + backward): leading terms of model FLOPs, all "
                  "FLOPs and bytes moved")
         cols = [("model", ""), ("all", ""), ("bytes", ""), ("FLOP/B *", "")]
+    lengths = sorted(set((getattr(an, "stacks", None) or {}).values())) or ["L"]  # (several stacks: each own length)
     mt = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-               caption=("runs: times per step (blocks folded over L); costs are summed over them. "
+               caption=(f"runs: times per step (blocks folded over {', '.join(lengths)}); costs are summed over them. "
                         + ("Values in k/M/G/T (10³…) FLOP and Ki/Mi/Gi (2¹⁰…) bytes." if env else
                            "Leading terms only (full formulas: symcost formulas, or --json); "
                            "* FLOP per byte at the default sizes.")),
