@@ -481,8 +481,11 @@ def model_divisors(constraints) -> tuple[str, ...]:
 #: may try per exponent stage: its number of terms grows while C(monomials, terms) stays within
 #: this (the main search keeps its fixed 4 / 3 / 2 terms, so no other signature is slowed)
 COFACTOR_BUDGET = 100_000
-#: The most terms a cofactor may have (tried fewest first)
-COFACTOR_TERMS = 6
+#: The most terms a cofactor may have (tried fewest first): Mamba-2's conv output B·(S + K_conv − 1)
+#: and a U-Net's inputs 8·C·IMG² + 4·S·XD + 8 are 3; 6 terms and 100,000 combinations made every
+#: signature that the factored form does not fit (Swin's windows off the modulus) cost seconds
+#: (Swin-T's trace 13 s -> 52 s)
+COFACTOR_TERMS = 4
 
 
 #: symbols whose exponent is at most 1 in size: DP divides a size (a shard) or multiplies one (a
@@ -561,7 +564,7 @@ class Fitter:
         # (a convolution's padded output, channels times positions: more terms than the search
         # below tries over many symbols, and its squares and cubes take minutes to fail there)
         got = self._sparse(sig, deps, EXPONENT_STAGES[:2])
-        if got is None:
+        if got is None and len(deps) >= 5:  # (fewer: the search below reaches as many terms; Swin's windows fail fast)
             got = self._fit_factored(sig, deps)
         if got is None:
             got = self._sparse(sig, deps, EXPONENT_STAGES[2:])
@@ -648,7 +651,7 @@ class Fitter:
                 continue
             cands.append((-len(names), len(sympy.Add.make_args(expr)), dsig, expr))
         cands.sort(key=lambda c: (c[0], c[1], c[2]))
-        cands = cands[:24]
+        cands = cands[:6]  # (each failing candidate costs a sparse search: Swin-T 13 s -> 52 s at 24)
         for s in deps:  # then one symbol: B·(8·C·IMG² + 4·S·XD + 8), a U-Net's inputs' bytes
             col = tuple(int(x) for x in self.Xi[s])
             if not any(a % b for a, b in zip(sig, col)):
