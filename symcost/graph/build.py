@@ -34,6 +34,7 @@ from symcost.tracing.symbols import own_sizes
 from symcost.tracing.poly import MESH
 from symcost.graph.align import _align, _layer_roles, _matmul_params, _middle
 from symcost.graph.stacks import check_blocks, own_stacks, request_stacks, saved_role, stack_roles
+from symcost.graph.kv_fit import _fit_kv
 from symcost.graph.analysis import Analysis
 from symcost.graph.concrete import (attention_flags, concrete_cost, concrete_totals,  # noqa: F401  (concrete_totals: API)
                                     op_view, recomputed)
@@ -622,70 +623,6 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
               request=(request, req) if spec.probe_ok(request) is None else None, base=plan.points[0])
     an.timings = {"record": t1 - t0, "fit": t2 - t1, "check": time.perf_counter() - t2}
     return an
-
-
-def _fit_kv(spec: ModelSpec, recs: list[Recording], fitter, role, container: str | None,
-            pinned: Mapping[str, int], whole: Recording | None = None) -> list[tuple]:
-    """The KV cache's bytes per layer after the step, fitted over the probes and folded over L:
-    ``[(folded layer name, bytes formula, repeat)]``.
-
-    Cache layer i belongs to block i of the layer container. The layers fold like the blocks
-    (layer 0 stands for all L) when every layer holds the same bytes at every probe; a cache whose
-    layers differ (sliding-window and full-attention layers, or a count of layers other than L)
-    cannot be folded, so L is pinned (:class:`Unvariable`) and each layer is fitted on its own.
-    ``whole``, a recording at the request's own L (taken where a sliding window has dropped
-    tokens), counts too: a config whose layer pattern follows L (Gemma 3: every sixth layer full)
-    may hold only sliding layers at the probes' small L and full ones at the request's.
-
-    Raises:
-        Unvariable: L must be pinned (see above).
-        FitError: a layer's bytes are no polynomial in the symbols.
-    """
-    ref = recs[0]
-    n = len(ref.kv_layers)
-    if any(len(r.kv_layers) != n for r in recs):
-        raise SymcostError(f"{spec.name}: the number of KV-cache layers changes with the sizes")
-    sigs = [tuple(r.kv_layers[i] for r in recs) for i in range(n)]
-    fold = "L" not in pinned and container is not None
-    if fold and whole is not None and len(set(whole.kv_layers)) > 1:
-        raise Unvariable("L", (
-            f"the KV cache of {spec.name} holds layers of different sizes at the requested L = "
-            f"{whole.values.get('L')} (sliding-window and full-attention layers), so L is not folded"))
-    if fold and (n != ref.values.get("L") or len(set(sigs)) > 1):
-        raise Unvariable("L", (
-            f"the KV cache of {spec.name} holds {n} layers of different sizes (sliding-window and full-attention "
-            "layers), so L is not folded" if n == ref.values.get("L") else
-            f"the KV cache of {spec.name} has {n} layers for L = {ref.values.get('L')} blocks, so L is not folded"))
-    out = []
-    for i, sig in enumerate(sigs):
-        module = f"{container}.{i}" if container else f"kv.{i}"
-        keep, repeat, name = role(module) if container else (True, sympy.Integer(1), module)
-        if keep:
-            out.append((name, _fit_kv_layer(recs, i, sig, fitter), repeat))
-    return out
-
-
-def _fit_kv_layer(recs: list[Recording], i: int, sig: tuple[int, ...], fitter) -> sympy.Expr:
-    """Bytes of cache layer ``i`` (``sig``: at each probe), fitted storage by storage
-    (``Recording.kv_parts``) and summed, else as a whole. A hybrid layer (Zamba's
-    ``LinearAttentionAndFullAttentionLayer``) holds keys and values that grow with T beside a conv
-    and an SSM state that do not: four monomials or more together, which the fit's sparse search
-    does not find (or takes minutes to give up on, over a model's dozen sizes), each storage one or
-    two. The whole is fitted where the layer holds one storage, or where the probes' layers do not
-    hold alike storages or one of them does not fit.
-
-    Raises:
-        FitError: neither the storages one by one nor the whole fit (the whole's error).
-    """
-    what = f"KV-cache size of layer {i}"
-    parts = [r.kv_parts[i] if i < len(getattr(r, "kv_parts", [])) else None for r in recs]
-    if all(p is not None and len(p) == len(parts[0]) for p in parts) and len(parts[0]) > 1:
-        try:
-            return sympy.expand(sympy.Add(*[fitter(tuple(p[j] for p in parts), f"{what}, storage {j}")
-                                            for j in range(len(parts[0]))]))
-        except FitError:
-            pass
-    return fitter(sig, what)
 
 
 def _validate(an: Analysis, spec: ModelSpec, symbols, seed: int, pinned: Mapping[str, int],

@@ -241,7 +241,7 @@ def _poly(alg, expr, what: str):
 
 def _fit_kv_start(alg, recs, fitter, role, container: str | None) -> Terms:
     """``Recording.kv_start`` fitted per cache layer and folded over L as the cache's bytes are
-    (cache layer i belongs to block i, as in ``symcost.graph.build._fit_kv``): the KV cache
+    (cache layer i belongs to block i, as in ``symcost.graph.kv_fit._fit_kv``): the KV cache
     before an inference step minus after it, over the storages the step replaces (bytes,
     :data:`Terms`; empty where no probe replaces any).
 
