@@ -18,9 +18,10 @@ from sympy.polys.rings import ring as _ring
 from symcost.tracing.fit import SYMS
 
 #: A polynomial as plain data (JSON): ``[[e_1, ..., e_n, "p/q"], ...]``, exponents in the order
-#: of the symbols it is written in (``MemorySchedule.gens``), then, for each mesh symbol (``DP``,
-#: ``TP``, :data:`MESH`, in that order) among them, the exponent of its inverse (:data:`INV_DP`,
-#: :data:`INV_TP`).
+#: of the symbols it is written in (``MemorySchedule.gens``), then, for each of the model's own
+#: divisors given with them (``MemorySchedule.inverses``: a ``G`` that divides ``W``), the exponent
+#: of its inverse, then, for each mesh symbol (``DP``, ``TP``, :data:`MESH`, in that order) among
+#: them, the exponent of its inverse (:data:`INV_DP`, :data:`INV_TP`).
 Terms = list
 
 #: The generator standing for ``1/DP`` in a data-parallel trace's ring: a rank's storages hold
@@ -54,12 +55,19 @@ def mesh_symbol(gens) -> str | None:
     return got[0] if got else None
 
 
+def inverse(name: str) -> sympy.Symbol:
+    """The generator standing for ``1/name`` in a ring: :data:`MESH`'s for a mesh size, else
+    ``<name>_inv`` (a model's own divisor, ``G`` of ``W/G`` channels per group: ``G_inv``)."""
+    return MESH.get(name) or sympy.Symbol(f"{name}_inv", positive=True)
+
+
 def _inv(expr, names=("DP",)):
-    """``expr`` with every ``X**-k`` of a mesh symbol ``X`` in ``names`` (:data:`MESH`) written as
-    its inverse generator ``**k`` (expanded first)."""
+    """``expr`` with every ``X**-k`` of a symbol ``X`` in ``names`` (a mesh size of :data:`MESH`,
+    or a model's own divisor) written as its inverse generator (:func:`inverse`) ``**k``
+    (expanded first)."""
     expr = sympy.expand(sympy.sympify(expr))
     for name in (names,) if isinstance(names, str) else names:
-        X, inv = SYMS[name], MESH[name]
+        X, inv = SYMS[name], inverse(name)
         if expr.has(X):
             expr = expr.replace(lambda e, X=X: e.is_Pow and e.base == X and e.exp.is_negative,
                                 lambda e, inv=inv: inv ** (-e.exp))
@@ -94,16 +102,25 @@ class Algebra:
     the ring has both inverses, DP's first. ``meshes`` names the symbols (:func:`mesh_symbols`);
     ``mesh`` the first or None; ``inv_dp`` is True when the ring has such a generator (the name is
     kept from when DP was the only one).
+
+    ``inverses``: the model's own divisors among ``gens`` (``Constraint("divides", "G", "W")``,
+    :func:`symcost.tracing.fit.model_divisors`) whose inverse is a generator too, as a mesh
+    size's (``G_inv`` = 1/G, :func:`inverse`), before the mesh sizes' inverses: a block-diagonal
+    weight [G, W/G, W/G] holds W²/G elements, W²·G_inv in the ring (a polynomial; without the
+    generator the size pinned W and G). ``inverted``: every symbol with an inverse generator,
+    in the ring's order (``inverses``, then ``meshes``).
     """
 
-    def __init__(self, gens: tuple[str, ...], domain=QQ):
+    def __init__(self, gens: tuple[str, ...], domain=QQ, inverses: tuple[str, ...] = ()):
         self.gens = tuple(gens)
         self.domain = domain
         self.meshes = mesh_symbols(self.gens)
         self.mesh = self.meshes[0] if self.meshes else None
-        self.inv_dp = bool(self.meshes)
-        self.k = len(self.gens)  # the ring's generators: the symbols, then the mesh symbols' inverses
-        syms = [SYMS[g] for g in self.gens] + [MESH[m] for m in self.meshes] or [sympy.Symbol("_one")]
+        self.inverses = tuple(g for g in dict.fromkeys(inverses) if g in self.gens and g not in MESH)
+        self.inverted = self.inverses + self.meshes
+        self.inv_dp = bool(self.inverted)
+        self.k = len(self.gens)  # the ring's generators: the symbols, then the inverses (own, then mesh)
+        syms = [SYMS[g] for g in self.gens] + [inverse(m) for m in self.inverted] or [sympy.Symbol("_one")]
         self.R, *self.x = _ring(syms, domain)
         self.n = len(syms)
         self._shifted: dict[tuple, Any] = {}
@@ -117,7 +134,7 @@ class Algebra:
         got = self._from_expr.get(expr)
         if got is None:
             try:
-                got = self._from_expr[expr] = self.R(_inv(expr, self.meshes) if self.inv_dp else sympy.sympify(expr))
+                got = self._from_expr[expr] = self.R(_inv(expr, self.inverted) if self.inv_dp else sympy.sympify(expr))
             except ValueError as e:  # a rational coefficient in ZZ
                 raise NotIntegral(str(e)) from e
         return got
@@ -145,14 +162,14 @@ class Algebra:
         if not self.gens:
             return sympy.Rational(str(p.coeff(1)) if p else 0)
         e = p.as_expr()
-        return e.xreplace({MESH[m]: 1 / SYMS[m] for m in self.meshes}) if self.inv_dp else e
+        return e.xreplace({inverse(m): 1 / SYMS[m] for m in self.inverted}) if self.inv_dp else e
 
     def values(self, vals: tuple) -> tuple:
-        """Values of the ring's generators from those of the symbols (in ``gens`` order): with
-        ``DP`` and/or ``TP``, their inverses appended (exact rationals, :data:`MESH`'s order)."""
+        """Values of the ring's generators from those of the symbols (in ``gens`` order): the
+        inverses of ``inverted`` appended (exact rationals: own divisors, then :data:`MESH`'s order)."""
         if not self.inv_dp:
             return tuple(vals)
-        return (*vals, *(QQ(1, int(vals[self.gens.index(m)])) for m in self.meshes))
+        return (*vals, *(QQ(1, int(vals[self.gens.index(m)])) for m in self.inverted))
 
     def scale(self, p, k):
         """``k * p`` for a rational ``k`` (int or Fraction)."""
@@ -164,7 +181,7 @@ class Algebra:
     def shift(self, p):
         """``p(x + 1)``, a polynomial in y = x - 1 >= 0: when all its coefficients are >= 0, p >= 0
         at every positive integer point (a sufficient test). Shifted monomials are cached. The
-        generators 1/DP and 1/TP (:data:`MESH`, > 0) are not shifted."""
+        inverse generators (1/DP, 1/TP, 1/G: > 0) are not shifted."""
         out = self.R.zero
         k = self.k
         for m, c in p.items():
@@ -182,9 +199,11 @@ class Algebra:
         return out
 
 
-def terms_expr(gens, terms: Terms) -> sympy.Expr:
-    """:data:`Terms` in the symbols ``gens`` as a sympy expression (with ``DP`` and/or ``TP`` among
-    them, the last exponents are those of their inverses, :data:`MESH`'s order)."""
-    syms = [SYMS[g] for g in gens] + [1 / SYMS[m] for m in mesh_symbols(gens)]
+def terms_expr(gens, terms: Terms, inverses: tuple[str, ...] = ()) -> sympy.Expr:
+    """:data:`Terms` in the symbols ``gens`` as a sympy expression (after the symbols' exponents,
+    those of the inverses of the own divisors ``inverses`` (``MemorySchedule.inverses``), then of
+    the mesh symbols among them, :data:`MESH`'s order)."""
+    own = [g for g in dict.fromkeys(inverses) if g in gens and g not in MESH]
+    syms = [SYMS[g] for g in gens] + [1 / SYMS[m] for m in own + list(mesh_symbols(gens))]
     return sympy.Add(*[sympy.Rational(str(t[-1])) * sympy.Mul(*[s ** e for s, e in zip(syms, t[:-1]) if e])
                        for t in terms])

@@ -17,7 +17,7 @@ import sympy
 from symcost.errors import SymcostError
 from symcost.tracing.fit import SYMS, FitError
 from symcost.tracing.modules import _layer_of, _rename_block
-from symcost.tracing.poly import Algebra, NotIntegral, Terms
+from symcost.tracing.poly import Algebra, NotIntegral, Terms, terms_expr
 from symcost.tracing.stacks import stack_of, stack_units
 
 @dataclass
@@ -73,7 +73,9 @@ class MemorySchedule:
     folded over L; empty for a training step or a cache written in place): the running total of
     the events starts there, since the static part counts the cache after the step.
     ``error``: why the schedule has no formula (then only the peak is unavailable; static
-    memory and activations still are).
+    memory and activations still are). ``inverses``: the model's own divisors among ``gens``
+    whose inverse is a generator of the ring the sizes are written in (a [G, W/G, W/G] weight's
+    W²/G elements; :class:`symcost.tracing.poly.Algebra`), empty for most models.
     """
 
     gens: list[str]
@@ -85,6 +87,15 @@ class MemorySchedule:
     inputs: Terms = field(default_factory=list)
     error: str | None = None
     kv_start: Terms = field(default_factory=list)
+    inverses: list[str] = field(default_factory=list)
+
+    def algebra(self, domain=None) -> Algebra:
+        """The ring the schedule's :data:`Terms` are written in (``QQ`` unless ``domain``)."""
+        return Algebra(tuple(self.gens), *(() if domain is None else (domain,)), inverses=tuple(self.inverses))
+
+    def expr(self, terms: Terms) -> sympy.Expr:
+        """``terms`` of this schedule as a sympy expression (:func:`symcost.tracing.poly.terms_expr`)."""
+        return terms_expr(self.gens, terms, tuple(self.inverses))
 
     def to_dict(self) -> dict:
         """JSON-ready data (:meth:`from_dict` reads it back)."""
@@ -97,6 +108,7 @@ class MemorySchedule:
                       for u in self.units],
             "params": [[a, b] for a, b in self.params], "buffers": self.buffers, "inputs": self.inputs,
             **({"kv_start": self.kv_start} if self.kv_start else {}),
+            **({"inverses": list(self.inverses)} if self.inverses else {}),
         }
 
     @classmethod
@@ -106,7 +118,7 @@ class MemorySchedule:
             gens=list(d["gens"]), grad_itemsize=int(d["grad_itemsize"]), error=d.get("error"),
             events=[ScheduleEvent(*e) for e in d["events"]], units=[ScheduleUnit(*u) for u in d["units"]],
             params=[(a, b) for a, b in d["params"]], buffers=d["buffers"], inputs=d["inputs"],
-            kv_start=d.get("kv_start", []),
+            kv_start=d.get("kv_start", []), inverses=list(d.get("inverses", [])),
         )
 
 
@@ -184,10 +196,13 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
     the sizes, or whose blocks interleave, gets ``error`` set instead of raising: FLOPs and
     activations do not need it.
     """
-    alg = Algebra(gens)
+    # a model's own divisors (G of W/G channels) have inverse generators: a [G, W/G, W/G] weight
+    # holds W²/G elements, a polynomial in W, G and 1/G (tracing/poly.py)
+    inverses = [g for g in getattr(fitter.plan, "divisors", ()) if g in gens]
+    alg = Algebra(gens, inverses=tuple(inverses))
     has_L = "L" in gens
     ref = recs[0]
-    sched = MemorySchedule(gens=list(gens))
+    sched = MemorySchedule(gens=list(gens), inverses=inverses)
     # buffers, inputs, parameter sizes (static memory)
     buf = alg.R.zero
     for bname in ref.buffers:

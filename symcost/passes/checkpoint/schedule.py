@@ -60,7 +60,7 @@ def _shared_inputs(mmP, mmC, x_bytes) -> tuple[set[int], set[int]]:
     held = {a for a, u in fP.items() if u == _END and fC.get(a) in blocks}
     x = sympy.expand(x_bytes)
     once = {a for a, u in fP.items() if u in blocks and fC.get(a) in blocks
-            and sympy.expand(terms_expr(mmP.schedule.gens, evP[a].bytes) - x) != 0}
+            and sympy.expand(terms_expr(mmP.schedule.gens, evP[a].bytes, tuple(getattr(mmP.schedule, "inverses", None) or ())) - x) != 0}
     return held, once
 
 

@@ -145,7 +145,7 @@ class MemoryModel(Solver):
         self.static = sympy.expand(self.params + self.optimizer + self.master_weights + self.grad_buffer
                                    + self.buffers + self.inputs + self.kv_cache)
         for domain in (ZZ, QQ):  # integer coefficients (fast) unless a size needs fractions
-            self.alg = Algebra(self.gens, domain)
+            self.alg = Algebra(self.gens, domain, inverses=tuple(getattr(self.schedule, "inverses", None) or ()))
             try:
                 self._load_schedule()
                 break
@@ -229,7 +229,8 @@ class MemoryModel(Solver):
 
     def _buffers_inputs(self) -> tuple[sympy.Expr, sympy.Expr]:
         sched = self.schedule
-        return terms_expr(sched.gens, sched.buffers), terms_expr(sched.gens, sched.inputs)
+        own = tuple(getattr(sched, "inverses", None) or ())
+        return terms_expr(sched.gens, sched.buffers, own), terms_expr(sched.gens, sched.inputs, own)
 
     def bytes_per_param(self) -> int:
         """params + grads + full-size optimizer state + master weights, bytes per parameter

@@ -62,9 +62,12 @@ class Solver:
         X = sympy.Symbol(var, positive=True)
         vi = self.gens.index(var)
 
+        if var in self.alg.inverted:  # (1/var is a generator of its own: the peak is no polynomial in var)
+            raise SymcostError(f"cannot solve for {var}: sizes divide by it (W/{var} per group, a shard), so the "
+                               f"peak is no polynomial in {var}; solve for B or S at --set {var}=... instead")
         Ru, xu = _ring([X], QQ)
         vals = [int(fixed[sy]) if j != vi else None for j, sy in enumerate(self._syms)]
-        for mesh in self.alg.meshes:  # the ring's generators 1/DP, 1/TP (a data- or tensor-parallel trace)
+        for mesh in self.alg.inverted:  # the ring's generators 1/G (own divisors), 1/DP, 1/TP (tracing/poly.py)
             vals.append(sympy.polys.domains.QQ(1, vals[self.gens.index(mesh)]))
 
         def univariate(p):
