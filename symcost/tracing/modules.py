@@ -45,6 +45,56 @@ def outside_its_block(name: str, stack: list[str], entered: set[str]) -> str:
     return name
 
 
+def module_paths(model) -> dict[int, tuple[str, ...]]:
+    """Every path of every module of ``model`` (``named_modules(remove_duplicate=False)``), by the
+    module's ``id``, in registration order. A module registered under several paths (torchtune's
+    Llama hands one ``Llama3ScaledRoPE`` instance to every block: ``layers.0.attn.pos_embeddings``,
+    ``layers.1.attn.pos_embeddings``, ...) has several; ``named_modules`` keeps only the first."""
+    out: dict[int, tuple[str, ...]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        out[id(m)] = out.get(id(m), ()) + (name,)
+    return out
+
+
+def called_as(paths: tuple[str, ...], caller: str) -> str | None:
+    """The path a module registered under several ``paths`` is called by from the module path
+    ``caller`` (the innermost module running): the path that is a child of ``caller``, else the one
+    in the same block (the longest common dotted prefix with ``caller``, past a block index); None
+    where no path is closer to the caller than the first. So a submodule shared by all blocks is,
+    at each call, a submodule of the block that calls it: its ops are that block's, and the blocks
+    run the same ops (the fold over L, :func:`symcost.graph.align._layer_roles`)."""
+    for p in paths:
+        if p.rpartition(".")[0] == caller:
+            return p
+    cparts = caller.split(".") if caller else []
+
+    def common(p):
+        n = 0
+        for a, b in zip(p.split("."), cparts):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    best = max(paths, key=common)
+    return best if common(best) > common(paths[0]) else None
+
+
+def shared_name(names: list[str]) -> str:
+    """The name of a tensor (a buffer) registered under ``names`` in several blocks of one
+    container (a rotary cache of a module shared by the blocks): its first name with the first
+    block index that differs between the names written ``container[i]`` (``layers[0].attn.
+    pos_embeddings.cache``), a name in no block (:func:`_layer_of` is None, as for
+    :func:`outside_its_block`), so that it is counted once, not once per block folded over L.
+    A name that lies in one block only is returned as is."""
+    first = names[0].split(".")
+    for i, part in enumerate(first[:-1]):
+        if part.isdigit() and any(n.split(".")[:i] == first[:i] and n.split(".")[i] != part
+                                  for n in names[1:] if len(n.split(".")) > i):
+            return ".".join(first[:i]) + f"[{part}]." + ".".join(first[i + 1:])
+    return names[0]
+
+
 def _rename_block(path: str, container: str | None, label: str) -> str:
     if container is None:
         return path

@@ -45,7 +45,7 @@ from symcost.frontends.precision import precision_context
 from symcost.tracing.device_kernels import device_kernels
 from symcost.tracing.one_hot import scatter_one_hot
 from symcost.tracing import grouped_mm
-from symcost.tracing.modules import _containers, outside_its_block
+from symcost.tracing.modules import _containers, called_as, module_paths, outside_its_block, shared_name
 from symcost.tracing.recording import (  # noqa: F401 (re-exported: the recording's types)
     IntRef, MemoryEvent, OpCall, Recording, SavedTensor, TensorInfo, TensorRef)
 from symcost.tracing.recorder import (  # noqa: F401 (the dispatch mode and its helpers)
@@ -415,6 +415,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         raise SymcostError(f"{spec.name} has no KV cache, so it has no {spec.step} step")
     model.train(not inference)
     names = _module_names(model)
+    paths = module_paths(model)  # (a module shared by the blocks: its path under each)
     layers = spec.layers
     no_fold = None
     if layers is None and "L" in spec.symbols:
@@ -467,6 +468,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                                           spec.extra.get("torch_device"), ac_stacks=ac_stacks)
         if layout.fp8 is not None:  # (the Float8Linear modules that replaced the linears: new objects)
             names.update(_module_names(model))
+            paths = module_paths(model)
     # the recording's ``parallel``: the data-parallel strategy, else "tp" / "tp+sp"; on the 2-D
     # mesh the tensor parallelism is its ``tensor_parallel``
     parallel = layout.label
@@ -509,9 +511,13 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             param_module[name] = name.rpartition(".")[0]
         buffers: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         buffer_storages: set[int] = set()
+        buffer_names: dict[int, list[str]] = {}  # (each storage's names: a module shared by blocks)
+        for name, b in model.named_buffers(remove_duplicate=False):
+            buffer_names.setdefault(StorageWeakRef(b.untyped_storage()).cdata, []).append(name)
         for name, b in model.named_buffers():
-            leaf_names[id(b)] = f"buffer:{name}"
             bkey = StorageWeakRef(b.untyped_storage()).cdata
+            name = shared_name(buffer_names[bkey])  # in several blocks: counted once, not per block
+            leaf_names[id(b)] = f"buffer:{name}"
             if bkey not in buffer_storages:
                 buffer_storages.add(bkey)
                 buffers[name] = (tuple(b.shape), b.dtype)
@@ -622,6 +628,8 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             for fn in _grad_fns(inputs):
                 _label_graph(fn, rec.module_stack[-1])
             name = names.get(id(module), rec.module_stack[-1])
+            if len(paths.get(id(module), ())) > 1:  # a module shared by the blocks: the caller's
+                name = called_as(paths[id(module)], rec.module_stack[-1]) or name
             if rec.phase == "forward":
                 name = outside_its_block(name, rec.module_stack, entered)
             rec.module_stack.append(name)

@@ -149,8 +149,9 @@ class TransformerDecoder(nn.Module):
                  num_output_chunks=CHUNKS):
         super().__init__()
         # torchtune passes one rope module to every layer; here each layer has a module of its own
-        # holding that one cache tensor (the same storage, the same bytes): a submodule shared by
-        # the blocks makes symcost pin every symbol ("no polynomial in it fits", a symcost defect)
+        # holding that one cache tensor (the same storage, the same bytes), the model the published
+        # rows TN3/TN4 were predicted with (a submodule shared by the blocks made symcost pin every
+        # symbol until 2026-12; it folds now: tests/test_shared_submodule.py)
         rope = Llama3ScaledRoPE(embed_dim // num_heads, max_seq_len)
         self.tok_embeddings = nn.Embedding(vocab_size, embed_dim)
         self.layers = nn.ModuleList(TransformerSelfAttentionLayer(embed_dim, num_heads, num_kv_heads, hidden_dim,

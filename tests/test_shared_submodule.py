@@ -1,0 +1,91 @@
+"""Issue 30, "pin only the symbol at fault": a submodule shared by all blocks (torchtune's Llama
+builds one ``Llama3ScaledRoPE`` and hands the same instance to every block's attention,
+tests/data/torchtune_llama.py) folds over L exactly. ``named_modules`` names the shared instance
+once, under block 0, so every block's call of it was recorded as block 0's work and its buffer as
+block 0's: the blocks differed and every symbol was pinned ("no polynomial in it fits"). Checked at
+depths and widths never probed against PyTorch: FlopCounterMode, saved_tensors_hooks, a
+meta-device parameter count, and the buffer bytes of the real model (the shared cache once)."""
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import symcost
+from memory_oracle import exact_at
+from symcost.frontends.spec import Constraint
+from symcost.passes import memory
+
+MAX_SEQ = 32  # rows of the rotary cache
+VOCAB = 32
+
+
+class Rope(nn.Module):
+    """A rotary embedding over a ``[MAX_SEQ, D/2, 2]`` cos/sin cache (torchtune's RotaryPositionalEmbeddings)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        theta = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        ang = torch.outer(torch.arange(MAX_SEQ).float(), theta)
+        self.register_buffer("cache", torch.stack([ang.cos(), ang.sin()], -1), persistent=False)
+
+    def forward(self, x):
+        c = self.cache[: x.size(1)]
+        xs = x.float().reshape(*x.shape[:-1], -1, 2)
+        out = torch.stack([xs[..., 0] * c[..., 0] - xs[..., 1] * c[..., 1],
+                           xs[..., 1] * c[..., 0] + xs[..., 0] * c[..., 1]], -1)
+        return out.flatten(-2).type_as(x)
+
+
+class Block(nn.Module):
+    def __init__(self, d, rope):
+        super().__init__()
+        self.proj = nn.Linear(d, d, bias=False)
+        self.rope = rope  # the same instance in every block
+
+    def forward(self, x):
+        return x + self.rope(torch.tanh(self.proj(x)))
+
+
+class SharedRopeLM(nn.Module):
+    def __init__(self, v, d, n):
+        super().__init__()
+        rope = Rope(d)
+        self.emb = nn.Embedding(v, d)
+        self.layers = nn.ModuleList(Block(d, rope) for _ in range(n))
+        self.out = nn.Linear(d, v, bias=False)
+
+    def forward(self, t):
+        h = self.emb(t)
+        for block in self.layers:
+            h = block(h)
+        return self.out(h)
+
+
+def spec():
+    return symcost.ModelSpec(
+        name="shared-rope-lm", symbols=("D", "L"), defaults={"B": 2, "S": 8, "D": 8, "L": 2},
+        build=lambda v: SharedRopeLM(VOCAB, v["D"], v["L"]),
+        make_inputs=lambda v, device: ((torch.randint(0, VOCAB, (v["B"], v["S"]), device=device),), {}),
+        loss=lambda out, inputs: F.cross_entropy(out.flatten(0, 1), inputs[0][0].flatten()),
+        constraints=(Constraint("multiple", "D", 2, "the rotary embedding pairs the width: D must be even"),
+                     Constraint("max", "S", MAX_SEQ, f"the rotary cache holds {MAX_SEQ} positions")))
+
+
+def test_a_module_shared_by_all_blocks_folds_over_L_exactly(cache_dir):
+    """No symbol pinned; parameters, FLOPs and saved bytes equal PyTorch's at random sizes with
+    L never probed; the shared cache's bytes are counted once (not once per block)."""
+    s = spec()
+    an = symcost.trace(s, precision="fp32")
+    assert an.pinned == {}, an.pin_reasons
+    probed = {p["L"] for p in an.plan.points}
+    rng = random.Random(30)
+    for _ in range(2):
+        v = {"B": rng.randint(1, 3), "S": rng.randint(3, MAX_SEQ), "D": rng.choice((4, 6, 10)),
+             "L": rng.choice([n for n in range(3, 7) if n not in probed])}
+        exact_at(an, s, v)
+        model = s.build({**s.defaults, **v})
+        storages = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in model.buffers()}
+        assert len(storages) == 1 and memory.memory_model(an).components(**v)["buffers"] == sum(storages.values()), v
