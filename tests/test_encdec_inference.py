@@ -48,7 +48,8 @@ def random_sizes(an, rng: random.Random) -> dict[str, int]:
     while True:
         v = {"B": rng.randint(1, 3), "S": rng.randint(2, 4), "T": rng.randint(2, 20), "S_enc": rng.randint(3, 17),
              "H": rng.choice((2, 4)), "D": rng.choice((4, 8)), "M": rng.choice((8, 16, 24)),
-             "F": rng.randint(8, 40), "V": rng.randint(20, 80), "N_mel": rng.randint(4, 12)}
+             "F": rng.randint(8, 40), "V": rng.randint(20, 80), "N_mel": rng.randint(4, 12),
+             "L": rng.randint(4, 6)}  # (each stack folded over L: a depth no probe holds)
         v = {s: v[s] for s in an.symbols}
         if tuple(sorted(v.items())) not in probes and not an.spec.check({**an.spec.defaults, **an.pinned, **v}):
             return v
@@ -132,6 +133,11 @@ def check(model: str, step: str, seed: str, kv_cache: str = "dynamic", sizes: tu
     got = an.subs(**v)["flops.forward"]
     got_kv = int(an.kv_bytes.xreplace(an.bind(**v)))
     assert (got, got_kv) == ((dec if step == "decode" else pre), kv), (model, step, v)
+    # each stack folded over L (no pin): the parameters at a depth no probe held == a meta count
+    assert "L" in an.symbols and set(an.stacks.values()) == {"L"}, (an.pinned, an.stacks)
+    with torch.device("meta"):
+        meta = sum(p.numel() for p in an.spec.build(full).parameters())
+    assert int(an.params.xreplace(an.bind(**v))) == meta, (model, step, v)
     return an, v
 
 
@@ -143,8 +149,9 @@ def test_t5_prefill_and_decode_equal_generate():
     prefill (B = 1, the start token), cross-attention bytes and serving peak equal the real run's."""
     pre, _ = check("hf:t5", "prefill", "t5:prefill", sizes=(("S", 1),))
     an, v = check("hf:t5", "decode", "t5:decode")
-    B, T, S_enc, H, D = (symcost.SYMS[s] for s in ("B", "T", "S_enc", "H", "D"))
-    L = an.pinned["L"]  # (two stacks: traced unfolded at the config's L)
+    B, T, S_enc, H, D, L = (symcost.SYMS[s] for s in ("B", "T", "S_enc", "H", "D", "L"))
+    # (two stacks, each folded over L: the cache's layers are the decoder's blocks)
+    assert an.stacks == {"encoder.block": "L", "decoder.block": "L"} and "L" not in an.pinned, an.pinned
     assert (an.kv_bytes - 4 * 2 * B * H * D * L * (T + 1 + S_enc)).expand() == 0
     # serve's request: its prefill is the encoder + the first step of the start token (B = 1), its
     # cross-attention bytes those of the real cross cache of one sequence

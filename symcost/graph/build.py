@@ -571,7 +571,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     if spec.step != "train" and getattr(req, "kv_evicted", 0) and values.get("L", request.get("L")) != request.get("L"):
         whole = rec_at(dict(request, L=values["L"]))
         whole = None if isinstance(whole, SymcostError) else whole
-    kv_layers = _fit_kv(spec, recs, fitter, role, container, pinned, whole) if spec.step != "train" else []
+    kv_layers = _fit_kv(spec, recs, fitter, role, container, pinned, whole, stacks) if spec.step != "train" else []
 
     t2 = time.perf_counter()
     graph = _build_graph(ref, ops, role)

@@ -32,13 +32,21 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def _block_seqs(rec: Recording, stacks: Mapping[str, str]) -> dict[tuple[str, int], list[str]]:
     """Each stack block's ops with their shapes, then the tensors it alone saves (as
-    ``_layer_roles`` compares the blocks of one list)."""
+    ``_layer_roles`` compares the blocks of one list). A block that runs no op in the step (an
+    encoder's, in a decoder step: the encoder ran in the prefill) is told by its parameters
+    instead, their names within the block and shapes (T5's first encoder block holds the
+    position bias the others do not)."""
     out: dict[tuple[str, int], list[str]] = {}
     for op in rec.ops:
         where = stack_of(op.module, stacks)
         if where is not None:
             out.setdefault(where, []).append(
                 f"{op.name}{[t.shape for t in op.inputs]}{[t.shape for t in op.outputs]}")
+    ran = set(out)
+    for name, (shape, _) in rec.params.items():
+        where = stack_of(name.rpartition(".")[0], stacks)
+        if where is not None and where not in ran:
+            out.setdefault(where, []).append(f"param {name.removeprefix(f'{where[0]}.{where[1]}.')}{list(shape)}")
     for s in rec.saved:
         blocks = {stack_of(m, stacks) for m in s.also | {s.module}}
         if len(blocks) == 1 and None not in blocks:
@@ -106,14 +114,14 @@ def own_stacks(spec: ModelSpec, values: Mapping[str, int], symbols) -> tuple[lis
     from symcost.frontends.layout import layout_of
 
     lay = layout_of(spec)
-    if own and not stacks and (lay.traced_dims or spec.step != "train"):
-        # a stack counted by a model's own size under a parallel layout or in an inference step
-        # (find_stacks folds neither yet): pinned at once with that reason, not after probes
-        # that could only show its other values running other ops
+    if own and not stacks and lay.traced_dims:
+        # a stack counted by a model's own size under a parallel layout (find_stacks does not
+        # fold it yet): pinned at once with that reason, not after probes that could only show
+        # its other values running other ops
         found = _following(spec, values, own, least=1)
         if found:
             sym = next(iter(found.values()))
-            what = "a parallel layout (its plans work on one block list)" if lay.traced_dims else f"a {spec.step} step"
+            what = "a parallel layout (its plans work on one block list)"
             raise _unvariable(sym, f"{what} does not fold several stacks yet "
                                    f"({', '.join(c for c, x in found.items() if x == sym)}): traced unfolded at the requested {sym}")
     return own, stacks

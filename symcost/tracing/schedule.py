@@ -18,7 +18,7 @@ from symcost.errors import SymcostError
 from symcost.tracing.fit import SYMS, FitError
 from symcost.tracing.modules import _layer_of, _rename_block
 from symcost.tracing.poly import Algebra, NotIntegral, Terms, terms_expr
-from symcost.tracing.stacks import stack_of, stack_units
+from symcost.tracing.stacks import kv_stack, stack_of, stack_units
 
 @dataclass
 class ScheduleEvent:
@@ -233,7 +233,7 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
     try:
         _fit_events(sched, alg, recs, fitter, role, container if has_L else None, name, lead, middle,
                     stacks=stacks or {}, special=special or {})
-        sched.kv_start = _fit_kv_start(alg, recs, fitter, role, container if has_L else None)
+        sched.kv_start = _fit_kv_start(alg, recs, fitter, role, container if has_L else None, stacks)
     except SymcostError as e:
         sched.events, sched.units, sched.error, sched.kv_start = [], [], str(e), []
     return sched
@@ -254,11 +254,12 @@ def _poly(alg, expr, what: str):
         raise FitError(f"the {what} fitted as {expr}, which is no polynomial in the symbols", syms) from e
 
 
-def _fit_kv_start(alg, recs, fitter, role, container: str | None) -> Terms:
+def _fit_kv_start(alg, recs, fitter, role, container: str | None, stacks: Mapping[str, str] | None = None) -> Terms:
     """``Recording.kv_start`` fitted per cache layer and folded over L as the cache's bytes are
-    (cache layer i belongs to block i, as in ``symcost.graph.kv_fit._fit_kv``): the KV cache
-    before an inference step minus after it, over the storages the step replaces (bytes,
-    :data:`Terms`; empty where no probe replaces any).
+    (cache layer i belongs to block i, as in ``symcost.graph.kv_fit._fit_kv``; where several
+    stacks fold, block i of the stack that reads the cache, :func:`symcost.tracing.stacks.kv_stack`,
+    folded under its symbol): the KV cache before an inference step minus after it, over the
+    storages the step replaces (bytes, :data:`Terms`; empty where no probe replaces any).
 
     Raises:
         SymcostError: the probes hold different numbers of cache layers; a size no polynomial fits.
@@ -269,6 +270,10 @@ def _fit_kv_start(alg, recs, fitter, role, container: str | None) -> Terms:
     n = len(ref.kv_start)
     if any(len(r.kv_start) != n for r in recs):
         raise SymcostError("the number of KV-cache layers changes with the sizes")
+    if stacks:
+        container = kv_stack(ref, stacks)
+        if container is None:
+            raise SymcostError("the KV cache is read by the blocks of no one stack")
     total = alg.R.zero
     for i in range(n):
         keep, repeat, _ = role(f"{container}.{i}") if container else (True, 1, None)

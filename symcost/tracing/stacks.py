@@ -11,11 +11,14 @@ docs/tracing.md §4, "Several stacks".
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from symcost.frontends.layout import layout_of
 from symcost.frontends.spec import INPUT_SYMBOLS, ModelSpec
 from symcost.tracing.modules import _containers, _layer_of
+
+if TYPE_CHECKING:  # pragma: no cover
+    from symcost.tracing.record import Recording
 
 
 def stack_candidates(spec: ModelSpec, symbols) -> list[str]:
@@ -40,13 +43,14 @@ def find_stacks(spec: ModelSpec, values: Mapping[str, int], symbols) -> dict[str
 
     Not done (``{}``: the step is traced as before, the lengths pinned): a parallel layout (its
     plans work on one block list), leading blocks of another kind (``ModelSpec.lead_blocks``),
-    an inference step (its KV-cache layers fold with one container), a spec naming its block
-    list (``ModelSpec.layers``).
+    a spec naming its block list (``ModelSpec.layers``). An inference step folds too: its KV
+    cache's layers fold with the one stack whose blocks read or write the cache
+    (:func:`kv_stack`).
 
     A model that does not build at ``values`` has no stacks here (its request's recording says
     why); a symbol whose X + 1 breaks the model's constraints, or does not build, counts no stack.
     """
-    if spec.layers is not None or spec.lead_blocks or spec.step != "train" or layout_of(spec).traced_dims:
+    if spec.layers is not None or spec.lead_blocks or layout_of(spec).traced_dims:
         return {}
     found = _following(spec, values, stack_candidates(spec, symbols), least=2)
     if not found:
@@ -122,6 +126,20 @@ def stack_of(module: str, stacks: Mapping[str, str]) -> tuple[str, int] | None:
     return best
 
 
+def kv_stack(rec: Recording, stacks: Mapping[str, str]) -> str | None:
+    """Of several stacks of blocks (container -> length symbol, :func:`symcost.tracing.stacks.find_stacks`),
+    the one whose blocks read or write the KV cache in ``rec``'s inference step (an op of it with
+    ``kv_reads`` or ``kv_writes``: an encoder-decoder's decoder, whose self- and cross-attention
+    read the cache; its encoder reads none), else None (no stack, or several, touch it)."""
+    found = set()
+    for op in rec.ops:
+        if getattr(op, "kv_reads", ()) or getattr(op, "kv_writes", ()):
+            where = stack_of(op.module, stacks)
+            if where is not None:
+                found.add(where[0])
+    return found.pop() if len(found) == 1 else None
+
+
 def stack_units(info, n: int, stacks: Mapping[str, str], special: Mapping[str, int | str | None], name: str):
     """The units of a storage schedule where several stacks fold (``tracing.schedule._fit_events``):
     ``(units, siblings, firsts, middles)``.
@@ -130,7 +148,8 @@ def stack_units(info, n: int, stacks: Mapping[str, str], special: Mapping[str, i
     two probe blocks. A stack's forward runs its blocks 0, 1 and its backward 1, 0 (a
     forward-only step: no backward); the stacks follow each other (an encoder's forward, the
     decoder's forward, the decoder's backward, the encoder's backward), and what lies between
-    them runs once. Per stack and direction, as the one block list of L blocks folds
+    them runs once; a stack none of whose blocks makes an event (an encoder in a decoder step)
+    has no unit. Per stack and direction, as the one block list of L blocks folds
     (docs/memory.md, "Folding over L"): where block 1 stands apart (``special[c] == 1``) block 0
     is run X - 1 times and block 1 once, else block 0 once and block 1 X - 1 times (X the stack's
     symbol; ``(start, stop, repeat, min_L, label, X)``, repeat a sympy expression or 1). A stack
@@ -158,6 +177,9 @@ def stack_units(info, n: int, stacks: Mapping[str, str], special: Mapping[str, i
         spans[key] = (min(a, k), max(b, k))
     forward_only = not any(k[0] == "backward" for k in spans)
     dirs = ("forward",) if forward_only else ("forward", "backward")
+    # a stack whose blocks make no memory event runs nothing in this step (an encoder-decoder's
+    # decoder step: the encoder ran in the prefill): no unit of it
+    stacks = {c: sym for c, sym in stacks.items() if any(k[1] == c for k in spans)}
     nb = {c: 3 if special.get(c) == "both" else 2 for c in stacks}
     want = {(d, c, i) for d in dirs for c in stacks for i in range(nb[c])}
     if set(spans) != want:
