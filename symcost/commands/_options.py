@@ -517,7 +517,7 @@ def trace_model(model, sets, config, attention, precision="bf16-mixed", quiet=Fa
         # served by one entry, within the residue classes of the split sizes and their per-rank
         # regime (graph/cache.py)
         sizes = {**sizes, **mesh_sizes}
-        if layout.ep_fsdp and layout.experts_shard is None:  # (the experts' FSDP2 placement: part of the key)
+        if layout.ep_fsdp and not layout.ep_replicate and layout.experts_shard is None:  # (the experts' FSDP2 placement: part of the key)
             layout = _experts_shard(layout, model, cfg, attention, sizes)
         options.update(layout.cache_options())
     if step is not None:

@@ -130,6 +130,21 @@ def shard_experts(model, mesh, reshard: bool, kw: Mapping, dim: int = 0) -> None
         fully_shard(m, mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=lambda p: Shard(dim), **kw)
 
 
+def replicate_experts(model, mesh, kw: Mapping) -> None:
+    """``replicate`` (PyTorch's DDP on the FSDP2 engine, :func:`symcost.frontends.parallel.wrap`)
+    every experts module of ``model`` (:func:`experts_modules`, after :func:`apply`) as its own
+    unit over ``mesh``, the expert-data-parallel group (the DP ranks that hold the same E/EP
+    experts: Megatron-Core's ``expt_dp_group``, docs/parallel.md §14.11), before the blocks are
+    replicated over the dense mesh: their gradients (the ``Shard(0)`` DTensors' local
+    ``[E/EP, ...]`` tensors) are all-reduced over ``mesh`` only, as Megatron's DDP reduces its
+    expert-parallel buffers over the expert-data-parallel group. ``kw``: the other engine options
+    (mixed precision)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for _, m, _ in experts_modules(model):
+        replicate(m, mesh=mesh, **kw)
+
+
 def fsdp_indivisible(spec, values: Mapping[str, int], dim: int = 0) -> str | None:
     """Why a probe of expert parallelism under FSDP2 (:func:`shard_experts`) has per-rank sizes
     that are not polynomial in DP and EP, or None: the dense parameters' first dimensions must be

@@ -202,18 +202,22 @@ class Layout:
             raise SymcostError("--etp with " + ("--sp" if self.sp else "--dp") + ": expert-tensor parallelism is "
                                "modelled without sequence and data parallelism for now (--ep N --tp M --etp M "
                                "[--pp P]; docs/parallel.md §14.10)")
-        if self.experts_shard is not None and (not self.ep or self.shard is None or self.experts_shard not in (0, 1)):
-            raise SymcostError("experts_shard (0 or 1) is the experts' FSDP2 placement under --ep with --dp")
+        if self.experts_shard is not None and (not self.ep_fsdp or self.ep_replicate or self.experts_shard not in (0, 1)):
+            raise SymcostError("experts_shard (0 or 1) is the experts' FSDP2 placement under --ep with --dp "
+                               "--shard fsdp|zero3|zero2")
         if self.ep and self.shard is not None:
-            from symcost.frontends.parallel import SHARDS
-
-            if SHARDS[self.shard][0] != "fully_shard" or self.replicate is not None or self.offload:
+            if self.replicate is not None or self.offload:
                 raise SymcostError(f"--ep with --shard {self.shard}"
                                    + (" --dp-replicate" if self.replicate is not None else "")
                                    + (" --offload" if self.offload else "")
                                    + ": expert parallelism composes with FSDP2 over dp_shard × ep, as torchtitan "
-                                   "(--dp N --shard fsdp|zero3|zero2; docs/parallel.md §14.6); DDP, HSDP and CPU "
+                                   "(--dp N --shard fsdp|zero3|zero2; docs/parallel.md §14.6), and with DDP and "
+                                   "Megatron's distributed optimizer (--shard ddp|zero1, §14.11); HSDP and CPU "
                                    "offload with EP are not modelled yet")
+            if self.ep_replicate and self.pipeline is not None:
+                raise SymcostError(f"--ep with --pp and --shard {self.shard}: expert parallelism in pipeline stages "
+                                   "is modelled alone or under FSDP2 (--dp N --shard fsdp|zero3|zero2; "
+                                   "docs/parallel.md §14.7) for now")
         if self.compile:
             others = [flag for flag, on in (("--tp", self.tp), ("--pp", self.pipeline is not None),
                                             ("--cp", self.cp),
@@ -305,6 +309,26 @@ class Layout:
         TP-local shards of its TP rank."""
         return self.ep and self.shard is not None
 
+    @property
+    def ep_replicate(self) -> bool:
+        """Whether expert parallelism runs under a replicating data-parallel engine (``--ep N --dp M
+        --shard ddp|zero1``, docs/parallel.md §14.11): Megatron-LM's DDP (its distributed optimizer
+        for ``zero1``) or PyTorch's ``replicate``, the dense gradients reduced over the DP·EP ranks
+        (label ``"DP"``: Megatron's data-parallel group), the experts' over the DP ranks holding the
+        same E/EP experts (``"DP_expert"``: Megatron's expert-data-parallel group). Every
+        :attr:`ep_fsdp` property holds for it too (the groups, their sizes, the mesh)."""
+        if not self.ep_fsdp:
+            return False
+        from symcost.frontends.parallel import SHARDS
+
+        return SHARDS[self.shard][0] == "replicate"
+
+    @property
+    def dp_dim(self) -> str | None:
+        """The data-parallel mesh dimension of a one-group layout (``dp_shard`` for FSDP2,
+        ``dp_replicate`` for DDP/ZeRO-1), or None without data parallelism."""
+        return next((d for d in self.dims if d.startswith("dp")), None)
+
     def group_size(self, label: str, size_of):
         """The ranks of the process group a collective labelled ``label`` runs over (``"DP"``,
         ``"TP"``, ``"PP"``, and under HSDP ``"DP_replicate"``: :meth:`group_labels`), with
@@ -333,7 +357,7 @@ class Layout:
             ep, tp = size_of("EP"), size_of("TP")
             rest = ep // tp if isinstance(ep, int) else ep / tp
             if self.shard is not None:
-                return ("dp_shard", "ep_rest", "tp"), (size_of("DP"), rest, tp)
+                return (self.dp_dim, "ep_rest", "tp"), (size_of("DP"), rest, tp)
             return ("ep_rest", "tp"), (rest, tp)
         dims = self.traced_dims
         return dims, tuple(int(self.dim_size(d, size_of)) for d in dims)
@@ -364,9 +388,10 @@ class Layout:
                 # under FSDP2 (docs/parallel.md §14.9): the experts over dp_shard (the DP ranks that hold
                 # the same E/EP experts, torchtitan's dp_shard_mod_ep / efsdp), the dense parameters over
                 # dp_shard × ep_rest flattened (DP·EP/TP ranks: torchtitan's dp_shard, its 2-D mesh with tp)
-                labels[mesh["dp_shard"].get_group().group_name] = "DP_expert"
-                sub["DP_expert"] = mesh["dp_shard"]
-                dense = mesh["dp_shard", "ep_rest"]._flatten("dp_shard_ep")
+                dp = self.dp_dim
+                labels[mesh[dp].get_group().group_name] = "DP_expert"
+                sub["DP_expert"] = mesh[dp]
+                dense = mesh[dp, "ep_rest"]._flatten(dp + "_ep")
                 labels[dense.get_group().group_name] = "DP"
                 sub["DP"] = dense
             return sub, labels
@@ -388,9 +413,12 @@ class Layout:
             # torchtitan's two FSDP meshes under EP: the dense parameters over dp_shard × ep
             # flattened (DP·EP ranks, "DP"), the experts over dp_shard (the DP ranks that hold the
             # same E/EP experts, "DP_expert"); the ep dimension the all-to-alls' ("EP")
-            labels[mesh["dp_shard"].get_group().group_name] = "DP_expert"
-            sub["DP_expert"] = mesh["dp_shard"]
-            flat = mesh["dp_shard", "ep"]._flatten("dp_shard_ep")
+            # (under DDP / Megatron's distributed optimizer, §14.11, the same two groups over dp_replicate:
+            # Megatron's data-parallel group and its expert-data-parallel group)
+            dp = self.dp_dim
+            labels[mesh[dp].get_group().group_name] = "DP_expert"
+            sub["DP_expert"] = mesh[dp]
+            flat = mesh[dp, "ep"]._flatten(dp + "_ep")
             sub["DP"] = flat
             labels[flat.get_group().group_name] = "DP"
         return sub, labels
@@ -434,6 +462,8 @@ class Layout:
                     "pp": self._pp_words() if self.pipeline else None,
                     "ep": ("experts over the TP groups' ranks; dense parameters' FSDP over dp_shard × EP/TP"
                            if self.ep_fsdp and self.ep_tp else
+                           "experts; dense gradients over dp_replicate × ep, experts' over dp_replicate"
+                           if self.ep_replicate else
                            "experts; dense parameters' FSDP over dp_shard × ep" if self.ep_fsdp else
                            "experts split over tp too (etp = tp)" if self.etp else
                            "experts, over the TP groups' ranks" if self.ep_tp else None)}.get(d)
@@ -584,7 +614,7 @@ class Layout:
                 def sizes(values):
                     return splits(base, values, sp)
             indivisible = None
-            if self.ep:  # (the dense parameters over DP·EP ranks, the experts over DP: §14.6)
+            if self.ep and not self.ep_replicate:  # (the dense parameters over DP·EP ranks, the experts over DP: §14.6)
                 import functools
 
                 from symcost.frontends.expert_parallel import fsdp_indivisible
@@ -724,14 +754,21 @@ class Layout:
 
             from symcost.frontends.parallel import wrap
 
-            inner = None
-            if self.ep_fsdp:  # (torchtitan's apply_fsdp: the experts their own units over dp_shard first)
+            inner = experts_mesh = None
+            if self.ep_replicate:  # (the experts' gradients over the expert-data-parallel group: §14.11)
+                from symcost.frontends.expert_parallel import replicate_experts
+
+                experts_mesh = mesh["DP_expert"]
+
+                def inner(reshard, kw):
+                    replicate_experts(model, mesh["DP_expert"], kw)
+            elif self.ep_fsdp:  # (torchtitan's apply_fsdp: the experts their own units over dp_shard first)
                 from symcost.frontends.expert_parallel import shard_experts
 
                 def inner(reshard, kw):
                     shard_experts(model, mesh["DP_expert"], reshard, kw, self.experts_shard or 0)
             wrap(model, layers, self.shard, mesh["DP"], self.fsdp_mp, offload=self.offload, engine=dp_engine,
-                 inner=inner)
+                 inner=inner, experts_mesh=experts_mesh)
             # FSDP2 warns when the root returns a view (a language model's logits slice); the
             # recorded step does no in-place op on it, and the user did not write this wrapping
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",

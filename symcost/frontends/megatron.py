@@ -203,28 +203,43 @@ def for_run(spec, precision: str | None, torch_device: str | None = None, loss: 
     return dataclasses.replace(spec, make_inputs=make_inputs, loss=megatron_loss, extra=extra)
 
 
-def wrap_in_place(model, mesh) -> None:
+def wrap_in_place(model, mesh, experts_mesh=None) -> None:
     """Megatron-LM's data-parallel engine as memory sees it (module docstring): every
     parameter of ``model`` stays where it is, and a hook all-reduces its gradient over
     ``mesh``'s group once autograd has accumulated it (``register_post_accumulate_grad_hook``).
     Megatron all-reduces (or, with the distributed optimizer, reduce-scatters) buckets of a
     contiguous gradient buffer: the same bytes per rank as one all-reduce per gradient. The
     hooks are registered at the model's first forward, on the parameters it has then (they are
-    materialised after wrapping)."""
+    materialised after wrapping).
+
+    ``experts_mesh``: under expert parallelism (docs/parallel.md §14.11), the gradients of the
+    experts modules' parameters (:func:`symcost.frontends.expert_parallel.experts_modules`, their
+    local ``[E/EP, ...]`` shards) are all-reduced over its group instead, Megatron's
+    expert-data-parallel group: Megatron-Core keeps them in buffers of their own
+    (``DistributedDataParallel.__init__``: ``expert_parallel_params`` and
+    ``expert_parallel_buffers`` over ``expt_dp_group``, megatron/core/distributed/
+    distributed_data_parallel.py), the dense ones over its data-parallel group."""
     import torch.distributed as dist
 
     group = mesh.get_group()
+    expert_group = experts_mesh.get_group() if experts_mesh is not None else None
 
-    def reduce(p):
+    def reduce(p, g_group):
         g = p.grad
-        dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=group)
+        dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=g_group)
 
     hooked: set[int] = set()
 
     def hook(module, args):  # (at each forward: the parameters are materialised after wrapping)
+        experts: set[int] = set()
+        if expert_group is not None:  # (read now: the experts' parameters as they are at this forward)
+            from symcost.frontends.expert_parallel import experts_modules
+
+            experts = {id(p) for _, m, _ in experts_modules(module) for p in m.parameters()}
         for p in module.parameters():
             if p.requires_grad and id(p) not in hooked:
                 hooked.add(id(p))
-                p.register_post_accumulate_grad_hook(reduce)
+                g_group = expert_group if id(p) in experts else group
+                p.register_post_accumulate_grad_hook(lambda p, g_group=g_group: reduce(p, g_group))
 
     model.register_forward_pre_hook(hook)

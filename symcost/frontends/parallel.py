@@ -298,7 +298,7 @@ def destroy_world() -> None:
 
 
 def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list | None = None,
-         offload: bool = False, engine: str | None = None, inner=None):
+         offload: bool = False, engine: str | None = None, inner=None, experts_mesh=None):
     """Wrap ``model`` in place for ``shard`` (:data:`SHARDS`): each child of the ``layers``
     container (the L blocks), then the root, as torchtitan does. ``mp``: ``(param, reduce)``
     dtype names (:data:`MP_DTYPES`) given to every unit as FSDP2's
@@ -312,7 +312,11 @@ def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list
     ``inner(reshard, kw)``: wraps the units inside the blocks first (``fully_shard`` only; under
     expert parallelism every experts module over the expert-data-parallel mesh,
     :func:`symcost.frontends.expert_parallel.shard_experts`), with the blocks' ``reshard_after_forward``
-    and the other ``fully_shard`` options ``kw``; ``mesh`` then shards the rest.
+    and the other ``fully_shard`` options ``kw``; ``mesh`` then shards the rest (under ``replicate``,
+    :func:`symcost.frontends.expert_parallel.replicate_experts`: the experts' gradients all-reduced
+    over the expert-data-parallel mesh). ``experts_mesh``: with Megatron-LM's engine under expert
+    parallelism, the expert-data-parallel mesh the experts' gradients are reduced over
+    (:func:`symcost.frontends.megatron.wrap_in_place`; docs/parallel.md §14.11).
     Returns the model.
 
     Raises:
@@ -325,7 +329,7 @@ def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list
     if asked == "megatron-ddp" and engine == "replicate" and mp is None:
         from symcost.frontends.megatron import wrap_in_place
 
-        wrap_in_place(model, mesh)
+        wrap_in_place(model, mesh, experts_mesh)
         return model
     kw = {}
     if mp is not None:

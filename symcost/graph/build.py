@@ -197,7 +197,7 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
     if spec.step == "decode":
         sizes.setdefault("S", 1)  # one new token per sequence: S = 1 is pinned, its own regime
     values = spec.values(sizes, inputs=False)
-    if layout.ep_fsdp and layout.experts_shard is None:
+    if layout.ep_fsdp and not layout.ep_replicate and layout.experts_shard is None:
         # the experts' FSDP2 placement, torchtitan's rule at the request (Shard(1) where DP·EP > E),
         # kept for every probe (docs/parallel.md §14.6)
         from symcost.frontends.expert_parallel import experts_shard_dim

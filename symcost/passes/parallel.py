@@ -32,7 +32,8 @@ from symcost.errors import SymcostError
 from symcost.frontends.layout import layout_of
 from symcost.frontends.parallel import SHARDS
 from symcost.graph.ops import COMM_KINDS
-from symcost.passes.memory.states import SHARDED, model_state_bytes, params_tp_local, shard_degree  # noqa: F401  (re-exported)
+from symcost.passes.memory.states import (SHARDED, model_state_bytes, optimizer_share, params_tp_local,  # noqa: F401
+                                         shard_degree)  # (re-exported)
 from symcost.tracing.fit import SYMS
 
 def _units(an) -> list[str]:
@@ -70,7 +71,7 @@ def padded(an, env: Mapping) -> dict[str, Any]:
     from symcost.graph.totals import comm_group
 
     env = {SYMS[str(k)] if not isinstance(k, sympy.Symbol) else k: v for k, v in env.items()}
-    if layout_of(an).ep_fsdp:
+    if layout_of(an).ep_fsdp and not layout_of(an).ep_replicate:
         return _padded_ep(an, env)
     dp = shard_degree(an, env.get(SYMS["DP"], an.pinned.get("DP", 1)))
     comm = {k: sympy.Integer(0) for k in COMM_KINDS if k != "broadcast"}
@@ -271,7 +272,7 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
     mesh2 = getattr(an, "tensor_parallel", None)
     P = params_tp_local(an)  # what the data-parallel engine holds (the TP-local parameters on the 2-D mesh)
     mem = model_state_bytes(P, shard_degree(an, DP), shard, precision or an.precision, optimizer,
-                            an.params_shard if traced_shards else None)
+                            an.params_shard if traced_shards else optimizer_share(an, DP))
     mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
     engine, reshard, label = SHARDS[shard]
     engine = {"replicate": "torch.distributed._composable.replicate_with_fsdp.replicate (DDP) per block",
@@ -299,7 +300,14 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         engine += " over the 2-D mesh (dp_replicate, dp_shard) (HSDP)"
     if layout_of(an).offload:
         engine += ", CPUOffloadPolicy() (parameters, gradients and optimizer state on the host)"
-    if layout_of(an).ep_fsdp:  # (docs/parallel.md §14.6)
+    if layout_of(an).ep_replicate:  # (docs/parallel.md §14.11)
+        engine = ("experts as Shard(0) DTensors over the ep mesh, tokens by all_to_all_single (torchtitan's "
+                  "AllToAllTokenDispatcher), then " + engine.replace(" per block", "")
+                  + ": the experts' gradients all-reduced over the DP ranks holding the same experts (DP_expert: "
+                  "Megatron's expert-data-parallel group), the rest's over "
+                  + ("dp_replicate × ep_rest (DP·EP/TP ranks, beside tp)" if layout_of(an).tp
+                     else "dp_replicate × ep (DP·EP ranks: Megatron's data-parallel group)"))
+    elif layout_of(an).ep_fsdp:  # (docs/parallel.md §14.6)
         engine = ("experts as Shard(0) DTensors over the ep mesh, tokens by all_to_all_single (torchtitan's "
                   "AllToAllTokenDispatcher), then per block " + engine.replace(" per block", "")
                   + f": each experts module over dp_shard (DP ranks, Shard({layout_of(an).experts_shard or 0}) of "
@@ -329,12 +337,15 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         ep = int(env.get(SYMS["EP"], an.pinned.get("EP", 1))) if layout_of(an).ep_fsdp else None
         P = int(sympy.sympify(P).xreplace(env))
         # DeepSpeed's ZeRO-1/2 partitions pad the flat buffer to a multiple of DP: ceil(P/DP) each
-        share = ev["params_shard"] if traced_shards else -(-P // shard_degree(an, dp, ep))
+        # (under EP with DDP / Megatron's distributed optimizer: the whole model's over DP·EP, §14.11)
+        share = ev["params_shard"] if traced_shards else int(sympy.ceiling(
+            sympy.sympify(optimizer_share(an, dp, ep)).xreplace(env)))
         vmem = model_state_bytes(P, shard_degree(an, dp, ep), shard, precision or an.precision, optimizer, share)
         vmem["activations"] = mem["activations"].xreplace(env)
         fsdp_sharded = SHARDS[shard][0] == "fully_shard"
         out["values"] = {"comm": vcomm, "memory": vmem, "dp": dp,
-                         "divisible": (ev["params_shard"] if fsdp_sharded else share) * shard_degree(an, dp, ep) == P}
+                         "divisible": (ev["params_shard"] if fsdp_sharded else share) * shard_degree(an, dp, ep)
+                         == (int(sympy.sympify(an.params).xreplace(env)) if layout_of(an).ep_replicate else P)}
         if ep is not None:
             out["values"].update(ep=ep, params_rank=ev["params_shard"])
         if mesh2:

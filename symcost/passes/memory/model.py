@@ -111,7 +111,11 @@ class MemoryModel(Solver):
             raise SymcostError(f"{an.model}: this analysis has no memory schedule (trace it with symcost.trace)")
         self.has_L = "L" in self.gens
         P = an.params
-        if getattr(an, "tensor_parallel", None):
+        from symcost.frontends.layout import layout_of
+
+        if getattr(an, "tensor_parallel", None) or layout_of(an).ep_replicate:
+            # (and --ep under DDP / Megatron's distributed optimizer, docs/parallel.md §14.11: the
+            # engine holds the dense parameters and the rank's E/EP experts whole)
             # the 2-D mesh: the data-parallel engine holds, shards and updates the TP-local
             # parameters (1/TP of each split weight, the replicated ones whole)
             from symcost.passes.memory.states import params_tp_local
@@ -159,7 +163,7 @@ class MemoryModel(Solver):
         FSDP/ZeRO-3: the traced DTensor shards), plus Adam's 4-byte step counters, one per
         parameter tensor on every rank. Gradients are scaled to this size where the schedule
         allocates them (:meth:`_load_schedule`)."""
-        from symcost.passes.memory.states import SHARDED, model_state_bytes, shard_degree
+        from symcost.passes.memory.states import SHARDED, model_state_bytes, optimizer_share, shard_degree
         from symcost.frontends.parallel import SHARDS
 
         if self.opt.factored:
@@ -168,8 +172,9 @@ class MemoryModel(Solver):
         an = self.an
         DP = shard_degree(an, SYMS["DP"] if "DP" in an.symbols else an.pinned.get("DP", 1))
         traced = SHARDS[self.parallel][0] == "fully_shard" and "params" in SHARDED[self.parallel]
-        st = model_state_bytes(self.P, DP, self.parallel, self.policy.name, self.opt.name,
-                               an.params_shard if traced else None)
+        dp = SYMS["DP"] if "DP" in an.symbols else an.pinned.get("DP", 1)
+        share = an.params_shard if traced else optimizer_share(an, dp)
+        st = model_state_bytes(self.P, DP, self.parallel, self.policy.name, self.opt.name, share)
         self.params, self.grads, self.master_weights = (sympy.expand(st[k]) for k in ("params", "grads", "master"))
         if self.parallel == "zero2":
             # the peak is the traced engine's (FSDP2 reshard_after_forward=False): at rest it holds
@@ -179,7 +184,7 @@ class MemoryModel(Solver):
         self.optimizer = sympy.expand(st["optimizer_state"] + (STEP_BYTES * self.n_tensors if self.opt.step else 0))
         if "optimizer_state" in SHARDED[self.parallel]:
             # the optimizer steps the rank's shards: its temporaries are a shard's (1/DP of each tensor)
-            self.opt_share = sympy.expand(an.params_shard if traced else self.P / DP)
+            self.opt_share = sympy.expand(share)
         from symcost.frontends.layout import layout_of
 
         if layout_of(an).offload:

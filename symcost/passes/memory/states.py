@@ -100,16 +100,37 @@ def model_state_bytes(P, DP, shard: str, precision: str = "bf16-true-fp32-master
     return out
 
 
+def optimizer_share(an, dp, ep=None):
+    """Parameter elements of one rank's ZeRO-1/2 shard (the optimizer state and master weights
+    it keeps) for a trace whose engine does not shard the parameters (``ddp``, ``zero1``; the
+    memory policies of ``zero2``), at data-parallel size ``dp`` (an int or the symbol DP): the
+    engine's parameters over :func:`shard_degree`'s ranks, and under expert parallelism with a
+    replicating engine (``Layout.ep_replicate``, docs/parallel.md §14.11) the whole model's
+    parameters (``Analysis.params``) over DP·EP: Megatron-Core's distributed optimizer shards the
+    dense buffers over its data-parallel group (DP·EP ranks here) and the experts' over the
+    expert-data-parallel group (DP), P_dense/(DP·EP) + (P_experts/EP)/DP = P/(DP·EP)
+    (megatron/core/optimizer/distrib_optimizer.py ``_build_gbuf_range_map``: each buffer's range
+    split over its own group)."""
+    deg = shard_degree(an, dp, ep)
+    if layout_of(an).ep_replicate:
+        return sympy.sympify(an.params) / deg
+    return sympy.sympify(params_tp_local(an)) / deg
+
+
 def params_tp_local(an) -> sympy.Expr:
     """Parameter elements of one tensor-parallel rank on the 2-D mesh (``--dp`` with ``--tp``):
     what the data-parallel engine wraps, before it shards (``Analysis.params_shard`` times DP for
     FSDP2, whose shards split the TP-local rows; ``params_shard`` itself for ``replicate``);
     ``params_shard`` for a tensor-parallel trace and an expert-parallel one without data
-    parallelism (``--ep``, a pipeline stage's too: the dense parameters and E/EP experts),
+    parallelism (``--ep``, a pipeline stage's too: the dense parameters and E/EP experts) and
+    one under a replicating engine (``--ep --dp --shard ddp|zero1``, docs/parallel.md §14.11),
     ``params`` otherwise."""
     if not getattr(an, "tensor_parallel", None):
         label = getattr(an, "parallel", None) or ""
-        return an.params_shard if (label.startswith("tp") or label == "ep") else an.params
+        # (and under a replicating engine with expert parallelism, §14.11: the dense parameters and
+        # the rank's E/EP experts, which DDP and Megatron's engine hold whole)
+        return (an.params_shard if (label.startswith("tp") or label == "ep" or layout_of(an).ep_replicate)
+                else an.params)
     if SHARDS[an.parallel][0] != "fully_shard":
         return an.params_shard
     DP = SYMS["DP"] if "DP" in an.symbols else an.pinned.get("DP", 1)
