@@ -112,7 +112,8 @@ def test_ep_under_zero1_rank_against_pytorch_on_the_fake_group():
 
 def test_ep_with_replicating_engines_is_accepted_and_hsdp_refused():
     """``--ep`` with ``--shard ddp`` and ``zero1`` is a layout (the groups DP·EP and DP, the mesh
-    (dp_replicate, ep)); with HSDP, CPU offload or a pipeline under DDP it is refused in one line."""
+    (dp_replicate, ep)); with HSDP, CPU offload, or a pipeline or TP under DDP/ZeRO-1 it is refused
+    in one line."""
     from symcost.errors import SymcostError
     from symcost.frontends.layout import Layout
 
@@ -125,6 +126,6 @@ def test_ep_with_replicating_engines_is_accepted_and_hsdp_refused():
     from symcost.frontends.layout import Pipeline
 
     for kw in ({"shard": "fsdp", "replicate": 2}, {"shard": "zero3", "offload": True},
-               {"shard": "ddp", "pipeline": Pipeline()}):
+               {"shard": "ddp", "pipeline": Pipeline()}, {"shard": "zero1", "tp": True}):
         with pytest.raises(SymcostError):
             Layout(ep=True, **kw)

@@ -214,10 +214,12 @@ class Layout:
                                    "(--dp N --shard fsdp|zero3|zero2; docs/parallel.md §14.6), and with DDP and "
                                    "Megatron's distributed optimizer (--shard ddp|zero1, §14.11); HSDP and CPU "
                                    "offload with EP are not modelled yet")
-            if self.ep_replicate and self.pipeline is not None:
-                raise SymcostError(f"--ep with --pp and --shard {self.shard}: expert parallelism in pipeline stages "
-                                   "is modelled alone or under FSDP2 (--dp N --shard fsdp|zero3|zero2; "
-                                   "docs/parallel.md §14.7) for now")
+            if self.ep_replicate and (self.pipeline is not None or self.tp):
+                raise SymcostError(f"--ep with {'--pp' if self.pipeline is not None else '--tp'} and --shard "
+                                   f"{self.shard}: expert parallelism under DDP / Megatron's distributed optimizer is "
+                                   "modelled without pipeline and tensor parallelism for now (--ep N --dp M --shard "
+                                   "ddp|zero1; docs/parallel.md §14.11); under FSDP2 (--shard fsdp|zero3|zero2) "
+                                   "with them (§14.7, §14.9)")
         if self.compile:
             others = [flag for flag, on in (("--tp", self.tp), ("--pp", self.pipeline is not None),
                                             ("--cp", self.cp),
