@@ -37,9 +37,11 @@ from test_parallel import _draw, _trace  # (the same traces: bf16-mixed, DP = 8 
 P = "bf16-mixed"
 
 
-def _measure(model: str, shard: str, values: dict, precision: str, foreach: bool = False) -> int:
+def _measure(model: str, shard: str, values: dict, precision: str, foreach: bool = False, stacks=None) -> int:
     """Peak bytes of rank 0's steady-state step (zero_grad, forward + loss, backward, AdamW step)
-    on PyTorch's fake process group, by ``torch.distributed._tools.mem_tracker.MemTracker``."""
+    on PyTorch's fake process group, by ``torch.distributed._tools.mem_tracker.MemTracker``.
+    ``stacks``: the containers whose every block is a unit (a model of several block stacks,
+    tests/test_parallel_stacks.py), else the one block list of L."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -51,7 +53,7 @@ def _measure(model: str, shard: str, values: dict, precision: str, foreach: bool
     spec = resolve(model)
     with torch.device("meta"):
         m = spec.build(values)
-    layers = spec.layers if spec.layers is not None else find_layer_container(spec, m, values)
+    layers = stacks or (spec.layers if spec.layers is not None else find_layer_container(spec, m, values))
     wrap(m, layers, shard, fake_group(values["DP"]))
     mixed = precision == "bf16-mixed"
     with FakeTensorMode(allow_non_fake_inputs=True):

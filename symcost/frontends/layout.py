@@ -710,8 +710,10 @@ class Layout:
         trace's key of the compiled blocks' partitions, :func:`symcost.frontends.compile.compile_blocks`,
         which run after activation checkpointing and before the data-parallel engine; ``torch_device``: the
         target device whose fused attention inductor's patterns choose, ``--torch-device``; ``ac_stacks``: where
-        ``layers`` is None, the containers of the model's several block stacks that activation
-        checkpointing wraps block by block, :func:`symcost.tracing.stacks.checkpointed_stacks`). Returns the context the
+        ``layers`` is None, the containers of the model's several block stacks, each of whose blocks
+        activation checkpointing wraps and the data-parallel engine makes a unit of its own, as
+        torchtitan's ``apply_fsdp`` does each block,
+        :func:`symcost.tracing.stacks.checkpointed_stacks`). Returns the context the
         loss and its backward run in
         (``loss_parallel()`` where the logits are vocabulary-sharded, else a no-op).
 
@@ -769,8 +771,8 @@ class Layout:
 
                 def inner(reshard, kw):
                     shard_experts(model, mesh["DP_expert"], reshard, kw, self.experts_shard or 0)
-            wrap(model, layers, self.shard, mesh["DP"], self.fsdp_mp, offload=self.offload, engine=dp_engine,
-                 inner=inner, experts_mesh=experts_mesh)
+            wrap(model, layers if layers is not None else (list(ac_stacks) or None), self.shard, mesh["DP"],
+                 self.fsdp_mp, offload=self.offload, engine=dp_engine, inner=inner, experts_mesh=experts_mesh)
             # FSDP2 warns when the root returns a view (a language model's logits slice); the
             # recorded step does no in-place op on it, and the user did not write this wrapping
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",

@@ -300,7 +300,8 @@ def destroy_world() -> None:
 def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list | None = None,
          offload: bool = False, engine: str | None = None, inner=None, experts_mesh=None):
     """Wrap ``model`` in place for ``shard`` (:data:`SHARDS`): each child of the ``layers``
-    container (the L blocks), then the root, as torchtitan does. ``mp``: ``(param, reduce)``
+    container (the L blocks; a list of containers: each block of each stack, an encoder's then a
+    decoder's), then the root, as torchtitan does. ``mp``: ``(param, reduce)``
     dtype names (:data:`MP_DTYPES`) given to every unit as FSDP2's
     ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)`` (all-gathers move parameters in
     ``param``, reduce-scatters and all-reduces gradients in ``reduce``). ``offload``: every
@@ -356,8 +357,8 @@ def wrap(model, layers: str | None, shard: str, mesh, mp: tuple[str, str] | list
     try:
         if inner is not None:
             inner(reshard, kw)
-        if layers is not None:
-            for block in model.get_submodule(layers).children():
+        for c in ([layers] if isinstance(layers, str) else layers or ()):
+            for block in model.get_submodule(c).children():
                 apply(block, False)
         apply(model, True)
     except Exception as e:  # noqa: BLE001

@@ -121,7 +121,7 @@ def own_stacks(spec: ModelSpec, values: Mapping[str, int], symbols) -> tuple[lis
         found = _following(spec, values, own, least=1)
         if found:
             sym = next(iter(found.values()))
-            what = "a parallel layout (its plans work on one block list)"
+            what = "a parallel layout (every block of every stack its own unit)"
             raise _unvariable(sym, f"{what} does not fold several stacks yet "
                                    f"({', '.join(c for c, x in found.items() if x == sym)}): traced unfolded at the requested {sym}")
     return own, stacks

@@ -422,10 +422,11 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         try:
             layers = find_layer_container(spec, model, values)
         except SymcostError as e:
-            if layout_of(spec).traced_dims or spec.lead_blocks or not hasattr(e, "found"):
-                raise  # (a layout, or lead blocks, works on the block list)
+            if (layout_of(spec).traced_dims and not e.found) or spec.lead_blocks or not hasattr(e, "found"):
+                raise  # (a layout without any block list, or lead blocks, works on the block list)
             # no single block list follows L (an encoder-decoder's two stacks, or none): the step
-            # is recorded as it is, and the tracer pins L (never refused for lack of one)
+            # is recorded as it is, and the tracer pins L (never refused for lack of one); under a
+            # parallel layout every block of every stack is wrapped (below)
             no_fold = (f"several block stacks follow L ({', '.join(e.found)}), so no one block stands for all"
                        if e.found else "no nn.ModuleList, nn.Sequential or nn.ModuleDict follows L") + \
                 ": the model is traced unfolded at the requested L"
@@ -459,7 +460,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         # over its DTensors (torchtitan's parallelize order: fully_shard of a TP-sharded parameter
         # shards its local rows again)
         ac_stacks = ()
-        if layout.ac and layers is None:  # (several stacks: each block of each checkpointed)
+        if layers is None:  # (several stacks: each block of each checkpointed, wrapped, planned)
             from symcost.tracing.stacks import checkpointed_stacks
 
             ac_stacks = checkpointed_stacks(spec, values)

@@ -1,0 +1,138 @@
+"""Parallel layouts of a model with several stacks of blocks (issue 30 item 6): an encoder-decoder
+under data parallelism (``--dp``, every ``--shard``), with ``--ac``, and the layouts that refuse
+it in one line (docs/parallel.md, "Several block stacks").
+
+PyTorch runs these steps: DDP over the whole model, FSDP2 with ``fully_shard`` on every block of
+every stack and then the root (torchtitan's ``apply_fsdp`` does it per block). The oracle here is
+that step, wrapped by hand (``fully_shard``/``replicate`` on ``encoder.{i}`` and ``decoder.{i}``,
+then the root) on a meta-device build, on PyTorch's fake process group under ``FakeTensorMode``:
+FlopCounterMode's FLOPs, ``saved_tensors_hooks``' bytes, the collectives PyTorch dispatches (ring
+factors), the DTensor shards rank 0 holds and its AdamW state, at random sizes and DP.
+"""
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+
+import pytest
+import sympy
+
+import symcost
+from symcost.frontends.layout import Layout
+from symcost.tracing.fit import SYMS
+from test_own_symbols import examples  # noqa: F401 - the fixture
+from test_own_symbols import _spec as _factory
+
+STACKS = ("encoder", "decoder")  # (the guide's encdec.py: two nn.Sequential of L_enc, L_dec blocks)
+
+
+def _rank(spec, shard: str, values: dict) -> dict:
+    """Rank 0 of ``values["DP"]`` ranks of one fp32 training step of ``spec``'s model, every block
+    of every stack a unit of its own (wrapped here by hand), then the root."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import fully_shard
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from symcost.frontends.parallel import fake_group
+
+    n = values["DP"]
+    mesh = fake_group(n)
+    with torch.device("meta"):
+        m = spec.build(values)
+    for c in STACKS:
+        for block in m.get_submodule(c).children():
+            fully_shard(block, mesh=mesh) if shard == "fsdp" else replicate(block, mesh=mesh)
+    fully_shard(m, mesh=mesh, reshard_after_forward=False) if shard == "fsdp" else replicate(m, mesh=mesh)
+    comm = {"all_gather": Fraction(0), "reduce_scatter": Fraction(0), "all_reduce": Fraction(0)}
+
+    def size(t):
+        return t.numel() * t.element_size()
+
+    class Collectives(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            if name == "c10d._allgather_base_":
+                comm["all_gather"] += Fraction(n - 1, n) * size(args[0])
+            elif name == "c10d._reduce_scatter_base_":
+                comm["reduce_scatter"] += Fraction(n - 1, n) * size(args[1])
+            elif name == "c10d.allreduce_":
+                comm["all_reduce"] += Fraction(2 * (n - 1), n) * sum(size(t) for t in args[0])
+            return func(*args, **(kwargs or {}))
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    seen, saved = set(), [0]
+
+    def pack(t):
+        key = StorageWeakRef(t.untyped_storage()).cdata
+        # a parameter, or a tensor on a parameter's storage as it is now (the transposed weight a
+        # matmul keeps; FSDP2's unsharded parameters are the module's while it runs): no activation
+        if isinstance(t, torch.nn.Parameter) or key in {
+                StorageWeakRef(getattr(p, "_local_tensor", p).untyped_storage()).cdata for p in m.parameters()}:
+            return t
+        if key not in seen:
+            seen.add(key)
+            saved[0] += t.untyped_storage().nbytes()
+        return t
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        m.to_empty(device="cpu")
+        args, kwargs = spec.make_inputs(values, torch.device("cpu"))
+        fc = FlopCounterMode(display=False)
+        with fc, Collectives():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = spec.loss(m(*args, **kwargs), (args, kwargs))
+            loss.backward()
+        opt = torch.optim.AdamW(m.parameters(), foreach=False)
+        opt.step()
+        states = {"params": sum(size(local(p)) for p in m.parameters()),
+                  "grads": sum(size(local(p.grad)) for p in m.parameters()),
+                  "optimizer_state": sum(size(local(t)) for st in opt.state.values() for k, t in st.items()
+                                         if k != "step")}
+    return {"flops": fc.get_total_flops(), "saved": saved[0], "comm": comm, "states": states,
+            "units": sum(1 for c in STACKS for _ in m.get_submodule(c).children()) + 1}
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("shard", ["fsdp"])
+def test_encdec_data_parallel_every_block_of_both_stacks(examples, shard):  # noqa: F811 - the fixture
+    """The guide's encdec.py (L_enc, L_dec) under --dp --shard fsdp: one rank's FLOPs, saved
+    bytes, collective bytes and model states (parameters, gradients, AdamW state) equal PyTorch's
+    on the rank wrapped block by block in both stacks, at random sizes and DP; its peak equals
+    MemTracker's (which sees the units: one block's parameters gathered at a time). The stacks'
+    lengths are pinned (the step traced unfolded), the reason said. (--shard ddp passed the same
+    checks when written; one trace here: ~30 CPU-s.)"""
+    from test_parallel_memory import _measure
+
+    from symcost.passes.memory import memory_model
+    from symcost.passes.parallel import summary
+
+    spec = _factory(examples["encdec.py"], "spec")
+    an = symcost.trace(spec, layout=Layout(shard=shard), precision="fp32", torch_device="cpu",
+                       sizes={"B": 2, "S": 5, "S_enc": 7, "H": 2, "D": 4, "V": 38, "F": 12,
+                              "L_enc": 2, "L_dec": 3, "DP": 2})
+    assert "DP" in an.symbols and set(an.pinned) == {"L_enc", "L_dec"}, (an.symbols, an.pin_reasons)
+    assert "parallel layout" in an.pin_reasons["L_enc"], an.pin_reasons
+    rng = random.Random(f"dp-stacks-{shard}")
+    dp = rng.choice((2, 4))
+    v = {"B": rng.randint(2, 4), "S": rng.randint(3, 9), "S_enc": rng.randint(3, 11), "H": dp,
+         "D": rng.choice((2, 4, 6)), "V": dp * rng.randint(5, 20), "F": dp * rng.randint(2, 8), "DP": dp,
+         "L_enc": 2, "L_dec": 3}
+    got = _rank(spec, shard, {**spec.defaults, **v})
+    env = {SYMS[k]: x for k, x in v.items() if k in an.symbols}
+    assert int(an.flops("train").subs(env)) == got["flops"], v
+    assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], v
+    for kind, want in got["comm"].items():
+        assert sympy.Rational(an.comm_bytes(kind).subs(env)) == sympy.Rational(want.numerator, want.denominator), \
+            (v, kind)
+    mem = summary(an, "fp32", "adamw")["memory"]
+    for k, want in got["states"].items():
+        assert int(sympy.sympify(mem[k]).subs(env)) == want, (v, k)
+    peak = _measure(str(examples["encdec.py"]) + ":spec", shard, {**spec.defaults, **v}, "fp32", stacks=list(STACKS))
+    sizes = {k: x for k, x in v.items() if k in an.symbols}
+    assert memory_model(an, "fp32", "adamw", impl="for-loop", device="cpu").peak(**sizes) == peak, v
