@@ -31,9 +31,11 @@ L, V       ``num_hidden_layers``, ``vocab_size``
 ========== ==========================================================================================
 
 Mamba-2's chunked scan (``modeling_mamba2.mamba2_chunk_scan``, the SSD algorithm in plain torch)
-pads S up to whole chunks of ``chunk_size`` (a config value): c·⌈S/c⌉ is S plus a constant within
-S's residue class mod c (and class 0 runs no padding op), so S is probed in the request's class
-(:attr:`ModelSpec.moduli`) and is a formula there, as every other symbol of Mamba-2 is. The
+pads S up to whole chunks of ``chunk_size`` (a config value): c·⌈S/c⌉ is the constant c below one
+chunk and S plus a constant within S's residue class mod c (class 0 runs no padding op), and one
+chunk runs other ops than two or more, so S is probed in the request's regime
+(:attr:`ModelSpec.pads`: 2 <= S < c, any class; or S's class mod c from two chunks on; S = c alone,
+pinned) and is a formula there, as every other symbol of Mamba-2 is. The
 depthwise convolution's padded output, B·(H·D + 2·K·N_state)·(S + K_conv − 1) elements, six
 monomials in seven sizes, is fitted as the convolution's channels (a size fitted before) times the
 rest (``symcost.tracing.fit.Fitter._fit_factored``). Jamba pins L (its blocks are not alike) and S
@@ -131,9 +133,10 @@ def mamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
     Symbols (:data:`MAMBA2_FIELDS`): H = ``num_heads``, D = ``head_dim``, K = ``n_groups``,
     N_state = ``state_size``, K_conv = ``conv_kernel``, L, V; d_model ``hidden_size`` = H·D/EXPAND
     (``Mamba2Config`` requires ``hidden_size * expand == num_heads * head_dim``; ``expand`` stays a
-    config value). ``chunk_size`` is a config value and S is probed within its class modulo
-    ``chunk_size`` (module docstring). ``time_step_rank`` is unused by the model (Δ comes out of
-    ``in_proj``, one per head), so no symbol.
+    config value). ``chunk_size`` is a config value and S is probed within its regime: below one
+    chunk, or its class modulo ``chunk_size`` from two chunks on (module docstring).
+    ``time_step_rank`` is unused by the model (Δ comes out of ``in_proj``, one per head), so no
+    symbol.
 
     Per block (transformers' ``Mamba2Mixer`` without kernels): ``in_proj`` M → 2·H·D + 2·K·N_state + H,
     a depthwise causal conv1d of width K_conv over H·D + 2·K·N_state channels, the chunked scan
@@ -171,8 +174,9 @@ def mamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
     # B*(H*D + 2*K*N_state)*(S + K_conv - 1) elements: six monomials in seven sizes, fitted as the
     # convolution's channels (a size fitted before) times B*(S + K_conv - 1) (fit.Fitter._fit_factored)
     moduli = {"H": expand, "D": expand} if expand > 1 else {}
-    if chunk > 1:
-        moduli["S"] = chunk
+    # (S below one chunk: one padded chunk of constant length, S a formula for 2 <= S < chunk;
+    # from two chunks on, S's class mod chunk: ModelSpec.pads)
+    pads = {"S": chunk} if chunk > 1 else {}
     pin: dict[str, str] = {}
 
     def check(values: Mapping[str, int]) -> str | None:
@@ -198,7 +202,7 @@ def mamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
                    state_space=f"chunked SSD scan (chunks of {chunk}), transformers' torch path",
                    hidden_size_note=f"hidden_size = H*D/{expand} (expand = {expand})")
     return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=_inputs, loss=_loss,
-                     check=check, constraints=constraints, moduli=moduli, pin=pin, meanings=meanings, extra=extra,
+                     check=check, constraints=constraints, moduli=moduli, pads=pads, pin=pin, meanings=meanings, extra=extra,
                      record_context=hf.unpacked_masks, infer=hf.infer)
 
 
@@ -361,10 +365,10 @@ def zamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
 
     build = hf.head_builder(shown, (), symbols, model_cls, config_for, attention, check=check)
 
-    # S and K_conv are formulas as for mamba2_spec: S within its class mod chunk_size (the scan pads
-    # S to whole chunks), the convolution's padded output fitted as its channels times the rest
-    if int(cfg.chunk_size) > 1:
-        moduli["S"] = int(cfg.chunk_size)
+    # S and K_conv are formulas as for mamba2_spec: S below one chunk, or within its class mod
+    # chunk_size from two chunks on (the scan pads S to whole chunks: ModelSpec.pads), the
+    # convolution's padded output fitted as its channels times the rest
+    pads = {"S": int(cfg.chunk_size)} if int(cfg.chunk_size) > 1 else {}
     pin = {"L": ("layers_block_type mixes Mamba-2 blocks and hybrid blocks (a shared transformer block before the "
                  "Mamba-2 block): traced unfolded at this L, the pattern followed by its shortest period "
                  "(another: --set L=...)")}
@@ -382,7 +386,7 @@ def zamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
     # (the config's None is K = H: K follows H unless set)
     follows = {"K": "H"} if has_k and cfg.num_key_value_heads == cfg.num_attention_heads else {}
     return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=_inputs, loss=_loss,
-                     check=check, constraints=constraints, moduli=moduli, pin=pin, meanings=meanings, extra=extra,
+                     check=check, constraints=constraints, moduli=moduli, pads=pads, pin=pin, meanings=meanings, extra=extra,
                      follows=follows, record_context=hf.unpacked_masks, infer=hf.infer)
 
 

@@ -198,6 +198,12 @@ class ModelSpec:
         moduli: symbol -> m where the model's sizes are polynomial in that symbol only within a
             residue class mod m (a partial rotary dimension ``int(D*f)``): probes then keep the
             request's residue, and the formulas hold for values in that class.
+        pads: symbol -> m where the model pads that size up to whole chunks of m, a config
+            constant (Mamba-2's chunked scan: c·⌈S/c⌉ positions in ⌈S/c⌉ chunks). A request below
+            one chunk is the regime 2 <= S < m (one padded chunk of constant length m: the sizes
+            are polynomials in S there, probed at any value in it); a request of m is one whole
+            chunk (no padding), pinned; a larger one is S's residue class mod m from its first
+            value of two chunks on (as ``moduli``). ``Analysis.bounds`` records the range.
         layers: dotted path of the ``nn.ModuleList`` holding the L repeated blocks (``None``
             lets the tracer find it).
         extra: free-form facts for the report (e.g. the config class).
@@ -238,6 +244,7 @@ class ModelSpec:
     constraints: tuple[Constraint, ...] = ()
     tied: dict[str, str] = field(default_factory=dict)
     moduli: dict[str, int] = field(default_factory=dict)
+    pads: dict[str, int] = field(default_factory=dict)
     follows: dict[str, str] = field(default_factory=dict)
     layers: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)

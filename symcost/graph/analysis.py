@@ -92,6 +92,9 @@ class Analysis(Totals, Conventions, Serialized):
     regime_ties: dict[str, str] = field(default_factory=dict)
     pin_reasons: dict[str, str] = field(default_factory=dict)
     residues: dict[str, list] = field(default_factory=dict)
+    # the range each padded size's formulas hold in (symbol -> [lo, hi], hi None: no bound;
+    # ModelSpec.pads: Mamba-2's S below one chunk of the scan, or from two chunks on)
+    bounds: dict[str, list] = field(default_factory=dict)
     signature: str = ""  # sha256 of regime_signature() of the request's recording
     # the requested values the regime was chosen for (symbol -> int; B and S where requested):
     # a pass that traces a variant of the step (checkpoint.uniform_spec) traces the same regime
@@ -186,6 +189,13 @@ class Analysis(Totals, Conventions, Serialized):
                 raise SymcostError(
                     f"{k}={v} lies outside the regime {k} = {r} mod {m} this trace holds for (its sizes are "
                     f"polynomial in {k} only there); trace again for {k}={v} (--set {k}={v})")
+            if k in (self.bounds or {}) and not (self.bounds[k][0] <= v and (self.bounds[k][1] is None
+                                                                       or v <= self.bounds[k][1])):
+                from symcost.tracing.probes import bounds_words
+
+                raise SymcostError(
+                    f"{k}={v} lies outside the regime {bounds_words(k, self.bounds[k], (getattr(self.spec, 'pads', None) or {}).get(k))} "
+                    f"this trace holds for (other sizes run other ops); trace again for {k}={v} (--set {k}={v})")
             values[k] = v
         for a, b in self.spec.follows.items():  # K = H where the config leaves K unset
             if a not in sizes and a in values and b in values:

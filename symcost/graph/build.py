@@ -28,6 +28,7 @@ from symcost.tracing.fit import (CHECK_L, FIT_L, N_RANDOM, SYMS, Fitter, FitErro
                                  leaves_moe_values, model_divisors, plan_probes, probe_pool, random_near, random_point,
                                  random_pools)
 from symcost.tracing.modules import _layer_of
+from symcost.tracing.probes import bounds_words, pad_bounds
 from symcost.tracing.regime import digest, regime_signature
 from symcost.tracing.schedule import fit_schedule
 from symcost.tracing.symbols import own_sizes
@@ -222,6 +223,13 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         pins["L"] = values["L"]
         reasons["L"] = (f"L <= {n}: every block is one of the {n} leading blocks (no block of the "
                         f"other kind), a regime of its own whose formulas hold for L <= {n} only")
+    for s, m in (getattr(spec, "pads", None) or {}).items():
+        # a size padded to whole chunks (Mamba-2's scan): a request of one whole chunk is a regime
+        # of one value (fewer pad to it, more make two chunks: other ops), pinned, said
+        if s in values and s not in pins and m > 1 and pad_bounds(values[s], m)[0] == pad_bounds(values[s], m)[1]:
+            pins[s] = values[s]
+            reasons[s] = (f"{s} = {m} is one whole chunk of {m}, no padding: fewer pad to one chunk and more make "
+                          f"two chunks, each running other ops")
     if layout_of(spec).cp and "CP" in values:
         # ring attention runs CP steps per attention call (PyTorch's _templated_ring_attention):
         # the rank's op sequence follows CP, which no probe can vary alone (a fold over the ring's
@@ -381,6 +389,24 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         return not isinstance(r, SymcostError) and regime_signature(r) == want_sig
 
     moduli = {s: m for s, m in spec.moduli.items() if s in base_syms}
+    # a size padded to whole chunks of m (ModelSpec.pads, Mamba-2's c·⌈S/c⌉): the request's regime
+    # is a range (2..m-1: one padded chunk of constant length, any class; or its class mod m from
+    # two chunks on), which every probe and check keeps (the spec's probe check refuses the rest)
+    bounds = {s: list(pad_bounds(request[s], m)) for s, m in (getattr(spec, "pads", None) or {}).items()
+              if s in base_syms and s in request and m > 1}
+    for s, (lo, hi) in bounds.items():
+        if hi is None:
+            moduli[s] = math.lcm(moduli.get(s, 1), spec.pads[s])
+        else:
+            moduli.pop(s, None)
+    if bounds:
+        def bounded(p, _own=spec.probe_check):
+            for s, (lo, hi) in bounds.items():
+                if s in p and not (lo <= p[s] and (hi is None or p[s] <= hi)):
+                    return f"{s}={p[s]} is outside the request's regime {bounds_words(s, (lo, hi), spec.pads[s])}"
+            return _own(p) if _own else None
+
+        spec = dataclasses.replace(spec, probe_check=bounded)
     # equal pairs: tied while a probe that breaks the equality runs other ops
     ties: dict[str, str] = {}
     lent: dict[str, int | None] = {}  # leader -> its own modulus, where a follower's was lent to it
@@ -602,6 +628,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     an.request_facts = facts
     an.request_sizes = {k: int(v) for k, v in values.items()}
     an.residues = {s: [m, values[s] % m] for s, m in moduli.items() if s in symbols and s in values}
+    an.bounds = {s: b for s, b in bounds.items() if s in symbols}
     an.signature = digest(want_sig)
     if not an.parallel and not an.tensor_parallel:
         # a parameter shape fitted at the probes that the model does not have at the request: a

@@ -141,7 +141,8 @@ def store(k: dict, sizes: Mapping[str, int], an) -> Path | None:
     if meta is None:
         return None
     regime = _digest(json.dumps([_regime_facts(meta, meta["facts"]), meta["pinned"], meta["config_values"], meta["residues"],
-                                 meta["per_rank_ones"]], sort_keys=True).encode())[:16]
+                                 meta["per_rank_ones"]] + ([meta["bounds"]] if meta.get("bounds") else []),
+                                sort_keys=True).encode())[:16]
     folder = _folder(k)
     _prune_stale(k, folder)
     try:

@@ -199,6 +199,10 @@ def _matches(meta: Mapping, sizes: Mapping[str, int], config: bool = True) -> bo
     for s, (m, r) in (meta.get("residues") or {}).items():
         if s in values and values[s] % m != r:
             return False
+    # sizes padded to whole chunks (Analysis.bounds: Mamba-2's S below one chunk, or two and more)
+    for s, (lo, hi) in (meta.get("bounds") or {}).items():
+        if s in values and not (lo <= values[s] and (hi is None or values[s] <= hi)):
+            return False
     if _per_rank_ones(meta, values) != meta.get("per_rank_ones", []):
         return False
     lead = meta.get("lead_blocks", 0)
@@ -229,6 +233,8 @@ def entry_meta(k: dict, sizes: Mapping[str, int], an) -> dict | None:
     meta["config_values"] = _config_values(meta, sizes)
     meta["residues"] = {s: [int(m), int(r)] for s, (m, r) in (getattr(an, "residues", None) or {}).items()}
     meta["per_rank_ones"] = _per_rank_ones(meta, _request_values(meta, sizes))
+    if getattr(an, "bounds", None):
+        meta["bounds"] = {s: list(b) for s, b in an.bounds.items()}
     traced = getattr(an, "request_facts", None)
     if traced and _free_stack_facts(meta, json.loads(json.dumps(traced))) != meta["facts"]:
         return None  # the tracer read this request otherwise: do not guess which requests match

@@ -95,6 +95,7 @@ class Serialized:
             "model": self.model, "precision": self.precision, "symbols": dict(self.symbols),
             "spec": {"name": spec.name, "symbols": list(spec.symbols), "defaults": dict(spec.defaults),
                      "tied": dict(spec.tied), "layers": spec.layers, "moduli": dict(getattr(spec, "moduli", {})),
+                     **({"pads": dict(spec.pads)} if getattr(spec, "pads", None) else {}),
                      "follows": dict(getattr(spec, "follows", {})),
                      "lead_blocks": int(getattr(spec, "lead_blocks", 0) or 0),
                      "constraints": [[c.kind, c.a, c.b, c.why] for c in spec.constraints],
@@ -117,7 +118,8 @@ class Serialized:
             "fusion": self._fusion_data(), "dataflow": self.dataflow(),
             "module_classes": self._module_classes(),
             # the regime's data (plain dicts), where the tracer records it
-            "regime": {k: _jsonable(getattr(self, k)) for k in _REGIME_FIELDS if hasattr(self, k)},
+            "regime": {k: _jsonable(getattr(self, k)) for k in _REGIME_FIELDS
+                       if hasattr(self, k) and (k != "bounds" or self.bounds)},  # (bounds: padded sizes only)
             # a data-parallel trace (symcost.frontends.parallel): the strategy and the rank's shards
             "parallel": None if getattr(self, "parallel", None) is None else {
                 "shard": self.parallel, "tensor_parallel": getattr(self, "tensor_parallel", None),
@@ -203,7 +205,7 @@ class Serialized:
             raise SymcostError(f"{sd['name']}: this analysis was read from the trace cache and cannot "
                                "build the model; trace it again (symcost --no-cache, or symcost.trace(..., use_cache=False))")
 
-        more = {k: dict(sd[k]) for k in ("moduli", "follows") if sd.get(k) and k in ModelSpec.__dataclass_fields__}
+        more = {k: dict(sd[k]) for k in ("moduli", "follows", "pads") if sd.get(k) and k in ModelSpec.__dataclass_fields__}
         if sd.get("lead_blocks"):
             more["lead_blocks"] = int(sd["lead_blocks"])
         more.update({k: sd[k] for k in ("step", "kv_cache") if sd.get(k) and k in ModelSpec.__dataclass_fields__})
@@ -302,7 +304,7 @@ def _jsonable(x):
 _CACHED_TOTALS = ("params", "params_matmul", "attention_flops", "params_embedding", "params_nonembedding")
 
 #: Analysis attributes that say which regime it was traced in (plain data), kept by to_dict.
-_REGIME_FIELDS = ("request_facts", "regime_ties", "pin_reasons", "residues", "signature", "request_sizes")
+_REGIME_FIELDS = ("request_facts", "regime_ties", "pin_reasons", "residues", "bounds", "signature", "request_sizes")
 
 _GRAPH_FORMULAS = {"repeat", "flops", "flops_hw", "flops_all", "bytes", "intensity"}
 _GRAPH_SHAPES = {"in_shapes", "out_shapes", "shape"}

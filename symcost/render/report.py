@@ -259,6 +259,14 @@ def header(an: Analysis, sizes: Mapping[str, int], memory: dict | None, title: s
     # size mod 8 under --tp): the formulas hold in that class only (Analysis.subs says so elsewhere)
     regime += [f"{a} ≡ {r} (mod {m}): the formulas hold for {a} in this class"
                for a, (m, r) in sorted((getattr(an, "residues", None) or {}).items()) if m > 1]
+    # sizes padded to whole chunks (ModelSpec.pads): the range the formulas hold in (Mamba-2's S
+    # below one chunk of the scan: one padded chunk of constant length; or two chunks and more)
+    if getattr(an, "bounds", None):
+        from symcost.tracing.probes import bounds_words
+
+        pads = getattr(an.spec, "pads", None) or {}
+        regime += [f"{bounds_words(a, b, pads.get(a))}: the formulas hold for {a} in this range"
+                   for a, b in sorted(an.bounds.items())]
     g.add_row("regime", "; ".join(regime) if regime else "no pinned or tied symbols")
     env = an.bind(**sizes)
     given = [f"{s}={env[SYMS[s]]}" for s in an.symbols if s in sizes]

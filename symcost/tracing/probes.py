@@ -94,6 +94,34 @@ def probe_pool(symbol: str, request: int | None = None, modulus: int | None = No
     return list(dict.fromkeys(vals))
 
 
+def pad_bounds(value: int, m: int) -> tuple[int, int | None]:
+    """The range ``[lo, hi]`` (``hi`` None: no upper bound) of the regime of ``value`` for a size
+    the model pads up to whole chunks of ``m`` (``ModelSpec.pads``: Mamba-2's c·⌈S/c⌉): below one
+    chunk, 2..m-1 (one padded chunk of constant length m; 1 runs other kernels); m itself alone
+    (one whole chunk, no padding op); above, from the first value of two chunks or more in
+    ``value``'s class mod m (m + r, or 2m for r = 0; one chunk runs other ops than two or more,
+    measured on transformers' Mamba-2 scan). Torch-free."""
+    if value < m:
+        return (2, m - 1)
+    if value == m:
+        return (m, m)
+    r = value % m
+    return (m + r if r else 2 * m, None)
+
+
+def bounds_words(symbol: str, bound, m: int | None = None) -> str:
+    """``bound`` (``[lo, hi]``, ``hi`` None: none) of ``symbol`` in words for the report and the
+    errors, with why where ``m`` (its ``ModelSpec.pads`` chunk) is given:
+    "2 ≤ S ≤ 7 (one padded chunk of 8)"."""
+    lo, hi = bound
+    text = (f"{symbol} = {lo}" if lo == hi else f"{lo} ≤ {symbol} ≤ {hi}" if hi is not None
+            else f"{symbol} ≥ {lo}")
+    if m:
+        text += (f" (one padded chunk of {m})" if hi is not None and hi < m
+                 else f" (one whole chunk of {m})" if hi == m else f" (two or more chunks of {m})")
+    return text
+
+
 def random_pools(symbols, base: Mapping[str, int], request: Mapping[str, int] | None = None,
                  moduli: Mapping[str, int] | None = None) -> dict[str, list[int]]:
     """Values random probes draw from: the small pool where the base probe's value is in it, else

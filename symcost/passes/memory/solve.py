@@ -56,6 +56,9 @@ class Solver:
         # strides floor: ConvNeXt's IMG mod 32): the admissible values are first, first + m, ...
         m, r = (getattr(self.an, "residues", {}) or {}).get(var, (1, 0))
         first = r if r >= 1 else m
+        bound = (getattr(self.an, "bounds", None) or {}).get(var)  # (a padded size's regime: Analysis.bounds)
+        if bound is not None and first < bound[0]:
+            first = bound[0]  # (in the class: pad_bounds' lower end is)
         env = self._env({**sizes, var: first})
         fixed = {s: env[s] for s in self._syms if str(s) != var}
         L = fixed  # (every stack's length but var's: MemoryModel._cands)
@@ -149,7 +152,17 @@ class Solver:
             return 0
 
         least = next((y for y in range(1, period + 1) if periodic(y)), 1)
+        if bound is not None:
+            least = max(least, first)
         memory_value = value
+        if bound is not None and bound[1] is not None and value > bound[1]:
+            from symcost.tracing.probes import bounds_words
+
+            value = bound[1]
+            limited_by = (f"the trace's regime {bounds_words(var, bound, (getattr(self.an.spec, 'pads', None) or {}).get(var))} "
+                          f"(trace again at a larger {var}); memory alone would allow {var} = {memory_value}")
+        elif bound is not None and value < bound[0]:
+            value = 0  # (not even the regime's smallest value fits)
         value = down(value) if value >= 1 else 0
         if value >= 1 and valid(value):
             # the largest admissible value the model's other limits allow (a limit such as S <=
