@@ -135,6 +135,12 @@ RUNS: dict[str, tuple] = {
     # dp_shard = ep = 8 (efsdp 1, symcost's --dp 1), selective-op AC, B = 4 (inferred: PR #1792's value)
     "TM1": (f"report tests/data/configs/deepseek-v2-lite.json --ep 8 --dp 1 {TT} --set B=4 S=4096 --gpu h100-sxm",
             1.456, "11,254 tok/s/GPU"),
+    # Megatron-Bridge's Qwen3-30B-A3B on 16 H100s (docs/validation.md BR1): EP 16 over Megatron's DP 16
+    # (expert-data-parallel 1: symcost's --dp 1), its distributed optimizer (--shard zero1), BF16, no
+    # recompute, B 1, GBS 1024: K = 1024 / 16 = 64 micro-batches. Not modelled: its HybridEP dispatcher
+    # (all_to_all_single here), CUDA graphs, EP overlap; the gradient reduction counted every micro-batch
+    "BR1": ("report tests/data/configs/qwen3-30b-a3b.json --ep 16 --dp 1 --shard zero1 --precision megatron-bf16 "
+            "--set B=1 S=4096 --gpu h100-sxm", 20.14729, "20.14729 s/iteration (published: s/step)", 64),
 }
 
 
