@@ -361,7 +361,7 @@ def _print_solution(an, mm: mem.MemoryModel, sol: mem.Solution, seconds: float, 
             dp, ep = sol.sizes.get("DP"), sol.sizes.get("EP")
             c.print(f"  per rank: one of DP x EP = {dp} x {ep} ranks, --shard {an.parallel} (the dense parameters over "
                     f"all of them, the rank's E/EP experts over DP; {v} is the rank's, the peak is the rank's, "
-                    "docs/parallel.md §14.6)")
+                    "docs/parallel.md " + ("§14.11)" if layout_of(an).ep_replicate else "§14.6)"))
         else:
             c.print(f"  per rank: one of DP = {sol.sizes.get('DP')} ranks, --shard {an.parallel}{off} ({v} is the rank's; "
                     "the peak is the rank's, docs/parallel.md)")

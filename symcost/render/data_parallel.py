@@ -61,7 +61,8 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
     if step is not None and step.get("ep_comm") is not None:
         c.print(f"EP group: {sum(step['ep_comm'].values()) * 1e3:.3f} ms of all-to-alls over {step['ep_link']} at "
                 f"{step['ep_link_bandwidth'] / 1e9:.0f} GB/s, exposed (the token dispatch feeds the experts, the "
-                "combine the next op); the experts' FSDP2 group (DP_expert) is overlapped as the DP group's")
+                "combine the next op); the experts' data-parallel group (DP_expert: FSDP2's, or DDP's gradient "
+                "all-reduce) is overlapped as the DP group's")
     if step is not None and step.get("cp") is not None:
         cp = step["cp"]
         c.print(f"CP ring: {sum(cp['ring'].values()) * 1e3:.3f} ms of K/V and dK/dV passes over {cp['link']} at "
