@@ -60,7 +60,7 @@ import torch
 
 from symcost.errors import SymcostError
 from symcost.frontends import hf
-from symcost.frontends.spec import Constraint, ModelSpec, check_constraints
+from symcost.frontends.spec import Constraint, ModelSpec
 
 #: Families checked (transformers 5.x, torch 2.13) against FlopCounterMode, saved_tensors_hooks and
 #: a meta count at random tiny sizes (tests/test_hf_ssm.py).
@@ -160,7 +160,9 @@ def mamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
     symbols = tuple(MAMBA2_FIELDS)
     defaults = {"B": 8, "S": 2 * chunk, **{s: getattr(cfg, f) for s, f in MAMBA2_FIELDS.items()}}
     constraints = (Constraint("divides", "K", "H", "K (n_groups) must divide H (num_heads): each group's B and C "
-                              "serve H/K heads"),)
+                              "serve H/K heads"),
+                   Constraint("multiple", "H*D", expand, f"H*D must be a multiple of expand={expand} (Mamba2Config: "
+                              "hidden_size * expand == num_heads * head_dim; another expand: --config expand=...)"))
     meanings = {"H": "SSM heads (num_heads)", "D": "channels per SSM head (head_dim)",
                 "K": "groups of SSM heads sharing B and C (n_groups; H/K heads per group, as grouped-query attention)",
                 "N_state": "SSM state size per head channel (state_size)",
@@ -179,14 +181,6 @@ def mamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
     pads = {"S": chunk} if chunk > 1 else {}
     pin: dict[str, str] = {}
 
-    def check(values: Mapping[str, int]) -> str | None:
-        why = check_constraints(constraints, values)
-        h, d = values.get("H"), values.get("D")
-        if why is None and isinstance(h, int) and isinstance(d, int) and (h * d) % expand:
-            why = (f"H*D must be a multiple of expand={expand} (Mamba2Config: hidden_size * expand == num_heads * "
-                   f"head_dim) (got H={h}, D={d}); another expand: --config expand=...")
-        return why
-
     def config_for(values: Mapping[str, int]):
         kw = dict(ov)
         for s, f in MAMBA2_FIELDS.items():
@@ -196,14 +190,14 @@ def mamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
         _tokens_inside(kw, cfg, kw["vocab_size"])
         return hf._make_config(AutoConfig, model_type, kw)
 
-    build = hf.head_builder(shown, (), symbols, model_cls, config_for, None, check=check)
+    build = hf.head_builder(shown, constraints, symbols, model_cls, config_for, None)
 
     extra = _extra(cfg, model_type, model_cls, ov, base_kwargs, shown, attention="none (no attention layers)",
                    state_space=f"chunked SSD scan (chunks of {chunk}), transformers' torch path",
                    hidden_size_note=f"hidden_size = H*D/{expand} (expand = {expand})")
     return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=_inputs, loss=_loss,
-                     check=check, constraints=constraints, moduli=moduli, pads=pads, pin=pin, meanings=meanings, extra=extra,
-                     record_context=hf.unpacked_masks, infer=hf.infer)
+                     constraints=constraints, moduli=moduli, pads=pads, pin=pin, meanings=meanings,
+                     extra=extra, record_context=hf.unpacked_masks, infer=hf.infer)
 
 
 def hybrid_spec(model_type: str, overrides: Mapping[str, str] | None = None, attention: str | None = None,
@@ -338,14 +332,12 @@ def zamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
         symbols = tuple(x for x in symbols if x != "K")
         defaults.pop("K")
     moduli = {"H": 2 * nm, "D": 2 * nm}
-
-    def check(values: Mapping[str, int]) -> str | None:
-        why = check_constraints(constraints, values)
-        h, d = values.get("H"), values.get("D")
-        if why is None and isinstance(h, int) and isinstance(d, int) and ((h * d) % 2 or (expand * h * d // 2) % nm):
-            why = (f"H*D must be even and mamba_expand*H*D/2 a multiple of n_mamba_heads={nm} (d_model = H*D/2; the "
-                   f"Mamba heads' width mamba_expand*d_model/n_mamba_heads) (got H={h}, D={d})")
-        return why
+    constraints += (Constraint("multiple", "D", 2, "D must be even (Zamba2Config's rotary validation pairs the "
+                               "attention head dimension, also without use_mem_rope)"),
+                    Constraint("multiple", "H*D", 2, "H*D must be even (d_model = H*D/2)"),
+                    Constraint("multiple", f"{expand}*H*D/2", nm,
+                               f"mamba_expand*H*D/2 must be a multiple of n_mamba_heads={nm} (the Mamba heads' width "
+                               f"mamba_expand*d_model/n_mamba_heads, d_model = H*D/2; mamba_expand = {expand})"))
 
     pattern = list(cfg.layers_block_type)
 
@@ -363,7 +355,7 @@ def zamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
         c._attn_implementation = attention
         return c
 
-    build = hf.head_builder(shown, (), symbols, model_cls, config_for, attention, check=check)
+    build = hf.head_builder(shown, constraints, symbols, model_cls, config_for, attention)
 
     # S and K_conv are formulas as for mamba2_spec: S below one chunk, or within its class mod
     # chunk_size from two chunks on (the scan pads S to whole chunks: ModelSpec.pads), the
@@ -386,8 +378,8 @@ def zamba2_spec(model_type: str, overrides: Mapping[str, str] | None = None, att
     # (the config's None is K = H: K follows H unless set)
     follows = {"K": "H"} if has_k and cfg.num_key_value_heads == cfg.num_attention_heads else {}
     return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=_inputs, loss=_loss,
-                     check=check, constraints=constraints, moduli=moduli, pads=pads, pin=pin, meanings=meanings, extra=extra,
-                     follows=follows, record_context=hf.unpacked_masks, infer=hf.infer)
+                     constraints=constraints, moduli=moduli, pads=pads, pin=pin, meanings=meanings,
+                     extra=extra, follows=follows, record_context=hf.unpacked_masks, infer=hf.infer)
 
 
 #: Zamba's symbols and the config fields they set.
@@ -426,16 +418,10 @@ def zamba_spec(model_type: str, overrides: Mapping[str, str] | None = None, atte
     constraints = (Constraint("divides", "K", "H", "K must divide H: each of the K key/value heads serves H/K "
                               "query heads"),
                    Constraint("min", "L", 3, "L must be at least 3: ZambaConfig's first three blocks are Mamba, Mamba "
-                              "and hybrid, its pattern the rest"))
+                              "and hybrid, its pattern the rest"),
+                   Constraint("multiple", f"{expand}*M", nm, f"mamba_expand*M must be a multiple of n_mamba_heads={nm} "
+                              f"(each Mamba head is mamba_expand*M/n_mamba_heads wide; mamba_expand = {expand})"))
     moduli = {"M": nm} if nm > 1 else {}
-
-    def check(values: Mapping[str, int]) -> str | None:
-        why = check_constraints(constraints, values)
-        m = values.get("M")
-        if why is None and isinstance(m, int) and (expand * m) % nm:
-            why = (f"mamba_expand*M must be a multiple of n_mamba_heads={nm} (each Mamba head is mamba_expand*M/"
-                   f"n_mamba_heads wide) (got M={m})")
-        return why
 
     def config_for(values: Mapping[str, int]):
         kw = dict(ov)
@@ -449,7 +435,7 @@ def zamba_spec(model_type: str, overrides: Mapping[str, str] | None = None, atte
         c._attn_implementation = attention
         return c
 
-    build = hf.head_builder(shown, (), symbols, model_cls, config_for, attention, check=check)
+    build = hf.head_builder(shown, constraints, symbols, model_cls, config_for, attention)
 
     kinds = f"attn_layer_period={cfg.attn_layer_period}, attn_layer_offset={cfg.attn_layer_offset}"
     pin = {"L": (f"Mamba blocks and hybrid blocks (the shared transformer block, then Mamba) by layer index ({kinds}): "
@@ -469,5 +455,5 @@ def zamba_spec(model_type: str, overrides: Mapping[str, str] | None = None, atte
                    state_space="multi-head selective scan (Mamba blocks), transformers' sequential CPU path",
                    layer_pattern=kinds, config_values=f"n_mamba_heads={nm}, mamba_expand={expand}")
     return ModelSpec(name=shown, symbols=symbols, defaults=defaults, build=build, make_inputs=_inputs, loss=_loss,
-                     check=check, constraints=constraints, moduli=moduli, pin=pin, meanings=meanings, extra=extra,
+                     constraints=constraints, moduli=moduli, pin=pin, meanings=meanings, extra=extra,
                      follows=follows, record_context=hf.unpacked_masks, infer=hf.infer)

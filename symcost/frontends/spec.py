@@ -6,9 +6,13 @@ read a specification's data without importing torch. ``symcost.frontends.models`
 """
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
+import operator
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,18 +60,79 @@ KV_CACHES = ("dynamic", "static")
 Inputs = tuple  # (args tuple, kwargs dict)
 
 
+#: the operators a constraint's expression may use (``+ - * / // % **``, unary minus)
+_EXPR_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+             ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+
+
+@functools.lru_cache(maxsize=None)
+def _expression(text: str) -> tuple[Callable[[Mapping[str, int]], Fraction | None], tuple[str, ...]]:
+    """``(evaluate, names)`` of an integer expression over symbol names (``"H*D"``, ``"2*M"``,
+    ``"(H*D)/2"``): ``evaluate(values)`` is its exact value (a Fraction: ``/`` is exact division),
+    None where a name has no value; ``names`` the symbol names it reads, in order.
+
+    Raises:
+        ValueError: anything but integers, names and ``+ - * / // % **`` (no calls, no attributes:
+            the text is data, read back from the trace cache, never run as code)."""
+    tree = ast.parse(text.strip(), mode="eval").body
+    names: list[str] = []
+
+    def compile_(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            v = Fraction(node.value)
+            return lambda env: v
+        if isinstance(node, ast.Name):
+            names.append(node.id)
+            return lambda env: env.get(node.id)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            f = compile_(node.operand)
+            return lambda env: None if (x := f(env)) is None else -x
+        if isinstance(node, ast.BinOp) and type(node.op) in _EXPR_OPS:
+            op, f, g = _EXPR_OPS[type(node.op)], compile_(node.left), compile_(node.right)
+
+            def binop(env):
+                x, y = f(env), g(env)
+                if x is None or y is None:
+                    return None
+                if op in (operator.truediv, operator.floordiv, operator.mod) and y == 0:
+                    return None
+                return op(x, y)
+            return binop
+        raise ValueError(f"{ast.unparse(node)!r} is not an integer, a symbol name or + - * / // % ** of them")
+
+    f = compile_(tree)
+
+    def evaluate(values: Mapping[str, int]) -> Fraction | None:
+        env = {n: Fraction(values[n]) for n in names if values.get(n) is not None}
+        return None if len(env) < len(set(names)) else f(env)
+
+    return evaluate, tuple(dict.fromkeys(names))
+
+
 @dataclass(frozen=True)
 class Constraint:
     """A limit on symbol values that PyTorch itself imposes (data, so a cached spec keeps it).
 
-    Kinds (``a``, ``b`` are symbol names, ``n`` an integer):
+    Kinds (``a``, ``b`` are symbol names or integer expressions over them, ``n`` an integer):
 
     - ``("divides", a, b)``: a divides b (key/value heads divide the query heads);
-    - ``("multiple", a, n)``: a is a multiple of n (an even rotary dimension);
+    - ``("multiple", a, n)``: a is a multiple of n (an even rotary dimension; an expression:
+      ``("multiple", "H*D", 2)``, Mamba-2's ``hidden_size * expand == num_heads * head_dim``);
     - ``("max", a, n)``: a <= n (a learned position table of n rows);
     - ``("min", a, n)``: a >= n (a per-head dimension that holds a fixed rotary dimension n).
 
+    An expression (``"H*D"``, ``"2*M"``, ``"H*D/2"``) is Python/sympy syntax over the spec's
+    symbol names, integers and ``+ - * / // % **`` (``/`` exact: ``"H*D/2"`` is a multiple of 3
+    only where H·D/2 is a whole multiple of 3); it is data (a string), so the trace cache keeps the
+    spec and checks a request's sizes with it (``Analysis.bind``) without building the model, and
+    the probe plan draws only points that meet it (:meth:`ModelSpec.probe_ok`). Where it leaves
+    few values near the request, ``moduli`` keeps its symbols in the request's residue classes
+    (``hf:mamba2``'s H and D mod ``expand``).
+
     ``why`` is the one-line reason shown to the user, with a hint to what is accepted.
+
+    Raises:
+        SymcostError: an unknown kind, or an expression that is not one (on construction).
     """
 
     kind: str
@@ -75,19 +140,42 @@ class Constraint:
     b: str | int
     why: str
 
+    def __post_init__(self):
+        from symcost.errors import SymcostError
+
+        if self.kind not in ("divides", "multiple", "max", "min"):
+            raise SymcostError(f"unknown constraint kind {self.kind!r}; accepted: divides, multiple, max, min")
+        for side in (self.a, self.b):
+            if isinstance(side, str):
+                try:
+                    _expression(side)
+                except (SyntaxError, ValueError) as e:
+                    raise SymcostError(f"constraint {self.kind} {self.a!r} {self.b!r}: {side!r} is not an integer "
+                                       f"expression over symbol names ({e})") from None
+
+    @property
+    def symbols(self) -> tuple[str, ...]:
+        """The symbol names the constraint reads (``("H", "D")`` for ``("multiple", "H*D", 2)``)."""
+        return tuple(dict.fromkeys(n for side in (self.a, self.b) if isinstance(side, str)
+                                   for n in _expression(side)[1]))
+
     def violated(self, values: Mapping[str, int]) -> str | None:
         """The reason if ``values`` break this constraint, else None (missing symbols pass)."""
-        x = values.get(self.a)
-        y = values.get(self.b) if isinstance(self.b, str) else self.b
+        x = _expression(self.a)[0](values)
+        y = _expression(self.b)[0](values) if isinstance(self.b, str) else self.b
         if x is None or y is None:
             return None
+        whole = lambda q: q.denominator == 1  # noqa: E731 (x, y are Fractions: "/" is exact)
         bad = {
-            "divides": lambda: y % x != 0,
-            "multiple": lambda: x % y != 0,
+            "divides": lambda: x == 0 or not whole(Fraction(y) / x),
+            "multiple": lambda: y == 0 or not whole(Fraction(x) / y),
             "max": lambda: x > y,
             "min": lambda: x < y,
         }[self.kind]()
-        return f"{self.why} (got {self.a}={x}" + (f", {self.b}={y})" if isinstance(self.b, str) else ")") if bad else None
+        if not bad:
+            return None
+        got = ", ".join(f"{n}={values[n]}" for n in self.symbols)
+        return f"{self.why} (got {got})"
 
 
 def check_constraints(constraints, values: Mapping[str, int]) -> str | None:

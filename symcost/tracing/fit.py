@@ -72,8 +72,9 @@ def model_divisors(constraints) -> tuple[str, ...]:
     Args:
         constraints: a :class:`symcost.frontends.spec.Constraint` sequence (``ModelSpec.constraints``).
     """
-    return tuple(dict.fromkeys(c.a for c in constraints
-                               if c.kind == "divides" and isinstance(c.b, str) and c.a not in DIVISORS))
+    return tuple(dict.fromkeys(c.a for c in constraints  # (symbol names, not expressions such as "H*D")
+                               if c.kind == "divides" and isinstance(c.b, str) and c.a.isidentifier()
+                               and c.b.isidentifier() and c.a not in DIVISORS))
 
 
 #: Combinations of monomials the sparse search of a factor's cofactor (:meth:`Fitter._fit_factored`)
