@@ -129,3 +129,36 @@ def test_ep_with_replicating_engines_is_accepted_and_hsdp_refused():
                {"shard": "ddp", "pipeline": Pipeline()}, {"shard": "zero1", "tp": True}):
         with pytest.raises(SymcostError):
             Layout(ep=True, **kw)
+
+
+def test_megatron_engine_reduces_experts_over_the_expert_data_parallel_group():
+    """Megatron-LM's engine as symcost runs it (``frontends.megatron.wrap_in_place`` with the
+    expert-data-parallel mesh, docs/parallel.md §14.11) on the fake group, EP 2 × DP 2 at tiny sizes:
+    the bytes it all-reduces per rank over each group equal Megatron's arithmetic on the
+    parameters PyTorch built: 2·(n−1)/n of the dense gradients over the DP·EP ranks, 2·(DP−1)/DP of
+    the rank's E/EP experts' gradients over DP (fp32: 4 bytes; nccl-tests' all-reduce factor); the
+    all-to-alls stay on the EP group (a few seconds)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from symcost.frontends.megatron import wrap_in_place
+    from symcost.frontends.parallel import fake_world
+
+    dp, ep = 2, 2
+    v = {"B": 1, "S": 16, "H": 2, "D": 8, "L": 2, "V": 48, "F": 8, "E": 8, "R": 2}
+    fake_world(dp * ep)
+    mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp_replicate", "ep"))
+    flat = mesh["dp_replicate", "ep"]._flatten("dp_replicate_ep")
+    model = build(v, mesh["ep"])
+    wrap_in_place(model, flat, mesh["dp_replicate"])
+    groups = {mesh["ep"].get_group().group_name: "EP", mesh["dp_replicate"].get_group().group_name: "DP_expert",
+              flat.get_group().group_name: "DP"}
+    got = measure(model, torch.randint(0, v["V"], (v["B"], v["S"])), groups=groups)
+    dense = sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor))
+    experts = sum(p._local_tensor.numel() for p in model.parameters() if isinstance(p, DTensor))
+    assert experts == 3 * v["E"] // ep * v["F"] * v["H"] * v["D"] * v["L"]
+    n = dp * ep
+    assert Fraction(got["by_group"]["DP"]["all_reduce"]) == Fraction(2 * (n - 1), n) * 4 * dense
+    assert Fraction(got["by_group"]["DP_expert"]["all_reduce"]) == Fraction(2 * (dp - 1), dp) * 4 * experts
+    assert set(got["by_group"]["EP"]) == {"all_to_all"} and Fraction(got["comm"]["other"]) == 0
