@@ -136,3 +136,98 @@ def test_encdec_data_parallel_every_block_of_both_stacks(examples, shard):  # no
     peak = _measure(str(examples["encdec.py"]) + ":spec", shard, {**spec.defaults, **v}, "fp32", stacks=list(STACKS))
     sizes = {k: x for k, x in v.items() if k in an.symbols}
     assert memory_model(an, "fp32", "adamw", impl="for-loop", device="cpu").peak(**sizes) == peak, v
+
+
+def test_tp_refused_in_one_line_where_a_stack_has_no_plan():
+    """hf:t5 --tp: T5 has no base_model_tp_plan and its feed-forward's ``wi`` matches no name of the
+    Megatron plan, so ``wo`` (row-parallel) would read a whole activation: refused in one line
+    naming the module and what is accepted, before any probe (was: 'several containers ... has
+    length L ... set ModelSpec.layers', which an hf: user cannot do)."""
+    from symcost.frontends.models import resolve
+
+    with pytest.raises(symcost.SymcostError) as e:
+        symcost.trace(resolve("hf:t5", attention="eager"), layout=Layout(tp=True), precision="fp32",
+                      torch_device="cpu", sizes={"B": 2, "S": 4, "S_enc": 4, "H": 4, "D": 2, "F": 8, "V": 16,
+                                                 "L": 2, "TP": 2})
+    msg = str(e.value)
+    assert "\n" not in msg and "ModelSpec.layers" not in msg, msg
+    assert "DenseReluDense.wi (Linear) has no tensor-parallel style" in msg and "accepted:" in msg, msg
+
+
+@pytest.mark.heavy
+def test_bart_tensor_parallel_both_stacks():
+    """hf:bart --tp: the Megatron plan over every block of both stacks (q/k/v_proj, fc1
+    column-parallel; out_proj, fc2 row-parallel; the shared embedding and the tied encoder and
+    decoder embed_tokens vocabulary-parallel; the head gathers its logits, as transformers'
+    ``colwise_gather_output``, since BART adds final_logits_bias to them). One rank's model FLOPs,
+    saved bytes, collective bytes and parameter shard equal PyTorch's on the fake group running
+    that plan (tests/data/tp_rank.py ``measure``) at random sizes."""
+    import os
+    import sys
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+    from tp_rank import measure
+
+    from symcost.frontends.models import resolve
+    from symcost.frontends.parallel import fake_group
+    from symcost.frontends.tensor_parallel import apply
+
+    spec = resolve("hf:bart", attention="eager")
+    an = symcost.trace(spec, layout=Layout(tp=True), precision="bf16-true", torch_device="cpu",
+                       sizes={"B": 2, "S": 5, "S_enc": 7, "H": 4, "D": 4, "F": 16, "V": 64, "L": 2, "TP": 2})
+    assert set(an.pinned) <= {"L", "TP"}, an.pin_reasons
+    rng = random.Random("bart-tp")
+    v = {"B": rng.randint(2, 3), "S": rng.randint(3, 9), "S_enc": rng.randint(3, 11), "H": 4,
+         "D": rng.choice((2, 4, 6)), "F": 8 * rng.randint(1, 4), "V": 8 * rng.randint(4, 12), "L": 2, "TP": 2}
+    values = {**spec.defaults, **v}
+    with torch.device("meta"):
+        model = spec.build(values).to(torch.bfloat16)
+    ctx = apply(model, ["model.encoder.layers", "model.decoder.layers"], fake_group(2), False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        got = measure(model, spec, values, ctx)
+    env = an.bind(**{k: x for k, x in v.items() if k in an.symbols})
+    assert int(an.flops("train").subs(env)) == got["flops"], v
+    assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], v
+    for kind, want in got["comm"].items():
+        assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (kind, v)
+    assert int(an.params_shard.subs(env)) == got["shard"], v
+
+
+def test_pp_refused_in_plain_words(examples):  # noqa: F811 - the fixture
+    """--pp on an encoder-decoder (the guide's encdec.py, own stack sizes; hf:t5, two stacks of L):
+    one line saying pipeline stages cut one block list and an encoder-decoder is not staged, with
+    what is accepted, before any trace (was: 'has no symbol L' / 'set ModelSpec.layers')."""
+    from symcost.frontends.models import resolve
+    from symcost.passes.pipeline import trace_stages
+
+    for spec, sizes in ((_factory(examples["encdec.py"], "spec"), {"L_enc": 2, "L_dec": 3, "H": 2, "D": 4}),
+                        (resolve("hf:t5"), {"L": 2, "H": 2, "D": 4})):
+        with pytest.raises(symcost.SymcostError) as e:
+            trace_stages(spec, 2, sizes=sizes)
+        msg = str(e.value)
+        assert "\n" not in msg and "ModelSpec.layers" not in msg, msg
+        assert "several stacks of blocks" in msg and "accepted for this model: --dp" in msg, msg
+
+
+def test_no_one_block_list_message_is_grammatical_and_actionable():
+    """find_layer_container's refusal: 'several containers (...) have length L' (was 'has'); an
+    hf: model's says what runs instead of asking for ModelSpec.layers, which its user cannot set."""
+    import dataclasses
+
+    from symcost.frontends.models import resolve
+    from symcost.tracing.record import find_layer_container
+
+    spec = resolve("hf:t5")
+    values = {**spec.defaults, "L": 2, "H": 2, "D": 4}
+    with pytest.raises(symcost.SymcostError) as e:
+        find_layer_container(spec, spec.build_meta(values), values)
+    msg = str(e.value)
+    assert "several containers (decoder.block, encoder.block) have length L" in msg, msg
+    assert "ModelSpec.layers" not in msg and "traced unfolded" in msg, msg
+    own = dataclasses.replace(spec, name="mine")
+    with pytest.raises(symcost.SymcostError, match="set ModelSpec.layers"):
+        find_layer_container(own, own.build_meta(values), values)

@@ -736,7 +736,8 @@ class Layout:
                 from symcost.frontends.expert_parallel_tp import skipped
 
                 skip = skipped(model, experts_modules(model))
-            loss_context = apply(model, layers, mesh["TP"], self.sp, self.fp8, skip=skip)
+            loss_context = apply(model, layers if layers is not None else (list(ac_stacks) or None), mesh["TP"],
+                                 self.sp, self.fp8, skip=skip)
         if self.ep:  # (torchtitan's apply_moe_ep_tp: after the dense TP plan, before AC and FSDP)
             from symcost.frontends.expert_parallel import apply as apply_ep
 

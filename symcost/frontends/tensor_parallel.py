@@ -213,15 +213,25 @@ def _features(m) -> tuple[int, int]:
     return (m.out_features, m.in_features) if hasattr(m, "out_features") else tuple(m.weight.shape)
 
 
-def _roles(model, layers: str | None) -> tuple[dict[str, str], dict[str, str]]:
+def block_names(model, layers) -> list[str]:
+    """The module names of the blocks of ``layers``: one container's children (``""``: the
+    root's), or, for a list of containers, every stack's (an encoder's and a decoder's blocks);
+    ``[]`` for None."""
+    if layers is None:
+        return []
+    return [f"{c}.{n}" if c else n for c in ([layers] if isinstance(layers, str) else layers)
+            for n, _ in model.get_submodule(c).named_children()]
+
+
+def _roles(model, layers) -> tuple[dict[str, str], dict[str, str]]:
     """Module roles of the Megatron plan: ``({name: colwise|rowwise|head|embedding|norm|pos},
-    {name: 'attn'|'mlp' parent to gather with sp})``."""
+    {name: 'attn'|'mlp' parent to gather with sp})``; ``layers``: the block container, or a list
+    of them (several stacks: :func:`block_names`)."""
     from torch import nn
 
     roles: dict[str, str] = {}
     parents: dict[str, str] = {}
-    blocks = [f"{layers}.{n}" if layers else n for n, _ in model.get_submodule(layers).named_children()] \
-        if layers is not None else []
+    blocks = block_names(model, layers)
     for b in blocks:
         for name, m in model.get_submodule(b).named_modules():
             full = f"{b}.{name}" if name else b
@@ -256,11 +266,14 @@ def _roles(model, layers: str | None) -> tuple[dict[str, str], dict[str, str]]:
         head = linears[-1]
     vocab = _features(head[1])[0] if head else (embeddings[0][1].weight.shape[0] if embeddings else None)
     token = next((n for n, m in embeddings if m.weight.shape[0] == vocab and isinstance(m, nn.Embedding)), None)
+    # (a table tied to the token embedding is split as it is: BART's encoder and decoder
+    # embed_tokens, each a module of its own on the shared weight)
+    token_weight = model.get_submodule(token).weight if token is not None else None
     for n, m in model.named_modules():
         if not outside(n):
             continue
         if table(m):
-            roles[n] = "embedding" if n == token else "pos"
+            roles[n] = "embedding" if n == token or (token_weight is not None and m.weight is token_weight) else "pos"
         elif head is not None and n == head[0]:
             roles[n] = "head"
         elif "norm" in type(m).__name__.lower() and not any(_linear_like(c) for c in m.modules()):
@@ -276,7 +289,9 @@ def plan(model, layers: str | None, sp: bool, keep: bool = False) -> tuple[dict,
     row-parallel projections' ``use_local_output=False``) and the attention and MLP inputs are
     all-gathered by :func:`_gather_inputs` instead of ``PrepareModuleInput``: a transformers
     model reads the sequence length from its hidden states (positions, the causal mask), which
-    a local shard would cut to S/TP (:func:`sequence_parallel_plan`)."""
+    a local shard would cut to S/TP (:func:`sequence_parallel_plan`). ``layers``: the block
+    container, or a list of them (several stacks; on a transformers model the head then gathers
+    its logits, ``loss_parallel`` False)."""
     from torch import nn
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -284,6 +299,10 @@ def plan(model, layers: str | None, sp: bool, keep: bool = False) -> tuple[dict,
 
     Col, Row = _any_linear_styles()
     roles, parents = _roles(model, layers)
+    # several stacks of a transformers model (an encoder-decoder: BART adds its final_logits_bias
+    # to the logits in its own forward): the head's logits gathered whole, as transformers' own
+    # plans' ``colwise_gather_output`` head does, and the loss sees them unsharded
+    gather = not isinstance(layers, str) and layers is not None and _transformers_model(model)
     out: dict = {}
     seq = Shard(1)
     has_head = False
@@ -302,6 +321,8 @@ def plan(model, layers: str | None, sp: bool, keep: bool = False) -> tuple[dict,
         elif role == "embedding":
             out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate(),
                                         use_local_output=not keep)
+        elif role == "head" and gather:
+            out[name] = col(name, input_layouts=seq if sp else Replicate(), output_layouts=Replicate())
         elif role == "head":
             out[name] = col(name, input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1),
                             use_local_output=False)
@@ -480,8 +501,7 @@ def sequence_parallel_plan(model, layers: str | None, styles: dict) -> tuple[dic
             out[p] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
         else:
             out[p] = s
-    block_prefixes = tuple(f"{layers}.{n}." if layers else f"{n}." for n, _ in model.get_submodule(layers).named_children()) \
-        if layers is not None else ()
+    block_prefixes = tuple(f"{b}." for b in block_names(model, layers))
     for n, role in roles.items():
         # the norms on the residual stream: a block's own (input_layernorm, post_attention_layernorm,
         # ...) and the final one; a norm inside the attention (Qwen3's q_norm) keeps its rule
@@ -637,14 +657,17 @@ def apply(model, layers: str | None, mesh, sp: bool, fp8: str | None = None, ski
     if not styles:
         raise SymcostError("--tp: no projection of the model matches the Megatron plan (column- and "
                            "row-parallel Linears by name); nothing would be split")
-    if got is None and layers is not None and not any(n.startswith(layers + ".") for n in styles):
+    containers = [layers] if isinstance(layers, str) else list(layers or ())
+    if got is None and containers and not any(n.startswith(c + ".") for n in styles for c in containers):
         # (the embedding and head alone split: every block replicated on every rank, which a
         # report would present as tensor parallelism; GPT-2's Conv1D with its fused c_attn)
-        kinds = sorted({type(m).__name__ for n, m in model.get_submodule(layers).named_modules()
+        kinds = sorted({type(m).__name__ for c in containers for n, m in model.get_submodule(c).named_modules()
                         if getattr(m, "weight", None) is not None and getattr(m.weight, "dim", lambda: 0)() == 2})
-        raise SymcostError(f"--tp: no projection inside the blocks ({layers}) matches the Megatron plan "
+        raise SymcostError(f"--tp: no projection inside the blocks ({', '.join(containers)}) matches the Megatron plan "
                            f"(column- and row-parallel nn.Linear by name; the blocks hold {', '.join(kinds)}), and "
                            "the config has no base_model_tp_plan: every block would stay whole on every rank")
+    if got is None and len(containers) > 1:
+        _check_stacks_planned(model, containers, styles)
     # heads per rank: the attention module's head counts / TP (torchtitan's adjustment)
     done = set()
     for n in colwise:
@@ -688,6 +711,29 @@ def apply(model, layers: str | None, mesh, sp: bool, fp8: str | None = None, ski
     if got is not None and own:
         _apply_transformers(model, own, mesh)
     return loss_parallel if lp else _nothing
+
+
+def _check_stacks_planned(model, containers: list[str], styles: dict) -> None:
+    """Several stacks under the Megatron plan (an encoder-decoder without a ``base_model_tp_plan``):
+    every Linear inside the blocks must be column- or row-parallel: where a block's Linear has no
+    style (T5's ``wi``, whose output feeds the row-parallel ``wo``) the plan would feed a whole
+    activation into a row-parallel projection expecting 1/TP of it.
+
+    Raises:
+        SymcostError: the first Linear of a block without a style, in one line with the names
+            the plan accepts.
+    """
+    for c in containers:
+        for n, m in model.get_submodule(c).named_modules():
+            full = f"{c}.{n}" if n else c
+            if _linear_like(m) and full not in styles:
+                cls = type(model).__name__
+                raise SymcostError(
+                    f"--tp: {full} ({type(m).__name__}) has no tensor-parallel style: {cls} has no "
+                    "base_model_tp_plan in its config and the Megatron plan matches projections by name "
+                    "(column-parallel: q, k, v, qkv, q_proj, k_proj, v_proj, up_proj, gate_proj, fc1, w1, w3, ...; "
+                    "row-parallel: o, o_proj, out_proj, dense, fc2, w2, down_proj, ...); accepted: --dp, --ac, "
+                    "or a model whose block projections follow those names")
 
 
 def _retie(model, groups: list[list[str]]) -> None:

@@ -80,6 +80,30 @@ def stage_analysis(ans: Mapping[str, Any], s: int, blocks: list[int]):
     return ans[stage_kind(s, blocks, lead)[0]]
 
 
+def _refuse_stacks(spec, sizes) -> None:
+    """One line where the model has several stacks of blocks (an encoder-decoder's encoder and
+    decoder: :func:`symcost.tracing.stacks.checkpointed_stacks`): torch.distributed.pipelining
+    stages one sequential list of blocks, and symcost's stages (:mod:`symcost.frontends.pipeline`)
+    cut the one block list; a decoder whose every block reads the encoder's output is not staged
+    here yet (docs/parallel.md §1.1).
+
+    Raises:
+        SymcostError: the model has two or more stacks.
+    """
+    from symcost.tracing.stacks import checkpointed_stacks
+
+    try:
+        stacks = checkpointed_stacks(spec, spec.values(dict(sizes or {})))
+    except SymcostError:
+        return
+    if len(stacks) > 1:
+        raise SymcostError(
+            f"--pp: {spec.name} has several stacks of blocks ({', '.join(stacks)}); pipeline stages cut one "
+            "sequential list of blocks, and symcost does not stage an encoder-decoder (every decoder block reads "
+            "the encoder's output) yet; accepted for this model: --dp (any --shard), --ac, --tp where its blocks "
+            "have a plan")
+
+
 def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", sizes: Mapping[str, int] | None = None,
                  cache: tuple | None = None, inner=None, split=None):
     """Trace the stage modules a pipeline of ``pp`` ranks × ``virtual`` stages needs
@@ -106,6 +130,8 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
     from symcost.tracing.record import find_layer_container
 
     spec = model if isinstance(model, ModelSpec) else resolve(model)
+    if spec.layers is None:
+        _refuse_stacks(spec, sizes)
     if "L" not in spec.symbols:
         raise SymcostError(f"{spec.name} has no symbol L (repeated blocks), so no pipeline stages")
     n = pp * virtual

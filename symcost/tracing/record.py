@@ -226,11 +226,13 @@ def find_layer_container(spec: ModelSpec, model: nn.Module, values: Mapping[str,
         found = {k for k in here if other.get(k) == n + 1}
     if len(found) == 1:
         return found.pop()
-    what = "no nn.ModuleList, nn.Sequential or nn.ModuleDict keyed 0..L-1" if not found else f"several containers ({', '.join(sorted(found))})"
-    err = SymcostError(
-        f"{spec.name}: {what} has length L, so the L repeated blocks cannot be found; "
-        "set ModelSpec.layers to the blocks' container"
-    )
+    what = ("no nn.ModuleList, nn.Sequential or nn.ModuleDict keyed 0..L-1 has" if not found
+            else f"several containers ({', '.join(sorted(found))}) have")
+    # (an hf: model's user cannot set ModelSpec.layers: say what runs without one block list)
+    fix = ("the layout asked for wraps blocks it cannot find here; without a layout the step is traced unfolded "
+           "at the requested L" if spec.name.startswith("hf:")
+           else "set ModelSpec.layers to the blocks' container")
+    err = SymcostError(f"{spec.name}: {what} length L, so no one list of the L repeated blocks is found; {fix}")
     err.found = sorted(found)  # (record: the step is then recorded unfolded, L pinned by the tracer)
     raise err
 
