@@ -152,7 +152,7 @@ def test_report_pp_ep_parameters_per_rank_against_meta():
 
 @pytest.mark.parametrize("args, words", [
     (["report", "moe", "--ep", "2", "--pp", "2", "--tp", "2", "--sp"], "without sequence parallelism"),
-    (["report", "moe", "--ep", "2", "--pp", "2", "--dp", "2"], "DDP, HSDP and CPU offload with EP are not modelled yet"),
+    (["report", "moe", "--ep", "2", "--pp", "2", "--dp", "2"], "modelled without pipeline and tensor parallelism for now"),
 ])
 def test_pp_ep_refusals_are_one_line(args, words):
     """What ``--ep --pp`` does not model yet is refused in one line before any trace."""
