@@ -231,3 +231,31 @@ def test_no_one_block_list_message_is_grammatical_and_actionable():
     own = dataclasses.replace(spec, name="mine")
     with pytest.raises(symcost.SymcostError, match="set ModelSpec.layers"):
         find_layer_container(own, own.build_meta(values), values)
+
+
+@pytest.mark.heavy
+def test_encdec_activation_checkpointing_under_data_parallel(examples):  # noqa: F811 - the fixture
+    """--dp 2 (ddp) --ac selective on the guide's encdec.py (was refused): every block of both
+    stacks checkpointed under torchtitan's op-level policy, then each a DDP unit (torchtitan's
+    order). One rank's hardware FLOPs (the recomputation included), saved bytes and all-reduce
+    bytes equal PyTorch's step with each block in ``checkpoint_wrapper`` and then ``replicate``,
+    at random sizes and DP; the model FLOPs leave the recomputation out. (~40 CPU-s)"""
+    from test_checkpoint_stacks import _checkpointed
+
+    spec = _factory(examples["encdec.py"], "spec")
+    an = symcost.trace(spec, layout=Layout(shard="ddp", ac="selective"), precision="fp32", torch_device="cpu",
+                       sizes={"B": 2, "S": 5, "S_enc": 7, "H": 2, "D": 4, "V": 38, "F": 12,
+                              "L_enc": 2, "L_dec": 2, "DP": 2})
+    assert "DP" in an.symbols and set(an.pinned) == {"L_enc", "L_dec"}, an.pin_reasons
+    rng = random.Random("dp-ac-stacks")
+    v = {"B": rng.randint(2, 4), "S": rng.randint(3, 9), "S_enc": rng.randint(3, 11), "H": rng.randint(2, 3),
+         "D": rng.choice((2, 4, 6)), "V": rng.randint(10, 40), "F": rng.randint(4, 16), "DP": rng.choice((2, 4)),
+         "L_enc": 2, "L_dec": 2}
+    got = _rank(_checkpointed(spec, STACKS, "selective"), "ddp", {**spec.defaults, **v})
+    plain = _rank(spec, "ddp", {**spec.defaults, **v})
+    env = {SYMS[k]: x for k, x in v.items() if k in an.symbols}
+    assert int(an.flops("train", "hardware").subs(env)) == got["flops"] > plain["flops"], v
+    assert int(an.flops("train").subs(env)) == plain["flops"], v
+    assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"] < plain["saved"], v
+    assert sympy.Rational(an.comm_bytes("all_reduce").subs(env)) == sympy.Rational(
+        got["comm"]["all_reduce"].numerator, got["comm"]["all_reduce"].denominator), v
