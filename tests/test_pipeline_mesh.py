@@ -24,6 +24,7 @@ import pytest
 from symcost.frontends.layout import Layout
 
 PP, M = 2, 4
+CACHE = ("cs336-lm", {}, None)  # through the trace cache, as `report --pp` traces them
 
 
 def _draw(seed) -> dict:
@@ -110,6 +111,36 @@ def test_real_gloo_fsdp_tp_pp_2x2x2(tmp_path, seed, sp, ac):
     from symcost.passes.pipeline import summary
 
     v = _draw(seed)
-    r = summary("cs336-lm", PP, "1f1b", M, precision="fp32", sizes=dict(v, DP=2, TP=2),
+    # (through the trace cache, as `report --pp` traces: the selective run's stage traces, L = 2,
+    # are those test_stage_trace_that_pins_L_round_trips_the_trace_cache reads back)
+    r = summary("cs336-lm", PP, "1f1b", M, precision="fp32", sizes=dict(v, DP=2, TP=2), cache=CACHE,
                 inner=Layout(shard="fsdp", tp=True, sp=sp, ac=None if ac == "none" else ac))
     _check(dict(r, ac=ac != "none"), _gloo(tmp_path, v, 2, 2, "fsdp", sp, ac), 0.05)
+
+
+@pytest.mark.heavy
+def test_stage_trace_that_pins_L_round_trips_the_trace_cache(monkeypatch):
+    """A stage of one block cannot fold its blocks, so its trace pins L at 1 (here the first
+    stage of ``--pp 2 --dp 2 --tp 2 --sp --ac selective`` at L = 2): it is looked up with the
+    stage's own block count, so the next request reads it back (it was traced again on every
+    call: 22 s of a 25 s warm report).
+
+    At the sizes and layout of the selective 2×2×2 gloo run above (seed 2712: L = 2), whose
+    ``summary`` traced these stages into this process's trace cache: run after it (one file, one
+    worker), the first request is that run's trace, not another trace of the composed stages
+    (94 CPU-s, 2026-12-05; 0.1 s read back); run alone, it traces them here."""
+    import symcost
+    import symcost.passes.pipeline as P
+
+    sizes = dict(_draw(2712), DP=2, TP=2)
+    assert sizes["L"] == PP  # (one block a stage)
+    inner = Layout(shard="fsdp", tp=True, sp=True, ac="selective")
+    _, first = P.trace_stages("cs336-lm", PP, 1, "fp32", sizes, cache=CACHE, inner=inner)
+    assert first["first"].pinned.get("L") == 1, first["first"].pinned  # (the case this guards)
+    monkeypatch.setattr(P, "_TRACES", {})
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced again: the cache was not read")
+    monkeypatch.setattr(symcost, "trace", no_trace)
+    _, again = P.trace_stages("cs336-lm", PP, 1, "fp32", sizes, cache=CACHE, inner=inner)
+    assert {k: an.flops("train") for k, an in again.items()} == {k: an.flops("train") for k, an in first.items()}

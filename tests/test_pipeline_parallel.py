@@ -441,29 +441,6 @@ def test_stage_traces_round_trip_the_trace_cache(monkeypatch):
         assert got["formulas"] == w["formulas"]
 
 
-@pytest.mark.heavy
-def test_stage_trace_that_pins_L_round_trips_the_trace_cache(monkeypatch):
-    """A stage of one block cannot fold its blocks, so its trace pins L at 1 (here the first
-    stage of ``--pp 2 --dp 2 --tp 2 --sp --ac selective`` at L = 2): it is looked up with the
-    stage's own block count, so the next request reads it back (it was traced again on every
-    call: 22 s of a 25 s warm report)."""
-    import symcost
-    import symcost.passes.pipeline as P
-    from symcost.frontends.layout import Layout
-
-    sizes = {"B": 2, "S": 64, "H": 4, "D": 8, "L": 2, "V": 64, "F": 32, "DP": 2, "TP": 2}
-    inner = Layout(shard="fsdp", tp=True, sp=True, ac="selective")
-    _, first = P.trace_stages("cs336-lm", 2, 1, "fp32", sizes, cache=CACHE, inner=inner)
-    assert first["first"].pinned.get("L") == 1, first["first"].pinned  # (the case this guards)
-    monkeypatch.setattr(P, "_TRACES", {})
-
-    def no_trace(*a, **k):
-        raise AssertionError("traced again: the cache was not read")
-    monkeypatch.setattr(symcost, "trace", no_trace)
-    _, again = P.trace_stages("cs336-lm", 2, 1, "fp32", sizes, cache=CACHE, inner=inner)
-    assert {k: an.flops("train") for k, an in again.items()} == {k: an.flops("train") for k, an in first.items()}
-
-
 def test_rank_peaks_round_trip_the_trace_cache(monkeypatch):
     """Each rank's peak (its schedule run on fake tensors, tens of seconds at 70B) is kept in
     the trace cache: the same request reads it back without running the schedule, to the byte
