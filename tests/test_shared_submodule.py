@@ -1,10 +1,12 @@
 """Issue 30, "pin only the symbol at fault": a submodule shared by all blocks (torchtune's Llama
 builds one ``Llama3ScaledRoPE`` and hands the same instance to every block's attention,
-tests/data/torchtune_llama.py) folds over L exactly. ``named_modules`` names the shared instance
-once, under block 0, so every block's call of it was recorded as block 0's work and its buffer as
-block 0's: the blocks differed and every symbol was pinned ("no polynomial in it fits"). Checked at
-depths and widths never probed against PyTorch: FlopCounterMode, saved_tensors_hooks, a
-meta-device parameter count, and the buffer bytes of the real model (the shared cache once)."""
+tests/data/torchtune_llama.py; a gate ``nn.Linear`` shared the same way, whose gradient autograd
+sums over the blocks) folds over L exactly. ``named_modules`` names a shared instance once, under
+block 0, so every block's call of it was recorded as block 0's work, its buffer as block 0's (and
+counted L times), its parameter's gradient accumulation as block 0's: the blocks differed and every
+symbol was pinned ("no polynomial in it fits"). Checked at depths and widths never probed against
+PyTorch: FlopCounterMode, saved_tensors_hooks, a meta-device parameter count (the shared gate
+once), and the buffer bytes of the real model (the shared cache once)."""
 from __future__ import annotations
 
 import random
@@ -40,21 +42,22 @@ class Rope(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d, rope):
+    def __init__(self, d, rope, gate):
         super().__init__()
         self.proj = nn.Linear(d, d, bias=False)
-        self.rope = rope  # the same instance in every block
+        self.rope = rope  # the same instance in every block (a buffer)
+        self.gate = gate  # the same instance in every block (a parameter: its gradient summed over them)
 
     def forward(self, x):
-        return x + self.rope(torch.tanh(self.proj(x)))
+        return x + self.rope(torch.tanh(self.proj(x))) * torch.sigmoid(self.gate(x))
 
 
 class SharedRopeLM(nn.Module):
     def __init__(self, v, d, n):
         super().__init__()
-        rope = Rope(d)
+        rope, gate = Rope(d), nn.Linear(d, d, bias=False)
         self.emb = nn.Embedding(v, d)
-        self.layers = nn.ModuleList(Block(d, rope) for _ in range(n))
+        self.layers = nn.ModuleList(Block(d, rope, gate) for _ in range(n))
         self.out = nn.Linear(d, v, bias=False)
 
     def forward(self, t):

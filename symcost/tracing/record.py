@@ -499,10 +499,17 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         param_module: dict[str, str] = {}
         tied: dict[str, list[str]] = {}
         param_shards: dict[str, tuple[int, ...]] = {}
+        param_names: dict[int, list[str]] = {}  # (every name: a parameter of a module shared by blocks)
+        shared_params: set[int] = set()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            param_names.setdefault(id(p), []).append(name)
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) in leaf_names:  # a tied alias: counted once, under its first name
                 tied.setdefault(leaf_names[id(p)][6:], []).append(name)
                 continue
+            name = shared_name(param_names[id(p)])  # in several blocks: one parameter in no block
+            if name != param_names[id(p)][0]:
+                shared_params.add(id(p))
             leaf_names[id(p)] = f"param:{name}"
             local = getattr(p, "_local_tensor", None)  # (to_local() would make a new view each call)
             if (layout.tp or layout.ep) and local is not None:  # the shard DTensor's local ops read
@@ -623,13 +630,14 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 seen_saved[key].also.add(rec.module_stack[-1])
             return t0
 
+        unlabelled = frozenset(shared_params)  # (their gradients' accumulation: in no block)
         entered: set[str] = set()  # blocks (ModuleList items) whose own call has run (modules.outside_its_block)
 
         def pre_hook(module, inputs):
             if torch.compiler.is_compiling():  # (--compile: Dynamo traces the hooks; the block's ops are its own)
                 return
             for fn in _grad_fns(inputs):
-                _label_graph(fn, rec.module_stack[-1])
+                _label_graph(fn, rec.module_stack[-1], unlabelled)
             name = names.get(id(module), rec.module_stack[-1])
             if len(paths.get(id(module), ())) > 1:  # a module shared by the blocks: the caller's
                 name = called_as(paths[id(module)], rec.module_stack[-1]) or name
@@ -642,7 +650,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 return
             label = rec.module_stack.pop()
             for fn in _grad_fns(output):
-                _label_graph(fn, label)
+                _label_graph(fn, label, unlabelled)
 
         h1 = nn.modules.module.register_module_forward_pre_hook(pre_hook)
         h2 = nn.modules.module.register_module_forward_hook(post_hook)

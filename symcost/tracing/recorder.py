@@ -25,8 +25,11 @@ def _module_names(model: nn.Module) -> dict[int, str]:
     return {id(m): name for name, m in model.named_modules()}
 
 
-def _label_graph(root_fn, label: str) -> None:
-    """Label every not-yet-labelled autograd node reachable from ``root_fn``."""
+def _label_graph(root_fn, label: str, unlabelled: frozenset = frozenset()) -> None:
+    """Label every not-yet-labelled autograd node reachable from ``root_fn``, but the
+    ``AccumulateGrad`` nodes of the parameters whose ``id`` is in ``unlabelled`` (a parameter of a
+    module shared by the blocks: its gradient's accumulation is named by the parameter's module,
+    in no block, not by the first block whose graph reaches it)."""
     stack = [root_fn]
     while stack:
         fn = stack.pop()
@@ -34,6 +37,8 @@ def _label_graph(root_fn, label: str) -> None:
             continue
         md = fn.metadata
         if _META_KEY in md:
+            continue
+        if unlabelled and id(getattr(fn, "variable", None)) in unlabelled:
             continue
         md[_META_KEY] = label
         stack.extend(nf for nf, _ in fn.next_functions)
