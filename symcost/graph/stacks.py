@@ -135,24 +135,12 @@ def request_stacks(spec: ModelSpec, own, stacks: Mapping[str, str], symbols, req
     list); ``blocks``: :func:`probe_blocks`.
 
     Raises:
-        Unvariable: see :func:`probe_blocks`; also a stack probed with three blocks (T5's) under
-            activation checkpointing (``--ac``): its peak does not fold yet, so its symbol is
-            pinned and the step traced unfolded.
+        Unvariable: see :func:`probe_blocks`.
     """
     stacks = dict(stacks)
     if not own and "L" in symbols and req.layer_container is None and req.no_fold:
         stacks = find_stacks(spec, request, symbols)
     blocks = probe_blocks(stacks, req, rec_at, request) if stacks else {}
-    from symcost.frontends.layout import layout_of
-
-    if layout_of(spec).ac and blocks:
-        # (checked against PyTorch: T5 under --ac full folded with three probe blocks has FLOPs and
-        # saved bytes exact, but its peak misses 4·H·(S² + S·S_enc + S_enc²) bytes per block, a
-        # bias-sized storage per checkpointed block that the middle block's unit does not keep)
-        sym = next(iter(blocks))
-        raise _unvariable(sym, f"activation checkpointing (--ac) of a stack whose first and last blocks both stand "
-                               f"apart ({', '.join(c for c, x in stacks.items() if x == sym)}) does not fold its "
-                               f"peak yet: traced unfolded at the requested {sym}")
     return stacks, blocks
 
 

@@ -330,7 +330,7 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, 
     siblings: list[tuple[range, range]] = []
     probe_first = False  # the repeated units' probe block is block 0 (the last block differs)
     firsts: dict[int, bool] = {}  # (several stacks) unit -> its probe_first
-    middles: set[int] = set()  # (several stacks) siblings of a three-block stack
+    middles: dict[int, range] = {}  # (several stacks) siblings of a three-block stack -> the block after it
     if stacks:
         units, siblings, firsts, middles = stack_units(info, n, stacks, special or {}, name)
     elif container is not None:
@@ -488,8 +488,9 @@ def _fit_events(sched, alg, recs, fitter, role, container, name, lead: int = 0, 
             return op.name, generic(op.module, "#"), tuple(sorted(evpolys[k].items()))
 
         for j, (rep_ids, sib_ids) in enumerate(siblings):
-            if j in middles:
-                continue  # (as in the data-parallel fold's middle block)
+            # (a three-block stack's middle block: told apart by the block after it, whose frees
+            # of what the middle's last pass allocated are the middle's per-pass ones)
+            sib_ids = middles.get(j, sib_ids)
             sib_frees = {fkey(k) for k in sib_ids if events[k][1] < 0}
             for k in rep_ids:
                 if events[k][1] > 0 or k not in unit_of:

@@ -157,8 +157,13 @@ def stack_units(info, n: int, stacks: Mapping[str, str], special: Mapping[str, i
     runs its first block once, its middle one X - 2 times and its last once, in each direction,
     as the data-parallel fold's middle block does (valid for X >= 2).
     ``siblings``: ``(repeated events, the other block's)`` per repeated unit; ``firsts``: unit ->
-    whether its probe block is the stack's first (the last block stands apart); ``middles``: the
-    indices of ``siblings`` of three-block stacks (no one-pass frees are told apart there).
+    whether its probe block is the stack's first (the last block stands apart; a three-block
+    stack's middle block is its first middle pass forward and its last backward); ``middles``:
+    index of ``siblings`` of a three-block stack -> the events of the block that follows the
+    middle one in that direction (the last block forward, the first backward): the sibling that
+    tells a free each pass makes of the storage the pass before it allocated (a running sum of
+    the position bias's gradient) from a free of a storage allocated once before the stack (the
+    bias block 0 computed, freed after its last use, by the backward of block 1).
 
     Raises:
         SymcostError: the blocks' events interleave (within a stack or between stacks), or a
@@ -188,7 +193,7 @@ def stack_units(info, n: int, stacks: Mapping[str, str], special: Mapping[str, i
     pieces: list[tuple] = []  # (start, stop, repeat, min_L, label, sym)
     siblings: list[tuple[range, range]] = []
     firsts_of: dict[int, bool] = {}  # (index in pieces) -> the probe block is the stack's first
-    middles: set[int] = set()
+    middles: dict[int, range] = {}
     for c, sym in stacks.items():
         X, sp = SYMS[sym], special.get(c)
         for d in dirs:
@@ -202,17 +207,19 @@ def stack_units(info, n: int, stacks: Mapping[str, str], special: Mapping[str, i
         F0, F1 = range(f0[0], f0[1] + 1), range(f1[0], f1[1] + 1)
         if nb[c] == 3:  # first, middle, last: each pass from its block's first event to the next's
             f2 = spans[("forward", c, 2)]
+            firsts_of[len(pieces) + 1] = True  # (block 1: the first middle pass forward, the last backward)
             pieces += [(f0[0], f1[0], 1, 2, f"forward, {c}: first block", sym),
                        (f1[0], f2[0], X - 2, 3, f"forward, {c}: block", sym),
                        (f2[0], f2[1] + 1, 1, 2, f"forward, {c}: last block", sym)]
-            middles.add(len(siblings))
+            middles[len(siblings)] = range(f2[0], f2[1] + 1)
             siblings.append((range(f1[0], f2[0]), range(f0[0], f1[0])))
             if not forward_only:
                 b2, b1, b0 = (spans[("backward", c, i)] for i in (2, 1, 0))
+                firsts_of[len(pieces) + 1] = True
                 pieces += [(b2[0], b1[0], 1, 2, f"backward, {c}: last block", sym),
                            (b1[0], b0[0], X - 2, 3, f"backward, {c}: block", sym),
                            (b0[0], b0[1] + 1, 1, 2, f"backward, {c}: first block", sym)]
-                middles.add(len(siblings))
+                middles[len(siblings)] = range(b0[0], b0[1] + 1)
                 siblings.append((range(b1[0], b0[0]), range(b2[0], b1[0])))
             continue
         if sp == 1:  # the last block stands apart: blocks 0..X-2 are like block 0
