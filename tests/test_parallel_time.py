@@ -11,7 +11,9 @@ per phase is the roofline's (checked in tests/test_roofline.py). Then
 * overlap full:  step = max(compute_fwd + compute_bwd, bytes / bandwidth)
 * overlap backward, DDP (every all-reduce runs in the backward): compute_fwd + max(compute_bwd, bytes / bw)
 
-and the run takes tokens / (B·S·DP) steps per rank; MFU = FLOPs / (step × peak). Sizes, DP,
+and the run takes tokens / (B·S·K·DP) optimizer steps of K micro-steps per rank, each
+(K-1)·(compute_fwd + compute_bwd) + step under DDP (the gradients reduced once per optimizer step)
+and K·step under FSDP2 (every micro-step, as torchtitan runs it); MFU = FLOPs / (step × peak). Sizes, DP,
 nodes and the accumulation are drawn at random (seeded).
 """
 from __future__ import annotations
@@ -74,7 +76,10 @@ def test_time_dp_matches_hand_computed_step(shard, gpu, cache_dir):
             assert d["step"]["step_seconds"] == pytest.approx(step, rel=1e-9), (v, overlap)
             assert d["step"]["link_bandwidth"] == bw and d["peak_flops"] == peak
             assert d["mfu"] == pytest.approx(got["flops"] / (step * peak), rel=1e-9)
-            assert d["time.seconds"] == pytest.approx(tokens / (v["B"] * v["S"] * dp) * step, rel=1e-9)
+            # one optimizer step of k micro-steps: DDP reduces once (under the last micro-step, Megatron's
+            # no_sync_func / PyTorch's no_sync), FSDP2 as torchtitan runs it every micro-step
+            step_k = (k - 1) * (cf + cb if shard == "ddp" else step) + step
+            assert d["time.seconds"] == pytest.approx(tokens / (v["B"] * v["S"] * k * dp) * step_k, rel=1e-9)
             assert d["time.device_hours"] == pytest.approx(d["time.seconds"] * dp / 3600, rel=1e-12)
             assert d["global_batch"] == v["B"] * k * dp and d["tokens_per_step"] == v["B"] * v["S"] * k * dp
             assert d["steps"] == pytest.approx(tokens / (v["B"] * v["S"] * k * dp), rel=1e-12)

@@ -7,6 +7,8 @@ import time
 
 import click
 
+from symcost.errors import SymcostError
+
 from ._options import (common, device_alias, early_checks, layout_words, memory_options, parallel_options,
                        parallel_request, report_cap, trace_model)
 from ._loss import loss_option
@@ -22,7 +24,11 @@ from ._pipeline import pipeline_options, pipeline_request, report_pipeline
 @device_alias
 @pipeline_options
 @loss_option
-def report(model, sets, config, attention, precision, debug, as_json, memory, optimizer, device):
+@click.option("--accumulate", "accumulate", default=1, show_default=True, type=click.IntRange(min=1), metavar="K",
+              help="with --gpu and a parallel layout: also price one optimizer step of K micro-batches, composed "
+                   "as the engine runs them (DDP/zero1 reduce once per step, FSDP2 every micro-batch; "
+                   "docs/performance-model.md)")
+def report(model, sets, config, attention, precision, debug, as_json, memory, optimizer, device, accumulate):
     """The main job: symbols, per-module costs, totals as formulas and the 6·N·P form, memory.
 
     MODEL: cs336-lm (default), gpt2, mlp, megatron-gpt, hf:MODEL_TYPE or path/file.py:factory.
@@ -38,6 +44,9 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
     check_optimizer(optimizer)
     default_impl(device)
     pipe = pipeline_request(click.get_current_context())
+    if accumulate > 1 and (pipe is not None or not click.get_current_context().find_root().meta.get("symcost.gpu")):
+        raise SymcostError("--accumulate K prices an optimizer step of K micro-batches of a parallel layout: it needs "
+                           "--gpu NAME and --dp/--tp/--ep/--cp (with --pp give --microbatches m instead)")
     if pipe is None:  # a policy its framework runs only with the optimizer sharded: say so before the trace
         from symcost.passes.memory.policies import check_layout
 
@@ -84,6 +93,9 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
         priced = _priced_step(an, sizes)  # --gpu: the step per process group and its prediction
         if priced is not None:
             res["parallel"]["step"] = {**priced[0], "predicted": priced[1]}
+            acc = _accumulated(an, sizes, *priced, accumulate)
+            if acc is not None:
+                res["parallel"]["step"]["accumulated"] = acc
         if as_json:
             click.echo(json.dumps(_activations(an, sizes, res), indent=1))
         else:
@@ -94,6 +106,7 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
                 rcp.render(cp)
             if priced is not None:
                 _render_priced(*priced)
+                _render_accumulated(_accumulated(an, sizes, *priced, accumulate))
             _flag(rep.over_cap(peak, cap, "the rank"))
             _flag(_seconds(t0, t1))
         return
@@ -126,9 +139,12 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
 
             cp = cp_summary(an, sizes if sizes else None)
             res.update(rcp.to_json(cp))
+        acc = _accumulated(an, sizes, step, predicted, accumulate) if step is not None else None
         if as_json:
             if step is not None:
                 res["parallel"]["step"] = {**step, "predicted": predicted}
+                if acc is not None:
+                    res["parallel"]["step"]["accumulated"] = acc
             click.echo(json.dumps(_activations(an, sizes, res), indent=1))
         else:
             rep.render(an, sizes, assumed=assumed, layout_words=words)
@@ -143,12 +159,16 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
                     f"MFU {100 * predicted['mfu_predicted']:.1f}% (roofline bound with the same {predicted['mode']} bytes "
                     f"{predicted['bound_seconds'] * 1e3:.4g} ms; the step above is the fused bound"
                     f"{'' if predicted['calibrated'] else '; efficiency parameters defaulted'})")
+                _render_accumulated(acc)
             _activations(an, sizes)
             if cp is not None:
                 rcp.render(cp)
             _flag(rep.over_cap(peak, cap, "the rank"))
             _flag(_seconds(t0, t1))
         return
+    if accumulate > 1:
+        raise SymcostError("--accumulate K applies to --dp, --tp or --ep (with --gpu); one device or --cp alone "
+                           "is not composed over micro-batches")
     mem = rep.memory_section(an, sizes, memory, precision, optimizer, device=device)
     cp = None
     from symcost.frontends.layout import layout_of
@@ -194,6 +214,44 @@ def _priced_step(an, sizes):
     args = (an, dev, sizes, meta.get("symcost.overlap", "backward"), meta.get("symcost.nodes"),
             meta.get("symcost.devices_per_node"))
     return step_time(*args), predict_dp(*args, mode="compiled" if meta.get("symcost.compile") else "eager")
+
+
+def _accumulated(an, sizes, step, predicted, K: int):
+    """One optimizer step of ``K`` micro-batches (``--accumulate K``, K > 1) from the micro-batch's
+    bound and prediction, composed as the layout's data-parallel engine runs them
+    (:func:`symcost.passes.accumulation.accumulated`: DDP/zero1 reduce once per step, FSDP2 every
+    micro-batch, the optimizer once); None for K = 1.
+
+    Returns ``{"micro_batches", "reductions", "step_seconds" (predicted), "bound_seconds",
+    "micro_seconds", "last_seconds", "optimizer_seconds"}``."""
+    if K <= 1:
+        return None
+    from symcost.frontends.layout import layout_of
+    from symcost.hardware.devices import get_device
+    from symcost.passes.accumulation import accumulated
+    from symcost.passes.performance import predict
+
+    meta = click.get_current_context().find_root().meta
+    overlap = meta.get("symcost.overlap", "backward")
+    shard = layout_of(an).shard
+    mode = "compiled" if meta.get("symcost.compile") else "eager"
+    opt = predict(an, get_device(meta["symcost.gpu"]), sizes, mode=mode)["terms"]["optimizer"]
+    p = accumulated(predicted, K, shard, overlap, opt)
+    b = accumulated(step, K, shard, overlap)
+    return {"micro_batches": K, "reductions": p["reductions"], "step_seconds": p["step_seconds"],
+            "bound_seconds": b["step_seconds"], "micro_seconds": p["micro_seconds"], "last_seconds": p["last_seconds"],
+            "optimizer_seconds": opt}
+
+
+def _render_accumulated(acc) -> None:
+    """The text line of :func:`_accumulated` (nothing for None)."""
+    if acc is None:
+        return
+    from symcost.render.report import console
+
+    console().print(f"one optimizer step of K = {acc['micro_batches']} micro-batches: predicted "
+                    f"{acc['step_seconds']:.4g} s (bound {acc['bound_seconds']:.4g} s; gradients reduced "
+                    f"{acc['reductions']} time(s), the optimizer once)")
 
 
 def _render_priced(step, predicted) -> None:

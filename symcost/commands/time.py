@@ -183,8 +183,16 @@ def _time_dp(model, sets, config, attention, precision, device_name, devices_fil
     compiled = bool(meta.get("symcost.compile"))
     pd = predict_dp(an, dev, sizes, meta.get("symcost.overlap", "backward"), meta.get("symcost.nodes"),
                     meta.get("symcost.devices_per_node"), mode="compiled" if compiled else "eager")
-    micro = out["time.seconds"] / out["step"]["step_seconds"] if out["step"]["step_seconds"] else 0.0
-    out["predicted"] = {**pd, "time.seconds": micro * pd["step_seconds"], "time.days": micro * pd["step_seconds"] / 86400}
+    # one optimizer step of K micro-steps as the engine runs them (passes/accumulation.py): the
+    # prediction's optimizer step once per K
+    from symcost.frontends.layout import layout_of
+    from symcost.passes.accumulation import accumulated
+    from symcost.passes.performance import predict
+
+    opt = predict(an, dev, sizes, mode="compiled" if compiled else "eager")["terms"]["optimizer"] if accumulate > 1 else 0.0
+    acc = accumulated(pd, accumulate, layout_of(an).shard, meta.get("symcost.overlap", "backward"), opt)
+    seconds = float(out["steps"]) * acc["step_seconds"]
+    out["predicted"] = {**pd, "accumulated": acc, "time.seconds": seconds, "time.days": seconds / 86400}
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return

@@ -465,6 +465,9 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
     if lay.hsdp:
         links["DP"] = inner(sizes_of["DP"] * sizes_of.get("TP", 1))
     link, bw = links["DP"]
+    ep_tiers = all_to_all_tiers(sizes_of.get("EP", 1), sizes_of.get("TP", 1) if lay.etp else 1, per_node,
+                                (ic.get("link", "link"), ic["link_bandwidth"]),
+                                (ic.get("network", "network"), ic.get("network_bandwidth") or 0.0))
     r = roofline(an, device, {str(k): v for k, v in env.items()}, fused=fused)
     compute = {ph: r["per_phase"].get(ph, {}).get("seconds", 0.0) for ph in ("forward", "backward")}
     by_group = padded(an, env)["by_group"]
@@ -478,6 +481,10 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
         per_group[g] = {"link": gl, "bandwidth": gbw, "ranks": sizes_of.get(g, 1), "bytes": b,
                         "seconds": {ph: b[ph] / gbw for ph in b},
                         "overlapped": g in OVERLAPPED_GROUPS}
+        if g == "EP" and ep_tiers is not None:  # (the EP group spans nodes: each peer's bytes over its own link)
+            per_group[g].update(tiers=ep_tiers, link=" + ".join(f"{t['link']} ({t['peers']} peers)" for t in ep_tiers),
+                                seconds={ph: max(b[ph] * t["share"] / t["bandwidth"] for t in ep_tiers)
+                                                          for ph in b})
     cp = None
     if lay.cp:  # the ring's exchange overlapped with its own blocks as PyTorch schedules it (§15)
         from symcost.passes.context_parallel import ring_exposure, ring_link
@@ -521,7 +528,7 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
     if lay.hsdp:
         extra.update(replicate_link=links["DP_replicate"][0], replicate_link_bandwidth=links["DP_replicate"][1])
     if "EP" in per_group:
-        extra.update(ep_link=links["EP"][0], ep_link_bandwidth=links["EP"][1],
+        extra.update(ep_link=per_group["EP"]["link"], ep_link_bandwidth=links["EP"][1],
                      ep_comm=dict(per_group["EP"]["seconds"]))
     if cp:
         extra["cp"] = cp
@@ -531,6 +538,42 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
             "step_seconds": step, "exposed_comm_seconds": step - sum(compute.values()),
             "mfu": model_flops / (step * peak) if step else 0.0, "precision": key, "peak_flops": peak,
             "source": ic.get("source", "")}
+
+
+def all_to_all_tiers(ranks: int, stride: int, per_node: int, link: tuple[str, float],
+                     network: tuple[str, float]) -> list[dict[str, Any]] | None:
+    """The link tiers an all-to-all over a group that spans nodes crosses, and each tier's share of
+    a rank's bytes; None where the group sits inside one node or its placement is not whole nodes.
+
+    NCCL's all-to-all is a point-to-point send and receive to every peer inside one NCCL group
+    (PyTorch's ``all_to_all_single``: ``torch/csrc/cuda/nccl.cpp`` ``all2all_single_equal_split``,
+    ``ncclGroupStart``, ``ncclSend``/``ncclRecv`` per peer, ``ncclGroupEnd``, or ``ncclAllToAll``,
+    the same per-peer transfers inside NCCL), so each peer's 1/n of the buffer travels over the
+    link between the two ranks: NVLink to a peer on the same node, the rank's own NIC to a peer on
+    another node, all transfers at once. Of the (n-1)/n of the buffer a rank sends (the bytes the
+    trace counts), the on-node peers' share is (l-1)/(n-1) and the other nodes' (n-l)/(n-1), with l
+    the group's ranks per node; the collective takes the slower tier, max over tiers of
+    share · bytes / bandwidth.
+
+    Args:
+        ranks: n, the group's ranks (EP).
+        stride: how far apart its ranks are in the mesh (1: consecutive; TP under ``--etp``).
+        per_node: devices per node.
+        link, network: ``(name, byte/s per direction)`` of the scale-up link and of the per-device network.
+
+    Returns:
+        ``[{"link", "bandwidth", "share", "peers"}, ...]`` (scale-up link first) or None: the group
+        inside one node (``n·stride`` divides ``per_node``), or ranks not placed whole nodes at a time
+        (then the caller keeps the whole buffer on the network).
+    """
+    n, span = int(ranks), int(ranks) * int(stride)
+    if n <= 1 or (span <= per_node and per_node % span == 0) or span % per_node or per_node % stride:
+        return None
+    local = per_node // stride  # the group's ranks on one node
+    if local <= 1 or not network[1]:
+        return None
+    return [{"link": link[0], "bandwidth": link[1], "share": (local - 1) / (n - 1), "peers": local - 1},
+            {"link": network[0], "bandwidth": network[1], "share": (n - local) / (n - 1), "peers": n - local}]
 
 
 #: the process groups whose collectives the overlap model hides under compute (the data-parallel
@@ -579,11 +622,12 @@ def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accu
     optimizer step is ``accumulate`` = K such micro-steps on each of the DP ranks, so the global
     batch is B·K·DP sequences (shared/conventions.md: B_global = B_micro × K × N_devices) and a run
     of ``tokens`` tokens takes tokens / (B·S·K·DP) optimizer steps, i.e. tokens / (B·S·DP)
-    micro-steps per rank, each :func:`step_time`'s ``step_seconds``. Each micro-step is the
-    traced step with its collectives (FSDP2's and ``replicate``'s default: gradients are reduced
-    every micro-step; skipping the gradient sync of K − 1 micro-steps, ``no_sync`` /
-    ``set_requires_gradient_sync(False)``, is not modelled), so K changes the global batch and
-    the step count, not the time of a token budget.
+    micro-steps per rank. An optimizer step of K micro-steps is composed as the engine runs them
+    (:func:`symcost.passes.accumulation.accumulated`): DDP and Megatron (``--shard ddp``/``zero1``)
+    reduce the gradients once per optimizer step, under the last micro-step's backward (Megatron's
+    ``no_sync_func`` over the first K − 1, PyTorch's ``no_sync``); FSDP2 as torchtitan runs it
+    reduce-scatters every micro-step; the roofline bound has no optimizer term. K = 1: each step is
+    :func:`step_time`'s ``step_seconds``.
 
     Args:
         an: a data-parallel trace (``DP`` a symbol or pinned).
@@ -599,6 +643,8 @@ def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accu
         tokens),
         ``tokens``, ``tokens_per_step`` (B·S·K·DP), ``steps`` (optimizer steps, exact: an int
         or a float), ``step`` (:func:`step_time`'s dict, one micro-step of one rank),
+        ``accumulated`` (:func:`~symcost.passes.accumulation.accumulated` of that step: one
+        optimizer step of K micro-steps),
         ``mfu`` (per rank: model FLOPs of its micro-step / (step seconds × peak)), ``peak_flops``
         and ``precision`` (that peak: the device's figure for the dtype the traced matmuls ran
         in, :func:`step_time`'s), ``flops.train_step``
@@ -635,13 +681,16 @@ def train_time_dp(an, device, sizes: Mapping[str, int] | None, tokens: int, accu
     micro_steps = Fraction(tokens, B * S * replicas)  # per rank
     # the run's model FLOPs: every rank's micro-steps (a TP rank runs 1/TP of its tokens' FLOPs)
     total = _exact(micro_steps * st["ranks"] * int(tc["flops.train_step"]))
-    seconds = float(micro_steps) * st["step_seconds"]
+    from symcost.passes.accumulation import accumulated
+
+    acc = accumulated(st, accumulate, lay.shard, overlap)
+    seconds = float(micro_steps / accumulate) * acc["step_seconds"]
     peak, key = st["peak_flops"], st["precision"]
     return {
         "dp": dp, "ranks": st["ranks"], "micro_batch": B, "accumulation": accumulate,
         "global_batch": B * accumulate * replicas,
         "tokens": tokens, "tokens_per_step": B * S * accumulate * replicas,
-        "steps": _exact(micro_steps / accumulate), "step": st, "mfu": st["mfu"], "peak_flops": peak,
+        "steps": _exact(micro_steps / accumulate), "step": st, "accumulated": acc, "mfu": st["mfu"], "peak_flops": peak,
         "precision": key, "sizes": tc["sizes"], "flops.train_step": tc["flops.train_step"],
         "flops.per_token": tc["flops.per_token"], "compute.total": total,
         "compute.6NP": tc["compute.6NP"],
