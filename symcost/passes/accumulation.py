@@ -31,6 +31,19 @@ from typing import Any, Mapping
 
 from symcost.errors import SymcostError
 
+def overlapped(compute: Mapping[str, float], comm: Mapping[str, float], overlap: str) -> float:
+    """Seconds of a step whose phases' compute and communication (``{"forward", "backward"}``,
+    seconds each) overlap as ``overlap`` says: ``"none"`` (their sum), ``"backward"`` (the
+    backward's communication hidden under the backward's compute, as DDP's buckets and FSDP2's
+    reduce-scatters run: forward + max(backward compute, backward comm)) or anything else (full
+    overlap: the larger of all compute and all communication)."""
+    if overlap == "none":
+        return sum(compute.values()) + sum(comm.values())
+    if overlap == "backward":
+        return compute["forward"] + comm["forward"] + max(compute["backward"], comm["backward"])
+    return max(sum(compute.values()), sum(comm.values()))
+
+
 #: the engines that reduce once per optimizer step (the others every micro-batch)
 ONCE_PER_STEP = ("ddp", "zero1")
 
@@ -65,8 +78,6 @@ def accumulated(step: Mapping[str, Any], K: int, shard: str | None, overlap: str
     Raises:
         SymcostError: K not a positive integer.
     """
-    from symcost.passes.parallel import overlapped
-
     if isinstance(K, bool) or not isinstance(K, int) or K < 1:
         raise SymcostError(f"micro-batches per step must be a positive integer, got {K!r}")
     phases = ("forward", "backward")

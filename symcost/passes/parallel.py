@@ -35,6 +35,7 @@ from symcost.graph.ops import COMM_KINDS
 from symcost.passes.memory.states import (SHARDED, model_state_bytes, optimizer_share, params_tp_local,  # noqa: F401
                                          shard_degree)  # (re-exported)
 from symcost.tracing.fit import SYMS
+from symcost.passes.accumulation import overlapped  # noqa: F401  (re-exported: the overlap rule)
 
 def _units(an) -> list[str]:
     """The FSDP2 units of a ``fully_shard`` trace (folded module names; ``""`` the root), longest
@@ -368,19 +369,6 @@ OVERLAPS = {
                 "forward's all-gathers are exposed",
     "full": "every collective hides under compute (the step is the longer of the two)",
 }
-
-
-def overlapped(compute: Mapping[str, float], comm: Mapping[str, float], overlap: str) -> float:
-    """Seconds of a step whose phases' compute and communication (``{"forward", "backward"}``,
-    seconds each) overlap as ``overlap`` says: ``"none"`` (their sum), ``"backward"`` (the
-    backward's communication hidden under the backward's compute, as DDP's buckets and FSDP2's
-    reduce-scatters run: forward + max(backward compute, backward comm)) or anything else (full
-    overlap: the larger of all compute and all communication)."""
-    if overlap == "none":
-        return sum(compute.values()) + sum(comm.values())
-    if overlap == "backward":
-        return compute["forward"] + comm["forward"] + max(compute["backward"], comm["backward"])
-    return max(sum(compute.values()), sum(comm.values()))
 
 
 def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str = "backward",
