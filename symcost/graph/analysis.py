@@ -231,6 +231,10 @@ class Analysis(Totals, Conventions, Serialized):
     def subs(self, **sizes: int) -> dict[str, int]:
         """Every total as an integer at the given sizes (others at the model's defaults).
 
+        A size set to 1 that this step was traced larger (size 1 is a regime of its own:
+        shared/conventions.md, "Regimes") is evaluated with a warning that the formulas were not
+        checked there (:func:`symcost.graph.reuse.other_regime`; a trace at that size checks them).
+
         Where the formulas do not hold at these sizes (a parameter's shape there is not its fitted
         formula's: a width that is a step function of the symbols, :mod:`symcost.graph.reuse`),
         the step is traced again at them with the options of this trace, a warning says so (and
@@ -240,12 +244,13 @@ class Analysis(Totals, Conventions, Serialized):
             SymcostError: as :meth:`bind`; :class:`symcost.graph.reuse.NotAtTheseSizes` where the
                 formulas do not hold and this analysis cannot trace again (read from the cache).
         """
-        from symcost.graph.reuse import NotAtTheseSizes
+        from symcost.graph.reuse import NotAtTheseSizes, other_regime
 
         try:
             env = self.bind(**sizes)
         except NotAtTheseSizes as e:
             return self._traced_again(e, sizes).subs(**sizes)
+        other_regime(self, {str(k): v for k, v in env.items()})  # (a size of 1 traced larger: a warning)
         ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731  (xreplace: no re-simplifying)
         out = {"params": ev(self.params), "params_matmul": ev(self.params_matmul)}
         out["params_active"] = ev(self.params_active)

@@ -46,6 +46,32 @@ class StepSize(Exception):
         self.pins = dict(pins)
 
 
+
+def other_regime(an, values: Mapping[str, int]) -> None:
+    """Warn (``UserWarning``) where ``values`` set a symbol to 1 that ``an`` was traced larger: size 1
+    is a regime of its own (PyTorch turns copies into views there and broadcasts run other kernels:
+    shared/conventions.md, "Regimes"; the trace cache matches requests by the same facts,
+    :func:`symcost.frontends.spec.request_facts`), so the formulas fitted at sizes of 2 and more were
+    not checked at 1 (parameter counts hold; activations and bytes may not: a torchtune Llama's
+    activations were 192 B off at B = 1). Nothing is said for an analysis without its request's
+    facts. Issue 30: a formula reused outside the sizes it was checked at says so."""
+    import warnings
+
+    from symcost.frontends.spec import request_facts
+
+    traced = (getattr(an, "request_facts", None) or {}).get("ones")
+    if traced is None:
+        return
+    now = request_facts(values, list(an.symbols))["ones"]
+    new = [s for s in now if s not in traced and s not in an.pinned]
+    if new:
+        at = ", ".join(f"{s}=1" for s in new)
+        warnings.warn(
+            f"{an.model}: {at} is a regime of its own (size 1); this trace's formulas were fitted and checked "
+            f"at {', '.join(new)} of 2 and more, not at 1: trace at {at} (symcost.trace(..., sizes={{"
+            + ", ".join(f"'{s}': 1" for s in new) + "}) or --set " + " ".join(f"{s}=1" for s in new)
+            + ") for figures checked there", stacklevel=3)
+
 def config_values(an, values: Mapping[str, int]) -> dict[str, int]:
     """The model's own sizes among ``values``: its config symbols (B, S, T and mesh sizes shape
     no parameter of the model as built), pinned ones included."""
