@@ -395,10 +395,9 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     bounds = {s: list(pad_bounds(request[s], m)) for s, m in (getattr(spec, "pads", None) or {}).items()
               if s in base_syms and s in request and m > 1}
     for s, (lo, hi) in bounds.items():
-        if hi is None:
-            moduli[s] = math.lcm(moduli.get(s, 1), spec.pads[s])
-        else:
-            moduli.pop(s, None)
+        # (below one chunk any class: modulus 1, whose pool is every small value 2, 3, ..., so a
+        # range of two values, 2 <= S <= 3 for a chunk of 4, has both in it)
+        moduli[s] = math.lcm(moduli.get(s, 1), spec.pads[s]) if hi is None else 1
     if bounds:
         def bounded(p, _own=spec.probe_check):
             for s, (lo, hi) in bounds.items():
@@ -627,7 +626,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     an.regime_ties = dict(ties)
     an.request_facts = facts
     an.request_sizes = {k: int(v) for k, v in values.items()}
-    an.residues = {s: [m, values[s] % m] for s, m in moduli.items() if s in symbols and s in values}
+    an.residues = {s: [m, values[s] % m] for s, m in moduli.items() if (m > 1 or s not in bounds) and s in symbols and s in values}
     an.bounds = {s: b for s, b in bounds.items() if s in symbols}
     an.signature = digest(want_sig)
     if not an.parallel and not an.tensor_parallel:
