@@ -259,3 +259,46 @@ def test_encdec_activation_checkpointing_under_data_parallel(examples):  # noqa:
     assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"] < plain["saved"], v
     assert sympy.Rational(an.comm_bytes("all_reduce").subs(env)) == sympy.Rational(
         got["comm"]["all_reduce"].numerator, got["comm"]["all_reduce"].denominator), v
+
+
+@pytest.mark.heavy
+def test_encdec_hsdp_pins_only_the_stacks(examples):  # noqa: F811 - the fixture
+    """--dp 4 --dp-replicate 2 --shard fsdp (HSDP) on encdec.py: only L_enc and L_dec pinned (a
+    fit check once drew DP = R, a dp_shard group of one rank whose bytes differ, and every size was
+    pinned); one rank's FLOPs, saved bytes, each group's collective bytes and parameter shard equal
+    PyTorch's HSDP on the fake 2-D mesh with every block of both stacks a unit (tests/data/tp_rank.py
+    ``hsdp_mesh``, ``measure``), at random sizes with shard groups of 2 and 4. (~25 CPU-s)"""
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+    from tp_rank import check_rank, hsdp_mesh, measure
+
+    from symcost.frontends.parallel import wrap
+
+    spec = _factory(examples["encdec.py"], "spec")
+    an = symcost.trace(spec, layout=Layout(shard="fsdp", replicate=2), precision="bf16-true", torch_device="cpu",
+                       sizes={"B": 2, "S": 8, "S_enc": 8, "H": 4, "D": 8, "V": 64, "F": 32,
+                              "L_enc": 2, "L_dec": 2, "DP": 4})
+    assert set(an.pinned) == {"L_enc", "L_dec"}, an.pin_reasons
+    rng = random.Random("hsdp-stacks")
+    dp = 2 * rng.choice((2, 4))
+    v = {"DP": dp, "B": rng.randint(1, 3), "S": rng.randint(2, 12), "S_enc": rng.randint(2, 12),
+         "H": 4 * rng.randint(1, 2), "D": 4 * rng.randint(1, 3), "V": 8 * dp * rng.randint(1, 2),
+         "F": 8 * dp * rng.randint(1, 2), "L_enc": 2, "L_dec": 2}
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp)
+    mesh, groups = hsdp_mesh(dp, 2)
+    with torch.device("meta"):
+        model = spec.build({**spec.defaults, **v}).to(torch.bfloat16)
+    wrap(model, list(STACKS), "fsdp", mesh)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        got = measure(model, spec, {**spec.defaults, **v}, __import__("contextlib").nullcontext, groups=groups)
+    check_rank(an, {k: x for k, x in v.items() if k in an.symbols}, got, v)

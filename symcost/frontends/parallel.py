@@ -131,6 +131,11 @@ def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None, tp_
             return why
         if replicate and values["DP"] % replicate:
             return f"DP={values['DP']} is no multiple of the replicate degree {replicate} (HSDP)"
+        if replicate and replicate > 1 and values["DP"] == replicate:
+            # (a dp_shard group of one rank shards nothing: other bytes than at 2 or more, a regime
+            # of its own; seen: encdec.py --dp 4 --dp-replicate 2 pinned every size when a check
+            # drew DP = 2)
+            return f"DP={values['DP']} = the replicate degree leaves dp_shard one rank (HSDP), a regime of its own"
         if SHARDS[shard][0] == "replicate":
             # (DDP shards nothing: no size depends on DP, any first dimension runs as it is;
             # OPT's 2,050 learned positions refused hf:opt --dp 2)
