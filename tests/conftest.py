@@ -104,16 +104,36 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-#: the files that take longest (measured: `--durations=0` of a full run, 2026-12-04: 1731 s of
-#: test time, 886 s wall on 2 workers), run first so that pytest-xdist's `--dist loadfile` queue
-#: ends with short files on both workers instead of one worker still in a long file while the
-#: other idles (longest-first)
-LONGEST_FIRST = ("test_tensor_parallel.py", "test_dp_tp_mesh.py", "test_serve.py", "test_pipeline_parallel.py",
-                 "test_moe_real_configs.py", "test_real_configs.py", "test_real_probes.py", "test_inference.py",
-                 "test_regimes.py", "test_checkpoint.py", "test_moe.py", "test_memory.py", "test_parallel.py",
-                 "test_moe_6np.py", "test_recompute.py", "test_flops_exact.py", "test_plan.py",
-                 "test_parallel_memory.py", "test_serve_kv.py", "test_cli.py", "test_memory_peak.py",
-                 "test_solve_pinned.py", "test_cache.py")
+#: the files that take longest, run first so that pytest-xdist's `--dist loadfile` queue ends with
+#: short files on both workers instead of one worker still in a long file while the other idles
+#: (longest-first). From `--durations=0` of a full run (2026-12-04: 1731 s of test time, 886 s
+#: wall on 2 workers), the files grown since put first by the slowest tests of the clean runs of
+#: 2026-12-05 (their summed durations, seconds: test_pipeline_mesh 150, test_compile 93-146,
+#: test_ep_tp 72-111, test_context_parallel 58-95, test_plan_traced 67-73, test_probe_plan 41,
+#: test_vision_families, test_ssm_inference, test_etp, test_explore, test_fp8,
+#: test_context_parallel_pp, test_offload_pipeline, test_expert_parallel 20-50 each; then those of
+#: 10-30 s, test_parallel_stacks (one trace of about 30 CPU-s) to test_roofline)
+LONGEST_FIRST = ("test_pipeline_mesh.py", "test_tensor_parallel.py", "test_compile.py", "test_pipeline_parallel.py",
+                 "test_ep_tp.py", "test_context_parallel.py", "test_plan_traced.py", "test_dp_tp_mesh.py",
+                 "test_serve.py", "test_moe_real_configs.py", "test_real_configs.py", "test_real_probes.py",
+                 "test_probe_plan.py", "test_inference.py", "test_regimes.py", "test_checkpoint.py", "test_moe.py",
+                 "test_memory.py", "test_parallel.py", "test_vision_families.py", "test_ssm_inference.py",
+                 "test_expert_parallel.py", "test_etp.py", "test_explore.py", "test_fp8.py",
+                 "test_context_parallel_pp.py", "test_offload_pipeline.py", "test_parallel_stacks.py",
+                 "test_moe_experts_code.py", "test_plan_routing.py", "test_megatron_run.py", "test_offload.py",
+                 "test_routing_skew.py", "test_roofline.py", "test_moe_6np.py", "test_recompute.py",
+                 "test_flops_exact.py", "test_plan.py", "test_parallel_memory.py", "test_serve_kv.py", "test_cli.py",
+                 "test_memory_peak.py", "test_solve_pinned.py", "test_cache.py")
+
+
+def pytest_configure(config):
+    """Keep :data:`LONGEST_FIRST`'s order under ``--dist loadfile``: pytest-xdist (3.x,
+    ``--loadscope-reorder``, on by default) queues the files by their number of tests, most
+    first, which put the long files of few tests (test_pipeline_mesh.py: 5 tests, about 150 s;
+    test_offload_pipeline.py: 2 tests, 30 s) late in the queue, where one of them becomes the
+    run's tail (xdist/scheduler/loadscope.py ``schedule``). The same as ``--no-loadscope-reorder``."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):
