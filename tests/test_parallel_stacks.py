@@ -302,3 +302,17 @@ def test_encdec_hsdp_pins_only_the_stacks(examples):  # noqa: F811 - the fixture
         model.to_empty(device="cpu")
         got = measure(model, spec, {**spec.defaults, **v}, __import__("contextlib").nullcontext, groups=groups)
     check_rank(an, {k: x for k, x in v.items() if k in an.symbols}, got, v)
+
+
+def test_sp_on_several_stacks_is_one_line():
+    """hf:bart --tp --sp: one line saying sequence parallelism over an encoder-decoder is not
+    modelled yet and what is accepted (PyTorch's plan with SP failed inside BART's encoder on a
+    value read of a sequence-sharded tensor), before any probe."""
+    from symcost.frontends.models import resolve
+
+    with pytest.raises(symcost.SymcostError) as e:
+        symcost.trace(resolve("hf:bart", attention="eager"), layout=Layout(tp=True, sp=True), precision="fp32",
+                      torch_device="cpu", sizes={"B": 2, "S": 8, "S_enc": 8, "H": 4, "D": 2, "F": 8, "V": 16,
+                                                 "L": 2, "TP": 2})
+    msg = str(e.value)
+    assert "\n" not in msg and "--sp on a model of several block stacks" in msg and "accepted: --tp without --sp" in msg, msg

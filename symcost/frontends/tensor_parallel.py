@@ -668,6 +668,13 @@ def apply(model, layers: str | None, mesh, sp: bool, fp8: str | None = None, ski
                            "the config has no base_model_tp_plan: every block would stay whole on every rank")
     if got is None and len(containers) > 1:
         _check_stacks_planned(model, containers, styles)
+    if sp and len(containers) > 1:
+        # (tried: hf:bart's encoder under the plan with sequence parallelism reads a value of a
+        # sequence-sharded tensor, DataDependentOutputException on fake tensors)
+        raise SymcostError(f"--sp on a model of several block stacks ({', '.join(containers)}) is not modelled yet: "
+                           "sequence parallelism splits one residual stream over the sequence, and an "
+                           "encoder-decoder has two, of S_enc and S tokens, the decoder's cross-attention reading "
+                           "the encoder's whole; accepted: --tp without --sp, --dp, --ac")
     # heads per rank: the attention module's head counts / TP (torchtitan's adjustment)
     done = set()
     for n in colwise:
