@@ -90,8 +90,8 @@ def _check(an, spec, stacks, ac: str, v: dict, peak: bool) -> None:
 @pytest.mark.heavy
 def test_bart_full_ac_every_block_of_both_stacks():
     """hf:bart --ac full: both stacks (L blocks each) folded under L, checkpointed block by block;
-    exact at a random L never traced, the peak within 1% of the profiler's; the checkpoint
-    planner (one chain of L blocks) says in one line that it does not plan several stacks."""
+    exact at a random L never traced, the peak within 1% of the profiler's; the one-chain
+    checkpoint planner says in one line that it plans one chain and names the one of several stacks."""
     from symcost.frontends.models import resolve
 
     spec = resolve("hf:bart", attention="eager")  # (FlopCounterMode counts no CPU flash attention)
@@ -104,8 +104,8 @@ def test_bart_full_ac_every_block_of_both_stacks():
     _check(an, spec, ("model.encoder.layers", "model.decoder.layers"), "full", v, peak=True)
     from symcost.passes.checkpoint import analyse
 
-    with pytest.raises(symcost.SymcostError, match="does not plan several stacks yet; report --ac full"):
-        analyse(an, v)  # (symcost checkpoint: the √L planner plans one chain of blocks, says so)
+    with pytest.raises(symcost.SymcostError, match="plans one chain of L blocks .*analyse_stacks"):
+        analyse(an, v)  # (the one-chain planner says so and names the planner of several stacks)
 
 
 @pytest.mark.heavy

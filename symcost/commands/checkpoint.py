@@ -67,6 +67,24 @@ def checkpoint(model, sets, config, attention, precision, debug, memory, budget,
     check_optimizer(optimizer)
     impl = resolve_impl(impl, device)  # (as eval's memory pass: "default" is torch.optim's choice on the device)
     an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
+    if getattr(an, "stacks", None):  # several stacks of blocks: planned per stack (docs/checkpoint.md)
+        if budget is not None:
+            raise SymcostError(f"{an.model} has {len(an.stacks)} stacks of blocks; --budget (the one-chain segment "
+                               "model) is not planned over several stacks: give --memory CAP or --plan")
+        from symcost.passes.checkpoint.stacks import PLANS as STACK_PLANS, analyse_stacks
+
+        if cap is None and kind not in STACK_PLANS:  # (before the second trace)
+            raise SymcostError(f"--plan {kind} is not planned on a model of several stacks (each checkpoint holds one "
+                               f"block there); accepted: {', '.join(STACK_PLANS)}, or --memory CAP")
+        ck = _stack_every_layer(model, config, attention, precision, sizes, as_json)
+        r = analyse_stacks(an, ck, sizes, memory=cap, kind=kind, optimizer=optimizer, impl=impl)
+        r.pop("plan_object")
+        if as_json:
+            click.echo(json.dumps({"model": an.model, "precision": an.precision, "optimizer": optimizer,
+                                   "optimizer_impl": impl, "sizes": {**sizes}, "checkpoint": r}, indent=1))
+            return
+        _print_stacks(an, r, cap, optimizer, impl)
+        return
     if "L" in an.symbols and an.layer_container is not None:
         every_layer_trace(an, model, config, attention, precision, sizes, quiet=as_json)
     r = ckpt.analyse(an, sizes, memory=cap, budget=budget, kind=kind, optimizer=optimizer, impl=impl)
@@ -162,4 +180,84 @@ def _print(an, r: dict, sizes: dict, cap, budget, optimizer: str, impl: str) -> 
     if r["kind"] in ("optimal", "memory") and r["optimality_gap"]:
         c.print(f"  (the search is exact on a model of the step at most {human(r['optimality_gap'], 'B')} above "
                 "the composed schedule: no plan peaks lower by more than that)")
+    c.print(f"  solved in {r['solve_seconds']:.3f} s after tracing")
+
+
+def _stack_every_layer(model, config, attention, precision, sizes, quiet):
+    """The step of a model of several stacks with every block of every stack checkpointed
+    (``--ac full``: :func:`symcost.frontends.checkpointing.checkpoint_blocks`), from the trace cache
+    (the entry ``report --ac full`` uses) or traced."""
+    from symcost.frontends.layout import Layout
+    from symcost.graph.cache import cached_trace
+
+    from ._loss import loss_of
+    from ._options import _trace_fresh, model_task, parse_config, torch_device_of
+
+    ctx = click.get_current_context(silent=True)
+    use_cache = not (ctx is not None and ctx.find_root().meta.get("symcost.no_cache"))
+    cfg = parse_config(config)
+    layout = Layout(ac="full")
+    options = dict(layout.cache_options())
+    if model_task() is not None:
+        options["task"] = model_task()
+    torch_device = torch_device_of(ctx)
+    if torch_device != "cuda":
+        options["torch_device"] = torch_device
+    loss = loss_of(ctx)
+    if loss is not None:
+        options["loss"] = loss
+    return cached_trace(model, cfg, attention, precision, sizes,
+                        lambda: _trace_fresh(model, cfg, attention, precision, sizes, quiet, layout=layout,
+                                             torch_device=torch_device, loss=loss),
+                        use_cache, options=options)
+
+
+def _print_stacks(an, r: dict, cap, optimizer: str, impl: str) -> None:
+    """The tables of a plan over several stacks (:func:`symcost.passes.checkpoint.stacks.analyse_stacks`)."""
+    from rich.table import Table
+
+    from symcost.render.report import console, human
+
+    c = console()
+    lens = ", ".join(f"{s['symbol']} = {s['L']} ({name})" for name, s in r["stacks"].items())
+    c.print(f"[bold]symcost checkpoint[/bold] {an.model}: {len(r['stacks'])} stacks of blocks, {lens}; precision "
+            f"{an.precision}, optimizer {optimizer} ({impl})")
+    for name, s in r["stacks"].items():
+        law, b = s["law"], s["block"]
+        c.print(f"  [bold]{name}[/bold] ({s['symbol']} blocks), per block, from the trace: a (saved inside) = {law['a']} = "
+                f"{human(b['a'], 'B')};  x (block input kept) = {law['x']} = {human(b['x'], 'B')};  f (forward) = "
+                f"{law['f']} = {human(b['f'], 'FLOP')} (rerun by its checkpoint: {human(b['r'] or 0, 'FLOP')})")
+        c.print(f"    law (Chen et al. 2016): M(k) = {law['memory']};  k* = {law['k_star']} = {s['k_star']:.3f};  "
+                f"M(k*) = {law['memory_star']}")
+        if s["k_star"] < 1:
+            c.print("    k* < 1: a block's input is much smaller than what it saves inside, so per block the "
+                    "least memory is each block under its own checkpoint")
+    how = f"least recompute with peak ≤ {human(cap, 'B')}" if cap is not None else f"plan {r['kind']}"
+    c.print(f"[bold]  plan ({how}):[/bold] "
+            + "; ".join(f"{name}: {s['n_checkpointed']} of {s['L']} blocks" for name, s in r["stacks"].items()))
+    c.print("    " + (", ".join(r["plan"]) if r["plan"] else "(nothing checkpointed)"))
+    t = Table(title="Predicted (peak: the steady-state step with the plan, the traced schedules of both stacks "
+                    "composed block by block)", title_justify="left")
+    for col in ("", "no checkpointing", "every block", "this plan"):
+        t.add_column(col, justify="right")
+    t.add_row("peak of the step", human(r["peak_none"], "B"), human(r["peak_every_layer"], "B"), human(r["peak"], "B"))
+    t.add_row("recompute FLOPs", "0", human(r["tradeoff"][-1]["recompute_flops"], "FLOP"),
+              human(r["recompute_flops"], "FLOP"))
+    t.add_row("train FLOPs", human(r["train_flops_none"], "FLOP"),
+              human(r["train_flops_none"] + r["tradeoff"][-1]["recompute_flops"], "FLOP"), human(r["train_flops"], "FLOP"))
+    c.print(t)
+    tt = Table(title="Trade-off: the first n blocks of one stack checkpointed (the other stacks plain)",
+               title_justify="left")
+    for col in ("stack", "n", "peak", "recompute FLOPs", "extra vs. step"):
+        tt.add_column(col, justify="right")
+    for row in r["tradeoff"]:
+        n = sum(row["checkpointed"].values()) if row["what"] in ("none", "every-layer") else row["checkpointed"][row["what"]]
+        tt.add_row(row["what"], str(n), human(row["peak"], "B"), human(row["recompute_flops"], "FLOP"),
+                   f"{row['recompute_flops'] / r['train_flops_none']:.1%}")
+    c.print(tt)
+    if r.get("peak_where"):
+        c.print(f"  the plan's peak is reached at: {r['peak_where']}")
+    if r.get("composition_gap"):
+        c.print(f"  (the composed step of no block or every block checkpointed differs from that traced step's own "
+                f"peak by up to {human(r['composition_gap'], 'B')}: the plan's peak is that approximate)")
     c.print(f"  solved in {r['solve_seconds']:.3f} s after tracing")

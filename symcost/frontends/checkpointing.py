@@ -213,16 +213,23 @@ def checkpoint_blocks(model, layers, mode: str = "full") -> None:
     Raises:
         SymcostError: an unknown ``mode`` (:data:`AC_MODES`).
     """
-    import functools
-
-    from torch.utils.checkpoint import checkpoint
-
     from symcost.errors import SymcostError
 
     if mode not in AC_MODES:
         raise SymcostError(f"unknown --ac {mode!r}; accepted: none, {', '.join(AC_MODES)}")
-    extra = {"context_fn": op_sac_context} if mode == "selective" else {}
     blocks = [b for c in ([layers] if isinstance(layers, str) else layers) for b in model.get_submodule(c).children()]
+    checkpoint_modules(blocks, mode)
+
+
+def checkpoint_modules(blocks, mode: str = "full") -> None:
+    """Checkpoint each module of ``blocks`` on its own in place, as :func:`checkpoint_blocks` does
+    for every block of its containers (a checkpoint plan's chosen blocks of several stacks:
+    :class:`symcost.passes.checkpoint.stacks.StackPlan`)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    extra = {"context_fn": op_sac_context} if mode == "selective" else {}
     for block in blocks:
         inner = block.forward
 

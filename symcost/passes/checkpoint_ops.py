@@ -276,16 +276,18 @@ def require_block_list(an) -> None:
 
     Raises:
         SymcostError: several stacks of blocks (an encoder-decoder's, each folded under its own
-            length symbol, :attr:`Analysis.stacks`): one line saying the planner plans one block
-            list and that ``--ac full|selective`` checkpoints every block of every stack; or no
+            length symbol, :attr:`Analysis.stacks`): one line saying this planner plans one block
+            list, that :func:`symcost.passes.checkpoint.stacks.analyse_stacks` plans several and that
+            ``--ac full|selective`` checkpoints every block of every stack; or no
             repeated blocks (L is not a symbol).
     """
     stacks = getattr(an, "stacks", None) or {}
     if stacks:
         raise SymcostError(
             f"{an.model} has {len(stacks)} stacks of blocks ({', '.join(f'{c}: {s}' for c, s in stacks.items())}); "
-            "the checkpoint planner plans one chain of L blocks and does not plan several stacks yet; "
-            "report --ac full|selective checkpoints every block of every stack")
+            "this planner plans one chain of L blocks (symcost checkpoint plans each stack's blocks: "
+            "symcost.passes.checkpoint.stacks.analyse_stacks); report --ac full|selective checkpoints every block "
+            "of every stack")
     if "L" not in an.symbols or an.layer_container is None:
         raise SymcostError(f"{an.model} has no repeated blocks (no symbol L); nothing to checkpoint")
 

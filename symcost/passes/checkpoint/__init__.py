@@ -28,7 +28,9 @@ The pass takes an :class:`~symcost.graph.analysis.Analysis` and returns plain da
 Modules: ``segments`` (integer segment algorithms), ``costs`` (block costs, the law), ``plans``
 (:class:`Plan`), ``traces`` (checkpointed steps traced), ``schedule`` (the step's peak under a
 plan, :class:`Chain`, :func:`make_plan`, :func:`exact`), ``analyse`` (the pass), ``memory``
-(max-batch with checkpointing). Every name above is importable from this package.
+(max-batch with checkpointing), ``stacks`` (a model of several stacks of blocks: the plan per
+stack, :func:`~symcost.passes.checkpoint.stacks.analyse_stacks`). Every name above is importable
+from this package.
 """
 
 from __future__ import annotations
@@ -41,3 +43,4 @@ from symcost.passes.checkpoint.traces import _uniform_trace, every_layer, recomp
 from symcost.passes.checkpoint.schedule import Chain, StepSchedule, chain, exact, is_uniform, law_of, make_plan  # noqa: F401
 from symcost.passes.checkpoint.analyse import analyse, tradeoff  # noqa: F401
 from symcost.passes.checkpoint.memory import CheckpointedMemory, plan_memory  # noqa: F401
+from symcost.passes.checkpoint.stacks import StackPlan, StackSchedule, analyse_stacks  # noqa: F401
