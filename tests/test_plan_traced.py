@@ -88,8 +88,10 @@ def test_traced_peak_is_reports_peak_and_rows_rerank(capsys):
 @pytest.mark.heavy
 def test_pipeline_row_traced_peak_is_report_pp(capsys):
     """A pipeline row (pp = 2 over dp 2 FSDP2) traced by plan: its peak is ``report --pp``'s
-    most loaded rank's, and a cap between the screened memory and the traced peak drops it."""
-    from symcost.passes.plan_traced import traced_peak
+    most loaded rank's, and a cap between the screened memory and the traced peak drops it
+    (:func:`refine` on the plan screened at that cap, handed that one layout's rows: the check is
+    one layout's, so the other layouts are not traced)."""
+    from symcost.passes.plan_traced import refine, traced_peak
 
     res = plan(_an(), SZ, get_device("a100-80gb"), 4, 10**12, 8, PREC, shards=("fsdp",), checkpoints=("none",),
                micro_batches=(2,))
@@ -98,7 +100,11 @@ def test_pipeline_row_traced_peak_is_report_pp(capsys):
     assert t["peak"] == _report_peak(capsys, row["layout"])
     cap = min(t["peak"], row["memory"]["total"]) + abs(t["peak"] - row["memory"]["total"]) // 2
     out = plan(_an(), SZ, get_device("a100-80gb"), 4, cap, 8, PREC, shards=("fsdp",), checkpoints=("none",),
-               micro_batches=(2,), model="megatron-gpt", trace_top=100, near=10.0, keep_all=True)
+               micro_batches=(2,), keep_all=True)
+    one = {**out, **{k: [r for r in out[k] if r["layout"] == row["layout"]] for k in ("layouts", "excluded")}}
+    assert len(one["layouts"]) + len(one["excluded"]) == 1
+    out = refine(one, "megatron-gpt", SZ, PREC, k=1, near=10.0)
+    assert out["traced"] == 1
     same = [r for r in out["layouts"] if r["layout"] == row["layout"]]
     assert (t["peak"] <= cap) == bool(same)
     if same:
