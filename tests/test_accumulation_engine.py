@@ -113,3 +113,15 @@ def test_accumulated_step_is_k_micro_batches_and_one_reduction():
     assert accumulated(step, 1, "ddp", "none", opt)["step_seconds"] == pytest.approx(1.0 + 2.5 + 3.0 + 0.5)
     with pytest.raises(Exception, match="positive integer"):
         accumulated(step, 0, "ddp", "none")
+
+
+def test_report_accumulate_refusals():
+    """--accumulate prices a parallel layout's optimizer step on a GPU: without --gpu, or with --pp
+    (whose --microbatches compose the step), one line before any trace."""
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+
+    for extra in ([], ["--pp", "2", "--gpu", "h100-sxm"]):
+        r = CliRunner().invoke(main, ["report", "mlp", "--dp", "2", "--accumulate", "2", *extra])
+        assert r.exit_code == 2 and "--accumulate K" in r.output, r.output
