@@ -175,3 +175,38 @@ def test_stack_plan_apply_checkpoints_the_chosen_blocks(examples):  # noqa: F811
     assert counts[0][1] == pytest.approx(counts[1][1], rel=1e-6)
     for g, h in zip(counts[0][2], counts[1][2]):
         torch.testing.assert_close(g, h)
+
+
+@pytest.mark.heavy
+def test_encdec_max_batch_over_b_and_own_sizes(examples, capsys):  # noqa: F811 - the fixture
+    """``symcost max-batch`` on the guide's encdec.py (two stacks, L_enc and L_dec) answers for B
+    and for the model's own sizes (S_enc, L_enc): the answer's peak fits the cap and the next
+    value's does not, by torch.profiler's peak of PyTorch's real step (within its 0.1 % offset:
+    the cap is put halfway between symcost's two peaks, far from either)."""
+    from memory_oracle import step_peak
+
+    path = examples["encdec.py"]
+    spec = _factory(path, "spec")
+    rng = random.Random("max-batch stacks")
+    # (peaks above the 1 MiB a cap takes)
+    base = {"B": 8, "S": rng.randint(28, 36), "S_enc": rng.randint(28, 36), "H": 4, "D": 8, "V": rng.randint(40, 64),
+            "F": rng.randint(48, 64), "L_enc": rng.randint(3, 4), "L_dec": rng.randint(3, 4)}
+    an = __import__("symcost").trace(f"{path}:spec", sizes=TRACE, precision="fp32", torch_device="cpu")
+    from symcost.passes.memory import memory_model
+
+    mm = memory_model(an, "fp32", "adamw", "foreach")
+    for var, target in (("B", rng.randint(8, 10)), ("S_enc", rng.randint(36, 44)), ("L_enc", rng.randint(4, 6))):
+        at = {**base, var: target}
+        lo, hi = mm.peak(**at), mm.peak(**{**at, var: target + 1})
+        assert hi > lo, (var, lo, hi)
+        cap = (lo + hi) // 2
+        others = [f"{k}={x}" for k, x in base.items() if k != var]
+        code, out, err = run_cli(capsys, "max-batch", f"{path}:spec", "--memory", str(cap), "--solve", var, "--set",
+                                 *others, "--precision", "fp32", "--torch-device", "cpu", "--optimizer-impl", "foreach",
+                                 "--json")
+        assert code == 0, err
+        got = json.loads(out)["max"]
+        assert got == target, (var, got, target)
+        fits = step_peak(spec, {**base, var: got}, "fp32")["peak"]
+        over = step_peak(spec, {**base, var: got + 1}, "fp32")["peak"]
+        assert fits <= cap < over, (var, fits, cap, over)
