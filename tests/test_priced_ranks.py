@@ -69,7 +69,8 @@ def _count(an, sizes, kind: str, group: str) -> int:
 @pytest.mark.heavy
 def test_ep_tp_step_priced_per_group(monkeypatch):
     """``--ep 4 --tp 2`` (4 ranks: two TP pairs, one EP group of all four), nodes of 2 devices: the
-    TP pair on the node's link, the EP group over the network; then nodes of 4: both on the link.
+    TP pair on the node's link, the EP group's all-to-all 1/3 over the link and 2/3 over the network
+    (its peers on and off the node); then nodes of 4: both on the link.
     ``report --gpu --json`` and ``time --gpu --json`` answer with it: 4 ranks (EP borrows the TP
     ranks), B·S·EP/TP tokens per step (each TP pair its own micro-batch), device-hours × 4."""
     from symcost.passes.parallel import step_time
@@ -83,12 +84,16 @@ def test_ep_tp_step_priced_per_group(monkeypatch):
     a2a = L * (EP - 1) / EP * (16 * N / TP * v["R"] * M + 8 * v["E"])  # fp32, by hand
     tp_bytes = float(sum(float(an.comm_bytes("all_reduce", ph, group="TP").subs(an.bind(**sizes)))
                          for ph in ("forward", "backward")))
+    # the EP group's 4 consecutive ranks on nodes of 2: each rank's 1 on-node peer over the link, its 2
+    # other-node peers over the network (each peer 1/EP of the buffer: NCCL's per-peer sends), the
+    # all-to-all as long as its slower tier (passes.parallel.all_to_all_tiers)
+    off, on = (EP - 2) / (EP - 1), 1 / (EP - 1)
     st = step_time(an, _device(1e30, 1.0), sizes, "none", devices_per_node=2)
     assert st["ranks"] == 4 and st["nodes"] == 2 and st["groups"]["EP"]["ranks"] == 4
     assert st["groups"]["EP"]["bandwidth"] == 1.0 and st["groups"]["TP"]["bandwidth"] == 1e30
-    assert st["step_seconds"] == pytest.approx(compute + a2a, rel=1e-9)
+    assert st["step_seconds"] == pytest.approx(compute + a2a * off, rel=1e-9)
     st = step_time(an, _device(1.0, 1e30), sizes, "none", devices_per_node=2)
-    assert st["step_seconds"] == pytest.approx(compute + tp_bytes, rel=1e-9)
+    assert st["step_seconds"] == pytest.approx(compute + tp_bytes + a2a * on, rel=1e-9)
     st = step_time(an, _device(1.0, 1e30), sizes, "none", devices_per_node=4)  # (EP inside a node now)
     assert st["nodes"] == 1 and st["step_seconds"] == pytest.approx(compute + tp_bytes + a2a, rel=1e-9)
     # the prediction: alpha per ring step, links free
