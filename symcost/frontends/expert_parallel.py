@@ -153,7 +153,7 @@ def fsdp_indivisible(spec, values: Mapping[str, int], dim: int = 0) -> str | Non
     and the experts' local weights ``[E/EP, ...]`` must split over DP on dimension ``dim``
     (``E/EP`` a multiple of lcm(DP, 4) for ``Shard(0)``, each weight's second dimension for
     ``Shard(1)``). Parameters built on the meta device, memoised per model."""
-    from symcost.frontends.parallel import memo_per_model
+    from symcost.frontends.memo import memo_per_model
 
     def build(v):
         model = spec.build_meta(v)
@@ -244,7 +244,7 @@ def etp_indivisible(spec, values: Mapping[str, int]) -> str | None:
     (:func:`hidden_dims`, ``--etp``), or None: TP must divide each expert's F (the model built on
     the meta device at ``values``, memoised per model). Checked at the request as at probes: an
     uneven split (a DTensor ``Shard`` of F/TP rounded up on some ranks) is not modelled."""
-    from symcost.frontends.parallel import memo_per_model
+    from symcost.frontends.memo import memo_per_model
 
     tp = values.get("TP")
     if tp is None:

@@ -43,6 +43,7 @@ import weakref
 from typing import Mapping
 
 from symcost.errors import SymcostError
+from symcost.frontends.memo import memo_per_model  # noqa: F401  (re-exported)
 
 #: strategy -> (engine traced, reshard_after_forward or None, what is sharded for model states)
 SHARDS: dict[str, tuple[str, bool | None, str]] = {
@@ -185,24 +186,6 @@ def _dims0_key(spec, values: Mapping[str, int]) -> dict[str, int]:
     if "L" in values:  # (the blocks after the leading ones repeat the same first dimensions)
         values["L"] = min(values["L"], int(getattr(spec, "lead_blocks", 0) or 0) + 2)
     return values
-
-
-def memo_per_model(memo: dict, values: Mapping[str, int], compute):
-    """``compute(values)`` (a function of the model built at ``values``) memoised in ``memo``,
-    one memo per model. The sizes of the micro-batch (B, S) are left out of the memo's key when
-    two builds that differ only in them give the same answer (a model sizing a parameter by S,
-    learned positions of S rows say, keeps them in)."""
-    def key(v):
-        skip = () if memo["inputs"] else ("B", "S")
-        return tuple(sorted((k, x) for k, x in v.items() if k not in skip))
-
-    if "inputs" not in memo:
-        got = compute(values)
-        memo["inputs"] = compute({k: x + 1 if k in ("B", "S") else x for k, x in values.items()}) != got
-        memo[key(values)] = got
-    if key(values) not in memo:
-        memo[key(values)] = compute(values)
-    return memo[key(values)]
 
 
 def _indivisible(spec, values: Mapping[str, int], tp_sizes=None, replicate: int | None = None) -> str | None:

@@ -124,7 +124,7 @@ def splits(spec, values: Mapping[str, int], sp: bool = False, sizes=(2, 4, 8)) -
     return [t for t in sizes if _indivisible(spec, {**values, "TP": t}, sp) is None]
 
 
-#: spec.build -> its memo (symcost.frontends.parallel.memo_per_model): sizes -> sharded dims
+#: spec.build -> its memo (symcost.frontends.memo.memo_per_model): sizes -> sharded dims
 _SHARDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -151,10 +151,10 @@ def _indivisible(spec, values: Mapping[str, int], sp: bool) -> str | None:
 
 def _sharded_dims(spec, values: Mapping[str, int]) -> dict:
     """:func:`sharded_dims` of ``spec`` built on the meta device at ``values`` (TP aside),
-    memoised per model (:func:`symcost.frontends.parallel.memo_per_model`): a probe search asks
+    memoised per model (:func:`symcost.frontends.memo.memo_per_model`): a probe search asks
     this for a hundred or more candidate sizes (each build :meth:`ModelSpec.build_meta`); the
     first line of the error where the model does not build there (a str)."""
-    from symcost.frontends.parallel import memo_per_model
+    from symcost.frontends.memo import memo_per_model
 
     values = {k: v for k, v in values.items() if k not in ("TP", "DP")}
     if "L" in values:
