@@ -13,6 +13,9 @@ checks are not among them):
 - **launch overhead**: an eager chain of tiny ops with autograd (forward and backward), its time
   over the aten ops it dispatches (counted by a dispatch mode): ``launch_eager``; a compiled
   one-kernel function's call: ``launch_compiled``;
+- **host work of an eager step** (:func:`host_per_op`): a tiny ``nn.Module`` transformer stack's
+  forward, and its forward and backward, over the aten ops of each phase: ``host_forward``,
+  ``host_backward`` (Python, module calls, dispatch, autograd; on a GPU the launches too);
 - **optimizer**: ``torch.optim.AdamW(foreach=True).step()`` over many small and over a few large
   synthetic tensors: two equations in ``optimizer_per_tensor`` and ``optimizer_per_byte``.
 
@@ -106,6 +109,79 @@ def launch_eager(dev, min_run_time: float = 0.3) -> dict:
         chain()
     t = _median(chain, min_run_time=min_run_time)
     return {"seconds": t, "ops": count[0], "per_op": t / count[0]}
+
+
+#: the host microbenchmark's stack (:func:`host_per_op`): blocks, width, batch, length; tiny, so the
+#: kernels' own work is negligible next to the host's, and no model the validation times
+HOST_STACK = {"blocks": 6, "width": 8, "batch": 2, "length": 4}
+
+
+def _host_stack(dev):
+    """A tiny pre-norm transformer stack of ``nn.Module`` blocks (LayerNorm, Linear, split, head
+    views and transposes, causal SDPA, dropout, GELU, residuals) and its input: the module calls,
+    dispatch and autograd of an eager step, on tensors too small for their kernels to matter."""
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+            self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+            self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+            self.drop = torch.nn.Dropout(0.1)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).split(d, -1)
+            q, k, v = (z.view(b, t, 2, d // 2).transpose(1, 2) for z in (q, k, v))
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.drop(self.o(a.transpose(1, 2).reshape(b, t, d)))
+            return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x)))))
+
+    c = HOST_STACK
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[Block(c["width"]) for _ in range(c["blocks"])]).to(dev)
+    return m, torch.randn(c["batch"], c["length"], c["width"], device=dev)
+
+
+def host_per_op(dev, min_run_time: float = 0.3) -> dict:
+    """Host seconds per aten op of an eager step's forward and of its backward: the forward (and
+    a mean-square loss) of :func:`_host_stack`, then forward and ``backward()``, timed in this
+    process's CPU time (:func:`cpu_time`; a GPU's kernels run elsewhere, so on ``cuda`` this is
+    the host's time alone, launches included), each phase's time over the aten ops a
+    TorchDispatchMode counts in it (the ops a trace records). The kernels of tensors this small
+    are a negligible part on a CPU. Returns ``{"host_forward", "host_backward", "ops": {forward,
+    backward}, "seconds": {forward, forward_backward}}``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    m, x = _host_stack(dev)
+    count = {"forward": 0, "backward": 0}
+
+    class _Count(TorchDispatchMode):
+        def __init__(self, phase):
+            super().__init__()
+            self.phase = phase
+
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            count[self.phase] += 1
+            return func(*a, **(kw or {}))
+
+    def fwd():
+        return m(x).square().mean()
+
+    def fwd_bwd():
+        for p in m.parameters():
+            p.grad = None
+        fwd().backward()
+
+    with _Count("forward"):
+        loss = fwd()
+    with _Count("backward"):
+        loss.backward()
+    timer = (lambda f: cpu_time(f, min_run_time=min_run_time)["median"])
+    tf, tfb = timer(fwd), timer(fwd_bwd)
+    return {"host_forward": tf / count["forward"], "host_backward": max(0.0, tfb - tf) / count["backward"],
+            "ops": dict(count), "seconds": {"forward": tf, "forward_backward": tfb}}
 
 
 def launch_compiled(dev, min_run_time: float = 0.3) -> float:
@@ -242,6 +318,9 @@ def _efficiency(entry: dict, dev, gpu: bool, quick: bool, min_run_time: float, l
 
     launch = launch_eager(dev, min_run_time)
     log(f"eager launch: {launch['per_op'] * 1e6:.2f} us per aten op ({launch['ops']} ops)")
+    host = host_per_op(dev, min_run_time)
+    log(f"eager host work: {host['host_forward'] * 1e6:.2f} us per forward aten op, "
+        f"{host['host_backward'] * 1e6:.2f} us per backward aten op ({host['ops']})")
     lc = launch_compiled(dev, min_run_time)
     log(f"compiled call: {lc * 1e6:.2f} us")
     mem = memory_fraction(dev, entry["bandwidth"], entry.get("write_bandwidth"), min_run_time)
@@ -280,11 +359,14 @@ def _efficiency(entry: dict, dev, gpu: bool, quick: bool, min_run_time: float, l
         **({"compute_capability": cc} if cc else {}),
         "compute_units": units, "tile": list(tile), "gemm_max": g["gemm_max"], "gemm_half": g["gemm_half"],
         "memory": mem["memory"], "copy_bandwidth": cp["copy_bandwidth"], "launch_eager": launch["per_op"], "launch_compiled": lc,
+        "host_forward": host["host_forward"], "host_backward": host["host_backward"],
+        # (a GPU: its host time per op includes the launch, and the host runs ahead of the stream)
+        **({"host_launch": 0.0, "host_async": True} if gpu else {}),
         "optimizer_per_tensor": opt["optimizer_per_tensor"], "optimizer_per_byte": opt["optimizer_per_byte"],
         "source": f"measured by symcost calibrate (microbenchmarks: eager GEMM sweep, add, op chain, AdamW; "
                   f"{torch.get_num_threads()} threads; collective_latency not measured: default)",
         "fit": {"gemm_rows": g["rows"], "gemm_rms_log_error": g["rms_log_error"], "launch": launch,
-                "memory": mem, "copy": cp, "optimizer": opt["cases"]},
+                "memory": mem, "copy": cp, "optimizer": opt["cases"], "host": host},
     }
 
 

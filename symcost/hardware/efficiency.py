@@ -14,6 +14,10 @@ steps it is validated against (docs/performance-model.md). A device file's ``eff
     memory = 0.9                 # fraction of the bandwidth memory-bound ops reach
     copy_bandwidth = 2e10        # byte/s (read + written) of a layout-changing copy (copy_, clone)
     launch_eager = 6e-6          # seconds per aten op in eager mode (dispatch, autograd), each
+    host_forward = 2.2e-6        # host seconds per traced aten op of an eager forward (Python, nn.Module,
+    host_backward = 2.3e-6       #   dispatcher, autograd; the backward's in autograd's engine): replace launch_eager
+    host_launch = 3e-6           # host seconds of a kernel launch per op that runs a kernel (a GPU: cuLaunchKernel)
+    host_async = true            # the host issues ops ahead of the device (a GPU): a stretch is max(host, device)
     launch_compiled = 2e-6       # seconds per kernel of a compiled step
     optimizer_per_tensor = 4e-5  # AdamW (foreach) step: seconds per parameter tensor
     optimizer_per_byte = 2e-10   #   ... and per byte of fp32 parameter
@@ -45,9 +49,9 @@ DEFAULTS: dict[str, Any] = {
 }
 
 _NUMBERS = ("gemm_half", "memory", "copy_bandwidth", "launch_eager", "launch_compiled", "optimizer_per_tensor",
-            "optimizer_per_byte", "collective_latency")
+            "optimizer_per_byte", "collective_latency", "host_forward", "host_backward", "host_launch")
 KNOWN = set(_NUMBERS) | {"compute_units", "tile", "gemm_max", "source", "fit", "compute_capability",
-                         "defaulted"}  # (what to_json writes back: ignored on reading, recomputed)
+                         "defaulted", "host_async"}  # (what to_json writes back: ignored on reading, recomputed)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,17 @@ class Efficiency:
             (``aten.copy_``, ``clone``, ``contiguous``: a permuted or transposed source gathers
             with strides); None: such ops are memory-bound ops like the others.
         launch_eager, launch_compiled: seconds per op (eager) or kernel (compiled).
+        host_forward, host_backward: host seconds per traced aten op of an eager step's forward and
+            backward (Python, ``nn.Module`` calls, the dispatcher, autograd's recording and engine),
+            measured on tiny tensors (:func:`symcost.hardware.calibrate_perf.host_per_op`); None:
+            ``launch_eager`` per op (the older single figure). :meth:`host_per_op` reads them.
+        host_launch: host seconds of launching a kernel, per op that runs one (moves bytes or does
+            FLOPs: views do not) on a device whose kernels the host launches (a GPU's
+            ``cuLaunchKernel``); 0 on a CPU, whose kernel runs inside the op (its time is the
+            device term) — docs/performance-model.md, "Host overhead".
+        host_async: the host issues the ops asynchronously ahead of the device (a CUDA GPU's
+            stream): each stretch between synchronisations takes max(host, device), not their sum
+            (:func:`symcost.passes.performance.host_stretches`); False (a CPU): one thread runs both.
         optimizer_per_tensor, optimizer_per_byte: the AdamW (foreach) step's cost.
         collective_latency: the alpha (seconds) of one step of a ring or tree collective.
         compute_capability: ``(major, minor)`` of a CUDA GPU (NVIDIA's "CUDA C++ Programming
@@ -83,6 +98,10 @@ class Efficiency:
     optimizer_per_tensor: float = DEFAULTS["optimizer_per_tensor"]
     optimizer_per_byte: float = DEFAULTS["optimizer_per_byte"]
     collective_latency: float = DEFAULTS["collective_latency"]
+    host_forward: float | None = None
+    host_backward: float | None = None
+    host_launch: float | None = None
+    host_async: bool = False
     compute_capability: tuple[int, int] | None = None
     source: str = "defaults (symcost.hardware.efficiency.DEFAULTS)"
     defaulted: tuple[str, ...] = ()
@@ -97,6 +116,12 @@ class Efficiency:
             if k in self.gemm_max:
                 return float(self.gemm_max[k])
         return DEFAULTS["gemm_max_default"]
+
+    def host_per_op(self, phase: str) -> float:
+        """Host seconds per traced aten op of ``phase`` (``forward``; anything else: the backward's
+        figure) of an eager step: ``host_forward``/``host_backward``, else ``launch_eager``."""
+        own = self.host_forward if phase == "forward" else self.host_backward
+        return float(own) if own is not None else float(self.launch_eager)
 
     def gemm(self, m: int, n: int, k: int, batch: int = 1, precision: str = "fp32") -> float:
         """Fraction of the peak one GEMM ``[batch] [m, k] x [k, n]`` reaches (0 < e <= 1).
@@ -160,6 +185,8 @@ class Efficiency:
         reads it back)."""
         out = {"compute_units": self.compute_units, "tile": list(self.tile), "gemm_max": dict(self.gemm_max),
                **{k: getattr(self, k) for k in _NUMBERS if getattr(self, k) is not None}, "source": self.source}
+        if self.host_async:
+            out["host_async"] = True
         if self.compute_capability is not None:
             out["compute_capability"] = "%d.%d" % self.compute_capability
         if self.defaulted:
@@ -196,7 +223,12 @@ def parse_efficiency(value: Any, where: str) -> Efficiency | None:
         if key in value:
             kw[key] = _positive(value[key], key, where, allow_zero=key in ("optimizer_per_byte", "optimizer_per_tensor",
                                                                             "collective_latency", "launch_eager",
-                                                                            "launch_compiled"))
+                                                                            "launch_compiled", "host_forward",
+                                                                            "host_backward", "host_launch"))
+    if "host_async" in value:
+        if not isinstance(value["host_async"], bool):
+            raise SymcostError(f"{where}: efficiency.host_async must be true or false, got {value['host_async']!r}")
+        kw["host_async"] = value["host_async"]
     if "memory" in kw and kw["memory"] > 1:
         raise SymcostError(f"{where}: efficiency.memory is a fraction of the bandwidth, at most 1, got {kw['memory']}")
     if "compute_units" in value:

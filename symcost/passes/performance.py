@@ -21,15 +21,23 @@ sizes; returns plain data. Each traced op, times its repeat, costs (docs/perform
   ``copy_bandwidth`` (a transposing copy's measured rate);
 - any other op: the roofline's time of the op (:meth:`Device.op_seconds`: all FLOPs at the peak,
   special functions at their rate) with its bytes at ``memory`` x the bandwidth;
-- every op a launch cost: ``launch_eager`` per aten op of an eager step (views included: each is
-  dispatched, and autograd records it), ``launch_compiled`` per kernel of a compiled step (the
-  ops that move bytes after fusion, :mod:`symcost.graph.fusion`: an estimate of inductor's kernels);
-- the optimizer step (AdamW, foreach): ``optimizer_per_tensor`` x parameter tensors +
+- the host's work, eager: per traced aten op of a phase (views included: each is dispatched, and
+  autograd records it) :meth:`Efficiency.host_per_op` (``host_forward``/``host_backward``, else
+  ``launch_eager``), plus ``host_launch`` per op that runs a kernel on a device the host launches
+  kernels on; compiled: ``launch_compiled`` per kernel (the ops that move bytes after fusion,
+  :mod:`symcost.graph.fusion`: an estimate of inductor's kernels), added;
+- the optimizer step (AdamW, foreach): ``optimizer_per_tensor`` x parameter tensors (host) +
   ``optimizer_per_byte`` x parameter bytes (the analysis does not trace it; measured on its own
   microbenchmark).
 
-The step is the sum (one stream: an eager CPU step or a GPU's compute stream run ops one after
-another). Nothing here prints; the roofline pass is not changed by it.
+How host and device time combine (:func:`host_stretches`, docs/performance-model.md, "Host
+overhead"): on a device without ``host_async`` (a CPU: one thread dispatches and computes) the step
+is the sum of every term; on an asynchronous device (a GPU's stream) the host issues the forward
+and the backward ahead of the device with no synchronisation between them, so the two phases are
+one queue — the forward ends at max(host_f, device_f), the backward at max(that + device_b,
+host_f + host_b) — and the optimizer step is a stretch of its own, max(per-tensor host time,
+per-byte device time). The ``launch`` term is the host time the device does not hide. Nothing
+here prints; the roofline pass is not changed by it.
 """
 from __future__ import annotations
 
@@ -127,6 +135,47 @@ def attention_seconds(op, env, device: Device, eff: Efficiency, precision: str) 
     return t + passes * scores / (device.bandwidth * eff.memory), backend
 
 
+def host_stretches(host: Mapping[str, float], device: Mapping[str, float], opt_host: float = 0.0,
+                   opt_device: float = 0.0, asynchronous: bool = False) -> dict[str, Any]:
+    """How an eager step's host work and device work combine, per phase (docs/performance-model.md,
+    "Host overhead").
+
+    Args:
+        host: ``{"forward", "backward"}`` seconds of host work (Python, dispatch, autograd, launches).
+        device: ``{"forward", "backward"}`` seconds of the phases' kernels on the device.
+        opt_host, opt_device: the optimizer step's host and device seconds.
+        asynchronous: the host issues ops ahead of the device (a GPU stream; PyTorch's CUDA ops
+            return before their kernel ran: Horace He, "Making Deep Learning Go Brrrr From First
+            Principles", 2022, "Overhead").
+
+    Returns:
+        ``{"phase_overhead": {forward, backward}, "optimizer", "step"}``: seconds each phase takes
+        beyond its device seconds; the optimizer step's seconds; the step's seconds.
+
+        - synchronous (a CPU: one thread dispatches and runs each kernel): the sum, so
+          phase_overhead = host and optimizer = opt_host + opt_device;
+        - asynchronous: forward and backward are one stretch (no synchronisation between them in
+          an eager step: ``loss.backward()`` queues behind the forward's kernels), a queue whose
+          device cannot run an op before the host issued it: the forward ends at
+          e_f = max(host_f, device_f), the backward at max(e_f + device_b, host_f + host_b); the
+          optimizer step a stretch of its own after the synchronisations that precede it (a
+          gradient-norm or loss ``.item()``): max(opt_host, opt_device). The first kernel's
+          launch latency and the gaps between back-to-back kernels on the device are not counted
+          (a lower bound of each stretch).
+    """
+    hf, hb = float(host.get("forward", 0.0)), float(host.get("backward", 0.0))
+    df, db = float(device.get("forward", 0.0)), float(device.get("backward", 0.0))
+    if not asynchronous:
+        over = {"forward": hf, "backward": hb}
+        opt = opt_host + opt_device
+    else:
+        end_f = max(hf, df)
+        end_b = max(end_f + db, hf + hb)
+        over = {"forward": end_f - df, "backward": end_b - end_f - db}
+        opt = max(opt_host, opt_device)
+    return {"phase_overhead": over, "optimizer": opt, "step": df + db + sum(over.values()) + opt}
+
+
 def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: str = "eager",
             optimizer: bool = True) -> dict[str, Any]:
     """Predicted seconds of one training step of ``an`` at ``sizes`` on ``device``.
@@ -141,8 +190,12 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
 
     Returns:
         ``{"mode", "step_seconds" (predicted), "bound_seconds" (the roofline's, same bytes),
-        "terms": {"gemm", "attention", "other_compute", "memory", "launch", "optimizer"} (seconds),
-        "ops", "launches", "params_tensors", "params_bytes", "precision", "model_flops",
+        "terms": {"gemm", "attention", "other_compute", "memory", "launch", "optimizer"} (seconds;
+        ``launch``: the host time the device leaves exposed, all of it on a CPU),
+        "ops", "launches", "params_tensors", "params_bytes", "host" and "device" {forward,
+        backward, optimizer} (seconds of host work and of device kernels), "phase_overhead"
+        {forward, backward} (what each phase takes beyond its ops' device seconds: the exposed
+        host time), "host_async", "precision", "model_flops",
         "mfu_predicted", "mfu_ceiling", "efficiency" (the table used), "calibrated" (False: one
         of :data:`MEASURED` is a default, not measured), "defaulted" (the figures taken
         from the defaults), "nodes": [{index, op, phase, repeat, seconds,
@@ -207,20 +260,38 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
         nodes.append({"index": op.index, "op": op.name, "phase": op.phase, "repeat": rep, "seconds": rep * t,
                       "kind": kind, **({"efficiency": e} if e is not None else {}),
                       **({"kernel": backend} if backend is not None else {})})
-    terms["launch"] = n_launch * (eff.launch_compiled if fused else eff.launch_eager)
+    kernels = {"forward": 0.0, "backward": 0.0}  # the device's seconds per phase
+    for node in nodes:
+        kernels["forward" if node["phase"] == "forward" else "backward"] += node["seconds"]
+    host = {"forward": 0.0, "backward": 0.0}
+    per_phase = {"forward": 0, "backward": 0}
+    for op in an.ops:
+        ph = "forward" if op.phase == "forward" else "backward"
+        rep = _num(op.repeat, env)
+        per_phase[ph] += rep
+        if not fused:
+            kernel = bool(op.cost.bytes != 0 or op.cost.flops_all != 0)
+            host[ph] += rep * (eff.host_per_op(ph) + (float(eff.host_launch or 0.0) if kernel else 0.0))
+    if fused:  # a launch per fused kernel, spread over each phase's ops
+        host = {ph: n_launch * eff.launch_compiled * k / max(1, n_ops) for ph, k in per_phase.items()}
     tensors = pbytes = 0
     for shape, dtype, rep in an.param_shapes.values():
         r = _num(rep, env)
         tensors += r
         pbytes += r * _num(numel(shape), env) * itemsize(dtype_names([dtype])[0])
-    if optimizer:
-        terms["optimizer"] = eff.optimizer_per_tensor * tensors + eff.optimizer_per_byte * pbytes
+    opt_host = eff.optimizer_per_tensor * tensors if optimizer else 0.0
+    opt_device = eff.optimizer_per_byte * pbytes if optimizer else 0.0
+    stretch = host_stretches(host, kernels, opt_host, opt_device, eff.host_async and not fused)
+    terms["launch"] = sum(stretch["phase_overhead"].values())
+    terms["optimizer"] = stretch["optimizer"]
     step = sum(terms.values())
     rl = roofline(an, device, sizes, fused=fused, with_formulas=False)
     peak_train, _ = device.peak_for(train_key)
     model_flops = rl["model_flops"]
     return {"mode": mode, "step_seconds": step, "bound_seconds": rl["step_seconds"], "terms": terms,
             "ops": n_ops, "launches": n_launch, "params_tensors": tensors, "params_bytes": pbytes,
+            "host": {**host, "optimizer": opt_host}, "device": {**kernels, "optimizer": opt_device},
+            "phase_overhead": stretch["phase_overhead"], "host_async": bool(eff.host_async and not fused),
             "optimizer": "adamw-foreach" if optimizer else None, "precision": train_key,
             "model_flops": model_flops, "mfu_predicted": model_flops / (step * peak_train) if step else 0.0,
             "mfu_ceiling": rl["mfu_ceiling"], "efficiency": eff.to_json(), "calibrated": not (set(eff.defaulted) & MEASURED),
@@ -231,7 +302,7 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
 def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overlap: str = "backward",
                nodes: int | None = None, devices_per_node: int | None = None, mode: str = "eager") -> dict[str, Any]:
     """Predicted step of one data-parallel rank: the performance model's compute per phase
-    (:func:`predict`; the launches and the optimizer step with the backward) and the
+    (:func:`predict`; each phase's exposed host time, and the optimizer step with the backward) and the
     communication of :func:`symcost.passes.parallel.step_time`, each process group's bytes per rank
     over its link's bandwidth (FSDP2's padding included) plus alpha: every traced collective's
     latency steps (ring: 2(n-1) for an all-reduce, n-1 for the others, n the ranks of the group it
@@ -260,15 +331,13 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
     eff = efficiency_of(device)
     env = an.bind(**(sizes or {}))
     ranks = group_sizes(an, env)
-    per_op = p["terms"]["launch"] / max(1, p["ops"])  # the launches spread over the phases' ops
-    compute = {"forward": 0.0, "backward": 0.0}
+    compute = dict(p["phase_overhead"])  # each phase's host time the device does not hide
     for node in p["nodes"]:
         compute["backward" if node["phase"] != "forward" else "forward"] += node["seconds"]
     latency: dict[str, dict[str, float]] = {}
     count = 0
     for op in an.ops:
         ph = "forward" if op.phase == "forward" else "backward"
-        compute[ph] += per_op * _num(op.repeat, env)
         packet = op.name.rsplit(".", 1)[0] if op.name.count(".") >= 2 else op.name
         kind = COMM_OPS.get(packet, (None,))[0]
         if kind in (None, "wait"):

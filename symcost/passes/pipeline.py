@@ -559,8 +559,9 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
 
     * compute: :func:`symcost.passes.performance.predict` on the stage's trace at its block count
       (GEMM efficiency by shape, memory-bound ops at the achievable bandwidth; ``mode`` eager: a
-      launch per aten op, compiled: per fused kernel), the launches spread over each phase's ops
-      as :func:`~symcost.passes.performance.predict_dp` spreads them;
+      host's work per aten op, compiled: a launch per fused kernel), plus each phase's host time the
+      device does not hide (``phase_overhead``, as :func:`~symcost.passes.performance.predict_dp`
+      adds it);
     * the stage's tensor-parallel collectives (group TP): α–β, bytes per rank (ring) over the TP
       link + ``collective_latency`` per ring step (2(TP−1) an all-reduce, TP−1 the others:
       Thakur et al. 2005), exposed: each sits between the ops that make and use its tensor
@@ -614,15 +615,14 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
         p = predict(an, device, env, mode=mode)
         first = first or p
         bound = an.bind(**env)
-        per_op = p["terms"]["launch"] / max(1, p["ops"])
-        t = {"forward": 0.0, "backward": 0.0, "p2p": 0.0, "tp_comm": 0.0}
+        t = {"forward": p["phase_overhead"]["forward"], "backward": p["phase_overhead"]["backward"], "p2p": 0.0,
+             "tp_comm": 0.0}  # (each phase's host time the device does not hide, performance.host_stretches)
         for node in p["nodes"]:
             t["forward" if node["phase"] == "forward" else "backward"] += node["seconds"]
         dp_trace[s] = 0.0
         for op in an.ops:
             ph = "forward" if op.phase == "forward" else "backward"
             rep = _num(op.repeat, bound)
-            t[ph] += per_op * rep
             if op.comm is None:
                 continue
             kind, nbytes = op.comm[0], rep * float(sympy.sympify(op.comm[2]).xreplace(bound))

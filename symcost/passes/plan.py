@@ -323,22 +323,19 @@ class Planner:
         """The performance model's seconds (:func:`symcost.passes.performance.predict`: GEMM
         efficiency by shape, memory-bound ops at the achievable bandwidth, a launch per kernel)
         of one micro-batch of ``b`` sequences at TP = ``tp``, per block and outside the blocks,
-        forward and backward (the launches spread over each phase's ops), and the AdamW step's
-        (``optimizer_block``, ``optimizer_rest``), from L = 2 and L = 3 as :meth:`times`."""
+        forward and backward (each phase's host time the device does not hide, ``phase_overhead``),
+        and the AdamW step's (``optimizer_block``, ``optimizer_rest``), from L = 2 and L = 3 as
+        :meth:`times`."""
         from symcost.passes.performance import predict
-        from symcost.passes.roofline import _num
 
         ph = {}
         for L in self._two:
             sz = self._sizes(L, b, tp, s)
             p = predict(self.an, self.device, sz, mode="compiled" if self.fused else "eager")
-            env = self.an.bind(**sz)
-            per_op = p["terms"]["launch"] / max(1, p["ops"])
-            d = {"forward": 0.0, "backward": 0.0, "optimizer": p["terms"]["optimizer"]}
+            d = {"forward": p["phase_overhead"]["forward"], "backward": p["phase_overhead"]["backward"],
+                 "optimizer": p["terms"]["optimizer"]}  # (each phase's exposed host time: performance.host_stretches)
             for node in p["nodes"]:
                 d["forward" if node["phase"] == "forward" else "backward"] += node["seconds"]
-            for op in self.an.ops:
-                d["forward" if op.phase == "forward" else "backward"] += per_op * _num(op.repeat, env)
             ph[L] = d
             self._attention_split(p["nodes"], ph, L)
         return self._per_block(ph, ("forward", "backward", "optimizer", "attn_forward", "attn_backward", "experts_forward",
