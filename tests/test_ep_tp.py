@@ -64,18 +64,43 @@ def test_ep_tp_formulas_by_hand():
 
 
 def _run(tmp_path, nproc: int, v: dict, extra: list[str]):
+    """``ep_rank.py`` at ``v`` with ``extra`` on ``nproc`` gloo ranks: each rank's JSON."""
+    return _launch(tmp_path, nproc, (v, extra))[0]
+
+
+def _launch(tmp_path, nproc: int, *runs: tuple[dict, list[str]]):
+    """``ep_rank.py`` on ``nproc`` gloo ranks, each of ``runs`` (sizes, extra arguments) in turn in
+    one launch (its own directory under ``tmp_path``): per run, each rank's JSON."""
     script = os.path.join(os.path.dirname(__file__), "data", "ep_rank.py")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
+    args = []
+    for i, (v, extra) in enumerate(runs):
+        (tmp_path / str(i)).mkdir()
+        args += (["+"] if i else []) + [str(tmp_path / str(i))] + [str(v[k]) for k in "HDLVFERBS"] + extra
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                        script, str(tmp_path)] + [str(v[k]) for k in "HDLVFERBS"] + extra,
-                       env=env, capture_output=True, text=True, timeout=300)
+                        script] + args, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
                                         if any(w in line for w in ("Error", "error", "rank", "terminate", "what()")))[-4000:]
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(nproc)]
+    return [[json.loads((tmp_path / str(i) / f"rank{rank}.json").read_text()) for rank in range(nproc)]
+            for i in range(len(runs))]
+
+
+#: the built-in ``moe`` of test_real_gloo_ep4_tp2
+GLOO_V = {**REQUEST, "B": 3, "S": 16, "V": 64, "F": 16}
+
+
+@pytest.fixture(scope="module")
+def gloo_ep4_tp2(tmp_path_factory):
+    """One 4-rank launch of EP 4 × TP 2 for both gloo tests of this file (ranks start and join
+    the process group once): the built-in ``moe`` at :data:`GLOO_V`, then the tiny DeepSeek-V3
+    at B 2, S 16, each with its own meshes, seeds and tokens. ``{"moe": ranks, "hf": ranks}``."""
+    moe, hf = _launch(tmp_path_factory.mktemp("ep4_tp2"), 4, (GLOO_V, ["tp=2"]),
+                      ({**REQUEST, "B": 2, "S": 16}, ["tp=2", "hf"]))
+    return {"moe": moe, "hf": hf}
 
 
 @pytest.mark.heavy
-def test_real_gloo_ep4_tp2(tmp_path):
+def test_real_gloo_ep4_tp2(gloo_ep4_tp2):
     """``torchrun --nproc-per-node 4`` with gloo: EP 4 × TP 2 (ranks {0,1} and {2,3} the TP groups,
     each its own tokens; all four the EP group), the routers balanced. On every rank the laid-out
     model's loss and router gradient equal the same model's on one device (the layout trains what
@@ -83,8 +108,7 @@ def test_real_gloo_ep4_tp2(tmp_path):
     EP and all-reduce bytes over TP equal symcost's, its peak within 5% of MemTracker's."""
     from symcost.passes.memory import memory_model
 
-    v = {**REQUEST, "B": 3, "S": 16, "V": 64, "F": 16}
-    got = _run(tmp_path, 4, v, ["tp=2"])
+    v, got = GLOO_V, gloo_ep4_tp2["moe"]
     an = _trace()
     env = an.bind(**v)
     want = memory_model(an, PRECISION, "adamw", impl="for-loop", device="cpu").peak(**v)
@@ -102,15 +126,14 @@ def test_real_gloo_ep4_tp2(tmp_path):
 
 
 @pytest.mark.heavy
-def test_real_gloo_ep4_tp2_deepseek_v3_trains_as_one_device(tmp_path):
+def test_real_gloo_ep4_tp2_deepseek_v3_trains_as_one_device(gloo_ep4_tp2):
     """A tiny DeepSeek-V3 (transformers' model: MLA attention under transformers' TP plan, a dense
     first layer, a shared expert, the sigmoid router with its correction bias; tests/data/ep_rank.py
     ``TINY_DSV3``) laid out EP 4 × TP 2 on 4 gloo ranks: on every rank the loss, the router's
     gradient (all-reduced over TP) and the rank's rows of the shared expert's gradient (its
     column-parallel up projection) equal the same model's on one device with the TP group's tokens;
     the step's all-to-alls run over EP and its all-reduces over TP."""
-    got = _run(tmp_path, 4, {**REQUEST, "B": 2, "S": 16}, ["tp=2", "hf"])
-    for rank, g in enumerate(got):
+    for rank, g in enumerate(gloo_ep4_tp2["hf"]):
         assert g["checks"]["loss"] < 1e-5 and g["checks"]["router_grad"] < 1e-5, (rank, g["checks"])
         assert g["checks"]["shared_grad"] < 1e-5, (rank, g["checks"])
         assert Fraction(g["by_group"]["EP"]["all_to_all"]) > 0 and Fraction(g["by_group"]["TP"]["all_reduce"]) > 0

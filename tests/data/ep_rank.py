@@ -1,7 +1,8 @@
 """One rank of an expert-parallel training step (tests/test_expert_parallel.py), on real tensors
 over gloo, or rank 0 on the fake process group: the oracle of symcost's per-rank numbers.
 
-``python -m torch.distributed.run --standalone --nproc-per-node N ep_rank.py OUT H D L V F E R B S [DP] [tp=M [etp]] [own]``
+``python -m torch.distributed.run --standalone --nproc-per-node N ep_rank.py OUT H D L V F E R B S [DP] [tp=M [etp]] [own] [hf]``
+(several such runs in one launch: their arguments joined by ``+``)
 builds the built-in ``moe`` model on each rank (fp32, each rank its own tokens), shards its
 experts over the N ranks (N/DP with DP) with ``symcost.frontends.expert_parallel.apply`` (the layout
 is the input: DTensor ``Shard(0)`` experts, the all-to-all dispatch and combine; what is measured is
@@ -316,17 +317,51 @@ def ep_tp(v: dict, mesh, tokens, spec=None, etp: bool = False) -> tuple:
 
 
 def main():
-    import torch
+    """Each run of the command line (several runs: their arguments joined by ``+``, each its own
+    OUT, as one launch: the ranks start and join the process group once) in turn."""
     import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    argv, runs = sys.argv[1:], []
+    while "+" in argv:
+        runs.append(argv[:argv.index("+")])
+        argv = argv[argv.index("+") + 1:]
+    for args in runs + [argv]:
+        run(args)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gloo_teardown import finish
+
+    finish()
+
+
+#: one ``DeviceMesh`` per shape and names for the whole launch: DTensor's sharding cache compares
+#: meshes by shape and names, not by process group, so a second mesh of the same shape would get
+#: the first one's cached placements, whose collectives name the first mesh's groups
+MESHES: dict = {}
+
+
+def _mesh(shape: tuple, mesh_dim_names: tuple):
+    """``init_device_mesh("cpu", shape, mesh_dim_names=...)``, once per shape and names."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    out_dir = sys.argv[1]
-    v = dict(zip("HDLVFERBS", (int(x) for x in sys.argv[2:11])))
-    extra = sys.argv[11:]
+    key = (shape, mesh_dim_names)
+    if key not in MESHES:
+        MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=mesh_dim_names)
+    return MESHES[key]
+
+
+def run(argv: list[str]) -> None:
+    """One run: ``OUT H D L V F E R B S [DP] [tp=M [etp]] [own] [hf]`` (the module's docstring),
+    every mesh, model, seed and token of its own."""
+    import torch
+    import torch.distributed as dist
+
+    out_dir = argv[0]
+    v = dict(zip("HDLVFERBS", (int(x) for x in argv[1:10])))
+    extra = argv[10:]
     dp = next((int(x) for x in extra if x.isdigit()), None)
     tp = next((int(x[3:]) for x in extra if x.startswith("tp=")), None)
     balanced = "own" not in extra  # ("own": the model's own routers)
-    dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     groups, loss_context, checks = None, None, {}
     spec = None
@@ -335,15 +370,15 @@ def main():
         v = {**spec.values({}, inputs=False), "B": v["B"], "S": v["S"]}
     if tp is not None:
         etp = "etp" in extra
-        mesh = init_device_mesh("cpu", (n // tp, tp), mesh_dim_names=("ep" if etp else "ep_rest", "tp"))
+        mesh = _mesh((n // tp, tp), mesh_dim_names=("ep" if etp else "ep_rest", "tp"))
         torch.manual_seed(100 + rank // tp)  # each TP group its own tokens
         tokens = torch.randint(0, v["V"], (v["B"], v["S"]))
         model, loss_context, groups, checks = ep_tp(v, mesh, tokens, spec, etp)
     elif dp is None:
-        mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("ep",))
+        mesh = _mesh((n,), mesh_dim_names=("ep",))
         model = build(v, mesh["ep"])
     else:
-        mesh = init_device_mesh("cpu", (dp, n // dp), mesh_dim_names=("dp_shard", "ep"))
+        mesh = _mesh((dp, n // dp), mesh_dim_names=("dp_shard", "ep"))
         model = build(v, mesh["ep"])
         flat = fsdp_as_torchtitan(model, mesh)
         groups = {mesh["ep"].get_group().group_name: "EP", mesh["dp_shard"].get_group().group_name: "DP_expert",
@@ -355,10 +390,6 @@ def main():
                   spec=spec)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({**got, "world": n, "checks": checks}, f)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gloo_teardown import finish
-
-    finish()
 
 
 if __name__ == "__main__":
