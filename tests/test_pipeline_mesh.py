@@ -35,16 +35,31 @@ def _draw(seed) -> dict:
 
 def _gloo(tmp_path, v: dict, dp: int, tp: int, shard: str, sp: bool, ac: str, offload: bool = False,
           offload_activations: bool = False) -> list[dict]:
+    """One run of tests/data/pp_mesh_rank.py on PP·dp·tp gloo ranks: each rank's JSON."""
+    return _launch(tmp_path, (v, dp, tp, shard, sp, ac, offload, offload_activations))[0]
+
+
+def _launch(tmp_path, *runs: tuple) -> list[list[dict]]:
+    """Several runs of tests/data/pp_mesh_rank.py (each ``_gloo``'s arguments after ``tmp_path``,
+    all of one world size) in one launch, each in its own directory under ``tmp_path``: per run,
+    each rank's JSON."""
     script = os.path.join(os.path.dirname(__file__), "data", "pp_mesh_rank.py")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                OMP_NUM_THREADS="1")
-    n = PP * dp * tp
-    args = [str(x) for x in (PP, dp, tp, shard, int(sp), ac, M, *(v[k] for k in "BSHDLVF"))] + (["offload"] if offload else []) \
-        + (["offload_activations"] if offload_activations else [])
+    n = {PP * dp * tp for _, dp, tp, *_ in runs}
+    assert len(n) == 1, n
+    n = n.pop()
+    args = []
+    for i, (v, dp, tp, shard, sp, ac, offload, offload_activations) in enumerate(runs):
+        (tmp_path / str(i)).mkdir()
+        args += (["+"] if i else []) + [str(tmp_path / str(i))] \
+            + [str(x) for x in (PP, dp, tp, shard, int(sp), ac, M, *(v[k] for k in "BSHDLVF"))] \
+            + (["offload"] if offload else []) + (["offload_activations"] if offload_activations else [])
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-                        script, str(tmp_path), *args], env=env, capture_output=True, text=True, timeout=400)
+                        script, *args], env=env, capture_output=True, text=True, timeout=400 * len(runs))
     assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines() if "rror" in line)[-4000:]
-    return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(n)]
+    return [[json.loads((tmp_path / str(i) / f"rank{rank}.json").read_text()) for rank in range(n)]
+            for i in range(len(runs))]
 
 
 def _check(r: dict, got: list[dict], peak_rel: float | None):
@@ -101,13 +116,26 @@ def test_real_gloo_pp_by_tp_sp_selective_ac(tmp_path):
         assert row["send"] == row["recv"] == M * v["B"] * (v["S"] // 2) * v["H"] * v["D"] * 4, row
 
 
+#: the two FSDP 2 × TP 2 × PP 2 runs: (seed of the sizes, SP, AC)
+RUNS_2X2X2 = [(2711, False, "none"), (2712, True, "selective")]
+
+
+@pytest.fixture(scope="module")
+def gloo_2x2x2(tmp_path_factory):
+    """Both :data:`RUNS_2X2X2` on the same 8 gloo ranks in one launch (the ranks start, join the
+    process group and build the mesh once; each run its own model, tokens and counters):
+    ``{seed: ranks}``."""
+    runs = [(_draw(seed), 2, 2, "fsdp", sp, ac, False, False) for seed, sp, ac in RUNS_2X2X2]
+    return dict(zip((seed for seed, _, _ in RUNS_2X2X2), _launch(tmp_path_factory.mktemp("pp2x2x2"), *runs)))
+
+
 @pytest.mark.heavy
-@pytest.mark.parametrize("seed, sp, ac", [(2711, False, "none"), (2712, True, "selective")])
-def test_real_gloo_fsdp_tp_pp_2x2x2(tmp_path, seed, sp, ac):
+@pytest.mark.parametrize("seed, sp, ac", RUNS_2X2X2)
+def test_real_gloo_fsdp_tp_pp_2x2x2(gloo_2x2x2, seed, sp, ac):
     """FSDP 2 × TP 2 × PP 2 (8 processes, torchtitan's mesh ``(pp, dp_shard, tp)``), without AC
-    and with SP and selective AC: each rank's FLOPs run, collective bytes per group and kind,
-    p2p bytes, parameter, buffer and gradient shards equal the gloo run's exactly; the peak
-    within 5%."""
+    and with SP and selective AC (both runs in one launch: :func:`gloo_2x2x2`): each rank's FLOPs
+    run, collective bytes per group and kind, p2p bytes, parameter, buffer and gradient shards
+    equal the gloo run's exactly; the peak within 5%."""
     from symcost.passes.pipeline import summary
 
     v = _draw(seed)
@@ -115,7 +143,7 @@ def test_real_gloo_fsdp_tp_pp_2x2x2(tmp_path, seed, sp, ac):
     # are those test_stage_trace_that_pins_L_round_trips_the_trace_cache reads back)
     r = summary("cs336-lm", PP, "1f1b", M, precision="fp32", sizes=dict(v, DP=2, TP=2), cache=CACHE,
                 inner=Layout(shard="fsdp", tp=True, sp=sp, ac=None if ac == "none" else ac))
-    _check(dict(r, ac=ac != "none"), _gloo(tmp_path, v, 2, 2, "fsdp", sp, ac), 0.05)
+    _check(dict(r, ac=ac != "none"), gloo_2x2x2[seed], 0.05)
 
 
 @pytest.mark.heavy

@@ -1,6 +1,11 @@
 """One rank of a real pipeline step composed with data and tensor parallelism on CPU (gloo), for
 tests/test_pipeline_mesh.py:
-``torchrun --standalone --nproc-per-node PP*DP*TP pp_mesh_rank.py OUT PP DP TP SHARD SP AC M B S H D L V F [offload] [offload_activations]``.
+``torchrun --standalone --nproc-per-node PP*DP*TP pp_mesh_rank.py OUT PP DP TP SHARD SP AC M B S H D L V F [offload] [offload_activations]``
+(several runs on the same ranks in one launch: their arguments joined by ``+``, each its own OUT;
+every run builds its own model, tokens, schedule and counters, and runs of the same mesh shape
+share one ``DeviceMesh``: DTensor's sharding cache compares meshes by shape, so a second mesh of
+the same shape would get the first one's cached placements, whose collectives name the first
+mesh's process groups).
 
 The ranks form torchtitan's mesh ``init_device_mesh("cpu", (PP, DP, TP), ("pp", "dp_shard" |
 "dp_replicate", "tp"))`` (dimensions of size 1 left out). Each rank builds the whole
@@ -68,186 +73,209 @@ from symcost.frontends.builtin.cs336_lm import spec as cs336  # noqa: E402
 from symcost.frontends.layout import Layout  # noqa: E402
 from symcost.frontends.pipeline import make_stage, probe_boundary  # noqa: E402
 
-out_dir = sys.argv[1]
-PP, DP, TP = (int(x) for x in sys.argv[2:5])
-shard, sp, ac = sys.argv[5], sys.argv[6] == "1", sys.argv[7]
-M, B, S, H, D, L, V, Fd = (int(x) for x in sys.argv[8:16])
-offload = "offload" in sys.argv[16:]
-offload_activations = "offload_activations" in sys.argv[16:]
-dist.init_process_group("gloo")
-shard = None if shard == "none" else shard
-layout = Layout(shard=shard, tp=TP > 1, sp=sp, ac=None if ac == "none" else ac, offload=offload)
-dims = [("pp", PP)] + [(d, n) for d, n in ((("dp_shard" if shard == "fsdp" else "dp_replicate"), DP), ("tp", TP))
-                       if n > 1]
-mesh = init_device_mesh("cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
-pp_rank = mesh["pp"].get_local_rank()
-sub = {("TP" if d == "tp" else "DP"): mesh[d] for d, _ in dims[1:]}
-groups = {m.get_group().group_name: k for k, m in {**sub, "PP": mesh["pp"]}.items()}
-
-spec = cs336()
-values = {"B": B, "S": S, "H": H, "D": D, "L": L, "V": V, "F": Fd}
-with torch.device("meta"):
-    meta = spec.build(values)
-pre, post, templates, _ = probe_boundary(meta, "layers", *spec.make_inputs(values, torch.device("meta")))
-torch.manual_seed(0)
-model = spec.build(values)
-per = [L // PP + (1 if s < L % PP else 0) for s in range(PP)]
-lo = sum(per[:pp_rank])
-model.layers = torch.nn.ModuleList(list(model.layers)[lo:lo + per[pp_rank]])  # the other stages' blocks deleted
-part = "first" if pp_rank == 0 else "last" if pp_rank == PP - 1 else "middle"
-make_stage(model, "layers", part, pre, post, templates)
-loss_context = layout.parallelize(model, "layers", sub)
-
-torch.manual_seed(1)  # every rank the same tokens (a data-parallel group would take other ones; sizes match)
-tokens = torch.randint(0, V, (M * B, S))
-stage = PipelineStage(model, pp_rank, PP, torch.device("cpu"), group=mesh["pp"].get_group())
-sched = Schedule1F1B(stage, M, loss_fn=lambda logits, target: spec.loss(logits, ((target,), {})))
+MESHES: dict = {}
 
 
-host_buffers: list = []
-if offload:
-    import contextlib
+def run(argv: list[str]) -> None:
+    """One run: ``OUT PP DP TP SHARD SP AC M B S H D L V F [offload] [offload_activations]`` (the
+    module docstring); every model, counter and tracker its own."""
+    out_dir = argv[0]
+    PP, DP, TP = (int(x) for x in argv[1:4])
+    shard, sp, ac = argv[4], argv[5] == "1", argv[6]
+    M, B, S, H, D, L, V, Fd = (int(x) for x in argv[7:15])
+    offload = "offload" in argv[15:]
+    offload_activations = "offload_activations" in argv[15:]
+    shard = None if shard == "none" else shard
+    layout = Layout(shard=shard, tp=TP > 1, sp=sp, ac=None if ac == "none" else ac, offload=offload)
+    dims = [("pp", PP)] + [(d, n) for d, n in ((("dp_shard" if shard == "fsdp" else "dp_replicate"), DP), ("tp", TP))
+                           if n > 1]
+    if tuple(dims) not in MESHES:  # (one mesh per shape for the whole launch: the module docstring)
+        MESHES[tuple(dims)] = init_device_mesh("cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
+    mesh = MESHES[tuple(dims)]
+    pp_rank = mesh["pp"].get_local_rank()
+    sub = {("TP" if d == "tp" else "DP"): mesh[d] for d, _ in dims[1:]}
+    groups = {m.get_group().group_name: k for k, m in {**sub, "PP": mesh["pp"]}.items()}
 
-    from offload_rank import accelerator_copies
+    spec = cs336()
+    values = {"B": B, "S": S, "H": H, "D": D, "L": L, "V": V, "F": Fd}
+    with torch.device("meta"):
+        meta = spec.build(values)
+    pre, post, templates, _ = probe_boundary(meta, "layers", *spec.make_inputs(values, torch.device("meta")))
+    torch.manual_seed(0)
+    model = spec.build(values)
+    per = [L // PP + (1 if s < L % PP else 0) for s in range(PP)]
+    lo = sum(per[:pp_rank])
+    model.layers = torch.nn.ModuleList(list(model.layers)[lo:lo + per[pp_rank]])  # the other stages' blocks deleted
+    part = "first" if pp_rank == 0 else "last" if pp_rank == PP - 1 else "middle"
+    make_stage(model, "layers", part, pre, post, templates)
+    loss_context = layout.parallelize(model, "layers", sub)
 
-    _copies = contextlib.ExitStack()  # (kept: the patches stay for the whole run)
-    calls = _copies.enter_context(accelerator_copies(host_buffers))
-
-
-act = {"d2h": 0, "h2d": 0, "level": 0, "host": 0}
-
-
-def _host_free(n):
-    act["level"] -= n
-
-
-def pack_to_cpu(t):  # save_on_cpu(pin_memory=True)'s, its host tensor out of the tracker's sight
-    import weakref
-
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        packed = torch.empty(t.size(), dtype=t.dtype, layout=t.layout)
-        packed.copy_(t)
-    n = packed.numel() * packed.element_size()
-    act["d2h"] += n
-    act["level"] += n
-    act["host"] = max(act["host"], act["level"])
-    weakref.finalize(packed, _host_free, n)
-    return t.device, packed
+    torch.manual_seed(1)  # every rank the same tokens (a data-parallel group would take other ones; sizes match)
+    tokens = torch.randint(0, V, (M * B, S))
+    stage = PipelineStage(model, pp_rank, PP, torch.device("cpu"), group=mesh["pp"].get_group())
+    sched = Schedule1F1B(stage, M, loss_fn=lambda logits, target: spec.loss(logits, ((target,), {})))
 
 
-def unpack_from_cpu(packed):  # ``tensor.to(device)``: on an accelerator a new device tensor
-    out = packed[1].clone()
-    act["h2d"] += out.numel() * out.element_size()
-    return out
-
-
-def step():
-    import contextlib
-
+    host_buffers: list = []
     if offload:
-        calls[0] = 0  # (the host buffers in call order, reused each step)
-    with loss_context(), (torch.autograd.graph.saved_tensors_hooks(pack_to_cpu, unpack_from_cpu)
-                          if offload_activations else contextlib.nullcontext()):
-        if pp_rank == 0:
-            sched.step(tokens, return_outputs=False)
-        elif pp_rank == PP - 1:
-            sched.step(_in0=tokens, target=tokens, return_outputs=False)
-        else:
-            sched.step(_in0=tokens, return_outputs=False)
+        import contextlib
+
+        from offload_rank import accelerator_copies
+
+        _copies = contextlib.ExitStack()  # (kept: the patches stay for the whole run; closed at its end)
+        calls = _copies.enter_context(accelerator_copies(host_buffers))
 
 
-def local(t):
-    return t._local_tensor if isinstance(t, DTensor) else t
+    act = {"d2h": 0, "h2d": 0, "level": 0, "host": 0}
 
 
-def nbytes(t):
-    t = local(t)
-    return t.numel() * t.element_size()
+    def _host_free(n):
+        act["level"] -= n
 
 
-comm, flops, transfers = {}, [0], {"h2d": 0, "d2h": 0}
+    def pack_to_cpu(t):  # save_on_cpu(pin_memory=True)'s, its host tensor out of the tracker's sight
+        import weakref
+
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            packed = torch.empty(t.size(), dtype=t.dtype, layout=t.layout)
+            packed.copy_(t)
+        n = packed.numel() * packed.element_size()
+        act["d2h"] += n
+        act["level"] += n
+        act["host"] = max(act["host"], act["level"])
+        weakref.finalize(packed, _host_free, n)
+        return t.device, packed
 
 
-def add(kind, args, size, factor):
-    g, n = _group(args, groups)
-    comm.setdefault(g or "PP", {}).setdefault(kind, Fraction(0))
-    comm[g or "PP"][kind] += factor(n) * size
-
-
-ring, twice, once = (lambda n: Fraction(n - 1, n)), (lambda n: Fraction(2 * (n - 1), n)), (lambda n: 1)
-
-
-class Count(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = str(func.overloadpacket)
-        if name == "_c10d_functional.all_gather_into_tensor":
-            add("all_gather", args, nbytes(out), ring)
-        elif name in ("c10d._allgather_base_", "c10d.allgather_into_tensor_coalesced_"):
-            add("all_gather", args, nbytes(args[0]) if name.endswith("base_") else sum(map(nbytes, args[0])), ring)
-            if name.endswith("base_") and _group(args, groups)[0] == "DP":  # (FSDP2's: its input, the shards)
-                transfers["h2d"] += nbytes(args[1])
-        elif name == "_c10d_functional.reduce_scatter_tensor":
-            add("reduce_scatter", args, nbytes(args[0]), ring)
-        elif name == "c10d._reduce_scatter_base_":
-            add("reduce_scatter", args, nbytes(args[1]), ring)
-            if _group(args, groups)[0] == "DP":  # (FSDP2's: its output, the reduced gradient shards)
-                transfers["d2h"] += nbytes(args[0])
-        elif name == "_c10d_functional.all_reduce":
-            add("all_reduce", args, nbytes(args[0]), twice)
-        elif name == "c10d.allreduce_":
-            add("all_reduce", args, sum(nbytes(t) for t in args[0]), twice)
-        elif name in ("c10d.send", "c10d.recv_"):
-            add("send" if name == "c10d.send" else "recv", args, sum(nbytes(t) for t in args[0]), once)
-        elif func.overloadpacket in flop_registry:
-            flops[0] += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+    def unpack_from_cpu(packed):  # ``tensor.to(device)``: on an accelerator a new device tensor
+        out = packed[1].clone()
+        act["h2d"] += out.numel() * out.element_size()
         return out
 
 
-class StepTracker(MemTracker):
-    """PyTorch's ``MemTracker`` (torch/distributed/_tools/mem_tracker.py: every storage an op
-    allocates, followed by weak reference to its end, ``UntypedStorage.resize_`` included, per
-    device, with the parameters and buffers given) without its per-module statistics, which
-    refuse a module called more than once per step (the pipeline runs each stage module once
-    per micro-batch)."""
+    def step():
+        import contextlib
 
-    def _pre_fw_hook(self, *args, **kwargs):
-        pass
+        if offload:
+            calls[0] = 0  # (the host buffers in call order, reused each step)
+        with loss_context(), (torch.autograd.graph.saved_tensors_hooks(pack_to_cpu, unpack_from_cpu)
+                              if offload_activations else contextlib.nullcontext()):
+            if pp_rank == 0:
+                sched.step(tokens, return_outputs=False)
+            elif pp_rank == PP - 1:
+                sched.step(_in0=tokens, target=tokens, return_outputs=False)
+            else:
+                sched.step(_in0=tokens, return_outputs=False)
 
-    _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
+
+    def local(t):
+        return t._local_tensor if isinstance(t, DTensor) else t
 
 
-cpu = torch.device("cpu")
-step()  # the first step: the schedule's shape inference (autograd.grad of leaves, which the tracker's hooks refuse)
-model.zero_grad(set_to_none=True)
-tracker = StepTracker()
-tracker.track_external(model)
-host = sum(nbytes(p) for p in model.parameters()) + sum(nbytes(t) for t in host_buffers)
-if offload:
-    tracker.track_external(*host_buffers)  # (host memory, the same through the step: subtracted below)
-with tracker:
-    step()  # warm-up: the engine's buffers, the gradients
-    tracker._peak_mem = {d: snap["Total"] for d, snap in tracker.get_tracker_snapshot().items()}
-    act.update(d2h=0, h2d=0, host=act["level"])
-    step()
-act_step = {k: act[k] for k in ("host", "d2h", "h2d")}
-peak = tracker._peak_mem[cpu] - (host if offload else 0)
-grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
-with Count():
-    step()
-with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-    json.dump({"pp_rank": pp_rank, "peak": peak,
-               "peak_parts": {str(k): v for k, v in tracker._peak_mem_snap.get(cpu, {}).items()}, "grads": grads, "flops": flops[0],
-               "params": sum(nbytes(p) for p in model.parameters()),
-               "buffers": sum(nbytes(b) for b in model.buffers()),
-               "comm": {g: {k: str(v) for k, v in d.items()} for g, d in comm.items()},
-               **({"transfers": transfers, "host_buffers": sum(nbytes(t) for t in host_buffers)} if offload else {}),
-               **({"activation_offload": act_step} if offload_activations else {})},
-              f)
-from gloo_teardown import finish  # (tests/data: on the path)
-finish()  # gloo barrier, then every rank past it, then teardown (gloo_teardown.py)
+    def nbytes(t):
+        t = local(t)
+        return t.numel() * t.element_size()
+
+
+    comm, flops, transfers = {}, [0], {"h2d": 0, "d2h": 0}
+
+
+    def add(kind, args, size, factor):
+        g, n = _group(args, groups)
+        comm.setdefault(g or "PP", {}).setdefault(kind, Fraction(0))
+        comm[g or "PP"][kind] += factor(n) * size
+
+
+    ring, twice, once = (lambda n: Fraction(n - 1, n)), (lambda n: Fraction(2 * (n - 1), n)), (lambda n: 1)
+
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = str(func.overloadpacket)
+            if name == "_c10d_functional.all_gather_into_tensor":
+                add("all_gather", args, nbytes(out), ring)
+            elif name in ("c10d._allgather_base_", "c10d.allgather_into_tensor_coalesced_"):
+                add("all_gather", args, nbytes(args[0]) if name.endswith("base_") else sum(map(nbytes, args[0])), ring)
+                if name.endswith("base_") and _group(args, groups)[0] == "DP":  # (FSDP2's: its input, the shards)
+                    transfers["h2d"] += nbytes(args[1])
+            elif name == "_c10d_functional.reduce_scatter_tensor":
+                add("reduce_scatter", args, nbytes(args[0]), ring)
+            elif name == "c10d._reduce_scatter_base_":
+                add("reduce_scatter", args, nbytes(args[1]), ring)
+                if _group(args, groups)[0] == "DP":  # (FSDP2's: its output, the reduced gradient shards)
+                    transfers["d2h"] += nbytes(args[0])
+            elif name == "_c10d_functional.all_reduce":
+                add("all_reduce", args, nbytes(args[0]), twice)
+            elif name == "c10d.allreduce_":
+                add("all_reduce", args, sum(nbytes(t) for t in args[0]), twice)
+            elif name in ("c10d.send", "c10d.recv_"):
+                add("send" if name == "c10d.send" else "recv", args, sum(nbytes(t) for t in args[0]), once)
+            elif func.overloadpacket in flop_registry:
+                flops[0] += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+            return out
+
+
+    class StepTracker(MemTracker):
+        """PyTorch's ``MemTracker`` (torch/distributed/_tools/mem_tracker.py: every storage an op
+        allocates, followed by weak reference to its end, ``UntypedStorage.resize_`` included, per
+        device, with the parameters and buffers given) without its per-module statistics, which
+        refuse a module called more than once per step (the pipeline runs each stage module once
+        per micro-batch)."""
+
+        def _pre_fw_hook(self, *args, **kwargs):
+            pass
+
+        _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
+
+
+    cpu = torch.device("cpu")
+    step()  # the first step: the schedule's shape inference (autograd.grad of leaves, which the tracker's hooks refuse)
+    model.zero_grad(set_to_none=True)
+    tracker = StepTracker()
+    tracker.track_external(model)
+    host = sum(nbytes(p) for p in model.parameters()) + sum(nbytes(t) for t in host_buffers)
+    if offload:
+        tracker.track_external(*host_buffers)  # (host memory, the same through the step: subtracted below)
+    with tracker:
+        step()  # warm-up: the engine's buffers, the gradients
+        tracker._peak_mem = {d: snap["Total"] for d, snap in tracker.get_tracker_snapshot().items()}
+        act.update(d2h=0, h2d=0, host=act["level"])
+        step()
+    act_step = {k: act[k] for k in ("host", "d2h", "h2d")}
+    peak = tracker._peak_mem[cpu] - (host if offload else 0)
+    grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    with Count():
+        step()
+    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump({"pp_rank": pp_rank, "peak": peak,
+                   "peak_parts": {str(k): v for k, v in tracker._peak_mem_snap.get(cpu, {}).items()}, "grads": grads, "flops": flops[0],
+                   "params": sum(nbytes(p) for p in model.parameters()),
+                   "buffers": sum(nbytes(b) for b in model.buffers()),
+                   "comm": {g: {k: str(v) for k, v in d.items()} for g, d in comm.items()},
+                   **({"transfers": transfers, "host_buffers": sum(nbytes(t) for t in host_buffers)} if offload else {}),
+                   **({"activation_offload": act_step} if offload_activations else {})},
+                  f)
+    if offload:
+        _copies.close()
+
+
+def main():
+    dist.init_process_group("gloo")
+    argv, runs = sys.argv[1:], []
+    while "+" in argv:
+        runs.append(argv[:argv.index("+")])
+        argv = argv[argv.index("+") + 1:]
+    for args in runs + [argv]:
+        run(args)
+    from gloo_teardown import finish  # (tests/data: on the path)
+    finish()  # gloo barrier, then every rank past it, then teardown (gloo_teardown.py)
+
+
+if __name__ == "__main__":
+    main()
