@@ -310,30 +310,3 @@ def test_stack_depths_served_from_the_trace_cache(examples, capsys, tmp_path, mo
         assert js["flops"]["train"] == measure(spec, v)["flops.train"], (le, ld)
     code, out, err = run_cli(capsys, "report", f"{path}:spec", "--set", *base, "L_enc=4", "L_dec=2", "--precision", "fp32")
     assert code == 0 and "blocks folded over L_dec, L_enc" in " ".join(out.split()), err or out[-1500:]
-
-
-@pytest.mark.heavy
-def test_stacks_under_a_parallel_layout_pinned_with_the_reason(examples, capsys, tmp_path, monkeypatch):
-    """Under --dp the stacks of the guide's encoder-decoder are not folded yet: each stack length is
-    pinned at once with that reason (newcomer: 'no other value of it runs the same ops', found after
-    minutes of probes), and the step answers: the model FLOPs of the rank equal FlopCounterMode's of
-    the whole model's step (FSDP2 shards parameters, not work)."""
-    from test_flops_exact import measure
-
-    monkeypatch.setenv("SYMCOST_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("SYMCOST_GRAPHS_DIR", "")
-    path = examples["encdec.py"]
-    sizes = {"B": 2, "S": 8, "S_enc": 12, "H": 2, "D": 8, "V": 40, "F": 24, "L_enc": 2, "L_dec": 3}
-    code, out, err = run_cli(capsys, "report", f"{path}:spec", "--set", *(f"{k}={v}" for k, v in sizes.items()),
-                             "--precision", "fp32", "--dp", "2", "--shard", "fsdp", "--json")
-    assert code == 0, err
-    js = json.loads(out)
-    pinned = js["pinned_symbols"]
-    assert set(pinned) >= {"L_enc", "L_dec"}, pinned
-    code, text, err = run_cli(capsys, "report", f"{path}:spec", "--set", *(f"{k}={v}" for k, v in sizes.items()),
-                              "--precision", "fp32", "--dp", "2", "--shard", "fsdp")  # (the trace cache's)
-    text = " ".join(text.split())
-    for s, v in (("L_enc", 2), ("L_dec", 3)):
-        assert f"{s} = {v} pinned (a parallel layout" in text, text[:3000]
-    spec = _spec(path, "spec")
-    assert js["flops"]["train"] == measure(spec, {**spec.defaults, **sizes})["flops.train"]
