@@ -167,49 +167,107 @@ def _unit_index(mm) -> list[int]:
     return out
 
 
-def _held(mmP, mmC) -> dict[str, tuple[set[int], set[int]]]:
-    """Storages whose free moves with checkpointing: freed in a unit outside the blocks in the
-    plain step (nothing saved them: a decoder's causal mask every block takes; in bf16-mixed the
-    encoder's output, whose casts the decoder blocks save) but in the backward of a stack's block
-    in the checkpointed one (each checkpoint keeps its inputs until its backward). Matched by the
-    unit, op, module and size of their allocation, where one storage of each trace has them.
-    ``{container: (plain free events, checkpointed free events)}``: the composition frees them
-    where the plan does (after the backward of the stack's earliest checkpointed block, else
-    where the plain step does)."""
+@dataclass(frozen=True)
+class _Held:
+    """A storage whose free moves with the plan: made once (outside a stack's blocks, or by its
+    first block), then taken by the stack's blocks from ``ckpt_block`` on as a checkpoint's input
+    (each checkpoint keeps its inputs until its backward) and, in the plain step, saved by the
+    blocks from ``plain_block`` on (None: by no block, the plain step frees it elsewhere: a
+    decoder's causal mask, T5's position bias, in bf16-mixed the encoder's output, of which the
+    plain decoder blocks save only casts). It is freed after the backward of the stack's earliest
+    block that holds it (a stack's backward runs its blocks last to first); with none, where the
+    plain step frees it. ``kP``/``kC``: its free event in the plain/checkpointed schedule;
+    ``nbytes``: its size at the schedule's sizes."""
+
+    stack: str
+    ckpt_block: int
+    plain_block: int | None
+    kP: int
+    kC: int
+    nbytes: int
+
+    def freed_after(self, chosen: set[int], n: int) -> int | None:
+        """The block whose backward frees it under a plan (``chosen``: the stack's checkpointed
+        blocks of ``n``), or None (no block holds it)."""
+        cand = [b for b in chosen if b >= self.ckpt_block]
+        if self.plain_block is not None:
+            cand += [b for b in range(self.plain_block, n) if b not in chosen][:1]
+        return min(cand) if cand else None
+
+
+def _block_of(mm, uo: list[int], k: int, lengths: Mapping[str, int],
+              roles: Mapping[str, set]) -> tuple[str, str, int] | None:
+    """``(direction, container, block)`` of event ``k``'s pass in ``mm``'s folded schedule, or
+    None (outside the blocks; or an event of every pass of a repeated unit). ``uo``: each
+    event's unit (:func:`_unit_index`)."""
+    label = mm.units[uo[k]][3]
+    m = _LABEL.match(label)
+    if m is None or m.group(2) not in lengths:
+        return None
+    direction, c, role = m.group(1), m.group(2), _ROLE[m.group(3)]
+    n = lengths[c]
+    if role != "generic":
+        return direction, c, 0 if role == "first" else n - 1
+    lo = 1 if "first" in roles.get(c, ()) else 0
+    hi = n - 1 if "last" in roles.get(c, ()) else n
+    once = mm.schedule.events[k].once
+    if hi - lo == 1:
+        return direction, c, lo
+    if not once:
+        return None
+    # the unit's passes run lo..hi-1 forward, hi-1..lo backward
+    early = once == "first"
+    return direction, c, (lo if early else hi - 1) if direction == "forward" else (hi - 1 if early else lo)
+
+
+def _held(mmP, mmC, lengths: Mapping[str, int], roles: Mapping[str, set], env) -> list[_Held]:
+    """The storages whose free moves with checkpointing (:class:`_Held`): made once, freed once in
+    each step, matched by the unit, op, module and size of their allocation (where one storage
+    of each step has them), the checkpointed step freeing them in the backward of a stack's block
+    and the plain one elsewhere (outside the blocks, or in the backward of another block of
+    that stack)."""
+    from symcost.passes.memory.live import _peval
+
     uP, uC = _unit_index(mmP), _unit_index(mmC)
     evP, evC = mmP.schedule.events, mmC.schedule.events
 
-    def stack_of_unit(mm, u):
-        m = _LABEL.match(mm.units[u][3])
-        return None if m is None else m.group(2)
-
-    def frees(mm, ev, uo, where):
+    def frees(mm, ev, uo):
         out: dict = {}
         for k in range(len(ev)):
             a = ev[k].alloc
-            if a != k and where(mm, uo[k], uo[a]):
-                sig = (uo[a], ev[a].op, ev[a].module, tuple(map(tuple, ev[a].bytes)))
+            if a != k:
+                sig = (uo[a], ev[a].op, ev[a].module, tuple(map(tuple, ev[a].bytes)), ev[a].once)
                 out.setdefault(sig, []).append(k)
         return out
 
-    # the plain step frees them outside the blocks; the checkpointed one in another stack's backward
-    fP = frees(mmP, evP, uP, lambda mm, uf, ua: stack_of_unit(mm, uf) is None)
-    fC = frees(mmC, evC, uC, lambda mm, uf, ua: (m := _LABEL.match(mm.units[uf][3])) is not None
-               and m.group(1) == "backward" and m.group(2) != stack_of_unit(mm, ua))
-    out: dict = {}
+    fP, fC = frees(mmP, evP, uP), frees(mmC, evC, uC)
+    vals = mmP._values(env)
+    out = []
     for sig, ks in fP.items():
         kc = fC.get(sig, [])
         if len(ks) != 1 or len(kc) != 1:
             continue
-        up, uc = uP[ks[0]], uC[kc[0]]
-        if _LABEL.match(mmP.units[up][3]) is not None:
+        kp, kc = ks[0], kc[0]
+        if (uP[kp], evP[kp].once) == (uC[kc], evC[kc].once):
+            continue  # freed alike
+        a = evP[kp].alloc
+        made = _block_of(mmP, uP, a, lengths, roles)
+        if made is None and mmP.units[uP[a]][1] != 1 and not evP[a].once:
+            continue  # one storage per pass of a repeated unit
+        where = _block_of(mmC, uC, kc, lengths, roles)
+        if where is None or where[0] != "backward":
             continue
-        m = _LABEL.match(mmC.units[uc][3])
-        if m is None or m.group(1) != "backward":
+        c = where[1]
+        before = _block_of(mmP, uP, kp, lengths, roles)
+        if before is None:
+            if _LABEL.match(mmP.units[uP[kp]][3]) is not None:
+                continue  # an event of every pass
+            plain_block = None
+        elif before[0] == "backward" and before[1] == c:
+            plain_block = before[2]
+        else:
             continue
-        held = out.setdefault(m.group(2), (set(), set()))
-        held[0].add(ks[0])
-        held[1].add(kc[0])
+        out.append(_Held(c, where[2], plain_block, kp, kc, -int(_peval(mmP._evpolys[kp], vals))))
     return out
 
 
@@ -226,7 +284,7 @@ def _end_unit(mm) -> int | None:
     return None
 
 
-def _passes(mm, env, skip: set[int], accumulate: bool = False) -> list[dict]:
+def _passes(mm, env, skip: set[int], accumulate: bool = False, ordinary: frozenset = frozenset()) -> list[dict]:
     """Per unit of ``mm``'s folded schedule at ``env``: ``{kind: (delta, peak, where)}`` for each
     kind of pass (``first``, ``mid``, ``last``, ``single`` where the unit has one-pass events,
     ``MemorySchedule.events``' ``once``; else one kind for all), the bytes a pass leaves allocated,
@@ -237,7 +295,9 @@ def _passes(mm, env, skip: set[int], accumulate: bool = False) -> list[dict]:
     (...), "free": {unit: bytes per pass}}``; ``free`` is what each block's forward held only
     until the forward ends (autocast's cache of weight casts, emptied when the forward leaves
     autocast: a checkpointed block holds its casts, a plain one saves them), by the forward unit
-    of the block, per pass; the composition frees each block's own between ``pre`` and ``post``."""
+    of the block, per pass; the composition frees each block's own between ``pre`` and ``post``.
+    Events in ``ordinary`` stay ordinary events there (the plain step's frees of held storages,
+    :class:`_Held`: the composition keeps them or moves them per storage, not per block)."""
     from symcost.passes.memory.live import _peval
     from symcost.passes.memory.model import _in_pass
 
@@ -261,7 +321,7 @@ def _passes(mm, env, skip: set[int], accumulate: bool = False) -> list[dict]:
                 if ui == end and not parts and ev.phase != "forward":
                     parts.append((lev, top, where))  # the forward ends here
                     lev, top, where = 0, None, ""
-                if ui == end and not parts and p < 0 and unit_of[ev.alloc] in fwd_units:
+                if ui == end and not parts and p < 0 and unit_of[ev.alloc] in fwd_units and k not in ordinary:
                     au = unit_of[ev.alloc]
                     arep = mm.units[au][1]
                     n = int(_peval(arep, vals))
@@ -299,31 +359,45 @@ class StackSchedule:
 
     ``units``: per unit of the folded schedule, ``(container or None, direction, blocks)`` with
     ``blocks`` the block index of each pass, in the order the passes run (a stack's backward runs
-    its blocks last to first). ``plain``: :func:`_passes` of the plain trace, by the set of stacks
-    whose held storages (:func:`_held`) its units do not free (the stacks with a checkpointed
-    block); ``ckpt``: of the checkpointed trace, without those frees. ``held``: container -> bytes
-    of the storages the checkpoints of that stack keep, freed after the backward of its earliest
-    checkpointed block (without one, where the plain step frees them). ``static`` is live all
-    step; ``opt`` the optimizer step's largest temporary."""
+    its blocks last to first). ``held``: the storages whose free moves with the plan
+    (:class:`_Held`); ``passes(trace, skip)``: :func:`_passes` of the plain (``"plain"``) or
+    checkpointed (``"ckpt"``) trace without the free events ``skip`` (memoized). ``static`` is live
+    all step; ``opt`` the optimizer step's largest temporary."""
 
     units: list[tuple]
-    plain: dict  # frozenset of stacks -> list[dict]
-    ckpt: list[dict]
+    passes: object  # (trace, frozenset of skipped events) -> list[dict]
     lengths: dict[str, int]
     static: int
     opt: int
     opt_where: str
-    held: dict = field(default_factory=dict)
+    held: list = field(default_factory=list)
     end_level: int | None = None  # what every plan's step leaves allocated (checked: a plan does not change it)
 
     def simulate(self, plan: Mapping[str, Sequence[int]]) -> tuple[int, str]:
         """``(peak, where)``: the step's peak in bytes (static included) with the blocks of
         ``plan`` (container -> checkpointed block indices) checkpointed, and where it is
-        reached (unit and op)."""
+        reached (unit and op).
+
+        Raises:
+            SymcostError: the composed step leaves other bytes than another plan's (the two
+                traced schedules do not compose on this model)."""
         chosen = {c: set(v) for c, v in plan.items()}
         lev, top, where = 0, None, ""
-        first_ck = {c: min(v) for c, v in chosen.items() if v}
-        plain = self.plain[frozenset(c for c in self.held if c in first_ck)]
+        skipP, skipC, after = set(), set(), {}
+        for h in self.held:  # each held storage: its trace's own free event where it falls there, else after a pass
+            b = h.freed_after(chosen.get(h.stack, set()), self.lengths[h.stack])
+            if b is None:  # no block holds it: the plain step's free
+                skipC.add(h.kC)
+                continue
+            skipP.add(h.kP)
+            skipC.add(h.kC)
+            if b == h.plain_block and b not in chosen.get(h.stack, ()):
+                skipP.discard(h.kP)
+            elif b == h.ckpt_block and b in chosen.get(h.stack, ()):
+                skipC.discard(h.kC)
+            else:
+                after[(h.stack, b)] = after.get((h.stack, b), 0) + h.nbytes
+        plain, ckpt = self.passes("plain", frozenset(skipP)), self.passes("ckpt", frozenset(skipC))
         prev = plain
         for ui, (c, direction, blocks) in enumerate(self.units):
             if c is None and isinstance(prev[ui]["first"], dict):  # the forward ends in this unit
@@ -333,7 +407,7 @@ class StackSchedule:
                 for fu, (fc, _d, fblocks) in enumerate(self.units):
                     if fc is not None and _d == "forward":
                         for b in fblocks:
-                            src = self.ckpt if b in chosen.get(fc, ()) else plain
+                            src = ckpt if b in chosen.get(fc, ()) else plain
                             freed += src[ui]["first"]["free"].get(fu, 0)
                 runs.append(((-freed, None, ""), None))
                 runs.append((end["post"], None))
@@ -342,15 +416,15 @@ class StackSchedule:
             else:
                 runs = []
                 for j, b in enumerate(blocks):
-                    src = self.ckpt if b in chosen.get(c, ()) else plain
+                    src = ckpt if b in chosen.get(c, ()) else plain
                     runs.append((src[ui][_pass_kind(j, len(blocks))], b))
                     prev = src
             for (d, p, w), b in runs:
                 if p is not None and (top is None or lev + p > top):
                     top, where = lev + p, w
                 lev += d
-                if c is not None and direction == "backward" and first_ck.get(c) == b and c in self.held:
-                    lev -= self.held[c]  # the last checkpoint that kept the shared inputs is done
+                if c is not None and direction == "backward":
+                    lev -= after.get((c, b), 0)  # the last block that kept a held storage is done
         if self.end_level is None:
             self.end_level = lev
         elif lev != self.end_level:  # what the step leaves (its gradients) does not depend on the plan
@@ -386,21 +460,22 @@ def stack_schedule(an, ck, env: Mapping, optimizer: str = "adamw", impl: str = "
         lengths = {c: int(env[SYMS[s]]) for c, s in stacks.items()}
     except KeyError as e:
         raise SymcostError(f"{an.model}: size {e} missing for the checkpoint plan") from None
-    held = _held(mmP, mmC)
-    skipC = set().union(*(h[1] for h in held.values())) if held else set()
-    plain = {}
-    for r in range(len(held) + 1):
-        for cs in itertools.combinations(sorted(held), r):
-            skip = set().union(*(held[c][0] for c in cs)) if cs else set()
-            plain[frozenset(cs)] = _passes(mmP, env, skip)
-    ckpt = _passes(mmC, env, skipC)
     vals = mmP._values(env)
-    held_bytes = {c: -sum(int(_peval(mmP._evpolys[k], vals)) for k in h[0]) for c, h in held.items()}
-    roles = {}
+    roles: dict = {}
     for _ids, _r, _m, label in mmP.units:
         m = _LABEL.match(label)
         if m:
             roles.setdefault(m.group(2), set()).add(_ROLE[m.group(3)])
+    held = _held(mmP, mmC, lengths, roles, env)
+    memo: dict = {}
+
+    def passes(trace: str, skip: frozenset) -> list[dict]:
+        if (trace, skip) not in memo:
+            plain = trace == "plain"
+            memo[(trace, skip)] = _passes(mmP if plain else mmC, env, set(skip),
+                                          ordinary=frozenset(h.kP if plain else h.kC for h in held))
+        return memo[(trace, skip)]
+
     units = []
     for _ids, rep, _m, label in mmP.units:
         m = _LABEL.match(label)
@@ -425,8 +500,8 @@ def stack_schedule(an, ck, env: Mapping, optimizer: str = "adamw", impl: str = "
         units.append((c, direction, blocks))
     tr = [(int(_peval(p, vals)), what) for p, what in mmP._optimizer_transients()] or [(0, "")]
     opt, opt_what = max(tr)
-    return StackSchedule(units, plain, ckpt, lengths, int(sympy.sympify(mmP.static).xreplace(env)), opt,
-                         f"optimizer step ({opt_what})", held_bytes)
+    return StackSchedule(units, passes, lengths, int(sympy.sympify(mmP.static).xreplace(env)), opt,
+                         f"optimizer step ({opt_what})", held)
 
 
 # --------------------------------------------------------------------------------------------
