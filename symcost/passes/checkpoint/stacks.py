@@ -169,15 +169,17 @@ def _unit_index(mm) -> list[int]:
 
 @dataclass(frozen=True)
 class _Held:
-    """A storage whose free moves with the plan: made once (outside a stack's blocks, or by its
-    first block), then taken by the stack's blocks from ``ckpt_block`` on as a checkpoint's input
-    (each checkpoint keeps its inputs until its backward) and, in the plain step, saved by the
-    blocks from ``plain_block`` on (None: by no block, the plain step frees it elsewhere: a
-    decoder's causal mask, T5's position bias, in bf16-mixed the encoder's output, of which the
-    plain decoder blocks save only casts). It is freed after the backward of the stack's earliest
-    block that holds it (a stack's backward runs its blocks last to first); with none, where the
-    plain step frees it. ``kP``/``kC``: its free event in the plain/checkpointed schedule;
-    ``nbytes``: its size at the schedule's sizes."""
+    """A storage whose free moves with the plan: made once (outside a stack's blocks, by one of
+    its end blocks, or the stack's output), then taken by the stack's blocks from ``ckpt_block``
+    on as a checkpoint's input (each checkpoint keeps its inputs until its backward) and, in the
+    plain step, saved by the blocks from ``plain_block`` on (None: by no block, the plain step
+    frees it elsewhere: a decoder's causal mask, T5's position bias, in bf16-mixed the encoder's
+    output, of which the plain decoder blocks save only casts). It is freed after the backward of
+    the stack's earliest block that holds it (a stack's backward runs its blocks last to first);
+    with none, where the plain step frees it. ``kP``/``kC``: its free event in the
+    plain/checkpointed schedule, ``exactP``/``exactC`` whether that event falls in that block's
+    pass alone there (else it is left out and the bytes freed after the pass); ``nbytes``: its
+    size at the schedule's sizes."""
 
     stack: str
     ckpt_block: int
@@ -185,6 +187,8 @@ class _Held:
     kP: int
     kC: int
     nbytes: int
+    exactP: bool = True
+    exactC: bool = True
 
     def freed_after(self, chosen: set[int], n: int) -> int | None:
         """The block whose backward frees it under a plan (``chosen``: the stack's checkpointed
@@ -196,10 +200,13 @@ class _Held:
 
 
 def _block_of(mm, uo: list[int], k: int, lengths: Mapping[str, int],
-              roles: Mapping[str, set]) -> tuple[str, str, int] | None:
-    """``(direction, container, block)`` of event ``k``'s pass in ``mm``'s folded schedule, or
-    None (outside the blocks; or an event of every pass of a repeated unit). ``uo``: each
-    event's unit (:func:`_unit_index`)."""
+              roles: Mapping[str, set]) -> tuple[str, str, int, bool] | None:
+    """``(direction, container, block, exact)`` of the pass of free event ``k`` of a storage made
+    once, in ``mm``'s folded schedule, or None (outside the blocks; or a storage of each pass: made
+    in the same stack's repeated units). ``exact``: the event falls in that pass alone (its unit
+    runs once, or it carries ``ScheduleEvent.once``); an event of a repeated unit without it is
+    the probe block's, the unit's first block forward (tracing/stacks.py ``stack_units``), and
+    the schedule repeats it each pass. ``uo``: each event's unit (:func:`_unit_index`)."""
     label = mm.units[uo[k]][3]
     m = _LABEL.match(label)
     if m is None or m.group(2) not in lengths:
@@ -207,37 +214,46 @@ def _block_of(mm, uo: list[int], k: int, lengths: Mapping[str, int],
     direction, c, role = m.group(1), m.group(2), _ROLE[m.group(3)]
     n = lengths[c]
     if role != "generic":
-        return direction, c, 0 if role == "first" else n - 1
+        return direction, c, 0 if role == "first" else n - 1, True
     lo = 1 if "first" in roles.get(c, ()) else 0
     hi = n - 1 if "last" in roles.get(c, ()) else n
     once = mm.schedule.events[k].once
     if hi - lo == 1:
-        return direction, c, lo
+        return direction, c, lo, True
     if not once:
-        return None
+        made = _LABEL.match(mm.units[uo[mm.schedule.events[k].alloc]][3])
+        if made is not None and made.group(2) == c and made.group(3) == "block":
+            return None  # each pass's own storage
+        return direction, c, lo, False
     # the unit's passes run lo..hi-1 forward, hi-1..lo backward
     early = once == "first"
-    return direction, c, (lo if early else hi - 1) if direction == "forward" else (hi - 1 if early else lo)
+    return direction, c, (lo if early else hi - 1) if direction == "forward" else (hi - 1 if early else lo), True
 
 
 def _held(mmP, mmC, lengths: Mapping[str, int], roles: Mapping[str, set], env) -> list[_Held]:
-    """The storages whose free moves with checkpointing (:class:`_Held`): made once, freed once in
-    each step, matched by the unit, op, module and size of their allocation (where one storage
-    of each step has them), the checkpointed step freeing them in the backward of a stack's block
-    and the plain one elsewhere (outside the blocks, or in the backward of another block of
-    that stack)."""
+    """The storages whose free moves with checkpointing (:class:`_Held`): freed once in each step,
+    matched by the unit, op, module and size of their allocation (where one storage of each step
+    has them), the checkpointed step freeing them in the backward of a stack's block and the
+    plain one elsewhere (outside the blocks, or in the backward of another block of that
+    stack)."""
     from symcost.passes.memory.live import _peval
 
     uP, uC = _unit_index(mmP), _unit_index(mmC)
     evP, evC = mmP.schedule.events, mmC.schedule.events
 
     def frees(mm, ev, uo):
+        """sig -> [(free event, its block or None outside the blocks)], frees of each pass's own
+        storages left out"""
         out: dict = {}
         for k in range(len(ev)):
             a = ev[k].alloc
-            if a != k:
-                sig = (uo[a], ev[a].op, ev[a].module, tuple(map(tuple, ev[a].bytes)), ev[a].once)
-                out.setdefault(sig, []).append(k)
+            if a == k:
+                continue
+            at = _block_of(mm, uo, k, lengths, roles)
+            if at is None and _LABEL.match(mm.units[uo[k]][3]) is not None:
+                continue
+            sig = (uo[a], ev[a].op, ev[a].module, tuple(map(tuple, ev[a].bytes)), ev[a].once)
+            out.setdefault(sig, []).append((k, at))
         return out
 
     fP, fC = frees(mmP, evP, uP), frees(mmC, evC, uC)
@@ -247,27 +263,19 @@ def _held(mmP, mmC, lengths: Mapping[str, int], roles: Mapping[str, set], env) -
         kc = fC.get(sig, [])
         if len(ks) != 1 or len(kc) != 1:
             continue
-        kp, kc = ks[0], kc[0]
+        (kp, before), (kc, where) = ks[0], kc[0]
         if (uP[kp], evP[kp].once) == (uC[kc], evC[kc].once):
             continue  # freed alike
-        a = evP[kp].alloc
-        made = _block_of(mmP, uP, a, lengths, roles)
-        if made is None and mmP.units[uP[a]][1] != 1 and not evP[a].once:
-            continue  # one storage per pass of a repeated unit
-        where = _block_of(mmC, uC, kc, lengths, roles)
         if where is None or where[0] != "backward":
             continue
         c = where[1]
-        before = _block_of(mmP, uP, kp, lengths, roles)
         if before is None:
-            if _LABEL.match(mmP.units[uP[kp]][3]) is not None:
-                continue  # an event of every pass
-            plain_block = None
+            plain_block, exactP = None, True
         elif before[0] == "backward" and before[1] == c:
-            plain_block = before[2]
+            plain_block, exactP = before[2], before[3]
         else:
             continue
-        out.append(_Held(c, where[2], plain_block, kp, kc, -int(_peval(mmP._evpolys[kp], vals))))
+        out.append(_Held(c, where[2], plain_block, kp, kc, -int(_peval(mmP._evpolys[kp], vals)), exactP, where[3]))
     return out
 
 
@@ -391,9 +399,9 @@ class StackSchedule:
                 continue
             skipP.add(h.kP)
             skipC.add(h.kC)
-            if b == h.plain_block and b not in chosen.get(h.stack, ()):
+            if b == h.plain_block and h.exactP and b not in chosen.get(h.stack, ()):
                 skipP.discard(h.kP)
-            elif b == h.ckpt_block and b in chosen.get(h.stack, ()):
+            elif b == h.ckpt_block and h.exactC and b in chosen.get(h.stack, ()):
                 skipC.discard(h.kC)
             else:
                 after[(h.stack, b)] = after.get((h.stack, b), 0) + h.nbytes
