@@ -479,9 +479,14 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         sym = tuple(fitter(tuple(r.params[name][0][d] for r in recs), f"size of {name}") for d in range(len(shape)))
         param_shapes[fname] = (sym, dtype, repeat)
         folded_name[name] = fname
-    # a buffer packing parameters (FSDP2's all-gather buffer of a block) is a sum of their sizes
-    fitter.hints = sorted({sympy.expand(sympy.Mul(*sh)) for sh, _, _ in param_shapes.values()}
-                          - {sympy.Integer(1)}, key=sympy.default_sort_key)
+    # a buffer packing parameters (FSDP2's all-gather buffer of a block) is a sum of their sizes;
+    # each size up to its numeric factor (the fit finds the coefficients): sizes equal up to one,
+    # H·D and 448·H·D (Whisper's LayerNorm and decoder position table), would be collinear columns
+    # whose least-norm split is no rational combination (hf:whisper --dp 2 pinned H, D, V, N_mel)
+    sizes = {sympy.expand(sympy.Mul(*sh)) for sh, _, _ in param_shapes.values()}
+    fitter.hints = sorted({h.primitive()[1] for h in sizes if not h.is_number}
+                          | ({sympy.Integer(1)} if any(h.is_number and h != 1 for h in sizes) else set()),
+                          key=sympy.default_sort_key)
     lay = layout_of(spec)
     if lay.ep_fsdp and lay.tp:  # (FSDP2's groups of --ep --tp --dp, whose shards its buffers hold: §14.9)
         fitter.hint_groups = tuple(dict.fromkeys(sympy.sympify(lay.group_size(
