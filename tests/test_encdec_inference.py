@@ -169,10 +169,47 @@ def test_t5_prefill_and_decode_equal_generate():
     # serving memory: the decode step's peak (weights, the encoder's output, both caches, the step's
     # transients) within 0.2% of torch.profiler's on the real step, at op boundaries (equal today:
     # 17,272 B at the drawn sizes, the encoder's output 448 B of it)
+    # the aggregate bound's weights: those the real decode step's aten ops read (not the encoder's)
+    full = {**an.spec.defaults, **an.pinned, **v}
+    assert int(inference.weight_bytes(an).xreplace(an.bind(**v))) == decode_weight_bytes(an, full), v
     full = {**an.spec.defaults, **an.pinned, **v, "B": max(v["B"], 2)}
     m = decode_peak(an, full)
     pred = inference.serving_memory(an).peak(**{**v, "B": full["B"]})
     assert abs(pred - m) <= 0.002 * m, (full, pred, m)
+
+
+def decode_weight_bytes(an, values) -> int:
+    """Bytes of the parameters the real decode step onto T tokens reads (the model run as
+    ``generate`` runs it): each parameter, by storage (tied ones once), whose tensor is an input of
+    an aten op of the step under ``TorchDispatchMode``, but for one read only as
+    ``aten.embedding``'s table (a lookup reads its B·S rows, which the step's ops count)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from transformers.modeling_outputs import BaseModelOutput
+
+    torch.manual_seed(0)
+    model = an.spec.build(values).float().eval()
+    B, Se, T, V = values["B"], values["S_enc"], values["T"], model.config.vocab_size
+    params = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
+    read, looked_up = set(), set()
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for k, t in enumerate(tree_leaves((args, kwargs or {}))):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in params:
+                    lookup = func.overloadpacket is torch.ops.aten.embedding and k == 0
+                    (looked_up if lookup else read).add(t.untyped_storage().data_ptr())
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        enc = BaseModelOutput(last_hidden_state=model.get_encoder()(
+            input_ids=torch.randint(0, V, (B, Se))).last_hidden_state)
+        key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        out = model(encoder_outputs=enc, decoder_input_ids=torch.randint(0, V, (B, T)), use_cache=True)
+        with Reads():
+            model(encoder_outputs=enc, decoder_input_ids=torch.randint(0, V, (B, 1)), use_cache=True,
+                  **{key: getattr(out, key)})
+    return sum(params[d].numel() * params[d].element_size() for d in read)
 
 
 def decode_peak(an, values) -> int:

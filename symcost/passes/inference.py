@@ -256,10 +256,19 @@ def _tokens(an, env) -> tuple[int, int]:
     return val("B"), T + val("S")
 
 
+def read_params(an) -> set[str]:
+    """Folded names of the parameters the traced step's ops read (directly or through views and
+    casts): the parameter nodes of ``an.graph``, which the graph holds only where an op takes the
+    parameter as an input. An encoder-decoder's decode step reads none of the encoder's (the encoder
+    runs once, in the prefill) nor the cross-attention's key and value projections (their outputs
+    are cached by the first step)."""
+    return {n for n in an.param_shapes if f"param:{n}" in an.graph}
+
+
 def weight_bytes(an) -> sympy.Expr:
-    """Bytes of the parameters an inference step reads: every parameter (tied ones once, in its
-    traced dtype) but the tables only read by an embedding lookup (a lookup reads B·S rows, which
-    the step's ops count). A mixture of experts reads the weights of the experts its tokens hit:
+    """Bytes of the parameters an inference step reads: every parameter its ops read
+    (:func:`read_params`; tied ones once, in its traced dtype) but the tables only read by an
+    embedding lookup (a lookup reads B·S rows, which the step's ops count). A mixture of experts reads the weights of the experts its tokens hit:
     each routed expert stack (:func:`symcost.graph.totals.is_routed`) counts f =
     :func:`symcost.passes.moe.hit_fraction` of its bytes, f = (1 − (1 − R/E)^(B·S)) under
     ``balanced`` routing (R/E for one token, tending to 1 as B·S grows; docs/moe.md, "Experts a
@@ -268,6 +277,7 @@ def weight_bytes(an) -> sympy.Expr:
     from symcost.passes.moe import hit_fraction
 
     lookup = {n for n, why in an.embedding_params.items() if why == "lookup" and n not in an.matmul_params}
+    lookup |= set(an.param_shapes) - read_params(an)  # (not read by the step at all)
     f = hit_fraction(an)
     routed = {n for n in an.param_shapes if is_routed(an, n)} if f != 1 else set()
     dense = sympy.expand(sympy.Add(*[
