@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import sympy
 import torch
 
 import symcost
@@ -52,6 +53,16 @@ def test_cnn_own_sizes(examples):
     assert not an.pinned and {"C", "IMG", "NCLS", "L"} <= set(an.symbols), (an.pinned, an.symbols)
     assert an.symbols["IMG"] == "image side (pixels)"
     assert not an.flops("train").has(symcost.SYMS["S"])  # (S is no size of the model)
+    # its 6·N·P form: N = B images, no S invented (was 6·B·S·P with -6*B*C**2*L*S ... in the remainder)
+    from symcost import parse_formula
+    from symcost.render.report import n_per_step
+
+    P, rem, form = an.train_simplified()
+    text, total = an.train_simplified_str(), an.flops("train")
+    assert sympy.expand(6 * symcost.SYMS["B"] * P + rem - total) == 0, (P, rem)
+    assert sympy.expand(parse_formula(text) - total) == 0 and sympy.expand(form.doit() - total) == 0, text
+    assert rem.free_symbols | form.free_symbols <= total.free_symbols, (rem, form)
+    assert n_per_step(an).startswith("N = B per step, B: images per step"), n_per_step(an)
     rng = random.Random("cnn")
     for _ in range(2):
         v = {"B": rng.randint(2, 4), "C": rng.randint(2, 12), "IMG": 4 * rng.randint(2, 9),

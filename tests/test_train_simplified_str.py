@@ -18,6 +18,11 @@ class _Totals(Conventions):
         B, S = sympy.symbols("B S")
         return self._P, self._rem, 6 * B * S * self._P + self._rem
 
+    def flops(self, phase="train"):
+        from symcost import SYMS
+
+        return 6 * SYMS["B"] * SYMS["S"] * self._P + self._rem
+
     def tp_share(self):
         return 1
 

@@ -230,7 +230,7 @@ class Conventions:
         ``flops("train")``.
         """
         P, rem, _ = self.train_simplified()
-        n = "*".join(str(x) for x in ("B", "S") if x not in self.pinned)
+        n = "*".join(str(x) for x in self.n_symbols() if x not in self.pinned)
         head = f"6*{n}*({P})" if n else f"6*({P})"
         tp = self.tp_share()
         if tp != 1:
@@ -263,6 +263,15 @@ class Conventions:
             return sympy.Integer(1)
         return sympy.Integer(self.pinned["CP"]) if "CP" in self.pinned else SYMS["CP"]
 
+    def n_symbols(self) -> tuple[str, ...]:
+        """The sizes whose product is the N of 6·N·P (per rank: over :meth:`cp_share`): ``("B",
+        "S")``, or ``("B",)`` for a model without a sequence (S neither pinned nor in its training
+        FLOPs: a conv net on images, whose N counts the B samples of the step), so that the form
+        and its remainder hold no symbol the totals lack."""
+        if "S" not in self.pinned and SYMS["S"] not in sympy.sympify(self.flops("train")).free_symbols:
+            return ("B",)
+        return ("B", "S")
+
     def train_simplified(self) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
         """``(P, remainder, unevaluated 6*B*S*P + remainder)`` with remainder exact.
 
@@ -270,12 +279,13 @@ class Conventions:
         (R of E experts), else ``params_matmul``. One rank of tensor parallelism (``--tp``) runs
         1/TP of the split matmuls: its form is 6·B·S·P/TP + remainder (:meth:`tp_share`), P the
         whole model's. One rank of context parallelism (``--cp``) runs B·S/CP tokens: its form is
-        6·B·S·P/CP + remainder (:meth:`cp_share`)."""
+        6·B·S·P/CP + remainder (:meth:`cp_share`). A model without a sequence has N = B
+        (:meth:`n_symbols`): 6·B·P + remainder."""
         P = self.params_active_matmul
-        B, S = (sympy.Integer(self.pinned[n]) if n in self.pinned else SYMS[n] for n in ("B", "S"))
+        N = [sympy.Integer(self.pinned[n]) if n in self.pinned else SYMS[n] for n in self.n_symbols()]
         tp, cp = self.tp_share(), self.cp_share()
-        rem = sympy.expand(self.flops("train") - 6 * B * S * P / (tp * cp))
-        factors = [f for f in (sympy.Integer(6), B, S, sympy.factor_terms(P), 1 / tp, 1 / cp) if f != 1]
+        rem = sympy.expand(self.flops("train") - 6 * sympy.Mul(*N) * P / (tp * cp))
+        factors = [f for f in (sympy.Integer(6), *N, sympy.factor_terms(P), 1 / tp, 1 / cp) if f != 1]
         form = sympy.Add(sympy.Mul(*factors, evaluate=False),
                          sympy.factor_terms(rem), evaluate=False)
         return P, rem, form

@@ -354,7 +354,7 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     c.print(f"  flops.train = {an.train_simplified_str()}")
     attn = an.attention_flops
     if env:
-        N = _value(SYMS["B"] * SYMS["S"] / cp, {**env, **{SYMS[k]: v for k, v in an.pinned.items()}})
+        N = _value(sympy.Mul(*(SYMS[n] for n in an.n_symbols())) / cp, {**env, **{SYMS[k]: v for k, v in an.pinned.items()}})
         total = _value(an.flops("train"), env)
         sixnp = 6 * N * _value(P, env) / (_value(tp, {**env, **{SYMS[k]: v for k, v in an.pinned.items()}}) if tp != 1 else 1)
         fwd, bwd = _value(an.flops("forward"), env), _value(an.flops("backward"), env)
@@ -676,8 +676,15 @@ def n_per_step(an) -> str:
     """What the N = B·S of the 6·N·P line counts, in the model's words: the meaning the model
     declares for S (``ModelSpec.extra["meanings"]``, e.g. ``{"S": "patches per image"}``); else
     tokens where the traced step looks its inputs up in an embedding table (a language model);
-    else no unit, saying that the model declares none (an image model's S is no token count)."""
+    else no unit, saying that the model declares none (an image model's S is no token count). A
+    model without a sequence (:meth:`~symcost.graph.conventions.Conventions.n_symbols`: S in
+    neither its FLOPs nor its pins) has N = B, the samples (B's meaning where the model gives one)."""
     from symcost.frontends.spec import SYMBOL_MEANINGS
+
+    if an.n_symbols() == ("B",):
+        meaning = an.symbols.get("B")
+        what = meaning if meaning is not None and meaning != SYMBOL_MEANINGS["B"] else "samples per step"
+        return f"N = B per step, B: {what}; the model has no sequence (S is in none of its FLOPs)"
 
     meaning = an.symbols.get("S")
     if meaning is not None and meaning != SYMBOL_MEANINGS["S"]:
