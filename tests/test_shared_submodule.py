@@ -10,6 +10,7 @@ once), and the buffer bytes of the real model (the shared cache once)."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -92,3 +93,26 @@ def test_a_module_shared_by_all_blocks_folds_over_L_exactly(cache_dir):
         model = s.build({**s.defaults, **v})
         storages = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in model.buffers()}
         assert len(storages) == 1 and memory.memory_model(an).components(**v)["buffers"] == sum(storages.values()), v
+
+
+def test_a_shared_embedding_indexed_per_block_folds_over_L_exactly(cache_dir):
+    """tests/data/relenc.py (a newcomer's encoder, issue 30): every block adds the bias of ONE
+    relative-position ``nn.Embedding(2·S_max − 1, H)`` registered first outside the blocks
+    (``pos.table.weight``, then ``blocks.i.pos.table.weight``). Its gradient's accumulation
+    (autograd's add of each block's ``embedding_dense_backward``, then AccumulateGrad's detach)
+    was block 0's, so blocks 1, 2 of 3 differed from block 0 and L was pinned; now the last block
+    (the first in the backward: nothing to add to yet) stands apart and L folds. Parameters (the
+    table once: meta count), FLOPs (FlopCounterMode) and saved bytes (saved_tensors_hooks) at
+    random sizes with L never probed."""
+    rel = symcost.resolve(str(Path(__file__).resolve().parent / "data" / "relenc.py") + ":spec")
+    an = symcost.trace(rel, sizes={"B": 2, "S": 8, "H": 2, "D": 4, "F": 12, "L": 2, "V": 40, "S_max": 16},
+                       precision="fp32")
+    assert an.pinned == {}, an.pin_reasons
+    probed = {p["L"] for p in an.plan.points}
+    rng = random.Random(31)
+    for _ in range(2):
+        s_max = rng.randint(4, 24)
+        v = {"B": rng.randint(2, 3), "S": rng.randint(2, s_max), "H": rng.choice((2, 3)), "D": rng.choice((2, 4, 6)),
+             "F": rng.randint(3, 20), "L": rng.choice([n for n in range(3, 7) if n not in probed]),
+             "V": rng.randint(8, 50), "S_max": s_max}
+        exact_at(an, rel, v)

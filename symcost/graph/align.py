@@ -128,9 +128,9 @@ def _layer_roles(spec: ModelSpec, ref: Recording, container: str | None, precisi
             else:
                 differ = sorted(i for i in s3 if s3[i] != s3[0])
                 raise Unvariable("L", (
-                    f"the blocks of {container} run different ops or sizes (block{'s' if len(differ) > 1 else ''} "
-                    f"{', '.join(map(str, differ))} of 3 differ{'s' if len(differ) == 1 else ''} from block 0), "
-                    "so L is not folded"))
+                    f"the blocks of {container} run different ops or sizes (traced at L = {FIT_L + 1}: "
+                    f"block{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} of {len(s3)} "
+                    f"differ{'s' if len(differ) == 1 else ''} from block 0), so L is not folded"))
             repeat = L - 1
 
     def role(module: str, name: str | None = None):

@@ -60,9 +60,9 @@ def _unvariable(sym: str, msg: str) -> Unvariable:
     return e
 
 
-def _which_differ(seqs: list) -> str:
+def _which_differ(seqs: list, sym: str) -> str:
     differ = [i for i in range(len(seqs)) if seqs[i] != seqs[0]]
-    return (f"block{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} of {len(seqs)} "
+    return (f"traced at {sym} = {len(seqs)}: block{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} of {len(seqs)} "
             f"differ{'s' if len(differ) == 1 else ''} from block 0")
 
 
@@ -89,7 +89,7 @@ def probe_blocks(stacks: Mapping[str, str], req: Recording, rec_at, request: Map
         if s3[0] != s3[1] and s3[1] != s3[2] and s3[0] != s3[2]:
             s4 = _seqs_at(rec_at, request, sym, 4, stacks, c)
             if s4[1] != s4[2]:
-                raise _unvariable(sym, (f"the blocks of {c} run different ops or sizes ({_which_differ(s4)}), "
+                raise _unvariable(sym, (f"the blocks of {c} run different ops or sizes ({_which_differ(s4, sym)}), "
                                         f"so {sym} is not folded"))
             out[sym] = 3
     return out
@@ -184,7 +184,7 @@ def stack_roles(spec: ModelSpec, ref: Recording, stacks: Mapping[str, str], prec
         elif s3[0] == s3[1] and s3[2] != s3[1]:
             special[c] = 1
         else:
-            raise _unvariable(sym, (f"the blocks of {c} run different ops or sizes ({_which_differ(s3)}), "
+            raise _unvariable(sym, (f"the blocks of {c} run different ops or sizes ({_which_differ(s3, sym)}), "
                                     f"so {sym} is not folded"))
 
     def role(module: str, name: str | None = None):

@@ -95,6 +95,18 @@ def shared_name(names: list[str]) -> str:
     return names[0]
 
 
+def shared_by_blocks(names: list[str]) -> bool:
+    """Whether a parameter registered under ``names`` (``named_parameters(remove_duplicate=False)``)
+    is one module's, handed to blocks: several names, one of them inside a block (a dotted part
+    that is a block index: ``blocks.0.pos.table.weight`` beside ``pos.table.weight``, the owner
+    registering the shared module itself first). Its gradient's accumulation (autograd's sum of
+    each block's gradient, then ``AccumulateGrad``) is then no block's (``recorder._label_graph``'s
+    ``unlabelled``): else the first block whose graph reaches it would run one more op than the
+    others and L would be pinned. A parameter tied outside any block (input and output
+    embeddings) is not."""
+    return len(names) > 1 and any(part.isdigit() for n in names for part in n.split(".")[:-1])
+
+
 def _rename_block(path: str, container: str | None, label: str) -> str:
     if container is None:
         return path

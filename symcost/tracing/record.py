@@ -45,7 +45,8 @@ from symcost.frontends.precision import precision_context
 from symcost.tracing.device_kernels import device_kernels
 from symcost.tracing.one_hot import scatter_one_hot
 from symcost.tracing import grouped_mm
-from symcost.tracing.modules import _containers, called_as, module_paths, outside_its_block, shared_name
+from symcost.tracing.modules import (_containers, called_as, module_paths, outside_its_block, shared_by_blocks,
+                                     shared_name)
 from symcost.tracing.recording import (  # noqa: F401 (re-exported: the recording's types)
     IntRef, MemoryEvent, OpCall, Recording, SavedTensor, TensorInfo, TensorRef)
 from symcost.tracing.recorder import (  # noqa: F401 (the dispatch mode and its helpers)
@@ -508,7 +509,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                 tied.setdefault(leaf_names[id(p)][6:], []).append(name)
                 continue
             name = shared_name(param_names[id(p)])  # in several blocks: one parameter in no block
-            if name != param_names[id(p)][0]:
+            if name != param_names[id(p)][0] or shared_by_blocks(param_names[id(p)]):
                 shared_params.add(id(p))
             leaf_names[id(p)] = f"param:{name}"
             local = getattr(p, "_local_tensor", None)  # (to_local() would make a new view each call)
