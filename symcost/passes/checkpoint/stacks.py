@@ -173,8 +173,9 @@ class _Held:
     its end blocks, or the stack's output), then taken by the stack's blocks from ``ckpt_block``
     on as a checkpoint's input (each checkpoint keeps its inputs until its backward) and, in the
     plain step, saved by the blocks from ``plain_block`` on (None: by no block, the plain step
-    frees it elsewhere: a decoder's causal mask, T5's position bias, in bf16-mixed the encoder's
-    output, of which the plain decoder blocks save only casts). It is freed after the backward of
+    frees it elsewhere, outside the blocks or in the forward after its last use: a decoder's
+    causal mask, T5's position bias, in bf16-mixed the encoder's output, of which the plain
+    decoder blocks save only casts). It is freed after the backward of
     the stack's earliest block that holds it (a stack's backward runs its blocks last to first);
     with none, where the plain step frees it. ``kP``/``kC``: its free event in the
     plain/checkpointed schedule, ``exactP``/``exactC`` whether that event falls in that block's
@@ -234,8 +235,8 @@ def _held(mmP, mmC, lengths: Mapping[str, int], roles: Mapping[str, set], env) -
     """The storages whose free moves with checkpointing (:class:`_Held`): freed once in each step,
     matched by the unit, op, module and size of their allocation (where one storage of each step
     has them), the checkpointed step freeing them in the backward of a stack's block and the
-    plain one elsewhere (outside the blocks, or in the backward of another block of that
-    stack)."""
+    plain one elsewhere (outside the blocks, in the forward of a later block of that stack, or
+    in the backward of another block of that stack)."""
     from symcost.passes.memory.live import _peval
 
     uP, uC = _unit_index(mmP), _unit_index(mmC)
@@ -273,6 +274,8 @@ def _held(mmP, mmC, lengths: Mapping[str, int], roles: Mapping[str, set], env) -
             plain_block, exactP = None, True
         elif before[0] == "backward" and before[1] == c:
             plain_block, exactP = before[2], before[3]
+        elif before[0] == "forward" and before[1] == c and before[2] >= where[2] and before[3]:
+            plain_block, exactP = None, True  # freed after its last use (BART's causal mask): no plain block saves it
         else:
             continue
         out.append(_Held(c, where[2], plain_block, kp, kc, -int(_peval(mmP._evpolys[kp], vals)), exactP, where[3]))
