@@ -34,4 +34,5 @@ def test_fsdp_model_states_match_fsdp_mem_tracker():
         after = got["after_step"]
         assert after["Sharded Param"] == mem["params"], (v, "params")
         assert after["Sharded Grad"] == mem["grads"], (v, "grads")
-        assert after["OptState"] == mem["optimizer_state"] + 4 * got["steps"], (v, "optimizer state")
+        # (the tracker's OptState holds AdamW's 0-d step tensor per parameter: so does optimizer_state)
+        assert after["OptState"] == mem["optimizer_state"] and got["steps"] > 0, (v, "optimizer state")

@@ -93,8 +93,8 @@ def _rank(spec, shard: str, values: dict, stacks=STACKS) -> dict:
         opt.step()
         states = {"params": sum(size(local(p)) for p in m.parameters()),
                   "grads": sum(size(local(p.grad)) for p in m.parameters() if p.grad is not None),
-                  "optimizer_state": sum(size(local(t)) for st in opt.state.values() for k, t in st.items()
-                                         if k != "step")}
+                  # (each parameter's 0-d fp32 step tensor included: torch.optim keeps it unsharded per rank)
+                  "optimizer_state": sum(size(local(t)) for st in opt.state.values() for k, t in st.items())}
     return {"flops": fc.get_total_flops(), "saved": saved[0], "comm": comm, "states": states,
             "units": sum(1 for c in stacks for _ in m.get_submodule(c).children()) + 1}
 

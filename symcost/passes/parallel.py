@@ -245,6 +245,32 @@ def rank_parts(an, dim: str, precision: str | None = None, optimizer: str = "ada
     return out
 
 
+def step_counter_bytes(an, optimizer: str, precision: str | None = None) -> sympy.Expr:
+    """Bytes of the optimizer's step counters on one rank: torch.optim's Adam and AdamW keep a 0-d
+    fp32 ``step`` tensor per parameter tensor (``_init_group``: ``torch.tensor(0.0,
+    dtype=_get_scalar_dtype())``), a plain tensor beside the DTensor moments of an FSDP2 or
+    tensor-parallel parameter, so every rank holds one per parameter tensor, unsharded (checked on
+    a fake process group: ``opt.state[p]["step"]`` is a ``Tensor`` of shape ``()``); SGD none.
+    ``STEP_BYTES`` (4) × the parameter tensors (each folded one × its repeat), as the one-device
+    memory model counts them (:class:`~symcost.passes.memory.MemoryModel`). Bytes, a polynomial.
+    0 under a ``megatron-*`` or ``deepspeed-*`` policy (``precision``), whose fused Adam keeps one
+    step per parameter group (Apex's and DeepSpeed's ``FusedAdam``: ``group["step"]``), not
+    torch.optim's per-tensor counters."""
+    from symcost.passes.memory.policies import OPTIMIZERS, STEP_BYTES
+
+    opt = OPTIMIZERS.get(optimizer)
+    if opt is None or not opt.step or str(precision or "").startswith(("megatron-", "deepspeed-")):
+        return sympy.Integer(0)
+    return sympy.expand(STEP_BYTES * sympy.Add(*[rep for _, (_, _, rep) in an.param_shapes.items()]))
+
+
+def _add_steps(mem: dict, steps) -> None:
+    """``steps`` (:func:`step_counter_bytes`) into ``mem``'s ``optimizer_state`` and ``total``."""
+    if steps != 0:
+        mem["optimizer_state"] = sympy.expand(mem["optimizer_state"] + steps)
+        mem["total"] = sympy.expand(mem["total"] + steps)
+
+
 def summary(an, precision: str | None = None, optimizer: str = "adamw",
             sizes: Mapping[str, int] | None = None, impl: str = "default", device: str = "cuda") -> dict[str, Any]:
     """One rank of a data-parallel trace (``symcost.trace(..., shard=...)``): formulas in the
@@ -254,8 +280,9 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         ``shard``, ``engine`` (what was traced) and ``label`` (what is sharded),
         ``comm`` (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``total``: bytes each rank
         sends, equal to those it receives, per step, ring algorithm), ``memory`` (per-rank
-        model states, :func:`model_state_bytes`, plus ``activations``: the bytes autograd saves
-        on the rank, from the trace), ``peak`` (:func:`rank_peak`: the rank's peak memory, its
+        model states, :func:`model_state_bytes`, ``optimizer_state`` and ``total`` with the
+        optimizer's step counters, :func:`step_counter_bytes`, plus ``activations``: the bytes
+        autograd saves on the rank, from the trace), ``peak`` (:func:`rank_peak`: the rank's peak memory, its
         formula, and its value, place and parts at ``sizes`` or the defaults); with ``sizes``,
         also ``values``: the same at those sizes, exact with FSDP2's padding (:func:`padded`)
         where DP does not divide a dimension (the peak is exact where it divides).
@@ -274,6 +301,8 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
     P = params_tp_local(an)  # what the data-parallel engine holds (the TP-local parameters on the 2-D mesh)
     mem = model_state_bytes(P, shard_degree(an, DP), shard, precision or an.precision, optimizer,
                             an.params_shard if traced_shards else optimizer_share(an, DP))
+    steps = step_counter_bytes(an, optimizer, precision or an.precision)
+    _add_steps(mem, steps)
     mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
     engine, reshard, label = SHARDS[shard]
     engine = {"replicate": "torch.distributed._composable.replicate_with_fsdp.replicate (DDP) per block",
@@ -342,6 +371,7 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         share = ev["params_shard"] if traced_shards else int(sympy.ceiling(
             sympy.sympify(optimizer_share(an, dp, ep)).xreplace(env)))
         vmem = model_state_bytes(P, shard_degree(an, dp, ep), shard, precision or an.precision, optimizer, share)
+        _add_steps(vmem, sympy.sympify(steps).xreplace(env))
         vmem["activations"] = mem["activations"].xreplace(env)
         fsdp_sharded = SHARDS[shard][0] == "fully_shard"
         out["values"] = {"comm": vcomm, "memory": vmem, "dp": dp,
