@@ -178,6 +178,19 @@ def test_padding_where_dp_does_not_divide(shard):
         assert vals["memory"]["grads"] == got["states"]["grads"]
 
 
+def test_a_pinned_size_dp_does_not_divide_pins_dp_too():
+    """A size pinned at a request that DP does not divide (D = 7 here; hf:whisper's V = 51865 once a
+    fit pinned it) leaves no probe whose first dimensions lcm(DP, 4) divides: was refused ('no probe
+    sizes for B, S, DP'); now DP is pinned too, said, and the step at the request (FSDP2's padded
+    rows) equals PyTorch's rank: FLOPs, saved, collective and shard bytes, model states."""
+    rng = random.Random(2026)
+    v = {"B": rng.randint(2, 4), "S": rng.randint(3, 12), "D": 7, "L": rng.randint(2, 4), "DP": 2}
+    an = symcost.trace("mlp", sizes={"DP": 2, "D": 7}, precision="bf16-mixed", shard="fsdp",
+                       _pins={"D": "pinned by the test"})
+    assert an.pinned == {"D": 7, "DP": 2} and "FSDP2 pads" in an.pin_reasons["DP"], an.pin_reasons
+    _check_rank("mlp", "fsdp", an, v)
+
+
 @pytest.mark.heavy
 def test_transformer_fsdp_rank_matches_pytorch():
     """cs336-lm under FSDP2 (attention, embedding and head in the root unit) at random sizes."""

@@ -264,8 +264,17 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
             # once more without them (frontends.parallel.MESH_PINNED: FSDP2's padding at the pinned
             # mesh is constant where the first dimension is; where not, the fit's checks say so)
             mesh = [s for s in MESH if s in spec.all_symbols]
-            if relax or not mesh or not all(s in pins for s in mesh):
+            if relax or not mesh:
                 raise
+            # a mesh size still free: a size pinned at the request (V = 37, odd) leaves no probe whose
+            # first dimensions the mesh divides; FSDP2 pads them to ceil(d0/DP) rows, no polynomial in
+            # DP: the mesh sizes pinned too (was refused: 'no probe sizes for B, S, ..., DP')
+            for s in mesh:
+                if s not in pins and s in values:
+                    pins[s] = values[s]
+                    reasons[s] = ("no probe keeps every parameter's first dimension a multiple of it at the "
+                                  "other pinned sizes (the rows FSDP2 pads are no polynomial in it): formulas "
+                                  f"for this {s}")
             relax = True
         except StepSize as e:
             new = {s: why for s, why in e.pins.items() if s not in pins and s in values}
