@@ -291,7 +291,13 @@ class MemoryModel(Solver):
         self.candidates_accum = self._candidates(accumulate=True)
 
     def _label(self, k: int, unit_label: str) -> str:
+        """``"<where>: <module> <op>"`` of event ``k``: where is the unit's label (``forward,
+        block``, ``backward, first block``, ...) or, for a schedule not folded into blocks (one
+        unit, ``step``), the event's phase (``forward``/``backward``): ``step`` alone would read
+        as the optimizer step, which has its own label."""
         e = self.schedule.events[k]
+        if unit_label == "step" and e.phase:
+            unit_label = e.phase
         return f"{unit_label}: {e.module or '(top level)'} {e.op}"
 
     def _candidates(self, accumulate: bool) -> list[Candidate]:
