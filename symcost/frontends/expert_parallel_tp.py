@@ -175,7 +175,7 @@ def apply(model, tp_mesh, experts) -> None:
     from torch.distributed.tensor import Partial
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
-    from symcost.frontends.tensor_parallel import _grad_all_reduce
+    from symcost.frontends.tensor_parallel_hf import _grad_all_reduce
 
     col = re.compile(r"(gate_proj|up_proj|w1|w3)$")
     row = re.compile(r"(down_proj|w2)$")
