@@ -193,4 +193,30 @@ def test_state_space_bad_sizes_one_line(capsys, tmp_path, monkeypatch):
     assert_one_line_error(*run_cli(capsys, "eval", "hf:mamba2", "--set", "H=4", "K=3"), "K (n_groups) must divide H")
     assert_one_line_error(*run_cli(capsys, "eval", "hf:mamba2", "--set", "H=3", "D=3", "K=1"),
                           "H*D must be a multiple of expand=2")
-    assert_one_line_error(*run_cli(capsys, "eval", "hf:zamba", "--set", "L=2"), "L must be at least 3")
+    assert_one_line_error(*run_cli(capsys, "eval", "hf:zamba", "--set", "L=7"), "L must be at least 8")
+
+
+def test_zamba_least_l_two_hybrid_blocks():
+    """hf:zamba's least L is data (Constraint("min", "L", attn_layer_offset + 4)): transformers'
+    ZambaModel builds only with two hybrid blocks (block 2, and 3 + i for i % attn_layer_period ==
+    attn_layer_offset; "L >= 3" was not enough). The oracle: ZambaForCausalLM built on the meta
+    device at random periods and offsets, refused at L = offset + 3 and built at offset + 4, as the
+    spec's check says; an offset outside [0, period) (one hybrid block at any L) refused in one line."""
+    rng = random.Random("zamba least L")
+    tiny = {"H": 2, "D": 4, "K": 2, "M": 8, "F": 8, "N_state": 2, "K_conv": 2, "R_dt": 2, "V": 32}
+    for _ in range(3):
+        period = rng.randint(1, 7)
+        offset = rng.randint(0, period - 1)
+        spec = symcost.resolve("hf:zamba", config={"n_mamba_heads": "2", "attn_layer_period": str(period),
+                                                   "attn_layer_offset": str(offset)})
+        for L in (offset + 3, offset + 4):
+            v = {**spec.defaults, **tiny, "L": L}
+            why = spec.check(v)
+            try:
+                spec.build_meta(v)
+                built = True
+            except Exception:  # noqa: BLE001 (transformers refuses the model)
+                built = False
+            assert built == (why is None) == (L == offset + 4), (period, offset, L, why)
+    with pytest.raises(symcost.SymcostError, match="one hybrid block at any L"):
+        symcost.resolve("hf:zamba", config={"attn_layer_period": "3", "attn_layer_offset": "3"})

@@ -406,19 +406,36 @@ def zamba_spec(model_type: str, overrides: Mapping[str, str] | None = None, atte
     Pinned (stated): L (Mamba and hybrid blocks by layer index) and S (the Mamba blocks' CPU scan is
     a Python loop over the S positions, as for ``hf:mamba``).
 
+    Constraint L >= ``attn_layer_offset`` + 4 (data): ZambaConfig's blocks are Mamba, Mamba, hybrid,
+    then hybrid at 3 + i for i % ``attn_layer_period`` == ``attn_layer_offset``
+    (``configuration_zamba.ZambaConfig.__post_init__``), and ``modeling_zamba.ZambaModel`` builds
+    only with a second hybrid block (its ``_tied_weights_keys`` ties the first one's shared block to
+    the others'; with one, ``post_init`` raises).
+
     Raises:
-        SymcostError: an unknown or rejected config key, a bad attention implementation.
+        SymcostError: an unknown or rejected config key, a bad attention implementation, an
+            ``attn_layer_offset`` outside [0, ``attn_layer_period``) (one hybrid block at any L).
     """
     shown = name or f"hf:{model_type}"
     AutoConfig, base_kwargs, ov, cfg, model_cls, attention = _zamba_config(model_type, overrides, attention,
                                                                            base_kwargs)
     nm, expand = int(cfg.n_mamba_heads), int(cfg.mamba_expand)
+    period, offset = int(cfg.attn_layer_period), int(cfg.attn_layer_offset)
+    if not 0 <= offset < period:  # (ZambaConfig: hybrid at block 2, then at 3 + i for i % period == offset)
+        raise SymcostError(f"{shown}: attn_layer_offset={offset} with attn_layer_period={period} leaves one hybrid "
+                           "block at any L (block 2; the others are at 3 + i for i % period == offset), and "
+                           "transformers' ZambaModel builds only with two or more (it ties the first one's shared "
+                           "transformer block to the others'); give 0 <= attn_layer_offset < attn_layer_period")
     symbols = tuple(ZAMBA_FIELDS)
     defaults = {"B": 8, "S": 64, **{s: getattr(cfg, f) for s, f in ZAMBA_FIELDS.items()}}
     constraints = (Constraint("divides", "K", "H", "K must divide H: each of the K key/value heads serves H/K "
                               "query heads"),
-                   Constraint("min", "L", 3, "L must be at least 3: ZambaConfig's first three blocks are Mamba, Mamba "
-                              "and hybrid, its pattern the rest"),
+                   Constraint("min", "L", offset + 4,
+                              f"L must be at least {offset + 4}: transformers' ZambaModel builds only with two or more "
+                              "hybrid blocks (it ties the first one's shared transformer block to the others'), and "
+                              "ZambaConfig's blocks are Mamba, Mamba, hybrid, then a hybrid at 3 + i for each i with "
+                              f"i % attn_layer_period == attn_layer_offset (period {period}, offset {offset}: the "
+                              f"second hybrid is block {offset + 3})"),
                    Constraint("multiple", f"{expand}*M", nm, f"mamba_expand*M must be a multiple of n_mamba_heads={nm} "
                               f"(each Mamba head is mamba_expand*M/n_mamba_heads wide; mamba_expand = {expand})"))
     moduli = {"M": nm} if nm > 1 else {}
