@@ -16,6 +16,8 @@ checks are not among them):
 - **host work of an eager step** (:func:`host_per_op`): a tiny ``nn.Module`` transformer stack's
   forward, and its forward and backward, over the aten ops of each phase: ``host_forward``,
   ``host_backward`` (Python, module calls, dispatch, autograd; on a GPU the launches too);
+- **kernel boundaries** (:func:`kernel_gap`, a GPU): back-to-back tiny kernels queued behind a sleep
+  on the stream, CUDA events around them: ``kernel_gap`` (a CPU: 0, its kernels run inside the op);
 - **optimizer**: ``torch.optim.AdamW(foreach=True).step()`` over many small and over a few large
   synthetic tensors: two equations in ``optimizer_per_tensor`` and ``optimizer_per_byte``.
 
@@ -195,6 +197,78 @@ def launch_compiled(dev, min_run_time: float = 0.3) -> float:
     return _median(f, x, min_run_time=min_run_time)
 
 
+def kernel_gap(dev, kernels: int = 2000, rounds: int = 5) -> dict:
+    """Device seconds per kernel of back-to-back tiny kernels (docs/performance-model.md, "Kernel
+    boundaries on the device"): ``kernels`` in-place adds on a 1-element tensor queued on the
+    stream behind ``torch.cuda._sleep`` (so the host has queued them all before the device reaches
+    the first: the host's launch time is not in the measure), timed with CUDA events recorded after
+    the sleep and after the last kernel; the median over ``rounds`` per kernel is ``kernel_gap``
+    (the kernel's own work, 4 bytes, is nanoseconds: the rest is the kernel boundary the model
+    adds per eager kernel). The same chain captured in a CUDA graph and replayed the same way gives
+    ``graph`` (reported, not used: symcost has no CUDA-graph mode). Returns ``{"kernel_gap",
+    "graph", "kernels", "stream_rounds", "graph_rounds"}`` (seconds); on a CPU (whose kernels run
+    inside the op: no device-side boundary) ``kernel_gap`` 0.0 and nothing timed.
+
+    Raises:
+        SymcostError: the host did not queue the kernels within the longest sleep tried.
+    """
+    import time
+
+    import torch
+
+    from symcost.errors import SymcostError
+
+    if dev.type != "cuda":
+        return {"kernel_gap": 0.0, "graph": None, "kernels": 0, "stream_rounds": [], "graph_rounds": []}
+    x = torch.zeros(1, device=dev)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def chain():
+        for _ in range(kernels):
+            x.add_(1.0)
+
+    def sleep_seconds(cycles: int) -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(cycles)
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
+
+    chain()
+    torch.cuda.synchronize()
+    per_cycle = sleep_seconds(1 << 24) / (1 << 24)
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain()  # (warm-up on the capturing stream)
+        with torch.cuda.graph(g, stream=side):
+            chain()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+    def timed(run, hold: float) -> float:
+        for _ in range(4):  # a sleep long enough that the host has queued everything before it ends
+            torch.cuda._sleep(max(1, int(hold / per_cycle)))
+            t0 = time.perf_counter()
+            start.record()
+            run()
+            end.record()
+            queued = time.perf_counter() - t0
+            end.synchronize()
+            if queued < 0.5 * hold:
+                return start.elapsed_time(end) / 1e3 / kernels
+            hold *= 4
+        raise SymcostError(f"kernel_gap: the host took {queued:.3f} s to queue {kernels} kernels, longer than "
+                           f"the device's sleep of {hold / 4:.3f} s: the device-side time cannot be isolated")
+
+    stream = [timed(chain, 0.05) for _ in range(rounds)]
+    graph = [timed(g.replay, 0.01) for _ in range(rounds)]
+    return {"kernel_gap": statistics.median(stream), "graph": statistics.median(graph), "kernels": kernels,
+            "stream_rounds": stream, "graph_rounds": graph}
+
+
 def gemm_sweep(dev, precisions: dict, shapes=GEMM_SWEEP, min_run_time: float = 0.2,
                log: Callable[[str], None] | None = None) -> list[dict]:
     """Eager ``torch.mm`` of every shape at every precision: ``[{m, k, n, precision, seconds}]``."""
@@ -323,6 +397,10 @@ def _efficiency(entry: dict, dev, gpu: bool, quick: bool, min_run_time: float, l
         f"{host['host_backward'] * 1e6:.2f} us per backward aten op ({host['ops']})")
     lc = launch_compiled(dev, min_run_time)
     log(f"compiled call: {lc * 1e6:.2f} us")
+    gap = kernel_gap(dev)
+    if gpu:
+        log(f"kernel boundary: {gap['kernel_gap'] * 1e6:.2f} us per back-to-back kernel on the stream, "
+            f"{gap['graph'] * 1e6:.2f} us in a CUDA graph")
     mem = memory_fraction(dev, entry["bandwidth"], entry.get("write_bandwidth"), min_run_time)
     log(f"eager add: {100 * mem['memory']:.0f}% of the calibrated bandwidth")
     cp = copy_rate(dev, min_run_time)
@@ -363,10 +441,11 @@ def _efficiency(entry: dict, dev, gpu: bool, quick: bool, min_run_time: float, l
         # (a GPU: its host time per op includes the launch, and the host runs ahead of the stream)
         **({"host_launch": 0.0, "host_async": True} if gpu else {}),
         "optimizer_per_tensor": opt["optimizer_per_tensor"], "optimizer_per_byte": opt["optimizer_per_byte"],
+        "kernel_gap": gap["kernel_gap"],
         "source": f"measured by symcost calibrate (microbenchmarks: eager GEMM sweep, add, op chain, AdamW; "
                   f"{torch.get_num_threads()} threads; collective_latency not measured: default)",
         "fit": {"gemm_rows": g["rows"], "gemm_rms_log_error": g["rms_log_error"], "launch": launch,
-                "memory": mem, "copy": cp, "optimizer": opt["cases"], "host": host},
+                "memory": mem, "copy": cp, "optimizer": opt["cases"], "host": host, "kernel_gap": gap},
     }
 
 

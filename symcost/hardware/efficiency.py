@@ -18,6 +18,7 @@ steps it is validated against (docs/performance-model.md). A device file's ``eff
     host_backward = 2.3e-6       #   dispatcher, autograd; the backward's in autograd's engine): replace launch_eager
     host_launch = 3e-6           # host seconds of a kernel launch per op that runs a kernel (a GPU: cuLaunchKernel)
     host_async = true            # the host issues ops ahead of the device (a GPU): a stretch is max(host, device)
+    kernel_gap = 2.1e-6          # device seconds per kernel beyond its own time (launch, teardown), stream launches
     launch_compiled = 2e-6       # seconds per kernel of a compiled step
     optimizer_per_tensor = 4e-5  # AdamW (foreach) step: seconds per parameter tensor
     optimizer_per_byte = 2e-10   #   ... and per byte of fp32 parameter
@@ -40,16 +41,17 @@ from symcost.errors import SymcostError
 #: guide, sec. "Wave quantization"; ~5 us per eager op and ~3 us per kernel launch, PyTorch's
 #: performance tuning guide, "CUDA graphs"); gemm_max 0.8 and memory 0.8 are the fractions
 #: cuBLAS GEMMs and streaming kernels typically reach (nccl-tests / STREAM-style sweeps); a
-#: device whose file measures them replaces every one.
+#: device whose file measures them replaces every one. kernel_gap 0: a device without a measured or
+#: published figure pays no time per kernel boundary on the device (not priced, and listed as defaulted).
 DEFAULTS: dict[str, Any] = {
     "compute_units": 1, "tile": (1, 1), "gemm_max": {}, "gemm_max_default": 0.8, "gemm_half": 16.0,
     "memory": 0.8, "launch_eager": 5e-6, "launch_compiled": 3e-6,
     "optimizer_per_tensor": 2e-5, "optimizer_per_byte": 0.0, "collective_latency": 5e-6,
-    "copy_bandwidth": None,
+    "copy_bandwidth": None, "kernel_gap": 0.0,
 }
 
 _NUMBERS = ("gemm_half", "memory", "copy_bandwidth", "launch_eager", "launch_compiled", "optimizer_per_tensor",
-            "optimizer_per_byte", "collective_latency", "host_forward", "host_backward", "host_launch")
+            "optimizer_per_byte", "collective_latency", "host_forward", "host_backward", "host_launch", "kernel_gap")
 KNOWN = set(_NUMBERS) | {"compute_units", "tile", "gemm_max", "source", "fit", "compute_capability",
                          "defaulted", "host_async"}  # (what to_json writes back: ignored on reading, recomputed)
 
@@ -78,6 +80,15 @@ class Efficiency:
         host_async: the host issues the ops asynchronously ahead of the device (a CUDA GPU's
             stream): each stretch between synchronisations takes max(host, device), not their sum
             (:func:`symcost.passes.performance.host_stretches`); False (a CPU): one thread runs both.
+        kernel_gap: seconds the device spends per kernel of an eager step beyond the kernel's own
+            time — the launch and teardown at a kernel boundary, when kernels are launched one by
+            one on a stream and the host has already queued the next one (a GPU); added to the
+            device's time of each phase per op that runs a kernel
+            (:func:`symcost.passes.performance.predict`, docs/performance-model.md, "Kernel
+            boundaries on the device"). 0 (the default, and a CPU's, whose kernel runs inside the
+            op): not priced. The catalogue's H100 and H200: 2.1 us (Hazy Research 2025, a dummy
+            kernel on an H100, CUDA stream); ``benchmarks/gpu_check.sh`` measures it
+            (:func:`symcost.hardware.calibrate_perf.kernel_gap`).
         optimizer_per_tensor, optimizer_per_byte: the AdamW (foreach) step's cost.
         collective_latency: the alpha (seconds) of one step of a ring or tree collective.
         compute_capability: ``(major, minor)`` of a CUDA GPU (NVIDIA's "CUDA C++ Programming
@@ -101,6 +112,7 @@ class Efficiency:
     host_forward: float | None = None
     host_backward: float | None = None
     host_launch: float | None = None
+    kernel_gap: float = DEFAULTS["kernel_gap"]
     host_async: bool = False
     compute_capability: tuple[int, int] | None = None
     source: str = "defaults (symcost.hardware.efficiency.DEFAULTS)"
@@ -224,7 +236,8 @@ def parse_efficiency(value: Any, where: str) -> Efficiency | None:
             kw[key] = _positive(value[key], key, where, allow_zero=key in ("optimizer_per_byte", "optimizer_per_tensor",
                                                                             "collective_latency", "launch_eager",
                                                                             "launch_compiled", "host_forward",
-                                                                            "host_backward", "host_launch"))
+                                                                            "host_backward", "host_launch",
+                                                                            "kernel_gap"))
     if "host_async" in value:
         if not isinstance(value["host_async"], bool):
             raise SymcostError(f"{where}: efficiency.host_async must be true or false, got {value['host_async']!r}")

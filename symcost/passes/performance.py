@@ -26,6 +26,12 @@ sizes; returns plain data. Each traced op, times its repeat, costs (docs/perform
   ``launch_eager``), plus ``host_launch`` per op that runs a kernel on a device the host launches
   kernels on; compiled: ``launch_compiled`` per kernel (the ops that move bytes after fusion,
   :mod:`symcost.graph.fusion`: an estimate of inductor's kernels), added;
+- the device's time at each kernel boundary of an eager step: ``kernel_gap`` per op that runs a
+  kernel (moves bytes or does FLOPs), added to its phase's device seconds — a kernel launched on a
+  stream starts only after the previous one has finished and its launch has been processed, even
+  when the host has queued it long before (Hazy Research, "Look Ma, No Bubbles!", 2025: 2.1 us per
+  kernel on an H100, 1.3 us under CUDA graphs); 0 where the device has no figure. A compiled step
+  keeps ``launch_compiled`` per kernel instead (one figure for the kernel's launch, host and device);
 - the optimizer step (AdamW, foreach): ``optimizer_per_tensor`` x parameter tensors (host) +
   ``optimizer_per_byte`` x parameter bytes (the analysis does not trace it; measured on its own
   microbenchmark).
@@ -160,8 +166,8 @@ def host_stretches(host: Mapping[str, float], device: Mapping[str, float], opt_h
           e_f = max(host_f, device_f), the backward at max(e_f + device_b, host_f + host_b); the
           optimizer step a stretch of its own after the synchronisations that precede it (a
           gradient-norm or loss ``.item()``): max(opt_host, opt_device). The first kernel's
-          launch latency and the gaps between back-to-back kernels on the device are not counted
-          (a lower bound of each stretch).
+          launch latency is not counted; the gaps between back-to-back kernels on the device are
+          the caller's part of ``device`` (:func:`predict` adds ``kernel_gap`` per kernel).
     """
     hf, hb = float(host.get("forward", 0.0)), float(host.get("backward", 0.0))
     df, db = float(device.get("forward", 0.0)), float(device.get("backward", 0.0))
@@ -190,12 +196,16 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
 
     Returns:
         ``{"mode", "step_seconds" (predicted), "bound_seconds" (the roofline's, same bytes),
-        "terms": {"gemm", "attention", "other_compute", "memory", "launch", "optimizer"} (seconds;
-        ``launch``: the host time the device leaves exposed, all of it on a CPU),
+        "terms": {"gemm", "attention", "other_compute", "memory", "launch", "kernel_gap", "optimizer"}
+        (seconds; ``launch``: the host time the device leaves exposed, all of it on a CPU;
+        ``kernel_gap``: the device's time at the eager step's kernel boundaries),
         "ops", "launches", "params_tensors", "params_bytes", "host" and "device" {forward,
-        backward, optimizer} (seconds of host work and of device kernels), "phase_overhead"
-        {forward, backward} (what each phase takes beyond its ops' device seconds: the exposed
-        host time), "host_async", "precision", "model_flops",
+        backward, optimizer} (seconds of host work and of the device: its kernels and kernel
+        boundaries), "kernels" {forward, backward} (an eager step's ops that run a kernel, repeats
+        counted; 0 compiled), "kernel_gaps" {forward, backward} (their boundaries' seconds),
+        "phase_overhead" {forward, backward} (what each phase takes beyond its ops' kernel
+        seconds, the ``nodes``: its kernel boundaries and the exposed host time), "host_async",
+        "precision", "model_flops",
         "mfu_predicted", "mfu_ceiling", "efficiency" (the table used), "calibrated" (False: one
         of :data:`MEASURED` is a default, not measured), "defaulted" (the figures taken
         from the defaults), "nodes": [{index, op, phase, repeat, seconds,
@@ -265,15 +275,21 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
         kernels["forward" if node["phase"] == "forward" else "backward"] += node["seconds"]
     host = {"forward": 0.0, "backward": 0.0}
     per_phase = {"forward": 0, "backward": 0}
+    n_kernels = {"forward": 0, "backward": 0}  # ops that run a kernel (move bytes or do FLOPs; views do not)
     for op in an.ops:
         ph = "forward" if op.phase == "forward" else "backward"
         rep = _num(op.repeat, env)
         per_phase[ph] += rep
         if not fused:
             kernel = bool(op.cost.bytes != 0 or op.cost.flops_all != 0)
+            n_kernels[ph] += rep if kernel else 0
             host[ph] += rep * (eff.host_per_op(ph) + (float(eff.host_launch or 0.0) if kernel else 0.0))
     if fused:  # a launch per fused kernel, spread over each phase's ops
         host = {ph: n_launch * eff.launch_compiled * k / max(1, n_ops) for ph, k in per_phase.items()}
+    # each kernel boundary of an eager step on the device (kernel_gap: docs/performance-model.md,
+    # "Kernel boundaries on the device"); a compiled step's launch_compiled per kernel stands for it
+    gaps = {ph: n_kernels[ph] * float(eff.kernel_gap or 0.0) for ph in n_kernels}
+    device_phase = {ph: kernels[ph] + gaps[ph] for ph in kernels}
     tensors = pbytes = 0
     for shape, dtype, rep in an.param_shapes.values():
         r = _num(rep, env)
@@ -281,17 +297,21 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
         pbytes += r * _num(numel(shape), env) * itemsize(dtype_names([dtype])[0])
     opt_host = eff.optimizer_per_tensor * tensors if optimizer else 0.0
     opt_device = eff.optimizer_per_byte * pbytes if optimizer else 0.0
-    stretch = host_stretches(host, kernels, opt_host, opt_device, eff.host_async and not fused)
+    stretch = host_stretches(host, device_phase, opt_host, opt_device, eff.host_async and not fused)
     terms["launch"] = sum(stretch["phase_overhead"].values())
+    terms["kernel_gap"] = sum(gaps.values())
     terms["optimizer"] = stretch["optimizer"]
+    # what each phase takes beyond its ops' kernel seconds: its kernel boundaries and exposed host time
+    overhead = {ph: gaps[ph] + stretch["phase_overhead"][ph] for ph in gaps}
     step = sum(terms.values())
     rl = roofline(an, device, sizes, fused=fused, with_formulas=False)
     peak_train, _ = device.peak_for(train_key)
     model_flops = rl["model_flops"]
     return {"mode": mode, "step_seconds": step, "bound_seconds": rl["step_seconds"], "terms": terms,
             "ops": n_ops, "launches": n_launch, "params_tensors": tensors, "params_bytes": pbytes,
-            "host": {**host, "optimizer": opt_host}, "device": {**kernels, "optimizer": opt_device},
-            "phase_overhead": stretch["phase_overhead"], "host_async": bool(eff.host_async and not fused),
+            "host": {**host, "optimizer": opt_host}, "device": {**device_phase, "optimizer": opt_device},
+            "kernels": dict(n_kernels), "kernel_gaps": gaps,
+            "phase_overhead": overhead, "host_async": bool(eff.host_async and not fused),
             "optimizer": "adamw-foreach" if optimizer else None, "precision": train_key,
             "model_flops": model_flops, "mfu_predicted": model_flops / (step * peak_train) if step else 0.0,
             "mfu_ceiling": rl["mfu_ceiling"], "efficiency": eff.to_json(), "calibrated": not (set(eff.defaulted) & MEASURED),
