@@ -187,9 +187,8 @@ def _time_dp(model, sets, config, attention, precision, device_name, devices_fil
     # prediction's optimizer step once per K
     from symcost.frontends.layout import layout_of
     from symcost.passes.accumulation import accumulated
-    from symcost.passes.performance import predict
 
-    opt = predict(an, dev, sizes, mode="compiled" if compiled else "eager")["terms"]["optimizer"] if accumulate > 1 else 0.0
+    opt = pd["optimizer_seconds"] if accumulate > 1 else 0.0
     acc = accumulated(pd, accumulate, layout_of(an).shard, meta.get("symcost.overlap", "backward"), opt)
     seconds = float(out["steps"]) * acc["step_seconds"]
     out["predicted"] = {**pd, "accumulated": acc, "time.seconds": seconds, "time.days": seconds / 86400}

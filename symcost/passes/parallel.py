@@ -36,6 +36,8 @@ from symcost.passes.memory.states import (SHARDED, model_state_bytes, optimizer_
                                          shard_degree)  # (re-exported)
 from symcost.tracing.fit import SYMS
 from symcost.passes.accumulation import overlapped  # noqa: F401  (re-exported: the overlap rule)
+from symcost.passes import megatron_buckets as mb
+from symcost.passes.megatron_buckets import is_megatron_engine
 
 def _units(an) -> list[str]:
     """The FSDP2 units of a ``fully_shard`` trace (folded module names; ``""`` the root), longest
@@ -437,7 +439,11 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
         (``--dp`` with ``--tp``): ``comm`` is the DP group's, over ``link`` (the network when the
         DP·TP ranks span nodes); ``tp_comm`` {forward, backward} the TP group's over ``tp_link``
         (the scale-up link when TP ranks share a node), added exposed (Shoeybi et al. 2019 §3:
-        each all-reduce sits between the ops that make and use its tensor).
+        each all-reduce sits between the ops that make and use its tensor). Under Megatron-LM's
+        engine (``megatron-*`` with ``--shard ddp|zero1``) the data-parallel groups' bytes are its
+        buckets' (:func:`symcost.passes.megatron_buckets.engine`: the gradient buffer's dtype, the
+        distributed optimizer's reduce-scatter and its parameters' all-gather, this one in the
+        forward's phase), not the trace's all-reduce per gradient, and ``buckets`` describes them.
 
     Raises:
         SymcostError: a trace of one device (no layout), an unknown overlap, a device without an
@@ -489,6 +495,11 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
     r = roofline(an, device, {str(k): v for k, v in env.items()}, fused=fused)
     compute = {ph: r["per_phase"].get(ph, {}).get("seconds", 0.0) for ph in ("forward", "backward")}
     by_group = padded(an, env)["by_group"]
+    buckets = None
+    if is_megatron_engine(an):  # (Megatron's buckets, not the trace's all-reduce per gradient: megatron_buckets)
+        buckets = mb.engine(an, env, sizes_of, overlap)
+        by_group = {k: v for k, v in by_group.items() if k[0] not in mb.GROUPS}
+        by_group.update(buckets.pop("by_group"))
     groups = sorted({g for g, _ in by_group})
     per_group = {}
     for g in groups:
@@ -550,6 +561,8 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
                      ep_comm=dict(per_group["EP"]["seconds"]))
     if cp:
         extra["cp"] = cp
+    if buckets:
+        extra["buckets"] = buckets
     return {"compute": compute, "comm": comm, "bytes": nbytes, "link": link, "link_bandwidth": bw, **extra,
             **offload, "groups": per_group, "exposed": exposed, "ranks": ranks,
             "nodes": nodes, "devices_per_node": per_node, "overlap": overlap, "overlap_model": OVERLAPS[overlap],

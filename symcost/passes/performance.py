@@ -331,13 +331,21 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
     the data-parallel groups under the same ``overlap`` rule as the bound, the TP and EP groups'
     on the critical path, and the CP ring's passes (each its bytes / bandwidth + (CP-1) alphas)
     overlapped with the performance model's attention blocks as PyTorch schedules the ring
-    (:func:`symcost.passes.context_parallel.ring_exposure`; docs/parallel.md §15).
+    (:func:`symcost.passes.context_parallel.ring_exposure`; docs/parallel.md §15). Under
+    Megatron-LM's engine (``megatron-*`` with ``--shard ddp|zero1``) the data-parallel groups'
+    collectives are its buckets' (``step_time``'s ``buckets``,
+    :func:`symcost.passes.megatron_buckets.engine`: one all-reduce, or reduce-scatter and
+    all-gather, per bucket, α per ring step of each), not the trace's one per gradient, and
+    with ``zero1`` (its distributed optimizer) the optimizer step runs over the busiest rank's
+    shard (:func:`~symcost.passes.megatron_buckets.optimizer_shard`: its parameter tensors and
+    bytes) instead of every parameter.
 
     Returns:
         ``{"step_seconds", "bound_seconds" (step_time's), "compute" {forward, backward},
         "comm" {forward, backward} (the overlapped groups'), "exposed" {forward, backward} (the
         critical path's: TP, EP, the ring's unhidden part), "latency_seconds", "collectives",
-        "exposed_comm_seconds", "mfu_predicted", "calibrated", "defaulted", "overlap"}``.
+        "exposed_comm_seconds", "mfu_predicted", "optimizer_seconds" (the optimizer step inside
+        ``compute["backward"]``), "calibrated", "defaulted", "overlap"}``.
 
     Raises:
         SymcostError: what :func:`predict` and :func:`symcost.passes.parallel.step_time` raise.
@@ -346,7 +354,10 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
     from symcost.graph.totals import comm_group
     from symcost.passes.parallel import OVERLAPPED_GROUPS, group_sizes, overlapped, step_time
 
+    from symcost.passes.megatron_buckets import GROUPS
+
     bound = step_time(an, device, sizes, overlap, nodes, devices_per_node, fused=mode == "compiled")
+    buckets = bound.get("buckets")
     p = predict(an, device, sizes, mode=mode)
     eff = efficiency_of(device)
     env = an.bind(**(sizes or {}))
@@ -367,10 +378,23 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
         g = comm_group(an, op)
         if g == "CP":  # (the ring's passes: their alphas in its schedule below)
             continue
+        if buckets and g in GROUPS:  # (Megatron's engine: its buckets' collectives below, not the trace's)
+            count -= rep
+            continue
         n = ranks.get(g, ranks["DP"])
         steps = 2 * (n - 1) if kind == "all_reduce" else (n - 1) if kind != "send" and kind != "recv" else 1
         latency.setdefault(g, {"forward": 0.0, "backward": 0.0})[ph] += rep * steps * eff.collective_latency
-    compute["backward"] += p["terms"]["optimizer"]
+    optimizer = p["terms"]["optimizer"]
+    if buckets:  # Megatron's buckets (passes/megatron_buckets.py): one collective per bucket, α per ring step
+        count += buckets["collectives"]
+        for g, by_phase in buckets["latency_steps"].items():
+            for ph, n_steps in by_phase.items():
+                latency.setdefault(g, {"forward": 0.0, "backward": 0.0})[ph] += n_steps * eff.collective_latency
+        if "optimizer_shard" in buckets:  # the distributed optimizer steps over the rank's shard
+            sh = buckets["optimizer_shard"]
+            optimizer = host_stretches({}, {}, eff.optimizer_per_tensor * sh["tensors"],
+                                       eff.optimizer_per_byte * sh["param_bytes"], p["host_async"])["optimizer"]
+    compute["backward"] += optimizer
     groups = bound["groups"]
     phases = ("forward", "backward")
 
@@ -398,4 +422,5 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
             "exposed": exposed,
             "latency_seconds": sum(sum(d.values()) for d in latency.values()) + ring_latency, "collectives": count,
             "exposed_comm_seconds": step - sum(compute.values()), "mfu_predicted": mf / (step * peak) if step else 0.0,
+            "optimizer_seconds": optimizer,
             "calibrated": p["calibrated"], "defaulted": p["defaulted"], "overlap": overlap, "mode": mode}

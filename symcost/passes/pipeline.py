@@ -592,6 +592,8 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
             precision or without a link the pipeline uses.
     """
     from symcost.graph.totals import comm_group
+    from symcost.passes import megatron_buckets as mb
+    from symcost.passes.megatron_buckets import is_megatron_engine
     from symcost.passes.parallel import OVERLAPS
     from symcost.passes.performance import efficiency_of, predict
     from symcost.passes.roofline import _num, training_precision
@@ -620,6 +622,14 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
         for node in p["nodes"]:
             t["forward" if node["phase"] == "forward" else "backward"] += node["seconds"]
         dp_trace[s] = 0.0
+        buckets = None
+        if dp > 1 and is_megatron_engine(an):
+            # Megatron's buckets (passes/megatron_buckets.py) in place of the stage trace's all-reduce
+            # per gradient; bucketed only on the first pipeline rank's first model chunk (stage 0:
+            # pp_rank > 0 and disable_bucketing for chunks after the first keep one bucket per buffer)
+            buckets = mb.engine(an, bound, {"DP": dp}, overlap, bucketing=s == 0)
+            dp_trace[s] = (sum(buckets["by_group"].values()) / links["DP"][1]
+                           + sum(sum(d.values()) for d in buckets["latency_steps"].values()) * alpha)
         for op in an.ops:
             ph = "forward" if op.phase == "forward" else "backward"
             rep = _num(op.repeat, bound)
@@ -635,10 +645,16 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
                 x = nbytes / links["TP"][1] + rep * steps(kind, tp) * alpha
                 t[ph] += x
                 t["tp_comm"] += x
-            elif kind not in P2P + ("wait",):
+            elif kind not in P2P + ("wait",) and buckets is None:
                 dp_trace[s] += nbytes / links["DP"][1] + rep * steps(kind, dp) * alpha
         times[s] = t
         opt[s] = p["terms"]["optimizer"]
+        if buckets and "optimizer_shard" in buckets:  # (Megatron's distributed optimizer: over the stage's shard)
+            from symcost.passes.performance import host_stretches
+
+            sh = buckets["optimizer_shard"]
+            opt[s] = host_stretches({}, {}, eff.optimizer_per_tensor * sh["tensors"],
+                                    eff.optimizer_per_byte * sh["param_bytes"], p["host_async"])["optimizer"]
         model_flops += float(p["model_flops"]) * microbatches
     sim = simulate(order, {s: t["forward"] for s, t in times.items()}, {s: t["backward"] for s, t in times.items()})
     ends, dp_s, exposed, opt_r = {}, {}, {}, {}

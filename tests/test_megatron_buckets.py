@@ -1,0 +1,202 @@
+"""Megatron-LM's gradient buckets and its distributed optimizer's shard in the step-time model
+(symcost/passes/megatron_buckets.py, issue 29).
+
+The oracle is Megatron-Core's own bucketing rule, re-implemented here line by line from its
+source (NVIDIA/Megatron-LM at d98e8a6):
+
+- ``megatron/core/distributed/param_and_grad_buffer.py`` ``_compute_default_per_buffer_param_layout``
+  (DDP: parameters in reverse order, a bucket closed once ``param_end_index - bucket_start_index
+  >= bucket_size``, no padding);
+- ``megatron/core/optimizer/distrib_optimizer.py`` ``DistributedOptimizer._compute_per_buffer_param_layout``
+  (the distributed optimizer: ``pad_param_start`` to 64 elements, ``pad_bucket_end`` to
+  lcm(DP, 128), ``megatron/core/optimizer/param_layout.py``);
+- ``megatron/training/models/dist_utils.py`` / ``distributed_data_parallel.py``: ``bucket_size =
+  max(40000000, 1000000 * dp_size)``, ``None`` without ``overlap_grad_reduce``;
+- ``_build_gbuf_range_map``: each bucket split into DP equal contiguous ranges, one per rank.
+
+The parameter order and sizes come from PyTorch: the model built on the meta device,
+``named_parameters()``. The priced collectives (ring bytes per rank and α per ring step) are then
+checked against the bucket list by hand.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import symcost
+from symcost.frontends.layout import Layout
+
+
+# --- Megatron-Core's rule, transcribed from its source (module docstring) --------------------------
+
+def _pad_to_divisor(x, d):
+    return int(math.ceil(x / d) * d)
+
+
+def megatron_default_layout(numels, bucket_size):
+    """param_and_grad_buffer.py _compute_default_per_buffer_param_layout (DDP)."""
+    bucket_indices, per_bucket_numel_unpadded = [], []
+    param_start_index = bucket_start_index = 0
+    bucket_params = set()
+    for i, this_numel in enumerate(numels[::-1]):
+        param_end_index = param_start_index + this_numel
+        bucket_params.add(i)
+        if bucket_size is not None and (param_end_index - bucket_start_index) >= bucket_size:
+            per_bucket_numel_unpadded.append(param_end_index - bucket_start_index)
+            bucket_indices.append((bucket_start_index, param_end_index))
+            bucket_start_index = param_end_index
+            bucket_params = set()
+        param_start_index = param_end_index
+    if len(bucket_params) > 0:
+        per_bucket_numel_unpadded.append(param_end_index - bucket_start_index)
+        bucket_indices.append((bucket_start_index, param_end_index))
+    return bucket_indices, per_bucket_numel_unpadded, None
+
+
+def megatron_distopt_layout(numels, bucket_size, data_parallel_world_size):
+    """distrib_optimizer.py _compute_per_buffer_param_layout (no shared embedding: one pipeline stage)."""
+    param_index_map = {}
+    bucket_indices, per_bucket_numel_unpadded = [], []
+    param_start_index = bucket_start_index = 0
+    bucket_params = set()
+    bucket_id = 0
+
+    def _finalize_bucket(param_end_index, bucket_start_index, bucket_id):
+        per_bucket_numel_unpadded.append(param_end_index - bucket_start_index)
+        bucket_end_index = _pad_to_divisor(param_end_index, math.lcm(data_parallel_world_size, 128))
+        bucket_indices.append((bucket_start_index, bucket_end_index))
+        return bucket_end_index, bucket_id + 1
+
+    for i, param_numel in enumerate(numels[::-1]):
+        param_start_index = _pad_to_divisor(param_start_index, 64)
+        param_end_index = param_start_index + param_numel
+        param_index_map[i] = (param_start_index, param_end_index, bucket_id)
+        bucket_params.add(i)
+        if bucket_size is not None and (param_end_index - bucket_start_index) >= bucket_size:
+            bucket_start_index, bucket_id = _finalize_bucket(param_end_index, bucket_start_index, bucket_id)
+            bucket_params = set()
+            param_start_index = bucket_start_index
+        else:
+            param_start_index = param_end_index
+    if len(bucket_params) > 0:
+        _finalize_bucket(param_end_index, bucket_start_index, bucket_id)
+    return bucket_indices, per_bucket_numel_unpadded, param_index_map
+
+
+def megatron_bucket_size(dp, overlap_grad_reduce):
+    size = max(40000000, 1000000 * dp)
+    return size if overlap_grad_reduce else None
+
+
+def rank_ranges(bucket_indices, param_index_map, dp):
+    """_build_gbuf_range_map: per rank, the (tensors, elements) of its ranges of every bucket."""
+    out = []
+    for r in range(dp):
+        t = e = 0
+        for start, end in bucket_indices:
+            size = (end - start) // dp
+            lo, hi = start + r * size, start + (r + 1) * size
+            for s, f, _ in param_index_map.values():
+                if f > lo and s < hi and f > s:
+                    t += 1
+                    e += min(f, hi) - max(s, lo)
+        out.append((t, e))
+    return out
+
+
+# --- the layout against the rule, at random parameter lists -----------------------------------------
+
+def test_layout_is_megatrons_rule_at_random_sizes():
+    from symcost.passes import megatron_buckets as mb
+
+    rng = random.Random(1729)
+    for _ in range(200):
+        numels = [rng.choice((rng.randint(1, 300), rng.randint(1, 5000), rng.randint(1, 10**5)))
+                  for _ in range(rng.randint(1, 60))]
+        dp = rng.randint(1, 80)
+        size = rng.choice((None, rng.randint(1, sum(numels)), rng.randint(1, 2 * max(numels))))
+        for distributed in (False, True):
+            got = mb.layout(numels, size, dp, distributed)
+            if distributed:
+                idx, unpadded, _ = megatron_distopt_layout(numels, size, dp)
+            else:
+                idx, unpadded, _ = megatron_default_layout(numels, size)
+            assert [(b["start"], b["end"]) for b in got] == idx, (numels, dp, size, distributed)
+            assert [b["unpadded"] for b in got] == unpadded
+            assert all(b["elements"] % (math.lcm(dp, 128) if distributed else 1) == 0 for b in got)
+    for dp in (1, 8, 40, 41, 1024):  # the default size, and none without --overlap-grad-reduce
+        assert mb.bucket_size(dp, True) == megatron_bucket_size(dp, True)
+        assert mb.bucket_size(dp, False) is None and mb.bucket_size(dp, True, bucketing=False) is None
+
+
+# --- a traced Megatron rank: buckets, priced bytes and latency, the optimizer's shard -------------
+
+@pytest.fixture(scope="module")
+def megatron_ranks():
+    sizes = {"B": 2, "S": 16, "H": 2, "D": 8, "L": 2, "V": 64, "DP": 4}
+    return {shard: symcost.trace("megatron-gpt", sizes=sizes, precision="megatron-bf16", layout=Layout(shard=shard))
+            for shard in ("ddp", "zero1")}
+
+
+@pytest.mark.parametrize("shard", ["ddp", "zero1"])
+def test_traced_rank_prices_megatrons_buckets(megatron_ranks, shard, monkeypatch):
+    """At random sizes never traced (the formulas bound at new H, D, L, V, DP) the engine's buckets
+    are the rule's over PyTorch's ``named_parameters()`` of the model built there, with a small
+    bucket size so that several buckets form (the rule is the same at Megatron's 40M); the step's
+    data-parallel bytes are the buckets' ring bytes (fp32 gradients, bf16 parameters: --bf16's
+    ``accumulate_allreduce_grads_in_fp32``), its α one collective per bucket, and the distributed
+    optimizer's step is over the busiest rank's range."""
+    from symcost.frontends.models import resolve
+    from symcost.hardware.devices import get_device
+    from symcost.passes import megatron_buckets as mb
+    from symcost.passes.parallel import step_time
+    from symcost.passes.performance import efficiency_of, predict_dp
+
+    an = megatron_ranks[shard]
+    dev = get_device("h100-sxm")
+    eff = efficiency_of(dev)
+    rng = random.Random(7 + len(shard))
+    spec = resolve("megatron-gpt")
+    for _ in range(2):
+        v = {"B": 2, "S": 16, "H": rng.randint(2, 4), "D": 8 * rng.randint(1, 3), "L": rng.randint(2, 5),
+             "V": rng.randint(50, 300), "DP": rng.choice((2, 3, 4, 8))}
+        with torch.device("meta"):
+            model = spec.build(v)
+        numels = [p.numel() for _, p in model.named_parameters() if p.requires_grad]
+        small = rng.randint(max(numels) // 2, sum(numels) // 2)
+        monkeypatch.setattr(mb, "BUCKET_MIN", small)
+        monkeypatch.setattr(mb, "BUCKET_PER_RANK", 1)
+        dp, zero1 = v["DP"], shard == "zero1"
+        for overlap in ("none", "backward"):
+            size = megatron_bucket_size(1, overlap != "none") and small  # (max(small, 1·DP) = small)
+            idx, _, index_map = (megatron_distopt_layout(numels, size, dp) if zero1
+                                 else megatron_default_layout(numels, size))
+            st = step_time(an, dev, v, overlap)
+            b = st["buckets"]
+            assert b["buffers"][0]["buckets"] == [e - s for s, e in idx]
+            # ring bytes per rank: DDP all-reduces fp32 buckets; zero1 reduce-scatters them and
+            # all-gathers the bf16 parameters (before the next forward)
+            elems = sum(e - s for s, e in idx)
+            if zero1:
+                want = {"backward": 4 * elems * (dp - 1) / dp, "forward": 2 * elems * (dp - 1) / dp}
+            else:
+                want = {"backward": 4 * elems * 2 * (dp - 1) / dp, "forward": 0.0}
+            assert st["bytes"] == pytest.approx(want, rel=1e-12), (v, overlap)
+            p = predict_dp(an, dev, v, overlap)
+            steps = len(idx) * (2 * (dp - 1))  # (an all-reduce 2(n-1); a reduce-scatter and an all-gather n-1 each)
+            assert p["collectives"] == len(idx) * (2 if zero1 else 1)
+            assert p["latency_seconds"] == pytest.approx(steps * eff.collective_latency, rel=1e-12)
+            if zero1:
+                ranks = rank_ranges(idx, index_map, dp)
+                t, e = max(t for t, _ in ranks), max(e for _, e in ranks)
+                # the H100's host runs ahead: the step is max(host per tensor, device per byte)
+                want_opt = max(eff.optimizer_per_tensor * t, eff.optimizer_per_byte * 2 * e)
+                assert p["optimizer_seconds"] == pytest.approx(want_opt, rel=1e-12)
+                assert t < len(numels) or dp == 1
+            else:  # (DDP's optimizer steps over every parameter on every rank: as without buckets)
+                assert p["optimizer_seconds"] == pytest.approx(
+                    max(eff.optimizer_per_tensor * len(numels),
+                        eff.optimizer_per_byte * 2 * sum(numels)), rel=1e-12)
