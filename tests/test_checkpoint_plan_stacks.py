@@ -125,6 +125,48 @@ def test_encdec_plan_per_stack_against_pytorch(examples, capsys):  # noqa: F811 
     assert search(sched, costs, env, roles)[1:] == min(rows)
     cap = sorted(p for p, _ in rows)[len(rows) // 2]
     assert search(sched, costs, env, roles, cap)[2] == min(r for p, r in rows if p <= cap)
+    _max_batch_per_stack(capsys, path, spec, an, ck, v, rng)
+
+
+def _max_batch_per_stack(capsys, path, spec, an, ck, v: dict, rng) -> None:
+    """``max-batch --checkpoint optimal`` on the guide's encdec.py (was refused: "this planner plans
+    one chain of L blocks"): the largest B whose step, with the least-peak plan per stack at that B,
+    fits the cap. The cap is put halfway between symcost's peaks at a random B and B + 1 (far from
+    either, beside the profiler's ~100-byte offset); the answer is that B, the profiler's peak of
+    PyTorch's step with exactly the answer's plan in ``checkpoint_wrapper`` fits the cap, and with
+    the plan chosen at B + 1 it does not. A gradient-accumulation micro-step of the plan (what
+    ``--global-batch`` plans with) within 0.5% of the profiler's (memory_oracle.accumulation_peak);
+    ``--checkpoint sqrt`` (segments of several blocks) refused in one line."""
+    from memory_oracle import accumulation_peak, step_peak
+    from symcost.passes.checkpoint import plan_memory
+
+    rest = {k: x for k, x in v.items() if k != "B"}
+    mm, _ = plan_memory(an, "optimal", rest, "adamw", "foreach", "cpu", ck=ck)
+    target = rng.randint(80, 100)  # (peaks above the 1 MiB a cap takes)
+    lo, hi = mm.peak(B=target, **rest), mm.peak(B=target + 1, **rest)
+    assert 2**20 < lo < hi, (lo, hi)
+    cap = (lo + hi) // 2
+    code, out, err = run_cli(capsys, "max-batch", f"{path}:spec", "--memory", str(cap), "--checkpoint", "optimal",
+                             "--set", *(f"{k}={x}" for k, x in rest.items()), "--precision", "fp32",
+                             "--torch-device", "cpu", "--optimizer-impl", "foreach", "--json")
+    assert code == 0, err
+    js = json.loads(out)
+    assert js["max"] == target and js["check"] and js["memory_at_next"] > cap, js
+    plan, nxt = mm.plan(B=target, **rest), mm.plan(B=target + 1, **rest)
+    assert js["checkpoint"]["blocks"] == plan.blocks and js["checkpoint"]["several_stacks"], js["checkpoint"]
+    fits = step_peak(_wrapped(spec, plan.blocks), {**rest, "B": target}, "fp32")["peak"]
+    over = step_peak(_wrapped(spec, nxt.blocks), {**rest, "B": target + 1}, "fp32")["peak"]
+    assert fits <= cap < over, (fits, cap, over, plan.blocks, nxt.blocks)
+    from test_cli import assert_one_line_error
+
+    assert_one_line_error(*run_cli(capsys, "max-batch", f"{path}:spec", "--checkpoint", "sqrt", "--set",
+                                   *(f"{k}={x}" for k, x in rest.items()), "--precision", "fp32", "--torch-device",
+                                   "cpu"), "not planned on a model of several stacks")
+    b = rng.randint(3, 6)
+    acc = mm.at(True, B=b, **rest)[0]  # (the plan of an accumulation micro-step)
+    got = mm.peak(True, B=b, **rest)
+    want = accumulation_peak(_wrapped(spec, acc.blocks), {**rest, "B": b}, "fp32")["peak"]
+    assert abs(got / want - 1) < 0.005, (acc.blocks, got, want)
 
 
 def _every_block(cmd, path):

@@ -180,10 +180,22 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     t0 = time.perf_counter()
     mm = mem.memory_model(an, precision, optimizer, impl, device)
     if ckpt != "none":  # the step with the plan chosen at each size: its memory replaces the plain one
-        if "L" in an.symbols and an.layer_container is not None:
+        ck = None
+        if getattr(an, "stacks", None):  # several stacks: planned per stack (docs/checkpoint.md)
+            from symcost.passes.checkpoint.stacks import PLANS as STACK_PLANS
+
+            if ckpt not in STACK_PLANS:  # (before the second trace)
+                raise SymcostError(f"--checkpoint {ckpt} is not planned on a model of several stacks ({an.model}: "
+                                   f"{', '.join(an.stacks)}; each checkpoint holds one block there); accepted: "
+                                   f"{', '.join(p for p in STACK_PLANS if p != 'none')}")
+            from .checkpoint import _stack_every_layer
+
+            ck = _stack_every_layer(model, config, attention, precision, sizes, as_json)
+            t0 = time.perf_counter()
+        elif "L" in an.symbols and an.layer_container is not None:
             every_layer_trace(an, model, config, attention, precision, sizes, quiet=as_json)
             t0 = time.perf_counter()
-        mm, sizes = plan_memory(an, ckpt, sizes, optimizer, impl, device)
+        mm, sizes = plan_memory(an, ckpt, sizes, optimizer, impl, device, ck=ck)
     if global_batch is not None:
         try:
             plan = mm.plan_accumulation(global_batch, devices, cap, **sizes)
@@ -211,7 +223,11 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
             js["parallel"] = {"tp": sol.sizes.get("TP"), "sp": an.parallel == "tp+sp", "per_rank": True}
         elif an.parallel is not None:
             js["parallel"] = {"dp": sol.sizes.get("DP"), "shard": an.parallel, "per_rank": True}
-        if ck_plan is not None:
+        if ck_plan is not None and hasattr(ck_plan, "blocks"):  # (several stacks: the plan per stack)
+            js["checkpoint"] = {"kind": ckpt, "plan": ck_plan.modules(), "several_stacks": True,
+                                "blocks": ck_plan.blocks, "lengths": ck_plan.lengths,
+                                "recompute_flops": mm.recompute(**{**sizes, var: max(sol.value, 1)})}
+        elif ck_plan is not None:
             js["checkpoint"] = {"kind": ckpt, "plan": ck_plan.modules(), "L": ck_plan.L,
                                 "segments": [list(x) for x in ck_plan.segments]}
         if alts is not None:
@@ -219,7 +235,11 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
         click.echo(json.dumps(js, indent=1))
     else:
         line = None
-        if ck_plan is not None:  # (under the title, which _print_solution prints)
+        if ck_plan is not None and hasattr(ck_plan, "blocks"):
+            line = (f"  checkpoint {ckpt} at {var} = {max(sol.value, 1)}, per stack: "
+                    + "; ".join(f"{c}: {len(ck_plan.blocks[c])} of {n} blocks" for c, n in ck_plan.lengths.items())
+                    + f" ({', '.join(ck_plan.modules()) or 'none'})")
+        elif ck_plan is not None:  # (under the title, which _print_solution prints)
             line = (f"  checkpoint {ckpt} at {var} = {max(sol.value, 1)}: {len(ck_plan.segments)} segment(s) "
                     f"of L = {ck_plan.L} blocks: {', '.join(ck_plan.modules()) or 'none'}")
         _print_solution(an, mm, sol, seconds, sizes, alts, line)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
+import sympy
+
 from symcost.errors import SymcostError
 from symcost.tracing.fit import SYMS
 from symcost.passes.checkpoint.plans import KINDS, Plan
@@ -59,13 +61,17 @@ class CheckpointedMemory:
         """The plan used at ``sizes``."""
         return self.at(**sizes)[0]
 
+    def _simulate(self, accumulate: bool = False, **sizes: int) -> tuple[int, str]:
+        """``(peak, where)`` of the step checkpointed by the plan at ``sizes`` (bytes)."""
+        plan, ch = self.at(accumulate, **sizes)
+        return ch.schedule.simulate(plan.segments)
+
     def peak(self, accumulate: bool = False, **sizes: int) -> int:
         plan, ch = self.at(accumulate, **sizes)
         return ch.peak(plan.segments)
 
     def peak_where(self, **sizes: int) -> str:
-        plan, ch = self.at(**sizes)
-        return ch.schedule.simulate(plan.segments)[1]
+        return self._simulate(**sizes)[1]
 
     def peak_parts(self, accumulate: bool = False, **sizes: int) -> dict[str, Any]:
         """What the checkpointed step's peak at ``sizes`` is made of, in bytes, adding up to
@@ -75,8 +81,7 @@ class CheckpointedMemory:
         RNG states, a segment's recomputed activations, temporaries: the composed schedule,
         :class:`StepSchedule`, does not split it further); the plain step's live parts are 0.
         Also ``peak`` and ``where``."""
-        plan, ch = self.at(accumulate, **sizes)
-        peak, where = ch.schedule.simulate(plan.segments)
+        peak, where = self._simulate(accumulate, **sizes)
         out: dict[str, Any] = {k: v for k, v in self.plain.peak_parts(accumulate, **sizes).items()
                                if k in ("params", "optimizer", "master_weights", "grad_buffer", "buffers",
                                         "inputs")}
@@ -89,11 +94,16 @@ class CheckpointedMemory:
         """As :meth:`MemoryModel.components`, with the checkpointed step's ``peak`` and, as
         ``activations``, the plan's activation peak (segment model)."""
         out = self.plain.components(**sizes)
-        plan, ch = self.at(**sizes)
-        out["activations"] = ch.cost(plan.segments)[0]
-        out["peak"] = ch.peak(plan.segments)
+        out["activations"] = self._activations(out["activations"], **sizes)
+        out["peak"] = self.peak(**sizes)
         out.pop("activations_per_layer", None)
         return out
+
+    def _activations(self, plain: int, **sizes: int) -> int:
+        """The plan's activation peak in the segment model (:func:`plan_cost`; ``plain``: the
+        plain step's saved bytes, unused here)."""
+        plan, ch = self.at(**sizes)
+        return ch.cost(plan.segments)[0]
 
     def dominant(self, **sizes: int) -> tuple[str, int]:
         from symcost.passes.memory.solve import Solver
@@ -164,7 +174,7 @@ class CheckpointedMemory:
                        sizes={**dict(getattr(self.an, "pinned", {}) or {}), **fixed}, bound=None,
                        inequality=(f"peak of the step checkpointed by the {self.kind} plan at each {var} "
                                    f"<= {cap} (doubling and bisection on {var})"),
-                       limited_by=limited_by)
+                       limited_by=limited_by, next_value=value + 1)
         sol.checked = (value == 0 or sol.memory_at <= cap) and (
             limited_by is not None or sol.memory_next is None or sol.memory_next > cap)
         if value == 0:
@@ -173,14 +183,96 @@ class CheckpointedMemory:
         return sol
 
 
-def plan_memory(an, kind: str, sizes: Mapping[str, int], optimizer: str = "adamw",
-                impl: str = "foreach", device: str = "cuda"):
-    """``(memory model, sizes)`` of the step checkpointed by ``kind`` (one of :data:`KINDS`):
-    the plain :class:`~symcost.passes.memory.MemoryModel` for ``none``, else a
-    :class:`CheckpointedMemory` whose plan is chosen at every size it is asked.
+class StackCheckpointedMemory(CheckpointedMemory):
+    """:class:`CheckpointedMemory` of a model with several stacks of blocks (``an.stacks``: an
+    encoder-decoder's encoder and decoder, each under its own length symbol): at each size the
+    plan per stack (:class:`~symcost.passes.checkpoint.stacks.StackPlan`, which blocks of each
+    stack run under their own checkpoint) of ``kind`` — ``optimal``: the least step peak there
+    (ties: the least recompute) over every combination of the stacks' candidate plans
+    (:func:`~symcost.passes.checkpoint.stacks.search`), ``none``, ``every-layer`` (every block of
+    every stack) — and its peak, the per-stack composition of the plain step ``an`` and the step
+    ``ck`` with every block checkpointed (``--ac full``;
+    :class:`~symcost.passes.checkpoint.stacks.StackSchedule`, docs/checkpoint.md "Several
+    stacks"). ``solve`` is :meth:`CheckpointedMemory.solve` (the least peak over plans grows with
+    B and S, as each plan's does).
 
     Raises:
-        SymcostError: unknown kind, no repeated blocks, bad sizes.
+        SymcostError: a kind planned over one chain only (``sqrt``: segments of several blocks);
+            the two steps do not fold their stacks alike (:func:`stack_schedule`).
+    """
+
+    def __init__(self, an, ck, kind: str, mm, optimizer: str = "adamw", impl: str = "foreach"):
+        from symcost.passes.checkpoint.stacks import PLANS, stack_costs
+
+        if kind not in PLANS:
+            raise SymcostError(f"--checkpoint {kind} is not planned on a model of several stacks ({an.model}: "
+                               f"{', '.join(an.stacks)}; each checkpoint holds one block there); accepted: "
+                               f"{', '.join(p for p in PLANS if p != 'none')}")
+        super().__init__(an, kind, mm, optimizer, impl)
+        self.ck = ck
+        self.costs = stack_costs(an, ck)
+        self.roles = {c: set(v) - {"generic"} for c, v in self.costs.items()}
+
+    def at(self, accumulate: bool = False, **sizes: int):
+        """``(StackPlan, StackSchedule, env)`` of ``kind`` at ``sizes``."""
+        from symcost.passes.checkpoint.stacks import StackPlan, search, stack_schedule
+
+        key = (accumulate, tuple(sorted(sizes.items())))
+        hit = self._memo.get(key)
+        if hit is None:
+            env = self.an.bind(**sizes)
+            sched = stack_schedule(self.an, self.ck, env, self._optimizer, self.impl, accumulate)
+            lengths = sched.lengths
+            if self.kind == "optimal":
+                blocks = search(sched, self.costs, env, self.roles)[0]
+            elif self.kind == "none":
+                blocks = {c: () for c in lengths}
+            else:
+                blocks = {c: tuple(range(n)) for c, n in lengths.items()}
+            plan = StackPlan({c: sorted(v) for c, v in blocks.items()}, dict(lengths), self.kind)
+            hit = self._memo[key] = (plan, sched, env)
+        return hit
+
+    def _simulate(self, accumulate: bool = False, **sizes: int) -> tuple[int, str]:
+        plan, sched, _ = self.at(accumulate, **sizes)
+        return sched.simulate(plan.blocks)
+
+    def peak(self, accumulate: bool = False, **sizes: int) -> int:
+        return self._simulate(accumulate, **sizes)[0]
+
+    def recompute(self, **sizes: int) -> int:
+        """FLOPs the plan at ``sizes`` reruns (each checkpointed block's ``r``, :func:`stack_costs`)."""
+        from symcost.passes.checkpoint.stacks import _recompute
+
+        plan, sched, env = self.at(**sizes)
+        return _recompute(self.costs, plan.blocks, sched.lengths, env)
+
+    def _activations(self, plain: int, **sizes: int) -> int:
+        """Saved for backward at the end of the forward under the plan: the plain step's saved
+        bytes ``plain`` less, per checkpointed block, what it saves (``a``) plus what its
+        checkpoint keeps (``x``, the block's input: the previous block's output), by kind of block
+        (:func:`stack_costs`)."""
+        plan, sched, env = self.at(**sizes)
+        out = plain
+        for c, idx in plan.blocks.items():
+            n, cc = sched.lengths[c], self.costs[c]
+            for b in idx:
+                role = "first" if b == 0 and "first" in cc else "last" if b == n - 1 and "last" in cc else "generic"
+                out += int(sympy.sympify(cc[role]["x"] - cc[role]["a"]).xreplace(env))
+        return out
+
+
+def plan_memory(an, kind: str, sizes: Mapping[str, int], optimizer: str = "adamw",
+                impl: str = "foreach", device: str = "cuda", ck=None):
+    """``(memory model, sizes)`` of the step checkpointed by ``kind`` (one of :data:`KINDS`):
+    the plain :class:`~symcost.passes.memory.MemoryModel` for ``none``, else a
+    :class:`CheckpointedMemory` whose plan is chosen at every size it is asked; for a model of
+    several stacks (``an.stacks``) a :class:`StackCheckpointedMemory`, planned per stack from
+    ``ck``, the step with every block of every stack checkpointed (``Layout(ac="full")``).
+
+    Raises:
+        SymcostError: unknown kind, no repeated blocks, several stacks without ``ck`` or with a
+            kind planned over one chain only, bad sizes.
     """
     from symcost.passes.memory import memory_model
 
@@ -189,6 +281,11 @@ def plan_memory(an, kind: str, sizes: Mapping[str, int], optimizer: str = "adamw
     mm = memory_model(an, an.precision, optimizer, impl, device)
     if kind == "none":
         return mm, dict(sizes)
+    if getattr(an, "stacks", None):
+        if ck is None:
+            raise SymcostError(f"{an.model} has several stacks of blocks; their plan needs the step with every block "
+                               "of every stack checkpointed (ck)")
+        return StackCheckpointedMemory(an, ck, kind, mm, optimizer, mm.impl), dict(sizes)
     from symcost.passes.checkpoint_ops import require_block_list
 
     require_block_list(an)

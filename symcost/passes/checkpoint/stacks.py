@@ -446,9 +446,12 @@ class StackSchedule:
         return self.static + top, where
 
 
-def stack_schedule(an, ck, env: Mapping, optimizer: str = "adamw", impl: str = "foreach") -> StackSchedule:
+def stack_schedule(an, ck, env: Mapping, optimizer: str = "adamw", impl: str = "foreach",
+                   accumulate: bool = False) -> StackSchedule:
     """The :class:`StackSchedule` of ``an`` (the plain step) and ``ck`` (the step with every block
     of every stack checkpointed, ``--ac full``) at ``env`` (symbol -> int, every stack's length).
+    ``accumulate``: a gradient-accumulation micro-step (the gradients live from the start, each
+    new one a transient added in place, as :func:`symcost.passes.checkpoint.schedule.chain`).
 
     Raises:
         SymcostError: the two schedules do not fold into the same units; a size missing.
@@ -483,7 +486,7 @@ def stack_schedule(an, ck, env: Mapping, optimizer: str = "adamw", impl: str = "
     def passes(trace: str, skip: frozenset) -> list[dict]:
         if (trace, skip) not in memo:
             plain = trace == "plain"
-            memo[(trace, skip)] = _passes(mmP if plain else mmC, env, set(skip),
+            memo[(trace, skip)] = _passes(mmP if plain else mmC, env, set(skip), accumulate,
                                           ordinary=frozenset(h.kP if plain else h.kC for h in held))
         return memo[(trace, skip)]
 
@@ -511,7 +514,8 @@ def stack_schedule(an, ck, env: Mapping, optimizer: str = "adamw", impl: str = "
         units.append((c, direction, blocks))
     tr = [(int(_peval(p, vals)), what) for p, what in mmP._optimizer_transients()] or [(0, "")]
     opt, opt_what = max(tr)
-    return StackSchedule(units, passes, lengths, int(sympy.sympify(mmP.static).xreplace(env)), opt,
+    base = int(sympy.sympify(mmP.grads).xreplace(env)) if accumulate and not mmP.policy.grad_buffer else 0
+    return StackSchedule(units, passes, lengths, int(sympy.sympify(mmP.static).xreplace(env)) + base, opt,
                          f"optimizer step ({opt_what})", held)
 
 
