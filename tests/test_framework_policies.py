@@ -209,7 +209,12 @@ class MegatronStep:
 
     @property
     def state(self):
-        return self.opt.state
+        # Transformer Engine's FusedAdam, which Megatron-LM runs, keeps the step per parameter
+        # group, a Python int (transformer_engine/pytorch/optimizers/fused_adam.py ``step``:
+        # ``group["step"] += 1``); torch's fused AdamW here keeps a 0-d tensor per parameter,
+        # which Megatron's step has not: left out of the state (allocated before the step, they
+        # change nothing above the baseline)
+        return {p: {k: t for k, t in st.items() if k != "step"} for p, st in self.opt.state.items()}
 
     def zero_grad(self, set_to_none=True):
         for g in self.main_grads:

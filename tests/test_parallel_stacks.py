@@ -149,10 +149,10 @@ def test_whisper_fsdp_pins_only_the_stack_length():
     dimension a multiple of lcm(DP, 4). Now only L (both stacks follow it) is pinned; one rank's
     FLOPs, saved bytes, collective bytes and parameter shard bytes equal PyTorch's on the rank
     wrapped by hand (fully_shard on every block of both stacks, then the root) at random sizes and
-    DP. (Gradients and AdamW state are not compared: symcost gives every parameter both, but the
-    encoder's position table is frozen, requires_grad False, so PyTorch's rank holds neither for
-    its shard: 4·H·D·S_enc/DP bytes over, a known gap of every layout, single-device too.)
-    (~45 CPU-s: one trace)"""
+    DP; so do its gradients and AdamW state (moments and step counters): the encoder's position
+    table is frozen (``requires_grad_(False)`` in transformers' WhisperEncoder), so the rank holds
+    its shard but no gradient or optimizer state for it (symcost gave it both before: 12·H·D·S_enc/DP
+    bytes and one step counter over, tests/test_frozen_params.py). (~45 CPU-s: one trace)"""
     from symcost.frontends.models import resolve
     from symcost.passes.parallel import summary
 
@@ -176,7 +176,9 @@ def test_whisper_fsdp_pins_only_the_stack_length():
         assert sympy.Rational(an.comm_bytes(kind).subs(env)) == sympy.Rational(want.numerator, want.denominator), \
             (v, kind)
     mem = summary(an, "fp32", "adamw")["memory"]
-    assert int(sympy.sympify(mem["params"]).subs(env)) == got["states"]["params"], v
+    assert an.frozen == {"model.encoder.embed_positions.weight"}, an.frozen
+    for k, want in got["states"].items():
+        assert int(sympy.sympify(mem[k]).subs(env)) == want, (v, k)
 
 
 def test_tp_refused_in_one_line_where_a_stack_has_no_plan():

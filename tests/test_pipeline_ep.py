@@ -112,7 +112,8 @@ def test_report_pp_ep_parameters_per_rank_against_meta():
     each rank's parameter elements equal the stage module built on the meta device (the other
     stages' blocks deleted, the embedding on the first stage, the final norm and head on the
     last) with every ``[E, ...]`` expert tensor cut to E/EP rows; its model states are 16 bytes
-    (fp32 AdamW) per element of them, and its all-to-all bytes per step M times its stage's."""
+    (fp32 AdamW) per element of them plus torch.optim's 4-byte step counter per parameter tensor
+    of the stage module, and its all-to-all bytes per step M times its stage's."""
     import torch
 
     from symcost.frontends.builtin.moe import MoELM
@@ -143,10 +144,19 @@ def test_report_pp_ep_parameters_per_rank_against_meta():
     # the report's rows (the traces above): the rank's EP-local parameters, 16 bytes of fp32 AdamW
     # states each, and M micro-batches' all-to-alls of its stage
     r = summary("moe", PP, "1f1b", M, precision="fp32", sizes=REQUEST, inner=Layout(ep=True), peak=False)
+    v = {**_stages()["first"].spec.defaults, **REQUEST}
+    with torch.device("meta"):
+        model = MoELM(v["V"], v["H"] * v["D"], v["L"], v["H"], v["F"], v["E"], v["R"])
+    blocks = stage_blocks(v["L"], PP)
+    tensors = {0: list(model.token_embeddings.parameters()), PP - 1: list(model.ln_final.parameters())
+               + list(model.lm_head.parameters())}
+    for rank in range(PP):
+        tensors[rank] = len(tensors[rank]) + sum(len(list(b.parameters()))
+                                                 for b in list(model.layers)[sum(blocks[:rank]):sum(blocks[:rank + 1])])
     for row in r["ranks"]:
         want = _rank(ans, REQUEST, row["rank"])
         assert row["params"] == want["shard"] < want["whole"], row
-        assert row["model_states"] == 16 * row["params"], row
+        assert row["model_states"] == 16 * row["params"] + 4 * tensors[row["rank"]], row
         assert row["flops"] == want["flops"], row
 
 

@@ -243,7 +243,16 @@ def test_rank_peak_parts_follow_the_shards():
     """The static part of the rank's peak is the precision policy applied to the rank's own
     parameter elements (``params_shard``: the column- and row-parallel shards plus what the plan
     replicates), Adam's two moments alike, plus one 4-byte step counter per tensor; the parts add
-    up to the peak, whose formula is in TP."""
+    up to the peak, whose formula is in TP. ``report --tp``'s ``memory`` (parameters and AdamW
+    state with the step counters) equals rank 0's after a real AdamW step on the fake process
+    group (DTensors counted by their local tensors; torch.optim's 0-d ``step`` per parameter
+    tensor, a plain tensor), and the peak's static parts. (Its ``grads`` are the shards' too,
+    where the real rank's are larger: the vocab-parallel embedding's gradient comes back as a
+    whole Replicate DTensor beside its Shard(0) weight, V·H·D elements, not V·H·D/TP; the peak,
+    from the traced allocations, holds the real size: fake_peak above.)"""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from symcost.passes.memory import memory_model
     from symcost.passes.tensor_parallel import summary
 
@@ -254,8 +263,27 @@ def test_rank_peak_parts_follow_the_shards():
     rng = random.Random(1601)
     v = {k: x for k, x in _draw(rng, False).items() if k in an.symbols}
     v["L"] = max(v["L"], 2)
-    pk = summary(an, PRECISION, sizes=v, impl="for-loop")["peak"]
+    out = summary(an, PRECISION, sizes=v, impl="for-loop")
+    pk = out["peak"]
     assert pk["value"] == mm.peak(**v) and sum(pk["parts"].values()) == pk["value"] and pk["where"]
+    mem = out["values"]["memory"]
+    assert (int(mem["params"]), int(mem["optimizer_state"])) == (pk["parts"]["params"], pk["parts"]["optimizer"])
+    spec = resolve_spec("megatron-gpt")
+    model, loss_context = fake_rank_model(spec, {**spec.defaults, **v}, False)
+
+    def size(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+        args, kwargs = spec.make_inputs({**spec.defaults, **v}, torch.device("cpu"))
+        with loss_context():
+            spec.loss(model(*args, **kwargs), (args, kwargs)).backward()
+        opt.step()
+        real = {"params": sum(size(p) for p in model.parameters()),
+                "optimizer_state": sum(size(t) for st in opt.state.values() for t in st.values())}
+    assert {k: int(mem[k]) for k in real} == real, (v, mem, real)
     assert SYMS["TP"] in pk["formula"].free_symbols
 
 

@@ -112,6 +112,10 @@ class Analysis(Totals, Conventions, Serialized):
     # the 2-D mesh (--dp with --tp): "tp" or "tp+sp", the tensor parallelism inside each
     # data-parallel rank (``parallel`` is then the --shard strategy); None on a 1-D mesh
     tensor_parallel: str | None = None
+    # parameters (folded names, as ``param_shapes``) with ``requires_grad=False``: frozen, with no
+    # gradient, no optimizer state and no reduction (torch.optim skips a parameter whose ``grad``
+    # is None; DDP, FSDP2 and Megatron-LM's buffers take only those that require grad)
+    frozen: set = field(default_factory=set)
 
     def in_regime(self, **sizes: int) -> bool:
         """Whether ``sizes`` (others at the defaults) run the ops this trace's request ran: the

@@ -633,6 +633,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
                      special=getattr(role, "special", None)),
         step=spec.step, kv_cache=spec.kv_cache if spec.step != "train" else None, kv_layers=kv_layers,
         parallel=ref.parallel, param_shards=param_shards, tensor_parallel=ref.tensor_parallel,
+        frozen={folded_name[n] for n in getattr(ref, "frozen", ()) if n in folded_name},
     )
     an.pinned = pinned
     an.stack_blocks = {s: blocks.get(s, FIT_L) for s in set(stacks.values())}

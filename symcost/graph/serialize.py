@@ -103,6 +103,7 @@ class Serialized:
                      "extra": _jsonable(spec.extra)},
             "param_shapes": {n: [[s(x) for x in sh], dt(d), s(rep)] for n, (sh, d, rep) in self.param_shapes.items()},
             "matmul_params": sorted(self.matmul_params),
+            **({"frozen": sorted(self.frozen)} if getattr(self, "frozen", None) else {}),
             "unsupported": {k: s(v) for k, v in self.unsupported.items()},
             "saved": [[m, s(nb), dt(d), s(rep)] for m, nb, d, rep in self.saved],
             "layer_container": self.layer_container, "timings": dict(self.timings),
@@ -223,7 +224,7 @@ class Serialized:
         an.__dict__.update(
             model=d["model"], spec=spec, symbols=dict(d["symbols"]),
             param_shapes={n: (tuple(P(x) for x in sh), dtype, P(rep)) for n, (sh, dtype, rep) in d["param_shapes"].items()},
-            matmul_params=set(d["matmul_params"]),
+            matmul_params=set(d["matmul_params"]), frozen=set(d.get("frozen") or ()),
             unsupported={k: P(v) for k, v in d["unsupported"].items()},
             saved=[(m, P(nb), dtype, P(rep)) for m, nb, dtype, rep in d["saved"]],
             layer_container=d["layer_container"], timings=dict(d["timings"]), precision=d["precision"],

@@ -97,6 +97,30 @@ class Totals:
         return self._param_total(set(self.param_shapes))
 
     @functools.cached_property
+    def params_frozen(self) -> sympy.Expr:
+        """Elements of the parameters with ``requires_grad=False`` (``frozen``), a polynomial; 0
+        where every parameter trains. They hold no gradient, optimizer state or master copy
+        (torch.optim skips a parameter whose ``grad`` is None); ``params - params_frozen`` do."""
+        return self._param_total(set(getattr(self, "frozen", ()) or ()))
+
+    @functools.cached_property
+    def params_shard_frozen(self) -> sympy.Expr:
+        """Elements of the frozen parameters (``params_frozen``) one rank holds: their shards
+        (``param_shards``), or all of them without sharding."""
+        frozen = set(getattr(self, "frozen", ()) or ())
+        shards = getattr(self, "param_shards", None) or {}
+        if not shards or not frozen:
+            return self.params_frozen
+        return sympy.expand(sympy.Add(*[rep * sympy.Mul(*sh) for n, (sh, _, rep) in shards.items() if n in frozen]))
+
+    @functools.cached_property
+    def param_tensors_trained(self) -> sympy.Expr:
+        """Parameter tensors that require grad (each folded one times its repeat), a polynomial:
+        the tensors torch.optim keeps state for (Adam's 0-d ``step`` counter each)."""
+        frozen = set(getattr(self, "frozen", ()) or ())
+        return sympy.expand(sympy.Add(*[rep for n, (_, _, rep) in self.param_shapes.items() if n not in frozen]))
+
+    @functools.cached_property
     def params_matmul(self) -> sympy.Expr:
         """P of 6·N·P: parameters used as a matmul operand in the forward (tied weights once)."""
         return self._param_total(self.matmul_params)

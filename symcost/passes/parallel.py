@@ -33,7 +33,7 @@ from symcost.frontends.layout import layout_of
 from symcost.frontends.parallel import SHARDS
 from symcost.graph.ops import COMM_KINDS
 from symcost.passes.memory.states import (SHARDED, model_state_bytes, optimizer_share, params_tp_local,  # noqa: F401
-                                         shard_degree)  # (re-exported)
+                                         shard_degree, step_counter_bytes)  # (re-exported)
 from symcost.tracing.fit import SYMS
 from symcost.passes.accumulation import overlapped  # noqa: F401  (re-exported: the overlap rule)
 from symcost.passes import megatron_buckets as mb
@@ -65,7 +65,8 @@ def padded(an, env: Mapping) -> dict[str, Any]:
     ``torch.chunk``).
 
     Returns:
-        ``params_shard`` (elements rank 0 holds) and ``comm`` {kind: bytes per rank, ring},
+        ``params_shard`` (elements rank 0 holds; ``params_shard_frozen`` those of its frozen
+        parameters, ``requires_grad=False``) and ``comm`` {kind: bytes per rank, ring},
         each a sympy Rational/Integer; for a ``replicate`` (DDP) trace, the formulas evaluated;
         ``by_group`` {(group label, phase): bytes per rank}, the same bytes by the process group
         each collective runs over (``"DP"``, ``"TP"``, ``"CP"``, ``"EP"``, ``"DP_expert"``,
@@ -82,6 +83,7 @@ def padded(an, env: Mapping) -> dict[str, Any]:
         for k in comm:
             comm[k] = sympy.sympify(an.comm_bytes(k)).xreplace(env)
         return {"params_shard": sympy.sympify(an.params_shard).xreplace(env), "comm": comm,
+                "params_shard_frozen": sympy.sympify(an.params_shard_frozen).xreplace(env),
                 "by_group": _by_group(an, env)}
     # On the 2-D mesh FSDP2 shards each parameter's TP-local tensor (its rows: the fitted shard's
     # first dimension times the shard group's size), under HSDP over the dp_shard group (DP/R).
@@ -90,7 +92,8 @@ def padded(an, env: Mapping) -> dict[str, Any]:
     units = _units(an)
     whole: dict[str, Any] = {u: 0 for u in units}
     pad: dict[str, Any] = {u: 0 for u in units}
-    shard = 0
+    shard = fshard = 0
+    frozen = set(getattr(an, "frozen", ()) or ())
     for name, (shape, _, rep) in an.param_shapes.items():
         if local and name in shards:
             sh = shards[name][0]
@@ -109,6 +112,8 @@ def padded(an, env: Mapping) -> dict[str, Any]:
             whole[u] += r * math.prod(dims)
             pad[u] += r * dp * rows * rest
         shard += r * rows * rest
+        if name in frozen:
+            fshard += r * rows * rest
     by_group: dict[tuple[str, str], Any] = {}
     for op in an.ops:
         if op.comm is None or op.comm[0] not in comm:
@@ -122,7 +127,8 @@ def padded(an, env: Mapping) -> dict[str, Any]:
             val = val * sympy.Rational(pad[u], whole[u])
         comm[op.comm[0]] += n * val
         _add(by_group, an, op, n * val)
-    return {"params_shard": sympy.Integer(shard), "comm": comm, "by_group": by_group}
+    return {"params_shard": sympy.Integer(shard), "params_shard_frozen": sympy.Integer(fshard), "comm": comm,
+            "by_group": by_group}
 
 
 def _add(by_group: dict, an, op, nbytes) -> None:
@@ -163,12 +169,15 @@ def _padded_ep(an, env: Mapping) -> dict[str, Any]:
                 and comm_group(an, op) in size}
     whole = {u: 0 for u in units}
     pad = {u: 0 for u in units}
-    shard = 0
+    shard = fshard = 0
+    frozen = set(getattr(an, "frozen", ()) or ())
     for name, (shape, _, rep) in an.param_shapes.items():
         sh = shards.get(name, (shape,))[0]
         local = math.prod(int(sympy.ceiling(sympy.sympify(d).xreplace(env))) for d in sh)
         r = int(sympy.sympify(rep).xreplace(env))
         shard += r * local
+        if name in frozen:
+            fshard += r * local
         u = _owner(name, units)
         if u is not None:
             # (what the fitted collectives move: the group's size times the exact shard, the unit's
@@ -187,7 +196,8 @@ def _padded_ep(an, env: Mapping) -> dict[str, Any]:
             val = val * pad[u] / sympy.nsimplify(whole[u])
         comm[op.comm[0]] += n * val
         _add(by_group, an, op, n * val)
-    return {"params_shard": sympy.Integer(shard), "comm": comm, "by_group": by_group}
+    return {"params_shard": sympy.Integer(shard), "params_shard_frozen": sympy.Integer(fshard), "comm": comm,
+            "by_group": by_group}
 
 
 def rank_peak(an, precision: str | None = None, optimizer: str = "adamw", sizes: Mapping[str, int] | None = None,
@@ -234,7 +244,9 @@ def rank_parts(an, dim: str, precision: str | None = None, optimizer: str = "ada
 
     comm = {k: an.comm_bytes(k) for k in COMM_KINDS if k != "broadcast"}
     comm["total"] = an.comm_bytes("total")
-    mem = model_state_bytes(an.params_shard, 1, "ddp", precision or an.precision, optimizer)
+    mem = model_state_bytes(an.params_shard, 1, "ddp", precision or an.precision, optimizer,
+                            frozen=an.params_shard_frozen)
+    _add_steps(mem, step_counter_bytes(an, optimizer, precision or an.precision))
     mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
     out = {"comm": comm, "memory": mem, "peak": rank_peak(an, precision, optimizer, sizes, impl, device)}
     if sizes is not None:
@@ -245,25 +257,6 @@ def rank_parts(an, dim: str, precision: str | None = None, optimizer: str = "ada
             dim.lower(): env.get(sympy.Symbol(dim, positive=True, integer=True), an.pinned.get(dim)),
         }
     return out
-
-
-def step_counter_bytes(an, optimizer: str, precision: str | None = None) -> sympy.Expr:
-    """Bytes of the optimizer's step counters on one rank: torch.optim's Adam and AdamW keep a 0-d
-    fp32 ``step`` tensor per parameter tensor (``_init_group``: ``torch.tensor(0.0,
-    dtype=_get_scalar_dtype())``), a plain tensor beside the DTensor moments of an FSDP2 or
-    tensor-parallel parameter, so every rank holds one per parameter tensor, unsharded (checked on
-    a fake process group: ``opt.state[p]["step"]`` is a ``Tensor`` of shape ``()``); SGD none.
-    ``STEP_BYTES`` (4) × the parameter tensors (each folded one × its repeat), as the one-device
-    memory model counts them (:class:`~symcost.passes.memory.MemoryModel`). Bytes, a polynomial.
-    0 under a ``megatron-*`` or ``deepspeed-*`` policy (``precision``), whose fused Adam keeps one
-    step per parameter group (Apex's and DeepSpeed's ``FusedAdam``: ``group["step"]``), not
-    torch.optim's per-tensor counters."""
-    from symcost.passes.memory.policies import OPTIMIZERS, STEP_BYTES
-
-    opt = OPTIMIZERS.get(optimizer)
-    if opt is None or not opt.step or str(precision or "").startswith(("megatron-", "deepspeed-")):
-        return sympy.Integer(0)
-    return sympy.expand(STEP_BYTES * sympy.Add(*[rep for _, (_, _, rep) in an.param_shapes.items()]))
 
 
 def _add_steps(mem: dict, steps) -> None:
@@ -302,7 +295,9 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
     mesh2 = getattr(an, "tensor_parallel", None)
     P = params_tp_local(an)  # what the data-parallel engine holds (the TP-local parameters on the 2-D mesh)
     mem = model_state_bytes(P, shard_degree(an, DP), shard, precision or an.precision, optimizer,
-                            an.params_shard if traced_shards else optimizer_share(an, DP))
+                            an.params_shard if traced_shards else optimizer_share(an, DP),
+                            params_tp_local(an, frozen=True),
+                            an.params_shard_frozen if traced_shards else optimizer_share(an, DP, frozen=True))
     steps = step_counter_bytes(an, optimizer, precision or an.precision)
     _add_steps(mem, steps)
     mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
@@ -368,11 +363,18 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         dp = env.get(SYMS["DP"], an.pinned.get("DP", 1))
         ep = int(env.get(SYMS["EP"], an.pinned.get("EP", 1))) if layout_of(an).ep_fsdp else None
         P = int(sympy.sympify(P).xreplace(env))
-        # DeepSpeed's ZeRO-1/2 partitions pad the flat buffer to a multiple of DP: ceil(P/DP) each
-        # (under EP with DDP / Megatron's distributed optimizer: the whole model's over DP·EP, §14.11)
-        share = ev["params_shard"] if traced_shards else int(sympy.ceiling(
-            sympy.sympify(optimizer_share(an, dp, ep)).xreplace(env)))
-        vmem = model_state_bytes(P, shard_degree(an, dp, ep), shard, precision or an.precision, optimizer, share)
+        Pf = int(sympy.sympify(params_tp_local(an, frozen=True)).xreplace(env))
+        # DeepSpeed's ZeRO-1/2 partitions pad the flat buffer of the trainable parameters to a
+        # multiple of DP: ceil(P_train/DP) each (under EP with DDP / Megatron's distributed
+        # optimizer: the whole model's over DP·EP, §14.11); the frozen ones are in no partition
+        if traced_shards:
+            share, fshare = ev["params_shard"], ev.get("params_shard_frozen", 0)
+        else:
+            fshare = 0
+            share = int(sympy.ceiling(sympy.sympify(optimizer_share(an, dp, ep) - optimizer_share(an, dp, ep, frozen=True))
+                                      .xreplace(env)))
+        vmem = model_state_bytes(P, shard_degree(an, dp, ep), shard, precision or an.precision, optimizer, share,
+                                 Pf, fshare)
         _add_steps(vmem, sympy.sympify(steps).xreplace(env))
         vmem["activations"] = mem["activations"].xreplace(env)
         fsdp_sharded = SHARDS[shard][0] == "fully_shard"

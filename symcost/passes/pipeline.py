@@ -270,7 +270,7 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         SymcostError: an invalid pipeline (:func:`check_schedule`), fewer blocks than stages, a
             model without blocks.
     """
-    from symcost.passes.parallel import model_state_bytes
+    from symcost.passes.parallel import model_state_bytes, step_counter_bytes
 
     check_schedule(schedule, pp, microbatches, virtual)
     order = schedule_order(schedule, pp, microbatches, virtual)  # PyTorch's refusals before any trace
@@ -287,11 +287,16 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
         env = an.bind(**{**{k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")}, "L": blocks[s]})
         ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731
         local, held = _rank_params(an)
+        local_frozen, held_frozen = _rank_params(an, frozen=True)
         per_stage[s] = {"flops": ev(an.flops("train")), "flops_hardware": ev(an.flops("train", "hardware")),
                         "flops_forward": ev(an.flops("forward")),
                         "flops_backward": ev(an.flops("backward")), "saved": ev(_saved(an)),
                         "send": ev(an.comm_bytes("send")), "recv": ev(an.comm_bytes("recv")),
                         "params": ev(local), "params_held": ev(held),
+                        # (requires_grad=False: held, no gradient or optimizer state; the tensors
+                        # with a gradient each hold torch.optim's step counter)
+                        "frozen": ev(local_frozen), "frozen_held": ev(held_frozen),
+                        "steps": ev(step_counter_bytes(an, optimizer, precision)),
                         "params_model": {k: ev(getattr(an, k)) for k in
                                          ("params", "params_embedding", "params_nonembedding", "params_active")},
                         # (report --json's params_matmul: the P of 6·N·P, params_active_matmul)
@@ -316,7 +321,15 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             top = max(top, live)
         params = sum(per_stage[s]["params"] for s in mine)
         held = sum(per_stage[s]["params_held"] for s in mine)
-        states = model_state_bytes(params, dp, shard, precision, optimizer, held if shard in ("fsdp", "zero3") else None)
+        frozen = sum(per_stage[s]["frozen"] for s in mine)
+        sharded = shard in ("fsdp", "zero3")
+        states = model_state_bytes(params, dp, shard, precision, optimizer, held if sharded else None, frozen,
+                                   sum(per_stage[s]["frozen_held"] for s in mine) if sharded else None)
+        # torch.optim's 0-d step counters, one per parameter tensor with a gradient, unsharded
+        # (:func:`symcost.passes.parallel.step_counter_bytes`; none under Megatron's or DeepSpeed's fused Adam)
+        steps = sum(per_stage[s]["steps"] for s in mine)
+        states["optimizer_state"] += steps
+        states["total"] += steps
         # (beside the peak run's parameters and gradients; a policy's gradient buffer wider than the
         # traced gradients, Megatron's fp32 main_grad beside bf16 parameters, adds its difference)
         extra[r] = (int(states["optimizer_state"] + states["master"]), int(states["grads"]))
@@ -417,24 +430,26 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             "attention_flops_count": getattr(ans["first"], "attention_count", "full")}
 
 
-def _rank_params(an) -> tuple:
+def _rank_params(an, frozen: bool = False) -> tuple:
     """``(P, held)``: the parameter elements of one rank of a stage trace before data-parallel
     sharding (the TP-local ones, :func:`symcost.passes.parallel.params_tp_local`) and those it
-    holds (its FSDP2 shards; P without sharding)."""
+    holds (its FSDP2 shards; P without sharding). ``frozen``: those of the frozen parameters only
+    (``requires_grad=False``: ``Analysis.frozen``)."""
     from symcost.frontends.layout import layout_of
     from symcost.passes.parallel import params_tp_local
 
     if getattr(an, "parallel", None) is None:
-        return an.params, an.params
+        return (an.params_frozen, an.params_frozen) if frozen else (an.params, an.params)
     if layout_of(an).ep_fsdp:  # (before FSDP2: the dense parameters whole, E/EP of each expert stack)
         from symcost.tracing.fit import SYMS
 
         ep = SYMS["EP"] if "EP" in an.symbols else an.pinned.get("EP", 1)
         before = sympy.Add(*[rep * sympy.Mul(*shape) / (ep if ".experts." in f".{name}" and shape
                                                         and sympy.simplify(shape[0] - SYMS["E"]) == 0 else 1)
-                             for name, (shape, _, rep) in an.param_shapes.items()])
-        return sympy.expand(before), an.params_shard
-    return params_tp_local(an), an.params_shard
+                             for name, (shape, _, rep) in an.param_shapes.items()
+                             if not frozen or name in an.frozen])
+        return sympy.expand(before), (an.params_shard_frozen if frozen else an.params_shard)
+    return params_tp_local(an, frozen), (an.params_shard_frozen if frozen else an.params_shard)
 
 
 def comm_by_group(collectives) -> dict[str, dict[str, int]]:

@@ -245,10 +245,18 @@ class Planner:
         flops_b, flops_r = _split_L(an.flops("train"))
         comm_b, comm_r = _split_L(an.comm_bytes("total"))
         par_b, par_r = _split_L(an.params_shard)
+        # frozen parameters (requires_grad=False: held, no gradient or optimizer state) and the
+        # parameter tensors with a gradient (torch.optim's 0-d step counter each: step_counter_bytes)
+        fro_b, fro_r = _split_L(an.params_shard_frozen)
+        from symcost.passes.parallel import step_counter_bytes
+
+        stp_b, stp_r = _split_L(step_counter_bytes(an, optimizer, precision))
         self.f = {"flops_block": lam(flops_b), "flops_rest": lam(flops_r), "fwd_block": lam(bc.f),
                   "a": lam(bc.a), "x": lam(bc.x), "outside": lam(bc.outside),
                   "comm_block": lam(comm_b), "comm_rest": lam(comm_r),
-                  "params_block": lam(par_b), "params_rest": lam(par_r)}
+                  "params_block": lam(par_b), "params_rest": lam(par_r),
+                  "frozen_block": lam(fro_b), "frozen_rest": lam(fro_r), "steps_block": lam(stp_b),
+                  "steps_rest": lam(stp_r)}
         # expert parallelism: the routed stacks (whole, and as the traced rank holds them) and the
         # all-to-alls' payload per micro-batch, per block and outside the blocks
         names, whole, held = plan_dims.routed_params(an)
@@ -387,10 +395,17 @@ class Planner:
         sd = lay.shard_degree * c
         se = max(1, sd * t // ep) if ep > 1 else sd  # the expert-data-parallel shard group
         shard = "fsdp" if hsdp else lay.shard
-        states = model_state_bytes(params_rank, sd, shard if sd > 1 else "ddp", self.precision, self.optimizer)
+        # (frozen parameters, requires_grad=False, counted with the dense ones: no gradient or state)
+        states = model_state_bytes(params_rank, sd, shard if sd > 1 else "ddp", self.precision, self.optimizer,
+                                   frozen=int(at("frozen")))
         if experts_rank:
             es = model_state_bytes(experts_rank, se, shard if se > 1 else "ddp", self.precision, self.optimizer)
             states = {k: states[k] + es[k] for k in ("params", "grads", "optimizer_state", "master", "total")}
+        # torch.optim's step counters, one per parameter tensor with a gradient on the rank, unsharded
+        # (report --dp's, --tp's, --ep's and --pp's too: passes.parallel.step_counter_bytes)
+        steps = int(at("steps"))
+        states["optimizer_state"] += steps
+        states["total"] += steps
         if lay.schedule == "gpipe":
             in_flight = m
         elif lay.schedule == "interleaved-1f1b":

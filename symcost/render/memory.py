@@ -112,11 +112,19 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
         f"per parameter: {' + '.join(parts)} = {bpp} bytes → {bpp}·P_total = {sympy.expand(bpp * mm.P)} bytes"
         f" (P_total = {mm.P} from the trace; precision {pol.name}: {pol.note})"
     ]
+    if mm.P_frozen != 0:  # requires_grad=False: held, no gradient, optimizer state or master copy
+        lines.append(f"  − {bpp - pol.param} bytes per frozen parameter (requires_grad=False: no gradient, optimizer "
+                     f"state or master copy) × P_frozen = {mm.P_frozen}")
     if pol.grad_copy:
         lines.append(f"  + {pol.grad_copy} bytes per parameter the rank updates of an fp32 gradient copy during the "
                      "optimizer step only (in the peak's optimizer-step live set, not in the static memory)")
-    if opt.step:
-        lines.append(f"  + {STEP_BYTES} bytes of {opt.torch} step counter per parameter tensor × {mm.n_tensors} tensors")
+    steps = mm.step_bytes()
+    if opt.step and steps == sympy.expand(STEP_BYTES * mm.n_tensors):
+        lines.append(f"  + {STEP_BYTES} bytes of {opt.torch} step counter per parameter tensor with a gradient × {mm.n_tensors} tensors")
+    elif opt.step and steps == 0:
+        lines.append(f"  + no step counter tensors: {pol.name}'s fused Adam keeps one step per parameter group, a Python int")
+    elif opt.step:
+        lines.append(f"  + {steps} bytes of step counters (one per flat partition the optimizer steps)")
     if opt.factored:
         lines.append("  + Adafactor's factored second moment (rows + columns per matrix, full vectors), in the optimizer row")
     at = "at the sizes above" if sizes else "at the model's defaults"

@@ -502,6 +502,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         param_shards: dict[str, tuple[int, ...]] = {}
         param_names: dict[int, list[str]] = {}  # (every name: a parameter of a module shared by blocks)
         shared_params: set[int] = set()
+        frozen: set[str] = set()  # requires_grad=False: no gradient, no optimizer state
         for name, p in model.named_parameters(remove_duplicate=False):
             param_names.setdefault(id(p), []).append(name)
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -516,6 +517,8 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
             if (layout.tp or layout.ep) and local is not None:  # the shard DTensor's local ops read
                 leaf_names[id(local)] = f"param:{name}"
             params[name] = (tuple(p.shape), p.dtype)
+            if not p.requires_grad:
+                frozen.add(name)
             if parallel is not None:
                 local = p.to_local() if hasattr(p, "to_local") else p
                 param_shards[name] = tuple(local.shape)
@@ -759,7 +762,7 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
                      events_end, spec.step, kv[0], kv[1], parallel, param_shards,
                      tensor_parallel if parallel != tensor_parallel else None,
                      replicate=layout.replicate, kv_start=list(kv[2]) if len(kv) > 2 else [], no_fold=no_fold,
-                     kv_parts=list(kv[3]) if len(kv) > 3 else [])
+                     kv_parts=list(kv[3]) if len(kv) > 3 else [], frozen=frozenset(frozen))
 
 
 def _param_storages(model) -> set[int]:

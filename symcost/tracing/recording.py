@@ -146,3 +146,6 @@ class Recording:
     # an inference step, per cache layer: the bytes of each of its storages, in the order the layer
     # holds them (``kv_layers`` are their sums; a hybrid layer holds keys, values and recurrent states)
     kv_parts: list[tuple[int, ...]] = field(default_factory=list)
+    # parameters (names as in ``params``) with ``requires_grad=False``: frozen (Whisper's encoder
+    # position table, a frozen backbone); they get no gradient, no optimizer state and no reduction
+    frozen: frozenset = field(default_factory=frozenset)

@@ -218,7 +218,10 @@ def fit_schedule(recs, fitter, role, container: str | None, gens: tuple[str, ...
     # and on the 2-D mesh (DP, TP) the TP-local ones, which the data-parallel engine shards
     local = (ref.parallel or "").startswith("tp")
     engine = _engine_share(ref)
+    frozen = getattr(ref, "frozen", ()) or ()
     for pname, (shape, _) in ref.params.items():
+        if pname in frozen:  # (requires_grad=False: no gradient, so torch.optim steps it not)
+            continue
         shapes = [r.param_shards[pname] if local or engine else r.params[pname][0] for r in recs]
         numel = fitter(tuple(math.prod(sh) * (engine(r) if engine else 1) for sh, r in zip(shapes, recs)),
                        f"size of {pname}")

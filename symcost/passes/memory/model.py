@@ -18,7 +18,7 @@ from symcost.tracing.fit import SYMS, parse_formula
 from symcost.tracing.poly import Algebra, NotIntegral, terms_expr
 from symcost.tracing.schedule import MemorySchedule
 from symcost.passes.memory.live import Candidate, _pareto, _peval, _sign
-from symcost.passes.memory.policies import STEP_BYTES, Optimizer, Policy, optimizer, policy, resolve_impl
+from symcost.passes.memory.policies import Optimizer, Policy, optimizer, policy, resolve_impl
 from symcost.passes.memory.solve import Solver
 
 
@@ -66,11 +66,16 @@ class MemoryModel(Solver):
 
     Attributes (sympy polynomials in the model's symbols, bytes):
         params: ``policy.param * P`` (P: all parameters, tied ones once).
-        grads: ``policy.grad * P``.
-        optimizer: the optimizer's state: ``full * policy.state * P`` plus, for Adafactor,
+        grads: ``policy.grad * P_train``, P_train = P − P_frozen: the parameters that require
+            grad (a frozen one, ``requires_grad=False``, gets no gradient, and torch.optim keeps
+            no state for a parameter whose ``grad`` is None; ``Analysis.params_frozen``).
+        optimizer: the optimizer's state: ``full * policy.state * P_train`` plus, for Adafactor,
             ``policy.state * sum(rows + cols)`` over tensors of >= 2 dims and ``numel`` over
-            vectors (the shapes of the trace), plus 4 bytes per parameter tensor for a ``step``.
-        master_weights: ``policy.master * P``.
+            vectors (the shapes of the trace), plus the step counters (:meth:`step_bytes`: 4 bytes
+            per parameter tensor with a gradient for torch.optim; none under Megatron-LM's and
+            DeepSpeed's fused Adam).
+        master_weights: ``policy.master * P_train`` (Megatron-LM copies only the parameters
+            that require grad: megatron/core/optimizer/optimizer.py).
         grad_buffer: the gradients when the policy keeps them in a persistent buffer
             (``Policy.grad_buffer``: Megatron-LM's ``main_grad``), static memory; else 0 (the
             backward allocates them: the schedule's gradient storages, scaled to the policy's
@@ -121,14 +126,21 @@ class MemoryModel(Solver):
             from symcost.passes.memory.states import params_tp_local
 
             P = params_tp_local(an)
+            P_frozen = params_tp_local(an, frozen=True)
+        else:
+            P_frozen = an.params_frozen
         self.P = P
+        # the frozen parameters (requires_grad=False): held, with no gradient, optimizer state or
+        # master copy (torch.optim skips a parameter whose grad is None); P_train the rest
+        self.P_frozen = sympy.expand(P_frozen)
+        self.P_train = sympy.expand(P - P_frozen)
         self.opt_share = None  # a data-parallel rank's optimizer updates shards (set by _rank_states)
         self.opt_local = False  # the schedule's parameter sizes are already the rank's (a --tp trace)
         self.host: dict[str, Any] = {}  # FSDP2's CPU offload: the model states on the host (_rank_states)
         self.params = sympy.expand(pol.param * P)
-        self.grads = sympy.expand(pol.grad * P)
-        self.master_weights = sympy.expand(pol.master * P)
-        self.n_tensors = sympy.expand(sympy.Add(*[rep for _, (_, _, rep) in an.param_shapes.items()]))
+        self.grads = sympy.expand(pol.grad * self.P_train)
+        self.master_weights = sympy.expand(pol.master * self.P_train)
+        self.n_tensors = an.param_tensors_trained  # (those with a gradient: torch.optim's state)
         self.optimizer = self._optimizer_state()
         self.parallel = getattr(an, "parallel", None)
         if (self.parallel or "").startswith("tp") or self.parallel == "ep":
@@ -174,17 +186,19 @@ class MemoryModel(Solver):
         traced = SHARDS[self.parallel][0] == "fully_shard" and "params" in SHARDED[self.parallel]
         dp = SYMS["DP"] if "DP" in an.symbols else an.pinned.get("DP", 1)
         share = an.params_shard if traced else optimizer_share(an, dp)
-        st = model_state_bytes(self.P, DP, self.parallel, self.policy.name, self.opt.name, share)
+        fshare = an.params_shard_frozen if traced else optimizer_share(an, dp, frozen=True)
+        st = model_state_bytes(self.P, DP, self.parallel, self.policy.name, self.opt.name, share,
+                               self.P_frozen, fshare)
         self.params, self.grads, self.master_weights = (sympy.expand(st[k]) for k in ("params", "grads", "master"))
         if self.parallel == "zero2":
             # the peak is the traced engine's (FSDP2 reshard_after_forward=False): at rest it holds
             # the parameters' shard; the whole parameters are the schedule's unsharded buffers,
             # live from the unit's forward all-gather to its post-backward reshard
             self.params = sympy.expand(self.policy.param * an.params_shard)
-        self.optimizer = sympy.expand(st["optimizer_state"] + (STEP_BYTES * self.n_tensors if self.opt.step else 0))
+        self.optimizer = sympy.expand(st["optimizer_state"] + self.step_bytes())
         if "optimizer_state" in SHARDED[self.parallel]:
             # the optimizer steps the rank's shards: its temporaries are a shard's (1/DP of each tensor)
-            self.opt_share = sympy.expand(share)
+            self.opt_share = sympy.expand(share - fshare)
         from symcost.frontends.layout import layout_of
 
         if layout_of(an).offload:
@@ -208,19 +222,22 @@ class MemoryModel(Solver):
             raise SymcostError(f"--optimizer {self.opt.name}: the per-rank state of a factored optimizer is not "
                                "modelled with --tp yet; use adamw, adam or sgd")
         shard, pol = self.an.params_shard, self.policy
+        trained = sympy.expand(shard - self.an.params_shard_frozen)  # (requires_grad=False: no states)
         self.params = sympy.expand(pol.param * shard)
-        self.grads = sympy.expand(pol.grad * shard)
-        self.master_weights = sympy.expand(pol.master * shard)
-        self.optimizer = sympy.expand(self.opt.full * pol.state * shard
-                                      + (STEP_BYTES * self.n_tensors if self.opt.step else 0))
-        self.opt_share, self.opt_local = sympy.expand(shard), True
+        self.grads = sympy.expand(pol.grad * trained)
+        self.master_weights = sympy.expand(pol.master * trained)
+        self.optimizer = sympy.expand(self.opt.full * pol.state * trained + self.step_bytes())
+        self.opt_share, self.opt_local = trained, True
 
     def _optimizer_state(self) -> sympy.Expr:
         an, pol, opt = self.an, self.policy, self.opt
-        total = opt.full * pol.state * self.P
+        total = opt.full * pol.state * self.P_train
         if opt.factored:
             fac = []
-            for _, (shape, _, rep) in an.param_shapes.items():
+            frozen = set(getattr(an, "frozen", ()) or ())
+            for name, (shape, _, rep) in an.param_shapes.items():
+                if name in frozen:
+                    continue
                 if len(shape) >= 2:
                     rows = sympy.Mul(*shape[:-1])
                     cols = sympy.Mul(*shape[:-2]) * shape[-1]
@@ -228,9 +245,16 @@ class MemoryModel(Solver):
                 else:
                     fac.append(rep * sympy.Mul(*shape))
             total += pol.state * sympy.Add(*fac)
-        if opt.step:
-            total += STEP_BYTES * self.n_tensors
-        return sympy.expand(total)
+        return sympy.expand(total + self.step_bytes())
+
+    def step_bytes(self) -> sympy.Expr:
+        """Bytes of the optimizer's step counters the rank keeps
+        (:func:`symcost.passes.memory.states.step_counter_bytes`: 4 per parameter tensor with a
+        gradient for torch.optim's Adam(W), one flat partition's under ``zero1``, none under
+        Megatron-LM's and DeepSpeed's fused Adam)."""
+        from symcost.passes.memory.states import step_counter_bytes
+
+        return step_counter_bytes(self.an, self.opt.name, self.policy.name)
 
     def _buffers_inputs(self) -> tuple[sympy.Expr, sympy.Expr]:
         sched = self.schedule
@@ -424,7 +448,7 @@ class MemoryModel(Solver):
         """
         if self.host:  # FSDP2's CPU offload: the step runs on the host
             return []
-        share = self._poly(self.P if self.opt_share is None else self.opt_share)
+        share = self._poly(self.P_train if self.opt_share is None else self.opt_share)
         update = self._update_transients(share)
         if not self.policy.grad_copy:
             return update

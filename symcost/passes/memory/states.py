@@ -51,7 +51,7 @@ def shard_degree(an, dp, ep=None):
 
 
 def model_state_bytes(P, DP, shard: str, precision: str = "bf16-true-fp32-master",
-                      optimizer: str = "adamw", P_shard=None) -> dict[str, Any]:
+                      optimizer: str = "adamw", P_shard=None, frozen=0, frozen_shard=None) -> dict[str, Any]:
     """Bytes of model states one rank holds: ``params``, ``grads``, ``optimizer_state``,
     ``master`` and ``total``.
 
@@ -65,6 +65,17 @@ def model_state_bytes(P, DP, shard: str, precision: str = "bf16-true-fp32-master
             SGD with momentum: 1); the 4-byte step counters are left out.
         P_shard: elements of a sharded tensor set on one rank (default P/DP; the traced FSDP2
             shards for ``fsdp``/``zero3``).
+        frozen: the elements of P with ``requires_grad=False`` (``Analysis.params_frozen``; an
+            int or a formula, 0 by default), and ``frozen_shard`` those of ``P_shard`` (default
+            frozen/DP). A frozen parameter is held (``params``, sharded as the others) but has
+            no gradient, optimizer state or master copy: torch.optim skips a parameter whose
+            ``grad`` is None (``_init_group``), DDP and FSDP2 reduce only parameters that
+            require grad, Megatron-LM builds its gradient buffers, parameter groups and main
+            parameters from ``requires_grad`` parameters only (megatron/core/distributed/
+            distributed_data_parallel.py, optimizer/__init__.py ``_get_param_groups``,
+            optimizer/optimizer.py), and DeepSpeed's ZeRO partitions the trainable ones. So
+            ``grads``, ``optimizer_state`` and ``master`` count P − frozen (P_shard −
+            frozen_shard where sharded): a separate term, the formulas stay symbolic.
 
     Returns:
         The four components and their ``total`` (ints or formulas in bytes): what the rank
@@ -93,14 +104,54 @@ def model_state_bytes(P, DP, shard: str, precision: str = "bf16-true-fp32-master
     per = {"params": pol.param, "grads": pol.grad, "optimizer_state": pol.state * opt.full,
            "master": pol.master}
     share = P_shard if P_shard is not None else sympy.sympify(P) / DP
-    out = {k: b * (share if k in SHARDED[shard] else P) for k, b in per.items()}
+    fshare = frozen_shard if frozen_shard is not None else sympy.sympify(frozen) / DP
+    whole = {"params": (share, P)}  # (what each state is over: sharded, whole)
+    trained = (share - fshare, P - frozen)
+    out = {k: b * whole.get(k, trained)[0 if k in SHARDED[shard] else 1] for k, b in per.items()}
     out["total"] = sum(out.values())
     if pol.grad_copy:
-        out["step_grad_copy"] = pol.grad_copy * (share if "optimizer_state" in SHARDED[shard] else P)
+        out["step_grad_copy"] = pol.grad_copy * trained[0 if "optimizer_state" in SHARDED[shard] else 1]
     return out
 
 
-def optimizer_share(an, dp, ep=None):
+def step_counter_bytes(an, optimizer: str, precision: str | None = None) -> sympy.Expr:
+    """Bytes of the optimizer's step counters on one rank, as each framework keeps them.
+
+    torch.optim's Adam and AdamW (and Adafactor) keep a 0-d fp32 ``step`` tensor per parameter
+    tensor they update (torch/optim/adam.py ``_init_group``): a plain tensor beside the DTensor
+    moments of an FSDP2 or tensor-parallel parameter, so every rank of one device, ``ddp``,
+    ``fsdp``, ``zero2`` (FSDP2), ``zero3``, ``--tp``, ``--ep`` and a pipeline stage holds one per
+    parameter tensor with a gradient (``Analysis.param_tensors_trained``: torch.optim makes no
+    state for a parameter whose ``grad`` is None), unsharded (checked on a fake process group:
+    ``opt.state[p]["step"]`` is a ``Tensor`` of shape ``()``). torch.optim keeps them on the CPU
+    unless ``capturable`` or ``fused`` (``torch.zeros((), device=p.device)`` then, else
+    ``torch.tensor(0.0, device="cpu")``); symcost counts them wherever they live (a few KiB; the
+    trace does not see those flags), as ``opt.state``'s bytes hold them.
+
+    ``zero1`` (DeepSpeed's ZeRO-1, docs/parallel.md): the wrapped optimizer steps one flat fp32
+    partition per parameter group (deepspeed/runtime/zero/stage_1_and_2.py: ``param_group['params']
+    = [self.single_partition_of_fp32_groups[i]]``), so a torch.optim AdamW keeps one ``step``
+    tensor: 4 bytes (one group). (Under expert parallelism, ``--ep --dp --shard zero1``, the
+    distributed optimizer is Megatron-LM's, whose torch.optim fallback steps each parameter's
+    range of the shard: counted per parameter tensor, an upper bound.)
+
+    0 under a ``megatron-*`` or ``deepspeed-*`` policy (``precision``): Transformer Engine's and
+    Apex's ``FusedAdam``, which Megatron-LM runs, keep one ``group["step"]`` per parameter group, a
+    Python int (transformer_engine/pytorch/optimizers/fused_adam.py ``step``;
+    megatron/core/optimizer/distrib_optimizer.py ``state_dict`` reads it), and DeepSpeed's
+    ``FusedAdam`` a Python int ``state['step']`` per flat partition (deepspeed/ops/adam/
+    fused_adam.py). SGD keeps none. Bytes, a polynomial in the symbols."""
+    from symcost.passes.memory.policies import OPTIMIZERS, STEP_BYTES
+
+    opt = OPTIMIZERS.get(optimizer)
+    if opt is None or not opt.step or str(precision or "").startswith(("megatron-", "deepspeed-")):
+        return sympy.Integer(0)
+    if getattr(an, "parallel", None) == "zero1" and not layout_of(an).ep_replicate:
+        return sympy.Integer(STEP_BYTES)  # (one flat partition, one parameter group)
+    return sympy.expand(STEP_BYTES * an.param_tensors_trained)
+
+
+def optimizer_share(an, dp, ep=None, frozen: bool = False):
     """Parameter elements of one rank's ZeRO-1/2 shard (the optimizer state and master weights
     it keeps) for a trace whose engine does not shard the parameters (``ddp``, ``zero1``; the
     memory policies of ``zero2``), at data-parallel size ``dp`` (an int or the symbol DP): the
@@ -110,28 +161,31 @@ def optimizer_share(an, dp, ep=None):
     dense buffers over its data-parallel group (DP·EP ranks here) and the experts' over the
     expert-data-parallel group (DP), P_dense/(DP·EP) + (P_experts/EP)/DP = P/(DP·EP)
     (megatron/core/optimizer/distrib_optimizer.py ``_build_gbuf_range_map``: each buffer's range
-    split over its own group)."""
+    split over its own group). ``frozen``: the share's frozen elements only (``requires_grad=False``,
+    :func:`model_state_bytes`' ``frozen_shard``)."""
     deg = shard_degree(an, dp, ep)
     if layout_of(an).ep_replicate:
-        return sympy.sympify(an.params) / deg
-    return sympy.sympify(params_tp_local(an)) / deg
+        return sympy.sympify(an.params_frozen if frozen else an.params) / deg
+    return sympy.sympify(params_tp_local(an, frozen)) / deg
 
 
-def params_tp_local(an) -> sympy.Expr:
+def params_tp_local(an, frozen: bool = False) -> sympy.Expr:
     """Parameter elements of one tensor-parallel rank on the 2-D mesh (``--dp`` with ``--tp``):
     what the data-parallel engine wraps, before it shards (``Analysis.params_shard`` times DP for
     FSDP2, whose shards split the TP-local rows; ``params_shard`` itself for ``replicate``);
     ``params_shard`` for a tensor-parallel trace and an expert-parallel one without data
     parallelism (``--ep``, a pipeline stage's too: the dense parameters and E/EP experts) and
     one under a replicating engine (``--ep --dp --shard ddp|zero1``, docs/parallel.md §14.11),
-    ``params`` otherwise."""
+    ``params`` otherwise. ``frozen``: those of the frozen parameters only (``requires_grad=False``:
+    ``Analysis.params_frozen``, ``params_shard_frozen``)."""
+    whole, held = (an.params_frozen, an.params_shard_frozen) if frozen else (an.params, an.params_shard)
     if not getattr(an, "tensor_parallel", None):
         label = getattr(an, "parallel", None) or ""
         # (and under a replicating engine with expert parallelism, §14.11: the dense parameters and
         # the rank's E/EP experts, which DDP and Megatron's engine hold whole)
-        return (an.params_shard if (label.startswith("tp") or label == "ep" or layout_of(an).ep_replicate)
-                else an.params)
+        return (held if (label.startswith("tp") or label == "ep" or layout_of(an).ep_replicate)
+                else whole)
     if SHARDS[an.parallel][0] != "fully_shard":
-        return an.params_shard
+        return held
     DP = SYMS["DP"] if "DP" in an.symbols else an.pinned.get("DP", 1)
-    return sympy.expand(an.params_shard * DP)
+    return sympy.expand(held * DP)
