@@ -46,6 +46,8 @@ from typing import Any, Mapping, Sequence
 
 import sympy
 
+from symcost.graph.opsets import dtype_names, itemsize
+
 #: Megatron-Core's default bucket size: max(BUCKET_MIN, BUCKET_PER_RANK · DP) elements
 BUCKET_MIN = 40_000_000
 BUCKET_PER_RANK = 1_000_000
@@ -126,29 +128,34 @@ def layout(numels: Sequence[int], size: int | None, dp: int, distributed: bool) 
 
 
 def _expanded(an, env: Mapping) -> list[tuple[str, int]]:
-    """``[(name, local elements)]`` of every trained parameter of ``an`` at ``env``, in
+    """``[(name, local elements)]`` of :func:`_typed`."""
+    return [(name, n) for name, n, _ in _typed(an, env)]
+
+
+def _typed(an, env: Mapping) -> list[tuple[str, int, int]]:
+    """``[(name, local elements, bytes per element)]`` of every trained parameter of ``an`` at ``env``, in
     ``named_parameters()`` order: a run of folded entries repeated r times (a block stack) is
     unfolded block by block; the shape is the rank's (the TP- and EP-local shard where the trace
     has one, rank 0's ceil where a split does not divide)."""
     frozen = getattr(an, "frozen", None) or set()
     shards = getattr(an, "param_shards", None) or {}
     entries = []
-    for name, (shape, _, rep) in an.param_shapes.items():
+    for name, (shape, dtype, rep) in an.param_shapes.items():
         if name in frozen:
             continue
         sh = shards.get(name, (shape,))[0]
         n = math.prod(int(sympy.ceiling(sympy.sympify(d).xreplace(env))) for d in sh)
-        entries.append((name, n, sympy.sympify(rep)))
-    out: list[tuple[str, int]] = []
+        entries.append((name, n, itemsize(dtype_names([dtype])[0]), sympy.sympify(rep)))
+    out: list[tuple[str, int, int]] = []
     i = 0
     while i < len(entries):
-        rep = entries[i][2]
+        rep = entries[i][3]
         j = i + 1
-        while j < len(entries) and rep != 1 and entries[j][2] == rep:
+        while j < len(entries) and rep != 1 and entries[j][3] == rep:
             j += 1
         r = int(sympy.sympify(rep).xreplace(env))
         for k in range(r):
-            out.extend((name.replace("{i}", str(k)), n) for name, n, _ in entries[i:j])
+            out.extend((name.replace("{i}", str(k)), n, b) for name, n, b, _ in entries[i:j])
         i = j
     return out
 
@@ -168,40 +175,43 @@ def buffers(an, env: Mapping, ranks: Mapping[str, int], overlap: str, bucketing:
         bucketing: False for a pipeline rank after the first or a model chunk after the first.
 
     Returns:
-        ``[{"group", "ranks", "grad_bytes" (per element), "param_bytes", "distributed" (zero1),
-        "bucket_size" (elements or None), "elements" (the buffer's, unpadded), "buckets"
-        (:func:`layout`)}]``, the dense buffer first; a group of one rank has no buckets.
+        ``[{"group", "ranks", "grad_bytes" (per element: 4 under a ``megatron-bf16`` policy's fp32
+        gradient reduction, else the parameters'), "param_bytes" (the traced parameters' dtype),
+        "distributed" (zero1), "bucket_size" (elements or None), "elements" (the buffer's,
+        unpadded), "numels", "buckets" (:func:`layout`)}]``, one per group and parameter dtype,
+        the dense buffers first; a group of one rank has no buckets.
     """
     from symcost.passes.memory.policies import POLICIES
 
     pol = POLICIES[an.precision]
+    fp32_grads = pol.grad == 4 and pol.param < 4  # (--bf16's grad_reduce_in_fp32: the policy's fp32 main grads)
     distributed = an.parallel == "zero1"
     groups = _grouped(an, env)
     out = []
-    for g in ("DP", "DP_expert"):
-        if g not in groups:
-            continue
+    for g, nbytes in sorted(groups, key=lambda k: k[0] != "DP"):  # (the dense buffers first, in parameter order)
         n = int(ranks.get(g, ranks.get("DP", 1)))
         # (the size from the dense group's ranks, Megatron's dp_cp group: DP·EP under expert parallelism)
         size = bucket_size(ranks.get("DP", n), overlap != "none", bucketing)
-        out.append({"group": g, "ranks": n, "grad_bytes": pol.grad, "param_bytes": pol.param,
-                    "distributed": distributed, "bucket_size": size, "elements": sum(groups[g]),
-                    "numels": groups[g], "buckets": layout(groups[g], size, n, distributed) if n > 1 else []})
+        numels = groups[(g, nbytes)]
+        out.append({"group": g, "ranks": n, "grad_bytes": 4 if fp32_grads else nbytes, "param_bytes": nbytes,
+                    "distributed": distributed, "bucket_size": size, "elements": sum(numels),
+                    "numels": numels, "buckets": layout(numels, size, n, distributed) if n > 1 else []})
     return out
 
 
-def _grouped(an, env: Mapping) -> dict[str, list[int]]:
-    """The trained parameters' local elements (:func:`_expanded`) by buffer group: ``"DP_expert"``
-    for the parameters of a module whose gradients the trace reduces over the expert-data-parallel
-    group (Megatron's ``param.allreduce`` False), ``"DP"`` for the rest."""
+def _grouped(an, env: Mapping) -> dict[tuple[str, int], list[int]]:
+    """The trained parameters' local elements (:func:`_expanded`) by buffer: ``(group, bytes per
+    element)``, the group ``"DP_expert"`` for the parameters of a module whose gradients the trace
+    reduces over the expert-data-parallel group (Megatron's ``param.allreduce`` False), ``"DP"``
+    for the rest, and one buffer per parameter dtype (``group_params_for_buffers``' key)."""
     from symcost.graph.totals import comm_group
 
     experts = {op.module for op in an.ops if op.comm is not None and comm_group(an, op) == "DP_expert"}
-    out: dict[str, list[int]] = {}
-    for name, n in _expanded(an, env):
+    out: dict[tuple[str, int], list[int]] = {}
+    for name, n, nbytes in _typed(an, env):
         folded = re.sub(r"\.\d+\.", ".{i}.", name)
         expert = any(folded.startswith(m + ".") or name.startswith(m + ".") for m in experts)
-        out.setdefault("DP_expert" if expert else "DP", []).append(n)
+        out.setdefault(("DP_expert" if expert else "DP", nbytes), []).append(n)
     return out
 
 
