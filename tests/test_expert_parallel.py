@@ -86,11 +86,14 @@ def test_ep_is_a_symbol_and_divides_only_the_experts():
 def test_ep_rank_against_pytorch_on_the_fake_group():
     """At random sizes (EP 2 or 4, E/EP 2 or 4 experts per rank): the rank's FLOPs, saved bytes,
     all-to-all bytes and parameter elements equal PyTorch's expert-parallel step on the fake
-    group (rank 0, real tensors, the routers balanced)."""
+    group (rank 0, real tensors, the routers balanced); ``report --ep``'s optimizer state (two
+    fp32 moments of the rank's elements and torch.optim's 0-d step per parameter tensor) equals
+    its AdamW state."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
     from symcost.frontends.parallel import fake_world
+    from symcost.passes.expert_parallel import summary
 
     an = _trace()
     rng = random.Random(28)
@@ -100,6 +103,8 @@ def test_ep_rank_against_pytorch_on_the_fake_group():
         model = build(v, init_device_mesh("cpu", (v["EP"],), mesh_dim_names=("ep",))["ep"])
         got = measure(model, torch.randint(0, v["V"], (v["B"], v["S"])))
         _check(an, v, got, v)
+        mem = summary(an, PRECISION, sizes=v)["values"]["memory"]
+        assert int(mem["optimizer_state"]) == got["optimizer_state"], (v, mem["optimizer_state"])
 
 
 #: a tiny Qwen3-MoE (tests/test_moe_experts_code.py's), traced under --ep with transformers' experts

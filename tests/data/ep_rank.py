@@ -235,6 +235,9 @@ def measure(model, tokens, peak: bool = False, spec=None, groups=None, loss_cont
             del loss
         out = {"flops": flops[0], "saved": saved[0], "comm": {k: str(v) for k, v in comm.items()},
                "shard": sum(local(p).numel() for p in model.parameters()),
+               # (AdamW's state after the warm-up step: moments of the local shards, a 0-d step each)
+               "optimizer_state": sum(local(t).numel() * t.element_size() for st in opt.state.values()
+                                      for t in st.values()),
                "by_group": {g: {k: str(v) for k, v in d.items()} for g, d in by_group.items()}}
         if peak:
             from torch.distributed._tools.mem_tracker import MemTracker
