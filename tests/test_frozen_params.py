@@ -194,3 +194,35 @@ def test_data_parallel_rank_states_and_peak_against_pytorch(shard):
         want = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values())
         assert int(mem["optimizer_state"]) == want == 8 * -(-got["trained"] // dp) + 4, (v, mem)
         assert int(mem["grads"]) == got["grads"] and int(mem["params"]) == got["params"]
+
+
+@pytest.mark.heavy
+def test_pipeline_rank_states_against_the_stage_modules():
+    """--pp 2: each rank's model states are the policy over its stage's parameters (fp32: 4 bytes
+    each, frozen ones included) plus gradients and AdamW state of those that require grad only (12
+    bytes each) and a 4-byte step per such tensor, counted on the meta-built model's stage modules
+    (the embedding on the first, the final norm and head on the last, the root's position table on
+    both); the
+    gradients PyTorch's schedule leaves on the rank (its run on fake tensors) are those 4 bytes per
+    trained element."""
+    import torch
+
+    from symcost.frontends.pipeline import stage_blocks
+    from symcost.passes.pipeline import summary
+
+    rng = random.Random("frozen-pp")
+    v = {**_draw(rng), "L": rng.choice((4, 6))}
+    r = summary(MODEL, 2, "1f1b", 2, precision="fp32", sizes=v)
+    spec = symcost.resolve(MODEL)
+    with torch.device("meta"):
+        m = spec.build({**spec.defaults, **v})
+    blocks = stage_blocks(v["L"], 2)
+    stages = [[m.embed, *list(m.blocks)[:blocks[0]]], [*list(m.blocks)[blocks[0]:], m.norm, m.head]]
+    for row, mods in zip(r["ranks"], stages):
+        # (the position table, a parameter of the root module, stays on every stage: stages
+        # replace other stages' child modules, as torchtitan's manual split deletes modules)
+        ps = [p for mod in mods for p in mod.parameters()] + [m.pos]
+        trained = [p for p in ps if p.requires_grad]
+        assert row["params"] == sum(p.numel() for p in ps), row
+        assert row["model_states"] == 4 * row["params"] + 12 * sum(p.numel() for p in trained) + 4 * len(trained), row
+        assert row["memory"]["grads"] == 4 * sum(p.numel() for p in trained), row
