@@ -220,6 +220,12 @@ def parallel_options(f):
     f = click.option("--nodes", type=click.IntRange(min=1), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.nodes"),
                      help="with --dp and --gpu: nodes the DP ranks span [default: as few as hold them]")(f)
+    f = click.option("--megatron-args", default=None, expose_value=False, metavar="FLAGS",
+                     callback=_keep_parallel("symcost.megatron_args"),
+                     help="with --precision megatron-*, --dp and --gpu: the Megatron-LM run's flags that change its "
+                          "per-iteration work (--clip-grad, --log-params-norm, --log-num-zeros-in-grad, "
+                          "--log-interval, --no-check-for-nan-in-loss-and-grad, --loss-scale; others ignored) "
+                          "[default: Megatron-LM's defaults] (docs/performance-model.md)")(f)
     f = click.option("--gpu", default=None, expose_value=False, callback=_keep_parallel("symcost.gpu"),
                      metavar="NAME", help="with --dp: step time per rank on this catalogue device "
                                           "(roofline compute + exposed communication over its interconnect)")(f)

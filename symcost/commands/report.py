@@ -126,7 +126,8 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
 
             predicted = predict_dp(an, get_device(meta["symcost.gpu"]), sizes, meta.get("symcost.overlap", "backward"),
                                    meta.get("symcost.nodes"), meta.get("symcost.devices_per_node"),
-                                   mode="compiled" if meta.get("symcost.compile") else "eager")
+                                   mode="compiled" if meta.get("symcost.compile") else "eager",
+                                   megatron_args=meta.get("symcost.megatron_args"))
         res = rep.to_json(an, sizes if sizes else None)
         res.update(rep.parallel_json(an, sizes if sizes else None, par))
         peak = with_cap(res)
@@ -213,7 +214,8 @@ def _priced_step(an, sizes):
     dev = get_device(meta["symcost.gpu"])
     args = (an, dev, sizes, meta.get("symcost.overlap", "backward"), meta.get("symcost.nodes"),
             meta.get("symcost.devices_per_node"))
-    return step_time(*args), predict_dp(*args, mode="compiled" if meta.get("symcost.compile") else "eager")
+    return step_time(*args), predict_dp(*args, mode="compiled" if meta.get("symcost.compile") else "eager",
+                                        megatron_args=meta.get("symcost.megatron_args"))
 
 
 def _accumulated(an, sizes, step, predicted, K: int):

@@ -182,7 +182,8 @@ def _time_dp(model, sets, config, attention, precision, device_name, devices_fil
 
     compiled = bool(meta.get("symcost.compile"))
     pd = predict_dp(an, dev, sizes, meta.get("symcost.overlap", "backward"), meta.get("symcost.nodes"),
-                    meta.get("symcost.devices_per_node"), mode="compiled" if compiled else "eager")
+                    meta.get("symcost.devices_per_node"), mode="compiled" if compiled else "eager",
+                    megatron_args=meta.get("symcost.megatron_args"))
     # one optimizer step of K micro-steps as the engine runs them (passes/accumulation.py): the
     # prediction's optimizer step once per K
     from symcost.frontends.layout import layout_of

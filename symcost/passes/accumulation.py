@@ -69,6 +69,8 @@ def accumulated(step: Mapping[str, Any], K: int, shard: str | None, overlap: str
         shard: the ``--shard`` strategy (None: no data-parallel engine).
         overlap: ``none``, ``backward`` or ``full`` (:func:`symcost.passes.parallel.overlapped`).
         optimizer: the optimizer step's seconds inside ``compute["backward"]`` (0 for the bound).
+            ``step["iteration_seconds"]`` (Megatron-LM's per-iteration work after the backward,
+            :mod:`symcost.passes.megatron_iteration`), where present, also runs once per step.
 
     Returns:
         ``{"step_seconds", "micro_batches" (K), "reductions" (per optimizer step), "micro_seconds"
@@ -85,7 +87,8 @@ def accumulated(step: Mapping[str, Any], K: int, shard: str | None, overlap: str
     comm = {ph: float(step["comm"][ph]) for ph in phases}
     exposed = sum(float(step["exposed"][ph]) for ph in phases)
     last = overlapped(compute, comm, overlap) + exposed
-    bare = {"forward": compute["forward"], "backward": compute["backward"] - optimizer}
+    once_work = optimizer + float(step.get("iteration_seconds", 0.0))  # (once per optimizer step)
+    bare = {"forward": compute["forward"], "backward": compute["backward"] - once_work}
     once = shard is None or shard in ONCE_PER_STEP
     micro = (sum(bare.values()) if once else overlapped(bare, comm, overlap)) + exposed
     return {"step_seconds": (K - 1) * micro + last, "micro_batches": K, "reductions": reductions_per_step(shard, K),

@@ -320,7 +320,8 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
 
 
 def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overlap: str = "backward",
-               nodes: int | None = None, devices_per_node: int | None = None, mode: str = "eager") -> dict[str, Any]:
+               nodes: int | None = None, devices_per_node: int | None = None, mode: str = "eager",
+               megatron_args: str | Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Predicted step of one data-parallel rank: the performance model's compute per phase
     (:func:`predict`; each phase's exposed host time, and the optimizer step with the backward) and the
     communication of :func:`symcost.passes.parallel.step_time`, each process group's bytes per rank
@@ -338,14 +339,23 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
     all-gather, per bucket, α per ring step of each), not the trace's one per gradient, and
     with ``zero1`` (its distributed optimizer) the optimizer step runs over the busiest rank's
     shard (:func:`~symcost.passes.megatron_buckets.optimizer_shard`: its parameter tensors and
-    bytes) instead of every parameter.
+    bytes) instead of every parameter; and Megatron-LM's per-iteration work
+    (:mod:`symcost.passes.megatron_iteration`: the gradient norm and clipping, the NaN checks, the
+    main-parameter copies, the statistics' all-reduces and syncs, the logging the flags turn on)
+    is added, the loss checks to the forward, the rest to the backward once per optimizer step.
+    ``megatron_args``: the run's Megatron-LM flags (a command-line string,
+    :func:`symcost.passes.megatron_iteration.parse_args`, or a dict of its keys); None: Megatron's
+    defaults.
 
     Returns:
         ``{"step_seconds", "bound_seconds" (step_time's), "compute" {forward, backward},
         "comm" {forward, backward} (the overlapped groups'), "exposed" {forward, backward} (the
         critical path's: TP, EP, the ring's unhidden part), "latency_seconds", "collectives",
         "exposed_comm_seconds", "mfu_predicted", "optimizer_seconds" (the optimizer step inside
-        ``compute["backward"]``), "calibrated", "defaulted", "overlap"}``.
+        ``compute["backward"]``), "iteration_seconds" (Megatron's per-iteration work inside it, once
+        per optimizer step; 0 for another engine), "megatron_iteration" (Megatron's engine only:
+        :func:`~symcost.passes.megatron_iteration.price`'s totals, the flags, each item's seconds),
+        "calibrated", "defaulted", "overlap"}``.
 
     Raises:
         SymcostError: what :func:`predict` and :func:`symcost.passes.parallel.step_time` raise.
@@ -395,6 +405,16 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
             optimizer = host_stretches({}, {}, eff.optimizer_per_tensor * sh["tensors"],
                                        eff.optimizer_per_byte * sh["param_bytes"], p["host_async"])["optimizer"]
     compute["backward"] += optimizer
+    iteration = None
+    if buckets:  # Megatron-LM's per-iteration work beside the traced step (passes/megatron_iteration.py)
+        from symcost.passes import megatron_iteration as mi
+
+        flags = mi.parse_args(megatron_args) if not isinstance(megatron_args, Mapping) else {**mi.DEFAULTS, **megatron_args}
+        iteration = mi.price(mi.work(an, env, ranks, buckets, flags), device, 1, flags)
+        compute["forward"] += iteration["per_micro_batch"]  # (the loss checks, at each micro-batch's loss)
+        compute["backward"] += iteration["seconds"] - iteration["per_micro_batch"]  # (once per optimizer step)
+        iteration = {"flags": flags, **{k: v for k, v in iteration.items() if k != "items"},
+                     "items": {i["name"]: i["seconds"] for i in iteration["items"]}}
     groups = bound["groups"]
     phases = ("forward", "backward")
 
@@ -423,4 +443,6 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
             "latency_seconds": sum(sum(d.values()) for d in latency.values()) + ring_latency, "collectives": count,
             "exposed_comm_seconds": step - sum(compute.values()), "mfu_predicted": mf / (step * peak) if step else 0.0,
             "optimizer_seconds": optimizer,
+            "iteration_seconds": iteration["seconds"] - iteration["per_micro_batch"] if iteration else 0.0,
+            **({"megatron_iteration": iteration} if iteration is not None else {}),
             "calibrated": p["calibrated"], "defaulted": p["defaulted"], "overlap": overlap, "mode": mode}

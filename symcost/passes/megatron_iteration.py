@@ -1,0 +1,271 @@
+"""Megatron-LM's per-iteration work outside the traced forward/backward, as the step-time model prices it.
+
+A ``megatron-*`` trace (docs/memory.md, "Policies of training frameworks") records one
+micro-batch's forward and backward, the data-parallel engine's collectives
+(:mod:`symcost.passes.megatron_buckets`) and, priced apart, an AdamW step. Megatron-LM's
+``train_step`` and training loop run more every iteration, on the device and on the host, much
+of it behind a device-to-host synchronisation (``.item()``, ``bool()`` of a CUDA tensor, a timer's
+``torch.cuda.synchronize``). From the source (NVIDIA/Megatron-LM at d98e8a6, 2026-08-22;
+``megatron/training/training.py`` ``train_step`` and ``train``'s loop, ``training_log``;
+``megatron/core/optimizer/optimizer.py`` ``MixedPrecisionOptimizer.step`` / ``prepare_grads`` /
+``step_with_ready_grads``; ``megatron/core/optimizer/distrib_optimizer.py``;
+``megatron/core/optimizer/clip_grads.py``; ``megatron/core/distributed/param_and_grad_buffer.py``
+``start_grad_sync`` / ``check_grads``; ``megatron/training/utils/common_utils.py``
+``calc_params_l2_norm`` / ``reduce_max_stat_across_model_parallel_group``; ``pretrain_gpt.py``
+``loss_func``), each item only where its flag turns it on (:data:`DEFAULTS`: Megatron's argparse
+defaults, ``megatron/training/arguments.py``):
+
+===========================  =====================================================================
+item                         what runs (per iteration unless said)
+===========================  =====================================================================
+grad_scaling                 ``bucket.grad_data *= 1/DP`` per bucket before its collective (DP > 1)
+check_grads                  ``--check-for-nan-in-loss-and-grad`` (on by default; off under fp16's
+                             dynamic loss scale): per bucket the gradient buffer's L2 norm, then
+                             ``isnan``/``isinf``, each tested on the host (2 syncs)
+loss_check (per micro-b.)    the same flag: ``isnan``/``isinf`` of the loss, tested on the host
+copy_to_main_grads           ``main_param.grad = main_grad.float()`` per optimizer tensor (a cast
+                             kernel only where the buffer is 16-bit: fp16; a slice view with the
+                             distributed optimizer)
+unscale_check_inf            fp16: ``_amp_foreach_non_finite_check_and_unscale_`` over the main
+                             grads, ``found_inf`` all-reduced (MAX) and ``.item()``
+grad_norm                    ``--clip-grad`` > 0 (1.0 by default): ``multi_tensor_l2norm`` over the
+                             grads, squared, all-reduced, square-rooted
+clip                         the same: coefficient, ``clamp_max_``, ``multi_tensor_scale_tensor``
+                             over the grads (read and written)
+count_zeros                  ``--log-num-zeros-in-grad``: per optimizer tensor ``numel -
+                             count_nonzero(grad)`` added up, all-reduced, ``.item()``
+copy_main_to_model           after the inner step: the fp32 main params into the 16-bit model
+                             params (``copy_`` per tensor; fp16 one ``multi_tensor_scale``; the
+                             distributed optimizer its shard into the parameter buffer)
+stats_reduce                 ``update_successful``, ``grad_norm`` (and ``num_zeros``) each a tensor
+                             all-reduced over the model-parallel group and ``.item()``-ed
+loss_reduce                  the micro-batches' ``[loss, tokens]`` stacked, summed, all-reduced over
+                             the data-parallel group, divided
+loss_scale_item              ``optimizer.get_loss_scale().item()`` after ``train_step``
+params_norm                  ``--log-params-norm``: ``calc_params_l2_norm``: eight bucket norms
+                             (``multi_tensor_l2norm`` of the fp32 main params, or the fp16
+                             params), six all-reduces, ``.item()``
+training_log                 every ``--log-interval`` iterations: the learning rate's reduce-max,
+                             the loss ``.item()``, and the ``interval-time`` timer's ``elapsed``
+                             (``barrier=True``: two world barriers and two
+                             ``torch.cuda.synchronize``)
+===========================  =====================================================================
+
+Each item is priced as the performance model prices ops (docs/performance-model.md, "Megatron's
+per-iteration work"): its bytes at the achievable bandwidth plus ``kernel_gap`` per kernel on
+the device, ``host_per_op`` per aten op plus ``host_launch`` per kernel on the host, and each
+small all-reduce's ring latency 2(n−1)·``collective_latency``; an item ends at max(host, device)
+plus its latency (the syncs between the items leave nothing of one item to overlap with the
+next). What is not priced, for want of a figure: the Python of the loop and of ``training_log``
+that issues no aten op (TensorBoard writes, the parameter filters, the scheduler), and the host's
+wait at each sync beyond its op.
+
+Nothing here traces: it reads the rank's parameters (:mod:`symcost.passes.megatron_buckets`).
+"""
+from __future__ import annotations
+
+import shlex
+from typing import Any, Mapping
+
+#: Megatron-LM's argparse defaults of the flags that change the per-iteration work
+#: (megatron/training/arguments.py at d98e8a6: --clip-grad 1.0, --log-interval 100,
+#: --no-check-for-nan-in-loss-and-grad store_false, the rest store_true)
+DEFAULTS = {"clip_grad": 1.0, "log_interval": 100, "log_params_norm": False, "log_num_zeros_in_grad": False,
+            "check_for_nan_in_loss_and_grad": True, "loss_scale": None}
+#: the source commit every item cites
+SOURCE = "NVIDIA/Megatron-LM d98e8a6"
+
+
+def parse_args(text: str | None) -> dict[str, Any]:
+    """Megatron-LM command-line flags (``"--log-params-norm --clip-grad 0 --log-interval 1"``) ->
+    :data:`DEFAULTS` updated with them. Flags that do not change the per-iteration work are
+    ignored (a recipe's whole argument list may be given).
+
+    Raises:
+        SymcostError: a value flag without a number.
+    """
+    from symcost.errors import SymcostError
+
+    flags = dict(DEFAULTS)
+    words = shlex.split(text or "")
+    values = {"--clip-grad": ("clip_grad", float), "--log-interval": ("log_interval", int),
+              "--loss-scale": ("loss_scale", float)}
+    switches = {"--log-params-norm": ("log_params_norm", True), "--log-num-zeros-in-grad": ("log_num_zeros_in_grad", True),
+                "--no-check-for-nan-in-loss-and-grad": ("check_for_nan_in_loss_and_grad", False)}
+    i = 0
+    while i < len(words):
+        w = words[i]
+        key, _, inline = w.partition("=")
+        if key in values:
+            name, cast = values[key]
+            raw = inline if inline else (words[i + 1] if i + 1 < len(words) else None)
+            try:
+                flags[name] = cast(raw)
+            except (TypeError, ValueError):
+                raise SymcostError(f"Megatron flag {key} takes a number, got {raw!r}") from None
+            i += 1 if inline else 2
+            continue
+        if key in switches:
+            name, value = switches[key]
+            flags[name] = value
+        i += 1
+    return flags
+
+
+def _item(name, source, ops=0, kernels=0, read=0, written=0, collectives=(), syncs=0, per="iteration"):
+    return {"name": name, "source": source, "ops": ops, "kernels": kernels, "read": read, "written": written,
+            "collectives": [list(c) for c in collectives], "syncs": syncs, "per": per}
+
+
+def work(an, env: Mapping, ranks: Mapping[str, int], buckets: Mapping[str, Any] | None,
+         flags: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The per-iteration items of one rank (module docstring) of a Megatron-engine trace ``an``
+    (:func:`symcost.passes.megatron_buckets.is_megatron_engine`) at ``env``.
+
+    Args:
+        an: the analysis (its parameters, ``precision``, ``parallel``: ``zero1`` is the distributed
+            optimizer).
+        env: symbol values.
+        ranks: :func:`symcost.passes.parallel.group_sizes` (``DP``, ``TP``, ``ranks``).
+        buckets: :func:`symcost.passes.megatron_buckets.engine`'s result (its ``buffers`` and, with
+            the distributed optimizer, ``optimizer_shard``); None: one bucket per buffer is assumed.
+        flags: :func:`parse_args`' dict (None: :data:`DEFAULTS`).
+
+    Returns:
+        ``[{"name", "source", "ops" (aten ops the host dispatches), "kernels" (device kernels),
+        "read", "written" (device bytes), "collectives" [[group, ranks, count]] (one-element
+        all-reduces), "syncs" (device-to-host synchronisations), "per" ("iteration",
+        "micro-batch" or "log": every log_interval iterations)}]``; ``group`` ``"DP"``, ``"MP"``
+        (tensor × pipeline), ``"stats"`` (the optimizer's grad-stats group: model-parallel, all
+        ranks with the distributed optimizer), ``"world"``, ``"one"`` (a group of one rank).
+    """
+    from symcost.passes import megatron_buckets as mb
+    from symcost.passes.memory.policies import POLICIES
+
+    f = dict(DEFAULTS, **(flags or {}))
+    pol = POLICIES[an.precision]
+    fp16 = "fp16" in str(an.precision)
+    distributed = an.parallel == "zero1"
+    dp, tp = int(ranks.get("DP", 1)), int(ranks.get("TP", 1))
+    world = int(ranks.get("ranks", dp * tp))
+    numels = [n for _, n in mb._expanded(an, env)]
+    T, E = len(numels), sum(numels)
+    gb = pol.grad  # (the gradient buffer's bytes per element: fp32 under --bf16, 16-bit under --fp16)
+    main = 4  # fp32 main params and main grads
+    if distributed and buckets and "optimizer_shard" in buckets:
+        sh = buckets["optimizer_shard"]
+        Tg, Eg = int(sh["tensors"]), int(sh["elements"])
+    else:
+        Tg, Eg = T, E
+    bucket_elems = [e for b in (buckets or {}).get("buffers", []) for e in b["buckets"]] if buckets else []
+    if not bucket_elems:
+        bucket_elems = [E]
+    nb = len(bucket_elems)
+    stats = ("stats", world if distributed else tp)
+    mp = ("MP", tp)
+    check = f["check_for_nan_in_loss_and_grad"] and not (fp16 and f["loss_scale"] is None)
+    ddp = "megatron/core/distributed/param_and_grad_buffer.py"
+    opt = "megatron/core/optimizer/optimizer.py"
+    items = []
+    if dp > 1:
+        items.append(_item("grad_scaling", f"{ddp} start_grad_sync: bucket.grad_data *= gradient_scaling_factor (1/DP)",
+                           ops=nb, kernels=nb, read=gb * sum(bucket_elems), written=gb * sum(bucket_elems)))
+    if check:
+        items.append(_item("check_grads", f"{ddp} check_grads: grad_data.norm(p=2), validate_result(isnan), (isinf)",
+                           ops=5 * nb, kernels=5 * nb, read=gb * sum(bucket_elems), syncs=2 * nb))
+        items.append(_item("loss_check", "pretrain_gpt.py loss_func: validate_result(loss, isnan), (isinf)",
+                           ops=4, kernels=4, syncs=2, per="micro-batch"))
+    if distributed:  # (a view and a slice of the buffer, .float() of fp32 is the tensor itself)
+        items.append(_item("copy_to_main_grads", "megatron/core/optimizer/distrib_optimizer.py "
+                           "_copy_model_grads_to_main_grads: main_grad.view(-1)[range].float()", ops=3 * Tg,
+                           kernels=Tg if gb != main else 0, read=gb * Eg if gb != main else 0,
+                           written=main * Eg if gb != main else 0))
+    else:
+        items.append(_item("copy_to_main_grads", f"{opt} Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads: "
+                           "main_param.grad = main_grad.float()", ops=Tg, kernels=Tg if gb != main else 0,
+                           read=gb * Eg if gb != main else 0, written=main * Eg if gb != main else 0))
+    if fp16:
+        items.append(_item("unscale_check_inf", f"{opt} _unscale_main_grads_and_check_for_nan: fill_, "
+                           "_amp_foreach_non_finite_check_and_unscale_, all_reduce(found_inf, MAX), .item()",
+                           ops=4, kernels=4, read=main * Eg, written=main * Eg, collectives=[(*stats, 1)], syncs=1))
+    clip = "megatron/core/optimizer/clip_grads.py"
+    if f["clip_grad"] and f["clip_grad"] > 0:
+        items.append(_item("grad_norm", f"{clip} get_grad_norm_fp32: zeros x2, multi_tensor_l2norm, **2, "
+                           "all_reduce(SUM), pow(1/2)", ops=6, kernels=6, read=main * Eg, collectives=[(*stats, 1)]))
+        items.append(_item("clip", f"{clip} clip_grad_by_total_norm_fp32: +1e-6, max_norm/, zeros, clamp_max_, "
+                           "multi_tensor_scale_tensor", ops=5, kernels=5, read=main * Eg, written=main * Eg))
+    if f["log_num_zeros_in_grad"]:
+        items.append(_item("count_zeros", f"{clip} count_zeros_fp32: per tensor numel - count_nonzero(grad), "
+                           "summed; all_reduce, .item()", ops=3 * Tg + 3, kernels=3 * Tg + 3, read=main * Eg,
+                           collectives=[(*stats, 1)], syncs=1))
+    if distributed:
+        items.append(_item("copy_main_to_model", "megatron/core/optimizer/distrib_optimizer.py "
+                           "_copy_main_params_to_model_params: param_data.view(-1)[range].copy_(shard_main_param)",
+                           ops=3 * Tg, kernels=Tg, read=main * Eg, written=pol.param * Eg))
+    elif fp16:
+        items.append(_item("copy_main_to_model", f"{opt} _multi_tensor_copy_this_to_that: multi_tensor_scale",
+                           ops=1, kernels=1, read=main * E, written=pol.param * E))
+    else:  # (bf16: no overflow buffer, so a copy_ per tensor)
+        items.append(_item("copy_main_to_model", f"{opt} _multi_tensor_copy_this_to_that: that.copy_(this) per tensor",
+                           ops=T, kernels=T, read=main * E, written=pol.param * E))
+    n_stats = 3 if f["log_num_zeros_in_grad"] else 2
+    items.append(_item("stats_reduce", "megatron/training/training.py train_step: logical_and_across_model_parallel_group, "
+                       "reduce_max_stat_across_model_parallel_group (grad_norm" + (", num_zeros" if n_stats == 3 else "")
+                       + "): torch.tensor, all_reduce, .item() x2", ops=4 * n_stats + 1, kernels=4 * n_stats + 1,
+                       collectives=[(*mp, n_stats)], syncs=2 * n_stats + 1))
+    items.append(_item("loss_reduce", "megatron/training/training.py train_step: vstack, sum, all_reduce(dp_cp), "
+                       "val[0] / val[1]", ops=6, kernels=4, collectives=[("DP", dp, 1)]))
+    items.append(_item("loss_scale_item", "megatron/training/training.py train: optimizer.get_loss_scale().item()",
+                       ops=1, kernels=1, syncs=1))
+    if f["log_params_norm"]:
+        # (eight bucket norms: one holds the dense params (the shard's with the distributed
+        # optimizer), seven are torch.zeros; four DP/expert-DP reductions, one over a gtp group of
+        # one rank, one model-parallel; the adds between)
+        data = (main * Eg if distributed else main * E) if not fp16 else pol.param * E
+        items.append(_item("params_norm", "megatron/training/utils/common_utils.py calc_params_l2_norm: "
+                           "_compute_norm_2 x8, _sum_reduce x4, all_reduce x2, .item()", ops=24, kernels=23,
+                           read=data, collectives=[("DP", dp, 4), ("one", 1, 1), (*mp, 1)], syncs=1))
+    items.append(_item("training_log", "megatron/training/training.py training_log: reduce_max (learning rate), "
+                       "total_loss_dict +=, .item(), timers('interval-time').elapsed(barrier=True) "
+                       "(megatron/core/timers.py: barrier + torch.cuda.synchronize, at stop and start)",
+                       ops=9, kernels=9, collectives=[(*mp, 1), ("world", world, 2)], syncs=5, per="log"))
+    return items
+
+
+def price(items, device, micro_batches: int = 1, flags: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Seconds of :func:`work`'s items on ``device`` (module docstring).
+
+    Each item: device = (read + written) / (bandwidth · ``memory``) + kernels · ``kernel_gap``;
+    host = ops · ``host_per_op`` + kernels · ``host_launch``; latency = Σ count · 2(n−1) ·
+    ``collective_latency`` over its all-reduces (none for a group of one rank); seconds =
+    max(host, device) + latency, times its count per optimizer step (``micro-batch`` items
+    ``micro_batches`` times, ``log`` items 1/log_interval).
+
+    Returns:
+        ``{"seconds" (per optimizer step, the micro-batch items included), "per_micro_batch"
+        (the micro-batch items' seconds, each micro-batch), "device", "host", "latency",
+        "syncs" (per optimizer step), "items" [each item with its "seconds" per occurrence]}``.
+    """
+    from symcost.hardware.efficiency import default_efficiency
+
+    eff = device.efficiency if device.efficiency is not None else default_efficiency(device)
+    f = dict(DEFAULTS, **(flags or {}))
+    bw = device.bandwidth * eff.memory
+    per_op = eff.host_per_op("forward")
+    launch = float(eff.host_launch or 0.0)
+    gap = float(eff.kernel_gap or 0.0)
+    tot = {"device": 0.0, "host": 0.0, "latency": 0.0, "syncs": 0.0, "seconds": 0.0, "per_micro_batch": 0.0}
+    out = []
+    for it in items:
+        dev = (it["read"] + it["written"]) / bw + it["kernels"] * gap
+        host = it["ops"] * per_op + it["kernels"] * launch
+        lat = sum(c * 2 * (n - 1) * eff.collective_latency for _, n, c in it["collectives"])
+        s = max(host, dev) + lat
+        times = {"iteration": 1.0, "micro-batch": float(micro_batches),
+                 "log": 1.0 / max(1, int(f["log_interval"]))}[it["per"]]
+        for k, v in (("device", dev), ("host", host), ("latency", lat), ("syncs", it["syncs"]), ("seconds", s)):
+            tot[k] += times * v
+        if it["per"] == "micro-batch":
+            tot["per_micro_batch"] += s
+        out.append({**it, "device_seconds": dev, "host_seconds": host, "latency_seconds": lat, "seconds": s})
+    return {**tot, "items": out}

@@ -1,0 +1,164 @@
+"""Megatron-LM's per-iteration work in the step-time model (symcost/passes/megatron_iteration.py,
+issue 29).
+
+The oracle is Megatron-LM's source (NVIDIA/Megatron-LM at d98e8a6) read by hand, with the
+parameters from PyTorch (the model built on the meta device, ``named_parameters()``):
+
+- ``clip_grads.py`` ``get_grad_norm_fp32`` / ``clip_grad_by_total_norm_fp32``: one
+  ``multi_tensor_l2norm`` over the optimizer's fp32 grads (4 bytes per element read), one
+  ``multi_tensor_scale_tensor`` reading and writing them; ``count_zeros_fp32``: per grad tensor
+  ``numel - count_nonzero`` added up (three kernels a tensor);
+- ``optimizer.py`` ``_copy_model_grads_to_main_grads`` (``main_grad.float()``: a cast only from a
+  16-bit buffer, fp16) and ``_copy_main_params_to_model_params`` (fp32 -> 16-bit: 4 + 2 bytes per
+  element; ``copy_`` per tensor under bf16, one ``multi_tensor_scale`` under fp16);
+- ``param_and_grad_buffer.py`` ``start_grad_sync``: the bucket scaled by 1/DP (read and written);
+  ``check_grads``: its norm (read);
+- the distributed optimizer's shard: each bucket of the buffer (parameters in reverse order,
+  starts padded to 64 elements, the end to lcm(DP, 128)) split into DP equal ranges, the busiest
+  rank's elements (``_build_gbuf_range_map``).
+
+Each term is then priced by hand from the device's efficiency figures.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import symcost
+from symcost.frontends.layout import Layout
+
+RECIPE = "--log-params-norm --log-num-zeros-in-grad --log-interval 1 --clip-grad 1.0 --lr 1e-4"
+
+
+@pytest.fixture(scope="module")
+def zero1():
+    """Megatron's distributed optimizer on 4 ranks (the trace tests/test_megatron_buckets.py makes;
+    about 10 s on an idle core)."""
+    sizes = {"B": 2, "S": 16, "H": 2, "D": 8, "L": 2, "V": 64, "DP": 4}
+    return symcost.trace("megatron-gpt", sizes=sizes, precision="megatron-bf16", layout=Layout(shard="zero1"))
+
+
+class _Rank:
+    """A rank's parameters as :func:`work` and the bucket layout read them (``param_shapes`` in
+    ``named_parameters()`` order, ``precision``, ``parallel``), from PyTorch's model on the meta
+    device: what a trace folds (tests/test_megatron_buckets.py checks the traced ones)."""
+
+    def __init__(self, model, precision, parallel):
+        self.param_shapes = {n: (tuple(p.shape), "torch.bfloat16", 1) for n, p in model.named_parameters()}
+        self.precision, self.parallel, self.ops, self.frozen, self.param_shards = precision, parallel, [], set(), {}
+
+
+def _shard_elements(numels, dp):
+    """The distributed optimizer's busiest rank over one bucket (no --overlap-grad-reduce)."""
+    spans, start = [], 0
+    for n in numels[::-1]:
+        start = math.ceil(start / 64) * 64
+        spans.append((start, start + n))
+        start += n
+    end = math.ceil(start / math.lcm(dp, 128)) * math.lcm(dp, 128)
+    part = end // dp
+    best = (0, 0)
+    for r in range(dp):
+        lo, hi = r * part, (r + 1) * part
+        held = [min(b, hi) - max(a, lo) for a, b in spans if a < hi and b > lo]
+        best = (max(best[0], sum(held)), max(best[1], len(held)))
+    return best + (end,)
+
+
+def test_parse_args():
+    from symcost.passes import megatron_iteration as mi
+
+    f = mi.parse_args(RECIPE)
+    assert f["log_params_norm"] and f["log_num_zeros_in_grad"] and f["log_interval"] == 1 and f["clip_grad"] == 1.0
+    assert mi.parse_args("--clip-grad=0 --no-check-for-nan-in-loss-and-grad")["clip_grad"] == 0.0
+    assert not mi.parse_args("--no-check-for-nan-in-loss-and-grad")["check_for_nan_in_loss_and_grad"]
+    assert mi.parse_args(None) == mi.DEFAULTS
+    with pytest.raises(symcost.SymcostError):
+        mi.parse_args("--log-interval often")
+
+
+def _sizes_and_params(seed):
+    from symcost.frontends.models import resolve
+
+    rng = random.Random(seed)
+    v = {"B": 2, "S": 16, "H": rng.randint(2, 4), "D": 8 * rng.randint(1, 3), "L": rng.randint(2, 5),
+         "V": rng.randint(50, 300), "DP": rng.choice((2, 3, 8))}
+    with torch.device("meta"):
+        model = resolve("megatron-gpt").build(v)
+    return v, model, [p.numel() for _, p in model.named_parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("key", [("megatron-bf16", "ddp"), ("megatron-bf16", "zero1"), ("megatron-fp16", "ddp")])
+def test_items_are_megatrons_at_random_sizes(key):
+    """At random sizes, each item's bytes and kernels are the source's (module docstring) over
+    PyTorch's parameters, and each is priced by hand."""
+    from symcost.hardware.devices import get_device
+    from symcost.passes import megatron_buckets as mb
+    from symcost.passes import megatron_iteration as mi
+    from symcost.passes.performance import efficiency_of
+
+    prec, shard = key
+    dev = get_device("h100-sxm")
+    eff = efficiency_of(dev)
+    v, model, numels = _sizes_and_params(11 + len(shard) + len(prec))
+    an = _Rank(model, prec, shard)
+    P, T, dp = sum(numels), len(numels), v["DP"]
+    fp16, is_zero1 = prec == "megatron-fp16", shard == "zero1"
+    Eg, Tg, padded = _shard_elements(numels, dp) if is_zero1 else (P, T, P)
+    gbuf = 2 if fp16 else 4  # (--bf16: fp32 main grads in the buffer; --fp16: 16-bit)
+    ranks = {"DP": dp, "ranks": dp}
+    # (without --overlap-grad-reduce: one bucket of the whole buffer)
+    buckets = mb.engine(an, {}, ranks, "none")
+    flags = mi.parse_args(RECIPE)
+    items = {i["name"]: i for i in mi.work(an, {}, ranks, buckets, flags)}
+    assert items["grad_scaling"]["read"] == items["grad_scaling"]["written"] == gbuf * padded
+    assert items["grad_norm"]["read"] == 4 * Eg
+    assert items["clip"]["read"] == items["clip"]["written"] == 4 * Eg
+    assert items["count_zeros"]["read"] == 4 * Eg and items["count_zeros"]["kernels"] == 3 * Tg + 3
+    assert items["copy_main_to_model"]["read"] == 4 * Eg and items["copy_main_to_model"]["written"] == 2 * Eg
+    assert items["copy_main_to_model"]["kernels"] == (1 if fp16 else Tg)
+    assert items["params_norm"]["read"] == (2 * P if fp16 else 4 * Eg)
+    if fp16:  # dynamic loss scale: no NaN checks; the cast to fp32 main grads and the unscale
+        assert "check_grads" not in items and "loss_check" not in items
+        assert (items["copy_to_main_grads"]["read"], items["copy_to_main_grads"]["written"]) == (2 * P, 4 * P)
+        assert items["unscale_check_inf"]["read"] == items["unscale_check_inf"]["written"] == 4 * P
+    else:
+        assert items["check_grads"]["read"] == 4 * padded and items["check_grads"]["syncs"] == 2
+        assert items["copy_to_main_grads"]["kernels"] == 0 and "unscale_check_inf" not in items
+    assert padded >= P and (Eg < P) == is_zero1
+    # priced by hand: max(host, device) + the all-reduce's ring latency over the grad-stats group
+    n = dp if is_zero1 else 1  # (every rank with the distributed optimizer, else the model-parallel group)
+    want = max(6 * eff.host_per_op("forward") + 6 * eff.host_launch,
+               4 * Eg / (dev.bandwidth * eff.memory) + 6 * eff.kernel_gap) + 2 * (n - 1) * eff.collective_latency
+    priced = mi.price(list(items.values()), dev, 1, flags)
+    assert {i["name"]: i["seconds"] for i in priced["items"]}["grad_norm"] == pytest.approx(want, rel=1e-12)
+    assert priced["seconds"] == pytest.approx(sum(i["seconds"] for i in priced["items"]), rel=1e-12)
+
+
+@pytest.mark.heavy
+def test_step_grows_by_the_items(zero1, monkeypatch):
+    """``predict_dp``'s step grows by exactly the items' seconds (``--overlap none``), and an
+    optimizer step of K micro-batches counts the per-iteration items once and the loss checks K
+    times (:func:`symcost.passes.accumulation.accumulated`)."""
+    from symcost.hardware.devices import get_device
+    from symcost.passes import megatron_iteration as mi
+    from symcost.passes.accumulation import accumulated
+    from symcost.passes.performance import predict_dp
+
+    dev = get_device("h100-sxm")
+    v, _, _ = _sizes_and_params(5)
+    p = predict_dp(zero1, dev, v, "none", megatron_args=RECIPE)
+    it = p["megatron_iteration"]
+    assert it["flags"]["log_params_norm"] and set(it["items"]) >= {"params_norm", "count_zeros", "loss_check"}
+    with monkeypatch.context() as m:
+        m.setattr(mi, "work", lambda *a, **k: [])
+        q = predict_dp(zero1, dev, v, "none", megatron_args=RECIPE)
+    assert p["step_seconds"] - q["step_seconds"] == pytest.approx(it["seconds"], rel=1e-9)
+    assert it["per_micro_batch"] > 0 and p["iteration_seconds"] == pytest.approx(it["seconds"] - it["per_micro_batch"])
+    K = 3
+    grow = accumulated(p, K, "zero1", "none", p["optimizer_seconds"])["step_seconds"] - \
+        accumulated(q, K, "zero1", "none", q["optimizer_seconds"])["step_seconds"]
+    assert grow == pytest.approx(it["seconds"] + (K - 1) * it["per_micro_batch"], rel=1e-9)
