@@ -291,7 +291,10 @@ def predict(an, device: Device, sizes: Mapping[str, int] | None = None, mode: st
     gaps = {ph: n_kernels[ph] * float(eff.kernel_gap or 0.0) for ph in n_kernels}
     device_phase = {ph: kernels[ph] + gaps[ph] for ph in kernels}
     tensors = pbytes = 0
-    for shape, dtype, rep in an.param_shapes.values():
+    frozen = getattr(an, "frozen", None) or set()
+    for name, (shape, dtype, rep) in an.param_shapes.items():
+        if name in frozen:  # (requires_grad=False: no gradient, torch.optim does not step it)
+            continue
         r = _num(rep, env)
         tensors += r
         pbytes += r * _num(numel(shape), env) * itemsize(dtype_names([dtype])[0])
