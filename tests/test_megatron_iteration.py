@@ -162,3 +162,29 @@ def test_step_grows_by_the_items(zero1, monkeypatch):
     grow = accumulated(p, K, "zero1", "none", p["optimizer_seconds"])["step_seconds"] - \
         accumulated(q, K, "zero1", "none", q["optimizer_seconds"])["step_seconds"]
     assert grow == pytest.approx(it["seconds"] + (K - 1) * it["per_micro_batch"], rel=1e-9)
+
+
+def test_a_pipeline_rank_of_two_chunks():
+    """A rank of two model chunks (an interleaved pipeline's virtual stages, not the last): one
+    optimizer over both (the norms, the zeros count and the copies over every parameter of the
+    two, the statistics once), each chunk's bucket scaled and checked, no loss check or loss
+    all-reduce (``is_pp_last_stage``); the model-parallel group is TP × PP."""
+    from symcost.passes import megatron_iteration as mi
+
+    v, model, numels = _sizes_and_params(3)
+    whole = _Rank(model, "megatron-bf16", "ddp")
+    names = list(whole.param_shapes)
+    cut = len(names) // 2
+    a, b = _Rank(model, "megatron-bf16", "ddp"), _Rank(model, "megatron-bf16", "ddp")
+    a.param_shapes = {k: whole.param_shapes[k] for k in names[:cut]}
+    b.param_shapes = {k: whole.param_shapes[k] for k in names[cut:]}
+    ranks = {"DP": 2, "TP": 1, "PP": 4, "ranks": 8}
+    flags = mi.parse_args(RECIPE)
+    one = {i["name"]: i for i in mi.work(whole, {}, ranks, None, flags)}
+    two = {i["name"]: i for i in mi.work(a, {}, ranks, None, flags, [(b, {}, None)], last_stage=False)}
+    P, T = sum(numels), len(numels)
+    assert two["grad_norm"]["read"] == 4 * P and two["count_zeros"]["kernels"] == 3 * T + 3
+    assert two["copy_main_to_model"]["kernels"] == T and two["params_norm"]["read"] == 4 * P
+    assert two["grad_scaling"]["kernels"] == 2 and two["check_grads"]["syncs"] == 4  # (a bucket per chunk)
+    assert two["stats_reduce"] == one["stats_reduce"] and two["stats_reduce"]["collectives"] == [["MP", 4, 3]]
+    assert "loss_check" not in two and "loss_reduce" not in two and "loss_check" in one

@@ -65,7 +65,7 @@ Nothing here traces: it reads the rank's parameters (:mod:`symcost.passes.megatr
 from __future__ import annotations
 
 import shlex
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 #: Megatron-LM's argparse defaults of the flags that change the per-iteration work
 #: (megatron/training/arguments.py at d98e8a6: --clip-grad 1.0, --log-interval 100,
@@ -118,7 +118,8 @@ def _item(name, source, ops=0, kernels=0, read=0, written=0, collectives=(), syn
 
 
 def work(an, env: Mapping, ranks: Mapping[str, int], buckets: Mapping[str, Any] | None,
-         flags: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+         flags: Mapping[str, Any] | None = None, others: Sequence[tuple] = (),
+         last_stage: bool = True) -> list[dict[str, Any]]:
     """The per-iteration items of one rank (module docstring) of a Megatron-engine trace ``an``
     (:func:`symcost.passes.megatron_buckets.is_megatron_engine`) at ``env``.
 
@@ -126,10 +127,14 @@ def work(an, env: Mapping, ranks: Mapping[str, int], buckets: Mapping[str, Any] 
         an: the analysis (its parameters, ``precision``, ``parallel``: ``zero1`` is the distributed
             optimizer).
         env: symbol values.
-        ranks: :func:`symcost.passes.parallel.group_sizes` (``DP``, ``TP``, ``ranks``).
+        ranks: :func:`symcost.passes.parallel.group_sizes` (``DP``, ``TP``, ``PP``, ``ranks``).
         buckets: :func:`symcost.passes.megatron_buckets.engine`'s result (its ``buffers`` and, with
             the distributed optimizer, ``optimizer_shard``); None: one bucket per buffer is assumed.
         flags: :func:`parse_args`' dict (None: :data:`DEFAULTS`).
+        others: ``(an, env, buckets)`` of the rank's other model chunks (a pipeline rank's
+            virtual stages): one optimizer steps them all, their buckets scaled and checked each.
+        last_stage: the rank runs the loss (a pipeline's last stage: the loss checks and the loss
+            all-reduce run there only, ``is_pp_last_stage``).
 
     Returns:
         ``[{"name", "source", "ops" (aten ops the host dispatches), "kernels" (device kernels),
@@ -146,23 +151,24 @@ def work(an, env: Mapping, ranks: Mapping[str, int], buckets: Mapping[str, Any] 
     pol = POLICIES[an.precision]
     fp16 = "fp16" in str(an.precision)
     distributed = an.parallel == "zero1"
-    dp, tp = int(ranks.get("DP", 1)), int(ranks.get("TP", 1))
-    world = int(ranks.get("ranks", dp * tp))
-    numels = [n for _, n in mb._expanded(an, env)]
-    T, E = len(numels), sum(numels)
+    dp, tp, pp = int(ranks.get("DP", 1)), int(ranks.get("TP", 1)), int(ranks.get("PP", 1))
+    world = int(ranks.get("ranks", dp * tp * pp))
     gb = pol.grad  # (the gradient buffer's bytes per element: fp32 under --bf16, 16-bit under --fp16)
     main = 4  # fp32 main params and main grads
-    if distributed and buckets and "optimizer_shard" in buckets:
-        sh = buckets["optimizer_shard"]
-        Tg, Eg = int(sh["tensors"]), int(sh["elements"])
-    else:
-        Tg, Eg = T, E
-    bucket_elems = [e for b in (buckets or {}).get("buffers", []) for e in b["buckets"]] if buckets else []
-    if not bucket_elems:
-        bucket_elems = [E]
+    T = E = Tg = Eg = 0
+    bucket_elems: list[int] = []
+    for a, e, b in ((an, env, buckets), *others):
+        numels = [n for _, n in mb._expanded(a, e)]
+        T, E = T + len(numels), E + sum(numels)
+        if distributed and b and "optimizer_shard" in b:  # (the distributed optimizer's shard of the chunk)
+            Tg, Eg = Tg + int(b["optimizer_shard"]["tensors"]), Eg + int(b["optimizer_shard"]["elements"])
+        else:
+            Tg, Eg = Tg + len(numels), Eg + sum(numels)
+        # (each bucket's elements, padding included; one bucket of the chunk's buffer without a layout)
+        bucket_elems += [x for buf in (b or {}).get("buffers", []) for x in buf["buckets"]] or [sum(numels)]
     nb = len(bucket_elems)
-    stats = ("stats", world if distributed else tp)
-    mp = ("MP", tp)
+    stats = ("stats", world if distributed else tp * pp)
+    mp = ("MP", tp * pp)
     check = f["check_for_nan_in_loss_and_grad"] and not (fp16 and f["loss_scale"] is None)
     ddp = "megatron/core/distributed/param_and_grad_buffer.py"
     opt = "megatron/core/optimizer/optimizer.py"
@@ -173,8 +179,9 @@ def work(an, env: Mapping, ranks: Mapping[str, int], buckets: Mapping[str, Any] 
     if check:
         items.append(_item("check_grads", f"{ddp} check_grads: grad_data.norm(p=2), validate_result(isnan), (isinf)",
                            ops=5 * nb, kernels=5 * nb, read=gb * sum(bucket_elems), syncs=2 * nb))
-        items.append(_item("loss_check", "pretrain_gpt.py loss_func: validate_result(loss, isnan), (isinf)",
-                           ops=4, kernels=4, syncs=2, per="micro-batch"))
+        if last_stage:
+            items.append(_item("loss_check", "pretrain_gpt.py loss_func: validate_result(loss, isnan), (isinf)",
+                               ops=4, kernels=4, syncs=2, per="micro-batch"))
     if distributed:  # (a view and a slice of the buffer, .float() of fp32 is the tensor itself)
         items.append(_item("copy_to_main_grads", "megatron/core/optimizer/distrib_optimizer.py "
                            "_copy_model_grads_to_main_grads: main_grad.view(-1)[range].float()", ops=3 * Tg,
@@ -213,8 +220,9 @@ def work(an, env: Mapping, ranks: Mapping[str, int], buckets: Mapping[str, Any] 
                        "reduce_max_stat_across_model_parallel_group (grad_norm" + (", num_zeros" if n_stats == 3 else "")
                        + "): torch.tensor, all_reduce, .item() x2", ops=4 * n_stats + 1, kernels=4 * n_stats + 1,
                        collectives=[(*mp, n_stats)], syncs=2 * n_stats + 1))
-    items.append(_item("loss_reduce", "megatron/training/training.py train_step: vstack, sum, all_reduce(dp_cp), "
-                       "val[0] / val[1]", ops=6, kernels=4, collectives=[("DP", dp, 1)]))
+    if last_stage:
+        items.append(_item("loss_reduce", "megatron/training/training.py train_step: vstack, sum, all_reduce(dp_cp), "
+                           "val[0] / val[1]", ops=6, kernels=4, collectives=[("DP", dp, 1)]))
     items.append(_item("loss_scale_item", "megatron/training/training.py train: optimizer.get_loss_scale().item()",
                        ops=1, kernels=1, syncs=1))
     if f["log_params_norm"]:

@@ -199,7 +199,8 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
 def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, precision: str = "fp32",
             sizes: Mapping[str, int] | None = None, optimizer: str = "adamw", peak: bool = True,
             device=None, devices_per_node: int | None = None, cache: tuple | None = None,
-            inner=None, split=None, mode: str = "eager", overlap: str = "backward") -> dict[str, Any]:
+            inner=None, split=None, mode: str = "eager", overlap: str = "backward",
+            megatron_args=None) -> dict[str, Any]:
     """One pipeline step (``microbatches`` micro-batches of B sequences) on each of ``pp`` ranks.
 
     Args:
@@ -236,6 +237,8 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             device's.
         mode, overlap: the predicted step's (:func:`predict_price`): ``eager`` or ``compiled``
             kernels; how the data-parallel collectives hide (``none``, ``backward``, ``full``).
+        megatron_args: the Megatron-LM run's flags for its per-iteration work under Megatron's engine
+            (:func:`predict_price`; :func:`symcost.passes.megatron_iteration.parse_args`).
         split: the blocks of each of the PP·v stages (:func:`symcost.frontends.pipeline.parse_split`:
             None the even split, ``"torchtitan"``, or a tuple); the per-rank rows follow it.
 
@@ -407,7 +410,7 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
             # accumulation, m times: the stage traces' one micro-batch of DP bytes is the step's)
             dp_bytes = {}
         step["predicted"] = predict_price(ans, values, blocks, order, device, pp, microbatches, devices_per_node,
-                                          mode, overlap, dp_bytes or None)
+                                          mode, overlap, dp_bytes or None, megatron_args)
         for row in ranks:
             row["busy_seconds"], row["idle_seconds"] = step["busy"][row["rank"]], step["idle"][row["rank"]]
         if any("transfer" in row or "activation_offload" in row for row in ranks):
@@ -564,7 +567,8 @@ def _links(device, pp: int, values: Mapping[str, int], devices_per_node: int | N
 
 def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: list[int], order: Mapping[int, list],
                   device, pp: int, microbatches: int, devices_per_node: int | None = None, mode: str = "eager",
-                  overlap: str = "backward", dp_bytes: Mapping[int, float] | None = None) -> dict[str, Any]:
+                  overlap: str = "backward", dp_bytes: Mapping[int, float] | None = None,
+                  megatron_args=None) -> dict[str, Any]:
     """The performance model's prediction of the pipeline step (docs/performance-model.md, "A
     pipeline rank"), beside :func:`price`'s bound; PyTorch's action lists (``order``) run on the
     dependency clock of :func:`~symcost.frontends.pipeline.simulate` with each stage's predicted
@@ -591,7 +595,11 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
     ``backward``: under its last backward action, where DDP's buckets and FSDP2's reduce-scatter
     run; ``full``: under its busy time), then the AdamW (foreach) step over its stages'
     parameters (``optimizer_per_tensor`` x tensors + ``optimizer_per_byte`` x bytes). The step is
-    the latest rank's end (the next step's first forward waits on every rank's optimizer).
+    the latest rank's end (the next step's first forward waits on every rank's optimizer). Under
+    Megatron-LM's engine each rank also runs Megatron's per-iteration work over its chunks
+    (:mod:`symcost.passes.megatron_iteration`, with ``megatron_args``: the run's flags, its
+    defaults when None) after the optimizer step, the loss checks in the last stage's forward of
+    every micro-batch (``megatron_iteration`` {rank: totals}).
 
     Returns:
         ``step_seconds`` (predicted), ``mode``, ``overlap``, ``stage_seconds`` {stage:
@@ -625,6 +633,7 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
 
     n = len(blocks)
     times, opt, dp_trace, model_flops, first = {}, {}, {}, 0.0, None
+    chunks = {}  # stage -> (analysis, sizes, buckets) under Megatron's engine (its per-iteration work)
     for s in range(n):
         an = stage_analysis(ans, s, blocks)
         env = {k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")}
@@ -645,6 +654,8 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
             buckets = mb.engine(an, bound, {"DP": dp}, overlap, bucketing=s == 0)
             dp_trace[s] = (sum(buckets["by_group"].values()) / links["DP"][1]
                            + sum(sum(d.values()) for d in buckets["latency_steps"].values()) * alpha)
+        if is_megatron_engine(an):
+            chunks[s] = (an, bound, buckets)
         for op in an.ops:
             ph = "forward" if op.phase == "forward" else "backward"
             rep = _num(op.repeat, bound)
@@ -671,6 +682,23 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
             opt[s] = host_stretches({}, {}, eff.optimizer_per_tensor * sh["tensors"],
                                     eff.optimizer_per_byte * sh["param_bytes"], p["host_async"])["optimizer"]
         model_flops += float(p["model_flops"]) * microbatches
+    iteration = {}
+    if chunks:  # Megatron-LM's per-iteration work per rank (passes/megatron_iteration.py): one optimizer
+        # over the rank's chunks; the loss checks in the last stage's forward, each micro-batch
+        from symcost.passes import megatron_iteration as mi
+
+        flags = mi.parse_args(megatron_args) if not isinstance(megatron_args, Mapping) else {**mi.DEFAULTS, **megatron_args}
+        for r, acts in order.items():
+            mine = sorted({s for _, s, _ in acts})
+            parts = [chunks[s] for s in mine if s in chunks]
+            if parts:
+                last = n - 1 in mine
+                iteration[r] = mi.price(mi.work(parts[0][0], parts[0][1], {"DP": dp, "TP": tp, "PP": pp,
+                                                                           "ranks": dp * tp * pp},
+                                                parts[0][2], flags, parts[1:], last_stage=last),
+                                        device, microbatches, flags)
+                if last:
+                    times[n - 1]["forward"] += iteration[r]["per_micro_batch"]
     sim = simulate(order, {s: t["forward"] for s, t in times.items()}, {s: t["backward"] for s, t in times.items()})
     ends, dp_s, exposed, opt_r = {}, {}, {}, {}
     for r, acts in order.items():
@@ -684,12 +712,16 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
         hide = {"none": 0.0, "backward": last, "full": sim["busy"][r]}[overlap]
         exposed[r] = max(0.0, dp_s[r] - hide)
         opt_r[r] = sum(opt[s] for s in mine)
+        if r in iteration:  # (after the optimizer's inner step: once per optimizer step)
+            opt_r[r] += iteration[r]["seconds"] - microbatches * iteration[r]["per_micro_batch"]
         ends[r] = sim["finish"][r] + exposed[r] + opt_r[r]
     step = max(ends.values())
     peak, _ = device.peak_for(training_precision(ans["first"]))
     return {"step_seconds": step, "mode": mode, "overlap": overlap, "stage_seconds": times,
             "busy": sim["busy"], "idle": {r: step - sim["busy"][r] for r in sim["busy"]}, "finish": sim["finish"],
             "dp_seconds": dp_s, "dp_exposed": exposed, "optimizer": opt_r, "bubble": sim["bubble"],
+            **({"megatron_iteration": {r: {k: v for k, v in it.items() if k != "items"} for r, it in iteration.items()}}
+               if iteration else {}),
             "model_flops": model_flops, "mfu_predicted": model_flops / (pp * peak * step) if step else 0.0,
             "links": {k: v[0] for k, v in links.items()}, "calibrated": first["calibrated"],
             "defaulted": first["defaulted"]}
