@@ -181,22 +181,6 @@ def test_whisper_fsdp_pins_only_the_stack_length():
         assert int(sympy.sympify(mem[k]).subs(env)) == want, (v, k)
 
 
-def test_tp_refused_in_one_line_where_a_stack_has_no_plan():
-    """hf:t5 --tp: T5 has no base_model_tp_plan and its feed-forward's ``wi`` matches no name of the
-    Megatron plan, so ``wo`` (row-parallel) would read a whole activation: refused in one line
-    naming the module and what is accepted, before any probe (was: 'several containers ... has
-    length L ... set ModelSpec.layers', which an hf: user cannot do)."""
-    from symcost.frontends.models import resolve
-
-    with pytest.raises(symcost.SymcostError) as e:
-        symcost.trace(resolve("hf:t5", attention="eager"), layout=Layout(tp=True), precision="fp32",
-                      torch_device="cpu", sizes={"B": 2, "S": 4, "S_enc": 4, "H": 4, "D": 2, "F": 8, "V": 16,
-                                                 "L": 2, "TP": 2})
-    msg = str(e.value)
-    assert "\n" not in msg and "ModelSpec.layers" not in msg, msg
-    assert "DenseReluDense.wi (Linear) has no tensor-parallel style" in msg and "accepted:" in msg, msg
-
-
 @pytest.mark.heavy
 def test_bart_tensor_parallel_both_stacks():
     """hf:bart --tp: the Megatron plan over every block of both stacks (q/k/v_proj, fc1
@@ -345,17 +329,3 @@ def test_encdec_hsdp_pins_only_the_stacks(examples):  # noqa: F811 - the fixture
         model.to_empty(device="cpu")
         got = measure(model, spec, {**spec.defaults, **v}, __import__("contextlib").nullcontext, groups=groups)
     check_rank(an, {k: x for k, x in v.items() if k in an.symbols}, got, v)
-
-
-def test_sp_on_several_stacks_is_one_line():
-    """hf:bart --tp --sp: one line saying sequence parallelism over an encoder-decoder is not
-    modelled yet and what is accepted (PyTorch's plan with SP failed inside BART's encoder on a
-    value read of a sequence-sharded tensor), before any probe."""
-    from symcost.frontends.models import resolve
-
-    with pytest.raises(symcost.SymcostError) as e:
-        symcost.trace(resolve("hf:bart", attention="eager"), layout=Layout(tp=True, sp=True), precision="fp32",
-                      torch_device="cpu", sizes={"B": 2, "S": 8, "S_enc": 8, "H": 4, "D": 2, "F": 8, "V": 16,
-                                                 "L": 2, "TP": 2})
-    msg = str(e.value)
-    assert "\n" not in msg and "--sp on a model of several block stacks" in msg and "accepted: --tp without --sp" in msg, msg

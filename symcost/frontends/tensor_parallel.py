@@ -32,6 +32,13 @@ styles of ``torch.distributed.tensor.parallel`` the way torchtitan's ``apply_tp`
   region);
 * the output head (a Linear with V outputs) is ``ColwiseParallel`` with sharded logits, and the
   loss runs under ``loss_parallel()`` (cross-entropy over vocabulary-sharded logits);
+* a per-head table inside a block (T5's relative position bias, ``nn.Embedding(buckets, H)``) is
+  ``ColwiseParallel``: split over its columns, each rank looks up its own heads' bias (Megatron-LM
+  keeps it whole and scatters the bias over the heads: the same values);
+* with ``sp`` on several stacks (an encoder-decoder), each stack's stream is split over its own
+  sequence (S, S_enc); a column-parallel projection sitting in the block itself (BART's ``fc1``)
+  gathers its own input, and a cross-attention's ``key_value_states`` (the encoder's output) is
+  gathered with the hidden states;
 * attention modules that own a column-parallel projection get their head counts divided by TP
   (attributes ``num_heads``, ``n_head``, ...), as torchtitan did before its attention read the
   local head count from the projection's output (``view(..., -1, head_dim)``).
@@ -62,7 +69,7 @@ from symcost.frontends.tensor_parallel_hf import (  # noqa: F401  (re-exported)
 #: last name of a Linear that reads the block's normalised input (column-parallel)
 COLWISE = re.compile(r"(q|k|v|qkv|wq|wk|wv|wqkv|query|key|value|query_key_value|c_attn|in_proj|"
                      r"q_proj|k_proj|v_proj|qkv_proj|up_proj|gate_proj|gate_up_proj|w1|w3|c_fc|fc1|"
-                     r"fc_in|dense_h_to_4h|up|gate)$")
+                     r"fc_in|dense_h_to_4h|up|gate|wi|wi_0|wi_1)$")
 #: last name of a Linear that writes back to the residual stream (row-parallel)
 ROWWISE = re.compile(r"(o|wo|o_proj|out_proj|output_proj|dense|c_proj|w2|down_proj|fc2|fc_out|"
                      r"dense_4h_to_h|down)$")
@@ -97,27 +104,37 @@ def tensor_parallel(spec, sp: bool = False):
 
     defaults = dict(spec.defaults, TP=spec.defaults.get("TP", 8))
     moduli = dict(spec.moduli)
-    for s in ("H", "K", "V", "F", "M", "E") + (("S",) if sp else ()):
+    seqs = _sequences(spec) if sp else ()
+    for s in ("H", "K", "V", "F", "M", "E") + seqs:
         if s in spec.symbols or s == "S":
             moduli[s] = math.lcm(moduli.get(s, 1), 8)
     # what PyTorch itself refuses, in one line before any recording: SequenceParallel shards the
     # sequence dimension evenly, and S % TP != 0 fails inside the first norm's DTensor (an
-    # 'Attempting to broadcast a dimension' error and the fake-tensor log's traceback). A
-    # declarative constraint, so the trace cache keeps such a spec as data.
-    constraints = tuple(spec.constraints) + ((Constraint(
-        "multiple", "S", "TP", "--sp splits the sequence over the TP ranks: S must be a multiple of TP "
-        "(accepted: S a multiple of TP, or a TP that divides S)"),) if sp else ())
+    # 'Attempting to broadcast a dimension' error and the fake-tensor log's traceback); an
+    # encoder-decoder's encoder stream is split too (S_enc). Declarative constraints, so the
+    # trace cache keeps such a spec as data.
+    added = tuple(Constraint(
+        "multiple", q, "TP", f"--sp splits the sequence over the TP ranks: {q} must be a multiple of TP "
+        f"(accepted: {q} a multiple of TP, or a TP that divides {q})") for q in seqs)
+    constraints = tuple(spec.constraints) + added
     declarative = getattr(spec.check, "__qualname__", "").split(".<locals>")[0] == "ModelSpec.__post_init__"
     check = None if declarative else spec.check
     if check is not None and sp:
         inner_check = check
 
         def check(values: Mapping[str, int]):
-            return inner_check(values) or check_constraints(constraints[-1:], values)
+            return inner_check(values) or check_constraints(added, values)
 
     return dataclasses.replace(spec, symbols=tuple(spec.symbols) + ("TP",), defaults=defaults,
                                probe_check=probe_check, moduli=moduli, check=check,
                                constraints=constraints)
+
+
+def _sequences(spec) -> tuple[str, ...]:
+    """The sequence lengths sequence parallelism splits: ``S``, and an encoder-decoder's encoder
+    length ``S_enc`` where the spec has that symbol (each stack's residual stream is split over
+    its own sequence)."""
+    return ("S",) + (("S_enc",) if "S_enc" in spec.all_symbols else ())
 
 
 def splits(spec, values: Mapping[str, int], sp: bool = False, sizes=(2, 4, 8)) -> list[int]:
@@ -135,9 +152,10 @@ def _indivisible(spec, values: Mapping[str, int], sp: bool) -> str | None:
     """Why ``TP`` does not divide a dimension the plan shards (the model built on the meta
     device), or None."""
     tp = values["TP"]
-    if sp and (values.get("S", tp) % tp or values.get("S", 2 * tp) < 2 * tp):
-        return (f"S={values['S']} is no multiple of TP={tp} of at least 2·TP (sequence parallelism "
-                "splits S; one token per rank is a regime of its own)")
+    for q in _sequences(spec) if sp else ():
+        if values.get(q, tp) % tp or values.get(q, 2 * tp) < 2 * tp:
+            return (f"{q}={values[q]} is no multiple of TP={tp} of at least 2·TP (sequence parallelism "
+                    f"splits {q}; one token per rank is a regime of its own)")
     for h in ("H", "K"):  # the attention head counts (conventions), wherever the model keeps them
         if h in values and h in spec.all_symbols and values[h] % tp:
             return f"{h}={values[h]} heads do not split over TP={tp}"
@@ -182,7 +200,7 @@ def sharded_dims(model, layers: str | None) -> dict[str, tuple[list[int], list[i
     the Megatron plan of ``model`` (:func:`plan`): out_features of column-parallel Linears (and
     of the head), in_features of row-parallel ones, the vocabulary of the row-parallel token
     embedding; the head counts (:data:`HEAD_ATTRS`) of modules that own a column-parallel
-    projection."""
+    projection; the heads of a per-head table (its ``embedding_dim``, :func:`_per_head`)."""
     from torch import nn
 
     roles, _ = _roles(model, layers)
@@ -196,6 +214,8 @@ def sharded_dims(model, layers: str | None) -> dict[str, tuple[list[int], list[i
             out[name] = ([_features(m)[0]], heads)
         elif role in ("rowwise", "embedding"):
             out[name] = ([m.num_embeddings if isinstance(m, nn.Embedding) else _features(m)[1]], [])
+        elif role == "head_bias":
+            out[name] = ([m.embedding_dim], [])
     return out
 
 
@@ -227,26 +247,39 @@ def block_names(model, layers) -> list[str]:
 
 
 def _roles(model, layers) -> tuple[dict[str, str], dict[str, str]]:
-    """Module roles of the Megatron plan: ``({name: colwise|rowwise|head|embedding|norm|pos},
-    {name: 'attn'|'mlp' parent to gather with sp})``; ``layers``: the block container, or a list
-    of them (several stacks: :func:`block_names`)."""
+    """Module roles of the Megatron plan: ``({name: colwise|rowwise|head|embedding|norm|pos|head_bias},
+    {name: where the sequence is gathered with sp: 'in', a module owning column-parallel
+    projections (the attention, the MLP), or 'linear', a column-parallel projection that sits in
+    the block itself})``; ``layers``: the block container, or a list of them (several stacks:
+    :func:`block_names`)."""
     from torch import nn
 
     roles: dict[str, str] = {}
     parents: dict[str, str] = {}
     blocks = block_names(model, layers)
+    block_set = set(blocks)
     for b in blocks:
         for name, m in model.get_submodule(b).named_modules():
             full = f"{b}.{name}" if name else b
             last = name.rpartition(".")[2]
             if _linear_like(m) and COLWISE.match(last):
                 roles[full] = "colwise"
-                parents[full.rpartition(".")[0]] = "in"
+                # with sp the sequence is gathered where the projection's input enters: at the
+                # module that owns it (the attention, the MLP), or at the projection itself where
+                # it sits in the block (BART's fc1: the block's input is the residual stream)
+                if full.rpartition(".")[0] in block_set:
+                    parents[full] = "linear"
+                else:
+                    parents[full.rpartition(".")[0]] = "in"
             elif _linear_like(m) and ROWWISE.match(last):
                 roles[full] = "rowwise"
             elif "norm" in type(m).__name__.lower() and name and not any(
                     _linear_like(c) for c in m.modules()):
                 roles[full] = "norm"
+        for name, m in model.get_submodule(b).named_modules():
+            full = f"{b}.{name}" if name else b
+            if isinstance(m, nn.Embedding) and name and _per_head(model, full, m, parents):
+                roles[full] = "head_bias"
     # outside the blocks: the token embedding (the one whose size is the output head's V, else
     # the first), other embeddings (positions), the final norm, the output head
     def outside(n):
@@ -282,6 +315,22 @@ def _roles(model, layers) -> tuple[dict[str, str], dict[str, str]]:
         elif "norm" in type(m).__name__.lower() and not any(_linear_like(c) for c in m.modules()):
             roles[n] = "norm"
     return roles, parents
+
+
+def _per_head(model, name: str, m, parents: Mapping[str, str]) -> bool:
+    """Whether the ``nn.Embedding`` ``m`` at ``name`` inside a block is a per-head table of an
+    attention the plan splits over heads: its parent owns a column-parallel projection
+    (``parents``) and its ``embedding_dim`` is one of the parent's head counts
+    (:data:`HEAD_ATTRS`). T5's relative position bias, ``relative_attention_bias =
+    nn.Embedding(num_buckets, n_heads)``, whose lookup ``[S_q, S_k, H]`` is permuted to
+    ``[1, H, S_q, S_k]`` and added to the scores: each rank needs its heads' columns."""
+    parent = name.rpartition(".")[0]
+    if parent not in parents:
+        return False
+    owner = model.get_submodule(parent)
+    heads = {getattr(owner, a) for a in HEAD_ATTRS if isinstance(getattr(owner, a, None), int)
+             and not isinstance(getattr(owner, a), bool)}
+    return m.embedding_dim in heads
 
 
 def plan(model, layers: str | None, sp: bool, keep: bool = False) -> tuple[dict, bool]:
@@ -321,6 +370,12 @@ def plan(model, layers: str | None, sp: bool, keep: bool = False) -> tuple[dict,
                 output_layouts=seq if sp else Replicate(), use_local_output=not keep)
         elif role == "norm" and sp:
             out[name] = SequenceParallel()
+        elif role == "head_bias":
+            # a per-head table (T5's relative position bias, [num_buckets, H]): split over its
+            # columns, the heads, as ColwiseParallel splits an nn.Embedding (weight Shard(1));
+            # the lookup of the replicated bucket indices gives this rank's H/TP heads, a local
+            # tensor, with no collective either way
+            out[name] = ColwiseParallel()
         elif role == "embedding":
             out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate(),
                                         use_local_output=not keep)
@@ -330,8 +385,13 @@ def plan(model, layers: str | None, sp: bool, keep: bool = False) -> tuple[dict,
             out[name] = col(name, input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1),
                             use_local_output=False)
             has_head = True
+    for name, kind in parents.items():
+        if sp and kind == "linear":  # (its input arrives sharded over the sequence: all-gathered here)
+            out[name] = col(name, input_layouts=seq)
     if sp and not keep:
-        for parent in parents:
+        for parent, kind in parents.items():
+            if kind == "linear":
+                continue
             n = _positional(model.get_submodule(parent))
             out[parent] = PrepareModuleInput(input_layouts=(seq,) + (None,) * (n - 1),
                                              desired_input_layouts=(Replicate(),) + (None,) * (n - 1))
@@ -400,7 +460,7 @@ def sequence_parallel_plan(model, layers: str | None, styles: dict) -> tuple[dic
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    roles, _ = _roles(model, layers)
+    roles, parents = _roles(model, layers)
     out: dict = {}
     for p, s in styles.items():
         names = [n for n, _ in model.named_modules() if _fqn_match(p, n)]
@@ -415,6 +475,10 @@ def sequence_parallel_plan(model, layers: str | None, styles: dict) -> tuple[dic
             out[p] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
         elif isinstance(s, RowwiseParallel):
             out[p] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        elif isinstance(s, ColwiseParallel) and any(parents.get(n) == "linear" for n in names):
+            # a column-parallel projection in the block itself gathers its own input (:func:`_roles`)
+            out[p] = ColwiseParallel(input_layouts=Shard(1), output_layouts=s.output_layouts,
+                                     use_local_output=s.use_local_output)
         else:
             out[p] = s
     block_prefixes = tuple(f"{b}." for b in block_names(model, layers))
@@ -429,10 +493,11 @@ def sequence_parallel_plan(model, layers: str | None, styles: dict) -> tuple[dic
 
 def _gather_inputs(model, layers: str | None, mesh) -> None:
     """With sequence parallelism on a transformers model (:func:`sequence_parallel_plan`): each
-    module that owns a column-parallel projection (the attention, the MLP) gets its hidden states
-    all-gathered over the sequence before its forward, whether they come by position or as the
-    keyword ``hidden_states`` (torchtitan's ``PrepareModuleInput(input_layouts=Shard(1),
-    desired_input_layouts=Replicate())`` and its ``input_kwarg_layouts`` form)."""
+    module that owns a column-parallel projection (the attention, the MLP) gets its inputs that
+    are sharded over the sequence all-gathered before its forward, whether they come by position
+    or by keyword (``hidden_states``; a cross-attention's ``key_value_states``) (torchtitan's
+    ``PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())`` and its
+    ``input_kwarg_layouts`` form)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     def gather(x):
@@ -441,14 +506,15 @@ def _gather_inputs(model, layers: str | None, mesh) -> None:
         return x
 
     def hook(module, args, kwargs):
-        args = tuple(gather(a) if i == 0 else a for i, a in enumerate(args))
-        if "hidden_states" in kwargs:
-            kwargs = dict(kwargs, hidden_states=gather(kwargs["hidden_states"]))
-        return args, kwargs
+        # every input sharded over the sequence: the hidden states, and a cross-attention's
+        # key_value_states (the encoder's output, of S_enc tokens), which its k and v projections
+        # read whole (Megatron-LM's column-parallel linear_kv gathers it the same way)
+        return tuple(gather(a) for a in args), {k: gather(x) for k, x in kwargs.items()}
 
     _, parents = _roles(model, layers)
-    for parent in parents:
-        model.get_submodule(parent).register_forward_pre_hook(hook, with_kwargs=True)
+    for parent, kind in parents.items():
+        if kind == "in":  # ('linear': the projection's own style gathers, :func:`plan`)
+            model.get_submodule(parent).register_forward_pre_hook(hook, with_kwargs=True)
 
 
 @contextlib.contextmanager
@@ -514,12 +580,7 @@ def apply(model, layers: str | None, mesh, sp: bool, fp8: str | None = None, ski
     if got is None and len(containers) > 1:
         _check_stacks_planned(model, containers, styles)
     if sp and len(containers) > 1:
-        # (tried: hf:bart's encoder under the plan with sequence parallelism reads a value of a
-        # sequence-sharded tensor, DataDependentOutputException on fake tensors)
-        raise SymcostError(f"--sp on a model of several block stacks ({', '.join(containers)}) is not modelled yet: "
-                           "sequence parallelism splits one residual stream over the sequence, and an "
-                           "encoder-decoder has two, of S_enc and S tokens, the decoder's cross-attention reading "
-                           "the encoder's whole; accepted: --tp without --sp, --dp, --ac")
+        _check_stacks_enter_sharded(model, layers, containers)
     # heads per rank: the attention module's head counts / TP (torchtitan's adjustment)
     done = set()
     for n in colwise:
@@ -586,6 +647,31 @@ def _check_stacks_planned(model, containers: list[str], styles: dict) -> None:
                     "(column-parallel: q, k, v, qkv, q_proj, k_proj, v_proj, up_proj, gate_proj, fc1, w1, w3, ...; "
                     "row-parallel: o, o_proj, out_proj, dense, fc2, w2, down_proj, ...); accepted: --dp, --ac, "
                     "or a model whose block projections follow those names")
+
+
+def _check_stacks_enter_sharded(model, layers, containers: list[str]) -> None:
+    """Sequence parallelism over several stacks: each stack's residual stream must start at a
+    vocabulary-parallel token embedding (BART's and T5's ``embed_tokens``), whose output the plan
+    reduce-scatters over the sequence. A stack fed by something else (Whisper's encoder: a
+    ``Conv1d`` stem over the mel frames, whose output is then whole on every rank and meets the
+    sequence-split position table in one add, which DTensor refuses: 'aten.add.Tensor got mixed
+    torch.Tensor and DTensor') is not modelled yet.
+
+    Raises:
+        SymcostError: the first such stack, in one line with what is accepted.
+    """
+    roles, _ = _roles(model, layers)
+    embeddings = [n for n, r in roles.items() if r == "embedding"]
+    for c in containers:
+        stack = c.rpartition(".")[0]
+        if stack and not any(n.startswith(stack + ".") for n in embeddings):
+            inside = sorted({type(m).__name__ for n, m in model.get_submodule(stack).named_children()
+                             if not n.startswith(c.rpartition(".")[2]) and list(m.parameters())})
+            raise SymcostError(
+                f"--sp: {stack}'s residual stream does not start at a token embedding (besides its blocks it "
+                f"holds {', '.join(inside) or 'no module with parameters'}), so the plan has no output to split over "
+                "its sequence: not modelled yet (torchtitan's sequence-parallel plan splits the token "
+                "embedding's output); accepted for this model: --tp without --sp, --dp, --ac")
 
 
 def _retie(model, groups: list[list[str]]) -> None:
