@@ -160,6 +160,7 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
                     f"MFU {100 * predicted['mfu_predicted']:.1f}% (roofline bound with the same {predicted['mode']} bytes "
                     f"{predicted['bound_seconds'] * 1e3:.4g} ms; the step above is the fused bound"
                     f"{'' if predicted['calibrated'] else '; efficiency parameters defaulted'})")
+                _render_buckets(step)
                 _render_accumulated(acc)
             _activations(an, sizes)
             if cp is not None:
@@ -251,6 +252,24 @@ def _render_accumulated(acc) -> None:
     console().print(f"one optimizer step of K = {acc['micro_batches']} micro-batches: predicted "
                     f"{acc['step_seconds']:.4g} s (bound {acc['bound_seconds']:.4g} s; gradients reduced "
                     f"{acc['reductions']} time(s), the optimizer once)")
+
+
+def _render_buckets(step) -> None:
+    """One line on Megatron-LM's buckets where the step prices its engine (``step["buckets"]``,
+    :func:`symcost.passes.megatron_buckets.engine`)."""
+    b = step.get("buckets")
+    if not b:
+        return
+    from symcost.render.report import console
+
+    sizes = "; ".join(f"{x['group']} ({x['param_bytes']}-byte parameters, {x['grad_bytes']}-byte gradients): "
+                      f"{len(x['buckets'])} bucket(s) of {', '.join(f'{e:,}' for e in x['buckets'][:4])}"
+                      f"{' ...' if len(x['buckets']) > 4 else ''} elements" for x in b["buffers"] if x["buckets"])
+    shard = b.get("optimizer_shard")
+    console().print(f"data-parallel collectives as Megatron-LM runs them: {b['collectives']} per step ({b['rule']})"
+                    + (f"; {sizes}" if sizes else "")
+                    + (f"; the distributed optimizer steps over {shard['elements']:,} elements in {shard['tensors']} "
+                       "tensors (the busiest rank's shard)" if shard else ""))
 
 
 def _render_priced(step, predicted) -> None:
