@@ -375,7 +375,7 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
     eff = efficiency_of(device)
     env = an.bind(**(sizes or {}))
     ranks = group_sizes(an, env)
-    compute = dict(p["phase_overhead"])  # each phase's host time the device does not hide
+    compute = dict(p["phase_overhead"])  # each phase's kernel boundaries and the host time the device does not hide
     for node in p["nodes"]:
         compute["backward" if node["phase"] != "forward" else "forward"] += node["seconds"]
     latency: dict[str, dict[str, float]] = {}

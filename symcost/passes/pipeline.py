@@ -578,8 +578,8 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
 
     * compute: :func:`symcost.passes.performance.predict` on the stage's trace at its block count
       (GEMM efficiency by shape, memory-bound ops at the achievable bandwidth; ``mode`` eager: a
-      host's work per aten op, compiled: a launch per fused kernel), plus each phase's host time the
-      device does not hide (``phase_overhead``, as :func:`~symcost.passes.performance.predict_dp`
+      host's work per aten op, compiled: a launch per fused kernel), plus each phase's kernel boundaries
+      and the host time the device does not hide (``phase_overhead``, as :func:`~symcost.passes.performance.predict_dp`
       adds it);
     * the stage's tensor-parallel collectives (group TP): α–β, bytes per rank (ring) over the TP
       link + ``collective_latency`` per ring step (2(TP−1) an all-reduce, TP−1 the others:
@@ -642,7 +642,7 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
         first = first or p
         bound = an.bind(**env)
         t = {"forward": p["phase_overhead"]["forward"], "backward": p["phase_overhead"]["backward"], "p2p": 0.0,
-             "tp_comm": 0.0}  # (each phase's host time the device does not hide, performance.host_stretches)
+             "tp_comm": 0.0}  # (each phase's kernel boundaries and host time the device does not hide: performance.predict)
         for node in p["nodes"]:
             t["forward" if node["phase"] == "forward" else "backward"] += node["seconds"]
         dp_trace[s] = 0.0

@@ -331,7 +331,7 @@ class Planner:
         """The performance model's seconds (:func:`symcost.passes.performance.predict`: GEMM
         efficiency by shape, memory-bound ops at the achievable bandwidth, a launch per kernel)
         of one micro-batch of ``b`` sequences at TP = ``tp``, per block and outside the blocks,
-        forward and backward (each phase's host time the device does not hide, ``phase_overhead``),
+        forward and backward (each phase's kernel boundaries and the host time the device does not hide, ``phase_overhead``),
         and the AdamW step's (``optimizer_block``, ``optimizer_rest``), from L = 2 and L = 3 as
         :meth:`times`."""
         from symcost.passes.performance import predict
