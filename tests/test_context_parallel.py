@@ -153,17 +153,36 @@ def _trace_fsdp():
                          sizes={"B": v["B"], "S": v["S"], "CP": 2, "DP": 2}, precision="fp32")
 
 
+#: the sizes of the CP × TP check (CP = TP = 2)
+_rng = random.Random(2817)
+_H = _rng.choice((4, 8))
+V_TP = {"H": _H, "K": _rng.choice([k for k in (2, 4) if _H % k == 0]), "D": _rng.choice((8, 16)), "L": 2,
+        "V": 2 * _rng.randrange(20, 60), "F": 4 * _rng.randrange(6, 20), "B": 2, "S": 4 * _rng.randrange(3, 6)}
+
+
+@pytest.fixture(scope="module")
+def gloo_4(tmp_path_factory):
+    """The CP × FSDP run (:data:`V_FSDP`, mesh (dp_shard 2, cp 2)) and the CP × TP run
+    (:data:`V_TP`, mesh (cp 2, tp 2)) on the same 4 gloo ranks in one launch (cp_rank.gloo_runs:
+    the ranks start and join the process group once; each run its own meshes, model and tokens):
+    ``{"fsdp": ranks, "tp": ranks}``."""
+    from cp_rank import gloo_runs
+
+    fsdp, tp = gloo_runs(tmp_path_factory.mktemp("cp4"), 4, (V_FSDP, "allgather", 2, None),
+                         (V_TP, "allgather", None, 2))
+    return {"fsdp": fsdp, "tp": tp}
+
+
 @pytest.mark.heavy
-def test_real_gloo_fsdp_over_dp_shard_cp(tmp_path):
+def test_real_gloo_fsdp_over_dp_shard_cp(gloo_4):
     """CP × FSDP as torchtitan composes them: 4 gloo ranks on the mesh (dp_shard 2, cp 2),
     fully_shard per block and the root over the flattened dp_shard × cp (cp_rank.py), PyTorch's
     context_parallel over cp. Against symcost's rank (--dp 2 --shard fsdp --cp 2) at random sizes,
     every rank: model FLOPs, FSDP2's all-gather and reduce-scatter bytes over the DP·CP ranks, the
     ring's all-gather and all-to-all bytes over CP, parameter elements held (1/(DP·CP) of each);
     saved bytes equal on the first rank of each cp group and less by the attention outputs' copies
-    on the last (test_real_gloo_cp2); peaks within 5% (MemTracker)."""
-    from cp_rank import gloo_ranks
-
+    on the last (test_real_gloo_cp2); peaks within 5% (MemTracker). (The launch is shared with
+    test_real_gloo_cp_times_tp: :func:`gloo_4`.)"""
     v = V_FSDP
     an = _trace_fsdp()
     w = dict(v, DP=2)
@@ -171,7 +190,7 @@ def test_real_gloo_fsdp_over_dp_shard_cp(tmp_path):
     mm = memory_model(an, "fp32", "adamw", impl="for-loop", device="cpu")
     spec, values = spec_and_values(v)
     block = 4 * sum(p.numel() for p in spec.build_meta(values).model.layers[0].parameters())  # (fp32, unsharded)
-    for r, got in enumerate(gloo_ranks(tmp_path, v, "allgather", nproc=4, dp=2)):
+    for r, got in enumerate(gloo_4["fsdp"]):
         assert got["ring_error"] < 1e-5 and got["tokens"] == v["S"] // 2, (r, got)
         assert int(an.flops("train").subs(env)) == got["flops"], (r, w)
         less = 0 if r % 2 == 0 else v["L"] * v["B"] * (v["S"] // 2) * v["H"] * v["D"] * 4
@@ -190,7 +209,7 @@ def test_real_gloo_fsdp_over_dp_shard_cp(tmp_path):
 
 
 @pytest.mark.heavy
-def test_real_gloo_cp_times_tp(tmp_path):
+def test_real_gloo_cp_times_tp(gloo_4):
     """CP × TP as torchtitan composes them: 4 gloo ranks on the mesh (cp 2, tp 2) (cp_rank.py
     ``tp=2``), the model's tensor-parallel plan applied over tp by transformers' own code, then
     PyTorch's context_parallel over cp on the attention of the rank's H/TP query and K/TP key/value
@@ -198,20 +217,16 @@ def test_real_gloo_cp_times_tp(tmp_path):
     ring's all-gather and all-to-all bytes over CP, the plan's all-reduce and all-gather bytes over
     TP, parameter elements held; saved bytes equal on the first rank of each cp group and less by
     the attention outputs' copies (of its H/TP heads) on the last (test_real_gloo_cp2); peaks
-    within 5% (MemTracker); the ring's attention equals one device's."""
-    from cp_rank import gloo_ranks
-
-    rng = random.Random(2817)
-    H = rng.choice((4, 8))
-    v = {"H": H, "K": rng.choice([k for k in (2, 4) if H % k == 0]), "D": rng.choice((8, 16)), "L": 2,
-         "V": 2 * rng.randrange(20, 60), "F": 4 * rng.randrange(6, 20), "B": 2, "S": 4 * rng.randrange(3, 6)}
+    within 5% (MemTracker); the ring's attention equals one device's. (The launch is shared with
+    test_real_gloo_fsdp_over_dp_shard_cp: :func:`gloo_4`.)"""
+    v = V_TP
     an = symcost.trace("hf:llama", config=config(v), layout=Layout(cp=True, tp=True),
                        sizes={"B": v["B"], "S": v["S"], "CP": 2, "TP": 2}, precision="fp32")
     w = dict(v, TP=2)
     env = an.bind(**{k: x for k, x in w.items() if k in an.symbols})
     mm = memory_model(an, "fp32", "adamw", impl="for-loop", device="cpu")
     peak = mm.peak(**{k: x for k, x in w.items() if k in an.symbols})
-    ranks = gloo_ranks(tmp_path, v, "allgather", nproc=4, tp=2)
+    ranks = gloo_4["tp"]
     assert {k for r in ranks for k, x in r["comm"].items() if x != "0"} == {
         "CP.all_gather", "CP.all_to_all", "TP.all_reduce", "TP.all_gather"}
     for r, got in enumerate(ranks):  # (rank r: cp r // 2, tp r % 2)

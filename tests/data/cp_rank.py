@@ -2,8 +2,9 @@
 with gloo, or in-process on the fake process group: the oracle of symcost's per-rank numbers.
 
 ``python -m torch.distributed.run --standalone --nproc-per-node N cp_rank.py OUT ROTATE H K D L V F B S [DP] [tp=TP]``
-(without DP the N ranks are the cp group; with DP the mesh is torchtitan's ``(dp_shard DP, cp N/DP)``
-and ``fully_shard`` runs per block and the root over the flattened ``dp_shard_cp``; with ``tp=TP``
+(several runs on the same ranks: their arguments separated by ``+``; without DP the N ranks are
+the cp group; with DP the mesh is torchtitan's ``(dp_shard DP, cp N/DP)`` and ``fully_shard``
+runs per block and the root over the flattened ``dp_shard_cp``; with ``tp=TP``
 the mesh is torchtitan's ``(cp N/TP, tp TP)``, the model's tensor-parallel plan applied over ``tp``
 by transformers' own code first (:func:`tensor_parallel`), then ``context_parallel`` over ``cp``,
 as torchtitan's ``parallelize_llama`` applies TP and its train context CP; with both, the mesh
@@ -226,20 +227,39 @@ def ring_matches(mesh, v: dict, rotate: str) -> float:
 
 
 def main():
+    """Each run of the command line (``OUT ROTATE H K D L V F B S [DP] [tp=TP]``; several runs
+    separated by ``+``, all on the one process group) in turn."""
+    import torch.distributed as dist
+
+    argv, runs = sys.argv[1:], []
+    while "+" in argv:
+        runs.append(argv[:argv.index("+")])
+        argv = argv[argv.index("+") + 1:]
+    dist.init_process_group("gloo")
+    for args in runs + [argv]:
+        run(args)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gloo_teardown import finish
+
+    finish()
+
+
+def run(argv: list[str]) -> None:
+    """One run (``OUT ROTATE H K D L V F B S [DP] [tp=TP]``): its own meshes, model and tokens;
+    each rank's measurement to ``OUT/rank{r}.json``."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
 
-    out_dir, rotate = sys.argv[1], sys.argv[2]
-    v = dict(zip(SIZES, (int(x) for x in sys.argv[3:3 + len(SIZES)])))
+    out_dir, rotate = argv[0], argv[1]
+    v = dict(zip(SIZES, (int(x) for x in argv[2:2 + len(SIZES)])))
     tp = dp = None
-    for extra in sys.argv[3 + len(SIZES):]:
+    for extra in argv[2 + len(SIZES):]:
         if extra.startswith("tp="):
             tp = int(extra[3:])
         else:
             dp = int(extra)
-    dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     groups = None
     if tp and dp:  # torchtitan's mesh (dp_shard, cp, tp), FSDP2 over the flattened dp_shard_cp
@@ -280,10 +300,6 @@ def main():
         tokens = ids.shape[1]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({**got, "ring_error": err, "tokens": tokens, "world": n}, f)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gloo_teardown import finish
-
-    finish()
 
 
 def gloo_ranks(out_dir, v: dict, rotate: str, nproc: int = 2, dp: int | None = None,
@@ -292,18 +308,33 @@ def gloo_ranks(out_dir, v: dict, rotate: str, nproc: int = 2, dp: int | None = N
     sizes ``v`` (with ``dp``: the mesh (dp_shard dp, cp nproc/dp), FSDP2 over both; with ``tp``:
     the mesh (cp nproc/tp, tp), transformers' TP plan over tp): each rank's measurement, in rank
     order."""
+    return gloo_runs(out_dir, nproc, (v, rotate, dp, tp))[0]
+
+
+def gloo_runs(out_dir, nproc: int, *runs: tuple) -> list[list[dict]]:
+    """Several runs of :func:`gloo_ranks` (each ``(v, rotate, dp, tp)``) on the same ``nproc``
+    gloo ranks in one launch (the ranks start and join the process group once; each run its own
+    meshes, model and tokens, in its own directory under ``out_dir``): per run, each rank's
+    measurement, in rank order."""
+    import pathlib
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                OMP_NUM_THREADS="1")
+    args, dirs = [], []
+    for i, (v, rotate, dp, tp) in enumerate(runs):
+        d = pathlib.Path(out_dir) / str(i)
+        d.mkdir()
+        dirs.append(d)
+        args += (["+"] if i else []) + [str(d), rotate] + [str(v[k]) for k in SIZES] \
+            + ([str(dp)] if dp else []) + ([f"tp={tp}"] if tp else [])
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                        os.path.abspath(__file__), str(out_dir), rotate] + [str(v[k]) for k in SIZES]
-                       + ([str(dp)] if dp else []) + ([f"tp={tp}"] if tp else []),
-                       env=env, capture_output=True, text=True, timeout=400)
+                        os.path.abspath(__file__), *args], env=env, capture_output=True, text=True,
+                       timeout=400 * len(runs))
     assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
                                         if any(w in line for w in ("Error", "error", "rank", "terminate", "what()")))[-4000:]
-    out = [json.loads(open(os.path.join(str(out_dir), f"rank{k}.json")).read()) for k in range(nproc)]
-    assert all(got["world"] == nproc for got in out)
+    out = [[json.loads((d / f"rank{k}.json").read_text()) for k in range(nproc)] for d in dirs]
+    assert all(got["world"] == nproc for ranks in out for got in ranks)
     return out
 
 
