@@ -327,7 +327,7 @@ def apply(model, mesh, tp_mesh=None, experts_mesh=None) -> None:
     import torch
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from symcost.frontends.moe import routing_of
+    from symcost.frontends.moe import CODE_ATTR, routing_of
 
     found = experts_modules(model)
     if not found and getattr(model, "symcost_stage", None) is not None:
@@ -359,7 +359,11 @@ def apply(model, mesh, tp_mesh=None, experts_mesh=None) -> None:
         object.__setattr__(m, "ep_mesh", mesh)
         # (the rank's N/TP tokens under etp = 1; all N under --etp, whose TP ranks split the experts)
         object.__setattr__(m, "tp_mesh", tp_mesh if experts_mesh is None else None)
-        m.forward = types.MethodType(builtin_forward if kind == "builtin" else hf_forward, m)
+        code = getattr(m, CODE_ATTR, None) if kind == "hf" else None
+        if code is not None:  # (--precision megatron-*: Megatron-Core's dispatcher, frontends.megatron_moe)
+            m.forward = types.MethodType(code[1], m)
+        else:
+            m.forward = types.MethodType(builtin_forward if kind == "builtin" else hf_forward, m)
     if tp_mesh is not None:
         from symcost.frontends import expert_parallel_tp
 

@@ -25,6 +25,10 @@ also runs two parts of Megatron-LM's step that change what a rank holds, as PyTo
   ``replicate_with_fsdp.replicate``, which on its shard group of 1 copies every parameter into
   an all-gather buffer for the forward and backward. The fp32 main-gradient buffer is a model
   state of the policy (``symcost.passes.memory.POLICIES``), not a traced tensor.
+* **The MoE layers** (:mod:`symcost.frontends.megatron_moe`): a transformers MoE model's experts
+  run Megatron-Core's alltoall token dispatcher and grouped experts (argsort permutation, one
+  grouped GEMM per projection over the local experts, the probabilities in the weighted SwiGLU,
+  ``index_add`` unpermutation), alone or under ``--ep``, in place of transformers' code.
 
 Torch is imported only inside the functions that need it.
 """
@@ -159,7 +163,9 @@ def for_run(spec, precision: str | None, torch_device: str | None = None, loss: 
     """``spec`` as the run traces it: ``extra["torch_device"]`` (the target device whose kernels
     the recording runs, :mod:`symcost.tracing.device_kernels`) where given; under a
     Megatron-LM policy (:func:`is_megatron`) ``extra["dp_engine"]`` (Megatron's data-parallel
-    engine for ``--shard ddp|zero1``); and with ``loss`` ``"megatron"`` (None: under a
+    engine for ``--shard ddp|zero1``) and, for a transformers MoE model, its experts as
+    Megatron-Core runs them (:func:`symcost.frontends.megatron_moe.for_megatron`); and with
+    ``loss`` ``"megatron"`` (None: under a
     Megatron-LM policy) a training step's loss replaced by :func:`megatron_loss` (the inputs
     lose ``labels``: the model returns its logits) and ``extra["loss"]`` set (module
     docstring); ``loss="model"`` keeps the model's own. Only a language model (one with the
@@ -180,6 +186,10 @@ def for_run(spec, precision: str | None, torch_device: str | None = None, loss: 
         extra["torch_device"] = str(torch_device)
     if is_megatron(precision) and spec.step == "train":
         extra["dp_engine"] = ENGINE
+        from symcost.frontends import megatron_moe
+
+        spec = megatron_moe.for_megatron(spec)  # (a transformers MoE's experts as Megatron-Core runs them)
+        extra.update({k: v for k, v in spec.extra.items() if k in ("moe_code", "experts_code")})
     lm = "V" in spec.symbols  # (a language model: logits over a vocabulary V, token-id inputs)
     if loss is None:  # (a spec this has run through keeps its choice)
         loss = extra.get("loss_choice") or ("megatron" if is_megatron(precision) and lm else "model")

@@ -57,6 +57,9 @@ from symcost.errors import SymcostError
 
 #: Attribute set on every experts module: the :class:`Routing` it dispatches under.
 ROUTING_ATTR = "symcost_routing"
+#: Attribute set on a transformers experts module that runs another framework's MoE code instead of
+#: transformers' (:func:`symcost.frontends.megatron_moe.mark`): ``(forward, expert-parallel forward)``
+CODE_ATTR = "symcost_moe_code"
 #: Name of the experts implementation registered with transformers' ExpertsInterface.
 HF_IMPLEMENTATION = "symcost"
 #: Residue modulus kept by the probes of the widths a grouped GEMM's rows have (F and the hidden
@@ -312,12 +315,17 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
       sum over a token's R slots. Its shapes do not depend on which experts the router picks;
       the routing only fills the offsets, so any dropless routing (the balanced one included)
       costs the same and keeps the same tensors. Recorded by :mod:`symcost.tracing.grouped_mm`.
+      Under ``--precision megatron-*`` Megatron-Core's alltoall dispatcher and grouped experts
+      instead (:data:`CODE_ATTR`: :func:`symcost.frontends.megatron_moe.forward`).
     * ``capacity=c``: every expert's buffer padded to C = c·N·R/E slots (:func:`dispatch`,
       :func:`expert_linear`, :func:`combine`), honouring ``has_gate``, ``has_bias``,
       ``is_transposed`` and ``has_post_expert_norm`` of ``@use_experts_implementation``.
     """
     routing = routing_of(self)
     if routing.kind == "balanced":
+        code = getattr(self, CODE_ATTR, None)
+        if code is not None:  # (--precision megatron-*: Megatron-Core's MoE code, frontends.megatron_moe)
+            return code[0](self, hidden_states, top_k_index, top_k_weights)
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
