@@ -65,6 +65,28 @@ def test_mamba2_chunked_scan_exact_and_mamba2_130m_370m(monkeypatch):
         assert got - pub_sizes["V"] * h * 32 == _meta_params(model) == want
         assert round(want, -7) == pub
 
+@pytest.mark.heavy
+def test_mamba2_at_batch_one_pins_b_alone(monkeypatch):
+    """hf:mamba2 (chunk_size 4) at B = 1 with K = D = 2 and H = K_conv = 4 requested: only B is
+    pinned (size 1, a regime of its own). Was: H, D, K, N_state and K_conv pinned too. The request's
+    equal pair K = D ties K to D in the base probe, whose small D = 8 then fails "K divides H = 6";
+    with B pinned the base's repair (other B, S) had nothing to vary, and the random base it fell
+    back on (H = 14, K = 7 once the tie was broken) left H no other even value that K divides
+    (tracing/probes.py find_base: the tie's leader now takes its other small values first). Exact at
+    random sizes with B = 1, K = D and H = K_conv apart included (FlopCounterMode with the depthwise
+    conv split, saved_tensors_hooks, a meta count: tests/test_own_symbols.py _check)."""
+    spec = symcost.resolve("hf:mamba2", config={"chunk_size": "4"})
+    an = symcost.trace(spec, sizes={"B": 1, "S": 6, "H": 4, "D": 2, "K": 2, "N_state": 3, "K_conv": 4, "L": 2,
+                                    "V": 37}, precision="fp32", torch_device="cpu")
+    assert an.pinned == {"B": 1}, an.pin_reasons
+    rng = random.Random("mamba2 at B = 1")
+    K = rng.randint(2, 3)  # (1 < K < H, the request's regime; H and D even: their classes mod expand = 2)
+    v = {"B": 1, "S": 4 * rng.randint(1, 3) + 2, "H": K * rng.choice((2, 4)), "D": 2 * rng.randint(1, 4), "K": K,
+         "N_state": rng.randint(2, 6), "K_conv": rng.randint(2, 5), "L": rng.randint(1, 3), "V": rng.randint(20, 80)}
+    _split_conv1d(monkeypatch)
+    _check(an, spec, v)
+
+
 #: A tiny Jamba whose two blocks are the two kinds: block 0 Mamba with a mixture of experts, block 1
 #: attention with a dense MLP (Jamba-v0.1: attention every 8th block from the 4th, experts every 2nd
 #: from the 1st; the periods and offsets are config values).

@@ -344,6 +344,24 @@ def find_base(symbols: Sequence[str], check, seed: int = 0, fixed: Mapping[str, 
                 return trial
             if tried >= 3:
                 break
+    # A base that breaks a constraint through a tie (a follower takes its leader's small value: a
+    # request K = D = 2 ties K to D, whose 8 must then divide H = 6): the leader's other values,
+    # the follower with it, before a random point (with B pinned at 1 the repair above has nothing
+    # to vary, and a random point's sizes, H = 14 with K = 7, may leave H no other value in its
+    # pool: hf:mamba2 at B = 1 pinned H, D, K, N_state and K_conv). At most 3 candidates recorded.
+    tried = 0
+    for leader in dict.fromkeys(ties.values()):
+        if leader not in free or tried >= 3:
+            continue
+        for v in pools[leader]:
+            trial = _complete(dict(base, **{leader: v}), ties)
+            if trial == base or not _ok(trial, check) or not varies_e(trial):
+                continue
+            tried += 1
+            if accept(trial):
+                return trial
+            if tried >= 3:
+                break
     rng = random.Random(seed + 99)
     for _ in range(2):
         try:
