@@ -1,6 +1,7 @@
 """Parallel layouts of a model with several stacks of blocks (issue 30 item 6): an encoder-decoder
-under data parallelism (``--dp``, every ``--shard``), with ``--ac``, and the layouts that refuse
-it in one line (docs/parallel.md, "Several block stacks").
+under data parallelism (``--dp``, every ``--shard``), with ``--ac``, and under ``--tp``, each
+stack folded under its own length symbol and checked at lengths never traced; the layouts that
+refuse it in one line (docs/parallel.md §1.1, "Several block stacks").
 
 PyTorch runs these steps: DDP over the whole model, FSDP2 with ``fully_shard`` on every block of
 every stack and then the root (torchtitan's ``apply_fsdp`` does it per block). The oracle here is
@@ -102,12 +103,15 @@ def _rank(spec, shard: str, values: dict, stacks=STACKS) -> dict:
 @pytest.mark.heavy
 @pytest.mark.parametrize("shard", ["fsdp"])
 def test_encdec_data_parallel_every_block_of_both_stacks(examples, shard):  # noqa: F811 - the fixture
-    """The guide's encdec.py (L_enc, L_dec) under --dp --shard fsdp: one rank's FLOPs, saved
-    bytes, collective bytes and model states (parameters, gradients, AdamW state) equal PyTorch's
-    on the rank wrapped block by block in both stacks, at random sizes and DP; its peak equals
-    MemTracker's (which sees the units: one block's parameters gathered at a time). The stacks'
-    lengths are pinned (the step traced unfolded), the reason said. (--shard ddp passed the same
-    checks when written; one trace here: ~30 CPU-s.)"""
+    """The guide's encdec.py (L_enc, L_dec) under --dp --shard fsdp, folded per stack: the stack
+    lengths stay symbols (the probes hold a first, a middle and a last block of each stack, as
+    the one block list's fold under --dp). One rank's FLOPs, saved bytes, collective bytes and
+    model states (parameters, gradients, AdamW state) equal PyTorch's on the rank wrapped block by
+    block in both stacks, at random sizes and DP and at stack lengths never traced (the probes
+    hold 3, the fit's check 4; here L_enc = 2, where the first and last blocks meet, with L_dec =
+    5, then 6 and 2); its peak equals MemTracker's (which sees the units: one block's parameters
+    gathered at a time). (--shard ddp, zero1, zero2, zero3 passed the same checks when written;
+    one trace here: ~30 CPU-s.)"""
     from test_parallel_memory import _measure
 
     from symcost.passes.memory import memory_model
@@ -117,36 +121,39 @@ def test_encdec_data_parallel_every_block_of_both_stacks(examples, shard):  # no
     an = symcost.trace(spec, layout=Layout(shard=shard), precision="fp32", torch_device="cpu",
                        sizes={"B": 2, "S": 5, "S_enc": 7, "H": 2, "D": 4, "V": 38, "F": 12,
                               "L_enc": 2, "L_dec": 3, "DP": 2})
-    assert "DP" in an.symbols and set(an.pinned) == {"L_enc", "L_dec"}, (an.symbols, an.pin_reasons)
-    assert "parallel layout" in an.pin_reasons["L_enc"], an.pin_reasons
+    assert {"DP", "L_enc", "L_dec"} <= set(an.symbols) and not an.pinned, (an.symbols, an.pin_reasons)
+    assert an.stacks == {"encoder": "L_enc", "decoder": "L_dec"}, an.stacks
     rng = random.Random(f"dp-stacks-{shard}")
-    dp = rng.choice((2, 4))
-    v = {"B": rng.randint(2, 4), "S": rng.randint(3, 9), "S_enc": rng.randint(3, 11), "H": dp,
-         "D": rng.choice((2, 4, 6)), "V": dp * rng.randint(5, 20), "F": dp * rng.randint(2, 8), "DP": dp,
-         "L_enc": 2, "L_dec": 3}
-    got = _rank(spec, shard, {**spec.defaults, **v})
-    env = {SYMS[k]: x for k, x in v.items() if k in an.symbols}
-    assert int(an.flops("train").subs(env)) == got["flops"], v
-    assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], v
-    for kind, want in got["comm"].items():
-        assert sympy.Rational(an.comm_bytes(kind).subs(env)) == sympy.Rational(want.numerator, want.denominator), \
-            (v, kind)
     mem = summary(an, "fp32", "adamw")["memory"]
-    for k, want in got["states"].items():
-        assert int(sympy.sympify(mem[k]).subs(env)) == want, (v, k)
-    peak = _measure(str(examples["encdec.py"]) + ":spec", shard, {**spec.defaults, **v}, "fp32", stacks=list(STACKS))
-    sizes = {k: x for k, x in v.items() if k in an.symbols}
-    assert memory_model(an, "fp32", "adamw", impl="for-loop", device="cpu").peak(**sizes) == peak, v
+    for lengths in ({"L_enc": 2, "L_dec": 5}, {"L_enc": 6, "L_dec": 2}):
+        dp = rng.choice((2, 4))
+        v = {"B": rng.randint(2, 4), "S": rng.randint(3, 9), "S_enc": rng.randint(3, 11), "H": dp,
+             "D": rng.choice((2, 4, 6)), "V": dp * rng.randint(5, 20), "F": dp * rng.randint(2, 8), "DP": dp,
+             **lengths}
+        got = _rank(spec, shard, {**spec.defaults, **v})
+        env = {SYMS[k]: x for k, x in v.items() if k in an.symbols}
+        assert int(an.flops("train").subs(env)) == got["flops"], v
+        assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env)) == got["saved"], v
+        for kind, want in got["comm"].items():
+            assert sympy.Rational(an.comm_bytes(kind).subs(env)) == sympy.Rational(want.numerator, want.denominator), \
+                (v, kind)
+        for k, want in got["states"].items():
+            assert int(sympy.sympify(mem[k]).subs(env)) == want, (v, k)
+        peak = _measure(str(examples["encdec.py"]) + ":spec", shard, {**spec.defaults, **v}, "fp32",
+                        stacks=list(STACKS))
+        sizes = {k: x for k, x in v.items() if k in an.symbols}
+        assert memory_model(an, "fp32", "adamw", impl="for-loop", device="cpu").peak(**sizes) == peak, v
 
 
 @pytest.mark.heavy
-def test_whisper_fsdp_pins_only_the_stack_length():
+def test_whisper_fsdp_folds_both_stacks_over_L():
     """hf:whisper --dp --shard fsdp (was refused at whisper-tiny's sizes: 'no probe sizes for B, S,
     F, DP stay in the regime'; --shard ddp pinned H, D, V and N_mel besides L): the root unit's
     buffer sums the conv stem's, the token and position tables' and the norms' sizes, H·D and
     448·H·D among them, which the fit's parameter-size hints held as two collinear columns (no
     rational split), so those sizes were pinned, and with V = 51865 pinned no probe had every first
-    dimension a multiple of lcm(DP, 4). Now only L (both stacks follow it) is pinned; one rank's
+    dimension a multiple of lcm(DP, 4). Now nothing is pinned, L included (both stacks follow it
+    and fold under it, L was pinned before the fold per stack under --dp); at an L never traced, one rank's
     FLOPs, saved bytes, collective bytes and parameter shard bytes equal PyTorch's on the rank
     wrapped by hand (fully_shard on every block of both stacks, then the root) at random sizes and
     DP; so do its gradients and AdamW state (moments and step counters): the encoder's position
@@ -161,13 +168,14 @@ def test_whisper_fsdp_pins_only_the_stack_length():
     an = symcost.trace(spec, layout=Layout(shard="fsdp"), precision="fp32", torch_device="cpu",
                        sizes={"B": 2, "S": 5, "S_enc": 7, "H": 2, "D": 4, "F": 10, "V": 37, "L": 2, "N_mel": 6,
                               "DP": 2})
-    assert set(an.pinned) == {"L"}, an.pin_reasons
+    assert not an.pinned and "L" in an.symbols, an.pin_reasons
+    assert set(an.stacks.values()) == {"L"}, an.stacks
     rng = random.Random("whisper-fsdp")
     dp = rng.choice((2, 4))
     # (every first dimension a multiple of DP: FSDP2 pads the others, docs/parallel.md)
     v = {"B": rng.randint(2, 3), "S": rng.randint(3, 9), "S_enc": dp * rng.randint(2, 4), "H": dp,
          "D": rng.choice((2, 4, 6)), "F": dp * rng.randint(2, 6), "V": dp * rng.randint(5, 15),
-         "N_mel": rng.randint(2, 9), "L": 2, "DP": dp}
+         "N_mel": rng.randint(2, 9), "L": rng.choice((2, 5)), "DP": dp}
     got = _rank(spec, "fsdp", {**spec.defaults, **v}, stacks=("model.encoder.layers", "model.decoder.layers"))
     env = {SYMS[k]: x for k, x in v.items() if k in an.symbols}
     assert int(an.flops("train").subs(env)) == got["flops"], v
@@ -183,12 +191,13 @@ def test_whisper_fsdp_pins_only_the_stack_length():
 
 @pytest.mark.heavy
 def test_bart_tensor_parallel_both_stacks():
-    """hf:bart --tp: the Megatron plan over every block of both stacks (q/k/v_proj, fc1
+    """hf:bart --tp, both stacks folded over L (pinned before the fold per stack under a layout):
+    the Megatron plan over every block of both stacks (q/k/v_proj, fc1
     column-parallel; out_proj, fc2 row-parallel; the shared embedding and the tied encoder and
     decoder embed_tokens vocabulary-parallel; the head gathers its logits, as transformers'
     ``colwise_gather_output``, since BART adds final_logits_bias to them). One rank's model FLOPs,
     saved bytes, collective bytes and parameter shard equal PyTorch's on the fake group running
-    that plan (tests/data/tp_rank.py ``measure``) at random sizes."""
+    that plan (tests/data/tp_rank.py ``measure``) at random sizes, L never traced (4 or 5)."""
     import os
     import sys
 
@@ -205,10 +214,11 @@ def test_bart_tensor_parallel_both_stacks():
     spec = resolve("hf:bart", attention="eager")
     an = symcost.trace(spec, layout=Layout(tp=True), precision="bf16-true", torch_device="cpu",
                        sizes={"B": 2, "S": 5, "S_enc": 7, "H": 4, "D": 4, "F": 16, "V": 64, "L": 2, "TP": 2})
-    assert set(an.pinned) <= {"L", "TP"}, an.pin_reasons
+    assert set(an.pinned) <= {"TP"} and set(an.stacks.values()) == {"L"}, (an.pin_reasons, an.stacks)
     rng = random.Random("bart-tp")
     v = {"B": rng.randint(2, 3), "S": rng.randint(3, 9), "S_enc": rng.randint(3, 11), "H": 4,
-         "D": rng.choice((2, 4, 6)), "F": 8 * rng.randint(1, 4), "V": 8 * rng.randint(4, 12), "L": 2, "TP": 2}
+         "D": rng.choice((2, 4, 6)), "F": 8 * rng.randint(1, 4), "V": 8 * rng.randint(4, 12), "L": rng.choice((4, 5)),
+         "TP": 2}
     values = {**spec.defaults, **v}
     with torch.device("meta"):
         model = spec.build(values).to(torch.bfloat16)
@@ -264,20 +274,22 @@ def test_no_one_block_list_message_is_grammatical_and_actionable():
 def test_encdec_activation_checkpointing_under_data_parallel(examples):  # noqa: F811 - the fixture
     """--dp 2 (ddp) --ac selective on the guide's encdec.py (was refused): every block of both
     stacks checkpointed under torchtitan's op-level policy, then each a DDP unit (torchtitan's
-    order). One rank's hardware FLOPs (the recomputation included), saved bytes and all-reduce
-    bytes equal PyTorch's step with each block in ``checkpoint_wrapper`` and then ``replicate``,
-    at random sizes and DP; the model FLOPs leave the recomputation out. (~40 CPU-s)"""
+    order), each stack folded under its length (the probes' first, middle and last block). One
+    rank's hardware FLOPs (the recomputation included), saved bytes and all-reduce bytes equal
+    PyTorch's step with each block in ``checkpoint_wrapper`` and then ``replicate``, at random
+    sizes and DP and stack lengths never traced; the model FLOPs leave the recomputation out.
+    (~40 CPU-s)"""
     from test_checkpoint_stacks import _checkpointed
 
     spec = _factory(examples["encdec.py"], "spec")
     an = symcost.trace(spec, layout=Layout(shard="ddp", ac="selective"), precision="fp32", torch_device="cpu",
                        sizes={"B": 2, "S": 5, "S_enc": 7, "H": 2, "D": 4, "V": 38, "F": 12,
                               "L_enc": 2, "L_dec": 2, "DP": 2})
-    assert "DP" in an.symbols and set(an.pinned) == {"L_enc", "L_dec"}, an.pin_reasons
+    assert {"DP", "L_enc", "L_dec"} <= set(an.symbols) and not an.pinned, an.pin_reasons
     rng = random.Random("dp-ac-stacks")
     v = {"B": rng.randint(2, 4), "S": rng.randint(3, 9), "S_enc": rng.randint(3, 11), "H": rng.randint(2, 3),
          "D": rng.choice((2, 4, 6)), "V": rng.randint(10, 40), "F": rng.randint(4, 16), "DP": rng.choice((2, 4)),
-         "L_enc": 2, "L_dec": 2}
+         "L_enc": rng.choice((5, 6)), "L_dec": 2}
     got = _rank(_checkpointed(spec, STACKS, "selective"), "ddp", {**spec.defaults, **v})
     plain = _rank(spec, "ddp", {**spec.defaults, **v})
     env = {SYMS[k]: x for k, x in v.items() if k in an.symbols}
@@ -289,12 +301,14 @@ def test_encdec_activation_checkpointing_under_data_parallel(examples):  # noqa:
 
 
 @pytest.mark.heavy
-def test_encdec_hsdp_pins_only_the_stacks(examples):  # noqa: F811 - the fixture
-    """--dp 4 --dp-replicate 2 --shard fsdp (HSDP) on encdec.py: only L_enc and L_dec pinned (a
-    fit check once drew DP = R, a dp_shard group of one rank whose bytes differ, and every size was
-    pinned); one rank's FLOPs, saved bytes, each group's collective bytes and parameter shard equal
-    PyTorch's HSDP on the fake 2-D mesh with every block of both stacks a unit (tests/data/tp_rank.py
-    ``hsdp_mesh``, ``measure``), at random sizes with shard groups of 2 and 4. (~25 CPU-s)"""
+def test_encdec_hsdp_folds_the_stacks(examples):  # noqa: F811 - the fixture
+    """--dp 4 --dp-replicate 2 --shard fsdp (HSDP) on encdec.py: nothing pinned, L_enc and L_dec
+    folded per stack (they were pinned before the fold per stack under a layout; a fit check once
+    drew DP = R, a dp_shard group of one rank whose bytes differ, and every size was pinned); one
+    rank's FLOPs, saved bytes, each group's collective bytes and parameter shard equal PyTorch's
+    HSDP on the fake 2-D mesh with every block of both stacks a unit (tests/data/tp_rank.py
+    ``hsdp_mesh``, ``measure``), at random sizes with shard groups of 2 and 4 and stack lengths
+    never traced. (~25 CPU-s)"""
     import os
     import sys
 
@@ -312,12 +326,12 @@ def test_encdec_hsdp_pins_only_the_stacks(examples):  # noqa: F811 - the fixture
     an = symcost.trace(spec, layout=Layout(shard="fsdp", replicate=2), precision="bf16-true", torch_device="cpu",
                        sizes={"B": 2, "S": 8, "S_enc": 8, "H": 4, "D": 8, "V": 64, "F": 32,
                               "L_enc": 2, "L_dec": 2, "DP": 4})
-    assert set(an.pinned) == {"L_enc", "L_dec"}, an.pin_reasons
+    assert not an.pinned and {"L_enc", "L_dec"} <= set(an.symbols), an.pin_reasons
     rng = random.Random("hsdp-stacks")
     dp = 2 * rng.choice((2, 4))
     v = {"DP": dp, "B": rng.randint(1, 3), "S": rng.randint(2, 12), "S_enc": rng.randint(2, 12),
          "H": 4 * rng.randint(1, 2), "D": 4 * rng.randint(1, 3), "V": 8 * dp * rng.randint(1, 2),
-         "F": 8 * dp * rng.randint(1, 2), "L_enc": 2, "L_dec": 2}
+         "F": 8 * dp * rng.randint(1, 2), "L_enc": 2, "L_dec": rng.choice((5, 6))}
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp)

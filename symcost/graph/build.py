@@ -35,6 +35,7 @@ from symcost.tracing.symbols import own_sizes
 from symcost.tracing.poly import MESH
 from symcost.graph.align import _align, _layer_roles, _matmul_params, _middle
 from symcost.graph.stacks import check_blocks, own_stacks, request_stacks, saved_role, stack_roles
+from symcost.tracing.stacks import stack_fit_blocks
 from symcost.graph.kv_fit import _fit_kv
 from symcost.graph.analysis import Analysis
 from symcost.graph.concrete import (attention_flags, concrete_cost, concrete_totals,  # noqa: F401  (concrete_totals: API)
@@ -361,7 +362,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     base_syms = tuple(s for s in spec.all_symbols if s not in pinned)
     # several stacks of blocks, each folded under its own length (T5; L_enc, L_dec: graph/stacks.py)
     own, stacks = own_stacks(spec, {**values, **pinned}, base_syms)
-    fixed = {**pinned, **{s: FIT_L for s in set(stacks.values())},
+    fixed = {**pinned, **{s: stack_fit_blocks(spec) for s in set(stacks.values())},
              **({"L": FIT_L + spec.lead_blocks + _middle(spec)} if "L" in base_syms else {})}
     request = {**{k: v for k, v in values.items() if k in spec.all_symbols or k in spec.tied},
                **{s: v for s, v in fixed.items()}}
@@ -629,7 +630,7 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
         # step's in TP and 1/TP: tracing/poly.py)
         schedule=fit_schedule(recs, fitter, role, container, symbols, spec.name,
                      lead=0 if "L" in pinned else spec.lead_blocks,
-                     middle=bool(_middle(spec)) and "L" not in pinned, stacks=stacks,
+                     middle=bool(_middle(spec)) and "L" not in pinned and not stacks, stacks=stacks,
                      special=getattr(role, "special", None)),
         step=spec.step, kv_cache=spec.kv_cache if spec.step != "train" else None, kv_layers=kv_layers,
         parallel=ref.parallel, param_shards=param_shards, tensor_parallel=ref.tensor_parallel,

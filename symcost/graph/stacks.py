@@ -24,7 +24,7 @@ import sympy
 from symcost.frontends.spec import ModelSpec
 from symcost.tracing.fit import CHECK_L, FIT_L, SYMS, Unvariable
 from symcost.tracing.modules import _fold_name, _rename_block
-from symcost.tracing.stacks import _following, find_stacks, stack_candidates, stack_of
+from symcost.tracing.stacks import _following, find_stacks, layout_folds, stack_candidates, stack_fit_blocks, stack_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from symcost.tracing.record import Recording
@@ -66,12 +66,15 @@ def _which_differ(seqs: list, sym: str) -> str:
             f"differ{'s' if len(differ) == 1 else ''} from block 0")
 
 
-def probe_blocks(stacks: Mapping[str, str], req: Recording, rec_at, request: Mapping[str, int]) -> dict[str, int]:
+def probe_blocks(spec: ModelSpec, stacks: Mapping[str, str], req: Recording, rec_at,
+                 request: Mapping[str, int]) -> dict[str, int]:
     """How many blocks each stack symbol's probes hold: ``FIT_L`` (2), or 3 where a stack of it
     has both end blocks apart from the others (recordings at X = 3 and 4 tell: blocks 0, 1, 2
-    all differ at 3, and blocks 1 and 2 are alike at 4).
+    all differ at 3, and blocks 1 and 2 are alike at 4), and 3 for every stack under a
+    data-parallel layout (:func:`symcost.tracing.stacks.stack_fit_blocks`).
 
     Args:
+        spec: the model (its layout).
         stacks: container -> symbol.
         req: the request's recording with every stack at ``FIT_L`` blocks.
         rec_at: ``values -> Recording`` (or a SymcostError), the tracer's cached recorder.
@@ -82,6 +85,10 @@ def probe_blocks(stacks: Mapping[str, str], req: Recording, rec_at, request: Map
     """
     s2 = _block_seqs(req, stacks)
     out: dict[str, int] = {}
+    if stack_fit_blocks(spec) == 3:
+        # a data-parallel layout: first, middle and last block of every stack (as the one block
+        # list's middle block under --dp); a stack whose blocks differ is checked below as ever
+        out = {sym: 3 for sym in stacks.values()}
     for c, sym in stacks.items():
         if s2.get((c, 0)) == s2.get((c, 1)):
             continue
@@ -114,15 +121,16 @@ def own_stacks(spec: ModelSpec, values: Mapping[str, int], symbols) -> tuple[lis
     from symcost.frontends.layout import layout_of
 
     lay = layout_of(spec)
-    if own and not stacks and lay.traced_dims:
-        # a stack counted by a model's own size under a parallel layout (find_stacks does not
-        # fold it yet): pinned at once with that reason, not after probes that could only show
-        # its other values running other ops
+    if own and not stacks and lay.traced_dims and not layout_folds(spec):
+        # a stack counted by a model's own size under a layout that works on one block list
+        # (pipeline stages, context or expert parallelism: find_stacks does not fold it): pinned
+        # at once with that reason, not after probes that could only show its other values
+        # running other ops
         found = _following(spec, values, own, least=1)
         if found:
             sym = next(iter(found.values()))
-            what = "a parallel layout (every block of every stack its own unit)"
-            raise _unvariable(sym, f"{what} does not fold several stacks yet "
+            what = "a parallel layout other than data and tensor parallelism"
+            raise _unvariable(sym, f"{what} does not fold several stacks "
                                    f"({', '.join(c for c, x in found.items() if x == sym)}): traced unfolded at the requested {sym}")
     return own, stacks
 
@@ -140,7 +148,7 @@ def request_stacks(spec: ModelSpec, own, stacks: Mapping[str, str], symbols, req
     stacks = dict(stacks)
     if not own and "L" in symbols and req.layer_container is None and req.no_fold:
         stacks = find_stacks(spec, request, symbols)
-    blocks = probe_blocks(stacks, req, rec_at, request) if stacks else {}
+    blocks = probe_blocks(spec, stacks, req, rec_at, request) if stacks else {}
     return stacks, blocks
 
 

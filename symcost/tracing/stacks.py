@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Mapping
 from symcost.frontends.layout import layout_of
 from symcost.frontends.spec import INPUT_SYMBOLS, ModelSpec
 from symcost.tracing.modules import _containers, _layer_of
+from symcost.tracing.probes import FIT_L
 
 if TYPE_CHECKING:  # pragma: no cover
     from symcost.tracing.record import Recording
@@ -41,16 +42,20 @@ def find_stacks(spec: ModelSpec, values: Mapping[str, int], symbols) -> dict[str
     one symbol (T5's two stacks of L blocks). A symbol whose value is below 2 counts no stack
     here (a stack of one block is traced as it is: size 1 is pinned).
 
-    Not done (``{}``: the step is traced as before, the lengths pinned): a parallel layout (its
-    plans work on one block list), leading blocks of another kind (``ModelSpec.lead_blocks``),
-    a spec naming its block list (``ModelSpec.layers``). An inference step folds too: its KV
-    cache's layers fold with the one stack whose blocks read or write the cache
-    (:func:`kv_stack`).
+    Under a parallel layout of data and tensor parallelism (``--dp`` with any ``--shard``,
+    HSDP, ``--tp``: :func:`layout_folds`) the stacks fold too: every block of every stack is
+    its own DDP/FSDP2 unit, then the root, as torchtitan wraps blocks, and the probes hold three
+    blocks of each stack where the data-parallel engine makes the first and last blocks differ
+    (:func:`stack_fit_blocks`). Not done (``{}``: the step is traced as before, the lengths
+    pinned): any other layout (pipeline stages, context or expert parallelism), leading blocks
+    of another kind (``ModelSpec.lead_blocks``), a spec naming its block list
+    (``ModelSpec.layers``). An inference step folds too: its KV cache's layers fold with the one
+    stack whose blocks read or write the cache (:func:`kv_stack`).
 
     A model that does not build at ``values`` has no stacks here (its request's recording says
     why); a symbol whose X + 1 breaks the model's constraints, or does not build, counts no stack.
     """
-    if spec.layers is not None or spec.lead_blocks or layout_of(spec).traced_dims:
+    if spec.layers is not None or spec.lead_blocks or not layout_folds(spec):
         return {}
     found = _following(spec, values, stack_candidates(spec, symbols), least=2)
     if not found:
@@ -58,6 +63,32 @@ def find_stacks(spec: ModelSpec, values: Mapping[str, int], symbols) -> dict[str
     if list(found.values()) == ["L"]:
         return {}  # one block list of L blocks: the single-container fold
     return found
+
+
+#: the mesh dimensions under which several stacks fold (``Layout.traced_dims``): data parallelism
+#: (DDP, FSDP2, HSDP: every block of every stack a unit, then the root) and tensor parallelism
+#: (the plan over every block of every stack); pipeline stages, context and expert parallelism
+#: work on one block list
+FOLDED_DIMS = frozenset({"dp_shard", "dp_replicate", "tp"})
+
+
+def layout_folds(spec: ModelSpec) -> bool:
+    """Whether several stacks of ``spec``'s model fold under its layout (``layout_of(spec)``): no
+    layout, or one whose traced mesh dimensions are all in :data:`FOLDED_DIMS` (``--compile``
+    excluded: it compiles one block list)."""
+    lay = layout_of(spec)
+    return set(lay.traced_dims) <= FOLDED_DIMS and not lay.compile
+
+
+def stack_fit_blocks(spec: ModelSpec) -> int:
+    """The blocks each stack's probes hold under ``spec``'s layout: 3 where the layout is data-
+    or sequence-parallel (FSDP2 and DDP keep a unit's collective buffers until the next unit's
+    collective, so the first and the last block of each direction free what the others do not:
+    block 1 stands for the X - 2 between them, as the one block list's middle block does,
+    ``graph.align._middle``), else ``FIT_L`` (2; more where a stack's own blocks need it:
+    :func:`symcost.graph.stacks.probe_blocks`)."""
+    lay = layout_of(spec)
+    return FIT_L + 1 if (lay.shard or lay.sp) else FIT_L
 
 
 def _following(spec: ModelSpec, values: Mapping[str, int], cands, least: int) -> dict[str, str]:
