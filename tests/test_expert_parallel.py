@@ -143,29 +143,59 @@ def test_hf_qwen3_moe_rank_against_pytorch_on_the_fake_group():
         _check(an, v, got, v)
 
 
+def _launch(tmp_path, nproc: int, *runs: tuple[dict, list[str]]) -> list[list[dict]]:
+    """tests/data/ep_rank.py on ``nproc`` gloo ranks, each of ``runs`` (sizes, extra arguments)
+    in turn in one launch (its own directory under ``tmp_path``): per run, each rank's JSON."""
+    script = os.path.join(os.path.dirname(__file__), "data", "ep_rank.py")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
+    args = []
+    for i, (v, extra) in enumerate(runs):
+        (tmp_path / str(i)).mkdir()
+        args += (["+"] if i else []) + [str(tmp_path / str(i))] + [str(v[k]) for k in "HDLVFERBS"] + extra
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                        script] + args, env=env, capture_output=True, text=True, timeout=300 * len(runs))
+    assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
+                                        if any(w in line for w in ("Error", "error", "rank", "terminate", "what()")))[-4000:]
+    return [[json.loads((tmp_path / str(i) / f"rank{rank}.json").read_text()) for rank in range(nproc)]
+            for i in range(len(runs))]
+
+
+#: the sizes of the 4-rank runs: EP 4 with the model's own routers, and EP 2 × DP 2
+#: (REQUEST_DP's H, D, E and DP, defined below)
+V_EP4 = _draw(random.Random(4), ep_choices=(4,))
+
+
+@pytest.fixture(scope="module")
+def gloo_4(tmp_path_factory):
+    """Both 4-rank runs of this file on the same gloo ranks in one launch (the ranks start and
+    join the process group once; each run its own mesh, model and tokens): EP 4 with the model's
+    own routers (:data:`V_EP4`) and EP 2 × DP 2 (:data:`V_EP2_DP2`). ``{"ep4": ranks,
+    "ep2_dp2": ranks}``."""
+    ep4, ep2_dp2 = _launch(tmp_path_factory.mktemp("ep4"), 4, (V_EP4, ["own"]), (V_EP2_DP2, ["2"]))
+    return {"ep4": ep4, "ep2_dp2": ep2_dp2}
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("nproc, router", [(2, "balanced"), (4, "own")])
-def test_real_gloo_ep(tmp_path, nproc, router):
+def test_real_gloo_ep(tmp_path, request, nproc, router):
     """``torchrun --nproc-per-node 2`` (the routers balanced) and ``4`` (the model's own routers:
     the built-in ``moe``'s fixed capacities C = N·R/E keep every shape whatever they choose, tokens
     over an expert's capacity dropped) with gloo on this CPU, real tensors, each rank its own tokens
     (tests/data/ep_rank.py): each rank's FLOPs, saved bytes, all-to-all bytes and parameter
     elements equal symcost's, and its peak (MemTracker in the run, AdamW for-loop) is within 5% of
-    symcost's per-rank peak."""
+    symcost's per-rank peak. (The 4-rank run shares its launch with test_real_gloo_ep2_dp2:
+    :func:`gloo_4`.)"""
     from symcost.passes.memory import memory_model
 
-    v = _draw(random.Random(nproc), ep_choices=(nproc,))
-    script = os.path.join(os.path.dirname(__file__), "data", "ep_rank.py")
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                        script, str(tmp_path)] + [str(v[k]) for k in "HDLVFERBS"] + ([] if router == "balanced" else ["own"]),
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
-                                        if any(w in line for w in ("Error", "error", "rank", "terminate", "what()")))[-4000:]
+    if nproc == 4:
+        v, ranks = V_EP4, request.getfixturevalue("gloo_4")["ep4"]
+    else:
+        v = _draw(random.Random(nproc), ep_choices=(nproc,))
+        ranks = _launch(tmp_path, nproc, (v, [] if router == "balanced" else ["own"]))[0]
     an = _trace()
     want = memory_model(an, PRECISION, "adamw", impl="for-loop", device="cpu").peak(**v)
     for rank in range(nproc):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        got = ranks[rank]
         assert got["world"] == nproc
         _check(an, v, got, (rank, v))
         assert abs(want - got["memtracker"]) <= 0.05 * got["memtracker"], (rank, want, got["memtracker"], v)
@@ -335,28 +365,26 @@ def test_ep_under_fsdp_at_dp1_rank_against_pytorch_on_the_fake_group(experts, pi
         assert Fraction(got["by_group"]["DP"]["all_gather"]) > 0 and Fraction(got["by_group"]["EP"]["all_to_all"]) > 0
 
 
+#: the sizes of test_real_gloo_ep2_dp2's run (in :func:`gloo_4`)
+V_EP2_DP2 = {**REQUEST_DP, "B": 3, "S": 32, "L": 2, "V": 64, "F": 16, "R": 2}
+
+
 @pytest.mark.heavy
-def test_real_gloo_ep2_dp2(tmp_path):
+def test_real_gloo_ep2_dp2(gloo_4):
     """``torchrun --nproc-per-node 4`` with gloo on this CPU: EP 2 × DP 2 (the mesh (dp_shard, ep),
     FSDP2 as torchtitan applies it under EP, each rank its own tokens, the routers balanced):
     each rank's FLOPs, saved bytes, parameter elements, all-to-all bytes and each group's
     gradient reduce-scatter and parameter all-gather bytes equal symcost's, and its peak
-    (MemTracker, AdamW for-loop) is within 5% of symcost's per-rank peak."""
+    (MemTracker, AdamW for-loop) is within 5% of symcost's per-rank peak. (The run shares its
+    launch with test_real_gloo_ep's 4-rank run: :func:`gloo_4`.)"""
     from symcost.passes.memory import memory_model
 
-    nproc, dp = 4, 2
-    v = {**REQUEST_DP, "B": 3, "S": 32, "L": 2, "V": 64, "F": 16, "R": 2}
-    script = os.path.join(os.path.dirname(__file__), "data", "ep_rank.py")
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                        script, str(tmp_path)] + [str(v[k]) for k in "HDLVFERBS"] + [str(dp)],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
-                                        if any(w in line for w in ("Error", "error", "rank", "terminate", "what()")))[-4000:]
+    nproc = 4
+    v = V_EP2_DP2
     an = _trace_dp()
     want = memory_model(an, PRECISION, "adamw", impl="for-loop", device="cpu").peak(**v)
     for rank in range(nproc):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        got = gloo_4["ep2_dp2"][rank]
         assert got["world"] == nproc
         env_ = an.bind(**v)
         assert int(an.flops("train").subs(env_)) == got["flops"], rank
