@@ -55,6 +55,23 @@ MG = "megatron-gpt --shard ddp --ac full --precision megatron-fp16"
 #: False (megatron/training/arguments.py): the gradient reduction runs after the backward, not under it
 NO_OVERLAP = "--overlap none"
 NS = "V=51200 S=2048 B=4 --gpu a100-80gb"
+#: Megatron-LM's per-iteration work (passes/megatron_iteration.py) needs the run's own flags (the ones it
+#: reads: --clip-grad, --log-interval, --log-params-norm, --log-num-zeros-in-grad, --loss-scale,
+#: --no-check-for-nan-in-loss-and-grad); each set is its recipe's, file and commit in docs/validation.md
+#: (Per-run notes). The small-GPT functional tests MG6-MG9 (model_config.yaml at NVIDIA/Megatron-LM
+#: d98e8a6): both logs on, clipping 1.0, a log every iteration; no --loss-scale, so MG7's fp16 runs the
+#: dynamic scale
+MGA_SMALL = '--megatron-args "--log-params-norm --log-num-zeros-in-grad --clip-grad 1.0 --log-interval 1"'
+#: gpt3_7b_tp4_pp1_memory_speed (MG1, MG2; the same model_config.yaml): the same, a log every 2 iterations
+MGA_7B = '--megatron-args "--log-params-norm --log-num-zeros-in-grad --clip-grad 1.0 --log-interval 2"'
+#: Narayanan et al. 2021 publish no flags of their runs; Megatron-LM's own GPT-3 example of the paper's
+#: code (examples/pretrain_gpt3_175B.sh at a8d172b, 2021-04-28: TP 8 x PP 16, --fp16, dynamic scale)
+#: sets --clip-grad 1.0 --log-interval 10 and neither log of norms nor zeros
+MGA_2021 = '--megatron-args "--clip-grad 1.0 --log-interval 10"'
+#: Megatron-Bridge's qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config (067f987): optimizer.clip_grad 1.0,
+#: logger.log_interval 10 (_pretrain_common), log_params_norm and log_num_zeros_in_grad left at their
+#: False defaults, ddp.check_for_nan_in_grad True
+MGA_BR1 = '--megatron-args "--clip-grad 1.0 --log-interval 10"'
 
 
 def paper_step(hidden: int, layers: int, gpus: int, batch: int, tflops: float, s: int = 2048, V: int = 51200) -> float:
@@ -98,39 +115,39 @@ RUNS: dict[str, tuple] = {
             "--mfu 0.5", 0.893, "9,174 tok/s"),
     "TN4": (f"time {TN3B} --precision bf16-true --compile --ac full --set B=2 S=4096 {TN3B_SIZES} --device a100-80gb "
             "--tokens 8192 --mfu 0.5", 1.136, "7,210 tok/s"),
-    "MG6": (f"report {GB} --dp 8 --shard zero1 --precision megatron-bf16 --set B=4 S=1024 --gpu h100-sxm {NO_OVERLAP}", 0.05288,
-            "0.05288 s/iteration"),
-    "MG9": (f"report {GB} --dp 8 --shard ddp --ac full --precision megatron-bf16 --set B=4 S=1024 --gpu h100-sxm {NO_OVERLAP}",
-            0.10978, "0.10978 s/iteration"),
+    "MG6": (f"report {GB} --dp 8 --shard zero1 --precision megatron-bf16 --set B=4 S=1024 --gpu h100-sxm {NO_OVERLAP} "
+            f"{MGA_SMALL}", 0.05288, "0.05288 s/iteration"),
+    "MG9": (f"report {GB} --dp 8 --shard ddp --ac full --precision megatron-bf16 --set B=4 S=1024 --gpu h100-sxm "
+            f"{NO_OVERLAP} {MGA_SMALL}", 0.10978, "0.10978 s/iteration"),
     "MG1": ("report tests/data/megatron/mg7b.json --dp 2 --shard zero1 --tp 4 --precision megatron-bf16 --set B=2 "
-            "S=8192 --gpu h100-sxm", 1.11493, "1.11493 s/iteration", 2),
+            f"S=8192 --gpu h100-sxm {MGA_7B}", 1.11493, "1.11493 s/iteration", 2),
     "MG2": ("report tests/data/megatron/mg7b.json --dp 2 --shard zero1 --tp 4 --precision megatron-bf16 --set B=2 "
-            "S=8192 --gpu a100-80gb", 2.596, "2.596 s/iteration", 2),
+            f"S=8192 --gpu a100-80gb {MGA_7B}", 2.596, "2.596 s/iteration", 2),
     "MG7": ("report megatron-gpt --dp 2 --shard ddp --tp 4 --precision megatron-fp16 --set H=8 D=64 L=12 V=50688 B=4 "
-            f"S=1024 --gpu h100-sxm {NO_OVERLAP}", 0.20575, "0.20575 s/iteration", 4),
+            f"S=1024 --gpu h100-sxm {NO_OVERLAP} {MGA_SMALL}", 0.20575, "0.20575 s/iteration", 4),
     "MG10": (f"report {GB.replace('50304', '50432')} --dp 4 --shard fsdp --tp 2 --precision fp32 --fsdp-mp bf16 "
              f"--loss megatron --set B=4 S=1024 --gpu h100-sxm {NO_OVERLAP}", 0.15847, "0.15847 s/iteration", 2),    "P3": ("report tests/data/configs/llama-3-70b.json --dp 64 --shard fsdp --precision fp32 --fsdp-mp bf16 --ac full "
            "--set B=1 S=8192 --gpu a100-80gb", 24.75, "331 WPS"),
     # Narayanan et al. 2021 Table 1: the micro-batch is not published; B = 4 is assumed (K = GBS / (DP · 4))
-    "N1": (f"report {MG} --dp 32 --set H=24 D=96 L=24 {NS}", NSTEP["N1"], "137 TFLOP/s/GPU (paper's F)", 4),
-    "N2": (f"report {MG} --dp 32 --tp 2 --set H=32 D=96 L=30 {NS}", NSTEP["N2"], "138 TFLOP/s/GPU (paper's F)", 4),
-    "N3": (f"report {MG} --dp 32 --tp 4 --set H=32 D=128 L=36 {NS}", NSTEP["N3"], "142 TFLOP/s/GPU (paper's F)", 4),
-    "N4": (f"report {MG} --dp 32 --tp 8 --set H=48 D=128 L=40 {NS}", NSTEP["N4"], "135 TFLOP/s/GPU (paper's F)", 8),
+    "N1": (f"report {MG} --dp 32 --set H=24 D=96 L=24 {NS} {MGA_2021}", NSTEP["N1"], "137 TFLOP/s/GPU (paper's F)", 4),
+    "N2": (f"report {MG} --dp 32 --tp 2 --set H=32 D=96 L=30 {NS} {MGA_2021}", NSTEP["N2"], "138 TFLOP/s/GPU (paper's F)", 4),
+    "N3": (f"report {MG} --dp 32 --tp 4 --set H=32 D=128 L=36 {NS} {MGA_2021}", NSTEP["N3"], "142 TFLOP/s/GPU (paper's F)", 4),
+    "N4": (f"report {MG} --dp 32 --tp 8 --set H=48 D=128 L=40 {NS} {MGA_2021}", NSTEP["N4"], "135 TFLOP/s/GPU (paper's F)", 8),
     # pipelines (report --pp: the whole step of m = GBS / (DP · B) micro-batches, K = 1). MG8: Megatron's
     # local DDP, 1F1B, 4 micro-batches per DP rank, no gradient-reduce overlap (Per-run notes)
     "MG8": (f"report {GB} --pp 4 --dp 2 --shard ddp --precision megatron-bf16 --microbatches 4 --set B=4 S=1024 "
-            f"--gpu h100-sxm {NO_OVERLAP}", 0.10226, "0.10226 s/iteration"),
+            f"--gpu h100-sxm {NO_OVERLAP} {MGA_SMALL}", 0.10226, "0.10226 s/iteration"),
     # Narayanan et al. 2021 Table 1 with pipelines: B = 4 assumed as for N1-N4 (m = GBS / (DP · 4)), 1F1B
     # (Table 1 states neither); Megatron-LM 2021 all-reduces the gradients after the whole
     # forward-backward (megatron/training.py train_step at a8d172b, 2021-04-28): --overlap none
-    "N5": (f"report {MG} --pp 2 --dp 32 --tp 8 --microbatches 12 {NO_OVERLAP} --set H=64 D=128 L=48 {NS}",
+    "N5": (f"report {MG} --pp 2 --dp 32 --tp 8 --microbatches 12 {NO_OVERLAP} --set H=64 D=128 L=48 {NS} {MGA_2021}",
            NSTEP["N5"], "138 TFLOP/s/GPU (paper's F)"),
-    "N6": (f"report {MG} --pp 4 --dp 32 --tp 8 --microbatches 14 {NO_OVERLAP} --set H=80 D=128 L=60 {NS}",
+    "N6": (f"report {MG} --pp 4 --dp 32 --tp 8 --microbatches 14 {NO_OVERLAP} --set H=80 D=128 L=60 {NS} {MGA_2021}",
            NSTEP["N6"], "140 TFLOP/s/GPU (paper's F)"),
-    "N7": (f"report {MG} --pp 8 --dp 24 --tp 8 --microbatches 24 {NO_OVERLAP} --set H=96 D=128 L=80 {NS}",
+    "N7": (f"report {MG} --pp 8 --dp 24 --tp 8 --microbatches 24 {NO_OVERLAP} --set H=96 D=128 L=80 {NS} {MGA_2021}",
            NSTEP["N7"], "148 TFLOP/s/GPU (paper's F)"),
     # 1,920 A100s: DP 15 x TP 8 x PP 16, m = 2160 / (15 · 4) = 36 (B = 4 assumed as above)
-    "N8": (f"report {MG} --pp 16 --dp 15 --tp 8 --microbatches 36 {NO_OVERLAP} --set H=128 D=128 L=96 {NS}",
+    "N8": (f"report {MG} --pp 16 --dp 15 --tp 8 --microbatches 36 {NO_OVERLAP} --set H=128 D=128 L=96 {NS} {MGA_2021}",
            NSTEP["N8"], "155 TFLOP/s/GPU (paper's F)"),
     # torchtitan's DeepSeek-V3 16B (the shapes of DeepSeek-V2-Lite) with EP 8 on 8 H100s: FSDP over
     # dp_shard = ep = 8 (efsdp 1, symcost's --dp 1), selective-op AC, B = 4 (inferred: PR #1792's value)
@@ -141,7 +158,7 @@ RUNS: dict[str, tuple] = {
     # recompute, B 1, GBS 1024: K = 1024 / 16 = 64 micro-batches (the gradients reduced once per step). Not
     # modelled: its HybridEP dispatcher (all_to_all_single here), CUDA graphs, EP overlap
     "BR1": ("report tests/data/configs/qwen3-30b-a3b.json --ep 16 --dp 1 --shard zero1 --precision megatron-bf16 "
-            "--set B=1 S=4096 --gpu h100-sxm", 20.14729, "20.14729 s/iteration (published: s/step)", 64),
+            f"--set B=1 S=4096 --gpu h100-sxm {MGA_BR1}", 20.14729, "20.14729 s/iteration (published: s/step)", 64),
 }
 
 
