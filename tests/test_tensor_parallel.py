@@ -246,12 +246,14 @@ def test_rank_peak_parts_follow_the_shards():
     up to the peak, whose formula is in TP. ``report --tp``'s ``memory`` (parameters and AdamW
     state with the step counters) equals rank 0's after a real AdamW step on the fake process
     group (DTensors counted by their local tensors; torch.optim's 0-d ``step`` per parameter
-    tensor, a plain tensor), and the peak's static parts. (Its ``grads`` are the shards' too,
-    where the real rank's are larger: the vocab-parallel embedding's gradient comes back as a
-    whole Replicate DTensor beside its Shard(0) weight, V·H·D elements, not V·H·D/TP; the peak,
-    from the traced allocations, holds the real size: fake_peak above.)"""
+    tensor, a plain tensor), and the peak's static parts; its ``grads`` equal the rank's
+    gradients after the backward: the shards', but the vocabulary-parallel embedding's, which
+    comes back as a whole ``Replicate`` DTensor beside its ``Shard(0)`` weight (V·H·D elements,
+    not V·H·D/TP, as on two real gloo ranks; docs/parallel.md §11), AdamW's moments the
+    weight's ``[V/TP, h]`` shards."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import Replicate, Shard
 
     from symcost.passes.memory import memory_model
     from symcost.passes.tensor_parallel import summary
@@ -280,10 +282,17 @@ def test_rank_peak_parts_follow_the_shards():
         args, kwargs = spec.make_inputs({**spec.defaults, **v}, torch.device("cpu"))
         with loss_context():
             spec.loss(model(*args, **kwargs), (args, kwargs)).backward()
+        grads = sum(size(p.grad) for p in model.parameters())
+        emb = model.word_embeddings.weight
+        placed = (emb.placements, emb.grad.placements, tuple(emb.grad.to_local().shape))
         opt.step()
-        real = {"params": sum(size(p) for p in model.parameters()),
+        real = {"params": sum(size(p) for p in model.parameters()), "grads": grads,
                 "optimizer_state": sum(size(t) for st in opt.state.values() for t in st.values())}
+        moments = {tuple(t.to_local().shape) for t in opt.state[emb].values() if t.dim()}
     assert {k: int(mem[k]) for k in real} == real, (v, mem, real)
+    h, V, tp = v["H"] * v["D"], v["V"], v["TP"]
+    assert placed == ((Shard(0),), (Replicate(),), (V, h)) and moments == {(V // tp, h)}, (placed, moments)
+    assert int(mem["grads"]) - int(mem["params"]) == 2 * V * h * (tp - 1) // tp  # (bf16: the table's rest)
     assert SYMS["TP"] in pk["formula"].free_symbols
 
 

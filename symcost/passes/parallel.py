@@ -34,6 +34,8 @@ from symcost.frontends.parallel import SHARDS
 from symcost.graph.ops import COMM_KINDS
 from symcost.passes.memory.states import (SHARDED, model_state_bytes, optimizer_share, params_tp_local,  # noqa: F401
                                          shard_degree, step_counter_bytes)  # (re-exported)
+from symcost.passes.memory.states import grads_traced
+from symcost.passes.memory.policies import policy as get_policy
 from symcost.tracing.fit import SYMS
 from symcost.passes.accumulation import overlapped  # noqa: F401  (re-exported: the overlap rule)
 from symcost.passes import megatron_buckets as mb
@@ -236,8 +238,11 @@ def rank_parts(an, dim: str, precision: str | None = None, optimizer: str = "ada
     :func:`symcost.passes.tensor_parallel.summary`; ``--ep``:
     :func:`symcost.passes.expert_parallel.summary`): ``comm`` (bytes one rank sends per step by
     collective kind and ``total``, from the traced collectives), ``memory`` (model states of the
-    rank's parameter elements, :func:`model_state_bytes` with nothing sharded over DP, and
-    ``activations``: bytes autograd saves on the rank), ``peak`` (:func:`rank_peak`); with
+    rank's parameter elements, :func:`model_state_bytes` with nothing sharded over DP, its
+    ``grads`` under ``--tp`` the traced ones, :func:`grads_traced`: PyTorch keeps the
+    vocabulary-parallel embedding's gradient whole, ``[V, d]``; a policy's persistent gradient
+    buffer, Megatron-LM's main_grad, is the shards'; and ``activations``: bytes autograd saves
+    on the rank), ``peak`` (:func:`rank_peak`); with
     ``sizes`` also ``values`` (``comm`` and ``memory`` as numbers, and the mesh size ``dim``
     under its lower-case name, e.g. ``tp``)."""
     from symcost.graph.ops import COMM_KINDS
@@ -246,6 +251,11 @@ def rank_parts(an, dim: str, precision: str | None = None, optimizer: str = "ada
     comm["total"] = an.comm_bytes("total")
     mem = model_state_bytes(an.params_shard, 1, "ddp", precision or an.precision, optimizer,
                             frozen=an.params_shard_frozen)
+    pol = get_policy(precision or an.precision)
+    held = grads_traced(an) if dim == "TP" and not pol.grad_buffer else None
+    if held is not None:  # (the vocabulary-parallel embedding's gradient is kept whole: grads_traced)
+        grads = sympy.expand(pol.grad * held)
+        mem["total"], mem["grads"] = sympy.expand(mem["total"] - mem["grads"] + grads), grads
     _add_steps(mem, step_counter_bytes(an, optimizer, precision or an.precision))
     mem["activations"] = sympy.expand(sympy.Add(*[rep * nb for _, nb, _, rep in an.saved]))
     out = {"comm": comm, "memory": mem, "peak": rank_peak(an, precision, optimizer, sizes, impl, device)}

@@ -215,7 +215,9 @@ class MemoryModel(Solver):
         element of the parameters the rank holds (``Analysis.params_shard``: the local shards of
         the column- and row-parallel weights plus what the plan replicates), as PyTorch's
         ``parallelize_module`` distributes them; gradients and Adam's moments are DTensors of the
-        same placements, so each rank holds and updates its own shard (Shoeybi et al. 2019 §3);
+        same placements, so each rank holds and updates its own shard (Shoeybi et al. 2019 §3),
+        except the vocabulary-parallel embedding's gradient, which PyTorch keeps whole
+        (:func:`symcost.passes.memory.states.grads_traced`: the traced gradients' elements);
         plus Adam's 4-byte step counters, one per parameter tensor. The optimizer's temporaries
         are those of the local shards (the schedule's parameter sizes are the local ones)."""
         if self.opt.factored:
@@ -224,7 +226,13 @@ class MemoryModel(Solver):
         shard, pol = self.an.params_shard, self.policy
         trained = sympy.expand(shard - self.an.params_shard_frozen)  # (requires_grad=False: no states)
         self.params = sympy.expand(pol.param * shard)
-        self.grads = sympy.expand(pol.grad * trained)
+        # the gradients PyTorch keeps: the shards', but the vocabulary-parallel embedding's whole
+        # [V, d] (a Replicate DTensor: states.grads_traced); a persistent gradient buffer
+        # (Megatron-LM's main_grad) is the parameters' shards
+        from symcost.passes.memory.states import grads_traced
+
+        held = None if pol.grad_buffer or self.parallel == "ep" else grads_traced(self.an)
+        self.grads = sympy.expand(pol.grad * (trained if held is None else held))
         self.master_weights = sympy.expand(pol.master * trained)
         self.optimizer = sympy.expand(self.opt.full * pol.state * trained + self.step_bytes())
         self.opt_share, self.opt_local = trained, True

@@ -189,3 +189,41 @@ def params_tp_local(an, frozen: bool = False) -> sympy.Expr:
         return held
     DP = SYMS["DP"] if "DP" in an.symbols else an.pinned.get("DP", 1)
     return sympy.expand(held * DP)
+
+
+def grads_traced(an) -> sympy.Expr | None:
+    """Gradient elements one rank holds at the end of its traced step, as PyTorch allocated
+    them: the storages the backward allocates that are still live when the step ends
+    (``MemorySchedule.events`` with ``grad``), each unit's times its repeat, over the schedule's
+    gradient itemsize (``grad_itemsize``: one gradient dtype assumed, as the memory model's
+    peak scales them). A polynomial in the symbols (and ``TP``); None where the trace has no
+    usable schedule.
+
+    This is where a ``--tp`` rank's gradients differ from its parameters' shards: PyTorch's
+    vocabulary-parallel embedding (``RowwiseParallel`` on an ``nn.Embedding``, weight
+    ``Shard(0)``, ``[V/TP, d]`` local) gets its gradient back as a whole ``Replicate`` DTensor
+    (``[V, d]`` local): DTensor's ``embedding_dense_backward`` strategies
+    (torch/distributed/tensor/_ops/_embedding_ops.py) offer ``Shard(1)``, ``Partial`` or
+    all-``Replicate`` outputs and no ``Shard(0)``, and the output gradient arrives replicated
+    (the forward's ``Partial`` output normalised to ``Replicate``), so every rank computes the
+    whole table's gradient locally, with no collective, and ``AccumulateGrad`` keeps it as it
+    is. Checked on two gloo ranks and on the fake process group (tests/test_tensor_parallel.py):
+    ``.grad`` ``Replicate``, local ``[V, d]``, beside the ``Shard(0)`` weight and AdamW's
+    ``[V/TP, d]`` moments (each optimizer op slices the gradient to the weight's shard). A
+    tied column-parallel head (GPT-2) accumulates its ``Shard(0)`` gradient first and the
+    embedding's whole one is added into it in place: the shard stays, the whole one is a
+    transient of the backward."""
+    sched = getattr(an, "schedule", None)
+    if sched is None or sched.error or not sched.events:
+        return None
+    from symcost.tracing.fit import parse_formula
+    from symcost.tracing.poly import terms_expr
+
+    own = tuple(getattr(sched, "inverses", None) or ())
+    total = sympy.Integer(0)
+    for u in sched.units:
+        rep = parse_formula(u.repeat)
+        for e in sched.events[u.start:u.stop]:
+            if e.grad and e.bytes:
+                total += (1 if e.once else rep) * terms_expr(sched.gens, e.bytes, own)
+    return sympy.expand(total / sched.grad_itemsize)
