@@ -9,7 +9,11 @@ embedding ``VocabParallelEmbedding``; each rank computes its heads' relative pos
 written with ``torch.distributed.tensor.parallel``'s styles and applied by
 ``parallelize_module`` on PyTorch's fake process group: FlopCounterMode's registry on the local
 ops, ``saved_tensors_hooks``, the collectives PyTorch dispatches and the local shards
-(tests/data/tp_rank.py ``measure``), at random sizes.
+(tests/data/tp_rank.py ``measure``), at random sizes. For ``--tp --sp`` on BART the oracle is
+torchtitan's sequence-parallel plan for a transformers model over both stacks, typed the same way
+(:func:`_bart_sp_rank`). That the plans compute the untouched model's loss and gradients is
+checked on 2 ranks with real collectives, threads over PyTorch's threaded process group
+(:func:`_two_threads`).
 """
 from __future__ import annotations
 
