@@ -218,7 +218,11 @@ def wrap_in_place(model, mesh, experts_mesh=None) -> None:
     parameter of ``model`` stays where it is, and a hook all-reduces its gradient over
     ``mesh``'s group once autograd has accumulated it (``register_post_accumulate_grad_hook``).
     Megatron all-reduces (or, with the distributed optimizer, reduce-scatters) buckets of a
-    contiguous gradient buffer: the same bytes per rank as one all-reduce per gradient. The
+    contiguous gradient buffer: the same bytes per rank as one all-reduce per gradient, each of
+    the parameter's local shape (with ``--tp``, the vocabulary-parallel embedding's ``[V/TP, d]``
+    rows, as Megatron-LM's ``VocabParallelEmbedding`` computes its gradient on its local
+    weight: megatron/core/tensor_parallel/layers.py; PyTorch's ``RowwiseParallel`` returns the
+    whole ``[V, d]`` gradient, ``Replicate``, which is reduced in the weight's placements). The
     hooks are registered at the model's first forward, on the parameters it has then (they are
     materialised after wrapping).
 
@@ -236,6 +240,11 @@ def wrap_in_place(model, mesh, experts_mesh=None) -> None:
 
     def reduce(p, g_group):
         g = p.grad
+        if hasattr(g, "placements") and g.placements != p.placements:
+            # (the vocabulary-parallel embedding: PyTorch's gradient is a whole Replicate [V, d]
+            # beside the Shard(0) weight; Megatron's VocabParallelEmbedding's is the local
+            # [V/TP, d], which its buffer holds and reduces: this rank's rows, a view)
+            g = g.redistribute(g.device_mesh, p.placements)
         dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=g_group)
 
     hooked: set[int] = set()
