@@ -81,37 +81,53 @@ def _check(r: dict, got: list[dict], peak_rel: float | None):
             assert abs(mem["peak"] - g["peak"]) <= peak_rel * g["peak"], (g["pp_rank"], mem, g["peak"])
 
 
+#: the two 4-rank runs: PP 2 × FSDP 2 (seed of the sizes 2701) and PP 2 × TP 2 with SP and
+#: selective AC (2704)
+SEED_PP_FSDP, SEED_PP_TP = 2701, 2704
+
+
+@pytest.fixture(scope="module")
+def gloo_4(tmp_path_factory):
+    """Both 4-rank runs (:data:`SEED_PP_FSDP`, :data:`SEED_PP_TP`) on the same gloo ranks in one
+    launch (the ranks start, join the process group and build their meshes once; each run its own
+    model, tokens and counters): ``{seed: ranks}``."""
+    runs = [(_draw(SEED_PP_FSDP), 2, 1, "fsdp", False, "none", False, False),
+            (_draw(SEED_PP_TP), 1, 2, "none", True, "selective", False, False)]
+    return dict(zip((SEED_PP_FSDP, SEED_PP_TP), _launch(tmp_path_factory.mktemp("pp4"), *runs)))
+
+
 @pytest.mark.heavy
-def test_real_gloo_pp_by_fsdp(tmp_path):
+def test_real_gloo_pp_by_fsdp(gloo_4):
     """PP 2 × FSDP 2 (4 processes): FSDP2 inside ``PipelineStage`` all-gathers as the 1F1B schedule
     drives it (gradients kept unsharded between micro-batches, one reduce-scatter per step), so the
     rank's collective bytes per step are not m times one micro-batch's; symcost runs the same
     schedule on the fake mesh and counts them. FLOPs, collective and p2p bytes, parameter and
-    gradient shards exact; the peak within 5%."""
+    gradient shards exact; the peak within 5%. (One launch with the PP 2 × TP 2 run: :func:`gloo_4`.)"""
     from symcost.passes.pipeline import summary
 
-    v = _draw(2701)
+    v = _draw(SEED_PP_FSDP)
     r = summary("cs336-lm", PP, "1f1b", M, precision="fp32", sizes=dict(v, DP=2), inner=Layout(shard="fsdp"))
-    _check(r, _gloo(tmp_path, v, 2, 1, "fsdp", False, "none"), 0.05)
+    _check(r, gloo_4[SEED_PP_FSDP], 0.05)
     for row in r["ranks"]:  # each rank holds half of its stage's parameters (DP = 2 divides them here)
         assert row["memory"]["params"] * 2 == 4 * row["params"], row
 
 
 @pytest.mark.heavy
-def test_real_gloo_pp_by_tp_sp_selective_ac(tmp_path):
+def test_real_gloo_pp_by_tp_sp_selective_ac(gloo_4):
     """PP 2 × TP 2 with SP and torchtitan's op-level selective AC (``--pp 2 --tp 2 --sp --ac
     selective``, refused before): the stage after the first receives its S/TP positions
     (``SequenceParallel``'s Shard(1)), so the p2p bytes are 1/TP of the boundary; the
     recomputation re-runs the sequence-parallel all-gathers (torchtitan's policy keeps
     reduce-scatter outputs, not all-gathers) and the FLOPs it runs. FLOPs run, collective bytes
     per group and kind (the last stage's ``loss_parallel`` all-reduces too), p2p bytes and
-    shards equal the gloo run exactly; the peak within 5%."""
+    shards equal the gloo run exactly; the peak within 5%. (One launch with the PP 2 × FSDP 2 run:
+    :func:`gloo_4`.)"""
     from symcost.passes.pipeline import summary
 
-    v = _draw(2704)
+    v = _draw(SEED_PP_TP)
     r = summary("cs336-lm", PP, "1f1b", M, precision="fp32", sizes=dict(v, TP=2),
                 inner=Layout(tp=True, sp=True, ac="selective"))
-    _check(dict(r, ac=True), _gloo(tmp_path, v, 1, 2, "none", True, "selective"), 0.05)
+    _check(dict(r, ac=True), gloo_4[SEED_PP_TP], 0.05)
     for row in r["ranks"]:  # one neighbour: M activations one way, M gradients the other, of S/TP positions
         assert row["send"] == row["recv"] == M * v["B"] * (v["S"] // 2) * v["H"] * v["D"] * 4, row
 
