@@ -78,6 +78,9 @@ def _positive(text: str, what: str) -> int:
 @click.option("--routing", default=None, metavar="MODEL",
               help="mixture-of-experts routing model, as report's: balanced (default), capacity=C (traced under it), "
                    "or skew=X (each EP row's most loaded rank: min(X, EP) times the balanced slots)")
+@click.option("--megatron-args", default=None, metavar="FLAGS",
+              help="under --precision megatron-*: the run's Megatron-LM flags that change its per-iteration work "
+                   "(e.g. \"--log-params-norm --clip-grad 0 --log-interval 1\"; default: Megatron's), as report's")
 @click.option("--top", default=5, show_default=True, type=click.IntRange(min=1), help="layouts to print")
 @click.option("--trace-top", default=None, type=click.IntRange(min=0), metavar="K",
               help="screened layouts within 10%% of the cap get their per-rank peak from the composed trace "
@@ -86,7 +89,8 @@ def _positive(text: str, what: str) -> int:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--debug", is_flag=True, help="show tracebacks")
 def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, memory, global_batch, sets, precision,
-         shards, checkpoints, schedules, micro, sp, eps, cps, overlap, routing, top, trace_top, as_json, debug):
+         shards, checkpoints, schedules, micro, sp, eps, cps, overlap, routing, megatron_args, top, trace_top, as_json,
+         debug):
     """The fastest parallel layouts of N devices that fit the memory per device (exit status 3
     when none does, as max-batch).
 
@@ -107,6 +111,13 @@ def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, mem
     cap = parse_memory(memory)
     sizes = parse_sizes(sets)
     policy(precision)
+    if megatron_args is not None:
+        from symcost.frontends.megatron import is_megatron
+        from symcost.passes.megatron_iteration import parse_args
+
+        if not is_megatron(precision):
+            raise SymcostError(f"--megatron-args applies under --precision megatron-*, not {precision}")
+        parse_args(megatron_args)  # (a bad value: one line before the trace)
     shards = _csv(shards, SHARDS, "--shard")
     checkpoints = _csv(checkpoints, CHECKPOINTS, "--checkpoint")
     schedules = _csv(schedules, SCHEDULES, "--schedule")
@@ -128,7 +139,8 @@ def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, mem
                     schedules=schedules, micro_batches=mbs,
                     trace_at=lambda tp: trace_for_plan(model, sizes, precision, sp, tp=tp, routing=routing),
                     model=model, trace_top=3 * top if trace_top is None else trace_top, sp=sp,
-                    progress=None if as_json else _progress(), eps=ep_sizes, cps=cp_sizes, routing=routing)
+                    progress=None if as_json else _progress(), eps=ep_sizes, cps=cp_sizes, routing=routing,
+                    megatron_args=megatron_args)
     if not as_json:
         import sys
 

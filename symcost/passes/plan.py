@@ -206,7 +206,8 @@ class Planner:
     """
 
     def __init__(self, an, sizes: Mapping[str, int], device, precision: str, optimizer: str = "adamw",
-                 overlap: str = "backward", fused: bool = True, predicted: bool = True, skew: float = 1.0):
+                 overlap: str = "backward", fused: bool = True, predicted: bool = True, skew: float = 1.0,
+                 megatron_args=None):
         from symcost.passes.checkpoint import block_costs
         from symcost.passes.memory.policies import policy
         from symcost.passes.roofline import training_precision
@@ -226,6 +227,10 @@ class Planner:
         #: slots (symcost.frontends.moe.Routing): its experts' work and all-to-all payload scale by it
         self.skew = float(skew)
         self.pol = policy(precision)
+        from symcost.frontends.megatron import is_megatron
+
+        #: Megatron-LM's engine on the ddp/zero1 rows (plan_dims.megatron_engine); its flags (None: defaults)
+        self.megatron, self.megatron_args = is_megatron(precision), megatron_args
         self.sizes = {k: v for k, v in an.spec.values(dict(sizes)).items() if k in an.symbols and k not in ("B", "TP")}
         self.L = int(self.sizes["L"])
         self.peak, _ = device.peak_for(training_precision(an))
@@ -485,8 +490,17 @@ class Planner:
         if lay.schedule != "interleaved-1f1b":
             bubble = (p - 1) / m if p > 1 else 0.0
         dp_s = (dp_bytes / dp_bw if sd > 1 or se > 1 else 0.0) + (rep_bytes / rep_bw if r > 1 else 0.0)
+        meg = None  # Megatron-LM's engine on ddp/zero1 rows without EP (plan_dims.megatron_engine; module docstring)
+        if self.megatron and lay.shard in ("ddp", "zero1") and ep == 1:
+            from symcost.passes.plan_dims import megatron_engine
 
-        def compose(tm, optimizer: float) -> dict[str, float]:
+            meg = megatron_engine(self.an, self.an.bind(**self._sizes(nb, b, t, None)), {"DP": sd, "TP": t, "PP": p,
+                                  "ranks": n}, lay.shard, self.overlap, self.device, not self.fused, self.megatron_args)
+            # (its buckets' bytes by phase: the all-gather in the forward)
+            dp_bytes = sum(meg["bytes"].values())
+            dp_s = dp_bytes / dp_bw if sd > 1 else 0.0
+
+        def compose(tm, optimizer: float, predicted: bool = False) -> dict[str, float]:
             fwd = tm["forward_block"] * nb + tm["forward_rest"]
             bwd = tm["backward_block"] * nb + tm["backward_rest"]
             if ex_cut:  # (the experts' share of the TP rank's tokens)
@@ -502,9 +516,19 @@ class Planner:
                 cp_exp = calls * (ring_seconds(blk_f, (c - 1) * kv / cp_bw, None, True) - sum(blk_f)
                                   + ring_seconds(blk_b, (c - 1) * kv / cp_bw, kv32 / cp_bw, True) - sum(blk_b))
             bwd += (tm["forward_block"] + (tm["attn_forward_block"] * ring_extra if c > 1 else 0)) * kt  # recomputed
+            # (Megatron's per-iteration work, predicted only: the loss checks each micro-batch, the rest once)
+            once = meg["iteration_step"] if meg is not None and predicted else 0.0
+            fwd += meg["iteration_micro_batch"] if meg is not None and predicted else 0.0
             per_mb_s = fwd + bwd + tp_s + pp_s + ep_s + cp_exp
             pipe_s = m * per_mb_s * (1 + bubble)
-            if self.overlap == "none":
+            dps = dp_s
+            if meg is not None:  # (report's predict_dp: the all-gather exposed in the forward, the
+                # gradients' buckets under the last backward with the optimizer step and the iteration's work)
+                g = {ph: (meg["bytes"][ph] / dp_bw + (meg["latency"][ph] if predicted else 0.0)) if sd > 1 else 0.0
+                     for ph in ("forward", "backward")}
+                dps = sum(g.values())
+                exposed = dps if self.overlap == "none" else g["forward"] + max(0.0, g["backward"] - bwd - optimizer - once)
+            elif self.overlap == "none":
                 exposed = dp_s
             elif lay.shard in ("fsdp", "hsdp"):
                 exposed = m * max(0.0, dp_s / m - (fwd + bwd))
@@ -512,12 +536,14 @@ class Planner:
                 exposed = max(0.0, dp_s - bwd)
             return {"compute": m * (fwd + bwd), "tp_comm": m * tp_s, "pp_comm": m * pp_s, "ep_comm": m * ep_s,
                     "cp_exposed": m * cp_exp, "bubble": m * per_mb_s * bubble, "dp_exposed": exposed,
-                    "dp_comm": dp_s, "optimizer": optimizer, "step": pipe_s + exposed + optimizer}
+                    "dp_comm": dps, "optimizer": optimizer, "iteration": once, "step": pipe_s + exposed + optimizer + once}
 
         s_arg = sv if c > 1 else None
         bound = compose(self.times(b, t, s_arg), 0.0)
         tq = self.times_predicted(b, t, s_arg) if self.predicted else None
-        pred = compose(tq, tq["optimizer_block"] * nb + tq["optimizer_rest"]) if tq is not None else bound
+        opt_s = tq["optimizer_block"] * nb + tq["optimizer_rest"] if tq is not None else 0.0
+        opt_s = meg["optimizer"] if meg is not None and meg["optimizer"] is not None else opt_s  # (zero1: the shard)
+        pred = compose(tq, opt_s, predicted=True) if tq is not None else bound
         step = pred["step"]
         gbatch = d * b * m
         model_flops = self.model_flops_per_seq * gbatch
@@ -533,6 +559,7 @@ class Planner:
             "links": {k: ln for k, _, ln in parts},
             "comm_by_link": {ln: float(sum(bv for _, bv, lk in parts if lk == ln)) for ln in ("node", "network")},
             "composed": [k for k, on in (("ep", ep > 1), ("cp", c > 1)) if on],
+            **({"megatron": {"collectives": meg["collectives"], "rule": meg["rule"]}} if meg is not None else {}),
             "bubble": bubble,
             "time": pred, "time_bound": bound, "predicted": tq is not None,
             "step_seconds": step, "bound_seconds": bound["step"], "model_flops": model_flops,
@@ -546,7 +573,8 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
          precision: str, optimizer: str = "adamw", overlap: str = "backward", shards=SHARDS,
          checkpoints=CHECKPOINTS, schedules=("1f1b",), micro_batches=None, keep_all: bool = False,
          trace_at=None, model: str | None = None, trace_top: int = 0, near: float = 0.1, sp: bool = False,
-         progress=None, rank_by: str = "predicted", eps=None, cps=None, routing=None) -> dict[str, Any]:
+         progress=None, rank_by: str = "predicted", eps=None, cps=None, routing=None,
+         megatron_args=None) -> dict[str, Any]:
     """Rank the layouts of ``devices`` devices for a global batch of ``global_batch`` sequences.
 
     Returns:
@@ -576,6 +604,10 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     kernel). Rows with EP or CP are composed from the trace (docs/parallel.md §13.6; their
     ``composed`` names the dimensions) and keep their screened memory (no traced peak).
 
+    ``megatron_args``: under ``--precision megatron-*``, the run's Megatron-LM flags
+    (:func:`symcost.passes.megatron_iteration.parse_args`; None: its defaults); those rows are
+    priced eager, with Megatron's engine on ddp/zero1 rows (:func:`symcost.passes.plan_dims.megatron_engine`).
+
     ``routing`` (``--routing``, :func:`symcost.frontends.moe.parse_routing`'s text; None: balanced):
     ``capacity=C`` is the trace's own (``an`` traced under it, :func:`trace_for_plan`'s
     ``routing``; the traced peaks of ``trace_top`` too); ``skew=X`` prices each EP row's most
@@ -590,11 +622,13 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     """
     if rank_by not in ("predicted", "bound"):
         raise SymcostError(f"unknown ranking {rank_by!r}; accepted: predicted, bound")
+    from symcost.frontends.megatron import is_megatron
     from symcost.frontends.moe import parse_routing
 
     rt = parse_routing(routing)
+    # (Megatron-LM runs eager: its rows priced as report --dp --gpu prices them, eager kernels and launches)
     pl = Planner(an, sizes, device, precision, optimizer, overlap, predicted=rank_by == "predicted",
-                 skew=float(rt.skew))
+                 skew=float(rt.skew), fused=not is_megatron(precision), megatron_args=megatron_args)
     pl.cap = memory
     if pl.pol.sharded_optimizer_only:  # (megatron-bf16-moments: Megatron-LM runs it only with its distributed optimizer)
         shards = tuple(s for s in shards if s != "ddp")
@@ -610,7 +644,8 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
         if tp not in planners:
             other = trace_at(tp) if trace_at is not None else None
             planners[tp] = None if other is None else Planner(other, sizes, device, precision, optimizer, overlap,
-                                                              predicted=pl.predicted, skew=pl.skew)
+                                                              predicted=pl.predicted, skew=pl.skew, fused=pl.fused,
+                                                              megatron_args=megatron_args)
             if planners[tp] is not None:
                 planners[tp].cap = memory
         return planners[tp]
@@ -648,7 +683,9 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
            "global_batch": global_batch, "memory_cap": memory, "sizes": pl.sizes,
            "links": f"node {pl.ic['link_bandwidth'] / 1e9:g} GB/s per direction ({pl.ic.get('devices_per_node')} "
                     f"per node), network {pl.ic['network_bandwidth'] / 1e9:g} GB/s per device"}
-    out["notes"] = []
+    from symcost.passes.plan_dims import MEGATRON_NOTE
+
+    out["notes"] = [MEGATRON_NOTE] if pl.megatron else []
     out["routing"] = rt.as_json() if pl.experts else None
     if rt.kind == "skew" and pl.experts:
         out["notes"].append(f"--routing {rt.name}: each EP row's most loaded rank receives min({float(rt.skew):g}, EP) "

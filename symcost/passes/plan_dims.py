@@ -35,6 +35,12 @@ torchtitan's default; the load-balanced causal ring of §15):
   :func:`symcost.passes.context_parallel.ring_seconds`'s schedule;
 * CP only where every attention is a fused SDPA kernel (PyTorch's CP dispatcher handles those
   only: ``report --cp`` refuses the rest), S a multiple of 2·CP (the load balancer's chunks).
+
+Megatron-LM's engine (``--precision megatron-*`` rows with ``--shard ddp|zero1``, no EP): the
+rank's data-parallel collectives are its gradient buckets', its distributed optimizer steps over
+the rank's shard, and its per-iteration work runs beside the step (:func:`megatron_engine`, the
+same functions ``report --dp --gpu`` prices them with: :mod:`symcost.passes.megatron_buckets`,
+:mod:`symcost.passes.megatron_iteration`), on the worst pipeline rank's parameters.
 """
 from __future__ import annotations
 
@@ -222,3 +228,74 @@ def alltoall_seconds(nbytes: float, ep: int, ic: dict) -> tuple[str, float]:
         return "node", nbytes / ic["link_bandwidth"]
     far = (ep - d) / (ep - 1) if ep > d else 1.0
     return "network", max(nbytes * far / ic["network_bandwidth"], nbytes * (1 - far) / ic["link_bandwidth"])
+
+
+class _Engine:
+    """``an`` as Megatron's engine with ``--shard shard`` sees it (its ``parallel``): the plan's
+    tensor-parallel trace has no data-parallel engine of its own."""
+
+    def __init__(self, an, shard: str):
+        self._an, self.parallel = an, shard
+
+    def __getattr__(self, name):
+        return getattr(self._an, name)
+
+
+#: plan's note under --precision megatron-*
+MEGATRON_NOTE = ("Megatron-LM's engine (--precision megatron-*): eager kernels; ddp/zero1 rows' data-parallel "
+                 "collectives are its gradient buckets', zero1's optimizer steps over the rank's shard, and its "
+                 "per-iteration work (grad norm, clipping, checks, logging; --megatron-args) is added, as report "
+                 "--dp --gpu prices them; fsdp/hsdp and EP rows are PyTorch's engines")
+
+
+def megatron_engine(an, env, ranks, shard: str, overlap: str, device, eager: bool, flags=None) -> dict:
+    """Megatron-LM's engine on one plan row's rank, priced as ``report --dp --gpu`` prices it
+    (:func:`symcost.passes.performance.predict_dp`): the buckets' collectives
+    (:func:`symcost.passes.megatron_buckets.engine`: one all-reduce, or reduce-scatter and
+    all-gather, per bucket; ring bytes per rank by phase, α per ring step), the distributed
+    optimizer's step over its busiest rank's shard (``zero1``; the AdamW figures
+    ``optimizer_per_tensor`` and ``optimizer_per_byte`` as :func:`~symcost.passes.performance.host_stretches`
+    stretches them), and the per-iteration work (:func:`symcost.passes.megatron_iteration.work`
+    and ``price``).
+
+    Args:
+        an: the plan's trace (a ``megatron-*`` precision).
+        env: symbol values of the rank (``an.bind``: the stage's blocks as L, b as B, tp as TP).
+        ranks: ``{"DP", "TP", "PP", "ranks"}`` (the data-parallel group: dp·cp ranks).
+        shard: ``ddp`` or ``zero1`` (the distributed optimizer).
+        overlap: ``--overlap`` (``none``: one bucket per buffer).
+        device: the device (its efficiency table).
+        eager: an eager step (its host runs ahead of the device where the efficiency table's
+            ``host_async`` says so, as :func:`~symcost.passes.performance.predict`'s).
+        flags: :func:`symcost.passes.megatron_iteration.parse_args`' dict or a flag string (None:
+            Megatron-LM's defaults).
+
+    Returns:
+        ``{"bytes" {forward, backward} (ring bytes per rank: the all-gather's in the forward),
+        "latency" {forward, backward} (seconds of α), "collectives", "optimizer" (seconds of the
+        distributed optimizer's step, None under ``ddp``: the unsharded step),
+        "iteration_step" (seconds once per optimizer step), "iteration_micro_batch" (seconds each
+        micro-batch: the loss checks), "rule", "flags"}``.
+    """
+    from symcost.passes import megatron_buckets as mb
+    from symcost.passes import megatron_iteration as mi
+    from symcost.passes.performance import efficiency_of, host_stretches
+
+    rank = _Engine(an, shard)
+    eng = mb.engine(rank, env, ranks, overlap)
+    eff = efficiency_of(device)
+    phases = ("forward", "backward")
+    nbytes = {ph: float(sum(v for (_, p), v in eng["by_group"].items() if p == ph)) for ph in phases}
+    latency = {ph: sum(s.get(ph, 0) for s in eng["latency_steps"].values()) * eff.collective_latency
+               for ph in phases}
+    optimizer = None
+    if "optimizer_shard" in eng:
+        sh = eng["optimizer_shard"]
+        optimizer = host_stretches({}, {}, eff.optimizer_per_tensor * sh["tensors"],
+                                   eff.optimizer_per_byte * sh["param_bytes"], bool(eff.host_async) and eager)["optimizer"]
+    f = flags if isinstance(flags, dict) else mi.parse_args(flags)
+    f = {**mi.DEFAULTS, **f}
+    it = mi.price(mi.work(rank, env, ranks, eng, f), device, 1, f)
+    return {"bytes": nbytes, "latency": latency, "collectives": eng["collectives"], "optimizer": optimizer,
+            "iteration_step": it["seconds"] - it["per_micro_batch"], "iteration_micro_batch": it["per_micro_batch"],
+            "rule": eng["rule"], "flags": f}
