@@ -293,6 +293,8 @@ def test_rank_peak_parts_follow_the_shards():
     h, V, tp = v["H"] * v["D"], v["V"], v["TP"]
     assert placed == ((Shard(0),), (Replicate(),), (V, h)) and moments == {(V // tp, h)}, (placed, moments)
     assert int(mem["grads"]) - int(mem["params"]) == 2 * V * h * (tp - 1) // tp  # (bf16: the table's rest)
+    # (report --tp's line: the gradient elements beyond the shards, as PyTorch's rank holds them)
+    assert 2 * int(out["grads_beyond_shards"].xreplace(an.bind(**v))) == real["grads"] - real["params"]
     assert SYMS["TP"] in pk["formula"].free_symbols
 
 
@@ -422,33 +424,53 @@ def test_cli_refusals(args, msg):
     assert r.exit_code == 2 and msg in r.output, r.output
 
 
-@pytest.mark.heavy
-@pytest.mark.parametrize("sp", [False, True])
-def test_real_gloo_two_ranks(sp, tmp_path):
-    """``torchrun --standalone --nproc-per-node 2`` with gloo on this CPU, real bf16 tensors
-    (tests/data/tp_rank.py): each rank's FLOPs, saved bytes, collective bytes and parameter
-    elements equal symcost's per-rank values at a random size, and its peak memory of a
-    steady-state AdamW step (torch.profiler) is within 5% of symcost's."""
+def _gloo_v(sp: bool) -> dict:
+    """The random size of test_real_gloo_two_ranks' run without / with SP."""
+    rng = random.Random(2 + sp)
+    return {"TP": 2, "H": 8, "D": rng.choice((4, 8)), "L": max(2, rng.randint(1, 3)),
+            "V": 8 * rng.randint(2, 10), "B": rng.randint(2, 3), "S": 8 * rng.randint(1, 3)}
+
+
+@pytest.fixture(scope="module")
+def gloo_2(tmp_path_factory):
+    """Both runs of test_real_gloo_two_ranks (without and with SP, :func:`_gloo_v`) on the same 2
+    gloo ranks in one launch (tests/data/tp_rank.py's runs joined by ``+``: the ranks start and
+    join the process group once; each run its own model and measurement): ``{sp: ranks}``."""
     import json
     import subprocess
 
-    from symcost.passes.memory import memory_model
-
-    rng = random.Random(2 + sp)
-    v = {"TP": 2, "H": 8, "D": rng.choice((4, 8)), "L": max(2, rng.randint(1, 3)),
-         "V": 8 * rng.randint(2, 10), "B": rng.randint(2, 3), "S": 8 * rng.randint(1, 3)}
+    out = tmp_path_factory.mktemp("tp2")
     script = os.path.join(os.path.dirname(__file__), "data", "tp_rank.py")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                OMP_NUM_THREADS="1")
+    args = []
+    for sp in (False, True):
+        (out / str(int(sp))).mkdir()
+        args += (["+"] if sp else []) + [str(out / str(int(sp))), "1" if sp else "0"] \
+            + [str(_gloo_v(sp)[k]) for k in "HDLVBS"]
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        script, str(tmp_path), "1" if sp else "0"] + [str(v[k]) for k in "HDLVBS"],
-                       env=env, capture_output=True, text=True, timeout=300)
+                        script] + args, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines()
                                         if any(w in line for w in ("Error", "error", "rank", "terminate", "what()", "enforce")))[-4000:]
+    return {sp: [json.loads((out / str(int(sp)) / f"rank{rank}.json").read_text()) for rank in range(2)]
+            for sp in (False, True)}
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("sp", [False, True])
+def test_real_gloo_two_ranks(sp, gloo_2):
+    """``torchrun --standalone --nproc-per-node 2`` with gloo on this CPU, real bf16 tensors
+    (tests/data/tp_rank.py): each rank's FLOPs, saved bytes, collective bytes and parameter
+    elements equal symcost's per-rank values at a random size, and its peak memory of a
+    steady-state AdamW step (torch.profiler) is within 5% of symcost's. (Both runs in one launch:
+    :func:`gloo_2`.)"""
+    from symcost.passes.memory import memory_model
+
+    v = _gloo_v(sp)
     an = _trace(sp)
     env_s = an.bind(**v)
     for rank in range(2):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        got = gloo_2[sp][rank]
         assert got["world"] == 2
         assert int(an.flops("train").subs(env_s)) == got["flops"], rank
         assert int(sum(rep * nb for _, nb, _, rep in an.saved).subs(env_s)) == got["saved"], rank

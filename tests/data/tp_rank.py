@@ -2,6 +2,7 @@
 or on fake ones on the fake process group: the oracle of symcost's per-rank numbers.
 
 ``python -m torch.distributed.run --standalone --nproc-per-node N tp_rank.py OUT SP H D L V B S [DP SHARD]``
+(several runs on the same ranks: their arguments separated by ``+``)
 (SP: 0 or 1) builds the ``megatron-gpt`` built-in on each rank, parallelises it with the
 Megatron plan through ``torch.distributed.tensor.parallel.parallelize_module``
 (``symcost.frontends.tensor_parallel.apply``: the plan is the input; what is measured is PyTorch
@@ -407,17 +408,48 @@ def real_peak(model, spec, values, loss_context) -> dict:
 
 
 def main():
+    """Each run of the command line (``OUT SP H D L V B S [DP SHARD]``; several runs separated by
+    ``+``, all on the one process group) in turn."""
+    import torch.distributed as dist
+
+    argv, runs = sys.argv[1:], []
+    while "+" in argv:
+        runs.append(argv[:argv.index("+")])
+        argv = argv[argv.index("+") + 1:]
+    dist.init_process_group("gloo")
+    for args in runs + [argv]:
+        run(args)
+    from gloo_teardown import finish  # (tests/data: on the path)
+    finish()  # gloo barrier, then every rank past it, then teardown (gloo_teardown.py)
+
+
+#: one ``DeviceMesh`` per shape and names for the whole launch: DTensor's sharding cache compares
+#: meshes by shape and names, not by process group (tests/data/ep_rank.py)
+MESHES: dict = {}
+
+
+def _mesh(shape: tuple, mesh_dim_names: tuple | None = None):
+    """``init_device_mesh("cpu", shape, mesh_dim_names=...)``, once per shape and names."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (shape, mesh_dim_names)
+    if key not in MESHES:
+        MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=mesh_dim_names)
+    return MESHES[key]
+
+
+def run(argv: list[str]) -> None:
+    """One run (``OUT SP H D L V B S [DP SHARD]``): its own model and measurement, each rank's
+    to ``OUT/rank{r}.json``."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from symcost.frontends.models import resolve
     from symcost.frontends.tensor_parallel import apply
 
-    out_dir, sp = sys.argv[1], sys.argv[2] == "1"
-    H, D, L, V, B, S = (int(x) for x in sys.argv[3:9])
-    dp, shard = (int(sys.argv[9]), sys.argv[10]) if len(sys.argv) > 10 else (None, None)
-    dist.init_process_group("gloo")
+    out_dir, sp = argv[0], argv[1] == "1"
+    H, D, L, V, B, S = (int(x) for x in argv[2:8])
+    dp, shard = (int(argv[8]), argv[9]) if len(argv) > 9 else (None, None)
     rank, n = dist.get_rank(), dist.get_world_size()
     if shard is not None and shard.startswith("hsdp:"):  # HSDP: DP = n ranks, R = dp replicating, no TP
         import contextlib
@@ -435,8 +467,6 @@ def main():
         got["world"] = n
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(got, f)
-        from gloo_teardown import finish  # (tests/data: on the path)
-        finish()  # gloo barrier, then every rank past it, then teardown (gloo_teardown.py)
         return
     tp = n // dp if dp else n
     values = {"H": H, "D": D, "L": L, "V": V, "B": B, "S": S, "TP": tp, **({"DP": dp} if dp else {})}
@@ -447,19 +477,17 @@ def main():
     if dp:
         from symcost.frontends.parallel import wrap
 
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = _mesh((dp, tp), mesh_dim_names=("dp", "tp"))
         loss_context = apply(model, spec.layers, mesh["tp"], sp)
         wrap(model, spec.layers, shard, mesh["dp"])
         groups = {mesh[k].get_group().group_name: k.upper() for k in ("dp", "tp")}
     else:
-        loss_context = apply(model, spec.layers, init_device_mesh("cpu", (n,)), sp)
+        loss_context = apply(model, spec.layers, _mesh((n,)), sp)
     got = measure(model, spec, values, loss_context, groups=groups)
     got.update(real_peak(model, spec, values, loss_context))
     got["world"] = n
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(got, f)
-    from gloo_teardown import finish  # (tests/data: on the path)
-    finish()  # gloo barrier, then every rank past it, then teardown (gloo_teardown.py)
 
 
 if __name__ == "__main__":
