@@ -39,7 +39,11 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
         1/TP: ``formula``, and at ``sizes`` or the defaults ``value`` in bytes, ``where`` and
         ``parts``: the policy's parameters and optimizer state of the rank's shards, buffers,
         inputs, and the live set's gradients, forward and backward storages and optimizer
-        temporaries; docs/parallel.md §11, "The rank's peak"); with ``sizes`` also ``values``:
+        temporaries; docs/parallel.md §11, "The rank's peak"); ``grads_beyond_shards``: the
+        gradient elements the rank holds beyond its parameters' shards (the vocabulary-parallel
+        embedding's gradient, whole on every rank: (1 − 1/TP)·V·d; 0 where none, and under a
+        policy with a gradient buffer, Megatron-LM's); with
+        ``sizes`` also ``values``:
         the same as numbers, and ``tp``. ``impl`` and ``device`` choose the optimizer
         implementation whose temporaries count (:func:`symcost.passes.memory.resolve_impl`).
 
@@ -57,6 +61,16 @@ def summary(an, precision: str | None = None, optimizer: str = "adamw",
            "engine": f"torch.distributed.tensor.parallel.parallelize_module ({which}"
                      + (", SequenceParallel norms)" if an.parallel == "tp+sp" else ")")}
     out["replicated"] = replicated(an)
+    # gradient elements beyond the rank's shards: PyTorch keeps the vocabulary-parallel
+    # embedding's gradient whole ([V, d], Replicate; passes/memory/states.py grads_traced)
+    from symcost.passes.memory.policies import policy
+    from symcost.passes.memory.states import grads_traced
+
+    # (a policy's gradient buffer, Megatron-LM's main_grad, holds the shards: its
+    # VocabParallelEmbedding computes the local rows' gradient)
+    held = None if policy(precision or an.precision).grad_buffer else grads_traced(an)
+    out["grads_beyond_shards"] = sympy.Integer(0) if held is None else \
+        sympy.expand(held - an.params_shard + an.params_shard_frozen)
     return out
 
 

@@ -19,14 +19,16 @@ def to_json(an, sizes: Mapping[str, int] | None, summary: dict) -> dict:
     optimizer_state, master, total, activations}, memory {peak, where, parts, formula}: the
     rank's peak, :func:`symcost.render.report.peak_json`; replicated [{module, params, elements,
     share (of the model's parameters, with sizes)}]:
-    the weight matrices every rank holds whole, :func:`symcost.passes.tensor_parallel.replicated`}:
-    formulas without sizes, numbers with."""
+    the weight matrices every rank holds whole, :func:`symcost.passes.tensor_parallel.replicated`;
+    grads_beyond_shards: gradient elements beyond the rank's parameter shards, the
+    vocabulary-parallel embedding's whole gradient}: formulas without sizes, numbers with."""
     from symcost.render.report import peak_json
 
     vals = summary.get("values") if sizes is not None else None
     peak = peak_json(summary, vals is not None)
     env = an.bind(**sizes) if vals is not None else None
     total = an.params.xreplace(env) if env is not None else None
+    beyond = sympy.sympify(summary.get("grads_beyond_shards", 0))
     whole = [{"module": g["module"], "params": g["params"],
               "elements": fmt(g["elements"]) if env is None else _num(g["elements"].xreplace(env)),
               **({"share": float(g["elements"].xreplace(env) / total)} if total else {})}
@@ -36,11 +38,13 @@ def to_json(an, sizes: Mapping[str, int] | None, summary: dict) -> dict:
                 "parallel": {"tp": "TP" if "TP" in an.symbols else an.pinned.get("TP"), "sp": summary["sp"],
                              "engine": summary["engine"],
                              "memory_per_rank": {k: fmt(v) for k, v in summary["memory"].items()},
-                             "memory": peak, "replicated": whole}}
+                             "memory": peak, "replicated": whole,
+                             "grads_beyond_shards": fmt(beyond)}}
     return {"comm": {k: _num(v) for k, v in vals["comm"].items()},
             "parallel": {"tp": _num(vals["tp"]), "sp": summary["sp"], "engine": summary["engine"],
                          "memory_per_rank": {k: _num(v) for k, v in vals["memory"].items()},
-                         "memory": peak, "replicated": whole}}
+                         "memory": peak, "replicated": whole,
+                         "grads_beyond_shards": _num(beyond.xreplace(env))}}
 
 
 def render(an, sizes: Mapping[str, int], summary: dict, width: int | None = None) -> None:
@@ -62,6 +66,12 @@ def render(an, sizes: Mapping[str, int], summary: dict, width: int | None = None
             parts.append(f"{g['module'] or '(root)'} ({', '.join(g['params'])}{share})")
         more = f" and {len(par['replicated']) - 4} more" if len(par["replicated"]) > 4 else ""
         c.print("left whole on every rank (the plan does not split them): " + "; ".join(parts) + more)
+    beyond = par["grads_beyond_shards"]
+    if beyond not in (0, "0"):  # (the vocabulary-parallel embedding's gradient: whole, Replicate, on every rank)
+        n = f"{beyond:,}" if isinstance(beyond, int) else beyond
+        c.print(f"gradients: {n} elements beyond the rank's shards (PyTorch returns the vocabulary-parallel "
+                "embedding's gradient whole, a Replicate [V, d] DTensor beside its Shard(0) weight; "
+                "docs/parallel.md §11)")
     if par["memory"].get("peak") is not None:
         c.print(f"peak per rank at: {par['memory']['where']} (model states of the rank's shards + the live "
                 "storages of the traced step: activations, collective outputs, gradients, optimizer temporaries)")
