@@ -122,7 +122,8 @@ def test_t5_plan_is_megatrons_layout(ffn):
 def test_t5_tensor_parallel_against_pytorch():
     """hf:t5 --tp (was refused): one rank's model FLOPs, saved bytes, collective bytes by kind and
     parameter elements equal PyTorch's running Megatron-LM's T5 layout (:func:`_t5_megatron_rank`)
-    on the fake group, at random sizes (B, S, S_enc, D, F, V, M) never traced."""
+    on the fake group, at random sizes (B, S, S_enc, D, F, V, M) never traced, and at a depth never
+    traced where the stacks fold over L."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from tp_rank import measure
 
@@ -137,7 +138,7 @@ def test_t5_tensor_parallel_against_pytorch():
     rng = random.Random("t5-tp")
     v = {"B": rng.randint(2, 3), "S": rng.randint(3, 9), "S_enc": rng.randint(3, 11), "H": 4,
          "D": rng.choice((2, 4, 6)), "F": 8 * rng.randint(1, 4), "V": 8 * rng.randint(4, 12),
-         "M": 8 * rng.randint(1, 4), "L": 2, "TP": 2}
+         "M": 8 * rng.randint(1, 4), "L": rng.choice((3, 4, 5)) if "L" in an.symbols else 2, "TP": 2}
     values = {**spec.defaults, **v}
     model = _t5_megatron_rank(spec, values)
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -247,7 +248,8 @@ def test_bart_sequence_parallel_against_pytorch():
     the whole layer's input was gathered): one rank's model FLOPs, saved bytes, collective bytes
     by kind and parameter elements equal PyTorch's running torchtitan's sequence-parallel plan
     over both stacks (:func:`_bart_sp_rank`) on the fake group, at random sizes never traced (S
-    and S_enc multiples of TP, as SequenceParallel splits both streams evenly)."""
+    and S_enc multiples of TP, as SequenceParallel splits both streams evenly), and at a depth
+    never traced where the stacks fold over L."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from tp_rank import measure
 
@@ -255,12 +257,13 @@ def test_bart_sequence_parallel_against_pytorch():
 
     spec = resolve("hf:bart", attention="eager")
     an = symcost.trace(spec, layout=Layout(tp=True, sp=True), precision="bf16-true", torch_device="cpu",
-                       sizes={"B": 2, "S": 8, "S_enc": 16, "H": 4, "D": 4, "F": 16, "V": 64, "L": 2, "TP": 2})
+                       sizes={"B": 2, "S": 8, "S_enc": 16, "H": 4, "D": 4, "F": 16, "V": 64, "L": 4, "TP": 2})
     assert set(an.pinned) <= {"L", "TP"}, an.pin_reasons
     assert {"B", "S", "S_enc", "D", "F", "V"} <= set(an.symbols), an.symbols
     rng = random.Random("bart-sp")
     v = {"B": rng.randint(2, 3), "S": 8 * rng.randint(1, 3), "S_enc": 8 * rng.randint(1, 3), "H": 4,
-         "D": rng.choice((2, 4, 6)), "F": 8 * rng.randint(1, 4), "V": 8 * rng.randint(4, 12), "L": 2, "TP": 2}
+         "D": rng.choice((2, 4, 6)), "F": 8 * rng.randint(1, 4), "V": 8 * rng.randint(4, 12),
+         "L": rng.choice((2, 3, 5)) if "L" in an.symbols else 4, "TP": 2}
     values = {**spec.defaults, **v}
     model = _bart_sp_rank(spec, values)
     with FakeTensorMode(allow_non_fake_inputs=True):
