@@ -295,6 +295,13 @@ def test_rank_peak_parts_follow_the_shards():
     assert int(mem["grads"]) - int(mem["params"]) == 2 * V * h * (tp - 1) // tp  # (bf16: the table's rest)
     # (report --tp's line: the gradient elements beyond the shards, as PyTorch's rank holds them)
     assert 2 * int(out["grads_beyond_shards"].xreplace(an.bind(**v))) == real["grads"] - real["params"]
+    # plan's row of the same layout holds the same model states (its screen before any trace)
+    from symcost.hardware.devices import get_device
+    from symcost.passes.plan import Layout as Row, Planner
+
+    row = Planner(an, v, get_device("h100"), PRECISION).evaluate(
+        Row(dp=1, tp=tp, pp=1, b=v["B"], m=1, shard="ddp", checkpoint="none"))
+    assert row["memory"]["model_states"] == int(mem["total"]), (row["memory"], mem)
     assert SYMS["TP"] in pk["formula"].free_symbols
 
 

@@ -256,12 +256,15 @@ class Planner:
         from symcost.passes.parallel import step_counter_bytes
 
         stp_b, stp_r = _split_L(step_counter_bytes(an, optimizer, precision))
+        from symcost.passes.memory.states import grads_traced  # (beyond the shards: the vocab-parallel
+        gheld = None if self.pol.grad_buffer else grads_traced(an)  # embedding's whole gradient, not Megatron's)
+        gbe_b, gbe_r = _split_L(0 if gheld is None else sympy.expand(gheld - an.params_shard + an.params_shard_frozen))
         self.f = {"flops_block": lam(flops_b), "flops_rest": lam(flops_r), "fwd_block": lam(bc.f),
                   "a": lam(bc.a), "x": lam(bc.x), "outside": lam(bc.outside),
                   "comm_block": lam(comm_b), "comm_rest": lam(comm_r),
                   "params_block": lam(par_b), "params_rest": lam(par_r),
                   "frozen_block": lam(fro_b), "frozen_rest": lam(fro_r), "steps_block": lam(stp_b),
-                  "steps_rest": lam(stp_r)}
+                  "steps_rest": lam(stp_r), "grads_beyond_block": lam(gbe_b), "grads_beyond_rest": lam(gbe_r)}
         # expert parallelism: the routed stacks (whole, and as the traced rank holds them) and the
         # all-to-alls' payload per micro-batch, per block and outside the blocks
         names, whole, held = plan_dims.routed_params(an)
@@ -406,6 +409,10 @@ class Planner:
         if experts_rank:
             es = model_state_bytes(experts_rank, se, shard if se > 1 else "ddp", self.precision, self.optimizer)
             states = {k: states[k] + es[k] for k in ("params", "grads", "optimizer_state", "master", "total")}
+        if sd == 1 and t > 1:  # (report --tp's grads, §11; a DP engine keeps the embedding's rows)
+            beyond = int(self.pol.grad * at("grads_beyond"))
+            states["grads"] += beyond
+            states["total"] += beyond
         # torch.optim's step counters, one per parameter tensor with a gradient on the rank, unsharded
         # (report --dp's, --tp's, --ep's and --pp's too: passes.parallel.step_counter_bytes)
         steps = int(at("steps"))
