@@ -86,9 +86,21 @@ def probe_blocks(spec: ModelSpec, stacks: Mapping[str, str], req: Recording, rec
     s2 = _block_seqs(req, stacks)
     out: dict[str, int] = {}
     if stack_fit_blocks(spec) == 3:
-        # a data-parallel layout: first, middle and last block of every stack (as the one block
-        # list's middle block under --dp); a stack whose blocks differ is checked below as ever
-        out = {sym: 3 for sym in stacks.values()}
+        # a data- or sequence-parallel layout: first, middle and last block of every stack (as the
+        # one block list's middle block under --dp), the request recorded with three. The last
+        # block may run other ops (encdec.py's decoder: no gradient of the encoder's output comes
+        # back into it). A stack whose first block differs from the middle one (T5's block 0
+        # computes the position bias and holds its table) is not folded there: the first
+        # block's unit holds other buffers than the middle one's, which the three-block fold
+        # does not tell from per-pass ones (hf:t5 --dp fsdp folded was 8.6 KiB per middle block
+        # off MemTracker's peak, 2026-12-05)
+        for c, sym in stacks.items():
+            seqs = [s2.get((c, i)) for i in range(3)]
+            if seqs[0] != seqs[1]:
+                raise _unvariable(sym, (f"under a data-parallel layout the blocks of {c} are not folded where they run "
+                                        f"different ops or sizes ({_which_differ(seqs, sym)}): traced unfolded at the "
+                                        f"requested {sym}"))
+        return {sym: 3 for sym in stacks.values()}
     for c, sym in stacks.items():
         if s2.get((c, 0)) == s2.get((c, 1)):
             continue
