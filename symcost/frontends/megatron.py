@@ -243,8 +243,17 @@ def wrap_in_place(model, mesh, experts_mesh=None) -> None:
         if hasattr(g, "placements") and g.placements != p.placements:
             # (the vocabulary-parallel embedding: PyTorch's gradient is a whole Replicate [V, d]
             # beside the Shard(0) weight; Megatron's VocabParallelEmbedding's is the local
-            # [V/TP, d], which its buffer holds and reduces: this rank's rows, a view)
-            g = g.redistribute(g.device_mesh, p.placements)
+            # [V/TP, d], which its buffer holds and reduces: this rank's rows, a view, as
+            # torch.chunk splits them; DTensor's redistribute would copy them, an op of no
+            # Megatron run)
+            from torch.distributed.tensor import Replicate, Shard
+
+            (w,) = p.placements if len(p.placements) == 1 else (None,)
+            if isinstance(w, Shard) and all(isinstance(x, Replicate) for x in g.placements):
+                n, step = p._local_tensor.shape[w.dim], -(-g.shape[w.dim] // p.device_mesh.size())
+                g = g.to_local().narrow(w.dim, p.device_mesh.get_local_rank() * step, n)
+            else:
+                g = g.redistribute(g.device_mesh, p.placements)
         dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=g_group)
 
     hooked: set[int] = set()
