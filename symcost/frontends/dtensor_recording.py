@@ -8,6 +8,7 @@ Torch is imported only inside the functions that need it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 
 class _Hidden:
@@ -110,7 +111,11 @@ def hide_shape_propagation():
       :func:`_chunk_cat`): the same bytes, in ops whose number does not depend on TP;
     * DTensor's even split of a tensor into TP shards (``Shard._custom_chunk``,
       ``Shard._split_tensor_helper``: ``torch.chunk``'s TP views, of which a redistribution keeps
-      the rank's) makes only the shards used (:func:`_lazy_chunk`).
+      the rank's) makes only the shards used (:func:`_lazy_chunk`);
+    * DTensor's warning that its random operators "may not have complete support on cpu device
+      mesh" (a dropout on a DTensor: BART's under sequence parallelism) is not shown: the mesh is
+      the recording's fake one on the CPU, not the target's, and the rank's dropout is recorded
+      on its local shard either way.
     """
     from torch.distributed.tensor.placement_types import Shard
     import torch.distributed._functional_collectives as funcol
@@ -132,7 +137,10 @@ def hide_shape_propagation():
     Shard._custom_chunk = staticmethod(_lazy_chunk(shard_saved[0].__func__))
     Shard._split_tensor_helper = staticmethod(_lazy_split(shard_saved[1].__func__))
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"DTensor random operators may not have complete support",
+                                    category=UserWarning)
+            yield
     finally:
         ShardingPropagator._propagate_tensor_meta_non_cached = orig
         funcol._maybe_view_chunk_cat, funcol._chunk_or_narrow_cat = saved
