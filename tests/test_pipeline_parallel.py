@@ -601,7 +601,9 @@ def test_max_batch_pp_exact_at_the_boundary():
 
     rng = random.Random(2727)
     cap = rng.randint(40, 80) * 2**20  # (B of a few sequences: each B a short fake run)
-    sizes = ["H=4", "D=16", "L=2", "V=256", "S=64"]
+    # (S = 512: about 15 MiB a sequence, so the cap holds a few (B = 3 here); at S = 64 it held
+    # 102 and the search ran fake steps up to B = 178)
+    sizes = ["H=4", "D=16", "L=2", "V=256", "S=512"]
     r = CliRunner().invoke(main, ["max-batch", "megatron-gpt", "--pp", "2", "--memory", f"{cap}B", "--json",
                                   "--set", *sizes])
     assert r.exit_code == 0, r.output
