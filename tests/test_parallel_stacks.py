@@ -270,6 +270,32 @@ def test_no_one_block_list_message_is_grammatical_and_actionable():
         find_layer_container(own, own.build_meta(values), values)
 
 
+@pytest.mark.parametrize("layout, words", [(Layout(tp=True, sp=True), "under sequence parallelism the blocks"),
+                                           (Layout(shard="fsdp"), "under a data-parallel layout the blocks"),
+                                           (Layout(shard="ddp", tp=True, sp=True),
+                                            "under a data-parallel layout with sequence parallelism the blocks")])
+def test_unfolded_stack_reason_names_the_requested_layout(layout, words, monkeypatch):
+    """A stack whose first block differs from the middle one under a three-block layout (hf:t5's
+    block 0, 4df6198) pins its length with a reason that names the layout asked for: --tp --sp
+    alone is sequence parallelism, not a data-parallel layout (the reason said so before). The
+    blocks' op sequences are planted (block 0 apart), no recording."""
+    import dataclasses
+
+    from symcost.graph import stacks as gs
+    from symcost.tracing.fit import Unvariable
+
+    spec = symcost.resolve("hf:t5")
+    laid = dataclasses.replace(spec, extra={**spec.extra, "layout": layout.to_dict()})
+    monkeypatch.setattr(gs, "_block_seqs", lambda req, stacks: {("encoder.block", 0): "first",
+                                                                 ("encoder.block", 1): "middle",
+                                                                 ("encoder.block", 2): "middle"})
+    with pytest.raises(Unvariable) as e:
+        gs.probe_blocks(laid, {"encoder.block": "L"}, None, None, {})
+    assert words in str(e.value) and "encoder.block are not folded" in str(e.value), str(e.value)
+    if not layout.shard:
+        assert "data-parallel" not in str(e.value), str(e.value)
+
+
 @pytest.mark.heavy
 def test_encdec_activation_checkpointing_under_data_parallel(examples):  # noqa: F811 - the fixture
     """--dp 2 (ddp) --ac selective on the guide's encdec.py (was refused): every block of both

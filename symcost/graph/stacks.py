@@ -24,7 +24,8 @@ import sympy
 from symcost.frontends.spec import ModelSpec
 from symcost.tracing.fit import CHECK_L, FIT_L, SYMS, Unvariable
 from symcost.tracing.modules import _fold_name, _rename_block
-from symcost.tracing.stacks import _following, find_stacks, layout_folds, stack_candidates, stack_fit_blocks, stack_of
+from symcost.tracing.stacks import (_following, find_stacks, fold_layout_words, layout_folds, stack_candidates,
+                                    stack_fit_blocks, stack_of)
 
 if TYPE_CHECKING:  # pragma: no cover
     from symcost.tracing.record import Recording
@@ -97,7 +98,7 @@ def probe_blocks(spec: ModelSpec, stacks: Mapping[str, str], req: Recording, rec
         for c, sym in stacks.items():
             seqs = [s2.get((c, i)) for i in range(3)]
             if seqs[0] != seqs[1]:
-                raise _unvariable(sym, (f"under a data-parallel layout the blocks of {c} are not folded where they run "
+                raise _unvariable(sym, (f"under {fold_layout_words(spec)} the blocks of {c} are not folded where they run "
                                         f"different ops or sizes ({_which_differ(seqs, sym)}): traced unfolded at the "
                                         f"requested {sym}"))
         return {sym: 3 for sym in stacks.values()}

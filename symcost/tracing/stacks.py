@@ -91,6 +91,15 @@ def stack_fit_blocks(spec: ModelSpec) -> int:
     return FIT_L + 1 if (lay.shard or lay.sp) else FIT_L
 
 
+def fold_layout_words(spec: ModelSpec) -> str:
+    """The layout that makes :func:`stack_fit_blocks` hold three blocks, in words for a reason
+    ("a data-parallel layout", "sequence parallelism", or both): what the user asked for
+    (``--dp``/``--shard``, ``--sp``), not always data parallelism."""
+    lay = layout_of(spec)
+    words = [w for w, on in (("a data-parallel layout", lay.shard), ("sequence parallelism", lay.sp)) if on]
+    return " with ".join(words) or "this layout"
+
+
 def _following(spec: ModelSpec, values: Mapping[str, int], cands, least: int) -> dict[str, str]:
     """``{container: symbol}`` of the outermost containers whose length follows a symbol of
     ``cands`` valued at least ``least`` (length X at ``values``, X + 1 built with X + 1), as
