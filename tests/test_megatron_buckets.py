@@ -154,6 +154,8 @@ def test_traced_rank_prices_megatrons_buckets(megatron_ranks, shard, monkeypatch
     from symcost.passes import megatron_buckets as mb
     from symcost.passes.parallel import step_time
     from symcost.passes.performance import efficiency_of, predict_dp
+    from symcost.render.data_parallel import bucket_rows
+    from symcost.render.report import human
 
     an = megatron_ranks[shard]
     dev = get_device("h100-sxm")
@@ -185,6 +187,13 @@ def test_traced_rank_prices_megatrons_buckets(megatron_ranks, shard, monkeypatch
             else:
                 want = {"backward": 4 * elems * 2 * (dp - 1) / dp, "forward": 0.0}
             assert st["bytes"] == pytest.approx(want, rel=1e-12), (v, overlap)
+            # the report's per-rank table shows these priced bytes beside the trace's bf16 all-reduce
+            rows = {r[0].strip(): r for r in bucket_rows(st)["DP"]}
+            priced = ({"reduce_scatter": want["backward"], "all_gather": want["forward"]} if zero1
+                      else {"all_reduce": want["backward"]})
+            assert {k: r[2] for k, r in rows.items()} == {f"over the DP group: {k} (priced)": human(x, "B")
+                                                          for k, x in priced.items()}, rows
+            assert all(f"{elems:,} x" in r[1] and f"{len(idx)} bucket(s)" in r[1] for r in rows.values()), rows
             p = predict_dp(an, dev, v, overlap)
             steps = len(idx) * (2 * (dp - 1))  # (an all-reduce 2(n-1); a reduce-scatter and an all-gather n-1 each)
             assert p["collectives"] == len(idx) * (2 if zero1 else 1)
@@ -200,3 +209,27 @@ def test_traced_rank_prices_megatrons_buckets(megatron_ranks, shard, monkeypatch
                 assert p["optimizer_seconds"] == pytest.approx(
                     max(eff.optimizer_per_tensor * len(numels),
                         eff.optimizer_per_byte * 2 * sum(numels)), rel=1e-12)
+
+
+def test_report_text_labels_the_bound_and_megatrons_engine(megatron_ranks, capsys):
+    """report --dp --gpu's text under megatron-*: the roofline's step is labelled the lower bound
+    (a reader took it for the step), its overlap explained as Megatron's buckets
+    (--overlap-grad-reduce), not FSDP2's all-gathers and prefetch, and one line gives Megatron's
+    per-iteration work that the prediction includes, at the prediction's own seconds."""
+    from symcost.commands.report import _render_iteration
+    from symcost.hardware.devices import get_device
+    from symcost.passes.parallel import step_time, summary
+    from symcost.passes.performance import predict_dp
+    from symcost.render.data_parallel import render_parallel
+
+    an, dev = megatron_ranks["ddp"], get_device("h100-sxm")
+    v = {"B": 2, "S": 16, "H": 3, "D": 16, "L": 3, "V": 100, "DP": 2}
+    st, p = step_time(an, dev, v, "backward"), predict_dp(an, dev, v, "backward")
+    render_parallel(an, v, summary(an, "megatron-bf16", "adamw", v), width=10_000, step=st)
+    _render_iteration(p)
+    out = capsys.readouterr().out
+    assert "lower bound (roofline, fused; not the predicted step)" in out and "step time per rank" not in out, out
+    assert "FSDP2" not in out and "prefetch" not in out and "(--overlap-grad-reduce)" in out, out
+    it = p["megatron_iteration"]
+    assert it["seconds"] > 0 and f"included in the prediction: {it['seconds'] * 1e3:.4g} ms per optimizer step" in out
+    assert "over the DP group: all_reduce (priced)" in out, out

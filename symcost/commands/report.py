@@ -158,8 +158,9 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
                 console().print(
                     f"predicted step (performance model, {predicted['mode']}): {predicted['step_seconds'] * 1e3:.4g} ms, "
                     f"MFU {100 * predicted['mfu_predicted']:.1f}% (roofline bound with the same {predicted['mode']} bytes "
-                    f"{predicted['bound_seconds'] * 1e3:.4g} ms; the step above is the fused bound"
-                    f"{'' if predicted['calibrated'] else '; efficiency parameters defaulted'})")
+                    f"{predicted['bound_seconds'] * 1e3:.4g} ms; the lower bound above is the fused one"
+                    f"{'' if predicted['calibrated'] else '; ' + DEFAULTED})")
+                _render_iteration(predicted)
                 _render_buckets(step)
                 _render_accumulated(acc)
             _activations(an, sizes)
@@ -254,6 +255,25 @@ def _render_accumulated(acc) -> None:
                     f"{acc['reductions']} time(s), the optimizer once)")
 
 
+#: What "defaulted" means beside a prediction (docs/performance-model.md): the device's efficiency
+#: table is the catalogue's default until a GPU run measures it.
+DEFAULTED = "efficiency parameters defaulted: no GPU has measured them (benchmarks/gpu_check.sh calibrates one)"
+
+
+def _render_iteration(predicted) -> None:
+    """One line on Megatron-LM's per-iteration work that the prediction includes, where it does
+    (``predicted["megatron_iteration"]``, :func:`symcost.passes.megatron_iteration.price`)."""
+    it = predicted.get("megatron_iteration")
+    if not it:
+        return
+    from symcost.render.report import console
+
+    top = sorted(it.get("items", {}).items(), key=lambda kv: -kv[1])[:4]
+    console().print(f"Megatron-LM's per-iteration work, included in the prediction: {it['seconds'] * 1e3:.4g} ms per "
+                    f"optimizer step ({len(it.get('items', {}))} items, {it['syncs']:.4g} host syncs; the largest: "
+                    + ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.3g} ms" for k, v in top) + ")")
+
+
 def _render_buckets(step) -> None:
     """One line on Megatron-LM's buckets where the step prices its engine (``step["buckets"]``,
     :func:`symcost.passes.megatron_buckets.engine`)."""
@@ -282,14 +302,15 @@ def _render_priced(step, predicted) -> None:
                        for g, d in step["groups"].items())
     ring = (f"; CP ring {human(sum(step['cp']['bytes'].values()), 'B')} over {step['cp']['link']}, "
             f"{sum(step['cp']['exposed'].values()) * 1e3:.4g} ms exposed") if "cp" in step else ""
-    c.print(f"step per rank on the device (roofline bound, {step['ranks']} ranks on {step['nodes']} node(s)): "
+    c.print(f"lower bound (roofline; not the predicted step) per rank, {step['ranks']} ranks on {step['nodes']} node(s): "
             f"{step['step_seconds'] * 1e3:.4g} ms = compute {step['compute']['forward'] * 1e3:.4g} + "
             f"{step['compute']['backward'] * 1e3:.4g} ms + {step['exposed_comm_seconds'] * 1e3:.4g} ms exposed "
             f"communication ({groups or 'no collectives'}{ring}); MFU {100 * step['mfu']:.1f}%")
     c.print(f"predicted step (performance model, {predicted['mode']}): {predicted['step_seconds'] * 1e3:.4g} ms, "
             f"MFU {100 * predicted['mfu_predicted']:.1f}% ({predicted['collectives']} collectives' latency "
             f"{predicted['latency_seconds'] * 1e3:.3g} ms, {predicted['exposed_comm_seconds'] * 1e3:.4g} ms exposed"
-            f"{'' if predicted['calibrated'] else '; efficiency parameters defaulted'})")
+            f"{'' if predicted['calibrated'] else '; ' + DEFAULTED})")
+    _render_iteration(predicted)
 
 
 def _rank_section(an):

@@ -288,6 +288,20 @@ def optimizer_shard(bufs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
 #: the process groups whose traced collectives the engine's buckets replace
 GROUPS = ("DP", "DP_expert")
 
+#: The overlap models (``--overlap``, :data:`symcost.passes.parallel.OVERLAPS`) as Megatron-LM's
+#: engine runs them (docs/performance-model.md, "Megatron-LM's engine"; :func:`engine`): its
+#: buckets, not FSDP2's all-gathers and prefetch.
+OVERLAPS = {
+    "none": "Megatron's gradient buffer reduced as one bucket after the backward (no --overlap-grad-reduce), "
+            "nothing hidden",
+    "backward": "each gradient bucket's all-reduce (the distributed optimizer's reduce-scatter) starts once the "
+                "backward has filled it and hides under the rest of the backward (--overlap-grad-reduce); the "
+                "distributed optimizer's parameter all-gather, where it runs (zero1), is exposed",
+    "full": "the buckets' gradient reductions hide under the backward (--overlap-grad-reduce) and the "
+            "distributed optimizer's parameter all-gather, where it runs (zero1), under the next forward "
+            "(--overlap-param-gather)",
+}
+
 
 def engine(an, env: Mapping, ranks: Mapping[str, int], overlap: str, bucketing: bool = True) -> dict[str, Any]:
     """Megatron-LM's data-parallel collectives of one step of ``an`` (a :func:`is_megatron_engine`

@@ -43,7 +43,7 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
         what = "DP·EP (DP for the experts)" if par.get("ep") is not None else "DP"
         c.print(f"{what} does not divide every{local} sharded dimension here: the values include the padding of "
                 "the shards (FSDP2: ceil(d0/DP) rows per rank), the formulas and the peak do not (docs/parallel.md)")
-    t = per_rank_table(summary, js, par)
+    t = per_rank_table(summary, js, par, bucket_rows(step))
     pk = par["memory"]
     add_peak_row(t, pk)
     c.print(t)
@@ -69,12 +69,57 @@ def render_parallel(an: Analysis, sizes: Mapping[str, int], summary: dict, width
                 f"{cp['bandwidth'] / 1e9:.0f} GB/s, {sum(cp['exposed'].values()) * 1e3:.3f} ms of it exposed (PyTorch's "
                 "ring schedule: each pass beside one attention block); the figures below are the DP·CP group's")
     if step is not None:
-        c.print(f"step time per rank: {step['step_seconds'] * 1e3:.3f} ms (compute {step['compute']['forward'] * 1e3:.3f} "
-                f"+ {step['compute']['backward'] * 1e3:.3f} ms forward + backward, communication "
-                f"{step['comm']['forward'] * 1e3:.3f} + {step['comm']['backward'] * 1e3:.3f} ms forward + backward over {step['link']} at {step['link_bandwidth'] / 1e9:.0f} GB/s "
+        from symcost.passes.megatron_buckets import OVERLAPS as MEGATRON_OVERLAPS
+
+        # the roofline's step: a lower bound, not the prediction (commands/report.py prints that
+        # next); the collectives it adds exposed (TP, EP, the CP ring) named, then the DP group's
+        exposed = [(f"{g} collectives", sum(d["seconds"].values())) for g, d in step["groups"].items()
+                   if not d["overlapped"]]
+        if step.get("cp") is not None:
+            exposed.append(("CP ring", sum(step["cp"]["exposed"].values())))
+        overlap_model = MEGATRON_OVERLAPS[step["overlap"]] if step.get("buckets") else step["overlap_model"]
+        c.print(f"lower bound (roofline, fused; not the predicted step) per rank: {step['step_seconds'] * 1e3:.3f} ms "
+                f"(compute {step['compute']['forward'] * 1e3:.3f} + {step['compute']['backward'] * 1e3:.3f} ms forward "
+                "+ backward, "
+                + "".join(f"{what} {sec * 1e3:.3f} ms exposed, " for what, sec in exposed)
+                + f"DP group communication {step['comm']['forward'] * 1e3:.3f} + {step['comm']['backward'] * 1e3:.3f} ms "
+                f"forward + backward over {step['link']} at {step['link_bandwidth'] / 1e9:.0f} GB/s "
                 + (f"(dp_shard) and {step['replicate_link']} at {step['replicate_link_bandwidth'] / 1e9:.0f} GB/s "
                    "(dp_replicate) " if step.get("replicate_link") else "")
-                + f"per direction, {step['nodes']} node(s); overlap {step['overlap']}: {step['overlap_model']}); "
-                f"MFU {100 * step['mfu']:.1f}%" + (f" of the {step['precision']} peak {step['peak_flops'] / 1e12:.4g} "
-                                                    "TFLOP/s (the dtype the traced matmuls ran in)"
-                                                    if step.get("precision") else ""))
+                + f"per direction, {step['nodes']} node(s); overlap {step['overlap']}: {overlap_model}); "
+                f"MFU at the bound {100 * step['mfu']:.1f}%" + (f" of the {step['precision']} peak "
+                                                                 f"{step['peak_flops'] / 1e12:.4g} TFLOP/s (the dtype "
+                                                                 "the traced matmuls ran in)"
+                                                                 if step.get("precision") else ""))
+
+
+def bucket_rows(step: dict | None) -> dict[str, list[tuple[str, str, str]]]:
+    """The rows of the per-rank table that show what the step time prices under Megatron-LM's
+    engine (``step["buckets"]``, :func:`symcost.passes.megatron_buckets.engine`) beside the
+    trace's collectives: per data-parallel group, its buckets' bytes per rank per step (the
+    gradient buffer's dtype: fp32 under ``megatron-bf16``, where the trace all-reduces in bf16),
+    an all-reduce under DDP, a reduce-scatter (backward) and a parameter all-gather (priced in
+    the forward) under the distributed optimizer; {} for another engine or no step."""
+    b = (step or {}).get("buckets")
+    if not b:
+        return {}
+    out: dict[str, list[tuple[str, str, str]]] = {}
+    for g, d in step["groups"].items():
+        bufs = [x for x in b["buffers"] if x["group"] == g and x["buckets"]]
+        if not bufs:
+            continue
+        n = sum(len(x["buckets"]) for x in bufs)
+
+        def formula(ring, key):  # (ring bytes per rank, as the trace's rows: 2(n-1)/n of an all-reduce's buffer)
+            return f"Megatron's {n} bucket(s): {ring}({g}-1)/{g} x " + " + ".join(
+                f"{sum(x['buckets']):,} x {x[key]} B" for x in bufs)
+
+        if b["distributed"]:
+            out[g] = [(f"  over the {g} group: reduce_scatter (priced)", formula("", "grad_bytes"),
+                       human(d["bytes"]["backward"], "B")),
+                      (f"  over the {g} group: all_gather (priced)", formula("", "param_bytes"),
+                       human(d["bytes"]["forward"], "B"))]
+        else:
+            out[g] = [(f"  over the {g} group: all_reduce (priced)", formula("2", "grad_bytes"),
+                       human(sum(d["bytes"].values()), "B"))]
+    return out

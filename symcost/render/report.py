@@ -738,21 +738,29 @@ def add_peak_row(t, pk: dict) -> None:
     t.add_row("memory.peak" + ("" if isinstance(pk["peak"], int) else " (at the defaults)"), f, human(val, "B"))
 
 
-def per_rank_table(summary, js, par):
+def per_rank_table(summary, js, par, priced=None):
     """The rich table of one rank's collectives and memory: each ``summary["comm"]`` and
     ``summary["memory"]`` formula with its value (bytes per rank per step) from the JSON forms
-    ``js["comm"]`` and ``par["memory_per_rank"]``."""
+    ``js["comm"]`` and ``par["memory_per_rank"]``; ``priced`` {group: [(label, formula, value)]}
+    adds rows after a group's traced ones (the bytes the step time prices where they differ:
+    Megatron-LM's buckets, :func:`symcost.render.data_parallel.bucket_rows`)."""
     from rich.table import Table
 
     t = Table("per rank, per step", "formula", "value", box=None)
     for k, v in summary["comm"].items():
         val = js["comm"][k]
         t.add_row(f"comm.{k} (sent = received)", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
+    left = dict(priced or {})
     for g, d in (summary.get("comm_by_group") or {}).items():  # the 2-D mesh: each group's share
         for k, v in d.items():
             if v != 0:
                 val = par["comm_by_group"][g][k]
                 t.add_row(f"  over the {g} group: {k}", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
+        for row in left.pop(g, ()):
+            t.add_row(*row)
+    for rows in left.values():
+        for row in rows:
+            t.add_row(*row)
     for k, v in summary["memory"].items():
         val = par["memory_per_rank"][k]
         t.add_row(f"memory.{k}", fmt(v), human(val, "B") if isinstance(val, (int, float)) else "")
