@@ -360,6 +360,31 @@ def test_trace_cache_serves_other_tp(cache_dir):
     assert cache.load(cache.key("megatron-gpt", {}, "eager", PRECISION, {"tp": True, "sp": False}), v) is None
 
 
+def test_uneven_vocabulary_against_pytorch_on_the_fake_group():
+    """TP = 2 with an odd V (a newcomer's ``report hf:bart --tp 2``, V = 50265, was refused after
+    ~19 s: 'no probe sizes ... stay in the regime'): PyTorch runs it, DTensor's Shard(0) giving
+    rank 0 ⌈V/2⌉ vocabulary rows. The trace pins V and TP (the reason in ``pin_reasons``), the
+    other symbols free: at the request and at another random point of B, S, H, D, L the rank's
+    model FLOPs, saved bytes, collective bytes and parameter elements equal PyTorch's on rank 0
+    of the fake group."""
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+
+    rng = random.Random(50265)
+    v0, v1 = ({**_draw(rng, False), "TP": 2, "H": 8 * rng.randint(1, 2)} for _ in range(2))
+    v0["V"] = v1["V"] = 2 * rng.randint(4, 60) + 1
+    sizes = {k: x for k, x in v0.items() if k != "F"}
+    an = symcost.trace(resolve("megatron-gpt"), layout=Layout(tp=True), sizes=sizes, precision=PRECISION,
+                       torch_device="cpu")
+    assert an.pinned == {"V": v0["V"], "TP": 2}, an.pinned
+    assert an.pin_reasons["V"].startswith(f"V = {v0['V']} is not a multiple of TP = 2: the rank's vocabulary "
+                                          f"shard is ⌈V/TP⌉ = {(v0['V'] + 1) // 2} rows"), an.pin_reasons
+    for v in (v0, v1):
+        v = {k: x for k, x in v.items() if k != "F"}
+        got = _fake_rank(False, v)
+        _assert_rank(an, v, got)
+
+
 def test_cli_report_tp_sp_json():
     """``report megatron-gpt --tp 4 --sp --json``: comm.*, model FLOPs, activations and the
     rank's parameter bytes at the sizes asked for equal what PyTorch runs on rank 0 of the fake
@@ -421,6 +446,10 @@ def test_max_batch_tp_at_the_boundary_against_memtracker(capsys):
 @pytest.mark.parametrize("args,msg", [
     (["--sp"], "--sp needs --tp N"),
     (["--tp", "3", "--set", "H=4"], "heads do not split over 3 ranks (accepted: a TP that divides 4: 2, 4)"),
+    # (Megatron-LM's run pads the vocabulary to a multiple of 128·TP: _vocab_size_with_padding)
+    (["--tp", "2", "--precision", "megatron-bf16", "--set", "V=51201"],
+     "Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by (128) × TP = 256 "
+     "(_vocab_size_with_padding), 51456 rows: ask for --set V=51456"),
 ])
 def test_cli_refusals(args, msg):
     from click.testing import CliRunner

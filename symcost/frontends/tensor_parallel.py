@@ -52,6 +52,7 @@ Torch is imported only inside the functions that need it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import inspect
 import math
@@ -148,10 +149,54 @@ def splits(spec, values: Mapping[str, int], sp: bool = False, sizes=(2, 4, 8)) -
 _SHARDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+#: the requested vocabulary V while a trace runs with V and TP pinned because TP does not divide V
+#: (:func:`uneven_vocab`, set by ``graph.build.trace``): the plan's dimensions of that size are
+#: let through the probe check uneven (the same ⌈V/TP⌉ rows at every probe), the others still split evenly
+UNEVEN_V: "contextvars.ContextVar[int | None]" = contextvars.ContextVar("symcost_uneven_v", default=None)
+
+
+def uneven_vocab(spec, values: Mapping[str, int], precision: str = "") -> dict[str, str]:
+    """The symbols to pin, with why, where ``TP`` does not divide the requested vocabulary ``V``
+    and the plan shards a dimension of V rows (the token embedding's ``Shard(0)``, the head's
+    output features); ``{}`` elsewhere.
+
+    PyTorch runs it: DTensor's ``Shard(0)`` chunks V rows as ``torch.chunk`` does (rank r holds
+    ⌈V/TP⌉ rows on the first ranks, fewer on the last; the recorded rank 0 the ⌈V/TP⌉), and its
+    collectives over the uneven shards pad to the largest. ⌈V/TP⌉ is no polynomial in V or TP:
+    both are pinned at the request, the other symbols stay free (their dimensions still split
+    evenly at every probe, :func:`_indivisible`).
+
+    Raises:
+        SymcostError: under ``megatron-*`` precision: Megatron-LM's vocabulary-parallel embedding
+            asserts that TP divides its rows (``VocabParallelEmbedding``: ``divide``), and its
+            run pads the tokenizer's vocabulary to a multiple of ``--make-vocab-size-divisible-by``
+            (128) × TP (``_vocab_size_with_padding``, megatron/training/tokenizer/tokenizer.py);
+            symcost's V is those padded rows, so the line names the padded size to ask for.
+    """
+    tp, v = values.get("TP"), values.get("V")
+    if not tp or not v or v % tp == 0:
+        return {}
+    sharded = _sharded_dims(spec, values)
+    if isinstance(sharded, str) or not any(v in dims for dims, _ in sharded.values()):
+        return {}
+    if precision.startswith("megatron"):
+        pad = -(-v // (128 * tp)) * 128 * tp
+        raise SymcostError(
+            f"V = {v} is not a multiple of TP = {tp}: Megatron-LM pads the vocabulary to a multiple of "
+            f"--make-vocab-size-divisible-by (128) × TP = {128 * tp} (_vocab_size_with_padding), {pad} rows: "
+            f"ask for --set V={pad} (nearest multiples of TP: {v // tp * tp}, {-(-v // tp) * tp})")
+    rows = -(-v // tp)
+    why = (f"V = {v} is not a multiple of TP = {tp}: the rank's vocabulary shard is ⌈V/TP⌉ = {rows} rows "
+           f"(DTensor's Shard(0) chunks, as torch.chunk; the last ranks hold fewer)")
+    return {"V": why, "TP": f"V = {v} is not a multiple of TP = {tp}: ⌈V/TP⌉ rows are no polynomial in TP"}
+
+
 def _indivisible(spec, values: Mapping[str, int], sp: bool) -> str | None:
     """Why ``TP`` does not divide a dimension the plan shards (the model built on the meta
-    device), or None."""
+    device), or None. A dimension of the pinned uneven vocabulary (:data:`UNEVEN_V`) is let
+    through."""
     tp = values["TP"]
+    uneven = UNEVEN_V.get()
     for q in _sequences(spec) if sp else ():
         if values.get(q, tp) % tp or values.get(q, 2 * tp) < 2 * tp:
             return (f"{q}={values[q]} is no multiple of TP={tp} of at least 2·TP (sequence parallelism "
@@ -163,7 +208,8 @@ def _indivisible(spec, values: Mapping[str, int], sp: bool) -> str | None:
     if isinstance(sharded, str):
         return f"the model does not build at these sizes ({sharded})"
     for name, (dims, heads) in sharded.items():
-        bad = [d for d in dims + heads if d % tp] or [d for d in heads if d < 2 * tp]
+        bad = [d for d in dims if d % tp and d != uneven] + [d for d in heads if d % tp] or [
+            d for d in heads if d < 2 * tp]
         if bad:
             return (f"{name}: {bad[0]} is no multiple of TP={tp}" if bad[0] % tp else
                     f"{name}: {bad[0]} heads leave one per rank (a regime of its own)")

@@ -23,6 +23,7 @@ from symcost.errors import SymcostError
 from symcost.frontends.layout import Layout, layout_of
 from symcost.frontends.megatron import for_run
 from symcost.frontends.parallel import MESH_PINNED
+from symcost.frontends.tensor_parallel import UNEVEN_V
 from symcost.frontends.spec import INPUT_SYMBOLS, SYMBOL_MEANINGS, ModelSpec, request_facts
 from symcost.tracing.fit import (CHECK_L, FIT_L, N_RANDOM, SYMS, Fitter, FitError, NoProbes, Unvariable, find_base,
                                  leaves_moe_values, model_divisors, plan_probes, probe_pool, random_near, random_point,
@@ -238,17 +239,28 @@ def trace(model: str | ModelSpec = "cs336-lm", config: Mapping[str, str] | None 
         pins["CP"] = values["CP"]
         reasons["CP"] = ("ring attention runs CP steps per attention call, so the rank's ops follow CP "
                          "(formulas for this CP; docs/parallel.md §15)")
+    uneven = None
+    if layout_of(spec).tp and "TP" in values and "V" in values and "V" not in pins and "TP" not in pins:
+        # TP does not divide V: DTensor shards the vocabulary unevenly (⌈V/TP⌉ rows on the recorded
+        # rank), no polynomial in V or TP: both pinned, the other symbols free (was refused after
+        # ~19 s: 'no probe sizes ... stay in the regime'); under megatron-* a one-line refusal
+        from symcost.frontends.tensor_parallel import uneven_vocab
+
+        for s, why in uneven_vocab(spec, values, precision).items():
+            pins[s], reasons[s] = values[s], why
+            uneven = values["V"]
     recordings: dict = {}
     widened, n_random0, seed0 = False, n_random, seed
     relax = False  # (the sharding probe checks waived: NoProbes below)
     started = time.perf_counter()
     for _ in range(len(SYMS) + 2):
         try:
-            token = MESH_PINNED.set(relax)
+            token, token_v = MESH_PINNED.set(relax), UNEVEN_V.set(uneven)
             try:
                 an = _trace_regime(spec, values, facts, pins, reasons, precision, n_random, seed, recordings)
             finally:
                 MESH_PINNED.reset(token)
+                UNEVEN_V.reset(token_v)
             earlier = time.perf_counter() - started - sum(an.timings.values())  # (each pin traces again)
             if earlier > 0.05:
                 an.timings["earlier attempts"] = earlier
