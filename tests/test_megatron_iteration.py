@@ -80,6 +80,32 @@ def test_parse_args():
         mi.parse_args("--log-interval often")
 
 
+def test_megatron_args_warns_of_the_flags_it_ignores():
+    """``--megatron-args`` names, in one stderr line, the flags it does not read, each of which
+    leaves :func:`parse_args` unchanged when dropped while every flag it does not name changes
+    it; Megatron's overlap flags point at symcost's ``--overlap``. Parsed by the CLI before the
+    model (an unknown one: nothing traced)."""
+    from click.testing import CliRunner
+
+    from symcost.cli import main
+    from symcost.passes import megatron_iteration as mi
+
+    text = "--bogus-flag 3 --overlap-grad-reduce --clip-grad 0 --lr 1e-4 --loss-scale -1 --log-params-norm"
+    ignored = mi.ignored_args(text)
+    assert ignored == ["--bogus-flag", "--overlap-grad-reduce", "--lr"], ignored
+    words = text.split()
+    for i, w in enumerate(words):  # (each flag with its value words: dropped, parse_args changes iff it is read)
+        if w.startswith("--"):
+            j = next((k for k in range(i + 1, len(words)) if words[k].startswith("--")), len(words))
+            same = mi.parse_args(" ".join(words[:i] + words[j:])) == mi.parse_args(text)
+            assert same == (w in ignored), w
+    assert mi.ignored_args(RECIPE) == ["--lr"] and mi.ignored_warning("--clip-grad 0") is None
+    r = CliRunner().invoke(main, ["report", "no-such-model", "--megatron-args", text])
+    warn = [ln for ln in r.stderr.splitlines() if "--megatron-args ignores" in ln]
+    assert len(warn) == 1 and "--bogus-flag, --overlap-grad-reduce, --lr" in warn[0], r.stderr
+    assert "--overlap-grad-reduce: symcost's --overlap backward|full sets that" in warn[0], warn
+
+
 def _sizes_and_params(seed):
     from symcost.frontends.models import resolve
 

@@ -166,6 +166,18 @@ def _keep_parallel(key):
     return store
 
 
+def _megatron_args(ctx, param, value):
+    """``--megatron-args``: kept for the step model, and one warning line (stderr) naming the
+    flags it does not read (:func:`symcost.passes.megatron_iteration.ignored_warning`)."""
+    if value is not None:
+        from symcost.passes.megatron_iteration import ignored_warning
+
+        line = ignored_warning(value)
+        if line:
+            click.echo(f"symcost: {line}", err=True)
+    return _keep_parallel("symcost.megatron_args")(ctx, param, value)
+
+
 def device_alias(f):
     """``--device NAME`` as another spelling of ``--gpu NAME`` (``report``: the other commands
     name the catalogue device ``--device``); both at once must agree."""
@@ -221,10 +233,11 @@ def parallel_options(f):
                      callback=_keep_parallel("symcost.nodes"),
                      help="with --dp and --gpu: nodes the DP ranks span [default: as few as hold them]")(f)
     f = click.option("--megatron-args", default=None, expose_value=False, metavar="FLAGS",
-                     callback=_keep_parallel("symcost.megatron_args"),
+                     callback=_megatron_args,
                      help="with --precision megatron-*, --dp and --gpu: the Megatron-LM run's flags that change its "
                           "per-iteration work (--clip-grad, --log-params-norm, --log-num-zeros-in-grad, "
-                          "--log-interval, --no-check-for-nan-in-loss-and-grad, --loss-scale; others ignored) "
+                          "--log-interval, --no-check-for-nan-in-loss-and-grad, --loss-scale; others ignored, named in a "
+                          "warning) "
                           "[default: Megatron-LM's defaults] (docs/performance-model.md)")(f)
     f = click.option("--gpu", default=None, expose_value=False, callback=_keep_parallel("symcost.gpu"),
                      metavar="NAME", help="with --dp: step time per rank on this catalogue device "

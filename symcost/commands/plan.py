@@ -113,11 +113,14 @@ def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, mem
     policy(precision)
     if megatron_args is not None:
         from symcost.frontends.megatron import is_megatron
-        from symcost.passes.megatron_iteration import parse_args
+        from symcost.passes.megatron_iteration import ignored_warning, parse_args
 
         if not is_megatron(precision):
             raise SymcostError(f"--megatron-args applies under --precision megatron-*, not {precision}")
         parse_args(megatron_args)  # (a bad value: one line before the trace)
+        line = ignored_warning(megatron_args)
+        if line:
+            click.echo(f"symcost: {line}", err=True)
     shards = _csv(shards, SHARDS, "--shard")
     checkpoints = _csv(checkpoints, CHECKPOINTS, "--checkpoint")
     schedules = _csv(schedules, SCHEDULES, "--schedule")

@@ -76,6 +76,11 @@ DEFAULTS = {"clip_grad": 1.0, "log_interval": 100, "log_params_norm": False, "lo
 SOURCE = "NVIDIA/Megatron-LM d98e8a6"
 
 
+#: The flags :func:`parse_args` reads (the others do not change the per-iteration work).
+READ = ("--clip-grad", "--log-interval", "--loss-scale", "--log-params-norm", "--log-num-zeros-in-grad",
+        "--no-check-for-nan-in-loss-and-grad")
+
+
 def parse_args(text: str | None) -> dict[str, Any]:
     """Megatron-LM command-line flags (``"--log-params-norm --clip-grad 0 --log-interval 1"``) ->
     :data:`DEFAULTS` updated with them. Flags that do not change the per-iteration work are
@@ -110,6 +115,44 @@ def parse_args(text: str | None) -> dict[str, Any]:
             flags[name] = value
         i += 1
     return flags
+
+
+#: Megatron-LM flags that symcost's own options set: ``--overlap backward`` is Megatron's
+#: ``--overlap-grad-reduce``, ``--overlap full`` adds ``--overlap-param-gather``
+#: (docs/performance-model.md, "Megatron-LM's engine").
+SET_BY_OPTIONS = {"--overlap-grad-reduce": "--overlap backward|full", "--overlap-param-gather": "--overlap full"}
+
+
+def ignored_args(text: str | None) -> list[str]:
+    """The flags of ``text`` (Megatron-LM's command line) that :func:`parse_args` does not read, in
+    order, each once: a word that starts with ``-`` and is not a number (``--loss-scale -1``'s
+    value), the value words after it skipped. ``"--bogus-flag 3 --clip-grad 0"`` -> ``["--bogus-flag"]``."""
+    out: list[str] = []
+    for w in shlex.split(text or ""):
+        key = w.partition("=")[0]
+        if key.startswith("-") and not _number(key) and key not in READ and key not in out:
+            out.append(key)
+    return out
+
+
+def _number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def ignored_warning(text: str | None) -> str | None:
+    """One warning line naming the flags of ``text`` that the per-iteration model ignores
+    (:func:`ignored_args`), and for Megatron's overlap flags the symcost option that sets them
+    (:data:`SET_BY_OPTIONS`); None where every flag is read."""
+    ignored = ignored_args(text)
+    if not ignored:
+        return None
+    set_by = [f"{f}: symcost's {SET_BY_OPTIONS[f]} sets that" for f in ignored if f in SET_BY_OPTIONS]
+    return ("warning: --megatron-args ignores " + ", ".join(ignored) + " (only the flags that change Megatron's "
+            "per-iteration work are read: " + ", ".join(sorted(READ)) + ")" + ("; " + "; ".join(set_by) if set_by else ""))
 
 
 def _item(name, source, ops=0, kernels=0, read=0, written=0, collectives=(), syncs=0, per="iteration"):
