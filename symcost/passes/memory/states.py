@@ -133,7 +133,14 @@ def step_counter_bytes(an, optimizer: str, precision: str | None = None) -> symp
     = [self.single_partition_of_fp32_groups[i]]``), so a torch.optim AdamW keeps one ``step``
     tensor: 4 bytes (one group). (Under expert parallelism, ``--ep --dp --shard zero1``, the
     distributed optimizer is Megatron-LM's, whose torch.optim fallback steps each parameter's
-    range of the shard: counted per parameter tensor, an upper bound.)
+    range of the shard: counted per parameter tensor, an upper bound.) ``zero2`` stays one per
+    parameter tensor: DeepSpeed's ZeRO-2 is the same optimizer as its ZeRO-1 (deepspeed/runtime/
+    engine.py: ``DeepSpeedZeroOptimizer(..., partition_grads=zero_stage == ZeroStageEnum.gradients)``;
+    stage_1_and_2.py sets the flat partition as every group's params whatever ``partition_grads``,
+    deepspeedai/DeepSpeed at edaa722), but symcost's ``zero2`` runs FSDP2
+    (``reshard_after_forward=False``), whose AdamW keeps a ``step`` per DTensor parameter, and its
+    peak is that engine's (MemTracker's, to the byte: tests/test_parallel_memory.py
+    ``test_mlp_rank_peak_matches_memtracker[zero2]``; one counter there was 12 B under it on mlp at L = 2).
 
     0 under a ``megatron-*`` or ``deepspeed-*`` policy (``precision``): Transformer Engine's and
     Apex's ``FusedAdam``, which Megatron-LM runs, keep one ``group["step"]`` per parameter group, a
