@@ -410,6 +410,38 @@ def count_exchange(expert_ids, e: int, mesh):
         return torch.ops._c10d_functional.wait_tensor(got)  # (torchtitan waits explicitly here too)
 
 
+def rank_slots(self, hidden_states, top_k_index, top_k_weights):
+    """The tokens an expert-parallel rank routes and the rows it receives per local expert:
+    ``(hidden_states, top_k_index, top_k_weights, start, xq)``. With the ``tp_mesh`` of ``--ep --tp``
+    this TP rank's N/TP tokens from row ``start`` (docs/parallel.md §14.8), else all N (start 0); ``xq`` = X·N·R/E, the rows
+    per local expert this rank receives from each rank (X = 1 balanced, ``--routing skew=X`` the
+    most loaded rank). Used by :func:`hf_forward` and Megatron's dispatcher
+    (:func:`symcost.frontends.megatron_moe.ep_forward`).
+
+    Raises:
+        SymcostError: X > EP, or X·N·R/E no whole number."""
+    from symcost.frontends.moe import routing_of
+
+    ep, e = self.ep_mesh.size(), self.num_experts
+    tp_mesh, start = getattr(self, "tp_mesh", None), 0
+    if tp_mesh is not None:
+        from symcost.frontends.expert_parallel_tp import token_slice
+
+        start, rows = token_slice(hidden_states.shape[0], tp_mesh)
+        hidden_states = hidden_states[start:start + rows]
+        top_k_index, top_k_weights = top_k_index[start:start + rows], top_k_weights[start:start + rows]
+    s = hidden_states.shape[0] * top_k_index.shape[-1]
+    routing = routing_of(self)
+    if routing.skew > ep:
+        raise SymcostError(f"--routing {routing.name} with --ep {ep}: the most loaded rank receives at most every "
+                           f"rank's slots (accepted: 1 <= X <= EP)")
+    xq = routing.skew * (s // e)  # (skew=X: the rows per local expert this rank receives from each rank)
+    if xq.denominator != 1:
+        raise SymcostError(f"--routing {routing.name}: X·N·R/E = {xq} rows per expert is no whole number "
+                           "(accepted: an X that makes it whole)")
+    return hidden_states, top_k_index, top_k_weights, start, int(xq)
+
+
 def hf_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' stacked experts (``grouped_mm_experts_forward``, transformers/integrations/
     moe.py) on one EP rank, under balanced routing: ``hidden_states [N, M]``, ``top_k_index``,
@@ -433,31 +465,15 @@ def hf_forward(self, hidden_states, top_k_index, top_k_weights):
     import torch
     from transformers.integrations.moe import _grouped_linear
 
-    from symcost.frontends.moe import routing_of
-
     mesh = self.ep_mesh
     ep, e = mesh.size(), self.num_experts
     local = e // ep
     full = hidden_states
     tp_mesh = getattr(self, "tp_mesh", None)
-    if tp_mesh is not None:  # (--ep --tp: this TP rank's N/TP tokens, docs/parallel.md §14.8)
-        from symcost.frontends.expert_parallel_tp import token_slice
-
-        start, rows = token_slice(hidden_states.shape[0], tp_mesh)
-        hidden_states = hidden_states[start:start + rows]
-        top_k_index, top_k_weights = top_k_index[start:start + rows], top_k_weights[start:start + rows]
+    hidden_states, top_k_index, top_k_weights, start, xq = rank_slots(self, hidden_states, top_k_index, top_k_weights)
     n, m = hidden_states.shape
     r = top_k_index.shape[-1]
     s = n * r
-    routing = routing_of(self)
-    if routing.skew > ep:
-        raise SymcostError(f"--routing {routing.name} with --ep {ep}: the most loaded rank receives at most every "
-                           f"rank's slots (accepted: 1 <= X <= EP)")
-    xq = routing.skew * (s // e)  # (skew=X: the rows per local expert this rank receives from each rank)
-    if xq.denominator != 1:
-        raise SymcostError(f"--routing {routing.name}: X·N·R/E = {xq} rows per expert is no whole number "
-                           "(accepted: an X that makes it whole)")
-    xq = int(xq)
     ids_g, perm = torch.sort(top_k_index.reshape(-1))
     x_g = hidden_states[perm // r]  # [N·R, M], expert-major
     w_g = top_k_weights.reshape(-1)[perm]

@@ -296,33 +296,17 @@ def ep_forward(self, hidden_states, top_k_index, top_k_weights):
     import torch
     from torch.distributed._functional_collectives import all_gather_single
 
-    from symcost.frontends.expert_parallel import _local, exchange
-    from symcost.frontends.moe import routing_of
-
+    from symcost.frontends.expert_parallel import _local, exchange, rank_slots
     _check(self)
     mesh = self.ep_mesh
     ep, e = mesh.size(), self.num_experts
     local = e // ep
     full = hidden_states
     tp_mesh = getattr(self, "tp_mesh", None)
-    if tp_mesh is not None:
-        from symcost.frontends.expert_parallel_tp import token_slice
-
-        start, rows = token_slice(hidden_states.shape[0], tp_mesh)
-        hidden_states = hidden_states[start:start + rows]
-        top_k_index, top_k_weights = top_k_index[start:start + rows], top_k_weights[start:start + rows]
+    hidden_states, top_k_index, top_k_weights, start, xq = rank_slots(self, hidden_states, top_k_index, top_k_weights)
     n, m = hidden_states.shape
     r = top_k_index.shape[-1]
     s = n * r
-    routing = routing_of(self)
-    if routing.skew > ep:
-        raise SymcostError(f"--routing {routing.name} with --ep {ep}: the most loaded rank receives at most every "
-                           f"rank's slots (accepted: 1 <= X <= EP)")
-    xq = routing.skew * (s // e)
-    if xq.denominator != 1:
-        raise SymcostError(f"--routing {routing.name}: X·N·R/E = {xq} rows per expert is no whole number "
-                           "(accepted: an X that makes it whole)")
-    xq = int(xq)
     routing_map, probs = routing_tensors(top_k_index, top_k_weights, e)
     with torch.no_grad():  # (step 2: the counts' all-gather over the EP group; the values are not read)
         counts = routing_map.sum(dim=0).long()
