@@ -8,6 +8,7 @@ import click
 from ._device import device_options, resolve_device
 from ._options import common, compile_option, every_layer_trace, trace_model
 from ._pipeline import pipeline_options, pipeline_request
+from symcost.hardware.efficiency import DEFAULTED
 
 
 @click.command()
@@ -105,7 +106,7 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
                 "(fused bytes) says no run can reach it; check the micro-batch --set B and the throughput")
     c.print(f"predicted MFU (performance model, {perf['mode']}): {100 * perf['mfu_predicted']:.2f}% "
             f"(step {perf['step_seconds'] * 1e3:.4g} ms predicted, {perf['bound_seconds'] * 1e3:.4g} ms roofline bound"
-            f"{'' if perf['calibrated'] else '; efficiency parameters defaulted: calibrate the device'}; "
+            f"{'' if perf['calibrated'] else '; ' + DEFAULTED}; "
             "docs/performance-model.md)")
     extra = [w for w, n in (("the kernels' repeated work", tc["flops.kernel_extra_step"]),
                             (f"{recompute} recomputation", tc["flops.recompute_step"])) if n]
@@ -154,4 +155,4 @@ def _mfu_pp(pipe, model, sets, config, attention, precision, dev, R, n_devices, 
     c.print(f"predicted MFU (performance model, {pr['mode']}; report --pp --gpu's step "
             f"{pr['step_seconds'] * 1e3:.4g} ms): {100 * pr['mfu_predicted']:.3g}%; roofline bound: step "
             f"{st['step_seconds'] * 1e3:.4g} ms, MFU {100 * st['mfu']:.3g}%"
-            f"{'' if pr['calibrated'] else ' (efficiency parameters defaulted: calibrate the device)'}")
+            f"{'' if pr['calibrated'] else f' ({DEFAULTED})'}")

@@ -8,6 +8,7 @@ import time
 import click
 
 from symcost.errors import SymcostError
+from symcost.hardware.efficiency import DEFAULTED
 
 from ._options import (common, device_alias, early_checks, layout_words, memory_options, parallel_options,
                        parallel_request, report_cap, trace_model)
@@ -254,10 +255,6 @@ def _render_accumulated(acc) -> None:
                     f"{acc['step_seconds']:.4g} s (bound {acc['bound_seconds']:.4g} s; gradients reduced "
                     f"{acc['reductions']} time(s), the optimizer once)")
 
-
-#: What "defaulted" means beside a prediction (docs/performance-model.md): the device's efficiency
-#: table is the catalogue's default until a GPU run measures it.
-DEFAULTED = "efficiency parameters defaulted: no GPU has measured them (benchmarks/gpu_check.sh calibrates one)"
 
 
 def _render_iteration(predicted) -> None:

@@ -8,6 +8,7 @@ import click
 from ._device import device_options, resolve_device
 from ._options import common, every_layer_trace, parallel_options, parallel_request, trace_model
 from ._pipeline import pipeline_options, pipeline_request
+from symcost.hardware.efficiency import DEFAULTED
 
 
 @click.command(name="time")
@@ -144,7 +145,7 @@ def time_(model, sets, config, attention, precision, debug, device_name, devices
     c.print(f"predicted (performance model, {perf['mode']} step {perf['step_seconds'] * 1e3:.4g} ms, MFU "
             f"{100 * perf['mfu_predicted']:.1f}%): {predicted['time.days']:.4g} days; roofline bound (step "
             f"{perf['bound_seconds'] * 1e3:.4g} ms): {predicted['bound.time.seconds'] / 86400:.4g} days"
-            f"{'' if perf['calibrated'] else ' (efficiency parameters defaulted: calibrate the device)'}")
+            f"{'' if perf['calibrated'] else f' ({DEFAULTED})'}")
 
 
 def _time_dp(model, sets, config, attention, precision, device_name, devices_file, peak_flops, bandwidth,
@@ -226,7 +227,7 @@ def _time_dp(model, sets, config, attention, precision, device_name, devices_fil
             f"{pd['collectives']} collectives' latency {pd['latency_seconds'] * 1e3:.3g} ms, "
             f"{pd['exposed_comm_seconds'] * 1e3:.4g} ms exposed), MFU {100 * pd['mfu_predicted']:.1f}%: "
             f"{out['predicted']['time.days']:.4g} days; the figures above are the roofline bound"
-            f"{'' if pd['calibrated'] else ' (efficiency parameters defaulted: calibrate the device)'}")
+            f"{'' if pd['calibrated'] else f' ({DEFAULTED})'}")
 
 
 def _time_pp(pipe, model, sets, config, attention, precision, device_name, devices_file, peak_flops, bandwidth,
@@ -284,6 +285,6 @@ def _time_pp(pipe, model, sets, config, attention, precision, device_name, devic
     c.print(f"predicted (performance model, {pr['mode']}; report --pp --gpu's step): step "
             f"{pr['step_seconds'] * 1e3:.4g} ms, MFU {100 * pr['mfu_predicted']:.1f}%: {out['time.days']:.4g} days, "
             f"{out['time.device_hours']:.4g} device-hours"
-            f"{'' if pr['calibrated'] else ' (efficiency parameters defaulted: calibrate the device)'}")
+            f"{'' if pr['calibrated'] else f' ({DEFAULTED})'}")
     c.print(f"roofline bound: step {st['step_seconds'] * 1e3:.4g} ms, MFU {100 * st['mfu']:.1f}%: "
             f"{bound / 86400:.4g} days")

@@ -50,6 +50,11 @@ DEFAULTS: dict[str, Any] = {
     "copy_bandwidth": None, "kernel_gap": 0.0,
 }
 
+#: What "defaulted" means beside a prediction (docs/performance-model.md): some efficiency
+#: figure of the device's table is the catalogue's default, not a measurement on that device.
+DEFAULTED = ("efficiency parameters defaulted: not measured on this device (`symcost calibrate` "
+             "measures this CPU; benchmarks/gpu_check.sh measures a GPU)")
+
 _NUMBERS = ("gemm_half", "memory", "copy_bandwidth", "launch_eager", "launch_compiled", "optimizer_per_tensor",
             "optimizer_per_byte", "collective_latency", "host_forward", "host_backward", "host_launch", "kernel_gap")
 KNOWN = set(_NUMBERS) | {"compute_units", "tile", "gemm_max", "source", "fit", "compute_capability",

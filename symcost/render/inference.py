@@ -8,6 +8,7 @@ from rich.table import Table
 
 from symcost.render.report import human
 from symcost.render.roofline import _fmt_s
+from symcost.hardware.efficiency import DEFAULTED
 
 _NARROW = {"box": box.SIMPLE_HEAD, "show_edge": False, "pad_edge": False, "collapse_padding": True,
            "title_justify": "left"}
@@ -185,4 +186,4 @@ def render_text(c, model: str, precision: str, dev, r: dict) -> None:
                 f"{r['batch']} ({pr['tokens_per_second']:,.0f} tokens/s), {_fmt_s(pr['seconds_per_token_batch_1'])} at "
                 f"B = 1" + (f"; time to first token {_fmt_s(pr['prefill_seconds'])}" if pr["prefill_seconds"] is not None
                             else "") + "; the figures above are the roofline bounds"
-                + ("" if pr["calibrated"] else " (efficiency parameters defaulted: calibrate the device)"))
+                + ("" if pr["calibrated"] else f" ({DEFAULTED})"))

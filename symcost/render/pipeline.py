@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from symcost.render.report import console as _console
+from symcost.hardware.efficiency import DEFAULTED
 
 
 def _bytes(n: float) -> str:
@@ -84,7 +85,7 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
                           "PyTorch's action lists on a dependency clock with each stage's performance-model time per "
                           "micro-batch, its TP collectives and p2p sends α–β, then each rank's DP collectives "
                           f"(overlap {pr['overlap']}) and AdamW step); predicted MFU {pr['mfu_predicted']:.1%}"
-                          + ("" if pr["calibrated"] else "; efficiency parameters defaulted: calibrate the device"))
+                          + ("" if pr["calibrated"] else "; " + DEFAULTED))
         console.print(f"  step {'bound' if pr else 'on ' + st['device']}: {_seconds(st['step_seconds'])} "
                       f"(roofline bound: PyTorch's action lists on a dependency clock, each stage's roofline time per "
                       f"micro-batch + its p2p bytes over the {st['link']}); MFU {st['mfu']:.1%} (a ceiling)")
