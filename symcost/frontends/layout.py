@@ -612,7 +612,8 @@ class Layout:
         and at the root
         (:func:`symcost.frontends.parallel.wrap`: ``fully_shard`` of a TP-sharded parameter
         shards its local rows again; ``dp_engine``: the data-parallel engine where the run names
-        one, ``"megatron-ddp"``: :func:`symcost.frontends.parallel.wrap`; ``compile_cuts``: the
+        one, ``"megatron-ddp"``: :func:`symcost.frontends.parallel.wrap`, and with ``TP`` Megatron-LM's
+        vocabulary-parallel embedding, :func:`symcost.frontends.megatron.vocab_parallel_embedding`; ``compile_cuts``: the
         trace's key of the compiled blocks' partitions, :func:`symcost.frontends.compile.compile_blocks`,
         which run after activation checkpointing and before the data-parallel engine; ``torch_device``: the
         target device whose fused attention inductor's patterns choose, ``--torch-device``; ``ac_stacks``: where
@@ -644,6 +645,10 @@ class Layout:
                 skip = skipped(model, experts_modules(model))
             loss_context = apply(model, layers if layers is not None else (list(ac_stacks) or None), mesh["TP"],
                                  self.sp, self.fp8, skip=skip)
+            if dp_engine == "megatron-ddp":  # (Megatron-LM's VocabParallelEmbedding: the rank's rows only)
+                from symcost.frontends.megatron import vocab_parallel_embedding
+
+                vocab_parallel_embedding(model)
         if self.ep:  # (torchtitan's apply_moe_ep_tp: after the dense TP plan, before AC and FSDP)
             from symcost.frontends.expert_parallel import apply as apply_ep
 

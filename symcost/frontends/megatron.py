@@ -25,6 +25,11 @@ also runs two parts of Megatron-LM's step that change what a rank holds, as PyTo
   ``replicate_with_fsdp.replicate``, which on its shard group of 1 copies every parameter into
   an all-gather buffer for the forward and backward. The fp32 main-gradient buffer is a model
   state of the policy (``symcost.passes.memory.POLICIES``), not a traced tensor.
+* **The vocabulary-parallel embedding** under ``--tp`` (:func:`vocab_parallel_embedding`):
+  Megatron-LM's ``VocabParallelEmbedding`` looks the rank's ``[V/TP, d]`` rows up with masked
+  local ids and so computes only those rows' gradient, where PyTorch's ``RowwiseParallel``
+  embedding gives back the whole ``[V, d]`` one (DTensor's ``embedding_dense_backward`` has no
+  ``Shard(0)`` strategy).
 * **The MoE layers** (:mod:`symcost.frontends.megatron_moe`): a transformers MoE model's experts
   run Megatron-Core's alltoall token dispatcher and grouped experts (argsort permutation, one
   grouped GEMM per projection over the local experts, the probabilities in the weighted SwiGLU,
@@ -271,3 +276,61 @@ def wrap_in_place(model, mesh, experts_mesh=None) -> None:
                 p.register_post_accumulate_grad_hook(lambda p, g_group=g_group: reduce(p, g_group))
 
     model.register_forward_pre_hook(hook)
+
+
+def vocab_parallel_embedding(model) -> list[str]:
+    """Megatron-LM's ``VocabParallelEmbedding`` forward (megatron/core/tensor_parallel/layers.py,
+    NVIDIA/Megatron-LM at d98e8a6) for every token embedding the tensor-parallel plan split by
+    vocabulary rows (an ``nn.Embedding`` whose weight is a ``Shard(0)`` DTensor on a 1-D mesh:
+    PyTorch's ``RowwiseParallel``), in place; returns their module names.
+
+    Rank ``r`` of ``TP`` holds rows ``[r·V/TP, (r + 1)·V/TP)`` (``VocabUtility.
+    vocab_range_from_global_vocab_size``). Its forward, as Megatron's: ``input_mask`` = ids
+    outside that range, ``masked_input = ids.clone() - first`` with the masked ids set to 0, the
+    lookup of ``masked_input`` in the local ``[V/TP, d]`` weight (the module's own forward, so a
+    subclass's scaling stays), the masked positions' rows set to 0 in place; the partial sums
+    leave as a ``Partial`` DTensor, which the plan's output hook reduces as before (all-reduce,
+    or reduce-scatter over the sequence with ``--sp``). So the backward's
+    ``embedding_dense_backward`` runs on the local ids with ``V/TP`` rows: the gradient is the
+    rank's ``[V/TP, d]`` rows (a ``Shard(0)`` DTensor like the weight), where PyTorch's own
+    ``RowwiseParallel`` makes it whole, ``[V, d]`` (``Replicate``: DTensor's
+    ``embedding_dense_backward`` strategies have no ``Shard(0)`` output), 2·V·d·(1 − 1/TP)
+    bytes (bf16) more at that point of the backward. Megatron's embedding has no padding row:
+    ``padding_idx`` is not applied. Uneven rows (``V % TP``) are refused before any trace
+    (:func:`symcost.frontends.tensor_parallel.uneven_vocab`)."""
+    import types
+
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    done = []
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if (not isinstance(m, nn.Embedding) or not isinstance(w, DTensor) or w.device_mesh.ndim != 1
+                or tuple(w.placements) != (Shard(0),)):
+            continue
+        own = type(m).forward
+
+        def forward(self, ids, *args, _own=own, **kwargs):
+            weight = self.weight
+            mesh = weight.device_mesh
+            if isinstance(ids, DTensor):  # (the plan's input hook: the replicated ids)
+                ids = ids.to_local()
+            local = weight.to_local()
+            rows = local.shape[0]
+            first = mesh.get_local_rank() * rows
+            input_mask = (ids < first) | (ids >= first + rows)
+            masked_input = ids.clone() - first
+            masked_input[input_mask] = 0
+            pad, self.padding_idx = self.padding_idx, None
+            self._parameters["weight"] = local  # (the module's own lookup on the rank's rows)
+            try:
+                out = _own(self, masked_input, *args, **kwargs)
+            finally:
+                self._parameters["weight"], self.padding_idx = weight, pad
+            out[input_mask, :] = 0.0
+            return DTensor.from_local(out, mesh, (Partial(),), run_check=False)
+
+        m.forward = types.MethodType(forward, m)
+        done.append(name)
+    return done
