@@ -37,11 +37,14 @@ from test_parallel import _draw, _trace  # (the same traces: bf16-mixed, DP = 8 
 P = "bf16-mixed"
 
 
-def _measure(model: str, shard: str, values: dict, precision: str, foreach: bool = False, stacks=None) -> int:
+def _measure(model: str, shard: str, values: dict, precision: str, foreach: bool = False, stacks=None,
+             checkpointed=()) -> int:
     """Peak bytes of rank 0's steady-state step (zero_grad, forward + loss, backward, AdamW step)
     on PyTorch's fake process group, by ``torch.distributed._tools.mem_tracker.MemTracker``.
     ``stacks``: the containers whose every block is a unit (a model of several block stacks,
-    tests/test_parallel_stacks.py), else the one block list of L."""
+    tests/test_parallel_stacks.py), else the one block list of L. ``checkpointed``: indices of
+    the blocks run under their own checkpoint before the engine wraps them, as torchtitan's
+    ``apply_ac`` (tests/test_checkpoint_dp.py)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -54,6 +57,11 @@ def _measure(model: str, shard: str, values: dict, precision: str, foreach: bool
     with torch.device("meta"):
         m = spec.build(values)
     layers = stacks or (spec.layers if spec.layers is not None else find_layer_container(spec, m, values))
+    if checkpointed:
+        from symcost.frontends.checkpointing import checkpoint_modules
+
+        blocks = list(m.get_submodule(layers).children())
+        checkpoint_modules([blocks[i] for i in checkpointed])
     wrap(m, layers, shard, fake_group(values["DP"]))
     mixed = precision == "bf16-mixed"
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -237,7 +245,8 @@ def test_report_dp_shows_the_rank_peak():
 
 def test_max_batch_dp_nothing_fits():
     """Under a cap below the rank's peak at B = 1 (MemTracker's), ``max-batch --dp`` exits 3,
-    says so, and offers no --checkpoint (not modelled with --dp) and no Adafactor."""
+    says so, and offers no --checkpoint (not offered as an alternative under --dp: its plan needs the
+    step with every block checkpointed, another trace) and no Adafactor."""
     v = {"S": 16, "D": 64, "L": 3, "DP": 4}
     m1 = _measure("mlp", "fsdp", dict(v, B=1), P)
     _trace("mlp", "fsdp")
@@ -255,8 +264,6 @@ def test_max_batch_dp_nothing_fits():
 def test_max_batch_devices_follow_dp():
     r = _cli(["max-batch", "mlp", "--dp", "8", "--devices", "4", "--global-batch", "64"])
     assert r.exit_code == 2 and "--devices 4 and --dp 8 disagree" in r.output
-    r = _cli(["max-batch", "mlp", "--dp", "8", "--checkpoint", "every-layer"])
-    assert r.exit_code == 2 and "--checkpoint is not modelled with --dp" in r.output
 
 
 def test_one_block_needs_its_own_trace():

@@ -183,10 +183,12 @@ def _print(an, r: dict, sizes: dict, cap, budget, optimizer: str, impl: str) -> 
     c.print(f"  solved in {r['solve_seconds']:.3f} s after tracing")
 
 
-def _stack_every_layer(model, config, attention, precision, sizes, quiet):
+def _stack_every_layer(model, config, attention, precision, sizes, quiet, layout=None):
     """The step of a model of several stacks with every block of every stack checkpointed
     (``--ac full``: :func:`symcost.frontends.checkpointing.checkpoint_blocks`), from the trace cache
-    (the entry ``report --ac full`` uses) or traced."""
+    (the entry ``report --ac full`` uses) or traced. ``layout``: another layout with ``ac="full"``
+    (a data-parallel rank's: ``report --dp N --shard S --ac full``'s entry; ``sizes`` then hold
+    its mesh sizes)."""
     from symcost.frontends.layout import Layout
     from symcost.graph.cache import cached_trace
 
@@ -196,7 +198,7 @@ def _stack_every_layer(model, config, attention, precision, sizes, quiet):
     ctx = click.get_current_context(silent=True)
     use_cache = not (ctx is not None and ctx.find_root().meta.get("symcost.no_cache"))
     cfg = parse_config(config)
-    layout = Layout(ac="full")
+    layout = layout if layout is not None else Layout(ac="full")
     options = dict(layout.cache_options())
     if model_task() is not None:
         options["task"] = model_task()

@@ -152,9 +152,9 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     if var not in ("B", "S") and ckpt != "none":
         raise SymcostError(f"--checkpoint with --solve {var} is not modelled yet (the plans are searched over B and S); "
                            f"solve for B at --set {var}=... instead")
+    ck_layout = None
     if (dp is not None or tp is not None) and ckpt != "none":
-        raise SymcostError(f"--checkpoint is not modelled with {'--dp' if dp is not None else '--tp'} yet (the "
-                           "planning pass); --ac full traces every block checkpointed under the layout")
+        ck_layout = _checkpoint_layout(ctx, ckpt)
     explicit_devices = devices is not None
     devices = devices if devices is not None else (dp or 1)
     if global_batch is not None:
@@ -181,7 +181,16 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
     mm = mem.memory_model(an, precision, optimizer, impl, device)
     if ckpt != "none":  # the step with the plan chosen at each size: its memory replaces the plain one
         ck = None
-        if getattr(an, "stacks", None):  # several stacks: planned per stack (docs/checkpoint.md)
+        if ck_layout is not None:  # a data-parallel rank: planned over the rank's step (docs/checkpoint.md)
+            if getattr(an, "stacks", None):
+                raise SymcostError(f"--checkpoint with --dp on a model of several stacks ({an.model}: "
+                                   f"{', '.join(an.stacks)}) is not modelled yet; --ac full checkpoints every block "
+                                   "of every stack under the layout")
+            from .checkpoint import _stack_every_layer
+
+            ck = _stack_every_layer(model, config, attention, precision, sizes, as_json, layout=ck_layout)
+            t0 = time.perf_counter()
+        elif getattr(an, "stacks", None):  # several stacks: planned per stack (docs/checkpoint.md)
             from symcost.passes.checkpoint.stacks import PLANS as STACK_PLANS
 
             if ckpt not in STACK_PLANS:  # (before the second trace)
@@ -245,6 +254,43 @@ def max_batch(model, sets, config, attention, precision, debug, memory, optimize
         _print_solution(an, mm, sol, seconds, sizes, alts, line)
     if sol.value < 1:
         raise SystemExit(NOTHING_FITS)
+
+
+def _checkpoint_layout(ctx, ckpt: str):
+    """The layout of the step with every block checkpointed that ``--checkpoint`` plans a
+    data-parallel rank from: the run's layout (``--dp N --shard ...``) with ``ac="full"``
+    (torchtitan's per-block checkpoint, :class:`~symcost.passes.checkpoint.memory.RankCheckpointedMemory`).
+
+    Raises:
+        SymcostError: in one line, before any trace: a kind not planned there, ``--ac`` given too,
+            a layout with other dimensions than data parallelism (``--tp``, ``--cp``, ``--ep``) or
+            options that change the checkpoint (``--compile``, ``--offload-activations``)."""
+    import dataclasses
+
+    from symcost.passes.checkpoint.memory import RankCheckpointedMemory
+
+    from ._options import layout_request
+
+    from symcost.passes.checkpoint import KINDS
+
+    layout, _ = layout_request(ctx)
+    other = [flag for flag, on in (("--tp", layout.tp), ("--cp", layout.cp), ("--ep", layout.ep),
+                                   ("--compile", layout.compile),
+                                   ("--offload-activations", layout.offload_activations)) if on]
+    if layout.shard is None or other:
+        raise SymcostError(f"--checkpoint is not modelled with {', '.join(other) or '--tp'} yet (the planning pass "
+                           "plans a data-parallel rank: --dp N --shard ...); --ac full traces every block "
+                           "checkpointed under the layout")
+    if ckpt not in KINDS:
+        raise SymcostError(f"unknown --checkpoint {ckpt!r}; accepted: {', '.join(KINDS)}")
+    if ckpt not in RankCheckpointedMemory.KINDS:
+        raise SymcostError(f"--checkpoint {ckpt} is not planned on a data-parallel rank (segments of several "
+                           "blocks; each checkpoint holds one block there, as --ac full); accepted: "
+                           f"{', '.join(k for k in RankCheckpointedMemory.KINDS if k != 'none')}")
+    if layout.ac is not None:
+        raise SymcostError(f"--checkpoint {ckpt} chooses which blocks to checkpoint and --ac {layout.ac} checkpoints "
+                           "every block: give one")
+    return dataclasses.replace(layout, ac="full")
 
 
 def _solve_by_traces(an, var, cap, sizes, model, sets, config, attention, precision, quiet, optimizer, impl, device):

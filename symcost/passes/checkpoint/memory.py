@@ -262,13 +262,81 @@ class StackCheckpointedMemory(CheckpointedMemory):
         return out
 
 
+class RankCheckpointedMemory(CheckpointedMemory):
+    """:class:`CheckpointedMemory` of one data-parallel rank (``an.parallel``: a ``--dp N --shard
+    ...`` trace, any strategy): at each size the plan of ``kind`` over the rank's step, each
+    chosen block under its own checkpoint as torchtitan's ``--ac full`` wraps a block (before the
+    data-parallel engine; non-reentrant, ``preserve_rng_state=False``: no RNG state stashed), and
+    its peak the composition (:class:`~symcost.passes.checkpoint.schedule.StepSchedule`) of the
+    rank's plain step ``an`` and its step ``ck`` with every block checkpointed (``Layout(shard=...,
+    ac="full")``), both folded over L with FSDP2's or DDP's collectives, unsharded parameters and
+    gradient buffers in their blocks' units, and the rank's model states static
+    (:class:`~symcost.passes.memory.MemoryModel` of each trace).
+
+    Kinds: ``none``; ``every-layer`` (every block); ``optimal`` (the least composed step peak,
+    ties the least recompute, over the plans that checkpoint the first n of the blocks alike
+    (the middle ones) and each special end block (the first and the last: FSDP2's root and last
+    units differ) in or out — of alike blocks the earliest are checkpointed: a plain block before
+    a checkpointed one holds its activations through that one's recomputation, swapped it does
+    not; tests/test_checkpoint_dp.py checks it against every subset). Segments of several blocks
+    (``sqrt``) are not planned here: a block inside a segment is recomputed through its data-parallel
+    unit's hooks, which one checkpoint per block never runs.
+
+    Raises:
+        SymcostError: a kind other than these three.
+    """
+
+    KINDS = ("none", "every-layer", "optimal")
+
+    def __init__(self, an, ck, kind: str, mm, optimizer: str = "adamw", impl: str = "foreach"):
+        if kind not in self.KINDS:
+            raise SymcostError(f"--checkpoint {kind} is not planned on a data-parallel rank (segments of several "
+                               f"blocks; each checkpoint holds one block there, as --ac full); accepted: "
+                               f"{', '.join(k for k in self.KINDS if k != 'none')}")
+        super().__init__(an, kind, mm, optimizer, impl)
+        self.ck = ck
+
+    def candidates(self, L: int, roles) -> list[list[int]]:
+        """The block sets ``optimal`` compares (see the class): ``roles[i]`` the kind of block ``i``."""
+        mid = [i for i in range(L) if roles[i] == "block"]
+        ends = [i for i in range(L) if roles[i] != "block"]
+        out = []
+        for n in range(len(mid) + 1):
+            for mask in range(2 ** len(ends)):
+                out.append(sorted(mid[:n] + [e for j, e in enumerate(ends) if mask >> j & 1]))
+        return out
+
+    def at(self, accumulate: bool = False, **sizes: int) -> tuple[Plan, Chain]:
+        """The plan of ``kind`` at ``sizes`` and its chain (the rank's plain step and ``ck``)."""
+        key = (accumulate, tuple(sorted(sizes.items())))
+        hit = self._memo.get(key)
+        if hit is None:
+            env = self.an.bind(**sizes)
+            L = int(env[SYMS["L"]])
+            ch = chain(self.an, L, env, self._optimizer, self.impl, accumulate, sub=self.ck)
+            if self.kind == "none":
+                blocks = []
+            elif self.kind == "every-layer":
+                blocks = list(range(L))
+            else:
+                sched, fr = ch.schedule, ch.fr or ch.f
+                roles = [sched.role(i) for i in range(L)]
+                blocks = min(self.candidates(L, roles),
+                             key=lambda bs: (sched.simulate([(i, i + 1) for i in bs])[0], sum(fr[i] for i in bs)))
+            plan = Plan(self.an.layer_container or "", L, [(i, i + 1) for i in blocks], self.kind)
+            hit = self._memo[key] = (plan, ch)
+        return hit
+
+
 def plan_memory(an, kind: str, sizes: Mapping[str, int], optimizer: str = "adamw",
                 impl: str = "foreach", device: str = "cuda", ck=None):
     """``(memory model, sizes)`` of the step checkpointed by ``kind`` (one of :data:`KINDS`):
     the plain :class:`~symcost.passes.memory.MemoryModel` for ``none``, else a
     :class:`CheckpointedMemory` whose plan is chosen at every size it is asked; for a model of
     several stacks (``an.stacks``) a :class:`StackCheckpointedMemory`, planned per stack from
-    ``ck``, the step with every block of every stack checkpointed (``Layout(ac="full")``).
+    ``ck``, the step with every block of every stack checkpointed (``Layout(ac="full")``); for a
+    data-parallel rank (``an.parallel``, one block list) a :class:`RankCheckpointedMemory` from
+    ``ck``, the rank's step with every block checkpointed (``Layout(shard=..., ac="full")``).
 
     Raises:
         SymcostError: unknown kind, no repeated blocks, several stacks without ``ck`` or with a
@@ -281,6 +349,15 @@ def plan_memory(an, kind: str, sizes: Mapping[str, int], optimizer: str = "adamw
     mm = memory_model(an, an.precision, optimizer, impl, device)
     if kind == "none":
         return mm, dict(sizes)
+    if getattr(an, "parallel", None) is not None:
+        if (ck is None or getattr(an, "stacks", None) or an.parallel.startswith("tp") or an.parallel == "ep"
+                or getattr(an, "tensor_parallel", None)):
+            raise SymcostError(f"{an.model}: checkpoint plans on a {an.parallel} rank are planned for one block list "
+                               "under --dp, from the rank's step with every block checkpointed (ck)")
+        from symcost.passes.checkpoint_ops import require_block_list
+
+        require_block_list(an)
+        return RankCheckpointedMemory(an, ck, kind, mm, optimizer, mm.impl), dict(sizes)
     if getattr(an, "stacks", None):
         if ck is None:
             raise SymcostError(f"{an.model} has several stacks of blocks; their plan needs the step with every block "

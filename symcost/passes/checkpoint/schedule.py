@@ -26,6 +26,21 @@ from symcost.passes.checkpoint.traces import _cached, every_layer, recompute_las
 _FWD = {"first": "forward, first block", "block": "forward, block", "last": "forward, last block"}
 _BWD = {"first": "backward, first block", "block": "backward, block", "last": "backward, last block"}
 _PRE, _END, _POST = "forward, before the blocks", "end of forward / start of backward", "backward, after the blocks"
+#: a fold of three probe blocks (a data-parallel rank's step: FSDP2's first and last units differ from the
+#: middle one) ends with the first block's backward and what follows in one unit (tracing/schedule.py)
+_BWD_FIRST_AFTER = "backward, first block and after"
+
+
+def _split_first_after(units: dict) -> dict:
+    """``units`` (:func:`_unit_values`) with a fold of three probe blocks read as the others:
+    its ``backward, first block and after`` unit is the first block's backward, followed by an
+    empty unit after the blocks (it is run right after the first block's backward, from the same
+    trace, so the composed step is the same)."""
+    if _BWD_FIRST_AFTER in units:
+        units = dict(units)
+        units[_BWD["first"]] = units.pop(_BWD_FIRST_AFTER)
+        units.setdefault(_POST, (0, None, ""))
+    return units
 
 
 def _shared_inputs(mmP, mmC, x_bytes) -> tuple[set[int], set[int]]:
@@ -56,7 +71,7 @@ def _shared_inputs(mmP, mmC, x_bytes) -> tuple[set[int], set[int]]:
     if not (len(preP) == len(preC) and all((evP[a].op, evP[a].bytes) == (evC[b].op, evC[b].bytes)
                                            for a, b in zip(preP, preC))):
         return set(), set()
-    blocks = set(_BWD.values())
+    blocks = set(_BWD.values()) | {_BWD_FIRST_AFTER}
     held = {a for a, u in fP.items() if u == _END and fC.get(a) in blocks}
     x = sympy.expand(x_bytes)
     once = {a for a, u in fP.items() if u in blocks and fC.get(a) in blocks
@@ -75,8 +90,9 @@ def _unit_values(mm, env: Mapping, accumulate: bool = False, shared: frozenset =
     The end of the forward is split where the forward ends: ``{"pre": (...), "post": (...),
     "free": {role: bytes}}``. ``free`` is what each block held only during the forward and
     that is freed there, by the role of the block (``first``, ``block``, ``last``): storages
-    its forward allocated and the end of the forward frees, once per block (autocast's cache
-    of weight casts, emptied when the forward leaves autocast); they are left out of ``pre`` and
+    its forward allocated and the end of the forward frees, once per block, after the forward's last
+    allocation (autocast's cache of weight casts, emptied when the forward leaves autocast; not
+    FSDP2's reshard of the last block, which comes before the loss); they are left out of ``pre`` and
     freed between ``pre`` and ``post`` (the composition frees each block's own).
 
     ``shared``, ``once``: allocations (:func:`_shared_inputs`) whose frees are left out of every
@@ -98,6 +114,8 @@ def _unit_values(mm, env: Mapping, accumulate: bool = False, shared: frozenset =
         parts = []  # (delta, peak, where) of each part
         lev, top, where = 0, None, ""
         free: dict[str, int] = {}
+        fwd = [k for k in ids if mm.schedule.events[k].phase == "forward"] if label == _END else []
+        last_alloc = max((k for k in fwd if mm.schedule.events[k].alloc == k), default=-1)
         for k in ids:
             ev = mm.schedule.events[k]
             p = int(_peval(mm._evpolys[k], vals))
@@ -106,7 +124,9 @@ def _unit_values(mm, env: Mapping, accumulate: bool = False, shared: frozenset =
             if label == _END and parts == [] and ev.phase != "forward":
                 parts.append((lev, top, where))  # the forward ends here
                 lev, top, where = 0, None, ""
-            if label == _END and not parts and p < 0 and role_of.get(unit_of.get(ev.alloc)):
+            if label == _END and not parts and p < 0 and k > last_alloc and role_of.get(unit_of.get(ev.alloc)):
+                # (after the forward's last allocation: a free before it is an ordinary event of the
+                # trace the end is taken from, e.g. FSDP2's reshard of the last block after its forward)
                 role = role_of[unit_of[ev.alloc]]
                 per = p
                 if vals1 is not None and unit_of[ev.alloc] == _FWD["block"]:  # freed once for its L - 1 passes
@@ -175,9 +195,11 @@ class StepSchedule:
     once: int = 0  # inputs the blocks share, held until the first block's backward
 
     def role(self, i: int) -> str:
-        if _FWD["last"] in self.plain:
-            return "last" if i == self.L - 1 else "block"
-        return "first" if i == 0 else "block"
+        """The kind of block ``i``: ``first``, ``last`` (where the fold keeps one apart: a data-parallel
+        rank's fold keeps both) or ``block``."""
+        if i == self.L - 1 and _FWD["last"] in self.plain:
+            return "last"
+        return "first" if i == 0 and _FWD["first"] in self.plain else "block"
 
     def simulate(self, segments: Sequence[tuple[int, int]]) -> tuple[int, str]:
         """``(peak, where)``: the step's peak in bytes (static included) with ``segments``
@@ -425,15 +447,17 @@ class Chain:
 
 
 def chain(an, L: int, env: Mapping, optimizer: str = "adamw", impl: str = "foreach",
-          accumulate: bool = False) -> Chain:
+          accumulate: bool = False, sub=None) -> Chain:
     """The :class:`Chain` of ``an``'s blocks at ``L`` and sizes ``env`` (symbol -> int).
 
     ``x`` is the block input plus the RNG state a checkpoint stashes (:func:`rng_state_bytes`).
     ``head`` is the largest live set of the plain step that is not the optimizer step
     (``memory_model(an).peak_terms()``, docs/memory.md) less the blocks' activations: the
     model's output, the loss, its first gradients and what is saved outside the blocks. The
-    step schedule needs the every-layer trace (:func:`every_layer`). ``accumulate``: the step is
-    a gradient-accumulation micro-step (gradients live from its start).
+    step schedule needs the every-layer trace (:func:`every_layer`), or ``sub``, the step with every
+    block checkpointed traced otherwise (a data-parallel rank's ``--ac full`` step: torchtitan's
+    checkpoints, which stash no RNG state, so the schedule's ``rng`` is 0 then). ``accumulate``: the
+    step is a gradient-accumulation micro-step (gradients live from its start).
 
     Raises:
         SymcostError: no repeated blocks; a schedule without a formula; bad sizes.
@@ -444,7 +468,7 @@ def chain(an, L: int, env: Mapping, optimizer: str = "adamw", impl: str = "forea
     env = {SYMS[str(k)] if not isinstance(k, sympy.Symbol) else k: v for k, v in env.items()}
     env[SYMS["L"]] = L
     a, x, f = bc.sequence(L, env)
-    rng = rng_state_bytes()
+    rng = rng_state_bytes() if sub is None else 0
     xo = list(x)
     x = [v + rng for v in x]  # a checkpoint keeps its input and the RNG state
     mmP = memory_model(an, an.precision, optimizer, impl)
@@ -452,7 +476,7 @@ def chain(an, L: int, env: Mapping, optimizer: str = "adamw", impl: str = "forea
              if min_L <= L and not where.startswith("optimizer step")]
     head = max(0, max(terms, default=0) - sum(a))
     request = {str(k): int(v) for k, v in env.items()}
-    sub = every_layer(an, request)
+    sub = every_layer(an, request) if sub is None else sub
     fr = list(f)
     g, sp = _cached(sub, "recompute_last", lambda: recompute_last(an, sub))
     if g is not None:
@@ -471,9 +495,9 @@ def chain(an, L: int, env: Mapping, optimizer: str = "adamw", impl: str = "forea
     opt, opt_what = max(tr)
     held, once = _cached(sub, "shared", lambda: _shared_inputs(mmP, mmC, bc.x))
     held, once = frozenset(held), frozenset(once)
-    plain = _unit_values(mmP, env, accumulate, held, once)
+    plain = _split_first_after(_unit_values(mmP, env, accumulate, held, once))
     sched = StepSchedule(
-        plain=plain, ckpt=_unit_values(mmC, envC, accumulate, held, once), L=L,
+        plain=plain, ckpt=_split_first_after(_unit_values(mmC, envC, accumulate, held, once)), L=L,
         out_bytes=xo, rng=rng, static=int(mmP.static.xreplace(env)),
         base=int(mmP.grads.xreplace(env)) if accumulate and not mmP.policy.grad_buffer else 0, opt=opt,
         opt_where=f"optimizer step ({opt_what})", shared=plain.pop("shared"), once=plain.pop("once"))
