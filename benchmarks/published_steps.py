@@ -57,21 +57,31 @@ NO_OVERLAP = "--overlap none"
 NS = "V=51200 S=2048 B=4 --gpu a100-80gb"
 #: Megatron-LM's per-iteration work (passes/megatron_iteration.py) needs the run's own flags (the ones it
 #: reads: --clip-grad, --log-interval, --log-params-norm, --log-num-zeros-in-grad, --loss-scale,
-#: --no-check-for-nan-in-loss-and-grad); each set is its recipe's, file and commit in docs/validation.md
+#: --no-check-for-nan-in-loss-and-grad, --no-gradient-accumulation-fusion); each set is its recipe's, file and commit in docs/validation.md
 #: (Per-run notes). The small-GPT functional tests MG6-MG9 (model_config.yaml at NVIDIA/Megatron-LM
 #: d98e8a6): both logs on, clipping 1.0, a log every iteration; no --loss-scale, so MG7's fp16 runs the
-#: dynamic scale
-MGA_SMALL = '--megatron-args "--log-params-norm --log-num-zeros-in-grad --clip-grad 1.0 --log-interval 1"'
+#: dynamic scale; all set --no-gradient-accumulation-fusion (every gradient added into the main-grad buffer)
+MGA_SMALL = ('--megatron-args "--log-params-norm --log-num-zeros-in-grad --clip-grad 1.0 --log-interval 1 '
+             '--no-gradient-accumulation-fusion"')
 #: gpt3_7b_tp4_pp1_memory_speed (MG1, MG2; the same model_config.yaml): the same, a log every 2 iterations
-MGA_7B = '--megatron-args "--log-params-norm --log-num-zeros-in-grad --clip-grad 1.0 --log-interval 2"'
+MGA_7B = ('--megatron-args "--log-params-norm --log-num-zeros-in-grad --clip-grad 1.0 --log-interval 2 '
+          '--no-gradient-accumulation-fusion"')
+#: MG1/MG2's recipe (gpt3_7b_tp4_pp1_memory_speed) sets --overlap-grad-reduce and --overlap-param-gather:
+#: symcost's --overlap full (the default under megatron-* is none, Megatron's own)
+OVERLAP_7B = "--overlap full"
 #: Narayanan et al. 2021 publish no flags of their runs; Megatron-LM's own GPT-3 example of the paper's
 #: code (examples/pretrain_gpt3_175B.sh at a8d172b, 2021-04-28: TP 8 x PP 16, --fp16, dynamic scale)
-#: sets --clip-grad 1.0 --log-interval 10 and neither log of norms nor zeros
-MGA_2021 = '--megatron-args "--clip-grad 1.0 --log-interval 10"'
+#: sets --clip-grad 1.0 --log-interval 10 and neither log of norms nor zeros; that code has no
+#: gradient-accumulation fusion (megatron/model/distributed.py adds every gradient into main_grad), which
+#: is what --no-gradient-accumulation-fusion says
+MGA_2021 = '--megatron-args "--clip-grad 1.0 --log-interval 10 --no-gradient-accumulation-fusion"'
 #: Megatron-Bridge's qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config (067f987): optimizer.clip_grad 1.0,
 #: logger.log_interval 10 (_pretrain_common), log_params_norm and log_num_zeros_in_grad left at their
 #: False defaults, ddp.check_for_nan_in_grad True
 MGA_BR1 = '--megatron-args "--clip-grad 1.0 --log-interval 10"'
+#: ... and its _pretrain_common (src/megatron/bridge/recipes/common.py, 0eca073) sets
+#: DistributedDataParallelConfig(overlap_grad_reduce=True, overlap_param_gather=True): --overlap full
+OVERLAP_BR1 = "--overlap full"
 
 
 def paper_step(hidden: int, layers: int, gpus: int, batch: int, tflops: float, s: int = 2048, V: int = 51200) -> float:
@@ -120,9 +130,9 @@ RUNS: dict[str, tuple] = {
     "MG9": (f"report {GB} --dp 8 --shard ddp --ac full --precision megatron-bf16 --set B=4 S=1024 --gpu h100-sxm "
             f"{NO_OVERLAP} {MGA_SMALL}", 0.10978, "0.10978 s/iteration"),
     "MG1": ("report tests/data/megatron/mg7b.json --dp 2 --shard zero1 --tp 4 --precision megatron-bf16 --set B=2 "
-            f"S=8192 --gpu h100-sxm {MGA_7B}", 1.11493, "1.11493 s/iteration", 2),
+            f"S=8192 --gpu h100-sxm {OVERLAP_7B} {MGA_7B}", 1.11493, "1.11493 s/iteration", 2),
     "MG2": ("report tests/data/megatron/mg7b.json --dp 2 --shard zero1 --tp 4 --precision megatron-bf16 --set B=2 "
-            f"S=8192 --gpu a100-80gb {MGA_7B}", 2.596, "2.596 s/iteration", 2),
+            f"S=8192 --gpu a100-80gb {OVERLAP_7B} {MGA_7B}", 2.596, "2.596 s/iteration", 2),
     "MG7": ("report megatron-gpt --dp 2 --shard ddp --tp 4 --precision megatron-fp16 --set H=8 D=64 L=12 V=50688 B=4 "
             f"S=1024 --gpu h100-sxm {NO_OVERLAP} {MGA_SMALL}", 0.20575, "0.20575 s/iteration", 4),
     "MG10": (f"report {GB.replace('50304', '50432')} --dp 4 --shard fsdp --tp 2 --precision fp32 --fsdp-mp bf16 "
@@ -158,7 +168,8 @@ RUNS: dict[str, tuple] = {
     # recompute, B 1, GBS 1024: K = 1024 / 16 = 64 micro-batches (the gradients reduced once per step). Not
     # modelled: its HybridEP dispatcher (all_to_all_single here), CUDA graphs, EP overlap
     "BR1": ("report tests/data/configs/qwen3-30b-a3b.json --ep 16 --dp 1 --shard zero1 --precision megatron-bf16 "
-            f"--set B=1 S=4096 --gpu h100-sxm {MGA_BR1}", 20.14729, "20.14729 s/iteration (published: s/step)", 64),
+            f"--set B=1 S=4096 --gpu h100-sxm {OVERLAP_BR1} {MGA_BR1}", 20.14729,
+            "20.14729 s/iteration (published: s/step)", 64),
 }
 
 

@@ -211,6 +211,61 @@ def test_traced_rank_prices_megatrons_buckets(megatron_ranks, shard, monkeypatch
                         eff.optimizer_per_byte * 2 * sum(numels)), rel=1e-12)
 
 
+@pytest.mark.parametrize("shard", ["ddp", "zero1"])
+def test_interleaved_chunks_have_their_own_buckets(megatron_ranks, shard, monkeypatch):
+    """An interleaved rank's v model chunks (plan's interleaved rows): Megatron wraps each chunk in
+    a DistributedDataParallel of its own (megatron/training/models/dist_utils.py at d98e8a6, one
+    per ``model_chunk``, ``disable_bucketing = model_chunk_idx > 0``), so each has its own buffers:
+    the first chunk bucketed by the rule, every later one a single bucket. Oracle: the model built
+    at random sizes on the meta device, ``named_parameters()`` cut as Megatron's chunks hold them
+    (the embeddings with the first chunk's first blocks, ``layers.k`` in chunk k·v // L, the final
+    norm and output layer with the last), the rule above applied per chunk."""
+    from symcost.frontends.models import resolve
+    from symcost.passes import megatron_buckets as mb
+
+    an = megatron_ranks[shard]
+    rng = random.Random(31 + len(shard))
+    spec = resolve("megatron-gpt")
+    for _ in range(3):
+        v = rng.choice((2, 3))
+        env = {"B": 2, "S": 16, "H": rng.randint(2, 4), "D": 8 * rng.randint(1, 3), "L": v * rng.randint(1, 3),
+               "V": rng.randint(50, 300), "DP": rng.choice((2, 3, 4, 8))}
+        with torch.device("meta"):
+            model = spec.build(env)
+        named = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
+        parts = [[] for _ in range(v)]
+        seen = False
+        for n, k in named:
+            if n.startswith("layers."):
+                seen = True
+                parts[int(n.split(".")[1]) * v // env["L"]].append(k)
+            else:
+                parts[v - 1 if seen else 0].append(k)
+        small = rng.randint(1, max(parts[0]))
+        monkeypatch.setattr(mb, "BUCKET_MIN", small)
+        monkeypatch.setattr(mb, "BUCKET_PER_RANK", 1)
+        dp, zero1 = env["DP"], shard == "zero1"
+        for overlap in ("none", "backward"):
+            want, shard_t, shard_e = [], 0, 0
+            for c, numels in enumerate(parts):
+                size = small if overlap != "none" and c == 0 else None
+                idx, _, index_map = (megatron_distopt_layout(numels, size, dp) if zero1
+                                     else megatron_default_layout(numels, size))
+                want.append([e - s for s, e in idx])
+                if zero1:
+                    ranks = rank_ranges(idx, index_map, dp)
+                    shard_t += max(t for t, _ in ranks)
+                    shard_e += max(e for _, e in ranks)
+            got = mb.engine(an, an.bind(**env), {"DP": dp}, overlap, chunks=v)
+            assert [b["buckets"] for b in got["buffers"]] == want, (env, v, overlap)
+            assert [b["chunk"] for b in got["buffers"]] == list(range(v))
+            assert got["collectives"] == sum(map(len, want)) * (2 if zero1 else 1)
+            if zero1:
+                assert (got["optimizer_shard"]["tensors"], got["optimizer_shard"]["elements"]) == (shard_t, shard_e)
+            one = mb.engine(an, an.bind(**env), {"DP": dp}, overlap)  # (v = 1: the whole rank as one chunk, as before)
+            assert one["buffers"][0]["elements"] == sum(map(sum, parts)) and "chunk" not in one["buffers"][0]
+
+
 def test_report_text_labels_the_bound_and_megatrons_engine(megatron_ranks, capsys):
     """report --dp --gpu's text under megatron-*: the roofline's step is labelled the lower bound
     (a reader took it for the step), its overlap explained as Megatron's buckets
@@ -233,3 +288,21 @@ def test_report_text_labels_the_bound_and_megatrons_engine(megatron_ranks, capsy
     it = p["megatron_iteration"]
     assert it["seconds"] > 0 and f"included in the prediction: {it['seconds'] * 1e3:.4g} ms per optimizer step" in out
     assert "over the DP group: all_reduce (priced)" in out, out
+
+
+def test_overlap_defaults_to_megatrons_under_its_engine(megatron_ranks):
+    """``--overlap`` left out: Megatron-LM's engine (megatron-* with ddp/zero1) runs without
+    ``--overlap-grad-reduce`` and ``--overlap-param-gather`` (both ``store_true``, ``default=False``
+    in megatron/training/arguments.py at d98e8a6), so the CLI's default there is ``none``;
+    PyTorch's engines keep ``backward``; a given ``--overlap`` wins. The pipeline commands, which
+    have no analysis at hand, decide from the precision, shard and ``--fsdp-mp``."""
+    from symcost.commands._options import overlap_of
+
+    for shard, an in megatron_ranks.items():
+        assert overlap_of({}, an) == "none", shard
+        for given in ("backward", "full", "none"):
+            assert overlap_of({"symcost.overlap": given}, an) == given
+    assert overlap_of({}, None, "megatron-fp16", "ddp") == overlap_of({}, None, "megatron-bf16", "zero1") == "none"
+    assert overlap_of({}, None, "megatron-bf16", "fsdp") == "backward"  # (PyTorch's FSDP2 under a megatron policy)
+    assert overlap_of({}, None, "megatron-bf16", "ddp", ("bf16", "fp32")) == "backward"
+    assert overlap_of({}, None, "bf16-mixed", "ddp") == overlap_of({}, None, None, None) == "backward"

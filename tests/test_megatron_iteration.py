@@ -155,6 +155,28 @@ def test_items_are_megatrons_at_random_sizes(key):
         assert items["check_grads"]["read"] == 4 * padded and items["check_grads"]["syncs"] == 2
         assert items["copy_to_main_grads"]["kernels"] == 0 and "unscale_check_inf" not in items
     assert padded >= P and (Eg < P) == is_zero1
+    # the backward post-hook's param.main_grad.add_(param.grad.data) (distributed_data_parallel.py
+    # _make_backward_post_hook), every micro-batch: the main grad (the buffer's dtype) read and
+    # written, the 16-bit grad read; with gradient-accumulation fusion (the default) the linear
+    # weights' GEMMs accumulate into the buffer themselves, so the 1-D tensors only; without it
+    # (--no-gradient-accumulation-fusion) every tensor
+    dims = [p.dim() for _, p in model.named_parameters() if p.requires_grad]
+    one_d = [n for n, d in zip(numels, dims) if d < 2]
+    add = items["main_grad_add"]
+    assert (add["kernels"], add["read"], add["written"], add["per"]) == (
+        len(one_d), (gbuf + 2) * sum(one_d), gbuf * sum(one_d), "micro-batch-backward")
+    unfused = {i["name"]: i for i in mi.work(an, {}, ranks, buckets, mi.parse_args(RECIPE + " --no-gradient-"
+                                                                                    "accumulation-fusion"))}
+    add = unfused["main_grad_add"]
+    assert (add["kernels"], add["read"], add["written"]) == (T, (gbuf + 2) * P, gbuf * P)
+    assert {k: v for k, v in unfused.items() if k != "main_grad_add"} == {k: v for k, v in items.items()
+                                                                          if k != "main_grad_add"}
+    # priced as an item of its own, every micro-batch: max(host, device)
+    h = add["ops"] * eff.host_per_op("forward") + add["kernels"] * eff.host_launch
+    d = (add["read"] + add["written"]) / (dev.bandwidth * eff.memory) + add["kernels"] * eff.kernel_gap
+    three = mi.price([add], dev, 3, flags)
+    assert three["seconds"] == pytest.approx(3 * max(h, d), rel=1e-12)
+    assert three["per_micro_batch_backward"] == pytest.approx(max(h, d), rel=1e-12) and three["per_micro_batch"] == 0
     # priced by hand: max(host, device) + the all-reduce's ring latency over the grad-stats group
     n = dp if is_zero1 else 1  # (every rank with the distributed optimizer, else the model-parallel group)
     want = max(6 * eff.host_per_op("forward") + 6 * eff.host_launch,
@@ -183,11 +205,13 @@ def test_step_grows_by_the_items(zero1, monkeypatch):
         m.setattr(mi, "work", lambda *a, **k: [])
         q = predict_dp(zero1, dev, v, "none", megatron_args=RECIPE)
     assert p["step_seconds"] - q["step_seconds"] == pytest.approx(it["seconds"], rel=1e-9)
-    assert it["per_micro_batch"] > 0 and p["iteration_seconds"] == pytest.approx(it["seconds"] - it["per_micro_batch"])
+    each = it["per_micro_batch"] + it["per_micro_batch_backward"]  # (the loss checks, the main-gradient adds)
+    assert it["per_micro_batch"] > 0 and it["per_micro_batch_backward"] > 0
+    assert p["iteration_seconds"] == pytest.approx(it["seconds"] - each)
     K = 3
     grow = accumulated(p, K, "zero1", "none", p["optimizer_seconds"])["step_seconds"] - \
         accumulated(q, K, "zero1", "none", q["optimizer_seconds"])["step_seconds"]
-    assert grow == pytest.approx(it["seconds"] + (K - 1) * it["per_micro_batch"], rel=1e-9)
+    assert grow == pytest.approx(it["seconds"] + (K - 1) * each, rel=1e-9)
 
 
 def test_a_pipeline_rank_of_two_chunks():

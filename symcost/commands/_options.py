@@ -166,6 +166,28 @@ def _keep_parallel(key):
     return store
 
 
+def overlap_of(meta, an=None, precision: str | None = None, shard: str | None = None,
+               fsdp_mp=None) -> str:
+    """``--overlap`` as given (``meta["symcost.overlap"]``), else the data-parallel engine's own
+    default: ``none`` under Megatron-LM's engine (a ``megatron-*`` policy with ``--shard ddp`` or
+    ``zero1`` and no ``--fsdp-mp``: :func:`symcost.passes.megatron_buckets.is_megatron_engine` of
+    ``an``, or of ``precision``/``shard``/``fsdp_mp`` where no analysis is at hand, a pipeline's),
+    since Megatron's ``--overlap-grad-reduce`` and ``--overlap-param-gather`` are
+    ``store_true`` with ``default=False`` (megatron/training/arguments.py at d98e8a6): its
+    gradients are reduced after the backward; ``backward`` otherwise (PyTorch's DDP reduces its
+    buckets under the backward, FSDP2 its reduce-scatters)."""
+    given = meta.get("symcost.overlap")
+    if given:
+        return given
+    if an is not None:
+        from symcost.passes.megatron_buckets import is_megatron_engine
+
+        return "none" if is_megatron_engine(an) else "backward"
+    from symcost.frontends.megatron import is_megatron
+
+    return "none" if is_megatron(precision) and shard in ("ddp", "zero1") and not fsdp_mp else "backward"
+
+
 def _megatron_args(ctx, param, value):
     """``--megatron-args``: kept for the step model, and one warning line (stderr) naming the
     flags it does not read (:func:`symcost.passes.megatron_iteration.ignored_warning`)."""
@@ -223,9 +245,11 @@ def parallel_options(f):
                           "reshard_after_forward=True), zero2 (reshard_after_forward=False; DeepSpeed "
                           "ZeRO-2 model states), zero1 (DDP trace; ZeRO-1 model states, what Megatron-LM's "
                           "--use-distributed-optimizer shards)")(f)
-    f = click.option("--overlap", type=click.Choice(["none", "backward", "full"]), default="backward",
-                     show_default=True, expose_value=False, callback=_keep_parallel("symcost.overlap"),
-                     help="with --dp and --gpu: communication hidden under compute (docs/parallel.md)")(f)
+    f = click.option("--overlap", type=click.Choice(["none", "backward", "full"]), default=None,
+                     expose_value=False, callback=_keep_parallel("symcost.overlap"),
+                     help="with --dp and --gpu: communication hidden under compute (docs/parallel.md) [default: "
+                          "the engine's: backward (PyTorch's DDP and FSDP2); none under --precision megatron-* "
+                          "with --shard ddp|zero1 (Megatron-LM's --overlap-grad-reduce is off by default)]")(f)
     f = click.option("--devices-per-node", type=click.IntRange(min=1), default=None, expose_value=False,
                      callback=_keep_parallel("symcost.devices_per_node"),
                      help="with --dp and --gpu: devices on the scale-up link [default: the catalogue's]")(f)
@@ -236,8 +260,8 @@ def parallel_options(f):
                      callback=_megatron_args,
                      help="with --precision megatron-*, --dp and --gpu: the Megatron-LM run's flags that change its "
                           "per-iteration work (--clip-grad, --log-params-norm, --log-num-zeros-in-grad, "
-                          "--log-interval, --no-check-for-nan-in-loss-and-grad, --loss-scale; others ignored, named in a "
-                          "warning) "
+                          "--log-interval, --no-check-for-nan-in-loss-and-grad, --no-gradient-accumulation-fusion, "
+                          "--loss-scale; others ignored, named in a warning) "
                           "[default: Megatron-LM's defaults] (docs/performance-model.md)")(f)
     f = click.option("--gpu", default=None, expose_value=False, callback=_keep_parallel("symcost.gpu"),
                      metavar="NAME", help="with --dp: step time per rank on this catalogue device "

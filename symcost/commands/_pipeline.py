@@ -10,7 +10,7 @@ import click
 from symcost.frontends.spec import MESH_HINT
 from symcost.errors import SymcostError
 
-from ._options import _keep_parallel, parse_config, parse_sizes
+from ._options import _keep_parallel, overlap_of, parse_config, parse_sizes
 
 #: --schedule (symcost.frontends.pipeline.SCHEDULES; listed here so --help imports no torch)
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -197,7 +197,9 @@ def report_pipeline(req, model, sets, config, attention, precision, as_json, opt
     r = summary(spec, pp, schedule, m, v, precision, sizes, optimizer, device=device, devices_per_node=per_node,
                 cache=cache, inner=layout.inner, split=layout.pipeline.split,
                 mode="compiled" if meta.get("symcost.compile") else "eager",
-                overlap=meta.get("symcost.overlap") or "backward", megatron_args=meta.get("symcost.megatron_args"))
+                overlap=overlap_of(meta, None, precision, getattr(layout.inner, "shard", None),
+                                   getattr(layout.inner, "fsdp_mp", None)),
+                megatron_args=meta.get("symcost.megatron_args"))
     t2 = time.perf_counter()
     if as_json:
         click.echo(json.dumps(pipeline_json(spec, r, layout, mesh, precision, assumed, ans), indent=1))
@@ -378,7 +380,9 @@ def predicted_pipeline(req, model, sets, config, attention, precision, device, o
     r = summary(spec, pp, schedule, m, v, precision, sizes, optimizer, device=device, devices_per_node=per_node,
                 cache=cache, inner=layout.inner, split=layout.pipeline.split,
                 mode="compiled" if meta.get("symcost.compile") else "eager",
-                overlap=meta.get("symcost.overlap") or "backward", megatron_args=meta.get("symcost.megatron_args"))
+                overlap=overlap_of(meta, None, precision, getattr(layout.inner, "shard", None),
+                                   getattr(layout.inner, "fsdp_mp", None)),
+                megatron_args=meta.get("symcost.megatron_args"))
     values = spec.values(dict(sizes))
     dp, tp, ep = (int(mesh.get(k, 1)) for k in ("DP", "TP", "EP"))
     # (--ep --tp: the EP ranks hold the TP groups, §14.8; with --etp the (ep, tp) mesh: EP·TP ranks)

@@ -74,7 +74,9 @@ def _positive(text: str, what: str) -> int:
 @click.option("--cp", "cps", default=None, metavar="N,N,...",
               help="context-parallel sizes to try [default: powers of two leaving >= 8192 tokens per rank; "
                    "1: none]")
-@click.option("--overlap", default="backward", show_default=True, type=click.Choice(["backward", "none"]))
+@click.option("--overlap", default=None, type=click.Choice(["backward", "none"]),
+              help="data-parallel communication hidden under the backward, or none [default: backward; none under "
+                   "--precision megatron-*: Megatron-LM's --overlap-grad-reduce is off by default]")
 @click.option("--routing", default=None, metavar="MODEL",
               help="mixture-of-experts routing model, as report's: balanced (default), capacity=C (traced under it), "
                    "or skew=X (each EP row's most loaded rank: min(X, EP) times the balanced slots)")
@@ -138,7 +140,14 @@ def plan(model, n_devices, device_name, devices_file, peak_flops, bandwidth, mem
     from symcost.passes.plan import plan as make_plan, trace_for_plan
 
     an = trace_for_plan(model, sizes, precision, sp, routing=routing)
-    res = make_plan(an, sizes, dev, n, cap, g, precision, overlap=overlap, shards=shards, checkpoints=checkpoints,
+    # (each engine's default: Megatron-LM's rows reduce their buffers after the backward, its
+    # --overlap-grad-reduce being off by default; PyTorch's DDP and FSDP2 rows under the backward)
+    from symcost.frontends.megatron import is_megatron
+
+    megatron_overlap = overlap or ("none" if is_megatron(precision) else None)
+    overlap = overlap or "backward"
+    res = make_plan(an, sizes, dev, n, cap, g, precision, overlap=overlap, megatron_overlap=megatron_overlap,
+                    shards=shards, checkpoints=checkpoints,
                     schedules=schedules, micro_batches=mbs,
                     trace_at=lambda tp: trace_for_plan(model, sizes, precision, sp, tp=tp, routing=routing),
                     model=model, trace_top=3 * top if trace_top is None else trace_top, sp=sp,

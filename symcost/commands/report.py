@@ -10,7 +10,7 @@ import click
 from symcost.errors import SymcostError
 from symcost.hardware.efficiency import DEFAULTED
 
-from ._options import (common, device_alias, early_checks, layout_words, memory_options, parallel_options,
+from ._options import (common, device_alias, early_checks, layout_words, memory_options, overlap_of, parallel_options,
                        parallel_request, report_cap, trace_model)
 from ._loss import loss_option
 from ._pipeline import pipeline_options, pipeline_request, report_pipeline
@@ -121,11 +121,11 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
             from symcost.hardware.devices import get_device
             from symcost.passes.parallel import step_time
 
-            step = step_time(an, get_device(meta["symcost.gpu"]), sizes, meta.get("symcost.overlap", "backward"),
+            step = step_time(an, get_device(meta["symcost.gpu"]), sizes, overlap_of(meta, an),
                              meta.get("symcost.nodes"), meta.get("symcost.devices_per_node"))
             from symcost.passes.performance import predict_dp
 
-            predicted = predict_dp(an, get_device(meta["symcost.gpu"]), sizes, meta.get("symcost.overlap", "backward"),
+            predicted = predict_dp(an, get_device(meta["symcost.gpu"]), sizes, overlap_of(meta, an),
                                    meta.get("symcost.nodes"), meta.get("symcost.devices_per_node"),
                                    mode="compiled" if meta.get("symcost.compile") else "eager",
                                    megatron_args=meta.get("symcost.megatron_args"))
@@ -215,7 +215,7 @@ def _priced_step(an, sizes):
     from symcost.passes.performance import predict_dp
 
     dev = get_device(meta["symcost.gpu"])
-    args = (an, dev, sizes, meta.get("symcost.overlap", "backward"), meta.get("symcost.nodes"),
+    args = (an, dev, sizes, overlap_of(meta, an), meta.get("symcost.nodes"),
             meta.get("symcost.devices_per_node"))
     return step_time(*args), predict_dp(*args, mode="compiled" if meta.get("symcost.compile") else "eager",
                                         megatron_args=meta.get("symcost.megatron_args"))
@@ -235,7 +235,7 @@ def _accumulated(an, sizes, step, predicted, K: int):
     from symcost.passes.accumulation import accumulated
 
     meta = click.get_current_context().find_root().meta
-    overlap = meta.get("symcost.overlap", "backward")
+    overlap = overlap_of(meta, an)
     shard = layout_of(an).shard
     opt = predicted["optimizer_seconds"]  # (the distributed optimizer's over its shard under Megatron's zero1)
     p = accumulated(predicted, K, shard, overlap, opt)

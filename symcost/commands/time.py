@@ -6,7 +6,7 @@ import json
 import click
 
 from ._device import device_options, resolve_device
-from ._options import common, every_layer_trace, parallel_options, parallel_request, trace_model
+from ._options import common, every_layer_trace, overlap_of, parallel_options, parallel_request, trace_model
 from ._pipeline import pipeline_options, pipeline_request
 from symcost.hardware.efficiency import DEFAULTED
 
@@ -173,7 +173,7 @@ def _time_dp(model, sets, config, attention, precision, device_name, devices_fil
         raise SymcostError(f"--devices {n_devices} and --dp {dp} disagree: with --dp the devices are the DP ranks")
     dev = resolve_device(gpu or device_name, devices_file, peak_flops, bandwidth)
     an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
-    out = train_time_dp(an, dev, sizes, n_tokens, accumulate, meta.get("symcost.overlap", "backward"),
+    out = train_time_dp(an, dev, sizes, n_tokens, accumulate, overlap_of(meta, an),
                         meta.get("symcost.nodes"), meta.get("symcost.devices_per_node"))
     if dp is None and n_devices not in (1, out["ranks"]):
         raise SymcostError(f"--devices {n_devices} and the mesh's {out['ranks']} ranks disagree: the devices are "
@@ -182,7 +182,7 @@ def _time_dp(model, sets, config, attention, precision, device_name, devices_fil
     from symcost.passes.performance import predict_dp
 
     compiled = bool(meta.get("symcost.compile"))
-    pd = predict_dp(an, dev, sizes, meta.get("symcost.overlap", "backward"), meta.get("symcost.nodes"),
+    pd = predict_dp(an, dev, sizes, overlap_of(meta, an), meta.get("symcost.nodes"),
                     meta.get("symcost.devices_per_node"), mode="compiled" if compiled else "eager",
                     megatron_args=meta.get("symcost.megatron_args"))
     # one optimizer step of K micro-steps as the engine runs them (passes/accumulation.py): the
@@ -191,7 +191,7 @@ def _time_dp(model, sets, config, attention, precision, device_name, devices_fil
     from symcost.passes.accumulation import accumulated
 
     opt = pd["optimizer_seconds"] if accumulate > 1 else 0.0
-    acc = accumulated(pd, accumulate, layout_of(an).shard, meta.get("symcost.overlap", "backward"), opt)
+    acc = accumulated(pd, accumulate, layout_of(an).shard, overlap_of(meta, an), opt)
     seconds = float(out["steps"]) * acc["step_seconds"]
     out["predicted"] = {**pd, "accumulated": acc, "time.seconds": seconds, "time.days": seconds / 86400}
     if as_json:

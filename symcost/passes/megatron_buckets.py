@@ -132,11 +132,12 @@ def _expanded(an, env: Mapping) -> list[tuple[str, int]]:
     return [(name, n) for name, n, _ in _typed(an, env)]
 
 
-def _typed(an, env: Mapping) -> list[tuple[str, int, int]]:
+def _typed(an, env: Mapping, blocks: bool = False) -> list[tuple]:
     """``[(name, local elements, bytes per element)]`` of every trained parameter of ``an`` at ``env``, in
     ``named_parameters()`` order: a run of folded entries repeated r times (a block stack) is
     unfolded block by block; the shape is the rank's (the TP- and EP-local shard where the trace
-    has one, rank 0's ceil where a split does not divide)."""
+    has one, rank 0's ceil where a split does not divide). ``blocks``: each entry also carries its
+    block's index k and the run's r (``(name, n, bytes, k, r)``; k None outside a folded run)."""
     frozen = getattr(an, "frozen", None) or set()
     shards = getattr(an, "param_shards", None) or {}
     entries = []
@@ -146,7 +147,7 @@ def _typed(an, env: Mapping) -> list[tuple[str, int, int]]:
         sh = shards.get(name, (shape,))[0]
         n = math.prod(int(sympy.ceiling(sympy.sympify(d).xreplace(env))) for d in sh)
         entries.append((name, n, itemsize(dtype_names([dtype])[0]), sympy.sympify(rep)))
-    out: list[tuple[str, int, int]] = []
+    out: list[tuple] = []
     i = 0
     while i < len(entries):
         rep = entries[i][3]
@@ -155,12 +156,41 @@ def _typed(an, env: Mapping) -> list[tuple[str, int, int]]:
             j += 1
         r = int(sympy.sympify(rep).xreplace(env))
         for k in range(r):
-            out.extend((name.replace("{i}", str(k)), n, b) for name, n, b, _ in entries[i:j])
+            tail = ((k if rep != 1 else None), r) if blocks else ()
+            out.extend((name.replace("{i}", str(k)), n, b, *tail) for name, n, b, _ in entries[i:j])
         i = j
     return out
 
 
-def buffers(an, env: Mapping, ranks: Mapping[str, int], overlap: str, bucketing: bool = True) -> list[dict[str, Any]]:
+def chunked(an, env: Mapping, chunks: int) -> list[list[tuple[str, int, int]]]:
+    """:func:`_typed`'s parameters of the rank of ``an`` at ``env`` split into the ``chunks`` model
+    chunks an interleaved schedule gives one pipeline rank (Megatron-LM's ``model`` list, one
+    ``DistributedDataParallel`` per chunk: ``megatron/training/models/dist_utils.py``): the folded
+    block stack (the parameters repeated once per block, L of them at ``env``) in ``chunks``
+    consecutive runs of blocks (block k in chunk k·chunks // L), the parameters before the stack
+    (the embeddings: the first virtual stage's ``pre_process``) in the first chunk, those after
+    it (the final norm, an untied output layer: the last virtual stage's ``post_process``) in
+    the last. ``chunks`` = 1: one chunk of every parameter (:func:`_typed`).
+
+    Raises:
+        ValueError: ``chunks`` < 1."""
+    if int(chunks) < 1:
+        raise ValueError(f"chunks must be at least 1, got {chunks}")
+    typed = _typed(an, env, blocks=True)
+    c = int(chunks)
+    out: list[list[tuple[str, int, int]]] = [[] for _ in range(c)]
+    seen = False
+    for name, n, b, k, r in typed:
+        if k is None:  # (outside the stack: before it the first chunk, after it the last)
+            out[c - 1 if seen else 0].append((name, n, b))
+        else:
+            seen = True
+            out[min(c - 1, k * c // max(1, r))].append((name, n, b))
+    return out
+
+
+def buffers(an, env: Mapping, ranks: Mapping[str, int], overlap: str, bucketing: bool = True,
+            params: Sequence[tuple[str, int, int]] | None = None) -> list[dict[str, Any]]:
     """Megatron-Core's gradient buffers of the traced rank of ``an`` (a :func:`is_megatron_engine`
     trace) at ``env`` (symbol -> value), and their buckets.
 
@@ -173,6 +203,8 @@ def buffers(an, env: Mapping, ranks: Mapping[str, int], overlap: str, bucketing:
         overlap: ``--overlap``: ``none`` is Megatron without ``--overlap-grad-reduce`` (one
             bucket per buffer), ``backward``/``full`` with it.
         bucketing: False for a pipeline rank after the first or a model chunk after the first.
+        params: the ``(name, local elements, bytes per element)`` of the chunk laid out (one model
+            chunk of :func:`chunked`); None: every trained parameter of the rank (:func:`_typed`).
 
     Returns:
         ``[{"group", "ranks", "grad_bytes" (per element: 4 under a ``megatron-bf16`` policy's fp32
@@ -186,7 +218,7 @@ def buffers(an, env: Mapping, ranks: Mapping[str, int], overlap: str, bucketing:
     pol = POLICIES[an.precision]
     fp32_grads = pol.grad == 4 and pol.param < 4  # (--bf16's grad_reduce_in_fp32: the policy's fp32 main grads)
     distributed = an.parallel == "zero1"
-    groups = _grouped(an, env)
+    groups = _grouped(an, env, params)
     out = []
     for g, nbytes in sorted(groups, key=lambda k: k[0] != "DP"):  # (the dense buffers first, in parameter order)
         n = int(ranks.get(g, ranks.get("DP", 1)))
@@ -199,7 +231,7 @@ def buffers(an, env: Mapping, ranks: Mapping[str, int], overlap: str, bucketing:
     return out
 
 
-def _grouped(an, env: Mapping) -> dict[tuple[str, int], list[int]]:
+def _grouped(an, env: Mapping, params: Sequence[tuple[str, int, int]] | None = None) -> dict[tuple[str, int], list[int]]:
     """The trained parameters' local elements (:func:`_expanded`) by buffer: ``(group, bytes per
     element)``, the group ``"DP_expert"`` for the parameters of a module whose gradients the trace
     reduces over the expert-data-parallel group (Megatron's ``param.allreduce`` False), ``"DP"``
@@ -208,7 +240,7 @@ def _grouped(an, env: Mapping) -> dict[tuple[str, int], list[int]]:
 
     experts = {op.module for op in an.ops if op.comm is not None and comm_group(an, op) == "DP_expert"}
     out: dict[tuple[str, int], list[int]] = {}
-    for name, n, nbytes in _typed(an, env):
+    for name, n, nbytes in (_typed(an, env) if params is None else params):
         folded = re.sub(r"\.\d+\.", ".{i}.", name)
         expert = any(folded.startswith(m + ".") or name.startswith(m + ".") for m in experts)
         out.setdefault(("DP_expert" if expert else "DP", nbytes), []).append(n)
@@ -303,12 +335,19 @@ OVERLAPS = {
 }
 
 
-def engine(an, env: Mapping, ranks: Mapping[str, int], overlap: str, bucketing: bool = True) -> dict[str, Any]:
+def engine(an, env: Mapping, ranks: Mapping[str, int], overlap: str, bucketing: bool = True,
+           chunks: int = 1) -> dict[str, Any]:
     """Megatron-LM's data-parallel collectives of one step of ``an`` (a :func:`is_megatron_engine`
     trace) at ``env``, as the step-time model prices them in place of the trace's all-reduce per
     gradient (:func:`symcost.passes.parallel.step_time`, :func:`symcost.passes.performance.predict_dp`).
 
-    Args: as :func:`buffers`.
+    Args: as :func:`buffers`, and ``chunks``: the model chunks the rank holds (an interleaved
+    schedule's virtual stages, :func:`chunked`; ``plan``'s interleaved rows). Megatron wraps each
+    chunk in a ``DistributedDataParallel`` of its own, with its own buffers and buckets, and
+    disables bucketing on every chunk after the first (``disable_bucketing = model_chunk_idx >
+    0``, megatron/training/models/dist_utils.py at d98e8a6): the first chunk is laid out with
+    ``bucketing``, each later one as one bucket per buffer. (``report --pp`` traces each virtual
+    stage apart and calls this once per stage.)
 
     Returns:
         ``{"by_group" {(group, phase): ring bytes per rank}, "latency_steps" {group: {phase:
@@ -318,7 +357,11 @@ def engine(an, env: Mapping, ranks: Mapping[str, int], overlap: str, bucketing: 
         distributed optimizer, ``zero1``), "optimizer_shard" (:func:`optimizer_shard`, zero1
         only), "rule" (one line)}``.
     """
-    bufs = buffers(an, env, ranks, overlap, bucketing)
+    if int(chunks) == 1:
+        bufs = buffers(an, env, ranks, overlap, bucketing)
+    else:
+        bufs = [dict(b, chunk=c) for c, part in enumerate(chunked(an, env, chunks))
+                for b in buffers(an, env, ranks, overlap, bucketing and c == 0, part)]
     colls = collectives(bufs)
     steps: dict[str, dict[str, int]] = {}
     for c in colls:
@@ -332,7 +375,9 @@ def engine(an, env: Mapping, ranks: Mapping[str, int], overlap: str, bucketing: 
                     "apart), one " + ("reduce-scatter of its gradients and one all-gather of its parameters"
                                       if distributed else "all-reduce") + " per bucket of "
                     + ("max(40M, 1M x DP) elements (--overlap-grad-reduce)" if overlap != "none" and bucketing
-                       else "the whole buffer (no --overlap-grad-reduce, or not the first pipeline rank or chunk)"))}
+                       else "the whole buffer (no --overlap-grad-reduce, or not the first pipeline rank or chunk)")
+                    + (f"; {int(chunks)} model chunks, each its own buffers, bucketing off after the first"
+                       if int(chunks) > 1 else ""))}
     if distributed:
         out["optimizer_shard"] = optimizer_shard(bufs)
     return out

@@ -18,6 +18,15 @@ defaults, ``megatron/training/arguments.py``):
 ===========================  =====================================================================
 item                         what runs (per iteration unless said)
 ===========================  =====================================================================
+main_grad_add (per micro-b.) the backward post-hook of each parameter
+                             (``DistributedDataParallel._make_backward_post_hook``):
+                             ``param.main_grad.add_(param.grad.data)``, the gradient accumulated into
+                             the main-gradient buffer, every micro-batch in the backward; with
+                             gradient-accumulation fusion (Megatron's default) the linear layers'
+                             weight-gradient GEMMs accumulate into it themselves, so only the other
+                             tensors (taken as the 1-D ones: biases, norms) are added;
+                             ``--no-gradient-accumulation-fusion`` (the functional tests') and
+                             Megatron-LM of 2021 (a8d172b, no such fusion) add every one
 grad_scaling                 ``bucket.grad_data *= 1/DP`` per bucket before its collective (DP > 1)
 check_grads                  ``--check-for-nan-in-loss-and-grad`` (on by default; off under fp16's
                              dynamic loss scale): per bucket the gradient buffer's L2 norm, then
@@ -71,14 +80,14 @@ from typing import Any, Mapping, Sequence
 #: (megatron/training/arguments.py at d98e8a6: --clip-grad 1.0, --log-interval 100,
 #: --no-check-for-nan-in-loss-and-grad store_false, the rest store_true)
 DEFAULTS = {"clip_grad": 1.0, "log_interval": 100, "log_params_norm": False, "log_num_zeros_in_grad": False,
-            "check_for_nan_in_loss_and_grad": True, "loss_scale": None}
+            "check_for_nan_in_loss_and_grad": True, "loss_scale": None, "gradient_accumulation_fusion": True}
 #: the source commit every item cites
 SOURCE = "NVIDIA/Megatron-LM d98e8a6"
 
 
 #: The flags :func:`parse_args` reads (the others do not change the per-iteration work).
 READ = ("--clip-grad", "--log-interval", "--loss-scale", "--log-params-norm", "--log-num-zeros-in-grad",
-        "--no-check-for-nan-in-loss-and-grad")
+        "--no-check-for-nan-in-loss-and-grad", "--no-gradient-accumulation-fusion")
 
 
 def parse_args(text: str | None) -> dict[str, Any]:
@@ -96,7 +105,8 @@ def parse_args(text: str | None) -> dict[str, Any]:
     values = {"--clip-grad": ("clip_grad", float), "--log-interval": ("log_interval", int),
               "--loss-scale": ("loss_scale", float)}
     switches = {"--log-params-norm": ("log_params_norm", True), "--log-num-zeros-in-grad": ("log_num_zeros_in_grad", True),
-                "--no-check-for-nan-in-loss-and-grad": ("check_for_nan_in_loss_and_grad", False)}
+                "--no-check-for-nan-in-loss-and-grad": ("check_for_nan_in_loss_and_grad", False),
+                "--no-gradient-accumulation-fusion": ("gradient_accumulation_fusion", False)}
     i = 0
     while i < len(words):
         w = words[i]
@@ -155,6 +165,24 @@ def ignored_warning(text: str | None) -> str | None:
             "per-iteration work are read: " + ", ".join(sorted(READ)) + ")" + ("; " + "; ".join(set_by) if set_by else ""))
 
 
+def _dims(an, env) -> list[int]:
+    """The number of dimensions of each trained parameter of ``an`` in :func:`symcost.passes.megatron_buckets._typed`'s
+    order (a folded run unfolded block by block, as there)."""
+    import sympy
+
+    frozen = getattr(an, "frozen", None) or set()
+    out, entries = [], [(len(shape), rep) for name, (shape, _, rep) in an.param_shapes.items() if name not in frozen]
+    i = 0
+    while i < len(entries):
+        rep = entries[i][1]
+        j = i + 1
+        while j < len(entries) and rep != 1 and entries[j][1] == rep:
+            j += 1
+        out.extend([d for d, _ in entries[i:j]] * int(sympy.sympify(rep).xreplace(env)))
+        i = j
+    return out
+
+
 def _item(name, source, ops=0, kernels=0, read=0, written=0, collectives=(), syncs=0, per="iteration"):
     return {"name": name, "source": source, "ops": ops, "kernels": kernels, "read": read, "written": written,
             "collectives": [list(c) for c in collectives], "syncs": syncs, "per": per}
@@ -183,7 +211,8 @@ def work(an, env: Mapping, ranks: Mapping[str, int], buckets: Mapping[str, Any] 
         ``[{"name", "source", "ops" (aten ops the host dispatches), "kernels" (device kernels),
         "read", "written" (device bytes), "collectives" [[group, ranks, count]] (one-element
         all-reduces), "syncs" (device-to-host synchronisations), "per" ("iteration",
-        "micro-batch" or "log": every log_interval iterations)}]``; ``group`` ``"DP"``, ``"MP"``
+        "micro-batch" (in the forward), "micro-batch-backward" or "log": every log_interval
+        iterations)}]``; ``group`` ``"DP"``, ``"MP"``
         (tensor × pipeline), ``"stats"`` (the optimizer's grad-stats group: model-parallel, all
         ranks with the distributed optimizer), ``"world"``, ``"one"`` (a group of one rank).
     """
@@ -199,9 +228,12 @@ def work(an, env: Mapping, ranks: Mapping[str, int], buckets: Mapping[str, Any] 
     gb = pol.grad  # (the gradient buffer's bytes per element: fp32 under --bf16, 16-bit under --fp16)
     main = 4  # fp32 main params and main grads
     T = E = Tg = Eg = 0
+    Ta = Ea = 0  # (the tensors the backward post-hook adds into the main-gradient buffer)
     bucket_elems: list[int] = []
     for a, e, b in ((an, env, buckets), *others):
         numels = [n for _, n in mb._expanded(a, e)]
+        added = numels if not f["gradient_accumulation_fusion"] else [n for n, d in zip(numels, _dims(a, e)) if d < 2]
+        Ta, Ea = Ta + len(added), Ea + sum(added)
         T, E = T + len(numels), E + sum(numels)
         if distributed and b and "optimizer_shard" in b:  # (the distributed optimizer's shard of the chunk)
             Tg, Eg = Tg + int(b["optimizer_shard"]["tensors"]), Eg + int(b["optimizer_shard"]["elements"])
@@ -216,6 +248,12 @@ def work(an, env: Mapping, ranks: Mapping[str, int], buckets: Mapping[str, Any] 
     ddp = "megatron/core/distributed/param_and_grad_buffer.py"
     opt = "megatron/core/optimizer/optimizer.py"
     items = []
+    if Ta:
+        items.append(_item("main_grad_add", f"{ddp.replace('param_and_grad_buffer', 'distributed_data_parallel')} "
+                           "_make_backward_post_hook: param.main_grad.add_(param.grad.data)"
+                           + (" (--no-gradient-accumulation-fusion: every tensor)" if not f["gradient_accumulation_fusion"]
+                              else " (gradient-accumulation fusion: the 1-D tensors)"),
+                           ops=Ta, kernels=Ta, read=(gb + pol.param) * Ea, written=gb * Ea, per="micro-batch-backward"))
     if dp > 1:
         items.append(_item("grad_scaling", f"{ddp} start_grad_sync: bucket.grad_data *= gradient_scaling_factor (1/DP)",
                            ops=nb, kernels=nb, read=gb * sum(bucket_elems), written=gb * sum(bucket_elems)))
@@ -289,12 +327,19 @@ def price(items, device, micro_batches: int = 1, flags: Mapping[str, Any] | None
     Each item: device = (read + written) / (bandwidth · ``memory``) + kernels · ``kernel_gap``;
     host = ops · ``host_per_op`` + kernels · ``host_launch``; latency = Σ count · 2(n−1) ·
     ``collective_latency`` over its all-reduces (none for a group of one rank); seconds =
-    max(host, device) + latency, times its count per optimizer step (``micro-batch`` items
-    ``micro_batches`` times, ``log`` items 1/log_interval).
+    max(host, device) + latency, times its count per optimizer step (``micro-batch`` and
+    ``micro-batch-backward`` items ``micro_batches`` times, ``log`` items 1/log_interval).
+
+    The main-gradient adds (``micro-batch-backward``) run inside the backward, with no
+    synchronisation, so a device-bound backward would hide their host work; they are priced as an
+    item of their own all the same (max(host, device)), as ``plan`` and a pipeline rank price
+    them: their ops are not in the traced backward's host/device queue (docs/performance-model.md).
 
     Returns:
         ``{"seconds" (per optimizer step, the micro-batch items included), "per_micro_batch"
-        (the micro-batch items' seconds, each micro-batch), "device", "host", "latency",
+        (the forward's micro-batch items' seconds, each micro-batch: the loss checks),
+        "per_micro_batch_backward" (the backward's, each micro-batch: the main-gradient adds),
+        "device", "host", "latency",
         "syncs" (per optimizer step), "items" [each item with its "seconds" per occurrence]}``.
     """
     from symcost.hardware.efficiency import default_efficiency
@@ -305,18 +350,21 @@ def price(items, device, micro_batches: int = 1, flags: Mapping[str, Any] | None
     per_op = eff.host_per_op("forward")
     launch = float(eff.host_launch or 0.0)
     gap = float(eff.kernel_gap or 0.0)
-    tot = {"device": 0.0, "host": 0.0, "latency": 0.0, "syncs": 0.0, "seconds": 0.0, "per_micro_batch": 0.0}
+    tot = {"device": 0.0, "host": 0.0, "latency": 0.0, "syncs": 0.0, "seconds": 0.0, "per_micro_batch": 0.0,
+           "per_micro_batch_backward": 0.0}
     out = []
     for it in items:
         dev = (it["read"] + it["written"]) / bw + it["kernels"] * gap
         host = it["ops"] * per_op + it["kernels"] * launch
         lat = sum(c * 2 * (n - 1) * eff.collective_latency for _, n, c in it["collectives"])
         s = max(host, dev) + lat
-        times = {"iteration": 1.0, "micro-batch": float(micro_batches),
+        times = {"iteration": 1.0, "micro-batch": float(micro_batches), "micro-batch-backward": float(micro_batches),
                  "log": 1.0 / max(1, int(f["log_interval"]))}[it["per"]]
         for k, v in (("device", dev), ("host", host), ("latency", lat), ("syncs", it["syncs"]), ("seconds", s)):
             tot[k] += times * v
         if it["per"] == "micro-batch":
             tot["per_micro_batch"] += s
+        elif it["per"] == "micro-batch-backward":
+            tot["per_micro_batch_backward"] += s
         out.append({**it, "device_seconds": dev, "host_seconds": host, "latency_seconds": lat, "seconds": s})
     return {**tot, "items": out}

@@ -415,7 +415,8 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
         flags = mi.parse_args(megatron_args) if not isinstance(megatron_args, Mapping) else {**mi.DEFAULTS, **megatron_args}
         iteration = mi.price(mi.work(an, env, ranks, buckets, flags), device, 1, flags)
         compute["forward"] += iteration["per_micro_batch"]  # (the loss checks, at each micro-batch's loss)
-        compute["backward"] += iteration["seconds"] - iteration["per_micro_batch"]  # (once per optimizer step)
+        # (the main-gradient adds each micro-batch, the rest once per optimizer step)
+        compute["backward"] += iteration["seconds"] - iteration["per_micro_batch"]
         iteration = {"flags": flags, **{k: v for k, v in iteration.items() if k != "items"},
                      "items": {i["name"]: i["seconds"] for i in iteration["items"]}}
     groups = bound["groups"]
@@ -446,6 +447,7 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
             "latency_seconds": sum(sum(d.values()) for d in latency.values()) + ring_latency, "collectives": count,
             "exposed_comm_seconds": step - sum(compute.values()), "mfu_predicted": mf / (step * peak) if step else 0.0,
             "optimizer_seconds": optimizer,
-            "iteration_seconds": iteration["seconds"] - iteration["per_micro_batch"] if iteration else 0.0,
+            "iteration_seconds": (iteration["seconds"] - iteration["per_micro_batch"] - iteration["per_micro_batch_backward"]
+                                  if iteration else 0.0),
             **({"megatron_iteration": iteration} if iteration is not None else {}),
             "calibrated": p["calibrated"], "defaulted": p["defaulted"], "overlap": overlap, "mode": mode}

@@ -699,6 +699,10 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
                                         device, microbatches, flags)
                 if last:
                     times[n - 1]["forward"] += iteration[r]["per_micro_batch"]
+                # (the main-gradient adds in each chunk's backward, every micro-batch: by its trained elements)
+                share = {s: sum(x for _, x in mb._expanded(chunks[s][0], chunks[s][1])) for s in mine if s in chunks}
+                for st, e in share.items():
+                    times[st]["backward"] += iteration[r]["per_micro_batch_backward"] * e / max(1, sum(share.values()))
     sim = simulate(order, {s: t["forward"] for s, t in times.items()}, {s: t["backward"] for s, t in times.items()})
     ends, dp_s, exposed, opt_r = {}, {}, {}, {}
     for r, acts in order.items():
@@ -713,7 +717,8 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
         exposed[r] = max(0.0, dp_s[r] - hide)
         opt_r[r] = sum(opt[s] for s in mine)
         if r in iteration:  # (after the optimizer's inner step: once per optimizer step)
-            opt_r[r] += iteration[r]["seconds"] - microbatches * iteration[r]["per_micro_batch"]
+            opt_r[r] += iteration[r]["seconds"] - microbatches * (iteration[r]["per_micro_batch"]
+                                                                  + iteration[r]["per_micro_batch_backward"])
         ends[r] = sim["finish"][r] + exposed[r] + opt_r[r]
     step = max(ends.values())
     peak, _ = device.peak_for(training_precision(ans["first"]))

@@ -72,13 +72,17 @@ class Planner:
 
     def __init__(self, an, sizes: Mapping[str, int], device, precision: str, optimizer: str = "adamw",
                  overlap: str = "backward", fused: bool = True, predicted: bool = True, skew: float = 1.0,
-                 megatron_args=None):
+                 megatron_args=None, megatron_overlap: str | None = None):
         from symcost.passes.checkpoint import block_costs
         from symcost.passes.memory.policies import policy
         from symcost.passes.roofline import training_precision
 
-        if overlap not in OVERLAP:
-            raise SymcostError(f"unknown --overlap {overlap!r}; accepted: {', '.join(OVERLAP)}")
+        if overlap not in OVERLAP or (megatron_overlap or overlap) not in OVERLAP:
+            raise SymcostError(f"unknown --overlap {megatron_overlap if overlap in OVERLAP else overlap!r}; "
+                               f"accepted: {', '.join(OVERLAP)}")
+        #: the overlap of the rows under Megatron-LM's engine (ddp/zero1 under megatron-*): plan's
+        #: default there is Megatron's, none (its --overlap-grad-reduce is off by default)
+        self.megatron_overlap = megatron_overlap or overlap
         self.cap: int | None = None  # bytes per device: checkpoint "optimal" fits its blocks under it (plan sets it)
         ic = device.interconnect or {}
         if not ic.get("link_bandwidth") or not ic.get("network_bandwidth"):
@@ -367,7 +371,8 @@ class Planner:
             from symcost.passes.plan_dims import megatron_engine
 
             meg = megatron_engine(self.an, self.an.bind(**self._sizes(nb, b, t, None)), {"DP": sd, "TP": t, "PP": p,
-                                  "ranks": n}, lay.shard, self.overlap, self.device, not self.fused, self.megatron_args)
+                                  "ranks": n}, lay.shard, self.megatron_overlap, self.device, not self.fused,
+                                  self.megatron_args, chunks=v if lay.schedule == "interleaved-1f1b" else 1)
             # (its buckets' bytes by phase: the all-gather in the forward)
             dp_bytes = sum(meg["bytes"].values())
             dp_s = dp_bytes / dp_bw if sd > 1 else 0.0
@@ -391,6 +396,7 @@ class Planner:
             # (Megatron's per-iteration work, predicted only: the loss checks each micro-batch, the rest once)
             once = meg["iteration_step"] if meg is not None and predicted else 0.0
             fwd += meg["iteration_micro_batch"] if meg is not None and predicted else 0.0
+            bwd += meg["iteration_micro_batch_backward"] if meg is not None and predicted else 0.0
             per_mb_s = fwd + bwd + tp_s + pp_s + ep_s + cp_exp
             pipe_s = m * per_mb_s * (1 + bubble)
             dps = dp_s
@@ -399,7 +405,8 @@ class Planner:
                 g = {ph: (meg["bytes"][ph] / dp_bw + (meg["latency"][ph] if predicted else 0.0)) if sd > 1 else 0.0
                      for ph in ("forward", "backward")}
                 dps = sum(g.values())
-                exposed = dps if self.overlap == "none" else g["forward"] + max(0.0, g["backward"] - bwd - optimizer - once)
+                exposed = (dps if self.megatron_overlap == "none"
+                           else g["forward"] + max(0.0, g["backward"] - bwd - optimizer - once))
             elif self.overlap == "none":
                 exposed = dp_s
             elif lay.shard in ("fsdp", "hsdp"):
@@ -446,7 +453,7 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
          checkpoints=CHECKPOINTS, schedules=("1f1b",), micro_batches=None, keep_all: bool = False,
          trace_at=None, model: str | None = None, trace_top: int = 0, near: float = 0.1, sp: bool = False,
          progress=None, rank_by: str = "predicted", eps=None, cps=None, routing=None,
-         megatron_args=None) -> dict[str, Any]:
+         megatron_args=None, megatron_overlap: str | None = None) -> dict[str, Any]:
     """Rank the layouts of ``devices`` devices for a global batch of ``global_batch`` sequences.
 
     Returns:
@@ -478,7 +485,10 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
 
     ``megatron_args``: under ``--precision megatron-*``, the run's Megatron-LM flags
     (:func:`symcost.passes.megatron_iteration.parse_args`; None: its defaults); those rows are
-    priced eager, with Megatron's engine on ddp/zero1 rows (:func:`symcost.passes.plan_dims.megatron_engine`).
+    priced eager, with Megatron's engine on ddp/zero1 rows (:func:`symcost.passes.plan_dims.megatron_engine`);
+    ``megatron_overlap`` is those rows' overlap (None: ``overlap``; the CLI's default under
+    ``megatron-*`` is ``none``, Megatron-LM's, the other rows keep ``backward``), and an interleaved
+    row's v model chunks each have their own buffers, bucketed on the first chunk only.
 
     ``routing`` (``--routing``, :func:`symcost.frontends.moe.parse_routing`'s text; None: balanced):
     ``capacity=C`` is the trace's own (``an`` traced under it, :func:`trace_for_plan`'s
@@ -500,7 +510,8 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
     rt = parse_routing(routing)
     # (Megatron-LM runs eager: its rows priced as report --dp --gpu prices them, eager kernels and launches)
     pl = Planner(an, sizes, device, precision, optimizer, overlap, predicted=rank_by == "predicted",
-                 skew=float(rt.skew), fused=not is_megatron(precision), megatron_args=megatron_args)
+                 skew=float(rt.skew), fused=not is_megatron(precision), megatron_args=megatron_args,
+                 megatron_overlap=megatron_overlap)
     pl.cap = memory
     if pl.pol.sharded_optimizer_only:  # (megatron-bf16-moments: Megatron-LM runs it only with its distributed optimizer)
         shards = tuple(s for s in shards if s != "ddp")
@@ -517,7 +528,8 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
             other = trace_at(tp) if trace_at is not None else None
             planners[tp] = None if other is None else Planner(other, sizes, device, precision, optimizer, overlap,
                                                               predicted=pl.predicted, skew=pl.skew, fused=pl.fused,
-                                                              megatron_args=megatron_args)
+                                                              megatron_args=megatron_args,
+                                                              megatron_overlap=megatron_overlap)
             if planners[tp] is not None:
                 planners[tp].cap = memory
         return planners[tp]
@@ -550,7 +562,8 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
                 continue  # (the same layout as its none or full row)
             rows.append(r)
     fit = sorted((r for r in rows if r["memory"]["total"] <= memory), key=lambda r: r["step_seconds"])
-    out = {"layouts": fit, "considered": len(rows), "overlap": OVERLAP[overlap], "params": pl.params,
+    out = {"layouts": fit, "considered": len(rows), "overlap": OVERLAP[overlap],
+           **({"megatron_overlap": pl.megatron_overlap} if is_megatron(precision) else {}), "params": pl.params,
            "model_flops_per_sequence": pl.model_flops_per_seq, "peak_flops": pl.peak, "devices": devices,
            "global_batch": global_batch, "memory_cap": memory, "sizes": pl.sizes,
            "links": f"node {pl.ic['link_bandwidth'] / 1e9:g} GB/s per direction ({pl.ic.get('devices_per_node')} "

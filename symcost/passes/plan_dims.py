@@ -248,7 +248,8 @@ MEGATRON_NOTE = ("Megatron-LM's engine (--precision megatron-*): eager kernels; 
                  "--dp --gpu prices them; fsdp/hsdp and EP rows are PyTorch's engines")
 
 
-def megatron_engine(an, env, ranks, shard: str, overlap: str, device, eager: bool, flags=None) -> dict:
+def megatron_engine(an, env, ranks, shard: str, overlap: str, device, eager: bool, flags=None,
+                    chunks: int = 1) -> dict:
     """Megatron-LM's engine on one plan row's rank, priced as ``report --dp --gpu`` prices it
     (:func:`symcost.passes.performance.predict_dp`): the buckets' collectives
     (:func:`symcost.passes.megatron_buckets.engine`: one all-reduce, or reduce-scatter and
@@ -269,20 +270,23 @@ def megatron_engine(an, env, ranks, shard: str, overlap: str, device, eager: boo
             ``host_async`` says so, as :func:`~symcost.passes.performance.predict`'s).
         flags: :func:`symcost.passes.megatron_iteration.parse_args`' dict or a flag string (None:
             Megatron-LM's defaults).
+        chunks: the model chunks of the rank (an interleaved row's v): each its own buffers,
+            bucketing on the first only (:func:`symcost.passes.megatron_buckets.engine`).
 
     Returns:
         ``{"bytes" {forward, backward} (ring bytes per rank: the all-gather's in the forward),
         "latency" {forward, backward} (seconds of α), "collectives", "optimizer" (seconds of the
         distributed optimizer's step, None under ``ddp``: the unsharded step),
         "iteration_step" (seconds once per optimizer step), "iteration_micro_batch" (seconds each
-        micro-batch: the loss checks), "rule", "flags"}``.
+        micro-batch: the loss checks), "iteration_micro_batch_backward" (seconds in each
+        micro-batch's backward: the main-gradient adds), "rule", "flags"}``.
     """
     from symcost.passes import megatron_buckets as mb
     from symcost.passes import megatron_iteration as mi
     from symcost.passes.performance import efficiency_of, host_stretches
 
     rank = _Engine(an, shard)
-    eng = mb.engine(rank, env, ranks, overlap)
+    eng = mb.engine(rank, env, ranks, overlap, chunks=chunks)
     eff = efficiency_of(device)
     phases = ("forward", "backward")
     nbytes = {ph: float(sum(v for (_, p), v in eng["by_group"].items() if p == ph)) for ph in phases}
@@ -297,5 +301,7 @@ def megatron_engine(an, env, ranks, shard: str, overlap: str, device, eager: boo
     f = {**mi.DEFAULTS, **f}
     it = mi.price(mi.work(rank, env, ranks, eng, f), device, 1, f)
     return {"bytes": nbytes, "latency": latency, "collectives": eng["collectives"], "optimizer": optimizer,
-            "iteration_step": it["seconds"] - it["per_micro_batch"], "iteration_micro_batch": it["per_micro_batch"],
+            "iteration_step": it["seconds"] - it["per_micro_batch"] - it["per_micro_batch_backward"],
+            "iteration_micro_batch": it["per_micro_batch"],
+            "iteration_micro_batch_backward": it["per_micro_batch_backward"],
             "rule": eng["rule"], "flags": f}

@@ -61,6 +61,9 @@ def render(res: dict, top: int = 5, width: int | None = None) -> None:
         c.print(f"traced: {res['traced']} screened layouts within {res['near']:.0%} of the cap, fastest first, until "
                 f"{res['trace_top']} fit (--trace-top); {len(res['dropped'])} of them over the cap when traced, dropped"
                 + (f", and {res['pruned']} more at a micro-batch as large of a layout that was" if res.get("pruned") else ""))
-    c.print(f"overlap model: {res['overlap']}. Ranked by the predicted step (step s, MFU: the performance "
+    meg = (f" Megatron-LM's ddp/zero1 rows: --overlap {res['megatron_overlap']}"
+           + (" (Megatron's default: no --overlap-grad-reduce)." if res["megatron_overlap"] == "none" else ".")
+           if res.get("megatron_overlap") else "")
+    c.print(f"overlap model: {res['overlap']}.{meg} Ranked by the predicted step (step s, MFU: the performance "
             "model's compute, launches and AdamW step, docs/performance-model.md); bound s: the roofline at the "
             "datasheet peak, the same communication (a lower bound). docs/parallel.md §13.")
