@@ -425,7 +425,10 @@ def _recv_fn():
 def send_output(out):
     """The loss of a stage before the last: sends ``out`` to the next rank; its backward
     receives the gradient of ``out`` into a new buffer (PyTorch's stages do the same through
-    ``batch_isend_irecv``). Returns a 0-dim tensor to call ``backward()`` on."""
+    ``batch_isend_irecv``). ``out`` may be a tuple of tensors (a stage of a model of several
+    stacks sends the cut stack's hidden state and the ended stacks' outputs,
+    :mod:`symcost.frontends.pipeline_stacks`): one send each. Returns a 0-dim tensor to call
+    ``backward()`` on."""
     if "send" not in _FNS:
         import torch
         import torch.distributed as dist
@@ -445,6 +448,9 @@ def send_output(out):
                 return buf
 
         _FNS["send"] = SendActivation
+    if isinstance(out, (tuple, list)):  # (several tensors cross the boundary: one send each, in order)
+        losses = [_FNS["send"].apply(t) for t in out]
+        return sum(losses[1:], losses[0])
     return _FNS["send"].apply(out)
 
 

@@ -76,32 +76,15 @@ def stage_analysis(ans: Mapping[str, Any], s: int, blocks: list[int]):
     """The trace (of :func:`trace_stages`'s ``ans``) that stands for stage ``s`` of a pipeline whose
     stages hold ``blocks`` blocks: its kind (:func:`symcost.frontends.pipeline.stage_kind`, the
     model's leading blocks read from the first stage's spec, which keeps them)."""
+    if f"stage{s}" in ans:  # (a model of several stacks: each stage its own trace, passes.pipeline_stacks)
+        return ans[f"stage{s}"]
     lead = int(getattr(ans["first"].spec, "lead_blocks", 0) or 0) if "first" in ans else 0
     return ans[stage_kind(s, blocks, lead)[0]]
 
 
-def _refuse_stacks(spec, sizes) -> None:
-    """One line where the model has several stacks of blocks (an encoder-decoder's encoder and
-    decoder: :func:`symcost.tracing.stacks.checkpointed_stacks`): torch.distributed.pipelining
-    stages one sequential list of blocks, and symcost's stages (:mod:`symcost.frontends.pipeline`)
-    cut the one block list; a decoder whose every block reads the encoder's output is not staged
-    here yet (docs/parallel.md §1.1).
-
-    Raises:
-        SymcostError: the model has two or more stacks.
-    """
-    from symcost.tracing.stacks import checkpointed_stacks
-
-    try:
-        stacks = checkpointed_stacks(spec, spec.values(dict(sizes or {})))
-    except SymcostError:
-        return
-    if len(stacks) > 1:
-        raise SymcostError(
-            f"--pp: {spec.name} has several stacks of blocks ({', '.join(stacks)}); pipeline stages cut one "
-            "sequential list of blocks, and symcost does not stage an encoder-decoder (every decoder block reads "
-            "the encoder's output) yet; accepted for this model: --dp (any --shard), --ac, --tp where its blocks "
-            "have a plan")
+def _first(ans):
+    """The first stage's trace (``first``, or ``stage0`` of a model of several stacks)."""
+    return ans["first"] if "first" in ans else ans["stage0"]
 
 
 def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", sizes: Mapping[str, int] | None = None,
@@ -131,7 +114,11 @@ def trace_stages(model, pp: int, virtual: int = 1, precision: str = "fp32", size
 
     spec = model if isinstance(model, ModelSpec) else resolve(model)
     if spec.layers is None:
-        _refuse_stacks(spec, sizes)
+        from symcost.passes.pipeline_stacks import trace_stack_stages
+        from symcost.tracing.stacks import pipeline_stacks
+
+        if pipeline_stacks(spec, spec.values(dict(sizes or {}))):  # (several stacks: the blocks cut as one list)
+            return trace_stack_stages(spec, pp, virtual, precision, sizes, cache, inner, split)
     if "L" not in spec.symbols:
         raise SymcostError(f"{spec.name} has no symbol L (repeated blocks), so no pipeline stages")
     n = pp * virtual
@@ -281,13 +268,15 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
     sim = simulate(order)
     n = pp * virtual
     values = spec.values(dict(sizes or {}))
-    blocks = stage_blocks(values["L"], n, split)
+    stacked = getattr(ans, "plan", None)  # (several stacks: passes.pipeline_stacks)
+    blocks = [st.blocks for st in stacked] if stacked else stage_blocks(values["L"], n, split)
     shard = inner.shard if inner and inner.shard else "ddp"
     dp = int(values.get("DP", 1)) if inner and inner.shard else 1
     per_stage = {}
     for s in range(n):
         an = stage_analysis(ans, s, blocks)
-        env = an.bind(**{**{k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")}, "L": blocks[s]})
+        env = an.bind(**{**{k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")},
+                         **({} if stacked else {"L": blocks[s]})})
         ev = lambda e: int(sympy.sympify(e).xreplace(env))  # noqa: E731
         local, held = _rank_params(an)
         local_frozen, held_frozen = _rank_params(an, frozen=True)
@@ -353,11 +342,11 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
     if peak:
         from symcost.tracing.pipeline import rank_memory
 
-        layers = ans["first"].layer_container or spec.layers
+        layers = None if stacked else ans["first"].layer_container or spec.layers
         for row in ranks:
             def run(rank=row["rank"]):
                 return rank_memory(spec, values, layers, pp, schedule, microbatches, rank, virtual, precision, inner,
-                                   split)
+                                   split, stacks=stacked)
             try:
                 if cache is not None:
                     # (the rank's run, tens of seconds at 70B, kept in the trace cache: the same
@@ -367,6 +356,7 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
                     request = {"rank_memory": 1, "values": dict(values), "layers": layers, "pp": pp,
                                "schedule": schedule, "microbatches": microbatches, "rank": row["rank"],
                                "virtual": virtual, "inner": repr(inner),
+                               **({"stacks": repr(stacked)} if stacked else {}),
                                **({"split": repr(split)} if split is not None else {}),
                                "extra": {k: v for k, v in spec.extra.items()
                                          if isinstance(v, (str, int, float, bool, type(None)))}}
@@ -426,11 +416,16 @@ def summary(model, pp: int, schedule: str, microbatches: int, virtual: int = 1, 
     return {**({"step": step} if step else {}), "schedule": schedule, "engine": f"torch.distributed.pipelining.{SCHEDULES[schedule][0]}",
             "source": SCHEDULES[schedule][2], "pp": pp, "microbatches": microbatches, "virtual": virtual,
             "bubble": sim["bubble"], "bubble_formula": (PP - 1) / (v * m) if virtual > 1 else (PP - 1) / m,
-            "formulas": formulas, "pinned": {part: dict(an.pinned) for part, an in ans.items()}, "stages": per_stage, "ranks": ranks, "blocks": blocks,
-            "divisible": values["L"] % n == 0, "split": split_words(split),
+            "formulas": formulas, "pinned": {part: dict(an.pinned) for part, an in ans.items()},
+            "pin_reasons": {part: dict(getattr(an, "pin_reasons", None) or {}) for part, an in ans.items()},
+            # (several stacks: each stage's blocks per stack and what crosses its boundaries)
+            **({"stacks": [{"stage": st.index, "held": {c: list(r) for c, r in st.held}, "recv": list(st.recv),
+                            "send": list(st.send)} for st in stacked]} if stacked else {}),
+            "stages": per_stage, "ranks": ranks, "blocks": blocks,
+            "divisible": (sum(blocks) if stacked else values["L"]) % n == 0, "split": split_words(split),
             "symbols": {k: {"meaning": mean, **({"value": int(values[k])} if k in values else {})}
                         for an in ans.values() for k, mean in an.symbols.items()},
-            "attention_flops_count": getattr(ans["first"], "attention_count", "full")}
+            "attention_flops_count": getattr(_first(ans), "attention_count", "full")}
 
 
 def _rank_params(an, frozen: bool = False) -> tuple:
@@ -529,7 +524,7 @@ def price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: list[int], 
         model_flops += float(r["model_flops"]) * microbatches
     sim = simulate(order, {s: t["forward"] for s, t in times.items()}, {s: t["backward"] for s, t in times.items()})
     slow = max(sim["busy"], key=lambda r: sim["idle"][r] / sim["busy"][r] if sim["busy"][r] else 0.0)
-    peak, _ = device.peak_for(training_precision(ans["first"]))
+    peak, _ = device.peak_for(training_precision(_first(ans)))
     step = sim["makespan"]
     busiest = max(sim["busy"], key=sim["busy"].get)
     return {"stage_seconds": times, "step_seconds": step, "busy": sim["busy"], "idle": sim["idle"],
@@ -721,7 +716,7 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
                                                                   + iteration[r]["per_micro_batch_backward"])
         ends[r] = sim["finish"][r] + exposed[r] + opt_r[r]
     step = max(ends.values())
-    peak, _ = device.peak_for(training_precision(ans["first"]))
+    peak, _ = device.peak_for(training_precision(_first(ans)))
     return {"step_seconds": step, "mode": mode, "overlap": overlap, "stage_seconds": times,
             "busy": sim["busy"], "idle": {r: step - sim["busy"][r] for r in sim["busy"]}, "finish": sim["finish"],
             "dp_seconds": dp_s, "dp_exposed": exposed, "optimizer": opt_r, "bubble": sim["bubble"],

@@ -161,12 +161,20 @@ def render_pipeline(name: str, r: dict[str, Any], console: Console | None = None
     each = f"L/(PP·v) blocks each, v = {v} stages per rank" if v > 1 else "L/PP blocks each"
     uneven = " where L divides evenly; the table above holds the actual split" if r.get("blocks") and \
         len(set(r["blocks"])) > 1 else ""
+    if r.get("stacks"):  # (several stacks cut as one list: passes.pipeline_stacks)
+        each = "the stacks' blocks cut as one list, " + "; ".join(
+            f"stage{st['stage']} " + " + ".join(f"{c}[{a}:{b}]" for c, (a, b) in st["held"].items())
+            + (f" (receives {', '.join(st['recv'])})" if st["recv"] else "") for st in r["stacks"])
+        uneven = ""
     console.print(f"formulas per micro-batch and stage ({each}{uneven}):")
     for part, f in r["formulas"].items():
         pins = (r.get("pinned") or {}).get(part)
         if pins:  # (no other value of these runs the same ops at the requested sizes: say so)
+            why = (r.get("pin_reasons") or {}).get(part) or {}
+            reasons = sorted({why[k] for k in pins if k in why})
             console.print(f"  [bold]{part}[/bold] traced with " + ", ".join(f"{k} = {v}" for k, v in pins.items())
-                          + " pinned (no other value runs the same ops in this regime)")
+                          + (f" pinned ({'; '.join(reasons)})" if reasons and r.get("stacks")
+                             else " pinned (no other value runs the same ops in this regime)"))
         console.print(f"  [bold]{part}[/bold]: flops {f['flops']}")
         if "flops_hardware" in f and sympy.simplify(f["flops_hardware"] - f["flops"]) != 0:
             console.print(f"      flops run (recomputation included) {f['flops_hardware']}")

@@ -173,7 +173,8 @@ class _Live(TorchDispatchMode):
 
 
 def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule: str, microbatches: int,
-                rank: int, virtual: int = 1, precision: str = "fp32", inner=None, split=None) -> dict[str, Any]:
+                rank: int, virtual: int = 1, precision: str = "fp32", inner=None, split=None,
+                stacks=None) -> dict[str, Any]:
     """The memory of ``rank``'s steady-state pipeline step at concrete ``values`` (B the
     micro-batch size, L the whole model's blocks).
 
@@ -185,7 +186,12 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
     rank ``rank`` at coordinate 0 of the others, and ``PipelineStage`` sends over the mesh's pp
     group. FSDP2 under the pipeline runs as ``PipelineStage`` drives it (gradients reduced once
     per step, after the last micro-batch's backward). ``split``: the blocks of each stage
-    (:func:`symcost.frontends.pipeline.stage_blocks`; None: the even split).
+    (:func:`symcost.frontends.pipeline.stage_blocks`; None: the even split). ``stacks``: the
+    stages of a model of several stacks (:func:`symcost.frontends.pipeline_stacks.plan`; ``layers``
+    unused): each stage built by :func:`symcost.frontends.pipeline_stacks.make_stage`, its
+    ``PipelineStage`` given the tensors that stage receives and sends (the cut stack's hidden
+    state and the ended stacks' outputs), the micro-batch's positional inputs given to every stage
+    (as ``_in0, _in1, ...``) and the last stage computing the model's loss.
 
     Returns:
         ``params`` (bytes of the rank's parameters: its shards), ``buffers`` (bytes of its
@@ -227,11 +233,12 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
     # the model) runs with them given to every stage, as the traced stages take them
     # (frontends.pipeline.stage_inputs); its last stage returns the model's loss
     keywords = bool(k)
-    if (len(a) != 1 or k) and not (keywords and not a):
+    positional = stacks is not None  # (several stacks: every positional input to every stage)
+    if not positional and (len(a) != 1 or k) and not (keywords and not a):
         raise SymcostError(f"{spec.name}: the pipeline peak runs models called with one input tensor or with "
                            "keyword inputs only; this one takes both")
     n = pp * virtual
-    blocks = stage_blocks(values["L"], n, split)
+    blocks = [st.blocks for st in stacks] if positional else stage_blocks(values["L"], n, split)
     mine = [s for s in range(n) if s % pp == rank]
     param_dtype, autocast = precision_context(precision)
     cpu = torch.device("cpu")
@@ -239,14 +246,23 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
     # the boundary as the step of this precision runs it (the deleted modules' outputs in its
     # dtypes: a rotary embedding computes its tables in the embeddings' dtype)
     # (under context parallelism at the rank's S/CP tokens: frontends.pipeline.cp_values)
-    pre, post, templates, x_shape, x_dtype = probe_spec(spec, cp_values(values, bool(inner and inner.cp)), layers,
-                                                        precision)
+    if positional:
+        from symcost.frontends import pipeline_stacks as ps
+
+        from symcost.tracing.stacks import pipeline_stacks
+
+        pr = ps.probe(spec, values, pipeline_stacks(spec, values), precision)
+        pre = post = templates = None
+        x_shape, x_dtype = (), None
+    else:
+        pre, post, templates, x_shape, x_dtype = probe_spec(spec, cp_values(values, bool(inner and inner.cp)), layers,
+                                                            precision)
     with torch.device("meta"):
         meta = spec.build(values)
     # (under context parallelism the last stage's output is the rank's S/CP tokens' logits)
     a, k = spec.make_inputs(dict(values, S=values["S"] // int(values["CP"])) if inner and inner.cp else values,
                             torch.device("meta"))
-    if not keywords:
+    if not keywords and not positional:
         with torch.no_grad():
             logits = meta(*a, **k)
     models = []
@@ -254,6 +270,13 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
     for s in mine:
         # (a stage after the first: the blocks after those of the stages before it, the leading ones
         # it holds included: frontends.pipeline.stage_kind)
+        if positional:
+            with torch.device("meta"):
+                m = ps.make_stage(spec.build(values), pr, stacks[s], n)
+            if s == n - 1:
+                m.forward = _loss_of_positional(m.forward, spec)
+            models.append((s, m))
+            continue
         with torch.device("meta"):
             m = build_blocks(spec, dict(values, L=blocks[s]), layers, stage_kind(s, blocks, lead)[1])
         m = make_stage(m, layers, part_of(s, n), pre, post, templates)
@@ -277,7 +300,7 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
     sp = bool(inner and inner.sp)
     offload = bool(inner and inner.offload)
     cp = bool(inner and inner.cp)
-    x_local = local_boundary(x_shape, values, sp)
+    x_local = local_boundary(x_shape, values, sp) if not positional else None
     cls = getattr(S, SCHEDULES[schedule][0])
     try:
         group, loss_context, groups = None, contextlib.nullcontext, {}
@@ -311,6 +334,8 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
                 all_args, all_kw = shard_inputs(spec, dict(values, B=values["B"] * microbatches),
                                                 (all_args, all_kw), sub["CP"])
             mb, tokens = (mb_args[0], all_args[0]) if not keywords else (None, next(iter(all_kw.values())))
+            if positional:
+                mb = tuple(mb_args)
             if cp and not keywords:  # (the first stage's micro-batch: the rank's S/CP tokens)
                 mb = tokens[: values["B"]]
             stages = []
@@ -323,6 +348,14 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
                     materialize(m, cpu, param_dtype)
                 # (a later stage's input requires grad: its backward computes the gradient it
                 # sends back, as PyTorch's stage does when the input's meta says so)
+                if positional:  # (what the stage receives and sends: frontends.pipeline_stacks.boundary_meta)
+                    inp = mb if s == 0 else tuple(torch.empty(shape, dtype=dt, requires_grad=True)
+                                                  for shape, dt in ps.boundary_meta(pr, stacks[s], "recv"))
+                    out = ((torch.empty((), dtype=torch.float32, requires_grad=True),) if s == n - 1 else
+                           tuple(torch.empty(shape, dtype=dt, requires_grad=True)
+                                 for shape, dt in ps.boundary_meta(pr, stacks[s], "send")))
+                    stages.append(PipelineStage(m, s, n, cpu, input_args=inp, output_args=out, group=group))
+                    continue
                 inp = (() if keywords else (mb,)) if s == 0 else (torch.empty(x_local, dtype=x_dtype, requires_grad=True),)
                 if s == n - 1 and keywords:  # (the model's own loss: a 0-dim fp32 tensor)
                     last = torch.empty((), dtype=torch.float32, requires_grad=True)
@@ -338,7 +371,7 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
                 for st in stages:
                     st.group_rank = rank
             sched = cls(stages if SCHEDULES[schedule][1] else stages[0], microbatches,
-                        loss_fn=(lambda out, target: out) if keywords
+                        loss_fn=(lambda out, target: out) if keywords or positional
                         else (lambda out, target: spec.loss(out, ((target,), {}))))
 
             def static(sts, has_backward, p2p_done):  # the shape vote reads tensor values
@@ -377,6 +410,11 @@ def rank_memory(spec, values: Mapping[str, int], layers: str, pp: int, schedule:
                         (offload_transfers() if offload else contextlib.nullcontext()):
                     first = (tokens,) if 0 in mine and not keywords else ()
                     target = {"target": tokens} if (n - 1) in mine else {}
+                    if positional:  # (every positional input to every stage; stage 0 takes them as its call)
+                        first = tuple(all_args) if 0 in mine else ()
+                        sched.step(*first, **{f"_in{i}": t for i, t in enumerate(all_args)}, **target,
+                                   return_outputs=False)
+                        return
                     # the last stage keeps each micro-batch's loss, not its output (the logits):
                     # torchtitan's trainer calls ``step(..., return_outputs=False)``, and
                     # Megatron-LM's schedule frees the output after the loss
@@ -475,6 +513,15 @@ def _loss_of(forward, spec):
     transformers' ``labels``): ``spec.loss`` of its output (the model's loss, a 0-dim tensor)."""
     def run(*args, **kwargs):
         return spec.loss(forward(*args, **kwargs), (args, kwargs))
+    return run
+
+
+def _loss_of_positional(forward, spec):
+    """The last stage's forward of a model of several stacks (:mod:`symcost.frontends.pipeline_stacks`):
+    ``spec.loss`` of its output with the micro-batch's positional inputs (given as ``_in0, ...``)."""
+    def run(*args, **kwargs):
+        pos = sorted((k for k in kwargs if k.startswith("_in") and k[3:].isdigit()), key=lambda k: int(k[3:]))
+        return spec.loss(forward(*args, **kwargs), (tuple(kwargs[k] for k in pos), {}))
     return run
 
 

@@ -147,6 +147,28 @@ def checkpointed_stacks(spec: ModelSpec, values: Mapping[str, int]) -> list[str]
     return sorted(_following(spec, values, stack_candidates(spec, spec.symbols), least=1))
 
 
+def pipeline_stacks(spec: ModelSpec, values: Mapping[str, int]) -> list[str]:
+    """The stacks' containers a pipeline cuts as one list (:mod:`symcost.frontends.pipeline_stacks`):
+    :func:`checkpointed_stacks` where there are two or more, else [] (one block list: the
+    pipeline's own, :mod:`symcost.frontends.pipeline`; a spec naming ``ModelSpec.layers`` too)."""
+    from symcost.errors import SymcostError
+
+    if spec.layers is not None:
+        return []
+    try:
+        found = checkpointed_stacks(spec, values)
+    except SymcostError:
+        return []
+    return found if len(found) > 1 else []
+
+
+def stack_length_symbols(spec: ModelSpec, containers, values: Mapping[str, int]) -> list[str]:
+    """The symbols that count the blocks of ``containers`` (``L_enc``, ``L_dec``; ``L`` where both
+    stacks follow it), as :func:`checkpointed_stacks` finds them."""
+    found = _following(spec, values, stack_candidates(spec, spec.symbols), least=1)
+    return sorted({found[c] for c in containers if c in found})
+
+
 def _with_ties(spec: ModelSpec, values: Mapping[str, int]) -> dict[str, int]:
     out = dict(values)
     for a, b in spec.tied.items():
