@@ -11,7 +11,7 @@ written with ``torch.distributed.tensor.parallel``'s styles and applied by
 ops, ``saved_tensors_hooks``, the collectives PyTorch dispatches and the local shards
 (tests/data/tp_rank.py ``measure``), at random sizes. For ``--tp --sp`` on BART the oracle is
 torchtitan's sequence-parallel plan for a transformers model over both stacks, typed the same way
-(:func:`_bart_sp_rank`). That the plans compute the untouched model's loss and gradients is
+(:func:`_sp_rank`; Whisper's too). That the plans compute the untouched model's loss and gradients is
 checked on 2 ranks with real collectives, threads over PyTorch's threaded process group
 (:func:`_two_threads`).
 """
@@ -185,23 +185,29 @@ def test_stacks_with_an_unplanned_linear_refused_in_one_line():
     assert "\n" not in msg and "enc.0.mix (Linear) has no tensor-parallel style" in msg and "accepted:" in msg, msg
 
 
-def _bart_sp_rank(spec, values: dict):
-    """Rank 0 of ``values["TP"]`` on the fake process group: ``spec``'s BART built on the meta
-    device in bf16 under tensor and sequence parallelism, the plan typed here as torchtitan writes
-    sequence parallelism for a transformers model (torchtitan/experiments/
+def _sp_rank(spec, values: dict):
+    """Rank 0 of ``values["TP"]`` on the fake process group: ``spec``'s BART or Whisper built on the
+    meta device in bf16 under tensor and sequence parallelism, the plan typed here as torchtitan
+    writes sequence parallelism for a transformers model (torchtitan/experiments/
     transformers_modeling_backend/parallelize.py, ``apply_non_moe_tp``), over both stacks: the
-    shared token table and the encoder's and decoder's ``embed_tokens`` on it vocabulary-parallel,
-    reduce-scattered over the sequence; each stack's learned position table replicated, its output
-    split over the sequence (``PrepareModuleOutput(Replicate -> Shard(1))``: a slice forward, an
-    all-gather of its gradient backward); every LayerNorm ``SequenceParallel``; each attention's
-    input all-gathered (``PrepareModuleInput``), and a cross-attention's ``key_value_states`` (the
-    encoder's output, sharded over S_enc) too; q/k/v and fc1 column-parallel, fc1 gathering its own
-    input (it sits in the layer, whose input is the residual stream); out_proj and fc2
-    row-parallel, reduce-scattering; the head on the gathered sequence with its logits gathered
-    (BART adds final_logits_bias to them). The residual stream stays a DTensor
-    (``use_local_output=False``), as for any transformers model (the forward reads sequence
-    lengths from it); head counts divided by TP; the tied tables tied again."""
+    token tables (BART's shared one and the encoder's and decoder's ``embed_tokens`` on it;
+    Whisper's decoder's) vocabulary-parallel, reduce-scattered over the sequence; a stack's learned
+    position table replicated, its output split over the sequence where the stack starts at a token
+    table (``PrepareModuleOutput(Replicate -> Shard(1))``: a slice forward, an all-gather of its
+    gradient backward); a stack that starts elsewhere (Whisper's encoder: a Conv1d stem over the mel
+    frames, then its position table added) runs that part whole on every rank and its first layer
+    takes its hidden states split over the sequence (``PrepareModuleInput(Replicate -> Shard(1))``:
+    the same slice and all-gather, after the add, where Megatron-LM scatters its embedding); every
+    LayerNorm ``SequenceParallel``; each attention's input all-gathered (``PrepareModuleInput``),
+    and a cross-attention's ``key_value_states`` (the encoder's output, sharded over S_enc) too;
+    q/k/v and fc1 column-parallel, fc1 gathering its own input (it sits in the layer, whose input
+    is the residual stream); out_proj and fc2 row-parallel, reduce-scattering; the head on the
+    gathered sequence with its logits gathered (BART adds final_logits_bias to them). The residual
+    stream stays a DTensor (``use_local_output=False``), as for any transformers model (the
+    forward reads sequence lengths from it); head counts divided by TP; the tied tables tied
+    again."""
     import torch
+    from torch import nn
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel, parallelize_module)
@@ -211,22 +217,36 @@ def _bart_sp_rank(spec, values: dict):
     mesh = fake_group(values["TP"])
     with torch.device("meta"):
         m = spec.build(values).to(torch.bfloat16)
+    names = dict(m.named_modules())
     seq, rep = Shard(1), Replicate()
-    plan = {"lm_head": ColwiseParallel(input_layouts=seq, output_layouts=rep)}
-    for n in ("model.shared", "model.encoder.embed_tokens", "model.decoder.embed_tokens"):
+    tables = [n for n in ("model.shared", "model.encoder.embed_tokens", "model.decoder.embed_tokens") if n in names]
+    head = "lm_head" if "lm_head" in names else "proj_out"
+    plan = {head: ColwiseParallel(input_layouts=seq, output_layouts=rep)}
+    for n in tables:
         plan[n] = RowwiseParallel(input_layouts=rep, output_layouts=seq, use_local_output=False)
     for stack in ("encoder", "decoder"):
         p = f"model.{stack}."
-        plan[p + "embed_positions"] = PrepareModuleOutput(output_layouts=rep, desired_output_layouts=seq,
-                                                          use_local_output=False)
-        plan[p + "layernorm_embedding"] = SequenceParallel()
+        if p + "embed_tokens" in names:
+            plan[p + "embed_positions"] = PrepareModuleOutput(output_layouts=rep, desired_output_layouts=seq,
+                                                              use_local_output=False)
+        else:  # (called as layer(hidden_states, None): the mask argument left alone)
+            plan[p + "layers.0"] = PrepareModuleInput(input_layouts=(rep, None), desired_input_layouts=(seq, None),
+                                                      use_local_output=False)
+        for n, mod in m.get_submodule(f"model.{stack}").named_children():
+            if isinstance(mod, nn.LayerNorm):  # (BART's layernorm_embedding, Whisper's final layer_norm)
+                plan[p + n] = SequenceParallel()
         for i, layer in enumerate(m.get_submodule(f"model.{stack}.layers")):
             q = f"{p}layers.{i}."
             attns = ("self_attn",) + (("encoder_attn",) if stack == "decoder" else ())
             for a in attns:
                 kv = {"input_kwarg_layouts": {"key_value_states": seq},
                       "desired_input_kwarg_layouts": {"key_value_states": rep}} if a == "encoder_attn" else {}
-                plan[q + a] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,), **kv)
+                if head == "proj_out" and stack == "encoder":
+                    # (WhisperEncoderLayer calls self_attn(hidden_states=...) by keyword)
+                    plan[q + a] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
+                                                     desired_input_kwarg_layouts={"hidden_states": rep})
+                else:
+                    plan[q + a] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,), **kv)
                 for proj in ("q_proj", "k_proj", "v_proj"):
                     plan[f"{q}{a}.{proj}"] = ColwiseParallel()
                 plan[f"{q}{a}.out_proj"] = RowwiseParallel(output_layouts=seq, use_local_output=False)
@@ -236,39 +256,62 @@ def _bart_sp_rank(spec, values: dict):
             plan[q + "fc2"] = RowwiseParallel(output_layouts=seq, use_local_output=False)
             plan[q + "final_layer_norm"] = SequenceParallel()
     parallelize_module(m, mesh, plan)
-    for n in ("model.encoder.embed_tokens", "model.decoder.embed_tokens", "lm_head"):
-        m.get_submodule(n).weight = m.model.shared.weight
+    for n in tables[1:] + [head]:
+        m.get_submodule(n).weight = m.get_submodule(tables[0]).weight
     return m
+
+
+def _bf16_inputs(spec):
+    """``spec`` with its floating inputs (Whisper's mel features) in bf16, as the recorder casts
+    them under ``bf16-true`` (the oracle's model is bf16)."""
+    import dataclasses
+
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def make_inputs(values, device):
+        return tree_map(lambda t: t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                        spec.make_inputs(values, device))
+
+    return dataclasses.replace(spec, make_inputs=make_inputs)
 
 
 @pytest.mark.heavy
 @pytest.mark.hf
-def test_bart_sequence_parallel_against_pytorch():
+@pytest.mark.parametrize("model", ["hf:bart", "hf:whisper"])
+def test_sequence_parallel_stacks_against_pytorch(model):
     """hf:bart --tp --sp (was refused: 'a plan crashed on fake tensors', fc1 sat in the layer and
-    the whole layer's input was gathered): one rank's model FLOPs, saved bytes, collective bytes
-    by kind and parameter elements equal PyTorch's running torchtitan's sequence-parallel plan
-    over both stacks (:func:`_bart_sp_rank`) on the fake group, at random sizes never traced (S
-    and S_enc multiples of TP, as SequenceParallel splits both streams evenly), and at a depth
-    never traced where the stacks fold over L."""
+    the whole layer's input was gathered) and hf:whisper --tp --sp (was refused: its encoder's
+    stream starts at a Conv1d stem, whose whole output met the sequence-split position table in
+    one add, 'aten.add.Tensor got mixed torch.Tensor and DTensor'; now split at the encoder's first
+    layer): one rank's model FLOPs, saved bytes, collective bytes by kind and parameter elements
+    equal PyTorch's running torchtitan's sequence-parallel plan over both stacks
+    (:func:`_sp_rank`) on the fake group, at random sizes never traced (S and S_enc multiples of
+    TP, as SequenceParallel splits both streams evenly), and at a depth never traced where the
+    stacks fold over L (Whisper's split runs outside block 0: its stacks fold)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from tp_rank import measure
 
     from symcost.frontends.models import resolve
 
-    spec = resolve("hf:bart", attention="eager")
+    spec = resolve(model, attention="eager")
+    mel = {"N_mel": 8} if model == "hf:whisper" else {}
     an = symcost.trace(spec, layout=Layout(tp=True, sp=True), precision="bf16-true", torch_device="cpu",
-                       sizes={"B": 2, "S": 8, "S_enc": 16, "H": 4, "D": 4, "F": 16, "V": 64, "L": 4, "TP": 2})
+                       sizes={"B": 2, "S": 8, "S_enc": 16, "H": 4, "D": 4, "F": 16, "V": 64, "L": 4, "TP": 2, **mel})
     assert set(an.pinned) <= {"L", "TP"}, an.pin_reasons
     assert {"B", "S", "S_enc", "D", "F", "V"} <= set(an.symbols), an.symbols
-    rng = random.Random("bart-sp")
+    if model == "hf:whisper":
+        assert "L" in an.symbols, an.pin_reasons
+    rng = random.Random(f"{model}-sp")
     v = {"B": rng.randint(2, 3), "S": 8 * rng.randint(1, 3), "S_enc": 8 * rng.randint(1, 3), "H": 4,
          "D": rng.choice((2, 4, 6)), "F": 8 * rng.randint(1, 4), "V": 8 * rng.randint(4, 12),
-         "L": rng.choice((2, 3, 5)) if "L" in an.symbols else 4, "TP": 2}
+         "L": rng.choice((2, 3, 5)) if "L" in an.symbols else 4, "TP": 2,
+         **({"N_mel": 8 * rng.randint(1, 3)} if mel else {})}
     values = {**spec.defaults, **v}
-    model = _bart_sp_rank(spec, values)
+    rank = _sp_rank(spec, values)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
-        got = measure(model, spec, values, __import__("contextlib").nullcontext)
+        rank.to_empty(device="cpu")
+        got = measure(rank, _bf16_inputs(spec), values, __import__("contextlib").nullcontext)
     env = an.bind(**{k: x for k, x in v.items() if k in an.symbols})
     assert Fraction(got["comm"]["reduce_scatter"]) > 0 and Fraction(got["comm"]["all_gather"]) > 0
     assert int(an.flops("train").subs(env)) == got["flops"], v
@@ -276,24 +319,6 @@ def test_bart_sequence_parallel_against_pytorch():
     for kind, want in got["comm"].items():
         assert Fraction(str(an.comm_bytes(kind).subs(env))) == Fraction(want), (kind, v)
     assert int(an.params_shard.subs(env)) == got["shard"], v
-
-
-@pytest.mark.hf
-def test_sp_refused_where_a_stack_starts_without_a_token_embedding():
-    """hf:whisper --tp --sp: the encoder's stream starts at a Conv1d stem over the mel frames, not
-    at a vocabulary-parallel token embedding whose output the plan splits over the sequence
-    (PyTorch's step fails in the add of the stem's whole output and the sequence-split position
-    table: 'aten.add.Tensor got mixed torch.Tensor and DTensor'): one line naming the stack and
-    what is accepted, before any probe is recorded."""
-    from symcost.frontends.models import resolve
-
-    with pytest.raises(symcost.SymcostError) as e:
-        symcost.trace(resolve("hf:whisper", attention="eager"), layout=Layout(tp=True, sp=True), precision="fp32",
-                      torch_device="cpu", sizes={"B": 2, "S": 8, "S_enc": 8, "H": 4, "D": 2, "F": 8, "V": 16,
-                                                 "L": 2, "TP": 2})
-    msg = str(e.value)
-    assert "\n" not in msg and "model.encoder's residual stream does not start at a token embedding" in msg, msg
-    assert "Conv1d" in msg and "accepted for this model: --tp without --sp" in msg, msg
 
 
 def _two_threads(fn) -> list:
@@ -340,13 +365,14 @@ def _two_threads(fn) -> list:
 
 
 @pytest.mark.hf
-@pytest.mark.parametrize("model,sp", [("hf:t5", False), ("hf:t5", True), ("hf:bart", True)])
+@pytest.mark.parametrize("model,sp", [("hf:t5", False), ("hf:t5", True), ("hf:bart", True), ("hf:whisper", True)])
 def test_loss_and_gradients_equal_the_untouched_model(model, sp):
     """The plans compute what the untouched model computes: 2 ranks with real collectives (threads
     over PyTorch's threaded process group), fp32, dropout off, the plan applied by
     ``parallelize_module`` to copies of one model at random sizes: each rank's loss equals the
     untouched model's within 1e-5, and every parameter's gradient (a DTensor's whole tensor)
-    within 1e-5 of its gradient there (T5's split relative position bias included). A few
+    within 1e-5 of its gradient there (T5's split relative position bias included; Whisper's conv
+    stem, whole on every rank, whose stream is split at the encoder's first layer). A few
     seconds; a torchrun over gloo would cost well over 30 s here."""
     import copy
 
@@ -361,7 +387,8 @@ def test_loss_and_gradients_equal_the_untouched_model(model, sp):
     rng = random.Random(f"{model}-{sp}-numeric")
     v = {**spec.defaults, "B": rng.randint(1, 3), "S": 2 * rng.randint(2, 5), "S_enc": 2 * rng.randint(2, 6), "H": 4,
          "D": rng.choice((2, 4)), "F": 4 * rng.randint(2, 4), "V": 8 * rng.randint(4, 8), "L": rng.randint(2, 3),
-         **({"M": 8 * rng.randint(1, 3)} if "M" in spec.symbols else {})}
+         **({"M": 8 * rng.randint(1, 3)} if "M" in spec.symbols else {}),
+         **({"N_mel": 8} if "N_mel" in spec.symbols else {})}
     layers = ["encoder.block", "decoder.block"] if model == "hf:t5" else ["model.encoder.layers", "model.decoder.layers"]
     torch.manual_seed(rng.randint(0, 2**31))
     ref = spec.build(v).float()

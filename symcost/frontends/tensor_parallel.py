@@ -63,6 +63,8 @@ from typing import Mapping
 
 from symcost.errors import SymcostError
 from symcost.frontends.spec import Constraint, check_constraints
+from symcost.frontends.tensor_parallel_stacks import (_check_stacks_planned, _scatter_first_block,
+                                                      _stacks_entering_whole)
 from symcost.frontends.tensor_parallel_hf import (  # noqa: F401  (re-exported)
     _GRAD_ALL_REDUCE, _TRANSFORMERS, _apply_transformers, _fqn_match, _grad_all_reduce, _transformers_model,
     hf_plan, model_tp_plan)
@@ -624,9 +626,8 @@ def apply(model, layers: str | None, mesh, sp: bool, fp8: str | None = None, ski
                            f"(column- and row-parallel nn.Linear by name; the blocks hold {', '.join(kinds)}), and "
                            "the config has no base_model_tp_plan: every block would stay whole on every rank")
     if got is None and len(containers) > 1:
-        _check_stacks_planned(model, containers, styles)
-    if sp and len(containers) > 1:
-        _check_stacks_enter_sharded(model, layers, containers)
+        _check_stacks_planned(model, containers, styles, _linear_like)
+    whole = _stacks_entering_whole(_roles(model, layers)[0], containers) if sp and len(containers) > 1 else []
     # heads per rank: the attention module's head counts / TP (torchtitan's adjustment)
     done = set()
     for n in colwise:
@@ -643,7 +644,9 @@ def apply(model, layers: str | None, mesh, sp: bool, fp8: str | None = None, ski
                                        f"over {tp} ranks (accepted: a TP that divides {v}: {ok})")
                 setattr(parent, a, v // tp)
     if sp:
-        _split_positions(model, layers, mesh, keep)
+        _split_positions(model, layers, mesh, keep, skip=[c.rpartition(".")[0] for c in whole])
+        for c in whole:
+            _scatter_first_block(model, c, mesh, keep)
         if keep:
             _gather_inputs(model, layers, mesh)
     if fp8 == "tensorwise":
@@ -672,54 +675,6 @@ def apply(model, layers: str | None, mesh, sp: bool, fp8: str | None = None, ski
     return loss_parallel if lp else _nothing
 
 
-def _check_stacks_planned(model, containers: list[str], styles: dict) -> None:
-    """Several stacks under the Megatron plan (an encoder-decoder without a ``base_model_tp_plan``):
-    every Linear inside the blocks must be column- or row-parallel: where a block's Linear has no
-    style (T5's ``wi``, whose output feeds the row-parallel ``wo``) the plan would feed a whole
-    activation into a row-parallel projection expecting 1/TP of it.
-
-    Raises:
-        SymcostError: the first Linear of a block without a style, in one line with the names
-            the plan accepts.
-    """
-    for c in containers:
-        for n, m in model.get_submodule(c).named_modules():
-            full = f"{c}.{n}" if n else c
-            if _linear_like(m) and full not in styles:
-                cls = type(model).__name__
-                raise SymcostError(
-                    f"--tp: {full} ({type(m).__name__}) has no tensor-parallel style: {cls} has no "
-                    "base_model_tp_plan in its config and the Megatron plan matches projections by name "
-                    "(column-parallel: q, k, v, qkv, q_proj, k_proj, v_proj, up_proj, gate_proj, fc1, w1, w3, ...; "
-                    "row-parallel: o, o_proj, out_proj, dense, fc2, w2, down_proj, ...); accepted: --dp, --ac, "
-                    "or a model whose block projections follow those names")
-
-
-def _check_stacks_enter_sharded(model, layers, containers: list[str]) -> None:
-    """Sequence parallelism over several stacks: each stack's residual stream must start at a
-    vocabulary-parallel token embedding (BART's and T5's ``embed_tokens``), whose output the plan
-    reduce-scatters over the sequence. A stack fed by something else (Whisper's encoder: a
-    ``Conv1d`` stem over the mel frames, whose output is then whole on every rank and meets the
-    sequence-split position table in one add, which DTensor refuses: 'aten.add.Tensor got mixed
-    torch.Tensor and DTensor') is not modelled yet.
-
-    Raises:
-        SymcostError: the first such stack, in one line with what is accepted.
-    """
-    roles, _ = _roles(model, layers)
-    embeddings = [n for n, r in roles.items() if r == "embedding"]
-    for c in containers:
-        stack = c.rpartition(".")[0]
-        if stack and not any(n.startswith(stack + ".") for n in embeddings):
-            inside = sorted({type(m).__name__ for n, m in model.get_submodule(stack).named_children()
-                             if not n.startswith(c.rpartition(".")[2]) and list(m.parameters())})
-            raise SymcostError(
-                f"--sp: {stack}'s residual stream does not start at a token embedding (besides its blocks it "
-                f"holds {', '.join(inside) or 'no module with parameters'}), so the plan has no output to split over "
-                "its sequence: not modelled yet (torchtitan's sequence-parallel plan splits the token "
-                "embedding's output); accepted for this model: --tp without --sp, --dp, --ac")
-
-
 def _retie(model, groups: list[list[str]]) -> None:
     """Tie again the parameters ``parallelize_module`` untied (each module's parameter is
     distributed on its own: GPT-2's head and token embedding), where their shards agree (the
@@ -741,10 +696,11 @@ def _retie(model, groups: list[list[str]]) -> None:
             setattr(model.get_submodule(parent) if parent else model, attr, first)
 
 
-def _split_positions(model, layers, mesh, keep: bool = False) -> None:
+def _split_positions(model, layers, mesh, keep: bool = False, skip: list[str] | None = None) -> None:
     """With sequence parallelism: a replicated position embedding's output ``[..., S, h]`` split
     over the sequence (:func:`_scatter_sequence`), so it adds to the sequence-sharded token
-    embedding (``keep``: as a DTensor sharded over the sequence, :func:`plan`)."""
+    embedding (``keep``: as a DTensor sharded over the sequence, :func:`plan`); not in the stacks
+    ``skip`` (module prefixes), whose stream enters whole (:func:`_stacks_entering_whole`)."""
     roles, _ = _roles(model, layers)
 
     def split(module, inputs, output):
@@ -756,7 +712,7 @@ def _split_positions(model, layers, mesh, keep: bool = False) -> None:
         return DTensor.from_local(local, mesh, [Shard(local.dim() - 2)], run_check=False)
 
     for name, role in roles.items():
-        if role == "pos":
+        if role == "pos" and not any(name.startswith(k + ".") for k in skip or ()):
             model.get_submodule(name).register_forward_hook(split)
 
 

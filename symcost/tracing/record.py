@@ -473,6 +473,10 @@ def _record(spec: ModelSpec, values: Mapping[str, int], precision: str, optimize
         if layout.fp8 is not None:  # (the Float8Linear modules that replaced the linears: new objects)
             names.update(_module_names(model))
             paths = module_paths(model)
+        # a module the plan added outside the blocks (sequence parallelism's split of a stack's
+        # stream that enters whole, frontends.tensor_parallel_stacks._scatter_first_block, called from
+        # block 0's pre-hook): named, so its ops are the stack's, not block 0's
+        names.update({id(m): n for n, m in model.named_modules() if getattr(m, "symcost_outside_blocks", False)})
     # the recording's ``parallel``: the data-parallel strategy, else "tp" / "tp+sp"; on the 2-D
     # mesh the tensor parallelism is its ``tensor_parallel``
     parallel = layout.label
