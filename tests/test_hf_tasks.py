@@ -24,7 +24,7 @@ import torch
 
 import symcost
 from conftest import run_cli
-from test_own_symbols import _check
+from test_own_symbols import _check, _six_n_p_per_stack
 
 pytest.importorskip("transformers")
 
@@ -130,6 +130,7 @@ def test_t5_by_name_exact_and_t5_small_60_5m():
          "L": rng.choice((2, 5, 7))}
     _check(an, spec, v)
     _peak_close(an, spec, v)
+    _six_n_p_per_stack(an, spec, {**v, "S": v["S_enc"] + 1})  # (6·N·P per stack: the cross-attention's k, v on S_enc)
     with pytest.raises(symcost.SymcostError, match="L >= 2"):  # (one block per stack: a regime of its own)
         an.subs(L=1)
     small = {k: spec.defaults[k] for k in ("H", "D", "M", "F", "V", "L")}

@@ -107,6 +107,45 @@ def test_encoder_decoder_own_sizes(examples):
         _check(an, spec, v)
         got, want = memory_model(an).peak(**v), step_peak(spec, v, "fp32")["peak"]
         assert abs(got / want - 1) < 0.01, (got, want, v)
+        _six_n_p_per_stack(an, spec, v)
+    _six_n_p_per_stack(an, spec, {**v, "S": v["S_enc"] + 1})  # (the two token counts apart)
+
+
+def _six_n_p_per_stack(an, spec, v: dict) -> None:
+    """An encoder-decoder's 6·N·P form counts each weight on the tokens it processes
+    (``Conventions.token_groups``; Raffel et al. 2020 §3.2.2): P_enc and P_dec equal the weight
+    elements of the nn.Linear modules whose input, in one real forward at ``v`` (forward hooks),
+    carries B·S_enc and B·S tokens (the encoder's and each decoder block's ``kv`` on the source
+    tokens; the rest of the decoder and the head on the target tokens); the remainder is then
+    the attention matmuls' FLOPs exactly (no negative term: 6·B·S·P had put the encoder's weights
+    on the target tokens), and the form is the train FLOPs, which ``_check`` compares with
+    FlopCounterMode's."""
+    from symcost import parse_formula
+    from memory_oracle import build
+
+    model, args, kwargs, ctx = build(spec, v, "fp32")
+    seen: dict[int, int] = {}
+
+    def hook(m, inputs, out):
+        tokens = inputs[0].numel() // m.in_features
+        seen[tokens] = seen.get(tokens, 0) + m.weight.numel()
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(hook)
+    with torch.no_grad(), ctx():
+        model(*args, **kwargs)
+    (enc_names, enc), (dec_names, dec) = an.token_groups()
+    env = {s: v[s.name] for s in (enc + dec).free_symbols}
+    assert (enc_names, dec_names) == (("B", "S_enc"), ("B", "S"))
+    want: dict[int, int] = {}
+    for n, P in ((v["B"] * v["S_enc"], enc), (v["B"] * v["S"], dec)):  # (one count where S_enc = S)
+        want[n] = want.get(n, 0) + int(P.subs(env))
+    assert seen == want, (seen, want, v)
+    _, rem, form = an.train_simplified()
+    assert sympy.expand(rem - an.attention_flops) == 0, rem
+    total = an.flops("train")
+    assert sympy.expand(parse_formula(an.train_simplified_str()) - total) == 0 and sympy.expand(form.doit() - total) == 0
 
 
 def test_cli_sets_and_prints_own_sizes(examples, capsys, tmp_path, monkeypatch):

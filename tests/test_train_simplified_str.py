@@ -23,6 +23,9 @@ class _Totals(Conventions):
 
         return 6 * SYMS["B"] * SYMS["S"] * self._P + self._rem
 
+    def token_groups(self):  # (one N·P pair: the text's head is 6*B*S*(P))
+        return [(("B", "S"), self._P)]
+
     def tp_share(self):
         return 1
 

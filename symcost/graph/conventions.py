@@ -224,20 +224,24 @@ class Conventions:
         return new
 
     def train_simplified_str(self) -> str:
-        """``"6*B*S*(P) + remainder"`` as text, 6·N·P first (sympy would reorder the terms).
+        """``"6*B*S*(P) + remainder"`` as text, 6·N·P first (sympy would reorder the terms); an
+        encoder-decoder's ``"6*B*S_enc*(P_enc) + 6*B*S*(P_dec) + remainder"`` (:meth:`token_groups`).
 
         Parses with :func:`symcost.parse_formula` (or ``sympy.sympify`` with those locals) to
         ``flops("train")``.
         """
-        P, rem, _ = self.train_simplified()
-        n = "*".join(str(x) for x in self.n_symbols() if x not in self.pinned)
-        head = f"6*{n}*({P})" if n else f"6*({P})"
-        tp = self.tp_share()
-        if tp != 1:
-            head += f"/{tp}"
-        cp = self.cp_share()
-        if cp != 1:
-            head += f"/{cp}"
+        _, rem, _ = self.train_simplified()
+        tp, cp = self.tp_share(), self.cp_share()
+        heads = []
+        for names, P in self.token_groups():
+            n = "*".join(names)
+            head = f"6*{n}*({P})" if n else f"6*({P})"
+            if tp != 1:
+                head += f"/{tp}"
+            if cp != 1:
+                head += f"/{cp}"
+            heads.append(head)
+        head = " + ".join(heads)
         if rem == 0:
             return head
         text = str(rem)
@@ -272,6 +276,39 @@ class Conventions:
             return ("B",)
         return ("B", "S")
 
+    def token_groups(self) -> list[tuple[tuple[str, ...], sympy.Expr]]:
+        """The N·P pairs of the 6·N·P form: ``[(names of N's factors, P)]``.
+
+        One pair, ``(n_symbols(), params_active_matmul)``, for a model whose matmul weights all
+        see the same tokens. An encoder-decoder (a symbol ``S_enc``, one device or ``--dp``) has
+        two: its encoder's weights process the B·S_enc source tokens, its decoder's and the
+        head the B·S target tokens, the convention of Raffel et al. 2020 (T5, §3.2.2: an
+        encoder-decoder of L + L layers costs about a decoder-only model of L layers, "the
+        encoder is only applied to the input sequence and the decoder is only applied to the
+        output sequence"); Kaplan et al.'s 6·N·D counts one stack on every token. The pairs come
+        from the graph: half the forward FLOPs of the matmuls with a weight operand
+        (:attr:`Analysis.attention` false), 2·Σ tokens·weight elements, split by monomial:
+        ``P_enc`` is its coefficient of B·S_enc (the encoder's weights and the cross-attention's
+        key/value projections, which read the encoder's output; a weight that reads 2·S_enc
+        positions per sequence, Whisper's first convolution, counts twice), ``P_dec`` that of B·S.
+        The remainder (:meth:`train_simplified`) is then the attention matmuls' FLOPs, where
+        6·B·S·P put the encoder's weights on the decoder's tokens (negative terms). Under
+        ``--tp``/``--cp``, or where B, S or S_enc is pinned, the single pair."""
+        one = [(self.n_symbols(), self.params_active_matmul)]
+        names = {s.name: s for s in sympy.sympify(self.flops("train")).free_symbols}
+        if ("S_enc" not in names or "B" not in names or "S" not in names or self.tp_share() != 1
+                or self.cp_share() != 1 or self.params_active_matmul != self.params_matmul):
+            return one
+        B, S, Se = names["B"], names["S"], names["S_enc"]
+        fwd = sympy.expand(sympy.Add(*[op.repeat * op.cost.flops for op in self.ops
+                                       if op.phase == "forward" and op.family == "model" and not op.attention]) / 2)
+        poly = sympy.Poly(fwd, B, S, Se)
+        enc = sympy.expand(sympy.Add(*[c for m, c in poly.terms() if m == (1, 0, 1)]))
+        dec = sympy.expand(sympy.Add(*[c for m, c in poly.terms() if m == (1, 1, 0)]))
+        if enc == 0 or dec == 0:
+            return one
+        return [(("B", "S_enc"), enc), (("B", "S"), dec)]
+
     def train_simplified(self) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
         """``(P, remainder, unevaluated 6*B*S*P + remainder)`` with remainder exact.
 
@@ -280,12 +317,19 @@ class Conventions:
         1/TP of the split matmuls: its form is 6·B·S·P/TP + remainder (:meth:`tp_share`), P the
         whole model's. One rank of context parallelism (``--cp``) runs B·S/CP tokens: its form is
         6·B·S·P/CP + remainder (:meth:`cp_share`). A model without a sequence has N = B
-        (:meth:`n_symbols`): 6·B·P + remainder."""
+        (:meth:`n_symbols`): 6·B·P + remainder. An encoder-decoder's form is
+        6·B·S_enc·P_enc + 6·B·S·P_dec + remainder (:meth:`token_groups`: each stack's weights on
+        the tokens it processes); ``P`` stays all the matmul weights, ``params_active_matmul``."""
         P = self.params_active_matmul
-        N = [sympy.Integer(self.pinned[n]) if n in self.pinned else SYMS[n] for n in self.n_symbols()]
         tp, cp = self.tp_share(), self.cp_share()
-        rem = sympy.expand(self.flops("train") - 6 * sympy.Mul(*N) * P / (tp * cp))
-        factors = [f for f in (sympy.Integer(6), *N, sympy.factor_terms(P), 1 / tp, 1 / cp) if f != 1]
-        form = sympy.Add(sympy.Mul(*factors, evaluate=False),
-                         sympy.factor_terms(rem), evaluate=False)
+        total = sympy.sympify(self.flops("train"))
+        syms = {s.name: s for s in total.free_symbols}
+        heads, six = [], sympy.Integer(0)
+        for names, Pk in self.token_groups():
+            N = [sympy.Integer(self.pinned[n]) if n in self.pinned else syms.get(n, SYMS.get(n)) for n in names]
+            six += 6 * sympy.Mul(*N) * Pk / (tp * cp)
+            factors = [f for f in (sympy.Integer(6), *N, sympy.factor_terms(Pk), 1 / tp, 1 / cp) if f != 1]
+            heads.append(sympy.Mul(*factors, evaluate=False))
+        rem = sympy.expand(total - six)
+        form = sympy.Add(*heads, sympy.factor_terms(rem), evaluate=False)
         return P, rem, form

@@ -327,6 +327,7 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
 
     P, rem, form = an.train_simplified()
     tp, cp = an.tp_share(), an.cp_share()
+    groups = an.token_groups()
     if tp != 1:
         n_words = n_per_step(an) if cp == 1 else "N = B·S/CP: the rank's tokens, S/CP of each sequence"
         c.print(f"[bold]Training model FLOPs of one rank = 6·N·P/TP + remainder[/bold]   ({n_words}; "
@@ -334,8 +335,17 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
     elif cp != 1:
         c.print(f"[bold]Training model FLOPs of one rank = 6·N·P + remainder[/bold]   (N = B·S/CP: the rank's "
                 "tokens, S/CP of each sequence)")
+    elif len(groups) > 1:  # (an encoder-decoder: each stack's weights on the tokens it processes)
+        c.print("[bold]Training model FLOPs = 6·N_enc·P_enc + 6·N_dec·P_dec + remainder[/bold]   (Raffel et al. "
+                "2020 §3.2.2: the encoder runs on the source tokens, the decoder and head on the target tokens; "
+                "N_enc = B·S_enc, N_dec = B·S per step)")
     else:
         c.print(f"[bold]Training model FLOPs = 6·N·P + remainder[/bold]   ({n_per_step(an)})")
+    if len(groups) > 1:
+        for (names, Pk), what in zip(groups, ("P_enc (weights on the source tokens: the encoder's, the "
+                                              "cross-attention's key/value projections)",
+                                              "P_dec (weights on the target tokens: the decoder's, the head)")):
+            c.print(f"  {what} = {fmt(Pk)}")
     c.print(f"  P (parameters used as matmul operands) = {fmt(P)}")
     c.print(f"  P_total (all parameters, tied once)    = {fmt(an.params)}")
     c.print(f"  non-embedding params (Kaplan et al. 2020's N) = {fmt(an.params_nonembedding)}"
@@ -357,13 +367,16 @@ def render(an: Analysis, sizes: Mapping[str, int], table: bool = True, memory: d
         N = _value(sympy.Mul(*(SYMS[n] for n in an.n_symbols())) / cp, {**env, **{SYMS[k]: v for k, v in an.pinned.items()}})
         total = _value(an.flops("train"), env)
         sixnp = 6 * N * _value(P, env) / (_value(tp, {**env, **{SYMS[k]: v for k, v in an.pinned.items()}}) if tp != 1 else 1)
+        if len(groups) > 1:  # (6·N_enc·P_enc + 6·N_dec·P_dec: the total less the exact remainder)
+            sixnp = _value(an.flops("train"), env) - _value(rem, env)
         fwd, bwd = _value(an.flops("forward"), env), _value(an.flops("backward"), env)
         if total == 0:
             c.print(f"[yellow]warning[/yellow]: model FLOPs are 0 at these sizes (no matmul-class op ran); "
                     f"all FLOPs, train = {human(_value(an.flops('train', 'all'), env), 'FLOP')}; the 6·N·P "
                     "form and the forward : backward split do not apply")
         else:
-            c.print(f"  at these sizes: 6·N·P{'/TP' if tp != 1 else ''} = {human(sixnp, 'FLOP')}, remainder = {human(total - sixnp, 'FLOP')}"
+            name = "6·N_enc·P_enc + 6·N_dec·P_dec" if len(groups) > 1 else f"6·N·P{'/TP' if tp != 1 else ''}"
+            c.print(f"  at these sizes: {name} = {human(sixnp, 'FLOP')}, remainder = {human(total - sixnp, 'FLOP')}"
                     f" ({(total - sixnp) / total:.1%} of {human(total, 'FLOP')})")
             ratio = f"1 : {bwd / fwd:.3f}" if fwd else "- (no forward model FLOPs)"
             c.print(f"  forward : backward = {ratio}    attention (matmuls without a parameter"
