@@ -292,7 +292,9 @@ class Conventions:
         key/value projections, which read the encoder's output; a weight that reads 2·S_enc
         positions per sequence, Whisper's first convolution, counts twice), ``P_dec`` that of B·S.
         The remainder (:meth:`train_simplified`) is then the attention matmuls' FLOPs, where
-        6·B·S·P put the encoder's weights on the decoder's tokens (negative terms). Under
+        6·B·S·P put the encoder's weights on the decoder's tokens (negative terms), less an input
+        gradient no one needs (Whisper's first convolution on the mel features:
+        −12·B·D·H·N_mel·S_enc). Under
         ``--tp``/``--cp``, or where B, S or S_enc is pinned, the single pair."""
         one = [(self.n_symbols(), self.params_active_matmul)]
         names = {s.name: s for s in sympy.sympify(self.flops("train")).free_symbols}
