@@ -138,7 +138,11 @@ def test_real_gloo_encdec_pp2(examples, tmp_path):  # noqa: F811 - the fixture
     # (sizes where activations, not the allocator's few-byte scalars, make the peak)
     sizes = {"B": rng.randint(2, 3), "S": rng.randint(12, 20), "S_enc": rng.randint(12, 24), "H": rng.choice([2, 4]),
              "D": 8, "V": rng.randint(40, 80), "F": rng.randint(16, 40), "L_enc": 2, "L_dec": 3}
-    r = summary(spec, 2, "1f1b", m, precision="fp32", sizes=sizes)
+    from symcost.hardware.devices import get_device
+
+    # (priced on a GPU too: the bound and the performance model's step over the stages' traces)
+    r = summary(spec, 2, "1f1b", m, precision="fp32", sizes=sizes, device=get_device("h100"))
+    assert r["step"]["predicted"]["step_seconds"] >= r["step"]["step_seconds"] > 0, r["step"]
     env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
     args = [str(sizes[k]) for k in ("B", "S", "S_enc", "H", "D", "V", "F", "L_enc", "L_dec")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -82,6 +82,13 @@ def stage_analysis(ans: Mapping[str, Any], s: int, blocks: list[int]):
     return ans[stage_kind(s, blocks, lead)[0]]
 
 
+def _blocks_env(an, blocks: int) -> dict:
+    """``{"L": blocks}`` for a stage trace whose L is its own block count; ``{}`` for a stage of a
+    model of several stacks (:mod:`symcost.passes.pipeline_stacks`: no L, the stacks' lengths
+    pinned at the request)."""
+    return {"L": blocks} if "L" in an.symbols or "L" in an.pinned else {}
+
+
 def _first(ans):
     """The first stage's trace (``first``, or ``stage0`` of a model of several stacks)."""
     return ans["first"] if "first" in ans else ans["stage0"]
@@ -515,7 +522,7 @@ def price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: list[int], 
     for s in range(n):
         an = stage_analysis(ans, s, blocks)
         env = {k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")}
-        env["L"] = blocks[s]
+        env.update(_blocks_env(an, blocks[s]))
         r = roofline(an, device, env, fused=fused, with_formulas=False)
         bound = an.bind(**env)
         sent = {ph: float(sympy.sympify(an.comm_bytes("send", ph)).xreplace(bound)) for ph in ("forward", "backward")}
@@ -632,7 +639,7 @@ def predict_price(ans: Mapping[str, Any], values: Mapping[str, int], blocks: lis
     for s in range(n):
         an = stage_analysis(ans, s, blocks)
         env = {k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")}
-        env["L"] = blocks[s]
+        env.update(_blocks_env(an, blocks[s]))
         p = predict(an, device, env, mode=mode)
         first = first or p
         bound = an.bind(**env)
@@ -737,7 +744,7 @@ def _dp_latency(an, values: Mapping[str, int], blocks: int, dp: int, alpha: floa
     if dp <= 1:
         return 0.0
     env = {k: v for k, v in values.items() if k in an.symbols or k in ("B", "S")}
-    bound = an.bind(**{**env, "L": blocks})
+    bound = an.bind(**{**env, **_blocks_env(an, blocks)})
     out = 0.0
     for op in an.ops:
         if op.comm is None or op.comm[0] in P2P + ("wait",) or comm_group(an, op) == "TP":
