@@ -227,7 +227,9 @@ def wrap_in_place(model, mesh, experts_mesh=None) -> None:
     the parameter's local shape (with ``--tp``, the vocabulary-parallel embedding's ``[V/TP, d]``
     rows, as Megatron-LM's ``VocabParallelEmbedding`` computes its gradient on its local
     weight: megatron/core/tensor_parallel/layers.py; PyTorch's ``RowwiseParallel`` returns the
-    whole ``[V, d]`` gradient, ``Replicate``, which is reduced in the weight's placements). The
+    whole ``[V, d]`` gradient, ``Replicate``, which is reduced in the weight's placements; under
+    ``megatron-*`` the trace runs Megatron's embedding, :func:`vocab_parallel_embedding`, whose
+    gradient has the rank's rows already, and the narrowing is left for any other). The
     hooks are registered at the model's first forward, on the parameters it has then (they are
     materialised after wrapping).
 
