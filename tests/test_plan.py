@@ -381,12 +381,45 @@ def test_odd_heads_plan_without_tensor_parallelism():
     mm = memory.memory_model(plain, PREC)
     assert r["memory"]["activations"] == int(sympy.sympify(mm.activations).xreplace(env))
     # V = 68 (the vocabulary-parallel head splits it): tp = 2 and 4 divide it, tp = 8 does not,
-    # though H = 16 would allow 8; what PyTorch's plan accepts is what the plan offers
+    # though H = 16 would allow 8; the probes keep it even (probe_check), and plan, as report
+    # --tp 8, takes the uneven vocabulary (rejects: V and TP pinned in that trace,
+    # test_odd_vocabulary_plan_has_the_tp_report_answers); F = 4h = 512 still splits over 8
+    from symcost.frontends.tensor_parallel import rejects
+
     tspec = _an().spec
     vals = {**tspec.values({**SZ, "H": 16, "V": 68}), "B": 1}
     assert tspec.probe_check({**vals, "TP": 8}) and not tspec.probe_check({**vals, "TP": 4})
     tps = {x.tp for x in enumerate_layouts(8, 8, 4, 16, tp_ok=lambda t: not tspec.probe_check({**vals, "TP": t}))}
     assert tps == {1, 2, 4}
+    assert rejects(tspec.probe_check, {**vals, "TP": 8}) is None
+    assert rejects(tspec.probe_check, {**vals, "TP": 8}, "megatron-bf16")  # (Megatron pads V: report refuses)
+    tps = {x.tp for x in enumerate_layouts(8, 8, 4, 16, tp_ok=lambda t: not rejects(tspec.probe_check, {**vals, "TP": t}))}
+    assert tps == {1, 2, 4, 8}
+
+
+@pytest.mark.heavy
+def test_odd_vocabulary_plan_has_the_tp_report_answers():
+    """V = 63, which no TP > 1 divides: report --tp 2 answers it (DTensor's Shard(0) holds ⌈V/TP⌉
+    rows on rank 0; V and TP pinned, test_tensor_parallel.py checks it against PyTorch on the fake
+    group), and plan now offers tp = 2 the same way (was: traced at TP = 1, tp = 1 only, the probe
+    check's even split applied to V). Its pure-TP rows at random B equal report --tp 2's per-rank
+    summary on that trace: model states, activations, TP bytes, FLOPs."""
+    from symcost.passes.tensor_parallel import summary
+
+    sz = {"H": 8, "D": 8, "L": 4, "V": 63, "S": 16}
+    an = trace_for_plan("megatron-gpt", sz, PREC, use_cache=False)
+    assert an.pinned == {"V": 63, "TP": 2} and "not a multiple of TP" in an.pin_reasons["V"]
+    res = plan(an, sz, get_device("a100-80gb"), 2, 80 * 2**30, 4, PREC)
+    assert {r["layout"]["tp"] for r in res["layouts"]} == {2}, res["notes"]
+    pl = Planner(an, sz, get_device("a100-80gb"), PREC)
+    for b in (1, _rng("odd-v").randint(2, 4)):
+        r = pl.evaluate(Layout(1, 2, 1, b, 1, "ddp", "none", "none"))
+        v = summary(an, PREC, sizes={**sz, "B": b, "TP": 2})["values"]
+        assert r["memory"]["model_states"] == int(v["memory"]["total"])
+        assert r["memory"]["activations"] == int(v["memory"]["activations"])
+        assert r["comm_bytes"]["tp"] == pytest.approx(float(v["comm"]["total"]), abs=1e-6) and r["comm_bytes"]["tp"] > 0
+        env = an.bind(**{**sz, "B": b, "TP": 2})
+        assert r["flops_rank"] == pytest.approx(int(sympy.sympify(an.flops("train")).xreplace(env)))
 
 
 @pytest.mark.heavy

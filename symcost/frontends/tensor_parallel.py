@@ -147,6 +147,23 @@ def splits(spec, values: Mapping[str, int], sp: bool = False, sizes=(2, 4, 8)) -
     return [t for t in sizes if _indivisible(spec, {**values, "TP": t}, sp) is None]
 
 
+def rejects(check, values: Mapping[str, int], precision: str = "") -> str | None:
+    """Why the tensor-parallel plan cannot split the model at ``values["TP"]``, as ``report --tp``
+    decides it: ``check`` (a tensor-parallel spec's ``probe_check``) with the vocabulary let
+    through where TP does not divide V (:func:`uneven_vocab`: PyTorch runs it, ⌈V/TP⌉ rows on the
+    recorded rank, the trace pins V and TP), except under ``megatron-*`` precision (Megatron-LM
+    needs TP to divide its padded vocabulary: that TP is rejected). None where it splits. Used by
+    ``plan`` (its TP sizes, and the TP it traces at)."""
+    tp, v = values.get("TP"), values.get("V")
+    if not tp or not v or v % tp == 0 or precision.startswith("megatron"):
+        return check(values)
+    token = UNEVEN_V.set(v)
+    try:
+        return check(values)
+    finally:
+        UNEVEN_V.reset(token)
+
+
 #: spec.build -> its memo (symcost.frontends.memo.memo_per_model): sizes -> sharded dims
 _SHARDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

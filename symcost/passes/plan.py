@@ -535,7 +535,9 @@ def plan(an, sizes: Mapping[str, int], device, devices: int, memory: int, global
         return planners[tp]
 
     def why_not(tp: int):  # why the tensor-parallel plan cannot split the model over tp ranks, or None
-        return None if check is None else check({**an.spec.values(dict(pl.sizes)), "B": 1, "TP": tp})
+        from symcost.frontends.tensor_parallel import rejects  # (a V that tp does not divide: as report --tp)
+
+        return None if check is None else rejects(check, {**an.spec.values(dict(pl.sizes)), "B": 1, "TP": tp}, precision)
 
     from symcost.passes.plan_dims import cp_options
 
@@ -671,7 +673,11 @@ def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = F
     tsizes = {**req, "TP": 2 if tp is None else tp}
     layout = Layout(tp=True, sp=sp)
     tspec = layout.spec(spec)
-    if tp is None and tspec.probe_check and tspec.probe_check({**spec.values(req), "B": 1, "TP": 2}) is not None:
+    from symcost.frontends.tensor_parallel import rejects
+
+    # (a V that TP = 2 does not divide is traced at TP = 2, V and TP pinned, as report --tp 2 traces it)
+    if tp is None and tspec.probe_check and rejects(tspec.probe_check, {**spec.values(req), "B": 1, "TP": 2},
+                                                    precision) is not None:
         tsizes["TP"] = 1
     vals = {**spec.values(req), "TP": tsizes["TP"]}
     for an in _TRACES.get(key, []):
