@@ -112,7 +112,9 @@ def cache_dir(tmp_path, monkeypatch):
 #: test_ep_tp 72-111, test_context_parallel 58-95, test_plan_traced 67-73, test_probe_plan 41,
 #: test_vision_families, test_ssm_inference, test_etp, test_explore, test_fp8,
 #: test_context_parallel_pp, test_offload_pipeline, test_expert_parallel 20-50 each; then those of
-#: 10-30 s, test_parallel_stacks (one trace of about 30 CPU-s) to test_roofline)
+#: 10-30 s, test_parallel_stacks (one trace of about 30 CPU-s) to test_roofline; after it the heavy
+#: files the twelfth session added, test_tensor_parallel_stacks (40-60 s) to test_megatron_buckets,
+#: which ran last while unlisted)
 LONGEST_FIRST = ("test_pipeline_mesh.py", "test_tensor_parallel.py", "test_compile.py", "test_pipeline_parallel.py",
                  "test_ep_tp.py", "test_context_parallel.py", "test_plan_traced.py", "test_dp_tp_mesh.py",
                  "test_serve.py", "test_moe_real_configs.py", "test_real_configs.py", "test_real_probes.py",
@@ -120,6 +122,8 @@ LONGEST_FIRST = ("test_pipeline_mesh.py", "test_tensor_parallel.py", "test_compi
                  "test_memory.py", "test_parallel.py", "test_vision_families.py", "test_ssm_inference.py",
                  "test_expert_parallel.py", "test_etp.py", "test_explore.py", "test_fp8.py",
                  "test_context_parallel_pp.py", "test_offload_pipeline.py", "test_parallel_stacks.py",
+                 "test_tensor_parallel_stacks.py", "test_checkpoint_plan_stacks.py", "test_plan_megatron.py",
+                 "test_hf_ssm.py", "test_megatron_moe.py", "test_frozen_params.py", "test_megatron_buckets.py",
                  "test_moe_experts_code.py", "test_plan_routing.py", "test_megatron_run.py", "test_offload.py",
                  "test_routing_skew.py", "test_roofline.py", "test_moe_6np.py", "test_recompute.py",
                  "test_flops_exact.py", "test_plan.py", "test_parallel_memory.py", "test_serve_kv.py", "test_cli.py",
