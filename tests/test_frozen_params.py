@@ -226,3 +226,38 @@ def test_pipeline_rank_states_against_the_stage_modules():
         assert row["params"] == sum(p.numel() for p in ps), row
         assert row["model_states"] == 4 * row["params"] + 12 * sum(p.numel() for p in trained) + 4 * len(trained), row
         assert row["memory"]["grads"] == 4 * sum(p.numel() for p in trained), row
+
+
+def test_blocks_frozen_differently_are_not_folded():
+    """Blocks that differ in which parameters are frozen (tests/data/frozen_bottom.py
+    ``spec_top``: the blocks from index 3 on ``requires_grad_(False)``, none of them in the
+    probes' 2 or 3 blocks) are traced unfolded at the requested L, with the reason said
+    (tracing/probes.py ``frozen_blocks_differ``). Before, the fold applied block 0's status to
+    every block, silently: nothing pinned, gradients and AdamW state of every block (at L = 5,
+    B=3 S=5 H=2 D=4 F=12 V=20: optimizer 11,604 B vs the real step's 8,044). Now parameters,
+    gradients and AdamW state equal a real AdamW step's at random sizes (the for-loop AdamW on
+    real CPU tensors: moments and 0-d step tensors of the parameters that got a gradient)."""
+    import torch
+
+    from symcost.passes.memory import memory_model
+
+    model = str(Path(__file__).resolve().parent / "data" / "frozen_bottom.py") + ":spec_top"
+    rng = random.Random("frozen-blocks-differ")
+    L = rng.randint(4, 6)
+    an = symcost.trace(model, precision="fp32", torch_device="cpu", sizes={"L": L})
+    assert an.pinned == {"L": L} and "differ in which parameters are frozen" in an.pin_reasons["L"], an.pin_reasons
+    spec = symcost.resolve(model)
+    for _ in range(2):
+        v = {"B": rng.randint(2, 4), "S": rng.randint(2, 6), "H": rng.randint(2, 3), "D": rng.choice((2, 4)),
+             "F": rng.randint(4, 16), "V": rng.randint(8, 24)}
+        comp = memory_model(an, "fp32", "adamw", impl="for-loop", device="cpu").components(**v)
+        m = spec.build({**spec.defaults, **v, "L": L})
+        opt = torch.optim.AdamW(m.parameters(), foreach=False)
+        args, kwargs = spec.make_inputs({**spec.defaults, **v}, torch.device("cpu"))
+        spec.loss(m(*args, **kwargs), (args, kwargs)).backward()
+        opt.step()
+        size = lambda t: t.numel() * t.element_size()  # noqa: E731
+        assert comp["params"] == sum(size(p) for p in m.parameters()), v
+        assert comp["grads"] == sum(size(p.grad) for p in m.parameters() if p.grad is not None), v
+        assert comp["optimizer"] == sum(size(t) for st in opt.state.values() for t in st.values()), v
+        assert any(not p.requires_grad for p in m.parameters())

@@ -29,6 +29,7 @@ from symcost.tracing.fit import (CHECK_L, FIT_L, N_RANDOM, SYMS, Fitter, FitErro
                                  leaves_moe_values, model_divisors, plan_probes, probe_pool, random_near, random_point,
                                  random_pools)
 from symcost.tracing.modules import _layer_of
+from symcost.tracing.probes import frozen_blocks_differ
 from symcost.tracing.probes import bounds_words, pad_bounds
 from symcost.tracing.regime import digest, regime_signature
 from symcost.tracing.schedule import fit_schedule
@@ -405,6 +406,16 @@ def _trace_regime(spec: ModelSpec, values: Mapping[str, int], facts: dict, pins:
     want_sig = regime_signature(req)
     if "L" in base_syms and "L" not in stacks.values() and req.layer_container is None and req.no_fold:
         raise Unvariable("L", req.no_fold)  # (several block stacks follow L, or none: pinned, traced unfolded)
+    folds = {**({req.layer_container: "L"} if "L" in base_syms and req.layer_container is not None else {}),
+             **{c: s for c, s in stacks.items() if s in base_syms}}
+    if folds:  # (blocks whose frozen parameters differ: no block stands for the others, tracing/probes.py)
+        try:
+            at_request = spec.build_meta({**values, **pinned})
+        except Exception:  # noqa: BLE001 - the request was recorded at FIT_L; a build failure says nothing here
+            at_request = None
+        frozen_pin = at_request is not None and frozen_blocks_differ(at_request, folds, getattr(req, "frozen", frozenset()))
+        if frozen_pin:
+            raise frozen_pin
 
     def accept(p):
         r = rec_at(p)

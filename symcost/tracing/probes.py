@@ -468,3 +468,47 @@ def plan_probes(symbols: Sequence[str], check, n_random: int = 8, seed: int = 0,
             if n >= tries:
                 break
     return ProbePlan(tuple(symbols), points, axis, tuple(divisors))
+
+
+def frozen_blocks_differ(model, containers: Mapping[str, str], recorded: frozenset = frozenset()) -> Unvariable | None:
+    """The guard of a fold over a stack's length against frozen parameters (``requires_grad=False``):
+    the pin (an :class:`Unvariable` of the stack's symbol, its message the reason) where the blocks
+    of a container (``containers``: container -> its length symbol, L or a model's own ``L_enc``)
+    in ``model`` — the model built at the requested sizes — differ in which of their parameters are
+    frozen, or where they all agree but not with block 0 of the probes' recording (``recorded``:
+    that recording's frozen parameter names, unfolded): the fold names one block's parameters for
+    all of them (``layers.{i}.w``), so one block's frozen status would be every block's, and a
+    frozen block's missing gradient, optimizer state and step counter would be applied to all or to
+    none. That changes a recorded op only where the block's backward skips a weight gradient; a
+    frozen parameter beyond the probes' blocks (block 5 of the request's 12, the probes holding 2 or
+    3) changes none of theirs. None where every block agrees (the usual case: nothing frozen, or a
+    frozen base in every block, LoRA-style)."""
+    for c, sym in containers.items():
+        try:
+            blocks = [m for _, m in model.get_submodule(c).named_children()]
+        except AttributeError:
+            continue
+        pats = [frozenset(n for n, p in b.named_parameters() if not p.requires_grad) for b in blocks]
+        if not pats:
+            continue
+        differ = [i for i, p in enumerate(pats) if p != pats[0]]
+        if differ:
+            i = differ[0]
+            names = sorted(pats[0] ^ pats[i])
+            e = Unvariable(sym, (
+                f"the blocks of {c} differ in which parameters are frozen (requires_grad=False: block 0 has "
+                f"{len(pats[0])} frozen, block {i} {len(pats[i])}; e.g. {names[0]}), so no block stands for the "
+                f"others: traced unfolded at the requested {sym}"))
+            e.stack = True
+            return e
+        # (a recorded name through a wrapper the layout added: activation checkpointing's, compile's)
+        unwrapped = (n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "") for n in recorded)
+        probe = frozenset(n[len(f"{c}.0."):] for n in unwrapped if n.startswith(f"{c}.0."))
+        if probe != pats[0]:
+            e = Unvariable(sym, (
+                f"the blocks of {c} freeze other parameters at the requested {sym} = {len(blocks)} ({len(pats[0])} "
+                f"frozen per block) than at the probes' {sym} ({len(probe)}), so no probe stands for them: traced "
+                f"unfolded at the requested {sym}"))
+            e.stack = True
+            return e
+    return None
