@@ -138,6 +138,9 @@ def pipeline_json(spec, r, layout, mesh, precision, assumed, ans) -> dict:
     out["bubble_formula"] = str(r["bubble_formula"])
     out["formulas"] = {p: {k: str(e) for k, e in f.items()} for p, f in r["formulas"].items()}
     out["pinned"] = r["pinned"]
+    if r.get("stacks"):  # (several stacks cut as one list: each stage's blocks, what crosses, why pinned)
+        out["stacks"] = r["stacks"]
+        out["pin_reasons"] = r["pin_reasons"]
     out["stages"] = {str(s): d for s, d in r["stages"].items()}
     busiest = _most_loaded(r["ranks"])
     res = {"model": spec.name, "precision": precision, "attention": spec.extra.get("attention"),
