@@ -7,13 +7,17 @@ reading the entry, evaluating, printing), in a temporary ``SYMCOST_CACHE_DIR``. 
 CPU seconds (CPU: user + system of the child, which a loaded machine inflates less than wall
 time) of the cold call and of the warm calls side by side, the ratio, whether the warm process
 imported torch, and checks that warm and cold print the same numbers. Target (issue 6): warm
-``eval hf:llama --set B=8 S=4096`` under 1.5 s end to end.
+``eval hf:llama --set B=8 S=4096`` under 1.5 s end to end. A warm ``serve`` of Llama-2-70B:
+
+    python benchmarks/bench_cache.py tests/data/configs/llama-2-70b.json --command serve \
+        --args '--device mi300x --context 8192' --set
 """
 from __future__ import annotations
 
 import argparse
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -41,8 +45,12 @@ def main() -> None:
     ap.add_argument("--command", default="eval")
     ap.add_argument("--precision", default=None)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--args", default="", help="more options for the command, one quoted string "
+                    "(e.g. serve's: --args '--device mi300x --context 8192' --set)")
     args = ap.parse_args()
-    cli = [sys.executable, "-m", "symcost.cli", args.command, args.model, "--set", *args.set]
+    cli = [sys.executable, "-m", "symcost.cli", args.command, args.model, *shlex.split(args.args)]
+    if args.set:
+        cli += ["--set", *args.set]
     if args.precision:
         cli += ["--precision", args.precision]
     probe = ("import sys, runpy; sys.argv = ['symcost'] + sys.argv[1:]\n"
@@ -58,7 +66,7 @@ def main() -> None:
     w_wall = min(w for w, _, _ in warm)
     w_cpu = min(c for _, c, _ in warm)
     same = all(o == cold_out for _, _, o in warm)
-    print(f"symcost {args.command} {args.model} --set {' '.join(args.set)}")
+    print("symcost " + " ".join(cli[3:]))
     print(f"{'':12}{'wall s':>10}{'cpu s':>10}")
     print(f"{'cold':12}{cold_wall:10.2f}{cold_cpu:10.2f}")
     print(f"{'warm (best)':12}{w_wall:10.2f}{w_cpu:10.2f}   (of {args.repeat})")

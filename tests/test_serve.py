@@ -49,13 +49,13 @@ def _serve_json(*args: str) -> tuple[dict, float, float]:
 def test_serve_70b_boundary_and_warm_time():
     """Llama-2-70B on a 192 GB MI300X at 8k context: the batch serve returns fits and one more does
     not (M(B) <= cap < M(B + 1), the check of max-batch, evaluated on the memory model again); the
-    weights and KV cache are the independent counts; a warm answer (trace cache filled) costs under
-    5 s of CPU time in a fresh process."""
+    weights and KV cache are the independent counts; a warm answer (trace cache filled, a fresh
+    process) equals the cold one. (Its speed is a benchmark's: benchmarks/bench_cache.py
+    tests/data/configs/llama-2-70b.json --command serve --args '--device mi300x --context 8192' --set.)"""
     args = (LLAMA_70B, "--device", "mi300x", "--context", "8192")
     cold, _, _ = _serve_json(*args)
-    warm, wall, cpu = _serve_json(*args)
+    warm, _, _ = _serve_json(*args)
     assert warm == cold
-    assert cpu < 5.0, f"warm serve took {cpu:.2f} s of CPU ({wall:.2f} s wall)"
     B, mem = warm["max_batch"], warm["memory"]
     assert B >= 1 and mem["check"] and mem["at_max"] <= mem["cap"] < mem["at_next"]
     assert mem["cap"] == 192 * 10**9  # the MI300X's 192 GB from the catalogue
