@@ -302,10 +302,15 @@ def make_stage(model, pr: Probe, stage: StackStage, n: int, p2p: bool = False):
     for c in order:
         parent, _, attr = c.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        blocks = list(getattr(owner, attr).children())
+        box = getattr(owner, attr)
         a, b = held.get(c, (0, 0))
-        kind = type(getattr(owner, attr))
-        setattr(owner, attr, kind(*blocks[a:b]) if kind is nn.Sequential else nn.ModuleList(blocks[a:b]))
+        if isinstance(box, nn.ModuleDict):  # (keyed 0..n-1: the stage's keys kept)
+            kept = nn.ModuleDict(dict(list(box.items())[a:b]))
+        elif isinstance(box, nn.Sequential):
+            kept = nn.Sequential(*list(box.children())[a:b])
+        else:
+            kept = nn.ModuleList(list(box.children())[a:b])
+        setattr(owner, attr, kept)
     # stacks that ended before the stage: stand-ins returning the received output
     ended = [c for c in order if pr.stack_span[c][1] <= start]
     for c in ended:
