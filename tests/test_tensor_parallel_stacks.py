@@ -321,6 +321,23 @@ def test_sequence_parallel_stacks_against_pytorch(model):
     assert int(an.params_shard.subs(env)) == got["shard"], v
 
 
+@pytest.mark.hf
+def test_sp_refused_where_a_block_flattens_the_sequence():
+    """hf:opt --tp --sp (was: a DataDependentOutputException inside the step): OPT's decoder layer
+    reshapes the sequence-sharded hidden states to (-1, h) before its MLP, a ``_StridedShard(0)``
+    DTensor that the sequence-parallel styles lay out again over the hidden dimension (not the
+    sequence-parallel step; frontends/tensor_parallel_stacks.py ``refuse_flattened_sequence``): one
+    line naming the module and what is accepted, at the request's recording, before any probe."""
+    from symcost.frontends.models import resolve
+
+    with pytest.raises(symcost.SymcostError) as e:
+        symcost.trace(resolve("hf:opt", attention="eager"), layout=Layout(tp=True, sp=True), precision="bf16-true",
+                      torch_device="cpu", sizes={"B": 2, "S": 16, "H": 4, "D": 4, "F": 32, "V": 64, "L": 2, "TP": 2})
+    msg = str(e.value)
+    assert "\n" not in msg and "final_layer_norm receives the sequence-sharded hidden states flattened" in msg, msg
+    assert "_StridedShard(0)" in msg and "accepted for this model: --tp without --sp" in msg, msg
+
+
 def _two_threads(fn) -> list:
     """``fn(mesh)`` on each of 2 ranks run as threads of this process over PyTorch's threaded
     process group (torch.testing._internal.distributed.multi_threaded_pg, as PyTorch's own

@@ -64,7 +64,7 @@ from typing import Mapping
 from symcost.errors import SymcostError
 from symcost.frontends.spec import Constraint, check_constraints
 from symcost.frontends.tensor_parallel_stacks import (_check_stacks_planned, _scatter_first_block,
-                                                      _stacks_entering_whole)
+                                                      _stacks_entering_whole, refuse_flattened_sequence)
 from symcost.frontends.tensor_parallel_hf import (  # noqa: F401  (re-exported)
     _GRAD_ALL_REDUCE, _TRANSFORMERS, _apply_transformers, _fqn_match, _grad_all_reduce, _transformers_model,
     hf_plan, model_tp_plan)
@@ -689,6 +689,8 @@ def apply(model, layers: str | None, mesh, sp: bool, fp8: str | None = None, ski
         _grad_all_reduce(model, grad_all_reduce, mesh)
     if got is not None and own:
         _apply_transformers(model, own, mesh)
+    if keep:  # (a block that flattens its stream with the batch, OPT's: one line)
+        refuse_flattened_sequence(model, styles, block_names(model, layers))
     return loss_parallel if lp else _nothing
 
 

@@ -2,7 +2,8 @@
 Whisper; docs/parallel.md §1.1): the check that the Megatron plan covers every block's Linear, and
 sequence parallelism where a stack's residual stream does not start at a vocabulary-parallel token
 embedding (Whisper's encoder, a Conv1d stem): the stack's sequence-parallel region starts at its
-first block. Used by :func:`symcost.frontends.tensor_parallel.apply`.
+first block; and the one-line refusal where a block flattens the sequence-sharded stream with the
+batch (OPT). Used by :func:`symcost.frontends.tensor_parallel.apply`.
 
 Torch is imported only inside the functions that need it.
 """
@@ -108,3 +109,56 @@ def _scatter_first_block(model, container: str, mesh, keep: bool) -> None:
         return args, {**kwargs, "hidden_states": split(kwargs["hidden_states"])}
 
     first.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def refuse_flattened_sequence(model, styles: dict, blocks: list[str]) -> None:
+    """Sequence parallelism on a transformers model (the residual stream a DTensor sharded over the
+    sequence): each sequence-parallel norm and column-parallel projection inside the blocks checks,
+    before its style lays its input out, that the input is not the stream flattened with the batch.
+    OPT's decoder layer reshapes its hidden states to ``(-1, h)`` before its MLP
+    (``OPTDecoderLayer.forward``: ``hidden_states.reshape(-1, hidden_states.size(-1))``) and back
+    after it; DTensor lays ``[B, S/TP, h]`` flattened out as ``_StridedShard(0)``, which
+    ``SequenceParallel`` (sequence dim 1) and the MLP's styles lay out again over the hidden
+    dimension. PyTorch runs that on real tensors (loss and gradients equal the untouched model's on
+    2 threaded ranks, checked by hand), but it is not the sequence-parallel step: with the
+    recording's gather of a ``_StridedShard`` made to run on fake tensors, hf:opt at TP = 2
+    all-gathered 6× and reduce-scattered 1.5× the bytes of Megatron's sequence parallelism per
+    layer, all-reduced 4·B·S·h bytes more, and ran an all-to-all (which the CPU's process group
+    emulates by an all-gather); on fake tensors it fails inside DTensor
+    (``_StridedShard.local_shard_size_and_offset`` reads ``.tolist()``: DataDependentOutputException).
+    Relabelling the rank's flattened rows ``Shard(0)`` around the MLP (row-wise until the row-parallel
+    reduce-scatter, which returns each rank its rows) computes the same loss and gradients, but
+    DTensor 2.13 cannot view ``_StridedShard(0)`` back to ``[B, S, h]`` sharded over S: it all-gathers
+    the stream at the layer's ``.view`` (tried). A plan without that gather is not written yet.
+
+    Raises:
+        SymcostError: at the step, in one line, where a block's planned module receives such an
+            input.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+
+    from symcost.frontends.tensor_parallel_hf import _fqn_match
+
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover - an older torch has no such placement
+        return
+    prefixes = tuple(f"{b}." for b in blocks)
+    planned = [p for p, st in styles.items() if isinstance(st, (SequenceParallel, ColwiseParallel))]
+
+    def check(name):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(x, DTensor) and any(isinstance(p, _StridedShard) for p in x.placements):
+                raise SymcostError(
+                    f"--sp: {name} receives the sequence-sharded hidden states flattened with the batch "
+                    f"({tuple(x.shape)}: the block reshapes [B, S, h] to (-1, h), as OPT's decoder layer does before "
+                    "its MLP), which DTensor lays out as _StridedShard(0) and the sequence-parallel styles lay out "
+                    "again over the hidden dimension: not the sequence-parallel step, and a plan that keeps the "
+                    "flattened tokens sharded is not written yet; accepted for this model: --tp without --sp, --dp, --ac")
+        return hook
+
+    for n, m in model.named_modules():
+        if n.startswith(prefixes) and any(p == n or _fqn_match(p, n) for p in planned):
+            m.register_forward_pre_hook(check(n), with_kwargs=True, prepend=True)
