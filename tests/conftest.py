@@ -121,7 +121,7 @@ LONGEST_FIRST = ("test_pipeline_mesh.py", "test_tensor_parallel.py", "test_compi
                  "test_probe_plan.py", "test_inference.py", "test_regimes.py", "test_checkpoint.py", "test_moe.py",
                  "test_memory.py", "test_parallel.py", "test_vision_families.py", "test_ssm_inference.py",
                  "test_expert_parallel.py", "test_etp.py", "test_explore.py", "test_fp8.py",
-                 "test_context_parallel_pp.py", "test_offload_pipeline.py", "test_parallel_stacks.py",
+                 "test_context_parallel_pp.py", "test_offload_pipeline.py", "test_parallel_stacks.py", "test_pipeline_stacks.py",
                  "test_tensor_parallel_stacks.py", "test_checkpoint_plan_stacks.py", "test_plan_megatron.py",
                  "test_hf_ssm.py", "test_megatron_moe.py", "test_frozen_params.py", "test_megatron_buckets.py",
                  "test_moe_experts_code.py", "test_plan_routing.py", "test_megatron_run.py", "test_offload.py",
