@@ -295,7 +295,8 @@ def make_stage(model, pr: Probe, stage: StackStage, n: int, p2p: bool = False):
     first_i, last_i = held[first_c][0], held[last_c][1] - 1
     start = -math.inf if stage.index == 0 else _start(pr, first_c, first_i)
     ends_stack = last_i == pr.lengths[last_c] - 1 and last_c != order[-1]
-    end = math.inf if stage.part == "last" else (pr.stack_span[last_c][1] if ends_stack else pr.block_end[(last_c, last_i)])
+    end = (math.inf if stage.part == "last"
+           else pr.stack_span[last_c][1] if ends_stack else pr.block_end[(last_c, last_i)])
     state: dict[str, Any] = {"mem": {}}
     model.symcost_stage = stage.part
     # the blocks of the other stages deleted
