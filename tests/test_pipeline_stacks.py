@@ -110,18 +110,25 @@ def test_encdec_stages_against_pytorch(examples):  # noqa: F811 - the fixture
                        "params": want["params"]}, (s, other)
 
 
-def test_hf_encoder_decoders_refused_in_one_line():
+def test_hf_encoder_decoders_refused_in_one_line(examples):  # noqa: F811 - the fixture
     """hf:t5 under --pp (keyword inputs: its masks and the position bias of each stack's block 0
-    would cross the boundaries too): one line, before any trace, saying what is staged and what
-    is accepted."""
+    would cross the boundaries too), and encdec.py under --pp with --dp or interleaved stages: one
+    line each, before any trace, saying what is staged and what is accepted."""
+    from symcost.frontends.layout import Layout
     from symcost.frontends.models import resolve
     from symcost.passes.pipeline import trace_stages
 
-    with pytest.raises(symcost.SymcostError) as e:
-        trace_stages(resolve("hf:t5"), 2, sizes={"L": 2, "H": 2, "D": 4})
-    msg = str(e.value)
-    assert "\n" not in msg and "several stacks of blocks" in msg and "keyword inputs" in msg, msg
-    assert "accepted for this model: --dp" in msg, msg
+    encdec = _factory(examples["encdec.py"], "spec")
+    small = {"L_enc": 2, "L_dec": 3, "H": 2, "D": 4}
+    for call, words in ((lambda: trace_stages(resolve("hf:t5"), 2, sizes={"L": 2, "H": 2, "D": 4}), "keyword inputs"),
+                        (lambda: trace_stages(encdec, 2, sizes=small, inner=Layout(shard="fsdp")),
+                         "another mesh dimension or --ac beside --pp"),
+                        (lambda: trace_stages(encdec, 2, virtual=2, sizes=small), "interleaved stages")):
+        with pytest.raises(symcost.SymcostError) as e:
+            call()
+        msg = str(e.value)
+        assert "\n" not in msg and "several stacks of blocks" in msg and words in msg, msg
+        assert "accepted for this model: --dp" in msg, msg
 
 
 @pytest.mark.heavy
