@@ -280,3 +280,63 @@ def test_megatron_peak_is_a_real_step(traced, model, precision, traced_as, grad_
         wheres.add(parts["where"].split(" ")[0])
     if model == "mlp" and precision == "megatron-fp16":
         assert "optimizer" in wheres, wheres  # the fp32 gradient copy was where the peak is
+
+
+# -- the optimizer step's temporaries: the engine's fused Adam, torch's foreach --------------------
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_optimizer_step_transient_is_a_real_adamw_step(traced, impl):
+    """The optimizer step's temporaries as symcost prices them (``fused``: none, the rule for
+    Megatron-LM's and DeepSpeed's multi-tensor FusedAdam; ``foreach``: a state-sized copy of every
+    tensor) against a real ``torch.optim.AdamW(fused=True)`` / ``(foreach=True)`` step on CPU
+    tensors (PyTorch runs its fused Adam kernel on the CPU since 2.4): torch.profiler's allocator
+    level above what is live when ``step()`` starts (gradients, state, weights), at random sizes:
+    equal at the ends of aten ops (``_levels``), a few scalar bytes more inside the kernels.
+    The bf16 model of the Megatron peak test (its trace shared); the state is in the weights' dtype.
+    And ``impl="default"`` follows the engine each policy names: fused Adam under ``megatron-*`` and
+    ``deepspeed-*`` on CUDA, torch.optim's own rule otherwise (foreach on CUDA, the CPU's for-loop;
+    Megatron-LM's fallback where neither Transformer Engine nor Apex imports)."""
+    from conftest import random_sizes
+    from memory_oracle import _levels, build, profiled
+    from symcost.passes import memory
+
+    an = traced("mlp", "bf16-true")
+    mm = memory.memory_model(an, "bf16-true", "adamw", impl, "cpu")
+    rng = random.Random(f"optimizer-transient|{impl}")
+    for sz in random_sizes(an, rng, n=2):
+        model, args, kwargs, ctx = build(an.spec, sz, "bf16-true")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **{impl: True})
+
+        def backward():
+            opt.zero_grad(set_to_none=True)
+            an.spec.loss(model(*args, **kwargs), (args, kwargs)).backward()
+
+        backward()
+        opt.step()  # the state exists from here on
+        backward()
+        with profiled() as prof:
+            opt.step()
+        top, top_ops = _levels(prof)
+        P = sum(p.numel() for p in model.parameters())
+        pred = mm.optimizer_step_transient(**sz)
+        assert pred == (0 if impl == "fused" else 2 * P), (sz, pred, P)
+        # exact at the ends of top-level aten ops; inside them a few 0-d scalars (the CPU step
+        # counters' increment, the kernel's lr and bias corrections: 12 bytes, whatever the size)
+        assert top_ops == pred and 0 <= top - pred <= 16, (impl, sz, top, top_ops, pred)
+    for policy, device, expect in [("megatron-bf16", "cuda", "fused"), ("megatron-fp16", "cuda", "fused"),
+                                   ("deepspeed-bf16", "cuda", "fused"), ("megatron-bf16", "cpu", "for-loop"),
+                                   ("bf16-true", "cuda", "foreach"), ("bf16-true", "cpu", "for-loop")]:
+        assert memory.memory_model(an, policy, "adamw", "default", device).impl == expect, (policy, device)
+    assert memory.memory_model(an, "megatron-bf16", "adafactor", "default", "cuda").impl == "foreach"
+    meg = memory.memory_model(an, "megatron-bf16", "adamw")
+    sz = random_sizes(an, rng, n=1)[0]
+    assert meg.optimizer_step_transient(**sz) == 0
+    assert memory.memory_model(an, "megatron-bf16", "adamw", "foreach").optimizer_step_transient(**sz) == 4 * _meta_params(an, sz)
+
+
+def _meta_params(an, sz) -> int:
+    """The parameters of ``an``'s model at ``sz``, counted on the meta device."""
+    from memory_oracle import full_values
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in an.spec.build(full_values(an.spec, sz)).parameters())

@@ -65,7 +65,8 @@ def checkpoint(model, sets, config, attention, precision, debug, memory, budget,
     if kind not in PLANS:
         raise SymcostError(f"unknown --plan {kind!r}; accepted: {', '.join(PLANS)}")
     check_optimizer(optimizer)
-    impl = resolve_impl(impl, device)  # (as eval's memory pass: "default" is torch.optim's choice on the device)
+    # (as eval's memory pass: "default" is the policy's engine's, else torch.optim's choice on the device)
+    impl = resolve_impl(impl, device, precision, optimizer)
     an, sizes = trace_model(model, sets, config, attention, precision, quiet=as_json)
     if getattr(an, "stacks", None):  # several stacks of blocks: planned per stack (docs/checkpoint.md)
         if budget is not None:

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 import sympy
 
 from symcost.units import binary, gib, parse_memory
-from symcost.passes.memory import STEP_BYTES, memory_model
+from symcost.passes.memory import STEP_BYTES, engine_impl, memory_model
 from symcost.passes.memory.live import _pareto, _peval
 
 class _Text:
@@ -187,7 +187,8 @@ def report_section(an, sizes: Mapping[str, int] | None, cap: str | int = "80GiB"
     js["device"] = device
     return {
         "title": f"Memory: precision {pol.name}, optimizer {opt.name} ({mm.impl}"
-                 + (f", torch.optim's default on {device}" if impl == "default" else "") + "), steady-state step "
+                 + ((f", {pol.name}'s engine on {device}" if engine_impl(pol.name, opt.name, device)
+                     else f", torch.optim's default on {device}") if impl == "default" else "") + "), steady-state step "
                  f"(values {at})",
         "rows": rows,
         "lines": lines,

@@ -183,13 +183,14 @@ def assumed(precision: str, optimizer: str, cap: int | None, device: str | None,
     """What a report without the one-device memory section assumed (``--dp``, ``--tp``, ``--pp``),
     in the keys :func:`header` reads from the memory section's JSON: ``bytes_per_param`` (weights +
     gradients + full-size optimizer state + master weights, unsharded), ``optimizer_name``,
-    ``optimizer_impl`` (torch.optim's default on ``device``), ``device``, ``memory_cap`` (bytes)
+    ``optimizer_impl`` (the policy's engine's, else torch.optim's default on ``device``:
+    :func:`symcost.passes.memory.default_impl`), ``device``, ``memory_cap`` (bytes)
     and ``memory_cap_from`` (where the cap comes from, e.g. ``"--memory"``)."""
     from symcost.passes.memory import default_impl, optimizer as get_optimizer, policy
 
     pol, opt = policy(precision), get_optimizer(optimizer)
     return {"bytes_per_param": pol.param + pol.grad + opt.full * pol.state + pol.master, "optimizer_name": opt.name,
-            "optimizer_impl": default_impl(device) if device else None, "device": device, "memory_cap": cap,
+            "optimizer_impl": default_impl(device, pol.name, opt.name) if device else None, "device": device, "memory_cap": cap,
             "memory_cap_from": cap_from}
 
 

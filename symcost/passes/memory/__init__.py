@@ -40,8 +40,8 @@ from symcost.units import GiB, binary, dominant_text, gib, parse_memory  # noqa:
 from symcost.tracing.poly import Algebra, NotIntegral, Terms, terms_expr  # noqa: F401
 from symcost.tracing.schedule import MemorySchedule, ScheduleEvent, ScheduleUnit, fit_schedule  # noqa: F401
 from symcost.passes.memory.policies import (  # noqa: F401
-    DEVICES, FOREACH_DEVICES, IMPLS, OPTIMIZERS, POLICIES, STEP_BYTES, Optimizer, Policy, check_layout,
-    default_impl, optimizer, policy, resolve_impl)
+    DEVICES, ENGINE_FUSED_ADAM, FOREACH_DEVICES, IMPLS, OPTIMIZERS, POLICIES, STEP_BYTES, Optimizer, Policy,
+    check_layout, default_impl, engine_impl, optimizer, policy, resolve_impl)
 from symcost.passes.memory.live import Candidate  # noqa: F401
 from symcost.passes.memory.results import AccumulationPlan, NothingFits, Solution  # noqa: F401
 from symcost.passes.memory.model import MemoryModel, memory_model  # noqa: F401

@@ -44,7 +44,9 @@ def memory_model(an, precision: str | None = None, optimizer_name: str = "adamw"
             changes the static bytes and the gradients, the activations stay the trace's).
         optimizer_name: one of :data:`OPTIMIZERS`.
         impl: how the optimizer step runs, one of :data:`IMPLS` (decides its temporaries);
-            ``default`` is what ``torch.optim`` runs on ``device`` (:func:`default_impl`).
+            ``default`` is the engine's under a framework's policy (fused Adam under
+            ``megatron-*`` and ``deepspeed-*`` on CUDA), else what ``torch.optim`` runs on
+            ``device`` (:func:`default_impl`).
         device: the device the step runs on (only decides ``impl="default"``).
 
     Raises:
@@ -53,7 +55,7 @@ def memory_model(an, precision: str | None = None, optimizer_name: str = "adamw"
     """
     pol = policy(precision or an.precision)
     opt = optimizer(optimizer_name)
-    impl = resolve_impl(impl, device)
+    impl = resolve_impl(impl, device, pol.name, opt.name)
     per = _CACHE.setdefault(an, {})
     key = (pol.name, opt.name, impl)
     if key not in per:
@@ -102,13 +104,14 @@ class MemoryModel(Solver):
         schedule: the analysis' :class:`MemorySchedule` (all the pass reads besides the
             parameter shapes and saved tensors); ``alg`` the polynomial ring of its candidates.
         impl, device: the optimizer implementation assumed (``impl="default"`` resolved by
-            :func:`default_impl` for ``device``).
+            :func:`default_impl` for ``device`` and the policy: the engine's fused Adam under
+            ``megatron-*``/``deepspeed-*``).
     """
 
     def __init__(self, an, pol: Policy, opt: Optimizer, impl: str = "default", device: str = "cuda",
                  kv_scale: Fraction | int = 1):
         self.an, self.policy, self.opt = an, pol, opt
-        self.impl, self.device = resolve_impl(impl, device), device
+        self.impl, self.device = resolve_impl(impl, device, pol.name, opt.name), device
         self.gens = tuple(an.symbols)
         self._syms = [SYMS[s] for s in self.gens]
         self.schedule: MemorySchedule = an.schedule
@@ -449,8 +452,15 @@ class MemoryModel(Solver):
         temporaries of the tensor while the previous tensor's ``denom`` is still referenced).
         Adafactor: foreach ``var_estimates`` of every tensor; for-loop ``var_estimate`` (row_var @
         col_var, plus row and column means; ``grad * grad`` and a clone for vectors) while the
-        previous tensor's is still referenced. SGD updates in place; fused kernels keep none.
-        A policy whose optimizer steps an fp32 copy of the gradients (``Policy.grad_copy``:
+        previous tensor's is still referenced. SGD updates in place; fused kernels keep none
+        (torch's ``fused=True``; Transformer Engine's, Apex's and DeepSpeed's ``FusedAdam``, which
+        the ``megatron-*`` and ``deepspeed-*`` policies run by default, :func:`engine_impl`: one
+        ``multi_tensor_applier(multi_tensor_adam, ...)`` over chunks of the group's tensors, updated
+        in place), except Transformer Engine's with moments below fp32 (``megatron-bf16-moments``:
+        ``get_unscaled_state`` makes an fp32 copy of every moment of the parameter group, kept until
+        the step has cast them all back, one bf16 cast at a time; transformer_engine/pytorch/
+        optimizers/fused_adam.py ``step``, ``_apply_scale``): 4 bytes × the moments × the elements
+        the rank updates, plus the state's bytes of one tensor. A policy whose optimizer steps an fp32 copy of the gradients (``Policy.grad_copy``:
         Megatron-LM fp16, DeepSpeed's ZeRO) adds that copy of every tensor the rank updates to
         each of them (alone where the update keeps no temporaries).
         """
@@ -467,6 +477,15 @@ class MemoryModel(Solver):
         """:meth:`_optimizer_transients` of the update itself (``share``: the elements the rank
         updates, a ring element)."""
         opt, st, impl, alg = self.opt, self.policy.state, self.impl, self.alg
+        if impl == "fused" and opt.full and st < 4 and self.policy.name.startswith("megatron-"):
+            # Transformer Engine's FusedAdam with 16-bit moments: fp32 copies of the moments of the
+            # whole group (Megatron-LM steps the 1-D parameters, which take no weight decay, as a
+            # group of their own: counted with the others here, a few bytes per 1-D element over)
+            copies = share * (4 * opt.full)
+            out = [Candidate(copies + numel * st, alg.shift(copies + numel * st), 1,
+                             "fused Adam's fp32 copies of the 16-bit moments")
+                   for numel, _ in self._param_numels()]
+            return [(c.poly, c.label) for c in _pareto(out)]
         if impl == "fused" or opt.name in ("sgd", "sgd-nomomentum"):
             return []
         if impl == "foreach":
@@ -671,8 +690,18 @@ class MemoryModel(Solver):
             once = self._once(ids, rep)
             mid = sum(_peval(self._evpolys[k], vals) for k in ids if k not in once and kept(k))
             end += self._unit_total(_peval(rep, vals), sum(_peval(self._evpolys[k], vals) for k in ids if kept(k)), mid)
-        temps = max((_peval(t, vals) for t, _ in self._optimizer_transients()), default=0)
-        return int(sympy.sympify(self.static).xreplace(env)) + int(end) + int(temps)
+        return int(sympy.sympify(self.static).xreplace(env)) + int(end) + self.optimizer_step_transient(**sizes)
+
+    def optimizer_step_transient(self, **sizes: int) -> int:
+        """Bytes of the optimizer step's largest temporaries at ``sizes`` (on top of what is live
+        when the backward ends: :meth:`_optimizer_transients`, by the implementation
+        ``self.impl``: a state-sized copy of every tensor for foreach Adam, none for a fused one).
+
+        Raises:
+            SymcostError: bad sizes (see ``Analysis.bind``).
+        """
+        vals = self._values(self._env(sizes))
+        return int(max((_peval(t, vals) for t, _ in self._optimizer_transients()), default=0))
 
     def peak_terms(self, accumulate: bool = False) -> list[tuple[sympy.Expr, int, str]]:
         """The live sets that can be the largest at some sizes: ``(bytes on top of static,

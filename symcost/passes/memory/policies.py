@@ -173,9 +173,10 @@ OPTIMIZERS: dict[str, Optimizer] = {
 }
 
 #: How the optimizer step runs: ``foreach`` (one list op per update, temporaries for all tensors
-#: at once), ``for-loop`` (one tensor at a time), ``fused`` (no temporaries), or ``default``:
-#: what ``torch.optim`` picks itself when ``foreach`` is left None, which depends on the device
-#: (:func:`default_impl`).
+#: at once), ``for-loop`` (one tensor at a time), ``fused`` (no temporaries: torch's
+#: ``fused=True``, and the frameworks' multi-tensor fused Adam), or ``default``: the engine's
+#: under a framework's policy, else what ``torch.optim`` picks itself when ``foreach`` is left
+#: None, which depends on the device (:func:`default_impl`).
 IMPLS = ("default", "foreach", "for-loop", "fused")
 #: Devices the step may run on, for ``impl="default"``.
 DEVICES = ("cuda", "cpu", "xpu", "mtia")
@@ -185,31 +186,70 @@ FOREACH_DEVICES = ("cuda", "xpu", "mtia")
 STEP_BYTES = 4  # torch.tensor(0.0, dtype=_get_scalar_dtype()): fp32, 0-d
 
 
-def default_impl(device: str = "cuda") -> str:
-    """The optimizer implementation ``torch.optim`` runs when ``foreach`` is left None.
+#: The training frameworks whose engine steps Adam/AdamW with its own fused kernel on a CUDA
+#: device, by the prefix of their policies' names, with the source. Megatron-LM
+#: (megatron/core/optimizer/__init__.py, NVIDIA/Megatron-LM d98e8a6): ``Adam`` is Transformer
+#: Engine's ``FusedAdam``, else Apex's, and only where neither imports ``torch.optim.AdamW``;
+#: both step each parameter group with ``multi_tensor_applier(multi_tensor_adam, ...)`` over
+#: chunks of the group's tensors (transformer_engine/pytorch/optimizers/fused_adam.py ``step``),
+#: no whole-group temporaries. DeepSpeed (deepspeed/runtime/engine.py
+#: ``_configure_basic_optimizer``): an ``Adam``/``AdamW`` config runs ``deepspeed.ops.adam.FusedAdam``
+#: (the same multi-tensor kernel, adapted from Apex; deepspeed/ops/adam/fused_adam.py) unless
+#: ``torch_adam`` is set (then torch.optim's, foreach on CUDA) or the optimizer is offloaded to the
+#: CPU (``DeepSpeedCPUAdam``: the step leaves the device).
+ENGINE_FUSED_ADAM = {
+    "megatron-": "Megatron-LM megatron/core/optimizer/__init__.py (Transformer Engine's or Apex's FusedAdam)",
+    "deepspeed-": "DeepSpeed deepspeed/runtime/engine.py _configure_basic_optimizer (deepspeed.ops.adam.FusedAdam)",
+}
+#: optimizers the engines above run fused (Megatron-LM's ``--optimizer adam``, decoupled weight
+#: decay by default; DeepSpeed's ``Adam``/``AdamW``)
+ENGINE_FUSED_OPTIMIZERS = ("adam", "adamw")
 
-    torch/optim/optimizer.py ``_default_to_fused_or_foreach``: foreach when every parameter lies
-    on a device with foreach kernels (CUDA, XPU, MTIA), else the per-tensor for-loop (the CPU);
-    fused only when asked for. So the same ``AdamW(params)`` keeps a state-sized temporary of
-    every tensor at once on a GPU and two temporaries of one tensor at a time on the CPU.
+
+def engine_impl(precision: str | None, optimizer: str = "adamw", device: str = "cuda") -> str | None:
+    """The optimizer implementation the training framework that ``precision`` names runs, or
+    None where the policy is torch.optim's (then :func:`default_impl` decides).
+
+    ``"fused"`` for Adam/AdamW under the ``megatron-*`` and ``deepspeed-*`` policies on a CUDA
+    device (:data:`ENGINE_FUSED_ADAM`: Transformer Engine's, Apex's or DeepSpeed's
+    ``FusedAdam``, GPU-only kernels); None on any other device, where Megatron-LM falls back to
+    ``torch.optim.AdamW`` (no Transformer Engine or Apex build), and for other optimizers.
+    """
+    name = str(precision or "")
+    if device != "cuda" or str(optimizer).lower() not in ENGINE_FUSED_OPTIMIZERS:
+        return None
+    return "fused" if any(name.startswith(k) for k in ENGINE_FUSED_ADAM) else None
+
+
+def default_impl(device: str = "cuda", precision: str | None = None, optimizer: str = "adamw") -> str:
+    """The optimizer implementation that runs when none is asked for.
+
+    Under a training framework's policy, its engine's (:func:`engine_impl`: fused Adam under
+    ``megatron-*`` and ``deepspeed-*`` on CUDA). Otherwise what ``torch.optim`` runs when
+    ``foreach`` is left None: torch/optim/optimizer.py ``_default_to_fused_or_foreach``: foreach
+    when every parameter lies on a device with foreach kernels (CUDA, XPU, MTIA), else the
+    per-tensor for-loop (the CPU); fused only when asked for. So the same ``AdamW(params)`` keeps a
+    state-sized temporary of every tensor at once on a GPU and two temporaries of one tensor at a
+    time on the CPU.
 
     Raises:
         SymcostError: unknown device.
     """
     if device not in DEVICES:
         raise SymcostError(f"unknown device {device!r}; accepted: {', '.join(DEVICES)}")
-    return "foreach" if device in FOREACH_DEVICES else "for-loop"
+    return engine_impl(precision, optimizer, device) or ("foreach" if device in FOREACH_DEVICES else "for-loop")
 
 
-def resolve_impl(impl: str, device: str = "cuda") -> str:
-    """``impl`` itself, or for ``"default"`` what ``torch.optim`` picks on ``device``.
+def resolve_impl(impl: str, device: str = "cuda", precision: str | None = None, optimizer: str = "adamw") -> str:
+    """``impl`` itself, or for ``"default"`` :func:`default_impl` (the engine's under a framework's
+    policy, else what ``torch.optim`` picks on ``device``).
 
     Raises:
         SymcostError: unknown implementation or device.
     """
     if impl not in IMPLS:
         raise SymcostError(f"unknown optimizer implementation {impl!r}; accepted: {', '.join(IMPLS)}")
-    return default_impl(device) if impl == "default" else impl
+    return default_impl(device, precision, optimizer) if impl == "default" else impl
 
 
 def policy(name: str) -> Policy:
