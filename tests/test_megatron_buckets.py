@@ -306,3 +306,36 @@ def test_overlap_defaults_to_megatrons_under_its_engine(megatron_ranks):
     assert overlap_of({}, None, "megatron-bf16", "fsdp") == "backward"  # (PyTorch's FSDP2 under a megatron policy)
     assert overlap_of({}, None, "megatron-bf16", "ddp", ("bf16", "fp32")) == "backward"
     assert overlap_of({}, None, "bf16-mixed", "ddp") == overlap_of({}, None, None, None) == "backward"
+
+
+@pytest.mark.heavy
+def test_step_grows_by_the_items(megatron_ranks, monkeypatch):
+    """``predict_dp``'s step grows by exactly the items' seconds (``--overlap none``), and an
+    optimizer step of K micro-batches counts the per-iteration items once and the loss checks K
+    times (:func:`symcost.passes.accumulation.accumulated`). On this file's zero1 rank (the
+    items' own checks: tests/test_megatron_iteration.py, whose module trace of the same rank this
+    replaced: one cold trace less)."""
+    from test_megatron_iteration import RECIPE, _sizes_and_params
+
+    from symcost.hardware.devices import get_device
+    from symcost.passes import megatron_iteration as mi
+    from symcost.passes.accumulation import accumulated
+    from symcost.passes.performance import predict_dp
+
+    zero1 = megatron_ranks["zero1"]
+    dev = get_device("h100-sxm")
+    v, _, _ = _sizes_and_params(5)
+    p = predict_dp(zero1, dev, v, "none", megatron_args=RECIPE)
+    it = p["megatron_iteration"]
+    assert it["flags"]["log_params_norm"] and set(it["items"]) >= {"params_norm", "count_zeros", "loss_check"}
+    with monkeypatch.context() as m:
+        m.setattr(mi, "work", lambda *a, **k: [])
+        q = predict_dp(zero1, dev, v, "none", megatron_args=RECIPE)
+    assert p["step_seconds"] - q["step_seconds"] == pytest.approx(it["seconds"], rel=1e-9)
+    each = it["per_micro_batch"] + it["per_micro_batch_backward"]  # (the loss checks, the main-gradient adds)
+    assert it["per_micro_batch"] > 0 and it["per_micro_batch_backward"] > 0
+    assert p["iteration_seconds"] == pytest.approx(it["seconds"] - each)
+    K = 3
+    grow = accumulated(p, K, "zero1", "none", p["optimizer_seconds"])["step_seconds"] - \
+        accumulated(q, K, "zero1", "none", q["optimizer_seconds"])["step_seconds"]
+    assert grow == pytest.approx(it["seconds"] + (K - 1) * each, rel=1e-9)

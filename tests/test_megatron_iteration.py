@@ -28,17 +28,10 @@ import pytest
 import torch
 
 import symcost
-from symcost.frontends.layout import Layout
 
 RECIPE = "--log-params-norm --log-num-zeros-in-grad --log-interval 1 --clip-grad 1.0 --lr 1e-4"
-
-
-@pytest.fixture(scope="module")
-def zero1():
-    """Megatron's distributed optimizer on 4 ranks (the trace tests/test_megatron_buckets.py makes;
-    about 10 s on an idle core)."""
-    sizes = {"B": 2, "S": 16, "H": 2, "D": 8, "L": 2, "V": 64, "DP": 4}
-    return symcost.trace("megatron-gpt", sizes=sizes, precision="megatron-bf16", layout=Layout(shard="zero1"))
+# (the check on a traced rank, that predict_dp's step grows by the items, is
+# tests/test_megatron_buckets.py test_step_grows_by_the_items: on that file's zero1 trace)
 
 
 class _Rank:
@@ -184,34 +177,6 @@ def test_items_are_megatrons_at_random_sizes(key):
     priced = mi.price(list(items.values()), dev, 1, flags)
     assert {i["name"]: i["seconds"] for i in priced["items"]}["grad_norm"] == pytest.approx(want, rel=1e-12)
     assert priced["seconds"] == pytest.approx(sum(i["seconds"] for i in priced["items"]), rel=1e-12)
-
-
-@pytest.mark.heavy
-def test_step_grows_by_the_items(zero1, monkeypatch):
-    """``predict_dp``'s step grows by exactly the items' seconds (``--overlap none``), and an
-    optimizer step of K micro-batches counts the per-iteration items once and the loss checks K
-    times (:func:`symcost.passes.accumulation.accumulated`)."""
-    from symcost.hardware.devices import get_device
-    from symcost.passes import megatron_iteration as mi
-    from symcost.passes.accumulation import accumulated
-    from symcost.passes.performance import predict_dp
-
-    dev = get_device("h100-sxm")
-    v, _, _ = _sizes_and_params(5)
-    p = predict_dp(zero1, dev, v, "none", megatron_args=RECIPE)
-    it = p["megatron_iteration"]
-    assert it["flags"]["log_params_norm"] and set(it["items"]) >= {"params_norm", "count_zeros", "loss_check"}
-    with monkeypatch.context() as m:
-        m.setattr(mi, "work", lambda *a, **k: [])
-        q = predict_dp(zero1, dev, v, "none", megatron_args=RECIPE)
-    assert p["step_seconds"] - q["step_seconds"] == pytest.approx(it["seconds"], rel=1e-9)
-    each = it["per_micro_batch"] + it["per_micro_batch_backward"]  # (the loss checks, the main-gradient adds)
-    assert it["per_micro_batch"] > 0 and it["per_micro_batch_backward"] > 0
-    assert p["iteration_seconds"] == pytest.approx(it["seconds"] - each)
-    K = 3
-    grow = accumulated(p, K, "zero1", "none", p["optimizer_seconds"])["step_seconds"] - \
-        accumulated(q, K, "zero1", "none", q["optimizer_seconds"])["step_seconds"]
-    assert grow == pytest.approx(it["seconds"] + (K - 1) * each, rel=1e-9)
 
 
 def test_a_pipeline_rank_of_two_chunks():
