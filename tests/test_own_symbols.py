@@ -146,6 +146,18 @@ def _six_n_p_per_stack(an, spec, v: dict) -> None:
     assert sympy.expand(rem - an.attention_flops) == 0, rem
     total = an.flops("train")
     assert sympy.expand(parse_formula(an.train_simplified_str()) - total) == 0 and sympy.expand(form.doit() - total) == 0
+    # time, mfu and roofline count the same split (passes.roofline.tokens_compute): 6·N·P of a step
+    # = 6·Σ tokens × weights of the hooks, the step's model FLOPs (= FlopCounterMode's, _check)
+    # less it the attention FLOPs, a token budget's compute.6NP that per B·S target tokens
+    from symcost.passes.roofline import tokens_compute
+
+    tokens = v["B"] * v["S"] * random.Random(str(v)).randint(2, 9)
+    tc = tokens_compute(an, v, tokens)
+    six = 6 * sum(n * w for n, w in seen.items())
+    assert tc["flops.per_token_6P"] * v["B"] * v["S"] == pytest.approx(six, rel=1e-12), (tc, six)
+    assert tc["flops.train_step"] - six == int(an.attention_flops.xreplace(an.bind(**v))), (tc, six)
+    assert tc["compute.6NP"] == six * tokens // (v["B"] * v["S"])
+    assert [(g["tokens"], g["N"]) for g in tc["six_np.groups"]] == [("B·S_enc", v["B"] * v["S_enc"]), ("B·S", v["B"] * v["S"])]
 
 
 def test_cli_sets_and_prints_own_sizes(examples, capsys, tmp_path, monkeypatch):

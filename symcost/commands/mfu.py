@@ -99,7 +99,7 @@ def mfu(model, sets, config, attention, precision, debug, device_name, devices_f
     for line in model_lines(an, sizes, tc):
         c.print(line)
     c.print(f"model FLOPs per token: {float(tc['flops.per_token']):.6g}  = {tc['flops.per_token_formula']}  "
-            f"(6·P = {tc['flops.per_token_6P']:.6g})")
+            f"({'6·N·P / (B·S)' if 'six_np.groups' in tc else '6·P'} = {tc['flops.per_token_6P']:.6g})")
     c.print(f"MFU: {100 * u:.2f}%   at {R:.6g} tokens/s   (roofline ceiling at these sizes: {100 * ceiling:.1f}%)")
     if u > ceiling:
         c.print("note: above the roofline ceiling of a step at these sizes on this device: the per-op bound "

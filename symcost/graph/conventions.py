@@ -311,6 +311,18 @@ class Conventions:
             return one
         return [(("B", "S_enc"), enc), (("B", "S"), dec)]
 
+    def six_np_pairs(self) -> list[tuple[tuple[sympy.Expr, ...], sympy.Expr]]:
+        """The N·P pairs of the 6·N·P form as formulas: ``[(N's factors, P)]``, each factor the
+        symbol (B, S, S_enc, ...) or its pinned value; P as :meth:`token_groups` (one pair, P =
+        ``params_active_matmul`` on N = B·S, for a model whose matmul weights all see the same
+        tokens; an encoder-decoder's ``(B, S_enc)`` on P_enc and ``(B, S)`` on P_dec). The one
+        split :meth:`train_simplified` (the report's form) and
+        :func:`symcost.passes.roofline.tokens_compute` (``time``, ``mfu``, ``roofline``) use: 6·N·P
+        of one step is Σ 6·ΠN·P over the pairs (per rank: / TP / CP)."""
+        syms = {s.name: s for s in sympy.sympify(self.flops("train")).free_symbols}
+        return [(tuple(sympy.Integer(self.pinned[n]) if n in self.pinned else syms.get(n, SYMS.get(n)) for n in names), Pk)
+                for names, Pk in self.token_groups()]
+
     def train_simplified(self) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
         """``(P, remainder, unevaluated 6*B*S*P + remainder)`` with remainder exact.
 
@@ -325,10 +337,8 @@ class Conventions:
         P = self.params_active_matmul
         tp, cp = self.tp_share(), self.cp_share()
         total = sympy.sympify(self.flops("train"))
-        syms = {s.name: s for s in total.free_symbols}
         heads, six = [], sympy.Integer(0)
-        for names, Pk in self.token_groups():
-            N = [sympy.Integer(self.pinned[n]) if n in self.pinned else syms.get(n, SYMS.get(n)) for n in names]
+        for N, Pk in self.six_np_pairs():
             six += 6 * sympy.Mul(*N) * Pk / (tp * cp)
             factors = [f for f in (sympy.Integer(6), *N, sympy.factor_terms(Pk), 1 / tp, 1 / cp) if f != 1]
             heads.append(sympy.Mul(*factors, evaluate=False))

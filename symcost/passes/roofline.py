@@ -565,7 +565,11 @@ def tokens_compute(an, sizes: Mapping[str, int] | None, tokens: int | None = Non
     for a dense model, R of the E routed experts for a mixture of experts, as the report's
     6·N·P form and shared/conventions.md; ``params_matmul`` stays the count over all experts)
     and, under ``full``, ``compute.8NP`` = 8·P·tokens (Narayanan et al. 2021, sec. 5.1: one
-    more forward).
+    more forward). An encoder-decoder counts each stack's weights on the tokens it processes, as
+    the report's form (:meth:`~symcost.graph.conventions.Conventions.six_np_pairs`; Raffel et al.
+    2020 §3.2.2): ``flops.per_token_6P`` = 6·(B·S_enc·P_enc + B·S·P_dec) / (B·S) (exact), the
+    tokens being the B·S target tokens of a step as in ``compute.total``, and ``six_np.groups``
+    lists each pair (``tokens``: N's factors, ``N`` and ``P`` at ``sizes``).
 
     Raises:
         SymcostError: bad sizes or recompute mode.
@@ -601,17 +605,26 @@ def tokens_compute(an, sizes: Mapping[str, int] | None, tokens: int | None = Non
         "params_matmul": _num(an.params_matmul, env),  # (all experts)
         "params_active_matmul": P,
         "recompute": recompute,
-        "flops.per_token_6P": 6 * P,
     }
+    # 6·N·P per token: 6·P, or an encoder-decoder's 6·(B·S_enc·P_enc + B·S·P_dec) / (B·S), the
+    # pairs of the report's form (Conventions.six_np_pairs, one split for every command)
+    pairs = an.six_np_pairs()
+    P6 = Fraction(6 * P)
+    if len(pairs) > 1:
+        groups = [{"tokens": "·".join(str(f) for f in N), "N": _num(sympy.Mul(*N), env), "P": _num(Pk, env)}
+                  for N, Pk in pairs]
+        out["six_np.groups"] = groups
+        P6 = Fraction(6 * sum(g["N"] * g["P"] for g in groups), B * S)
+    out["flops.per_token_6P"] = _exact(P6)
     if recompute == "full":
-        out["flops.per_token_8P"] = 8 * P
+        out["flops.per_token_8P"] = _exact(P6 * Fraction(8, 6))
     if tokens is not None:
         out["tokens"] = tokens
         out["compute.total"] = _exact(Fraction(step_flops * tokens, B * S))
         out["compute.hardware"] = _exact(Fraction(step_hw * tokens, B * S))
-        out["compute.6NP"] = 6 * P * tokens
+        out["compute.6NP"] = _exact(P6 * tokens)
         if recompute == "full":
-            out["compute.8NP"] = 8 * P * tokens
+            out["compute.8NP"] = _exact(P6 * Fraction(8, 6) * tokens)
         out["compute.steps"] = _exact(Fraction(tokens, B * S))
     return out
 

@@ -44,7 +44,7 @@ def render_text(c, an, dev, r: dict, tc: dict, n_tokens=None, top: int = 15, unf
     c.print(f"flops.per_token: {tc['flops.per_token']:.6g} = {tc['flops.per_token_formula']}")
     if n_tokens:
         c.print(f"compute.total for {n_tokens:.4g} tokens: {float(tc['compute.total']):.4g} FLOP "
-                f"(6·P·tokens: {float(tc['compute.6NP']):.4g})")
+                f"({'6·N·P' if 'six_np.groups' in tc else '6·P·tokens'}: {float(tc['compute.6NP']):.4g})")
     narrow = {"box": box.SIMPLE_HEAD, "show_edge": False, "pad_edge": False, "collapse_padding": True,
               "title_justify": "left"}
     pt = Table(title="Per phase (mem-bound: the time in memory-bound ops)", **narrow)
@@ -122,4 +122,7 @@ def model_lines(an, sizes, tc: dict) -> list[str]:
              + (f" (P of 6·N·P) {_count(P_all)}" if P == P_all else f" {_count(P_all)}")]
     if P != P_all:  # a mixture of experts: 6·N·P counts what one token runs through
         lines.append(f"  P of 6·N·P: {_count(P)} active matmul operands (R of the E experts per token)")
+    if "six_np.groups" in tc:  # an encoder-decoder: each stack's weights on the tokens it processes
+        lines.append("  6·N·P per stack: " + ", ".join(f"N = {g['tokens']} = {g['N']:,} tokens on P = {_count(g['P'])}"
+                                                       for g in tc["six_np.groups"]))
     return lines
