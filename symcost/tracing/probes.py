@@ -484,6 +484,7 @@ def frozen_blocks_differ(model, containers: Mapping[str, str], recorded: frozens
     3) changes none of theirs. None where every block agrees (the usual case: nothing frozen, or a
     frozen base in every block, LoRA-style)."""
     for c, sym in containers.items():
+        where = c or "the model (a list of blocks)"
         try:
             blocks = [m for _, m in model.get_submodule(c).named_children()]
         except AttributeError:
@@ -496,17 +497,18 @@ def frozen_blocks_differ(model, containers: Mapping[str, str], recorded: frozens
             i = differ[0]
             names = sorted(pats[0] ^ pats[i])
             e = Unvariable(sym, (
-                f"the blocks of {c} differ in which parameters are frozen (requires_grad=False: block 0 has "
+                f"the blocks of {where} differ in which parameters are frozen (requires_grad=False: block 0 has "
                 f"{len(pats[0])} frozen, block {i} {len(pats[i])}; e.g. {names[0]}), so no block stands for the "
                 f"others: traced unfolded at the requested {sym}"))
             e.stack = True
             return e
         # (a recorded name through a wrapper the layout added: activation checkpointing's, compile's)
         unwrapped = (n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "") for n in recorded)
-        probe = frozenset(n[len(f"{c}.0."):] for n in unwrapped if n.startswith(f"{c}.0."))
+        first = f"{c}.0." if c else "0."  # (the root itself a block list: nn.Sequential of blocks)
+        probe = frozenset(n[len(first):] for n in unwrapped if n.startswith(first))
         if probe != pats[0]:
             e = Unvariable(sym, (
-                f"the blocks of {c} freeze other parameters at the requested {sym} = {len(blocks)} ({len(pats[0])} "
+                f"the blocks of {where} freeze other parameters at the requested {sym} = {len(blocks)} ({len(pats[0])} "
                 f"frozen per block) than at the probes' {sym} ({len(probe)}), so no probe stands for them: traced "
                 f"unfolded at the requested {sym}"))
             e.stack = True
