@@ -504,7 +504,9 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
     ep_tiers = all_to_all_tiers(sizes_of.get("EP", 1), sizes_of.get("TP", 1) if lay.etp else 1, per_node,
                                 (ic.get("link", "link"), ic["link_bandwidth"]),
                                 (ic.get("network", "network"), ic.get("network_bandwidth") or 0.0))
-    r = roofline(an, device, {str(k): v for k, v in env.items()}, fused=fused)
+    # (the per-op seconds only: the symbolic step time and intensities, which nothing here reads,
+    # cost more than the rest of the call; with_formulas=False)
+    r = roofline(an, device, {str(k): v for k, v in env.items()}, fused=fused, with_formulas=False)
     compute = {ph: r["per_phase"].get(ph, {}).get("seconds", 0.0) for ph in ("forward", "backward")}
     by_group = padded(an, env)["by_group"]
     buckets = None

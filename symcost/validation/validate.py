@@ -274,7 +274,7 @@ def predict_step(an, sizes: Mapping[str, int], device: Device) -> dict:
     """The roofline bound of a compiled (fused) training step, in :func:`predict`'s shape."""
     from symcost.passes.roofline import roofline
 
-    r = roofline(an, device, sizes, fused=True)
+    r = roofline(an, device, sizes, fused=True, with_formulas=False)  # (the nodes' numbers only)
     F = sum(n["repeat"] * n["flops"] for n in r["nodes"])
     B = sum(n["repeat"] * n["fused_bytes"] for n in r["nodes"])
     times = {b: sum(n["seconds"] for n in r["nodes"] if n["bound"] == b)
