@@ -27,3 +27,17 @@ def test_fused_bytes_track_inductor(traced, model, sizes):
     # closer to inductor than the unfused count, and within 25% of it
     assert abs(fused - inductor) < abs(unfused - inductor), (fused, unfused, inductor)
     assert fused == pytest.approx(inductor, rel=0.25), (fused, unfused, inductor)
+
+
+def test_estimate_is_kept_per_analysis(traced):
+    """The estimate is computed once per analysis (every roofline and prediction asks for it) and
+    computed again, with the same bytes, for a copy whose ops or recordings are other objects."""
+    import copy
+
+    an = traced("mlp", "fp32")
+    fe = fusion.estimate(an)
+    assert fusion.estimate(an) is fe
+    other = copy.copy(an)
+    other.ops = list(an.ops)
+    again = fusion.estimate(other)
+    assert again is not fe and again.node_bytes == fe.node_bytes and again.node_written == fe.node_written

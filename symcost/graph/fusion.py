@@ -112,6 +112,17 @@ def estimate(an) -> FusionEstimate:
         return FusionEstimate(node_bytes={op.index: op.cost.bytes for op in an.ops},
                               node_written={op.index: written_bytes(op) for op in an.ops},
                               region_of={}, regions={}, exact=False, charged={})
+    memo = getattr(an, "__dict__", {}).get("_fusion_estimate")  # (once per analysis: every roofline, predict asks)
+    if memo is not None and memo[0] is an.ops and memo[1] is an.recordings:
+        return memo[2]
+    fe = _estimate(an)
+    if hasattr(an, "__dict__"):
+        an.__dict__["_fusion_estimate"] = (an.ops, an.recordings, fe)
+    return fe
+
+
+def _estimate(an) -> FusionEstimate:
+    """:func:`estimate` from ``an``'s probe recordings (computed; ``estimate`` keeps it per analysis)."""
     ref = an.recordings[0]
     kept = {op.index: op for op in an.ops}
     families = [rules.classify(op.op) for op in ref.ops]
