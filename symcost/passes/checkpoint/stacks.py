@@ -305,7 +305,8 @@ def _passes(mm, env, skip: set[int], accumulate: bool = False, ordinary: frozens
     The unit where the forward ends (:func:`_end_unit`) is split there: ``{"pre": (...), "post":
     (...), "free": {unit: bytes per pass}}``; ``free`` is what each block's forward held only
     until the forward ends (autocast's cache of weight casts, emptied when the forward leaves
-    autocast: a checkpointed block holds its casts, a plain one saves them), by the forward unit
+    autocast, after the forward's last allocation: a free before it, the loss not computed yet, is
+    an ordinary event; a checkpointed block holds its casts, a plain one saves them), by the forward unit
     of the block, per pass; the composition frees each block's own between ``pre`` and ``post``.
     Events in ``ordinary`` stay ordinary events there (the plain step's frees of held storages,
     :class:`_Held`: the composition keeps them or moves them per storage, not per block)."""
@@ -324,6 +325,10 @@ def _passes(mm, env, skip: set[int], accumulate: bool = False, ordinary: frozens
         for kind in kinds:
             lev, top, where = 0, None, ""
             parts, free = [], {}
+            # (a free before the forward's last allocation is an ordinary event, not a holding the
+            # forward's end frees: passes/checkpoint/schedule.py _unit_values)
+            last_alloc = max((k for k in ids if mm.schedule.events[k].alloc == k
+                              and mm.schedule.events[k].phase == "forward"), default=-1) if ui == end else -1
             for k in ids:
                 if k in skip or not _in_pass(once.get(k, ""), kind):
                     continue
@@ -332,7 +337,8 @@ def _passes(mm, env, skip: set[int], accumulate: bool = False, ordinary: frozens
                 if ui == end and not parts and ev.phase != "forward":
                     parts.append((lev, top, where))  # the forward ends here
                     lev, top, where = 0, None, ""
-                if ui == end and not parts and p < 0 and unit_of[ev.alloc] in fwd_units and k not in ordinary:
+                if (ui == end and not parts and p < 0 and k > last_alloc and unit_of[ev.alloc] in fwd_units
+                        and k not in ordinary):
                     au = unit_of[ev.alloc]
                     arep = mm.units[au][1]
                     n = int(_peval(arep, vals))
