@@ -28,6 +28,7 @@ Torch is imported only inside the functions that need it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Mapping
 
@@ -288,6 +289,22 @@ def probe_spec(spec, values: Mapping[str, int], layers: str, precision: str = "f
     post, templates, x shape, x dtype)``."""
     import contextlib
 
+    context = spec.record_context or contextlib.nullcontext
+    with fake_step(spec, values, precision) as (m, a, k, autocast):
+        from symcost.frontends.expert_parallel import grouped_mm_shapes
+
+        with context(), autocast(), grouped_mm_shapes():  # (transformers' experts: fp32 grouped GEMMs)
+            pre, post, templates, x = probe_boundary(m, layers, a, k)
+    return pre, post, templates, tuple(x.shape), x.dtype
+
+
+@contextlib.contextmanager
+def fake_step(spec, values: Mapping[str, int], precision: str = "fp32"):
+    """The model of ``spec`` at ``values`` as the recorder runs the step of ``precision``: built
+    on the meta device in the precision's parameter dtype, made fake CPU tensors inside a
+    ``FakeTensorMode`` (kept for the ``with`` body), its floating inputs cast to that dtype.
+    Yields ``(model, args, kwargs, autocast)`` (``autocast``: the precision's autocast context
+    factory, :func:`symcost.frontends.precision.precision_context`)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_map
@@ -298,18 +315,13 @@ def probe_spec(spec, values: Mapping[str, int], layers: str, precision: str = "f
     with torch.device("meta"):
         m = spec.build(values)
         m.to(param_dtype)  # (floating parameters and buffers, as the recorder casts them)
-    context = spec.record_context or contextlib.nullcontext
     with FakeTensorMode(allow_non_fake_inputs=True):
         m.to_empty(device=torch.device("cpu"))
         a, k = spec.make_inputs(values, torch.device("cpu"))
         if param_dtype != torch.float32:
             a, k = tree_map(lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
                             else t, (a, k))
-        from symcost.frontends.expert_parallel import grouped_mm_shapes
-
-        with context(), autocast(), grouped_mm_shapes():  # (transformers' experts: fp32 grouped GEMMs)
-            pre, post, templates, x = probe_boundary(m, layers, a, k)
-    return pre, post, templates, tuple(x.shape), x.dtype
+        yield m, a, k, autocast
 
 
 def make_stage(model, layers: str, part: str, pre, post, templates, p2p: bool = False):

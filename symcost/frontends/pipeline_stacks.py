@@ -41,7 +41,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from symcost.frontends.pipeline import _peers, _recv_fn, _StageOut, send_output, stage_blocks
+from symcost.frontends.pipeline import _peers, _recv_fn, _StageOut, fake_step, send_output, stage_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,17 +150,8 @@ def probe(spec, values: Mapping[str, int], containers, precision: str = "fp32") 
     import contextlib
 
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._pytree import tree_map
 
-    from symcost.frontends.precision import precision_context
-
-    param_dtype, autocast = precision_context(precision)
-    with torch.device("meta"):
-        m = spec.build(values)
-        m.to(param_dtype)
     context = spec.record_context or contextlib.nullcontext
-    stack_mods = _stack_modules(m, containers)
     clock = [0]
     calls: dict[str, list] = {}
     block_in, block_end, span, out_t = {}, {}, {}, {}
@@ -170,12 +161,8 @@ def probe(spec, values: Mapping[str, int], containers, precision: str = "fp32") 
         return clock[0]
 
     hooks = []
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        m.to_empty(device=torch.device("cpu"))
-        a, k = spec.make_inputs(values, torch.device("cpu"))
-        if param_dtype != torch.float32:
-            a, k = tree_map(lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                            else t, (a, k))
+    with fake_step(spec, values, precision) as (m, a, k, autocast):
+        stack_mods = _stack_modules(m, containers)
         cands = _candidates(m, containers, stack_mods)
         for name, mod in cands.items():
             hooks.append(mod.register_forward_hook(
