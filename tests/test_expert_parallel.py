@@ -12,6 +12,7 @@ elements, and MemTracker's peak: rank 0 on the fake process group at random size
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import random
@@ -474,6 +475,17 @@ def test_ep_under_fsdp_step_time_by_group(monkeypatch):
         dense = sum(float(an.comm_bytes("total", group=grp).subs(env)) for grp in ("DP", "DP_expert"))
         assert dense > 0 and g["DP"]["bandwidth"] == g["DP_expert"]["bandwidth"] == dp_bw
         assert st["step_seconds"] == pytest.approx(compute + dense / dp_bw + float(sum(want.values())) / ep_bw)
+    # Megatron's flex dispatcher (DeepEP / HybridEP, passes/hybrid_ep.py, never by default): a token
+    # once per other rank holding one of its experts (one rank per node: all over the network; the
+    # EP ranks in one node: over NVLink) where the trace sends a row per (token, expert) pair,
+    # R·(EP-1)/EP per token: counted here over every top-R set of E experts
+    sets = list(itertools.combinations(range(E), v["R"]))
+    dedup = Fraction(sum(len({e // (E // ep) for e in s} - {0}) for s in sets), len(sets))
+    for per_node, bw in ((1, ic["network_bandwidth"]), (8, ic["link_bandwidth"])):
+        st = step_time(an, h100, sizes, "none", devices_per_node=per_node, dispatcher="hybridep")
+        assert st["groups"]["EP"]["dispatcher"] == "hybridep" and 0 < dedup < v["R"] * Fraction(ep - 1, ep)
+        assert st["ep_comm"] == {ph: pytest.approx(float(want[ph] * dedup / (v["R"] * Fraction(ep - 1, ep))) / bw)
+                                 for ph in want}
     alpha = 1e-3  # (an alpha far above the kernels: the latency term is visible)
     dev = dataclasses.replace(h100, efficiency=dataclasses.replace(h100.efficiency, collective_latency=alpha))
     st = step_time(dev_an := an, dev, sizes, "none", devices_per_node=8)

@@ -121,8 +121,11 @@ def report(model, sets, config, attention, precision, debug, as_json, memory, op
             from symcost.hardware.devices import get_device
             from symcost.passes.parallel import step_time
 
+            from symcost.passes.hybrid_ep import dispatcher_of
+
             step = step_time(an, get_device(meta["symcost.gpu"]), sizes, overlap_of(meta, an),
-                             meta.get("symcost.nodes"), meta.get("symcost.devices_per_node"))
+                             meta.get("symcost.nodes"), meta.get("symcost.devices_per_node"),
+                             dispatcher=dispatcher_of(meta.get("symcost.megatron_args")))
             from symcost.passes.performance import predict_dp
 
             predicted = predict_dp(an, get_device(meta["symcost.gpu"]), sizes, overlap_of(meta, an),
@@ -217,8 +220,11 @@ def _priced_step(an, sizes):
     dev = get_device(meta["symcost.gpu"])
     args = (an, dev, sizes, overlap_of(meta, an), meta.get("symcost.nodes"),
             meta.get("symcost.devices_per_node"))
-    return step_time(*args), predict_dp(*args, mode="compiled" if meta.get("symcost.compile") else "eager",
-                                        megatron_args=meta.get("symcost.megatron_args"))
+    from symcost.passes.hybrid_ep import dispatcher_of
+
+    bound = step_time(*args, dispatcher=dispatcher_of(meta.get("symcost.megatron_args")))
+    return bound, predict_dp(*args, mode="compiled" if meta.get("symcost.compile") else "eager",
+                             megatron_args=meta.get("symcost.megatron_args"))
 
 
 def _accumulated(an, sizes, step, predicted, K: int):

@@ -80,14 +80,19 @@ from typing import Any, Mapping, Sequence
 #: (megatron/training/arguments.py at d98e8a6: --clip-grad 1.0, --log-interval 100,
 #: --no-check-for-nan-in-loss-and-grad store_false, the rest store_true)
 DEFAULTS = {"clip_grad": 1.0, "log_interval": 100, "log_params_norm": False, "log_num_zeros_in_grad": False,
-            "check_for_nan_in_loss_and_grad": True, "loss_scale": None, "gradient_accumulation_fusion": True}
+            "check_for_nan_in_loss_and_grad": True, "loss_scale": None, "gradient_accumulation_fusion": True,
+            # (the MoE dispatcher: None, not given, prices the traced alltoall dispatcher, docs/moe.md;
+            # Megatron's flex backend defaults to deepep)
+            "moe_token_dispatcher_type": None, "moe_flex_dispatcher_backend": "deepep", "moe_enable_deepep": False}
 #: the source commit every item cites
 SOURCE = "NVIDIA/Megatron-LM d98e8a6"
 
 
 #: The flags :func:`parse_args` reads (the others do not change the per-iteration work).
 READ = ("--clip-grad", "--log-interval", "--loss-scale", "--log-params-norm", "--log-num-zeros-in-grad",
-        "--no-check-for-nan-in-loss-and-grad", "--no-gradient-accumulation-fusion")
+        "--no-check-for-nan-in-loss-and-grad", "--no-gradient-accumulation-fusion",
+        # (the MoE token dispatcher: the EP group's exchanges, symcost.passes.hybrid_ep)
+        "--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-enable-deepep")
 
 
 def parse_args(text: str | None) -> dict[str, Any]:
@@ -103,10 +108,13 @@ def parse_args(text: str | None) -> dict[str, Any]:
     flags = dict(DEFAULTS)
     words = shlex.split(text or "")
     values = {"--clip-grad": ("clip_grad", float), "--log-interval": ("log_interval", int),
-              "--loss-scale": ("loss_scale", float)}
+              "--loss-scale": ("loss_scale", float),
+              "--moe-token-dispatcher-type": ("moe_token_dispatcher_type", str),
+              "--moe-flex-dispatcher-backend": ("moe_flex_dispatcher_backend", str)}
     switches = {"--log-params-norm": ("log_params_norm", True), "--log-num-zeros-in-grad": ("log_num_zeros_in_grad", True),
                 "--no-check-for-nan-in-loss-and-grad": ("check_for_nan_in_loss_and_grad", False),
-                "--no-gradient-accumulation-fusion": ("gradient_accumulation_fusion", False)}
+                "--no-gradient-accumulation-fusion": ("gradient_accumulation_fusion", False),
+                "--moe-enable-deepep": ("moe_enable_deepep", True)}
     i = 0
     while i < len(words):
         w = words[i]
@@ -114,6 +122,8 @@ def parse_args(text: str | None) -> dict[str, Any]:
         if key in values:
             name, cast = values[key]
             raw = inline if inline else (words[i + 1] if i + 1 < len(words) else None)
+            if raw is None and cast is str:
+                raise SymcostError(f"Megatron flag {key} takes a value")
             try:
                 flags[name] = cast(raw)
             except (TypeError, ValueError):

@@ -416,7 +416,8 @@ OVERLAPS = {
 
 
 def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str = "backward",
-              nodes: int | None = None, devices_per_node: int | None = None, fused: bool = True) -> dict[str, Any]:
+              nodes: int | None = None, devices_per_node: int | None = None, fused: bool = True,
+              dispatcher: str | None = None) -> dict[str, Any]:
     """One rank's step time on ``device``: the roofline's compute (per phase,
     :func:`symcost.passes.roofline.roofline`) plus the communication the ``overlap`` model does
     not hide, and the rank's MFU.
@@ -440,6 +441,11 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
         nodes, devices_per_node: the cluster (default: DP ranks on as few nodes of the device's
             ``devices_per_node`` as hold them).
         fused: the roofline's fused bytes (a compiled step) or not.
+        dispatcher: ``"deepep"`` or ``"hybridep"``: the EP group's exchanges run Megatron's flex
+            dispatcher with that backend (:mod:`symcost.passes.hybrid_ep`: a token once per
+            destination node over the network, once per destination rank over NVLink, expected
+            over uniform routing), priced as shares of the traced all-to-alls' bytes per tier;
+            None (default): the traced all-to-alls, each peer's bytes over its own link.
 
     Returns:
         ``compute`` {forward, backward}, ``comm`` {forward, backward} (seconds), ``bytes``
@@ -524,7 +530,12 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
         per_group[g] = {"link": gl, "bandwidth": gbw, "ranks": sizes_of.get(g, 1), "bytes": b,
                         "seconds": {ph: b[ph] / gbw for ph in b},
                         "overlapped": g in OVERLAPPED_GROUPS}
-        if g == "EP" and ep_tiers is not None:  # (the EP group spans nodes: each peer's bytes over its own link)
+        if g == "EP" and dispatcher:  # (DeepEP/HybridEP: a token once per node, then once per rank)
+            t = _flex_tiers(an, env, sizes_of, lay, per_node, ic)
+            per_group[g].update(tiers=t, dispatcher=dispatcher,
+                                link=" + ".join(f"{x['link']} ({x['rows']:.3g} rows/token)" for x in t),
+                                seconds={ph: max(b[ph] * x["share"] / x["bandwidth"] for x in t) for ph in b})
+        elif g == "EP" and ep_tiers is not None:  # (the EP group spans nodes: each peer's bytes over its own link)
             per_group[g].update(tiers=ep_tiers, link=" + ".join(f"{t['link']} ({t['peers']} peers)" for t in ep_tiers),
                                 seconds={ph: max(b[ph] * t["share"] / t["bandwidth"] for t in ep_tiers)
                                                           for ph in b})
@@ -583,6 +594,24 @@ def step_time(an, device, sizes: Mapping[str, int] | None = None, overlap: str =
             "step_seconds": step, "exposed_comm_seconds": step - sum(compute.values()),
             "mfu": model_flops / (step * peak) if step else 0.0, "precision": key, "peak_flops": peak,
             "source": ic.get("source", "")}
+
+
+def _flex_tiers(an, env, sizes_of, lay, per_node: int, ic) -> list[dict[str, Any]]:
+    """:func:`symcost.passes.hybrid_ep.tiers` of the traced EP group: E and R from the trace's
+    sizes, the group's ranks per node (EP ranks TP apart under ``--etp``)."""
+    from symcost.passes.hybrid_ep import tiers
+
+    def size(sym):
+        v = env.get(SYMS[sym], an.pinned.get(sym))
+        if v is None:
+            raise SymcostError(f"the flex dispatcher's routing needs {sym} (experts, top-k) in the trace")
+        return int(v)
+
+    n = sizes_of["EP"]
+    stride = sizes_of.get("TP", 1) if lay.etp else 1
+    local = n if n * stride <= per_node else max(per_node // stride, 1)
+    return tiers(size("E"), size("R"), n, local, (ic.get("link", "link"), ic["link_bandwidth"]),
+                 (ic.get("network", "network"), ic.get("network_bandwidth") or 0.0))
 
 
 def all_to_all_tiers(ranks: int, stride: int, per_node: int, link: tuple[str, float],

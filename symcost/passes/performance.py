@@ -348,7 +348,10 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
     is added, the loss checks to the forward, the rest to the backward once per optimizer step.
     ``megatron_args``: the run's Megatron-LM flags (a command-line string,
     :func:`symcost.passes.megatron_iteration.parse_args`, or a dict of its keys); None: Megatron's
-    defaults.
+    defaults. Among them ``--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend
+    deepep|hybridep`` (or ``--moe-enable-deepep``) prices the EP group's exchanges as DeepEP's /
+    HybridEP's route (``step_time``'s ``dispatcher``, :mod:`symcost.passes.hybrid_ep`); the
+    traced all-to-alls' α are kept.
 
     Returns:
         ``{"step_seconds", "bound_seconds" (step_time's), "compute" {forward, backward},
@@ -369,7 +372,13 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
 
     from symcost.passes.megatron_buckets import GROUPS
 
-    bound = step_time(an, device, sizes, overlap, nodes, devices_per_node, fused=mode == "compiled")
+    from symcost.passes import megatron_iteration as mi
+    from symcost.passes.hybrid_ep import backend_of
+
+    flags = mi.parse_args(megatron_args) if not isinstance(megatron_args, Mapping) else {**mi.DEFAULTS, **megatron_args}
+    # (--moe-token-dispatcher-type flex: DeepEP's / HybridEP's exchanges over the EP group, passes/hybrid_ep.py)
+    bound = step_time(an, device, sizes, overlap, nodes, devices_per_node, fused=mode == "compiled",
+                      dispatcher=backend_of(flags) if megatron_args is not None else None)
     buckets = bound.get("buckets")
     p = predict(an, device, sizes, mode=mode)
     eff = efficiency_of(device)
@@ -410,9 +419,6 @@ def predict_dp(an, device: Device, sizes: Mapping[str, int] | None = None, overl
     compute["backward"] += optimizer
     iteration = None
     if buckets:  # Megatron-LM's per-iteration work beside the traced step (passes/megatron_iteration.py)
-        from symcost.passes import megatron_iteration as mi
-
-        flags = mi.parse_args(megatron_args) if not isinstance(megatron_args, Mapping) else {**mi.DEFAULTS, **megatron_args}
         iteration = mi.price(mi.work(an, env, ranks, buckets, flags), device, 1, flags)
         compute["forward"] += iteration["per_micro_batch"]  # (the loss checks, at each micro-batch's loss)
         # (the main-gradient adds each micro-batch, the rest once per optimizer step)
