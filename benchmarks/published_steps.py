@@ -77,8 +77,11 @@ OVERLAP_7B = "--overlap full"
 MGA_2021 = '--megatron-args "--clip-grad 1.0 --log-interval 10 --no-gradient-accumulation-fusion"'
 #: Megatron-Bridge's qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config (067f987): optimizer.clip_grad 1.0,
 #: logger.log_interval 10 (_pretrain_common), log_params_norm and log_num_zeros_in_grad left at their
-#: False defaults, ddp.check_for_nan_in_grad True
-MGA_BR1 = '--megatron-args "--clip-grad 1.0 --log-interval 10"'
+#: False defaults, ddp.check_for_nan_in_grad True; src/megatron/bridge/recipes/qwen/h100/qwen3_moe.py
+#: (067f987, lines 204-220) dispatches with moe_token_dispatcher_type "flex", moe_flex_dispatcher_backend
+#: "hybridep" (docs/performance-model.md, "DeepEP's and HybridEP's dispatch")
+MGA_BR1 = ('--megatron-args "--clip-grad 1.0 --log-interval 10 --moe-token-dispatcher-type flex '
+           '--moe-flex-dispatcher-backend hybridep"')
 #: ... and its _pretrain_common (src/megatron/bridge/recipes/common.py, 0eca073) sets
 #: DistributedDataParallelConfig(overlap_grad_reduce=True, overlap_param_gather=True): --overlap full
 OVERLAP_BR1 = "--overlap full"
