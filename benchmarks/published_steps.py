@@ -199,6 +199,7 @@ def run_one(rid: str) -> dict:
     if k > 1:  # (one optimizer step of K micro-batches as the engine runs them)
         acc = d["parallel"]["step"]["accumulated"]
         pred, bound = acc["step_seconds"], acc["bound_seconds"]
+        mfu = mfu * micro * k / pred  # (K micro-batches' model FLOPs over the K-step: was one micro-batch's step)
     return {"micro_batches": k, "predicted_micro_seconds": micro, "id": rid, "command": f"symcost {cmd} --json", "published_seconds": published, "published": figure,
             "predicted_seconds": pred, "bound_seconds": bound, "mfu_predicted": mfu,
             "error": pred / published - 1, "bound_error": bound / published - 1, "wall_s": round(time.time() - t0)}
