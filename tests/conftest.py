@@ -41,7 +41,7 @@ def _trace(model: str, precision: str = "fp32", attention: str = "eager", config
                        tuple(sorted(dict(sizes).items())))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=24)  # (bounded: a worker runs hundreds of files; each analysis keeps its recordings)
 def _trace_once(model, precision: str, attention, config: tuple, sizes: tuple):
     # Always a fresh trace (use_cache=False): the tests' oracles need the probe recordings, and the
     # CLI tests fill the session's cache folder with entries of the same models.
@@ -53,6 +53,22 @@ def _trace_once(model, precision: str, attention, config: tuple, sizes: tuple):
         with open(os.environ["SYMCOST_TRACE_LOG"] + os.environ.get("PYTEST_XDIST_WORKER", "main"), "a") as f:
             f.write(f"{time.perf_counter() - t0:.1f}\t{model}\t{precision}\t{attention}\t{config}\t{sizes}\n")
     return an
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_module_caches(request):
+    """After each test file, clear the functools caches at its module level (traced ranks, analyses
+    with their probe recordings): they live as long as the worker does, and a worker of the
+    two-process run (each runs about half the files) grew past 11 GB with them, killed by the
+    kernel's OOM killer on a 24 GiB machine (2026-12-06 run)."""
+    yield
+    import gc
+
+    for value in list(vars(request.module).values()):
+        clear = getattr(value, "cache_clear", None)
+        if callable(clear) and hasattr(value, "cache_info"):
+            clear()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
