@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "symcost"
 #: the stages in pipeline order (docs/architecture.md); a module may import its own stage and earlier ones
 STAGES = ["foundation", "frontends", "tracing", "graph", "hardware", "passes", "validation", "render",
           "commands", "cli"]
-FOUNDATION = {"symcost.errors", "symcost._lazy", "symcost.units", "symcost._compat", "symcost._quiet"}
+FOUNDATION = {"symcost.errors", "symcost._lazy", "symcost.units", "symcost._compat", "symcost._quiet", "symcost._memo"}
 #: packages a pass or the op graph must not use: printing is rendering's job
 RENDERING_LIBS = {"rich", "click", "matplotlib"}
 

@@ -13,6 +13,7 @@ import functools
 
 import sympy
 
+from symcost._memo import method_cache
 from symcost.errors import SymcostError
 from symcost.graph.ops import COMM_KINDS, P2P_KINDS, PHASES
 
@@ -31,7 +32,7 @@ class Totals:
             sympy.Add(*[op.repeat * getattr(op.cost, attr) for op in self.ops if op.phase in phases])
         )
 
-    @functools.cache
+    @method_cache
     def flops(self, phase: str = "train", kind: str = "model") -> sympy.Expr:
         """Total FLOPs of ``phase`` (forward|backward|train) as a polynomial in the symbols.
 
@@ -50,18 +51,18 @@ class Totals:
             raise SymcostError(f"unknown FLOP kind {kind!r}; accepted: model, hardware, all")
         return self._sum(attr, phase)
 
-    @functools.cache
+    @method_cache
     def transcendentals(self, phase: str = "train") -> sympy.Expr:
         """Transcendental function evaluations (exp, log, erf, tanh, sin, sqrt, all together)
         of ``phase``, a polynomial: XLA's ``transcendentals`` count (:func:`symcost.graph.rules.transcendentals`)."""
         return self._sum("transcendental_total", phase)
 
-    @functools.cache
+    @method_cache
     def bytes(self, phase: str = "train") -> sympy.Expr:
         """Bytes read + written by all ops of ``phase`` (unfused lower bound), a polynomial."""
         return self._sum("bytes", phase)
 
-    @functools.cache
+    @method_cache
     def comm_bytes(self, kind: str = "total", phase: str = "train", group: str | None = None) -> sympy.Expr:
         """Bytes one rank sends (= receives) in the step's collectives of ``kind``
         (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``broadcast``, pipeline ``send``/``recv`` or ``total``) during

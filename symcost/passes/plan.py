@@ -32,12 +32,12 @@ What is traced and what is composed:
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Mapping
 
 import sympy
 
+from symcost._memo import method_cache
 from symcost.errors import SymcostError
 from symcost.passes.parallel import model_state_bytes
 from symcost.tracing.fit import SYMS
@@ -189,7 +189,7 @@ class Planner:
             out[k + "_block"], out[k + "_rest"] = blk, ph[lo][k] - lo * blk
         return out
 
-    @functools.lru_cache(maxsize=None)
+    @method_cache
     def times(self, b: int, tp: int, s: int | None = None) -> dict[str, float]:
         """Roofline seconds of one micro-batch of ``b`` sequences at TP = ``tp`` (``s`` tokens each,
         default S): per block and outside the blocks, forward and backward, and of the attention
@@ -203,7 +203,7 @@ class Planner:
             self._attention_split(r["nodes"], ph, L)
         return self._per_block(ph, ("forward", "backward", "attn_forward", "attn_backward", "experts_forward", "experts_backward"))
 
-    @functools.lru_cache(maxsize=None)
+    @method_cache
     def times_predicted(self, b: int, tp: int, s: int | None = None) -> dict[str, float]:
         """The performance model's seconds (:func:`symcost.passes.performance.predict`: GEMM
         efficiency by shape, memory-bound ops at the achievable bandwidth, a launch per kernel)
