@@ -64,6 +64,9 @@ def _free_module_caches(request):
     yield
     import gc
 
+    import symcost._memo
+
+    symcost._memo.clear_all()  # (symcost's own memos of traces: pipeline stages, checkpointed steps, plan)
     for value in list(vars(request.module).values()):
         clear = getattr(value, "cache_clear", None)
         if callable(clear) and hasattr(value, "cache_info"):

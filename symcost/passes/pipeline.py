@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 import sympy
 
+from symcost._memo import BoundedMemo
 from symcost.errors import SymcostError
 from symcost.frontends.pipeline import (SCHEDULES, check_schedule, schedule_order, simulate, split_words,
                                         stage_blocks, stage_kind, stage_spec)
@@ -34,7 +35,7 @@ PP = sympy.Symbol("PP", positive=True, integer=True)
 
 
 #: stage traces by (model, defaults, part, block container, precision, requested sizes but L)
-_TRACES: dict = {}
+_TRACES = BoundedMemo(16)  # (the 16 last used)
 
 
 def _saved(an) -> sympy.Expr:

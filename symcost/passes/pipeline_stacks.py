@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from symcost._memo import BoundedMemo
 from symcost.errors import SymcostError
 
 #: stage traces by (model, defaults, stage, precision, request, cache key)
-_TRACES: dict = {}
+_TRACES = BoundedMemo(16)  # (the 16 last used)
 
 
 class StackStages(dict):

@@ -37,7 +37,7 @@ from typing import Any, Mapping
 
 import sympy
 
-from symcost._memo import method_cache
+from symcost._memo import BoundedMemo, method_cache
 from symcost.errors import SymcostError
 from symcost.passes.parallel import model_state_bytes
 from symcost.tracing.fit import SYMS
@@ -636,7 +636,7 @@ def _tp_check(an):
         return None
 
 
-_TRACES: dict = {}
+_TRACES = BoundedMemo(8)  # (the 8 last used requests' traces)
 
 
 def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = False, use_cache: bool = True,
@@ -695,5 +695,5 @@ def trace_for_plan(model, sizes: Mapping[str, int], precision: str, sp: bool = F
         an = cached_trace(model, {}, None, precision, tsizes, fresh, options=options)
     else:
         an = fresh()
-    _TRACES.setdefault(key, []).append(an)
+    _TRACES[key] = [*_TRACES.get(key, []), an]
     return an

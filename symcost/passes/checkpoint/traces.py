@@ -9,20 +9,17 @@ from typing import Mapping
 
 import sympy
 
+from symcost._memo import BoundedMemo, object_memo, per_object
 from symcost.frontends.checkpointing import traced_checkpoint
 from symcost.frontends.checkpointing import without_cache as _without_cache
 from symcost.tracing.fit import SYMS
 
 
-_CACHE: dict = {}  # per analysis (by id): block costs, law, every-layer trace, recompute
+_CACHE = object_memo()  # per live analysis: block costs, law, every-layer trace, recompute
 
 
 def _cached(an, what: str, make):
-    key = (id(an), what)
-    hit = _CACHE.get(key)
-    if hit is None or hit[0] is not an:
-        hit = _CACHE[key] = (an, make())
-    return hit[1]
+    return per_object(_CACHE, an, what, make)
 
 
 def uniform_spec(spec, container: str, k: int):
@@ -91,7 +88,8 @@ def use_model(an, resolve) -> None:
     build it: ``resolve()`` -> the model's live :class:`~symcost.frontends.models.ModelSpec`, used
     where a checkpointed step must be traced in a regime no given trace holds (a solver asking
     for B = 1, say)."""
-    _CACHE[(id(an), "resolve_model")] = (an, resolve)
+    per_object(_CACHE, an, "resolve_model", lambda: None)
+    _CACHE[an]["resolve_model"] = resolve
 
 
 def _every_layer_traces(an) -> list:
@@ -155,14 +153,14 @@ def _uniform_trace(an, k: int, sizes: Mapping[str, int] | None = None):
     hit = _TRACES.get(key)
     if hit is None or hit[0] is not an.spec:
         base = an.spec
-        given = _CACHE.get((id(an), "resolve_model"))
-        if not an.recordings and given is not None and given[0] is an:  # a cached analysis: built again (use_model)
-            base = _cached(an, "live_spec", given[1])
+        given = _CACHE.get(an, {}).get("resolve_model")
+        if not an.recordings and given is not None:  # a cached analysis: built again (use_model)
+            base = _cached(an, "live_spec", given)
         spec = uniform_spec(base, an.layer_container or "", k)
         req = {s: v for s, v in req.items() if s in spec.all_symbols}
         hit = _TRACES[key] = (an.spec, trace(spec, sizes=req, precision=an.precision))
     return hit[1]
 
 
-#: traces of checkpointed steps, by (model spec, precision, "uniform", k, request)
-_TRACES: dict = {}
+#: traces of checkpointed steps, by (model spec, precision, "uniform", k, request): the 8 last used
+_TRACES = BoundedMemo(8)
