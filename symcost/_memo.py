@@ -1,53 +1,64 @@
-"""Process-level memos that do not keep what they memoise alive for ever: ``method_cache``
-(:func:`functools.cache` for methods, kept per instance), ``BoundedMemo`` (a dict of the most
-recently used entries), ``per_object`` (a memo per live object); ``clear_all`` empties them all.
+"""Process-level memos that do not keep what they memoise alive for ever: ``per_object`` (a memo
+kept in the object itself, gone with it), ``method_cache`` (:func:`functools.cache` for methods,
+kept per instance), ``BoundedMemo`` (a dict of the most recently used entries); ``clear_all``
+empties every ``BoundedMemo``.
 
 ``functools.cache`` (or ``lru_cache``) on a method keys a cache on the class's function by
-``self``: every instance it ever saw stays alive as long as the class does. An
-:class:`~symcost.graph.analysis.Analysis` holds its probe recordings and op graph (hundreds of
-MB for a large model), so a process that traced many models kept them all (a test worker grew
-to 11.8 GB and was OOM-killed, 2026-12-06). Here each instance's results live in a
-:class:`weakref.WeakKeyDictionary` entry that goes with the instance.
+``self``, and a module-level dict (or a ``WeakKeyDictionary`` whose value refers back to its key,
+a memory model holding its analysis) keeps what it memoises: every instance it ever saw stays
+alive as long as the module does. An :class:`~symcost.graph.analysis.Analysis` holds its probe
+recordings and op graph (hundreds of MB for a large model), so a process that traced many models
+kept them all (a test worker grew to 11.8 GB and was OOM-killed, 2026-12-06).
 """
 from __future__ import annotations
 
 import functools
-import weakref
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
-#: every memo made here (the containers, which live as long as their modules): :func:`clear_all`
+#: the bounded memos made here (they live as long as their modules): :func:`clear_all`
 _MEMOS: list = []
+#: the attribute of an object's ``__dict__`` that holds its memo: ``(id(obj), {key: value})``
+_ATTR = "_symcost_memo"
 
 
 def clear_all() -> None:
-    """Empty every memo of this module's kinds (the tests call it at each test file's end)."""
+    """Empty every :class:`BoundedMemo` (the tests call it at each test file's end)."""
     for memo in _MEMOS:
         memo.clear()
 
 
-def method_cache(fn: Callable) -> Callable:
-    """Decorate method ``fn`` so each (instance, arguments) is computed once while the instance lives.
+def object_entries(obj: Any) -> dict:
+    """The memo dict of ``obj`` (kept in its ``__dict__``, so it goes with ``obj``; a shallow copy
+    of ``obj``, which carries its original's ``__dict__`` entries, gets a memo of its own)."""
+    held = obj.__dict__.get(_ATTR)
+    if held is None or held[0] != id(obj):
+        held = obj.__dict__[_ATTR] = (id(obj), {})
+    return held[1]
 
-    The arguments must be hashable (as for ``functools.cache``); the instance must be hashable and
-    weak-referenceable. ``wrapper.cache_clear()`` forgets every instance's results.
-    """
-    results: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+def per_object(obj: Any, key: Hashable, make: Callable[[], Any]) -> Any:
+    """``make()`` memoised as ``key`` of ``obj``: computed once while ``obj`` lives."""
+    entries = object_entries(obj)
+    if key not in entries:
+        entries[key] = make()
+    return entries[key]
+
+
+def method_cache(fn: Callable) -> Callable:
+    """Decorate method ``fn`` so each (instance, arguments) is computed once while the instance
+    lives (its results kept in the instance: :func:`per_object`). The arguments must be hashable,
+    as for ``functools.cache``."""
+    name = fn.__qualname__
 
     @functools.wraps(fn)
     def wrapper(self, *args: Any, **kwargs: Any) -> Any:
-        memo = results.get(self)
-        if memo is None:
-            memo = results[self] = {}
-        key = (args, tuple(sorted(kwargs.items()))) if kwargs else args
-        try:
-            return memo[key]
-        except KeyError:
-            out = memo[key] = fn(self, *args, **kwargs)
-            return out
+        key = (name, args, tuple(sorted(kwargs.items()))) if kwargs else (name, args)
+        entries = object_entries(self)
+        if key not in entries:
+            entries[key] = fn(self, *args, **kwargs)
+        return entries[key]
 
-    wrapper.cache_clear = results.clear  # type: ignore[attr-defined]
-    _MEMOS.append(results)
     return wrapper
 
 
@@ -78,21 +89,3 @@ class BoundedMemo(OrderedDict):
         self.move_to_end(key)
         while len(self) > self.maxsize:
             self.popitem(last=False)
-
-
-def per_object(memo: weakref.WeakKeyDictionary, obj: Any, what: str, make: Callable[[], Any]) -> Any:
-    """``make()`` memoised as ``what`` of ``obj`` in ``memo`` (a :func:`object_memo`), computed once
-    while ``obj`` lives (the entry goes with it, unless its value refers back to ``obj``)."""
-    entries = memo.get(obj)
-    if entries is None:
-        entries = memo[obj] = {}
-    if what not in entries:
-        entries[what] = make()
-    return entries[what]
-
-
-def object_memo() -> weakref.WeakKeyDictionary:
-    """A new memo for :func:`per_object`: live object -> {what: value}, cleared by :func:`clear_all`."""
-    memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-    _MEMOS.append(memo)
-    return memo

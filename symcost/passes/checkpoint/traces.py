@@ -9,17 +9,15 @@ from typing import Mapping
 
 import sympy
 
-from symcost._memo import BoundedMemo, object_memo, per_object
+from symcost._memo import BoundedMemo, object_entries, per_object
 from symcost.frontends.checkpointing import traced_checkpoint
 from symcost.frontends.checkpointing import without_cache as _without_cache
 from symcost.tracing.fit import SYMS
 
 
-_CACHE = object_memo()  # per live analysis: block costs, law, every-layer trace, recompute
-
-
 def _cached(an, what: str, make):
-    return per_object(_CACHE, an, what, make)
+    """``make()`` memoised per analysis (kept in it): block costs, law, every-layer trace, recompute."""
+    return per_object(an, ("checkpoint", what), make)
 
 
 def uniform_spec(spec, container: str, k: int):
@@ -88,8 +86,7 @@ def use_model(an, resolve) -> None:
     build it: ``resolve()`` -> the model's live :class:`~symcost.frontends.models.ModelSpec`, used
     where a checkpointed step must be traced in a regime no given trace holds (a solver asking
     for B = 1, say)."""
-    per_object(_CACHE, an, "resolve_model", lambda: None)
-    _CACHE[an]["resolve_model"] = resolve
+    object_entries(an)[("checkpoint", "resolve_model")] = resolve
 
 
 def _every_layer_traces(an) -> list:
@@ -153,7 +150,7 @@ def _uniform_trace(an, k: int, sizes: Mapping[str, int] | None = None):
     hit = _TRACES.get(key)
     if hit is None or hit[0] is not an.spec:
         base = an.spec
-        given = _CACHE.get(an, {}).get("resolve_model")
+        given = object_entries(an).get(("checkpoint", "resolve_model"))
         if not an.recordings and given is not None:  # a cached analysis: built again (use_model)
             base = _cached(an, "live_spec", given)
         spec = uniform_spec(base, an.layer_container or "", k)

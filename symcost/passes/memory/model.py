@@ -6,13 +6,13 @@ Solving for the largest size under a cap is :class:`~symcost.passes.memory.solve
 """
 from __future__ import annotations
 
-import weakref
 from fractions import Fraction
 from typing import Any, Mapping
 
 import sympy
 from sympy.polys.domains import QQ, ZZ
 
+from symcost._memo import per_object
 from symcost.errors import SymcostError
 from symcost.tracing.fit import SYMS, parse_formula
 from symcost.tracing.poly import Algebra, NotIntegral, terms_expr
@@ -21,8 +21,6 @@ from symcost.passes.memory.live import Candidate, _pareto, _peval, _sign
 from symcost.passes.memory.policies import Optimizer, Policy, optimizer, policy, resolve_impl
 from symcost.passes.memory.solve import Solver
 
-
-_CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 #: the events of a pass of a repeated unit with one-pass events (``ScheduleEvent.once``), by the
 #: kind of pass: its first, its last, one between them (``mid``, ``second``), or the only one
@@ -56,11 +54,8 @@ def memory_model(an, precision: str | None = None, optimizer_name: str = "adamw"
     pol = policy(precision or an.precision)
     opt = optimizer(optimizer_name)
     impl = resolve_impl(impl, device, pol.name, opt.name)
-    per = _CACHE.setdefault(an, {})
-    key = (pol.name, opt.name, impl)
-    if key not in per:
-        per[key] = MemoryModel(an, pol, opt, impl)
-    return per[key]
+    # (kept in the analysis: a WeakKeyDictionary entry whose MemoryModel holds its key never died)
+    return per_object(an, ("memory_model", pol.name, opt.name, impl), lambda: MemoryModel(an, pol, opt, impl))
 
 
 class MemoryModel(Solver):
