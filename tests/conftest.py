@@ -71,7 +71,18 @@ def _free_module_caches(request):
         clear = getattr(value, "cache_clear", None)
         if callable(clear) and hasattr(value, "cache_info"):
             clear()
-    gc.collect()
+    # torch's and sympy's process-wide caches: fake tensors' dispatch cache (one entry per op
+    # signature at every probe size), compiled frames (tests/test_compile.py), sympy's memos
+    import sys
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    FakeTensorMode.cache.clear()
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+    import sympy.core.cache
+
+    sympy.core.cache.clear_cache()
 
 
 @pytest.fixture(scope="session")
@@ -182,7 +193,15 @@ def pytest_runtest_teardown(item, nextitem):
     8850db3 run's worker OOM-killed at 11.8 GB, because this hook had frozen them; it also ran
     before the fixtures' own teardown, freezing what they were about to drop)."""
     yield
-    if nextitem is None or nextitem.path != item.path:
+    end_of_file = nextitem is None or nextitem.path != item.path
+    if end_of_file:
         gc.unfreeze()
     gc.collect()
+    if end_of_file:
+        try:  # (glibc: give the freed heap back to the system, so a worker's RSS is what it holds)
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
     gc.freeze()
