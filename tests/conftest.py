@@ -60,10 +60,9 @@ def _free_module_caches(request):
     """After each test file, clear the functools caches at its module level (traced ranks, analyses
     with their probe recordings): they live as long as the worker does, and a worker of the
     two-process run (each runs about half the files) grew past 11 GB with them, killed by the
-    kernel's OOM killer on a 24 GiB machine (2026-12-06 run)."""
+    kernel's OOM killer on a 24 GiB machine (2026-12-06 run). (Collected after the teardown:
+    ``pytest_runtest_teardown`` below.)"""
     yield
-    import gc
-
     import symcost._memo
 
     symcost._memo.clear_all()  # (symcost's own memos of traces: pipeline stages, checkpointed steps, plan)
