@@ -141,6 +141,16 @@ def compiled_block_flops(spec, sizes, ac=None, precision="fp32") -> int:
     return count.total
 
 
+@functools.lru_cache(maxsize=4)
+def _uncheckpointed_flops(model: str, sizes: tuple) -> tuple[int, int]:
+    """``(compiled_model_flops, compiled_block_flops without AC)`` of ``model`` (no config, fp32) at
+    ``sizes`` (sorted items): what :func:`test_compiled_checkpointed_blocks` compares with, the
+    same under ``--ac full`` and ``--ac selective`` at the same sizes, so compiled once for both
+    (cleared at the file's end by tests/conftest.py)."""
+    spec, values = symcost.resolve(model), dict(sizes)
+    return compiled_model_flops(spec, values), compiled_block_flops(spec, values)
+
+
 def compiled_model_flops(spec, sizes, precision="fp32") -> int:
     """Model FLOPs of the compiled training step (module docstring)."""
     from torch._dynamo.backends.debugging import aot_eager_decomp_partition_with_mode
@@ -232,7 +242,7 @@ def test_compiled_attention_under_autocast_cpu_and_cuda():
     assert cuda.subs(**sizes)["params_matmul"] == linear, f"at {sizes}"
 
 
-@pytest.mark.parametrize("model,ac,seed,tol", [("megatron-gpt", "full", 41, 0.10), ("cs336-lm", "full", 42, 0.05),
+@pytest.mark.parametrize("model,ac,seed,tol", [("megatron-gpt", "full", 43, 0.10), ("cs336-lm", "full", 42, 0.05),
                                                ("megatron-gpt", "selective", 43, 0.05)])
 def test_compiled_checkpointed_blocks(model, ac, seed, tol):
     """--compile --ac (torchtitan: apply_ac, then apply_compile: the checkpoint inside each compiled
@@ -243,10 +253,15 @@ def test_compiled_checkpointed_blocks(model, ac, seed, tol):
     model FLOPs + what the per-block compiled checkpointed graphs run beyond the uncheckpointed
     ones (counted by PyTorch's aot_eager_decomp_partition_with_mode).
 
-    The peak's tolerance is 10% for megatron-gpt under full AC (measured -5.9%): its backward graph
+    The peak's tolerance is 10% for megatron-gpt under full AC (measured -5.9% at B 3, S 61, H 2, D 4,
+    L 2, V 53, where the selective run is -5.87%, outside its 5%: not yet examined): its backward graph
     recomputes the explicit attention's softmax and dropout, and which of those [B, H, S, S]
     intermediates inductor realizes as buffers (its lowering's realize heuristics) is modelled only
-    as "a recomputed value is a buffer" (symcost.frontends.compile._graph_runner)."""
+    as "a recomputed value is a buffer" (symcost.frontends.compile._graph_runner).
+
+    megatron-gpt's full and selective runs draw the same sizes (seed 43), so the oracles that do
+    not depend on the checkpointing (the step's model FLOPs, the blocks' FLOPs without AC) are
+    compiled once for both (:func:`_uncheckpointed_flops`)."""
     config = (("num_key_value_heads", "2"),) if model.startswith("hf:") else ()
     attention = "eager" if model.startswith("hf:") else None
     rng = random.Random(seed)
@@ -264,10 +279,11 @@ def test_compiled_checkpointed_blocks(model, ac, seed, tol):
         f"{model} --ac {ac} at {sizes}: predicted peak {pred} B, torch.profiler {peak['peak']} B "
         f"({pred / peak['peak'] - 1:+.2%}) at {mm.peak_where(**sizes)}")
     totals = an.subs(**sizes)
-    assert totals["flops.train"] == compiled_model_flops(an.spec, sizes), f"{model} at {sizes}"
+    model_flops, plain_block_flops = _uncheckpointed_flops(model, tuple(sorted(sizes.items())))
+    assert totals["flops.train"] == model_flops, f"{model} at {sizes}"
     # hardware FLOPs: the model's, plus what the checkpointed blocks' compiled graphs run beyond the
     # uncheckpointed blocks' (the forward ops the partitioner recomputes in the backward graph)
-    recomputed = compiled_block_flops(an.spec, sizes, ac) - compiled_block_flops(an.spec, sizes)
+    recomputed = compiled_block_flops(an.spec, sizes, ac) - plain_block_flops
     assert recomputed > 0
     assert totals["flops_hw.train"] == totals["flops.train"] + recomputed, f"{model} --ac {ac} at {sizes}"
 
