@@ -153,10 +153,10 @@ def fsdp_indivisible(spec, values: Mapping[str, int], dim: int = 0) -> str | Non
     and the experts' local weights ``[E/EP, ...]`` must split over DP on dimension ``dim``
     (``E/EP`` a multiple of lcm(DP, 4) for ``Shard(0)``, each weight's second dimension for
     ``Shard(1)``). Parameters built on the meta device, memoised per model."""
-    from symcost.frontends.memo import memo_per_model
+    from symcost.frontends.memo import memo_per_model, meta_model
 
     def build(v):
-        model = spec.build_meta(v)
+        model = meta_model(spec, v)
         experts = {id(p) for _, m, _ in experts_modules(model) for p in m.parameters()}
         dense = sorted({int(p.shape[0]) for p in model.parameters() if p.dim() and id(p) not in experts})
         ex = sorted({int(p.shape[dim]) for _, m, _ in experts_modules(model) for p in m.parameters(recurse=False)
@@ -244,14 +244,14 @@ def etp_indivisible(spec, values: Mapping[str, int]) -> str | None:
     (:func:`hidden_dims`, ``--etp``), or None: TP must divide each expert's F (the model built on
     the meta device at ``values``, memoised per model). Checked at the request as at probes: an
     uneven split (a DTensor ``Shard`` of F/TP rounded up on some ranks) is not modelled."""
-    from symcost.frontends.memo import memo_per_model
+    from symcost.frontends.memo import memo_per_model, meta_model
 
     tp = values.get("TP")
     if tp is None:
         return None
 
     def build(v):
-        model = spec.build_meta(v)
+        model = meta_model(spec, v)
         return tuple(sorted({int(getattr(m, n).shape[d]) // k for _, m, kind in experts_modules(model)
                              for n, (d, k) in hidden_dims(m, kind).items()}))
 

@@ -43,7 +43,7 @@ import weakref
 from typing import Mapping
 
 from symcost.errors import SymcostError
-from symcost.frontends.memo import memo_per_model  # noqa: F401  (re-exported)
+from symcost.frontends.memo import memo_per_model, meta_model  # noqa: F401  (memo_per_model re-exported)
 
 #: strategy -> (engine traced, reshard_after_forward or None, what is sharded for model states)
 SHARDS: dict[str, tuple[str, bool | None, str]] = {
@@ -173,7 +173,7 @@ def _dims0(spec, values: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     memoised per model (:func:`memo_per_model`): a probe search asks this for about a thousand
     candidate sizes (each build :meth:`ModelSpec.build_meta`, without parameter init)."""
     def build(v):
-        model = spec.build_meta(v)
+        model = meta_model(spec, v)  # (the build the tensor-parallel check made at these sizes)
         return tuple(sorted({int(p.shape[0]) for p in model.parameters() if p.dim()}))
 
     return memo_per_model(_DIMS.setdefault(spec.build, {}), _dims0_key(spec, values), build)

@@ -240,7 +240,7 @@ def _sharded_dims(spec, values: Mapping[str, int]) -> dict:
     memoised per model (:func:`symcost.frontends.memo.memo_per_model`): a probe search asks
     this for a hundred or more candidate sizes (each build :meth:`ModelSpec.build_meta`); the
     first line of the error where the model does not build there (a str)."""
-    from symcost.frontends.memo import memo_per_model
+    from symcost.frontends.memo import memo_per_model, meta_model
 
     values = {k: v for k, v in values.items() if k not in ("TP", "DP")}
     if "L" in values:
@@ -250,7 +250,7 @@ def _sharded_dims(spec, values: Mapping[str, int]) -> dict:
 
     def build(v):
         try:
-            return tuple(sharded_dims(spec.build_meta(v), spec.layers).items())
+            return tuple(sharded_dims(meta_model(spec, v), spec.layers).items())
         except Exception as e:  # noqa: BLE001 - sizes the model cannot run at: no probe
             # (a pipeline stage's build runs the model on fake tensors to find its boundary,
             # frontends.pipeline.probe_spec: DeepSeek's MLA at K != H fails in its attention)

@@ -1,0 +1,41 @@
+"""The layouts' probe checks share one meta-device build per candidate's sizes
+(:func:`symcost.frontends.memo.meta_model`): on the 2-D mesh (FSDP over TP) the tensor-parallel
+check and the data-parallel one each built the model at every candidate of a probe search, the
+same sizes twice in a row. Their answers must be those of a model built afresh."""
+from __future__ import annotations
+
+import random
+
+
+def test_fsdp_over_tp_check_builds_each_candidate_once_with_the_same_answers(monkeypatch):
+    import symcost.frontends.parallel as parallel
+    import symcost.frontends.tensor_parallel as tensor_parallel
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+    from symcost.frontends.spec import ModelSpec
+    from symcost.frontends.tensor_parallel import sharded_dims
+
+    spec = Layout(shard="fsdp", tp=True).spec(resolve("cs336-lm"))
+    builds = []
+    real = ModelSpec.build_meta
+
+    def counting(self, values):
+        builds.append(tuple(sorted(values.items())))
+        return real(self, values)
+
+    monkeypatch.setattr(ModelSpec, "build_meta", counting)
+    rng = random.Random(7)
+    for _ in range(6):
+        h = rng.choice((4, 8))
+        v = {"B": 2, "S": 16, "H": h, "K": h, "D": rng.choice((8, 16, 24)), "V": rng.choice((64, 96, 100)),
+             "F": rng.choice((32, 64, 72)), "L": 2, "DP": rng.choice((2, 4)), "TP": rng.choice((2, 4))}
+        v = {k: x for k, x in v.items() if k in spec.all_symbols}
+        n = len(builds)
+        spec.probe_ok(v)
+        new = builds[n:]
+        # each distinct set of sizes built once (was twice: once by each check)
+        assert len(new) == len(set(new)), new
+        fresh = real(spec, {k: x for k, x in v.items() if k not in ("DP", "TP")})
+        # the answers the checks memoised equal those of the model built afresh (the oracle)
+        assert parallel._dims0(spec, v) == tuple(sorted({int(p.shape[0]) for p in fresh.parameters() if p.dim()}))
+        assert tensor_parallel._sharded_dims(spec, v) == sharded_dims(fresh, spec.layers)
