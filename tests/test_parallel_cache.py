@@ -65,7 +65,12 @@ def test_round_trip_equals_fresh_trace(shard):
     totals per kind and phase, summary() (formulas and padded values) and step_time() (every
     overlap model, one node and several) equal the fresh trace's at random sizes."""
     fresh = _fresh(shard)
-    back = Analysis.from_dict(json.loads(json.dumps(fresh.to_dict())))
+    data = json.loads(json.dumps(fresh.to_dict()))
+    back = Analysis.from_dict(data)
+    # a cached analysis is written again as it was read (a cached trace kept its stored fusion
+    # and module classes under its methods' names, so its to_dict failed: CI, 2026-12-06)
+    assert json.loads(json.dumps(back.to_dict()))["fusion"] == data["fusion"] is not None
+    assert json.loads(json.dumps(back.to_dict()))["module_classes"] == data["module_classes"]
     assert back.parallel == fresh.parallel == shard
     assert back.symbols == fresh.symbols and "DP" in back.symbols and back.pinned == fresh.pinned
     _same(fresh.param_shards, back.param_shards, "param_shards")

@@ -386,10 +386,16 @@ def test_odd_heads_plan_without_tensor_parallelism():
     # test_odd_vocabulary_plan_has_the_tp_report_answers); F = 4h = 512 still splits over 8
     from symcost.frontends.tensor_parallel import rejects
 
-    tspec = _an().spec
+    from symcost.frontends.layout import Layout as ModelLayout
+    from symcost.frontends.models import resolve
+
+    # (the model's tensor-parallel spec, built afresh: _an() may come from the trace cache, whose
+    # spec keeps no code; plan resolves it again the same way, _tp_check)
+    tspec = ModelLayout(tp=True).spec(resolve("megatron-gpt"))
+    check = tspec.probe_check
     vals = {**tspec.values({**SZ, "H": 16, "V": 68}), "B": 1}
-    assert tspec.probe_check({**vals, "TP": 8}) and not tspec.probe_check({**vals, "TP": 4})
-    tps = {x.tp for x in enumerate_layouts(8, 8, 4, 16, tp_ok=lambda t: not tspec.probe_check({**vals, "TP": t}))}
+    assert check({**vals, "TP": 8}) and not check({**vals, "TP": 4})
+    tps = {x.tp for x in enumerate_layouts(8, 8, 4, 16, tp_ok=lambda t: not check({**vals, "TP": t}))}
     assert tps == {1, 2, 4}
     assert rejects(tspec.probe_check, {**vals, "TP": 8}) is None
     assert rejects(tspec.probe_check, {**vals, "TP": 8}, "megatron-bf16")  # (Megatron pads V: report refuses)

@@ -219,8 +219,8 @@ class Conventions:
         new.timings = dict(base.timings)
         new.attention_count = count
         new._full = base
-        if base.__dict__.get("_fusion_data") is not None:  # fused bytes do not change with the count
-            new.__dict__["_fusion_data"] = base.__dict__["_fusion_data"]
+        if base.__dict__.get("_stored_fusion") is not None:  # fused bytes do not change with the count
+            new.__dict__["_stored_fusion"] = base.__dict__["_stored_fusion"]
         return new
 
     def train_simplified_str(self) -> str:

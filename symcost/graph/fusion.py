@@ -93,7 +93,7 @@ def estimate(an) -> FusionEstimate:
         without its probe recordings (e.g. rebuilt from saved data) gets the unfused bytes and
         ``exact = False``.
     """
-    stored = getattr(an, "__dict__", {}).get("_fusion_data")  # kept with a cached analysis
+    stored = getattr(an, "__dict__", {}).get("_stored_fusion")  # kept with a cached analysis
     if stored is not None and not getattr(an, "recordings", None):
         parsed = an.__dict__.get("_fusion_parsed")  # parsed once per analysis (plan calls this per layout)
         if parsed is not None:

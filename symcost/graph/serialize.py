@@ -133,8 +133,8 @@ class Serialized:
     def _module_classes(self) -> dict | None:
         """Module path -> class name (:func:`symcost.tracing.modules.module_classes`), kept for the report
         of a cached analysis; None when unavailable."""
-        if "_module_classes" in self.__dict__:
-            return self.__dict__["_module_classes"]
+        if "_stored_module_classes" in self.__dict__:
+            return self.__dict__["_stored_module_classes"]
         from symcost.tracing.modules import module_classes
 
         return module_classes(self) or None
@@ -165,8 +165,8 @@ class Serialized:
         """The fused-bytes estimate (:func:`symcost.graph.fusion.estimate`, which needs the probe
         recordings) as data, so a cached analysis gives the same fused bytes; None without
         recordings."""
-        if "_fusion_data" in self.__dict__:
-            return self.__dict__["_fusion_data"]
+        if "_stored_fusion" in self.__dict__:
+            return self.__dict__["_stored_fusion"]
         if not self.recordings:
             return None
         try:
@@ -247,9 +247,9 @@ class Serialized:
             if k in _REGIME_FIELDS:
                 an.__dict__[k] = v
         if isinstance(d.get("module_classes"), dict):
-            an.__dict__["_module_classes"] = d["module_classes"]
+            an.__dict__["_stored_module_classes"] = d["module_classes"]
         if isinstance(d.get("fusion"), dict):
-            an.__dict__["_fusion_data"] = d["fusion"]
+            an.__dict__["_stored_fusion"] = d["fusion"]
         if isinstance(d.get("dataflow"), dict):
             an.__dict__["_dataflow"] = d["dataflow"]
         if isinstance(d.get("params_not_in_P"), dict):

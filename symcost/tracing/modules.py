@@ -143,7 +143,7 @@ def module_classes(an) -> dict[str, str]:
     layer container as ``{i}``): the model is built again on the meta device at the first probe's
     sizes (no memory, milliseconds for small probes). Empty if that fails. An analysis read back
     from the trace cache carries them (it cannot build the model)."""
-    stored = an.__dict__.get("_module_classes")
+    stored = an.__dict__.get("_stored_module_classes")
     if stored is not None:
         return dict(stored)
     try:
