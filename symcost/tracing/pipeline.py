@@ -34,6 +34,7 @@ from symcost.frontends.pipeline import (SCHEDULES, build_blocks, cp_values, loca
 from symcost.tracing import grouped_mm
 from symcost.tracing.device_kernels import device_kernels
 from symcost.tracing.record import _lazy_init, materialize, precision_context
+from symcost.tracing.recorder import weak_method
 
 
 #: process group name -> (mesh symbol, size) of every group a measured step here ran a collective on
@@ -55,6 +56,8 @@ class _Live(TorchDispatchMode):
         # hold at each moment (``host_level``) and at most (``host_top``)
         self.transfers = {"h2d": 0, "d2h": 0, "save_h2d": 0, "save_d2h": 0}
         self.host_level = self.host_top = 0
+        # the finalizers' callbacks, not keeping this mode alive (recorder.weak_method)
+        self._free_cb, self._host_free_cb = weak_method(self._free), weak_method(self._host_free)
 
     def _count(self, func, args, out):
         """A c10d op's group (its symbol in ``groups``, else None), size, and the bytes of its
@@ -143,7 +146,7 @@ class _Live(TorchDispatchMode):
                 n = out.untyped_storage().nbytes()
                 self.host_level += n
                 self.host_top = max(self.host_top, self.host_level)
-                weakref.finalize(out, self._host_free, n)
+                weakref.finalize(out, self._host_free_cb, n)
                 return out
         ins = set()
         for a in tree_flatten((args, kwargs))[0]:
@@ -168,7 +171,7 @@ class _Live(TorchDispatchMode):
                 self.level += st.nbytes()
                 self.top = max(self.top, self.level)
             e[0] += 1
-            weakref.finalize(t, self._free, key)
+            weakref.finalize(t, self._free_cb, key)
         return out
 
 

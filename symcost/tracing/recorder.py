@@ -164,9 +164,28 @@ def _dispatch_unaliased(func, args, kwargs):
     return out
 
 
+def weak_method(method):
+    """``method`` (bound) as a function that calls it while its object lives and does nothing
+    after, for ``weakref.finalize`` callbacks: a finalizer holds its callback until its tensor
+    dies, and a bound method holds its object, so a recording mode whose tensors outlived the step
+    (a tensor some cache keeps) was itself kept with every op it recorded (25,618 ``OpCall`` of
+    one ``--ep --tp`` trace after the trace was dropped, 2026-12-06: the test workers grew by
+    millions of objects per file)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, names_of_leaves: dict[int, str]):
         super().__init__()
+        #: :meth:`_release` for the tensors' finalizers, not keeping this mode alive
+        self._release_cb = weak_method(self._release)
         self.ops: list[OpCall] = []
         self.phase = "forward"
         self.module_stack: list[str] = [""]
@@ -254,7 +273,7 @@ class _Recorder(TorchDispatchMode):
             self.events.append(MemoryEvent(op_index, st.nbytes(), key))
             self.made_by[key] = self.module_stack[-1]
         entry[0] += 1
-        weakref.finalize(t, self._release, key)
+        weakref.finalize(t, self._release_cb, key)
 
     def hold(self, t: torch.Tensor) -> None:
         """Count ``t``, a tensor object made outside this mode, as one more reference to its
@@ -267,7 +286,7 @@ class _Recorder(TorchDispatchMode):
         if entry is None:
             return
         entry[0] += 1
-        weakref.finalize(t, self._release, key)
+        weakref.finalize(t, self._release_cb, key)
 
     def drop(self, t: torch.Tensor) -> None:
         """``t``'s storage, allocated by the op just recorded, is never allocated in the step
