@@ -187,20 +187,40 @@ def pytest_runtest_teardown(item, nextitem):
     tests/test_memory_ux.py in one process: 757 s, with this hook 473 s). Frozen objects are
     never scanned again, and so never freed where they sit in reference cycles (FX graphs,
     analyses): the module caches :func:`_free_module_caches` drops at a file's end, and the
-    analyses ``_trace_once`` evicts, are collected only once unfrozen, which is done at each
-    file's end (the 866eb5d run still grew by 0.4 GB a file to 8.4 GB a worker at 44 %, the
+    analyses ``_trace_once`` evicts, are collected only once unfrozen, which is done at a file's
+    end once the worker has grown by :data:`FULL_COLLECT_GROWTH` since the last time (the 866eb5d run still grew by 0.4 GB a file to 8.4 GB a worker at 44 %, the
     8850db3 run's worker OOM-killed at 11.8 GB, because this hook had frozen them; it also ran
     before the fixtures' own teardown, freezing what they were about to drop)."""
     yield
     end_of_file = nextitem is None or nextitem.path != item.path
-    if end_of_file:
+    full = end_of_file and (nextitem is None or _rss_bytes() - _FULL_COLLECT["rss"] > FULL_COLLECT_GROWTH)
+    if full:
         gc.unfreeze()
     gc.collect()
-    if end_of_file:
+    if full:
         try:  # (glibc: give the freed heap back to the system, so a worker's RSS is what it holds)
             import ctypes
 
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):
             pass
+        _FULL_COLLECT["rss"] = _rss_bytes()
     gc.freeze()
+
+
+#: a file's end unfreezes and collects everything only once the worker's resident memory has
+#: grown this much since the last such collection: a full collection scans every live object
+#: (the session's cached traces with their recordings: millions), 4 to 10 s at each of a worker's
+#: some 65 file ends (2026-12-06 run: its own teardowns logged); frozen garbage waits at most
+#: this much memory for it
+FULL_COLLECT_GROWTH = 1 << 30
+_FULL_COLLECT = {"rss": 0}
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory (bytes; 0 where /proc is absent)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
