@@ -74,10 +74,15 @@ def test_plan_capacity_rows_move_the_padded_buffers():
     the routing (the report's: every expert's buffer C = 2·N·R/E slots), so a row with EP ranks and
     tp = 1 sends m·(EP−1)/EP·(4·2·N·R·M·4·l + 8·E·l) bytes over its EP group, N = b·S, l the MoE
     layers of its (first) pipeline stage (by hand);
-    the JSON says the routing. A dense model is refused in one line."""
+    the JSON says the routing. A dense model is refused in one line.
+
+    H odd (3): TP = 2 cannot split the heads, so the plan traces at TP = 1 alone (the trace of the
+    rows checked here; the same ops as at an even H); at H = 4 it traced TP = 2 first (TP pinned
+    there) and then TP = 1 for the same tp = 1 rows (10 of them, ep 2 and 4, pp 1 and 2, as here):
+    30 CPU-s, 11.5 at H = 3 (the command alone, 2026-12-06, loaded machine)."""
     from symcost.cli import main
 
-    sizes = {"S": 16, "H": 4, "D": 8, "L": 2, "V": 96, "F": 24, "E": 16, "R": 2}
+    sizes = {"S": 16, "H": 3, "D": 8, "L": 2, "V": 96, "F": 24, "E": 16, "R": 2}
     args = ["plan", "moe", "--devices", "4", "--memory", "1GiB", "--global-batch", "8", "--precision", "fp32",
             "--checkpoint", "none", "--shard", "ddp", "--micro-batch", "1,2", "--trace-top", "0", "--top", "100",
             "--json", "--set"] + [f"{k}={x}" for k, x in sizes.items()]
