@@ -35,14 +35,14 @@ def _draw(seed) -> dict:
 
 def _launch(tmp_path, *runs: tuple) -> list[list[dict]]:
     """Several runs of tests/data/pp_mesh_rank.py (each ``(v, dp, tp, shard, sp, ac, offload,
-    offload_activations)`` on PP·dp·tp ranks, all of one world size) in one launch, each in its own
-    directory under ``tmp_path``: per run, each rank's JSON."""
+    offload_activations)`` on PP·dp·tp ranks: the launch has the most any run needs, and a run on
+    fewer runs on the first of them) in one launch, each in its own directory under ``tmp_path``:
+    per run, each of its ranks' JSON."""
     script = os.path.join(os.path.dirname(__file__), "data", "pp_mesh_rank.py")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                OMP_NUM_THREADS="1")
-    n = {PP * dp * tp for _, dp, tp, *_ in runs}
-    assert len(n) == 1, n
-    n = n.pop()
+    sizes = [PP * dp * tp for _, dp, tp, *_ in runs]
+    n = max(sizes)
     args = []
     for i, (v, dp, tp, shard, sp, ac, offload, offload_activations) in enumerate(runs):
         (tmp_path / str(i)).mkdir()
@@ -52,7 +52,7 @@ def _launch(tmp_path, *runs: tuple) -> list[list[dict]]:
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                         script, *args], env=env, capture_output=True, text=True, timeout=400 * len(runs))
     assert r.returncode == 0, "\n".join(line for line in r.stderr.splitlines() if "rror" in line)[-4000:]
-    return [[json.loads((tmp_path / str(i) / f"rank{rank}.json").read_text()) for rank in range(n)]
+    return [[json.loads((tmp_path / str(i) / f"rank{rank}.json").read_text()) for rank in range(sizes[i])]
             for i in range(len(runs))]
 
 
@@ -88,15 +88,30 @@ def _draw_offload(seed) -> dict:
             "V": 16 * rng.randint(4, 8), "F": 32 * rng.randint(2, 4)}
 
 
+#: the two FSDP 2 × TP 2 × PP 2 runs: (seed of the sizes, SP, AC)
+RUNS_2X2X2 = [(2711, False, "none"), (2712, True, "selective")]
+
+
 @pytest.fixture(scope="module")
-def gloo_4(tmp_path_factory):
-    """The three 4-rank runs (:data:`SEED_PP_FSDP`, :data:`SEED_PP_TP`, :data:`SEED_OFFLOAD`) on the
-    same gloo ranks in one launch (the ranks start, join the process group and build their meshes
-    once; each run its own model, tokens, counters and offload hooks): ``{seed: ranks}``."""
+def gloo_runs(tmp_path_factory):
+    """Every gloo run of this file in one 8-rank launch (the ranks start, import torch, join the
+    process group once; each run its own model, tokens, counters and offload hooks): the three
+    4-rank runs (:data:`SEED_PP_FSDP`, :data:`SEED_PP_TP`, :data:`SEED_OFFLOAD`) on ranks 0-3 (a
+    mesh of the first 4 ranks; ranks 4-7 skip them), then both :data:`RUNS_2X2X2` on all 8:
+    ``{seed: ranks}``. (Was one 4-rank and one 8-rank launch: the 4 more processes' start-up,
+    about 3 CPU-s each, saved.)"""
     runs = [(_draw(SEED_PP_FSDP), 2, 1, "fsdp", False, "none", False, False),
             (_draw(SEED_PP_TP), 1, 2, "none", True, "selective", False, False),
-            (_draw_offload(SEED_OFFLOAD), 2, 1, "fsdp", False, "none", True, True)]
-    return dict(zip((SEED_PP_FSDP, SEED_PP_TP, SEED_OFFLOAD), _launch(tmp_path_factory.mktemp("pp4"), *runs)))
+            (_draw_offload(SEED_OFFLOAD), 2, 1, "fsdp", False, "none", True, True)] \
+        + [(_draw(seed), 2, 2, "fsdp", sp, ac, False, False) for seed, sp, ac in RUNS_2X2X2]
+    seeds = (SEED_PP_FSDP, SEED_PP_TP, SEED_OFFLOAD, *(seed for seed, _, _ in RUNS_2X2X2))
+    return dict(zip(seeds, _launch(tmp_path_factory.mktemp("pp"), *runs)))
+
+
+@pytest.fixture(scope="module")
+def gloo_4(gloo_runs):
+    """The three 4-rank runs' ranks (:func:`gloo_runs`): ``{seed: ranks}``."""
+    return {seed: gloo_runs[seed] for seed in (SEED_PP_FSDP, SEED_PP_TP, SEED_OFFLOAD)}
 
 
 @pytest.mark.heavy
@@ -105,7 +120,7 @@ def test_real_gloo_pp_by_fsdp(gloo_4):
     drives it (gradients kept unsharded between micro-batches, one reduce-scatter per step), so the
     rank's collective bytes per step are not m times one micro-batch's; symcost runs the same
     schedule on the fake mesh and counts them. FLOPs, collective and p2p bytes, parameter and
-    gradient shards exact; the peak within 5%. (One launch with the other 4-rank runs: :func:`gloo_4`.)"""
+    gradient shards exact; the peak within 5%. (One launch with the file's other runs: :func:`gloo_runs`.)"""
     from symcost.passes.pipeline import summary
 
     v = _draw(SEED_PP_FSDP)
@@ -123,8 +138,8 @@ def test_real_gloo_pp_by_tp_sp_selective_ac(gloo_4):
     recomputation re-runs the sequence-parallel all-gathers (torchtitan's policy keeps
     reduce-scatter outputs, not all-gathers) and the FLOPs it runs. FLOPs run, collective bytes
     per group and kind (the last stage's ``loss_parallel`` all-reduces too), p2p bytes and
-    shards equal the gloo run exactly; the peak within 5%. (One launch with the other 4-rank runs:
-    :func:`gloo_4`.)"""
+    shards equal the gloo run exactly; the peak within 5%. (One launch with the file's other runs:
+    :func:`gloo_runs`.)"""
     from symcost.passes.pipeline import summary
 
     v = _draw(SEED_PP_TP)
@@ -145,7 +160,7 @@ def test_real_gloo_pp_by_fsdp_offload(gloo_4):
     packed tensors of the micro-batches in flight hold at once; the device peak within 5% (gloo's threads release a collective's tensors at
     varying times: up to 2% seen at these sizes, 5% at B = 1, where the activations are smaller).
     FSDP2's CPU offload on a stage: tests/test_offload_pipeline.py (the report's contract); the
-    gloo run in one launch with the other 4-rank runs (:func:`gloo_4`)."""
+    gloo run in one launch with the file's other runs (:func:`gloo_runs`)."""
     from symcost.passes.pipeline import summary
 
     v = _draw_offload(SEED_OFFLOAD)
@@ -165,24 +180,17 @@ def test_real_gloo_pp_by_fsdp_offload(gloo_4):
     _check(r, got, 0.05)
 
 
-#: the two FSDP 2 × TP 2 × PP 2 runs: (seed of the sizes, SP, AC)
-RUNS_2X2X2 = [(2711, False, "none"), (2712, True, "selective")]
-
-
 @pytest.fixture(scope="module")
-def gloo_2x2x2(tmp_path_factory):
-    """Both :data:`RUNS_2X2X2` on the same 8 gloo ranks in one launch (the ranks start, join the
-    process group and build the mesh once; each run its own model, tokens and counters):
-    ``{seed: ranks}``."""
-    runs = [(_draw(seed), 2, 2, "fsdp", sp, ac, False, False) for seed, sp, ac in RUNS_2X2X2]
-    return dict(zip((seed for seed, _, _ in RUNS_2X2X2), _launch(tmp_path_factory.mktemp("pp2x2x2"), *runs)))
+def gloo_2x2x2(gloo_runs):
+    """Both :data:`RUNS_2X2X2`' 8 ranks (:func:`gloo_runs`, the same launch): ``{seed: ranks}``."""
+    return {seed: gloo_runs[seed] for seed, _, _ in RUNS_2X2X2}
 
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("seed, sp, ac", RUNS_2X2X2)
 def test_real_gloo_fsdp_tp_pp_2x2x2(gloo_2x2x2, seed, sp, ac):
     """FSDP 2 × TP 2 × PP 2 (8 processes, torchtitan's mesh ``(pp, dp_shard, tp)``), without AC
-    and with SP and selective AC (both runs in one launch: :func:`gloo_2x2x2`): each rank's FLOPs
+    and with SP and selective AC (both runs in one launch: :func:`gloo_runs`): each rank's FLOPs
     run, collective bytes per group and kind, p2p bytes, parameter, buffer and gradient shards
     equal the gloo run's exactly; the peak within 5%."""
     from symcost.passes.pipeline import summary

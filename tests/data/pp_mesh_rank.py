@@ -1,7 +1,8 @@
 """One rank of a real pipeline step composed with data and tensor parallelism on CPU (gloo), for
 tests/test_pipeline_mesh.py:
 ``torchrun --standalone --nproc-per-node PP*DP*TP pp_mesh_rank.py OUT PP DP TP SHARD SP AC M B S H D L V F [offload] [offload_activations]``
-(several runs on the same ranks in one launch: their arguments joined by ``+``, each its own OUT;
+(several runs in one launch: their arguments joined by ``+``, each its own OUT; a run of fewer
+ranks than the launch's runs on the first PP·DP·TP ranks while the others skip it;
 every run builds its own model, tokens, schedule and counters, and runs of the same mesh shape
 share one ``DeviceMesh``: DTensor's sharding cache compares meshes by shape, so a second mesh of
 the same shape would get the first one's cached placements, whose collectives name the first
@@ -58,7 +59,7 @@ from fractions import Fraction
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
@@ -90,8 +91,15 @@ def run(argv: list[str]) -> None:
     dims = [("pp", PP)] + [(d, n) for d, n in ((("dp_shard" if shard == "fsdp" else "dp_replicate"), DP), ("tp", TP))
                            if n > 1]
     if tuple(dims) not in MESHES:  # (one mesh per shape for the whole launch: the module docstring)
-        MESHES[tuple(dims)] = init_device_mesh("cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
+        shape, names = tuple(n for _, n in dims), tuple(d for d, _ in dims)
+        n = PP * DP * TP
+        # (a run on fewer ranks than the launch has: its mesh is the first PP·DP·TP ranks, built
+        # by every rank, as a DeviceMesh's process groups are; the other ranks skip the run)
+        MESHES[tuple(dims)] = (init_device_mesh("cpu", shape, mesh_dim_names=names) if n == dist.get_world_size()
+                               else DeviceMesh("cpu", torch.arange(n).view(shape), mesh_dim_names=names))
     mesh = MESHES[tuple(dims)]
+    if mesh.get_coordinate() is None:  # (not one of this run's ranks)
+        return
     pp_rank = mesh["pp"].get_local_rank()
     sub = {("TP" if d == "tp" else "DP"): mesh[d] for d, _ in dims[1:]}
     groups = {m.get_group().group_name: k for k, m in {**sub, "PP": mesh["pp"]}.items()}
