@@ -46,14 +46,18 @@ def _serve_json(*args: str) -> tuple[dict, float, float]:
 
 
 @pytest.mark.heavy
-def test_serve_70b_boundary_and_warm_time():
+def test_serve_70b_boundary_and_warm_time(capsys, cache_dir):
     """Llama-2-70B on a 192 GB MI300X at 8k context: the batch serve returns fits and one more does
     not (M(B) <= cap < M(B + 1), the check of max-batch, evaluated on the memory model again); the
     weights and KV cache are the independent counts; a warm answer (trace cache filled, a fresh
-    process) equals the cold one. (Its speed is a benchmark's: benchmarks/bench_cache.py
+    process) equals the cold one (traced in this process, on an empty cache of the test's own: one
+    process start fewer). (Its speed is a benchmark's: benchmarks/bench_cache.py
     tests/data/configs/llama-2-70b.json --command serve --args '--device mi300x --context 8192' --set.)"""
     args = (LLAMA_70B, "--device", "mi300x", "--context", "8192")
-    cold, _, _ = _serve_json(*args)
+    code, out, err = run_cli(capsys, "serve", *args, "--json")
+    assert code == 0, err
+    cold = json.loads(out)
+    assert any(cache_dir.iterdir())  # (the cold answer filled the cache the warm process reads)
     warm, _, _ = _serve_json(*args)
     assert warm == cold
     B, mem = warm["max_batch"], warm["memory"]
