@@ -254,12 +254,11 @@ def run(argv: list[str]) -> None:
         step()  # warm-up: the engine's buffers, the gradients
         tracker._peak_mem = {d: snap["Total"] for d, snap in tracker.get_tracker_snapshot().items()}
         act.update(d2h=0, h2d=0, host=act["level"])
-        step()
+        with Count():  # (the measured step's FLOPs and collectives too: Count over the tracker)
+            step()
     act_step = {k: act[k] for k in ("host", "d2h", "h2d")}
     peak = tracker._peak_mem[cpu] - (host if offload else 0)
     grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
-    with Count():
-        step()
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"pp_rank": pp_rank, "peak": peak,
                    "peak_parts": {str(k): v for k, v in tracker._peak_mem_snap.get(cpu, {}).items()}, "grads": grads, "flops": flops[0],
