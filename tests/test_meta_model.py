@@ -39,3 +39,38 @@ def test_fsdp_over_tp_check_builds_each_candidate_once_with_the_same_answers(mon
         # the answers the checks memoised equal those of the model built afresh (the oracle)
         assert parallel._dims0(spec, v) == tuple(sorted({int(p.shape[0]) for p in fresh.parameters() if p.dim()}))
         assert tensor_parallel._sharded_dims(spec, v) == sharded_dims(fresh, spec.layers)
+
+
+def test_experts_per_token_is_left_out_of_the_tp_check_memo(monkeypatch):
+    """An MoE's R (experts per token) sizes no parameter: the tensor-parallel check builds the
+    model once for candidates that differ only in R (gpt-oss-20b's --tp trace: 1,310 builds, 755
+    since), and its answers equal those of the model built afresh at each R."""
+    import symcost.frontends.tensor_parallel as tensor_parallel
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+    from symcost.frontends.spec import ModelSpec
+    from symcost.frontends.tensor_parallel import sharded_dims
+
+    spec = Layout(tp=True).spec(resolve("moe"))
+    assert "R" in spec.all_symbols
+    builds = []
+    real = ModelSpec.build_meta
+
+    def counting(self, values):
+        builds.append(tuple(sorted(values.items())))
+        return real(self, values)
+
+    monkeypatch.setattr(ModelSpec, "build_meta", counting)
+    rng = random.Random(11)
+    base = {k: v for k, v in spec.values({}).items() if k in spec.all_symbols}
+    base.update(TP=2, L=2, E=rng.choice((4, 8)))
+    tensor_parallel._sharded_dims(spec, {**base, "R": 1})  # (the memo's first call tests B, S and R)
+    n = len(builds)
+    rs = rng.sample(range(2, base["E"] + 1), 3)
+    for r in rs:
+        got = tensor_parallel._sharded_dims(spec, {**base, "R": r})
+        assert got == sharded_dims(real(spec, {**base, "R": r}), spec.layers)
+    assert len(builds) == n, builds[n:]  # no build for another R
+    # a size that does shape parameters (E: the expert stacks) is still built anew
+    tensor_parallel._sharded_dims(spec, {**base, "E": base["E"] * 2, "R": rs[0]})
+    assert len(builds) == n + 1

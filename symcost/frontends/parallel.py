@@ -163,7 +163,7 @@ def data_parallel(spec, shard: str, mp: tuple[str, str] | str | None = None, tp_
 #: over DP·EP = 256 ranks: no probe at all); then waived
 MESH_PINNED: "contextvars.ContextVar[bool]" = contextvars.ContextVar("symcost_mesh_pinned", default=False)
 
-#: spec.build -> {"inputs": whether B and S size a parameter, (config values) -> dim 0 of each parameter}
+#: spec.build -> {"skip": the sizes no parameter depends on, (config values) -> dim 0 of each parameter}
 _DIMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
