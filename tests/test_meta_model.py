@@ -74,3 +74,20 @@ def test_experts_per_token_is_left_out_of_the_tp_check_memo(monkeypatch):
     # a size that does shape parameters (E: the expert stacks) is still built anew
     tensor_parallel._sharded_dims(spec, {**base, "E": base["E"] * 2, "R": rs[0]})
     assert len(builds) == n + 1
+
+
+def test_first_sizes_at_r_equal_e_keep_r_in_the_memo():
+    """The memo's first sizes at R = E (R + 1 refused by transformers' Mixtral): no error, R kept
+    in the key, answers equal a fresh build's (a data-parallel Mixtral trace raised 'R must not
+    exceed E' from the memo's own R + 1 build, 2026-12-06)."""
+    import symcost.frontends.parallel as parallel
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+
+    spec = Layout(shard="fsdp").spec(resolve("hf:mixtral"))
+    v = {k: x for k, x in spec.values({}).items() if k in spec.all_symbols}
+    v.update(L=2, E=2, R=2, DP=2)
+    for r in (2, 1):
+        got = parallel._dims0(spec, {**v, "R": r})
+        fresh = spec.build_meta({k: x for k, x in {**v, "R": r}.items() if k != "DP"})
+        assert got == tuple(sorted({int(p.shape[0]) for p in fresh.parameters() if p.dim()}))

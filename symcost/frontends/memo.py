@@ -23,7 +23,7 @@ def memo_per_model(memo: dict, values: Mapping[str, int], compute):
     one memo per model. Each group of :data:`INPUT_GROUPS` is left out of the memo's key when
     two builds that differ only in it (each of its sizes one more) give the same answer at the
     first sizes asked (a model sizing a parameter by S, learned positions of S rows say, keeps S
-    in; a size whose increment the model refuses keeps its group in)."""
+    in; a size whose increment the model refuses, R = E, keeps its group in)."""
     def key(v):
         return tuple(sorted((k, x) for k, x in v.items() if k not in memo["skip"]))
 
@@ -31,14 +31,23 @@ def memo_per_model(memo: dict, values: Mapping[str, int], compute):
         got = compute(values)
         skip: list = []
         for group in INPUT_GROUPS:
-            if any(k in values for k in group) and compute(
-                    {k: x + 1 if k in group else x for k, x in values.items()}) == got:
+            if any(k in values for k in group) and _same(compute, {k: x + 1 if k in group else x
+                                                                   for k, x in values.items()}, got):
                 skip += group
         memo["skip"] = tuple(skip)
         memo[key(values)] = got
     if key(values) not in memo:
         memo[key(values)] = compute(values)
     return memo[key(values)]
+
+
+def _same(compute, values, got) -> bool:
+    """Whether ``compute(values)`` gives ``got``; False where the model refuses ``values`` (R + 1
+    beyond E: transformers' Mixtral raises)."""
+    try:
+        return compute(values) == got
+    except Exception:  # noqa: BLE001 - any refusal: the group stays in the key
+        return False
 
 
 #: spec.build -> [(sizes, the model built on the meta device at them)], the last two: :func:`meta_model`
