@@ -7,16 +7,12 @@ from __future__ import annotations
 import random
 
 
-def test_fsdp_over_tp_check_builds_each_candidate_once_with_the_same_answers(monkeypatch):
-    import symcost.frontends.parallel as parallel
-    import symcost.frontends.tensor_parallel as tensor_parallel
-    from symcost.frontends.layout import Layout
-    from symcost.frontends.models import resolve
+def _count_builds(monkeypatch):
+    """``(builds, real)``: every size set ``ModelSpec.build_meta`` is called with from now on (the
+    test's monkeypatch), and the unpatched method (the oracle's fresh build)."""
     from symcost.frontends.spec import ModelSpec
-    from symcost.frontends.tensor_parallel import sharded_dims
 
-    spec = Layout(shard="fsdp", tp=True).spec(resolve("cs336-lm"))
-    builds = []
+    builds: list = []
     real = ModelSpec.build_meta
 
     def counting(self, values):
@@ -24,6 +20,18 @@ def test_fsdp_over_tp_check_builds_each_candidate_once_with_the_same_answers(mon
         return real(self, values)
 
     monkeypatch.setattr(ModelSpec, "build_meta", counting)
+    return builds, real
+
+
+def test_fsdp_over_tp_check_builds_each_candidate_once_with_the_same_answers(monkeypatch):
+    import symcost.frontends.parallel as parallel
+    import symcost.frontends.tensor_parallel as tensor_parallel
+    from symcost.frontends.layout import Layout
+    from symcost.frontends.models import resolve
+    from symcost.frontends.tensor_parallel import sharded_dims
+
+    spec = Layout(shard="fsdp", tp=True).spec(resolve("cs336-lm"))
+    builds, real = _count_builds(monkeypatch)
     rng = random.Random(7)
     for _ in range(6):
         h = rng.choice((4, 8))
@@ -48,19 +56,11 @@ def test_experts_per_token_is_left_out_of_the_tp_check_memo(monkeypatch):
     import symcost.frontends.tensor_parallel as tensor_parallel
     from symcost.frontends.layout import Layout
     from symcost.frontends.models import resolve
-    from symcost.frontends.spec import ModelSpec
     from symcost.frontends.tensor_parallel import sharded_dims
 
     spec = Layout(tp=True).spec(resolve("moe"))
     assert "R" in spec.all_symbols
-    builds = []
-    real = ModelSpec.build_meta
-
-    def counting(self, values):
-        builds.append(tuple(sorted(values.items())))
-        return real(self, values)
-
-    monkeypatch.setattr(ModelSpec, "build_meta", counting)
+    builds, real = _count_builds(monkeypatch)
     rng = random.Random(11)
     base = {k: v for k, v in spec.values({}).items() if k in spec.all_symbols}
     base.update(TP=2, L=2, E=rng.choice((4, 8)))
