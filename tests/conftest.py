@@ -188,7 +188,8 @@ def pytest_runtest_teardown(item, nextitem):
     never scanned again, and so never freed where they sit in reference cycles (FX graphs,
     analyses): the module caches :func:`_free_module_caches` drops at a file's end, and the
     analyses ``_trace_once`` evicts, are collected only once unfrozen, which is done at a file's
-    end once the worker has grown by :data:`FULL_COLLECT_GROWTH` since the last time (the 866eb5d run still grew by 0.4 GB a file to 8.4 GB a worker at 44 %, the
+    end once the worker has grown by :data:`FULL_COLLECT_GROWTH` since the last time (the 866eb5d
+    run still grew by 0.4 GB a file to 8.4 GB a worker at 44 %, the
     8850db3 run's worker OOM-killed at 11.8 GB, because this hook had frozen them; it also ran
     before the fixtures' own teardown, freezing what they were about to drop)."""
     yield
